@@ -1,0 +1,711 @@
+#!/usr/bin/env python3
+"""HiQCache overlay tool: the pinned SGLang tree, our patch series on top.
+
+Every Makefile target that touches SGLang sources goes through this one
+script, and so does the Docker image, so what CI tests is what users run.
+
+Layout of the inputs (all relative to the repository root):
+  sglang.lock       pinned SGLang version, wheel names and sha256 sums
+  sglang_overlay/   new files, mirroring upstream paths (python/sglang/...)
+  patches/series    order of patches/*.patch (git format-patch, edits to
+                    files that exist upstream, paths a/python/sglang/...)
+
+The patched checkout lives in build/sglang (git: tag hiq-baseline is the
+pristine upstream tree, tag hiq-overlay adds the overlay files, then one
+commit per patch).
+
+Commands:
+  fetch     download the pinned wheel into the cache and verify its sha256
+  apply     build/refresh build/sglang (SGLANG_SOURCE=wheel|git)
+  check     series and patches agree; every patch applies to the baseline
+  refresh   regenerate patches/ and sglang_overlay/ from build/sglang
+  wheel     patched wheel 0.5.23+hiq.N into dist/
+  pr        upstream-ready git format-patch series + description in dist/pr/
+  install   apply overlay + patches in place to an installed sglang (Docker)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCK_FILE = ROOT / "sglang.lock"
+PATCH_DIR = ROOT / "patches"
+SERIES_FILE = PATCH_DIR / "series"
+OVERLAY_DIR = ROOT / "sglang_overlay"
+BUILD_DIR = ROOT / "build"
+DEFAULT_TREE = BUILD_DIR / "sglang"
+WHEEL_CACHE = Path(os.environ.get("HIQ_WHEEL_CACHE", BUILD_DIR / "wheels"))
+DIST_DIR = ROOT / "dist"
+
+BASELINE_TAG = "hiq-baseline"
+OVERLAY_TAG = "hiq-overlay"
+STATE_FILE = "hiq-state.json"  # inside the tree's .git directory
+# Fixed identity and dates keep the build tree's commits reproducible.
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "HiQCache",
+    "GIT_AUTHOR_EMAIL": "hiqcache@localhost",
+    "GIT_COMMITTER_NAME": "HiQCache",
+    "GIT_COMMITTER_EMAIL": "hiqcache@localhost",
+}
+FIXED_DATE = "2026-01-01T00:00:00+00:00"
+# Compiled extensions and caches ride along in the tree (so it imports) but
+# are not sources: upstream's repository has none of them.
+TREE_EXCLUDES = ("*.so", "__pycache__/", "*.pyc", ".pytest_cache/")
+
+
+class OverlayError(SystemExit):
+    """A user-facing failure: printed as one clear message, exit status 1."""
+
+    def __init__(self, message: str):
+        super().__init__(f"overlay: error: {message}")
+
+
+# --------------------------------------------------------------------------
+# small helpers
+
+
+def read_lock(path: Path = LOCK_FILE) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.partition("=")
+        values[key.strip()] = value.strip()
+    return values
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def git(tree: Path, *args: str, check: bool = True, env_extra=None) -> str:
+    env = {**os.environ, **GIT_IDENTITY, **(env_extra or {})}
+    proc = subprocess.run(
+        ["git", "-C", str(tree), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if check and proc.returncode != 0:
+        raise OverlayError(
+            f"git {' '.join(args)} failed in {tree}:\n{proc.stdout}{proc.stderr}"
+        )
+    return proc.stdout
+
+
+def read_series() -> list[str]:
+    if not SERIES_FILE.exists():
+        return []
+    names = []
+    for line in SERIES_FILE.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    return names
+
+
+def overlay_files() -> list[Path]:
+    """Overlay files as paths relative to the overlay root (python/sglang/...)."""
+    if not OVERLAY_DIR.exists():
+        return []
+    return sorted(
+        p.relative_to(OVERLAY_DIR)
+        for p in OVERLAY_DIR.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+    )
+
+
+def inputs_digest(source: str) -> str:
+    """Hash of everything that decides the applied tree."""
+    digest = hashlib.sha256(source.encode())
+    paths = [LOCK_FILE, SERIES_FILE] if SERIES_FILE.exists() else [LOCK_FILE]
+    paths += sorted(PATCH_DIR.glob("*.patch"))
+    paths += [OVERLAY_DIR / rel for rel in overlay_files()]
+    for path in paths:
+        digest.update(str(path.relative_to(ROOT)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def patch_touched_files(patch: Path) -> list[tuple[str, bool]]:
+    """(upstream path, creates_file) for each file a git patch touches."""
+    touched = []
+    current = None
+    for line in patch.read_text(errors="replace").splitlines():
+        match = re.match(r"^diff --git a/(\S+) b/(\S+)$", line)
+        if match:
+            current = [match.group(1), False]
+            touched.append(current)
+        elif current is not None and line.startswith("new file mode"):
+            current[1] = True
+    return [(path, creates) for path, creates in touched]
+
+
+# --------------------------------------------------------------------------
+# fetch
+
+
+def wheel_for_python(lock: dict[str, str], python_tag: str | None) -> tuple[str, str]:
+    tag = python_tag or f"{sys.version_info.major}{sys.version_info.minor}"
+    key = f"SGLANG_WHEEL_CP{tag}"
+    if key not in lock:
+        known = sorted(k[len("SGLANG_WHEEL_CP") :] for k in lock if k.endswith("_SHA256"))
+        raise OverlayError(
+            f"sglang.lock pins no wheel for Python cp{tag} (pinned: "
+            f"{', '.join('cp' + k.split('_')[0] for k in known)}); pass --python-tag"
+        )
+    return lock[key], lock[f"{key}_SHA256"]
+
+
+def verify_sha(path: Path, expected: str) -> None:
+    actual = sha256_of(path)
+    if actual != expected:
+        raise OverlayError(
+            f"sha256 mismatch for {path.name}: sglang.lock pins {expected}, "
+            f"the file has {actual}. Refusing to apply on a different SGLang "
+            f"(delete {path} to download it again)."
+        )
+
+
+def fetch(python_tag: str | None = None) -> Path:
+    lock = read_lock()
+    name, expected = wheel_for_python(lock, python_tag)
+    path = WHEEL_CACHE / name
+    if not path.exists():
+        WHEEL_CACHE.mkdir(parents=True, exist_ok=True)
+        tag = name.split("-")[2][2:]  # cp311 -> 311
+        platform = name.rsplit("-", 1)[1].removesuffix(".whl")
+        with tempfile.TemporaryDirectory(dir=WHEEL_CACHE) as tmp:
+            cmd = [
+                sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                "--only-binary=:all:", "--python-version", tag,
+                "--implementation", "cp", "--platform", platform,
+                "--dest", tmp, f"sglang=={lock['SGLANG_VERSION']}",
+            ]  # fmt: skip
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            got = Path(tmp) / name
+            if proc.returncode != 0 or not got.exists():
+                raise OverlayError(
+                    f"could not download {name}:\n{proc.stdout}{proc.stderr}"
+                )
+            verify_sha(got, expected)
+            got.replace(path)
+    verify_sha(path, expected)
+    return path
+
+
+# --------------------------------------------------------------------------
+# apply
+
+
+def _write_excludes(tree: Path) -> None:
+    exclude = tree / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    exclude.write_text("".join(f"{pattern}\n" for pattern in TREE_EXCLUDES))
+
+
+def _baseline_from_wheel(tree: Path, wheel: Path, lock: dict[str, str]) -> None:
+    target = tree / "python"
+    with zipfile.ZipFile(wheel) as zf:
+        for member in zf.infolist():
+            if member.filename.startswith("sglang/") and not member.is_dir():
+                zf.extract(member, target)
+    git(tree, "init", "-q", "-b", "main")
+    _write_excludes(tree)
+    git(tree, "add", "-A")
+    git(
+        tree,
+        "commit", "-q", "-m",
+        f"SGLang {lock['SGLANG_VERSION']} python tree from {wheel.name}\n\n"
+        f"sha256 {sha256_of(wheel)}",
+        env_extra={"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE},
+    )  # fmt: skip
+    git(tree, "tag", BASELINE_TAG)
+
+
+def _baseline_from_git(tree: Path, lock: dict[str, str]) -> None:
+    # For users with GitHub access; the patches use the same upstream paths.
+    proc = subprocess.run(
+        ["git", "clone", "-q", "--depth", "1", "--branch", lock["SGLANG_GIT_TAG"],
+         lock["SGLANG_GIT_URL"], str(tree)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise OverlayError(f"git clone of {lock['SGLANG_GIT_TAG']} failed:\n{proc.stderr}")
+    _write_excludes(tree)
+    git(tree, "tag", BASELINE_TAG)
+
+
+def _state_path(tree: Path) -> Path:
+    return tree / ".git" / STATE_FILE
+
+
+def _tree_is_clean(tree: Path) -> bool:
+    return git(tree, "status", "--porcelain").strip() == ""
+
+
+def _failing_file(output: str) -> str:
+    for pattern in (
+        r"error: patch failed: (\S+?):\d+",
+        r"error: (\S+): does not exist in index",
+        r"error: (\S+): No such file or directory",
+        r"error: (\S+): already exists",
+    ):
+        match = re.search(pattern, output)
+        if match:
+            return match.group(1)
+    return "(see git output below)"
+
+
+def _copy_overlay(tree: Path) -> list[str]:
+    baseline = set(git(tree, "ls-tree", "-r", "--name-only", BASELINE_TAG).split())
+    copied = []
+    for rel in overlay_files():
+        rel_str = rel.as_posix()
+        if rel_str in baseline:
+            raise OverlayError(
+                f"sglang_overlay/{rel_str} exists upstream: edits to upstream "
+                "files belong in patches/ (make refresh puts them there)"
+            )
+        dst = tree / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(OVERLAY_DIR / rel, dst)
+        copied.append(rel_str)
+    return copied
+
+
+def _apply_series(tree: Path) -> None:
+    series = read_series()
+    for name in series:
+        patch = PATCH_DIR / name
+        if not patch.exists():
+            raise OverlayError(f"patches/series lists {name}, which does not exist")
+        proc = subprocess.run(
+            ["git", "-C", str(tree), "am", "-q", "--keep-cr",
+             "--committer-date-is-author-date", str(patch)],
+            capture_output=True, text=True, env={**os.environ, **GIT_IDENTITY},
+        )  # fmt: skip
+        if proc.returncode != 0:
+            output = proc.stdout + proc.stderr
+            git(tree, "am", "--abort", check=False)
+            raise OverlayError(
+                f"patch {name} does not apply: failing file "
+                f"{_failing_file(output)}\n{output.strip()}"
+            )
+
+
+def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = False) -> Path:
+    source = source or os.environ.get("SGLANG_SOURCE", "wheel")
+    if source not in ("wheel", "git"):
+        raise OverlayError(f"SGLANG_SOURCE must be 'wheel' or 'git', got {source!r}")
+    lock = read_lock()
+    wheel = fetch() if source == "wheel" else None
+    digest = inputs_digest(source)
+
+    if tree.exists():
+        if not (tree / ".git").exists() or not git(tree, "tag", "-l", BASELINE_TAG).strip():
+            raise OverlayError(f"{tree} exists but is not a tree made by this tool; remove it")
+        state_path = _state_path(tree)
+        state = json.loads(state_path.read_text()) if state_path.exists() else {}
+        head = git(tree, "rev-parse", "HEAD").strip()
+        expected_head = state.get("head") or git(tree, "rev-parse", BASELINE_TAG).strip()
+        edited = head != expected_head or not _tree_is_clean(tree)
+        if edited and not force:
+            raise OverlayError(
+                f"{tree} has edits that are not in patches/ or sglang_overlay/: "
+                "run `make refresh` to keep them, or `make apply FORCE=1` to discard them"
+            )
+        if not edited and state.get("inputs") == digest:
+            print(f"overlay: {tree} is up to date")
+            return tree
+        if state.get("source", source) != source:
+            raise OverlayError(
+                f"{tree} was built from SGLANG_SOURCE={state['source']}; remove it to switch"
+            )
+        git(tree, "reset", "-q", "--hard", BASELINE_TAG)
+        git(tree, "clean", "-q", "-fd")
+        state_path.unlink(missing_ok=True)
+        for tag in (OVERLAY_TAG,):
+            git(tree, "tag", "-d", tag, check=False)
+    else:
+        tree.parent.mkdir(parents=True, exist_ok=True)
+        if source == "wheel":
+            _baseline_from_wheel(tree, wheel, lock)
+        else:
+            _baseline_from_git(tree, lock)
+
+    try:
+        copied = _copy_overlay(tree)
+        if copied:
+            git(tree, "add", "--", *copied)
+            git(
+                tree, "commit", "-q", "-m", "HiQCache: add overlay files",
+                env_extra={"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE},
+            )  # fmt: skip
+        git(tree, "tag", "-f", OVERLAY_TAG)
+        _apply_series(tree)
+    except OverlayError:
+        # Leave a usable tree: the pristine baseline, ready for the next apply.
+        git(tree, "reset", "-q", "--hard", BASELINE_TAG, check=False)
+        git(tree, "clean", "-q", "-fd", check=False)
+        raise
+    state = {
+        "inputs": digest,
+        "head": git(tree, "rev-parse", "HEAD").strip(),
+        "source": source,
+    }
+    _state_path(tree).write_text(json.dumps(state, indent=1))
+    print(
+        f"overlay: {tree} = SGLang {lock['SGLANG_VERSION']} ({source}) + "
+        f"{len(copied)} overlay files + {len(read_series())} patches"
+    )
+    return tree
+
+
+# --------------------------------------------------------------------------
+# check
+
+
+def check_series() -> list[str]:
+    """Problems with patches/series versus the files in patches/."""
+    problems = []
+    series = read_series()
+    on_disk = sorted(p.name for p in PATCH_DIR.glob("*.patch"))
+    seen = set()
+    for name in series:
+        if name in seen:
+            problems.append(f"patches/series lists {name} twice")
+        seen.add(name)
+        if name not in on_disk:
+            problems.append(f"patches/series lists {name}, which does not exist")
+    for name in on_disk:
+        if name not in seen:
+            problems.append(f"patches/{name} is not listed in patches/series")
+    for name in series:
+        if name not in on_disk:
+            continue
+        for path, creates in patch_touched_files(PATCH_DIR / name):
+            if not path.startswith("python/sglang/"):
+                problems.append(f"{name} touches {path}, outside python/sglang/")
+            if creates:
+                problems.append(
+                    f"{name} creates {path}: new files belong in sglang_overlay/"
+                )
+    return problems
+
+
+def check() -> None:
+    problems = check_series()
+    if problems:
+        raise OverlayError("patch series is inconsistent:\n  " + "\n  ".join(problems))
+    wheel = fetch()
+    with zipfile.ZipFile(wheel) as zf:
+        upstream = {
+            "python/" + n for n in zf.namelist() if n.startswith("sglang/")
+        }
+        for rel in overlay_files():
+            if rel.as_posix() in upstream:
+                raise OverlayError(
+                    f"sglang_overlay/{rel.as_posix()} exists upstream: "
+                    "edits to upstream files belong in patches/"
+                )
+        touched = {
+            path for name in read_series() for path, _ in patch_touched_files(PATCH_DIR / name)
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            git(work, "init", "-q")
+            for path in sorted(touched):
+                if path not in upstream:
+                    raise OverlayError(f"a patch edits {path}, which SGLang does not have")
+                (work / path).parent.mkdir(parents=True, exist_ok=True)
+                (work / path).write_bytes(zf.read(path.removeprefix("python/")))
+            for name in read_series():
+                proc = subprocess.run(
+                    ["git", "-C", tmp, "apply", "--whitespace=nowarn", str(PATCH_DIR / name)],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                if proc.returncode != 0:
+                    raise OverlayError(
+                        f"patch {name} does not apply: failing file "
+                        f"{_failing_file(proc.stderr)}\n{proc.stderr.strip()}"
+                    )
+    print(
+        f"overlay: {len(read_series())} patches apply cleanly to SGLang "
+        f"{read_lock()['SGLANG_VERSION']}; {len(overlay_files())} overlay files"
+    )
+
+
+# --------------------------------------------------------------------------
+# refresh
+
+
+def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
+    if not (tree / ".git").exists() or not git(tree, "tag", "-l", OVERLAY_TAG).strip():
+        raise OverlayError(f"{tree} is not an applied tree: run `make apply` first")
+    baseline_files = set(git(tree, "ls-tree", "-r", "--name-only", BASELINE_TAG).split())
+    patch_commits = git(tree, "rev-list", f"{OVERLAY_TAG}..HEAD").split()
+
+    if not _tree_is_clean(tree):
+        git(tree, "add", "-A")
+        pending_upstream = [
+            path
+            for path in git(tree, "diff", "--cached", "--name-only", "HEAD").split()
+            if path in baseline_files
+        ]
+        if message:
+            git(tree, "commit", "-q", "-m", message)
+        elif pending_upstream and not patch_commits:
+            raise OverlayError(
+                "uncommitted edits to upstream files and no patch to fold them into: "
+                'pass MSG="subject" (make refresh MSG=...) to start a new patch'
+            )
+        else:
+            # quilt semantics: edits refresh the topmost patch
+            base = "HEAD" if patch_commits else None
+            if base:
+                git(tree, "commit", "-q", "--amend", "--no-edit")
+            else:
+                git(tree, "commit", "-q", "-m", "HiQCache: overlay edits")
+    snapshot = git(tree, "rev-parse", "HEAD^{tree}").strip()
+    git(tree, "update-ref", "refs/hiq/refresh-backup", "HEAD")
+
+    # Overlay: every file that upstream does not have.
+    head_files = set(git(tree, "ls-tree", "-r", "--name-only", "HEAD").split())
+    new_files = sorted(head_files - baseline_files)
+    if OVERLAY_DIR.exists():
+        shutil.rmtree(OVERLAY_DIR)
+    for rel in new_files:
+        dst = OVERLAY_DIR / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_bytes(
+            subprocess.run(
+                ["git", "-C", str(tree), "show", f"HEAD:{rel}"], capture_output=True, check=True
+            ).stdout
+        )
+
+    # Patches: commits after the overlay tag, restricted to upstream files.
+    PATCH_DIR.mkdir(exist_ok=True)
+    for old in PATCH_DIR.glob("*.patch"):
+        old.unlink()
+    excludes = [f":(exclude){rel}" for rel in new_files]
+    names = []
+    if git(tree, "rev-list", f"{OVERLAY_TAG}..HEAD").split():
+        out = git(
+            tree, "format-patch", "-q", "--zero-commit", "--no-signature",
+            "--no-stat", "-o", str(PATCH_DIR), f"{OVERLAY_TAG}..HEAD",
+            "--", ".", *excludes,
+        )  # fmt: skip
+        names = [Path(line).name for line in out.split()]
+        if not names:
+            names = sorted(p.name for p in PATCH_DIR.glob("*.patch"))
+    SERIES_FILE.write_text(
+        "# Applied in this order by scripts/overlay.py; regenerated by `make refresh`.\n"
+        + "".join(f"{name}\n" for name in names)
+    )
+
+    # Round trip: rebuilding the tree from what we wrote must give the same sources.
+    apply(tree=tree, force=True)
+    rebuilt = git(tree, "rev-parse", "HEAD^{tree}").strip()
+    if rebuilt != snapshot:
+        raise OverlayError(
+            "refresh did not round-trip: the rebuilt tree differs from the edited one. "
+            "Your edits are kept at refs/hiq/refresh-backup in build/sglang."
+        )
+    print(f"overlay: refreshed {len(names)} patches and {len(new_files)} overlay files")
+
+
+# --------------------------------------------------------------------------
+# wheel
+
+
+def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Path:
+    lock = read_lock()
+    apply(tree=tree)
+    pinned = fetch(python_tag)
+    version = f"{lock['SGLANG_VERSION']}+{lock['HIQ_LOCAL_VERSION']}"
+    changed = git(tree, "diff", "--name-status", "--no-renames", BASELINE_TAG, "HEAD")
+    DIST_DIR.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "wheel", "unpack", "-d", tmp, str(pinned)], check=True,
+            stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        unpacked = Path(tmp) / f"sglang-{lock['SGLANG_VERSION']}"
+        for line in changed.splitlines():
+            status, path = line.split("\t")
+            inner = path.removeprefix("python/")
+            if status == "D":
+                (unpacked / inner).unlink()
+            else:
+                (unpacked / inner).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(tree / path, unpacked / inner)
+        old_info = unpacked / f"sglang-{lock['SGLANG_VERSION']}.dist-info"
+        metadata = old_info / "METADATA"
+        metadata.write_text(
+            re.sub(r"(?m)^Version: .*$", f"Version: {version}", metadata.read_text(), count=1)
+        )
+        old_info.rename(unpacked / f"sglang-{version}.dist-info")
+        renamed = unpacked.rename(Path(tmp) / f"sglang-{version}")
+        out = subprocess.run(
+            [sys.executable, "-m", "wheel", "pack", "-d", str(DIST_DIR), str(renamed)],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+    built = DIST_DIR / pinned.name.replace(
+        f"sglang-{lock['SGLANG_VERSION']}-", f"sglang-{version}-"
+    )
+    if not built.exists():
+        raise OverlayError(f"wheel pack did not produce {built.name}:\n{out.stdout}{out.stderr}")
+    print(f"overlay: built {built}")
+    return built
+
+
+# --------------------------------------------------------------------------
+# pr
+
+
+def export_pr(tree: Path = DEFAULT_TREE) -> Path:
+    lock = read_lock()
+    apply(tree=tree)
+    out_dir = DIST_DIR / "pr"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    names = git(
+        tree, "format-patch", "-q", "--zero-commit", "--no-signature",
+        "-o", str(out_dir), f"{BASELINE_TAG}..HEAD",
+    ).split()  # fmt: skip
+    subjects = git(tree, "log", "--reverse", "--format=- %s", f"{BASELINE_TAG}..HEAD")
+    stat = git(tree, "diff", "--stat", BASELINE_TAG, "HEAD")
+    description = ROOT / "docs" / "PR_DESCRIPTION.md"
+    body = description.read_text() if description.exists() else ""
+    (out_dir / "PR_DESCRIPTION.md").write_text(
+        f"{body.rstrip()}\n\n## Commits (apply with `git am` on {lock['SGLANG_GIT_TAG']})\n\n"
+        f"{subjects}\n## Diffstat\n\n```\n{stat}```\n"
+    )
+    print(f"overlay: exported {len(names)} commits and PR_DESCRIPTION.md to {out_dir}")
+    return out_dir
+
+
+# --------------------------------------------------------------------------
+# install (in place, for the Docker image)
+
+
+def install(target: Path) -> None:
+    """Apply overlay + series to an installed sglang package under `target`.
+
+    `target` is the directory that holds the `sglang/` package (site-packages,
+    or python/ of a source checkout). Patches use upstream paths
+    a/python/sglang/..., so they apply there with -p2.
+    """
+    lock = read_lock()
+    package = target / "sglang"
+    version_file = package / "version.py"
+    if not version_file.exists():
+        raise OverlayError(f"no sglang package under {target}")
+    match = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", version_file.read_text())
+    installed = match.group(1) if match else "unknown"
+    if installed != lock["SGLANG_VERSION"]:
+        raise OverlayError(
+            f"installed sglang is {installed}, the patches are for {lock['SGLANG_VERSION']}"
+        )
+    problems = check_series()
+    if problems:
+        raise OverlayError("patch series is inconsistent:\n  " + "\n  ".join(problems))
+    marker = package / ".hiqcache-applied"
+    digest = inputs_digest("install")
+    if marker.exists():
+        if marker.read_text().strip() == digest:
+            print(f"overlay: {package} already carries this series")
+            return
+        raise OverlayError(f"{package} carries another HiQCache series; reinstall sglang first")
+    for rel in overlay_files():
+        dst = target / rel.relative_to("python")
+        if dst.exists():
+            raise OverlayError(f"{dst} already exists; refusing to overwrite it")
+    with tempfile.TemporaryDirectory() as tmp:
+        # Dry-run the whole series on a copy of the touched files.
+        touched = {p for n in read_series() for p, _ in patch_touched_files(PATCH_DIR / n)}
+        for path in touched:
+            src = target / path.removeprefix("python/")
+            (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, Path(tmp) / path)
+        for name in read_series():
+            proc = subprocess.run(
+                ["patch", "-p1", "--batch", "--forward", "-d", tmp, "-i", str(PATCH_DIR / name)],
+                capture_output=True, text=True,
+            )  # fmt: skip
+            if proc.returncode != 0:
+                raise OverlayError(f"patch {name} does not apply to {target}:\n{proc.stdout}")
+        for path in touched:
+            shutil.copy2(Path(tmp) / path, target / path.removeprefix("python/"))
+    for rel in overlay_files():
+        dst = target / rel.relative_to("python")
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(OVERLAY_DIR / rel, dst)
+    marker.write_text(digest + "\n")
+    print(
+        f"overlay: installed {len(overlay_files())} overlay files and "
+        f"{len(read_series())} patches into {package}"
+    )
+
+
+# --------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("fetch")
+    p.add_argument("--python-tag", help="e.g. 312; default: the running Python")
+    p = sub.add_parser("apply")
+    p.add_argument("--source", choices=("wheel", "git"))
+    p.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    p.add_argument("--force", action="store_true", default=os.environ.get("FORCE") == "1")
+    sub.add_parser("check")
+    p = sub.add_parser("refresh")
+    p.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    p.add_argument("--message", "-m", default=os.environ.get("MSG") or None)
+    p = sub.add_parser("wheel")
+    p.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    p.add_argument("--python-tag")
+    p = sub.add_parser("pr")
+    p.add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    p = sub.add_parser("install")
+    p.add_argument("--target", type=Path, required=True)
+    args = parser.parse_args(argv)
+
+    if args.command == "fetch":
+        print(fetch(args.python_tag))
+    elif args.command == "apply":
+        apply(args.source, args.tree, args.force)
+    elif args.command == "check":
+        check()
+    elif args.command == "refresh":
+        refresh(args.tree, args.message)
+    elif args.command == "wheel":
+        build_wheel(args.tree, args.python_tag)
+    elif args.command == "pr":
+        export_pr(args.tree)
+    elif args.command == "install":
+        install(args.target)
+
+
+if __name__ == "__main__":
+    main()

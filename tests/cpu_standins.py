@@ -1,0 +1,76 @@
+"""CPU stand-ins for the parts of SGLang that need CUDA hardware.
+
+Test fixtures only: nothing here ships in the product. Each stand-in replaces
+exactly one thing a CPU-only machine lacks and says which.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PATCHED_TREE = REPO_ROOT / "build" / "sglang" / "python"
+
+
+def install_torchvision_stub() -> None:
+    """PyPI torchvision is built for CUDA torch and fails to import on the CPU
+    wheel, yet sglang's config package imports torchvision.transforms at module
+    level. Let transformers cache "torchvision unavailable" first, then stub."""
+    if "torchvision" in sys.modules:
+        return
+    from transformers.utils import import_utils
+
+    import_utils.is_torchvision_available()
+    class InterpolationMode:
+        NEAREST = "nearest"
+        BILINEAR = "bilinear"
+        BICUBIC = "bicubic"
+        LANCZOS = "lanczos"
+
+    # Only module attributes are touched at import time; calling into a stub
+    # (any image transform) would be a test bug and fails loudly.
+    names = (
+        "torchvision",
+        "torchvision.transforms",
+        "torchvision.transforms.functional",
+        "torchvision.transforms.v2",
+        "torchvision.transforms.v2.functional",
+    )
+    for name in names:
+        module = types.ModuleType(name)
+        module.__path__ = []  # a package, so submodule imports resolve
+        module.InterpolationMode = InterpolationMode
+        sys.modules[name] = module
+    for name in names[1:]:
+        parent, _, child = name.rpartition(".")
+        setattr(sys.modules[parent], child, sys.modules[name])
+    sys.modules["torchvision"].__version__ = "0.0.0-stub"
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """Pure-torch stand-in for sgl_kernel.kvcacheio.transfer_kv_direct (absent
+    without CUDA): copy rows src[src_indices] -> dst[dst_indices] per layer."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    for src, dst in zip(src_layers, dst_layers):
+        rows = src.index_select(0, src_indices.to(src.device))
+        dst.index_copy_(0, dst_indices.to(dst.device), rows.to(dst.device))
+
+
+def install_sglang_standins() -> None:
+    """Patch the sglang modules that reference CUDA-only kernels or calls."""
+    import sglang
+
+    assert Path(sglang.__file__).resolve().is_relative_to(PATCHED_TREE.resolve()), (
+        f"tests must run against the patched tree {PATCHED_TREE}, "
+        f"but sglang comes from {sglang.__file__}; use `make test`"
+    )
+    from sglang.srt.mem_cache.pool_host import common, mha
+
+    mha.transfer_kv_direct = transfer_kv_direct
+    # Pinned memory calls into the CUDA runtime.
+    common._cuda_host_register = lambda *args, **kwargs: None

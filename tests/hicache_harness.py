@@ -1,0 +1,141 @@
+"""Build real SGLang HiCache pieces on CPU: device pool, host pool, controller.
+
+The harness later tests (host formats, quality, replay) build on. Everything
+here is SGLang's own code; only the stand-ins in cpu_standins.py replace what
+needs CUDA.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from sglang.srt.managers.cache_controller import HiCacheController
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+
+@dataclass
+class Geometry:
+    layer_num: int = 3
+    head_num: int = 2
+    head_dim: int = 16
+    v_head_dim: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+    page_size: int = 1
+
+
+@dataclass
+class HiCacheRig:
+    device_pool: MHATokenToKVPool
+    allocator: object
+    host_pool: object
+    controller: HiCacheController
+
+
+def make_device_pool(geo: Geometry, device_tokens: int) -> MHATokenToKVPool:
+    return MHATokenToKVPool(
+        size=device_tokens,
+        page_size=geo.page_size,
+        dtype=geo.dtype,
+        head_num=geo.head_num,
+        head_dim=geo.head_dim,
+        layer_num=geo.layer_num,
+        device="cpu",
+        enable_memory_saver=False,
+        v_head_dim=geo.v_head_dim,
+        enable_alt_stream=False,
+    )
+
+
+def make_host_pool(
+    device_pool: MHATokenToKVPool,
+    *,
+    host_tokens: int | None = None,
+    host_size_gb: float = 0,
+    host_ratio: float = 2.0,
+    layout: str = "layer_first",
+    host_pool_cls=None,
+    **extra,
+):
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    cls = host_pool_cls or get_mha_host_pool_cls(info)
+    return cls(
+        info,
+        host_ratio,
+        host_size_gb,
+        device_pool.page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer,
+        end_layer=device_pool.end_layer,
+        host_token_capacity=host_tokens,
+        **extra,
+    )
+
+
+def make_rig(
+    geo: Geometry,
+    *,
+    device_tokens: int = 256,
+    host_tokens: int = 512,
+    layout: str = "layer_first",
+    io_backend: str = "direct",
+    host_pool_cls=None,
+    **host_extra,
+) -> HiCacheRig:
+    device_pool = make_device_pool(geo, device_tokens)
+    if geo.page_size == 1:
+        allocator = TokenToKVPoolAllocator(
+            device_tokens, geo.dtype, "cpu", device_pool, need_sort=False
+        )
+    else:
+        allocator = PagedTokenToKVPoolAllocator(
+            device_tokens, geo.page_size, geo.dtype, "cpu", device_pool, need_sort=False
+        )
+    host_pool = make_host_pool(
+        device_pool,
+        host_tokens=host_tokens,
+        layout=layout,
+        host_pool_cls=host_pool_cls,
+        **host_extra,
+    )
+    controller = HiCacheController(
+        allocator,
+        host_pool,
+        geo.page_size,
+        tp_group=None,
+        load_cache_event=threading.Event(),
+        write_policy="write_through",
+        io_backend=io_backend,
+    )
+    return HiCacheRig(device_pool, allocator, host_pool, controller)
+
+
+def fill_random(device_pool: MHATokenToKVPool, indices: torch.Tensor, seed: int = 0):
+    """Write random K/V into `indices` of every layer; return the written rows."""
+    gen = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(device_pool.layer_num):
+        k = device_pool.k_buffer[layer]
+        v = device_pool.v_buffer[layer]
+        k_rows = torch.randn((len(indices), *k.shape[1:]), generator=gen).to(k.dtype)
+        v_rows = torch.randn((len(indices), *v.shape[1:]), generator=gen).to(v.dtype)
+        k[indices] = k_rows
+        v[indices] = v_rows
+        written.append((k_rows, v_rows))
+    return written
+
+
+def finish_transfers(controller: HiCacheController) -> None:
+    """Wait for queued transfers (CPU events complete at once) and drain acks."""
+    for ack in controller.ack_write_queue + controller.ack_load_queue:
+        ack.finish_event.synchronize()
+    controller.ack_write_queue.clear()
+    controller.ack_load_queue.clear()
