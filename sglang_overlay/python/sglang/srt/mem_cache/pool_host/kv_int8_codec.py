@@ -1,0 +1,253 @@
+"""INT8 codec for the HiCache host (L2) KV pool.
+
+Format. Symmetric INT8 with one FP16 scale per head row, i.e. per
+(token, layer, K|V, head). The codec sees ``x`` of shape ``[..., head_dim]``
+(bf16 or fp16; fp32 is accepted too) and stores ``q`` int8 ``[..., head_dim]``
+plus ``scale`` float16 ``[...]``:
+
+    amax = max(max |x| over head_dim in fp32, finfo(float32).tiny)
+    s32  = amax / 127                        (fp32, correctly rounded)
+    s    = s32 rounded *up* to float16       (next fp16 >= s32; a scale below
+                                              fp16's smallest subnormal becomes
+                                              2**-24)
+    q    = clamp(round_half_even(x / s), -127, 127)   (fp32 true division)
+    x^   = (float32(q) * float32(s)).to(out_dtype)
+
+The floor on amax makes an all-zero row decode to exact zeros (s = 2**-24,
+q = 0) instead of 0/0. Rounding the scale up (rather than to nearest) keeps
+s >= amax/127, so |x/s| <= 127 and the clamp never changes a value of a finite
+row. ``q * s`` has 7 + 11 significant bits, so it is exact in fp32 and the
+decode rounds once, into the output dtype.
+
+Non-finite rows. NaN or +-Inf anywhere in a row, or a finite amax whose scale
+overflows fp16 (|x| > 127 * 65504 ~= 8.3e6), stores scale = NaN and q = 0 for
+the whole row; that row decodes to all NaN. Nothing non-finite can come back
+as a plausible finite value, other rows are untouched, and
+``count_nonfinite_rows`` counts such rows on device without a host sync.
+
+Error bound (``error_bound``). For a finite row of a bf16 or fp16 input,
+elementwise
+
+    |x - x^| <= s/2 + half_ulp_out(x^)
+
+where half_ulp_out is half a unit in the last place of the output dtype at x^
+(8 significant bits for bf16, 11 for fp16, 24 for fp32; the subnormal spacing
+below the smallest normal). The s/2 term is exact, not s/2 plus a rounding
+slack: an 8- or 11-bit x divided by an 11-bit s can only land on a half-integer
+exactly, never within fp32 rounding of one, so the fp32 quotient rounds to the
+same integer as the exact quotient. For fp32 inputs that argument fails and
+the quantization term becomes s/2 * (1 + 2**-16). For the scale itself
+(bf16/fp16 inputs; s is the smallest fp16 >= amax/127 exactly):
+
+    amax/127 <= s <= amax/127 * (1 + 2**-10)   if amax/127 >= 2**-14
+    amax/127 <= s <= amax/127 + 2**-24          below (fp16 subnormals)
+
+Caveat of the fixed format: with fp16 output, |x| within s/2 of fp16's max
+(the last few fp16 values below 65504) can decode to +-Inf, because q*s may
+round past 65504; error_bound reports Inf there. bf16 output cannot overflow.
+
+Why FP16 and not BF16 scales. Both cost 2 bytes per row. With the same
+round-up rule a BF16 scale only guarantees s <= amax/127 * (1 + 2**-7), so
+its step is on average ~10x further above amax/127 and every element's error
+grows with it. FP16's range limit (the 8.3e6 guard above) is far beyond
+typical KV magnitudes, and rows past it are flagged (NaN), not corrupted.
+
+Measured with scripts/bench_codec.py (torch 2.13 CPU, seeded; run from the
+HiQCache repo as
+``PYTHONPATH=build/sglang/python .venv/bin/python scripts/bench_codec.py``):
+65536 bf16 rows of 128, rel = ||x - x^|| / ||x|| per row, step =
+max |x - x^| / (amax/127), decoded to fp32 (the scale's effect alone) and to
+bf16 (what attention reads):
+
+    data          scale out   mean rel   max rel   mean s/(amax/127)-1  max step
+    gaussian      fp16  fp32  6.418e-3  1.129e-2   3.57e-4              0.5002
+    gaussian      bf16  fp32  6.468e-3  1.171e-2   3.40e-3              0.5038
+    gaussian      fp16  bf16  6.579e-3  1.141e-2   3.57e-4              0.9270
+    gaussian      bf16  bf16  6.671e-3  1.163e-2   3.40e-3              0.9407
+    student-t(3)  fp16  fp32  1.122e-2  2.782e-2   3.63e-4              0.5002
+    student-t(3)  bf16  fp32  1.130e-2  2.793e-2   3.40e-3              0.5038
+    student-t(3)  fp16  bf16  1.133e-2  2.778e-2   3.63e-4              0.9270
+    student-t(3)  bf16  bf16  1.144e-2  2.791e-2   3.40e-3              0.9407
+
+BF16 scales cost 0.7-1.4% more mean error for nothing. Note the bf16 rows'
+max step near 0.93: rounding x^ to bf16 (8 bits) adds up to ~amax/256, as
+much as the INT8 step itself; that is the half_ulp_out term of the bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_DTYPE = torch.float16
+QMAX = 127
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Floor for amax: an all-zero row gets the smallest scale and q = 0, not 0/0.
+_AMAX_FLOOR = torch.finfo(torch.float32).tiny
+
+
+def _scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 amax -> stored fp16 scale (NaN for rows that can't be encoded).
+
+    Only touches per-row tensors, so the temporaries are small.
+    """
+    amax = amax.clamp_min(_AMAX_FLOOR)
+    # Divide by a tensor on amax's device rather than a Python number: CUDA
+    # turns division by a CPU scalar into multiplication by its reciprocal,
+    # which is not correctly rounded and would make CPU and GPU disagree.
+    s32 = amax / torch.full((), QMAX, dtype=torch.float32, device=amax.device)
+    s16 = s32.to(SCALE_DTYPE)
+    # Round-to-nearest may have gone down; step to the next fp16 up. s16 >= 0,
+    # so bit pattern + 1 is the next representable value (0 -> 2**-24,
+    # 65504 -> Inf, which the guard below turns into NaN).
+    s16.view(torch.int16).add_(s16.to(torch.float32) < s32)
+    # NaN/Inf amax or an fp16 overflow: the row is unrepresentable.
+    return s16.masked_fill_(~torch.isfinite(s16), float("nan"))
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"kv_int8_codec: unsupported input dtype {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(
+            f"kv_int8_codec: need x of shape [..., head_dim], got {x.shape}"
+        )
+
+
+def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode x [..., head_dim] -> (q int8 [..., head_dim], scale fp16 [...]).
+
+    Straightforward, step-by-step version of the format; the fast path must
+    match it bit for bit.
+    """
+    _check_input(x)
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=-1).clamp_min(_AMAX_FLOOR)
+    s32 = amax / torch.full((), QMAX, dtype=torch.float32, device=x.device)
+    s16 = s32.to(SCALE_DTYPE)
+    next_up = (s16.view(torch.int16) + 1).view(SCALE_DTYPE)
+    s16 = torch.where(s16.to(torch.float32) < s32, next_up, s16)
+    bad = ~torch.isfinite(s16)
+    scale = torch.where(bad, torch.full_like(s16, float("nan")), s16)
+
+    quotient = xf / scale.to(torch.float32).unsqueeze(-1)
+    qf = torch.round(quotient).clamp(-QMAX, QMAX)
+    qf = torch.where(bad.unsqueeze(-1), torch.zeros_like(qf), qf)
+    return qf.to(torch.int8), scale
+
+
+def dequantize_reference(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Decode (q, scale) -> x^ of the given dtype; NaN rows decode to NaN."""
+    return (q.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+
+
+def quantize_into(
+    x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor
+) -> None:
+    """Encode x into preallocated q_out (int8, x's shape) and scale_out (fp16).
+
+    Bit-identical to quantize_reference. Any of the tensors may be strided
+    views (gathered rows, slices of a bigger host buffer). No host sync: all
+    value-dependent decisions are tensor ops.
+    """
+    _check_input(x)
+    if q_out.dtype != torch.int8 or q_out.shape != x.shape:
+        raise ValueError(
+            f"q_out must be int8 {tuple(x.shape)}, "
+            f"got {q_out.dtype} {tuple(q_out.shape)}"
+        )
+    if scale_out.dtype != SCALE_DTYPE or scale_out.shape != x.shape[:-1]:
+        raise ValueError(
+            f"scale_out must be {SCALE_DTYPE} {tuple(x.shape[:-1])}, "
+            f"got {scale_out.dtype} {tuple(scale_out.shape)}"
+        )
+
+    # The one full-size temporary: x widened to fp32 (exact). copy=True so an
+    # fp32 x is never modified in place below.
+    xf = x.to(torch.float32, copy=True)
+    # amax = max(max x, -min x): exact, NaN-propagating, no |x| temporary, and
+    # on CPU two plain reductions beat both aminmax and abs().amax().
+    amax = torch.maximum(xf.amax(dim=-1), xf.amin(dim=-1).neg_())
+    scale = _scale_from_amax(amax)
+    scale_out.copy_(scale)
+
+    # Quotient in place; true division, as in the reference (a tensor divisor,
+    # so no reciprocal shortcut on CUDA either).
+    qf = xf.div_(scale.to(torch.float32).unsqueeze(-1))
+    # Finite rows have |x/s| <= 127; a NaN-scale row is NaN throughout (x/NaN),
+    # so nan_to_num_ zeroes exactly the rows the reference masks.
+    qf.round_().clamp_(-QMAX, QMAX).nan_to_num_(nan=0.0)
+    q_out.copy_(qf)
+
+
+def dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    """Decode (q, scale) into out; out's dtype is the output dtype.
+
+    Bit-identical to dequantize_reference: the product is exact in fp32 and
+    rounds once, into out.
+    """
+    if q.dtype != torch.int8 or scale.shape != q.shape[:-1]:
+        raise ValueError(
+            f"need int8 q [..., D] and scale [...], got {q.shape}, {scale.shape}"
+        )
+    if out.shape != q.shape or not out.dtype.is_floating_point:
+        raise ValueError(
+            f"out must be floating-point {tuple(q.shape)}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
+    # Widen q to fp32 explicitly: a mixed int8 * fp32 -> out mul gives the same
+    # bits but runs several times slower on CPU.
+    xf = q.to(torch.float32)
+    xf.mul_(scale.to(torch.float32).unsqueeze(-1))
+    out.copy_(xf)
+
+
+# (significant bits, exponent of the smallest normal) of each output dtype.
+_OUT_FORMAT = {
+    torch.bfloat16: (8, -126),
+    torch.float16: (11, -14),
+    torch.float32: (24, -126),
+}
+
+
+def error_bound(scale: torch.Tensor, restored: torch.Tensor) -> torch.Tensor:
+    """Elementwise bound s/2 + half_ulp_out(x^) on |x - x^|, as fp32.
+
+    Valid for bf16/fp16 inputs (see the module docstring). The fp32 sum is
+    rounded up, so the result is the formula exactly when it is an fp32 and
+    the next fp32 above it otherwise. Inf where x^ is Inf, NaN for NaN rows.
+    """
+    bits, emin = _OUT_FORMAT[restored.dtype]
+    r = restored.to(torch.float32).abs()
+    # |r| = m * 2**k with m in [0.5, 1), so the binade exponent is k - 1.
+    # Clamping to the smallest normal first makes zero and subnormal outputs
+    # use the subnormal spacing (frexp(0) would report exponent 0).
+    exp = torch.frexp(r.clamp_min(2.0**emin)).exponent - 1
+    # Half an ulp is 2**(exp - (bits - 1) - 1). fp32's own half ulp at the
+    # bottom (2**-150) isn't representable; 2**-149 still bounds it. (The upper
+    # clamp only keeps Inf/NaN lanes, replaced below, from overflowing int32.)
+    e = (exp - bits).clamp_(-149, 127)
+    # Build the power of two from bits (exact, unlike pow): a normal fp32 has
+    # biased exponent e + 127 in bits 23..30; a subnormal is 1 << (e + 149).
+    normal = (e + 127).clamp_min_(1).bitwise_left_shift_(23)
+    subnormal = torch.ones_like(e).bitwise_left_shift_((e + 149).clamp_max_(22))
+    half_ulp = torch.where(e >= -126, normal, subnormal).view(torch.float32)
+    half_ulp = torch.where(torch.isinf(r), r, half_ulp)
+    # s/2 + half_ulp in fp32, rounded *up* so the bound never undercuts the
+    # real-valued formula (Fast2Sum recovers the rounding error exactly).
+    half_s = (scale.to(torch.float32) / 2).unsqueeze(-1).expand_as(half_ulp)
+    big, small = torch.maximum(half_s, half_ulp), torch.minimum(half_s, half_ulp)
+    bound = big + small
+    lost = small - (bound - big)
+    bound = torch.where(
+        lost > 0, (bound.view(torch.int32) + 1).view(torch.float32), bound
+    )
+    return torch.where(torch.isnan(r), r, bound)
+
+
+def count_nonfinite_rows(scale: torch.Tensor) -> torch.Tensor:
+    """Number of rows stored as non-finite (NaN scale), as a 0-dim int64 tensor
+    on scale's device; no host sync, so callers can accumulate it lazily."""
+    return torch.count_nonzero(~torch.isfinite(scale))
