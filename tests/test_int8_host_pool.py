@@ -1,0 +1,271 @@
+"""MHATokenToKVPoolINT8Host: the real patched SGLang host pool on CPU.
+
+Backup then load must restore exactly what the reference codec gives (and so
+stay within its bound), leave every other device and host slot untouched, and
+size itself by the encoded bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host.mha import (
+    MHATokenToKVPoolHost,
+    get_mha_host_pool_cls,
+)
+from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+
+# (head_num, head_dim, v_head_dim): TP-sliced head counts, the common dims, K != V.
+GEOMETRIES = [
+    (1, 64, 64),
+    (3, 64, 64),
+    (8, 128, 128),
+    (2, 96, 96),
+    (4, 256, 256),
+    (64, 128, 128),
+    (4, 192, 128),
+]
+
+
+def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
+    pool = make_host_pool(
+        device_pool,
+        host_tokens=host_tokens,
+        layout=layout,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
+    )
+    pool.use_run_copies = use_run_copies
+    return pool
+
+
+def expected_restore(rows: torch.Tensor) -> torch.Tensor:
+    q, scale = codec.quantize_reference(rows)
+    return codec.dequantize_reference(q, scale, rows.dtype)
+
+
+def device_alloc(n_pages, page_size, first_page=1, shuffle_seed=None):
+    pages = torch.arange(first_page, first_page + n_pages)
+    if shuffle_seed is not None:
+        gen = torch.Generator().manual_seed(shuffle_seed)
+        pages = pages[torch.randperm(n_pages, generator=gen)]
+    return (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+
+
+def round_trip(geo, layout, use_run_copies, io_backend="direct", n_pages=3):
+    device_pool = make_device_pool(geo, device_tokens=16 * geo.page_size)
+    pool = int8_pool(device_pool, layout, 16 * geo.page_size, use_run_copies)
+    dev = device_alloc(n_pages, geo.page_size, shuffle_seed=0)
+    written = fill_random(device_pool, dev, seed=geo.head_num)
+    # Fragmented host placement: skip one page so runs break.
+    host_all = pool.alloc(pool.size - pool.page_size)
+    host = torch.cat([host_all[: geo.page_size], host_all[2 * geo.page_size :]])
+    host = host[: len(dev)]
+    host_before = [b.clone() for b in pool.kv_buffer]
+
+    pool.backup_from_device_all_layer(device_pool, host, dev, io_backend)
+
+    # Only the written host units changed.
+    units = pool._host_units(host)
+    for before, after in zip(host_before, pool.kv_buffer):
+        mask = torch.ones(after.shape[1 if layout == "layer_first" else 0], dtype=bool)
+        mask[units] = False
+        if layout == "layer_first":
+            assert torch.equal(before[:, mask], after[:, mask])
+        else:
+            assert torch.equal(before[mask], after[mask])
+
+    # Restore into other device slots; sentinels elsewhere must survive.
+    for layer in range(geo.layer_num):
+        device_pool.k_buffer[layer].fill_(7.0)
+        device_pool.v_buffer[layer].fill_(7.0)
+    new_dev = device_alloc(n_pages, geo.page_size, first_page=8, shuffle_seed=1)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, io_backend)
+    return device_pool, written, new_dev
+
+
+@pytest.mark.parametrize(
+    "layout,page_size,geometry",
+    [
+        (layout, page_size, geometry)
+        for layout, page_size in itertools.product(LAYOUTS, (1, 16, 64))
+        for geometry in (GEOMETRIES if page_size == 16 else GEOMETRIES[:3])
+    ],
+)
+def test_backup_load_restores_reference_values(layout, page_size, geometry):
+    head_num, head_dim, v_head_dim = geometry
+    geo = Geometry(
+        layer_num=2,
+        head_num=head_num,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        page_size=page_size,
+    )
+    device_pool, written, new_dev = round_trip(geo, layout, use_run_copies=False)
+    untouched = torch.ones(device_pool.size + page_size, dtype=bool)
+    untouched[new_dev] = False
+    for layer, (k_rows, v_rows) in enumerate(written):
+        for buf, rows in (
+            (device_pool.k_buffer[layer], k_rows),
+            (device_pool.v_buffer[layer], v_rows),
+        ):
+            restored = buf[new_dev]
+            assert torch.equal(restored, expected_restore(rows))
+            _, scale = codec.quantize_reference(rows)
+            err = (restored.float() - rows.float()).abs()
+            assert (err <= codec.error_bound(scale, restored)).all()
+            assert (buf[untouched] == 7.0).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size", (1, 4))
+@pytest.mark.parametrize("io_backend", ("direct", "kernel"))
+def test_run_copy_path_matches_indexed_path(layout, page_size, io_backend):
+    """The per-run async copy path (used on CUDA) gives the same bytes as the
+    indexed path, for both io backends."""
+    geo = Geometry(layer_num=3, head_num=2, head_dim=32, page_size=page_size)
+    results = []
+    for use_run_copies in (False, True):
+        device_pool, written, new_dev = round_trip(
+            geo, layout, use_run_copies, io_backend=io_backend, n_pages=5
+        )
+        results.append(
+            [device_pool.k_buffer[l][new_dev] for l in range(geo.layer_num)]
+            + [device_pool.v_buffer[l][new_dev] for l in range(geo.layer_num)]
+        )
+        assert torch.equal(results[-1][0], expected_restore(written[0][0]))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_transfer_larger_than_staging_is_chunked(monkeypatch):
+    from sglang.srt.mem_cache.pool_host import mha_int8
+
+    monkeypatch.setattr(mha_int8, "_INT8_STAGING_TOKENS", 8)
+    geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
+    device_pool, written, new_dev = round_trip(geo, "page_first", False, n_pages=7)
+    for layer, (k_rows, v_rows) in enumerate(written):
+        assert torch.equal(device_pool.k_buffer[layer][new_dev], expected_restore(k_rows))
+        assert torch.equal(device_pool.v_buffer[layer][new_dev], expected_restore(v_rows))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nonfinite_kv_restores_as_nan_and_is_counted(layout):
+    geo = Geometry(layer_num=2, head_num=3, head_dim=16, page_size=1)
+    device_pool = make_device_pool(geo, device_tokens=32)
+    pool = int8_pool(device_pool, layout, 32)
+    dev = torch.arange(1, 9)
+    fill_random(device_pool, dev, seed=3)
+    device_pool.k_buffer[1][3, 2, 5] = float("nan")
+    device_pool.v_buffer[0][6, 0, 0] = float("inf")
+    host = pool.alloc(8)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    assert pool.nonfinite_row_count() == 2
+    new_dev = torch.arange(10, 18)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+    k1 = device_pool.k_buffer[1][new_dev]
+    v0 = device_pool.v_buffer[0][new_dev]
+    assert torch.isnan(k1[2, 2]).all() and torch.isnan(v0[5, 0]).all()
+    # Every other head row came back finite.
+    k1[2, 2] = 0
+    v0[5, 0] = 0
+    assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size", (1, 16, 64))
+def test_capacity_is_byte_budget_over_encoded_size(layout, page_size):
+    # Qwen3-8B geometry at TP=1: 36 layers, 8 KV heads, 128 dims.
+    geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=2 * page_size)
+    budget_gb = 0.25
+    stock = make_host_pool(
+        device_pool, host_size_gb=budget_gb, layout="page_first_direct"
+    )
+    pool = make_host_pool(
+        device_pool,
+        host_size_gb=budget_gb,
+        layout=layout,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
+    )
+    per_token = 36 * 8 * (128 + 128 + 2 * 2)
+    assert pool.get_size_per_token() == per_token == pool.size_per_token
+    # HostKVCache sizing: whole pages of the budget plus one padding page.
+    expected_pages = int(budget_gb * 1e9 // per_token) // page_size + 1
+    assert pool.size == expected_pages * page_size
+    allocated = sum(b.numel() * b.element_size() for b in pool.kv_buffer)
+    assert allocated == pool.size * per_token  # no padding anywhere
+    stock_bytes = stock.kv_buffer.numel() * stock.kv_buffer.element_size()
+    ratio = (pool.size / allocated) / (stock.size / stock_bytes)
+    assert ratio >= 1.93
+    assert pool.size / stock.size >= 1.93
+
+
+def test_dispatch_by_host_dtype():
+    geo = Geometry()
+    info = make_device_pool(geo, 16).get_device_pool_infos()[0].buffer_info
+    assert get_mha_host_pool_cls(info) is MHATokenToKVPoolHost
+    assert get_mha_host_pool_cls(info, host_dtype="auto") is MHATokenToKVPoolHost
+    assert get_mha_host_pool_cls(info, host_dtype="int8") is MHATokenToKVPoolINT8Host
+    with pytest.raises(ValueError, match="--hicache-host-dtype"):
+        get_mha_host_pool_cls(info, host_dtype="int4")
+
+
+@pytest.mark.parametrize("layout", ("page_head", "page_unified"))
+def test_unsupported_layout_fails_naming_the_flag(layout):
+    device_pool = make_device_pool(Geometry(), 16)
+    with pytest.raises(NotImplementedError, match="--hicache-mem-layout"):
+        int8_pool(device_pool, layout, 16)
+
+
+def test_quantized_device_kv_fails_naming_the_flag():
+    device_pool = make_device_pool(Geometry(dtype=torch.float8_e4m3fn), 16)
+    with pytest.raises(NotImplementedError, match="--kv-cache-dtype"):
+        int8_pool(device_pool, "page_first", 16)
+
+
+def test_storage_pages_fail_fast():
+    pool = int8_pool(make_device_pool(Geometry(), 16), "page_first", 16)
+    with pytest.raises(NotImplementedError, match="--hicache-storage-backend"):
+        pool.get_page_buffer_meta(torch.arange(1))
+
+
+def test_unsupported_io_backend_fails_naming_the_flag():
+    device_pool = make_device_pool(Geometry(), 16)
+    pool = int8_pool(device_pool, "page_first", 16)
+    with pytest.raises(ValueError, match="--hicache-io-backend"):
+        pool.backup_from_device_all_layer(
+            device_pool, pool.alloc(1), torch.arange(1, 2), "kernel_ascend"
+        )
+
+
+def test_auto_sizing_counts_encoded_host_bytes(monkeypatch):
+    """--hicache-host-memory-fraction sizing (no ratio/size given) budgets the
+    host bytes the INT8 pool will really take, so the same memory buys ~2x."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import hicache_auto_size
+
+    device_pool = make_device_pool(Geometry(layer_num=4, head_num=8, head_dim=128), 64)
+    params = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: device_pool),
+        req_to_token_pool=None,
+        mtp_draft_device_pools=(),
+    )
+    estimates = {}
+    for host_dtype in ("auto", "int8"):
+        monkeypatch.setattr(
+            hicache_auto_size,
+            "get_memory",
+            lambda: SimpleNamespace(hicache_host_dtype=host_dtype),
+        )
+        estimates[host_dtype] = hicache_auto_size._estimate_hicache_bytes(params, None)
+    assert estimates["auto"] / estimates["int8"] == pytest.approx(256 / 130, rel=1e-6)

@@ -1,0 +1,329 @@
+"""--hicache-host-dtype: CLI declaration, publication and startup validation.
+
+Everything runs SGLang's own argument parser and resolution pipeline
+(``ServerArgs.resolve_once``). ``model_path="dummy"`` stops the pipeline at the
+dummy-model boundary, after the model-independent checks; tiny local HF configs
+(one MHA Llama, one MLA DeepSeek-V2, no weights) take it through
+``handle_hicache`` where the resolved layout and the model are checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from sglang.srt.arg_groups.overrides import resolution_result
+from sglang.srt.server_args import ServerArgs
+
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+}
+_DEEPSEEK_V2_MLA = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+    "kv_lora_rank": 32,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
+    "moe_layer_freq": 1,
+}
+
+INT8_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+INT8_IO_BACKENDS = ("kernel", "direct")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, config in (("mha", _LLAMA), ("mla", _DEEPSEEK_V2_MLA)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        paths[name] = str(root / name)
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    # Resolution exports environment variables (handle_environment_variables).
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def parser():
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def from_argv(parser, *argv: str) -> ServerArgs:
+    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", *argv]))
+
+
+def resolve(model_path: str = "dummy", **kwargs) -> ServerArgs:
+    kwargs.setdefault("enable_hierarchical_cache", True)
+    server_args = ServerArgs(
+        model_path=model_path, device="cpu", skip_tokenizer_init=True, **kwargs
+    )
+    server_args.resolve_once()
+    return server_args
+
+
+# --------------------------------------------------------------------------
+# Declaration
+# --------------------------------------------------------------------------
+
+
+def test_flag_defaults_to_auto(parser):
+    assert ServerArgs(model_path="dummy").hicache_host_dtype == "auto"
+    assert from_argv(parser, "dummy").hicache_host_dtype == "auto"
+
+
+@pytest.mark.parametrize("value", ["auto", "int8"])
+def test_flag_parses(parser, value):
+    args = from_argv(parser, "dummy", "--hicache-host-dtype", value)
+    assert args.hicache_host_dtype == value
+
+
+def test_flag_rejects_unknown_value(parser, capsys):
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model-path", "dummy", "--hicache-host-dtype", "fp8"])
+    assert "--hicache-host-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_unknown_value_from_python_api_fails_at_startup():
+    # The argparse choices do not guard ServerArgs(...) built in Python.
+    with pytest.raises(ValueError, match="--hicache-host-dtype must be"):
+        resolve(hicache_host_dtype="fp8", enable_hierarchical_cache=False)
+
+
+def test_flag_help_text(parser):
+    (action,) = [
+        a for a in parser._actions if "--hicache-host-dtype" in a.option_strings
+    ]
+    assert action.choices == ["auto", "int8"]
+    assert action.help.startswith("Data type of the HiCache host (L2) KV copy.")
+    assert "about 1.97x tokens per host byte at head_dim 128" in action.help
+
+
+def test_field_is_last_positional_field():
+    # field_order.py: new fields are appended, so positional calls keep working.
+    from sglang.srt.arg_groups.field_order import POSITIONAL_FIELD_ORDER
+
+    assert POSITIONAL_FIELD_ORDER[-1] == "hicache_host_dtype"
+
+
+def test_published_in_memory_config_bag():
+    from sglang.srt.runtime_context import _build_config_bags
+
+    server_args = resolve(hicache_host_dtype="int8")
+    assert _build_config_bags(server_args)["memory"].hicache_host_dtype == "int8"
+
+
+def test_host_pool_dispatch_receives_host_dtype(monkeypatch):
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    calls = []
+
+    def fake_get_mha_host_pool_cls(info, host_dtype="auto"):
+        calls.append((info, host_dtype))
+        return object
+
+    monkeypatch.setattr(assembler, "get_mha_host_pool_cls", fake_get_mha_host_pool_cls)
+    monkeypatch.setattr(
+        assembler, "get_memory", lambda: SimpleNamespace(hicache_host_dtype="int8")
+    )
+    info = object()
+    pool = SimpleNamespace(
+        get_device_pool_infos=lambda: [SimpleNamespace(buffer_info=info)],
+        size=64,
+        host_capacity_tokens=None,
+        start_layer=0,
+        end_layer=2,
+        hicache_write_back_staging=False,
+    )
+    cls, host_input, _ = assembler._mha_host_inputs(pool)
+    assert (cls, host_input) == (object, info)
+    assert calls == [(info, "int8")]
+
+
+# --------------------------------------------------------------------------
+# Unsupported combinations fail at startup, naming the flags
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "fp4_mx_block16"]
+)
+def test_int8_rejects_quantized_device_kv(parser, kv_cache_dtype):
+    server_args = from_argv(
+        parser,
+        "dummy",
+        "--enable-hierarchical-cache",
+        "--hicache-host-dtype",
+        "int8",
+        "--kv-cache-dtype",
+        kv_cache_dtype,
+    )
+    with pytest.raises(ValueError) as error:
+        server_args.resolve_once()
+    message = str(error.value)
+    assert f"--hicache-host-dtype int8 with --kv-cache-dtype {kv_cache_dtype}" in (
+        message
+    )
+    assert "INT8 host KV needs a BF16/FP16 device KV cache" in message
+
+
+def test_int8_rejects_fp32_model_dtype_with_auto_kv():
+    with pytest.raises(ValueError, match="--hicache-host-dtype int8 with --dtype"):
+        resolve(hicache_host_dtype="int8", dtype="float32")
+
+
+def test_int8_rejects_quantized_draft_kv():
+    with pytest.raises(
+        ValueError,
+        match="--hicache-host-dtype int8 with --speculative-draft-kv-cache-dtype",
+    ):
+        resolve(hicache_host_dtype="int8", speculative_draft_kv_cache_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake", "hf3fs"])
+def test_int8_rejects_storage_backend(backend):
+    with pytest.raises(ValueError) as error:
+        resolve(hicache_host_dtype="int8", hicache_storage_backend=backend)
+    assert "--hicache-host-dtype int8" in str(error.value)
+    assert "--hicache-storage-backend" in str(error.value)
+
+
+@pytest.mark.parametrize("layout", ["page_head", "page_first_kv_split", "page_unified"])
+def test_int8_rejects_mem_layout(layout):
+    with pytest.raises(ValueError) as error:
+        resolve(hicache_host_dtype="int8", hicache_mem_layout=layout)
+    assert (
+        f"--hicache-host-dtype int8 does not support --hicache-mem-layout {layout}"
+        in (str(error.value))
+    )
+
+
+def test_int8_rejects_io_backend():
+    with pytest.raises(ValueError) as error:
+        resolve(hicache_host_dtype="int8", hicache_io_backend="kernel_ascend")
+    assert (
+        "--hicache-host-dtype int8 does not support --hicache-io-backend "
+        "kernel_ascend" in str(error.value)
+    )
+
+
+def test_int8_rejects_decode_host_receive():
+    with pytest.raises(
+        ValueError, match="--disaggregation-decode-host-receive-threshold"
+    ):
+        resolve(
+            hicache_host_dtype="int8",
+            disaggregation_decode_host_receive_threshold=0.5,
+        )
+
+
+def test_int8_rejects_mla_model(models):
+    with pytest.raises(ValueError) as error:
+        resolve(models["mla"], hicache_host_dtype="int8")
+    assert "--hicache-host-dtype int8 does not support MLA models" in str(error.value)
+
+
+def test_auto_keeps_upstream_behaviour_for_the_same_arguments(models):
+    # None of the int8 checks applies to the default host dtype.
+    resolve(kv_cache_dtype="fp8_e4m3", hicache_storage_backend="file")
+    resolve(hicache_mem_layout="page_head")
+    resolve(models["mla"])
+
+
+def test_int8_checks_only_apply_with_a_host_pool():
+    resolve(
+        hicache_host_dtype="int8",
+        enable_hierarchical_cache=False,
+        kv_cache_dtype="fp8_e4m3",
+        hicache_storage_backend="file",
+    )
+
+
+# --------------------------------------------------------------------------
+# Supported combinations
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "bfloat16"])
+@pytest.mark.parametrize("io_backend", INT8_IO_BACKENDS)
+@pytest.mark.parametrize("layout", INT8_LAYOUTS)
+def test_int8_accepts_supported_combinations_before_the_model(
+    layout, io_backend, kv_cache_dtype
+):
+    resolve(
+        hicache_host_dtype="int8",
+        hicache_mem_layout=layout,
+        hicache_io_backend=io_backend,
+        kv_cache_dtype=kv_cache_dtype,
+    )
+
+
+@pytest.mark.parametrize("io_backend", INT8_IO_BACKENDS)
+@pytest.mark.parametrize("layout", INT8_LAYOUTS)
+def test_int8_keeps_every_layout_io_pair_through_handle_hicache(
+    models, caplog, layout, io_backend
+):
+    # Upstream rewrites page_first + direct and page_first_direct + kernel for
+    # the stock pool; the INT8 pool moves every pair itself.
+    with caplog.at_level(logging.INFO, logger="sglang.srt.arg_groups.hicache_hook"):
+        server_args = resolve(
+            models["mha"],
+            hicache_host_dtype="int8",
+            hicache_mem_layout=layout,
+            hicache_io_backend=io_backend,
+        )
+    assert resolution_result(server_args, "hicache_mem_layout") == layout
+    assert resolution_result(server_args, "hicache_io_backend") == io_backend
+    assert resolution_result(server_args, "hicache_host_dtype") == "int8"
+    assert "HiCache host KV dtype: int8 (" in caplog.text
+
+
+def test_stock_pool_layout_io_rewrite_is_unchanged(models):
+    server_args = resolve(
+        models["mha"], hicache_mem_layout="page_first", hicache_io_backend="direct"
+    )
+    assert resolution_result(server_args, "hicache_mem_layout") == "page_first_direct"
