@@ -102,3 +102,18 @@ def test_random_operations_against_reference(layout, page_size, io_backend):
     # Host bookkeeping agrees with the model.
     held = sum(len(h) for h, _ in backed_up)
     assert rig.host_pool.available_size() == rig.host_pool.size - held
+
+
+def test_transfer_metrics_count_encoded_bytes():
+    """HiCache's byte counters (hicache_backup_bytes_total, load_back_bytes_total)
+    and host capacity gauge report the INT8 pool's encoded figures."""
+    geo = Geometry(layer_num=4, head_num=8, head_dim=128)
+    rig = make_rig(
+        geo, device_tokens=64, host_tokens=128, host_pool_cls=MHATokenToKVPoolINT8Host
+    )
+    dev = rig.allocator.alloc(10)
+    rig.controller.write(dev)
+    encoded = 4 * 8 * (128 + 128 + 4)
+    assert rig.controller.ack_write_queue[-1].num_bytes == 10 * encoded
+    assert rig.host_pool.logical_size == 128  # sglang:hicache_host_total_tokens
+    finish_transfers(rig.controller)
