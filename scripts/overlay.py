@@ -59,6 +59,8 @@ GIT_IDENTITY = {
     "GIT_COMMITTER_EMAIL": "hiqcache@localhost",
 }
 FIXED_DATE = "2026-01-01T00:00:00+00:00"
+# Subject of the commit that adds sglang_overlay/ (first commit of `make pr`).
+OVERLAY_SUBJECT = "HiCache: add the quantized host KV pool modules and their unit tests"
 # Compiled extensions and caches ride along in the tree (so it imports) but
 # are not sources: upstream's repository has none of them.
 TREE_EXCLUDES = ("*.so", "__pycache__/", "*.pyc", ".pytest_cache/")
@@ -362,7 +364,7 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
         if copied:
             git(tree, "add", "--", *copied)
             git(
-                tree, "commit", "-q", "-m", "HiQCache: add overlay files",
+                tree, "commit", "-q", "-m", OVERLAY_SUBJECT,
                 env_extra={"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE},
             )  # fmt: skip
         git(tree, "tag", "-f", OVERLAY_TAG)
@@ -596,10 +598,11 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
-    names = git(
+    git(
         tree, "format-patch", "-q", "--zero-commit", "--no-signature",
         "-o", str(out_dir), f"{BASELINE_TAG}..HEAD",
-    ).split()  # fmt: skip
+    )  # fmt: skip
+    names = sorted(out_dir.glob("*.patch"))
     subjects = git(tree, "log", "--reverse", "--format=- %s", f"{BASELINE_TAG}..HEAD")
     stat = git(tree, "diff", "--stat", BASELINE_TAG, "HEAD")
     description = ROOT / "docs" / "PR_DESCRIPTION.md"

@@ -41,6 +41,8 @@ VERSION_LINE = "HIQ_PIPELINE_PROBE_VERSION = 1\n"
 NEW_TEXT = '"""Overlay file made by tests/test_pipeline.py."""\n\nPROBE = "new file"\n'
 SUBJECT_MHA = "Pipeline probe: mha marker"
 SUBJECT_VERSION = "Pipeline probe: version marker"
+sys.path.insert(0, str(REPO / "scripts"))
+from overlay import OVERLAY_SUBJECT  # noqa: E402
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "Pipeline Test",
     "GIT_AUTHOR_EMAIL": "pipeline@localhost",
@@ -321,7 +323,7 @@ def test_apply_builds_baseline_overlay_commit_and_one_commit_per_patch(patched):
             upstream = zf.read(rel.removeprefix("python/"))
             assert git(tree, "show", f"hiq-baseline:{rel}").encode() == upstream
     assert git(tree, "log", "--format=%s", "hiq-baseline..hiq-overlay").splitlines() == [
-        "HiQCache: add overlay files"
+        OVERLAY_SUBJECT
     ]
     subjects = git(tree, "log", "--reverse", "--format=%s", "hiq-overlay..HEAD").splitlines()
     assert len(subjects) == len(names)
@@ -569,18 +571,19 @@ def test_pr_exports_the_series_and_a_description(patched, tmp_path):
     project = link_project(patched.path, tmp_path / "project")
     (project / "docs").mkdir()
     (project / "docs" / "PR_DESCRIPTION.md").write_text("# Probe PR\n\nWhy it matters.\n")
-    overlay(project, "pr")
+    out = overlay(project, "pr")
     out_dir = project / "dist" / "pr"
     patches = sorted(out_dir.glob("*.patch"))
     assert len(patches) == 1 + len(series(project))  # overlay commit + the series
-    assert patches[0].name == "0001-HiQCache-add-overlay-files.patch"
+    assert f"exported {len(patches)} commits" in out
+    assert patches[0].name.startswith("0001-HiCache-add-the-quantized-host-KV-pool")
     first = patches[0].read_text()
     assert f"diff --git a/{NEW_FILE} b/{NEW_FILE}" in first and "new file mode" in first
     assert patches[-1].name.endswith("-Pipeline-probe-version-marker.patch")
     description = (out_dir / "PR_DESCRIPTION.md").read_text()
     assert description.startswith("# Probe PR\n\nWhy it matters.")
     assert f"## Commits (apply with `git am` on {LOCK['SGLANG_GIT_TAG']})" in description
-    for subject in ("HiQCache: add overlay files", SUBJECT_MHA, SUBJECT_VERSION):
+    for subject in (OVERLAY_SUBJECT, SUBJECT_MHA, SUBJECT_VERSION):
         assert f"- {subject}\n" in description
     assert "## Diffstat" in description and "mha.py" in description
 
