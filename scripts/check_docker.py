@@ -27,22 +27,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overlay import read_lock  # noqa: E402
+
 IMAGE_ARG = "SGLANG_IMAGE_TAG"
 BASE_IMAGE = "lmsysorg/sglang"
 OVERLAY_SCRIPT = "scripts/overlay.py"
 # ROOT-relative paths overlay.py uses that `install` does not read: the build
 # tree (apply/refresh), the wheel and PR output, and the PR text (pr).
 NOT_NEEDED_IN_IMAGE = {"build", "dist", "docs"}
-
-
-def read_lock(path: Path) -> dict[str, str]:
-    values = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
 
 
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:

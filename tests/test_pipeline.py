@@ -42,7 +42,7 @@ NEW_TEXT = '"""Overlay file made by tests/test_pipeline.py."""\n\nPROBE = "new f
 SUBJECT_MHA = "Pipeline probe: mha marker"
 SUBJECT_VERSION = "Pipeline probe: version marker"
 sys.path.insert(0, str(REPO / "scripts"))
-from overlay import OVERLAY_SUBJECT  # noqa: E402
+from overlay import OVERLAY_SUBJECT, read_lock  # noqa: E402
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "Pipeline Test",
     "GIT_AUTHOR_EMAIL": "pipeline@localhost",
@@ -56,16 +56,6 @@ GIT_NO_BACKGROUND_GC = {
     "GIT_CONFIG_KEY_0": "gc.auto",
     "GIT_CONFIG_VALUE_0": "0",
 }
-
-
-def read_lock(path: Path) -> dict[str, str]:
-    values = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
 
 
 LOCK = read_lock(REPO / "sglang.lock")
