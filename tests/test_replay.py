@@ -1,0 +1,243 @@
+"""The capacity / cache-hit replay behind `make demo` (scripts/hiq_replay.py),
+on a scaled-down workload.
+
+The replay drives SGLang's real UnifiedRadixCache + HiCache (device pool,
+host pool from the `--hicache-host-dtype` dispatch, cache controller); only
+the scheduler around it is modelled. These tests check the claims the demo
+prints (INT8 never holds fewer tokens nor hits less at the same budget;
+capacities are the pools' real allocations; determinism), that restores are
+really checked, and the scheduler model against limiting cases SGLang's own
+cache must reproduce.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import hiq_replay as hr  # noqa: E402
+
+SMALL = hr.Workload(
+    num_groups=8,
+    prompts_per_group=4,
+    system_prompt_len=512,
+    question_len=64,
+    output_len=64,
+    seed=7,
+)
+SERVING = hr.Serving(l1_tokens=2048, concurrency=4, max_prefill_tokens=4096)
+# Budgets scaled with the workload (GB at Qwen3-8B geometry): from an L2
+# smaller than L1 to one that holds the whole workload in INT8.
+BUDGETS_GB = (0.1, 0.2, 0.4, 0.8)
+INT8_BOUND = 1 / 254 * (1 + 2**-10) + 2**-8  # s/2 + a BF16 half-ulp, / amax
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_runtime_context():
+    yield
+    from sglang.srt.runtime_context import reset_context
+
+    reset_context()
+
+
+@pytest.fixture(scope="module")
+def formats():
+    return dict(hr.host_formats())
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return hr.make_workload(SMALL)
+
+
+@pytest.fixture(scope="module")
+def sweep(formats, requests):
+    results = {}
+    for gb in BUDGETS_GB:
+        for label, host_dtype in formats.items():
+            cap = hr.capacity_at_budget(host_dtype, gb, label=label)
+            res = hr.replay(
+                host_dtype,
+                cap.tokens,
+                SMALL,
+                SERVING,
+                label=label,
+                requests=requests,
+                sanity_every=1,  # SGLang's tree invariants at every step
+            )
+            results[gb, label] = (cap, res)
+    return results
+
+
+def test_formats_come_from_the_server_flag(formats):
+    assert formats["bf16"] == "auto"
+    assert formats["int8"] == "int8"
+
+
+def test_int8_never_holds_fewer_tokens_nor_hits_less(sweep, formats):
+    gained = False
+    for gb in BUDGETS_GB:
+        base_cap, base = sweep[gb, "bf16"]
+        for label in formats:
+            cap, res = sweep[gb, label]
+            assert cap.tokens >= base_cap.tokens, (gb, label)
+            assert res.hit_rate >= base.hit_rate, (
+                gb,
+                label,
+                res.hit_rate,
+                base.hit_rate,
+            )
+        int8_cap, int8 = sweep[gb, "int8"]
+        assert int8_cap.tokens / base_cap.tokens >= 1.93
+        gained |= int8.hit_rate > base.hit_rate
+    assert gained, "the budgets never separate the formats: the test is vacuous"
+
+
+def test_budget_capacity_is_the_pools_allocation(sweep):
+    for (gb, label), (cap, res) in sweep.items():
+        # Bytes were read from the pool's buffers; they are exactly its tokens'
+        # records, within the budget plus SGLang's one padding page.
+        assert cap.bytes == cap.tokens * cap.bytes_per_token
+        assert cap.bytes <= gb * 1e9 + cap.bytes_per_token
+        assert cap.bytes > gb * 1e9 - cap.bytes_per_token
+        # The replay's L2 is a real pool of exactly that many tokens.
+        assert res.host_tokens == cap.tokens
+        assert res.peak_host_used <= res.host_tokens
+        expected = (
+            "MHATokenToKVPoolINT8Host" if label == "int8" else "MHATokenToKVPoolHost"
+        )
+        assert cap.pool_class == res.host_pool_class == expected
+
+
+def test_qwen3_8b_bytes_per_token(formats):
+    caps = {
+        label: hr.capacity_at_budget(dt, 8, label=label)
+        for label, dt in formats.items()
+    }
+    assert caps["bf16"].bytes_per_token == 36 * 8 * 2 * 128 * 2
+    assert caps["int8"].bytes_per_token == 36 * 8 * (128 + 128 + 4)
+    assert caps["bf16"].tokens == 54_254  # experiment A's capacity
+    assert caps["int8"].tokens == 106_838
+
+
+def test_same_tokens_committed_allocation(formats):
+    tokens = 2048
+    alloc = {
+        label: hr.allocate_host_pool(dt, tokens, hr.QWEN3_8B, commit=True, label=label)
+        for label, dt in formats.items()
+    }
+    for label, a in alloc.items():
+        assert a.tokens == tokens
+        assert a.bytes == tokens * a.bytes_per_token
+        if a.committed:
+            assert a.resident_bytes >= a.bytes * 0.99, label
+    assert alloc["bf16"].bytes / alloc["int8"].bytes >= 1.93
+
+
+def test_replay_is_deterministic_for_a_seed(requests):
+    assert [r.prompt for r in hr.make_workload(SMALL)] == [r.prompt for r in requests]
+    other = hr.make_workload(hr.Workload(**{**vars(SMALL), "seed": 8}))
+    assert [r.rid for r in other] != [r.rid for r in requests]
+    runs = [
+        hr.replay("int8", 1400, SMALL, SERVING, requests=hr.make_workload(SMALL))
+        for _ in range(2)
+    ]
+    assert runs[0].per_request == runs[1].per_request
+    assert runs[0].to_json() == runs[1].to_json()
+
+
+def test_restores_are_checked_against_what_was_written(sweep):
+    for (gb, label), (_, res) in sweep.items():
+        assert res.verified_tokens == res.hit_tokens
+        assert res.verified_restored_tokens == res.l2_hit_tokens
+        if label == "bf16":
+            assert res.max_restore_error == 0.0
+        else:
+            assert res.max_restore_error <= INT8_BOUND
+    assert any(res.l2_hit_tokens > 0 for _, res in sweep.values())
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
+def test_restore_check_catches_corrupted_loads(requests, host_dtype):
+    engine = hr.HiCacheReplay(host_dtype, 4000, SERVING)
+    host_pool = engine.host_pool
+    original = host_pool.load_to_device_per_layer
+
+    def corrupt(device_pool, host_indices, device_indices, layer_id, *a, **kw):
+        original(device_pool, host_indices, device_indices, layer_id, *a, **kw)
+        rows = device_indices[:1].to(torch.int64)
+        device_pool.k_buffer[layer_id][rows] += 1.0
+
+    host_pool.load_to_device_per_layer = corrupt
+    try:
+        with pytest.raises(AssertionError, match="restored KV differs"):
+            engine.run(requests)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
+def test_sequential_replay_reaches_the_unbounded_hit_rate(requests, host_dtype):
+    """One request at a time and an L2 that holds everything: SGLang's cache
+    must serve every reusable prefix, whether it is still in L1 or only in L2
+    (L1 here holds about one request)."""
+    best = hr.best_possible_hit_rate(requests)
+    serving = hr.Serving(l1_tokens=1024, concurrency=1, max_prefill_tokens=4096)
+    res = hr.replay(
+        host_dtype, 16_384, SMALL, serving, requests=requests, sanity_every=1
+    )
+    assert res.hit_rate == pytest.approx(best)
+    assert res.l2_hit_tokens > 0 and res.l1_hit_tokens >= 0
+    assert res.max_in_flight == 1
+
+
+def test_concurrency_bounds_requests_in_flight(requests):
+    serving = hr.Serving(l1_tokens=16_384, concurrency=4, max_prefill_tokens=4096)
+    res = hr.replay("auto", 16_384, SMALL, serving, requests=requests)
+    assert res.max_in_flight == 4
+    # Batch-mates cannot reuse each other's prefix (the prefill batch matches
+    # before it inserts), so concurrency can only lose hits.
+    assert res.hit_rate <= hr.best_possible_hit_rate(requests)
+
+
+def test_int8_arm_runs_the_int8_pool_through_the_server_dispatch():
+    from sglang.srt.runtime_context import get_memory
+
+    engine = hr.HiCacheReplay("int8", 3000, SERVING)
+    try:
+        assert get_memory().hicache_host_dtype == "int8"
+        assert type(engine.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
+        assert engine.host_pool.size == 3000
+    finally:
+        engine.close()
+
+
+def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
+    """`make demo`'s script end to end, scaled down (lazy pools for speed)."""
+    import json
+
+    import demo
+
+    out = tmp_path / "results"
+    argv = [
+        "--groups", "8", "--system-prompt-len", "512", "--question-len", "64",
+        "--output-len", "64", "--l1-tokens", "2048", "--concurrency", "4",
+        "--budget", "0.4", "--sweep", "0.2", "--tokens", "2048", "--no-commit",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert demo.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "A) Same L2 capacity: 2,048 tokens" in text
+    assert "B) Same host budget: --hicache-size 0.4 (GB)" in text
+    assert "replay model:" in text  # what is modelled is said in the output
+    data = json.loads((out / "demo.json").read_text())
+    assert data["int8_never_worse"] is True
+    assert data["summary"]["int8"]["tokens_ratio"] >= 1.93
+    assert data["summary"]["int8"]["bytes_ratio"] >= 1.93
+    assert [row["budget_gb"] for row in data["experiment_b"]["sweep"]] == [0.2, 0.4]
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
