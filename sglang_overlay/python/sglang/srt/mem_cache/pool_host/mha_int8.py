@@ -27,20 +27,45 @@ per host byte at head_dim 128.
 
 The pool owns its transfer code (gather -> encode -> store, and
 load -> decode -> scatter), so every supported layout works with both the
-`kernel` and `direct` io backends on any device. Staging buffers are
-allocated once per direction and transfers are processed in chunks of the
-staging capacity; reusing one buffer across chunks is safe because all uses
-are ordered on one transfer stream.
+`kernel` and `direct` io backends on any device. Two implementations:
+
+  fused (default on CUDA; kv_int8_triton): backup is ONE Triton launch per
+    transfer that gathers the device rows of every layer, quantizes them and
+    writes the records straight into the pinned host buffers through their
+    device-mapped (UVA) address; restore is ONE launch per layer that reads
+    the records from host memory, dequantizes them and scatters them into
+    the device pool. No staging, no separate copies. fused_host_access =
+    "staged" runs the same kernels against the device staging buffers and
+    moves the records with per-run async copies instead (used when the host
+    memory is not pinned, or if the driver refuses a host pointer).
+  torch (CPU, and the reference): gather -> kv_int8_codec -> staging ->
+    per-run async copies, chunk by chunk.
+
+Both write the same bytes (tests/test_kv_int8_triton.py runs the kernels
+under TRITON_INTERPRET=1 against this path). Everything is enqueued on the
+caller's current stream (HiCache's D2H / H2D stream), so the per-layer done
+event still marks fully restored KV. CPU index tensors are uploaded through
+pinned memory on that stream, and every temporary is allocated on it.
+Staging buffers are allocated once per direction (only where a path uses
+them); transfers through them run in chunks of the staging capacity, and
+reusing one buffer across chunks is safe because all uses are ordered on
+one transfer stream.
+
+SGLANG_HICACHE_INT8_FUSED overrides the choice: "auto" (default: fused on
+CUDA, direct if the host pool is pinned, else staged; torch elsewhere),
+"off" (torch path), "direct" or "staged" (fused, that host access).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Sequence
 
 import torch
 from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host import kv_int8_triton as fused
 from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
@@ -51,6 +76,8 @@ INT8_HOST_IO_BACKENDS = ("kernel", "direct")
 INT8_HOST_DEVICE_DTYPES = (torch.bfloat16, torch.float16)
 # Tokens one staging chunk holds (rounded to whole pages).
 _INT8_STAGING_TOKENS = 4096
+FUSED_HOST_ACCESS = ("direct", "staged")
+_FUSED_ENV = "SGLANG_HICACHE_INT8_FUSED"
 
 
 def int8_host_bytes_ratio(buffer_info: MHABufferInfo) -> float:
@@ -224,14 +251,57 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         units = self.page_num if self._page_major else self.size
         self.staging_units = min(chunk_units, units)
         dev = self._transfer_device
-        # One layer of encoded records plus its device-dtype rows, per direction:
-        # backup encodes into _d2h while a load may be decoding from _h2d.
-        self._d2h = self._alloc_staging(dev)
-        self._h2d = self._alloc_staging(dev)
         self._nonfinite_rows = torch.zeros((), dtype=torch.int64, device=dev)
         # Copying per contiguous run keeps host<->device copies asynchronous;
         # on a CPU transfer device one indexed copy does the same work.
         self.use_run_copies = dev.type != "cpu"
+
+        mode = os.environ.get(_FUSED_ENV, "auto").strip().lower() or "auto"
+        if mode not in ("auto", "off", *FUSED_HOST_ACCESS):
+            raise ValueError(
+                f"{_FUSED_ENV} must be auto, off, direct or staged; got {mode!r}"
+            )
+        # Fused kernels by default on CUDA; tests switch them on for CPU (the
+        # Triton interpreter) by setting use_fused_kernels.
+        self.use_fused_kernels = (
+            mode != "off" and dev.type == "cuda" and fused.available(dev)
+        )
+        if mode in FUSED_HOST_ACCESS:
+            self.fused_host_access = mode
+        else:
+            # The kernels reach host memory directly if it is pinned (UVA), or
+            # if the "device" is the CPU itself.
+            pinned = self.pin_memory or dev.type == "cpu"
+            self.fused_host_access = "direct" if pinned else "staged"
+        self._fused_layer_tables = None
+        self._load_index_cache = None
+        # Staging: one layer of encoded records plus its device-dtype rows, per
+        # direction (backup encodes into _d2h while a load may be decoding from
+        # _h2d). The fused direct path needs none: allocated here only if
+        # another path is selected (lazily if one is switched on later).
+        self._staging = {}
+        if not (self.use_fused_kernels and self.fused_host_access == "direct"):
+            self._stage("d2h")
+            self._stage("h2d")
+        if self.use_fused_kernels:
+            self._fused_tables()
+        if dev.type == "cuda":
+            # What was enqueued here (counter, staging positions) is complete
+            # before the transfer streams touch it.
+            torch.cuda.current_stream(dev).synchronize()
+
+    @property
+    def _d2h(self) -> dict[str, torch.Tensor]:
+        return self._stage("d2h")
+
+    @property
+    def _h2d(self) -> dict[str, torch.Tensor]:
+        return self._stage("h2d")
+
+    def _stage(self, direction: str) -> dict[str, torch.Tensor]:
+        if direction not in self._staging:
+            self._staging[direction] = self._alloc_staging(self._transfer_device)
+        return self._staging[direction]
 
     def _alloc_staging(self, dev) -> dict[str, torch.Tensor]:
         dims = self._unit_dims(self.staging_units, layered=False)
@@ -246,6 +316,9 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             "v_rows": torch.empty(
                 (tokens, self.head_num, self.v_head_dim), dtype=self.dtype, device=dev
             ),
+            # Token positions in a chunk: the fused kernels' "host index" when
+            # they address staging instead of the host buffers.
+            "positions": torch.arange(tokens, dtype=torch.int64, device=dev),
         }
 
     def _host_layer(self, name: str, layer_id: int) -> torch.Tensor:
@@ -261,8 +334,11 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         """Head rows backed up with NaN/Inf (or beyond FP16 scale range) so far.
 
         They are stored with a NaN scale and restore as NaN, never as finite
-        values. Reading the counter synchronizes with the transfer device.
+        values. Reading the counter synchronizes with the transfer device
+        (all its streams: backups run on HiCache's D2H stream).
         """
+        if self._nonfinite_rows.is_cuda:
+            torch.cuda.synchronize(self._nonfinite_rows.device)
         return int(self._nonfinite_rows.item())
 
     # ------------------------------------------------------------------
@@ -332,6 +408,9 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                 f"--hicache-host-dtype int8 supports --hicache-io-backend "
                 f"{', '.join(INT8_HOST_IO_BACKENDS)}; got {io_backend!r}."
             )
+        if self.use_fused_kernels:
+            self._backup_fused(host_indices, device_indices)
+            return
         stage = self._d2h
         for units, runs, dev_rows in self._chunks(host_indices, device_indices):
             n_units, n_tokens = len(units), len(dev_rows)
@@ -373,6 +452,9 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             )
         if not 0 <= layer_id < self.target_layer_num:
             return
+        if self.use_fused_kernels:
+            self._load_fused(host_indices, device_indices, layer_id)
+            return
         stage = self._h2d
         for units, runs, dev_rows in self._chunks(host_indices, device_indices):
             n_units, n_tokens = len(units), len(dev_rows)
@@ -388,6 +470,165 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                     rows.view(n_units, self.unit_tokens, *rows.shape[1:]),
                 )
                 device_buffers[layer_id].index_copy_(0, dev_rows, rows)
+
+    # ------------------------------------------------------------------
+    # fused kernels (kv_int8_triton)
+
+    def _fused_tables(self) -> tuple[fused.DeviceLayerTable, fused.DeviceLayerTable]:
+        if self._fused_layer_tables is None:
+            self._fused_layer_tables = (
+                fused.DeviceLayerTable(self.device_k_buffers),
+                fused.DeviceLayerTable(self.device_v_buffers),
+            )
+        return self._fused_layer_tables
+
+    def _records_all_layers(self) -> tuple[torch.Tensor, ...]:
+        """Host K, V and scale buffers as [unit, layer, token_in_unit, ...] views."""
+        bufs = (self.k_host_buffer, self.v_host_buffer, self.scale_buffer)
+        return bufs if self._page_major else tuple(b.transpose(0, 1) for b in bufs)
+
+    def _on_transfer_device(self, indices: torch.Tensor) -> torch.Tensor:
+        """Indices as a contiguous int32/int64 tensor on the transfer device,
+        enqueued on the current stream without a host sync."""
+        dev = self._transfer_device
+        if indices.dtype not in (torch.int32, torch.int64):
+            indices = indices.to(torch.int64)
+        indices = indices.contiguous()
+        if indices.device == dev:
+            return indices
+        if dev.type == "cuda" and indices.device.type == "cpu":
+            # Through pinned memory (a pageable upload may synchronize); the
+            # pinned block stays reserved until the copy has run.
+            return indices.pin_memory().to(dev, non_blocking=True)
+        return indices.to(dev)
+
+    def _check_host_indices(self, host_indices: torch.Tensor) -> None:
+        # The kernels address host memory directly: reject what the torch
+        # path's indexing would (where that needs no device sync).
+        if host_indices.device.type == "cpu" and host_indices.numel():
+            lo, hi = int(host_indices.min()), int(host_indices.max())
+            if lo < 0 or hi >= self.size:
+                raise IndexError(
+                    f"host indices [{lo}, {hi}] out of range for {self.size} slots"
+                )
+
+    def _fused_direct(self, launch) -> bool:
+        """Run launch() against host memory; False if the pool uses staging,
+        or switches to it because the device cannot reach this host memory."""
+        if self.fused_host_access != "direct":
+            return False
+        try:
+            launch()
+            return True
+        except ValueError as e:
+            # Triton's launcher: "Pointer argument cannot be accessed from
+            # Triton (cpu tensor?)", raised before anything is enqueued.
+            if "cannot be accessed" not in str(e):
+                raise
+            logger.warning(
+                "INT8 host pool: the device cannot address the host buffers "
+                "(%s); using staged transfers.",
+                e,
+            )
+            self.fused_host_access = "staged"
+            return False
+
+    def _backup_fused(self, host_indices, device_indices) -> None:
+        k_tab, v_tab = self._fused_tables()
+        self._check_host_indices(host_indices)
+
+        def direct():
+            k_out, v_out, s_out = self._records_all_layers()
+            fused.encode_gather(
+                k_tab,
+                v_tab,
+                self._on_transfer_device(device_indices),
+                k_out,
+                v_out,
+                s_out,
+                self._on_transfer_device(host_indices),
+                unit_tokens=self.unit_tokens,
+                nonfinite_counter=self._nonfinite_rows,
+            )
+
+        if self._fused_direct(direct):
+            return
+        stage = self._d2h
+        for units, runs, dev_rows in self._chunks(host_indices, device_indices):
+            n_units, n_tokens = len(units), len(dev_rows)
+            for layer_id in range(self.layer_num):
+                fused.encode_gather(
+                    k_tab.select(layer_id),
+                    v_tab.select(layer_id),
+                    dev_rows,
+                    stage["k"][:n_units].unsqueeze(1),
+                    stage["v"][:n_units].unsqueeze(1),
+                    stage["scale"][:n_units].unsqueeze(1),
+                    stage["positions"][:n_tokens],
+                    unit_tokens=self.unit_tokens,
+                    nonfinite_counter=self._nonfinite_rows,
+                )
+                for name in ("k", "v", "scale"):
+                    self._store(name, layer_id, stage[name], units, runs)
+
+    def _load_indices(self, host_indices, device_indices):
+        """Both index tensors on the transfer device, uploaded once per
+        transfer: the controller passes the same tensors for every layer."""
+        dev = self._transfer_device
+        stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        key = (
+            id(host_indices),
+            host_indices._version,
+            id(device_indices),
+            device_indices._version,
+            stream,
+        )
+        cache = self._load_index_cache
+        if cache is not None and cache[0] == key:
+            return cache[2]
+        self._check_host_indices(host_indices)
+        placed = (
+            self._on_transfer_device(host_indices),
+            self._on_transfer_device(device_indices),
+        )
+        # The originals stay referenced, so their ids stay unique while cached.
+        self._load_index_cache = (key, (host_indices, device_indices), placed)
+        return placed
+
+    def _load_fused(self, host_indices, device_indices, layer_id) -> None:
+        dev_k = self.device_k_buffers[layer_id]
+        dev_v = self.device_v_buffers[layer_id]
+
+        def direct():
+            host_idx, dev_idx = self._load_indices(host_indices, device_indices)
+            fused.decode_scatter(
+                self._host_layer("k", layer_id),
+                self._host_layer("v", layer_id),
+                self._host_layer("scale", layer_id),
+                host_idx,
+                dev_k,
+                dev_v,
+                dev_idx,
+                unit_tokens=self.unit_tokens,
+            )
+
+        if self._fused_direct(direct):
+            return
+        stage = self._h2d
+        for units, runs, dev_rows in self._chunks(host_indices, device_indices):
+            scales = self._fetch("scale", layer_id, stage["scale"], units, runs)
+            k = self._fetch("k", layer_id, stage["k"], units, runs)
+            v = self._fetch("v", layer_id, stage["v"], units, runs)
+            fused.decode_scatter(
+                k,
+                v,
+                scales,
+                stage["positions"][: len(dev_rows)],
+                dev_k,
+                dev_v,
+                dev_rows,
+                unit_tokens=self.unit_tokens,
+            )
 
     # ------------------------------------------------------------------
     # L3 storage pages: not yet (fail fast, like the MXFP8 host pool)

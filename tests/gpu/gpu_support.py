@@ -1,0 +1,294 @@
+"""Shared by tests/gpu/ and scripts/gpu_bench.py: stand-ins for what a bare
+CUDA machine lacks, and builders for real SGLang pools on a chosen device.
+
+A bare CUDA machine (PyTorch + Triton, sglang installed --no-deps) lacks
+sglang-kernel. With CUDA present, sglang imports `sgl_kernel` (and
+`sgl_kernel.kvcacheio`, the host pools' transfer kernels) at module level,
+unguarded. install_gpu_standins() therefore puts a stub package in place when
+the real one does not import: any attribute is a function that raises
+NotImplementedError naming itself (none of the code under test calls one),
+except kvcacheio.transfer_kv_direct, the pure-torch stand-in from
+tests/cpu_standins.py. `sgl_kernel.scalar_type` is left missing on purpose:
+sglang falls back to its own mock for it, and a stub would break that.
+torchvision is stubbed the same way as on CPU only if the real one fails to
+import. Nothing else is replaced: pinned memory (cudaHostRegister) is real.
+
+Dry run: with HIQ_GPU_TEST_DEVICE=cpu (and TRITON_INTERPRET=1 in the
+environment before triton is imported), the same code runs on CPU, which is
+how scripts/gpu_check.sh --dry-run checks everything but CUDA itself.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parent.parent
+if str(TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(TESTS_DIR))
+
+QWEN3_8B = dict(layer_num=36, head_num=8, head_dim=128, v_head_dim=128)
+
+
+def gpu_test_device() -> str | None:
+    """The device GPU tests run on: HIQ_GPU_TEST_DEVICE, else cuda if present."""
+    forced = os.environ.get("HIQ_GPU_TEST_DEVICE")
+    if forced:
+        return forced
+    return "cuda" if torch.cuda.is_available() else None
+
+
+# --------------------------------------------------------------------------
+# stand-ins
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        qualified = f"{self.__name__}.{name}"
+
+        def missing(*args, **kwargs):
+            raise NotImplementedError(
+                f"{qualified} is a stand-in: sglang-kernel is not installed here"
+            )
+
+        missing.__name__ = name
+        setattr(self, name, missing)
+        return missing
+
+
+class _SglKernelStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    ABSENT = ("sgl_kernel.scalar_type",)
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "sgl_kernel" and not fullname.startswith("sgl_kernel."):
+            return None
+        if fullname in self.ABSENT:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        module.__hiq_stub__ = True
+        if spec.name == "sgl_kernel.kvcacheio":
+            from cpu_standins import transfer_kv_direct
+
+            module.transfer_kv_direct = transfer_kv_direct
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _drop_modules(prefix: str) -> None:
+    for name in list(sys.modules):
+        if name == prefix or name.startswith(prefix + "."):
+            del sys.modules[name]
+
+
+def install_gpu_standins() -> dict[str, str]:
+    """Stand-ins for what this machine lacks; returns what was used."""
+    used = {}
+    if "torchvision" not in sys.modules:
+        try:
+            import torchvision.transforms  # noqa: F401
+
+            used["torchvision"] = "real"
+        except Exception as e:  # missing, or built for another torch
+            _drop_modules("torchvision")
+            from cpu_standins import install_torchvision_stub
+
+            install_torchvision_stub()
+            used["torchvision"] = f"stub ({type(e).__name__})"
+    else:
+        used["torchvision"] = "already imported"
+    if any(isinstance(f, _SglKernelStubFinder) for f in sys.meta_path):
+        used["sgl_kernel"] = "stub"
+        return used
+    try:
+        import sgl_kernel.kvcacheio  # noqa: F401
+
+        used["sgl_kernel"] = "real"
+    except Exception as e:
+        _drop_modules("sgl_kernel")
+        sys.meta_path.insert(0, _SglKernelStubFinder())
+        used["sgl_kernel"] = f"stub ({type(e).__name__})"
+    return used
+
+
+# --------------------------------------------------------------------------
+# pools
+
+
+def make_device_pool(
+    *,
+    layer_num: int,
+    head_num: int,
+    head_dim: int,
+    v_head_dim: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    page_size: int = 1,
+    tokens: int,
+    device: str,
+):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        size=tokens,
+        page_size=page_size,
+        dtype=dtype,
+        head_num=head_num,
+        head_dim=head_dim,
+        layer_num=layer_num,
+        device=device,
+        enable_memory_saver=False,
+        v_head_dim=v_head_dim,
+        enable_alt_stream=False,
+    )
+
+
+def make_host_pool(
+    device_pool, *, cls, layout: str, host_tokens: int, pin_memory: bool
+):
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    return cls(
+        info,
+        2.0,
+        0,
+        device_pool.page_size,
+        layout,
+        pin_memory=pin_memory,
+        device="cpu",
+        device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer,
+        end_layer=device_pool.end_layer,
+        host_token_capacity=host_tokens,
+    )
+
+
+def destroy_host_pool(pool) -> None:
+    """Unregister pinned host memory now (tests build many pools)."""
+    destroy = getattr(pool, "destroy", None)
+    if destroy is not None:
+        try:
+            destroy()
+        except Exception:
+            pass
+
+
+def pages_to_tokens(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+
+
+# --------------------------------------------------------------------------
+# inputs
+
+
+def edge_rows(dtype: torch.dtype, d: int = 64) -> torch.Tensor:
+    """Hand-picked rows (as in tests/test_kv_int8_codec.py's edge_inputs):
+    zeros, -0, smallest normal, subnormal, half-integer quotients, dtype max,
+    past the fp16-scale guard, NaN/Inf, spikes; plus exact .5 ties."""
+    info = torch.finfo(dtype)
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        torch.zeros(d),
+        -torch.zeros(d),
+        torch.full((d,), float(info.smallest_normal)),
+        torch.full((d,), float(info.smallest_normal) / 8),
+        torch.linspace(-1, 1, d),
+        torch.arange(d) - (d / 2 - 0.5),
+        torch.full((d,), float(info.max)),
+        torch.full((d,), -float(info.max)),
+        torch.full((d,), 127 * 65504.0),
+        torch.full((d,), 1e7),
+        torch.full((d,), 3e38),
+        torch.tensor([nan] + [1.0] * (d - 1)),
+        torch.tensor([inf] + [1.0] * (d - 1)),
+        torch.tensor([1.0] * (d - 1) + [-inf]),
+        torch.tensor([1e-3] * (d - 1) + [1e3]),
+    ]
+    for log2_s in (-24, -14, -3, 0, 5):
+        k = torch.arange(-(d - 1) // 2, d // 2, dtype=torch.float64)[: d - 1] + 0.5
+        rows.append(torch.cat([torch.tensor([127.0]), k]) * 2.0**log2_s)
+    return torch.stack(rows).to(dtype)
+
+
+def random_rows(seed: int, n: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """n rows of gaussian / heavy-tailed / spiky / zero data, magnitudes from
+    the dtype's subnormals to past the fp16-scale guard."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-140, 30) if dtype == torch.bfloat16 else (-27, 16)
+    mags = torch.exp2(
+        lo + (hi - lo) * torch.rand(n, 1, generator=g, dtype=torch.float64)
+    )
+    kind = torch.randint(0, 4, (n, 1), generator=g)
+    z = torch.randn(n, d, generator=g, dtype=torch.float64)
+    u = torch.rand(n, d, generator=g, dtype=torch.float64).clamp_min(1e-6)
+    heavy = z / u.sqrt()
+    spike = z * 1e-3
+    spike[torch.arange(n), torch.randint(0, d, (n,), generator=g)] = 1.0
+    x = torch.where(kind == 0, z, torch.where(kind == 1, heavy, spike))
+    x = torch.where(kind == 3, torch.zeros_like(x), x) * mags
+    return x.to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype/shape, same NaN positions, same bits elsewhere."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.cpu(), b.cpu()
+    if a.dtype.is_floating_point:
+        na, nb = torch.isnan(a), torch.isnan(b)
+        if not torch.equal(na, nb):
+            return False
+        a, b = a.masked_fill(na, 0), b.masked_fill(nb, 0)
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+    return torch.equal(
+        a.contiguous().view(ints[a.element_size()]),
+        b.contiguous().view(ints[b.element_size()]),
+    )
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def env_summary() -> dict:
+    info = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except Exception as e:
+        info["triton"] = f"missing ({e})"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["sm_count"] = props.multi_processor_count
+    try:
+        import sglang
+
+        info["sglang_file"] = sglang.__file__
+    except Exception:
+        pass
+    info["cpu_count"] = os.cpu_count()
+    info["triton_interpret"] = os.environ.get("TRITON_INTERPRET", "")
+    return info
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

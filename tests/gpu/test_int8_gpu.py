@@ -1,0 +1,435 @@
+"""INT8 host pool and its fused kernels on a real GPU (skipped without CUDA).
+
+Run by scripts/gpu_check.sh on a CUDA machine. Every result is compared with
+the reference codec computed on the CPU, so these tests check the compiled
+kernels' arithmetic (IEEE division, fp16 rounding, round-half-even), pinned
+host memory reached through UVA, and the stream rules: all work on the
+caller's stream, ordered before the events HiCache records.
+
+HIQ_GPU_TEST_DEVICE=cpu with TRITON_INTERPRET=1 runs the non-stream tests on
+CPU (scripts/gpu_check.sh --dry-run), to check this file without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import pytest
+import torch
+from gpu_support import (
+    destroy_host_pool,
+    edge_rows,
+    gpu_test_device,
+    make_device_pool,
+    make_host_pool,
+    pages_to_tokens,
+    random_rows,
+    same_bits,
+)
+
+DEVICE = gpu_test_device()
+CUDA = DEVICE == "cuda"
+pytestmark = [
+    pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
+cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA streams")
+
+if DEVICE is not None:
+    from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+    from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+    from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+
+DTYPES = (torch.bfloat16, torch.float16)
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+NAN, INF = float("nan"), float("inf")
+# GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s on current parts.
+DELAY = int(5e8)
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def side_stream():
+    """A HiCache-like transfer stream (non-blocking w.r.t. the default one)."""
+    if not CUDA:
+        return contextlib.nullcontext(), None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return torch.cuda.stream(stream), stream
+
+
+def reference_restore(rows: torch.Tensor) -> torch.Tensor:
+    q, s = codec.quantize_reference(rows.cpu())
+    return codec.dequantize_reference(q, s, rows.dtype)
+
+
+def host_records(n, H, D, where):
+    """int8 records [n, 1, 1, H, D] on the device or in pinned host memory."""
+    if where == "device":
+        return torch.full((n, 1, 1, H, D), 99, dtype=torch.int8, device=DEVICE)
+    return torch.full((n, 1, 1, H, D), 99, dtype=torch.int8, pin_memory=CUDA)
+
+
+# --- kernels -------------------------------------------------------------------
+
+
+def test_fused_path_is_the_default_on_cuda():
+    dev_pool = make_device_pool(
+        layer_num=2, head_num=2, head_dim=64, tokens=32, device=DEVICE
+    )
+    pool = make_host_pool(
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout="page_first",
+        host_tokens=32, pin_memory=CUDA,
+    )  # fmt: skip
+    if CUDA:
+        assert pool.use_fused_kernels and pool.fused_host_access == "direct"
+        assert pool._staging == {}  # the direct path needs no staging
+        assert pool._fused_layer_tables[0].aligned  # vectorized device loads
+    else:
+        assert not pool.use_fused_kernels
+    destroy_host_pool(pool)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", (64, 128, 192))
+def test_kernels_bit_exact_against_cpu_reference(dtype, d, record_property):
+    """Encode into device memory and into pinned host memory (UVA), decode
+    back from host memory: same bytes/values as the CPU reference. Also the
+    torch codec on this device (the pool's torch path)."""
+    H = 4
+    n = 16384 if CUDA else 64
+    rows = torch.cat([edge_rows(dtype, d), random_rows(d, n * H, d, dtype)])
+    rows = rows[: len(rows) // H * H]
+    x = rows.view(-1, H, d)
+    tokens = x.shape[0]
+    q_ref, s_ref = codec.quantize_reference(x)
+    out_ref = {dt: codec.dequantize_reference(q_ref, s_ref, dt) for dt in DTYPES}
+
+    x_dev = x.to(DEVICE)
+    table = kt.DeviceLayerTable([x_dev])
+    idx = torch.arange(tokens, device=DEVICE)
+    wheres = ("device", "host") if CUDA else ("host",)
+    for where in wheres:
+        q = host_records(tokens, H, d, where)
+        qv = host_records(tokens, H, d, where)
+        s = torch.full((tokens, 1, 1, 2, H), -1.0, dtype=torch.float16)
+        s = s.to(DEVICE) if where == "device" else (s.pin_memory() if CUDA else s)
+        counter = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        kt.encode_gather(
+            table, table, idx, q, qv, s, idx, unit_tokens=1, nonfinite_counter=counter
+        )
+        sync()
+        assert same_bits(q.view(tokens, H, d), q_ref), where
+        assert same_bits(qv.view(tokens, H, d), q_ref), where
+        s_cpu = s.cpu()
+        assert torch.equal(s_cpu[:, 0, 0, 0].view(torch.int16), s_ref.view(torch.int16))
+        assert torch.equal(s_cpu[:, 0, 0, 1].view(torch.int16), s_ref.view(torch.int16))
+        assert int(counter) == 2 * int(codec.count_nonfinite_rows(s_ref))
+
+        for out_dtype in DTYPES:
+            size = 2 * tokens + 5
+            slots = torch.randperm(size, generator=torch.Generator().manual_seed(d))
+            slots = slots[:tokens].to(DEVICE)
+            k_dst = torch.full((size, H, d), -7.0, dtype=out_dtype, device=DEVICE)
+            v_dst = torch.full((size, H, d), -5.0, dtype=out_dtype, device=DEVICE)
+            kt.decode_scatter(
+                q[:, 0], qv[:, 0], s[:, 0], idx, k_dst, v_dst, slots, unit_tokens=1
+            )
+            sync()
+            assert same_bits(k_dst[slots], out_ref[out_dtype]), (where, out_dtype)
+            assert same_bits(v_dst[slots], out_ref[out_dtype]), (where, out_dtype)
+            untouched = torch.ones(size, dtype=torch.bool, device=DEVICE)
+            untouched[slots] = False
+            assert (k_dst[untouched] == -7.0).all()
+
+    # The pool's torch path on this device agrees with the CPU reference too.
+    q_t = torch.empty_like(x_dev, dtype=torch.int8)
+    s_t = torch.empty(x_dev.shape[:-1], dtype=torch.float16, device=DEVICE)
+    codec.quantize_into(x_dev, q_t, s_t)
+    assert same_bits(q_t, q_ref) and same_bits(s_t, s_ref)
+    record_property("rows", tokens * H)
+
+
+# --- pool round trips ----------------------------------------------------------
+
+GEOMETRIES = [(8, 128, 128), (4, 192, 128), (3, 64, 64)]
+POOL_CASES = [
+    (layout, page, geo)
+    for layout in LAYOUTS
+    for page in (1, 16, 64)
+    for geo in (GEOMETRIES if page == 16 else GEOMETRIES[:1])
+]
+
+
+def pool_round_trip(layout, page, geo, mode, *, poison=False, layers=3, pages=5):
+    """Backup then restore through one INT8 pool on DEVICE, both on a side
+    stream. mode None: the torch path; else the fused kernels with that host
+    access. Returns (written rows per layer, host buffers, restored device
+    buffers, new device slots, non-finite count)."""
+    H, D, DV = geo
+    dev_pool = make_device_pool(
+        layer_num=layers, head_num=H, head_dim=D, v_head_dim=DV,
+        page_size=page, tokens=16 * page, device=DEVICE,
+    )  # fmt: skip
+    pool = make_host_pool(
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
+        host_tokens=16 * page, pin_memory=CUDA,
+    )  # fmt: skip
+    pool.use_fused_kernels = mode is not None
+    if mode is not None:
+        pool.fused_host_access = mode
+    g = torch.Generator().manual_seed(H * 100 + page)
+    dev = pages_to_tokens(torch.randperm(pages, generator=g) + 1, page)
+    written = []
+    for layer in range(layers):
+        k = torch.randn(len(dev), H, D, generator=g).to(torch.bfloat16) * 3
+        v = torch.randn(len(dev), H, DV, generator=g).to(torch.bfloat16)
+        if poison and layer == 0:
+            v[-1, H - 1, 0] = -INF
+            k[0, 0, :] = 1e7  # past the fp16-scale guard
+        if poison and layer == 1:
+            k[1, 0, 3] = NAN
+        dev_pool.k_buffer[layer][dev.to(DEVICE)] = k.to(DEVICE)
+        dev_pool.v_buffer[layer][dev.to(DEVICE)] = v.to(DEVICE)
+        written.append((k, v))
+    host_all = pool.alloc(pool.size - pool.page_size)
+    host = torch.cat([host_all[:page], host_all[2 * page :]])[: len(dev)]
+    ctx, _ = side_stream()
+    with ctx:
+        pool.backup_from_device_all_layer(dev_pool, host, dev.to(DEVICE), "kernel")
+    sync()
+    host_bufs = [b.clone() for b in pool.kv_buffer]
+
+    for layer in range(layers):
+        dev_pool.k_buffer[layer].fill_(7.0)
+        dev_pool.v_buffer[layer].fill_(7.0)
+    new_dev = pages_to_tokens(torch.randperm(pages, generator=g) + 8, page)
+    ctx, _ = side_stream()
+    with ctx:
+        for layer in range(layers):
+            pool.load_to_device_per_layer(
+                dev_pool, host, new_dev.to(DEVICE), layer, "kernel"
+            )
+    sync()
+    device = [b.cpu() for b in dev_pool.k_buffer + dev_pool.v_buffer]
+    count = pool.nonfinite_row_count()
+    destroy_host_pool(pool)
+    return written, host_bufs, device, new_dev, count
+
+
+@pytest.mark.parametrize("layout,page,geo", POOL_CASES)
+def test_pool_round_trip_fused_equals_torch_path_and_reference(layout, page, geo):
+    ref = pool_round_trip(layout, page, geo, None)
+    written, _, device, new_dev, _ = ref
+    layers = len(written)
+    untouched = torch.ones(device[0].shape[0], dtype=torch.bool)
+    untouched[new_dev] = False
+    for layer, (k, v) in enumerate(written):
+        assert same_bits(device[layer][new_dev], reference_restore(k))
+        assert same_bits(device[layers + layer][new_dev], reference_restore(v))
+        assert (device[layer][untouched] == 7.0).all()
+    for mode in ("direct", "staged"):
+        got = pool_round_trip(layout, page, geo, mode)
+        for a, b in zip(got[1], ref[1]):
+            assert same_bits(a, b), (mode, "host records differ from the torch path")
+        for a, b in zip(got[2], ref[2]):
+            assert same_bits(a, b), (mode, "restored device KV differs")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_nonfinite_rows_restore_as_nan_and_are_counted(layout):
+    ref = pool_round_trip(layout, 4, (3, 64, 64), None, poison=True)
+    got = pool_round_trip(layout, 4, (3, 64, 64), "direct", poison=True)
+    assert ref[4] == got[4] == 3  # NaN row, -Inf row, 1e7 (past the scale guard)
+    for a, b in zip(got[1] + got[2], ref[1] + ref[2]):
+        assert same_bits(a, b)
+    written, _, device, new_dev, _ = got
+    assert torch.isnan(device[1][new_dev][1, 0]).all()  # K layer 1
+    assert torch.isnan(device[3][new_dev][-1, 2]).all()  # V layer 0
+    assert torch.isnan(device[0][new_dev][0, 0]).all()  # 1e7 row
+    finite = device[0][new_dev].clone()
+    finite[0, 0] = 0
+    assert torch.isfinite(finite).all()
+
+
+# --- streams -------------------------------------------------------------------
+
+
+def qwen_like_pool(layout="page_first", page=16, layers=4, tokens_pages=32):
+    dev_pool = make_device_pool(
+        layer_num=layers, head_num=8, head_dim=128, page_size=page,
+        tokens=(tokens_pages + 2) * page, device=DEVICE,
+    )  # fmt: skip
+    pool = make_host_pool(
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
+        host_tokens=(tokens_pages + 2) * page, pin_memory=CUDA,
+    )  # fmt: skip
+    dev = pages_to_tokens(torch.arange(1, tokens_pages + 1), page).to(DEVICE)
+    g = torch.Generator().manual_seed(0)
+    written = []
+    for layer in range(layers):
+        k = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
+        v = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
+        dev_pool.k_buffer[layer][dev] = k.to(DEVICE)
+        dev_pool.v_buffer[layer][dev] = v.to(DEVICE)
+        written.append((reference_restore(k), reference_restore(v)))
+    sync()
+    return dev_pool, pool, dev, written
+
+
+@cuda_only
+@pytest.mark.parametrize("layout", ("page_first", "layer_first"))
+def test_delayed_transfers_stay_on_their_stream(layout):
+    """With the transfer stream stalled (torch.cuda._sleep), nothing is
+    written before the stall ends, and a consumer that waits on each layer's
+    event reads fully restored KV: all work is on the caller's stream."""
+    dev_pool, pool, dev, written = qwen_like_pool(layout)
+    assert pool.use_fused_kernels and pool.fused_host_access == "direct"
+    # Compile the kernels first: a first launch compiles on the CPU, which
+    # could outlast the GPU stall below.
+    warm = pool.alloc(len(dev))
+    pool.backup_from_device_all_layer(dev_pool, warm, dev, "kernel")
+    pool.load_to_device_per_layer(dev_pool, warm, dev, 0, "kernel")
+    torch.cuda.synchronize()
+    host = pool.alloc(len(dev))
+    before = [b.clone() for b in pool.kv_buffer]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(DELAY)
+        pool.backup_from_device_all_layer(dev_pool, host, dev, "kernel")
+        backed_up = torch.cuda.Event()
+        backed_up.record()
+    assert not backed_up.query(), "transfer stream not delayed; raise DELAY"
+    for b, a in zip(before, pool.kv_buffer):  # host memory, read by the CPU now
+        assert torch.equal(b.view(torch.int8), a.view(torch.int8))
+    backed_up.synchronize()
+    assert not torch.equal(before[0], pool.kv_buffer[0])
+
+    layers = len(written)
+    for layer in range(layers):
+        dev_pool.k_buffer[layer].fill_(7.0)
+        dev_pool.v_buffer[layer].fill_(7.0)
+    new_dev = (dev.flip(0) + 16).contiguous()  # other slots, reversed order
+    stream.wait_stream(torch.cuda.current_stream())
+    events = []
+    with torch.cuda.stream(stream):
+        for layer in range(layers):
+            torch.cuda._sleep(DELAY // layers)
+            pool.load_to_device_per_layer(dev_pool, host, new_dev, layer, "kernel")
+            events.append(torch.cuda.Event())
+            events[-1].record()
+    # The default stream is not ordered after the stalled transfers.
+    assert not events[0].query(), "transfer stream not delayed; raise DELAY"
+    assert (dev_pool.k_buffer[layers - 1][new_dev] == 7.0).all()
+    seen = []
+    for layer in range(layers):
+        torch.cuda.current_stream().wait_event(events[layer])
+        seen.append((dev_pool.k_buffer[layer][new_dev].clone(),
+                     dev_pool.v_buffer[layer][new_dev].clone()))  # fmt: skip
+    torch.cuda.synchronize()
+    for (k, v), (k_ref, v_ref) in zip(seen, written):
+        assert same_bits(k.cpu(), k_ref) and same_bits(v.cpu(), v_ref)
+    destroy_host_pool(pool)
+
+
+@cuda_only
+def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
+    """The real HiCacheController with SGLang's own delay knob
+    (SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES): a forward that waits on each
+    layer's done event reads restored KV, one that doesn't would not."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+
+    layers = 4
+    dev_pool = make_device_pool(
+        layer_num=layers, head_num=8, head_dim=128, tokens=512, device=DEVICE
+    )
+    allocator = TokenToKVPoolAllocator(
+        512, torch.bfloat16, DEVICE, dev_pool, need_sort=False
+    )
+    host_pool = make_host_pool(
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout="page_first",
+        host_tokens=1024, pin_memory=True,
+    )  # fmt: skip
+    ctl = HiCacheController(
+        allocator, host_pool, 1, tp_group=None, load_cache_event=threading.Event(),
+        write_policy="write_through", io_backend="kernel",
+    )  # fmt: skip
+    dev = allocator.alloc(200)
+    g = torch.Generator().manual_seed(1)
+    expected = []
+    for layer in range(layers):
+        k = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
+        v = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
+        dev_pool.k_buffer[layer][dev] = k.to(DEVICE)
+        dev_pool.v_buffer[layer][dev] = v.to(DEVICE)
+        expected.append((reference_restore(k), reference_restore(v)))
+    host = ctl.write(dev)
+    for ack in ctl.ack_write_queue:
+        ack.finish_event.synchronize()
+    ctl.ack_write_queue.clear()
+    # Warm-up load (compiles the restore kernel), then evict it again.
+    warm = ctl.load(host)
+    ctl.start_loading()
+    for ack in ctl.ack_load_queue:
+        ack.finish_event.synchronize()
+    ctl.ack_load_queue.clear()
+    allocator.free(warm)
+    allocator.free(dev)
+    for layer in range(layers):  # L1 eviction: the device copy is gone
+        dev_pool.k_buffer[layer].fill_(7.0)
+        dev_pool.v_buffer[layer].fill_(7.0)
+
+    monkeypatch.setenv("SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES", str(DELAY // layers))
+    new_dev = ctl.load(host)
+    producer = ctl.start_loading()
+    last = layers - 1
+    assert (dev_pool.k_buffer[last][new_dev] == 7.0).all()  # not waited: stale
+    ctl.layer_done_counter.set_consumer(producer)
+    seen = []
+    for layer in range(layers):
+        ctl.layer_done_counter.wait_until(layer)
+        seen.append((dev_pool.k_buffer[layer][new_dev].clone(),
+                     dev_pool.v_buffer[layer][new_dev].clone()))  # fmt: skip
+    torch.cuda.synchronize()
+    for (k, v), (k_ref, v_ref) in zip(seen, expected):
+        assert same_bits(k.cpu(), k_ref) and same_bits(v.cpu(), v_ref)
+    for ack in ctl.ack_load_queue:
+        ack.finish_event.synchronize()
+    destroy_host_pool(host_pool)
+
+
+@cuda_only
+def test_unpinned_host_memory(caplog):
+    """Unpinned host buffers: staged by default; forcing direct either works
+    (the platform maps pageable memory) or falls back to staged with a
+    warning. The bytes are right either way."""
+    dev_pool, pinned_pool, dev, written = qwen_like_pool(
+        "layer_first", page=1, layers=2
+    )
+    destroy_host_pool(pinned_pool)
+    pool = make_host_pool(
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout="layer_first",
+        host_tokens=len(dev) + 64, pin_memory=False,
+    )  # fmt: skip
+    assert pool.use_fused_kernels and pool.fused_host_access == "staged"
+    pool.fused_host_access = "direct"
+    host = pool.alloc(len(dev))
+    with caplog.at_level(logging.WARNING):
+        pool.backup_from_device_all_layer(dev_pool, host, dev, "kernel")
+        torch.cuda.synchronize()
+    assert pool.fused_host_access in ("direct", "staged")
+    if pool.fused_host_access == "staged":
+        assert "cannot address the host buffers" in caplog.text
+    for layer in range(2):
+        dev_pool.k_buffer[layer].fill_(7.0)
+        pool.load_to_device_per_layer(dev_pool, host, dev, layer, "kernel")
+    torch.cuda.synchronize()
+    for layer, (k_ref, _) in enumerate(written):
+        assert same_bits(dev_pool.k_buffer[layer][dev].cpu(), k_ref)

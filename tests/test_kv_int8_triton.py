@@ -1,0 +1,445 @@
+"""Fused INT8 host-pool kernels (pool_host/kv_int8_triton.py) under the Triton
+interpreter (TRITON_INTERPRET=1), against the reference torch codec and the
+pool's torch path: same int8 and fp16 bytes on encode, same output values on
+decode (NaN rows: NaN), for every layout, page size and geometry the pool
+supports, fragmented host units, shuffled device indices and non-finite rows.
+
+The same kernels are compiled for CUDA on a GPU (tests/gpu/); the interpreter
+runs them with numpy semantics, which are IEEE for every operation the kernels
+use (see the kernel module's docstring).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hicache_harness import (
+    Geometry,
+    fill_random,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+from sglang.srt.mem_cache.pool_host import mha_int8
+from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
+
+DTYPES = (torch.bfloat16, torch.float16)
+# numpy warns about lanes the kernels mask out (NaN-row quotients, padding).
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter():
+    """Build the kernels under the interpreter for this module only."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        kt.reset_kernels()
+        yield
+    kt.reset_kernels()
+
+
+# --- kernel level ------------------------------------------------------------
+
+
+def fused_encode(x: torch.Tensor, tile: int | None = None):
+    """Encode rows x [n, H, D] (one device layer) with the kernel; returns
+    (q [n, H, D], scale [n, H], rows counted non-finite). K and V both read x,
+    into different output planes, and must agree."""
+    n, H, D = x.shape
+    table = kt.DeviceLayerTable([x])
+    q = torch.full((n, 1, 1, H, D), 99, dtype=torch.int8)
+    qv = torch.full((n, 1, 1, H, D), 98, dtype=torch.int8)
+    scale = torch.full((n, 1, 1, 2, H), -1.0, dtype=torch.float16)
+    counter = torch.zeros((), dtype=torch.int64)
+    idx = torch.arange(n)
+    kt.encode_gather(
+        table, table, idx, q, qv, scale, idx, unit_tokens=1,
+        nonfinite_counter=counter, tile=tile,
+    )  # fmt: skip
+    assert torch.equal(q, qv)
+    assert_same_bits(scale[..., 0, :], scale[..., 1, :])
+    return q.view(n, H, D), scale[:, 0, 0, 0], int(counter) // 2
+
+
+def fused_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+    """Decode q [n, H, D], scale [n, H] with the kernel into a sentinel-filled
+    device layer at shuffled slots; returns the rows in input order."""
+    n, H, D = q.shape
+    size = 2 * n + 3
+    slots = torch.randperm(size, generator=torch.Generator().manual_seed(n))[:n]
+    k_dst = torch.full((size, H, D), -7.0, dtype=dtype)
+    v_dst = torch.full((size, H, D), -5.0, dtype=dtype)
+    s = torch.stack([scale, scale], dim=1)  # [n, 2, H]
+    kt.decode_scatter(
+        q[:, None], q[:, None], s[:, None], torch.arange(n), k_dst, v_dst, slots,
+        unit_tokens=1,
+    )  # fmt: skip
+    untouched = torch.ones(size, dtype=torch.bool)
+    untouched[slots] = False
+    assert (k_dst[untouched] == -7.0).all() and (v_dst[untouched] == -5.0).all()
+    assert_same_bits(k_dst[slots], v_dst[slots])
+    return k_dst[slots]
+
+
+def check_rows(x: torch.Tensor, tile: int | None = None) -> None:
+    """x [n, H, D] bf16/fp16: kernel encode == reference bytes, kernel decode
+    == reference values, non-finite rows counted."""
+    q_ref, s_ref = codec.quantize_reference(x)
+    q, s, bad = fused_encode(x, tile)
+    assert_same_bits(q, q_ref)
+    assert torch.equal(s.view(torch.int16), s_ref.view(torch.int16))  # NaN bits too
+    assert bad == int(codec.count_nonfinite_rows(s_ref))
+    for out_dtype in DTYPES:
+        assert_same_bits(
+            fused_decode(q_ref, s_ref, out_dtype),
+            codec.dequantize_reference(q_ref, s_ref, out_dtype),
+        )
+
+
+@pytest.mark.parametrize(
+    "case", [i for i, x in enumerate(edge_inputs()) if x.dtype in DTYPES]
+)
+def test_codec_edge_inputs(case):
+    """Zeros, -0, smallest normal, subnormal, half-integer quotients, dtype
+    max, past the fp16-scale guard, NaN/Inf, spikes: the codec tests' rows."""
+    x = edge_inputs()[case]
+    check_rows(x.reshape(x.shape[0], 1, x.shape[1]))
+    # Same rows as heads of fewer tokens (head index math, odd head count).
+    check_rows(x[:15].reshape(5, 3, x.shape[1]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", (64, 96, 128, 192, 256))
+def test_random_rows_across_magnitudes(dtype, d):
+    """Gaussian, heavy-tailed, spiky and zero rows from the dtype's subnormals
+    to beyond the scale guard, every head_dim the pool sees."""
+    lo, hi = LOG2_RANGE[dtype]
+    mags = [lo + (hi - lo) * i / 23 for i in range(24)]
+    x = make_rows(d, (48, 4, d), dtype, ["gauss", "heavy", "spike", "zero"], mags)
+    check_rows(x)
+    # Small tiles: more programs, rows split differently.
+    check_rows(x[:9], tile=256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_round_half_to_even_ties(dtype):
+    """Quotients exactly on .5 (both signs, odd and even neighbours) and
+    just off it, at power-of-two scales from fp16 subnormal to large."""
+    rows = []
+    for log2_s in (-24, -20, -14, -3, 0, 5):
+        s = 2.0**log2_s
+        k = torch.arange(-126, 127, dtype=torch.float64) + 0.5  # all ties
+        rows.append(torch.cat([torch.tensor([127.0]), k[:63]]) * s)  # amax 127 s
+        rows.append(torch.cat([torch.tensor([-127.0]), k[63:126]]) * s)
+        rows.append(torch.cat([torch.tensor([127.0]), k[126:189]]) * s)
+        rows.append(torch.cat([torch.tensor([-127.0]), k[189:252]]) * s)
+    x = torch.stack(rows).to(dtype)
+    check_rows(x[:, None, :])
+    # Scales that aren't powers of two (fp16: values just around ties).
+    g = torch.Generator().manual_seed(3)
+    y = (torch.randint(-254, 255, (32, 64), generator=g).double() / 2 * 1.37).to(dtype)
+    check_rows(y[:, None, :])
+
+
+def test_exact_grid_and_fp16_output_overflow():
+    for dtype, mant in ((torch.bfloat16, 1.0), (torch.float16, 1.75)):
+        s = mant * 2.0**-3
+        k = torch.randint(
+            -127, 128, (8, 64), generator=torch.Generator().manual_seed(1)
+        )
+        k[:, 0] = 127
+        x = (k.double() * s).to(dtype)
+        q, scale, _ = fused_encode(x[:, None])
+        assert torch.equal(q[:, 0], k.to(torch.int8))
+        assert (scale.double() == s).all()
+    # fp16 values near 65504 decode past fp16's max: Inf, as the reference.
+    x = torch.tensor([[65504.0] + [1.0] * 63], dtype=torch.float16)
+    check_rows(x[:, None])
+
+
+def test_decode_special_scales():
+    """Decode alone over NaN, subnormal, largest and random scales."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-127, 128, (40, 2, 96), generator=g, dtype=torch.int8)
+    q[:, :, 0] = 127
+    scale = (torch.rand(40, 2, generator=g) * 4).half()
+    scale[0] = NAN
+    scale[1] = 2.0**-24
+    scale[2] = 65504.0
+    scale[3, 0] = 6.1e-5
+    scale[4] = 0.0  # never produced by encode; still decodes to zeros
+    for out_dtype in DTYPES:
+        assert_same_bits(
+            fused_decode(q, scale, out_dtype),
+            codec.dequantize_reference(q, scale, out_dtype),
+        )
+
+
+def test_encode_gathers_layers_and_strided_records():
+    """All layers in one launch from separately allocated device tensors, into
+    a 5-D strided record view (layer_first = transposed), fragmented units."""
+    L, size, H, D, DV, UT = 3, 40, 2, 64, 32, 4
+    g = torch.Generator().manual_seed(5)
+    k_layers = [(torch.randn(size, H, D, generator=g) * 4).bfloat16() for _ in range(L)]
+    v_layers = [torch.randn(size, H, DV, generator=g).bfloat16() for _ in range(L)]
+    v_layers[2][7, 1, 0] = INF
+    dev = torch.tensor([7, 3, 38, 0, 12, 11, 10, 9])
+    host = torch.tensor([20, 21, 22, 23, 4, 5, 6, 7])  # units 5 then 1
+    k_host = torch.full((L, 8, UT, H, D), 55, dtype=torch.int8)  # layer-major
+    v_host = torch.full((8, L, UT, H, DV), 55, dtype=torch.int8)
+    s_host = torch.full((8, L, UT, 2, H), 3.0, dtype=torch.float16)
+    counter = torch.zeros((), dtype=torch.int64)
+    kt.encode_gather(
+        kt.DeviceLayerTable(k_layers), kt.DeviceLayerTable(v_layers), dev,
+        k_host.transpose(0, 1), v_host, s_host, host, unit_tokens=UT,
+        nonfinite_counter=counter,
+    )  # fmt: skip
+    assert int(counter) == 1
+    unit, within = host // UT, host % UT
+    for layer in range(L):
+        for kv, (rows, out) in enumerate(
+            (
+                (k_layers[layer][dev], k_host[layer]),
+                (v_layers[layer][dev], v_host[:, layer]),
+            )
+        ):
+            q, s = codec.quantize_reference(rows)
+            assert torch.equal(out[unit, within], q)
+            assert_same_bits(s_host[unit, layer, within, kv], s)
+    touched = torch.zeros(8, dtype=torch.bool)
+    touched[unit] = True
+    assert (k_host[:, ~touched] == 55).all() and (v_host[~touched] == 55).all()
+    assert (s_host[~touched] == 3.0).all()
+
+
+# --- pool level: fused path == torch path ------------------------------------
+
+
+@pytest.fixture
+def big_tiles(monkeypatch):
+    """Fewer, larger programs: the interpreter's cost is per program (the
+    kernel-level tests above cover the default and small tiles)."""
+    monkeypatch.setattr(kt, "ENCODE_TILE", 65536)
+    monkeypatch.setattr(kt, "DECODE_TILE", 65536)
+
+
+GEOMETRIES = [
+    (1, 64, 64),
+    (3, 64, 64),
+    (8, 128, 128),
+    (2, 96, 96),
+    (4, 256, 256),
+    (64, 128, 128),
+    (4, 192, 128),
+]
+
+
+def pool_round_trip(
+    geo, layout, mode, n_pages=3, poison=False, device_index_dtype=torch.int64
+):
+    """Backup then restore through one INT8 pool; mode None = torch path, else
+    the fused kernels with that host access. Returns the host buffers after
+    backup, the device buffers after restore, and the non-finite count."""
+    p = geo.page_size
+    device_pool = make_device_pool(geo, device_tokens=16 * p)
+    pool = make_host_pool(
+        device_pool, host_tokens=16 * p, layout=layout,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
+    )  # fmt: skip
+    assert pool.use_fused_kernels is False  # CPU default: the torch path
+    if mode is not None:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = mode
+    gen = torch.Generator().manual_seed(geo.head_num * 7 + p)
+    pages = torch.randperm(n_pages, generator=gen) + 1
+    dev = (pages[:, None] * p + torch.arange(p)).flatten()
+    fill_random(device_pool, dev, seed=geo.head_num)
+    if poison:
+        device_pool.k_buffer[1][dev[1], 0, 3] = NAN
+        device_pool.v_buffer[0][dev[-1], geo.head_num - 1, 0] = -INF
+        device_pool.k_buffer[0][dev[0], 0, :] = 1e7  # past the fp16-scale guard
+    host_all = pool.alloc(pool.size - pool.page_size)
+    host = torch.cat([host_all[:p], host_all[2 * p :]])[: len(dev)]  # a gap
+    pool.backup_from_device_all_layer(
+        device_pool, host, dev.to(device_index_dtype), "direct"
+    )
+    host_bufs = [b.clone() for b in pool.kv_buffer]
+
+    for layer in range(geo.layer_num):
+        device_pool.k_buffer[layer].fill_(7.0)
+        device_pool.v_buffer[layer].fill_(7.0)
+    new_pages = torch.randperm(n_pages, generator=gen) + 8
+    new_dev = (new_pages[:, None] * p + torch.arange(p)).flatten()
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(
+            device_pool, host, new_dev.to(device_index_dtype), layer, "direct"
+        )
+    device = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
+    return host_bufs, device, pool.nonfinite_row_count()
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t
+
+
+def assert_same_results(a, b):
+    for x, y in zip(a[0], b[0]):  # host records and scales: identical bytes
+        assert x.dtype == y.dtype and torch.equal(raw(x), raw(y))
+    for x, y in zip(a[1], b[1]):  # whole device buffers, untouched slots too
+        assert_same_bits(x, y)
+    assert a[2] == b[2]
+
+
+POOL_CASES = [
+    (layout, page_size, geometry)
+    for layout, page_size in itertools.product(LAYOUTS, (1, 16, 64))
+    for geometry in (
+        GEOMETRIES if page_size == 16 else GEOMETRIES[:3] + GEOMETRIES[-1:]
+    )
+]
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("layout,page_size,geometry", POOL_CASES)
+def test_pool_fused_matches_torch_path(layout, page_size, geometry):
+    head_num, head_dim, v_head_dim = geometry
+    geo = Geometry(
+        layer_num=2, head_num=head_num, head_dim=head_dim,
+        v_head_dim=v_head_dim, page_size=page_size,
+    )  # fmt: skip
+    poison = geometry == (3, 64, 64)
+    n_pages = 2 if head_num * page_size >= 1024 else 3
+    ref = pool_round_trip(geo, layout, None, n_pages, poison=poison)
+    if poison:
+        assert ref[2] == 3  # the NaN row, the -Inf row, the 1e7 row
+    assert_same_results(pool_round_trip(geo, layout, "direct", n_pages, poison), ref)
+    # Staged runs the same kernels on staging strides: a subset suffices.
+    if page_size == 16 and geometry in ((3, 64, 64), (4, 192, 128)):
+        assert_same_results(
+            pool_round_trip(geo, layout, "staged", n_pages, poison), ref
+        )
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pool_nonfinite_rows_and_device_index_dtypes(layout, dtype):
+    geo = Geometry(layer_num=3, head_num=3, head_dim=16, page_size=2, dtype=dtype)
+    ref = pool_round_trip(geo, layout, None, n_pages=5, poison=True)
+    assert ref[2] == 3
+    for mode in mha_int8.FUSED_HOST_ACCESS:
+        got = pool_round_trip(
+            geo, layout, mode, n_pages=5, poison=True, device_index_dtype=torch.int32
+        )
+        assert_same_results(got, ref)
+        assert got[2] == 3
+
+
+@pytest.mark.usefixtures("big_tiles")
+def test_staged_fused_path_chunks(monkeypatch):
+    monkeypatch.setattr(mha_int8, "_INT8_STAGING_TOKENS", 8)
+    geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
+    ref = pool_round_trip(geo, "page_first", None, n_pages=7, poison=True)
+    assert_same_results(
+        pool_round_trip(geo, "page_first", "staged", n_pages=7, poison=True), ref
+    )
+
+
+def test_one_launch_per_backup_and_per_layer(monkeypatch):
+    calls = {"encode": 0, "decode": 0}
+    for name in calls:
+        real = getattr(kt, f"{name}_gather" if name == "encode" else f"{name}_scatter")
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(kt, real.__name__, counted)
+    monkeypatch.setattr(mha_int8, "_INT8_STAGING_TOKENS", 8)  # direct ignores chunks
+    geo = Geometry(layer_num=4, head_num=2, head_dim=16, page_size=2)
+    pool_round_trip(geo, "page_first", "direct", n_pages=7)
+    assert calls == {"encode": 1, "decode": geo.layer_num}
+
+
+def test_host_index_out_of_range_is_rejected():
+    geo = Geometry(layer_num=1, head_num=1, head_dim=16)
+    device_pool = make_device_pool(geo, 16)
+    pool = make_host_pool(
+        device_pool,
+        host_tokens=16,
+        layout="layer_first",
+        host_pool_cls=MHATokenToKVPoolINT8Host,
+    )
+    pool.use_fused_kernels = True
+    with pytest.raises(IndexError):
+        pool.backup_from_device_all_layer(
+            device_pool, torch.tensor([pool.size]), torch.tensor([1]), "direct"
+        )
+
+
+def test_mode_selection(monkeypatch):
+    geo = Geometry()
+    device_pool = make_device_pool(geo, 16)
+
+    def build():
+        return make_host_pool(
+            device_pool,
+            host_tokens=16,
+            layout="page_first",
+            host_pool_cls=MHATokenToKVPoolINT8Host,
+        )
+
+    pool = build()  # CPU: torch path by default, kernels can reach host memory
+    assert not pool.use_fused_kernels and pool.fused_host_access == "direct"
+    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "staged")
+    assert build().fused_host_access == "staged"
+    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "off")
+    assert not build().use_fused_kernels
+    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "bogus")
+    with pytest.raises(ValueError, match="SGLANG_HICACHE_INT8_FUSED"):
+        build()
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
+def test_controller_round_trip_with_fused_kernels(layout, page_size):
+    """The real HiCacheController drives the fused path: write-through, evict
+    from L1, load back: the reference codec's values at the new slots."""
+    geo = Geometry(layer_num=2, head_num=2, head_dim=8, page_size=page_size)
+    rig = make_rig(
+        geo, device_tokens=32 * page_size, host_tokens=64 * page_size,
+        layout=layout, io_backend="kernel", host_pool_cls=MHATokenToKVPoolINT8Host,
+    )  # fmt: skip
+    rig.host_pool.use_fused_kernels = True
+    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
+    gen = torch.Generator().manual_seed(9)
+    dev = alloc.alloc(6 * page_size)
+    expected = []
+    for layer in range(geo.layer_num):
+        k = (torch.randn((len(dev), 2, 8), generator=gen) * 3).to(geo.dtype)
+        v = torch.randn((len(dev), 2, 8), generator=gen).to(geo.dtype)
+        dev_pool.k_buffer[layer][dev] = k
+        dev_pool.v_buffer[layer][dev] = v
+        expected.append(
+            [
+                codec.dequantize_reference(*codec.quantize_reference(t), t.dtype)
+                for t in (k, v)
+            ]
+        )
+    host = ctl.write(dev)
+    finish_transfers(ctl)
+    alloc.free(dev)
+    new_dev = ctl.load(host)
+    ctl.start_loading()
+    finish_transfers(ctl)
+    for layer, (k, v) in enumerate(expected):
+        assert torch.equal(dev_pool.k_buffer[layer][new_dev], k)
+        assert torch.equal(dev_pool.v_buffer[layer][new_dev], v)
