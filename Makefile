@@ -12,10 +12,14 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 SGLANG_IMAGE_TAG ?= v0.5.23-cu130
 IMAGE ?= hiqcache/sglang:0.5.23-hiq
+# WikiText-2 test split, read in place (never copied into the repo).
+TEXT_FILE ?= ../shared/data/wikitext-2/test.txt
+QUALITY_ARGS ?=
 
-.PHONY: help apply check-patches refresh wheel pr image test venv bench-codec clean
+.PHONY: help apply check-patches refresh wheel pr image test venv bench-codec quality demo gpu-check clean
 
 help:
+	@echo "make demo           main command: capacity + cache-hit experiments on CPU (table + results/demo.png)"
 	@echo "make apply          build/sglang = pinned SGLang + sglang_overlay/ + patches/"
 	@echo "make test           CPU test environment (.venv) + apply + pytest"
 	@echo "make check-patches  series/patches agree and every patch applies to the pin"
@@ -24,6 +28,8 @@ help:
 	@echo "make pr             upstream-ready format-patch series into dist/pr/"
 	@echo "make image          Docker image FROM lmsysorg/sglang:$(SGLANG_IMAGE_TAG) with the series"
 	@echo "make bench-codec    INT8 codec throughput vs a plain BF16 copy (CPU)"
+	@echo "make gpu-check      on a CUDA machine: GPU tests + INT8 vs BF16 benchmark, JSON in results/gpu-check/ (scripts/gpu_check.sh --help)"
+	@echo "make quality        restored-KV quality on SmolLM2 + WikiText-2 via the real L2 path (CPU) [TEXT_FILE=...]"
 
 apply:
 	$(OVERLAY) apply
@@ -55,8 +61,23 @@ pr:
 test: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest $(PYTEST_ARGS) tests
 
+# Same CPU memory, more reuse: experiments A and B at Qwen3-8B geometry with the
+# real patched SGLang pools and radix cache (scripts/demo.py --help for options).
+DEMO_ARGS ?=
+demo: venv apply
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/demo.py $(DEMO_ARGS)
+
 bench-codec: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/bench_codec.py
+
+# Self-contained (installs the pinned wheel into a temp dir); no venv needed.
+# Stage the carry set for a machine without network: scripts/gpu_check.sh prepare
+GPU_CHECK_ARGS ?=
+gpu-check:
+	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+
+quality: venv apply
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/quality.py --text-file $(TEXT_FILE) $(QUALITY_ARGS)
 
 image:
 	docker build --build-arg SGLANG_IMAGE_TAG=$(SGLANG_IMAGE_TAG) -t $(IMAGE) .
