@@ -231,15 +231,7 @@ def big_tiles(monkeypatch):
     monkeypatch.setattr(kt, "DECODE_TILE", 65536)
 
 
-GEOMETRIES = [
-    (1, 64, 64),
-    (3, 64, 64),
-    (8, 128, 128),
-    (2, 96, 96),
-    (4, 256, 256),
-    (64, 128, 128),
-    (4, 192, 128),
-]
+from test_int8_host_pool import GEOMETRIES  # the same geometry grid  # noqa: E402
 
 
 def pool_round_trip(
