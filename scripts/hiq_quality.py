@@ -47,7 +47,6 @@ import json
 import math
 import os
 import platform
-import random
 import subprocess
 import sys
 import threading
@@ -57,6 +56,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality_server import pick_windows  # noqa: E402  (one rule, torch-free there)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TESTS_DIR = REPO_ROOT / "tests"
@@ -205,19 +207,6 @@ def _tokenize_text(tokenizer, path: Path) -> tuple[list[int], dict]:
         "chars": len(text),
         "tokens": len(ids),
     }
-
-
-def pick_windows(n_tokens: int, window_len: int, count: int, seed: int) -> list[int]:
-    """Start offsets of `count` non-overlapping windows, drawn with `seed` from
-    the aligned slots [k*window_len, (k+1)*window_len) of the token stream."""
-    slots = n_tokens // window_len
-    if slots < count:
-        raise ValueError(
-            f"the text has {n_tokens} tokens: room for {slots} windows of "
-            f"{window_len}, {count} requested"
-        )
-    chosen = sorted(random.Random(seed).sample(range(slots), count))
-    return [k * window_len for k in chosen]
 
 
 # ---------------------------------------------------------------------------

@@ -211,7 +211,9 @@ class Server:
 
 
 def pick_windows(n_tokens: int, window_len: int, count: int, seed: int) -> list[int]:
-    """Same rule as hiq_quality.pick_windows (kept torch-free here)."""
+    """Start offsets of `count` non-overlapping windows, drawn with `seed` from
+    the aligned slots [k*window_len, (k+1)*window_len) of the token stream
+    (the CPU harness, hiq_quality, uses the same rule)."""
     slots = n_tokens // window_len
     if slots < count:
         raise ValueError(
