@@ -229,6 +229,7 @@ def publish_server_args(
     hicache_size: float = 0,
     hicache_ratio: Optional[float] = None,
     layout: str = "page_first",
+    io_backend: str = "direct",
     write_policy: str = "write_through",
 ):
     """Build ServerArgs as the server would and publish its config namespaces
@@ -244,7 +245,7 @@ def publish_server_args(
         enable_hierarchical_cache=True,
         hicache_ratio=hicache_ratio,
         hicache_size=hicache_size,
-        hicache_io_backend="direct",
+        hicache_io_backend=io_backend,
         hicache_mem_layout=layout,
         hicache_write_policy=write_policy,
         hicache_host_memory_mode="cache",
@@ -554,6 +555,8 @@ class HiCacheReplay:
         verify: bool = True,
         sanity_every: int = 0,
         max_context_len: int = 1 << 16,
+        layout: str = "layer_first",  # CPU: the stock pool's `direct` io layout
+        io_backend: str = "direct",
     ):
         setup_sglang()
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -580,7 +583,8 @@ class HiCacheReplay:
         self.server_args = publish_server_args(
             host_dtype,
             hicache_ratio=ratio,
-            layout="layer_first",  # CPU: the `direct` io backend's layout
+            layout=layout,
+            io_backend=io_backend,
             write_policy=serving.write_policy,
         )
         self.device_pool = make_device_pool(geometry, serving.l1_tokens)
@@ -955,6 +959,7 @@ def replay(
     verify: bool = True,
     sanity_every: int = 0,
     requests: Optional[list[Request]] = None,
+    **engine_options,
 ) -> ReplayResult:
     """One replay of `workload` with an L2 of `host_tokens` tokens."""
     requests = requests if requests is not None else make_workload(workload)
@@ -965,6 +970,7 @@ def replay(
         label=label,
         verify=verify,
         sanity_every=sanity_every,
+        **engine_options,
     )
     try:
         return engine.run(requests, seed=workload.seed)

@@ -241,3 +241,32 @@ def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert data["summary"]["int8"]["bytes_ratio"] >= 1.93
     assert [row["budget_gb"] for row in data["experiment_b"]["sweep"]] == [0.2, 0.4]
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("layout,io_backend", [("page_first", "kernel")])
+def test_int8_with_the_server_default_layout_and_io_backend(
+    requests, layout, io_backend
+):
+    """The server's defaults (--hicache-mem-layout page_first,
+    --hicache-io-backend kernel) through UnifiedRadixCache and
+    HybridCacheController: the INT8 pool takes its indices unmoved and every
+    restored prefix stays within the codec bound, with the same hits as the
+    default replay configuration."""
+    cap = hr.capacity_at_budget("int8", BUDGETS_GB[1], label="int8")
+    engine = hr.HiCacheReplay(
+        "int8", cap.tokens, SERVING, layout=layout, io_backend=io_backend
+    )
+    try:
+        assert engine.host_pool.layout == layout
+        assert engine.cache.cache_controller.io_backend == io_backend
+    finally:
+        engine.close()
+    results = [
+        hr.replay("int8", cap.tokens, SMALL, SERVING, requests=requests, **options)
+        for options in ({}, {"layout": layout, "io_backend": io_backend})
+    ]
+    base, server_default = results
+    assert server_default.l2_hit_tokens > 0
+    assert server_default.verified_restored_tokens == server_default.l2_hit_tokens
+    assert server_default.max_restore_error <= INT8_BOUND
+    assert server_default.hit_tokens == base.hit_tokens
