@@ -49,7 +49,6 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -235,67 +234,30 @@ class OffloadRig:
         tokens: int,
         io_backend: str = "direct",
     ):
-        from sglang.srt.managers.cache_controller import HiCacheController
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-        from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+        # tests/ is on the path once install_cpu_runtime() has run.
+        from hicache_harness import make_rig
 
         self.geo = geo
         page = geo.page_size
         # Room for a window's prefix twice over (the evicted copy's slots may
-        # not be reused at once), rounded to whole pages.
+        # not be reused at once), rounded to whole pages. L2 is larger than L1
+        # (SGLang warns otherwise, as with --hicache-ratio <= 1); one window at
+        # a time is backed up, then evicted from L2.
         device_tokens = -(-2 * tokens // page) * page
-        self.device_pool = MHATokenToKVPool(
-            size=device_tokens,
-            page_size=page,
-            dtype=geo.dtype,
-            head_num=geo.head_num,
-            head_dim=geo.head_dim,
-            layer_num=geo.layer_num,
-            device="cpu",
-            enable_memory_saver=False,
-            v_head_dim=geo.v_head_dim,
-            enable_alt_stream=False,
+        rig = make_rig(
+            geo,
+            device_tokens=device_tokens,
+            host_tokens=2 * device_tokens,
+            layout=layout,
+            io_backend=io_backend,
+            host_dtype=host_dtype,
         )
+        self.device_pool, self.allocator = rig.device_pool, rig.allocator
+        self.host_pool, self.controller = rig.host_pool, rig.controller
         # Every slot starts as NaN: a row the load path did not write is
         # visible as such (see restore accounting in the module docstring).
         for buf in (*self.device_pool.k_buffer, *self.device_pool.v_buffer):
             buf.fill_(float("nan"))
-        if page == 1:
-            self.allocator = TokenToKVPoolAllocator(
-                device_tokens, geo.dtype, "cpu", self.device_pool, need_sort=False
-            )
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(
-                device_tokens, page, geo.dtype, "cpu", self.device_pool, need_sort=False
-            )
-        info = self.device_pool.get_device_pool_infos()[0].buffer_info
-        host_cls = get_mha_host_pool_cls(info, host_dtype)
-        self.host_pool = host_cls(
-            info,
-            2.0,
-            0,
-            page,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=self.device_pool.size,
-            start_layer=self.device_pool.start_layer,
-            end_layer=self.device_pool.end_layer,
-            # Larger than L1 (SGLang warns otherwise, as with --hicache-ratio
-            # <= 1); one window at a time is backed up, then evicted from L2.
-            host_token_capacity=2 * device_tokens,
-        )
-        self.controller = HiCacheController(
-            self.allocator,
-            self.host_pool,
-            page,
-            tp_group=None,
-            load_cache_event=threading.Event(),
-            write_policy="write_through",
-            io_backend=io_backend,
-        )
         self.describe = {
             "host_dtype": host_dtype,
             "host_pool": type(self.host_pool).__name__,

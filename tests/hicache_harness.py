@@ -60,10 +60,11 @@ def make_host_pool(
     host_ratio: float = 2.0,
     layout: str = "layer_first",
     host_pool_cls=None,
+    host_dtype: str = "auto",
     **extra,
 ):
     info = device_pool.get_device_pool_infos()[0].buffer_info
-    cls = host_pool_cls or get_mha_host_pool_cls(info)
+    cls = host_pool_cls or get_mha_host_pool_cls(info, host_dtype)
     return cls(
         info,
         host_ratio,
