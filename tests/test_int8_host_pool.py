@@ -152,8 +152,12 @@ def test_transfer_larger_than_staging_is_chunked(monkeypatch):
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
     device_pool, written, new_dev = round_trip(geo, "page_first", False, n_pages=7)
     for layer, (k_rows, v_rows) in enumerate(written):
-        assert torch.equal(device_pool.k_buffer[layer][new_dev], expected_restore(k_rows))
-        assert torch.equal(device_pool.v_buffer[layer][new_dev], expected_restore(v_rows))
+        assert torch.equal(
+            device_pool.k_buffer[layer][new_dev], expected_restore(k_rows)
+        )
+        assert torch.equal(
+            device_pool.v_buffer[layer][new_dev], expected_restore(v_rows)
+        )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -228,8 +232,13 @@ def test_unsupported_layout_fails_naming_the_flag(layout):
 
 def test_quantized_device_kv_fails_naming_the_flag():
     device_pool = make_device_pool(Geometry(dtype=torch.float8_e4m3fn), 16)
-    with pytest.raises(NotImplementedError, match="--kv-cache-dtype"):
+    with pytest.raises(NotImplementedError) as error:
         int8_pool(device_pool, "page_first", 16)
+    # The value to pass, a real --kv-cache-dtype choice; not the storage dtype.
+    message = str(error.value)
+    assert "Pass --kv-cache-dtype bf16" in message
+    assert "quantized (FP8/FP4)" in message
+    assert "uint8" not in message and "fp16" not in message
 
 
 def test_storage_pages_fail_fast():

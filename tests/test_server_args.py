@@ -327,3 +327,114 @@ def test_stock_pool_layout_io_rewrite_is_unchanged(models):
         models["mha"], hicache_mem_layout="page_first", hicache_io_backend="direct"
     )
     assert resolution_result(server_args, "hicache_mem_layout") == "page_first_direct"
+
+
+# --------------------------------------------------------------------------
+# Start-up refusals that used to surface later (issue 11: D2, D3, D4)
+# --------------------------------------------------------------------------
+
+
+def _model_dir(root, name: str, config: dict, **files: dict) -> str:
+    path = root / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    for filename, content in files.items():
+        (path / filename).write_text(json.dumps(content))
+    return str(path)
+
+
+_FP8_KV_CHECKPOINTS = {
+    # config.json quantization_config of an FP8 checkpoint (Fp8Config reads it)
+    "fp8_config": (
+        {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "kv_cache_quant_algo": "FP8",
+        },
+        {},
+    ),
+    # compressed-tensors describes the KV cache as an 8-bit float scheme
+    "compressed_tensors": (
+        {
+            "quant_method": "compressed-tensors",
+            "config_groups": {},
+            "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"},
+        },
+        {},
+    ),
+    # ModelOpt keeps it in hf_quant_config.json beside config.json
+    "modelopt": (
+        None,
+        {
+            "hf_quant_config.json": {
+                "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
+            }
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("checkpoint", sorted(_FP8_KV_CHECKPOINTS))
+def test_int8_refuses_fp8_kv_checkpoint_with_auto_kv_dtype(tmp_path, checkpoint):
+    quant_config, files = _FP8_KV_CHECKPOINTS[checkpoint]
+    config = dict(_LLAMA)
+    if quant_config is not None:
+        config["quantization_config"] = quant_config
+    path = _model_dir(tmp_path, checkpoint, config, **files)
+    with pytest.raises(ValueError) as error:
+        resolve(path, hicache_host_dtype="int8")
+    message = str(error.value)
+    assert "--hicache-host-dtype int8 with --kv-cache-dtype auto" in message
+    assert "FP8 KV cache" in message
+    assert "Pass --kv-cache-dtype bf16" in message
+    # Neither the storage dtype nor a value --kv-cache-dtype does not accept.
+    assert "uint8" not in message and "fp16" not in message
+    # The suggested value is a real choice and gets the server past the check.
+    resolve(path, hicache_host_dtype="int8", kv_cache_dtype="bf16")
+    resolve(path)  # the stock pool serves an FP8 device KV as before
+
+
+def test_int8_accepts_unquantized_kv_checkpoint(tmp_path):
+    config = dict(_LLAMA)
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+    }
+    resolve(_model_dir(tmp_path, "w8", config), hicache_host_dtype="int8")
+
+
+@pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
+def test_int8_refuses_packed_mtp_draft_on_mha(tmp_path, algorithm):
+    config = dict(_LLAMA, num_nextn_predict_layers=1)
+    path = _model_dir(tmp_path, "mtp", config)
+    spec = dict(
+        speculative_algorithm=algorithm,
+        speculative_num_steps=1,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=2,
+    )
+    with pytest.raises(ValueError) as error:
+        resolve(path, hicache_host_dtype="int8", **spec)
+    message = str(error.value)
+    assert "--hicache-host-dtype int8 does not support --speculative-algorithm" in (
+        message
+    )
+    assert "num_nextn_predict_layers=1" in message
+    assert "--hicache-host-dtype auto" in message
+
+
+def test_int8_warns_once_without_hierarchical_cache(caplog):
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups.hicache_hook"):
+        resolve(hicache_host_dtype="int8", enable_hierarchical_cache=False)
+    warnings = [
+        r
+        for r in caplog.records
+        if "--hicache-host-dtype int8 has no effect" in r.message
+    ]
+    assert len(warnings) == 1
+    assert "--enable-hierarchical-cache" in warnings[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups.hicache_hook"):
+        resolve(hicache_host_dtype="int8")
+        resolve(enable_hierarchical_cache=False)
+    assert "has no effect" not in caplog.text

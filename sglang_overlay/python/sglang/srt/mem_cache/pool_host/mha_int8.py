@@ -124,10 +124,15 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         if buffer_info.scales is not None or buffer_info.dtype not in (
             INT8_HOST_DEVICE_DTYPES
         ):
+            # FP8/FP4 KV reaches the pool as its one-byte storage dtype.
+            got = (
+                "a quantized (FP8/FP4) one"
+                if buffer_info.dtype.itemsize <= 1 or buffer_info.scales is not None
+                else str(buffer_info.dtype).removeprefix("torch.")
+            )
             raise NotImplementedError(
-                "--hicache-host-dtype int8 needs a BF16/FP16 device KV cache "
-                f"(--kv-cache-dtype auto/bf16/fp16); got {buffer_info.dtype}"
-                + (" with quantization scales." if buffer_info.scales else ".")
+                f"--hicache-host-dtype int8 needs a BF16/FP16 device KV cache, got "
+                f"{got}. Pass --kv-cache-dtype bf16, or use --hicache-host-dtype auto."
             )
         self.store_dtype = torch.int8
         self.scale_dtype = codec.SCALE_DTYPE
