@@ -152,12 +152,8 @@ def test_transfer_larger_than_staging_is_chunked(monkeypatch):
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
     device_pool, written, new_dev = round_trip(geo, "page_first", False, n_pages=7)
     for layer, (k_rows, v_rows) in enumerate(written):
-        assert torch.equal(
-            device_pool.k_buffer[layer][new_dev], expected_restore(k_rows)
-        )
-        assert torch.equal(
-            device_pool.v_buffer[layer][new_dev], expected_restore(v_rows)
-        )
+        assert torch.equal(device_pool.k_buffer[layer][new_dev], expected_restore(k_rows))
+        assert torch.equal(device_pool.v_buffer[layer][new_dev], expected_restore(v_rows))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
