@@ -174,6 +174,10 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         scales = 2 * self.head_num * self.scale_dtype.itemsize
         return (payload + scales) * self.layer_num
 
+    @property
+    def host_dtype(self) -> torch.dtype:
+        return self.store_dtype
+
     def device_size_per_token(self) -> int:
         """Bytes per token of the same KV in the device dtype (what BF16 offload stores)."""
         return (

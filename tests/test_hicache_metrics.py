@@ -1,0 +1,255 @@
+"""HiCache host-tier metrics, scraped from SGLang's own collectors (issue 11).
+
+Real host pools and real HiCacheController transfers (hicache_harness) feed the
+real code paths: UnifiedRadixCache's ack loggers into RadixCacheMetricsCollector
+(byte counters), and SchedulerMetricsReporter._log_hicache_stats into
+SchedulerMetricsCollector.log_stats (host format, bytes, non-finite rows, scale
+amax). The text exposition is parsed with prometheus_client's parser and every
+value is checked against the pool and the KV that was written. Only the
+scheduler around the reporter is a stand-in: it needs a GPU model runner.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from hicache_harness import Geometry, make_rig
+from sglang.srt.managers.scheduler_components.metrics_reporter import (
+    SchedulerMetricsReporter,
+)
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+from sglang.srt.observability.metrics_collector import (
+    SchedulerMetricsCollector,
+    SchedulerStats,
+)
+from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+from sglang.srt.server_args import ServerArgs
+
+GEO = Geometry(layer_num=3, head_num=2, head_dim=16, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def collectors():
+    server_args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        enable_hierarchical_cache=True,
+        enable_metrics=True,
+    )
+    registered_before = set(REGISTRY._collector_to_names)
+    reset_context()
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    # Built the way the scheduler and the radix cache build them.
+    scheduler = SchedulerMetricsCollector.init_new(
+        server_args=server_args,
+        enable_priority_scheduling=False,
+        enable_lora=False,
+        enable_hierarchical_cache=True,
+    ).collector
+    radix = UnifiedRadixCache.__new__(UnifiedRadixCache)
+    radix.init_metrics_collector()
+    yield scheduler, radix
+    # The collectors register in the process-wide registry; a server builds
+    # them once, a test once per case.
+    for collector in set(REGISTRY._collector_to_names) - registered_before:
+        REGISTRY.unregister(collector)
+    reset_context()
+
+
+class Scrape:
+    def __init__(self):
+        self.families = {
+            f.name: f
+            for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+        }
+        self.samples = [s for f in self.families.values() for s in f.samples]
+
+    def all(self, name: str, **labels) -> list:
+        return [
+            s
+            for s in self.samples
+            if s.name == name and labels.items() <= s.labels.items()
+        ]
+
+    def value(self, name: str, **labels) -> float:
+        (sample,) = self.all(name, **labels)
+        return sample.value
+
+
+class TierRig:
+    """A HiCache rig plus the real reporter/ack-logging code that feeds metrics."""
+
+    def __init__(self, host_dtype: str, collectors, layout: str = "layer_first"):
+        self.scheduler_collector, self.radix = collectors
+        self.rig = make_rig(
+            GEO,
+            device_tokens=64,
+            host_tokens=128,
+            layout=layout,
+            io_backend="direct",
+            host_dtype=host_dtype,
+        )
+        self.pool = self.rig.host_pool
+        tree_cache = SimpleNamespace(
+            token_to_kv_pool_host=self.pool, cache_controller=self.rig.controller
+        )
+        self.reporter = SchedulerMetricsReporter.__new__(SchedulerMetricsReporter)
+        self.reporter.scheduler = SimpleNamespace(
+            enable_hierarchical_cache=True, tree_cache=tree_cache
+        )
+        self.reporter.stats = SchedulerStats()
+        self.gen = torch.Generator().manual_seed(0)
+        self.written = []  # per layer: K rows, V rows (device dtype)
+
+    def backup(self, n: int, nan_rows: int = 0) -> torch.Tensor:
+        """n new tokens on the device (the first nan_rows K rows hold a NaN),
+        written through to the host; returns the host indices."""
+        ctl, device_pool = self.rig.controller, self.rig.device_pool
+        device_indices = self.rig.allocator.alloc(n)
+        batch = []
+        for layer in range(GEO.layer_num):
+            k = torch.randn((n, GEO.head_num, GEO.head_dim), generator=self.gen)
+            v = torch.randn((n, GEO.head_num, GEO.head_dim), generator=self.gen)
+            k, v = (k * (layer + 1)).to(GEO.dtype), (v * 0.5).to(GEO.dtype)
+            k[:nan_rows, 0, 0] = float("nan")
+            device_pool.k_buffer[layer][device_indices] = k
+            device_pool.v_buffer[layer][device_indices] = v
+            batch.append((k, v))
+        self.written.append(batch)
+        host_indices = ctl.write(device_indices)
+        for ack in ctl.ack_write_queue:
+            ack.finish_event.synchronize()
+            self.radix._log_write_ack_metrics(ack)
+        ctl.ack_write_queue.clear()
+        self.rig.allocator.free(device_indices)
+        return host_indices
+
+    def load(self, host_indices: torch.Tensor) -> None:
+        ctl = self.rig.controller
+        device_indices = ctl.load(host_indices)
+        ctl.start_loading()
+        for ack in ctl.ack_load_queue:
+            ack.finish_event.synchronize()
+            self.radix._log_load_ack_metrics(ack)
+        ctl.ack_load_queue.clear()
+        self.rig.allocator.free(device_indices)
+
+    def collect(self) -> Scrape:
+        self.reporter._log_hicache_stats()
+        self.scheduler_collector.log_stats(self.reporter.stats)
+        return Scrape()
+
+    def finite_amax(self, layer: int, kv: int) -> float:
+        rows = torch.cat([batch[layer][kv] for batch in self.written]).float()
+        return rows[torch.isfinite(rows)].abs().max().item()
+
+
+def layer_bytes(dims_itemsize: int, scale_bytes: int = 0) -> int:
+    return (
+        GEO.layer_num * GEO.head_num * (2 * GEO.head_dim * dims_itemsize + scale_bytes)
+    )
+
+
+EXPECTED = {
+    # host_dtype: (host_dtype label, transfer paths, host B/token, device B/token)
+    "auto": ("bfloat16", {"copy"}, layer_bytes(2), layer_bytes(2)),
+    # INT8 payload plus one FP16 scale per K and V head row
+    "int8": ("int8", {"torch"}, layer_bytes(1, 2 * 2), layer_bytes(2)),
+}
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
+def test_host_tier_metrics_after_real_transfers(collectors, host_dtype):
+    host_label, paths, host_bpt, device_bpt = EXPECTED[host_dtype]
+    tier = TierRig(host_dtype, collectors)
+    first = tier.backup(24)
+    tier.backup(16)
+    tier.load(first)
+    scrape = tier.collect()
+
+    # The format: exactly one info series, naming what the pool really is.
+    (info,) = scrape.all("sglang:hicache_host_info")
+    assert info.value == 1
+    assert info.labels["host_dtype"] == host_label
+    assert info.labels["device_dtype"] == "bfloat16"
+    assert info.labels["layout"] == "layer_first"
+    assert info.labels["io_backend"] == "direct"
+    assert info.labels["transfer_path"] in paths
+    assert info.labels["transfer_path"] == tier.pool.transfer_path
+
+    # Bytes: capacity and use as stored, per token encoded and logical.
+    assert tier.pool.size_per_token == host_bpt
+    assert scrape.value("sglang:hicache_host_bytes_per_token") == host_bpt
+    assert scrape.value("sglang:hicache_host_logical_bytes_per_token") == device_bpt
+    assert scrape.value("sglang:hicache_host_total_bytes") == tier.pool.size * host_bpt
+    used_tokens = tier.pool.size - tier.pool.available_size()
+    assert used_tokens == 40
+    assert scrape.value("sglang:hicache_host_used_bytes") == used_tokens * host_bpt
+    assert scrape.value("sglang:hicache_host_used_tokens") == used_tokens
+
+    # Traffic: 40 tokens backed up, 24 loaded back; encoded and logical bytes.
+    assert scrape.value("sglang:hicache_backup_bytes_total") == 40 * host_bpt
+    assert scrape.value("sglang:load_back_bytes_total") == 24 * host_bpt
+    assert scrape.value("sglang:hicache_backup_logical_bytes_total") == 40 * device_bpt
+    assert scrape.value("sglang:load_back_logical_bytes_total") == 24 * device_bpt
+    for family in ("sglang:hicache_backup_bytes", "sglang:load_back_bytes"):
+        assert "--hicache-host-dtype int8" in scrape.families[family].documentation
+
+    encodes = host_dtype == "int8"
+    assert bool(scrape.all("sglang:hicache_host_nonfinite_rows_total")) == encodes
+    assert bool(scrape.all("sglang:hicache_host_scale_amax")) == encodes
+
+
+def test_int8_nonfinite_rows_and_scale_amax(collectors):
+    tier = TierRig("int8", collectors, layout="page_first")
+    tier.backup(20)
+    scrape = tier.collect()
+    assert scrape.value("sglang:hicache_host_nonfinite_rows_total") == 0
+    amax = tier.pool.scale_amax_by_layer()
+    assert amax.shape == (GEO.layer_num, 2)
+    for layer in range(GEO.layer_num):
+        for kv_index, kv in enumerate("kv"):
+            exported = scrape.value(
+                "sglang:hicache_host_scale_amax", layer=str(layer), kv=kv
+            )
+            # The largest |x| backed up, exactly: BF16 values are exact in fp32.
+            assert exported == tier.finite_amax(layer, kv_index)
+            assert exported == amax[layer, kv_index].item()
+    assert len(scrape.all("sglang:hicache_host_scale_amax")) == 2 * GEO.layer_num
+
+    # Five tokens whose first K head row holds a NaN, in every layer.
+    tier.backup(8, nan_rows=5)
+    scrape = tier.collect()
+    nonfinite = 5 * GEO.layer_num
+    assert tier.pool.nonfinite_row_count() == nonfinite
+    assert scrape.value("sglang:hicache_host_nonfinite_rows_total") == nonfinite
+    # Read again with nothing new: the counter does not count twice.
+    scrape = tier.collect()
+    assert scrape.value("sglang:hicache_host_nonfinite_rows_total") == nonfinite
+    amax = tier.pool.scale_amax_by_layer()
+    for layer in range(GEO.layer_num):
+        for kv_index, kv in enumerate("kv"):
+            exported = scrape.value(
+                "sglang:hicache_host_scale_amax", layer=str(layer), kv=kv
+            )
+            assert exported == amax[layer, kv_index].item()
+            assert exported >= tier.finite_amax(layer, kv_index)
+
+
+def test_format_series_follows_a_transfer_path_change(collectors):
+    tier = TierRig("int8", collectors)
+    tier.backup(4)
+    before = tier.pool.transfer_path
+    tier.collect()
+    tier.pool.transfer_path = "fused_staged"
+    scrape = tier.collect()
+    series = {
+        s.labels["transfer_path"]: s.value
+        for s in scrape.all("sglang:hicache_host_info")
+    }
+    assert series == {before: 0, "fused_staged": 1}
