@@ -98,6 +98,24 @@ _FUSED_ENV = "SGLANG_HICACHE_INT8_FUSED"
 _SELF_CHECK_UNITS = 2
 
 
+def _expect_same(step, name, layer, got, want) -> None:
+    """Bit-for-bit comparison for the self-check; NaN payloads don't count."""
+    got, want = got.cpu(), want.cpu()
+    if got.is_floating_point():
+        bits = torch.int16 if got.element_size() == 2 else torch.int32
+        both_nan = torch.isnan(got) & torch.isnan(want)
+        differ = (got.view(bits) != want.view(bits)) & ~both_nan
+    else:
+        differ = got != want
+    if bool(differ.any()):
+        where = differ.nonzero()[0].tolist()
+        raise RuntimeError(
+            f"{step} of {name.upper()} layer {layer} differs from the torch "
+            f"reference at {where}: {got[tuple(where)].item()} != "
+            f"{want[tuple(where)].item()}"
+        )
+
+
 def int8_host_bytes_ratio(buffer_info: MHABufferInfo) -> float:
     """Host bytes of the INT8 copy per device byte of the same tokens."""
     dims = buffer_info.head_dim + buffer_info.v_head_dim
@@ -571,6 +589,151 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                     rows.view(n_units, self.unit_tokens, *rows.shape[1:]),
                 )
                 device_buffers[layer_id].index_copy_(0, dev_rows, rows)
+
+    # ------------------------------------------------------------------
+    # start-up self-check
+
+    def self_check(self) -> bool:
+        """Run a small backup + restore through the selected fused path and
+        compare it bit for bit with the torch reference codec; on any error or
+        mismatch, warn and switch to the torch path. Returns whether the fused
+        path passed (True on the torch path, which is the reference).
+
+        It compiles every kernel variant the pool launches (backup with int64
+        and int32 device indices, restore of every layer), so serving does not
+        compile. It borrows a few host units and device slots and puts their
+        bytes, and the statistics counters, back afterwards; the allocators
+        are not touched. Synchronizes: meant for start-up.
+        """
+        if not self.use_fused_kernels:
+            return True
+        saved = self._save_self_check_state()
+        try:
+            self._run_self_check(saved["host_indices"], saved["device_indices"])
+        except Exception as e:  # noqa: BLE001 - any fault means "don't use it"
+            cause = f"{type(e).__name__}: {e}"
+            logger.warning(
+                "INT8 host pool self-check of the %s path failed (%s); "
+                "falling back to the torch path.",
+                self.transfer_path,
+                cause,
+            )
+            self._set_transfer_path(
+                False, self.fused_host_access, f"self-check failed: {cause}"
+            )
+            return False
+        finally:
+            self._restore_self_check_state(saved)
+        return True
+
+    def _self_check_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host token indices of the last units, in reverse unit order (a
+        backward jump), and as many device slots from the top of layer 0."""
+        units = self.page_num if self._page_major else self.size
+        n_units = min(_SELF_CHECK_UNITS, units)
+        ut = self.unit_tokens
+        first = torch.arange(units - 1, units - 1 - n_units, -1, dtype=torch.int64)
+        host = (first[:, None] * ut + torch.arange(ut)).flatten()
+        device_slots = self.device_k_buffers[0].shape[0]
+        if device_slots < len(host):
+            raise ValueError("device pool too small for the INT8 self-check")
+        device = torch.arange(device_slots - len(host), device_slots)
+        return host, device.flip(0).to(self._transfer_device)
+
+    def _save_self_check_state(self) -> dict:
+        host, device = self._self_check_slots()
+        units = self._host_units(host)
+        return {
+            "host_indices": host,
+            "device_indices": device,
+            "records": [
+                self._host_layer(name, layer)[units].clone()
+                for layer in range(self.layer_num)
+                for name in ("k", "v", "scale")
+            ],
+            "units": units,
+            "rows": [
+                buf[layer][device].clone()
+                for buf in (self.device_k_buffers, self.device_v_buffers)
+                for layer in range(self.layer_num)
+            ],
+            "stats": [
+                t.clone()
+                for t in (
+                    self._nonfinite_rows,
+                    self._scale_amax,
+                    self._invalid_host_indices,
+                )
+            ],
+        }
+
+    def _restore_self_check_state(self, saved: dict) -> None:
+        records = iter(saved["records"])
+        for layer in range(self.layer_num):
+            for name in ("k", "v", "scale"):
+                self._host_layer(name, layer)[saved["units"]] = next(records)
+        rows = iter(saved["rows"])
+        for buf in (self.device_k_buffers, self.device_v_buffers):
+            for layer in range(self.layer_num):
+                buf[layer][saved["device_indices"]] = next(rows)
+        stats = (self._nonfinite_rows, self._scale_amax, self._invalid_host_indices)
+        for live, old in zip(stats, saved["stats"]):
+            live.copy_(old)
+        self._load_index_cache = None
+        self._sync_stats()
+
+    def _self_check_rows(self, n_tokens: int, dim: int, seed: int) -> torch.Tensor:
+        """Rows spanning many magnitudes, a half-integer tie, the dtype's
+        largest value (fp16 saturation) and a NaN row."""
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n_tokens, self.head_num, dim, generator=g)
+        x *= torch.logspace(-6, 4, n_tokens, base=2.0)[:, None, None]
+        x[0, 0, :2] = torch.tensor([127.0, 0.5])  # q = 0.5 / 1: a tie to even
+        x[-1, -1, 0] = torch.finfo(self.dtype).max
+        if n_tokens > 2:
+            x[1, 0, 0] = float("nan")
+        return x.to(self.dtype)
+
+    def _run_self_check(self, host, device) -> None:
+        n = len(host)
+        units = self._host_units(host)
+        dev_bufs = (self.device_k_buffers, self.device_v_buffers)
+        inputs = [
+            [
+                self._self_check_rows(n, buf[layer].shape[-1], 2 * layer + kv)
+                for layer in range(self.layer_num)
+            ]
+            for kv, buf in enumerate(dev_bufs)
+        ]
+        expected = [
+            [codec.quantize_reference(x) for x in per_layer] for per_layer in inputs
+        ]
+        for device_indices in (device, device.to(torch.int32)):
+            for kv, buf in enumerate(dev_bufs):
+                for layer in range(self.layer_num):
+                    buf[layer][device] = inputs[kv][layer].to(buf[layer].device)
+            self.backup_from_device_all_layer(None, host, device_indices, "kernel")
+            for layer in range(self.layer_num):
+                for kv, name in enumerate(("k", "v")):
+                    q_ref, s_ref = expected[kv][layer]
+                    stored = self._host_layer(name, layer)[units]
+                    scales = self._host_layer("scale", layer)[units][:, :, kv]
+                    _expect_same(
+                        "backup", name, layer, stored, q_ref.view(stored.shape)
+                    )
+                    _expect_same(
+                        "backup scale", name, layer, scales, s_ref.view(scales.shape)
+                    )
+                for buf in dev_bufs:
+                    buf[layer][device] = 0
+                self.load_to_device_per_layer(
+                    None, host, device_indices, layer, "kernel"
+                )
+                for kv, buf in enumerate(dev_bufs):
+                    q_ref, s_ref = expected[kv][layer]
+                    restored = buf[layer][device].cpu()
+                    want = codec.dequantize_reference(q_ref, s_ref, self.dtype)
+                    _expect_same("restore", "kv"[kv], layer, restored, want)
 
     # ------------------------------------------------------------------
     # fused kernels (kv_int8_triton)
