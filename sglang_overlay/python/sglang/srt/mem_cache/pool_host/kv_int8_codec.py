@@ -11,7 +11,9 @@ plus ``scale`` float16 ``[...]``:
                                               fp16's smallest subnormal becomes
                                               2**-24)
     q    = clamp(round_half_even(x / s), -127, 127)   (fp32 true division)
-    x^   = (float32(q) * float32(s)).to(out_dtype)
+    x^   = sat(float32(q) * float32(s)).to(out_dtype)
+
+where sat clamps to the output dtype's largest finite value (NaN stays NaN).
 
 The floor on amax makes an all-zero row decode to exact zeros (s = 2**-24,
 q = 0) instead of 0/0. Rounding the scale up (rather than to nearest) keeps
@@ -42,9 +44,13 @@ the quantization term becomes s/2 * (1 + 2**-16). For the scale itself
     amax/127 <= s <= amax/127 * (1 + 2**-10)   if amax/127 >= 2**-14
     amax/127 <= s <= amax/127 + 2**-24          below (fp16 subnormals)
 
-Caveat of the fixed format: with fp16 output, |x| within s/2 of fp16's max
-(the last few fp16 values below 65504) can decode to +-Inf, because q*s may
-round past 65504; error_bound reports Inf there. bf16 output cannot overflow.
+Saturation. With fp16 output, q*s can exceed fp16's max: for |x| >= 65472
+(the four finite fp16 values +-65472, +-65504) s = 516 and 127 * 516 = 65532
+rounds to Inf. Decode therefore saturates at +-65504 before rounding. That
+keeps the bound above: x itself lies in [-65504, 65504], so clamping q*s into
+that interval only moves it closer to x, and 65504 is exact in fp16. bf16
+output cannot overflow (|q*s| <= 127 * 65504, far below bf16's max); bf16
+inputs that large are past the scale guard and stored as non-finite rows.
 
 Why FP16 and not BF16 scales. Both cost 2 bytes per row. With the same
 round-up rule a BF16 scale only guarantees s <= amax/127 * (1 + 2**-7), so
@@ -139,18 +145,24 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_reference(
     q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Decode (q, scale) -> x^ of the given dtype; NaN rows decode to NaN."""
-    return (q.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)).to(dtype)
+    """Decode (q, scale) -> x^ of the given dtype; NaN rows decode to NaN,
+    finite rows saturate at the dtype's largest finite value."""
+    xf = q.to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)
+    top = torch.finfo(dtype).max
+    return xf.clamp(-top, top).to(dtype)
 
 
 def quantize_into(
     x: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor
-) -> None:
+) -> torch.Tensor:
     """Encode x into preallocated q_out (int8, x's shape) and scale_out (fp16).
 
     Bit-identical to quantize_reference. Any of the tensors may be strided
     views (gathered rows, slices of a bigger host buffer). No host sync: all
     value-dependent decisions are tensor ops.
+
+    Returns each row's amax, max |x| in fp32 (x.shape[:-1]; NaN for rows
+    holding NaN), for callers that track the scale range.
     """
     _check_input(x)
     if q_out.dtype != torch.int8 or q_out.shape != x.shape:
@@ -180,13 +192,14 @@ def quantize_into(
     # so nan_to_num_ zeroes exactly the rows the reference masks.
     qf.round_().clamp_(-QMAX, QMAX).nan_to_num_(nan=0.0)
     q_out.copy_(qf)
+    return amax
 
 
 def dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     """Decode (q, scale) into out; out's dtype is the output dtype.
 
-    Bit-identical to dequantize_reference: the product is exact in fp32 and
-    rounds once, into out.
+    Bit-identical to dequantize_reference: the product is exact in fp32,
+    saturates at out's largest finite value and rounds once, into out.
     """
     if q.dtype != torch.int8 or scale.shape != q.shape[:-1]:
         raise ValueError(
@@ -201,6 +214,11 @@ def dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
     # bits but runs several times slower on CPU.
     xf = q.to(torch.float32)
     xf.mul_(scale.to(torch.float32).unsqueeze(-1))
+    if out.dtype != torch.float32:
+        # clamp_ keeps NaN and changes only results that would round to the
+        # largest finite value anyway or to Inf.
+        top = torch.finfo(out.dtype).max
+        xf.clamp_(-top, top)
     out.copy_(xf)
 
 

@@ -163,7 +163,10 @@ def _encode_rows_src(
     layer,
     row0,
     n_rows,
+    n_host,
     counter_ptr,
+    amax_ptr,
+    bad_idx_ptr,
     H: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -171,23 +174,34 @@ def _encode_rows_src(
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT: tl.constexpr,
+    AMAX: tl.constexpr,
+    COUNT_BAD_IDX: tl.constexpr,
 ):
     rows = row0 + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     tok = rows // H
     head = (rows % H).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    m2 = rmask[:, None] & (d < D)[None, :]
 
     didx = tl.load(dev_idx_ptr + tok, mask=rmask, other=0).to(tl.int64)
     hidx = tl.load(host_idx_ptr + tok, mask=rmask, other=0).to(tl.int64)
+    # A host index outside the records is never written (nor read on the
+    # device side): the row is dropped and counted, without a host sync.
+    hmask = rmask & (hidx >= 0) & (hidx < n_host)
+    m2 = hmask[:, None] & (d < D)[None, :]
+    if COUNT_BAD_IDX:
+        # Once per token: its first head, in layer 0's K program.
+        dropped = rmask & ~hmask & (head == 0) & (layer == 0)
+        n_dropped = tl.reduce(dropped.to(tl.int64), 0, _sum_combine)
+        tl.atomic_add(bad_idx_ptr, n_dropped, mask=n_dropped > 0)
     src = layer_off + didx * d_st + head * d_sh
     bits = tl.load(x_base + (src[:, None] + d[None, :]), mask=m2, other=0)
     x = _to_fp32(bits, IS_BF16)
 
     # Scale, as kv_int8_codec._scale_from_amax. Floor: finfo(float32).tiny.
     row_nan = tl.reduce((x != x).to(tl.int32), 1, _max_combine) > 0
-    amax = tl.maximum(tl.reduce(tl.abs(x), 1, _max_combine), 1.1754943508222875e-38)
+    amax_raw = tl.reduce(tl.abs(x), 1, _max_combine)
+    amax = tl.maximum(amax_raw, 1.1754943508222875e-38)
     s32 = tl.math.div_rn(amax, 127.0)
     s_bits = s32.to(tl.float16).to(tl.int16, bitcast=True)
     below = s_bits.to(tl.float16, bitcast=True).to(tl.float32) < s32
@@ -211,10 +225,17 @@ def _encode_rows_src(
     q_row = unit * q_su + layer * q_sl + within * q_st + head * q_sh
     tl.store(q_base + (q_row[:, None] + d[None, :]), r.to(tl.int8), mask=m2)
     s_off = unit * s_su + layer * s_sl + within * s_st + head * s_sh
-    tl.store(s_base + s_off, s_bits, mask=rmask)
+    tl.store(s_base + s_off, s_bits, mask=hmask)
     if COUNT:
-        n_bad = tl.reduce((bad & rmask).to(tl.int64), 0, _sum_combine)
+        n_bad = tl.reduce((bad & hmask).to(tl.int64), 0, _sum_combine)
         tl.atomic_add(counter_ptr, n_bad, mask=n_bad > 0)
+    if AMAX:
+        # amax >= 0, so its fp32 bit pattern orders like the value: an int32
+        # atomic max is exact (and needs no float atomics).
+        good = hmask & ~bad
+        block_amax = tl.reduce(tl.where(good, amax_raw, 0.0), 0, _max_combine)
+        amax_bits = block_amax.to(tl.int32, bitcast=True)
+        tl.atomic_max(amax_ptr, amax_bits, mask=amax_bits > 0)
 
 
 def _encode_kernel_src(
@@ -228,7 +249,10 @@ def _encode_kernel_src(
     v_out,
     s_out,
     counter_ptr,
+    amax_ptr,
+    bad_idx_ptr,
     n_rows,
+    n_host,
     dk_st,
     dk_sh,
     dv_st,
@@ -256,6 +280,8 @@ def _encode_kernel_src(
     IS_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
     COUNT: tl.constexpr,
+    AMAX: tl.constexpr,
+    COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, layers, K|V)
     row0 = tl.program_id(0) * BLOCK_R
@@ -269,8 +295,10 @@ def _encode_kernel_src(
             k_base, off, dev_idx_ptr, dk_st, dk_sh, host_idx_ptr,
             k_out, k_su, k_sl, k_st, k_sh,
             s_out, s_su, s_sl, s_st, s_sh,
-            layer, row0, n_rows, counter_ptr,
-            H, DK, DK_PAD, UT, BLOCK_R, IS_BF16, COUNT,
+            layer, row0, n_rows, n_host, counter_ptr, amax_ptr + 2 * layer,
+            bad_idx_ptr,
+            H, DK, DK_PAD, UT, BLOCK_R, IS_BF16, COUNT, AMAX,
+            COUNT_BAD_IDX,
         )  # fmt: skip
     else:
         off = tl.load(v_offs + layer_idx)
@@ -280,8 +308,9 @@ def _encode_kernel_src(
             v_base, off, dev_idx_ptr, dv_st, dv_sh, host_idx_ptr,
             v_out, v_su, v_sl, v_st, v_sh,
             s_out + s_skv, s_su, s_sl, s_st, s_sh,
-            layer, row0, n_rows, counter_ptr,
-            H, DV, DV_PAD, UT, BLOCK_R, IS_BF16, COUNT,
+            layer, row0, n_rows, n_host, counter_ptr, amax_ptr + 2 * layer + 1,
+            bad_idx_ptr,
+            H, DV, DV_PAD, UT, BLOCK_R, IS_BF16, COUNT, AMAX, False,
         )  # fmt: skip
 
 
@@ -301,28 +330,37 @@ def _decode_rows_src(
     dev_idx_ptr,
     row0,
     n_rows,
+    n_host,
+    bad_idx_ptr,
     H: tl.constexpr,
     D: tl.constexpr,
     D_PAD: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
+    COUNT_BAD_IDX: tl.constexpr,
 ):
     rows = row0 + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     tok = rows // H
     head = (rows % H).to(tl.int64)
     d = tl.arange(0, D_PAD)
-    m2 = rmask[:, None] & (d < D)[None, :]
 
     hidx = tl.load(host_idx_ptr + tok, mask=rmask, other=0).to(tl.int64)
     didx = tl.load(dev_idx_ptr + tok, mask=rmask, other=0).to(tl.int64)
+    # Out-of-range host rows are neither read nor restored; counted instead.
+    hmask = rmask & (hidx >= 0) & (hidx < n_host)
+    m2 = hmask[:, None] & (d < D)[None, :]
+    if COUNT_BAD_IDX:
+        dropped = rmask & ~hmask & (head == 0)
+        n_dropped = tl.reduce(dropped.to(tl.int64), 0, _sum_combine)
+        tl.atomic_add(bad_idx_ptr, n_dropped, mask=n_dropped > 0)
     unit = hidx // UT
     within = hidx % UT
     q_row = unit * q_su + within * q_st + head * q_sh
     q = tl.load(q_base + (q_row[:, None] + d[None, :]), mask=m2, other=0)
     s_off = unit * s_su + within * s_st + head * s_sh
-    s = tl.load(s_base + s_off, mask=rmask, other=0)
+    s = tl.load(s_base + s_off, mask=hmask, other=0)
     s = s.to(tl.float16, bitcast=True).to(tl.float32)
     y = q.to(tl.float32) * s[:, None]
     if IS_BF16:
@@ -330,6 +368,9 @@ def _decode_rows_src(
         rounded = (u + (0x7FFF + ((u >> 16) & 1))) >> 16
         out = tl.where(y != y, 0x7FC0, rounded).to(tl.int16)  # torch's bf16 NaN
     else:
+        # Saturate to fp16's max finite value (127 * s may round past it);
+        # NaN rows stay NaN.
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -65504.0), 65504.0))
         out = y.to(tl.float16).to(tl.int16, bitcast=True)
     y_row = didx * y_st + head * y_sh
     tl.store(y_base + (y_row[:, None] + d[None, :]), out, mask=m2)
@@ -343,7 +384,9 @@ def _decode_kernel_src(
     k_dst,
     v_dst,
     dev_idx_ptr,
+    bad_idx_ptr,
     n_rows,
+    n_host,
     k_su,
     k_st,
     k_sh,
@@ -366,20 +409,21 @@ def _decode_kernel_src(
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
+    COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, K|V)
     row0 = tl.program_id(0) * BLOCK_R
     if tl.program_id(1) == 0:
         _decode_rows(
             k_in, k_su, k_st, k_sh, s_in, s_su, s_st, s_sh, host_idx_ptr,
-            k_dst, yk_st, yk_sh, dev_idx_ptr, row0, n_rows,
-            H, DK, DK_PAD, UT, BLOCK_R, IS_BF16,
+            k_dst, yk_st, yk_sh, dev_idx_ptr, row0, n_rows, n_host, bad_idx_ptr,
+            H, DK, DK_PAD, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
         _decode_rows(
             v_in, v_su, v_st, v_sh, s_in + s_skv, s_su, s_st, s_sh, host_idx_ptr,
-            v_dst, yv_st, yv_sh, dev_idx_ptr, row0, n_rows,
-            H, DV, DV_PAD, UT, BLOCK_R, IS_BF16,
+            v_dst, yv_st, yv_sh, dev_idx_ptr, row0, n_rows, n_host, bad_idx_ptr,
+            H, DV, DV_PAD, UT, BLOCK_R, IS_BF16, False,
         )  # fmt: skip
 
 
@@ -399,6 +443,27 @@ _decode_rows = None
 _max_combine = None
 _sum_combine = None
 _KERNELS: SimpleNamespace | None = None
+
+# Triton specializes int arguments equal to 1 or divisible by 16, and pointers
+# on 16-byte alignment. Values that change from one transfer to the next must
+# not pick a kernel variant, or a serving pool compiles new ones mid-flight in
+# the scheduler thread. Index, table and counter pointers are only gathered
+# from or hit by atomics, so their alignment buys nothing either (and layer
+# slices of the tables and stats shift it). Record and device-row pointers
+# and strides stay specialized: they are fixed per pool and layer, and the
+# pool's start-up self-check compiles those variants.
+ENCODE_PER_TRANSFER_ARGS = ("n_rows", "n_host")
+ENCODE_BOOKKEEPING_POINTERS = (
+    "k_offs",
+    "v_offs",
+    "dev_idx_ptr",
+    "host_idx_ptr",
+    "counter_ptr",
+    "amax_ptr",
+    "bad_idx_ptr",
+)
+DECODE_PER_TRANSFER_ARGS = ("n_rows", "n_host")
+DECODE_BOOKKEEPING_POINTERS = ("host_idx_ptr", "dev_idx_ptr", "bad_idx_ptr")
 
 
 def _build() -> SimpleNamespace:
@@ -424,8 +489,16 @@ def _build() -> SimpleNamespace:
     _decode_rows = triton.jit(_decode_rows_src)
     _KERNELS = SimpleNamespace(
         interpret=interpret,
-        encode=triton.jit(_encode_kernel_src),
-        decode=triton.jit(_decode_kernel_src),
+        encode=triton.jit(
+            _encode_kernel_src,
+            do_not_specialize=ENCODE_PER_TRANSFER_ARGS,
+            do_not_specialize_on_alignment=ENCODE_BOOKKEEPING_POINTERS,
+        ),
+        decode=triton.jit(
+            _decode_kernel_src,
+            do_not_specialize=DECODE_PER_TRANSFER_ARGS,
+            do_not_specialize_on_alignment=DECODE_BOOKKEEPING_POINTERS,
+        ),
     )
     return _KERNELS
 
@@ -517,6 +590,19 @@ def _check_index(name: str, idx: torch.Tensor, n: int, device: torch.device) -> 
         raise ValueError(f"{name} must be contiguous on {device}, got {idx.device}")
 
 
+def _check_counter(name: str, t: torch.Tensor | None, device) -> None:
+    if t is not None and (t.dtype != torch.int64 or t.dim() or t.device != device):
+        raise ValueError(f"{name} must be a 0-dim int64 tensor on {device}")
+
+
+def _or_dummy(t, dummy, view_dtype=None):
+    """The pointer argument for an optional tensor; a constexpr flag tells the
+    kernel whether to touch it (any valid pointer does otherwise)."""
+    if t is None:
+        return dummy
+    return t if view_dtype is None else t.view(view_dtype)
+
+
 def _check_records(name, t, dims, dtype, head_num, dim=None) -> None:
     ok = t.dtype == dtype and t.dim() == dims
     if ok and dim is None:
@@ -542,6 +628,8 @@ def encode_gather(
     *,
     unit_tokens: int,
     nonfinite_counter: torch.Tensor | None = None,
+    scale_amax: torch.Tensor | None = None,
+    bad_index_counter: torch.Tensor | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -556,8 +644,13 @@ def encode_gather(
     with unit = host_indices[i] // unit_tokens. The outputs may be pinned
     host memory (CUDA: reached through UVA) or device tensors. Rows stored as
     non-finite are added to nonfinite_counter (0-dim int64 on the transfer
-    device) if given. Bit-identical to kv_int8_codec.quantize_reference.
-    Indices are not range-checked here (the pool checks host indices).
+    device) if given; scale_amax (fp32 [L, 2] on the transfer device) is
+    raised to the largest amax of the finite rows of each layer's K and V.
+    Bit-identical to kv_int8_codec.quantize_reference.
+
+    A host index outside [0, units * unit_tokens) is not written: its token
+    is skipped in every layer and counted once in bad_index_counter (0-dim
+    int64) if given. Device indices are not range-checked here.
     """
     n = int(device_indices.numel())
     layers = len(k_table)
@@ -582,11 +675,18 @@ def encode_gather(
             )
     if scale_out.shape[3] != 2:
         raise ValueError(f"scale_out must be [..., 2, H], got {tuple(scale_out.shape)}")
-    count = nonfinite_counter is not None
-    if count and (
-        nonfinite_counter.dtype != torch.int64 or nonfinite_counter.device != dev
+    _check_counter("nonfinite_counter", nonfinite_counter, dev)
+    _check_counter("bad_index_counter", bad_index_counter, dev)
+    if scale_amax is not None and (
+        scale_amax.dtype != torch.float32
+        or scale_amax.shape != (layers, 2)
+        or not scale_amax.is_contiguous()
+        or scale_amax.device != dev
     ):
-        raise ValueError("nonfinite_counter must be int64 on the transfer device")
+        raise ValueError(
+            f"scale_amax must be contiguous float32 [{layers}, 2] on {dev}, got "
+            f"{scale_amax.dtype} {tuple(scale_amax.shape)} on {scale_amax.device}"
+        )
 
     kernels = _build()
     dk_pad, dv_pad = _pow2(DK), _pow2(DV)
@@ -596,15 +696,19 @@ def encode_gather(
     kernels.encode[(_cdiv(n_rows, block_r), layers, 2)](
         k_table.base, v_table.base, k_table.offsets, v_table.offsets,
         device_indices, host_indices, k_out, v_out, s16,
-        nonfinite_counter if count else k_table.offsets,
-        n_rows,
+        _or_dummy(nonfinite_counter, k_table.offsets),
+        _or_dummy(scale_amax, k_table.offsets, torch.int32),
+        _or_dummy(bad_index_counter, k_table.offsets),
+        n_rows, k_out.shape[0] * unit_tokens,
         k_table.stride[0], k_table.stride[1], v_table.stride[0], v_table.stride[1],
         k_out.stride(0), k_out.stride(1), k_out.stride(2), k_out.stride(3),
         v_out.stride(0), v_out.stride(1), v_out.stride(2), v_out.stride(3),
         s16.stride(0), s16.stride(1), s16.stride(2), s16.stride(3), s16.stride(4),
         H=H, DK=DK, DK_PAD=dk_pad, DV=DV, DV_PAD=dv_pad, UT=unit_tokens,
         BLOCK_R=block_r, IS_BF16=k_table.dtype == torch.bfloat16,
-        ALIGNED=k_table.aligned and v_table.aligned, COUNT=count,
+        ALIGNED=k_table.aligned and v_table.aligned,
+        COUNT=nonfinite_counter is not None, AMAX=scale_amax is not None,
+        COUNT_BAD_IDX=bad_index_counter is not None,
         num_warps=num_warps or ENCODE_WARPS,
     )  # fmt: skip
 
@@ -619,6 +723,7 @@ def decode_scatter(
     device_indices: torch.Tensor,
     *,
     unit_tokens: int,
+    bad_index_counter: torch.Tensor | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -630,7 +735,10 @@ def decode_scatter(
       scale_in fp16 [units, unit_tokens, 2, H]
       k_dst    bf16/fp16 [size, H, Dk] device layer (v_dst likewise)
 
-    Bit-identical to kv_int8_codec.dequantize_reference (NaN rows: NaN).
+    Bit-identical to kv_int8_codec.dequantize_reference (NaN rows: NaN;
+    fp16 output saturates at +-65504). A host index outside
+    [0, units * unit_tokens) restores nothing: its device rows keep their
+    contents, and the token is counted in bad_index_counter if given.
     """
     n = int(device_indices.numel())
     if n == 0:
@@ -654,6 +762,7 @@ def decode_scatter(
             )
     if scale_in.shape[2] != 2:
         raise ValueError(f"scale_in must be [..., 2, H], got {tuple(scale_in.shape)}")
+    _check_counter("bad_index_counter", bad_index_counter, dev)
 
     kernels = _build()
     dk_pad, dv_pad = _pow2(DK), _pow2(DV)
@@ -662,12 +771,14 @@ def decode_scatter(
     s16 = _bits16(scale_in)
     kernels.decode[(_cdiv(n_rows, block_r), 2)](
         k_in, v_in, s16, host_indices, _bits16(k_dst), _bits16(v_dst),
-        device_indices, n_rows,
+        device_indices, _or_dummy(bad_index_counter, device_indices),
+        n_rows, k_in.shape[0] * unit_tokens,
         k_in.stride(0), k_in.stride(1), k_in.stride(2),
         v_in.stride(0), v_in.stride(1), v_in.stride(2),
         s16.stride(0), s16.stride(1), s16.stride(2), s16.stride(3),
         k_dst.stride(0), k_dst.stride(1), v_dst.stride(0), v_dst.stride(1),
         H=H, DK=DK, DK_PAD=dk_pad, DV=DV, DV_PAD=dv_pad, UT=unit_tokens,
         BLOCK_R=block_r, IS_BF16=k_dst.dtype == torch.bfloat16,
+        COUNT_BAD_IDX=bad_index_counter is not None,
         num_warps=num_warps or DECODE_WARPS,
     )  # fmt: skip

@@ -54,6 +54,21 @@ one transfer stream.
 SGLANG_HICACHE_INT8_FUSED overrides the choice: "auto" (default: fused on
 CUDA, direct if the host pool is pinned, else staged; torch elsewhere),
 "off" (torch path), "direct" or "staged" (fused, that host access).
+`transfer_path` ("fused_direct", "fused_staged" or "torch") and
+`transfer_path_reason` say which one moves the data and why; the pool keeps
+them current when it switches. On CUDA the constructor runs `self_check()`:
+one small backup + restore through the fused path, compared bit for bit with
+the torch reference codec, which also compiles every kernel variant the pool
+launches; on any mismatch or error the pool falls back to the torch path.
+
+Host indices are range-checked before anything moves: on the CPU where they
+arrive there (no sync), and by the fused kernels themselves when they are
+already on the device (out-of-range rows are skipped and counted in
+`invalid_host_index_count()`, read on demand, so the hot path never syncs).
+
+Statistics, accumulated on the transfer device and read (with a sync) only
+on demand: `nonfinite_row_count()`, `scale_amax_by_layer()` (largest finite
+per-row amax backed up, per layer, K and V) and `invalid_host_index_count()`.
 """
 
 from __future__ import annotations
@@ -77,7 +92,28 @@ INT8_HOST_DEVICE_DTYPES = (torch.bfloat16, torch.float16)
 # Tokens one staging chunk holds (rounded to whole pages).
 _INT8_STAGING_TOKENS = 4096
 FUSED_HOST_ACCESS = ("direct", "staged")
+TRANSFER_PATHS = ("fused_direct", "fused_staged", "torch")
 _FUSED_ENV = "SGLANG_HICACHE_INT8_FUSED"
+# Self-check size: units of host records it borrows (restored afterwards).
+_SELF_CHECK_UNITS = 2
+
+
+def _expect_same(step, name, layer, got, want) -> None:
+    """Bit-for-bit comparison for the self-check; NaN payloads don't count."""
+    got, want = got.cpu(), want.cpu()
+    if got.is_floating_point():
+        bits = torch.int16 if got.element_size() == 2 else torch.int32
+        both_nan = torch.isnan(got) & torch.isnan(want)
+        differ = (got.view(bits) != want.view(bits)) & ~both_nan
+    else:
+        differ = got != want
+    if bool(differ.any()):
+        where = differ.nonzero()[0].tolist()
+        raise RuntimeError(
+            f"{step} of {name.upper()} layer {layer} differs from the torch "
+            f"reference at {where}: {got[tuple(where)].item()} != "
+            f"{want[tuple(where)].item()}"
+        )
 
 
 def int8_host_bytes_ratio(buffer_info: MHABufferInfo) -> float:
@@ -164,6 +200,14 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             self.device_size_per_token(),
             self.device_size_per_token() / self.get_size_per_token(),
             layout,
+        )
+        if self._transfer_device.type == "cuda" and self.use_fused_kernels:
+            self.self_check()
+        logger.info(
+            "HiCache %s INT8 host pool transfer path: %s (%s).",
+            pool_label,
+            self.transfer_path,
+            self.transfer_path_reason,
         )
 
     # ------------------------------------------------------------------
@@ -261,27 +305,14 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         self.staging_units = min(chunk_units, units)
         dev = self._transfer_device
         self._nonfinite_rows = torch.zeros((), dtype=torch.int64, device=dev)
+        self._invalid_host_indices = torch.zeros((), dtype=torch.int64, device=dev)
+        self._scale_amax = torch.zeros(
+            (self.layer_num, 2), dtype=torch.float32, device=dev
+        )
         # Copying per contiguous run keeps host<->device copies asynchronous;
         # on a CPU transfer device one indexed copy does the same work.
         self.use_run_copies = dev.type != "cpu"
-
-        mode = os.environ.get(_FUSED_ENV, "auto").strip().lower() or "auto"
-        if mode not in ("auto", "off", *FUSED_HOST_ACCESS):
-            raise ValueError(
-                f"{_FUSED_ENV} must be auto, off, direct or staged; got {mode!r}"
-            )
-        # Fused kernels by default on CUDA; tests switch them on for CPU (the
-        # Triton interpreter) by setting use_fused_kernels.
-        self.use_fused_kernels = (
-            mode != "off" and dev.type == "cuda" and fused.available(dev)
-        )
-        if mode in FUSED_HOST_ACCESS:
-            self.fused_host_access = mode
-        else:
-            # The kernels reach host memory directly if it is pinned (UVA), or
-            # if the "device" is the CPU itself.
-            pinned = self.pin_memory or dev.type == "cpu"
-            self.fused_host_access = "direct" if pinned else "staged"
+        self._select_transfer_path(dev)
         self._fused_layer_tables = None
         self._load_index_cache = None
         # Staging: one layer of encoded records plus its device-dtype rows, per
@@ -298,6 +329,63 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             # What was enqueued here (counter, staging positions) is complete
             # before the transfer streams touch it.
             torch.cuda.current_stream(dev).synchronize()
+
+    def _select_transfer_path(self, dev: torch.device) -> None:
+        mode = os.environ.get(_FUSED_ENV, "auto").strip().lower() or "auto"
+        if mode not in ("auto", "off", *FUSED_HOST_ACCESS):
+            raise ValueError(
+                f"{_FUSED_ENV} must be auto, off, direct or staged; got {mode!r}"
+            )
+        # The kernels reach host memory directly if it is pinned (UVA), or if
+        # the "device" is the CPU itself.
+        pinned = self.pin_memory or dev.type == "cpu"
+        if mode in FUSED_HOST_ACCESS:
+            access, why = mode, f"{_FUSED_ENV}={mode}"
+        elif pinned:
+            access, why = "direct", "default on CUDA"
+        else:
+            access, why = "staged", "host memory not device-addressable (not pinned)"
+        # Fused kernels by default on CUDA; tests switch them on for CPU (the
+        # Triton interpreter) by setting use_fused_kernels.
+        if mode == "off":
+            self._set_transfer_path(False, access, f"{_FUSED_ENV}=off")
+        elif dev.type != "cuda":
+            self._set_transfer_path(False, access, f"not CUDA ({dev.type})")
+        elif not fused.available(dev):
+            self._set_transfer_path(False, access, "triton cannot run on this device")
+        else:
+            self._set_transfer_path(True, access, why)
+
+    def _set_transfer_path(self, use_fused: bool, access: str, reason: str) -> None:
+        """The one place the transfer path changes, so its reason stays current."""
+        if access not in FUSED_HOST_ACCESS:
+            raise ValueError(f"fused_host_access must be direct or staged: {access!r}")
+        self._use_fused = bool(use_fused)
+        self._fused_access = access
+        self.transfer_path_reason = reason
+
+    @property
+    def transfer_path(self) -> str:
+        """Which code moves the records: fused_direct, fused_staged or torch."""
+        if not self._use_fused:
+            return "torch"
+        return f"fused_{self._fused_access}"
+
+    @property
+    def use_fused_kernels(self) -> bool:
+        return self._use_fused
+
+    @use_fused_kernels.setter
+    def use_fused_kernels(self, on: bool) -> None:
+        self._set_transfer_path(on, self._fused_access, "set on the pool object")
+
+    @property
+    def fused_host_access(self) -> str:
+        return self._fused_access
+
+    @fused_host_access.setter
+    def fused_host_access(self, access: str) -> None:
+        self._set_transfer_path(self._use_fused, access, "set on the pool object")
 
     @property
     def _d2h(self) -> dict[str, torch.Tensor]:
@@ -346,16 +434,45 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         values. Reading the counter synchronizes with the transfer device
         (all its streams: backups run on HiCache's D2H stream).
         """
+        self._sync_stats()
+        return int(self._nonfinite_rows.item())
+
+    def scale_amax_by_layer(self) -> torch.Tensor:
+        """Largest per-row amax (max |x| of a head row) backed up so far, per
+        layer, for K and V: CPU float32 [layer_num, 2]. Rows stored as
+        non-finite do not count (nonfinite_row_count() counts them). Tracked
+        on the transfer device; reading it synchronizes with it."""
+        self._sync_stats()
+        return self._scale_amax.to("cpu", copy=True)
+
+    def invalid_host_index_count(self) -> int:
+        """Token entries that fused transfers skipped because their host
+        index, already on the device, was out of range (one per token and
+        launch: a restore counts once per layer). Indices that arrive on the
+        CPU are rejected with IndexError instead. Reading it synchronizes."""
+        self._sync_stats()
+        return int(self._invalid_host_indices.item())
+
+    def _sync_stats(self) -> None:
+        # Backups and loads run on HiCache's own streams: wait for all of them.
         if self._nonfinite_rows.is_cuda:
             torch.cuda.synchronize(self._nonfinite_rows.device)
-        return int(self._nonfinite_rows.item())
+
+    def _track_scale_amax(self, layer_id, kv, amax, scale) -> None:
+        """Raise the layer's running amax by the finite rows just encoded."""
+        finite_amax = torch.where(torch.isfinite(scale), amax, 0.0).amax()
+        slot = self._scale_amax[layer_id, kv]
+        torch.maximum(slot, finite_amax, out=slot)
 
     # ------------------------------------------------------------------
     # transfers
 
     def _host_units(self, host_indices: torch.Tensor) -> torch.Tensor:
-        """Token indices (page-aligned runs for page layouts) -> host unit ids on CPU."""
+        """Token indices (page-aligned runs for page layouts) -> host unit ids on
+        CPU; rejects indices outside the pool before anything moves (torch
+        indexing would wrap negative ones silently)."""
         host_indices = host_indices.to("cpu", torch.int64)
+        self._check_host_indices(host_indices)
         if self.unit_tokens == 1:
             return host_indices
         return host_indices[:: self.unit_tokens] // self.unit_tokens
@@ -431,11 +548,13 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                     rows = stage[f"{name}_rows"][:n_tokens]
                     torch.index_select(device_buffers[layer_id], 0, dev_rows, out=rows)
                     kv = 0 if name == "k" else 1
-                    codec.quantize_into(
+                    scales = stage["scale"][:n_units, :, kv]
+                    amax = codec.quantize_into(
                         rows.view(n_units, self.unit_tokens, *rows.shape[1:]),
                         stage[name][:n_units],
-                        stage["scale"][:n_units, :, kv],
+                        scales,
                     )
+                    self._track_scale_amax(layer_id, kv, amax, scales)
                     self._store(name, layer_id, stage[name], units, runs)
                 self._nonfinite_rows += codec.count_nonfinite_rows(
                     stage["scale"][:n_units]
@@ -481,6 +600,151 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                 device_buffers[layer_id].index_copy_(0, dev_rows, rows)
 
     # ------------------------------------------------------------------
+    # start-up self-check
+
+    def self_check(self) -> bool:
+        """Run a small backup + restore through the selected fused path and
+        compare it bit for bit with the torch reference codec; on any error or
+        mismatch, warn and switch to the torch path. Returns whether the fused
+        path passed (True on the torch path, which is the reference).
+
+        It compiles every kernel variant the pool launches (backup with int64
+        and int32 device indices, restore of every layer), so serving does not
+        compile. It borrows a few host units and device slots and puts their
+        bytes, and the statistics counters, back afterwards; the allocators
+        are not touched. Synchronizes: meant for start-up.
+        """
+        if not self.use_fused_kernels:
+            return True
+        saved = self._save_self_check_state()
+        try:
+            self._run_self_check(saved["host_indices"], saved["device_indices"])
+        except Exception as e:  # noqa: BLE001 - any fault means "don't use it"
+            cause = f"{type(e).__name__}: {e}"
+            logger.warning(
+                "INT8 host pool self-check of the %s path failed (%s); "
+                "falling back to the torch path.",
+                self.transfer_path,
+                cause,
+            )
+            self._set_transfer_path(
+                False, self.fused_host_access, f"self-check failed: {cause}"
+            )
+            return False
+        finally:
+            self._restore_self_check_state(saved)
+        return True
+
+    def _self_check_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host token indices of the last units, in reverse unit order (a
+        backward jump), and as many device slots from the top of layer 0."""
+        units = self.page_num if self._page_major else self.size
+        n_units = min(_SELF_CHECK_UNITS, units)
+        ut = self.unit_tokens
+        first = torch.arange(units - 1, units - 1 - n_units, -1, dtype=torch.int64)
+        host = (first[:, None] * ut + torch.arange(ut)).flatten()
+        device_slots = self.device_k_buffers[0].shape[0]
+        if device_slots < len(host):
+            raise ValueError("device pool too small for the INT8 self-check")
+        device = torch.arange(device_slots - len(host), device_slots)
+        return host, device.flip(0).to(self._transfer_device)
+
+    def _save_self_check_state(self) -> dict:
+        host, device = self._self_check_slots()
+        units = self._host_units(host)
+        return {
+            "host_indices": host,
+            "device_indices": device,
+            "records": [
+                self._host_layer(name, layer)[units].clone()
+                for layer in range(self.layer_num)
+                for name in ("k", "v", "scale")
+            ],
+            "units": units,
+            "rows": [
+                buf[layer][device].clone()
+                for buf in (self.device_k_buffers, self.device_v_buffers)
+                for layer in range(self.layer_num)
+            ],
+            "stats": [
+                t.clone()
+                for t in (
+                    self._nonfinite_rows,
+                    self._scale_amax,
+                    self._invalid_host_indices,
+                )
+            ],
+        }
+
+    def _restore_self_check_state(self, saved: dict) -> None:
+        records = iter(saved["records"])
+        for layer in range(self.layer_num):
+            for name in ("k", "v", "scale"):
+                self._host_layer(name, layer)[saved["units"]] = next(records)
+        rows = iter(saved["rows"])
+        for buf in (self.device_k_buffers, self.device_v_buffers):
+            for layer in range(self.layer_num):
+                buf[layer][saved["device_indices"]] = next(rows)
+        stats = (self._nonfinite_rows, self._scale_amax, self._invalid_host_indices)
+        for live, old in zip(stats, saved["stats"]):
+            live.copy_(old)
+        self._load_index_cache = None
+        self._sync_stats()
+
+    def _self_check_rows(self, n_tokens: int, dim: int, seed: int) -> torch.Tensor:
+        """Rows spanning many magnitudes, a half-integer tie, the dtype's
+        largest value (fp16 saturation) and a NaN row."""
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n_tokens, self.head_num, dim, generator=g)
+        x *= torch.logspace(-6, 4, n_tokens, base=2.0)[:, None, None]
+        x[0, 0, :2] = torch.tensor([127.0, 0.5])  # q = 0.5 / 1: a tie to even
+        x[-1, -1, 0] = torch.finfo(self.dtype).max
+        if n_tokens > 2:
+            x[1, 0, 0] = float("nan")
+        return x.to(self.dtype)
+
+    def _run_self_check(self, host, device) -> None:
+        n = len(host)
+        units = self._host_units(host)
+        dev_bufs = (self.device_k_buffers, self.device_v_buffers)
+        inputs = [
+            [
+                self._self_check_rows(n, buf[layer].shape[-1], 2 * layer + kv)
+                for layer in range(self.layer_num)
+            ]
+            for kv, buf in enumerate(dev_bufs)
+        ]
+        expected = [
+            [codec.quantize_reference(x) for x in per_layer] for per_layer in inputs
+        ]
+        for device_indices in (device, device.to(torch.int32)):
+            for kv, buf in enumerate(dev_bufs):
+                for layer in range(self.layer_num):
+                    buf[layer][device] = inputs[kv][layer].to(buf[layer].device)
+            self.backup_from_device_all_layer(None, host, device_indices, "kernel")
+            for layer in range(self.layer_num):
+                for kv, name in enumerate(("k", "v")):
+                    q_ref, s_ref = expected[kv][layer]
+                    stored = self._host_layer(name, layer)[units]
+                    scales = self._host_layer("scale", layer)[units][:, :, kv]
+                    _expect_same(
+                        "backup", name, layer, stored, q_ref.view(stored.shape)
+                    )
+                    _expect_same(
+                        "backup scale", name, layer, scales, s_ref.view(scales.shape)
+                    )
+                for buf in dev_bufs:
+                    buf[layer][device] = 0
+                self.load_to_device_per_layer(
+                    None, host, device_indices, layer, "kernel"
+                )
+                for kv, buf in enumerate(dev_bufs):
+                    q_ref, s_ref = expected[kv][layer]
+                    restored = buf[layer][device].cpu()
+                    want = codec.dequantize_reference(q_ref, s_ref, self.dtype)
+                    _expect_same("restore", "kv"[kv], layer, restored, want)
+
+    # ------------------------------------------------------------------
     # fused kernels (kv_int8_triton)
 
     def _fused_tables(self) -> tuple[fused.DeviceLayerTable, fused.DeviceLayerTable]:
@@ -512,13 +776,14 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         return indices.to(dev)
 
     def _check_host_indices(self, host_indices: torch.Tensor) -> None:
-        # The kernels address host memory directly: reject what the torch
-        # path's indexing would (where that needs no device sync).
+        # Checked where the indices are on the CPU (no device sync); indices
+        # already on the device are bounded by the fused kernels themselves.
         if host_indices.device.type == "cpu" and host_indices.numel():
             lo, hi = int(host_indices.min()), int(host_indices.max())
             if lo < 0 or hi >= self.size:
                 raise IndexError(
-                    f"host indices [{lo}, {hi}] out of range for {self.size} slots"
+                    f"INT8 host pool: host indices [{lo}, {hi}] out of range "
+                    f"[0, {self.size}); nothing was transferred."
                 )
 
     def _fused_direct(self, launch) -> bool:
@@ -539,7 +804,9 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                 "(%s); using staged transfers.",
                 e,
             )
-            self.fused_host_access = "staged"
+            self._set_transfer_path(
+                True, "staged", f"host memory not device-addressable: {e}"
+            )
             return False
 
     def _backup_fused(self, host_indices, device_indices) -> None:
@@ -558,6 +825,8 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                 self._on_transfer_device(host_indices),
                 unit_tokens=self.unit_tokens,
                 nonfinite_counter=self._nonfinite_rows,
+                scale_amax=self._scale_amax,
+                bad_index_counter=self._invalid_host_indices,
             )
 
         if self._fused_direct(direct):
@@ -576,6 +845,7 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                     stage["positions"][:n_tokens],
                     unit_tokens=self.unit_tokens,
                     nonfinite_counter=self._nonfinite_rows,
+                    scale_amax=self._scale_amax[layer_id : layer_id + 1],
                 )
                 for name in ("k", "v", "scale"):
                     self._store(name, layer_id, stage[name], units, runs)
@@ -619,6 +889,7 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                 dev_v,
                 dev_idx,
                 unit_tokens=self.unit_tokens,
+                bad_index_counter=self._invalid_host_indices,
             )
 
         if self._fused_direct(direct):

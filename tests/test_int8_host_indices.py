@@ -1,0 +1,183 @@
+"""Host-index bounds on every INT8 transfer path (issue 9, item 4).
+
+Indices that reach the pool on the CPU are rejected with IndexError before any
+byte moves, on every path: the torch path with one indexed copy, the torch path
+with per-run copies (CUDA's default; negative indices would wrap silently in
+torch slicing), and the fused kernels with direct and staged host access (under
+the Triton interpreter). Indices already on the device are bounded by the
+kernels themselves: out-of-range rows are skipped and counted, without a sync.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+# (use_fused_kernels, fused_host_access, use_run_copies)
+PATHS = {
+    "torch-indexed": (False, "direct", False),
+    "torch-runs": (False, "direct", True),
+    "fused-direct": (True, "direct", False),
+    "fused-staged": (True, "staged", True),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        kt.reset_kernels()
+        yield
+    kt.reset_kernels()
+
+
+def build(path: str, layout: str, page_size: int):
+    geo = Geometry(layer_num=2, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
+    pool = make_host_pool(
+        device_pool, host_tokens=8 * page_size, layout=layout,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
+    )  # fmt: skip
+    fused, access, runs = PATHS[path]
+    pool.use_fused_kernels = fused
+    pool.fused_host_access = access
+    pool.use_run_copies = runs
+    # Real content on both sides, so a stray write would show.
+    dev = torch.arange(page_size, 5 * page_size)
+    fill_random(device_pool, torch.arange(16 * page_size), seed=1)
+    pool.backup_from_device_all_layer(device_pool, pool.alloc(len(dev)), dev, "direct")
+    return device_pool, pool
+
+
+def state(device_pool, pool):
+    return (
+        [b.clone() for b in pool.kv_buffer],
+        [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
+        pool.nonfinite_row_count(),
+        pool.scale_amax_by_layer(),
+    )
+
+
+def assert_same_state(a, b):
+    for x, y in zip(a[0] + a[1], b[0] + b[1]):
+        bits = torch.int16 if x.element_size() == 2 else x.dtype
+        assert torch.equal(x.view(bits), y.view(bits))
+    assert a[2] == b[2] and torch.equal(a[3], b[3])
+
+
+def bad_host_indices(pool, kind: str) -> torch.Tensor:
+    """Whole pages of valid host slots, then one page that is out of range."""
+    p = pool.page_size
+    good = torch.arange(5 * p, 7 * p)  # free slots: 4 pages were backed up
+    first = -p if kind == "negative" else pool.size
+    return torch.cat([good, torch.arange(first, first + p)])
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("kind", ["negative", "past_end"])
+@pytest.mark.parametrize("layout,page_size", [("page_first", 2), ("layer_first", 1)])
+def test_bad_host_index_is_rejected_before_anything_moves(
+    path, kind, layout, page_size
+):
+    device_pool, pool = build(path, layout, page_size)
+    host = bad_host_indices(pool, kind)
+    dev = torch.arange(8 * page_size, 8 * page_size + len(host))
+    before = state(device_pool, pool)
+    with pytest.raises(IndexError, match=r"host indices \[-?\d+, \d+\] out of range"):
+        pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    assert_same_state(before, state(device_pool, pool))
+    for layer in range(pool.layer_num):
+        with pytest.raises(IndexError, match="nothing was transferred"):
+            pool.load_to_device_per_layer(device_pool, host, dev, layer, "direct")
+    assert_same_state(before, state(device_pool, pool))
+
+
+# --- indices already on the transfer device: the kernels bound them ----------
+
+
+def test_encode_skips_and_counts_out_of_range_host_rows():
+    L, size, H, D, UT, units = 2, 12, 2, 32, 2, 4
+    g = torch.Generator().manual_seed(4)
+    layers = [torch.randn(size, H, D, generator=g).half() for _ in range(L)]
+    table = kt.DeviceLayerTable(layers)
+    dev = torch.tensor([3, 0, 7, 9, 11, 5])
+    host = torch.tensor([2, -1, 7, units * UT, 1 << 40, 0])  # 3 bad entries
+    k = torch.full((units, L, UT, H, D), 55, dtype=torch.int8)
+    v = k.clone()
+    s = torch.full((units, L, UT, 2, H), 3.0, dtype=torch.float16)
+    bad = torch.zeros((), dtype=torch.int64)
+    amax = torch.zeros((L, 2), dtype=torch.float32)
+    kt.encode_gather(
+        table, table, dev, k, v, s, host, unit_tokens=UT,
+        bad_index_counter=bad, scale_amax=amax,
+    )  # fmt: skip
+    assert int(bad) == 3
+    good = torch.tensor([0, 2, 5])
+    written = torch.zeros(units * UT, dtype=torch.bool)
+    written[host[good]] = True
+    for layer in range(L):
+        q_ref, s_ref = codec.quantize_reference(layers[layer][dev[good]])
+        flat_k = k[:, layer].reshape(units * UT, H, D)
+        assert torch.equal(flat_k[host[good]], q_ref)
+        assert (flat_k[~written] == 55).all()
+        flat_s = s[:, layer].reshape(units * UT, 2, H)
+        assert torch.equal(
+            flat_s[host[good], 0].view(torch.int16), s_ref.view(torch.int16)
+        )
+        assert (flat_s[~written] == 3.0).all()
+        # Skipped rows do not feed the scale statistic either.
+        assert amax[layer, 0] == layers[layer][dev[good]].float().abs().max()
+
+
+def test_decode_skips_and_counts_out_of_range_host_rows():
+    H, D, UT, units, size = 2, 32, 1, 6, 10
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (units, UT, H, D), generator=g, dtype=torch.int8)
+    s = (torch.rand(units, UT, 2, H, generator=g) + 0.5).half()
+    host = torch.tensor([4, -3, 0, units])  # 2 bad entries
+    dev = torch.tensor([1, 2, 3, 4])
+    k_dst = torch.full((size, H, D), -7.0, dtype=torch.bfloat16)
+    v_dst = torch.full((size, H, D), -5.0, dtype=torch.bfloat16)
+    bad = torch.zeros((), dtype=torch.int64)
+    kt.decode_scatter(
+        q, q, s, host, k_dst, v_dst, dev, unit_tokens=UT, bad_index_counter=bad
+    )
+    assert int(bad) == 2
+    want = codec.dequantize_reference(q[:, 0], s[:, 0, 0], torch.bfloat16)
+    assert torch.equal(k_dst[1], want[4]) and torch.equal(k_dst[3], want[0])
+    assert (k_dst[[2, 4]] == -7.0).all() and (v_dst[[2, 4]] == -5.0).all()
+    untouched = torch.tensor([0, 5, 6, 7, 8, 9])
+    assert (k_dst[untouched] == -7.0).all()
+
+
+def test_pool_counts_device_resident_bad_rows_on_demand(monkeypatch):
+    """On CUDA, host indices already on the device skip the CPU check (it
+    would sync); the pool's kernels must then drop and count bad rows. A CPU
+    pool takes that branch when the CPU check is switched off."""
+    device_pool, pool = build("fused-direct", "page_first", 2)
+    monkeypatch.setattr(pool, "_check_host_indices", lambda host_indices: None)
+    host = bad_host_indices(pool, "negative")
+    dev = torch.arange(16, 16 + len(host))
+    before = state(device_pool, pool)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    assert pool.invalid_host_index_count() == 2  # one page of 2 tokens
+    for layer in range(pool.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, dev, layer, "direct")
+    assert pool.invalid_host_index_count() == 2 + 2 * pool.layer_num
+    # Only the valid pages moved: host slots 10..13 and device slots 16..19.
+    after = state(device_pool, pool)
+    valid_units = torch.tensor([5, 6])
+    for old, new in zip(before[0], after[0]):
+        keep = torch.ones(old.shape[0], dtype=torch.bool)
+        keep[valid_units] = False
+        assert torch.equal(old[keep].view(torch.int8), new[keep].view(torch.int8))
+    for old, new in zip(before[1], after[1]):
+        keep = torch.ones(old.shape[0], dtype=torch.bool)
+        keep[16:20] = False
+        assert torch.equal(old[keep].view(torch.int16), new[keep].view(torch.int16))

@@ -1,0 +1,225 @@
+"""Start-up self-check of the INT8 host pool (MHATokenToKVPoolINT8Host.self_check)
+and its transfer-path reporting, run on CPU pools with the fused kernels under
+the Triton interpreter (TRITON_INTERPRET=1).
+
+The constructor calls self_check() when the transfer device is CUDA and the
+fused path is selected (tests/gpu/ covers that on a GPU); here the same method
+is called on a CPU pool with the fused path switched on. Faults are injected
+into the real kernel wrappers: an exception in a launch, a wrong byte in the
+host records, a wrong byte in the restored rows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+LOGGER = "sglang.srt.mem_cache.pool_host.mha_int8"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_interpreter():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        kt.reset_kernels()
+        yield
+    kt.reset_kernels()
+
+
+def build(geo: Geometry, layout: str, access: str | None):
+    """A CPU INT8 pool with some real content: 3 backed-up pages."""
+    p = geo.page_size
+    device_pool = make_device_pool(geo, device_tokens=16 * p)
+    pool = make_host_pool(
+        device_pool, host_tokens=16 * p, layout=layout,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
+    )  # fmt: skip
+    if access is not None:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = access
+    dev = torch.arange(p, 4 * p)
+    fill_random(device_pool, dev, seed=3)
+    device_pool.k_buffer[0][dev[1], 0, 0] = float("nan")  # a non-finite row
+    host = pool.alloc(3 * p)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    return device_pool, pool
+
+
+def snapshot(device_pool, pool):
+    return {
+        "host": [b.clone() for b in pool.kv_buffer],
+        "device": [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
+        "free_slots": pool.free_slots.clone(),
+        "available": pool.available_size(),
+        "nonfinite": pool.nonfinite_row_count(),
+        "amax": pool.scale_amax_by_layer(),
+        "invalid": pool.invalid_host_index_count(),
+    }
+
+
+def assert_unchanged(before, after):
+    for key in ("host", "device"):
+        for a, b in zip(before[key], after[key]):
+            bits = torch.int16 if a.element_size() == 2 else a.dtype
+            assert torch.equal(a.view(bits), b.view(bits)), key
+    assert torch.equal(before["free_slots"], after["free_slots"])
+    assert torch.equal(before["amax"], after["amax"])
+    for key in ("available", "nonfinite", "invalid"):
+        assert before[key] == after[key], key
+
+
+CASES = [
+    ("page_first", 4, torch.bfloat16, "direct"),
+    ("layer_first", 1, torch.float16, "direct"),
+    ("page_first_direct", 2, torch.float16, "staged"),
+]
+
+
+@pytest.mark.parametrize("layout,page_size,dtype,access", CASES)
+def test_self_check_passes_and_leaves_the_pool_as_it_was(
+    layout, page_size, dtype, access
+):
+    geo = Geometry(layer_num=2, page_size=page_size, dtype=dtype)
+    device_pool, pool = build(geo, layout, access)
+    before = snapshot(device_pool, pool)
+    assert pool.self_check() is True
+    assert pool.transfer_path == f"fused_{access}"
+    assert_unchanged(before, snapshot(device_pool, pool))
+
+
+def test_torch_path_needs_no_self_check(monkeypatch):
+    device_pool, pool = build(Geometry(), "page_first", None)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the torch path must not launch kernels")
+
+    monkeypatch.setattr(kt, "encode_gather", fail)
+    assert pool.self_check() is True and pool.transfer_path == "torch"
+
+
+def flip_one_byte(t: torch.Tensor, index) -> None:
+    raw = t.view(torch.int8) if t.element_size() == 1 else t.view(torch.int16)
+    raw[index] ^= 1
+
+
+def inject_exception(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected launch failure")
+
+    monkeypatch.setattr(kt, "encode_gather", broken)
+    return "RuntimeError: injected launch failure"
+
+
+def inject_wrong_record_byte(monkeypatch):
+    real = kt.encode_gather
+
+    def corrupting(k_tab, v_tab, dev_idx, k_out, v_out, s_out, host_idx, **kw):
+        real(k_tab, v_tab, dev_idx, k_out, v_out, s_out, host_idx, **kw)
+        ut = kw["unit_tokens"]
+        first = int(host_idx[0])  # the last layer's V, first token written
+        flip_one_byte(v_out, (first // ut, -1, first % ut, 0, 3))
+
+    monkeypatch.setattr(kt, "encode_gather", corrupting)
+    return "backup of V layer"
+
+
+def inject_wrong_restored_byte(monkeypatch):
+    real = kt.decode_scatter
+
+    def corrupting(k_in, v_in, s_in, host_idx, k_dst, v_dst, dev_idx, **kw):
+        real(k_in, v_in, s_in, host_idx, k_dst, v_dst, dev_idx, **kw)
+        flip_one_byte(k_dst, (int(dev_idx[-1]), 0, 5))
+
+    monkeypatch.setattr(kt, "decode_scatter", corrupting)
+    return "restore of K layer 0"
+
+
+@pytest.mark.parametrize(
+    "inject",
+    [inject_exception, inject_wrong_record_byte, inject_wrong_restored_byte],
+)
+@pytest.mark.parametrize("access", ["direct", "staged"])
+def test_self_check_fault_falls_back_to_torch(monkeypatch, caplog, inject, access):
+    geo = Geometry(layer_num=2, page_size=2, dtype=torch.float16)
+    device_pool, pool = build(geo, "page_first", access)
+    before = snapshot(device_pool, pool)
+    cause = inject(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert pool.self_check() is False
+    assert pool.transfer_path == "torch" and not pool.use_fused_kernels
+    assert pool.transfer_path_reason.startswith("self-check failed: ")
+    assert cause in pool.transfer_path_reason
+    warnings = [
+        r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING
+    ]
+    assert len(warnings) == 1 and cause in warnings[0].getMessage()
+    assert f"fused_{access}" in warnings[0].getMessage()
+    assert_unchanged(before, snapshot(device_pool, pool))
+
+    # The pool keeps working, on the torch path, with the reference's bytes.
+    monkeypatch.undo()
+    dev = torch.arange(8 * geo.page_size, 10 * geo.page_size)
+    fill_random(device_pool, dev, seed=9)
+    rows = device_pool.k_buffer[1][dev].clone()
+    host = pool.alloc(len(dev))
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    device_pool.k_buffer[1][dev] = 0
+    pool.load_to_device_per_layer(device_pool, host, dev, 1, "direct")
+    q, s = codec.quantize_reference(rows)
+    want = codec.dequantize_reference(q, s, rows.dtype)
+    assert torch.equal(
+        device_pool.k_buffer[1][dev].view(torch.int16), want.view(torch.int16)
+    )
+
+
+def test_transfer_path_and_reason(monkeypatch, caplog):
+    geo = Geometry()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        _, pool = build(geo, "page_first", None)
+    assert (pool.transfer_path, pool.transfer_path_reason) == (
+        "torch",
+        "not CUDA (cpu)",
+    )
+    lines = [
+        r.getMessage() for r in caplog.records if "transfer path" in r.getMessage()
+    ]
+    assert lines == ["HiCache kv INT8 host pool transfer path: torch (not CUDA (cpu))."]
+
+    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "off")
+    _, pool = build(geo, "page_first", None)
+    assert pool.transfer_path_reason == "SGLANG_HICACHE_INT8_FUSED=off"
+
+    pool.use_fused_kernels = True
+    assert pool.transfer_path == "fused_direct"
+    assert pool.transfer_path_reason == "set on the pool object"
+    pool.fused_host_access = "staged"
+    assert pool.transfer_path == "fused_staged"
+    with pytest.raises(ValueError, match="direct or staged"):
+        pool.fused_host_access = "bogus"
+
+
+def test_direct_access_refused_switches_to_staged_with_reason(monkeypatch):
+    """Triton's launcher refuses a host pointer the device cannot reach; the
+    pool moves to staged transfers and says why."""
+    geo = Geometry(layer_num=2, page_size=2)
+    device_pool, pool = build(geo, "page_first", "direct")
+    real = kt.encode_gather
+
+    def refusing(k_table, v_table, device_indices, k_out, *args, **kwargs):
+        if k_out.shape[0] == pool.page_num:  # the host buffers, not staging
+            raise ValueError("Pointer argument cannot be accessed from Triton")
+        real(k_table, v_table, device_indices, k_out, *args, **kwargs)
+
+    monkeypatch.setattr(kt, "encode_gather", refusing)
+    dev = torch.arange(8, 12)
+    host = pool.alloc(4)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    assert pool.transfer_path == "fused_staged"
+    assert pool.transfer_path_reason.startswith("host memory not device-addressable")
