@@ -1,0 +1,65 @@
+"""The HiCache host-tier alerting rules (docs/prometheus/hicache_rules.yml).
+
+`promtool check rules` validates them and `promtool test rules` runs
+tests/prometheus/hicache_rules_test.yml: series that fire and series that do
+not. promtool comes from Debian's `prometheus` package; .ci/run installs it.
+Where it is missing the tests skip, except in CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = ROOT / "docs" / "prometheus" / "hicache_rules.yml"
+RULE_TESTS = ROOT / "tests" / "prometheus" / "hicache_rules_test.yml"
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    found = os.environ.get("PROMTOOL") or shutil.which("promtool")
+    if found:
+        return found
+    reason = "promtool not found (apt-get install prometheus)"
+    if os.environ.get("CI"):
+        pytest.fail(f"{reason}: CI must run the alert rule tests")
+    pytest.skip(reason)
+
+
+def run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_rules_pass_promtool_check(promtool):
+    proc = run(promtool, "check", "rules", str(RULES), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS: 3 rules found" in proc.stdout + proc.stderr
+
+
+def test_rules_pass_their_unit_tests(promtool):
+    # rule_files in the test file are relative to it.
+    proc = run(promtool, "test", "rules", RULE_TESTS.name, cwd=RULE_TESTS.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout + proc.stderr
+
+
+def test_rules_use_metrics_the_collector_exports():
+    """Every metric a rule reads is one SGLang's patched collector defines."""
+    spec = importlib.util.find_spec("sglang.srt.observability.metrics_collector")
+    defined = set(re.findall(r'name="(sglang:\w+)"', Path(spec.origin).read_text()))
+    used = set(re.findall(r"sglang:\w+", RULES.read_text()))
+    assert used, "the rules read no sglang: metric"
+    # Counters are defined without the _total suffix prometheus_client adds.
+    missing = {
+        name
+        for name in used
+        if name not in defined and name.removesuffix("_total") not in defined
+    }
+    assert not missing, f"rules read metrics the collector does not define: {missing}"
