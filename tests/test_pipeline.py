@@ -654,6 +654,12 @@ def test_dockerfile_matches_the_lock_and_overlay_script():
         (f"v{VERSION}-", "v0.0.1-", "but sglang.lock pins"),
         ("overlay.py install --target", "overlay.py apply --target", "expected `/opt/"),
         ("COPY patches/", "# COPY patches/", "reads patches, which the Dockerfile does not COPY"),
+        ('CMD ["hiqcache-serve"]', 'ENTRYPOINT ["hiqcache-serve"]\nCMD []',
+         "ENTRYPOINT replaces the base image's"),
+        ('CMD ["hiqcache-serve"]', "CMD hiqcache-serve", "CMD must be in exec (JSON) form"),
+        ('CMD ["hiqcache-serve"]', 'CMD ["hiq-serve"]', "which no COPY installs"),
+        ("COPY --chmod=755 scripts/", "COPY scripts/", "must set --chmod=755"),
+        ("scripts/hiqcache_serve.sh", "scripts/missing.sh", "not a repository file"),
     ],
 )
 def test_docker_check_catches_drift(tmp_path, old, new, expected):
@@ -661,9 +667,34 @@ def test_docker_check_catches_drift(tmp_path, old, new, expected):
     (root / "scripts").mkdir(parents=True)
     shutil.copy2(REPO / "sglang.lock", root)
     shutil.copy2(REPO / "scripts" / "overlay.py", root / "scripts")
+    shutil.copy2(REPO / "scripts" / "hiqcache_serve.sh", root / "scripts")
     dockerfile = (REPO / "Dockerfile").read_text()
+    (root / "Dockerfile").write_text(dockerfile)
+    assert run_check_docker(root).returncode == 0  # the copy passes as it is
     assert old in dockerfile
     (root / "Dockerfile").write_text(dockerfile.replace(old, new, 1))
     proc = run_check_docker(root)
     assert proc.returncode != 0
     assert expected in proc.stderr
+
+
+def test_make_wheel_builds_the_image_tag_without_the_test_venv():
+    proc = subprocess.run(
+        ["make", "-n", "wheel", "PYTHON=python3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # Only the pinned wheel tool, installed on its own; never the venv recipe.
+    assert "-m venv" not in proc.stdout and ".stamp" not in proc.stdout
+    wheel_pin = next(
+        line
+        for line in (REPO / "requirements" / "test-tools.txt").read_text().splitlines()
+        if line.startswith("wheel==")
+    )
+    assert "grep -m1 '^wheel==' requirements/test-tools.txt" in proc.stdout, wheel_pin
+    host = f"{sys.version_info.major}{sys.version_info.minor}"
+    assert f"for tag in {' '.join(sorted({'312', host}))}; do" in proc.stdout
+    assert "scripts/overlay.py wheel --python-tag $tag" in proc.stdout
