@@ -50,16 +50,29 @@ def test_rules_pass_their_unit_tests(promtool):
     assert "SUCCESS" in proc.stdout + proc.stderr
 
 
-def test_rules_use_metrics_the_collector_exports():
-    """Every metric a rule reads is one SGLang's patched collector defines."""
+def undefined_metrics(text: str) -> set[str]:
+    """sglang: metric names in `text` that the patched collector does not define."""
     spec = importlib.util.find_spec("sglang.srt.observability.metrics_collector")
     defined = set(re.findall(r'name="(sglang:\w+)"', Path(spec.origin).read_text()))
-    used = set(re.findall(r"sglang:\w+", RULES.read_text()))
-    assert used, "the rules read no sglang: metric"
-    # Counters are defined without the _total suffix prometheus_client adds.
-    missing = {
+    used = set(re.findall(r"sglang:\w+", text))
+    assert used, "no sglang: metric named"
+    # Counters are defined without the _total suffix prometheus_client adds,
+    # histograms without _sum/_count.
+    return {
         name
         for name in used
-        if name not in defined and name.removesuffix("_total") not in defined
+        if not {name, *(name.removesuffix(s) for s in ("_total", "_sum"))} & defined
     }
+
+
+def test_rules_use_metrics_the_collector_exports():
+    missing = undefined_metrics(RULES.read_text())
     assert not missing, f"rules read metrics the collector does not define: {missing}"
+
+
+def test_readme_metrics_section_names_exported_metrics():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("\n## Metrics\n") :]
+    section = section[: section.index("\n## ", 1)]
+    missing = undefined_metrics(section.replace("{used,total}", "used"))
+    assert not missing, f"README names metrics the collector does not define: {missing}"
