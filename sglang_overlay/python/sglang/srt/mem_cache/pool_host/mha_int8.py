@@ -425,7 +425,7 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         values. Reading the counter synchronizes with the transfer device
         (all its streams: backups run on HiCache's D2H stream).
         """
-        self._sync_stats()
+        self._sync_transfer_device()
         return int(self._nonfinite_rows.item())
 
     def scale_amax_by_layer(self) -> torch.Tensor:
@@ -433,7 +433,7 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         layer, for K and V: CPU float32 [layer_num, 2]. Rows stored as
         non-finite do not count (nonfinite_row_count() counts them). Tracked
         on the transfer device; reading it synchronizes with it."""
-        self._sync_stats()
+        self._sync_transfer_device()
         return self._scale_amax.to("cpu", copy=True)
 
     def invalid_host_index_count(self) -> int:
@@ -441,10 +441,10 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         index, already on the device, was out of range (one per token and
         launch: a restore counts once per layer). Indices that arrive on the
         CPU are rejected with IndexError instead. Reading it synchronizes."""
-        self._sync_stats()
+        self._sync_transfer_device()
         return int(self._invalid_host_indices.item())
 
-    def _sync_stats(self) -> None:
+    def _sync_transfer_device(self) -> None:
         # Backups and loads run on HiCache's own streams: wait for all of them.
         if self._nonfinite_rows.is_cuda:
             torch.cuda.synchronize(self._nonfinite_rows.device)
@@ -668,6 +668,8 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         }
 
     def _restore_self_check_state(self, saved: dict) -> None:
+        # The check's own transfers may still be writing host memory.
+        self._sync_transfer_device()
         records = iter(saved["records"])
         for layer in range(self.layer_num):
             for name in ("k", "v", "scale"):
@@ -680,7 +682,7 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         for live, old in zip(stats, saved["stats"]):
             live.copy_(old)
         self._load_index_cache = None
-        self._sync_stats()
+        self._sync_transfer_device()
 
     def _self_check_rows(self, n_tokens: int, dim: int, seed: int) -> torch.Tensor:
         """Rows spanning many magnitudes, a half-integer tie, the dtype's
@@ -713,6 +715,9 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                 for layer in range(self.layer_num):
                     buf[layer][device] = inputs[kv][layer].to(buf[layer].device)
             self.backup_from_device_all_layer(None, host, device_indices, "kernel")
+            # Records reach host memory asynchronously (kernel stores through
+            # UVA, or non-blocking copies): wait before reading them.
+            self._sync_transfer_device()
             for layer in range(self.layer_num):
                 for kv, name in enumerate(("k", "v")):
                     q_ref, s_ref = expected[kv][layer]
