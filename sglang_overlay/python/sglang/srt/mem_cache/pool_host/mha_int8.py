@@ -94,8 +94,10 @@ _INT8_STAGING_TOKENS = 4096
 FUSED_HOST_ACCESS = ("direct", "staged")
 TRANSFER_PATHS = ("fused_direct", "fused_staged", "torch")
 _FUSED_ENV = "SGLANG_HICACHE_INT8_FUSED"
-# Self-check size: units of host records it borrows (restored afterwards).
+# Self-check size: at least 2 host units (a backward jump) and 4 tokens (one
+# row per special case); the borrowed bytes are put back afterwards.
 _SELF_CHECK_UNITS = 2
+_SELF_CHECK_TOKENS = 4
 
 
 def _expect_same(step, name, layer, got, want) -> None:
@@ -630,8 +632,8 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         """Host token indices of the last units, in reverse unit order (a
         backward jump), and as many device slots from the top of layer 0."""
         units = self.page_num if self._page_major else self.size
-        n_units = min(_SELF_CHECK_UNITS, units)
         ut = self.unit_tokens
+        n_units = min(max(_SELF_CHECK_UNITS, -(-_SELF_CHECK_TOKENS // ut)), units)
         first = torch.arange(units - 1, units - 1 - n_units, -1, dtype=torch.int64)
         host = (first[:, None] * ut + torch.arange(ut)).flatten()
         device_slots = self.device_k_buffers[0].shape[0]
@@ -685,15 +687,15 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         self._sync_transfer_device()
 
     def _self_check_rows(self, n_tokens: int, dim: int, seed: int) -> torch.Tensor:
-        """Rows spanning many magnitudes, a half-integer tie, the dtype's
-        largest value (fp16 saturation) and a NaN row."""
+        """Rows spanning many magnitudes, a half-integer tie, a NaN row and the
+        dtype's largest value (fp16: saturation; bf16: past the scale range)."""
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n_tokens, self.head_num, dim, generator=g)
         x *= torch.logspace(-6, 4, n_tokens, base=2.0)[:, None, None]
-        x[0, 0, :2] = torch.tensor([127.0, 0.5])  # q = 0.5 / 1: a tie to even
-        x[-1, -1, 0] = torch.finfo(self.dtype).max
-        if n_tokens > 2:
+        if n_tokens >= _SELF_CHECK_TOKENS:
+            x[0, 0, :2] = torch.tensor([127.0, 0.5])  # 0.5 / s=1: a tie to even
             x[1, 0, 0] = float("nan")
+            x[-1, -1, 0] = torch.finfo(self.dtype).max
         return x.to(self.dtype)
 
     def _run_self_check(self, host, device) -> None:
