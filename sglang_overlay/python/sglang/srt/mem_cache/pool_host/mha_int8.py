@@ -609,8 +609,9 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         """
         if not self.use_fused_kernels:
             return True
-        saved = self._save_self_check_state()
+        saved = None
         try:
+            saved = self._save_self_check_state()
             self._run_self_check(saved["host_indices"], saved["device_indices"])
         except Exception as e:  # noqa: BLE001 - any fault means "don't use it"
             cause = f"{type(e).__name__}: {e}"
@@ -625,7 +626,8 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             )
             return False
         finally:
-            self._restore_self_check_state(saved)
+            if saved is not None:
+                self._restore_self_check_state(saved)
         return True
 
     def _self_check_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
