@@ -160,7 +160,7 @@ def test_exact_grid_and_fp16_output_overflow():
         q, scale, _ = fused_encode(x[:, None])
         assert torch.equal(q[:, 0], k.to(torch.int8))
         assert (scale.double() == s).all()
-    # fp16 values near 65504 decode past fp16's max: Inf, as the reference.
+    # fp16 values near 65504: q * s passes fp16's max; saturated, as the reference.
     x = torch.tensor([[65504.0] + [1.0] * 63], dtype=torch.float16)
     check_rows(x[:, None])
 

@@ -22,11 +22,13 @@ register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 
 
-def _device_pool(page_size, head_num=2, head_dim=16, v_head_dim=None, layers=2):
+def _device_pool(
+    page_size, head_num=2, head_dim=16, v_head_dim=None, layers=2, dtype=None
+):
     return MHATokenToKVPool(
         size=16 * page_size,
         page_size=page_size,
-        dtype=torch.bfloat16,
+        dtype=dtype or torch.bfloat16,
         head_num=head_num,
         head_dim=head_dim,
         layer_num=layers,
@@ -123,6 +125,37 @@ class TestMHAInt8HostPool(unittest.TestCase):
         restored = device_pool.k_buffer[0][dst]
         self.assertTrue(bool(torch.isnan(restored[1, 1]).all()))
         self.assertTrue(bool((restored[1, 0] == 1.0).all()))
+
+    def test_fp16_extremes_restore_saturated_not_inf(self):
+        device_pool = _device_pool(1, dtype=torch.float16)
+        pool = _host_pool(device_pool, "layer_first", host_tokens=16)
+        src = torch.arange(1, 5)
+        device_pool.k_buffer[0][src] = 0.5
+        device_pool.k_buffer[0][src, 0, 0] = torch.tensor(
+            [65504.0, 65472.0, -65504.0, -65472.0], dtype=torch.float16
+        )
+        host = pool.alloc(4)
+        pool.backup_from_device_all_layer(device_pool, host, src, "direct")
+        dst = torch.arange(8, 12)
+        pool.load_to_device_per_layer(device_pool, host, dst, 0, "direct")
+        restored = device_pool.k_buffer[0][dst, 0, 0].tolist()
+        self.assertEqual(restored, [65504.0, 65504.0, -65504.0, -65504.0])
+        self.assertEqual(pool.nonfinite_row_count(), 0)
+        self.assertEqual(pool.scale_amax_by_layer()[0, 0].item(), 65504.0)
+
+    def test_bad_host_indices_move_nothing(self):
+        device_pool = _device_pool(2)
+        pool = _host_pool(device_pool, "page_first", host_tokens=16)
+        pool.use_run_copies = True  # CUDA's default: slices wrap negative ids
+        src = _pages(1, 2, 2)
+        before = [b.clone() for b in pool.kv_buffer]
+        for host in (_pages(-1, 2, 2), _pages(7, 2, 2)):
+            with self.assertRaisesRegex(IndexError, "out of range"):
+                pool.backup_from_device_all_layer(device_pool, host, src, "direct")
+            with self.assertRaisesRegex(IndexError, "out of range"):
+                pool.load_to_device_per_layer(device_pool, host, src, 0, "direct")
+        for old, new in zip(before, pool.kv_buffer):
+            self.assertTrue(torch.equal(old.view(torch.int8), new.view(torch.int8)))
 
     def test_size_per_token_is_encoded_size(self):
         device_pool = _device_pool(16, head_num=8, head_dim=128, layers=4)

@@ -46,7 +46,8 @@ rows decode to NaN, whose payload bits are not part of the contract):
     reflection); FTZ in floor only touches subnormal v, which round to 0
     either way.
   * Decode: fp32(q) * fp32(s) is exact in fp32, then rounds once into the
-    device dtype: fp16 by `.to(tl.float16)` (RNE), bf16 by integer RNE on
+    device dtype: fp16 by `.to(tl.float16)` (RNE) after saturating at
+    +-65504 (NaN kept), as the codec does; bf16 by integer RNE on
     the fp32 bits ((u + 0x7FFF + ((u >> 16) & 1)) >> 16, NaN -> 0x7FC0),
     which is what torch does on CPU and avoids the interpreter's truncating
     fp32->bf16 cast. Results are stored as 16-bit patterns.
@@ -68,6 +69,16 @@ encode reaches all of them in one launch through a table of element offsets
 from layer 0's tensor (DeviceLayerTable), with an alignment hint when every
 offset is a multiple of 16 elements (always, for caching-allocator blocks),
 so row loads stay vectorized.
+
+Host indices and statistics. Both kernels bound every host index by the
+records they were given (0 <= host_index < units * unit_tokens): a row
+outside is neither read nor written, and its token is counted in an optional
+device counter, so indices already on the device need no host-side check.
+Encode optionally raises a [layers, 2] fp32 table to the largest amax of
+the finite rows it stored (one int32 atomic max per program: amax >= 0, so
+its bit pattern orders like its value). Sizes that change per transfer
+(n_rows, n_host) are not specialized on, nor is the alignment of index,
+table and counter pointers (see ENCODE_PER_TRANSFER_ARGS).
 
 Host memory. On CUDA the host tensors are pinned (cudaHostRegister) and, with
 UVA, device-accessible at the same address: Triton's launcher resolves each

@@ -94,8 +94,10 @@ _INT8_STAGING_TOKENS = 4096
 FUSED_HOST_ACCESS = ("direct", "staged")
 TRANSFER_PATHS = ("fused_direct", "fused_staged", "torch")
 _FUSED_ENV = "SGLANG_HICACHE_INT8_FUSED"
-# Self-check size: units of host records it borrows (restored afterwards).
+# Self-check size: at least 2 host units (a backward jump) and 4 tokens (one
+# row per special case); the borrowed bytes are put back afterwards.
 _SELF_CHECK_UNITS = 2
+_SELF_CHECK_TOKENS = 4
 
 
 def _expect_same(step, name, layer, got, want) -> None:
@@ -434,7 +436,7 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         values. Reading the counter synchronizes with the transfer device
         (all its streams: backups run on HiCache's D2H stream).
         """
-        self._sync_stats()
+        self._sync_transfer_device()
         return int(self._nonfinite_rows.item())
 
     def scale_amax_by_layer(self) -> torch.Tensor:
@@ -442,7 +444,7 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         layer, for K and V: CPU float32 [layer_num, 2]. Rows stored as
         non-finite do not count (nonfinite_row_count() counts them). Tracked
         on the transfer device; reading it synchronizes with it."""
-        self._sync_stats()
+        self._sync_transfer_device()
         return self._scale_amax.to("cpu", copy=True)
 
     def invalid_host_index_count(self) -> int:
@@ -450,10 +452,10 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         index, already on the device, was out of range (one per token and
         launch: a restore counts once per layer). Indices that arrive on the
         CPU are rejected with IndexError instead. Reading it synchronizes."""
-        self._sync_stats()
+        self._sync_transfer_device()
         return int(self._invalid_host_indices.item())
 
-    def _sync_stats(self) -> None:
+    def _sync_transfer_device(self) -> None:
         # Backups and loads run on HiCache's own streams: wait for all of them.
         if self._nonfinite_rows.is_cuda:
             torch.cuda.synchronize(self._nonfinite_rows.device)
@@ -616,8 +618,9 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         """
         if not self.use_fused_kernels:
             return True
-        saved = self._save_self_check_state()
+        saved = None
         try:
+            saved = self._save_self_check_state()
             self._run_self_check(saved["host_indices"], saved["device_indices"])
         except Exception as e:  # noqa: BLE001 - any fault means "don't use it"
             cause = f"{type(e).__name__}: {e}"
@@ -632,15 +635,16 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             )
             return False
         finally:
-            self._restore_self_check_state(saved)
+            if saved is not None:
+                self._restore_self_check_state(saved)
         return True
 
     def _self_check_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Host token indices of the last units, in reverse unit order (a
         backward jump), and as many device slots from the top of layer 0."""
         units = self.page_num if self._page_major else self.size
-        n_units = min(_SELF_CHECK_UNITS, units)
         ut = self.unit_tokens
+        n_units = min(max(_SELF_CHECK_UNITS, -(-_SELF_CHECK_TOKENS // ut)), units)
         first = torch.arange(units - 1, units - 1 - n_units, -1, dtype=torch.int64)
         host = (first[:, None] * ut + torch.arange(ut)).flatten()
         device_slots = self.device_k_buffers[0].shape[0]
@@ -677,6 +681,8 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         }
 
     def _restore_self_check_state(self, saved: dict) -> None:
+        # The check's own transfers may still be writing host memory.
+        self._sync_transfer_device()
         records = iter(saved["records"])
         for layer in range(self.layer_num):
             for name in ("k", "v", "scale"):
@@ -689,18 +695,18 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         for live, old in zip(stats, saved["stats"]):
             live.copy_(old)
         self._load_index_cache = None
-        self._sync_stats()
+        self._sync_transfer_device()
 
     def _self_check_rows(self, n_tokens: int, dim: int, seed: int) -> torch.Tensor:
-        """Rows spanning many magnitudes, a half-integer tie, the dtype's
-        largest value (fp16 saturation) and a NaN row."""
+        """Rows spanning many magnitudes, a half-integer tie, a NaN row and the
+        dtype's largest value (fp16: saturation; bf16: past the scale range)."""
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n_tokens, self.head_num, dim, generator=g)
         x *= torch.logspace(-6, 4, n_tokens, base=2.0)[:, None, None]
-        x[0, 0, :2] = torch.tensor([127.0, 0.5])  # q = 0.5 / 1: a tie to even
-        x[-1, -1, 0] = torch.finfo(self.dtype).max
-        if n_tokens > 2:
+        if n_tokens >= _SELF_CHECK_TOKENS:
+            x[0, 0, :2] = torch.tensor([127.0, 0.5])  # 0.5 / s=1: a tie to even
             x[1, 0, 0] = float("nan")
+            x[-1, -1, 0] = torch.finfo(self.dtype).max
         return x.to(self.dtype)
 
     def _run_self_check(self, host, device) -> None:
@@ -722,6 +728,9 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                 for layer in range(self.layer_num):
                     buf[layer][device] = inputs[kv][layer].to(buf[layer].device)
             self.backup_from_device_all_layer(None, host, device_indices, "kernel")
+            # Records reach host memory asynchronously (kernel stores through
+            # UVA, or non-blocking copies): wait before reading them.
+            self._sync_transfer_device()
             for layer in range(self.layer_num):
                 for kv, name in enumerate(("k", "v")):
                     q_ref, s_ref = expected[kv][layer]
