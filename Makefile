@@ -41,12 +41,14 @@ refresh:
 	$(OVERLAY) refresh
 
 # The stamp depends on every pinned input, so a changed lock rebuilds the venv.
-$(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/test-tools.txt
+$(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/test-tools.txt \
+		requirements/l3-mooncake.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps \
 		-r requirements/cpu-test.txt -r requirements/test-tools.txt \
+		-r requirements/l3-mooncake.txt \
 		"$$($(OVERLAY) fetch)"
 	touch $@
 
