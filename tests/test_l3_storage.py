@@ -432,3 +432,27 @@ def test_layer_first_has_no_zero_copy_pages(tmp_path, rigs):
     assert not pool.is_stride_page_aligned()
     with pytest.raises(NotImplementedError, match="page_head"):
         pool.get_split_heads_page_buffer_meta(torch.arange(GEO.page_size), 2)
+
+
+# The byte format of an INT8 storage page, pinned per format tag. A change to
+# the page bytes for the same KV fails here: give it a new storage_format_tag
+# (keys change with it, so old pages become misses), then add its digest.
+PAGE_FORMAT_DIGESTS = {
+    "int8-fp16scale-v1": "a766c80d3ab493ce0a2f477030118311b89656d5ec80a7be7eab9abae753b2f7",
+}
+
+
+def test_storage_format_tag_names_the_page_bytes(tmp_path, rigs):
+    import hashlib
+
+    l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path))
+    rigs.append(l3)
+    dev, host, _, _ = h.write_through(l3, TOKENS, seed=11)
+    pool = l3.controller.mem_pool_host
+    digest = hashlib.sha256()
+    for i in range(0, len(host), GEO.page_size):
+        digest.update(pool.get_data_page(int(host[i])).numpy().tobytes())
+    assert pool.storage_format_tag in PAGE_FORMAT_DIGESTS, (
+        f"new storage_format_tag {pool.storage_format_tag!r}: pin its digest"
+    )
+    assert PAGE_FORMAT_DIGESTS[pool.storage_format_tag] == digest.hexdigest()
