@@ -117,7 +117,9 @@ def test_file_round_trip(tmp_path, rigs, request, host_dtype, layout):
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
 def test_mooncake_round_trip_zero_copy(master, rigs, request, host_dtype):
     l3 = h.make_l3_rig(
-        "mooncake", master.storage_config(), host_dtype=host_dtype,
+        "mooncake",
+        master.storage_config(),
+        host_dtype=host_dtype,
         model_name=model_name(request),
     )
     rigs.append(l3)
@@ -146,8 +148,12 @@ def test_mooncake_objects_are_the_l2_records(master, rigs, request):
     scales = pool.scale_buffer[page].view(torch.uint8).flatten()
     half = scales.numel() // 2
     key = backend._tag_keys([hashes[1]])[0] + f"_{backend.mha_suffix}"
-    k_obj = torch.frombuffer(bytearray(backend.store.get(key + "_k")), dtype=torch.uint8)
-    v_obj = torch.frombuffer(bytearray(backend.store.get(key + "_v")), dtype=torch.uint8)
+    k_obj = torch.frombuffer(
+        bytearray(backend.store.get(key + "_k")), dtype=torch.uint8
+    )
+    v_obj = torch.frombuffer(
+        bytearray(backend.store.get(key + "_v")), dtype=torch.uint8
+    )
     assert torch.equal(k_obj, torch.cat([k_page, scales[:half]]))
     assert torch.equal(v_obj, torch.cat([v_page, scales[half:]]))
     # The key carries the pool's format tag (storage_model_name).
@@ -159,9 +165,7 @@ def test_mooncake_objects_are_the_l2_records(master, rigs, request):
 
 
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
-def test_bf16_and_int8_never_read_each_others_pages(
-    tmp_path, rigs, request, backend
-):
+def test_bf16_and_int8_never_read_each_others_pages(tmp_path, rigs, request, backend):
     if backend == "mooncake":
         m = request.getfixturevalue("master")
         config = m.storage_config()
@@ -222,7 +226,9 @@ def check_partial_prefetch(l3, host_dtype, written, pf, good_pages):
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
 def test_mooncake_truncated_object_is_refused(master, rigs, request, host_dtype):
     l3 = h.make_l3_rig(
-        "mooncake", master.storage_config(), host_dtype=host_dtype,
+        "mooncake",
+        master.storage_config(),
+        host_dtype=host_dtype,
         model_name=model_name(request),
     )
     rigs.append(l3)
@@ -237,11 +243,11 @@ def test_mooncake_truncated_object_is_refused(master, rigs, request, host_dtype)
 
 
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_mooncake_object_missing_at_read_is_refused(
-    master, rigs, request, host_dtype
-):
+def test_mooncake_object_missing_at_read_is_refused(master, rigs, request, host_dtype):
     l3 = h.make_l3_rig(
-        "mooncake", master.storage_config(), host_dtype=host_dtype,
+        "mooncake",
+        master.storage_config(),
+        host_dtype=host_dtype,
         model_name=model_name(request),
     )
     rigs.append(l3)
@@ -317,7 +323,10 @@ def test_master_stopped_mid_run(tmp_path, rigs, request):
         assert h.prefetch(l3, TOKENS + [7]).hit_tokens == 0
 
         # L1 and L2 keep serving: both sets load back from the host pool.
-        for dev, host, written in ((dev_a, host_a, written_a), (dev_b, host_b, written_b)):
+        for dev, host, written in (
+            (dev_a, host_a, written_a),
+            (dev_b, host_b, written_b),
+        ):
             h.evict_everywhere(l3, dev, host[:0])
             restored = h.load_to_device(l3, host)
             assert_restored(l3, restored, expected_restore(written, "int8"))
@@ -387,10 +396,15 @@ def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, rigs, layout):
     assert page.dtype == torch.uint8 and page.numel() == pool.storage_page_bytes
     sl = slice(index, index + GEO.page_size)
     if layout == "layer_first":
-        parts = [b[:, sl] for b in (pool.k_host_buffer, pool.v_host_buffer, pool.scale_buffer)]
+        parts = [
+            b[:, sl]
+            for b in (pool.k_host_buffer, pool.v_host_buffer, pool.scale_buffer)
+        ]
     else:
         p = index // GEO.page_size
-        parts = [b[p] for b in (pool.k_host_buffer, pool.v_host_buffer, pool.scale_buffer)]
+        parts = [
+            b[p] for b in (pool.k_host_buffer, pool.v_host_buffer, pool.scale_buffer)
+        ]
     expected = torch.cat([x.contiguous().view(torch.uint8).flatten() for x in parts])
     assert torch.equal(page, expected)
 
@@ -452,7 +466,7 @@ def test_storage_format_tag_names_the_page_bytes(tmp_path, rigs):
     digest = hashlib.sha256()
     for i in range(0, len(host), GEO.page_size):
         digest.update(pool.get_data_page(int(host[i])).numpy().tobytes())
-    assert pool.storage_format_tag in PAGE_FORMAT_DIGESTS, (
-        f"new storage_format_tag {pool.storage_format_tag!r}: pin its digest"
-    )
+    assert (
+        pool.storage_format_tag in PAGE_FORMAT_DIGESTS
+    ), f"new storage_format_tag {pool.storage_format_tag!r}: pin its digest"
     assert PAGE_FORMAT_DIGESTS[pool.storage_format_tag] == digest.hexdigest()
