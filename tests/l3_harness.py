@@ -240,14 +240,17 @@ def device_rows(rig: HiCacheRig, indices: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-def write_through(l3: L3Rig, tokens: list[int], seed: int = 0):
-    """New KV for `tokens` on the device -> L2 -> L3. Returns (device indices,
-    host indices, page hashes, number of pages L3 accepted)."""
+def write_through(l3: L3Rig, tokens: list[int], seed: int = 0, edit=None):
+    """New KV for `tokens` on the device -> L2 -> L3 (edit(device_pool, dev)
+    may change it first). Returns (device indices, host indices, page hashes,
+    number of pages L3 accepted)."""
     from hicache_harness import fill_random
 
     ctl, rig = l3.controller, l3.rig
     dev = rig.allocator.alloc(len(tokens))
     fill_random(rig.device_pool, dev, seed=seed)
+    if edit is not None:
+        edit(rig.device_pool, dev)
     host = ctl.write(dev, node_id=0)
     assert host is not None, "host pool full"
     ctl.start_writing()

@@ -381,6 +381,31 @@ def test_store_full_evicts_and_keeps_serving(tmp_path, rigs, request):
         m.stop()
 
 
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_nonfinite_kv_comes_back_nan_through_l3(tmp_path, rigs, request, backend):
+    if backend == "mooncake":
+        config = request.getfixturevalue("master").storage_config()
+    else:
+        config = h.file_storage_config(tmp_path)
+    l3 = h.make_l3_rig(backend, config, model_name=model_name(request))
+    rigs.append(l3)
+
+    def poison(pool, dev):
+        pool.k_buffer[1][dev[5], 0, 3] = float("inf")
+        pool.v_buffer[2][dev[9], 1, 0] = float("nan")
+
+    dev, host, _, stored = h.write_through(l3, TOKENS, edit=poison)
+    assert stored == PAGES
+    h.evict_everywhere(l3, dev, host)
+    pf = h.prefetch(l3, TOKENS + [7])
+    assert pf.completed_tokens == len(TOKENS)
+    dev = h.load_to_device(l3, pf.host_indices)
+    k, v = l3.rig.device_pool.k_buffer[1][dev], l3.rig.device_pool.v_buffer[2][dev]
+    # The whole head row of a non-finite value restores as NaN, nothing else.
+    assert k[5, 0].isnan().all() and v[9, 1].isnan().all()
+    assert k.isnan().sum() == k.shape[-1] and v.isnan().sum() == v.shape[-1]
+
+
 # ---------------------------------------------------------------------------
 # page I/O on the pool itself
 
