@@ -16,10 +16,11 @@ IMAGE ?= hiqcache/sglang:0.5.23-hiq
 TEXT_FILE ?= ../shared/data/wikitext-2/test.txt
 QUALITY_ARGS ?=
 
-.PHONY: help apply check-patches refresh wheel pr image test venv bench-codec quality demo gpu-check clean
+.PHONY: help apply check-patches refresh wheel pr image test venv bench-codec quality demo demo-l3 gpu-check clean
 
 help:
 	@echo "make demo           main command: capacity + cache-hit experiments on CPU (table + results/demo.png)"
+	@echo "make demo-l3        INT8 vs BF16 pages in a real Mooncake L3 store: bytes/token, hit rate (CPU)"
 	@echo "make apply          build/sglang = pinned SGLang + sglang_overlay/ + patches/"
 	@echo "make test           CPU test environment (.venv) + apply + pytest"
 	@echo "make check-patches  series/patches agree and every patch applies to the pin"
@@ -41,12 +42,14 @@ refresh:
 	$(OVERLAY) refresh
 
 # The stamp depends on every pinned input, so a changed lock rebuilds the venv.
-$(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/test-tools.txt
+$(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/test-tools.txt \
+		requirements/l3-mooncake.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps \
 		-r requirements/cpu-test.txt -r requirements/test-tools.txt \
+		-r requirements/l3-mooncake.txt \
 		"$$($(OVERLAY) fetch)"
 	touch $@
 
@@ -80,6 +83,11 @@ test: venv apply
 DEMO_ARGS ?=
 demo: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/demo.py $(DEMO_ARGS)
+
+# INT8 vs BF16 pages in a real Mooncake store on 127.0.0.1 (scripts/demo_l3.py --help).
+DEMO_L3_ARGS ?=
+demo-l3: venv apply
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/demo_l3.py $(DEMO_L3_ARGS)
 
 bench-codec: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/bench_codec.py

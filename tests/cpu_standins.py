@@ -61,6 +61,36 @@ def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_si
         dst.index_copy_(0, dst_indices.to(dst.device), rows.to(dst.device))
 
 
+def transfer_kv_all_layer_direct_lf_pf(
+    src_ptrs, dst_ptrs, src_indices, dst_indices, page_size
+):
+    """Pure-torch stand-in for sgl_kernel's device (layer-first) -> host
+    (page_first_direct, [page, layer, token_in_page, ...]) copy of every layer.
+    src_ptrs lists the K layers then the V layers."""
+    layer_num = len(src_ptrs) // 2
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64).cpu()
+    pages, offsets = dst_indices // page_size, dst_indices % page_size
+    for kv, host in enumerate(dst_ptrs):
+        for layer in range(layer_num):
+            src = src_ptrs[kv * layer_num + layer]
+            rows = src.index_select(0, src_indices.to(src.device))
+            host[pages, layer, offsets] = rows.to(host.device)
+
+
+def transfer_kv_per_layer_direct_pf_lf(
+    src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size
+):
+    """Pure-torch stand-in for the host (page_first_direct) -> device
+    (layer-first) copy of one layer."""
+    src_indices = src_indices.to(torch.int64).cpu()
+    dst_indices = dst_indices.to(torch.int64)
+    pages, offsets = src_indices // page_size, src_indices % page_size
+    for host, dst in zip(src_ptrs, dst_ptrs):
+        rows = host[pages, layer_id, offsets]
+        dst.index_copy_(0, dst_indices.to(dst.device), rows.to(dst.device))
+
+
 def install_sglang_standins() -> None:
     """Patch the sglang modules that reference CUDA-only kernels or calls."""
     import sglang
@@ -72,5 +102,7 @@ def install_sglang_standins() -> None:
     from sglang.srt.mem_cache.pool_host import common, mha
 
     mha.transfer_kv_direct = transfer_kv_direct
+    mha.transfer_kv_all_layer_direct_lf_pf = transfer_kv_all_layer_direct_lf_pf
+    mha.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf
     # Pinned memory calls into the CUDA runtime.
     common._cuda_host_register = lambda *args, **kwargs: None

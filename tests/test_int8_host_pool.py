@@ -237,12 +237,6 @@ def test_quantized_device_kv_fails_naming_the_flag():
     assert "uint8" not in message and "fp16" not in message
 
 
-def test_storage_pages_fail_fast():
-    pool = int8_pool(make_device_pool(Geometry(), 16), "page_first", 16)
-    with pytest.raises(NotImplementedError, match="--hicache-storage-backend"):
-        pool.get_page_buffer_meta(torch.arange(1))
-
-
 def test_unsupported_io_backend_fails_naming_the_flag():
     device_pool = make_device_pool(Geometry(), 16)
     pool = int8_pool(device_pool, "page_first", 16)

@@ -224,7 +224,7 @@ def test_int8_rejects_quantized_draft_kv():
         resolve(hicache_host_dtype="int8", speculative_draft_kv_cache_dtype="fp8_e4m3")
 
 
-@pytest.mark.parametrize("backend", ["file", "mooncake", "hf3fs"])
+@pytest.mark.parametrize("backend", ["hf3fs", "nixl"])
 def test_int8_rejects_storage_backend(backend):
     with pytest.raises(ValueError) as error:
         resolve(hicache_host_dtype="int8", hicache_storage_backend=backend)

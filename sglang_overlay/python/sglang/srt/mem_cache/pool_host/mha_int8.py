@@ -126,6 +126,13 @@ def int8_host_bytes_ratio(buffer_info: MHABufferInfo) -> float:
 
 
 class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
+    """MHA host pool holding INT8 KV records and FP16 scales (format above).
+
+    L3 storage moves pages in this encoded form: one object per page for
+    generic backends (file), two per page (_k, _v) for zero-copy backends
+    (mooncake); the "L3 storage pages" section below gives the byte order.
+    """
+
     # Host rows are addressed on the CPU and device rows where the device pool
     # lives; the controller passes indices through unmoved.
     transfers_own_indices = True
@@ -920,34 +927,120 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             )
 
     # ------------------------------------------------------------------
-    # L3 storage pages: not yet (fail fast, like the MXFP8 host pool)
+    # L3 storage pages
+    #
+    # A page goes to storage exactly as it sits in L2: its INT8 K records, INT8
+    # V records and FP16 scales, never re-encoded or widened to the device
+    # dtype. storage_format_tag names this byte format in every storage key
+    # (storage_model_name), so pages of another host format are a miss.
+    #
+    #   generic backends (file): ONE object per page, the bytes
+    #     K records | V records | scales, each in host order
+    #     ([layer, token, head, dim] and [layer, token, K|V, head]).
+    #   zero-copy backends (mooncake): TWO objects per page, as for a BF16 page
+    #     (keys _k and _v), each gathered from two host buffers: _k holds the
+    #     K records and the first half of the page's scale bytes, _v the V
+    #     records and the second half. Page-major layouts only.
 
-    def _storage_pages_unsupported(self) -> NotImplementedError:
-        return NotImplementedError(
-            "INT8 KV host pool does not expose storage (L3) pages yet: "
-            "--hicache-host-dtype int8 cannot be combined with "
-            "--hicache-storage-backend."
-        )
+    # Host buffers one zero-copy storage object is gathered from.
+    storage_buffers_per_object = 2
+
+    def _storage_page_parts(self, index) -> list[torch.Tensor]:
+        """K, V and scale records of the page at token `index`, as byte views
+        in storage order (contiguous for page-major layouts)."""
+        index = int(index)
+        if index % self.page_size:
+            raise ValueError(
+                f"storage page index {index} is not aligned to page_size "
+                f"{self.page_size}"
+            )
+        bufs = (self.k_host_buffer, self.v_host_buffer, self.scale_buffer)
+        if self._page_major:
+            page = index // self.page_size
+            return [buf[page].view(torch.uint8).reshape(-1) for buf in bufs]
+        return [
+            buf[:, index : index + self.page_size].view(torch.uint8) for buf in bufs
+        ]
+
+    @property
+    def storage_page_bytes(self) -> int:
+        return self.get_size_per_token() * self.page_size
 
     def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        raise self._storage_pages_unsupported()
+        # Three host tensors hold a page, so a flat page is always a copy.
+        return torch.cat([part.reshape(-1) for part in self._storage_page_parts(index)])
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        raise self._storage_pages_unsupported()
+        return torch.zeros(
+            self.storage_page_bytes,
+            dtype=torch.uint8,
+            device=self.device,
+            pin_memory=self.pin_memory,
+        )
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        raise self._storage_pages_unsupported()
+        nbytes = data_page.numel() * data_page.element_size()
+        if nbytes != self.storage_page_bytes:
+            # A short or long object is not a page of this format: refuse it
+            # before any byte reaches the pool.
+            raise ValueError(
+                f"INT8 storage page has {nbytes} bytes, expected "
+                f"{self.storage_page_bytes} ({self.storage_format_tag})"
+            )
+        flat = data_page.reshape(-1).view(torch.uint8)
+        offset = 0
+        for part in self._storage_page_parts(index):
+            size = part.numel()
+            part.copy_(flat[offset : offset + size].view(part.shape))
+            offset += size
+
+    def _storage_object_pieces(self) -> list[tuple[int, int, int]]:
+        """(buffer, byte offset within the page, bytes) of each zero-copy
+        buffer of one page, in object order: K records, scales' first half,
+        V records, scales' second half."""
+        k_bytes, v_bytes, s_bytes = (
+            part.numel() for part in self._storage_page_parts(0)
+        )
+        half = s_bytes // 2
+        return [(0, 0, k_bytes), (2, 0, half), (1, 0, v_bytes), (2, half, half)]
 
     def get_page_buffer_meta(self, indices):
-        raise self._storage_pages_unsupported()
+        if not self._page_major:
+            raise ValueError(
+                "--hicache-host-dtype int8 zero-copy storage pages need "
+                "--hicache-mem-layout page_first or page_first_direct; got "
+                f"{self.layout}."
+            )
+        if len(indices) % self.page_size:
+            raise ValueError("INT8 storage page metadata needs whole pages.")
+        bufs = (self.k_host_buffer, self.v_host_buffer, self.scale_buffer)
+        bases = [buf.data_ptr() for buf in bufs]
+        page_strides = [buf[0].numel() * buf.element_size() for buf in bufs]
+        pieces = self._storage_object_pieces()
+        ptrs, sizes = [], []
+        for index in indices[:: self.page_size].tolist():
+            page = index // self.page_size
+            for buf, offset, size in pieces:
+                ptrs.append(bases[buf] + page * page_strides[buf] + offset)
+                sizes.append(size)
+        return ptrs, sizes
 
     def get_split_heads_page_buffer_meta(
         self, indices: torch.Tensor, split_factor: int
     ):
-        raise self._storage_pages_unsupported()
+        raise NotImplementedError(
+            "--hicache-host-dtype int8 does not split storage pages by head "
+            "(--hicache-mem-layout page_head)."
+        )
 
     def get_hybrid_pool_buffer(self):
         return [self.k_host_buffer, self.v_host_buffer, self.scale_buffer]
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        return False
+        if not self._page_major:
+            return False
+        bufs = (self.k_host_buffer, self.v_host_buffer, self.scale_buffer)
+        offsets = [buf[0].numel() * buf.element_size() for buf in bufs]
+        offsets += [buf.data_ptr() for buf in bufs]
+        offsets += [offset for _, offset, _ in self._storage_object_pieces()]
+        return all(offset % page_size_bytes == 0 for offset in offsets)

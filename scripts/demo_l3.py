@@ -1,0 +1,423 @@
+#!/usr/bin/env python3
+"""`make demo-l3`: INT8 host pages in a real Mooncake L3 store, on CPU.
+
+Starts a `mooncake_master` on 127.0.0.1 (free ports, stopped by its pid) and
+drives SGLang's real HiCacheController storage threads and MooncakeStore
+(zero-copy path) with the stock BF16 host pool and the INT8 host pool.
+
+A) Store bytes per cached token: pages of the same tokens written through at
+   the model geometry; bytes read from the master's `master_allocated_bytes`.
+B) Hit rate of a shared-prefix workload with a small L2 and an L3 store of
+   the same byte budget for both formats. Per request: the longest prefix
+   in L2 (an LRU of pages) is a hit; the next pages are prefetched from L3
+   through the controller (query + I/O threads); the rest is "computed"
+   (random KV), written to L2 and through to L3. The store's own capacity
+   and eviction decide what L3 keeps. Page-level policy of this script, not
+   SGLang's radix tree: it isolates what the L3 byte format changes.
+
+    PYTHONPATH=build/sglang/python .venv/bin/python scripts/demo_l3.py
+
+Prints the tables and writes results/demo-l3.json and results/demo-l3.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import hiq_replay as hr  # noqa: E402
+
+FORMATS = (("bf16", "auto"), ("int8", "int8"))
+MB = 1 << 20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=36, help="A: Qwen3-8B geometry")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=512, help="A: tokens written")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--groups", type=int, default=32, help="B: prefix groups")
+    p.add_argument("--per-group", type=int, default=4, help="B: requests per group")
+    p.add_argument("--prefix-len", type=int, default=2048)
+    p.add_argument("--question-len", type=int, default=128)
+    p.add_argument(
+        "--b-layers", type=int, default=2, help="B: layers (head_dim as in A)"
+    )
+    p.add_argument("--b-kv-heads", type=int, default=2)
+    p.add_argument("--l2-mb", type=float, default=8, help="B: L2 budget, MB")
+    p.add_argument(
+        "--l3-mb", default="32,64,96", help="B: L3 store budgets, MB (comma list)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "results")
+    return p.parse_args(argv)
+
+
+def setup():
+    hr.setup_sglang()
+    import l3_harness as h
+
+    reason = h.mooncake_unavailable_reason()
+    if reason:
+        sys.exit(f"demo-l3 needs the Mooncake store: {reason}")
+    return h
+
+
+# ---------------------------------------------------------------------------
+# A) bytes per token in the store
+
+
+def bytes_per_token(h, args, workdir: Path) -> dict:
+    from hicache_harness import Geometry
+
+    geo = Geometry(
+        layer_num=args.layers,
+        head_num=args.kv_heads,
+        head_dim=args.head_dim,
+        page_size=args.page_size,
+    )
+    tokens = list(range(args.tokens))
+    out = {}
+    for label, host_dtype in FORMATS:
+        master = h.MooncakeMaster(workdir / f"a-{label}.log").start()
+        try:
+            per_token = geo.layer_num * geo.head_num * geo.head_dim * 4
+            segment = max(64 * MB, 2 * args.tokens * per_token)
+            l3 = h.make_l3_rig(
+                "mooncake",
+                master.storage_config(segment_bytes=segment),
+                host_dtype=host_dtype,
+                geo=geo,
+                device_tokens=args.tokens,
+                host_tokens=args.tokens,
+            )
+            before = master.metrics()
+            _, _, hashes, stored = h.write_through(l3, tokens)
+            after = master.metrics()
+            assert stored == len(hashes), "the store refused pages"
+            stored_bytes = (
+                after["master_allocated_bytes"] - before["master_allocated_bytes"]
+            )
+            out[label] = {
+                "tokens": len(tokens),
+                "objects": int(after["master_key_count"] - before["master_key_count"]),
+                "store_bytes": int(stored_bytes),
+                "bytes_per_token": stored_bytes / len(tokens),
+                "host_bytes_per_token": l3.controller.mem_pool_host.get_size_per_token(),
+            }
+            l3.close()
+        finally:
+            master.stop()
+    return out
+
+
+# ---------------------------------------------------------------------------
+# B) hit rate with small L2 + L3
+
+
+def make_requests(args) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    vocab = 50_000
+    requests = []
+    for g in range(args.groups):
+        prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
+        for _ in range(args.per_group):
+            requests.append(
+                prefix + [rng.randrange(vocab) for _ in range(args.question_len)]
+            )
+    rng.shuffle(requests)
+    return requests
+
+
+class PageLRU:
+    """L2 as an LRU of whole pages (page hash -> host indices)."""
+
+    def __init__(self, host_pool):
+        self.pool = host_pool
+        self.pages: OrderedDict[str, object] = OrderedDict()
+
+    def touch(self, page_hash) -> bool:
+        if page_hash in self.pages:
+            self.pages.move_to_end(page_hash)
+            return True
+        return False
+
+    def make_room(self, n: int) -> None:
+        while self.pool.available_size() < n and self.pages:
+            _, host = self.pages.popitem(last=False)
+            self.pool.free(host)
+
+    def add(self, hashes, host, page_size):
+        for i, page_hash in enumerate(hashes):
+            self.pages[page_hash] = host[i * page_size : (i + 1) * page_size]
+
+
+def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -> dict:
+    from hicache_harness import Geometry, fill_random, finish_transfers
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    ps = args.page_size
+    geo = Geometry(
+        layer_num=args.b_layers,
+        head_num=args.b_kv_heads,
+        head_dim=args.head_dim,
+        page_size=ps,
+    )
+    longest = max(len(r) for r in requests)
+    master = h.MooncakeMaster(
+        workdir / f"b-{host_dtype}-{l3_bytes}.log",
+        extra_args=("--default_kv_lease_ttl=50",),
+    ).start()
+    try:
+        probe = h.make_l3_rig(
+            "file",
+            h.file_storage_config(workdir / "probe"),
+            host_dtype=host_dtype,
+            geo=geo,
+            device_tokens=ps,
+            host_tokens=ps,
+        )
+        per_token = probe.controller.mem_pool_host.get_size_per_token()
+        probe.close()
+        l2_tokens = int(args.l2_mb * MB / per_token) // ps * ps
+        l3 = h.make_l3_rig(
+            "mooncake",
+            master.storage_config(segment_bytes=l3_bytes),
+            host_dtype=host_dtype,
+            geo=geo,
+            device_tokens=longest + ps,
+            host_tokens=max(l2_tokens, longest + ps),
+            model_name="hiq/demo-l3",
+        )
+        ctl, rig = l3.controller, l3.rig
+        l2 = PageLRU(ctl.mem_pool_host)
+        prompt = l2_hit = l3_hit = 0
+        for n, tokens in enumerate(requests):
+            usable = len(tokens) // ps * ps
+            tokens = tokens[:usable]
+            hashes = get_storage_hash_str(tokens, None, page_size=ps)
+            prompt += usable
+            first = 0
+            while first < len(hashes) and l2.touch(hashes[first]):
+                first += 1
+            l2_hit += first * ps
+            start = first
+            if first < len(hashes):
+                op = ctl.prefetch(
+                    f"q{n}",
+                    tokens[first * ps :] + [0],
+                    last_hash=hashes[first - 1] if first else None,
+                )
+                queried = ctl.prefetch_hit_queue.get(timeout=h.STORAGE_WAIT_S)
+                assert queried is op
+                if op.storage_hit_count:
+                    l2.make_room(op.storage_hit_count)
+                    host = ctl.mem_pool_host.alloc(op.storage_hit_count)
+                    op.host_indices = host
+                    ctl.prefetch_buffer.put(op)
+                    done = 0
+                    while True:
+                        ack = ctl.ack_prefetch_queue.get(timeout=h.STORAGE_WAIT_S)
+                        if ack.completed_tokens is not None:
+                            done = ack.completed_tokens
+                        if ack.completed_req:
+                            break
+                    ctl.mem_pool_host.free(host[done:])
+                    got = done // ps
+                    l2.add(hashes[first : first + got], host[:done], ps)
+                    l3_hit += done
+                    start = first + got
+            if start < len(hashes):
+                new = tokens[start * ps :]
+                dev = rig.allocator.alloc(len(new))
+                fill_random(rig.device_pool, dev, seed=n)
+                l2.make_room(len(new))
+                host = ctl.write(dev, node_id=0)
+                finish_transfers(ctl)
+                l2.add(hashes[start:], host, ps)
+                ctl.write_storage(host, new, hash_value=hashes[start:])
+                ctl.ack_backup_queue.get(timeout=h.STORAGE_WAIT_S)
+                rig.allocator.free(dev)
+        metrics = master.metrics()
+        l3.close()
+    finally:
+        master.stop()
+    return {
+        "host_dtype": host_dtype,
+        "l3_bytes": l3_bytes,
+        "l2_tokens": l2_tokens,
+        "prompt_tokens": prompt,
+        "l2_hit_tokens": l2_hit,
+        "l3_hit_tokens": l3_hit,
+        "hit_rate": (l2_hit + l3_hit) / prompt,
+        "store_keys_at_end": int(metrics["master_key_count"]),
+        "store_evicted_keys": int(metrics.get("master_evicted_key_count", 0)),
+    }
+
+
+# ---------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    h = setup()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        t0 = time.time()
+        a = bytes_per_token(h, args, workdir)
+        print(
+            f"A) Store bytes per cached token, {args.layers} layers x "
+            f"{args.kv_heads} KV heads x head_dim {args.head_dim} "
+            f"(Qwen3-8B), {args.tokens} tokens, page {args.page_size}; "
+            "read from mooncake_master's master_allocated_bytes"
+        )
+        print(
+            f"{'format':8}{'objects':>9}{'store bytes':>14}{'B/token':>10}{'host B/token':>14}"
+        )
+        for label, row in a.items():
+            print(
+                f"{label:8}{row['objects']:>9}{row['store_bytes']:>14,}"
+                f"{row['bytes_per_token']:>10,.0f}{row['host_bytes_per_token']:>14,}"
+            )
+        ratio = a["bf16"]["bytes_per_token"] / a["int8"]["bytes_per_token"]
+        print(f"BF16 / INT8 store bytes per token: {ratio:.3f}x\n")
+
+        requests = make_requests(args)
+        budgets = [int(float(x) * MB) for x in args.l3_mb.split(",") if x.strip()]
+        b = []
+        for budget in budgets:
+            for label, host_dtype in FORMATS:
+                row = hit_rate(h, args, host_dtype, budget, requests, workdir)
+                row["format"] = label
+                b.append(row)
+        unique = args.groups * args.prefix_len + len(requests) * args.question_len
+        best = 1 - unique / sum(
+            len(r) // args.page_size * args.page_size for r in requests
+        )
+        print(
+            f"B) Hit rate, {len(requests)} requests ({args.groups} groups x "
+            f"{args.per_group}, {args.prefix_len}-token prefix + "
+            f"{args.question_len}-token question, shuffled), L2 {args.l2_mb:g} MB, "
+            f"geometry {args.b_layers} layers x {args.b_kv_heads} KV heads x "
+            f"head_dim {args.head_dim}; best possible {100 * best:.1f}%"
+        )
+        print(
+            f"{'L3 MB':>6} {'format':7}{'L2 tok':>8}{'L2 hit':>9}{'L3 hit':>9}{'hit rate':>10}{'evicted':>9}"
+        )
+        for row in b:
+            print(
+                f"{row['l3_bytes'] / MB:>6g} {row['format']:7}{row['l2_tokens']:>8,}"
+                f"{row['l2_hit_tokens']:>9,}{row['l3_hit_tokens']:>9,}"
+                f"{100 * row['hit_rate']:>9.1f}%{row['store_evicted_keys']:>9,}"
+            )
+        result = {
+            "bytes_per_token": a,
+            "ratio": ratio,
+            "hit_rate": b,
+            "best": best,
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "seconds": time.time() - t0,
+        }
+    json_path = args.out / "demo-l3.json"
+    json_path.write_text(json.dumps(result, indent=2))
+    png_path = args.out / "demo-l3.png"
+    plot(result, png_path)
+    print(f"\nwrote {json_path} and {png_path} in {result['seconds']:.0f} s")
+    return 0
+
+
+def plot(result, path: Path) -> None:
+    from PIL import Image, ImageDraw, ImageFont
+
+    W, H = 1200, 520
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    try:
+        font = ImageFont.load_default(size=15)
+    except TypeError:
+        font = ImageFont.load_default()
+    colors = {"bf16": "#4c72b0", "int8": "#dd8452"}
+    # Left: store bytes per token.
+    a = result["bytes_per_token"]
+    left, right, top, bottom = 80, 500, 70, 440
+    top_value = max(r["bytes_per_token"] for r in a.values()) * 1.15
+    d.rectangle([left, top, right, bottom], outline="black")
+    d.text(
+        ((left + right) // 2, 30),
+        "Mooncake store bytes per cached token",
+        fill="black",
+        font=font,
+        anchor="mt",
+    )
+    for i, (label, row) in enumerate(a.items()):
+        x0 = left + 60 + i * 180
+        y = bottom - (bottom - top) * row["bytes_per_token"] / top_value
+        d.rectangle([x0, y, x0 + 120, bottom], fill=colors[label])
+        d.text(
+            (x0 + 60, y - 6),
+            f"{row['bytes_per_token']:,.0f} B",
+            fill="black",
+            font=font,
+            anchor="mb",
+        )
+        d.text((x0 + 60, bottom + 10), label, fill="black", font=font, anchor="mt")
+    # Right: hit rate vs L3 budget.
+    rows = result["hit_rate"]
+    budgets = sorted({r["l3_bytes"] for r in rows})
+    left, right = 620, 1160
+    d.rectangle([left, top, right, bottom], outline="black")
+    d.text(
+        ((left + right) // 2, 30),
+        "hit rate vs L3 budget (same bytes), small L2",
+        fill="black",
+        font=font,
+        anchor="mt",
+    )
+    sx = (
+        lambda i: left + 50 + (right - left - 100) * i / max(1, len(budgets) - 1)
+    )  # noqa: E731
+    sy = lambda v: bottom - (bottom - top) * v  # noqa: E731
+    for v in (0, 0.25, 0.5, 0.75, 1.0):
+        d.line([left, sy(v), right, sy(v)], fill="#e6e6e6")
+        d.text(
+            (left - 8, sy(v)), f"{100 * v:.0f}%", fill="black", font=font, anchor="rm"
+        )
+    d.line([left, sy(result["best"]), right, sy(result["best"])], fill="gray")
+    for i, b in enumerate(budgets):
+        d.text(
+            (sx(i), bottom + 10), f"{b / MB:g} MB", fill="black", font=font, anchor="mt"
+        )
+    for label, color in colors.items():
+        pts = [
+            (sx(budgets.index(r["l3_bytes"])), sy(r["hit_rate"]))
+            for r in rows
+            if r["format"] == label
+        ]
+        d.line(pts, fill=color, width=3)
+        for x, y in pts:
+            d.ellipse([x - 5, y - 5, x + 5, y + 5], fill=color)
+        d.text(
+            (pts[-1][0] - 10, pts[-1][1] - 12),
+            label,
+            fill=color,
+            font=font,
+            anchor="rb",
+        )
+    img.save(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

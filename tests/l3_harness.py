@@ -1,0 +1,336 @@
+"""L3 (storage) rigs on CPU: a real HiCacheController with its storage threads,
+attached to SGLang's `file` backend or to SGLang's MooncakeStore talking to a
+real `mooncake_master` this module starts on 127.0.0.1.
+
+Drives the controller the way UnifiedRadixCache does: write-through to L2,
+write_storage() to L3 (backup thread), then prefetch() (query thread) ->
+host allocation -> prefetch_buffer (I/O thread) -> load back to L1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty
+
+import pytest
+import torch
+
+from hicache_harness import Geometry, HiCacheRig, finish_transfers, make_rig
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+# Every wait on a storage thread is bounded, so a fault can only fail a test.
+STORAGE_WAIT_S = 20.0
+MODEL_NAME = "hiq/tiny-test-model"
+
+
+def publish_runtime(page_size: int, layout: str, host_dtype: str) -> None:
+    """Publish the config namespaces attach_storage_backend reads (parallel)."""
+    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        page_size=page_size,
+        enable_hierarchical_cache=True,
+        hicache_mem_layout=layout,
+        hicache_io_backend="direct",
+        hicache_host_dtype=host_dtype,
+    )
+    reset_context()
+    publish(server_args, role="scheduler")
+    # A single-rank process: the ranks the process groups would stamp.
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(
+        tp_rank=0, pp_rank=0, attn_tp_rank=0, attn_dcp_rank=0
+    )
+
+
+# ---------------------------------------------------------------------------
+# mooncake_master
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mooncake_unavailable_reason() -> str | None:
+    """Why the Mooncake store cannot run here, or None if it can."""
+    try:
+        import mooncake
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except Exception as e:  # ImportError, or a missing libibverbs/libnuma
+        return (
+            f"mooncake.store does not import ({type(e).__name__}: {e}); install "
+            "requirements/l3-mooncake.txt and apt-get install libibverbs1 "
+            "librdmacm1 libnuma1"
+        )
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    if not binary.is_file():
+        return f"{binary} is missing from the mooncake wheel"
+    return None
+
+
+def require_mooncake() -> None:
+    """Skip with the reason when Mooncake cannot run; under CI=true, fail."""
+    reason = mooncake_unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI must run the Mooncake tests: {reason}")
+    pytest.skip(reason)
+
+
+@dataclass
+class MooncakeMaster:
+    """A mooncake_master process with its built-in HTTP metadata server."""
+
+    log_path: Path
+    extra_args: tuple[str, ...] = ()
+    metadata_port: int = field(default_factory=_free_port)
+    rpc_port: int = field(default_factory=_free_port)
+    metrics_port: int = field(default_factory=_free_port)
+    process: subprocess.Popen | None = None
+
+    def start(self) -> "MooncakeMaster":
+        import mooncake
+
+        binary = Path(mooncake.__file__).parent / "mooncake_master"
+        # pip install --target can drop the run bit.
+        if not os.access(binary, os.X_OK):
+            binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [
+                str(binary),
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.metadata_port}",
+                f"--rpc_port={self.rpc_port}",
+                f"--metrics_port={self.metrics_port}",
+                *self.extra_args,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + STORAGE_WAIT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"mooncake_master exited with {self.process.returncode}; "
+                    f"log: {self.log_path.read_text()[-2000:]}"
+                )
+            try:
+                self.metrics()
+                return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError("mooncake_master did not come up")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()  # its own pid, never a name
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    def metrics(self) -> dict[str, float]:
+        """The master's Prometheus gauges and counters (unlabelled ones)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=3).read().decode()
+        values = {}
+        for line in text.splitlines():
+            if line.startswith("#") or "{" in line or " " not in line:
+                continue
+            name, value = line.rsplit(" ", 1)
+            try:
+                values[name] = float(value)
+            except ValueError:
+                pass
+        return values
+
+    def storage_config(self, segment_bytes: int = 64 << 20) -> dict:
+        """extra_config for SGLang's MooncakeStore (TCP, no etcd)."""
+        return {
+            "master_server_address": f"127.0.0.1:{self.rpc_port}",
+            "metadata_server": f"http://127.0.0.1:{self.metadata_port}/metadata",
+            "global_segment_size": segment_bytes,
+            "protocol": "tcp",
+            "device_name": "",
+            "local_hostname": "127.0.0.1",
+            "check_server": False,
+            "standalone_storage": False,
+        }
+
+
+# ---------------------------------------------------------------------------
+# the controller's storage path
+
+
+@dataclass
+class L3Rig:
+    rig: HiCacheRig
+    geo: Geometry
+
+    @property
+    def controller(self):
+        return self.rig.controller
+
+    @property
+    def backend(self):
+        return self.rig.controller.storage_backend
+
+    def close(self) -> None:
+        ctl = self.controller
+        if ctl.enable_storage:
+            ctl.detach_storage_backend()
+
+
+def make_l3_rig(
+    backend: str,
+    extra_config: dict,
+    *,
+    host_dtype: str = "int8",
+    geo: Geometry | None = None,
+    layout: str = "page_first_direct",
+    device_tokens: int = 256,
+    host_tokens: int = 512,
+    model_name: str = MODEL_NAME,
+) -> L3Rig:
+    geo = geo or Geometry(layer_num=3, head_num=2, head_dim=16, page_size=4)
+    publish_runtime(geo.page_size, layout, host_dtype)
+    rig = make_rig(
+        geo,
+        device_tokens=device_tokens,
+        host_tokens=host_tokens,
+        layout=layout,
+        host_dtype=host_dtype,
+    )
+    rig.controller.attach_storage_backend(
+        backend,
+        prefetch_threshold=geo.page_size,
+        model_name=model_name,
+        storage_backend_extra_config=dict(extra_config),
+    )
+    return L3Rig(rig, geo)
+
+
+def device_rows(rig: HiCacheRig, indices: torch.Tensor) -> list[torch.Tensor]:
+    """K then V rows of every layer at device `indices` (copies)."""
+    pool = rig.device_pool
+    return [pool.k_buffer[i][indices].clone() for i in range(pool.layer_num)] + [
+        pool.v_buffer[i][indices].clone() for i in range(pool.layer_num)
+    ]
+
+
+def write_through(l3: L3Rig, tokens: list[int], seed: int = 0, edit=None):
+    """New KV for `tokens` on the device -> L2 -> L3 (edit(device_pool, dev)
+    may change it first). Returns (device indices, host indices, page hashes,
+    number of pages L3 accepted)."""
+    from hicache_harness import fill_random
+
+    ctl, rig = l3.controller, l3.rig
+    dev = rig.allocator.alloc(len(tokens))
+    fill_random(rig.device_pool, dev, seed=seed)
+    if edit is not None:
+        edit(rig.device_pool, dev)
+    host = ctl.write(dev, node_id=0)
+    assert host is not None, "host pool full"
+    ctl.start_writing()
+    finish_transfers(ctl)
+    hashes = get_storage_hash_str(tokens, None, page_size=l3.geo.page_size)
+    op_id = ctl.write_storage(host, tokens, hash_value=hashes)
+    op = ctl.ack_backup_queue.get(timeout=STORAGE_WAIT_S)
+    assert op.id == op_id
+    return dev, host, hashes, op.completed_tokens // l3.geo.page_size
+
+
+def evict_everywhere(l3: L3Rig, dev: torch.Tensor, host: torch.Tensor) -> None:
+    """Drop the KV from L1 and L2, poisoning the freed rows so stale bytes
+    cannot pass for restored ones."""
+    pool = l3.rig.device_pool
+    for layer in range(pool.layer_num):
+        pool.k_buffer[layer][dev] = float("nan")
+        pool.v_buffer[layer][dev] = float("nan")
+    l3.rig.allocator.free(dev)
+    l3.controller.mem_pool_host.free(host)
+
+
+@dataclass
+class Prefetch:
+    hit_tokens: int  # what the hit query found in L3
+    completed_tokens: int  # what the I/O thread delivered into L2
+    host_indices: torch.Tensor | None
+
+
+def prefetch(
+    l3: L3Rig, tokens: list[int], request_id: str = "r", before_io=None
+) -> Prefetch:
+    """L3 -> L2 through the controller's query and I/O threads; before_io()
+    runs between the hit query and the reads (to fault the store there)."""
+    ctl = l3.controller
+    op = ctl.prefetch(request_id, tokens)
+    queried = ctl.prefetch_hit_queue.get(timeout=STORAGE_WAIT_S)
+    assert queried is op
+    hit = op.storage_hit_count
+    if hit == 0:
+        return Prefetch(0, 0, None)
+    host = ctl.mem_pool_host.alloc(hit)
+    assert host is not None, "host pool full"
+    op.host_indices = host
+    op.hash_value = op.hash_value[: hit // l3.geo.page_size]
+    if before_io is not None:
+        before_io()
+    ctl.prefetch_buffer.put(op)
+    completed = 0
+    deadline = time.monotonic() + STORAGE_WAIT_S
+    while True:
+        try:
+            ack = ctl.ack_prefetch_queue.get(
+                timeout=max(0.0, deadline - time.monotonic())
+            )
+        except Empty:
+            raise AssertionError("prefetch did not complete in time") from None
+        if ack.completed_tokens is not None:
+            completed = ack.completed_tokens
+        if ack.completed_req:
+            break
+    # Only the delivered prefix enters the cache; the rest goes back.
+    if completed < hit:
+        ctl.mem_pool_host.free(host[completed:])
+    return Prefetch(hit, completed, host[:completed])
+
+
+def load_to_device(l3: L3Rig, host: torch.Tensor) -> torch.Tensor:
+    """L2 -> L1 through the controller's load path; returns device indices."""
+    ctl = l3.controller
+    dev = ctl.load(host, node_id=0)
+    assert dev is not None, "device pool full"
+    ctl.start_loading()
+    finish_transfers(ctl)
+    return dev
+
+
+def file_storage_config(path: Path) -> dict:
+    return {"file_storage_path": str(path)}
+
+
+def rmtree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
