@@ -7,9 +7,9 @@
 #       stages build/gpu-carry/: wheels/ (the pinned cp312 sglang wheel and the
 #       small wheels listed in tests/gpu/carried_packages.txt, pins from
 #       requirements/) and edits/ (edits of build/sglang not yet refreshed).
-#       Carry that one folder (about 51 MiB with the working tree).
+#       Carry that one folder (about 49 MiB with the working tree).
 # There (CUDA), two separate commands:
-#   bash scripts/gpu_check.sh tests --out DIR   # GPU tests, ~1 min + install
+#   bash scripts/gpu_check.sh tests --out DIR   # GPU tests, limit 420 s
 #   bash scripts/gpu_check.sh bench --out DIR   # INT8 vs BF16 benchmark, < 3 min
 # Here (CPU): bash scripts/gpu_check.sh --dry-run [tests|bench] --out DIR
 #   runs both phases (or one) end to end: kernels under TRITON_INTERPRET=1.
@@ -111,7 +111,7 @@ while [ $# -gt 0 ]; do
         --bench-budget) BENCH_BUDGET="$2"; shift ;;
         --bench-timeout) BENCH_TIMEOUT="$2"; shift ;;
         --) shift; EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
