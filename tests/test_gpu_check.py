@@ -29,7 +29,7 @@ def gpu_check(*args: str, site: Path, out: Path, env_extra=None, timeout=900):
     env["PYTHON"] = sys.executable
     env.update(env_extra or {})
     return subprocess.run(
-        ["bash", "scripts/gpu_check.sh", *args, "--out", str(out), "--site", str(site)],
+        ["bash", "scripts/gpu_check.sh", "--out", str(out), "--site", str(site), *args],
         cwd=REPO,
         env=env,
         capture_output=True,
