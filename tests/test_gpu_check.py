@@ -145,3 +145,31 @@ def test_missing_packages_found_without_importing(monkeypatch, tmp_path):
 )
 def test_tests_phase_verdict(counts, rc, device, ok):
     assert (verdict({"counts": counts}, rc, device) == "ok") is ok
+
+
+def test_test_report_is_rewritten_after_every_test(monkeypatch, tmp_path):
+    """A tests phase cut at its limit still leaves the tests it got through."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    path = REPO / "tests" / "gpu" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("gpu_conftest_under_test", path)
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    out = tmp_path / "gpu_tests.json"
+    monkeypatch.setenv("HIQ_GPU_TEST_JSON", str(out))
+    plugin.pytest_sessionstart(None)
+    assert json.loads(out.read_text())["status"] == "running"
+    for i, outcome in enumerate(("passed", "failed")):
+        plugin.pytest_runtest_logreport(
+            SimpleNamespace(
+                when="call", outcome=outcome, nodeid=f"t.py::test_{i}",
+                duration=0.5, longrepr="boom", user_properties=[],
+            )
+        )  # fmt: skip
+        report = json.loads(out.read_text())
+        assert report["status"] == "running" and len(report["tests"]) == i + 1
+    assert report["counts"] == {"passed": 1, "failed": 1}
+    assert report["tests"][1]["detail"] == "boom"
+    plugin.pytest_sessionfinish(None, 1)
+    assert json.loads(out.read_text())["status"] == "finished"
