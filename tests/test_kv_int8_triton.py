@@ -418,13 +418,16 @@ def build_pool_on(device_pool, device=None, pin_memory=False):
 
 @pytest.fixture
 def cuda_typed(monkeypatch):
-    """A CUDA-typed device whose one CUDA call at construction, the final
-    stream synchronize, is a no-op (nothing is queued here). The module runs
-    under the interpreter, so the kernels count as available, as on a GPU."""
-    monkeypatch.setattr(
-        torch.cuda, "current_stream",
-        lambda device=None: types.SimpleNamespace(synchronize=lambda: None),
-    )  # fmt: skip
+    """A CUDA-typed device whose CUDA-only calls are no-ops on CPU: stream
+    synchronizes (nothing is queued) and pinning index uploads. The module
+    runs under the interpreter, so the kernels count as available and run,
+    as on a GPU."""
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    # Index uploads go through pinned memory on CUDA; here the copy is a CPU
+    # copy either way (as tests/conftest.py no-ops cudaHostRegister).
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
     return CudaTypedCpu("cpu")
 
 
@@ -534,3 +537,23 @@ def test_unsupported_io_backend_on_fused_load_fails():
             device_pool, pool.alloc(2), torch.arange(1, 3), 0, "kernel_ascend"
         )
     assert all(torch.equal(a, b) for a, b in zip(before, device_pool.k_buffer))
+
+
+def test_cuda_typed_pool_round_trips_on_the_default_path(cuda_typed):
+    """The fake is good for more than construction: a pool built as on CUDA
+    backs up and restores through its default (fused, direct) path."""
+    device_pool = make_device_pool(Geometry(page_size=1), 16)
+    pool = build_pool_on(device_pool, cuda_typed, pin_memory=True)
+    dev = torch.arange(1, 6)
+    written = fill_random(device_pool, dev, seed=2)
+    host = pool.alloc(len(dev))
+    pool.backup_from_device_all_layer(device_pool, host, dev, "kernel")
+    new_dev = torch.arange(8, 13)
+    for layer in range(device_pool.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "kernel")
+    for layer, (k, v) in enumerate(written):
+        for buf, rows in ((device_pool.k_buffer, k), (device_pool.v_buffer, v)):
+            expected = codec.dequantize_reference(
+                *codec.quantize_reference(rows), rows.dtype
+            )
+            assert torch.equal(buf[layer][new_dev], expected)
