@@ -92,7 +92,7 @@ demo-l3: venv apply
 bench-codec: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/bench_codec.py
 
-# Self-contained (installs the pinned wheel into a temp dir); no venv needed.
+# Self-contained (installs the pinned wheel into build/gpu-site); no venv needed.
 # Stage the carry set for a machine without network: scripts/gpu_check.sh prepare
 GPU_CHECK_ARGS ?=
 gpu-check:

@@ -2,7 +2,7 @@
 """GPU benchmark: INT8 host pool (fused Triton and torch paths) against the
 stock BF16 host pool, side by side in one run, at Qwen3-8B geometry.
 
-Measured, for 1k/4k/16k/64k tokens and each (layout, page size) config:
+Measured, for 4k and 16k tokens (--tokens) and each (layout, page size) config:
   restore  time per layer (host -> device, plus decode for INT8): all layers
            restored back to back on one transfer stream, total / layers
   backup   time of one all-layer backup (device -> host, plus encode)
@@ -13,7 +13,8 @@ for these implementations:
   int8_torch          the torch path (gather, codec ops, staging, copies)
   bf16_stock_kernel   stock MHATokenToKVPoolHost, io_backend=kernel: SGLang's
                       JIT HiCache kernels (or sgl_kernel where installed);
-                      only where they load (they need nvcc + tvm-ffi)
+                      with --stock-jit, where they load (nvcc + tvm-ffi: a
+                      compile of minutes, so not in the default short run)
   bf16_triton_copy    stock host buffers, a Triton zero-copy gather/scatter
                       copy with the same structure as the fused INT8 kernels
                       (what io_backend=kernel does, for when its kernels are
@@ -23,10 +24,15 @@ for these implementations:
                       io_backend=direct (layer_first config only)
 Host and device indices are contiguous ranges (the best case for BF16 DMA).
 Also: device copy bandwidth (D2D copy_), pinned PCIe bandwidth, and codec
-throughput (encode / decode device->device, all bytes read + written) with a
-small sweep of tile sizes. Targets (from the issue) are evaluated at the end.
+throughput (encode / decode device->device, all bytes read + written) at the
+default tiles (--sweep: a few tile sizes). Targets (from the issue) are
+evaluated at the end, and "figures" sums up what the README quotes.
 
-Usage (scripts/gpu_check.sh runs it):
+Sized for a short GPU slot: each measurement repeats until --iters or its
+share of the time budget is spent, sizes left when --budget-s runs out are
+marked skipped, and the JSON is rewritten after every size.
+
+Usage (scripts/gpu_check.sh bench runs it):
   python3 scripts/gpu_bench.py --out results.json
   python3 scripts/gpu_bench.py --dry-run --out x.json   # CPU, interpreter, tiny
 """
@@ -53,15 +59,32 @@ sys.path.insert(0, str(ROOT / "tests" / "gpu"))
 import torch  # noqa: E402
 from gpu_support import (  # noqa: E402
     QWEN3_8B,
+    MissingPackage,
     destroy_host_pool,
     env_summary,
+    import_modules_under_test,
     install_gpu_standins,
     make_device_pool,
     make_host_pool,
-    nbytes,
+    missing_packages,
     same_bits,
 )
 
+
+def _require_packages() -> None:
+    """One line naming what is missing, instead of an import traceback."""
+    missing = missing_packages()
+    try:
+        if not missing:
+            import_modules_under_test()
+    except MissingPackage as e:
+        missing = [str(e)]
+    if missing:
+        print(f"gpu_bench: missing packages: {', '.join(missing)}", file=sys.stderr)
+        sys.exit(3)
+
+
+_require_packages()
 STANDINS = install_gpu_standins()
 
 import triton  # noqa: E402
@@ -84,9 +107,11 @@ TARGET_CODEC_BW = 0.60
 
 
 class Clock:
-    def __init__(self, device: str):
+    def __init__(self, device: str, slice_s: float = 2.0):
         self.cuda = device == "cuda"
         self.stream = torch.cuda.Stream() if self.cuda else None
+        # Wall time one measurement may take before it stops repeating.
+        self.slice_s = slice_s
 
     def sync(self):
         if self.cuda:
@@ -94,12 +119,14 @@ class Clock:
 
     def run(self, fn, iters: int, warmup: int = 1) -> dict:
         """Milliseconds of fn() enqueued on a side stream (events), or wall
-        clock on CPU. Returns median/min over iters."""
+        clock on CPU. Repeats up to iters times, fewer once the clock's time
+        slice is spent (at least once). Returns median/min."""
         for _ in range(warmup):
             self._call(fn)
             self.sync()
         times = []
-        for _ in range(iters):
+        stop = time.time() + self.slice_s
+        while len(times) < iters and (not times or time.time() < stop):
             self.sync()
             if self.cuda:
                 start = torch.cuda.Event(enable_timing=True)
@@ -251,7 +278,7 @@ def bandwidth(clock, device, dry) -> dict:
     return out
 
 
-def codec_throughput(clock, device, geo, tokens, dry, copy_gbps) -> dict:
+def codec_throughput(clock, device, geo, tokens, dry, copy_gbps, sweep_tiles) -> dict:
     """Encode (all layers) and decode (per layer) device -> device."""
     L, H, D = geo["layer_num"], geo["head_num"], geo["head_dim"]
     dev_pool = make_device_pool(
@@ -269,9 +296,9 @@ def codec_throughput(clock, device, geo, tokens, dry, copy_gbps) -> dict:
     enc_bytes = kv_bytes * 2 + kv_bytes + tokens * L * 2 * H * 2
     dec_layer_bytes = (kv_bytes * 2 + kv_bytes + tokens * L * 2 * H * 2) / L
 
-    sweep = [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (32768, 8)]
-    if dry:
-        sweep = sweep[:2]
+    sweep = [(kt.ENCODE_TILE, kt.ENCODE_WARPS)]
+    if sweep_tiles:
+        sweep += [(4096, 4), (8192, 8), (16384, 8), (32768, 8)]
     out = {"tokens": tokens, "layers": L, "encode": [], "decode": []}
     for tile, warps in sweep:
 
@@ -349,12 +376,14 @@ def build_config(device, geo, layout, page, max_tokens, pin, stock_jit):
 
 
 def bench_config(
-    clock, device, geo, layout, page, token_counts, args, deadline, copy_gbps
+    clock, device, geo, layout, page, token_counts, args, deadline, sink, save
 ):
+    """Measure one (layout, page) config; its record is appended to sink at
+    once and save() is called after every size, so a cut run keeps them."""
     dry, pin = args.dry_run, device == "cuda"
     L = geo["layer_num"]
     dev_pool, int8, stock, stock_init_s = build_config(
-        device, geo, layout, page, max(token_counts), pin, not args.no_stock_jit
+        device, geo, layout, page, max(token_counts), pin, args.stock_jit
     )
     stock_sgl = STANDINS.get("sgl_kernel") == "real"
     stock_kernel_ok = bool(getattr(stock, "can_use_jit", False)) or stock_sgl
@@ -371,6 +400,7 @@ def bench_config(
         "bf16_bytes_per_token": stock.get_size_per_token(),
         "sizes": [],
     }
+    sink.append(out)
     copier = StockTritonCopy(stock, device)
     max_n = max(token_counts)
     for n in token_counts:
@@ -503,7 +533,9 @@ def bench_config(
             k: per_layer_bytes["int8" if k.startswith("int8") else "bf16"] / v / 1e6
             for k, v in row["restore_ms_per_layer"].items()
         }
+        row["backup_ms_per_layer"] = {k: v / L for k, v in row["backup_ms"].items()}
         out["sizes"].append(row)
+        save()
         print(f"[bench] {layout}/{page} {n:6d} tokens: restore ms/layer "
               f"{ {k: round(v, 4) for k, v in row['restore_ms_per_layer'].items()} } "
               f"backup ms { {k: round(v, 3) for k, v in row['backup_ms'].items()} }",
@@ -617,17 +649,57 @@ def evaluate_targets(configs, codec_out) -> dict:
     }
 
 
+def headline_figures(configs, codec_out, bw) -> dict:
+    """What the README quotes: per config and size, restore and backup ms per
+    layer of the default INT8 path and the best BF16 baseline, and the
+    codec's GB/s against the device copy's."""
+    rows = []
+    for cfg in configs:
+        for row in cfg["sizes"]:
+            if "skipped" in row:
+                continue
+            entry = {"config": f"{cfg['layout']}/p{cfg['page_size']}",
+                     "tokens": row["tokens"]}  # fmt: skip
+            for metric, table in (
+                ("restore", row["restore_ms_per_layer"]),
+                ("backup", row["backup_ms_per_layer"]),
+            ):
+                bf16 = {k: v for k, v in table.items() if k.startswith("bf16")}
+                int8 = table.get("int8_fused_direct")
+                best = min(bf16, key=bf16.get) if bf16 else None
+                entry[f"{metric}_ms_per_layer_int8"] = int8
+                entry[f"{metric}_ms_per_layer_bf16"] = bf16.get(best)
+                entry[f"{metric}_bf16_baseline"] = best
+                entry[f"{metric}_int8_over_bf16"] = (
+                    int8 / bf16[best] if int8 is not None and best else None
+                )
+            rows.append(entry)
+    return {
+        "transfers": rows,
+        "codec_encode_GBps": (codec_out.get("encode_best") or {}).get("GBps"),
+        "codec_decode_GBps": (codec_out.get("decode_best") or {}).get("GBps"),
+        "device_copy_GBps": bw.get("device_copy_GBps"),
+        "h2d_GBps": bw.get("h2d_GBps"),
+        "d2h_GBps": bw.get("d2h_GBps"),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tokens", default="1024,4096,16384,65536")
+    parser.add_argument("--tokens", default="4096,16384")
     parser.add_argument("--configs", default="page_first:64,layer_first:1",
                         help="layout:page_size,...")  # fmt: skip
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--budget-s", type=float, default=330.0,
+    parser.add_argument("--iters", type=int, default=5,
+                        help="repeats per measurement at most (fewer past its time slice)")  # fmt: skip
+    parser.add_argument("--slice-s", type=float, default=2.0,
+                        help="seconds one measurement may repeat for")  # fmt: skip
+    parser.add_argument("--budget-s", type=float, default=140.0,
                         help="skip what is left after this many seconds")  # fmt: skip
-    parser.add_argument("--no-stock-jit", action="store_true",
-                        help="don't try SGLang's JIT HiCache kernels (nvcc compile)")  # fmt: skip
+    parser.add_argument("--stock-jit", action="store_true",
+                        help="also try SGLang's JIT HiCache kernels (nvcc compile, minutes)")  # fmt: skip
+    parser.add_argument("--sweep", action="store_true",
+                        help="codec throughput at several tile sizes, not just the defaults")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, Triton interpreter, tiny sizes: checks the script")  # fmt: skip
     args = parser.parse_args(argv)
@@ -649,7 +721,7 @@ def main(argv=None) -> int:
         layout, page = item.split(":")
         configs.append((layout, int(page)))
 
-    clock = Clock(device)
+    clock = Clock(device, args.slice_s)
     result = {
         "env": env_summary(),
         "standins": STANDINS,
@@ -682,8 +754,9 @@ def main(argv=None) -> int:
         save()
         copy_gbps = result["bandwidth"]["device_copy_GBps"]
         result["codec"] = codec_throughput(
-            clock, device, geo, 256 if args.dry_run else 16384, args.dry_run, copy_gbps
-        )
+            clock, device, geo, 256 if args.dry_run else 16384, args.dry_run,
+            copy_gbps, args.sweep,
+        )  # fmt: skip
         save()
         result["configs"] = []
         for layout, page in configs:
@@ -691,21 +764,33 @@ def main(argv=None) -> int:
                 result["configs"].append({"layout": layout, "page_size": page,
                                           "skipped": "time budget"})  # fmt: skip
                 continue
-            result["configs"].append(
-                bench_config(clock, device, geo, layout, page, token_counts, args,
-                             deadline, copy_gbps)  # fmt: skip
-            )
+            bench_config(clock, device, geo, layout, page, token_counts, args,
+                         deadline, result["configs"], save)  # fmt: skip
             save()
-        result["targets"] = evaluate_targets(
-            [c for c in result["configs"] if "sizes" in c], result["codec"]
+        measured = [c for c in result["configs"] if "sizes" in c]
+        result["targets"] = evaluate_targets(measured, result["codec"])
+        result["figures"] = headline_figures(
+            measured, result["codec"], result["bandwidth"]
         )
     except Exception as e:
         result["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-4000:]
         save()
         print(result["fatal"], file=sys.stderr)
         return 1
+    # A timing is only worth quoting if the same run restored the right bytes.
+    result["failed_checks"] = [
+        f"{c['layout']}/p{c['page_size']}/{row['tokens']}: {name}"
+        for c in measured
+        for row in c["sizes"]
+        for name, ok in row.get("checks", {}).items()
+        if not ok
+    ]
     save()
+    print(json.dumps(result["figures"], indent=1))
     print(json.dumps(result["targets"]["summary"], indent=1))
+    if result["failed_checks"]:
+        print("gpu_bench: failed checks:", *result["failed_checks"], sep="\n  ")
+        return 1
     return 0
 
 

@@ -1,39 +1,31 @@
 #!/usr/bin/env bash
-# HiQCache GPU check: one command on a bare CUDA machine (PyTorch + Triton,
-# no SGLang, no network). Installs the pinned SGLang wheel --no-deps into a
-# temp dir, applies our series (sglang_overlay/ + patches/ via
-# scripts/overlay.py install) plus any not-yet-refreshed edits of build/sglang,
-# installs whatever pure-Python import it still lacks from carried wheels,
-# then runs the GPU tests (tests/gpu) and the GPU benchmark
-# (scripts/gpu_bench.py) and writes JSON:
+# HiQCache GPU check, sized for a short GPU slot (10 minutes per command, about
+# 15 in all, a bare CUDA machine with PyTorch + Triton and no network).
 #
-#   <out>/gpu_check.json   summary: steps, environment, test counts, targets
-#   <out>/gpu_tests.json   one record per test
-#   <out>/gpu_bench.json   benchmark (restore/backup, codec GB/s, targets)
-#   <out>/*.log            full output of each step
+# Here (network):
+#   bash scripts/gpu_check.sh prepare
+#       stages build/gpu-carry/: wheels/ (the pinned cp312 sglang wheel and the
+#       small wheels listed in tests/gpu/carried_packages.txt, pins from
+#       requirements/) and edits/ (edits of build/sglang not yet refreshed).
+#       Carry that one folder (about 49 MiB with the working tree).
+# There (CUDA), two separate commands:
+#   bash scripts/gpu_check.sh tests --out DIR   # GPU tests, limit 420 s
+#   bash scripts/gpu_check.sh bench --out DIR   # INT8 vs BF16 benchmark, < 3 min
+# Here (CPU): bash scripts/gpu_check.sh --dry-run [tests|bench] --out DIR
+#   runs both phases (or one) end to end: kernels under TRITON_INTERPRET=1.
 #
-# Usage
-#   scripts/gpu_check.sh prepare            # here (network): stage what to carry
-#   scripts/gpu_check.sh [--out DIR]        # there (CUDA): run the check
-#   scripts/gpu_check.sh --dry-run          # here (CPU): same flow, interpreter
-#   options: --skip-tests --skip-bench --no-stock-jit
-#   env:     PYTHON (default python3), HIQ_BENCH_ARGS (extra gpu_bench.py args)
+# The first phase builds build/gpu-site/ with ONE `pip install --no-index
+# --no-deps --target` (the sglang wheel plus whichever carried wheels this
+# Python lacks), then applies our series; the second reuses it. Each phase
+# writes its JSON as it goes, so a run cut at the limit still returns results:
+#   DIR/gpu_check.json  steps and verdicts;  DIR/gpu_tests.json  one record per
+#   test;  DIR/gpu_bench.json  benchmark;  DIR/*.log  full output per step.
+# Exit status: 0 only if every phase run passed.
 #
-# What to carry to the device machine (`prepare` prints the list and size):
-#   build/wheels/sglang-0.5.23-cp312-cp312-manylinux_2_34_x86_64.whl
-#       the pinned wheel for Python 3.12, checked against sglang.lock
-#       (prepare runs: python3 scripts/overlay.py fetch --python-tag 312)
-#   .whl/           pure-Python dependencies sglang's KV-cache modules import
-#       and pytest, as cp312 wheels (prepare runs: pip download --no-deps
-#       --only-binary=:all: --python-version 3.12 --implementation cp
-#       --platform manylinux_2_28_x86_64 ... -d .whl <pins from
-#       requirements/>). Only what is missing there gets installed. /.whl/ is
-#       in .gitignore.
-#   build/gpu-carry/ edits of build/sglang not yet refreshed into patches/ or
-#       sglang_overlay/ (prepare copies them; empty once refreshed)
-# For the device tool: carry = [that wheel, ".whl", "build/gpu-carry"],
-# command = "bash scripts/gpu_check.sh --out $OUT". It finishes in about 5
-# minutes (tests <= 240 s and benchmark <= 300 s are hard limits).
+# Options: --out DIR (default results/gpu-check)   --site DIR (default
+#   build/gpu-site)   --test-timeout S (420)   --bench-budget S (140)
+#   --bench-timeout S (240)   -- ARGS (to pytest for tests, gpu_bench.py for bench)
+# Env: PYTHON (default python3), HIQ_WHEEL_CACHE (where `make apply` keeps wheels).
 
 set -uo pipefail
 
@@ -41,21 +33,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 SGLANG_VERSION="$(sed -n 's/^SGLANG_VERSION=//p' sglang.lock)"
-CARRY_DIR="build/gpu-carry"
-DEPS_DIR=".whl"
-# Packages to stage in .whl/ (pins from requirements/): what a PyTorch image
-# may lack among sglang's import-time needs, and pytest.
-DEP_NAMES="apache-tvm-ffi compressed-tensors gguf loguru msgspec orjson pybase64 \
-pyzmq sentencepiece pydantic pydantic_core annotated-types typing-inspection \
-ipython traitlets dill anyio sniffio h11 starlette annotated-doc httpx2 httpcore2 \
-truststore packaging pytest pluggy iniconfig"
+CARRY="build/gpu-carry"
+PACKAGES="tests/gpu/carried_packages.txt"
 
 log() { printf '[gpu-check] %s\n' "$*" >&2; }
-die() { log "error: $*"; exit 1; }
+die() { log "error: $*"; exit 2; }
 
-pin_of() {  # pinned "name==version" from requirements/, else the bare name
+# ---------------------------------------------------------------- prepare
+
+pin_of() {  # "name==version" pinned in requirements/, else the bare name
     local name="$1" line
-    line="$(grep -ihE "^${name//_/[-_]}==" requirements/cpu-test.txt requirements/test-tools.txt | head -1)"
+    line="$(grep -ihE "^${name//[-_]/[-_]}==" requirements/*.txt | head -1)"
     printf '%s\n' "${line:-$name}"
 }
 
@@ -78,88 +66,155 @@ collect_edits() {  # unrefreshed edits of build/sglang -> $1/python/...
 }
 
 prepare() {
-    log "fetching the pinned cp312 wheel"
-    WHEEL="$("$PY" scripts/overlay.py fetch --python-tag 312)" || die "overlay.py fetch failed"
-    log "downloading cp312 dependency wheels into $DEPS_DIR/"
-    mkdir -p "$DEPS_DIR"
-    local specs=() name
-    for name in $DEP_NAMES; do specs+=("$(pin_of "$name")"); done
+    rm -rf "$CARRY/wheels" && mkdir -p "$CARRY/wheels"
+    log "fetching the pinned cp312 sglang wheel"
+    local wheel
+    wheel="$("$PY" scripts/overlay.py fetch --python-tag 312)" || die "overlay.py fetch failed"
+    cp "$wheel" "$CARRY/wheels/"
+    local specs=() dist
+    while read -r dist _; do specs+=("$(pin_of "$dist")"); done \
+        < <(grep -v '^#' "$PACKAGES")
+    log "downloading ${#specs[@]} cp312 wheels into $CARRY/wheels/"
     "$PY" -m pip download --quiet --no-deps --only-binary=:all: \
         --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 --platform any \
-        -d "$DEPS_DIR" "${specs[@]}" || die "pip download failed"
-    log "collecting unrefreshed edits of build/sglang into $CARRY_DIR/"
-    collect_edits "$CARRY_DIR/edits"
-    [ -f "$CARRY_DIR/edits/files.txt" ] && sed 's/^/  edit: /' "$CARRY_DIR/edits/files.txt" >&2
-    [ -f "$CARRY_DIR/edits/deleted.txt" ] && log "warning: deletions cannot be carried: $(cat "$CARRY_DIR/edits/deleted.txt")"
-    local rel="${WHEEL#"$ROOT"/}"
+        --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform any -d "$CARRY/wheels" "${specs[@]}" || die "pip download failed"
+    collect_edits "$CARRY/edits"
+    [ -f "$CARRY/edits/files.txt" ] && sed 's/^/  unrefreshed edit: /' "$CARRY/edits/files.txt" >&2
+    [ -f "$CARRY/edits/deleted.txt" ] \
+        && log "warning: deletions cannot be carried: $(tr '\n' ' ' < "$CARRY/edits/deleted.txt")"
     local total
-    total="$(du -cb "$WHEEL" "$DEPS_DIR" "$CARRY_DIR" | tail -1 | cut -f1)"
-    log "carry: [\"$rel\", \"$DEPS_DIR\", \"$CARRY_DIR\"]  ($((total / 1048576)) MiB + the working tree; limit 64 MiB)"
-    log "command: bash scripts/gpu_check.sh --out \$OUT"
+    total="$(( $(du -sb "$CARRY" | cut -f1) + $(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) ))"
+    log "carry: [\"$CARRY\"]  ($((total / 1048576)) MiB with the working tree; the limit is 64 MiB)"
+    log "then, as two commands: bash scripts/gpu_check.sh tests --out \$OUT"
+    log "                       bash scripts/gpu_check.sh bench --out \$OUT"
 }
 
 # ---------------------------------------------------------------- arguments
-MODE=run
+PHASES=()
 OUT=""
+SITE=""
 DRY=0
-SKIP_TESTS=0
-SKIP_BENCH=0
-BENCH_EXTRA=()
+TEST_TIMEOUT=420
+BENCH_BUDGET=140
+BENCH_TIMEOUT=240
+EXTRA=()
 while [ $# -gt 0 ]; do
     case "$1" in
-        prepare) MODE=prepare ;;
+        prepare) prepare; exit 0 ;;
+        tests|bench) PHASES+=("$1") ;;
         --out) OUT="$2"; shift ;;
+        --site) SITE="$2"; shift ;;
         --dry-run) DRY=1 ;;
-        --skip-tests) SKIP_TESTS=1 ;;
-        --skip-bench) SKIP_BENCH=1 ;;
-        --no-stock-jit) BENCH_EXTRA+=(--no-stock-jit) ;;
-        -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+        --test-timeout) TEST_TIMEOUT="$2"; shift ;;
+        --bench-budget) BENCH_BUDGET="$2"; shift ;;
+        --bench-timeout) BENCH_TIMEOUT="$2"; shift ;;
+        --) shift; EXTRA=("$@"); break ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
 done
-[ "$MODE" = prepare ] && { prepare; exit 0; }
+[ ${#PHASES[@]} -gt 0 ] || PHASES=(tests bench)
+OUT="${OUT:-$ROOT/results/gpu-check}"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
+SITE="${SITE:-$ROOT/build/gpu-site}"
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$ROOT/build/gpu-triton-cache}"
+SUMMARY="$OUT/gpu_check.json"
 
-OUT="${OUT:-${OUT_DIR:-$ROOT/results/gpu-check}}"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-START=$(date +%s)
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/hiq-gpu-check.XXXXXX")"
-trap 'rm -rf "$WORK"' EXIT
-SITE="$WORK/site"
-DEPS="$WORK/deps"
-mkdir -p "$SITE" "$DEPS" "$WORK/bin"
-STEPS_FILE="$WORK/steps.tsv"
-: > "$STEPS_FILE"
-step() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$STEPS_FILE"; log "$1: $2 ${3:+($3)}"; }
+step() {  # name status detail: recorded in gpu_check.json at once
+    log "$1: $2${3:+ ($3)}"
+    "$PY" - "$SUMMARY" "$1" "$2" "${3:-}" "$DRY" <<'EOF'
+import json, sys, time
+from pathlib import Path
+path, name, status, detail, dry = sys.argv[1:]
+path = Path(path)
+data = json.loads(path.read_text()) if path.exists() else {}
+data["dry_run"] = dry == "1"
+data.setdefault("steps", []).append(
+    {"step": name, "status": status, "detail": detail, "at": time.strftime("%H:%M:%S")}
+)
+path.write_text(json.dumps(data, indent=1))
+EOF
+}
 
-# ---------------------------------------------------------------- 1. sglang
-PYTAG="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')" \
-    || die "no $PY"
-WHEEL=""
-for cand in build/wheels/sglang-"$SGLANG_VERSION"-cp"$PYTAG"-*.whl "$DEPS_DIR"/sglang-"$SGLANG_VERSION"-cp"$PYTAG"-*.whl; do
-    [ -f "$cand" ] && { WHEEL="$cand"; break; }
-done
-[ -n "$WHEEL" ] || die "no sglang $SGLANG_VERSION wheel for cp$PYTAG in build/wheels/ or $DEPS_DIR/: run 'scripts/gpu_check.sh prepare' where there is network, and carry it"
-if "$PY" -m pip --version >/dev/null 2>&1; then
-    "$PY" -m pip install --quiet --no-deps --no-index --no-compile \
-        --disable-pip-version-check --target "$SITE" "$WHEEL" > "$OUT/install.log" 2>&1 \
-        || die "pip install of $WHEEL failed (see $OUT/install.log)"
-    step install_wheel ok "pip --no-deps $(basename "$WHEEL")"
-else  # a wheel is a zip; --no-deps --target is an unzip
-    "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
-        "$WHEEL" "$SITE" || die "unzip of $WHEEL failed"
-    step install_wheel ok "unzipped $(basename "$WHEEL") (no pip)"
-fi
+# ---------------------------------------------------------------- site
 
-# ---------------------------------------------------------------- 2. our tree
-if ! command -v patch >/dev/null 2>&1; then
-    # overlay.py install applies the series with `patch -p1 --batch --forward
-    # -d DIR -i FILE`; git apply does the same outside a repository.
-    command -v git >/dev/null 2>&1 || die "neither patch nor git is installed"
-    cat > "$WORK/bin/patch" <<'EOF'
+sglang_wheel() {  # the pinned wheel for this Python: carried, else the wheel cache
+    local tag dir cand
+    tag="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')" \
+        || die "no Python at $PY"
+    for dir in "$CARRY/wheels" "${HIQ_WHEEL_CACHE:-build/wheels}" build/wheels; do
+        for cand in "$dir"/sglang-"$SGLANG_VERSION"-cp"$tag"-*.whl; do
+            [ -f "$cand" ] && { echo "$cand"; return 0; }
+        done
+    done
+    die "no sglang $SGLANG_VERSION wheel for cp$tag in $CARRY/wheels/: run 'bash scripts/gpu_check.sh prepare' where there is network, and carry $CARRY"
+}
+
+missing_wheels() {  # carried wheels whose distribution this Python lacks
+    [ -d "$CARRY/wheels" ] || return 0
+    "$PY" - "$CARRY/wheels" <<'EOF'
+import importlib.metadata as md, sys
+from pathlib import Path
+for wheel in sorted(Path(sys.argv[1]).glob("*.whl")):
+    dist = wheel.name.split("-")[0]
+    if dist == "sglang":
+        continue
+    try:
+        md.version(dist)
+    except md.PackageNotFoundError:
+        print(wheel)
+EOF
+}
+
+inputs_digest() {  # edits dir, wheels...: what the site is built from
+    local edits="$1"
+    shift
+    {
+        "$PY" -c 'import sys; print(sys.version)'
+        printf '%s\n' "$@"
+        find patches sglang_overlay "$edits" -type f ! -name '*.pyc' 2>/dev/null \
+            | LC_ALL=C sort | xargs -r sha256sum
+    } | sha256sum | cut -c1-16
+}
+
+ensure_site() {
+    local wheel wheels digest edits="$CARRY/edits"
+    wheel="$(sglang_wheel)" || exit 2
+    mapfile -t wheels < <(missing_wheels)
+    if [ -d build/sglang/.git ]; then  # an applied tree here: take its edits now
+        edits="build/gpu-edits"
+        collect_edits "$edits"
+    fi
+    digest="$(inputs_digest "$edits" "$wheel" "${wheels[@]}")"
+    if [ -f "$SITE/.hiq-site" ] && [ "$(cat "$SITE/.hiq-site")" = "$digest" ]; then
+        step site ok "reused $SITE"
+        return
+    fi
+    rm -rf "$SITE" && mkdir -p "$SITE"
+    local names
+    names="$(basename -a "$wheel" "${wheels[@]}" | tr '\n' ' ')"
+    if "$PY" -m pip --version >/dev/null 2>&1; then
+        "$PY" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check \
+            --target "$SITE" "$wheel" "${wheels[@]}" > "$OUT/install.log" 2>&1 \
+            || die "pip install failed (see $OUT/install.log)"
+    else  # a wheel is a zip; --no-deps --target is an unzip
+        local w
+        for w in "$wheel" "${wheels[@]}"; do
+            "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
+                "$w" "$SITE" || die "unzip of $w failed"
+        done
+    fi
+    step install ok "one pip call: $names"
+
+    if ! command -v patch >/dev/null 2>&1; then
+        # overlay.py install runs `patch -p1 --batch --forward -d DIR -i FILE`;
+        # git apply does the same outside a repository.
+        command -v git >/dev/null 2>&1 || die "neither patch nor git is installed"
+        mkdir -p "$SITE/.bin"
+        cat > "$SITE/.bin/patch" <<'EOF'
 #!/usr/bin/env bash
 dir=. file= strip=1
 while [ $# -gt 0 ]; do
@@ -168,122 +223,63 @@ while [ $# -gt 0 ]; do
 done
 cd "$dir" && exec git apply -p"$strip" "$file"
 EOF
-    chmod +x "$WORK/bin/patch"
-    export PATH="$WORK/bin:$PATH"
-fi
-"$PY" scripts/overlay.py install --target "$SITE" > "$OUT/overlay.log" 2>&1 \
-    || { cat "$OUT/overlay.log" >&2; die "overlay.py install failed"; }
-step apply_series ok "$(tail -1 "$OUT/overlay.log")"
+        chmod +x "$SITE/.bin/patch"
+        export PATH="$SITE/.bin:$PATH"
+    fi
+    "$PY" scripts/overlay.py install --target "$SITE" > "$OUT/overlay.log" 2>&1 \
+        || { cat "$OUT/overlay.log" >&2; die "overlay.py install failed"; }
+    step apply_series ok "$(tail -1 "$OUT/overlay.log")"
 
-EDITS="$CARRY_DIR/edits"
-if [ -d build/sglang/.git ]; then  # a full applied tree here: take its edits now
-    EDITS="$WORK/edits"
-    collect_edits "$EDITS"
-fi
-if [ -f "$EDITS/files.txt" ]; then
-    cp -a "$EDITS/python/." "$SITE/"
-    step apply_edits ok "$(wc -l < "$EDITS/files.txt") unrefreshed file(s): $(tr '\n' ' ' < "$EDITS/files.txt")"
-else
-    step apply_edits ok "none"
-fi
-export PYTHONPATH="$SITE:$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+    if [ -f "$edits/files.txt" ]; then
+        cp -a "$edits/python/." "$SITE/"
+        step apply_edits ok "$(wc -l < "$edits/files.txt") unrefreshed file(s): $(tr '\n' ' ' < "$edits/files.txt")"
+    fi
+    echo "$digest" > "$SITE/.hiq-site"
+}
+
+# ---------------------------------------------------------------- phases
+
+run_tests() {
+    local args=(--json "$OUT/gpu_tests.json")
+    [ "$DRY" = 1 ] && args+=(--dry-run)
+    timeout "$TEST_TIMEOUT" "$PY" tests/gpu/run_gpu_tests.py "${args[@]}" "${EXTRA[@]}" \
+        > "$OUT/gpu_tests.log" 2>&1
+    local rc=$?
+    tail -15 "$OUT/gpu_tests.log" >&2
+    local verdict
+    verdict="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("verdict", "cut short"))' \
+        "$OUT/gpu_tests.json" 2>/dev/null || echo "no report")"
+    [ $rc = 124 ] && verdict="failed: timed out after ${TEST_TIMEOUT}s (partial results in gpu_tests.json)"
+    step tests "$([ $rc = 0 ] && echo ok || echo failed)" "$verdict"
+    return $rc
+}
+
+run_bench() {
+    local args=(--out "$OUT/gpu_bench.json" --budget-s "$BENCH_BUDGET")
+    [ "$DRY" = 1 ] && args+=(--dry-run)
+    timeout "$BENCH_TIMEOUT" "$PY" scripts/gpu_bench.py "${args[@]}" "${EXTRA[@]}" \
+        > "$OUT/gpu_bench.log" 2>&1
+    local rc=$?
+    tail -25 "$OUT/gpu_bench.log" >&2
+    local detail=""
+    [ $rc = 124 ] && detail="timed out after ${BENCH_TIMEOUT}s (partial results in gpu_bench.json)"
+    step bench "$([ $rc = 0 ] && echo ok || echo failed)" "$detail"
+    return $rc
+}
+
+START=$(date +%s)
+ensure_site
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
-
-# ---------------------------------------------------------------- 3. imports
 if [ "$DRY" = 1 ]; then
     export HIQ_GPU_TEST_DEVICE=cpu TRITON_INTERPRET=1
 fi
-declare -A DIST=(
-    [zmq]=pyzmq [tvm_ffi]=apache-tvm-ffi [yaml]=PyYAML [PIL]=pillow
-    [compressed_tensors]=compressed-tensors [google]=protobuf [attr]=attrs
-    [typing_inspection]=typing-inspection [annotated_types]=annotated-types
-    [annotated_doc]=annotated-doc [IPython]=ipython [dateutil]=python-dateutil
-)
-install_dep() {  # module name -> wheel from .whl/
-    local dist="${DIST[$1]:-$1}"
-    [ -d "$DEPS_DIR" ] || return 1
-    "$PY" -m pip install --quiet --no-deps --no-index --no-compile \
-        --disable-pip-version-check --find-links "$DEPS_DIR" --target "$DEPS" "$dist" \
-        >> "$OUT/deps.log" 2>&1
-}
-PROBE='
-import importlib, sys
-sys.path.insert(0, "tests/gpu")
-from gpu_support import install_gpu_standins
-print("standins:", install_gpu_standins(), file=sys.stderr)
-for name in ("pytest", "triton", "sglang.srt.mem_cache.memory_pool",
-             "sglang.srt.mem_cache.pool_host.mha",
-             "sglang.srt.mem_cache.pool_host.mha_int8",
-             "sglang.srt.mem_cache.allocator.token",
-             "sglang.srt.managers.cache_controller"):
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name and not e.name.startswith("sglang"):
-            print(e.name.split(".")[0]); sys.exit(3)
-        raise
-'
-INSTALLED=""
-for attempt in $(seq 1 25); do
-    missing="$("$PY" -c "$PROBE" 2>> "$OUT/imports.log")"
-    rc=$?
-    [ $rc = 0 ] && break
-    if [ $rc != 3 ] || [ -z "$missing" ]; then
-        tail -30 "$OUT/imports.log" >&2
-        die "importing sglang's KV-cache modules failed (see $OUT/imports.log)"
-    fi
-    install_dep "$missing" || die "module $missing is missing and $DEPS_DIR/ has no wheel for it (add it to DEP_NAMES and run prepare)"
-    INSTALLED="$INSTALLED $missing"
+FAILED=0
+for phase in "${PHASES[@]}"; do
+    case "$phase" in
+        tests) run_tests || FAILED=1 ;;
+        bench) run_bench || FAILED=1 ;;
+    esac
 done
-step imports ok "installed from $DEPS_DIR:${INSTALLED:- nothing}"
-
-# ---------------------------------------------------------------- 4. tests
-TEST_RC=-1
-if [ "$SKIP_TESTS" = 0 ]; then
-    HIQ_GPU_TEST_JSON="$OUT/gpu_tests.json" timeout 240 "$PY" -m pytest \
-        -p no:cacheprovider --confcutdir=tests/gpu -q -rfEs tests/gpu \
-        > "$OUT/gpu_tests.log" 2>&1
-    TEST_RC=$?
-    tail -15 "$OUT/gpu_tests.log" >&2
-    step tests "$([ $TEST_RC = 0 ] && echo ok || echo "failed rc=$TEST_RC")" "$(tail -1 "$OUT/gpu_tests.log")"
-fi
-
-# ---------------------------------------------------------------- 5. bench
-BENCH_RC=-1
-if [ "$SKIP_BENCH" = 0 ]; then
-    BENCH_ARGS=(--out "$OUT/gpu_bench.json" --budget-s 240 "${BENCH_EXTRA[@]}")
-    [ "$DRY" = 1 ] && BENCH_ARGS+=(--dry-run)
-    # shellcheck disable=SC2206
-    BENCH_ARGS+=(${HIQ_BENCH_ARGS:-})
-    timeout 300 "$PY" scripts/gpu_bench.py "${BENCH_ARGS[@]}" > "$OUT/gpu_bench.log" 2>&1
-    BENCH_RC=$?
-    tail -25 "$OUT/gpu_bench.log" >&2
-    step bench "$([ $BENCH_RC = 0 ] && echo ok || echo "failed rc=$BENCH_RC")" ""
-fi
-
-# ---------------------------------------------------------------- 6. summary
-"$PY" - "$OUT" "$STEPS_FILE" "$TEST_RC" "$BENCH_RC" "$START" "$DRY" <<'EOF'
-import json, sys, time
-from pathlib import Path
-out, steps_file, test_rc, bench_rc, start, dry = sys.argv[1:]
-out = Path(out)
-steps = [dict(zip(("step", "status", "detail"), l.split("\t", 2)))
-         for l in Path(steps_file).read_text().splitlines()]
-summary = {"dry_run": dry == "1", "seconds": round(time.time() - int(start)),
-           "steps": steps, "tests_rc": int(test_rc), "bench_rc": int(bench_rc)}
-for name in ("gpu_tests", "gpu_bench"):
-    p = out / f"{name}.json"
-    if p.exists():
-        data = json.loads(p.read_text())
-        if name == "gpu_tests":
-            summary["tests"] = {k: data.get(k) for k in ("counts", "standins", "device", "seconds")}
-            summary["tests"]["failed"] = [t["test"] for t in data["tests"]
-                                          if t["outcome"] == "failed"]
-        else:
-            summary["env"] = data.get("env")
-            summary["targets"] = (data.get("targets") or {}).get("summary")
-            summary["bench_fatal"] = data.get("fatal")
-(out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
-print(json.dumps(summary, indent=1))
-EOF
-[ "$TEST_RC" -le 0 ] && [ "$BENCH_RC" -le 0 ]
+log "done in $(( $(date +%s) - START )) s; results in $OUT"
+exit $FAILED

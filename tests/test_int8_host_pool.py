@@ -45,6 +45,33 @@ def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
     return pool
 
 
+def unit_tokens(layout: str, page_size: int) -> int:
+    """Tokens per host unit (module docstring of mha_int8)."""
+    return 1 if layout == "layer_first" else page_size
+
+
+def host_records(buffers, layout, page_size, layer, tokens):
+    """(k, v, k_scale, v_scale) that host buffers (the pool's kv_buffer: K, V,
+    scales) hold for `tokens` of `layer`, read straight from the documented
+    layouts:  page_first*: [page, layer, token_in_page, ...]
+              layer_first: [layer, token, 1, ...]"""
+    out = []
+    for buf in buffers:
+        if layout == "layer_first":
+            out.append(buf[layer, tokens, 0])
+        else:
+            out.append(buf[tokens // page_size, layer, tokens % page_size])
+    k, v, scale = out
+    return k, v, scale[:, 0], scale[:, 1]
+
+
+def unordered_host_pages(page_size):
+    """Host pages in an order with runs (6 7, 2 3), a backward jump (7 -> 2),
+    a gap (3 -> 9) and a descending pair (5 4), as token indices."""
+    pages = torch.tensor([6, 7, 2, 3, 9, 5, 4])
+    return (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+
+
 def expected_restore(rows: torch.Tensor) -> torch.Tensor:
     q, scale = codec.quantize_reference(rows)
     return codec.dequantize_reference(q, scale, rows.dtype)
@@ -71,8 +98,9 @@ def round_trip(geo, layout, use_run_copies, io_backend="direct", n_pages=3):
 
     pool.backup_from_device_all_layer(device_pool, host, dev, io_backend)
 
-    # Only the written host units changed.
-    units = pool._host_units(host)
+    # Only the written host units changed: a unit is a page for the page
+    # layouts and a token for layer_first (worked out here, not by the pool).
+    units = torch.unique(host // unit_tokens(layout, geo.page_size))
     for before, after in zip(host_before, pool.kv_buffer):
         mask = torch.ones(after.shape[1 if layout == "layer_first" else 0], dtype=bool)
         mask[units] = False
@@ -268,3 +296,90 @@ def test_auto_sizing_counts_encoded_host_bytes(monkeypatch):
         )
         estimates[host_dtype] = hicache_auto_size._estimate_hicache_bytes(params, None)
     assert estimates["auto"] / estimates["int8"] == pytest.approx(256 / 130, rel=1e-6)
+
+
+def check_unordered_round_trip(layout, page_size, configure):
+    """Backup to host slots in a scrambled order, then load them back in yet
+    another order: each token's records sit at exactly its host slot (read
+    from the buffers directly), nothing else on the host changed, and each
+    device slot gets the reference restore of the token loaded into it.
+    configure(pool) picks the transfer path."""
+    geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=32 * page_size)
+    pool = int8_pool(device_pool, layout, 16 * page_size)
+    configure(pool)
+    host = unordered_host_pages(page_size)
+    n = len(host)
+    dev = device_alloc(n // page_size, page_size, shuffle_seed=3)
+    written = fill_random(device_pool, dev, seed=11)
+    snapshot = [b.clone() for b in pool.kv_buffer]
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+
+    for layer, (k_rows, v_rows) in enumerate(written):
+        k, v, k_scale, v_scale = host_records(
+            pool.kv_buffer, layout, page_size, layer, host
+        )
+        for got, got_scale, rows in ((k, k_scale, k_rows), (v, v_scale, v_rows)):
+            q_ref, s_ref = codec.quantize_reference(rows)
+            assert torch.equal(got, q_ref)
+            assert torch.equal(got_scale.view(torch.int16), s_ref.view(torch.int16))
+    # Every host slot not in `host` kept its bytes.
+    untouched = torch.ones(pool.size, dtype=torch.bool)
+    untouched[host] = False
+    kept = torch.nonzero(untouched).flatten()
+    for layer in range(geo.layer_num):
+        now = host_records(pool.kv_buffer, layout, page_size, layer, kept)
+        then = host_records(snapshot, layout, page_size, layer, kept)
+        for a, b in zip(now, then):
+            assert torch.equal(a.view(torch.int8), b.view(torch.int8))
+
+    # Load in another scrambled order: reversed pages, into fresh device slots.
+    order = torch.arange(n).view(-1, page_size).flip(0).flatten()
+    new_dev = device_alloc(n // page_size, page_size, first_page=16, shuffle_seed=4)
+    for layer in range(geo.layer_num):
+        device_pool.k_buffer[layer].fill_(7.0)
+        device_pool.v_buffer[layer].fill_(7.0)
+        pool.load_to_device_per_layer(
+            device_pool, host[order], new_dev, layer, "direct"
+        )
+    untouched_dev = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
+    untouched_dev[new_dev] = False
+    for layer, (k_rows, v_rows) in enumerate(written):
+        for buf, rows in (
+            (device_pool.k_buffer[layer], k_rows),
+            (device_pool.v_buffer[layer], v_rows),
+        ):
+            assert torch.equal(buf[new_dev], expected_restore(rows[order]))
+            assert (buf[untouched_dev] == 7.0).all()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size", (1, 4))
+@pytest.mark.parametrize("use_run_copies", (False, True), ids=("indexed", "runs"))
+def test_unordered_host_slots_round_trip(layout, page_size, use_run_copies):
+    """Host indices as the radix cache hands them out after evictions: out of
+    order, with gaps. Both the indexed copies (CPU default) and the per-run
+    copies (CUDA default) put each record at its own slot."""
+
+    def configure(pool):
+        pool.use_run_copies = use_run_copies
+
+    check_unordered_round_trip(layout, page_size, configure)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unsupported_io_backend_on_load_fails_and_changes_nothing(layout):
+    geo = Geometry(page_size=1)
+    device_pool = make_device_pool(geo, 16)
+    pool = int8_pool(device_pool, layout, 16)
+    dev = torch.arange(1, 5)
+    fill_random(device_pool, dev)
+    host = pool.alloc(4)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
+    with pytest.raises(ValueError, match="--hicache-io-backend"):
+        pool.load_to_device_per_layer(
+            device_pool, host, torch.arange(8, 12), 0, "kernel_ascend"
+        )
+    for a, b in zip(before, device_pool.k_buffer + device_pool.v_buffer):
+        assert torch.equal(a, b)

@@ -290,6 +290,39 @@ def test_fp16_scale_range_guard():
     assert torch.isnan(restored[[0, 2]]).all() and torch.isfinite(restored[1]).all()
 
 
+def round_half_even(v: float) -> int:
+    """Nearest integer, ties to the even neighbour (spelled out, not torch)."""
+    lo = math.floor(v)
+    if v - lo != 0.5:
+        return lo + (v - lo > 0.5)
+    return lo if lo % 2 == 0 else lo + 1
+
+
+# Power-of-two scales per dtype where (k + 1/2) * s is exact in the dtype.
+TIE_SCALES = {torch.bfloat16: (-24, -3, 0, 12), torch.float16: (-20, -3, 0, 3)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_exact_ties_round_half_to_even(dtype):
+    """Rows whose quotients x/s are exactly k + 1/2 for every k in
+    [-127, 126]: the amax element 127*s makes s = amax/127 an exact fp16
+    power of two, so nothing but the rounding mode decides q."""
+    ks = [k + 0.5 for k in range(-127, 127)]
+    for log2_s in TIE_SCALES[dtype]:
+        s = 2.0**log2_s
+        rows = [[127.0] + ks[i : i + 63] for i in range(0, len(ks), 63)]
+        rows[-1] += [0.0] * (64 - len(rows[-1]))
+        quotients = torch.tensor(rows, dtype=torch.float64)
+        x = (quotients * s).to(dtype)
+        assert torch.equal(x.double(), quotients * s)  # the ties are exact inputs
+        expected = torch.tensor(
+            [[round_half_even(v) for v in row] for row in rows], dtype=torch.int8
+        )
+        for q, scale in (codec.quantize_reference(x), fast_encode(x)):
+            assert (scale.double() == s).all()
+            assert torch.equal(q, expected)
+
+
 def test_tiny_scales_round_up_to_fp16_subnormal():
     x = torch.tensor([[1e-30, -1e-30], [0.0, 0.0], [2.0**-24 * 127, 0.0]])
     q, scale = codec.quantize_reference(x.bfloat16())

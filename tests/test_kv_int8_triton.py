@@ -12,7 +12,9 @@ use (see the kernel module's docstring).
 from __future__ import annotations
 
 import itertools
+import types
 
+import msgspec
 import pytest
 import torch
 from hicache_harness import (
@@ -231,7 +233,10 @@ def big_tiles(monkeypatch):
     monkeypatch.setattr(kt, "DECODE_TILE", 65536)
 
 
-from test_int8_host_pool import GEOMETRIES  # the same geometry grid  # noqa: E402
+from test_int8_host_pool import (  # the same geometry grid  # noqa: E402
+    GEOMETRIES,
+    check_unordered_round_trip,
+)
 
 
 def pool_round_trip(
@@ -377,24 +382,88 @@ def test_host_index_out_of_range_is_rejected():
         )
 
 
+class CudaTypedCpu(str):
+    """A device the pool reads as CUDA (`.type == "cuda"`) while torch, given
+    the string "cpu", allocates on the CPU: the pool's path selection runs as
+    on a GPU, its tensors stay here. Only construction is run this way. It
+    equals the CPU device, so the buffer-info validation sees the device
+    pool's own tensors on it."""
+
+    type = "cuda"
+
+    def __eq__(self, other):
+        if isinstance(other, torch.device):
+            return other == torch.device("cpu")
+        return str.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = str.__hash__
+
+
+def build_pool_on(device_pool, device=None, pin_memory=False):
+    """An INT8 host pool for device_pool, as if that pool lived on `device`."""
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    if device is not None:
+        info = msgspec.structs.replace(info, device=device)
+    return MHATokenToKVPoolINT8Host(
+        info, 2.0, 0, device_pool.page_size, "page_first",
+        pin_memory=pin_memory, device="cpu",
+        device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer, end_layer=device_pool.end_layer,
+        host_token_capacity=16,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def cuda_typed(monkeypatch):
+    """A CUDA-typed device whose CUDA-only calls are no-ops on CPU: stream
+    synchronizes (nothing is queued) and pinning index uploads. The module
+    runs under the interpreter, so the kernels count as available and run,
+    as on a GPU."""
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    # Index uploads go through pinned memory on CUDA; here the copy is a CPU
+    # copy either way (as tests/conftest.py no-ops cudaHostRegister).
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    return CudaTypedCpu("cpu")
+
+
+@pytest.mark.parametrize("pinned", (True, False))
+def test_cuda_defaults_fused_and_run_copies(cuda_typed, pinned):
+    """On CUDA: fused kernels, per-run copies, and direct host access exactly
+    when the host memory is pinned."""
+    pool = build_pool_on(make_device_pool(Geometry(), 16), cuda_typed, pinned)
+    assert pool.use_fused_kernels and pool.use_run_copies
+    assert pool.fused_host_access == ("direct" if pinned else "staged")
+    # The direct path stages nothing; the staged one has both directions.
+    assert sorted(pool._staging) == ([] if pinned else ["d2h", "h2d"])
+
+
+@pytest.mark.parametrize("mode", ("off", "direct", "staged"))
+def test_fused_env_overrides_the_cuda_default(cuda_typed, monkeypatch, mode):
+    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", mode)
+    pool = build_pool_on(make_device_pool(Geometry(), 16), cuda_typed, True)
+    assert pool.use_fused_kernels is (mode != "off")
+    assert pool.use_run_copies  # the torch path on CUDA copies per run
+    if mode != "off":
+        assert pool.fused_host_access == mode
+
+
 def test_mode_selection(monkeypatch):
     geo = Geometry()
     device_pool = make_device_pool(geo, 16)
 
     def build():
-        return make_host_pool(
-            device_pool,
-            host_tokens=16,
-            layout="page_first",
-            host_pool_cls=MHATokenToKVPoolINT8Host,
-        )
+        return build_pool_on(device_pool)
 
     pool = build()  # CPU: torch path by default, kernels can reach host memory
     assert not pool.use_fused_kernels and pool.fused_host_access == "direct"
+    assert not pool.use_run_copies
     monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "staged")
     assert build().fused_host_access == "staged"
-    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "off")
-    assert not build().use_fused_kernels
     monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "bogus")
     with pytest.raises(ValueError, match="SGLANG_HICACHE_INT8_FUSED"):
         build()
@@ -435,3 +504,56 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
     for layer, (k, v) in enumerate(expected):
         assert torch.equal(dev_pool.k_buffer[layer][new_dev], k)
         assert torch.equal(dev_pool.v_buffer[layer][new_dev], v)
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size", (1, 4))
+@pytest.mark.parametrize("mode", mha_int8.FUSED_HOST_ACCESS)
+def test_fused_unordered_host_slots_round_trip(layout, page_size, mode):
+    """The fused kernels (direct, and staged with the per-run copies CUDA
+    uses) with host slots out of order, with gaps and backward jumps: the
+    records sit at exactly their slots, computed by the test."""
+
+    def configure(pool):
+        pool.use_fused_kernels = True
+        pool.fused_host_access = mode
+        pool.use_run_copies = True
+
+    check_unordered_round_trip(layout, page_size, configure)
+
+
+def test_unsupported_io_backend_on_fused_load_fails():
+    geo = Geometry(page_size=1)
+    device_pool = make_device_pool(geo, 16)
+    pool = make_host_pool(
+        device_pool, host_tokens=16, layout="page_first",
+        host_pool_cls=MHATokenToKVPoolINT8Host,
+    )  # fmt: skip
+    pool.use_fused_kernels = True
+    before = [b.clone() for b in device_pool.k_buffer]
+    with pytest.raises(ValueError, match="--hicache-io-backend"):
+        pool.load_to_device_per_layer(
+            device_pool, pool.alloc(2), torch.arange(1, 3), 0, "kernel_ascend"
+        )
+    assert all(torch.equal(a, b) for a, b in zip(before, device_pool.k_buffer))
+
+
+def test_cuda_typed_pool_round_trips_on_the_default_path(cuda_typed):
+    """The fake is good for more than construction: a pool built as on CUDA
+    backs up and restores through its default (fused, direct) path."""
+    device_pool = make_device_pool(Geometry(page_size=1), 16)
+    pool = build_pool_on(device_pool, cuda_typed, pin_memory=True)
+    dev = torch.arange(1, 6)
+    written = fill_random(device_pool, dev, seed=2)
+    host = pool.alloc(len(dev))
+    pool.backup_from_device_all_layer(device_pool, host, dev, "kernel")
+    new_dev = torch.arange(8, 13)
+    for layer in range(device_pool.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "kernel")
+    for layer, (k, v) in enumerate(written):
+        for buf, rows in ((device_pool.k_buffer, k), (device_pool.v_buffer, v)):
+            expected = codec.dequantize_reference(
+                *codec.quantize_reference(rows), rows.dtype
+            )
+            assert torch.equal(buf[layer][new_dev], expected)

@@ -1,9 +1,13 @@
 """GPU tests: stand-ins for what a bare CUDA machine lacks, and a JSON report.
 
-scripts/gpu_check.sh runs these with --confcutdir=tests/gpu, so the CPU
-stand-ins of tests/conftest.py (which no-op cudaHostRegister) are not loaded.
-Under `make test` (CPU) tests/conftest.py is loaded first and every test here
-is skipped. HIQ_GPU_TEST_JSON=<path> writes one record per test to <path>.
+scripts/gpu_check.sh runs these through tests/gpu/run_gpu_tests.py with
+--confcutdir=tests/gpu, so the CPU stand-ins of tests/conftest.py (which no-op
+cudaHostRegister) are not loaded. Under `make test` (CPU) tests/conftest.py is
+loaded first and every test here is skipped; tests/test_gpu_check.py runs them
+on CPU through `gpu_check.sh --dry-run` instead.
+
+HIQ_GPU_TEST_JSON=<path> writes one record per test to <path>, rewritten after
+every test, so a run cut short still leaves what it got through.
 """
 
 from __future__ import annotations
@@ -25,6 +29,37 @@ _records: list[dict] = []
 _started = time.time()
 
 
+def counts(records: list[dict]) -> dict[str, int]:
+    """Outcome -> number of tests (a setup error or skip counts once)."""
+    out: dict[str, int] = {}
+    for r in records:
+        if r["when"] == "call" or r["outcome"] != "passed":
+            out[r["outcome"]] = out.get(r["outcome"], 0) + 1
+    return out
+
+
+def write_report(status: str, exit_status: int | None = None) -> None:
+    path = os.environ.get("HIQ_GPU_TEST_JSON")
+    if not path:
+        return
+    report = {
+        "status": status,
+        "exit_status": exit_status,
+        "seconds": round(time.time() - _started, 1),
+        "device": gpu_test_device(),
+        "standins": STANDINS,
+        "counts": counts(_records),
+        "tests": _records,
+    }
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(path)
+
+
+def pytest_sessionstart(session):
+    write_report("running")
+
+
 def pytest_runtest_logreport(report):
     if report.when == "call" or report.outcome != "passed":
         entry = {
@@ -34,32 +69,13 @@ def pytest_runtest_logreport(report):
             "seconds": round(report.duration, 3),
         }
         if report.outcome != "passed":
-            text = str(report.longrepr)
-            entry["detail"] = text[-3000:]
+            entry["detail"] = str(report.longrepr)[-3000:]
         props = dict(getattr(report, "user_properties", []) or [])
         if props:
             entry["properties"] = props
         _records.append(entry)
+        write_report("running")
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("HIQ_GPU_TEST_JSON")
-    if not path:
-        return
-    counts = {}
-    for r in _records:
-        if r["when"] == "call" or r["outcome"] != "passed":
-            counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
-    Path(path).write_text(
-        json.dumps(
-            {
-                "exit_status": int(exitstatus),
-                "seconds": round(time.time() - _started, 1),
-                "device": gpu_test_device(),
-                "standins": STANDINS,
-                "counts": counts,
-                "tests": _records,
-            },
-            indent=1,
-        )
-    )
+    write_report("finished", int(exitstatus))

@@ -20,8 +20,10 @@ how scripts/gpu_check.sh --dry-run checks everything but CUDA itself.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import sys
 import types
@@ -34,6 +36,19 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 QWEN3_8B = dict(layer_num=36, head_num=8, head_dim=128, v_head_dim=128)
+CARRIED_PACKAGES = Path(__file__).resolve().with_name("carried_packages.txt")
+# What the machine must provide itself (too large to carry).
+PROVIDED_PACKAGES = {"torch": "torch", "triton": "triton", "numpy": "numpy"}
+# The modules the GPU check exercises, imported once by each phase.
+MODULES_UNDER_TEST = (
+    "pytest",
+    "triton",
+    "sglang.srt.mem_cache.memory_pool",
+    "sglang.srt.mem_cache.pool_host.mha",
+    "sglang.srt.mem_cache.pool_host.mha_int8",
+    "sglang.srt.mem_cache.allocator.token",
+    "sglang.srt.managers.cache_controller",
+)
 
 
 def gpu_test_device() -> str | None:
@@ -42,6 +57,55 @@ def gpu_test_device() -> str | None:
     if forced:
         return forced
     return "cuda" if torch.cuda.is_available() else None
+
+
+# --------------------------------------------------------------------------
+# what the machine has
+
+
+class MissingPackage(Exception):
+    """A package the GPU check needs is not installed (message: which)."""
+
+
+def carried_packages() -> dict[str, str]:
+    """module -> distribution for every package gpu_check.sh carries."""
+    pairs = {}
+    for line in CARRIED_PACKAGES.read_text().splitlines():
+        line = line.split("#", 1)[0].split()
+        if line:
+            dist, module = line
+            pairs[module] = dist
+    return pairs
+
+
+def missing_packages() -> list[str]:
+    """'dist (module)' for each needed top-level module this Python cannot
+    find, without importing anything."""
+    wanted = {**PROVIDED_PACKAGES, **carried_packages()}
+    return [
+        f"{dist} ({module})"
+        for module, dist in wanted.items()
+        if importlib.util.find_spec(module) is None
+    ]
+
+
+def import_modules_under_test() -> None:
+    """Import what the check exercises (stand-ins first). A module missing from
+    the environment raises MissingPackage naming it, not a traceback."""
+    install_gpu_standins()
+    carried = carried_packages()
+    for name in MODULES_UNDER_TEST:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if not e.name or e.name.startswith("sglang"):
+                raise
+            top = e.name.split(".")[0]
+            dist = carried.get(top, PROVIDED_PACKAGES.get(top, top))
+            raise MissingPackage(
+                f"{dist} (module {top}, imported by {name}); add it to "
+                f"{CARRIED_PACKAGES.name} and run 'gpu_check.sh prepare'"
+            ) from None
 
 
 # --------------------------------------------------------------------------

@@ -6,8 +6,12 @@ kernels' arithmetic (IEEE division, fp16 rounding, round-half-even), pinned
 host memory reached through UVA, and the stream rules: all work on the
 caller's stream, ordered before the events HiCache records.
 
-HIQ_GPU_TEST_DEVICE=cpu with TRITON_INTERPRET=1 runs the non-stream tests on
-CPU (scripts/gpu_check.sh --dry-run), to check this file without a GPU.
+HIQ_GPU_TEST_DEVICE=cpu with TRITON_INTERPRET=1 runs every test on CPU
+(scripts/gpu_check.sh --dry-run, which tests/test_gpu_check.py runs in `make
+test`): the pools are built, sized and allocated exactly as on CUDA and the
+bytes are checked; only what needs CUDA streams (stalls, event queries,
+pinned memory) is left out there. That is how a sizing bug in a CUDA-only test
+shows up without a GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ pytestmark = [
     pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"),
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
 ]
-cuda_only = pytest.mark.skipif(not CUDA, reason="needs CUDA streams")
 
 if DEVICE is not None:
     from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
@@ -47,6 +50,15 @@ LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 NAN, INF = float("nan"), float("inf")
 # GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s on current parts.
 DELAY = int(5e8)
+
+
+@pytest.fixture(autouse=True)
+def big_tiles_when_interpreted(monkeypatch):
+    """Dry run: fewer, larger programs (the interpreter's cost is per program;
+    tile sizes do not change results, see tests/test_kv_int8_triton.py)."""
+    if not CUDA:
+        monkeypatch.setattr(kt, "ENCODE_TILE", 65536)
+        monkeypatch.setattr(kt, "DECODE_TILE", 65536)
 
 
 def sync():
@@ -61,6 +73,61 @@ def side_stream():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     return torch.cuda.stream(stream), stream
+
+
+def stall(cycles: int) -> None:
+    """Hold up the current stream (CUDA); on CPU work runs at once anyway."""
+    if CUDA:
+        torch.cuda._sleep(cycles)
+
+
+def record_event():
+    """An event on the current stream (CUDA), None on CPU."""
+    if not CUDA:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def int8_pool(dev_pool, layout, host_tokens, pin_memory=CUDA):
+    """The INT8 host pool as the server builds it on this device. On CPU (dry
+    run) the fused kernels are switched on, so the kernels a GPU would run
+    are the ones exercised."""
+    pool = make_host_pool(
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
+        host_tokens=host_tokens, pin_memory=pin_memory,
+    )  # fmt: skip
+    if not CUDA:
+        pool.use_fused_kernels = True
+    return pool
+
+
+def alloc_host(pool, tokens: int) -> torch.Tensor:
+    """pool.alloc that fails naming the sizes (alloc returns None when full)."""
+    got = pool.alloc(tokens)
+    assert got is not None, (
+        f"host pool of {pool.size} tokens has {pool.available_size()} free, "
+        f"the test asked for {tokens}: size the pool for every allocation"
+    )
+    return got
+
+
+def assert_cuda_defaults(pool) -> None:
+    """What a server on CUDA runs with pinned host memory: the fused kernels
+    reaching host memory directly, confirmed by the start-up self-check, and
+    run copies for the paths that stage."""
+    assert pool.use_fused_kernels and pool.fused_host_access == "direct"
+    assert pool.transfer_path == "fused_direct"
+    assert pool.use_run_copies
+
+
+def unordered_units(units: torch.Tensor, count: int) -> torch.Tensor:
+    """`count` of the given host units in an order with a run, a backward
+    jump and a gap: u2 u3 u0 u5 u6 ... (needs count + 2 units)."""
+    order = [2, 3, 0] + list(range(5, count + 2))
+    assert len(units) >= count + 2 and len(order) >= count
+    return units[order[:count]]
 
 
 def reference_restore(rows: torch.Tensor) -> torch.Tensor:
@@ -87,11 +154,11 @@ def test_fused_path_is_the_default_on_cuda():
         host_tokens=32, pin_memory=CUDA,
     )  # fmt: skip
     if CUDA:
-        assert pool.use_fused_kernels and pool.fused_host_access == "direct"
+        assert_cuda_defaults(pool)
         assert pool._staging == {}  # the direct path needs no staging
         assert pool._fused_layer_tables[0].aligned  # vectorized device loads
     else:
-        assert not pool.use_fused_kernels
+        assert not pool.use_fused_kernels and not pool.use_run_copies
     destroy_host_pool(pool)
 
 
@@ -197,8 +264,9 @@ def pool_round_trip(layout, page, geo, mode, *, poison=False, layers=3, pages=5)
         dev_pool.k_buffer[layer][dev.to(DEVICE)] = k.to(DEVICE)
         dev_pool.v_buffer[layer][dev.to(DEVICE)] = v.to(DEVICE)
         written.append((k, v))
-    host_all = pool.alloc(pool.size - pool.page_size)
-    host = torch.cat([host_all[:page], host_all[2 * page :]])[: len(dev)]
+    # Host pages out of order: a run, a backward jump and a gap.
+    host_all = alloc_host(pool, pool.size - pool.page_size)
+    host = pages_to_tokens(unordered_units(host_all[::page] // page, pages), page)
     ctx, _ = side_stream()
     with ctx:
         pool.backup_from_device_all_layer(dev_pool, host, dev.to(DEVICE), "kernel")
@@ -258,18 +326,21 @@ def test_nonfinite_rows_restore_as_nan_and_are_counted(layout):
 
 
 # --- streams -------------------------------------------------------------------
+# On CPU (dry run) these run without stalls: the same pools, allocations and
+# transfers, and the same final bytes; the "not yet" checks need CUDA.
+
+QWEN_PAGES = 32 if CUDA else 4  # pages per transfer (the interpreter is slow)
 
 
-def qwen_like_pool(layout="page_first", page=16, layers=4, tokens_pages=32):
+def qwen_like_pool(layout="page_first", page=16, layers=4, pages=QWEN_PAGES):
+    """A device pool with `pages` pages of KV written, and an INT8 host pool
+    with room for two transfers of them (a warm-up and the one under test)."""
     dev_pool = make_device_pool(
         layer_num=layers, head_num=8, head_dim=128, page_size=page,
-        tokens=(tokens_pages + 2) * page, device=DEVICE,
+        tokens=(2 * pages + 2) * page, device=DEVICE,
     )  # fmt: skip
-    pool = make_host_pool(
-        dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
-        host_tokens=(tokens_pages + 2) * page, pin_memory=CUDA,
-    )  # fmt: skip
-    dev = pages_to_tokens(torch.arange(1, tokens_pages + 1), page).to(DEVICE)
+    pool = int8_pool(dev_pool, layout, host_tokens=(2 * pages + 1) * page)
+    dev = pages_to_tokens(torch.arange(1, pages + 1), page).to(DEVICE)
     g = torch.Generator().manual_seed(0)
     written = []
     for layer in range(layers):
@@ -282,63 +353,64 @@ def qwen_like_pool(layout="page_first", page=16, layers=4, tokens_pages=32):
     return dev_pool, pool, dev, written
 
 
-@cuda_only
 @pytest.mark.parametrize("layout", ("page_first", "layer_first"))
 def test_delayed_transfers_stay_on_their_stream(layout):
     """With the transfer stream stalled (torch.cuda._sleep), nothing is
     written before the stall ends, and a consumer that waits on each layer's
     event reads fully restored KV: all work is on the caller's stream."""
     dev_pool, pool, dev, written = qwen_like_pool(layout)
-    assert pool.use_fused_kernels and pool.fused_host_access == "direct"
+    if CUDA:
+        assert_cuda_defaults(pool)
     # Compile the kernels first: a first launch compiles on the CPU, which
     # could outlast the GPU stall below.
-    warm = pool.alloc(len(dev))
+    warm = alloc_host(pool, len(dev))
     pool.backup_from_device_all_layer(dev_pool, warm, dev, "kernel")
     pool.load_to_device_per_layer(dev_pool, warm, dev, 0, "kernel")
-    torch.cuda.synchronize()
-    host = pool.alloc(len(dev))
+    sync()
+    host = alloc_host(pool, len(dev))  # other host slots than the warm-up's
     before = [b.clone() for b in pool.kv_buffer]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(DELAY)
+    ctx, stream = side_stream()
+    with ctx:
+        stall(DELAY)
         pool.backup_from_device_all_layer(dev_pool, host, dev, "kernel")
-        backed_up = torch.cuda.Event()
-        backed_up.record()
-    assert not backed_up.query(), "transfer stream not delayed; raise DELAY"
-    for b, a in zip(before, pool.kv_buffer):  # host memory, read by the CPU now
-        assert torch.equal(b.view(torch.int8), a.view(torch.int8))
-    backed_up.synchronize()
+        backed_up = record_event()
+    if CUDA:
+        assert not backed_up.query(), "transfer stream not delayed; raise DELAY"
+        for b, a in zip(before, pool.kv_buffer):  # host memory, read by the CPU now
+            assert torch.equal(b.view(torch.int8), a.view(torch.int8))
+        backed_up.synchronize()
     assert not torch.equal(before[0], pool.kv_buffer[0])
 
     layers = len(written)
     for layer in range(layers):
         dev_pool.k_buffer[layer].fill_(7.0)
         dev_pool.v_buffer[layer].fill_(7.0)
-    new_dev = (dev.flip(0) + 16).contiguous()  # other slots, reversed order
-    stream.wait_stream(torch.cuda.current_stream())
+    page = dev_pool.page_size
+    new_dev = (dev.flip(0) + len(dev) + page).contiguous()  # other slots, reversed
+    if CUDA:
+        stream.wait_stream(torch.cuda.current_stream())
     events = []
-    with torch.cuda.stream(stream):
+    with ctx if not CUDA else torch.cuda.stream(stream):
         for layer in range(layers):
-            torch.cuda._sleep(DELAY // layers)
+            stall(DELAY // layers)
             pool.load_to_device_per_layer(dev_pool, host, new_dev, layer, "kernel")
-            events.append(torch.cuda.Event())
-            events[-1].record()
-    # The default stream is not ordered after the stalled transfers.
-    assert not events[0].query(), "transfer stream not delayed; raise DELAY"
-    assert (dev_pool.k_buffer[layers - 1][new_dev] == 7.0).all()
+            events.append(record_event())
+    if CUDA:
+        # The default stream is not ordered after the stalled transfers.
+        assert not events[0].query(), "transfer stream not delayed; raise DELAY"
+        assert (dev_pool.k_buffer[layers - 1][new_dev] == 7.0).all()
     seen = []
     for layer in range(layers):
-        torch.cuda.current_stream().wait_event(events[layer])
+        if CUDA:
+            torch.cuda.current_stream().wait_event(events[layer])
         seen.append((dev_pool.k_buffer[layer][new_dev].clone(),
                      dev_pool.v_buffer[layer][new_dev].clone()))  # fmt: skip
-    torch.cuda.synchronize()
+    sync()
     for (k, v), (k_ref, v_ref) in zip(seen, written):
         assert same_bits(k.cpu(), k_ref) and same_bits(v.cpu(), v_ref)
     destroy_host_pool(pool)
 
 
-@cuda_only
 def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
     """The real HiCacheController with SGLang's own delay knob
     (SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES): a forward that waits on each
@@ -346,22 +418,20 @@ def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 
-    layers = 4
+    layers, tokens = 4, (200 if CUDA else 24)
     dev_pool = make_device_pool(
-        layer_num=layers, head_num=8, head_dim=128, tokens=512, device=DEVICE
-    )
-    allocator = TokenToKVPoolAllocator(
-        512, torch.bfloat16, DEVICE, dev_pool, need_sort=False
-    )
-    host_pool = make_host_pool(
-        dev_pool, cls=MHATokenToKVPoolINT8Host, layout="page_first",
-        host_tokens=1024, pin_memory=True,
+        layer_num=layers, head_num=8, head_dim=128, tokens=2 * tokens + 112,
+        device=DEVICE,
     )  # fmt: skip
+    allocator = TokenToKVPoolAllocator(
+        dev_pool.size, torch.bfloat16, DEVICE, dev_pool, need_sort=False
+    )
+    host_pool = int8_pool(dev_pool, "page_first", host_tokens=2 * tokens)
     ctl = HiCacheController(
         allocator, host_pool, 1, tp_group=None, load_cache_event=threading.Event(),
         write_policy="write_through", io_backend="kernel",
     )  # fmt: skip
-    dev = allocator.alloc(200)
+    dev = allocator.alloc(tokens)
     g = torch.Generator().manual_seed(1)
     expected = []
     for layer in range(layers):
@@ -371,11 +441,13 @@ def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
         dev_pool.v_buffer[layer][dev] = v.to(DEVICE)
         expected.append((reference_restore(k), reference_restore(v)))
     host = ctl.write(dev)
+    assert host is not None, "host pool too small for the write"
     for ack in ctl.ack_write_queue:
         ack.finish_event.synchronize()
     ctl.ack_write_queue.clear()
     # Warm-up load (compiles the restore kernel), then evict it again.
     warm = ctl.load(host)
+    assert warm is not None, "device pool too small for the warm-up load"
     ctl.start_loading()
     for ack in ctl.ack_load_queue:
         ack.finish_event.synchronize()
@@ -386,18 +458,23 @@ def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
         dev_pool.k_buffer[layer].fill_(7.0)
         dev_pool.v_buffer[layer].fill_(7.0)
 
-    monkeypatch.setenv("SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES", str(DELAY // layers))
+    if CUDA:
+        monkeypatch.setenv(
+            "SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES", str(DELAY // layers)
+        )
     new_dev = ctl.load(host)
+    assert new_dev is not None, "device pool too small for the load"
     producer = ctl.start_loading()
     last = layers - 1
-    assert (dev_pool.k_buffer[last][new_dev] == 7.0).all()  # not waited: stale
+    if CUDA:
+        assert (dev_pool.k_buffer[last][new_dev] == 7.0).all()  # not waited: stale
     ctl.layer_done_counter.set_consumer(producer)
     seen = []
     for layer in range(layers):
         ctl.layer_done_counter.wait_until(layer)
         seen.append((dev_pool.k_buffer[layer][new_dev].clone(),
                      dev_pool.v_buffer[layer][new_dev].clone()))  # fmt: skip
-    torch.cuda.synchronize()
+    sync()
     for (k, v), (k_ref, v_ref) in zip(seen, expected):
         assert same_bits(k.cpu(), k_ref) and same_bits(v.cpu(), v_ref)
     for ack in ctl.ack_load_queue:
@@ -405,7 +482,6 @@ def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
     destroy_host_pool(host_pool)
 
 
-@cuda_only
 def test_unpinned_host_memory(caplog):
     """Unpinned host buffers: staged by default; forcing direct either works
     (the platform maps pageable memory) or falls back to staged with a
@@ -414,22 +490,21 @@ def test_unpinned_host_memory(caplog):
         "layer_first", page=1, layers=2
     )
     destroy_host_pool(pinned_pool)
-    pool = make_host_pool(
-        dev_pool, cls=MHATokenToKVPoolINT8Host, layout="layer_first",
-        host_tokens=len(dev) + 64, pin_memory=False,
-    )  # fmt: skip
-    assert pool.use_fused_kernels and pool.fused_host_access == "staged"
+    pool = int8_pool(dev_pool, "layer_first", len(dev) + 64, pin_memory=False)
+    if CUDA:
+        assert pool.use_fused_kernels and pool.fused_host_access == "staged"
     pool.fused_host_access = "direct"
-    host = pool.alloc(len(dev))
+    host = alloc_host(pool, len(dev))
     with caplog.at_level(logging.WARNING):
         pool.backup_from_device_all_layer(dev_pool, host, dev, "kernel")
-        torch.cuda.synchronize()
+        sync()
     assert pool.fused_host_access in ("direct", "staged")
     if pool.fused_host_access == "staged":
         assert "cannot address the host buffers" in caplog.text
     for layer in range(2):
         dev_pool.k_buffer[layer].fill_(7.0)
         pool.load_to_device_per_layer(dev_pool, host, dev, layer, "kernel")
-    torch.cuda.synchronize()
+    sync()
     for layer, (k_ref, _) in enumerate(written):
         assert same_bits(dev_pool.k_buffer[layer][dev].cpu(), k_ref)
+    destroy_host_pool(pool)

@@ -1,0 +1,175 @@
+"""scripts/gpu_check.sh on CPU: --dry-run runs both phases end to end (every
+test of tests/gpu/test_int8_gpu.py, kernels interpreted; the benchmark at tiny
+sizes), and the tests phase fails, naming the cause in one line, when there
+is no CUDA device or a package is missing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "gpu"))
+
+import gpu_support  # noqa: E402
+from run_gpu_tests import verdict  # noqa: E402
+
+
+def gpu_check(*args: str, site: Path, out: Path, env_extra=None, timeout=900):
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("HIQ_GPU_TEST_DEVICE", "TRITON_INTERPRET", "HIQ_GPU_TEST_JSON")
+    }
+    env["PYTHON"] = sys.executable
+    env.update(env_extra or {})
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--out", str(out), "--site", str(site), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """One installed site for the module (the phases reuse it, as on the GPU)."""
+    return tmp_path_factory.mktemp("gpu-site") / "site"
+
+
+def test_dry_run_runs_both_phases(site, tmp_path):
+    proc = gpu_check("--dry-run", site=site, out=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    status = {s["step"]: s["status"] for s in summary["steps"]}
+    assert status["tests"] == status["bench"] == "ok"
+    assert status["install"] == "ok" and status["apply_series"] == "ok"
+    assert "one pip call" in summary["steps"][0]["detail"]
+
+    tests = json.loads((tmp_path / "gpu_tests.json").read_text())
+    assert tests["verdict"] == "ok" and tests["device"] == "cpu"
+    # Every GPU test ran on CPU: none is left to CUDA alone.
+    assert tests["counts"] == {"passed": len(tests["tests"])}
+    ran = {t["test"].split("::")[1].split("[")[0] for t in tests["tests"]}
+    assert {
+        "test_delayed_transfers_stay_on_their_stream",
+        "test_controller_layer_events_cover_a_delayed_restore",
+        "test_unpinned_host_memory",
+    } <= ran
+
+    bench = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert "fatal" not in bench and bench["failed_checks"] == []
+    figures = bench["figures"]["transfers"]
+    assert {(f["config"], f["tokens"]) for f in figures} == {
+        (cfg, n) for cfg in ("page_first/p64", "layer_first/p1") for n in (64, 256)
+    }
+    for f in figures:
+        assert f["restore_ms_per_layer_int8"] > 0 and f["backup_ms_per_layer_bf16"] > 0
+    assert bench["figures"]["codec_encode_GBps"] > 0
+    assert bench["figures"]["device_copy_GBps"] > 0
+
+    # A later phase reuses the installed site: no second pip install. (Extra
+    # arguments after -- narrow the pytest run.)
+    again = tmp_path / "again"
+    proc = gpu_check("--dry-run", "tests", "--", "-k", "default_on_cuda",
+                     site=site, out=again)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = json.loads((again / "gpu_check.json").read_text())["steps"]
+    assert [s["step"] for s in steps] == ["site", "tests"]
+    assert json.loads((again / "gpu_tests.json").read_text())["counts"] == {
+        "passed": 1
+    }
+
+
+def test_tests_phase_fails_without_cuda(site, tmp_path):
+    if gpu_support.gpu_test_device() == "cuda":
+        pytest.skip("this machine has CUDA")
+    proc = gpu_check("tests", site=site, out=tmp_path)
+    assert proc.returncode != 0
+    assert "FAILED: no CUDA device visible" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    report = json.loads((tmp_path / "gpu_tests.json").read_text())
+    assert report["verdict"].startswith("failed: no CUDA device")
+    steps = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert steps[-1]["step"] == "tests" and steps[-1]["status"] == "failed"
+
+
+def test_missing_package_is_named_in_one_line(site, tmp_path):
+    """A package sglang imports (orjson) is absent: both phases say which, in
+    one line, with no traceback and no "imports ok"."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "orjson.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'orjson'\", name='orjson')\n"
+    )
+    env = {"PYTHONPATH": str(shadow)}
+    proc = gpu_check("--dry-run", site=site, out=tmp_path / "out", env_extra=env)
+    assert proc.returncode != 0
+    for log in ("gpu_tests.log", "gpu_bench.log"):
+        text = (tmp_path / "out" / log).read_text()
+        lines = [l for l in text.splitlines() if "missing package" in l]
+        assert len(lines) == 1 and "orjson (module orjson" in lines[0], text[-2000:]
+        assert "Traceback" not in text and "imports ok" not in text
+
+
+def test_missing_packages_found_without_importing(monkeypatch, tmp_path):
+    listing = tmp_path / "carried.txt"
+    listing.write_text("# comment\nhiq-absent-dist hiq_absent_module\npytest pytest\n")
+    monkeypatch.setattr(gpu_support, "CARRIED_PACKAGES", listing)
+    assert gpu_support.carried_packages() == {
+        "hiq_absent_module": "hiq-absent-dist",
+        "pytest": "pytest",
+    }
+    assert gpu_support.missing_packages() == ["hiq-absent-dist (hiq_absent_module)"]
+
+
+@pytest.mark.parametrize(
+    "counts,rc,device,ok",
+    [
+        ({"passed": 3}, 0, "cuda", True),
+        ({"passed": 3}, 0, "cpu", True),
+        ({"passed": 3, "skipped": 1}, 0, "cpu", True),
+        ({"passed": 3, "skipped": 1}, 0, "cuda", False),  # nothing may skip on CUDA
+        ({"skipped": 4}, 0, "cpu", False),  # everything skipped
+        ({}, 5, "cuda", False),  # nothing collected
+        ({"passed": 2, "failed": 1}, 1, "cuda", False),
+        ({"passed": 2, "error": 1}, 1, "cuda", False),
+    ],
+)
+def test_tests_phase_verdict(counts, rc, device, ok):
+    assert (verdict({"counts": counts}, rc, device) == "ok") is ok
+
+
+def test_test_report_is_rewritten_after_every_test(monkeypatch, tmp_path):
+    """A tests phase cut at its limit still leaves the tests it got through."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    path = REPO / "tests" / "gpu" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("gpu_conftest_under_test", path)
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    out = tmp_path / "gpu_tests.json"
+    monkeypatch.setenv("HIQ_GPU_TEST_JSON", str(out))
+    plugin.pytest_sessionstart(None)
+    assert json.loads(out.read_text())["status"] == "running"
+    for i, outcome in enumerate(("passed", "failed")):
+        plugin.pytest_runtest_logreport(
+            SimpleNamespace(
+                when="call", outcome=outcome, nodeid=f"t.py::test_{i}",
+                duration=0.5, longrepr="boom", user_properties=[],
+            )
+        )  # fmt: skip
+        report = json.loads(out.read_text())
+        assert report["status"] == "running" and len(report["tests"]) == i + 1
+    assert report["counts"] == {"passed": 1, "failed": 1}
+    assert report["tests"][1]["detail"] == "boom"
+    plugin.pytest_sessionfinish(None, 1)
+    assert json.loads(out.read_text())["status"] == "finished"
