@@ -880,12 +880,18 @@ def install(target: Path) -> None:
             (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, Path(tmp) / path)
         for name in read_series():
+            # --fuzz=0: a hunk whose context differs from the pinned sources is a
+            # different SGLang, refused as CI's `git am` would refuse it.
             proc = subprocess.run(
-                ["patch", "-p1", "--batch", "--forward", "-d", tmp, "-i", str(PATCH_DIR / name)],
+                ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch",
+                 "-r", "-", "-d", tmp, "-i", str(PATCH_DIR / name)],
                 capture_output=True, text=True,
             )  # fmt: skip
             if proc.returncode != 0:
-                raise OverlayError(f"patch {name} does not apply to {target}:\n{proc.stdout}")
+                raise OverlayError(
+                    f"patch {name} does not apply exactly (no fuzz) to {target}; "
+                    f"nothing was installed:\n{(proc.stdout + proc.stderr).strip()}"
+                )
         for path in touched:
             shutil.copy2(Path(tmp) / path, target / path.removeprefix("python/"))
     for rel in package_overlay_files():
