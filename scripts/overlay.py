@@ -630,7 +630,9 @@ def _matches(path: str, patterns: list[str]) -> bool:
 def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
     """The PRs of docs/prs.toml; every patch and overlay file in exactly one."""
     if not path.exists():
-        raise OverlayError(f"{path.relative_to(ROOT)} is missing: it declares what `make pr` exports")
+        raise OverlayError(
+            f"{path.relative_to(ROOT)} is missing: it declares what `make pr` exports"
+        )
     try:
         entries = tomllib.loads(path.read_text()).get("pr", [])
     except tomllib.TOMLDecodeError as error:
@@ -714,7 +716,8 @@ def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
             (work / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(OVERLAY_DIR / rel, work / rel)
         git(work, "add", "--", *[rel.as_posix() for rel in pr.overlay])
-        message = pr.overlay_subject + (f"\n\n{pr.overlay_body.strip()}\n" if pr.overlay_body else "")
+        body = pr.overlay_body.strip()
+        message = pr.overlay_subject + (f"\n\n{body}\n" if body else "")
         git(work, "commit", "-q", "-m", message, env_extra=identity)
     for name in pr.patches:
         proc = subprocess.run(
@@ -723,7 +726,8 @@ def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
         )  # fmt: skip
         if proc.returncode != 0:
             raise OverlayError(
-                f"PR {pr.dir_name}: patch {name} does not apply on v{read_lock()['SGLANG_VERSION']} "
+                f"PR {pr.dir_name}: patch {name} does not apply on "
+                f"v{read_lock()['SGLANG_VERSION']} "
                 f"plus the PRs before it (check the order in docs/prs.toml):\n"
                 f"{(proc.stdout + proc.stderr).strip()}"
             )
@@ -768,7 +772,8 @@ def render_description(pr: PullRequest, values: dict[str, str], source: Path) ->
     missing = [s for s in PR_TEMPLATE_SECTIONS if s not in headings]
     if missing:
         raise OverlayError(
-            f"{source.name} lacks upstream's template sections for PR {pr.name}: {', '.join(missing)}"
+            f"{source.name} lacks upstream's template sections for PR {pr.name}: "
+            + ", ".join(missing)
         )
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
@@ -799,7 +804,10 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
             )  # fmt: skip
             edits, unjustified = _upstream_edits(work, start, pr)
             for path in unjustified:
-                print(f"overlay: warning: PR {pr.dir_name} edits {path}; docs/prs.toml says not why")
+                print(
+                    f"overlay: warning: PR {pr.dir_name} edits {path}; "
+                    "docs/prs.toml says not why"
+                )
             added = git(work, "diff", "--numstat", "--diff-filter=A", start, "HEAD")
             values = {
                 "title": pr.title,

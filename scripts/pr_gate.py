@@ -402,9 +402,7 @@ def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> lis
         diff = git(repo, "diff", "--", *rewritten)
         for f in rewritten:
             (repo / f).write_bytes(before[f])
-        failures.append(
-            f"the hook rewrites {', '.join(rewritten)}:\n" + indent(diff.rstrip())
-        )
+        failures.append(f"the hook rewrites {', '.join(rewritten)}:\n" + indent(diff.rstrip()))
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).strip() or f"exit status {proc.returncode}"
         failures.append(indent(output))
@@ -445,7 +443,9 @@ def report(title: str, files: list[str], results: list[Result]) -> bool:
     failed = [r for r in results if r.failures]
     print(f"== {title}: {len(files)} changed files")
     for r in results:
-        status = "Failed" if r.failures else ("Passed" if r.files else "(no files to check) Skipped")
+        status = (
+            "Failed" if r.failures else ("Passed" if r.files else "(no files to check) Skipped")
+        )
         print(f"{r.hook:.<48}{status}")
         for failure in r.failures:
             print(f"  {failure}")

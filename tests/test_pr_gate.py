@@ -202,7 +202,9 @@ def test_exported_series_passes_upstream_hooks_after_integration(tmp_path):
     project = tmp_path / "project"
     for name in ("scripts", "patches", "sglang_overlay", "docs", "requirements"):
         if (REPO / name).exists():
-            shutil.copytree(REPO / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(
+                REPO / name, project / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
     shutil.copy2(REPO / "sglang.lock", project / "sglang.lock")
     (project / "build").mkdir()
     (project / "build" / "sglang").symlink_to(TREE)
