@@ -403,10 +403,22 @@ def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> lis
         for f in rewritten:
             (repo / f).write_bytes(before[f])
         failures.append(f"the hook rewrites {', '.join(rewritten)}:\n" + indent(diff.rstrip()))
+        if hook_id == "ruff":
+            failures.append(indent(ruff_findings(repo, args, rewritten)))
     if proc.returncode != 0:
         output = (proc.stdout + proc.stderr).strip() or f"exit status {proc.returncode}"
         failures.append(indent(output))
     return failures
+
+
+def ruff_findings(repo: Path, args: list[str], files: list[str]) -> str:
+    """What the ruff hook fixed, as rule, file and line (its --fix run says only how many)."""
+    listing = subprocess.run(
+        [sys.executable, "-m", "ruff", *HOOKS["ruff"].entry_args, "--output-format=concise",
+         *[a for a in args if a != "--fix"], *files],
+        cwd=repo, capture_output=True, text=True, env=tool_env(),
+    )  # fmt: skip
+    return listing.stdout.strip()
 
 
 def tool_env() -> dict[str, str]:

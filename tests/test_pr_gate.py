@@ -158,6 +158,28 @@ def test_missorted_import_fails_isort_alone(tmp_path, ci_register_source):
     assert [h for h, s in status.items() if s == "Failed"] == ["isort"]
 
 
+RUFF_MODULE = '''\
+"""Two findings of upstream's ruff selection."""
+
+from __future__ import annotations
+
+import os
+
+
+class Table:
+    def select(self) -> "Table":
+        return self
+'''
+
+
+def test_unused_import_and_quoted_annotation_fail_ruff(tmp_path, ci_register_source):
+    proc, status = gate_on(tmp_path, ci_register_source, {MODULE_PATH: RUFF_MODULE})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [h for h, s in status.items() if s == "Failed"] == ["ruff"]
+    assert f"{MODULE_PATH}:5:8: F401" in proc.stdout
+    assert f"{MODULE_PATH}:9:25: UP037" in proc.stdout
+
+
 def test_unit_test_registered_for_cuda_fails_the_taxonomy(tmp_path, ci_register_source):
     proc, status = gate_on(tmp_path, ci_register_source, {UNIT_PATH: CUDA_UNIT_TEST})
     assert proc.returncode == 1, proc.stdout + proc.stderr
