@@ -16,7 +16,7 @@ IMAGE ?= hiqcache/sglang:0.5.23-hiq
 TEXT_FILE ?= ../shared/data/wikitext-2/test.txt
 QUALITY_ARGS ?=
 
-.PHONY: help apply check-patches refresh wheel pr image test venv bench-codec quality demo demo-l3 gpu-check clean
+.PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality demo demo-l3 gpu-check clean
 
 help:
 	@echo "make demo           main command: capacity + cache-hit experiments on CPU (table + results/demo.png)"
@@ -26,7 +26,8 @@ help:
 	@echo "make check-patches  series/patches agree and every patch applies to the pin"
 	@echo "make refresh        regenerate patches/ + sglang_overlay/ from build/sglang [MSG=subject]"
 	@echo "make wheel          patched wheels sglang-0.5.23+hiq.N into dist/: cp312 (the image) and the host's"
-	@echo "make pr             upstream-ready format-patch series into dist/pr/"
+	@echo "make pr             upstream-ready PRs (patches + description) into dist/pr/<n>-<name>/"
+	@echo "make pr-check       make pr, then SGLang's pre-commit hooks on every file the PRs change"
 	@echo "make image          Docker image FROM lmsysorg/sglang:$(SGLANG_IMAGE_TAG) with the series"
 	@echo "make bench-codec    INT8 codec throughput vs a plain BF16 copy (CPU)"
 	@echo "make gpu-check      on a CUDA machine: GPU tests + INT8 vs BF16 benchmark, JSON in results/gpu-check/ (scripts/gpu_check.sh --help)"
@@ -43,13 +44,13 @@ refresh:
 
 # The stamp depends on every pinned input, so a changed lock rebuilds the venv.
 $(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/test-tools.txt \
-		requirements/l3-mooncake.txt
+		requirements/l3-mooncake.txt requirements/test-tools-lint.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps \
 		-r requirements/cpu-test.txt -r requirements/test-tools.txt \
-		-r requirements/l3-mooncake.txt \
+		-r requirements/l3-mooncake.txt -r requirements/test-tools-lint.txt \
 		"$$($(OVERLAY) fetch)"
 	touch $@
 
@@ -74,6 +75,17 @@ wheel:
 
 pr:
 	$(OVERLAY) pr
+
+# SGLang's pinned pre-commit hooks alone (no torch, no venv), for `make pr-check`.
+LINT_DIR := build/lint
+$(LINT_DIR)/.stamp: requirements/test-tools-lint.txt
+	rm -rf $(LINT_DIR)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps \
+		--target $(LINT_DIR) -r requirements/test-tools-lint.txt
+	touch $@
+
+pr-check: pr $(LINT_DIR)/.stamp
+	PYTHONPATH=$(CURDIR)/$(LINT_DIR) $(PYTHON) scripts/pr_gate.py
 
 test: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest $(PYTEST_ARGS) tests

@@ -20,13 +20,14 @@ Commands:
   check     series and patches agree; every patch applies to the baseline
   refresh   regenerate patches/ and sglang_overlay/ from build/sglang
   wheel     patched wheel 0.5.23+hiq.N into dist/
-  pr        upstream-ready git format-patch series + description in dist/pr/
+  pr        upstream PRs (docs/prs.toml): patches + description in dist/pr/<n>-<name>/
   install   apply overlay + patches in place to an installed sglang (Docker)
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import os
@@ -35,7 +36,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import tomllib
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -587,28 +591,249 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
 # pr
 
 
+PR_DECLARATION = ROOT / "docs" / "prs.toml"
+PR_DESCRIPTION_SOURCE = ROOT / "docs" / "PR_DESCRIPTION.md"
+# Upstream's pull request template, in its order; the description source must
+# carry each one.
+PR_TEMPLATE_SECTIONS = (
+    "Motivation",
+    "Modifications",
+    "Accuracy Tests",
+    "Speed Tests and Profiling",
+    "Checklist",
+)
+PR_BLOCK = re.compile(r"<!-- pr: ([a-z0-9,\s-]+) -->\n(.*?)<!-- /pr -->\n?", re.S)
+PR_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+NOT_JUSTIFIED = "**not justified yet**: add a line to docs/prs.toml"
+
+
+@dataclass
+class PullRequest:
+    number: int
+    name: str
+    title: str
+    overlay_subject: str
+    overlay_body: str
+    patches: list[str]  # names in patches/series, in series order
+    overlay: list[Path]  # paths under sglang_overlay/
+    justify: dict[str, str]  # upstream path -> why the PR edits it
+
+    @property
+    def dir_name(self) -> str:
+        return f"{self.number}-{self.name}"
+
+
+def _matches(path: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)
+
+
+def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
+    """The PRs of docs/prs.toml; every patch and overlay file in exactly one."""
+    if not path.exists():
+        raise OverlayError(
+            f"{path.relative_to(ROOT)} is missing: it declares what `make pr` exports"
+        )
+    try:
+        entries = tomllib.loads(path.read_text()).get("pr", [])
+    except tomllib.TOMLDecodeError as error:
+        raise OverlayError(f"{path.relative_to(ROOT)}: {error}") from None
+    if not entries:
+        raise OverlayError(f"{path.relative_to(ROOT)} declares no [[pr]]")
+    series = read_series()
+    overlay = [rel.as_posix() for rel in overlay_files()]
+    prs, problems = [], []
+    for index, entry in enumerate(entries, start=1):
+        missing = [k for k in ("number", "name", "title", "patches", "overlay") if k not in entry]
+        if missing:
+            raise OverlayError(f"[[pr]] number {index} lacks {', '.join(missing)}")
+        if entry["number"] != index:
+            problems.append(f"PR {entry['name']!r} has number {entry['number']}, expected {index}")
+        if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", entry["name"]):
+            problems.append(f"PR name {entry['name']!r}: use lower-case letters, digits and '-'")
+        prs.append(
+            PullRequest(
+                number=entry["number"],
+                name=entry["name"],
+                title=entry["title"],
+                overlay_subject=entry.get("overlay_subject", ""),
+                overlay_body=entry.get("overlay_body", ""),
+                patches=[n for n in series if _matches(n, entry["patches"])],
+                overlay=[Path(p) for p in overlay if _matches(p, entry["overlay"])],
+                justify=dict(entry.get("justify", {})),
+            )
+        )
+    for kind, items, owned in (
+        ("patch", series, lambda pr: pr.patches),
+        ("overlay file", overlay, lambda pr: [p.as_posix() for p in pr.overlay]),
+    ):
+        for item in items:
+            owners = [pr.name for pr in prs if item in owned(pr)]
+            if len(owners) != 1:
+                where = ", ".join(owners) if owners else "no PR"
+                problems.append(f"{kind} {item} belongs to {where}; it must belong to exactly one")
+    for pr in prs:
+        if pr.overlay and not pr.overlay_subject:
+            problems.append(f"PR {pr.name} adds overlay files but declares no overlay_subject")
+    if problems:
+        raise OverlayError(
+            f"{path.relative_to(ROOT)} does not match the series:\n  " + "\n  ".join(problems)
+        )
+    return prs
+
+
+def export_identity() -> dict[str, str]:
+    """Author and committer of the exported commits: GIT_AUTHOR_* or git config, now."""
+
+    def config(key: str) -> str:
+        proc = subprocess.run(
+            ["git", "-C", str(ROOT), "config", key], capture_output=True, text=True
+        )
+        return proc.stdout.strip()
+
+    name = os.environ.get("GIT_AUTHOR_NAME") or config("user.name")
+    email = os.environ.get("GIT_AUTHOR_EMAIL") or config("user.email")
+    if not name or not email:
+        raise OverlayError(
+            "the exported commits need an author: set git config user.name and "
+            "user.email, or GIT_AUTHOR_NAME and GIT_AUTHOR_EMAIL"
+        )
+    date = os.environ.get("GIT_AUTHOR_DATE") or time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return {
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_AUTHOR_DATE": date,
+        "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME") or name,
+        "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL") or email,
+        "GIT_COMMITTER_DATE": os.environ.get("GIT_COMMITTER_DATE") or date,
+    }
+
+
+def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
+    """The PR's commits on top of `work`'s HEAD: its overlay files, then its patches."""
+    author = f"{identity['GIT_AUTHOR_NAME']} <{identity['GIT_AUTHOR_EMAIL']}>"
+    if pr.overlay:
+        for rel in pr.overlay:
+            (work / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(OVERLAY_DIR / rel, work / rel)
+        git(work, "add", "--", *[rel.as_posix() for rel in pr.overlay])
+        body = pr.overlay_body.strip()
+        message = pr.overlay_subject + (f"\n\n{body}\n" if body else "")
+        git(work, "commit", "-q", "-m", message, env_extra=identity)
+    for name in pr.patches:
+        proc = subprocess.run(
+            ["git", "-C", str(work), "am", "-q", "--keep-cr", str(PATCH_DIR / name)],
+            capture_output=True, text=True, env={**os.environ, **identity},
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise OverlayError(
+                f"PR {pr.dir_name}: patch {name} does not apply on "
+                f"v{read_lock()['SGLANG_VERSION']} "
+                f"plus the PRs before it (check the order in docs/prs.toml):\n"
+                f"{(proc.stdout + proc.stderr).strip()}"
+            )
+        git(
+            work, "commit", "-q", "--amend", "--no-edit", f"--author={author}",
+            f"--date={identity['GIT_AUTHOR_DATE']}", env_extra=identity,
+        )  # fmt: skip
+
+
+def _upstream_edits(work: Path, base: str, pr: PullRequest) -> tuple[str, list[str]]:
+    """Markdown table of the existing upstream files the PR edits, and the unjustified ones."""
+    numstat = git(work, "diff", "--numstat", "--diff-filter=M", base, "HEAD")
+    rows, unjustified = [], []
+    for line in numstat.splitlines():
+        added, removed, path = line.split("\t")
+        why = pr.justify.get(path)
+        if why is None:
+            unjustified.append(path)
+        cell = (why or NOT_JUSTIFIED).replace("|", "\\|")
+        rows.append(f"| `{path}` | +{added} / -{removed} | {cell} |")
+    if not rows:
+        return "None: this PR only adds files.", unjustified
+    table = "| existing upstream file | lines | why it is edited |\n|---|---:|---|\n"
+    return table + "\n".join(rows), unjustified
+
+
+def render_description(pr: PullRequest, values: dict[str, str], source: Path) -> str:
+    """The PR's description from the one source: shared text, its own blocks, values."""
+    text = source.read_text()
+    text = re.sub(r"\A<!--.*?-->\n+", "", text, flags=re.S)  # the source's own notes
+
+    def keep_block(match: re.Match) -> str:
+        names = {name.strip() for name in match.group(1).split(",")}
+        return match.group(2) if pr.name in names else ""
+
+    text = PR_BLOCK.sub(keep_block, text)
+    unknown = sorted(set(PR_PLACEHOLDER.findall(text)) - set(values))
+    if unknown:
+        raise OverlayError(f"{source.name} uses unknown placeholders: {', '.join(unknown)}")
+    text = PR_PLACEHOLDER.sub(lambda m: values[m.group(1)], text)
+    headings = re.findall(r"(?m)^## (.+?)\s*$", text)
+    missing = [s for s in PR_TEMPLATE_SECTIONS if s not in headings]
+    if missing:
+        raise OverlayError(
+            f"{source.name} lacks upstream's template sections for PR {pr.name}: "
+            + ", ".join(missing)
+        )
+    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+
+
 def export_pr(tree: Path = DEFAULT_TREE) -> Path:
+    """Each PR of docs/prs.toml as commits on v<pin> + the PRs before it, with its
+    description, in dist/pr/<number>-<name>/."""
     lock = read_lock()
     apply(tree=tree)
-    out_dir = DIST_DIR / "pr"
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    git(
-        tree, "format-patch", "-q", "--zero-commit", "--no-signature",
-        "-o", str(out_dir), f"{BASELINE_TAG}..HEAD",
-    )  # fmt: skip
-    names = sorted(out_dir.glob("*.patch"))
-    subjects = git(tree, "log", "--reverse", "--format=- %s", f"{BASELINE_TAG}..HEAD")
-    stat = git(tree, "diff", "--stat", BASELINE_TAG, "HEAD")
-    description = ROOT / "docs" / "PR_DESCRIPTION.md"
-    body = description.read_text() if description.exists() else ""
-    (out_dir / "PR_DESCRIPTION.md").write_text(
-        f"{body.rstrip()}\n\n## Commits (apply with `git am` on {lock['SGLANG_GIT_TAG']})\n\n"
-        f"{subjects}\n## Diffstat\n\n```\n{stat}```\n"
-    )
-    print(f"overlay: exported {len(names)} commits and PR_DESCRIPTION.md to {out_dir}")
-    return out_dir
+    prs = read_pr_declaration()
+    identity = export_identity()
+    out_root = DIST_DIR / "pr"
+    if out_root.exists():
+        shutil.rmtree(out_root)
+    out_root.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) / "export"
+        git(Path(tmp), "clone", "-q", "--shared", "--no-checkout", str(tree.resolve()), "export")
+        git(work, "checkout", "-q", "--detach", BASELINE_TAG)
+        bases = [f"`{lock['SGLANG_GIT_TAG']}`"]
+        for pr in prs:
+            start = git(work, "rev-parse", "HEAD").strip()
+            _commit_pr(work, pr, identity)
+            out_dir = out_root / pr.dir_name
+            git(
+                work, "format-patch", "-q", "--zero-commit", "--no-signature",
+                "-o", str(out_dir), f"{start}..HEAD",
+            )  # fmt: skip
+            edits, unjustified = _upstream_edits(work, start, pr)
+            for path in unjustified:
+                print(
+                    f"overlay: warning: PR {pr.dir_name} edits {path}; "
+                    "docs/prs.toml says not why"
+                )
+            added = git(work, "diff", "--numstat", "--diff-filter=A", start, "HEAD")
+            values = {
+                "title": pr.title,
+                "base": " + ".join(bases),
+                "commits": git(work, "log", "--reverse", "--format=- %s", f"{start}..HEAD").strip(),
+                "new_files": "\n".join(
+                    f"- `{path}` ({added_lines} lines)"
+                    for added_lines, _, path in (l.split("\t") for l in added.splitlines())
+                )
+                or "None.",
+                "upstream_edits": edits,
+                "diffstat": git(work, "diff", "--stat", start, "HEAD").rstrip(),
+            }
+            (out_dir / "PR_DESCRIPTION.md").write_text(
+                render_description(pr, values, PR_DESCRIPTION_SOURCE)
+            )
+            bases.append(f"PR {pr.dir_name}")
+            count = len(list(out_dir.glob("*.patch")))
+            print(f"overlay: exported PR {pr.dir_name}: {count} commits and PR_DESCRIPTION.md")
+        exported = git(work, "rev-parse", "HEAD^{tree}").strip()
+    if exported != git(tree, "rev-parse", "HEAD^{tree}").strip():
+        raise OverlayError(
+            f"the exported PRs together do not rebuild {tree}: check docs/prs.toml"
+        )
+    print(f"overlay: exported {len(prs)} PRs to {out_root}")
+    return out_root
 
 
 # --------------------------------------------------------------------------
@@ -663,12 +888,18 @@ def install(target: Path) -> None:
             (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, Path(tmp) / path)
         for name in read_series():
+            # --fuzz=0: a hunk whose context differs from the pinned sources is a
+            # different SGLang, refused as CI's `git am` would refuse it.
             proc = subprocess.run(
-                ["patch", "-p1", "--batch", "--forward", "-d", tmp, "-i", str(PATCH_DIR / name)],
+                ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch",
+                 "-r", "-", "-d", tmp, "-i", str(PATCH_DIR / name)],
                 capture_output=True, text=True,
             )  # fmt: skip
             if proc.returncode != 0:
-                raise OverlayError(f"patch {name} does not apply to {target}:\n{proc.stdout}")
+                raise OverlayError(
+                    f"patch {name} does not apply exactly (no fuzz) to {target}; "
+                    f"nothing was installed:\n{(proc.stdout + proc.stderr).strip()}"
+                )
         for path in touched:
             shutil.copy2(Path(tmp) / path, target / path.removeprefix("python/"))
     for rel in package_overlay_files():

@@ -150,6 +150,7 @@ def copy_inputs(dst: Path) -> Path:
         (dst / "patches").mkdir()
     if (REPO / "sglang_overlay").exists():
         shutil.copytree(REPO / "sglang_overlay", dst / "sglang_overlay", ignore=ignore)
+    shutil.copytree(REPO / "docs", dst / "docs", ignore=ignore)  # what `pr` exports
     return dst
 
 
@@ -557,29 +558,86 @@ def test_wheel_carries_the_series_and_installs(patched, tmp_path):
     assert (target / info / "METADATA").exists()
 
 
-def test_pr_exports_the_series_and_a_description(patched, tmp_path):
-    project = link_project(patched.path, tmp_path / "project")
-    (project / "docs").mkdir()
-    (project / "docs" / "PR_DESCRIPTION.md").write_text("# Probe PR\n\nWhy it matters.\n")
-    out = overlay(project, "pr")
-    out_dir = project / "dist" / "pr"
-    patches = sorted(out_dir.glob("*.patch"))
-    assert len(patches) == 1 + len(series(project))  # overlay commit + the series
-    assert f"exported {len(patches)} commits" in out
-    assert patches[0].name.startswith("0001-HiCache-add-the-quantized-host-KV-pool")
-    first = patches[0].read_text()
-    assert f"diff --git a/{NEW_FILE} b/{NEW_FILE}" in first and "new file mode" in first
-    assert patches[-1].name.endswith("-Pipeline-probe-version-marker.patch")
-    description = (out_dir / "PR_DESCRIPTION.md").read_text()
-    assert description.startswith("# Probe PR\n\nWhy it matters.")
-    assert f"## Commits (apply with `git am` on {LOCK['SGLANG_GIT_TAG']})" in description
-    for subject in (OVERLAY_SUBJECT, SUBJECT_MHA, SUBJECT_VERSION):
-        assert f"- {subject}\n" in description
-    assert "## Diffstat" in description and "mha.py" in description
+def declare_prs(project: Path, base_series: list[str]) -> None:
+    """Two PRs: the repository's own series and overlay, then the probes on top."""
+    repo_overlay = sorted(overlay_files(REPO))
+    (project / "docs" / "prs.toml").write_text(
+        "[[pr]]\nnumber = 1\nname = \"base\"\ntitle = \"Probe base PR\"\n"
+        f"patches = {base_series!r}\noverlay = {repo_overlay!r}\n"
+        "overlay_subject = \"Pipeline probe: base overlay\"\n\n"
+        "[[pr]]\nnumber = 2\nname = \"probes\"\ntitle = \"Probe PR on top\"\n"
+        "patches = [\"*-Pipeline-probe-*\"]\n"
+        f"overlay = [\"{NEW_FILE}\"]\n"
+        "overlay_subject = \"Pipeline probe: new file\"\n"
+        "overlay_body = \"Why the probe file exists.\"\n\n"
+        f"[pr.justify]\n\"{MHA}\" = \"Marks mha.py for the pipeline test.\"\n"
+    )
 
-    # The export is baseline..HEAD: applied in order on the pin, it gives HEAD.
-    rebuilt = rebuild_in_temp_index(patched.tree, patches, None, tmp_path / "index")
-    assert rebuilt == head_tree(patched.path)
+
+EXPORT_AUTHOR = {
+    "GIT_AUTHOR_NAME": "Export Author",
+    "GIT_AUTHOR_EMAIL": "export@example.org",
+    "GIT_AUTHOR_DATE": "2026-03-04T05:06:07+00:00",
+}
+
+
+def test_pr_exports_each_declared_pr_with_its_author_and_description(patched, tmp_path):
+    project = link_project(patched.path, tmp_path / "project")
+    declare_prs(project, patched.base_series)
+    out = overlay(project, "pr", **EXPORT_AUTHOR)
+    pr_root = project / "dist" / "pr"
+    assert sorted(p.name for p in pr_root.iterdir()) == ["1-base", "2-probes"]
+    first = sorted((pr_root / "1-base").glob("*.patch"))
+    second = sorted((pr_root / "2-probes").glob("*.patch"))
+    assert len(first) == bool(overlay_files(REPO)) + len(patched.base_series)
+    assert [p.name.split("-", 1)[1] for p in second] == [
+        "Pipeline-probe-new-file.patch",
+        "Pipeline-probe-mha-marker.patch",
+        "Pipeline-probe-version-marker.patch",
+    ]
+    assert "exported PR 2-probes: 3 commits" in out
+    for patch in first + second:
+        head = patch.read_text().split("\n---\n", 1)[0]
+        assert "From: Export Author <export@example.org>" in head, patch.name
+        assert "Date: Wed, 4 Mar 2026 05:06:07 +0000" in head, patch.name
+    assert "Why the probe file exists." in second[0].read_text()
+
+    description = (pr_root / "2-probes" / "PR_DESCRIPTION.md").read_text()
+    assert description.startswith("# Probe PR on top\n")
+    headings = re.findall(r"(?m)^## (.+)$", description)
+    for section in ("Motivation", "Modifications", "Accuracy Tests",
+                    "Speed Tests and Profiling", "Checklist"):  # fmt: skip
+        assert section in headings, section
+    assert f"Base: `{LOCK['SGLANG_GIT_TAG']}` + PR 1-base." in description
+    assert f"| `{MHA}` | +1 / -0 | Marks mha.py for the pipeline test. |" in description
+    assert f"| `{VERSION_PY}` | +1 / -0 | **not justified yet**" in description
+    assert f"PR 2-probes edits {VERSION_PY}; docs/prs.toml says not why" in out
+    assert f"- `{NEW_FILE}` (3 lines)" in description
+    assert "{{" not in description and "<!--" not in description.split("\n", 1)[0]
+
+    # PR 1 alone on the pin gives the repository's series; PR 2 on top, the rest.
+    alone = rebuild_in_temp_index(patched.tree, first, None, tmp_path / "index1")
+    assert alone == git(patched.tree, "rev-parse", f"{patched.base_head}^{{tree}}").strip()
+    both = rebuild_in_temp_index(patched.tree, first + second, None, tmp_path / "index2")
+    assert both == head_tree(patched.path)
+
+
+def test_pr_refuses_an_undeclared_patch_and_a_missing_author(patched, tmp_path):
+    project = link_project(patched.path, tmp_path / "project")
+    declare_prs(project, patched.base_series)
+    declaration = project / "docs" / "prs.toml"
+    declaration.write_text(
+        declaration.read_text().replace('"*-Pipeline-probe-*"', '"*-Pipeline-probe-mha-*"')
+    )
+    out = overlay(project, "pr", ok=False, **EXPORT_AUTHOR)
+    version_patch = series(project)[-1]
+    assert f"patch {version_patch} belongs to no PR; it must belong to exactly one" in out
+    assert not (project / "dist" / "pr").exists()
+
+    declare_prs(project, patched.base_series)
+    no_identity = {"GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    out = overlay(project, "pr", ok=False, **no_identity)
+    assert "set git config user.name and user.email, or GIT_AUTHOR_NAME" in out
 
 
 def stock_package(project: Path, target: Path, version: str = VERSION) -> Path:
@@ -628,6 +686,55 @@ def test_install_refuses_another_sglang_version(patched, tmp_path):
 
     out = overlay(project, "install", "--target", str(tmp_path / "empty"), ok=False)
     assert "no sglang package under" in out
+
+
+def fuzz_probe_patch(stock_version_py: str) -> str:
+    """A patch that rewrites line 15 of upstream version.py with three lines of
+    context on each side."""
+    lines = stock_version_py.splitlines()
+    before, old, after = lines[11:14], lines[14], lines[15:18]
+    assert old.strip().startswith("#"), old
+    body = "".join(f" {line}\n" for line in before)
+    body += f"-{old}\n+{old} (probe)\n"
+    body += "".join(f" {line}\n" for line in after)
+    return (
+        "From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+        "From: Pipeline Test <pipeline@localhost>\n"
+        "Date: Thu, 1 Jan 2026 00:00:00 +0000\n"
+        "Subject: [PATCH] Pipeline probe: fuzz\n\n---\n"
+        f"diff --git a/{VERSION_PY} b/{VERSION_PY}\n--- a/{VERSION_PY}\n+++ b/{VERSION_PY}\n"
+        f"@@ -12,7 +12,7 @@\n{body}-- \n2.39.5\n\n"
+    )
+
+
+def test_install_refuses_a_patch_that_only_applies_with_fuzz(patched, tmp_path):
+    project = copy_project(patched.path, tmp_path / "project", tree=False)
+    target = stock_package(project, tmp_path / "site")
+    version_py = target / VERSION_PY.removeprefix("python/")
+    name = "9999-Pipeline-probe-fuzz.patch"
+    patch_file = project / "patches" / name
+    patch_file.write_text(fuzz_probe_patch(version_py.read_text()))
+    append(project / "patches" / "series", name + "\n")
+
+    # Shift the hunk's context: a line inserted after its first context line.
+    lines = version_py.read_text().splitlines(keepends=True)
+    version_py.write_text("".join(lines[:12] + ["# a line upstream does not have\n"] + lines[12:]))
+    before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
+
+    # Plain `patch` would take it (fuzz 1), so only the strictness refuses it.
+    scratch = tmp_path / "scratch"
+    shutil.copytree(target, scratch / "python")
+    plain = subprocess.run(
+        ["patch", "-p1", "--batch", "--forward", "--dry-run", "-d", str(scratch), "-i",
+         str(patch_file)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert plain.returncode == 0 and "with fuzz 1" in plain.stdout, plain.stdout
+
+    out = overlay(project, "install", "--target", str(target), ok=False)
+    assert f"patch {name} does not apply exactly (no fuzz)" in out
+    assert "nothing was installed" in out and "FAILED" in out
+    assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,242 @@
+"""scripts/pr_gate.py: SGLang's pinned pre-commit hooks on exported PRs.
+
+Small git trees made here (pristine baseline: the pinned tree's own
+ci_register.py; one commit adding the files under test) show that the gate
+passes clean input and fails on what upstream's CI rejects. The last test runs
+the gate on this repository's real export, as `make pr-check` does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TREE = REPO / "build" / "sglang"
+GATE = REPO / "scripts" / "pr_gate.py"
+CI_REGISTER = "python/sglang/test/ci/ci_register.py"
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "Gate Test",
+    "GIT_AUTHOR_EMAIL": "gate@localhost",
+    "GIT_COMMITTER_NAME": "Gate Test",
+    "GIT_COMMITTER_EMAIL": "gate@localhost",
+}
+
+MODULE = '''\
+"""A module the way upstream formats it."""
+
+import os
+
+import torch
+
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+
+def pool_class() -> type:
+    return MHATokenToKVPool if os.environ and torch else None
+'''
+# The first-party import is not separated from the third-party one: isort
+# (profile black, known_first_party=sglang) puts a blank line between them.
+MISSORTED_MODULE = MODULE.replace("import torch\n\nfrom sglang", "import torch\nfrom sglang")
+
+UNIT_TEST = '''\
+"""A CPU unit test."""
+
+import sys
+import unittest
+
+import pytest
+
+from sglang.test.ci.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=10, suite="base-a-test-cpu")
+
+
+class TestProbe(unittest.TestCase):
+    def test_truth(self):
+        self.assertTrue(pytest)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__]))
+'''
+CUDA_LINE = 'register_cuda_ci(est_time=30, stage="base-a", runner_config="1-gpu-small")\n'
+CUDA_UNIT_TEST = UNIT_TEST.replace(
+    "import register_cpu_ci\n", "import register_cpu_ci, register_cuda_ci\n"
+).replace('suite="base-a-test-cpu")\n', 'suite="base-a-test-cpu")\n' + CUDA_LINE)
+BARE_PYTEST_MAIN = UNIT_TEST.replace(
+    "    sys.exit(pytest.main([__file__]))", "    pytest.main([__file__])"
+).replace("import sys\n", "")
+
+UNIT_PATH = "test/registered/unit/mem_cache/test_probe.py"
+MODULE_PATH = "python/sglang/srt/mem_cache/gate_probe.py"
+
+
+def git(repo: Path, *args: str) -> str:
+    proc = subprocess.run(
+        ["git", "-C", str(repo), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **GIT_ENV},
+    )
+    assert proc.returncode == 0, f"git {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def ci_register_source() -> str:
+    if not (TREE / ".git").exists():
+        pytest.fail(f"{TREE} is missing: run `make apply` first")
+    return git(TREE, "show", f"hiq-baseline:{CI_REGISTER}")
+
+
+def make_repo(root: Path, ci_register: str, files: dict[str, str]) -> Path:
+    """A git tree: tag `base` holds ci_register.py, HEAD adds `files`."""
+    repo = root / "repo"
+    (repo / CI_REGISTER).parent.mkdir(parents=True)
+    (repo / CI_REGISTER).write_text(ci_register)
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "baseline")
+    git(repo, "tag", "base")
+    for rel, text in files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "change")
+    return repo
+
+
+def run_gate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(GATE), *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def hook_status(output: str) -> dict[str, str]:
+    """hook id -> Passed / Failed / Skipped, from the gate's report."""
+    return {
+        m.group(1): m.group(2).split()[-1]
+        for m in re.finditer(r"(?m)^([a-z-]+)\.{3,}(.+)$", output)
+    }
+
+
+def gate_on(tmp_path: Path, ci_register: str, files: dict[str, str]):
+    repo = make_repo(tmp_path, ci_register, files)
+    head = git(repo, "rev-parse", "HEAD")
+    proc = run_gate("--repo", str(repo), "--base", "base")
+    # The hooks run in a scratch clone: the tree under test is left as it was.
+    assert git(repo, "rev-parse", "HEAD") == head and git(repo, "status", "--porcelain") == ""
+    return proc, hook_status(proc.stdout)
+
+
+def test_clean_files_pass_every_hook(tmp_path, ci_register_source):
+    proc, status = gate_on(
+        tmp_path, ci_register_source, {MODULE_PATH: MODULE, UNIT_PATH: UNIT_TEST}
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pr_gate: all hooks passed" in proc.stdout
+    for hook in (
+        "trailing-whitespace", "end-of-file-fixer", "check-ast", "isort", "ruff",
+        "ruff-format", "codespell", "check-registered-tests", "check-no-bare-pytest-main",
+    ):  # fmt: skip
+        assert status[hook] == "Passed", (hook, proc.stdout)
+
+
+def test_missorted_import_fails_isort_alone(tmp_path, ci_register_source):
+    proc, status = gate_on(tmp_path, ci_register_source, {MODULE_PATH: MISSORTED_MODULE})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert status["isort"] == "Failed"
+    assert f"the hook rewrites {MODULE_PATH}" in proc.stdout
+    assert "+\n" in proc.stdout  # the blank line isort inserts, in the diff
+    assert [h for h, s in status.items() if s == "Failed"] == ["isort"]
+
+
+RUFF_MODULE = '''\
+"""Two findings of upstream's ruff selection."""
+
+from __future__ import annotations
+
+import os
+
+
+class Table:
+    def select(self) -> "Table":
+        return self
+'''
+
+
+def test_unused_import_and_quoted_annotation_fail_ruff(tmp_path, ci_register_source):
+    proc, status = gate_on(tmp_path, ci_register_source, {MODULE_PATH: RUFF_MODULE})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [h for h, s in status.items() if s == "Failed"] == ["ruff"]
+    assert f"{MODULE_PATH}:5:8: F401" in proc.stdout
+    assert f"{MODULE_PATH}:9:25: UP037" in proc.stdout
+
+
+def test_unit_test_registered_for_cuda_fails_the_taxonomy(tmp_path, ci_register_source):
+    proc, status = gate_on(tmp_path, ci_register_source, {UNIT_PATH: CUDA_UNIT_TEST})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [h for h, s in status.items() if s == "Failed"] == ["check-registered-tests"]
+    line = CUDA_UNIT_TEST.splitlines().index(CUDA_LINE.strip()) + 1
+    assert (
+        f"{UNIT_PATH}:{line}: unit tests may register only CPU or dedicated unit "
+        "suites, not CUDA suite 'base-a-test-1-gpu-small'"
+    ) in proc.stdout
+
+
+def test_the_same_cuda_test_is_fine_among_kernel_tests(tmp_path, ci_register_source):
+    kernel_path = "test/registered/kernels/ops/kvcache/test_probe.py"
+    proc, status = gate_on(tmp_path, ci_register_source, {kernel_path: CUDA_UNIT_TEST})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert status["check-registered-tests"] == "Passed"
+
+
+def test_bare_pytest_main_fails(tmp_path, ci_register_source):
+    proc, status = gate_on(tmp_path, ci_register_source, {UNIT_PATH: BARE_PYTEST_MAIN})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert [h for h, s in status.items() if s == "Failed"] == ["check-no-bare-pytest-main"]
+    line = BARE_PYTEST_MAIN.splitlines().index("    pytest.main([__file__])") + 1
+    assert f"{UNIT_PATH}:{line}: pytest.main(...) in an __main__ block" in proc.stdout
+
+
+def test_unregistered_test_and_dead_testcase_fail(tmp_path, ci_register_source):
+    unregistered = UNIT_TEST.replace('register_cpu_ci(est_time=10, suite="base-a-test-cpu")\n', "")
+    dead = UNIT_TEST.replace("    sys.exit(pytest.main([__file__]))", "    print(sys.argv)")
+    other = UNIT_PATH.replace("test_probe", "test_probe_dead")
+    proc, status = gate_on(tmp_path, ci_register_source, {UNIT_PATH: unregistered, other: dead})
+    assert proc.returncode == 1
+    assert status["check-registered-tests"] == "Failed"
+    assert f"{UNIT_PATH}: missing CI registry call" in proc.stdout
+    assert f"{other}: defines TestCase classes but its __main__ block" in proc.stdout
+
+
+def test_exported_series_passes_upstream_hooks_after_integration(tmp_path):
+    """MUST PASS AFTER INTEGRATION (issue 10). `make pr-check` on the real series:
+    the export as `git am` applies it, every hook on every changed file. It fails
+    while the product files still break upstream's hooks (see the gate's output)."""
+    project = tmp_path / "project"
+    for name in ("scripts", "patches", "sglang_overlay", "docs", "requirements"):
+        if (REPO / name).exists():
+            shutil.copytree(
+                REPO / name, project / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+    shutil.copy2(REPO / "sglang.lock", project / "sglang.lock")
+    (project / "build").mkdir()
+    (project / "build" / "sglang").symlink_to(TREE)
+    wheels = os.environ.get("HIQ_WHEEL_CACHE", str(REPO / "build" / "wheels"))
+    env = {**os.environ, **GIT_ENV, "HIQ_WHEEL_CACHE": wheels}
+    env.pop("PYTHONPATH", None)
+    export = subprocess.run(
+        [sys.executable, "scripts/overlay.py", "pr"],
+        cwd=project, capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stdout + export.stderr
+    proc = run_gate("--pr-dir", str(project / "dist" / "pr"), "--tree", str(TREE))
+    assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr
