@@ -1,4 +1,4 @@
-"""Plumbing of scripts/bench_server.py (the GPU serving benchmark), on CPU.
+"""Plumbing of scripts/bench/server.py (the GPU serving benchmark), on CPU.
 
 The servers are a fake SGLang server (stdlib http.server on 127.0.0.1) and
 the benchmark a fake bench_serving; both are started through the script's
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import bench_server as bs  # noqa: E402
+from scripts.bench import server as bs  # noqa: E402
 
 FAKE_SERVER = r"""
 import argparse, http.server, json, sys, time

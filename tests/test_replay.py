@@ -1,4 +1,4 @@
-"""The capacity / cache-hit replay behind `make demo` (scripts/hiq_replay.py),
+"""The capacity / cache-hit replay behind `make demo` (scripts/demo/replay.py),
 on a scaled-down workload.
 
 The replay drives SGLang's real UnifiedRadixCache + HiCache (device pool,
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hiq_replay as hr  # noqa: E402
+from scripts.demo import replay as hr  # noqa: E402
 
 SMALL = hr.Workload(
     num_groups=8,
@@ -221,7 +221,7 @@ def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
     """`make demo`'s script end to end, scaled down (lazy pools for speed)."""
     import json
 
-    import demo
+    from scripts.demo import __main__ as demo
 
     out = tmp_path / "results"
     argv = [

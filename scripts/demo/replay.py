@@ -37,7 +37,6 @@ import gc
 import logging
 import math
 import mmap
-import sys
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,8 +46,8 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TESTS_DIR = REPO_ROOT / "tests"
+from scripts.common.cpu_sglang import install_cpu_standins
+
 
 # What the replay models instead of running (printed with every result).
 MODEL_NOTES = (
@@ -184,16 +183,11 @@ def setup_sglang(quiet: bool = True) -> None:
     global _SETUP_DONE
     if _SETUP_DONE:
         return
-    if str(TESTS_DIR) not in sys.path:
-        sys.path.insert(0, str(TESTS_DIR))
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    from cpu_standins import install_sglang_standins, install_torchvision_stub
-
-    install_torchvision_stub()
-    install_sglang_standins()
+    install_cpu_standins()
     if quiet:
         # Startup chatter a real server prints once (e.g. "host pool smaller
         # than the device pool" for the smallest budgets, CPU event timing).

