@@ -5,8 +5,9 @@ patched SGLang code (no GPU needed).
 A) Same L2 token capacity -> host bytes the real stock and INT8 host pools
    allocate at the model geometry.
 B) Same host budget (`--hicache-size` GB) -> L2 tokens each pool holds and the
-   cache-hit rate of a shared-prefix workload replayed through SGLang's own
-   radix cache + HiCache, plus a sweep of budgets for the plot.
+   cache-hit rate of bench_serving's generated-shared-prefix workload (its own
+   requests, order and warm-up) replayed through SGLang's radix cache +
+   HiCache, over several dataset seeds (mean +- sd), plus a sweep of budgets.
 
 Run from the repository root with the patched tree first on PYTHONPATH:
 
@@ -19,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import sys
 import textwrap
 import time
 from pathlib import Path
 
-from scripts.demo import replay as hr
+from scripts.demo import pools, replay, report, workload
+from scripts.demo.report import pm, spread
 
 DEFAULT_SWEEP = (1, 2, 3, 4, 6, 8, 10, 12, 16)
 # The prototype's INT8 records (1,152 B per 1,024 payload bytes) and the goal.
@@ -60,7 +61,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=list(DEFAULT_SWEEP),
         help="B: comma-separated host budgets in GB for the curve ('' to skip)",
     )
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=workload.BENCH_SERVING_SEED,
+        help="first dataset seed (bench_serving --seed; its default is 42)",
+    )
+    p.add_argument(
+        "--seeds", type=int, default=8, help="number of seeds: --seed, --seed+1, ..."
+    )
     p.add_argument("--groups", type=int, default=32, help="--gsp-num-groups")
     p.add_argument("--prompts-per-group", type=int, default=4)
     p.add_argument("--system-prompt-len", type=int, default=2048)
@@ -69,6 +78,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument(
         "--l1-tokens", type=int, default=16_384, help="device (L1) KV tokens"
+    )
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=80,
+        help="GPU memory the server's default --chunked-prefill-size is read for "
+        "(80: 8192 tokens; 48: 4096)",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="override the server default; -1 disables chunked prefill",
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="model the normal scheduler loop (no one-step result lag)",
+    )
+    p.add_argument(
+        "--warmup-requests", type=int, default=1, help="bench_serving's (default 1)"
+    )
+    p.add_argument(
+        "--flush-cache",
+        action="store_true",
+        help="flush the cache after the warm-up (bench_serving --flush-cache)",
     )
     p.add_argument(
         "--no-output-insert",
@@ -85,17 +120,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    hr.setup_sglang()
-    import sglang
-    import torch
+def build_serving(args) -> replay.Serving:
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = pools.server_chunked_prefill_size(args.gpu_memory_gb)
+    return replay.Serving(
+        l1_tokens=args.l1_tokens,
+        concurrency=args.concurrency,
+        chunked_prefill_size=chunk if chunk > 0 else None,
+        overlap_schedule=not args.disable_overlap_schedule,
+        insert_output=not args.no_output_insert,
+        warmup_requests=args.warmup_requests,
+        flush_cache=args.flush_cache,
+    )
 
-    geometry = hr.QWEN3_8B
-    formats = hr.host_formats()
-    base_label = formats[0][0]
-    workload = hr.Workload(
+
+def build_workloads(args) -> list[workload.Workload]:
+    base = workload.Workload(
         num_groups=args.groups,
         prompts_per_group=args.prompts_per_group,
         system_prompt_len=args.system_prompt_len,
@@ -103,14 +144,12 @@ def main(argv=None) -> int:
         output_len=args.output_len,
         seed=args.seed,
     )
-    serving = hr.Serving(
-        l1_tokens=args.l1_tokens,
-        concurrency=args.concurrency,
-        insert_output=not args.no_output_insert,
-    )
-    requests = hr.make_workload(workload)
-    best = hr.best_possible_hit_rate(requests)
-    t_setup = time.perf_counter() - t_start
+    return [base.with_seed(args.seed + i) for i in range(args.seeds)]
+
+
+def print_header(geometry, formats) -> None:
+    import sglang
+    import torch
 
     print(
         f"HiQCache demo: SGLang {sglang.__version__} + HiQCache patches "
@@ -119,7 +158,7 @@ def main(argv=None) -> int:
     )
     print(f"model geometry: {geometry.describe()}")
     print(
-        f"host formats (--hicache-host-dtype): "
+        "host formats (--hicache-host-dtype): "
         + ", ".join(f"{label} ({dt})" for label, dt in formats)
     )
     print(
@@ -128,15 +167,14 @@ def main(argv=None) -> int:
     )
     print()
 
-    # ---- A: same L2 capacity -> host bytes ---------------------------------
-    t0 = time.perf_counter()
+
+def run_experiment_a(args, formats, geometry) -> list[pools.PoolAllocation]:
     alloc = [
-        hr.allocate_host_pool(
+        pools.allocate_host_pool(
             dt, args.tokens, geometry, commit=not args.no_commit, label=label
         )
         for label, dt in formats
     ]
-    t_a = time.perf_counter() - t0
     base = alloc[0]
     print(
         f"A) Same L2 capacity: {args.tokens:,} tokens "
@@ -149,135 +187,164 @@ def main(argv=None) -> int:
     for a in alloc:
         resident = _gb(a.resident_bytes) if a.committed else "lazy"
         print(
-            f"   {a.label:<7} {a.pool_class:<26} {a.bytes_per_token:>9,} {_gb(a.bytes):>12} "
-            f"{resident:>10} {a.bytes / base.bytes:>7.3f}x"
+            f"   {a.label:<7} {a.pool_class:<26} {a.bytes_per_token:>9,} "
+            f"{_gb(a.bytes):>12} {resident:>10} {a.bytes / base.bytes:>7.3f}x"
         )
     for a in alloc:
         if a.note:
             print(f"   note ({a.label}): {a.note}")
     print()
+    return alloc
 
-    # ---- B: same host budget -> tokens and hit rate ------------------------
-    budgets = sorted(set(args.sweep) | {args.budget})
-    t0 = time.perf_counter()
+
+def run_experiment_b(args, formats, geometry, workloads, serving) -> list[dict]:
+    """Per budget and format: the pool's capacity and one replay per seed."""
+    requests = [workload.bench_serving_requests(w) for w in workloads]
     sweep = []
-    for gb in budgets:
+    for gb in sorted(set(args.sweep) | {args.budget}):
         row = {"budget_gb": gb, "formats": {}}
         for label, dt in formats:
-            cap = hr.capacity_at_budget(dt, gb, geometry, label=label)
-            res = hr.replay(
-                dt, cap.tokens, workload, serving, label=label, requests=requests
-            )
-            row["formats"][label] = {"capacity": cap, "replay": res}
+            cap = pools.capacity_at_budget(dt, gb, geometry, label=label)
+            results = [
+                replay.replay(dt, cap.tokens, reqs, serving, seed=w.seed, label=label)
+                for w, reqs in zip(workloads, requests)
+            ]
+            row["formats"][label] = {
+                "capacity": cap,
+                "replays": results,
+                "hit_rates": [r.hit_rate for r in results],
+            }
         sweep.append(row)
-    t_b = time.perf_counter() - t0
-    main_row = next(r for r in sweep if r["budget_gb"] == args.budget)
+    best = [workload.best_possible_hit_rate(reqs) for reqs in requests]
+    return sweep, best
 
+
+def print_experiment_b(args, formats, geometry, workloads, serving, main_row, best):
+    w = workloads[0]
+    seeds = [x.seed for x in workloads]
+    base_label = formats[0][0]
     print(
         f"B) Same host budget: --hicache-size {args.budget:g} (GB), "
         f"capacities from SGLang's build_kv_host_pool at {geometry.name}"
     )
     print(
-        f"   workload: generated-shared-prefix, {workload.num_groups} groups x "
-        f"{workload.prompts_per_group} prompts = {workload.num_requests} requests, system prompt "
-        f"{workload.system_prompt_len:,} + question {workload.question_len} tokens, "
-        f"output {workload.output_len} tokens, seed {workload.seed}, shuffled"
+        f"   workload: bench_serving generated-shared-prefix (SGLang's own generator"
+        f" and order), {w.num_groups} groups x {w.prompts_per_group} prompts = "
+        f"{w.num_requests} requests, system prompt {w.system_prompt_len:,} + question "
+        f"{w.question_len} tokens, output {w.output_len} tokens; seeds "
+        f"{seeds[0]}..{seeds[-1]} ({len(seeds)}); warm-up requests "
+        f"{serving.warmup_requests}, {'flushed' if serving.flush_cache else 'not flushed'}"
     )
+    chunk = serving.chunked_prefill_size
     print(
-        f"   serving: concurrency {serving.concurrency} (requests in flight), L1 "
-        f"{serving.l1_tokens:,} tokens, --hicache-write-policy {serving.write_policy}, "
-        f"output tokens {'inserted' if serving.insert_output else 'not inserted'} at finish"
+        f"   serving: concurrency {serving.concurrency}, L1 {serving.l1_tokens:,} tokens, "
+        f"chunked prefill {chunk if chunk else 'off'}"
+        f"{f' (default at {args.gpu_memory_gb:g} GB GPU)' if args.chunked_prefill_size is None else ''}, "
+        f"overlap scheduler {'on' if serving.overlap_schedule else 'off'}, "
+        f"--hicache-write-policy {serving.write_policy}, output tokens "
+        f"{'inserted' if serving.insert_output else 'not inserted'} at finish"
     )
+    g = pools.REPLAY_GEOMETRY
     print(
         f"   replay: SGLang's UnifiedRadixCache + HiCache with L2 pools of exactly these "
-        f"token counts, tiny KV rows ({hr.REPLAY_GEOMETRY.layer_num} layers x "
-        f"{hr.REPLAY_GEOMETRY.head_num} head x {hr.REPLAY_GEOMETRY.head_dim} dims), "
-        f"layout layer_first, io backend direct"
+        f"token counts, tiny KV rows ({g.layer_num} layers x {g.head_num} head x "
+        f"{g.head_dim} dims), layout layer_first, io backend direct"
     )
     print(
-        f"   {'format':<7} {'L2 tokens':>10} {'vs ' + base_label:>8} {'hit rate':>9} "
-        f"{'L1 hits':>9} {'L2 hits':>9} {'prompt tokens':>14}"
+        f"   {'format':<7} {'L2 tokens':>10} {'vs ' + base_label:>8} "
+        f"{'hit rate % (mean +- sd)':>24} {'L1 hits':>9} {'L2 hits':>9} {'prompt tokens':>14}"
     )
     base_tokens = main_row["formats"][base_label]["capacity"].tokens
     for label, _ in formats:
-        cap = main_row["formats"][label]["capacity"]
-        res = main_row["formats"][label]["replay"]
+        cell = main_row["formats"][label]
+        cap, results = cell["capacity"], cell["replays"]
+        l1 = spread([r.l1_hit_tokens for r in results])[0]
+        l2 = spread([r.l2_hit_tokens for r in results])[0]
         print(
             f"   {label:<7} {cap.tokens:>10,} {cap.tokens / base_tokens:>7.3f}x "
-            f"{100 * res.hit_rate:>8.1f}% {res.l1_hit_tokens:>9,} {res.l2_hit_tokens:>9,} "
-            f"{res.prompt_tokens:>14,}"
+            f"{pm(cell['hit_rates']):>24} {l1:>9,.0f} {l2:>9,.0f} "
+            f"{results[0].prompt_tokens:>14,}"
         )
-    print(
-        f"   best possible hit rate for this workload (unbounded cache): {100 * best:.1f}%"
-    )
+    print(f"   best possible hit rate for this workload (unbounded cache): {pm(best)}%")
     print()
 
-    if len(sweep) > 1:
-        print("   sweep: hit rate (L2 tokens) by host budget")
-        header = "   " + f"{'GB':>5}" + "".join(f" {label:>20}" for label, _ in formats)
-        print(header)
-        for row in sweep:
-            cells = ""
-            for label, _ in formats:
-                cap = row["formats"][label]["capacity"]
-                res = row["formats"][label]["replay"]
-                cells += f" {100 * res.hit_rate:>8.1f}% ({cap.tokens:>8,})"
-            print(f"   {row['budget_gb']:>5g}{cells}")
-        print()
 
-    # ---- checks, ratios, notes --------------------------------------------
-    checks = []
+def print_sweep(sweep, formats) -> None:
+    if len(sweep) < 2:
+        return
+    print("   sweep: hit rate % (mean +- sd over seeds) and L2 tokens by host budget")
+    print("   " + f"{'GB':>5}" + "".join(f" {label:>24}" for label, _ in formats))
+    for row in sweep:
+        cells = ""
+        for label, _ in formats:
+            cell = row["formats"][label]
+            cells += f" {pm(cell['hit_rates']):>12} ({cell['capacity'].tokens:>8,})"
+        print(f"   {row['budget_gb']:>5g}{cells}")
+    print()
+
+
+def print_checks(sweep, formats, main_row) -> bool:
+    """INT8 never holds fewer tokens nor hits less, seed by seed; prints the
+    restore checks. Returns whether INT8 was never worse."""
+    base_label = formats[0][0]
+    never_worse = True
     for row in sweep:
         b = row["formats"][base_label]
         for label, _ in formats[1:]:
             f = row["formats"][label]
-            checks.append(f["capacity"].tokens >= b["capacity"].tokens)
-            checks.append(f["replay"].hit_rate >= b["replay"].hit_rate)
+            never_worse &= f["capacity"].tokens >= b["capacity"].tokens
+            never_worse &= all(x >= y for x, y in zip(f["hit_rates"], b["hit_rates"]))
     print("   restored KV checked against what was written, at every admission:")
     for label, dt in formats:
-        res = main_row["formats"][label]["replay"]
+        results = main_row["formats"][label]["replays"]
         kind = "bit-exact" if dt == "auto" else "within the INT8 bound"
         print(
-            f"     {label}: {res.verified_tokens:,} prefix tokens ({res.verified_restored_tokens:,} "
-            f"loaded back from L2), {kind}, max error {100 * res.max_restore_error:.2f}% of row amax"
+            f"     {label}: {sum(r.verified_tokens for r in results):,} prefix tokens "
+            f"({sum(r.verified_restored_tokens for r in results):,} loaded back from "
+            f"L2) over all seeds, {kind}, max error "
+            f"{100 * max(r.max_restore_error for r in results):.2f}% of row amax"
         )
     notes = textwrap.wrap(
-        f"replay model: {hr.MODEL_NOTES}.", width=100, break_on_hyphens=False
+        f"replay model: {replay.MODEL_NOTES}.", width=100, break_on_hyphens=False
     )
     print("\n".join("   " + line for line in notes))
     print()
+    return never_worse
 
+
+def print_summary(args, formats, alloc, main_row) -> dict:
+    base_label = formats[0][0]
+    base_cell = main_row["formats"][base_label]
     summary = {}
     for label, _ in formats[1:]:
-        a_ratio = base.bytes / next(a for a in alloc if a.label == label).bytes
-        b_ratio = main_row["formats"][label]["capacity"].tokens / base_tokens
-        hit_b = main_row["formats"][base_label]["replay"].hit_rate
-        hit_f = main_row["formats"][label]["replay"].hit_rate
+        cell = main_row["formats"][label]
+        a_ratio = alloc[0].bytes / next(a for a in alloc if a.label == label).bytes
+        b_ratio = cell["capacity"].tokens / base_cell["capacity"].tokens
+        gaps = [x - y for x, y in zip(cell["hit_rates"], base_cell["hit_rates"])]
         summary[label] = dict(
             bytes_ratio=a_ratio,
             tokens_ratio=b_ratio,
-            hit_rate=hit_f,
-            hit_rate_base=hit_b,
+            hit_rate=spread(cell["hit_rates"]),
+            hit_rate_base=spread(base_cell["hit_rates"]),
+            gap_points=spread([100 * g for g in gaps]),
         )
         verdict = "meets" if b_ratio >= TARGET_RATIO else "MISSES"
         print(
             f"{label} vs {base_label}: A) {a_ratio:.3f}x less host memory for "
             f"{args.tokens:,} tokens | B) {b_ratio:.3f}x tokens in {args.budget:g} GB, "
-            f"hit rate {100 * hit_f:.1f}% vs {100 * hit_b:.1f}% "
-            f"({100 * (hit_f - hit_b):+.1f} points) | target >= {TARGET_RATIO}x "
+            f"hit rate {pm(cell['hit_rates'])}% vs {pm(base_cell['hit_rates'])}% "
+            f"(gap {pm(gaps)} points, paired by seed) | target >= {TARGET_RATIO}x "
             f"({verdict}; prototype {PROTOTYPE_RATIO}x)"
         )
-    never_worse = all(checks)
-    print(
-        f"INT8 never holds fewer tokens nor has a lower hit rate at any budget: "
-        f"{'yes' if never_worse else 'NO'}"
-    )
+    return summary
 
-    # ---- files ---------------------------------------------------------------
+
+def write_outputs(args, argv, geometry, formats, alloc, workloads, serving, sweep,
+                  best, summary, never_worse, seconds) -> Path:  # fmt: skip
+    import sglang
+
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / f"{args.name}.json"
-    png_path = args.out / f"{args.name}.png"
-    t_total = time.perf_counter() - t_start
     data = {
         "command": " ".join(
             [
@@ -286,31 +353,25 @@ def main(argv=None) -> int:
             ]
         ),
         "sglang_version": sglang.__version__,
-        "geometry": {
-            "name": geometry.name,
-            "layer_num": geometry.layer_num,
-            "head_num": geometry.head_num,
-            "head_dim": geometry.head_dim,
-            "dtype": str(geometry.dtype),
-        },
-        "formats": [
-            {"label": label, "hicache_host_dtype": dt} for label, dt in formats
-        ],
+        "geometry": vars(geometry) | {"dtype": str(geometry.dtype)},
+        "formats": [{"label": lb, "hicache_host_dtype": dt} for lb, dt in formats],
         "experiment_a": [vars(a) for a in alloc],
         "experiment_b": {
             "budget_gb": args.budget,
-            "workload": vars(workload)
-            | {"bench_serving_args": workload.bench_serving_args()},
+            "workloads": [
+                vars(w) | {"bench_serving_args": w.bench_serving_args()}
+                for w in workloads
+            ],
             "serving": vars(serving),
             "best_possible_hit_rate": best,
-            "replay_model": hr.MODEL_NOTES,
+            "replay_model": replay.MODEL_NOTES,
             "sweep": [
                 {
                     "budget_gb": row["budget_gb"],
                     "formats": {
                         label: {
                             "capacity": vars(v["capacity"]),
-                            "replay": v["replay"].to_json(),
+                            "replays": [r.to_json() for r in v["replays"]],
                         }
                         for label, v in row["formats"].items()
                     },
@@ -320,167 +381,62 @@ def main(argv=None) -> int:
         },
         "summary": summary,
         "int8_never_worse": never_worse,
-        "seconds": {
-            "setup": t_setup,
-            "experiment_a": t_a,
-            "experiment_b": t_b,
-            "total": t_total,
-        },
+        "seconds": seconds,
     }
     json_path.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    backend = plot_sweep(
+    return json_path
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    pools.setup_sglang()
+    geometry = pools.QWEN3_8B
+    formats = pools.host_formats()
+    serving = build_serving(args)
+    workloads = build_workloads(args)
+    print_header(geometry, formats)
+
+    t0 = time.perf_counter()
+    alloc = run_experiment_a(args, formats, geometry)
+    t_a = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    sweep, best = run_experiment_b(args, formats, geometry, workloads, serving)
+    t_b = time.perf_counter() - t0
+    main_row = next(r for r in sweep if r["budget_gb"] == args.budget)
+    print_experiment_b(args, formats, geometry, workloads, serving, main_row, best)
+    print_sweep(sweep, formats)
+    never_worse = print_checks(sweep, formats, main_row)
+    summary = print_summary(args, formats, alloc, main_row)
+    print(
+        "INT8 never holds fewer tokens nor has a lower hit rate at any budget and "
+        f"seed: {'yes' if never_worse else 'NO'}"
+    )
+
+    seconds = {"experiment_a": t_a, "experiment_b": t_b}
+    seconds["total"] = time.perf_counter() - t_start
+    json_path = write_outputs(
+        args, argv, geometry, formats, alloc, workloads, serving, sweep,
+        best, summary, never_worse, seconds,
+    )  # fmt: skip
+    png_path = args.out / f"{args.name}.png"
+    w = workloads[0]
+    backend = report.plot_sweep(
         sweep,
         formats,
-        best,
+        spread(best)[0],
         args.budget,
         png_path,
-        title=f"{geometry.name}: {workload.num_requests} shared-prefix requests, "
-        f"concurrency {serving.concurrency}, L1 {serving.l1_tokens:,} tokens",
+        title=f"{geometry.name}: {w.num_requests} shared-prefix requests, "
+        f"concurrency {serving.concurrency}, L1 {serving.l1_tokens:,} tokens, "
+        f"{len(workloads)} seeds",
     )
     print(
-        f"wrote {json_path} and {png_path} ({backend}); "
-        f"time: setup {t_setup:.0f}s, A {t_a:.0f}s, B {t_b:.0f}s, total {t_total:.0f}s"
+        f"wrote {json_path} and {png_path} ({backend}); time: A {t_a:.0f}s, "
+        f"B {t_b:.0f}s, total {time.perf_counter() - t_start:.0f}s"
     )
     return 0 if never_worse else 1
-
-
-# --------------------------------------------------------------------------
-# Plot: matplotlib when installed, otherwise Pillow
-# --------------------------------------------------------------------------
-
-COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
-
-
-def _series(sweep, formats):
-    xs = [row["budget_gb"] for row in sweep]
-    out = []
-    for i, (label, _) in enumerate(formats):
-        hits = [100 * row["formats"][label]["replay"].hit_rate for row in sweep]
-        toks = [row["formats"][label]["capacity"].tokens / 1000 for row in sweep]
-        out.append((label, COLORS[i % len(COLORS)], hits, toks))
-    return xs, out
-
-
-def plot_sweep(sweep, formats, best, budget, path: Path, title: str = "") -> str:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        _plot_pillow(sweep, formats, best, budget, path, title)
-        return "Pillow"
-    xs, series = _series(sweep, formats)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for label, color, hits, toks in series:
-        ax1.plot(xs, hits, "o-", color=color, label=label)
-        ax2.plot(xs, toks, "o-", color=color, label=label)
-    ax1.axhline(100 * best, ls="--", color="gray", label="best possible")
-    for ax in (ax1, ax2):
-        ax.axvline(budget, ls=":", color="gray")
-        ax.set_xlabel("host budget, GB (--hicache-size)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    ax1.set_ylabel("cache-hit rate, % of prompt tokens")
-    ax1.set_ylim(0, 100)
-    ax2.set_ylabel("L2 capacity, thousand tokens")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return "matplotlib"
-
-
-def _nice_step(raw: float) -> float:
-    """1, 2, 2.5 or 5 times a power of ten, at least `raw`."""
-    power = 10 ** math.floor(math.log10(raw))
-    return next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
-
-
-def _plot_pillow(sweep, formats, best, budget, path: Path, title: str) -> None:
-    from PIL import Image, ImageDraw, ImageFont
-
-    W, H = 1320, 560
-    img = Image.new("RGB", (W, H), "white")
-    draw = ImageDraw.Draw(img)
-    try:
-        font = ImageFont.load_default(size=15)
-        small = ImageFont.load_default(size=13)
-    except TypeError:  # Pillow < 10.1
-        font = small = ImageFont.load_default()
-    xs, series = _series(sweep, formats)
-    draw.text((W // 2, 14), title, fill="black", font=font, anchor="mt")
-    x_max = max(xs) * 1.04
-    top_tokens = max(max(s[3]) for s in series)
-    step = _nice_step(top_tokens / 5)
-    panels = [
-        (
-            "cache-hit rate, % of prompt tokens",
-            0,
-            100.0,
-            [s[2] for s in series],
-            100 * best,
-        ),
-        (
-            "L2 capacity, thousand tokens",
-            0,
-            step * math.ceil(top_tokens * 1.02 / step),
-            [s[3] for s in series],
-            None,
-        ),
-    ]
-    for p, (ylabel, y_min, y_max, ys_list, hline) in enumerate(panels):
-        left = 90 + p * (W // 2)
-        right = left + W // 2 - 130
-        top, bottom = 60, H - 70
-        sx = lambda x: left + (right - left) * x / x_max  # noqa: E731
-        sy = lambda y: bottom - (bottom - top) * (y - y_min) / (
-            y_max - y_min
-        )  # noqa: E731
-        draw.rectangle([left, top, right, bottom], outline="black")
-        ticks = round((y_max - y_min) / _nice_step((y_max - y_min) / 5))
-        for i in range(ticks + 1):
-            y = y_min + (y_max - y_min) * i / ticks
-            draw.line([left, sy(y), right, sy(y)], fill="#e6e6e6")
-            draw.text(
-                (left - 8, sy(y)), f"{y:.0f}", fill="black", font=small, anchor="rm"
-            )
-        for x in xs:
-            draw.line([sx(x), bottom, sx(x), bottom + 5], fill="black")
-            draw.text(
-                (sx(x), bottom + 8), f"{x:g}", fill="black", font=small, anchor="mt"
-            )
-        draw.text(
-            ((left + right) // 2, bottom + 30),
-            "host budget, GB (--hicache-size)",
-            fill="black",
-            font=font,
-            anchor="mt",
-        )
-        label_img = Image.new("RGBA", (bottom - top, 22), (255, 255, 255, 0))
-        ImageDraw.Draw(label_img).text(
-            ((bottom - top) // 2, 11), ylabel, fill="black", font=font, anchor="mm"
-        )
-        label_img = label_img.rotate(90, expand=True)
-        img.paste(label_img, (left - 75, top), label_img)
-        bx = sx(budget)
-        for y in range(top, bottom, 8):
-            draw.line([bx, y, bx, y + 3], fill="gray")
-        legend = [(label, color) for label, color, _, _ in series]
-        if hline is not None:
-            for x in range(int(left), int(right), 12):
-                draw.line([x, sy(hline), x + 6, sy(hline)], fill="gray", width=2)
-            legend.append(("best possible", "gray"))
-        for (label, color, _, _), ys in zip(series, ys_list):
-            pts = [(sx(x), sy(y)) for x, y in zip(xs, ys)]
-            draw.line(pts, fill=color, width=3)
-            for x, y in pts:
-                draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color)
-        for i, (label, color) in enumerate(legend):
-            ly = top + 12 + 20 * i
-            draw.line([left + 12, ly, left + 36, ly], fill=color, width=3)
-            draw.text((left + 42, ly), label, fill="black", font=small, anchor="lm")
-    img.save(path)
 
 
 if __name__ == "__main__":

@@ -1,127 +1,58 @@
-"""Capacity and cache-hit experiments on CPU, through SGLang's own HiCache code.
+"""Experiment B's replay: SGLang's own radix cache + HiCache, driven as the
+scheduler drives it, on CPU.
 
-Two experiments back the claim "same CPU memory, more reuse":
-
-A. Same L2 token capacity -> host bytes. The real stock host pool and the
-   real INT8 host pool are built at the model geometry with the same token
-   capacity, and their bytes are read from the tensors they allocated.
-
-B. Same host budget (`--hicache-size` GB) -> L2 tokens and cache-hit rate.
-   Each pool's token capacity comes from SGLang's own sizing code
-   (`build_kv_host_pool` at the model geometry). A shared-prefix workload is
-   then replayed through SGLang's real `UnifiedRadixCache` + HiCache
-   (device pool, host pool, cache controller, write-through, L1 and L2
-   eviction, load-back) with host pools of exactly those token capacities.
-   Hit rates depend on token counts only, so the replay uses a tiny head
-   geometry and stays small in memory; the INT8 arm still runs the real
-   INT8 host pool, selected by `--hicache-host-dtype int8` through the same
-   dispatch the server uses.
+A shared-prefix workload (workload.py: bench_serving's own requests, in its
+order) is replayed through SGLang's real `UnifiedRadixCache` + HiCache
+(device pool, host pool, cache controller, write-through, L1 and L2
+eviction, load-back) with host pools of exactly the token capacities a
+host budget buys (pools.py). Hit rates depend on token counts only, so the
+replay uses a tiny head geometry and stays small in memory; the INT8 arm
+still runs the real INT8 host pool, selected by `--hicache-host-dtype int8`
+through the same dispatch the server uses.
 
 What is modelled rather than run: the scheduler. SGLang's scheduler needs a
-model runner and a GPU, so `HiCacheReplay` drives the cache with the same
-calls, in the same order, as the scheduler's prefill admission
-(match_prefix -> init_load_back -> ready_to_load_host_cache), prefill result
-(checkpoint: insert the prompt) and request release (insert prompt + output,
-split at the prompt, unlock). The simplifications are listed in
-`MODEL_NOTES`; `tests/test_replay.py` checks the replay against SGLang's code
-on small cases.
-
-Only CPU stand-ins from tests/cpu_standins.py replace CUDA-only pieces
-(torchvision stub, a pure-torch transfer_kv_direct, no cudaHostRegister).
+model runner and a GPU, so `HiCacheReplay` makes the same cache calls, in
+the same order, as the scheduler's prefill admission (match_prefix ->
+init_load_back -> ready_to_load_host_cache), chunked-prefill stash,
+prefill result (checkpoint: insert the prompt) and request release (insert
+prompt + output, split at the prompt, unlock). The simplifications are
+listed in `MODEL_NOTES`; tests/test_replay.py checks the replay against
+SGLang's code on small cases.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import logging
 import math
-import mmap
 from array import array
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
-from scripts.common.cpu_sglang import install_cpu_standins
-
+from scripts.demo.pools import (
+    REPLAY_GEOMETRY,
+    ModelGeometry,
+    make_device_pool,
+    publish_server_args,
+    setup_sglang,
+)
+from scripts.demo.workload import Request, warmup_request
 
 # What the replay models instead of running (printed with every result).
 MODEL_NOTES = (
     "radix tree, L1 device pool + allocator, L2 host pools, HiCache controller, "
     "write-through, L1/L2 eviction and load-back are SGLang's own code; "
-    "the scheduler is modelled: FCFS prefill batches of whole requests "
-    "(<= max_prefill_tokens new tokens, no chunked prefill), at most "
-    "`concurrency` requests in flight, each reserving all its remaining output "
-    "tokens in L1 (new_token_ratio 1.0, so no retraction), one token per "
-    "request per decode step, CPU transfers finish at once (acks next step); "
-    "output tokens are inserted into the tree at finish, as the server does"
+    "the scheduler is modelled: FCFS prefill batches (<= max_prefill_tokens new "
+    "tokens; with chunked prefill, <= chunked_prefill_size per step, the last "
+    "request cut and continued first next step, its done part inserted at the "
+    "start of that step), at most `concurrency` requests in flight, each "
+    "reserving all its remaining output tokens in L1 (ignore_eos, so no "
+    "retraction), one token per request per decode step; with the overlap "
+    "scheduler a prefill's prompts are inserted only after the next step's "
+    "admission; CPU transfers finish at once (acks next step); output tokens "
+    "are inserted into the tree at finish, as the server does"
 )
-
-
-# --------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelGeometry:
-    name: str
-    layer_num: int
-    head_num: int  # KV heads per TP rank
-    head_dim: int
-    dtype: torch.dtype = torch.bfloat16
-
-    def describe(self) -> str:
-        return (
-            f"{self.name}: {self.layer_num} layers, {self.head_num} KV heads, "
-            f"{self.head_dim} dims, {str(self.dtype).removeprefix('torch.')}"
-        )
-
-
-QWEN3_8B = ModelGeometry("Qwen3-8B (TP=1)", layer_num=36, head_num=8, head_dim=128)
-# Hit rates depend only on token counts; the replay's KV rows are this small.
-REPLAY_GEOMETRY = ModelGeometry("replay", layer_num=2, head_num=1, head_dim=16)
-
-
-@dataclass(frozen=True)
-class Workload:
-    """SGLang bench_serving `--dataset-name generated-shared-prefix`, by shape.
-
-    Per group one random system prompt; each request appends its own random
-    question and asks for `output_len` tokens. Requests are shuffled unless
-    `ordered` (bench_serving's `--gsp-ordered`). Deterministic for a seed.
-    """
-
-    num_groups: int = 32
-    prompts_per_group: int = 4
-    system_prompt_len: int = 2048
-    question_len: int = 128
-    output_len: int = 256
-    seed: int = 1
-    ordered: bool = False
-    vocab_size: int = 151_936  # Qwen3
-
-    @property
-    def num_requests(self) -> int:
-        return self.num_groups * self.prompts_per_group
-
-    def bench_serving_args(self) -> list[str]:
-        args = [
-            "--dataset-name", "generated-shared-prefix",
-            "--gsp-num-groups", str(self.num_groups),
-            "--gsp-prompts-per-group", str(self.prompts_per_group),
-            "--gsp-system-prompt-len", str(self.system_prompt_len),
-            "--gsp-question-len", str(self.question_len),
-            "--gsp-output-len", str(self.output_len),
-            "--seed", str(self.seed),
-        ]  # fmt: skip
-        if self.ordered:
-            args.append("--gsp-ordered")
-        return args
 
 
 @dataclass(frozen=True)
@@ -131,336 +62,14 @@ class Serving:
     l1_tokens: int = 16_384  # --max-total-tokens
     concurrency: int = 8  # bench_serving --max-concurrency
     max_prefill_tokens: int = 16_384  # SGLang's default --max-prefill-tokens
+    # --chunked-prefill-size; None disables chunking. The demo passes the
+    # server's default for the chosen GPU memory (pools.server_chunked_prefill_size).
+    chunked_prefill_size: Optional[int] = None
+    overlap_schedule: bool = True  # SGLang's default (--disable-overlap-schedule)
     write_policy: str = "write_through"  # SGLang's default --hicache-write-policy
     insert_output: bool = True  # finished requests insert prompt + output
-
-
-@dataclass
-class Request:
-    rid: int
-    group: int
-    prompt: array  # token ids ('q')
-    output: array
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
-
-
-def make_workload(workload: Workload) -> list[Request]:
-    """The requests of `workload` in arrival order; deterministic for its seed."""
-    rng = np.random.default_rng(workload.seed)
-    vocab = workload.vocab_size
-    requests = []
-    for group in range(workload.num_groups):
-        system = rng.integers(0, vocab, workload.system_prompt_len)
-        for _ in range(workload.prompts_per_group):
-            question = rng.integers(0, vocab, workload.question_len)
-            output = rng.integers(0, vocab, workload.output_len)
-            requests.append(
-                Request(
-                    rid=len(requests),
-                    group=group,
-                    prompt=array("q", np.concatenate([system, question]).tolist()),
-                    output=array("q", output.tolist()),
-                )
-            )
-    if not workload.ordered:
-        order = rng.permutation(len(requests))
-        requests = [requests[i] for i in order]
-    return requests
-
-
-# --------------------------------------------------------------------------
-# SGLang set-up on CPU
-# --------------------------------------------------------------------------
-
-_SETUP_DONE = False
-
-
-def setup_sglang(quiet: bool = True) -> None:
-    """Install the CPU stand-ins (tests/cpu_standins.py) before sglang imports."""
-    global _SETUP_DONE
-    if _SETUP_DONE:
-        return
-    import warnings
-
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    install_cpu_standins()
-    if quiet:
-        # Startup chatter a real server prints once (e.g. "host pool smaller
-        # than the device pool" for the smallest budgets, CPU event timing).
-        logging.getLogger("sglang").setLevel(logging.ERROR)
-    _SETUP_DONE = True
-
-
-def host_formats() -> list[tuple[str, str]]:
-    """(label, --hicache-host-dtype value) for every host format the patched
-    server accepts, read from its own argument parser. `auto` is the stock
-    pool, labelled by the device KV dtype."""
-    setup_sglang()
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    action = next(
-        a for a in parser._actions if "--hicache-host-dtype" in a.option_strings
-    )
-    formats = []
-    for choice in action.choices:
-        label = "bf16" if choice == "auto" else choice
-        formats.append((label, choice))
-    formats.sort(key=lambda item: item[1] != "auto")  # stock first
-    return formats
-
-
-def publish_server_args(
-    host_dtype: str,
-    *,
-    hicache_size: float = 0,
-    hicache_ratio: Optional[float] = None,
-    layout: str = "page_first",
-    io_backend: str = "direct",
-    write_policy: str = "write_through",
-):
-    """Build ServerArgs as the server would and publish its config namespaces
-    (what get_memory() / get_serving() read) for this process."""
-    setup_sglang()
-    from sglang.srt.runtime_context import publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        page_size=1,
-        enable_hierarchical_cache=True,
-        hicache_ratio=hicache_ratio,
-        hicache_size=hicache_size,
-        hicache_io_backend=io_backend,
-        hicache_mem_layout=layout,
-        hicache_write_policy=write_policy,
-        hicache_host_memory_mode="cache",
-        hicache_host_dtype=host_dtype,
-    )
-    reset_context()
-    publish(server_args, role="scheduler")
-    return server_args
-
-
-def make_device_pool(geometry: ModelGeometry, tokens: int):
-    setup_sglang()
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    return MHATokenToKVPool(
-        size=tokens,
-        page_size=1,
-        dtype=geometry.dtype,
-        head_num=geometry.head_num,
-        head_dim=geometry.head_dim,
-        layer_num=geometry.layer_num,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
-
-
-def _lazy_alloc_mmap(dims: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """alloc_mmap without prefaulting: the same anonymous mapping, committed
-    page by page only when touched."""
-    n_bytes = math.prod(dims) * torch.empty([], dtype=dtype).element_size()
-    size = max(mmap.PAGESIZE, -(-n_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-    mm = mmap.mmap(-1, size, flags=flags)
-    return torch.frombuffer(mm, dtype=dtype, count=math.prod(dims)).reshape(dims)
-
-
-@contextlib.contextmanager
-def lazy_host_allocation() -> Iterator[None]:
-    """Build host pools without committing their memory and without the
-    free-RAM check: for sizing pools larger than this machine's RAM.
-
-    Everything else (geometry, sizing, buffer shapes and dtypes) is the real
-    pool code; only SGLang's mmap allocator stops prefaulting.
-    """
-    setup_sglang()
-    from sglang.srt.mem_cache.pool_host import common
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-
-    saved = common.alloc_mmap
-    common.alloc_mmap = _lazy_alloc_mmap
-    try:
-        with host_memory_budget_scope(1 << 62):
-            yield
-    finally:
-        common.alloc_mmap = saved
-
-
-def host_buffer_bytes(host_pool) -> int:
-    """Bytes of the tensors a host pool allocated for its KV (kv_buffer)."""
-    buffers = host_pool.kv_buffer
-    if isinstance(buffers, torch.Tensor):
-        buffers = [buffers]
-    return sum(t.untyped_storage().nbytes() for t in buffers)
-
-
-def _rss_shmem_bytes() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-# --------------------------------------------------------------------------
-# Experiment A: same L2 token capacity -> host bytes
-# --------------------------------------------------------------------------
-
-
-@dataclass
-class PoolAllocation:
-    label: str
-    host_dtype: str
-    pool_class: str
-    tokens: int
-    bytes: int  # read from the allocated buffers
-    bytes_per_token: int  # the pool's own get_size_per_token()
-    committed: bool  # memory really faulted in (else lazily mapped)
-    resident_bytes: int  # RssShmem growth while the pool lived (committed only)
-    note: str = ""
-
-
-def allocate_host_pool(
-    host_dtype: str,
-    tokens: int,
-    geometry: ModelGeometry = QWEN3_8B,
-    *,
-    layout: str = "page_first",
-    commit: bool = True,
-    label: Optional[str] = None,
-) -> PoolAllocation:
-    """Build the real host pool for `host_dtype` holding `tokens` tokens at
-    `geometry` (the class comes from the assembler's own dispatch), read its
-    allocated bytes, then free it. With `commit`, the pool's memory is really
-    faulted in (SGLang's prefaulted mmap); when this machine lacks the free
-    RAM that SGLang's host-memory check demands, it falls back to a lazy
-    mapping and says so in `note`."""
-    setup_sglang()
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
-        _mha_host_inputs,
-    )
-
-    publish_server_args(host_dtype, layout=layout)
-    device_pool = make_device_pool(geometry, 64)
-    cls, info, kwargs = _mha_host_inputs(device_pool)
-    kwargs.pop("write_back_staging", None)
-
-    def build():
-        return cls(
-            info,
-            2.0,
-            0,
-            device_pool.page_size,
-            layout,
-            host_token_capacity=tokens,
-            **kwargs,
-        )
-
-    note = ""
-    committed = commit
-    gc.collect()
-    rss_before = _rss_shmem_bytes()
-    host_pool = None
-    if commit:
-        try:
-            host_pool = build()
-        except ValueError as exc:
-            if "Not enough host memory" not in str(exc):
-                raise
-            note = (
-                "not committed: this machine's free RAM minus SGLang's 10 GiB "
-                "reserve is too small, so the buffers were mapped lazily"
-            )
-            committed = False
-    if host_pool is None:
-        with lazy_host_allocation():
-            host_pool = build()
-    resident = _rss_shmem_bytes() - rss_before if committed else 0
-    result = PoolAllocation(
-        label=label or host_dtype,
-        host_dtype=host_dtype,
-        pool_class=type(host_pool).__name__,
-        tokens=host_pool.size,
-        bytes=host_buffer_bytes(host_pool),
-        bytes_per_token=host_pool.get_size_per_token(),
-        committed=committed,
-        resident_bytes=resident,
-        note=note,
-    )
-    host_pool.destroy()
-    del host_pool, device_pool
-    gc.collect()
-    return result
-
-
-# --------------------------------------------------------------------------
-# Experiment B, part 1: host budget -> token capacity (SGLang's own sizing)
-# --------------------------------------------------------------------------
-
-
-@dataclass
-class BudgetCapacity:
-    label: str
-    host_dtype: str
-    budget_gb: float
-    pool_class: str
-    tokens: int  # the pool's size: what the radix tree can hold in L2
-    bytes: int  # bytes of its buffers (mapped lazily, never committed)
-    bytes_per_token: int
-
-
-def capacity_at_budget(
-    host_dtype: str,
-    budget_gb: float,
-    geometry: ModelGeometry = QWEN3_8B,
-    *,
-    layout: str = "page_first",
-    label: Optional[str] = None,
-) -> BudgetCapacity:
-    """Tokens the server's host pool holds for `--hicache-size budget_gb`:
-    builds it with SGLang's `build_kv_host_pool` (as the server does), with
-    the buffers mapped lazily so budgets beyond this machine's RAM work."""
-    setup_sglang()
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
-        build_kv_host_pool,
-    )
-
-    publish_server_args(host_dtype, hicache_size=budget_gb, layout=layout)
-    device_pool = make_device_pool(geometry, 64)
-    with lazy_host_allocation():
-        host_pool = build_kv_host_pool(kv_pool=device_pool, page_size=1)
-    result = BudgetCapacity(
-        label=label or host_dtype,
-        host_dtype=host_dtype,
-        budget_gb=budget_gb,
-        pool_class=type(host_pool).__name__,
-        tokens=host_pool.size,
-        bytes=host_buffer_bytes(host_pool),
-        bytes_per_token=host_pool.get_size_per_token(),
-    )
-    host_pool.destroy()
-    del host_pool, device_pool
-    gc.collect()
-    return result
-
-
-# --------------------------------------------------------------------------
-# Experiment B, part 2: the replay
-# --------------------------------------------------------------------------
+    warmup_requests: int = 1  # bench_serving --warmup-requests
+    flush_cache: bool = False  # bench_serving --flush-cache (after the warm-up)
 
 
 class _ReqStub:
@@ -490,9 +99,39 @@ class _Running:
     request: Request
     lock: object
     last_node: object
-    kv: torch.Tensor  # device slots of prompt + decoded tokens so far
+    kv: torch.Tensor  # device slots of the prompt prefilled so far + decoded tokens
     protected: int  # leading slots owned by the tree
     remaining: int  # decode steps left
+
+    @property
+    def prefilled(self) -> int:
+        return min(len(self.kv), self.request.prompt_len)
+
+
+@dataclass
+class _Step:
+    """One prefill step: its requests and the budgets they used."""
+
+    runs: list = field(default_factory=list)  # (_Running, extend start, extend len)
+    done: list = field(default_factory=list)  # runs whose prompt is now complete
+    new_tokens: int = 0
+    reserved: int = 0
+    chunk_left: Optional[int] = None
+
+
+@dataclass
+class _Stats:
+    l1: int = 0
+    l2: int = 0
+    l2_skipped: int = 0
+    steps: int = 0
+    batches: int = 0
+    max_in_flight: int = 0
+    peak_host: int = 0
+    verified: int = 0
+    verified_restored: int = 0
+    err: float = 0.0
+    per_request: list = field(default_factory=list)
 
 
 @dataclass
@@ -585,7 +224,7 @@ class HiCacheReplay:
         self.allocator = TokenToKVPoolAllocator(
             serving.l1_tokens, geometry.dtype, "cpu", self.device_pool, need_sort=False
         )
-        req_to_token = ReqToTokenPool(
+        self.req_to_token = ReqToTokenPool(
             size=serving.concurrency + 1,
             max_context_len=max_context_len,
             device="cpu",
@@ -593,7 +232,7 @@ class HiCacheReplay:
         )
         params = CacheInitParams(
             disable=False,
-            req_to_token_pool=req_to_token,
+            req_to_token_pool=self.req_to_token,
             token_to_kv_pool_allocator=self.allocator,
             page_size=1,
         )
@@ -732,178 +371,262 @@ class HiCacheReplay:
             raise RuntimeError(f"{self.label}: L1 cannot allocate {n} tokens")
         return slots
 
+    # -- the scheduler model ----------------------------------------------------
+
     def run(self, requests: Sequence[Request], seed: int = 0) -> ReplayResult:
+        """bench_serving against this server: the warm-up request(s) first,
+        then `requests`; only the measured requests count."""
         # The replay moves small tensors; intra-op threads only add overhead.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self._run(requests, seed)
+            for _ in range(self.serving.warmup_requests if requests else 0):
+                self._serve([warmup_request(requests)], _Stats())
+            if self.serving.flush_cache:
+                self.flush_cache()
+            stats = _Stats()
+            self._serve(requests, stats)
+            return self._result(requests, stats, seed)
         finally:
             torch.set_num_threads(threads)
 
-    def _run(self, requests: Sequence[Request], seed: int) -> ReplayResult:
+    def flush_cache(self) -> None:
+        """Scheduler.flush_cache with nothing in flight."""
+        self.cache.reset()
+        self.req_to_token.clear()
+        self.allocator.clear()
+
+    def _serve(self, requests: Sequence[Request], stats: _Stats) -> None:
+        """Serve `requests` to completion: scheduler steps as in
+        event_loop_overlap (or event_loop_normal without the overlap)."""
+        self._waiting = list(requests)
+        self._running: list[_Running] = []
+        self._chunked: Optional[_Running] = None
+        # Prefill results not yet processed (the overlap scheduler's lag).
+        self._unprocessed: list[_Running] = []
+        while self._waiting or self._running or self._chunked or self._unprocessed:
+            self.cache.check_hicache_events()
+            self._maybe_sanity()
+            stats.peak_host = max(
+                stats.peak_host, self.host_pool.size - self.host_pool.available_size()
+            )
+            self._stash_chunked()
+            step = self._admit(stats)
+            # The last step's prefill results come after this step's admission.
+            self._process_prefill_results(self._unprocessed)
+            self._unprocessed = []
+            if step.runs:
+                self._run_prefill(step, stats)
+                if self.serving.overlap_schedule:
+                    self._unprocessed = step.done
+                else:
+                    self._process_prefill_results(step.done)
+                self.cache.flush_pending_backups()
+                continue
+            if not self._running:
+                stuck = self._chunked.request if self._chunked else self._waiting[0]
+                raise RuntimeError(
+                    f"{self.label}: request {stuck.rid} can never be admitted "
+                    f"with {self.serving.l1_tokens} L1 tokens"
+                )
+            self._decode_until_a_request_finishes(stats)
+        self.cache.check_hicache_events()
+        self.cache.sanity_check()
+        assert self.allocator.available_size() + self.cache.evictable_size() == (
+            self.serving.l1_tokens
+        ), "L1 tokens leaked"
+
+    def _room(self, step: _Step) -> int:
+        """L1 tokens a new admission may still take: free + evictable, less
+        what running requests will decode and what this step reserved."""
+        reserved_decode = sum(r.remaining for r in self._running)
+        return (
+            self.allocator.available_size()
+            + self.cache.evictable_size()
+            - reserved_decode
+            - step.reserved
+        )
+
+    def _stash_chunked(self) -> None:
+        """get_next_batch_to_run: the chunked request's prefilled part goes
+        into the tree before the next chunk is scheduled."""
+        run = self._chunked
+        if run is not None and run.prefilled > run.protected:
+            self._checkpoint(run, run.request.prompt, run.prefilled)
+
+    def _admit(self, stats: _Stats) -> _Step:
+        """PrefillAdder: the chunked request's next chunk first, then new
+        requests FCFS while concurrency, L1 room and the prefill budgets
+        allow."""
+        step = _Step(chunk_left=self.serving.chunked_prefill_size)
+        in_flight = len(self._running) + (self._chunked is not None)
+        if self._chunked is not None:
+            self._continue_chunked(step)
+        while self._waiting and in_flight < self.serving.concurrency:
+            if step.chunk_left is not None and step.chunk_left <= 0:
+                break
+            if not self._admit_one(self._waiting[0], step, stats):
+                break
+            self._waiting.pop(0)
+            in_flight += 1
+        return step
+
+    def _extend_len(self, step: _Step, want: int) -> tuple[int, bool]:
+        """(tokens this step computes, whether the request is cut there)."""
+        if step.chunk_left is None or want <= step.chunk_left:
+            return want, False
+        return step.chunk_left, True
+
+    def _continue_chunked(self, step: _Step) -> None:
+        run = self._chunked
+        start = run.prefilled
+        extend, cut = self._extend_len(step, run.request.prompt_len - start)
+        need = extend + (0 if cut else len(run.request.output))
+        if need > self._room(step):
+            return
+        run.kv = torch.cat([run.kv, self._alloc(extend).to(torch.int64)])
+        self._charge(step, run, start, extend, need, loaded=None)
+        if not cut:
+            self._chunked = None
+            step.done.append(run)
+
+    def _charge(self, step: _Step, run: _Running, start, extend, need, loaded):
+        step.runs.append((run, start, extend, loaded))
+        step.new_tokens += extend
+        step.reserved += need
+        if step.chunk_left is not None:
+            step.chunk_left -= extend
+
+    def _admit_one(self, req: Request, step: _Step, stats: _Stats) -> bool:
+        """match_prefix -> budget checks -> init_load_back -> allocate."""
         from sglang.srt.mem_cache.base_prefix_cache import (
             InitLoadBackParams,
             MatchPrefixParams,
         )
 
-        cache, serving = self.cache, self.serving
-        waiting = list(requests)
-        running: list[_Running] = []
-        stats = dict(
-            l1=0, l2=0, l2_skipped=0, steps=0, batches=0, max_in_flight=0,
-            peak_host=0, verified=0, verified_restored=0, err=0.0,
-        )  # fmt: skip
-        per_request = []
-        host_pool = self.host_pool
-        load_back_threshold = cache.load_back_threshold
-
-        def reserved_decode() -> int:
-            return sum(r.remaining for r in running)
-
-        while waiting or running:
-            cache.check_hicache_events()
-            self._maybe_sanity(stats)
-            stats["peak_host"] = max(
-                stats["peak_host"], host_pool.size - host_pool.available_size()
+        cache, ids = self.cache, req.prompt
+        match = cache.match_prefix(
+            MatchPrefixParams(key=self._radix_key(ids, limit=len(ids) - 1))
+        )
+        device_len, host_len = match.device_prefix_len, match.host_hit_length
+        # The temporary pin keeps this prefix out of the evictable budget.
+        lock = cache.lock(match.last_device_node)
+        extend, cut = self._extend_len(step, len(ids) - device_len - host_len)
+        need = (len(ids) - device_len) + len(req.output) if not cut else extend
+        if need > self._room(step) or (
+            step.runs and step.new_tokens + extend > self.serving.max_prefill_tokens
+        ):
+            cache.unlock(lock)
+            return False
+        last_node, loaded = match.last_device_node, 0
+        if host_len > 0:
+            loaded, last_node = cache.init_load_back(
+                InitLoadBackParams(
+                    best_match_node=match.best_match_node,
+                    host_hit_length=host_len,
+                    req=_ReqStub(str(req.rid), last_node),
+                )
             )
-            # ---- prefill admission (PrefillAdder.add_one_req, FCFS) --------
-            batch: list[tuple[_Running, int, int]] = []
-            batch_new_tokens = 0
-            budget_used = 0
-            while waiting and len(running) + len(batch) < serving.concurrency:
-                req = waiting[0]
-                ids = req.prompt
-                match = cache.match_prefix(
-                    MatchPrefixParams(key=self._radix_key(ids, limit=len(ids) - 1))
+            if loaded == 0 and host_len >= cache.load_back_threshold:
+                raise AssertionError(
+                    f"{self.label}: load-back of {host_len} tokens refused"
                 )
-                device_len = match.device_prefix_len
-                host_len = match.host_hit_length
-                # The temporary pin keeps this prefix out of the evictable budget.
-                lock = cache.lock(match.last_device_node)
-                need = (len(ids) - device_len) + len(req.output)
-                room = (
-                    self.allocator.available_size()
-                    + cache.evictable_size()
-                    - reserved_decode()
-                    - budget_used
-                )
-                new_tokens = len(ids) - device_len - host_len
-                if need > room or (
-                    batch and batch_new_tokens + new_tokens > serving.max_prefill_tokens
-                ):
-                    cache.unlock(lock)
-                    break
-                waiting.pop(0)
-                last_node = match.last_device_node
-                loaded = 0
-                if host_len > 0:
-                    stub = _ReqStub(str(req.rid), last_node)
-                    loaded, last_node = cache.init_load_back(
-                        InitLoadBackParams(
-                            best_match_node=match.best_match_node,
-                            host_hit_length=host_len,
-                            req=stub,
-                        )
-                    )
-                    if loaded == 0 and host_len >= load_back_threshold:
-                        raise AssertionError(
-                            f"{self.label}: load-back of {host_len} tokens refused"
-                        )
-                    if loaded == 0:
-                        stats["l2_skipped"] += host_len
-                    cache.unlock(lock)
-                    lock = cache.lock(last_node)
-                prefix = device_len + loaded
-                prefix_slots = cache.path_device_indices(last_node)[:prefix]
-                assert len(prefix_slots) == prefix
-                new_slots = self._alloc(len(ids) - prefix)
-                kv = torch.cat(
-                    [prefix_slots.to(torch.int64), new_slots.to(torch.int64)]
-                )
-                run = _Running(
-                    request=req,
-                    lock=lock,
-                    last_node=last_node,
-                    kv=kv,
-                    protected=prefix,
-                    remaining=len(req.output) - 1,
-                )
-                batch.append((run, device_len, loaded))
-                batch_new_tokens += len(ids) - prefix
-                budget_used += need
-                stats["l1"] += device_len
-                stats["l2"] += loaded
-                per_request.append((req.rid, device_len, loaded))
-            if batch:
-                # Host -> device for the whole batch, before its forward pass.
-                cache.ready_to_load_host_cache()
-                for run, device_len, loaded in batch:
-                    seq = torch.tensor(run.request.prompt, dtype=torch.int64)
-                    if self.verify and run.protected:
-                        err = self._check_prefix(run.kv[: run.protected], seq)
-                        stats["err"] = max(stats["err"], err)
-                        stats["verified"] += run.protected
-                        stats["verified_restored"] += loaded
-                    # The forward pass writes the new tokens' KV.
-                    self._write_kv(run.kv[run.protected :], seq, run.protected)
-                # Prefill result: checkpoint each prompt into the tree.
-                for run, _, _ in batch:
-                    self._checkpoint(run, run.request.prompt, run.request.prompt_len)
-                    running.append(run)
-                cache.flush_pending_backups()
-                stats["steps"] += 1
-                stats["batches"] += 1
-                stats["max_in_flight"] = max(stats["max_in_flight"], len(running))
-                continue
-            if not running:
-                raise RuntimeError(
-                    f"{self.label}: request {waiting[0].rid} can never be admitted "
-                    f"with {serving.l1_tokens} L1 tokens"
-                )
-            # ---- decode until the next request finishes --------------------
-            steps = min(r.remaining for r in running)
-            for run in running:
-                if steps:
-                    slots = self._alloc(steps)
-                    full = self._full_ids(run.request)
-                    start = len(run.kv)
-                    run.kv = torch.cat([run.kv, slots.to(torch.int64)])
-                    self._write_kv(slots, full, start)
-                run.remaining -= steps
-            stats["steps"] += steps
-            finished = [r for r in running if r.remaining == 0]
-            running = [r for r in running if r.remaining > 0]
-            for run in finished:
-                self._release(run)
-            cache.flush_pending_backups()
+            if loaded == 0:
+                stats.l2_skipped += host_len
+            cache.unlock(lock)
+            lock = cache.lock(last_node)
+        prefix = device_len + loaded
+        # A refused load-back is recomputed: the cut moves with it.
+        extend, cut = self._extend_len(step, len(ids) - prefix)
+        prefix_slots = cache.path_device_indices(last_node)[:prefix]
+        assert len(prefix_slots) == prefix
+        kv = torch.cat(
+            [prefix_slots.to(torch.int64), self._alloc(extend).to(torch.int64)]
+        )
+        run = _Running(
+            request=req,
+            lock=lock,
+            last_node=last_node,
+            kv=kv,
+            protected=prefix,
+            remaining=len(req.output) - 1,
+        )
+        self._charge(step, run, prefix, extend, need, loaded=loaded)
+        if cut:
+            self._chunked = run
+        else:
+            step.done.append(run)
+        stats.l1 += device_len
+        stats.l2 += loaded
+        stats.per_request.append((req.rid, device_len, loaded))
+        return True
 
-        cache.check_hicache_events()
-        cache.sanity_check()
-        assert self.allocator.available_size() + cache.evictable_size() == (
-            serving.l1_tokens
-        ), "L1 tokens leaked"
-        prompt_tokens = sum(r.prompt_len for r in requests)
+    def _run_prefill(self, step: _Step, stats: _Stats) -> None:
+        """Host -> device loads for the batch, then its forward pass writes
+        the new tokens' KV."""
+        self.cache.ready_to_load_host_cache()
+        for run, start, extend, loaded in step.runs:
+            seq = torch.tensor(run.request.prompt, dtype=torch.int64)
+            if loaded is not None:
+                self._verify_prefix(run, seq, loaded, stats)
+            self._write_kv(run.kv[start : start + extend], seq, start)
+        for run in step.done:
+            self._running.append(run)
+        stats.steps += 1
+        stats.batches += 1
+        in_flight = len(self._running) + (self._chunked is not None)
+        stats.max_in_flight = max(stats.max_in_flight, in_flight)
+
+    def _verify_prefix(self, run: _Running, seq, loaded: int, stats: _Stats) -> None:
+        """A newly admitted request's cached prefix, against what was written."""
+        if self.verify and run.protected:
+            err = self._check_prefix(run.kv[: run.protected], seq)
+            stats.err = max(stats.err, err)
+            stats.verified += run.protected
+            stats.verified_restored += loaded
+
+    def _process_prefill_results(self, runs: list[_Running]) -> None:
+        """process_batch_result_prefill: checkpoint each complete prompt."""
+        for run in runs:
+            self._checkpoint(run, run.request.prompt, run.request.prompt_len)
+
+    def _decode_until_a_request_finishes(self, stats: _Stats) -> None:
+        steps = min(r.remaining for r in self._running)
+        for run in self._running:
+            if steps:
+                slots = self._alloc(steps)
+                start = len(run.kv)
+                run.kv = torch.cat([run.kv, slots.to(torch.int64)])
+                self._write_kv(slots, self._full_ids(run.request), start)
+            run.remaining -= steps
+        stats.steps += steps
+        finished = [r for r in self._running if r.remaining == 0]
+        self._running = [r for r in self._running if r.remaining > 0]
+        for run in finished:
+            self._release(run)
+        self.cache.flush_pending_backups()
+
+    def _result(self, requests, stats: _Stats, seed: int) -> ReplayResult:
         return ReplayResult(
             label=self.label,
             host_dtype=self.host_dtype,
-            host_pool_class=type(host_pool).__name__,
-            host_tokens=host_pool.size,
-            l1_tokens=serving.l1_tokens,
+            host_pool_class=type(self.host_pool).__name__,
+            host_tokens=self.host_pool.size,
+            l1_tokens=self.serving.l1_tokens,
             requests=len(requests),
-            prompt_tokens=prompt_tokens,
-            l1_hit_tokens=stats["l1"],
-            l2_hit_tokens=stats["l2"],
-            l2_hit_skipped_tokens=stats["l2_skipped"],
-            steps=stats["steps"],
-            prefill_batches=stats["batches"],
-            max_in_flight=stats["max_in_flight"],
-            peak_host_used=stats["peak_host"],
-            verified_tokens=stats["verified"],
-            verified_restored_tokens=stats["verified_restored"],
-            max_restore_error=stats["err"],
+            prompt_tokens=sum(r.prompt_len for r in requests),
+            l1_hit_tokens=stats.l1,
+            l2_hit_tokens=stats.l2,
+            l2_hit_skipped_tokens=stats.l2_skipped,
+            steps=stats.steps,
+            prefill_batches=stats.batches,
+            max_in_flight=stats.max_in_flight,
+            peak_host_used=stats.peak_host,
+            verified_tokens=stats.verified,
+            verified_restored_tokens=stats.verified_restored,
+            max_restore_error=stats.err,
             seed=seed,
-            per_request=per_request,
+            per_request=stats.per_request,
         )
 
     @staticmethod
@@ -930,7 +653,7 @@ class HiCacheReplay:
         self.cache.unlock(run.lock)
         run.lock = None
 
-    def _maybe_sanity(self, stats) -> None:
+    def _maybe_sanity(self) -> None:
         self._sanity_calls += 1
         if self.sanity_every and self._sanity_calls % self.sanity_every == 0:
             self.cache.sanity_check()
@@ -946,17 +669,17 @@ class HiCacheReplay:
 def replay(
     host_dtype: str,
     host_tokens: int,
-    workload: Workload = Workload(),
+    requests: Sequence[Request],
     serving: Serving = Serving(),
     *,
+    seed: int = 0,
     label: Optional[str] = None,
     verify: bool = True,
     sanity_every: int = 0,
-    requests: Optional[list[Request]] = None,
     **engine_options,
 ) -> ReplayResult:
-    """One replay of `workload` with an L2 of `host_tokens` tokens."""
-    requests = requests if requests is not None else make_workload(workload)
+    """One bench_serving run of `requests` (warm-up included) against a
+    fresh cache with an L2 of `host_tokens` tokens."""
     engine = HiCacheReplay(
         host_dtype,
         host_tokens,
@@ -967,57 +690,6 @@ def replay(
         **engine_options,
     )
     try:
-        return engine.run(requests, seed=workload.seed)
+        return engine.run(requests, seed=seed)
     finally:
         engine.close()
-
-
-def best_possible_hit_rate(requests: Sequence[Request]) -> float:
-    """Hit rate with an unbounded cache and no concurrency: each request
-    reuses the longest prefix (at most prompt length - 1) that an earlier
-    request's prompt + output began with. Prefixes are compared by a
-    polynomial hash of their tokens."""
-    mod, base = (1 << 61) - 1, 1_000_003
-
-    def prefix_hashes(ids) -> list[int]:
-        out, h = [], 0
-        for token in ids:
-            h = (h * base + token + 1) % mod
-            out.append(h)
-        return out
-
-    seen: set[int] = set()
-    hits = total = 0
-    for req in requests:
-        hashes = prefix_hashes(req.prompt)
-        best = 0
-        for k in range(len(req.prompt) - 1):
-            if hashes[k] not in seen:
-                break
-            best = k + 1
-        hits += best
-        total += req.prompt_len
-        seen.update(prefix_hashes(req.prompt + req.output[:-1]))
-    return hits / total if total else 0.0
-
-
-__all__ = [
-    "MODEL_NOTES",
-    "QWEN3_8B",
-    "REPLAY_GEOMETRY",
-    "BudgetCapacity",
-    "HiCacheReplay",
-    "ModelGeometry",
-    "PoolAllocation",
-    "ReplayResult",
-    "Request",
-    "Serving",
-    "Workload",
-    "allocate_host_pool",
-    "capacity_at_budget",
-    "host_formats",
-    "make_workload",
-    "publish_server_args",
-    "replay",
-    "setup_sglang",
-]

