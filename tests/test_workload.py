@@ -110,7 +110,9 @@ def test_seeds_give_different_orders():
 
 
 def test_warmup_request_is_the_first_with_32_output_tokens():
-    requests = wl.bench_serving_requests(SMALL.with_seed(42))
-    warm = wl.warmup_request(requests)
-    assert warm.prompt == requests[0].prompt
-    assert len(warm.output) == min(SMALL.output_len, wl.WARMUP_OUTPUT_CAP)
+    for output_len in (20, 40):  # under and over bench_serving's cap of 32
+        workload = wl.Workload(**{**vars(SMALL), "output_len": output_len})
+        requests = wl.bench_serving_requests(workload)
+        warm = wl.warmup_request(requests)
+        assert warm.prompt == requests[0].prompt
+        assert len(warm.output) == min(output_len, 32)
