@@ -29,7 +29,7 @@ from pathlib import Path
 from scripts.demo import pools, replay, report, workload
 from scripts.demo.report import pm, spread
 
-DEFAULT_SWEEP = (1, 2, 3, 4, 6, 8, 10, 12, 16)
+DEFAULT_SWEEP = (1, 2, 4, 6, 8, 12, 16)
 # The prototype's INT8 records (1,152 B per 1,024 payload bytes) and the goal.
 PROTOTYPE_RATIO = 1.78
 TARGET_RATIO = 1.93
@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="first dataset seed (bench_serving --seed; its default is 42)",
     )
     p.add_argument(
-        "--seeds", type=int, default=8, help="number of seeds: --seed, --seed+1, ..."
+        "--seeds", type=int, default=6, help="number of seeds: --seed, --seed+1, ..."
     )
     p.add_argument("--groups", type=int, default=32, help="--gsp-num-groups")
     p.add_argument("--prompts-per-group", type=int, default=4)
