@@ -597,6 +597,7 @@ def format_table(summary: dict, arms: list[str]) -> str:
 
 def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(
+        prog="python3 -m scripts.bench.server",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],

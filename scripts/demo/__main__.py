@@ -50,7 +50,9 @@ def _parse_budgets(text: str) -> list[float]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.demo", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--tokens", type=int, default=54_254, help="A: L2 token capacity")
     p.add_argument(
         "--budget", type=float, default=8, help="B: host budget in GB (--hicache-size)"

@@ -26,7 +26,9 @@ from scripts.quality import harness as hq
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.quality", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument(
         "--text-file", required=True, help="WikiText-2 test split (read, never copied)"
     )

@@ -418,7 +418,9 @@ def lm_eval_command(
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python3 -m scripts.quality.server", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--stock", required=True, help="base URL of the stock SGLang server")
     p.add_argument("--patched", required=True, help="base URL of the HiQCache server")
     p.add_argument("--text-file", required=True)
