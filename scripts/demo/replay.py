@@ -192,15 +192,6 @@ class HiCacheReplay:
         io_backend: str = "direct",
     ):
         setup_sglang()
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-        from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-        from sglang.srt.mem_cache.registry import (
-            TreeCacheBuildContext,
-            create_unified_radix_cache,
-        )
-
         self.label = label or host_dtype
         self.host_dtype = host_dtype
         self.serving = serving
@@ -220,12 +211,30 @@ class HiCacheReplay:
             io_backend=io_backend,
             write_policy=serving.write_policy,
         )
-        self.device_pool = make_device_pool(geometry, serving.l1_tokens)
+        self.cache = self._build_cache(max_context_len)
+        controller = self.cache.cache_controller
+        self.host_pool = controller.mem_pool_host.anchor_entry.host_pool
+        self._check_host_pool(host_tokens)
+        self._init_kv_tables()
+
+    def _build_cache(self, max_context_len: int):
+        """The device pool, allocator and request table, then the radix cache
+        with HiCache as the scheduler builds it (registry)."""
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.registry import (
+            TreeCacheBuildContext,
+            create_unified_radix_cache,
+        )
+
+        l1_tokens, dtype = self.serving.l1_tokens, self.geometry.dtype
+        self.device_pool = make_device_pool(self.geometry, l1_tokens)
         self.allocator = TokenToKVPoolAllocator(
-            serving.l1_tokens, geometry.dtype, "cpu", self.device_pool, need_sort=False
+            l1_tokens, dtype, "cpu", self.device_pool, need_sort=False
         )
         self.req_to_token = ReqToTokenPool(
-            size=serving.concurrency + 1,
+            size=self.serving.concurrency + 1,
             max_context_len=max_context_len,
             device="cpu",
             enable_memory_saver=False,
@@ -249,23 +258,26 @@ class HiCacheReplay:
             tp_rank=0,
             tp_group=None,
         )
-        self.cache = create_unified_radix_cache(ctx)
-        controller = self.cache.cache_controller
-        self.host_pool = controller.mem_pool_host.anchor_entry.host_pool
+        return create_unified_radix_cache(ctx)
+
+    def _check_host_pool(self, host_tokens: int) -> None:
+        """The host pool is the one the --hicache-host-dtype dispatch picks,
+        with exactly `host_tokens` slots."""
+        from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
         info = self.device_pool.get_device_pool_infos()[0].buffer_info
-        expected_cls = get_mha_host_pool_cls(info, host_dtype=host_dtype)
+        expected_cls = get_mha_host_pool_cls(info, host_dtype=self.host_dtype)
         if type(self.host_pool) is not expected_cls:
             raise AssertionError(
-                f"{host_dtype}: host pool is {type(self.host_pool).__name__}, "
+                f"{self.host_dtype}: host pool is {type(self.host_pool).__name__}, "
                 f"the dispatch gives {expected_cls.__name__}"
             )
-        if host_dtype == "int8":
+        if self.host_dtype == "int8":
             assert type(self.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
         if self.host_pool.size != host_tokens:
             raise AssertionError(
                 f"host pool holds {self.host_pool.size} tokens, wanted {host_tokens}"
             )
-        self._init_kv_tables()
 
     # -- deterministic K/V content, so restores can be checked ----------------
 
