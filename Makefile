@@ -91,10 +91,10 @@ test: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest $(PYTEST_ARGS) tests
 
 # Same CPU memory, more reuse: experiments A and B at Qwen3-8B geometry with the
-# real patched SGLang pools and radix cache (scripts/demo.py --help for options).
+# real patched SGLang pools and radix cache (python -m scripts.demo --help for options).
 DEMO_ARGS ?=
 demo: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/demo.py $(DEMO_ARGS)
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.demo $(DEMO_ARGS)
 
 # INT8 vs BF16 pages in a real Mooncake store on 127.0.0.1 (scripts/demo_l3.py --help).
 DEMO_L3_ARGS ?=
@@ -102,7 +102,7 @@ demo-l3: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/demo_l3.py $(DEMO_L3_ARGS)
 
 bench-codec: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/bench_codec.py
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.bench.codec
 
 # Self-contained (installs the pinned wheel into build/gpu-site); no venv needed.
 # Stage the carry set for a machine without network: scripts/gpu_check.sh prepare
@@ -111,7 +111,7 @@ gpu-check:
 	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 quality: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/quality.py --text-file $(TEXT_FILE) $(QUALITY_ARGS)
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.quality --text-file $(TEXT_FILE) $(QUALITY_ARGS)
 
 image:
 	docker build --build-arg SGLANG_IMAGE_TAG=$(SGLANG_IMAGE_TAG) -t $(IMAGE) .

@@ -1,4 +1,4 @@
-"""Plumbing of scripts/bench_server.py (the GPU serving benchmark), on CPU.
+"""Plumbing of scripts/bench/server.py (the GPU serving benchmark), on CPU.
 
 The servers are a fake SGLang server (stdlib http.server on 127.0.0.1) and
 the benchmark a fake bench_serving; both are started through the script's
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import bench_server as bs  # noqa: E402
+from scripts.bench import server as bs  # noqa: E402
 
 FAKE_SERVER = r"""
 import argparse, http.server, json, sys, time
@@ -150,6 +150,7 @@ def _argv(fakes, port, *, repeats=3, stock_extra="", patched_extra="", extra=())
     return [
         "--model", "fake/model",
         "--repeats", str(repeats),
+        "--seed", "1",
         "--port", str(port),
         "--stock-cmd", f"{server} {stock_extra} {{server_args}}",
         "--patched-cmd", f"{server} {patched_extra} {{server_args}}",
@@ -331,6 +332,8 @@ def test_bench_args_parse_with_sglang_bench_serving(monkeypatch, tmp_path):
         serving, "run_benchmark", lambda a: captured.setdefault("args", a)
     )
     cfg = bs.parse_args(["--model", "Qwen/Qwen3-8B"])
+    # Repeats start at bench_serving's default seed, the demo's first seed.
+    assert cfg.seed == 42
     args = bs.bench_args(cfg, 30000, 5, tmp_path / "out.jsonl")
     monkeypatch.setattr(sys, "argv", ["bench_serving", *args])
     serving.cli_main()

@@ -1,4 +1,4 @@
-"""CI-sized run of the restored-KV quality harness (scripts/hiq_quality.py) on
+"""CI-sized run of the restored-KV quality harness (scripts/quality/harness.py) on
 the real SmolLM2-135M model and WikiText-2, through SGLang's real HiCache
 write/load path: the stock BF16 control is bit-identical to the exact arm,
 INT8 stays within a loose bound, and a run in which nothing came back from L2
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "scripts"))
+sys.path.insert(0, str(REPO_ROOT))
 
-import hiq_quality as hq  # noqa: E402
+from scripts.quality import harness as hq  # noqa: E402
 
 TEXT_FILE = Path(
     os.environ.get(
@@ -120,7 +120,7 @@ def test_silently_broken_load_path_refuses_to_report(bundle, monkeypatch):
 
 
 def test_cli_writes_markdown_json_and_png(bundle, tmp_path):
-    import quality
+    from scripts.quality import __main__ as quality
 
     argv = [
         "--text-file",

@@ -1,4 +1,4 @@
-"""Plumbing of the server-mode quality check (scripts/quality_server.py)
+"""Plumbing of the server-mode quality check (scripts/quality/server.py)
 against fake SGLang servers on 127.0.0.1: it reads restore activity from
 /metrics before comparing, refuses to compare when nothing came back from L2,
 and compares logprobs and greedy outputs window by window. Real numbers need
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import quality_server as qs  # noqa: E402
+from scripts.quality import server as qs  # noqa: E402
 
 VOCAB = 500
 

@@ -1,4 +1,4 @@
-"""The capacity / cache-hit replay behind `make demo` (scripts/hiq_replay.py),
+"""The capacity / cache-hit replay behind `make demo` (scripts/demo/),
 on a scaled-down workload.
 
 The replay drives SGLang's real UnifiedRadixCache + HiCache (device pool,
@@ -12,17 +12,20 @@ cache must reproduce.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import hiq_replay as hr  # noqa: E402
+from scripts.demo import pools  # noqa: E402
+from scripts.demo import replay as rp  # noqa: E402
+from scripts.demo import workload as wl  # noqa: E402
 
-SMALL = hr.Workload(
+SMALL = wl.Workload(
     num_groups=8,
     prompts_per_group=4,
     system_prompt_len=512,
@@ -30,7 +33,9 @@ SMALL = hr.Workload(
     output_len=64,
     seed=7,
 )
-SERVING = hr.Serving(l1_tokens=2048, concurrency=4, max_prefill_tokens=4096)
+SERVING = rp.Serving(l1_tokens=2048, concurrency=4, max_prefill_tokens=4096)
+# Limiting cases compare with the unbounded-cache hit rate: no warm-up.
+COLD = {"warmup_requests": 0}
 # Budgets scaled with the workload (GB at Qwen3-8B geometry): from an L2
 # smaller than L1 to one that holds the whole workload in INT8.
 BUDGETS_GB = (0.1, 0.2, 0.4, 0.8)
@@ -47,12 +52,12 @@ def _fresh_runtime_context():
 
 @pytest.fixture(scope="module")
 def formats():
-    return dict(hr.host_formats())
+    return dict(pools.host_formats())
 
 
 @pytest.fixture(scope="module")
 def requests():
-    return hr.make_workload(SMALL)
+    return wl.bench_serving_requests(SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +65,13 @@ def sweep(formats, requests):
     results = {}
     for gb in BUDGETS_GB:
         for label, host_dtype in formats.items():
-            cap = hr.capacity_at_budget(host_dtype, gb, label=label)
-            res = hr.replay(
+            cap = pools.capacity_at_budget(host_dtype, gb, label=label)
+            res = rp.replay(
                 host_dtype,
                 cap.tokens,
-                SMALL,
+                requests,
                 SERVING,
                 label=label,
-                requests=requests,
                 sanity_every=1,  # SGLang's tree invariants at every step
             )
             results[gb, label] = (cap, res)
@@ -116,7 +120,7 @@ def test_budget_capacity_is_the_pools_allocation(sweep):
 
 def test_qwen3_8b_bytes_per_token(formats):
     caps = {
-        label: hr.capacity_at_budget(dt, 8, label=label)
+        label: pools.capacity_at_budget(dt, 8, label=label)
         for label, dt in formats.items()
     }
     assert caps["bf16"].bytes_per_token == 36 * 8 * 2 * 128 * 2
@@ -128,7 +132,9 @@ def test_qwen3_8b_bytes_per_token(formats):
 def test_same_tokens_committed_allocation(formats):
     tokens = 2048
     alloc = {
-        label: hr.allocate_host_pool(dt, tokens, hr.QWEN3_8B, commit=True, label=label)
+        label: pools.allocate_host_pool(
+            dt, tokens, pools.QWEN3_8B, commit=True, label=label
+        )
         for label, dt in formats.items()
     }
     for label, a in alloc.items():
@@ -140,11 +146,12 @@ def test_same_tokens_committed_allocation(formats):
 
 
 def test_replay_is_deterministic_for_a_seed(requests):
-    assert [r.prompt for r in hr.make_workload(SMALL)] == [r.prompt for r in requests]
-    other = hr.make_workload(hr.Workload(**{**vars(SMALL), "seed": 8}))
-    assert [r.rid for r in other] != [r.rid for r in requests]
+    again = wl.bench_serving_requests(SMALL)
+    assert [r.prompt for r in again] == [r.prompt for r in requests]
+    other = wl.bench_serving_requests(SMALL.with_seed(8))
+    assert [r.slot for r in other] != [r.slot for r in requests]
     runs = [
-        hr.replay("int8", 1400, SMALL, SERVING, requests=hr.make_workload(SMALL))
+        rp.replay("int8", 1400, wl.bench_serving_requests(SMALL), SERVING)
         for _ in range(2)
     ]
     assert runs[0].per_request == runs[1].per_request
@@ -164,7 +171,7 @@ def test_restores_are_checked_against_what_was_written(sweep):
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8"])
 def test_restore_check_catches_corrupted_loads(requests, host_dtype):
-    engine = hr.HiCacheReplay(host_dtype, 4000, SERVING)
+    engine = rp.HiCacheReplay(host_dtype, 4000, SERVING)
     host_pool = engine.host_pool
     original = host_pool.load_to_device_per_layer
 
@@ -195,11 +202,9 @@ def test_sequential_replay_reaches_the_unbounded_hit_rate(requests, host_dtype):
     """One request at a time and an L2 that holds everything: SGLang's cache
     must serve every reusable prefix, whether it is still in L1 or only in L2
     (L1 here holds about one request)."""
-    best = hr.best_possible_hit_rate(requests)
-    serving = hr.Serving(l1_tokens=1024, concurrency=1, max_prefill_tokens=4096)
-    res = hr.replay(
-        host_dtype, 16_384, SMALL, serving, requests=requests, sanity_every=1
-    )
+    best = wl.best_possible_hit_rate(requests)
+    serving = rp.Serving(l1_tokens=1024, concurrency=1, max_prefill_tokens=4096, **COLD)
+    res = rp.replay(host_dtype, 16_384, requests, serving, sanity_every=1)
     assert res.hit_rate == pytest.approx(best)
     # The request just before is still in L1 when the next one is matched, so
     # what a request shares with it (its group's system prompt) is an L1 hit;
@@ -216,18 +221,20 @@ def test_sequential_replay_reaches_the_unbounded_hit_rate(requests, host_dtype):
 
 
 def test_concurrency_bounds_requests_in_flight(requests):
-    serving = hr.Serving(l1_tokens=16_384, concurrency=4, max_prefill_tokens=4096)
-    res = hr.replay("auto", 16_384, SMALL, serving, requests=requests)
+    serving = rp.Serving(
+        l1_tokens=16_384, concurrency=4, max_prefill_tokens=4096, **COLD
+    )
+    res = rp.replay("auto", 16_384, requests, serving)
     assert res.max_in_flight == 4
     # Batch-mates cannot reuse each other's prefix (the prefill batch matches
     # before it inserts), so concurrency can only lose hits.
-    assert res.hit_rate <= hr.best_possible_hit_rate(requests)
+    assert res.hit_rate <= wl.best_possible_hit_rate(requests)
 
 
 def test_int8_arm_runs_the_int8_pool_through_the_server_dispatch():
     from sglang.srt.runtime_context import get_memory
 
-    engine = hr.HiCacheReplay("int8", 3000, SERVING)
+    engine = rp.HiCacheReplay("int8", 3000, SERVING)
     try:
         assert get_memory().hicache_host_dtype == "int8"
         assert type(engine.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
@@ -240,20 +247,21 @@ def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
     """`make demo`'s script end to end, scaled down (lazy pools for speed)."""
     import json
 
-    import demo
+    from scripts.demo.__main__ import main
 
     out = tmp_path / "results"
     argv = [
         "--groups", "8", "--system-prompt-len", "512", "--question-len", "64",
         "--output-len", "64", "--l1-tokens", "2048", "--concurrency", "4",
         "--budget", "0.4", "--sweep", "0.2", "--tokens", "2048", "--no-commit",
-        "--out", str(out),
+        "--seeds", "2", "--out", str(out),
     ]  # fmt: skip
-    assert demo.main(argv) == 0
+    assert main(argv) == 0
     text = capsys.readouterr().out
     assert "A) Same L2 capacity: 2,048 tokens" in text
     assert "B) Same host budget: --hicache-size 0.4 (GB)" in text
     assert "replay model:" in text  # what is modelled is said in the output
+    assert "seeds 42..43 (2)" in text and "+-" in text
     data = json.loads((out / "demo.json").read_text())
     assert data["int8_never_worse"] is True
     assert data["summary"]["int8"]["tokens_ratio"] >= 1.93
@@ -271,8 +279,8 @@ def test_int8_with_the_server_default_layout_and_io_backend(
     HybridCacheController: the INT8 pool takes its indices unmoved and every
     restored prefix stays within the codec bound, with the same hits as the
     default replay configuration."""
-    cap = hr.capacity_at_budget("int8", BUDGETS_GB[1], label="int8")
-    engine = hr.HiCacheReplay(
+    cap = pools.capacity_at_budget("int8", BUDGETS_GB[1], label="int8")
+    engine = rp.HiCacheReplay(
         "int8", cap.tokens, SERVING, layout=layout, io_backend=io_backend
     )
     try:
@@ -281,7 +289,7 @@ def test_int8_with_the_server_default_layout_and_io_backend(
     finally:
         engine.close()
     results = [
-        hr.replay("int8", cap.tokens, SMALL, SERVING, requests=requests, **options)
+        rp.replay("int8", cap.tokens, requests, SERVING, **options)
         for options in ({}, {"layout": layout, "io_backend": io_backend})
     ]
     base, server_default = results
@@ -289,3 +297,79 @@ def test_int8_with_the_server_default_layout_and_io_backend(
     assert server_default.verified_restored_tokens == server_default.l2_hit_tokens
     assert server_default.max_restore_error <= INT8_BOUND
     assert server_default.hit_tokens == base.hit_tokens
+
+
+def _pair_of_one_group(requests):
+    """Two requests sharing a system prompt, in bench_serving's order."""
+    first = requests[0]
+    mate = next(r for r in requests[1:] if r.group == first.group)
+    return [first, mate]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlap_lag_hides_the_last_prefill_from_the_next_admission(requests, overlap):
+    """The second request can only join the next step (prefill budget of one
+    prompt). Without the overlap scheduler the first prompt is in the tree
+    by then; with it, the next step's admission runs before that result is
+    processed, so the shared system prompt is recomputed."""
+    pair = _pair_of_one_group(requests)
+    serving = rp.Serving(
+        l1_tokens=16_384,
+        concurrency=2,
+        max_prefill_tokens=pair[0].prompt_len,
+        overlap_schedule=overlap,
+        **COLD,
+    )
+    res = rp.replay("auto", 16_384, pair, serving, sanity_every=1)
+    assert res.prefill_batches == 2
+    second_hit = res.per_request[1][1] + res.per_request[1][2]
+    if overlap:
+        assert second_hit == 0
+    else:
+        assert second_hit >= SMALL.system_prompt_len
+
+
+def test_chunked_prefill_splits_steps_and_shares_the_done_chunks(requests):
+    """A prompt longer than the chunk is prefilled over several steps; the
+    part done so far is in the tree before the next step's admission, so a
+    group-mate admitted then reuses it even under the overlap lag."""
+    pair = _pair_of_one_group(requests)
+    chunk = 256
+    serving = rp.Serving(
+        l1_tokens=16_384, concurrency=2, chunked_prefill_size=chunk, **COLD
+    )
+    res = rp.replay("auto", 16_384, pair, serving, sanity_every=1)
+    assert res.prefill_batches >= -(-pair[0].prompt_len // chunk)
+    second_hit = res.per_request[1][1]
+    assert 0 < second_hit < pair[0].prompt_len
+    assert second_hit % chunk == 0
+
+
+def test_warmup_is_the_first_request_and_flush_drops_it(requests):
+    """bench_serving's warm-up sends the first request (32 output tokens):
+    the measured first request then finds its prompt cached, unless the
+    cache is flushed after the warm-up."""
+    first = requests[:1]
+    warm = rp.replay("auto", 16_384, first, rp.Serving(l1_tokens=4096))
+    assert warm.per_request[0][1] == first[0].prompt_len - 1
+    flushed = rp.Serving(l1_tokens=4096, flush_cache=True)
+    cold = rp.replay("auto", 16_384, first, flushed)
+    assert cold.per_request[0][1:] == (0, 0)
+
+
+def test_chunked_prefill_defaults_match_the_server_rule():
+    """The demo's copy of SGLang's default --chunked-prefill-size by GPU
+    memory, against the rule's own source (it needs a model to run)."""
+    import inspect
+    import re
+
+    from sglang.srt.arg_groups import memory_hook
+
+    source = inspect.getsource(memory_hook.handle_gpu_memory_settings)
+    bounds = [int(b) for b in re.findall(r"gpu_mem < (\d+) \* 1024", source)]
+    sizes = [int(s) for s in re.findall(r"chunked_prefill_size=(\d+)", source)]
+    # One size per bound, then the largest GPUs' size, then the no-GPU fallback.
+    expected = list(zip(bounds, sizes)) + [(math.inf, sizes[len(bounds)])]
+    assert list(pools.SERVER_CHUNKED_PREFILL_DEFAULTS) == expected
+    assert pools.server_chunked_prefill_size(48) == 4096
+    assert pools.server_chunked_prefill_size(80) == 8192

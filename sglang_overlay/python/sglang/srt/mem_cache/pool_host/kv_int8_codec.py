@@ -58,9 +58,9 @@ its step is on average ~10x further above amax/127 and every element's error
 grows with it. FP16's range limit (the 8.3e6 guard above) is far beyond
 typical KV magnitudes, and rows past it are flagged (NaN), not corrupted.
 
-Measured with scripts/bench_codec.py (torch 2.13 CPU, seeded; run from the
+Measured with scripts/bench/codec.py (torch 2.13 CPU, seeded; run from the
 HiQCache repo as
-``PYTHONPATH=build/sglang/python .venv/bin/python scripts/bench_codec.py``):
+``PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.codec``):
 65536 bf16 rows of 128, rel = ||x - x^|| / ||x|| per row, step =
 max |x - x^| / (amax/127), decoded to fp32 (the scale's effect alone) and to
 bf16 (what attention reads):

@@ -18,10 +18,10 @@ intervals (Student t over the repeats), plus the paired difference and ratio
 of every arm against the first.
 
     # Docker (images: lmsysorg/sglang:v0.5.23-cu130 and `make image`)
-    python3 scripts/bench_server.py --model Qwen/Qwen3-8B --repeats 5
+    python3 -m scripts.bench.server --model Qwen/Qwen3-8B --repeats 5
 
     # Local installs: a stock sglang 0.5.23 and one with the HiQCache wheel
-    python3 scripts/bench_server.py --mode local --model Qwen/Qwen3-8B \\
+    python3 -m scripts.bench.server --mode local --model Qwen/Qwen3-8B \\
         --stock-python /opt/stock/bin/python --patched-python /opt/hiq/bin/python
 
 Stdlib only, so it runs outside the SGLang environments it starts.
@@ -139,7 +139,7 @@ class Config:
     mode: str = "docker"
     arms: list[str] = field(default_factory=lambda: ["stock", "int8"])
     repeats: int = 5
-    seed: int = 1
+    seed: int = 42
     hicache_size: float = 8
     max_total_tokens: int = 16384
     groups: int = 32
@@ -597,6 +597,7 @@ def format_table(summary: dict, arms: list[str]) -> str:
 
 def parse_args(argv=None) -> Config:
     p = argparse.ArgumentParser(
+        prog="python3 -m scripts.bench.server",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split("\n\n", 1)[1],
@@ -615,7 +616,11 @@ def parse_args(argv=None) -> Config:
     )
     p.add_argument("--repeats", type=int, default=5, help="paired repeats")
     p.add_argument(
-        "--seed", type=int, default=1, help="dataset seed of the first repeat"
+        "--seed",
+        type=int,
+        default=42,
+        help="dataset seed of the first repeat (bench_serving's default; "
+        "make demo replays the same seeds)",
     )
     p.add_argument("--hicache-size", type=float, default=8, help="host budget, GB")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="L1 cap, tokens")

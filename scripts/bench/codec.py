@@ -10,7 +10,7 @@
 3. The measurement behind FP16 (not BF16) scales: relative error of the same
    round-up format with either scale dtype, on gaussian and heavy-tailed data.
 
-Run: PYTHONPATH=build/sglang/python .venv/bin/python scripts/bench_codec.py
+Run: PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.codec
 (`make bench-codec`). Uses torch's default thread count; < 1 minute.
 """
 

@@ -11,7 +11,7 @@ instance
 
 then run
 
-  python3 scripts/quality_server.py --stock http://127.0.0.1:30000 \\
+  python3 -m scripts.quality.server --stock http://127.0.0.1:30000 \\
       --patched http://127.0.0.1:30001 --text-file ../shared/data/wikitext-2/test.txt
 
 The same workload runs on each server in turn: (1) every measured prefix
@@ -213,7 +213,7 @@ class Server:
 def pick_windows(n_tokens: int, window_len: int, count: int, seed: int) -> list[int]:
     """Start offsets of `count` non-overlapping windows, drawn with `seed` from
     the aligned slots [k*window_len, (k+1)*window_len) of the token stream
-    (the CPU harness, hiq_quality, uses the same rule)."""
+    (the CPU harness, scripts/quality/harness.py, uses the same rule)."""
     slots = n_tokens // window_len
     if slots < count:
         raise ValueError(
@@ -418,7 +418,9 @@ def lm_eval_command(
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python3 -m scripts.quality.server", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--stock", required=True, help="base URL of the stock SGLang server")
     p.add_argument("--patched", required=True, help="base URL of the HiQCache server")
     p.add_argument("--text-file", required=True)

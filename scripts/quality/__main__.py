@@ -10,10 +10,10 @@ exact) and INT8 host pool. Writes <out-dir>/<name>.{md,json} and
 and with --check-targets 1 if a quality target is missed.
 
 Run: make quality
-  or PYTHONPATH=build/sglang/python .venv/bin/python scripts/quality.py \
+  or PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.quality \
          --text-file ../shared/data/wikitext-2/test.txt
-The library is scripts/hiq_quality.py; the server mode (GPU, two running
-servers) is scripts/quality_server.py.
+The library is scripts/quality/harness.py; the server mode (GPU, two running
+servers) is scripts/quality/server.py.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import hiq_quality as hq  # noqa: E402
+from scripts.quality import harness as hq
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.quality", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument(
         "--text-file", required=True, help="WikiText-2 test split (read, never copied)"
     )
@@ -82,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
     args = parse_args(argv)
-    command = "scripts/quality.py " + " ".join(
+    command = "-m scripts.quality " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     standins = hq.install_cpu_runtime()

@@ -1,0 +1,1 @@
+"""Helpers shared by the CPU tools in scripts/ (demo, quality)."""

@@ -1,0 +1,445 @@
+#!/usr/bin/env python3
+"""`make demo`: same CPU memory, more reuse -- measured on CPU with the real
+patched SGLang code (no GPU needed).
+
+A) Same L2 token capacity -> host bytes the real stock and INT8 host pools
+   allocate at the model geometry.
+B) Same host budget (`--hicache-size` GB) -> L2 tokens each pool holds and the
+   cache-hit rate of bench_serving's generated-shared-prefix workload (its own
+   requests, order and warm-up) replayed through SGLang's radix cache +
+   HiCache, over several dataset seeds (mean +- sd), plus a sweep of budgets.
+
+Run from the repository root with the patched tree first on PYTHONPATH:
+
+    PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo
+
+It prints the tables and writes results/demo.json and results/demo.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from scripts.demo import pools, replay, report, workload
+from scripts.demo.report import pm, spread
+
+DEFAULT_SWEEP = (1, 2, 4, 6, 8, 12, 16)
+# The prototype's INT8 records (1,152 B per 1,024 payload bytes) and the goal.
+PROTOTYPE_RATIO = 1.78
+TARGET_RATIO = 1.93
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def _parse_budgets(text: str) -> list[float]:
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if part:
+            value = float(part)
+            values.append(int(value) if value.is_integer() else value)
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.demo", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--tokens", type=int, default=54_254, help="A: L2 token capacity")
+    p.add_argument(
+        "--budget", type=float, default=8, help="B: host budget in GB (--hicache-size)"
+    )
+    p.add_argument(
+        "--sweep",
+        type=_parse_budgets,
+        default=list(DEFAULT_SWEEP),
+        help="B: comma-separated host budgets in GB for the curve ('' to skip)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=workload.BENCH_SERVING_SEED,
+        help="first dataset seed (bench_serving --seed; its default is 42)",
+    )
+    p.add_argument(
+        "--seeds", type=int, default=6, help="number of seeds: --seed, --seed+1, ..."
+    )
+    p.add_argument("--groups", type=int, default=32, help="--gsp-num-groups")
+    p.add_argument("--prompts-per-group", type=int, default=4)
+    p.add_argument("--system-prompt-len", type=int, default=2048)
+    p.add_argument("--question-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument(
+        "--l1-tokens", type=int, default=16_384, help="device (L1) KV tokens"
+    )
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=80,
+        help="GPU memory the server's default --chunked-prefill-size is read for "
+        "(80: 8192 tokens; 48: 4096)",
+    )
+    p.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=None,
+        help="override the server default; -1 disables chunked prefill",
+    )
+    p.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="model the normal scheduler loop (no one-step result lag)",
+    )
+    p.add_argument(
+        "--warmup-requests", type=int, default=1, help="bench_serving's (default 1)"
+    )
+    p.add_argument(
+        "--flush-cache",
+        action="store_true",
+        help="flush the cache after the warm-up (bench_serving --flush-cache)",
+    )
+    p.add_argument(
+        "--no-output-insert",
+        action="store_true",
+        help="do not insert output tokens into the tree at finish",
+    )
+    p.add_argument(
+        "--no-commit",
+        action="store_true",
+        help="A: map the pools lazily instead of faulting their memory in",
+    )
+    p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
+    p.add_argument("--name", default="demo", help="basename of the .json/.png")
+    return p.parse_args(argv)
+
+
+def build_serving(args) -> replay.Serving:
+    chunk = args.chunked_prefill_size
+    if chunk is None:
+        chunk = pools.server_chunked_prefill_size(args.gpu_memory_gb)
+    return replay.Serving(
+        l1_tokens=args.l1_tokens,
+        concurrency=args.concurrency,
+        chunked_prefill_size=chunk if chunk > 0 else None,
+        overlap_schedule=not args.disable_overlap_schedule,
+        insert_output=not args.no_output_insert,
+        warmup_requests=args.warmup_requests,
+        flush_cache=args.flush_cache,
+    )
+
+
+def build_workloads(args) -> list[workload.Workload]:
+    base = workload.Workload(
+        num_groups=args.groups,
+        prompts_per_group=args.prompts_per_group,
+        system_prompt_len=args.system_prompt_len,
+        question_len=args.question_len,
+        output_len=args.output_len,
+        seed=args.seed,
+    )
+    return [base.with_seed(args.seed + i) for i in range(args.seeds)]
+
+
+def print_header(geometry, formats) -> None:
+    import sglang
+    import torch
+
+    print(
+        f"HiQCache demo: SGLang {sglang.__version__} + HiQCache patches "
+        f"({Path(sglang.__file__).resolve().parent.parent}), CPU only "
+        f"({platform.machine()}, torch {torch.__version__})"
+    )
+    print(f"model geometry: {geometry.describe()}")
+    print(
+        "host formats (--hicache-host-dtype): "
+        + ", ".join(f"{label} ({dt})" for label, dt in formats)
+    )
+    print(
+        "CPU stand-ins (tests/cpu_standins.py): torchvision stub, pure-torch "
+        "transfer_kv_direct, no cudaHostRegister"
+    )
+    print()
+
+
+def run_experiment_a(args, formats, geometry) -> list[pools.PoolAllocation]:
+    alloc = [
+        pools.allocate_host_pool(
+            dt, args.tokens, geometry, commit=not args.no_commit, label=label
+        )
+        for label, dt in formats
+    ]
+    base = alloc[0]
+    print(
+        f"A) Same L2 capacity: {args.tokens:,} tokens "
+        f"(real host pools, layout page_first; bytes read from the allocated buffers)"
+    )
+    print(
+        f"   {'format':<7} {'host pool class':<26} {'B/token':>9} {'host bytes':>12} "
+        f"{'resident':>10} {'vs ' + base.label:>8}"
+    )
+    for a in alloc:
+        resident = _gb(a.resident_bytes) if a.committed else "lazy"
+        print(
+            f"   {a.label:<7} {a.pool_class:<26} {a.bytes_per_token:>9,} "
+            f"{_gb(a.bytes):>12} {resident:>10} {a.bytes / base.bytes:>7.3f}x"
+        )
+    for a in alloc:
+        if a.note:
+            print(f"   note ({a.label}): {a.note}")
+    print()
+    return alloc
+
+
+def run_experiment_b(args, formats, geometry, workloads, serving) -> list[dict]:
+    """Per budget and format: the pool's capacity and one replay per seed."""
+    requests = [workload.bench_serving_requests(w) for w in workloads]
+    sweep = []
+    for gb in sorted(set(args.sweep) | {args.budget}):
+        row = {"budget_gb": gb, "formats": {}}
+        for label, dt in formats:
+            cap = pools.capacity_at_budget(dt, gb, geometry, label=label)
+            results = [
+                replay.replay(dt, cap.tokens, reqs, serving, seed=w.seed, label=label)
+                for w, reqs in zip(workloads, requests)
+            ]
+            row["formats"][label] = {
+                "capacity": cap,
+                "replays": results,
+                "hit_rates": [r.hit_rate for r in results],
+            }
+        sweep.append(row)
+    best = [workload.best_possible_hit_rate(reqs) for reqs in requests]
+    return sweep, best
+
+
+def print_experiment_b(args, formats, geometry, workloads, serving, main_row, best):
+    w = workloads[0]
+    seeds = [x.seed for x in workloads]
+    base_label = formats[0][0]
+    print(
+        f"B) Same host budget: --hicache-size {args.budget:g} (GB), "
+        f"capacities from SGLang's build_kv_host_pool at {geometry.name}"
+    )
+    print(
+        f"   workload: bench_serving generated-shared-prefix (SGLang's own generator"
+        f" and order), {w.num_groups} groups x {w.prompts_per_group} prompts = "
+        f"{w.num_requests} requests, system prompt {w.system_prompt_len:,} + question "
+        f"{w.question_len} tokens, output {w.output_len} tokens; seeds "
+        f"{seeds[0]}..{seeds[-1]} ({len(seeds)}); warm-up requests "
+        f"{serving.warmup_requests}, {'flushed' if serving.flush_cache else 'not flushed'}"
+    )
+    chunk = serving.chunked_prefill_size
+    print(
+        f"   serving: concurrency {serving.concurrency}, L1 {serving.l1_tokens:,} tokens, "
+        f"chunked prefill {chunk if chunk else 'off'}"
+        f"{f' (default at {args.gpu_memory_gb:g} GB GPU)' if args.chunked_prefill_size is None else ''}, "
+        f"overlap scheduler {'on' if serving.overlap_schedule else 'off'}, "
+        f"--hicache-write-policy {serving.write_policy}, output tokens "
+        f"{'inserted' if serving.insert_output else 'not inserted'} at finish"
+    )
+    g = pools.REPLAY_GEOMETRY
+    print(
+        f"   replay: SGLang's UnifiedRadixCache + HiCache with L2 pools of exactly these "
+        f"token counts, tiny KV rows ({g.layer_num} layers x {g.head_num} head x "
+        f"{g.head_dim} dims), layout layer_first, io backend direct"
+    )
+    print(
+        f"   {'format':<7} {'L2 tokens':>10} {'vs ' + base_label:>8} "
+        f"{'hit rate % (mean +- sd)':>24} {'L1 hits':>9} {'L2 hits':>9} {'prompt tokens':>14}"
+    )
+    base_tokens = main_row["formats"][base_label]["capacity"].tokens
+    for label, _ in formats:
+        cell = main_row["formats"][label]
+        cap, results = cell["capacity"], cell["replays"]
+        l1 = spread([r.l1_hit_tokens for r in results])[0]
+        l2 = spread([r.l2_hit_tokens for r in results])[0]
+        print(
+            f"   {label:<7} {cap.tokens:>10,} {cap.tokens / base_tokens:>7.3f}x "
+            f"{pm(cell['hit_rates']):>24} {l1:>9,.0f} {l2:>9,.0f} "
+            f"{results[0].prompt_tokens:>14,}"
+        )
+    print(f"   best possible hit rate for this workload (unbounded cache): {pm(best)}%")
+    print()
+
+
+def print_sweep(sweep, formats) -> None:
+    if len(sweep) < 2:
+        return
+    print("   sweep: hit rate % (mean +- sd over seeds) and L2 tokens by host budget")
+    print("   " + f"{'GB':>5}" + "".join(f" {label:>24}" for label, _ in formats))
+    for row in sweep:
+        cells = ""
+        for label, _ in formats:
+            cell = row["formats"][label]
+            cells += f" {pm(cell['hit_rates']):>12} ({cell['capacity'].tokens:>8,})"
+        print(f"   {row['budget_gb']:>5g}{cells}")
+    print()
+
+
+def print_checks(sweep, formats, main_row) -> bool:
+    """INT8 never holds fewer tokens nor hits less, seed by seed; prints the
+    restore checks. Returns whether INT8 was never worse."""
+    base_label = formats[0][0]
+    never_worse = True
+    for row in sweep:
+        b = row["formats"][base_label]
+        for label, _ in formats[1:]:
+            f = row["formats"][label]
+            never_worse &= f["capacity"].tokens >= b["capacity"].tokens
+            never_worse &= all(x >= y for x, y in zip(f["hit_rates"], b["hit_rates"]))
+    print("   restored KV checked against what was written, at every admission:")
+    for label, dt in formats:
+        results = main_row["formats"][label]["replays"]
+        kind = "bit-exact" if dt == "auto" else "within the INT8 bound"
+        print(
+            f"     {label}: {sum(r.verified_tokens for r in results):,} prefix tokens "
+            f"({sum(r.verified_restored_tokens for r in results):,} loaded back from "
+            f"L2) over all seeds, {kind}, max error "
+            f"{100 * max(r.max_restore_error for r in results):.2f}% of row amax"
+        )
+    notes = textwrap.wrap(
+        f"replay model: {replay.MODEL_NOTES}.", width=100, break_on_hyphens=False
+    )
+    print("\n".join("   " + line for line in notes))
+    print()
+    return never_worse
+
+
+def print_summary(args, formats, alloc, main_row) -> dict:
+    base_label = formats[0][0]
+    base_cell = main_row["formats"][base_label]
+    summary = {}
+    for label, _ in formats[1:]:
+        cell = main_row["formats"][label]
+        a_ratio = alloc[0].bytes / next(a for a in alloc if a.label == label).bytes
+        b_ratio = cell["capacity"].tokens / base_cell["capacity"].tokens
+        gaps = [x - y for x, y in zip(cell["hit_rates"], base_cell["hit_rates"])]
+        summary[label] = dict(
+            bytes_ratio=a_ratio,
+            tokens_ratio=b_ratio,
+            hit_rate=spread(cell["hit_rates"]),
+            hit_rate_base=spread(base_cell["hit_rates"]),
+            gap_points=spread([100 * g for g in gaps]),
+        )
+        verdict = "meets" if b_ratio >= TARGET_RATIO else "MISSES"
+        print(
+            f"{label} vs {base_label}: A) {a_ratio:.3f}x less host memory for "
+            f"{args.tokens:,} tokens | B) {b_ratio:.3f}x tokens in {args.budget:g} GB, "
+            f"hit rate {pm(cell['hit_rates'])}% vs {pm(base_cell['hit_rates'])}% "
+            f"(gap {pm(gaps)} points, paired by seed) | target >= {TARGET_RATIO}x "
+            f"({verdict}; prototype {PROTOTYPE_RATIO}x)"
+        )
+    return summary
+
+
+def write_outputs(args, argv, geometry, formats, alloc, workloads, serving, sweep,
+                  best, summary, never_worse, seconds) -> Path:  # fmt: skip
+    import sglang
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{args.name}.json"
+    data = {
+        "command": " ".join(
+            [
+                "PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo",
+                *(sys.argv[1:] if argv is None else argv),
+            ]
+        ),
+        "sglang_version": sglang.__version__,
+        "geometry": vars(geometry) | {"dtype": str(geometry.dtype)},
+        "formats": [{"label": lb, "hicache_host_dtype": dt} for lb, dt in formats],
+        "experiment_a": [vars(a) for a in alloc],
+        "experiment_b": {
+            "budget_gb": args.budget,
+            "workloads": [
+                vars(w) | {"bench_serving_args": w.bench_serving_args()}
+                for w in workloads
+            ],
+            "serving": vars(serving),
+            "best_possible_hit_rate": best,
+            "replay_model": replay.MODEL_NOTES,
+            "sweep": [
+                {
+                    "budget_gb": row["budget_gb"],
+                    "formats": {
+                        label: {
+                            "capacity": vars(v["capacity"]),
+                            "replays": [r.to_json() for r in v["replays"]],
+                        }
+                        for label, v in row["formats"].items()
+                    },
+                }
+                for row in sweep
+            ],
+        },
+        "summary": summary,
+        "int8_never_worse": never_worse,
+        "seconds": seconds,
+    }
+    json_path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return json_path
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    pools.setup_sglang()
+    geometry = pools.QWEN3_8B
+    formats = pools.host_formats()
+    serving = build_serving(args)
+    workloads = build_workloads(args)
+    print_header(geometry, formats)
+
+    t0 = time.perf_counter()
+    alloc = run_experiment_a(args, formats, geometry)
+    t_a = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    sweep, best = run_experiment_b(args, formats, geometry, workloads, serving)
+    t_b = time.perf_counter() - t0
+    main_row = next(r for r in sweep if r["budget_gb"] == args.budget)
+    print_experiment_b(args, formats, geometry, workloads, serving, main_row, best)
+    print_sweep(sweep, formats)
+    never_worse = print_checks(sweep, formats, main_row)
+    summary = print_summary(args, formats, alloc, main_row)
+    print(
+        "INT8 never holds fewer tokens nor has a lower hit rate at any budget and "
+        f"seed: {'yes' if never_worse else 'NO'}"
+    )
+
+    seconds = {"experiment_a": t_a, "experiment_b": t_b}
+    seconds["total"] = time.perf_counter() - t_start
+    json_path = write_outputs(
+        args, argv, geometry, formats, alloc, workloads, serving, sweep,
+        best, summary, never_worse, seconds,
+    )  # fmt: skip
+    png_path = args.out / f"{args.name}.png"
+    w = workloads[0]
+    backend = report.plot_sweep(
+        sweep,
+        formats,
+        spread(best)[0],
+        args.budget,
+        png_path,
+        title=f"{geometry.name}: {w.num_requests} shared-prefix requests, "
+        f"concurrency {serving.concurrency}, L1 {serving.l1_tokens:,} tokens, "
+        f"{len(workloads)} seeds",
+    )
+    print(
+        f"wrote {json_path} and {png_path} ({backend}); time: A {t_a:.0f}s, "
+        f"B {t_b:.0f}s, total {time.perf_counter() - t_start:.0f}s"
+    )
+    return 0 if never_worse else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,352 @@
+"""SGLang's HiCache pools on CPU: set-up, experiment A and budget sizing.
+
+A. Same L2 token capacity -> host bytes. The real stock host pool and the
+   real INT8 host pool are built at the model geometry with the same token
+   capacity, and their bytes are read from the tensors they allocated.
+B (sizing). Same host budget (`--hicache-size` GB) -> the token capacity
+   SGLang's own `build_kv_host_pool` gives each pool at the model geometry;
+   the replay (replay.py) then runs host pools of exactly those capacities.
+
+Only CPU stand-ins from tests/cpu_standins.py replace CUDA-only pieces
+(torchvision stub, a pure-torch transfer_kv_direct, no cudaHostRegister).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import mmap
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from scripts.common.cpu_sglang import install_cpu_standins
+
+# --------------------------------------------------------------------------
+# Configuration and SGLang set-up on CPU
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    name: str
+    layer_num: int
+    head_num: int  # KV heads per TP rank
+    head_dim: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: {self.layer_num} layers, {self.head_num} KV heads, "
+            f"{self.head_dim} dims, {str(self.dtype).removeprefix('torch.')}"
+        )
+
+
+QWEN3_8B = ModelGeometry("Qwen3-8B (TP=1)", layer_num=36, head_num=8, head_dim=128)
+# Hit rates depend only on token counts; the replay's KV rows are this small.
+REPLAY_GEOMETRY = ModelGeometry("replay", layer_num=2, head_num=1, head_dim=16)
+_SETUP_DONE = False
+
+
+def setup_sglang(quiet: bool = True) -> None:
+    """Install the CPU stand-ins (tests/cpu_standins.py) before sglang imports."""
+    global _SETUP_DONE
+    if _SETUP_DONE:
+        return
+    # Startup chatter of optional GPU dependencies, not about the cache.
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    install_cpu_standins()
+    if quiet:
+        # Startup chatter a real server prints once (e.g. "host pool smaller
+        # than the device pool" for the smallest budgets, CPU event timing).
+        logging.getLogger("sglang").setLevel(logging.ERROR)
+    _SETUP_DONE = True
+
+
+def host_formats() -> list[tuple[str, str]]:
+    """(label, --hicache-host-dtype value) for every host format the patched
+    server accepts, read from its own argument parser. `auto` is the stock
+    pool, labelled by the device KV dtype."""
+    setup_sglang()
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    action = next(
+        a for a in parser._actions if "--hicache-host-dtype" in a.option_strings
+    )
+    formats = []
+    for choice in action.choices:
+        label = "bf16" if choice == "auto" else choice
+        formats.append((label, choice))
+    formats.sort(key=lambda item: item[1] != "auto")  # stock first
+    return formats
+
+
+def publish_server_args(
+    host_dtype: str,
+    *,
+    hicache_size: float = 0,
+    hicache_ratio: Optional[float] = None,
+    layout: str = "page_first",
+    io_backend: str = "direct",
+    write_policy: str = "write_through",
+):
+    """Build ServerArgs as the server would and publish its config namespaces
+    (what get_memory() / get_serving() read) for this process."""
+    setup_sglang()
+    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        page_size=1,
+        enable_hierarchical_cache=True,
+        hicache_ratio=hicache_ratio,
+        hicache_size=hicache_size,
+        hicache_io_backend=io_backend,
+        hicache_mem_layout=layout,
+        hicache_write_policy=write_policy,
+        hicache_host_memory_mode="cache",
+        hicache_host_dtype=host_dtype,
+    )
+    reset_context()
+    publish(server_args, role="scheduler")
+    return server_args
+
+
+def make_device_pool(geometry: ModelGeometry, tokens: int):
+    setup_sglang()
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        size=tokens,
+        page_size=1,
+        dtype=geometry.dtype,
+        head_num=geometry.head_num,
+        head_dim=geometry.head_dim,
+        layer_num=geometry.layer_num,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+
+
+def _lazy_alloc_mmap(dims: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """alloc_mmap without prefaulting: the same anonymous mapping, committed
+    page by page only when touched."""
+    n_bytes = math.prod(dims) * torch.empty([], dtype=dtype).element_size()
+    size = max(mmap.PAGESIZE, -(-n_bytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+    mm = mmap.mmap(-1, size, flags=flags)
+    return torch.frombuffer(mm, dtype=dtype, count=math.prod(dims)).reshape(dims)
+
+
+@contextlib.contextmanager
+def lazy_host_allocation() -> Iterator[None]:
+    """Build host pools without committing their memory and without the
+    free-RAM check: for sizing pools larger than this machine's RAM.
+
+    Everything else (geometry, sizing, buffer shapes and dtypes) is the real
+    pool code; only SGLang's mmap allocator stops prefaulting.
+    """
+    setup_sglang()
+    from sglang.srt.mem_cache.pool_host import common
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    saved = common.alloc_mmap
+    common.alloc_mmap = _lazy_alloc_mmap
+    try:
+        with host_memory_budget_scope(1 << 62):
+            yield
+    finally:
+        common.alloc_mmap = saved
+
+
+def host_buffer_bytes(host_pool) -> int:
+    """Bytes of the tensors a host pool allocated for its KV (kv_buffer)."""
+    buffers = host_pool.kv_buffer
+    if isinstance(buffers, torch.Tensor):
+        buffers = [buffers]
+    return sum(t.untyped_storage().nbytes() for t in buffers)
+
+
+def _rss_shmem_bytes() -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+# --------------------------------------------------------------------------
+# Experiment A: same L2 token capacity -> host bytes
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class PoolAllocation:
+    label: str
+    host_dtype: str
+    pool_class: str
+    tokens: int
+    bytes: int  # read from the allocated buffers
+    bytes_per_token: int  # the pool's own get_size_per_token()
+    committed: bool  # memory really faulted in (else lazily mapped)
+    resident_bytes: int  # RssShmem growth while the pool lived (committed only)
+    note: str = ""
+
+
+def allocate_host_pool(
+    host_dtype: str,
+    tokens: int,
+    geometry: ModelGeometry = QWEN3_8B,
+    *,
+    layout: str = "page_first",
+    commit: bool = True,
+    label: Optional[str] = None,
+) -> PoolAllocation:
+    """Build the real host pool for `host_dtype` holding `tokens` tokens at
+    `geometry` (the class comes from the assembler's own dispatch), read its
+    allocated bytes, then free it. With `commit`, the pool's memory is really
+    faulted in (SGLang's prefaulted mmap); when this machine lacks the free
+    RAM that SGLang's host-memory check demands, it falls back to a lazy
+    mapping and says so in `note`."""
+    setup_sglang()
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
+
+    publish_server_args(host_dtype, layout=layout)
+    device_pool = make_device_pool(geometry, 64)
+    cls, info, kwargs = _mha_host_inputs(device_pool)
+    kwargs.pop("write_back_staging", None)
+
+    def build():
+        return cls(
+            info,
+            2.0,
+            0,
+            device_pool.page_size,
+            layout,
+            host_token_capacity=tokens,
+            **kwargs,
+        )
+
+    note = ""
+    committed = commit
+    gc.collect()
+    rss_before = _rss_shmem_bytes()
+    host_pool = None
+    if commit:
+        try:
+            host_pool = build()
+        except ValueError as exc:
+            if "Not enough host memory" not in str(exc):
+                raise
+            note = (
+                "not committed: this machine's free RAM minus SGLang's 10 GiB "
+                "reserve is too small, so the buffers were mapped lazily"
+            )
+            committed = False
+    if host_pool is None:
+        with lazy_host_allocation():
+            host_pool = build()
+    resident = _rss_shmem_bytes() - rss_before if committed else 0
+    result = PoolAllocation(
+        label=label or host_dtype,
+        host_dtype=host_dtype,
+        pool_class=type(host_pool).__name__,
+        tokens=host_pool.size,
+        bytes=host_buffer_bytes(host_pool),
+        bytes_per_token=host_pool.get_size_per_token(),
+        committed=committed,
+        resident_bytes=resident,
+        note=note,
+    )
+    host_pool.destroy()
+    del host_pool, device_pool
+    gc.collect()
+    return result
+
+
+# --------------------------------------------------------------------------
+# Experiment B, sizing: host budget -> token capacity (SGLang's own sizing)
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class BudgetCapacity:
+    label: str
+    host_dtype: str
+    budget_gb: float
+    pool_class: str
+    tokens: int  # the pool's size: what the radix tree can hold in L2
+    bytes: int  # bytes of its buffers (mapped lazily, never committed)
+    bytes_per_token: int
+
+
+def capacity_at_budget(
+    host_dtype: str,
+    budget_gb: float,
+    geometry: ModelGeometry = QWEN3_8B,
+    *,
+    layout: str = "page_first",
+    label: Optional[str] = None,
+) -> BudgetCapacity:
+    """Tokens the server's host pool holds for `--hicache-size budget_gb`:
+    builds it with SGLang's `build_kv_host_pool` (as the server does), with
+    the buffers mapped lazily so budgets beyond this machine's RAM work."""
+    setup_sglang()
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        build_kv_host_pool,
+    )
+
+    publish_server_args(host_dtype, hicache_size=budget_gb, layout=layout)
+    device_pool = make_device_pool(geometry, 64)
+    with lazy_host_allocation():
+        host_pool = build_kv_host_pool(kv_pool=device_pool, page_size=1)
+    result = BudgetCapacity(
+        label=label or host_dtype,
+        host_dtype=host_dtype,
+        budget_gb=budget_gb,
+        pool_class=type(host_pool).__name__,
+        tokens=host_pool.size,
+        bytes=host_buffer_bytes(host_pool),
+        bytes_per_token=host_pool.get_size_per_token(),
+    )
+    host_pool.destroy()
+    del host_pool, device_pool
+    gc.collect()
+    return result
+
+
+# SGLang 0.5.23's default --chunked-prefill-size by GPU memory (GiB upper
+# bound, tokens), from arg_groups/memory_hook.handle_gpu_memory_settings; the
+# rule itself needs a model config and a device to run, so the demo reads this
+# copy and tests/test_replay.py checks it against the rule's source.
+SERVER_CHUNKED_PREFILL_DEFAULTS = (
+    (20, 2048),
+    (35, 4096),
+    (60, 4096),
+    (90, 8192),
+    (160, 8192),
+    (math.inf, 16384),
+)
+
+
+def server_chunked_prefill_size(gpu_memory_gb: float) -> int:
+    """The --chunked-prefill-size a server picks by default on a GPU with
+    `gpu_memory_gb` GiB of memory."""
+    return next(
+        size for bound, size in SERVER_CHUNKED_PREFILL_DEFAULTS if gpu_memory_gb < bound
+    )

