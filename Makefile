@@ -96,10 +96,10 @@ DEMO_ARGS ?=
 demo: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.demo $(DEMO_ARGS)
 
-# INT8 vs BF16 pages in a real Mooncake store on 127.0.0.1 (scripts/demo_l3.py --help).
+# INT8 vs BF16 pages in a real Mooncake store on 127.0.0.1 (python -m scripts.demo.l3 --help).
 DEMO_L3_ARGS ?=
 demo-l3: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) scripts/demo_l3.py $(DEMO_L3_ARGS)
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.demo.l3 $(DEMO_L3_ARGS)
 
 bench-codec: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.bench.codec

@@ -15,7 +15,7 @@ B) Hit rate of a shared-prefix workload with a small L2 and an L3 store of
    and eviction decide what L3 keeps. Page-level policy of this script, not
    SGLang's radix tree: it isolates what the L3 byte format changes.
 
-    PYTHONPATH=build/sglang/python .venv/bin/python scripts/demo_l3.py
+    PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo.l3
 
 Prints the tables and writes results/demo-l3.json and results/demo-l3.png.
 """
@@ -31,11 +31,8 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import hiq_replay as hr  # noqa: E402
+from scripts.common.cpu_sglang import REPO_ROOT as ROOT
+from scripts.common.cpu_sglang import install_cpu_standins
 
 FORMATS = (("bf16", "auto"), ("int8", "int8"))
 MB = 1 << 20
@@ -66,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def setup():
-    hr.setup_sglang()
+    install_cpu_standins()
     import l3_harness as h
 
     reason = h.mooncake_unavailable_reason()
