@@ -4,18 +4,20 @@ Triton picks its compile target from the active driver. TargetOnlyDriver is a
 stand-in that reports a CUDA target (sm_80/86/89/90) and nothing else; with
 it active, the pool's real launch sites (MHATokenToKVPoolINT8Host backup and
 restore -> kv_int8_triton.encode_gather / decode_scatter) run as usual, and
-every `kernel[grid](...)` they reach is turned into Triton's warm-up: the
-kernel is specialised on the real arguments and compiled to PTX and, by
-Triton's bundled ptxas, to a cubin, but never launched. Identical
-specialisations hit Triton's own in-memory kernel cache, so each distinct one
-is compiled once per target.
+every `kernel[grid](...)` they reach is recorded instead of launched, keeping
+the first launch of each distinct specialisation (Triton's own binder and
+cache key). Each of those is then compiled for each target with Triton's
+warm-up on the recorded arguments: PTX and, by Triton's bundled ptxas, a
+cubin, never launched.
 
 What is checked on each compiled kernel (CompiledSpec.problems):
   * ptxas reports no register spills (its `-v` log, captured per compile);
   * the PTX keeps the arithmetic kv_int8_codec's bit-exactness rests on:
     every fp32 division is IEEE `div.rn.f32` (no `div.approx`/`div.full`,
     no `rcp.approx`); every fp32 -> fp16 conversion is `cvt.rn.f16.f32`
-    (round to nearest even, no flush-to-zero, no saturation); the only
+    (round to nearest even, no flush-to-zero, no saturation), and the only
+    fp16 arithmetic is the round-to-nearest multiply LLVM may narrow the fp16
+    decode to (same single rounding of the exact q * s); the only
     flush-to-zero instruction is libdevice's floor (`cvt.rmi.ftz.f32.f32`,
     harmless per kv_int8_triton's docstring); and the NaN tests (x != x) were
     not folded away.
@@ -36,7 +38,7 @@ import torch
 from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
-from triton.runtime.jit import JITFunction
+from triton.runtime.jit import JITFunction, compute_cache_key
 
 ARCHS = (80, 86, 89, 90)
 
@@ -44,6 +46,10 @@ _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _F32_DIV = re.compile(r"\b(div(?:\.[a-z0-9]+)*\.f32)\b")
 _TO_F16 = re.compile(r"\b(cvt(?:\.[a-z0-9]+)*\.f16(?:x2)?\.f32)\b")
 _RNE_TO_F16 = {"cvt.rn.f16.f32", "cvt.rn.f16x2.f32"}
+# LLVM may narrow fptrunc(fp32(q) * fp32(s)) to an fp16 multiply: the same
+# single RNE rounding of the exact product (fp32 holds it: 11 + 11 <= 24 bits).
+_F16_MATH = re.compile(r"\b((?:add|sub|mul|fma|div)(?:\.[a-z0-9]+)*\.f16(?:x2)?)\b")
+_RNE_F16_MUL = {"mul.f16", "mul.rn.f16", "mul.f16x2", "mul.rn.f16x2"}
 _FTZ = re.compile(r"\b([a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*)\b")
 _NAN_TEST = re.compile(r"\b(setp\.(?:nan|neu|equ)\.f32|testp\.notanumber\.f32)\b")
 _ALLOWED_FTZ = {"cvt.rmi.ftz.f32.f32"}  # libdevice floor (enable_reflect_ftz)
@@ -128,8 +134,17 @@ def ptx_problems(ptx: str, name: str, is_bf16: bool) -> list[str]:
     to_f16 = set(_TO_F16.findall(ptx))
     if to_f16 - _RNE_TO_F16:
         problems.append(f"fp32->fp16 not plain RNE: {sorted(to_f16 - _RNE_TO_F16)}")
-    if (encode or not is_bf16) and not to_f16 & _RNE_TO_F16:
-        problems.append("no fp32->fp16 round-to-nearest conversion (cvt.rn.f16.f32)")
+    f16_math = set(_F16_MATH.findall(ptx))
+    if f16_math - _RNE_F16_MUL:
+        problems.append(
+            f"fp16 arithmetic beyond RNE mul: {sorted(f16_math - _RNE_F16_MUL)}"
+        )
+    if encode and not to_f16:
+        problems.append("no fp32->fp16 scale conversion (cvt.rn.f16.f32)")
+    if not encode and not is_bf16 and not (to_f16 or f16_math):
+        problems.append(
+            "fp16 decode neither converts (cvt.rn.f16.f32) nor multiplies in fp16"
+        )
     ftz = set(_FTZ.findall(ptx)) - _ALLOWED_FTZ
     if ftz:
         problems.append(f"flush-to-zero instructions: {sorted(ftz)}")
@@ -140,11 +155,11 @@ def ptx_problems(ptx: str, name: str, is_bf16: bool) -> list[str]:
 
 @dataclass
 class CompileRun:
-    """Everything compiled while compile_only() was active."""
+    """The distinct specialisations one drive launched, compiled for one target."""
 
     arch: int
+    launches: int  # kernel launches the drive made (all compiled from specs)
     specs: dict[str, CompiledSpec] = field(default_factory=dict)
-    launches: int = 0
     seconds: float = 0.0
     cpu_seconds: float = 0.0  # this process and its ptxas runs
 
@@ -152,33 +167,12 @@ class CompileRun:
         return [s for s in self.specs.values() if name in s.name]
 
 
-def _warm_up_instead_of_launch(run: CompileRun):
-    def getitem(self: JITFunction, grid):
-        def warm_up(*args, **kwargs):
-            log = io.StringIO()
-            # knobs.nvidia.dump_ptxas_log makes make_cubin print ptxas -v.
-            with contextlib.redirect_stdout(log):
-                kernel = self.run(*args, grid=grid, warmup=True, **kwargs)
-            run.launches += 1
-            if kernel.hash not in run.specs:
-                run.specs[kernel.hash] = CompiledSpec(
-                    arch=run.arch,
-                    name=kernel.name,
-                    hash=kernel.hash,
-                    signature=dict(kernel.src.signature),
-                    constexprs={
-                        self.arg_names[path[0]]: value
-                        for path, value in kernel.src.constants.items()
-                        if len(path) == 1
-                    },
-                    ptx=kernel.asm["ptx"],
-                    ptxas_log=log.getvalue(),
-                )
-            return kernel
-
-        return warm_up
-
-    return getitem
+@dataclass
+class _Launch:
+    fn: JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict
 
 
 def _cpu_seconds() -> float:
@@ -188,16 +182,59 @@ def _cpu_seconds() -> float:
     return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
-@contextlib.contextmanager
-def compile_only(arch: int, cache_dir):
-    """Within this context every Triton kernel launch compiles for sm_<arch>
-    (PTX + cubin) instead of running; yields the CompileRun collecting them.
+def _record_instead_of_launch(launches: dict, counter: list):
+    """JITFunction.__getitem__ that keeps the first launch of each distinct
+    specialisation (Triton's own cache key, from its own binder) and runs
+    nothing."""
 
-    kv_int8_triton's kernels are rebuilt in compiled (not interpreted) mode
-    for the context and dropped after it."""
+    def getitem(self: JITFunction, grid):
+        def record(*args, **kwargs):
+            device = driver.active.get_current_device()
+            _, key_cache, _, _, binder = self.device_caches[device]
+            bound = {"debug": False, "instrumentation_mode": "", **kwargs}
+            _, specialization, options = binder(*args, **bound)
+            key = (id(self), compute_cache_key(key_cache, specialization, options))
+            launches.setdefault(key, _Launch(self, grid, args, kwargs))
+            counter[0] += 1
+
+        return record
+
+    return getitem
+
+
+def _compile(launch: _Launch, arch: int) -> CompiledSpec:
+    log = io.StringIO()
+    # knobs.nvidia.dump_ptxas_log makes make_cubin print ptxas -v.
+    with contextlib.redirect_stdout(log):
+        kernel = launch.fn.run(
+            *launch.args, grid=launch.grid, warmup=True, **launch.kwargs
+        )
+    return CompiledSpec(
+        arch=arch,
+        name=kernel.name,
+        hash=kernel.hash,
+        signature=dict(kernel.src.signature),
+        constexprs={
+            launch.fn.arg_names[path[0]]: value
+            for path, value in kernel.src.constants.items()
+            if len(path) == 1
+        },
+        ptx=kernel.asm["ptx"],
+        ptxas_log=log.getvalue(),
+    )
+
+
+def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
+    """Run drive() with every Triton launch recorded instead of run, then
+    compile each distinct specialisation it launched for each sm_<arch>
+    (PTX and cubin, Triton's full pipeline with warm-up).
+
+    kv_int8_triton's kernels are built in compiled (not interpreted) mode for
+    this and dropped after it."""
     from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
 
-    run = CompileRun(arch)
+    launches, counter = {}, [0]
+    runs = {}
     previous_driver = driver._active
     with (
         pytest.MonkeyPatch.context() as mp,
@@ -206,21 +243,33 @@ def compile_only(arch: int, cache_dir):
         knobs.nvidia.scope(),
     ):
         mp.delenv("TRITON_INTERPRET", raising=False)
-        mp.setattr(JITFunction, "__getitem__", _warm_up_instead_of_launch(run))
         knobs.cache.dir = str(cache_dir)
         # A cached cubin would skip ptxas and with it the spill report.
         knobs.compilation.always_compile = True
         knobs.nvidia.dump_ptxas_log = True
         kt.reset_kernels()
-        driver.set_active(TargetOnlyDriver(arch))
-        start, cpu_start = time.perf_counter(), _cpu_seconds()
         try:
-            yield run
+            driver.set_active(TargetOnlyDriver(archs[0]))
+            with pytest.MonkeyPatch.context() as recording:
+                recording.setattr(
+                    JITFunction,
+                    "__getitem__",
+                    _record_instead_of_launch(launches, counter),
+                )
+                drive()
+            for arch in archs:
+                driver.set_active(TargetOnlyDriver(arch))
+                run = runs[arch] = CompileRun(arch, launches=counter[0])
+                start, cpu_start = time.perf_counter(), _cpu_seconds()
+                for launch in launches.values():
+                    spec = _compile(launch, arch)
+                    run.specs.setdefault(spec.hash, spec)
+                run.seconds = time.perf_counter() - start
+                run.cpu_seconds = _cpu_seconds() - cpu_start
         finally:
-            run.seconds = time.perf_counter() - start
-            run.cpu_seconds = _cpu_seconds() - cpu_start
             driver.set_active(previous_driver)
             kt.reset_kernels()
+    return runs
 
 
 # --- driving the pool's launch sites ----------------------------------------
@@ -358,11 +407,9 @@ def pool_grid() -> list[PoolCase]:
     return cases
 
 
-def compile_grid(arch: int, cache_dir) -> CompileRun:
-    with compile_only(arch, cache_dir) as run:
-        for case in pool_grid():
-            drive_pool(case)
-    return run
+def drive_pool_grid() -> None:
+    for case in pool_grid():
+        drive_pool(case)
 
 
 def summary(run: CompileRun) -> dict:
@@ -397,16 +444,16 @@ def _worker_main(argv: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import conftest  # noqa: F401  (the CPU stand-ins, before sglang)
 
-    out = Path(argv[0])
-    for arch in map(int, argv[1:]):
-        with tempfile.TemporaryDirectory() as cache_dir:
-            run = compile_grid(arch, cache_dir)
+    out, archs = Path(argv[0]), [int(a) for a in argv[1:]]
+    with tempfile.TemporaryDirectory() as cache_dir:
+        runs = compile_for_targets(drive_pool_grid, archs, cache_dir)
+    for arch, run in runs.items():
         (out / f"sm_{arch}.json").write_text(json.dumps(summary(run)))
 
 
 def compile_grid_in_workers(archs, out_dir, jobs: int) -> dict[int, dict]:
     """Compile the grid for each target in `jobs` parallel processes (Triton
-    compiles under the GIL, one kernel at a time per process)."""
+    compiles one kernel at a time per process); each drives the pool once."""
     import json
     import os
     import subprocess
