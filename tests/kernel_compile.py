@@ -379,7 +379,7 @@ def pool_grid() -> list[PoolCase]:
     every geometry at page size 16, a subset at 1 and 64) for both device
     dtypes and both host-access modes; every device index kind on the
     odd-head geometry; and pools whose host buffers exceed 2**31 elements."""
-    from test_int8_host_pool import GEOMETRIES, LAYOUTS
+    from test_int8_host_pool import LAYOUTS
     from test_kv_int8_triton import DTYPES, POOL_CASES
 
     cases = [
