@@ -1,0 +1,490 @@
+"""Compile the INT8 host pool's Triton kernels for NVIDIA GPUs on a CPU-only machine.
+
+Triton picks its compile target from the active driver. TargetOnlyDriver is a
+stand-in that reports a CUDA target (sm_80/86/89/90) and nothing else; with
+it active, the pool's real launch sites (MHATokenToKVPoolINT8Host backup and
+restore -> kv_int8_triton.encode_gather / decode_scatter) run as usual, and
+every `kernel[grid](...)` they reach is recorded instead of launched, keeping
+the first launch of each distinct specialisation (Triton's own binder and
+cache key). Each of those is then compiled for each target with Triton's
+warm-up on the recorded arguments: PTX and, by Triton's bundled ptxas, a
+cubin, never launched.
+
+What is checked on each compiled kernel (CompiledSpec.problems):
+  * ptxas reports no register spills (its `-v` log, captured per compile);
+  * the PTX keeps the arithmetic kv_int8_codec's bit-exactness rests on:
+    every fp32 division is IEEE `div.rn.f32` (no `div.approx`/`div.full`,
+    no `rcp.approx`); every fp32 -> fp16 conversion is `cvt.rn.f16.f32`
+    (round to nearest even, no flush-to-zero, no saturation), and the only
+    fp16 arithmetic is the round-to-nearest multiply LLVM may narrow the fp16
+    decode to (same single rounding of the exact q * s); the only
+    flush-to-zero instruction is libdevice's floor (`cvt.rmi.ftz.f32.f32`,
+    harmless per kv_int8_triton's docstring); and the NaN tests (x != x) were
+    not folded away.
+Test-only: nothing here is part of the product.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import resource
+import time
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction, compute_cache_key
+
+ARCHS = (80, 86, 89, 90)
+
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_F32_DIV = re.compile(r"\b(div(?:\.[a-z0-9]+)*\.f32)\b")
+_TO_F16 = re.compile(r"\b(cvt(?:\.[a-z0-9]+)*\.f16(?:x2)?\.f32)\b")
+_RNE_TO_F16 = {"cvt.rn.f16.f32", "cvt.rn.f16x2.f32"}
+# LLVM may narrow fptrunc(fp32(q) * fp32(s)) to an fp16 multiply: the same
+# single RNE rounding of the exact product (fp32 holds it: 11 + 11 <= 24 bits).
+_F16_MATH = re.compile(r"\b((?:add|sub|mul|fma|div)(?:\.[a-z0-9]+)*\.f16(?:x2)?)\b")
+_RNE_F16_MUL = {"mul.f16", "mul.rn.f16", "mul.f16x2", "mul.rn.f16x2"}
+_FTZ = re.compile(r"\b([a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*)\b")
+_NAN_TEST = re.compile(r"\b(setp\.(?:nan|neu|equ)\.f32|testp\.notanumber\.f32)\b")
+_ALLOWED_FTZ = {"cvt.rmi.ftz.f32.f32"}  # libdevice floor (enable_reflect_ftz)
+
+
+class TargetOnlyDriver:
+    """Triton driver stand-in: a CUDA target for the compiler, no device.
+
+    Each target gets its own device key, so Triton keeps a separate kernel
+    cache per target. Anything that would touch a GPU (loading a cubin,
+    launching) is not provided and fails loudly if reached."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+
+    def is_active(self) -> bool:
+        return True
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", self.arch, 32)
+
+    def get_current_device(self) -> str:
+        return f"compile-only-sm_{self.arch}"
+
+    def get_current_stream(self, device=None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+@dataclass
+class CompiledSpec:
+    """One distinct kernel specialisation compiled for one target."""
+
+    arch: int
+    name: str
+    hash: str
+    signature: dict
+    constexprs: dict
+    ptx: str
+    ptxas_log: str
+
+    @property
+    def is_bf16(self) -> bool:
+        return bool(self.constexprs.get("IS_BF16"))
+
+    def describe(self) -> str:
+        types = ",".join(str(t) for t in self.signature.values() if t != "constexpr")
+        consts = ",".join(f"{k}={v}" for k, v in self.constexprs.items())
+        return f"sm_{self.arch} {self.name}({types}; {consts}) [{self.hash[:12]}]"
+
+    def spill_bytes(self) -> int | None:
+        found = _SPILLS.findall(self.ptxas_log)
+        return sum(int(a) + int(b) for a, b in found) if found else None
+
+    def problems(self) -> list[str]:
+        return ptxas_problems(self.ptxas_log) + ptx_problems(
+            self.ptx, self.name, self.is_bf16
+        )
+
+
+def ptxas_problems(log: str) -> list[str]:
+    found = _SPILLS.findall(log)
+    if not found:
+        return ["no ptxas -v report (was the kernel compiled here?)"]
+    spills = [(int(a), int(b)) for a, b in found if int(a) or int(b)]
+    return [f"register spills: {st} B stored, {ld} B loaded" for st, ld in spills]
+
+
+def ptx_problems(ptx: str, name: str, is_bf16: bool) -> list[str]:
+    """The PTX properties the codec's bit-exactness argument relies on."""
+    encode = "encode" in name
+    problems = []
+    divs = set(_F32_DIV.findall(ptx))
+    if divs - {"div.rn.f32"}:
+        problems.append(f"non-IEEE fp32 division: {sorted(divs - {'div.rn.f32'})}")
+    if encode and "div.rn.f32" not in divs:
+        problems.append("encode has no IEEE division (div.rn.f32)")
+    if re.search(r"\brcp\.approx", ptx):
+        problems.append("approximate reciprocal (rcp.approx)")
+    to_f16 = set(_TO_F16.findall(ptx))
+    if to_f16 - _RNE_TO_F16:
+        problems.append(f"fp32->fp16 not plain RNE: {sorted(to_f16 - _RNE_TO_F16)}")
+    f16_math = set(_F16_MATH.findall(ptx))
+    if f16_math - _RNE_F16_MUL:
+        problems.append(
+            f"fp16 arithmetic beyond RNE mul: {sorted(f16_math - _RNE_F16_MUL)}"
+        )
+    if encode and not to_f16:
+        problems.append("no fp32->fp16 scale conversion (cvt.rn.f16.f32)")
+    if not encode and not is_bf16 and not (to_f16 or f16_math):
+        problems.append(
+            "fp16 decode neither converts (cvt.rn.f16.f32) nor multiplies in fp16"
+        )
+    ftz = set(_FTZ.findall(ptx)) - _ALLOWED_FTZ
+    if ftz:
+        problems.append(f"flush-to-zero instructions: {sorted(ftz)}")
+    if (encode or is_bf16) and not _NAN_TEST.search(ptx):
+        problems.append("NaN test (x != x) folded away: no unordered fp32 compare")
+    return problems
+
+
+@dataclass
+class CompileRun:
+    """The distinct specialisations one drive launched, compiled for one target."""
+
+    arch: int
+    launches: int  # kernel launches the drive made (all compiled from specs)
+    specs: dict[str, CompiledSpec] = field(default_factory=dict)
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process and its ptxas runs
+
+    def by_name(self, name: str) -> list[CompiledSpec]:
+        return [s for s in self.specs.values() if name in s.name]
+
+
+@dataclass
+class _Launch:
+    fn: JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+def _cpu_seconds() -> float:
+    usage = [
+        resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    ]
+    return sum(u.ru_utime + u.ru_stime for u in usage)
+
+
+def _record_instead_of_launch(launches: dict, counter: list):
+    """JITFunction.__getitem__ that keeps the first launch of each distinct
+    specialisation (Triton's own cache key, from its own binder) and runs
+    nothing."""
+
+    def getitem(self: JITFunction, grid):
+        def record(*args, **kwargs):
+            device = driver.active.get_current_device()
+            _, key_cache, _, _, binder = self.device_caches[device]
+            bound = {"debug": False, "instrumentation_mode": "", **kwargs}
+            _, specialization, options = binder(*args, **bound)
+            key = (id(self), compute_cache_key(key_cache, specialization, options))
+            launches.setdefault(key, _Launch(self, grid, args, kwargs))
+            counter[0] += 1
+
+        return record
+
+    return getitem
+
+
+def _compile(launch: _Launch, arch: int) -> CompiledSpec:
+    log = io.StringIO()
+    # knobs.nvidia.dump_ptxas_log makes make_cubin print ptxas -v.
+    with contextlib.redirect_stdout(log):
+        kernel = launch.fn.run(
+            *launch.args, grid=launch.grid, warmup=True, **launch.kwargs
+        )
+    return CompiledSpec(
+        arch=arch,
+        name=kernel.name,
+        hash=kernel.hash,
+        signature=dict(kernel.src.signature),
+        constexprs={
+            launch.fn.arg_names[path[0]]: value
+            for path, value in kernel.src.constants.items()
+            if len(path) == 1
+        },
+        ptx=kernel.asm["ptx"],
+        ptxas_log=log.getvalue(),
+    )
+
+
+def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
+    """Run drive() with every Triton launch recorded instead of run, then
+    compile each distinct specialisation it launched for each sm_<arch>
+    (PTX and cubin, Triton's full pipeline with warm-up).
+
+    kv_int8_triton's kernels are built in compiled (not interpreted) mode for
+    this and dropped after it."""
+    from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+
+    launches, counter = {}, [0]
+    runs = {}
+    previous_driver = driver._active
+    with (
+        pytest.MonkeyPatch.context() as mp,
+        knobs.cache.scope(),
+        knobs.compilation.scope(),
+        knobs.nvidia.scope(),
+    ):
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        knobs.cache.dir = str(cache_dir)
+        # A cached cubin would skip ptxas and with it the spill report.
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True
+        kt.reset_kernels()
+        try:
+            driver.set_active(TargetOnlyDriver(archs[0]))
+            with pytest.MonkeyPatch.context() as recording:
+                recording.setattr(
+                    JITFunction,
+                    "__getitem__",
+                    _record_instead_of_launch(launches, counter),
+                )
+                drive()
+            for arch in archs:
+                driver.set_active(TargetOnlyDriver(arch))
+                run = runs[arch] = CompileRun(arch, launches=counter[0])
+                start, cpu_start = time.perf_counter(), _cpu_seconds()
+                for launch in launches.values():
+                    spec = _compile(launch, arch)
+                    run.specs.setdefault(spec.hash, spec)
+                run.seconds = time.perf_counter() - start
+                run.cpu_seconds = _cpu_seconds() - cpu_start
+        finally:
+            driver.set_active(previous_driver)
+            kt.reset_kernels()
+    return runs
+
+
+# --- driving the pool's launch sites ----------------------------------------
+
+# Transfer sizes in pages: n_rows = tokens * heads is a kernel argument, and
+# Triton specialises integers on == 1 and on divisibility by 16; 1, 3 and 16
+# pages reach every class the grid's geometries can produce.
+TRANSFER_PAGES = (1, 3, 16)
+HOST_ACCESS = ("direct", "staged")
+# Device index tensors as the pool can receive them on CUDA: int64 (the
+# allocator's), int32, and an int64 view not 16-byte aligned (a slice of a
+# radix node's indices). Host indices arrive on the CPU and are uploaded into
+# a fresh (aligned) tensor, so only their dtype varies.
+DEVICE_INDEX_KINDS = ("int64", "int32", "int64-unaligned")
+
+
+@dataclass(frozen=True)
+class PoolCase:
+    layout: str
+    page_size: int
+    geometry: tuple[int, int, int]  # (head_num, head_dim, v_head_dim)
+    dtype: torch.dtype
+    host_access: str
+    device_index_kinds: tuple[str, ...] = ("int64",)
+    layer_num: int = 2
+    # Host slots; None: 17 pages. Beyond memory, the host buffers are meta
+    # tensors (shapes and strides only): nothing is launched, nothing touched.
+    host_tokens: int | None = None
+
+    def __str__(self) -> str:
+        h, d, dv = self.geometry
+        return (
+            f"{self.layout}/p{self.page_size}/h{h}d{d}v{dv}/"
+            f"{str(self.dtype).removeprefix('torch.')}/{self.host_access}"
+            + (f"/host{self.host_tokens}" if self.host_tokens else "")
+        )
+
+
+def _device_indices(rows: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "int32":
+        return rows.to(torch.int32)
+    if kind == "int64-unaligned":
+        padded = torch.empty(len(rows) + 1, dtype=torch.int64)
+        padded[1:] = rows
+        view = padded[1:]
+        assert view.data_ptr() % 16 != 0
+        return view
+    return rows.clone()
+
+
+def _meta_alloc(dims, dtype, device, pin_memory, allocator):
+    return torch.empty(dims, dtype=dtype, device="meta")
+
+
+def drive_pool(case: PoolCase) -> None:
+    """Backups and per-layer restores of every transfer size through a real
+    MHATokenToKVPoolINT8Host with the fused kernels selected."""
+    from hicache_harness import Geometry, make_device_pool, make_host_pool
+
+    from sglang.srt.mem_cache.pool_host import base, mha_int8
+
+    head_num, head_dim, v_head_dim = case.geometry
+    p = case.page_size
+    geo = Geometry(
+        layer_num=case.layer_num,
+        head_num=head_num,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        dtype=case.dtype,
+        page_size=p,
+    )
+    pages = max(TRANSFER_PAGES) + 1
+    device_pool = make_device_pool(geo, device_tokens=pages * p)
+    with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
+        if case.host_tokens is not None:
+            mp.setattr(mha_int8, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
+        pool = make_host_pool(
+            device_pool,
+            host_tokens=case.host_tokens or pages * p,
+            layout=case.layout,
+            host_pool_cls=mha_int8.MHATokenToKVPoolINT8Host,
+        )
+    pool.use_fused_kernels = True
+    pool.fused_host_access = case.host_access
+    for n_pages in TRANSFER_PAGES:
+        tokens = n_pages * p
+        rows = torch.arange(p, p + tokens)  # device page 0 is the padding page
+        host = torch.arange(pool.size - tokens, pool.size)  # the top slots
+        for kind in case.device_index_kinds:
+            dev = _device_indices(rows, kind)
+            pool.backup_from_device_all_layer(device_pool, host.clone(), dev, "kernel")
+            # One index pair for every layer of a restore, as the controller does.
+            restore_host = host.clone()
+            for layer in range(case.layer_num):
+                pool.load_to_device_per_layer(
+                    device_pool, restore_host, dev, layer, "kernel"
+                )
+    if pool.fused_host_access != case.host_access:
+        raise AssertionError(f"{case}: the pool left {case.host_access} access")
+
+
+# --- the grid, and one worker process per group of targets -------------------
+
+
+def pool_grid() -> list[PoolCase]:
+    """The test suite's pool grid (tests/test_kv_int8_triton.py POOL_CASES:
+    every geometry at page size 16, a subset at 1 and 64) for both device
+    dtypes and both host-access modes; every device index kind on the
+    odd-head geometry; and pools whose host buffers exceed 2**31 elements."""
+    from test_int8_host_pool import LAYOUTS
+    from test_kv_int8_triton import DTYPES, POOL_CASES
+
+    cases = [
+        PoolCase(layout, page_size, geometry, dtype, access)
+        for layout, page_size, geometry in POOL_CASES
+        for dtype in DTYPES
+        for access in HOST_ACCESS
+    ]
+    cases += [
+        PoolCase(layout, page_size, (3, 64, 64), dtype, access, DEVICE_INDEX_KINDS)
+        for layout in LAYOUTS
+        for page_size in (1, 16)
+        for dtype in DTYPES
+        for access in HOST_ACCESS
+    ]
+    # Element offsets past 2**31: layer_first's layer stride itself (an i64
+    # kernel argument), page_first's unit * stride (int64 in the kernel).
+    # Staging strides do not depend on the pool size, so direct access only.
+    huge = (1 << 31) // (8 * 128) + 64
+    cases += [
+        PoolCase(layout, 64, (8, 128, 128), dtype, "direct", host_tokens=huge)
+        for layout in LAYOUTS
+        for dtype in DTYPES
+    ]
+    return cases
+
+
+def drive_pool_grid() -> None:
+    for case in pool_grid():
+        drive_pool(case)
+
+
+def summary(run: CompileRun) -> dict:
+    """What the tests assert on, as JSON."""
+    return {
+        "arch": run.arch,
+        "launches": run.launches,
+        "seconds": round(run.seconds, 1),
+        "cpu_seconds": round(run.cpu_seconds, 1),
+        "specs": [
+            {
+                "describe": spec.describe(),
+                "name": spec.name,
+                "signature": spec.signature,
+                "constexprs": {k: v for k, v in spec.constexprs.items()},
+                "spill_bytes": spec.spill_bytes(),
+                "problems": spec.problems(),
+            }
+            for spec in run.specs.values()
+        ],
+    }
+
+
+def _worker_main(argv: list[str]) -> None:
+    """python tests/kernel_compile.py OUT_DIR ARCH...: compile the grid for
+    each target, writing OUT_DIR/sm_<arch>.json."""
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import conftest  # noqa: F401  (the CPU stand-ins, before sglang)
+
+    out, archs = Path(argv[0]), [int(a) for a in argv[1:]]
+    with tempfile.TemporaryDirectory() as cache_dir:
+        runs = compile_for_targets(drive_pool_grid, archs, cache_dir)
+    for arch, run in runs.items():
+        (out / f"sm_{arch}.json").write_text(json.dumps(summary(run)))
+
+
+def compile_grid_in_workers(archs, out_dir, jobs: int) -> dict[int, dict]:
+    """Compile the grid for each target in `jobs` parallel processes (Triton
+    compiles one kernel at a time per process); each drives the pool once."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    groups = [list(archs[i::jobs]) for i in range(jobs) if archs[i::jobs]]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, str(out_dir), *map(str, group)],
+            env=os.environ.copy(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for group in groups
+    ]
+    logs = [p.communicate()[0] for p in procs]
+    results = {}
+    for group, proc, log in zip(groups, procs, logs):
+        if proc.returncode:
+            raise AssertionError(
+                f"compile worker for sm_{group} failed ({proc.returncode}):\n"
+                + log[-6000:]
+            )
+        for arch in group:
+            results[arch] = json.loads(Path(out_dir, f"sm_{arch}.json").read_text())
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+
+    _worker_main(sys.argv[1:])

@@ -1,0 +1,157 @@
+"""The INT8 host pool's Triton kernels compile for every NVIDIA target we ship
+for (sm_80, sm_86, sm_89, sm_90), without a GPU.
+
+Every specialisation the pool can launch over the test grid is compiled
+through the pool's real launch sites with the pinned Triton and its bundled
+ptxas (tests/kernel_compile.py), then checked: no compile error, no register
+spill, and the PTX keeps the IEEE arithmetic kv_int8_codec's bit-exactness
+argument relies on. The last tests break a kernel on purpose and show each
+kind of breakage fails the check.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import textwrap
+import time
+
+import pytest
+import torch
+from kernel_compile import (
+    ARCHS,
+    TRANSFER_PAGES,
+    PoolCase,
+    compile_for_targets,
+    compile_grid_in_workers,
+    drive_pool,
+    ptx_problems,
+)
+from triton.compiler.errors import CompilationError
+
+from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+
+JOBS = max(1, min(len(ARCHS), os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel-compile")
+    start = time.perf_counter()
+    results = compile_grid_in_workers(ARCHS, out, JOBS)
+    wall = time.perf_counter() - start
+    for arch, run in results.items():
+        print(
+            f"sm_{arch}: {len(run['specs'])} distinct specialisations from "
+            f"{run['launches']} launches in {run['seconds']} s "
+            f"({run['cpu_seconds']} CPU s)"
+        )
+    print(f"kernel compile check: {wall:.0f} s wall with {JOBS} worker(s)")
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_pool_kernel_compiles_cleanly(compiled, arch):
+    specs = compiled[arch]["specs"]
+    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
+    assert not problems, "\n".join(problems)
+    # The grid reached both kernels for both device dtypes, every unit size
+    # (page_size 1/16/64 and layer_first's 1) and the i64-stride pool.
+    kinds = {
+        ("encode" in s["name"], s["constexprs"].get("IS_BF16"))
+        for s in specs
+        if "encode" in s["name"] or "decode" in s["name"]
+    }
+    assert kinds == {(e, b) for e in (True, False) for b in (True, False)}
+    assert {s["constexprs"].get("UT") for s in specs} >= {1, 16, 64}
+    assert any("i64" in s["signature"].values() for s in specs if "encode" in s["name"])
+
+
+# --- the check fails on broken kernels ---------------------------------------
+
+SMALL = PoolCase("page_first", 16, (2, 128, 128), torch.bfloat16, "direct")
+
+
+class _DivRnToSlash(ast.NodeTransformer):
+    """tl.math.div_rn(a, b) -> a / b: Triton's fast (approximate) division."""
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "div_rn":
+            return ast.BinOp(node.args[0], ast.Div(), node.args[1])
+        return node
+
+
+class _PrependTypeError(ast.NodeTransformer):
+    """A first statement that shifts a float tensor: a Triton type error."""
+
+    def visit_FunctionDef(self, node):
+        bad = ast.parse("_bad = tl.arange(0, BLOCK_R).to(tl.float32) << 1").body
+        node.body = bad + node.body
+        return node
+
+
+def _mutant(fn, transformer, tmp_path):
+    """fn's source rewritten by transformer, in fn's module namespace. The
+    source is written to a file so Triton can read it back (inspect)."""
+    tree = transformer.visit(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+    source = ast.unparse(ast.fix_missing_locations(tree))
+    assert source != ast.unparse(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+    path = tmp_path / f"{fn.__name__}_mutant.py"
+    path.write_text(source)
+    namespace = {}
+    exec(compile(source, str(path), "exec"), fn.__globals__, namespace)
+    return namespace[fn.__name__]
+
+
+def compile_small(arch, tmp_path):
+    runs = compile_for_targets(lambda: drive_pool(SMALL), (arch,), tmp_path / "cache")
+    return runs[arch]
+
+
+def test_type_error_in_a_kernel_fails_compilation(tmp_path, monkeypatch):
+    broken = _mutant(kt._decode_rows_src, _PrependTypeError(), tmp_path)
+    monkeypatch.setattr(kt, "_decode_rows_src", broken)
+    with pytest.raises(CompilationError):
+        compile_small(86, tmp_path)
+
+
+def test_approximate_division_is_reported(tmp_path, monkeypatch):
+    broken = _mutant(kt._encode_rows_src, _DivRnToSlash(), tmp_path)
+    monkeypatch.setattr(kt, "_encode_rows_src", broken)
+    run = compile_small(86, tmp_path)
+    (encode,) = run.by_name("encode")
+    assert "div.full.f32" in encode.ptx
+    assert any("non-IEEE fp32 division" in p for p in encode.problems())
+    assert any("no IEEE division" in p for p in encode.problems())
+    assert all(not spec.problems() for spec in run.by_name("decode"))
+
+
+def test_register_spill_is_reported(tmp_path, monkeypatch):
+    # A tile far past the register file: ptxas has to spill.
+    monkeypatch.setattr(kt, "ENCODE_TILE", 1 << 15)
+    (encode,) = compile_small(86, tmp_path).by_name("encode")
+    assert encode.spill_bytes() > 0
+    assert any("register spills" in p for p in encode.problems())
+
+
+def test_ptx_checks_flag_non_ieee_fp16_and_missing_nan_test(tmp_path):
+    run = compile_small(89, tmp_path)
+    # Direct access: one backup launch and one restore launch per layer.
+    assert run.launches == len(TRANSFER_PAGES) * (1 + SMALL.layer_num)
+    (encode,) = run.by_name("encode")
+    assert encode.problems() == []
+    ptx = encode.ptx
+
+    def flagged(text, what):
+        return any(what in p for p in ptx_problems(text, encode.name, True))
+
+    assert not flagged(ptx, "")
+    assert flagged(ptx.replace("cvt.rn.f16.f32", "cvt.rn.ftz.f16.f32"), "not plain RNE")
+    assert flagged(ptx.replace("cvt.rn.f16.f32", "cvt.rz.f16.f32"), "not plain RNE")
+    assert flagged(ptx.replace("div.rn.f32", "div.approx.f32"), "non-IEEE")
+    assert flagged(ptx + "\n\tmul.rz.f16 %rs1, %rs2, %rs3;", "fp16 arithmetic")
+    assert flagged(ptx + "\n\tabs.ftz.f32 %f1, %f2;", "flush-to-zero")
+    no_nan = ptx.replace("setp.nan.f32", "setp.lt.f32")
+    assert flagged(no_nan.replace("setp.neu.f32", "setp.ne.f32"), "NaN test")
