@@ -90,7 +90,7 @@ STANDINS = install_gpu_standins()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec  # noqa: E402
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt  # noqa: E402
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt  # noqa: E402
 from sglang.srt.mem_cache.pool_host import mha as stock_mha  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha_int8 import (  # noqa: E402

@@ -6,6 +6,7 @@ exactly one thing a CPU-only machine lacks and says which.
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PATCHED_TREE = REPO_ROOT / "build" / "sglang" / "python"
+PATCHED_TREE = Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang") / "python"
 
 
 def install_torchvision_stub() -> None:

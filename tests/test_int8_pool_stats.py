@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -1,4 +1,4 @@
-"""Fused INT8 host-pool kernels (pool_host/kv_int8_triton.py) under the Triton
+"""Fused INT8 host-pool kernels (kernels/ops/kvcache/kv_int8_triton.py) under the Triton
 interpreter (TRITON_INTERPRET=1), against the reference torch codec and the
 pool's torch path: same int8 and fp16 bytes on encode, same output values on
 decode (NaN rows: NaN), for every layout, page size and geometry the pool
@@ -26,7 +26,7 @@ from hicache_harness import (
     make_rig,
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host import mha_int8
 from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
 from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows

@@ -12,6 +12,7 @@ import unittest
 from types import SimpleNamespace
 
 import torch
+
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,

@@ -12,6 +12,7 @@ import ctypes
 import unittest
 
 import torch
+
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.test.ci.ci_register import register_cpu_ci

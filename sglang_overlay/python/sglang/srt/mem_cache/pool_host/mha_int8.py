@@ -74,13 +74,14 @@ per-row amax backed up, per layer, K and V) and `invalid_host_index_count()`.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
 import torch
+
+from sglang.kernels.ops.kvcache import kv_int8_triton as fused
+from sglang.srt.environ import envs
 from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as fused
 from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
@@ -118,13 +119,6 @@ def _expect_same(step, name, layer, got, want) -> None:
         )
 
 
-def int8_host_bytes_ratio(buffer_info: MHABufferInfo) -> float:
-    """Host bytes of the INT8 copy per device byte of the same tokens."""
-    dims = buffer_info.head_dim + buffer_info.v_head_dim
-    encoded = dims + 2 * codec.SCALE_DTYPE.itemsize
-    return encoded / (dims * buffer_info.dtype.itemsize)
-
-
 class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
     """MHA host pool holding INT8 KV records and FP16 scales (format above).
 
@@ -137,6 +131,12 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
     # lives; the controller passes indices through unmoved.
     transfers_own_indices = True
     storage_format_tag = "int8-fp16scale-v1"
+
+    @classmethod
+    def host_bytes_per_device_byte(cls, buffer_info: MHABufferInfo) -> float:
+        dims = buffer_info.head_dim + buffer_info.v_head_dim
+        encoded = dims + 2 * codec.SCALE_DTYPE.itemsize
+        return encoded / (dims * buffer_info.dtype.itemsize)
 
     def __init__(
         self,
@@ -340,7 +340,7 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             torch.cuda.current_stream(dev).synchronize()
 
     def _select_transfer_path(self, dev: torch.device) -> None:
-        mode = os.environ.get(_FUSED_ENV, "auto").strip().lower() or "auto"
+        mode = envs.SGLANG_HICACHE_INT8_FUSED.get().strip().lower() or "auto"
         if mode not in ("auto", "off", *FUSED_HOST_ACCESS):
             raise ValueError(
                 f"{_FUSED_ENV} must be auto, off, direct or staged; got {mode!r}"

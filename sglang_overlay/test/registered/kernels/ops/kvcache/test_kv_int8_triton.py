@@ -6,21 +6,22 @@ pool's fused path must match its torch path in every layout. On CUDA the
 kernels are compiled and the host buffers are pinned; without CUDA they run
 under the Triton interpreter (switched on for this module only).
 
-    python -m pytest test/registered/unit/mem_cache/test_kv_int8_triton.py -v
+    python -m pytest test/registered/kernels/ops/kvcache/test_kv_int8_triton.py -v
 """
 
 import os
 import unittest
 
 import torch
+
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
-register_cuda_ci(est_time=30, stage="base-a", runner_config="1-gpu-small")
+register_cuda_ci(est_time=30, stage="base-b-kernel-unit", runner_config="1-gpu-small")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
