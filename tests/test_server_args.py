@@ -302,6 +302,12 @@ def test_int8_accepts_supported_combinations_before_the_model(
     )
 
 
+def test_unknown_host_dtype_is_refused_at_start_up():
+    # The one place that validates the flag; the pool dispatch does not.
+    with pytest.raises(ValueError, match="--hicache-host-dtype must be 'auto' or 'int8'"):
+        resolve(hicache_host_dtype="int4")
+
+
 @pytest.mark.parametrize("io_backend", INT8_IO_BACKENDS)
 @pytest.mark.parametrize("layout", INT8_LAYOUTS)
 def test_int8_resolves_every_layout_io_pair_as_the_stock_pool(
