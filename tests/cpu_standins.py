@@ -6,6 +6,7 @@ exactly one thing a CPU-only machine lacks and says which.
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import sys
 import types
@@ -44,6 +45,8 @@ def install_torchvision_stub() -> None:
     for name in names:
         module = types.ModuleType(name)
         module.__path__ = []  # a package, so submodule imports resolve
+        # importlib.util.find_spec (datasets asks at import) needs a spec.
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
         module.InterpolationMode = InterpolationMode
         sys.modules[name] = module
     for name in names[1:]:

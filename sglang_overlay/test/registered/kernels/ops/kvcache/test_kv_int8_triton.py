@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 register_cuda_ci(est_time=30, stage="base-b-kernel-unit", runner_config="1-gpu-small")
@@ -35,7 +36,7 @@ def _bits(t):
     return t.view({1: torch.int8, 2: torch.int16}[t.element_size()])
 
 
-class TestKVInt8Triton(unittest.TestCase):
+class TestKVInt8Triton(CustomTestCase):
     @classmethod
     def setUpClass(cls):
         cls._interpret = os.environ.get("TRITON_INTERPRET")
