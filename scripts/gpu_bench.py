@@ -90,11 +90,11 @@ STANDINS = install_gpu_standins()
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec  # noqa: E402
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt  # noqa: E402
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt  # noqa: E402
 from sglang.srt.mem_cache.pool_host import mha as stock_mha  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha_int8 import (  # noqa: E402
-    MHATokenToKVPoolINT8Host,
+from sglang.srt.mem_cache.pool_host.mha_int8_fused import (  # noqa: E402
+    MHATokenToKVPoolINT8FusedHost,
 )
 
 TARGET_RESTORE = 0.65
@@ -361,7 +361,7 @@ def build_config(device, geo, layout, page, max_tokens, pin, stock_jit):
     for buf in dev_pool.k_buffer + dev_pool.v_buffer:
         buf.normal_(generator=g)
     int8 = make_host_pool(
-        dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
+        dev_pool, cls=MHATokenToKVPoolINT8FusedHost, layout=layout,
         host_tokens=max_tokens + page, pin_memory=pin,
     )  # fmt: skip
     if not stock_jit:

@@ -614,6 +614,8 @@ class PullRequest:
     title: str
     overlay_subject: str
     overlay_body: str
+    tests_subject: str
+    tests_body: str
     patches: list[str]  # names in patches/series, in series order
     overlay: list[Path]  # paths under sglang_overlay/
     justify: dict[str, str]  # upstream path -> why the PR edits it
@@ -657,6 +659,8 @@ def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
                 title=entry["title"],
                 overlay_subject=entry.get("overlay_subject", ""),
                 overlay_body=entry.get("overlay_body", ""),
+                tests_subject=entry.get("tests_subject", ""),
+                tests_body=entry.get("tests_body", ""),
                 patches=[n for n in series if _matches(n, entry["patches"])],
                 overlay=[Path(p) for p in overlay if _matches(p, entry["overlay"])],
                 justify=dict(entry.get("justify", {})),
@@ -672,8 +676,10 @@ def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
                 where = ", ".join(owners) if owners else "no PR"
                 problems.append(f"{kind} {item} belongs to {where}; it must belong to exactly one")
     for pr in prs:
-        if pr.overlay and not pr.overlay_subject:
-            problems.append(f"PR {pr.name} adds overlay files but declares no overlay_subject")
+        if any(rel.parts[0] != "test" for rel in pr.overlay) and not pr.overlay_subject:
+            problems.append(f"PR {pr.name} adds overlay modules but declares no overlay_subject")
+        if any(rel.parts[0] == "test" for rel in pr.overlay) and not pr.tests_subject:
+            problems.append(f"PR {pr.name} adds overlay tests but declares no tests_subject")
     if problems:
         raise OverlayError(
             f"{path.relative_to(ROOT)} does not match the series:\n  " + "\n  ".join(problems)
@@ -708,17 +714,33 @@ def export_identity() -> dict[str, str]:
     }
 
 
+def _upstream_subject(message: str) -> str:
+    """`HiCache: do x` (our series) as upstream's `[HiCache] Do x`."""
+    subject, _, rest = message.partition("\n")
+    match = re.match(r"HiCache: (.)(.*)", subject)
+    if match:
+        subject = f"[HiCache] {match.group(1).upper()}{match.group(2)}"
+    return subject + ("\n" + rest if rest else "\n")
+
+
+def _commit_files(work: Path, files: list[Path], message: str, identity: dict[str, str]) -> None:
+    for rel in files:
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(OVERLAY_DIR / rel, work / rel)
+    git(work, "add", "--", *[rel.as_posix() for rel in files])
+    git(work, "commit", "-q", "-m", message, env_extra=identity)
+
+
 def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
-    """The PR's commits on top of `work`'s HEAD: its overlay files, then its patches."""
+    """The PR's commits on top of `work`'s HEAD: its new modules, its patches, then
+    its tests, so that every commit builds and passes the tests it carries."""
     author = f"{identity['GIT_AUTHOR_NAME']} <{identity['GIT_AUTHOR_EMAIL']}>"
-    if pr.overlay:
-        for rel in pr.overlay:
-            (work / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(OVERLAY_DIR / rel, work / rel)
-        git(work, "add", "--", *[rel.as_posix() for rel in pr.overlay])
+    modules = [rel for rel in pr.overlay if rel.parts[0] != "test"]
+    tests = [rel for rel in pr.overlay if rel.parts[0] == "test"]
+    if modules:
         body = pr.overlay_body.strip()
         message = pr.overlay_subject + (f"\n\n{body}\n" if body else "")
-        git(work, "commit", "-q", "-m", message, env_extra=identity)
+        _commit_files(work, modules, message, identity)
     for name in pr.patches:
         proc = subprocess.run(
             ["git", "-C", str(work), "am", "-q", "--keep-cr", str(PATCH_DIR / name)],
@@ -731,10 +753,15 @@ def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
                 f"plus the PRs before it (check the order in docs/prs.toml):\n"
                 f"{(proc.stdout + proc.stderr).strip()}"
             )
+        message = _upstream_subject(git(work, "log", "-1", "--format=%B"))
         git(
-            work, "commit", "-q", "--amend", "--no-edit", f"--author={author}",
+            work, "commit", "-q", "--amend", "-m", message, f"--author={author}",
             f"--date={identity['GIT_AUTHOR_DATE']}", env_extra=identity,
         )  # fmt: skip
+    if tests:
+        body = pr.tests_body.strip()
+        message = pr.tests_subject + (f"\n\n{body}\n" if body else "")
+        _commit_files(work, tests, message, identity)
 
 
 def _upstream_edits(work: Path, base: str, pr: PullRequest) -> tuple[str, list[str]]:

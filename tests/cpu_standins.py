@@ -6,6 +6,8 @@ exactly one thing a CPU-only machine lacks and says which.
 
 from __future__ import annotations
 
+import importlib.machinery
+import os
 import sys
 import types
 from pathlib import Path
@@ -13,7 +15,7 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PATCHED_TREE = REPO_ROOT / "build" / "sglang" / "python"
+PATCHED_TREE = Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang") / "python"
 
 
 def install_torchvision_stub() -> None:
@@ -43,6 +45,8 @@ def install_torchvision_stub() -> None:
     for name in names:
         module = types.ModuleType(name)
         module.__path__ = []  # a package, so submodule imports resolve
+        # importlib.util.find_spec (datasets asks at import) needs a spec.
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
         module.InterpolationMode = InterpolationMode
         sys.modules[name] = module
     for name in names[1:]:

@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.pool_host.mha import (
     get_mha_host_pool_cls,
 )
 from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 
@@ -242,9 +243,9 @@ def test_dispatch_by_host_dtype():
     info = make_device_pool(geo, 16).get_device_pool_infos()[0].buffer_info
     assert get_mha_host_pool_cls(info) is MHATokenToKVPoolHost
     assert get_mha_host_pool_cls(info, host_dtype="auto") is MHATokenToKVPoolHost
-    assert get_mha_host_pool_cls(info, host_dtype="int8") is MHATokenToKVPoolINT8Host
-    with pytest.raises(ValueError, match="--hicache-host-dtype"):
-        get_mha_host_pool_cls(info, host_dtype="int4")
+    # The fused subclass of the INT8 pool: fused kernels on CUDA, torch path here.
+    assert get_mha_host_pool_cls(info, host_dtype="int8") is MHATokenToKVPoolINT8FusedHost
+    assert issubclass(MHATokenToKVPoolINT8FusedHost, MHATokenToKVPoolINT8Host)
 
 
 @pytest.mark.parametrize("layout", ("page_head", "page_unified"))

@@ -1,4 +1,4 @@
-"""Start-up self-check of the INT8 host pool (MHATokenToKVPoolINT8Host.self_check)
+"""Start-up self-check of the INT8 host pool (MHATokenToKVPoolINT8FusedHost.self_check)
 and its transfer-path reporting, run on CPU pools with the fused kernels under
 the Triton interpreter (TRITON_INTERPRET=1).
 
@@ -17,11 +17,12 @@ import pytest
 import torch
 from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-LOGGER = "sglang.srt.mem_cache.pool_host.mha_int8"
+LOGGER = "sglang.srt.mem_cache.pool_host"
+FUSED_LOGGER = "sglang.srt.mem_cache.pool_host.mha_int8_fused"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,7 +40,7 @@ def build(geo: Geometry, layout: str, access: str | None):
     device_pool = make_device_pool(geo, device_tokens=16 * p)
     pool = make_host_pool(
         device_pool, host_tokens=16 * p, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
     )  # fmt: skip
     if access is not None:
         pool.use_fused_kernels = True
@@ -157,7 +158,7 @@ def test_self_check_fault_falls_back_to_torch(monkeypatch, caplog, inject, acces
     assert pool.transfer_path_reason.startswith("self-check failed: ")
     assert cause in pool.transfer_path_reason
     warnings = [
-        r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING
+        r for r in caplog.records if r.name == FUSED_LOGGER and r.levelno == logging.WARNING
     ]
     assert len(warnings) == 1 and cause in warnings[0].getMessage()
     assert f"fused_{access}" in warnings[0].getMessage()

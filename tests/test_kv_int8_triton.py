@@ -1,4 +1,4 @@
-"""Fused INT8 host-pool kernels (pool_host/kv_int8_triton.py) under the Triton
+"""Fused INT8 host-pool kernels (kernels/ops/kvcache/kv_int8_triton.py) under the Triton
 interpreter (TRITON_INTERPRET=1), against the reference torch codec and the
 pool's torch path: same int8 and fp16 bytes on encode, same output values on
 decode (NaN rows: NaN), for every layout, page size and geometry the pool
@@ -26,9 +26,9 @@ from hicache_harness import (
     make_rig,
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host import mha_int8
-from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+from sglang.srt.mem_cache.pool_host import mha_int8, mha_int8_fused
+from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -249,7 +249,7 @@ def pool_round_trip(
     device_pool = make_device_pool(geo, device_tokens=16 * p)
     pool = make_host_pool(
         device_pool, host_tokens=16 * p, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
     )  # fmt: skip
     assert pool.use_fused_kernels is False  # CPU default: the torch path
     if mode is not None:
@@ -332,7 +332,7 @@ def test_pool_nonfinite_rows_and_device_index_dtypes(layout, dtype):
     geo = Geometry(layer_num=3, head_num=3, head_dim=16, page_size=2, dtype=dtype)
     ref = pool_round_trip(geo, layout, None, n_pages=5, poison=True)
     assert ref[2] == 3
-    for mode in mha_int8.FUSED_HOST_ACCESS:
+    for mode in mha_int8_fused.FUSED_HOST_ACCESS:
         got = pool_round_trip(
             geo, layout, mode, n_pages=5, poison=True, device_index_dtype=torch.int32
         )
@@ -373,7 +373,7 @@ def test_host_index_out_of_range_is_rejected():
         device_pool,
         host_tokens=16,
         layout="layer_first",
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
     )
     pool.use_fused_kernels = True
     with pytest.raises(IndexError):
@@ -407,7 +407,7 @@ def build_pool_on(device_pool, device=None, pin_memory=False):
     info = device_pool.get_device_pool_infos()[0].buffer_info
     if device is not None:
         info = msgspec.structs.replace(info, device=device)
-    return MHATokenToKVPoolINT8Host(
+    return MHATokenToKVPoolINT8FusedHost(
         info, 2.0, 0, device_pool.page_size, "page_first",
         pin_memory=pin_memory, device="cpu",
         device_capacity_tokens=device_pool.size,
@@ -477,7 +477,7 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
     geo = Geometry(layer_num=2, head_num=2, head_dim=8, page_size=page_size)
     rig = make_rig(
         geo, device_tokens=32 * page_size, host_tokens=64 * page_size,
-        layout=layout, io_backend="kernel", host_pool_cls=MHATokenToKVPoolINT8Host,
+        layout=layout, io_backend="kernel", host_pool_cls=MHATokenToKVPoolINT8FusedHost,
     )  # fmt: skip
     rig.host_pool.use_fused_kernels = True
     ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
@@ -509,7 +509,7 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
 @pytest.mark.usefixtures("big_tiles")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("page_size", (1, 4))
-@pytest.mark.parametrize("mode", mha_int8.FUSED_HOST_ACCESS)
+@pytest.mark.parametrize("mode", mha_int8_fused.FUSED_HOST_ACCESS)
 def test_fused_unordered_host_slots_round_trip(layout, page_size, mode):
     """The fused kernels (direct, and staged with the per-run copies CUDA
     uses) with host slots out of order, with gaps and backward jumps: the
@@ -528,7 +528,7 @@ def test_unsupported_io_backend_on_fused_load_fails():
     device_pool = make_device_pool(geo, 16)
     pool = make_host_pool(
         device_pool, host_tokens=16, layout="page_first",
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
     )  # fmt: skip
     pool.use_fused_kernels = True
     before = [b.clone() for b in device_pool.k_buffer]

@@ -564,7 +564,8 @@ def declare_prs(project: Path, base_series: list[str]) -> None:
     (project / "docs" / "prs.toml").write_text(
         "[[pr]]\nnumber = 1\nname = \"base\"\ntitle = \"Probe base PR\"\n"
         f"patches = {base_series!r}\noverlay = {repo_overlay!r}\n"
-        "overlay_subject = \"Pipeline probe: base overlay\"\n\n"
+        "overlay_subject = \"Pipeline probe: base overlay\"\n"
+        "tests_subject = \"Pipeline probe: base tests\"\n\n"
         "[[pr]]\nnumber = 2\nname = \"probes\"\ntitle = \"Probe PR on top\"\n"
         "patches = [\"*-Pipeline-probe-*\"]\n"
         f"overlay = [\"{NEW_FILE}\"]\n"
@@ -589,7 +590,11 @@ def test_pr_exports_each_declared_pr_with_its_author_and_description(patched, tm
     assert sorted(p.name for p in pr_root.iterdir()) == ["1-base", "2-probes"]
     first = sorted((pr_root / "1-base").glob("*.patch"))
     second = sorted((pr_root / "2-probes").glob("*.patch"))
-    assert len(first) == bool(overlay_files(REPO)) + len(patched.base_series)
+    # New modules, then the patches, then the tests they carry.
+    repo_overlay = overlay_files(REPO)
+    modules = any(not p.startswith("test/") for p in map(str, repo_overlay))
+    tests = any(p.startswith("test/") for p in map(str, repo_overlay))
+    assert len(first) == modules + len(patched.base_series) + tests
     assert [p.name.split("-", 1)[1] for p in second] == [
         "Pipeline-probe-new-file.patch",
         "Pipeline-probe-mha-marker.patch",

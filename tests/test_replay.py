@@ -113,7 +113,7 @@ def test_budget_capacity_is_the_pools_allocation(sweep):
         assert res.host_tokens == cap.tokens
         assert res.peak_host_used <= res.host_tokens
         expected = (
-            "MHATokenToKVPoolINT8Host" if label == "int8" else "MHATokenToKVPoolHost"
+            "MHATokenToKVPoolINT8FusedHost" if label == "int8" else "MHATokenToKVPoolHost"
         )
         assert cap.pool_class == res.host_pool_class == expected
 
@@ -237,7 +237,7 @@ def test_int8_arm_runs_the_int8_pool_through_the_server_dispatch():
     engine = rp.HiCacheReplay("int8", 3000, SERVING)
     try:
         assert get_memory().hicache_host_dtype == "int8"
-        assert type(engine.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
+        assert type(engine.host_pool).__name__ == "MHATokenToKVPoolINT8FusedHost"
         assert engine.host_pool.size == 3000
     finally:
         engine.close()

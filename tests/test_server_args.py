@@ -302,22 +302,25 @@ def test_int8_accepts_supported_combinations_before_the_model(
     )
 
 
+def test_unknown_host_dtype_is_refused_at_start_up():
+    # The one place that validates the flag; the pool dispatch does not.
+    with pytest.raises(ValueError, match="--hicache-host-dtype must be 'auto' or 'int8'"):
+        resolve(hicache_host_dtype="int4")
+
+
 @pytest.mark.parametrize("io_backend", INT8_IO_BACKENDS)
 @pytest.mark.parametrize("layout", INT8_LAYOUTS)
-def test_int8_keeps_every_layout_io_pair_through_handle_hicache(
+def test_int8_resolves_every_layout_io_pair_as_the_stock_pool(
     models, caplog, layout, io_backend
 ):
-    # Upstream rewrites page_first + direct and page_first_direct + kernel for
-    # the stock pool; the INT8 pool moves every pair itself.
+    # The INT8 pool places its own indices for every pair, so it takes
+    # upstream's layout/io rewrites unchanged instead of a special case.
+    pair = dict(hicache_mem_layout=layout, hicache_io_backend=io_backend)
+    stock = resolve(models["mha"], **pair)
     with caplog.at_level(logging.INFO, logger="sglang.srt.arg_groups.hicache_hook"):
-        server_args = resolve(
-            models["mha"],
-            hicache_host_dtype="int8",
-            hicache_mem_layout=layout,
-            hicache_io_backend=io_backend,
-        )
-    assert resolution_result(server_args, "hicache_mem_layout") == layout
-    assert resolution_result(server_args, "hicache_io_backend") == io_backend
+        server_args = resolve(models["mha"], hicache_host_dtype="int8", **pair)
+    for name in ("hicache_mem_layout", "hicache_io_backend"):
+        assert resolution_result(server_args, name) == resolution_result(stock, name)
     assert resolution_result(server_args, "hicache_host_dtype") == "int8"
     assert "HiCache host KV dtype: int8 (" in caplog.text
 

@@ -8,7 +8,7 @@ from cpu_standins import PATCHED_TREE
 
 UPSTREAM_TESTS = [
     PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mha_int8_host_pool.py",
-    PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_kv_int8_triton.py",
+    PATCHED_TREE.parent / "test/registered/kernels/ops/kvcache/test_kv_int8_triton.py",
     PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_hicache_host_tier_stats.py",
     PATCHED_TREE.parent
     / "test/registered/unit/mem_cache/test_mha_int8_storage_pages.py",

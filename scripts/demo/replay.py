@@ -273,7 +273,7 @@ class HiCacheReplay:
                 f"the dispatch gives {expected_cls.__name__}"
             )
         if self.host_dtype == "int8":
-            assert type(self.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
+            assert type(self.host_pool).__name__ == "MHATokenToKVPoolINT8FusedHost"
         if self.host_pool.size != host_tokens:
             raise AssertionError(
                 f"host pool holds {self.host_pool.size} tokens, wanted {host_tokens}"

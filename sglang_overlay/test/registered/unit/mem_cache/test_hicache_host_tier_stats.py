@@ -12,6 +12,7 @@ import unittest
 from types import SimpleNamespace
 
 import torch
+
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
@@ -19,6 +20,7 @@ from sglang.srt.managers.scheduler_components.metrics_reporter import (
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
@@ -85,7 +87,7 @@ def _logical_bytes(host_pool, num_tokens):
     return HiCacheController._transfer_num_logical_bytes(controller, op, num_bytes)
 
 
-class TestHiCacheHostTierStats(unittest.TestCase):
+class TestHiCacheHostTierStats(CustomTestCase):
     def test_stock_pool_copies_device_dtype_rows(self):
         device_pool, host_pool = _pools("auto")
         _backup(device_pool, host_pool)

@@ -11,11 +11,12 @@ by the encoded bytes.
 import unittest
 
 import torch
+
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
@@ -70,7 +71,7 @@ def _expected(rows):
     return codec.dequantize_reference(q, scale, rows.dtype)
 
 
-class TestMHAInt8HostPool(unittest.TestCase):
+class TestMHAInt8HostPool(CustomTestCase):
     def _round_trip(self, layout, page_size, head_dim=16, v_head_dim=None):
         device_pool = _device_pool(page_size, head_dim=head_dim, v_head_dim=v_head_dim)
         pool = _host_pool(device_pool, layout, host_tokens=16 * page_size)

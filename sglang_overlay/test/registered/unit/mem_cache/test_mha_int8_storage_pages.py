@@ -12,9 +12,11 @@ import ctypes
 import unittest
 
 import torch
+
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.test.ci.ci_register import register_cpu_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=5, suite="base-a-test-cpu")
 
@@ -65,7 +67,7 @@ def _page_records(pool, index):
     return torch.cat([p.contiguous().view(torch.uint8).flatten() for p in parts])
 
 
-class TestMHAInt8StoragePages(unittest.TestCase):
+class TestMHAInt8StoragePages(CustomTestCase):
     def test_flat_page_is_the_l2_records_and_round_trips(self):
         for layout in ("page_first", "page_first_direct", "layer_first"):
             with self.subTest(layout=layout):

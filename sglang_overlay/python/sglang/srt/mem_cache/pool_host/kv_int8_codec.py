@@ -1,83 +1,21 @@
 """INT8 codec for the HiCache host (L2) KV pool.
 
-Format. Symmetric INT8 with one FP16 scale per head row, i.e. per
-(token, layer, K|V, head). The codec sees ``x`` of shape ``[..., head_dim]``
-(bf16 or fp16; fp32 is accepted too) and stores ``q`` int8 ``[..., head_dim]``
-plus ``scale`` float16 ``[...]``:
+Symmetric INT8 with one FP16 scale per head row, i.e. per (token, layer, K|V,
+head). For ``x`` of shape ``[..., head_dim]`` (bf16 or fp16; fp32 accepted)
+the codec stores ``q`` int8 ``[..., head_dim]`` and ``scale`` fp16 ``[...]``:
 
     amax = max(max |x| over head_dim in fp32, finfo(float32).tiny)
-    s32  = amax / 127                        (fp32, correctly rounded)
-    s    = s32 rounded *up* to float16       (next fp16 >= s32; a scale below
-                                              fp16's smallest subnormal becomes
-                                              2**-24)
-    q    = clamp(round_half_even(x / s), -127, 127)   (fp32 true division)
+    s    = amax / 127 (fp32, correctly rounded), rounded *up* to fp16
+    q    = clamp(round_half_even(x / s), -127, 127)
     x^   = sat(float32(q) * float32(s)).to(out_dtype)
 
-where sat clamps to the output dtype's largest finite value (NaN stays NaN).
-
-The floor on amax makes an all-zero row decode to exact zeros (s = 2**-24,
-q = 0) instead of 0/0. Rounding the scale up (rather than to nearest) keeps
-s >= amax/127, so |x/s| <= 127 and the clamp never changes a value of a finite
-row. ``q * s`` has 7 + 11 significant bits, so it is exact in fp32 and the
-decode rounds once, into the output dtype.
-
-Non-finite rows. NaN or +-Inf anywhere in a row, or a finite amax whose scale
-overflows fp16 (|x| > 127 * 65504 ~= 8.3e6), stores scale = NaN and q = 0 for
-the whole row; that row decodes to all NaN. Nothing non-finite can come back
-as a plausible finite value, other rows are untouched, and
-``count_nonfinite_rows`` counts such rows on device without a host sync.
-
-Error bound (``error_bound``). For a finite row of a bf16 or fp16 input,
-elementwise
-
-    |x - x^| <= s/2 + half_ulp_out(x^)
-
-where half_ulp_out is half a unit in the last place of the output dtype at x^
-(8 significant bits for bf16, 11 for fp16, 24 for fp32; the subnormal spacing
-below the smallest normal). The s/2 term is exact, not s/2 plus a rounding
-slack: an 8- or 11-bit x divided by an 11-bit s can only land on a half-integer
-exactly, never within fp32 rounding of one, so the fp32 quotient rounds to the
-same integer as the exact quotient. For fp32 inputs that argument fails and
-the quantization term becomes s/2 * (1 + 2**-16). For the scale itself
-(bf16/fp16 inputs; s is the smallest fp16 >= amax/127 exactly):
-
-    amax/127 <= s <= amax/127 * (1 + 2**-10)   if amax/127 >= 2**-14
-    amax/127 <= s <= amax/127 + 2**-24          below (fp16 subnormals)
-
-Saturation. With fp16 output, q*s can exceed fp16's max: for |x| >= 65472
-(the four finite fp16 values +-65472, +-65504) s = 516 and 127 * 516 = 65532
-rounds to Inf. Decode therefore saturates at +-65504 before rounding. That
-keeps the bound above: x itself lies in [-65504, 65504], so clamping q*s into
-that interval only moves it closer to x, and 65504 is exact in fp16. bf16
-output cannot overflow (|q*s| <= 127 * 65504, far below bf16's max); bf16
-inputs that large are past the scale guard and stored as non-finite rows.
-
-Why FP16 and not BF16 scales. Both cost 2 bytes per row. With the same
-round-up rule a BF16 scale only guarantees s <= amax/127 * (1 + 2**-7), so
-its step is on average ~10x further above amax/127 and every element's error
-grows with it. FP16's range limit (the 8.3e6 guard above) is far beyond
-typical KV magnitudes, and rows past it are flagged (NaN), not corrupted.
-
-Measured with scripts/bench/codec.py (torch 2.13 CPU, seeded; run from the
-HiQCache repo as
-``PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.codec``):
-65536 bf16 rows of 128, rel = ||x - x^|| / ||x|| per row, step =
-max |x - x^| / (amax/127), decoded to fp32 (the scale's effect alone) and to
-bf16 (what attention reads):
-
-    data          scale out   mean rel   max rel   mean s/(amax/127)-1  max step
-    gaussian      fp16  fp32  6.418e-3  1.129e-2   3.57e-4              0.5002
-    gaussian      bf16  fp32  6.468e-3  1.171e-2   3.40e-3              0.5038
-    gaussian      fp16  bf16  6.579e-3  1.141e-2   3.57e-4              0.9270
-    gaussian      bf16  bf16  6.671e-3  1.163e-2   3.40e-3              0.9407
-    student-t(3)  fp16  fp32  1.122e-2  2.782e-2   3.63e-4              0.5002
-    student-t(3)  bf16  fp32  1.130e-2  2.793e-2   3.40e-3              0.5038
-    student-t(3)  fp16  bf16  1.133e-2  2.778e-2   3.63e-4              0.9270
-    student-t(3)  bf16  bf16  1.144e-2  2.791e-2   3.40e-3              0.9407
-
-BF16 scales cost 0.7-1.4% more mean error for nothing. Note the bf16 rows'
-max step near 0.93: rounding x^ to bf16 (8 bits) adds up to ~amax/256, as
-much as the INT8 step itself; that is the half_ulp_out term of the bound.
+Rounding the scale up keeps the clamp from ever cutting a finite row, and
+``sat`` clamps to the output dtype's largest finite value so that finite input
+never decodes to Inf. A row with NaN/Inf, or whose scale would overflow fp16,
+is stored with a NaN scale and decodes to all NaN; ``count_nonfinite_rows``
+counts such rows without a host sync. For a finite bf16/fp16 row every element
+satisfies ``|x - x^| <= s/2 + half_ulp_out(x^)`` (``error_bound``); the
+derivation and the measured error are in the HiCache host dtype docs page.
 """
 
 from __future__ import annotations

@@ -1,86 +1,27 @@
 """Host (L2) pool that stores MHA KV as symmetric INT8 (--hicache-host-dtype int8).
 
 The device (L1) KV cache stays BF16/FP16; only the host copy is compressed.
-Backup quantizes on the transfer device right before the D2H copy, and load
-dequantizes on the transfer device right after the H2D copy, both on the
-HiCache transfer stream, so the per-layer done event still marks fully
-restored KV.
+Each token, layer, K|V and head is stored as `head_dim` INT8 values and one
+FP16 scale (kv_int8_codec). Payload and scales live in separate host tensors,
+indexed per layer by a unit: a page for page_first and page_first_direct
+(which share one layout), a token for layer_first.
 
-Record format, per token, layer and K|V: `head_num * head_dim` INT8 values
-and `head_num` FP16 scales (kv_int8_codec). Payload and scales live in
-separate host tensors, so neither carries padding:
-
-  page_first, page_first_direct (one layout: a page is contiguous over layers)
-    k_buffer      [page_num, layer_num, page_size, head_num, head_dim]    int8
-    v_buffer      [page_num, layer_num, page_size, head_num, v_head_dim]  int8
-    scale_buffer  [page_num, layer_num, page_size, 2, head_num]           fp16
-  layer_first
-    k_buffer      [layer_num, size, 1, head_num, head_dim]                int8
-    v_buffer      [layer_num, size, 1, head_num, v_head_dim]              int8
-    scale_buffer  [layer_num, size, 1, 2, head_num]                       fp16
-
-Both are indexed by a "unit" (a page, or a token for layer_first) per layer,
-which is what the transfer code below works in. Bytes per token are
-`layer_num * head_num * (head_dim + v_head_dim + 4)`, against
-`layer_num * head_num * (head_dim + v_head_dim) * 2` for BF16: 1.97x tokens
-per host byte at head_dim 128.
-
-The pool owns its transfer code (gather -> encode -> store, and
-load -> decode -> scatter), so every supported layout works with both the
-`kernel` and `direct` io backends on any device. Two implementations:
-
-  fused (default on CUDA; kv_int8_triton): backup is ONE Triton launch per
-    transfer that gathers the device rows of every layer, quantizes them and
-    writes the records straight into the pinned host buffers through their
-    device-mapped (UVA) address; restore is ONE launch per layer that reads
-    the records from host memory, dequantizes them and scatters them into
-    the device pool. No staging, no separate copies. fused_host_access =
-    "staged" runs the same kernels against the device staging buffers and
-    moves the records with per-run async copies instead (used when the host
-    memory is not pinned, or if the driver refuses a host pointer).
-  torch (CPU, and the reference): gather -> kv_int8_codec -> staging ->
-    per-run async copies, chunk by chunk.
-
-Both write the same bytes (tests/test_kv_int8_triton.py runs the kernels
-under TRITON_INTERPRET=1 against this path). Everything is enqueued on the
-caller's current stream (HiCache's D2H / H2D stream), so the per-layer done
-event still marks fully restored KV. CPU index tensors are uploaded through
-pinned memory on that stream, and every temporary is allocated on it.
-Staging buffers are allocated once per direction (only where a path uses
-them); transfers through them run in chunks of the staging capacity, and
-reusing one buffer across chunks is safe because all uses are ordered on
-one transfer stream.
-
-SGLANG_HICACHE_INT8_FUSED overrides the choice: "auto" (default: fused on
-CUDA, direct if the host pool is pinned, else staged; torch elsewhere),
-"off" (torch path), "direct" or "staged" (fused, that host access).
-`transfer_path` ("fused_direct", "fused_staged" or "torch") and
-`transfer_path_reason` say which one moves the data and why; the pool keeps
-them current when it switches. On CUDA the constructor runs `self_check()`:
-one small backup + restore through the fused path, compared bit for bit with
-the torch reference codec, which also compiles every kernel variant the pool
-launches; on any mismatch or error the pool falls back to the torch path.
-
-Host indices are range-checked before anything moves: on the CPU where they
-arrive there (no sync), and by the fused kernels themselves when they are
-already on the device (out-of-range rows are skipped and counted in
-`invalid_host_index_count()`, read on demand, so the hot path never syncs).
-
-Statistics, accumulated on the transfer device and read (with a sync) only
-on demand: `nonfinite_row_count()`, `scale_amax_by_layer()` (largest finite
-per-row amax backed up, per layer, K and V) and `invalid_host_index_count()`.
+The pool moves its own records (gather -> encode -> store on backup, fetch ->
+decode -> scatter on load) on the caller's stream, HiCache's transfer stream,
+so the per-layer done event still marks fully restored KV; it therefore
+serves both the kernel and the direct io backend. Host indices are
+range-checked on the CPU before anything moves.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
 import torch
+
 from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as fused
 from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
@@ -91,38 +32,6 @@ INT8_HOST_IO_BACKENDS = ("kernel", "direct")
 INT8_HOST_DEVICE_DTYPES = (torch.bfloat16, torch.float16)
 # Tokens one staging chunk holds (rounded to whole pages).
 _INT8_STAGING_TOKENS = 4096
-FUSED_HOST_ACCESS = ("direct", "staged")
-TRANSFER_PATHS = ("fused_direct", "fused_staged", "torch")
-_FUSED_ENV = "SGLANG_HICACHE_INT8_FUSED"
-# Self-check size: at least 2 host units (a backward jump) and 4 tokens (one
-# row per special case); the borrowed bytes are put back afterwards.
-_SELF_CHECK_UNITS = 2
-_SELF_CHECK_TOKENS = 4
-
-
-def _expect_same(step, name, layer, got, want) -> None:
-    """Bit-for-bit comparison for the self-check; NaN payloads don't count."""
-    got, want = got.cpu(), want.cpu()
-    if got.is_floating_point():
-        bits = torch.int16 if got.element_size() == 2 else torch.int32
-        both_nan = torch.isnan(got) & torch.isnan(want)
-        differ = (got.view(bits) != want.view(bits)) & ~both_nan
-    else:
-        differ = got != want
-    if bool(differ.any()):
-        where = differ.nonzero()[0].tolist()
-        raise RuntimeError(
-            f"{step} of {name.upper()} layer {layer} differs from the torch "
-            f"reference at {where}: {got[tuple(where)].item()} != "
-            f"{want[tuple(where)].item()}"
-        )
-
-
-def int8_host_bytes_ratio(buffer_info: MHABufferInfo) -> float:
-    """Host bytes of the INT8 copy per device byte of the same tokens."""
-    dims = buffer_info.head_dim + buffer_info.v_head_dim
-    encoded = dims + 2 * codec.SCALE_DTYPE.itemsize
-    return encoded / (dims * buffer_info.dtype.itemsize)
 
 
 class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
@@ -137,6 +46,14 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
     # lives; the controller passes indices through unmoved.
     transfers_own_indices = True
     storage_format_tag = "int8-fp16scale-v1"
+    transfer_path = "torch"
+    transfer_path_reason = "the pool's own torch transfer code"
+
+    @classmethod
+    def host_bytes_per_device_byte(cls, buffer_info: MHABufferInfo) -> float:
+        dims = buffer_info.head_dim + buffer_info.v_head_dim
+        encoded = dims + 2 * codec.SCALE_DTYPE.itemsize
+        return encoded / (dims * buffer_info.dtype.itemsize)
 
     def __init__(
         self,
@@ -210,11 +127,12 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             self.device_size_per_token() / self.get_size_per_token(),
             layout,
         )
-        if self._transfer_device.type == "cuda" and self.use_fused_kernels:
-            self.self_check()
+        self._finish_transfer_setup()
+
+    def _finish_transfer_setup(self) -> None:
         logger.info(
             "HiCache %s INT8 host pool transfer path: %s (%s).",
-            pool_label,
+            self.pool_label,
             self.transfer_path,
             self.transfer_path_reason,
         )
@@ -314,87 +232,26 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         self.staging_units = min(chunk_units, units)
         dev = self._transfer_device
         self._nonfinite_rows = torch.zeros((), dtype=torch.int64, device=dev)
-        self._invalid_host_indices = torch.zeros((), dtype=torch.int64, device=dev)
         self._scale_amax = torch.zeros(
             (self.layer_num, 2), dtype=torch.float32, device=dev
         )
         # Copying per contiguous run keeps host<->device copies asynchronous;
         # on a CPU transfer device one indexed copy does the same work.
         self.use_run_copies = dev.type != "cpu"
-        self._select_transfer_path(dev)
-        self._fused_layer_tables = None
-        self._load_index_cache = None
         # Staging: one layer of encoded records plus its device-dtype rows, per
         # direction (backup encodes into _d2h while a load may be decoding from
-        # _h2d). The fused direct path needs none: allocated here only if
-        # another path is selected (lazily if one is switched on later).
+        # _h2d), allocated up front where the transfer path uses it.
         self._staging = {}
-        if not (self.use_fused_kernels and self.fused_host_access == "direct"):
+        if self._uses_staging():
             self._stage("d2h")
             self._stage("h2d")
-        if self.use_fused_kernels:
-            self._fused_tables()
         if dev.type == "cuda":
-            # What was enqueued here (counter, staging positions) is complete
-            # before the transfer streams touch it.
+            # What was enqueued here (counters) is complete before the
+            # transfer streams touch it.
             torch.cuda.current_stream(dev).synchronize()
 
-    def _select_transfer_path(self, dev: torch.device) -> None:
-        mode = os.environ.get(_FUSED_ENV, "auto").strip().lower() or "auto"
-        if mode not in ("auto", "off", *FUSED_HOST_ACCESS):
-            raise ValueError(
-                f"{_FUSED_ENV} must be auto, off, direct or staged; got {mode!r}"
-            )
-        # The kernels reach host memory directly if it is pinned (UVA), or if
-        # the "device" is the CPU itself.
-        pinned = self.pin_memory or dev.type == "cpu"
-        if mode in FUSED_HOST_ACCESS:
-            access, why = mode, f"{_FUSED_ENV}={mode}"
-        elif pinned:
-            access, why = "direct", "default on CUDA"
-        else:
-            access, why = "staged", "host memory not device-addressable (not pinned)"
-        # Fused kernels by default on CUDA; tests switch them on for CPU (the
-        # Triton interpreter) by setting use_fused_kernels.
-        if mode == "off":
-            self._set_transfer_path(False, access, f"{_FUSED_ENV}=off")
-        elif dev.type != "cuda":
-            self._set_transfer_path(False, access, f"not CUDA ({dev.type})")
-        elif not fused.available(dev):
-            self._set_transfer_path(False, access, "triton cannot run on this device")
-        else:
-            self._set_transfer_path(True, access, why)
-
-    def _set_transfer_path(self, use_fused: bool, access: str, reason: str) -> None:
-        """The one place the transfer path changes, so its reason stays current."""
-        if access not in FUSED_HOST_ACCESS:
-            raise ValueError(f"fused_host_access must be direct or staged: {access!r}")
-        self._use_fused = bool(use_fused)
-        self._fused_access = access
-        self.transfer_path_reason = reason
-
-    @property
-    def transfer_path(self) -> str:
-        """Which code moves the records: fused_direct, fused_staged or torch."""
-        if not self._use_fused:
-            return "torch"
-        return f"fused_{self._fused_access}"
-
-    @property
-    def use_fused_kernels(self) -> bool:
-        return self._use_fused
-
-    @use_fused_kernels.setter
-    def use_fused_kernels(self, on: bool) -> None:
-        self._set_transfer_path(on, self._fused_access, "set on the pool object")
-
-    @property
-    def fused_host_access(self) -> str:
-        return self._fused_access
-
-    @fused_host_access.setter
-    def fused_host_access(self, access: str) -> None:
-        self._set_transfer_path(self._use_fused, access, "set on the pool object")
+    def _uses_staging(self) -> bool:
+        return True
 
     @property
     def _d2h(self) -> dict[str, torch.Tensor]:
@@ -422,9 +279,6 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             "v_rows": torch.empty(
                 (tokens, self.head_num, self.v_head_dim), dtype=self.dtype, device=dev
             ),
-            # Token positions in a chunk: the fused kernels' "host index" when
-            # they address staging instead of the host buffers.
-            "positions": torch.arange(tokens, dtype=torch.int64, device=dev),
         }
 
     def _host_layer(self, name: str, layer_id: int) -> torch.Tensor:
@@ -454,14 +308,6 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         self._sync_transfer_device()
         return self._scale_amax.to("cpu", copy=True)
 
-    def invalid_host_index_count(self) -> int:
-        """Token entries that fused transfers skipped because their host
-        index, already on the device, was out of range (one per token and
-        launch: a restore counts once per layer). Indices that arrive on the
-        CPU are rejected with IndexError instead. Reading it synchronizes."""
-        self._sync_transfer_device()
-        return int(self._invalid_host_indices.item())
-
     def _sync_transfer_device(self) -> None:
         # Backups and loads run on HiCache's own streams: wait for all of them.
         if self._nonfinite_rows.is_cuda:
@@ -485,6 +331,16 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
         if self.unit_tokens == 1:
             return host_indices
         return host_indices[:: self.unit_tokens] // self.unit_tokens
+
+    def _check_host_indices(self, host_indices: torch.Tensor) -> None:
+        # Checked where the indices are on the CPU, so the check never syncs.
+        if host_indices.device.type == "cpu" and host_indices.numel():
+            lo, hi = int(host_indices.min()), int(host_indices.max())
+            if lo < 0 or hi >= self.size:
+                raise IndexError(
+                    f"INT8 host pool: host indices [{lo}, {hi}] out of range "
+                    f"[0, {self.size}); nothing was transferred."
+                )
 
     @staticmethod
     def _runs(units: list[int]) -> list[tuple[int, int, int]]:
@@ -535,17 +391,18 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
             )
         return out
 
-    def backup_from_device_all_layer(
-        self, device_pool, host_indices, device_indices, io_backend
-    ):
+    @staticmethod
+    def _check_io_backend(io_backend: str) -> None:
         if io_backend not in INT8_HOST_IO_BACKENDS:
             raise ValueError(
                 f"--hicache-host-dtype int8 supports --hicache-io-backend "
                 f"{', '.join(INT8_HOST_IO_BACKENDS)}; got {io_backend!r}."
             )
-        if self.use_fused_kernels:
-            self._backup_fused(host_indices, device_indices)
-            return
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices, device_indices, io_backend
+    ):
+        self._check_io_backend(io_backend)
         stage = self._d2h
         for units, runs, dev_rows in self._chunks(host_indices, device_indices):
             n_units, n_tokens = len(units), len(dev_rows)
@@ -582,15 +439,8 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
     ):
         if is_draft:
             raise NotImplementedError("INT8 KV host pool has no draft layers.")
-        if io_backend not in INT8_HOST_IO_BACKENDS:
-            raise ValueError(
-                f"--hicache-host-dtype int8 supports --hicache-io-backend "
-                f"{', '.join(INT8_HOST_IO_BACKENDS)}; got {io_backend!r}."
-            )
+        self._check_io_backend(io_backend)
         if not 0 <= layer_id < self.target_layer_num:
-            return
-        if self.use_fused_kernels:
-            self._load_fused(host_indices, device_indices, layer_id)
             return
         stage = self._h2d
         for units, runs, dev_rows in self._chunks(host_indices, device_indices):
@@ -607,324 +457,6 @@ class MHATokenToKVPoolINT8Host(MHATokenToKVPoolHost):
                     rows.view(n_units, self.unit_tokens, *rows.shape[1:]),
                 )
                 device_buffers[layer_id].index_copy_(0, dev_rows, rows)
-
-    # ------------------------------------------------------------------
-    # start-up self-check
-
-    def self_check(self) -> bool:
-        """Run a small backup + restore through the selected fused path and
-        compare it bit for bit with the torch reference codec; on any error or
-        mismatch, warn and switch to the torch path. Returns whether the fused
-        path passed (True on the torch path, which is the reference).
-
-        It compiles every kernel variant the pool launches (backup with int64
-        and int32 device indices, restore of every layer), so serving does not
-        compile. It borrows a few host units and device slots and puts their
-        bytes, and the statistics counters, back afterwards; the allocators
-        are not touched. Synchronizes: meant for start-up.
-        """
-        if not self.use_fused_kernels:
-            return True
-        saved = None
-        try:
-            saved = self._save_self_check_state()
-            self._run_self_check(saved["host_indices"], saved["device_indices"])
-        except Exception as e:  # noqa: BLE001 - any fault means "don't use it"
-            cause = f"{type(e).__name__}: {e}"
-            logger.warning(
-                "INT8 host pool self-check of the %s path failed (%s); "
-                "falling back to the torch path.",
-                self.transfer_path,
-                cause,
-            )
-            self._set_transfer_path(
-                False, self.fused_host_access, f"self-check failed: {cause}"
-            )
-            return False
-        finally:
-            if saved is not None:
-                self._restore_self_check_state(saved)
-        return True
-
-    def _self_check_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host token indices of the last units, in reverse unit order (a
-        backward jump), and as many device slots from the top of layer 0."""
-        units = self.page_num if self._page_major else self.size
-        ut = self.unit_tokens
-        n_units = min(max(_SELF_CHECK_UNITS, -(-_SELF_CHECK_TOKENS // ut)), units)
-        first = torch.arange(units - 1, units - 1 - n_units, -1, dtype=torch.int64)
-        host = (first[:, None] * ut + torch.arange(ut)).flatten()
-        device_slots = self.device_k_buffers[0].shape[0]
-        if device_slots < len(host):
-            raise ValueError("device pool too small for the INT8 self-check")
-        device = torch.arange(device_slots - len(host), device_slots)
-        return host, device.flip(0).to(self._transfer_device)
-
-    def _save_self_check_state(self) -> dict:
-        host, device = self._self_check_slots()
-        units = self._host_units(host)
-        return {
-            "host_indices": host,
-            "device_indices": device,
-            "records": [
-                self._host_layer(name, layer)[units].clone()
-                for layer in range(self.layer_num)
-                for name in ("k", "v", "scale")
-            ],
-            "units": units,
-            "rows": [
-                buf[layer][device].clone()
-                for buf in (self.device_k_buffers, self.device_v_buffers)
-                for layer in range(self.layer_num)
-            ],
-            "stats": [
-                t.clone()
-                for t in (
-                    self._nonfinite_rows,
-                    self._scale_amax,
-                    self._invalid_host_indices,
-                )
-            ],
-        }
-
-    def _restore_self_check_state(self, saved: dict) -> None:
-        # The check's own transfers may still be writing host memory.
-        self._sync_transfer_device()
-        records = iter(saved["records"])
-        for layer in range(self.layer_num):
-            for name in ("k", "v", "scale"):
-                self._host_layer(name, layer)[saved["units"]] = next(records)
-        rows = iter(saved["rows"])
-        for buf in (self.device_k_buffers, self.device_v_buffers):
-            for layer in range(self.layer_num):
-                buf[layer][saved["device_indices"]] = next(rows)
-        stats = (self._nonfinite_rows, self._scale_amax, self._invalid_host_indices)
-        for live, old in zip(stats, saved["stats"]):
-            live.copy_(old)
-        self._load_index_cache = None
-        self._sync_transfer_device()
-
-    def _self_check_rows(self, n_tokens: int, dim: int, seed: int) -> torch.Tensor:
-        """Rows spanning many magnitudes, a half-integer tie, a NaN row and the
-        dtype's largest value (fp16: saturation; bf16: past the scale range)."""
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn(n_tokens, self.head_num, dim, generator=g)
-        x *= torch.logspace(-6, 4, n_tokens, base=2.0)[:, None, None]
-        if n_tokens >= _SELF_CHECK_TOKENS:
-            x[0, 0, :2] = torch.tensor([127.0, 0.5])  # 0.5 / s=1: a tie to even
-            x[1, 0, 0] = float("nan")
-            x[-1, -1, 0] = torch.finfo(self.dtype).max
-        return x.to(self.dtype)
-
-    def _run_self_check(self, host, device) -> None:
-        n = len(host)
-        units = self._host_units(host)
-        dev_bufs = (self.device_k_buffers, self.device_v_buffers)
-        inputs = [
-            [
-                self._self_check_rows(n, buf[layer].shape[-1], 2 * layer + kv)
-                for layer in range(self.layer_num)
-            ]
-            for kv, buf in enumerate(dev_bufs)
-        ]
-        expected = [
-            [codec.quantize_reference(x) for x in per_layer] for per_layer in inputs
-        ]
-        for device_indices in (device, device.to(torch.int32)):
-            for kv, buf in enumerate(dev_bufs):
-                for layer in range(self.layer_num):
-                    buf[layer][device] = inputs[kv][layer].to(buf[layer].device)
-            self.backup_from_device_all_layer(None, host, device_indices, "kernel")
-            # Records reach host memory asynchronously (kernel stores through
-            # UVA, or non-blocking copies): wait before reading them.
-            self._sync_transfer_device()
-            for layer in range(self.layer_num):
-                for kv, name in enumerate(("k", "v")):
-                    q_ref, s_ref = expected[kv][layer]
-                    stored = self._host_layer(name, layer)[units]
-                    scales = self._host_layer("scale", layer)[units][:, :, kv]
-                    _expect_same(
-                        "backup", name, layer, stored, q_ref.view(stored.shape)
-                    )
-                    _expect_same(
-                        "backup scale", name, layer, scales, s_ref.view(scales.shape)
-                    )
-                for buf in dev_bufs:
-                    buf[layer][device] = 0
-                self.load_to_device_per_layer(
-                    None, host, device_indices, layer, "kernel"
-                )
-                for kv, buf in enumerate(dev_bufs):
-                    q_ref, s_ref = expected[kv][layer]
-                    restored = buf[layer][device].cpu()
-                    want = codec.dequantize_reference(q_ref, s_ref, self.dtype)
-                    _expect_same("restore", "kv"[kv], layer, restored, want)
-
-    # ------------------------------------------------------------------
-    # fused kernels (kv_int8_triton)
-
-    def _fused_tables(self) -> tuple[fused.DeviceLayerTable, fused.DeviceLayerTable]:
-        if self._fused_layer_tables is None:
-            self._fused_layer_tables = (
-                fused.DeviceLayerTable(self.device_k_buffers),
-                fused.DeviceLayerTable(self.device_v_buffers),
-            )
-        return self._fused_layer_tables
-
-    def _records_all_layers(self) -> tuple[torch.Tensor, ...]:
-        """Host K, V and scale buffers as [unit, layer, token_in_unit, ...] views."""
-        bufs = (self.k_host_buffer, self.v_host_buffer, self.scale_buffer)
-        return bufs if self._page_major else tuple(b.transpose(0, 1) for b in bufs)
-
-    def _on_transfer_device(self, indices: torch.Tensor) -> torch.Tensor:
-        """Indices as a contiguous int32/int64 tensor on the transfer device,
-        enqueued on the current stream without a host sync."""
-        dev = self._transfer_device
-        if indices.dtype not in (torch.int32, torch.int64):
-            indices = indices.to(torch.int64)
-        indices = indices.contiguous()
-        if indices.device == dev:
-            return indices
-        if dev.type == "cuda" and indices.device.type == "cpu":
-            # Through pinned memory (a pageable upload may synchronize); the
-            # pinned block stays reserved until the copy has run.
-            return indices.pin_memory().to(dev, non_blocking=True)
-        return indices.to(dev)
-
-    def _check_host_indices(self, host_indices: torch.Tensor) -> None:
-        # Checked where the indices are on the CPU (no device sync); indices
-        # already on the device are bounded by the fused kernels themselves.
-        if host_indices.device.type == "cpu" and host_indices.numel():
-            lo, hi = int(host_indices.min()), int(host_indices.max())
-            if lo < 0 or hi >= self.size:
-                raise IndexError(
-                    f"INT8 host pool: host indices [{lo}, {hi}] out of range "
-                    f"[0, {self.size}); nothing was transferred."
-                )
-
-    def _fused_direct(self, launch) -> bool:
-        """Run launch() against host memory; False if the pool uses staging,
-        or switches to it because the device cannot reach this host memory."""
-        if self.fused_host_access != "direct":
-            return False
-        try:
-            launch()
-            return True
-        except ValueError as e:
-            # Triton's launcher: "Pointer argument cannot be accessed from
-            # Triton (cpu tensor?)", raised before anything is enqueued.
-            if "cannot be accessed" not in str(e):
-                raise
-            logger.warning(
-                "INT8 host pool: the device cannot address the host buffers "
-                "(%s); using staged transfers.",
-                e,
-            )
-            self._set_transfer_path(
-                True, "staged", f"host memory not device-addressable: {e}"
-            )
-            return False
-
-    def _backup_fused(self, host_indices, device_indices) -> None:
-        k_tab, v_tab = self._fused_tables()
-        self._check_host_indices(host_indices)
-
-        def direct():
-            k_out, v_out, s_out = self._records_all_layers()
-            fused.encode_gather(
-                k_tab,
-                v_tab,
-                self._on_transfer_device(device_indices),
-                k_out,
-                v_out,
-                s_out,
-                self._on_transfer_device(host_indices),
-                unit_tokens=self.unit_tokens,
-                nonfinite_counter=self._nonfinite_rows,
-                scale_amax=self._scale_amax,
-                bad_index_counter=self._invalid_host_indices,
-            )
-
-        if self._fused_direct(direct):
-            return
-        stage = self._d2h
-        for units, runs, dev_rows in self._chunks(host_indices, device_indices):
-            n_units, n_tokens = len(units), len(dev_rows)
-            for layer_id in range(self.layer_num):
-                fused.encode_gather(
-                    k_tab.select(layer_id),
-                    v_tab.select(layer_id),
-                    dev_rows,
-                    stage["k"][:n_units].unsqueeze(1),
-                    stage["v"][:n_units].unsqueeze(1),
-                    stage["scale"][:n_units].unsqueeze(1),
-                    stage["positions"][:n_tokens],
-                    unit_tokens=self.unit_tokens,
-                    nonfinite_counter=self._nonfinite_rows,
-                    scale_amax=self._scale_amax[layer_id : layer_id + 1],
-                )
-                for name in ("k", "v", "scale"):
-                    self._store(name, layer_id, stage[name], units, runs)
-
-    def _load_indices(self, host_indices, device_indices):
-        """Both index tensors on the transfer device, uploaded once per
-        transfer: the controller passes the same tensors for every layer."""
-        dev = self._transfer_device
-        stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
-        key = (
-            id(host_indices),
-            host_indices._version,
-            id(device_indices),
-            device_indices._version,
-            stream,
-        )
-        cache = self._load_index_cache
-        if cache is not None and cache[0] == key:
-            return cache[2]
-        self._check_host_indices(host_indices)
-        placed = (
-            self._on_transfer_device(host_indices),
-            self._on_transfer_device(device_indices),
-        )
-        # The originals stay referenced, so their ids stay unique while cached.
-        self._load_index_cache = (key, (host_indices, device_indices), placed)
-        return placed
-
-    def _load_fused(self, host_indices, device_indices, layer_id) -> None:
-        dev_k = self.device_k_buffers[layer_id]
-        dev_v = self.device_v_buffers[layer_id]
-
-        def direct():
-            host_idx, dev_idx = self._load_indices(host_indices, device_indices)
-            fused.decode_scatter(
-                self._host_layer("k", layer_id),
-                self._host_layer("v", layer_id),
-                self._host_layer("scale", layer_id),
-                host_idx,
-                dev_k,
-                dev_v,
-                dev_idx,
-                unit_tokens=self.unit_tokens,
-                bad_index_counter=self._invalid_host_indices,
-            )
-
-        if self._fused_direct(direct):
-            return
-        stage = self._h2d
-        for units, runs, dev_rows in self._chunks(host_indices, device_indices):
-            scales = self._fetch("scale", layer_id, stage["scale"], units, runs)
-            k = self._fetch("k", layer_id, stage["k"], units, runs)
-            v = self._fetch("v", layer_id, stage["v"], units, runs)
-            fused.decode_scatter(
-                k,
-                v,
-                scales,
-                stage["positions"][: len(dev_rows)],
-                dev_k,
-                dev_v,
-                dev_rows,
-                unit_tokens=self.unit_tokens,
-            )
 
     # ------------------------------------------------------------------
     # L3 storage pages

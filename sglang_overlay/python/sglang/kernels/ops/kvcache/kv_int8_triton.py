@@ -583,7 +583,7 @@ class DeviceLayerTable:
     def __len__(self) -> int:
         return len(self.layers)
 
-    def select(self, first: int, count: int = 1) -> "DeviceLayerTable":
+    def select(self, first: int, count: int = 1) -> DeviceLayerTable:
         """The table of layers [first, first + count), sharing this one's memory."""
         sub = object.__new__(DeviceLayerTable)
         sub.__dict__.update(self.__dict__)

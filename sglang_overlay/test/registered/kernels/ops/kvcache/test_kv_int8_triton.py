@@ -6,21 +6,23 @@ pool's fused path must match its torch path in every layout. On CUDA the
 kernels are compiled and the host buffers are pinned; without CUDA they run
 under the Triton interpreter (switched on for this module only).
 
-    python -m pytest test/registered/unit/mem_cache/test_kv_int8_triton.py -v
+    python -m pytest test/registered/kernels/ops/kvcache/test_kv_int8_triton.py -v
 """
 
 import os
 import unittest
 
 import torch
+
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
+from sglang.test.test_utils import CustomTestCase
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
-register_cuda_ci(est_time=30, stage="base-a", runner_config="1-gpu-small")
+register_cuda_ci(est_time=30, stage="base-b-kernel-unit", runner_config="1-gpu-small")
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -34,7 +36,7 @@ def _bits(t):
     return t.view({1: torch.int8, 2: torch.int16}[t.element_size()])
 
 
-class TestKVInt8Triton(unittest.TestCase):
+class TestKVInt8Triton(CustomTestCase):
     @classmethod
     def setUpClass(cls):
         cls._interpret = os.environ.get("TRITON_INTERPRET")
@@ -94,7 +96,7 @@ class TestKVInt8Triton(unittest.TestCase):
             enable_memory_saver=False, v_head_dim=16, enable_alt_stream=False,
         )  # fmt: skip
         info = dev_pool.get_device_pool_infos()[0].buffer_info
-        pool = MHATokenToKVPoolINT8Host(
+        pool = MHATokenToKVPoolINT8FusedHost(
             info, 2.0, 0, page_size, layout, pin_memory=CUDA, device="cpu",
             device_capacity_tokens=dev_pool.size, start_layer=dev_pool.start_layer,
             end_layer=dev_pool.end_layer, host_token_capacity=16 * page_size,

@@ -1,0 +1,36 @@
+"""Run upstream-style unit test files against one SGLang tree on CPU, with the
+stand-ins of cpu_standins.py (used by test_pr_bisect.py in a subprocess).
+
+    HIQ_SGLANG_TREE=<tree> python tests/upstream_unit_runner.py <test files...>
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import unittest
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(os.environ["HIQ_SGLANG_TREE"]) / "python"))
+
+from cpu_standins import install_sglang_standins, install_torchvision_stub  # noqa: E402
+
+install_torchvision_stub()
+install_sglang_standins()
+
+failed = 0
+for path in map(Path, sys.argv[1:]):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    suite = unittest.defaultTestLoader.loadTestsFromModule(module)
+    if suite.countTestCases() == 0:
+        print(f"{path}: no tests")
+        failed += 1
+        continue
+    result = unittest.TextTestRunner(verbosity=0).run(suite)
+    failed += not result.wasSuccessful()
+    print(f"{path}: {result.testsRun} tests, ok={result.wasSuccessful()}")
+sys.exit(1 if failed else 0)
