@@ -2,7 +2,7 @@
 
 Triton picks its compile target from the active driver. TargetOnlyDriver is a
 stand-in that reports a CUDA target (sm_80/86/89/90) and nothing else; with
-it active, the pool's real launch sites (MHATokenToKVPoolINT8Host backup and
+it active, the pool's real launch sites (MHATokenToKVPoolINT8FusedHost backup and
 restore -> kv_int8_triton.encode_gather / decode_scatter) run as usual, and
 every `kernel[grid](...)` they reach is recorded instead of launched, keeping
 the first launch of each distinct specialisation (Triton's own binder and
@@ -231,7 +231,7 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
 
     kv_int8_triton's kernels are built in compiled (not interpreted) mode for
     this and dropped after it."""
-    from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+    from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
     launches, counter = {}, [0]
     runs = {}
@@ -326,10 +326,10 @@ def _meta_alloc(dims, dtype, device, pin_memory, allocator):
 
 def drive_pool(case: PoolCase) -> None:
     """Backups and per-layer restores of every transfer size through a real
-    MHATokenToKVPoolINT8Host with the fused kernels selected."""
+    MHATokenToKVPoolINT8FusedHost with the fused kernels selected."""
     from hicache_harness import Geometry, make_device_pool, make_host_pool
 
-    from sglang.srt.mem_cache.pool_host import base, mha_int8
+    from sglang.srt.mem_cache.pool_host import base, mha_int8, mha_int8_fused
 
     head_num, head_dim, v_head_dim = case.geometry
     p = case.page_size
@@ -350,7 +350,7 @@ def drive_pool(case: PoolCase) -> None:
             device_pool,
             host_tokens=case.host_tokens or pages * p,
             layout=case.layout,
-            host_pool_cls=mha_int8.MHATokenToKVPoolINT8Host,
+            host_pool_cls=mha_int8_fused.MHATokenToKVPoolINT8FusedHost,
         )
     pool.use_fused_kernels = True
     pool.fused_host_access = case.host_access

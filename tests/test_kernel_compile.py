@@ -30,7 +30,7 @@ from kernel_compile import (
 )
 from triton.compiler.errors import CompilationError
 
-from sglang.srt.mem_cache.pool_host import kv_int8_triton as kt
+from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
 JOBS = max(1, min(len(ARCHS), os.cpu_count() or 1))
 

@@ -47,7 +47,9 @@ rows decode to NaN, whose payload bits are not part of the contract):
     either way.
   * Decode: fp32(q) * fp32(s) is exact in fp32, then rounds once into the
     device dtype: fp16 by `.to(tl.float16)` (RNE) after saturating at
-    +-65504 (NaN kept), as the codec does; bf16 by integer RNE on
+    +-65504 (NaN kept), as the codec does (LLVM may emit this as an int16
+    to fp16 conversion and an RNE fp16 multiply: the same single rounding,
+    since the product is exact); bf16 by integer RNE on
     the fp32 bits ((u + 0x7FFF + ((u >> 16) & 1)) >> 16, NaN -> 0x7FC0),
     which is what torch does on CPU and avoids the interpreter's truncating
     fp32->bf16 cast. Results are stored as 16-bit patterns.
@@ -118,7 +120,9 @@ try:
 except ImportError:  # pragma: no cover - sglang always ships triton
     triton = tl = None
 
-ENCODE_TILE = 8192
+# 8192 elements per encode program spilled registers on sm_80-90 once the
+# kernel also tracked amax and invalid host indices.
+ENCODE_TILE = 4096
 ENCODE_WARPS = 4
 DECODE_TILE = 8192
 DECODE_WARPS = 4
