@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_standins import install_torchvision_stub  # noqa: E402
@@ -15,3 +17,16 @@ if os.environ.get("HIQ_PIPELINE_ONLY") != "1":
     from cpu_standins import install_sglang_standins  # noqa: E402
 
     install_sglang_standins()
+
+
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """Build the INT8 kernels under Triton's interpreter for one test module
+    (modules opt in with usefixtures), so no GPU is needed."""
+    from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        kt.reset_kernels()
+        yield
+    kt.reset_kernels()

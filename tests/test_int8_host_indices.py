@@ -17,7 +17,10 @@ from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
 
 # (use_fused_kernels, fused_host_access, use_run_copies)
 PATHS = {
@@ -26,15 +29,6 @@ PATHS = {
     "fused-direct": (True, "direct", False),
     "fused-staged": (True, "staged", True),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def triton_interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        kt.reset_kernels()
-        yield
-    kt.reset_kernels()
 
 
 def build(path: str, layout: str, page_size: int):

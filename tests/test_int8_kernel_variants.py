@@ -20,17 +20,11 @@ from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8Fu
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
 SPECIALIZE_OPTIONS = ("do_not_specialize", "do_not_specialize_on_alignment")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def triton_interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        kt.reset_kernels()
-        yield
-    kt.reset_kernels()
 
 
 class KeyRecorder:

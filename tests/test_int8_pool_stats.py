@@ -9,19 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
-from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def triton_interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        kt.reset_kernels()
-        yield
-    kt.reset_kernels()
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
 
 
 def expected_amax(device_pool, dev, layer_num) -> torch.Tensor:

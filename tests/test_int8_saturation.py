@@ -17,22 +17,16 @@ from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
 FP16_MAX = 65504.0
 BF16_MAX = torch.finfo(torch.bfloat16).max
 # Largest bf16 whose scale fits fp16 (127 * 65024 rounds back to it), and the
 # next bf16 up, whose scale overflows.
 BF16_LARGEST_ENCODABLE = 8257536.0
 BF16_FIRST_TOO_LARGE = 8323072.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def triton_interpreter():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        kt.reset_kernels()
-        yield
-    kt.reset_kernels()
 
 
 def large_fp16_rows() -> torch.Tensor:

@@ -33,19 +33,12 @@ from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_r
 
 DTYPES = (torch.bfloat16, torch.float16)
 # numpy warns about lanes the kernels mask out (NaN-row quotients, padding).
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 NAN, INF = float("nan"), float("inf")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def triton_interpreter():
-    """Build the kernels under the interpreter for this module only."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        kt.reset_kernels()
-        yield
-    kt.reset_kernels()
 
 
 # --- kernel level ------------------------------------------------------------
