@@ -35,7 +35,8 @@ K8V4 stores keys exactly as ``kv_int8_codec`` and values as above.
 
 Shapes: the record functions take ``k``/``v`` as ``[units, unit_tokens,
 head_num, dim]`` and return the records of the host formats ``int4`` ("k",
-"k_meta", "v", "v_meta") and ``k8v4`` ("k", "k_scale", "v", "v_meta").
+"k_meta", "v", "v_meta") and ``k8v4`` ("k", "k_scale", "v", "v_meta"),
+which Int4HostFormat and K8V4HostFormat wrap for the host pools.
 """
 
 from __future__ import annotations
@@ -45,12 +46,17 @@ from collections.abc import Mapping
 import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec
+from sglang.srt.mem_cache.pool_host.host_format import (
+    EncodeStats,
+    HostKVFormat,
+    HostRecord,
+)
 
 META_DTYPE = torch.float16
 QMAX = 15
-# Per-channel key groups need enough tokens to amortize their 4-byte meta per
-# channel: at 16 tokens it costs 2 bits per key, as much as the 4-bit payload's
-# half; below that per-token groups are cheaper and as accurate.
+# Per-channel key groups (KIVI) need enough tokens for a channel's range to be
+# representative; at 16 tokens their metadata costs 2 bits per key (per-token
+# groups of 64 cost 0.5), so smaller units fall back to per-token keys.
 K_CHANNEL_MIN_TOKENS = 16
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -569,3 +575,193 @@ def k8v4_decode_into(
 ) -> None:
     kv_int8_codec.dequantize_into(records["k"], records["k_scale"], k_out)
     decode_tokens_into(records["v"], records["v_meta"], v_out)
+
+
+# --- the host formats (pool_host/host_format.py) ---------------------------
+
+
+class _Int4ValuesHostFormat(HostKVFormat):
+    """What int4 and k8v4 share: sides K and V, INT4 values, fused kernels in
+    sglang.kernels.ops.kvcache.kv_int4_triton, one zero-copy object per side."""
+
+    sides = ("k", "v")
+
+    def __init__(self, dims, head_num, unit_tokens, device_dtype):
+        super().__init__(dims, head_num, unit_tokens, device_dtype)
+        odd = [d for d in self._int4_dims() if d % 2]
+        if odd:
+            raise NotImplementedError(
+                f"--hicache-host-dtype {self.name} packs two 4-bit codes per byte "
+                f"and needs even head dims; got {self.dims}. Use "
+                "--hicache-host-dtype int8."
+            )
+        self.records = tuple(
+            HostRecord(name, shape, dtype)
+            for name, (shape, dtype) in self._record_shapes().items()
+        )
+
+    def _int4_dims(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _record_shapes(self) -> dict:
+        raise NotImplementedError
+
+    def _values_description(self) -> str:
+        dv = self.dims[1]
+        return f"values per token in groups of {value_group_size(dv)} channels"
+
+    def fused_available(self, device) -> bool:
+        try:
+            from sglang.kernels.ops.kvcache import kv_int4_triton
+        except ImportError:
+            # Kernels not in this build: the pool keeps its torch path.
+            return False
+        return kv_int4_triton.available(device)
+
+    def encode_gather(
+        self,
+        tables,
+        device_indices,
+        out,
+        host_indices,
+        *,
+        nonfinite_counter=None,
+        scale_amax=None,
+        bad_index_counter=None,
+    ) -> None:
+        from sglang.kernels.ops.kvcache import kv_int4_triton
+
+        kv_int4_triton.encode_gather(
+            tables,
+            device_indices,
+            out,
+            host_indices,
+            nonfinite_counter=nonfinite_counter,
+            scale_amax=scale_amax,
+            bad_index_counter=bad_index_counter,
+        )
+
+    def decode_scatter(
+        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
+    ) -> None:
+        from sglang.kernels.ops.kvcache import kv_int4_triton
+
+        kv_int4_triton.decode_scatter(
+            records,
+            host_indices,
+            dst,
+            device_indices,
+            bad_index_counter=bad_index_counter,
+        )
+
+    def zero_copy_objects(self):
+        # One object per side, as a BF16 page has (_k and _v): payload, then
+        # its metadata.
+        k, k_meta, v, v_meta = self.records
+        return [
+            [(k.name, 0, k.nbytes), (k_meta.name, 0, k_meta.nbytes)],
+            [(v.name, 0, v.nbytes), (v_meta.name, 0, v_meta.nbytes)],
+        ]
+
+
+class Int4HostFormat(_Int4ValuesHostFormat):
+    """--hicache-host-dtype int4: keys per channel over a unit of at least
+    K_CHANNEL_MIN_TOKENS tokens (else per token), values per token.
+
+    Records per unit and layer: "k" uint8 [ut, H, Dk/2]; "k_meta" fp16
+    [H, Dk, 2] per channel or [ut, H, Dk/G, 2] per token; "v" uint8
+    [ut, H, Dv/2]; "v_meta" fp16 [ut, H, Dv/G, 2].
+    """
+
+    name = "int4"
+    storage_format_tag = "int4-fp16meta-v1"
+
+    def __init__(self, dims, head_num, unit_tokens, device_dtype):
+        super().__init__(dims, head_num, unit_tokens, device_dtype)
+        self.keys_per_channel = keys_per_channel(self.unit_tokens)
+        # Per-channel and per-token key metadata can have the same size (64
+        # tokens, 64-channel groups): the tag keeps L3 pages of one from being
+        # read as the other.
+        grouping = "kchannel" if self.keys_per_channel else "ktoken"
+        self.storage_format_tag = f"{type(self).storage_format_tag}-{grouping}"
+
+    def _int4_dims(self):
+        return self.dims
+
+    def _record_shapes(self):
+        return int4_record_shapes(self.dims, self.head_num, self.unit_tokens)
+
+    def describe(self) -> str:
+        if self.keys_per_channel:
+            keys = f"keys per channel over {self.unit_tokens}-token pages"
+        else:
+            dk = self.dims[0]
+            keys = (
+                f"keys per token in groups of {value_group_size(dk)} channels: "
+                f"{self.unit_tokens} token(s) per host unit < "
+                f"{K_CHANNEL_MIN_TOKENS} (page_size < {K_CHANNEL_MIN_TOKENS} "
+                "or layer_first)"
+            )
+        return f"{super().describe()}; {keys}, {self._values_description()}"
+
+    def encode_reference(self, rows):
+        return int4_encode_reference(*rows)
+
+    def decode_reference(self, records, dtype):
+        return int4_decode_reference(records, dtype)
+
+    def encode_into(self, rows, out) -> EncodeStats:
+        return EncodeStats(*int4_encode_into(*rows, out))
+
+    def decode_into(self, records, out) -> None:
+        int4_decode_into(records, *out)
+
+    def error_bound(self, records, restored):
+        k, v = restored
+        if self.keys_per_channel:
+            k_bound = error_bound_channels(records["k_meta"], k)
+        else:
+            k_bound = error_bound_tokens(records["k_meta"], k)
+        return k_bound, error_bound_tokens(records["v_meta"], v)
+
+
+class K8V4HostFormat(_Int4ValuesHostFormat):
+    """--hicache-host-dtype k8v4: keys as int8 (kv_int8_codec), values as int4.
+
+    Records per unit and layer: "k" int8 [ut, H, Dk]; "k_scale" fp16 [ut, H];
+    "v" uint8 [ut, H, Dv/2]; "v_meta" fp16 [ut, H, Dv/G, 2].
+    """
+
+    name = "k8v4"
+    storage_format_tag = "k8v4-fp16meta-v1"
+
+    def _int4_dims(self):
+        return self.dims[1:]
+
+    def _record_shapes(self):
+        return k8v4_record_shapes(self.dims, self.head_num, self.unit_tokens)
+
+    def describe(self) -> str:
+        return (
+            f"{super().describe()}; keys as int8 per token and head, "
+            f"{self._values_description()}"
+        )
+
+    def encode_reference(self, rows):
+        return k8v4_encode_reference(*rows)
+
+    def decode_reference(self, records, dtype):
+        return k8v4_decode_reference(records, dtype)
+
+    def encode_into(self, rows, out) -> EncodeStats:
+        return EncodeStats(*k8v4_encode_into(*rows, out))
+
+    def decode_into(self, records, out) -> None:
+        k8v4_decode_into(records, *out)
+
+    def error_bound(self, records, restored):
+        k, v = restored
+        return (
+            kv_int8_codec.error_bound(records["k_scale"], k),
+            error_bound_tokens(records["v_meta"], v),
+        )
