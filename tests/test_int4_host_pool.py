@@ -530,3 +530,83 @@ def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
     assert cls.host_bytes_per_device_byte(info, page_size=page_size, layout=layout) == (
         pytest.approx(pool.get_size_per_token() / device_bytes)
     )
+
+
+# --- fused kernels (where this build has them) --------------------------------
+
+
+@pytest.fixture
+def int4_kernels_interpreted(monkeypatch):
+    """The int4/k8v4 kernels under Triton's interpreter, so no GPU is needed;
+    skipped where sglang.kernels.ops.kvcache.kv_int4_triton is not built."""
+    k4 = pytest.importorskip(
+        "sglang.kernels.ops.kvcache.kv_int4_triton",
+        reason="the int4/k8v4 fused kernels are not in this build",
+    )
+    from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kt.reset_kernels()
+    k4.reset_kernels()
+    yield
+    kt.reset_kernels()
+    k4.reset_kernels()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("int4_kernels_interpreted")
+@pytest.mark.parametrize(
+    "fmt,layout,page_size,access",
+    [
+        ("int4", "page_first", 16, "direct"),
+        ("int4", "layer_first", 1, "direct"),
+        ("int4", "page_first_direct", 4, "staged"),
+        ("k8v4", "page_first", 16, "staged"),
+        ("k8v4", "layer_first", 2, "direct"),
+    ],
+)
+def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
+    """The format forwards encode_gather/decode_scatter to the kernels; their
+    host bytes, restored rows and statistics equal the torch path's."""
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
+    pools = {}
+    for path in ("torch", "fused"):
+        pool = make_host_pool(
+            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt
+        )
+        assert pool.host_format.fused_available(torch.device("cpu"))
+        if path == "fused":
+            pool.use_fused_kernels = True
+            pool.fused_host_access = access
+        pools[path] = pool
+    dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
+    fill_spread(device_pool, dev, seed=12)
+    device_pool.k_buffer[0][dev[1], 1, 3] = float("nan")
+    for pool in pools.values():
+        pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    torch_pool, fused_pool = pools["torch"], pools["fused"]
+    assert fused_pool.transfer_path == f"fused_{access}"
+    for name, buf in torch_pool.host_records.items():
+        assert torch.equal(
+            fused_pool.host_records[name].view(torch.uint8), buf.view(torch.uint8)
+        ), name
+    assert fused_pool.nonfinite_row_count() == torch_pool.nonfinite_row_count() == 1
+    assert torch.equal(
+        fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
+    )
+    restored = {}
+    for path, pool in pools.items():
+        new_dev = pages([8, 10, 9], page_size)
+        for layer in range(geo.layer_num):
+            device_pool.k_buffer[layer][new_dev] = 0
+            device_pool.v_buffer[layer][new_dev] = 0
+            pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+        restored[path] = [
+            b[new_dev].clone() for b in device_pool.k_buffer + device_pool.v_buffer
+        ]
+    for a, b in zip(restored["torch"], restored["fused"]):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(
+            a.nan_to_num(0).view(torch.int16), b.nan_to_num(0).view(torch.int16)
+        )
