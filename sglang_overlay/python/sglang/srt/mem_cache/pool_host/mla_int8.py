@@ -422,6 +422,10 @@ class MLATokenToKVPoolINT8Host(MLATokenToKVPoolHost):
                 sizes.append(part.numel())
         return ptrs, sizes
 
+    def get_hybrid_pool_buffer(self):
+        # Storage backends register every host tensor a page is gathered from.
+        return list(self.host_records.values())
+
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         # Pages span three record tensors; O_DIRECT file backends take the
         # copying path instead.
