@@ -20,8 +20,8 @@ A tile holding NaN/Inf, or one whose scale would overflow fp16, is stored with
 a NaN scale and restores as NaN; RoPE values restore exactly, non-finite ones
 included. For finite input every latent element obeys kv_int8_codec's bound
 ``|x - x^| <= s/2 + half_ulp_out(x^)`` with its tile's scale ``s``; RoPE
-elements restore with no error. The docs page gives the choice and the
-measured error.
+elements restore with no error. docs/advanced_features/hicache_host_dtype_mla.md
+gives the reasons for this split and the measured error.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from sglang.srt.mem_cache.device_pool_info import MLABufferInfo
+from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.quantized import (
@@ -181,7 +181,7 @@ def _refuse_unsupported(
         buffer_info.packed_fp8
         or buffer_info.scales is not None
         or buffer_info.dtype not in QUANTIZED_HOST_DEVICE_DTYPES
-        or not isinstance(buffer_info.buffers, tuple)
+        or isinstance(buffer_info.buffers, MLASplitBuffers)
         or (override_kv_cache_dim or width) != width
     ):
         raise NotImplementedError(
