@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PATCHED_TREE = Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang") / "python"
+PATCHED_TREE = (
+    Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang") / "python"
+)
 
 
 def install_torchvision_stub() -> None:
@@ -27,6 +29,7 @@ def install_torchvision_stub() -> None:
     from transformers.utils import import_utils
 
     import_utils.is_torchvision_available()
+
     class InterpolationMode:
         NEAREST = "nearest"
         BILINEAR = "bilinear"
@@ -95,6 +98,20 @@ def transfer_kv_per_layer_direct_pf_lf(
         dst.index_copy_(0, dst_indices.to(dst.device), rows.to(dst.device))
 
 
+def transfer_kv_all_layer_direct_lf_pf_mla(
+    src_ptrs, dst_ptrs, src_indices, dst_indices, page_size
+):
+    """The same copy for the MLA host pool: src_ptrs lists one latent row
+    tensor per layer and dst_ptrs holds its one page_first_direct host buffer."""
+    (host,) = dst_ptrs
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64).cpu()
+    pages, offsets = dst_indices // page_size, dst_indices % page_size
+    for layer, src in enumerate(src_ptrs):
+        rows = src.index_select(0, src_indices.to(src.device))
+        host[pages, layer, offsets] = rows.to(host.device)
+
+
 def install_sglang_standins() -> None:
     """Patch the sglang modules that reference CUDA-only kernels or calls."""
     import sglang
@@ -103,10 +120,14 @@ def install_sglang_standins() -> None:
         f"tests must run against the patched tree {PATCHED_TREE}, "
         f"but sglang comes from {sglang.__file__}; use `make test`"
     )
-    from sglang.srt.mem_cache.pool_host import common, mha
+    from sglang.srt.mem_cache.pool_host import common, mha, mla
 
     mha.transfer_kv_direct = transfer_kv_direct
     mha.transfer_kv_all_layer_direct_lf_pf = transfer_kv_all_layer_direct_lf_pf
     mha.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf
+    # The MLA host pool's direct io backend (layer_first, page_first_direct).
+    mla.transfer_kv_direct = transfer_kv_direct
+    mla.transfer_kv_all_layer_direct_lf_pf = transfer_kv_all_layer_direct_lf_pf_mla
+    mla.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf
     # Pinned memory calls into the CUDA runtime.
     common._cuda_host_register = lambda *args, **kwargs: None

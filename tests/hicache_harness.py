@@ -15,8 +15,9 @@ import torch
 from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
 
 
 @dataclass
@@ -30,6 +31,18 @@ class Geometry:
 
 
 @dataclass
+class MLAGeometry:
+    """An MLA model's latent cache; the defaults are DeepSeek V2/V3's widths
+    with few layers, for speed."""
+
+    layer_num: int = 3
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    dtype: torch.dtype = torch.bfloat16
+    page_size: int = 1
+
+
+@dataclass
 class HiCacheRig:
     device_pool: MHATokenToKVPool
     allocator: object
@@ -37,7 +50,18 @@ class HiCacheRig:
     controller: HiCacheController
 
 
-def make_device_pool(geo: Geometry, device_tokens: int) -> MHATokenToKVPool:
+def make_device_pool(geo: Geometry | MLAGeometry, device_tokens: int):
+    if isinstance(geo, MLAGeometry):
+        return MLATokenToKVPool(
+            size=device_tokens,
+            page_size=geo.page_size,
+            dtype=geo.dtype,
+            kv_lora_rank=geo.kv_lora_rank,
+            qk_rope_head_dim=geo.qk_rope_head_dim,
+            layer_num=geo.layer_num,
+            device="cpu",
+            enable_memory_saver=False,
+        )
     return MHATokenToKVPool(
         size=device_tokens,
         page_size=geo.page_size,
@@ -64,6 +88,18 @@ def make_host_pool(
     **extra,
 ):
     info = device_pool.get_device_pool_infos()[0].buffer_info
+    if isinstance(device_pool, MLATokenToKVPool):
+        return make_mla_host_pool(
+            device_pool,
+            info,
+            host_tokens=host_tokens,
+            host_size_gb=host_size_gb,
+            host_ratio=host_ratio,
+            layout=layout,
+            host_pool_cls=host_pool_cls,
+            host_dtype=host_dtype,
+            **extra,
+        )
     cls = host_pool_cls or get_mha_host_pool_cls(info, host_dtype)
     return cls(
         info,
@@ -81,8 +117,40 @@ def make_host_pool(
     )
 
 
+def make_mla_host_pool(
+    device_pool: MLATokenToKVPool,
+    info,
+    *,
+    host_tokens: int | None,
+    host_size_gb: float,
+    host_ratio: float,
+    layout: str,
+    host_pool_cls=None,
+    host_dtype: str = "auto",
+    **extra,
+):
+    """The MLA host pool as hybrid_pool_assembler's build_kv_host_pool builds it."""
+    cls = host_pool_cls or get_mla_host_pool_cls(info, host_dtype)
+    return cls(
+        info,
+        host_ratio,
+        host_size_gb,
+        device_pool.page_size,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        override_kv_cache_dim=device_pool.kv_cache_dim,
+        device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer,
+        end_layer=device_pool.end_layer,
+        target_layer_num=device_pool.layer_num,
+        host_token_capacity=host_tokens,
+        **extra,
+    )
+
+
 def make_rig(
-    geo: Geometry,
+    geo: Geometry | MLAGeometry,
     *,
     device_tokens: int = 256,
     host_tokens: int = 512,
@@ -119,10 +187,18 @@ def make_rig(
     return HiCacheRig(device_pool, allocator, host_pool, controller)
 
 
-def fill_random(device_pool: MHATokenToKVPool, indices: torch.Tensor, seed: int = 0):
-    """Write random K/V into `indices` of every layer; return the written rows."""
+def fill_random(device_pool, indices: torch.Tensor, seed: int = 0):
+    """Write random K/V (MLA: latent rows) into `indices` of every layer;
+    return the written rows."""
     gen = torch.Generator().manual_seed(seed)
     written = []
+    if isinstance(device_pool, MLATokenToKVPool):
+        for layer in range(device_pool.layer_num):
+            kv = device_pool.kv_buffer[layer]
+            rows = torch.randn((len(indices), *kv.shape[1:]), generator=gen)
+            kv[indices] = rows.to(kv.dtype)
+            written.append(kv[indices].clone())
+        return written
     for layer in range(device_pool.layer_num):
         k = device_pool.k_buffer[layer]
         v = device_pool.v_buffer[layer]
