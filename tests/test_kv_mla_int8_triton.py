@@ -5,10 +5,9 @@ restored bit on decode, for bf16/fp16 device KV, page sizes 1/16/64,
 page-major and layer-major (layer_first) record views, fragmented host units,
 shuffled device indices, NaN/Inf and out-of-range host indices.
 
-The format (latent in tiles of 128 values, each encoded as one kv_int8_codec
-row; RoPE kept in the device dtype) is spelled out step by step in
-spec_encode_reference / spec_decode_reference below, on kv_int8_codec's
-reference functions.
+The reference is kv_mla_int8_codec's MLAInt8HostFormat (encode_reference,
+decode_reference, and encode_into for the statistics): latent in tiles of 128
+values, each encoded as one kv_int8_codec row; RoPE kept in the device dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
 
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
-from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
 DTYPES = (torch.bfloat16, torch.float16)
 # DeepSeek V2/V3, Kimi K2: kv_lora_rank 512, qk_rope_head_dim 64, tiles of 128.
@@ -34,24 +33,32 @@ pytestmark = [
 # --- the format's reference ---------------------------------------------------
 
 
-def spec_encode_reference(rows: torch.Tensor, rank: int = RANK, tile: int = TILE):
-    """rows [n, 1, rank + rope] -> records kv int8 [n, 1, rank], scale fp16
-    [n, 1, rank / tile], rope [n, 1, rope] (the device dtype, same bits)."""
-    n = rows.shape[0]
-    q, scale = codec.quantize_reference(rows[..., :rank].reshape(n, 1, -1, tile))
-    return {
-        "kv": q.reshape(n, 1, rank),
-        "scale": scale,
-        "rope": rows[..., rank:].clone(),
+def mla_format(rows: torch.Tensor) -> MLAInt8HostFormat:
+    return MLAInt8HostFormat((rows.shape[-1],), 1, 1, rows.dtype, rope_dim=ROPE)
+
+
+def reference_records(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """kv_mla_int8_codec's encode_reference of rows [n, 1, W] (n units of
+    one token), as [n, 1, n_values] records."""
+    records = mla_format(rows).encode_reference([rows[:, None]])
+    return {name: r[:, 0] for name, r in records.items()}
+
+
+def reference_rows(rows: torch.Tensor) -> torch.Tensor:
+    """What a restore must produce: decode_reference(encode_reference(rows))."""
+    fmt = mla_format(rows)
+    records = fmt.encode_reference([rows[:, None]])
+    return fmt.decode_reference(records, rows.dtype)[0][:, 0]
+
+
+def reference_stats(rows: torch.Tensor):
+    """encode_into's statistics (amax over finite tiles, non-finite count)."""
+    fmt = mla_format(rows)
+    out = {
+        r.name: torch.empty((rows.shape[0], *r.shape), dtype=r.dtype)
+        for r in fmt.records
     }
-
-
-def spec_decode_reference(records, dtype: torch.dtype) -> torch.Tensor:
-    kv, scale = records["kv"], records["scale"]
-    n, _, rank = kv.shape
-    tiles = kv.reshape(n, 1, scale.shape[-1], -1)
-    latent = codec.dequantize_reference(tiles, scale, dtype).reshape(n, 1, rank)
-    return torch.cat([latent, records["rope"].view(dtype)], dim=-1)
+    return fmt.encode_into([rows[:, None]], out)
 
 
 # --- driving the kernels --------------------------------------------------------
@@ -102,7 +109,7 @@ def layer_views(views, layer):
 def check_tokens(rows, layer, dtype, views, host, unit_tokens, dst=None, slots=None):
     """Records at host == reference encoding of rows [n, 1, W] in every byte;
     decoding them into dst at slots == reference decoding in every bit."""
-    ref = spec_encode_reference(rows, rank=views["kv"].shape[-1])
+    ref = reference_records(rows)
     unit, within = host // unit_tokens, host % unit_tokens
     for name, expected in ref.items():
         got = views[name][unit, layer, within]
@@ -110,7 +117,7 @@ def check_tokens(rows, layer, dtype, views, host, unit_tokens, dst=None, slots=N
         assert torch.equal(got.view(torch.int8), expected.view(torch.int8)), name
     if dst is not None:
         mk.decode_scatter(layer_views(views, layer), host, [dst], slots)
-        assert_same_bits(dst[slots], spec_decode_reference(ref, dtype))
+        assert_same_bits(dst[slots], reference_rows(rows))
     return ref
 
 
@@ -150,8 +157,9 @@ def round_trip_rows(rows: torch.Tensor, tile=None) -> dict[str, torch.Tensor]:
     untouched = torch.ones(size, dtype=torch.bool)
     untouched[back] = False
     assert (dst[untouched] == -7.0).all()
-    ref_scale = spec_encode_reference(rows)["scale"]
-    assert int(stats["nonfinite"]) == int(codec.count_nonfinite_rows(ref_scale))
+    expected = reference_stats(rows)
+    assert int(stats["nonfinite"]) == int(expected.nonfinite)
+    assert torch.equal(stats["amax"][0], expected.amax)
     return stats
 
 
@@ -168,15 +176,12 @@ def test_edge_tiles_and_rope_specials(dtype):
     rope = torch.randn(mixed.shape[0], ROPE, generator=g).to(dtype)
     rope[0, :4] = torch.tensor([NAN, INF, -INF, -0.0])
     rope[1, 0] = torch.finfo(dtype).smallest_normal / 4
-    stats = round_trip_rows(tokens_from_tiles(mixed.reshape(-1, TILE), rope))
-    assert int(stats["nonfinite"]) > 0  # the NaN/Inf/over-range tiles
-    finite = torch.isfinite(
-        spec_encode_reference(tokens_from_tiles(mixed.reshape(-1, TILE), rope))[
-            "scale"
-        ]
-    )
-    tile_amax = mixed.reshape(-1, TILE).float().abs().amax(-1).reshape(finite.shape)
-    assert float(stats["amax"][0, 0]) == float(tile_amax[finite].max())
+    rope[2, :2] = torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max])
+    rows = tokens_from_tiles(mixed.reshape(-1, TILE), rope)
+    stats = round_trip_rows(rows)
+    # NaN/Inf/over-range edge tiles (bf16: its max and 127 * 65504 too) and
+    # the RoPE row with NaN/Inf (the one at +-max is finite).
+    assert int(stats["nonfinite"]) == (6 if dtype == torch.float16 else 8) + 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -197,13 +202,15 @@ def test_nan_in_one_tile_poisons_only_that_tile():
     rows = random_layers(1, 3, torch.bfloat16, seed=4)[0]
     rows[1, 0, 130] = NAN  # tile 1 of token 1
     store, views = host_records(3, 1, 1, torch.bfloat16, "page_first")
+    rows[2, 0, RANK + 5] = -INF  # a RoPE value: counted, restored as itself
     stats = encode([rows], torch.arange(3), torch.arange(3), views)
-    assert int(stats["nonfinite"]) == 1
+    assert int(stats["nonfinite"]) == 2
     dst = torch.zeros_like(rows)
     mk.decode_scatter(layer_views(views, 0), torch.arange(3), [dst], torch.arange(3))
     assert torch.isnan(dst[1, 0, 128:256]).all()
     assert torch.isfinite(dst[1, 0, :128]).all() and torch.isfinite(dst[1, 0, 256:]).all()
-    assert torch.isfinite(dst[[0, 2]]).all()
+    assert torch.isfinite(dst[0]).all() and torch.isfinite(dst[2, 0, :-ROPE]).all()
+    assert dst[2, 0, RANK + 5] == -INF
 
 
 # --- addressing --------------------------------------------------------------

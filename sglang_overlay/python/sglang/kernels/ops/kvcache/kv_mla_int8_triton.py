@@ -25,9 +25,9 @@ programs cover every token the latent ones do.
 Everything kv_int8_triton's docstring says about bit-exactness, host memory
 (UVA-direct or staged), host-index bounds and counters, per-transfer
 specialization and lazy building holds here unchanged: the arithmetic is the
-same code. Counters: non-finite = latent tiles stored with a NaN scale; a
-NaN/Inf in the RoPE part is copied as is (it restores as itself, never as a
-finite value). scale_amax is [layers, 1]: the largest amax of the finite
+same code. Counters, as kv_mla_int8_codec's encode_into: non-finite = latent
+tiles stored with a NaN scale plus RoPE rows holding NaN/Inf (copied as they
+are, so they restore as themselves, never as finite values). scale_amax is [layers, 1]: the largest amax of the finite
 latent tiles. A token whose host index is out of range is counted once.
 """
 
@@ -146,6 +146,18 @@ def _encode_kernel_src(
         bits = tl.load(x_base + (src[:, None] + d[None, :]), mask=m2, other=0)
         dst = unit * r_su + layer * r_sl + within * r_st
         tl.store(r_out + (dst[:, None] + d[None, :]), bits, mask=m2)
+        if COUNT:
+            # A RoPE row holding NaN/Inf (all exponent bits set) counts once,
+            # as the codec counts it.
+            if IS_BF16:
+                exponent = bits.to(tl.int32) & 0x7F80
+                special = (exponent == 0x7F80) & m2
+            else:
+                exponent = bits.to(tl.int32) & 0x7C00
+                special = (exponent == 0x7C00) & m2
+            row_bad = tl.reduce(special.to(tl.int32), 1, _max_combine) > 0
+            n_bad = tl.reduce(row_bad.to(tl.int64), 0, _sum_combine)
+            tl.atomic_add(counter_ptr, n_bad, mask=n_bad > 0)
 
 
 def _decode_kernel_src(
@@ -201,6 +213,8 @@ def _decode_kernel_src(
 # the same mode) and this module's helper.
 _encode_rows = None
 _decode_rows = None
+_max_combine = None
+_sum_combine = None
 _rope_offsets = None
 _KERNELS: SimpleNamespace | None = None
 
@@ -221,6 +235,7 @@ DECODE_BOOKKEEPING_POINTERS = ("host_idx_ptr", "dev_idx_ptr", "bad_idx_ptr")
 
 def _build() -> SimpleNamespace:
     global _KERNELS, _encode_rows, _decode_rows, _rope_offsets
+    global _max_combine, _sum_combine
     # kv_int8_triton decides the mode (TRITON_INTERPRET) and owns the row
     # functions; rebuild whenever it rebuilt (reset_kernels there resets here).
     rows = kt._build()
@@ -228,6 +243,8 @@ def _build() -> SimpleNamespace:
         return _KERNELS
     _encode_rows = kt._encode_rows
     _decode_rows = kt._decode_rows
+    _max_combine = kt._max_combine
+    _sum_combine = kt._sum_combine
     _rope_offsets = triton.jit(_rope_offsets_src)
     _KERNELS = SimpleNamespace(
         rows=rows,
@@ -331,8 +348,9 @@ def encode_gather(
       out["rope"]   16-bit [units, L, unit_tokens, 1, rope_dim]
 
     (any strides, last dim contiguous; unit = host_index // unit_tokens).
-    Bit-identical to the MLA codec's encode_reference. Latent tiles stored
-    non-finite are added to nonfinite_counter (0-dim int64) if given;
+    Bit-identical to kv_mla_int8_codec's encode_reference. Latent tiles
+    stored non-finite and RoPE rows holding NaN/Inf are added to
+    nonfinite_counter (0-dim int64) if given, as encode_into counts them;
     scale_amax (fp32 [L, 1]) is raised to each layer's largest finite tile
     amax. A host index outside [0, units * unit_tokens) writes nothing and its
     token is counted once in bad_index_counter. Device indices are not
@@ -407,7 +425,7 @@ def decode_scatter(
     unit_tokens, 1, rope_dim]) into dst[0][device_indices[i]], the device
     layer [size, 1, kv_lora_rank + rope_dim] (bf16/fp16, last dim contiguous).
 
-    Bit-identical to the MLA codec's decode_reference: NaN tiles restore as
+    Bit-identical to kv_mla_int8_codec's decode_reference: NaN tiles restore as
     NaN, fp16 output saturates at +-65504, RoPE bits are copied. A host index
     outside [0, units * unit_tokens) restores nothing (the device row keeps
     its contents) and its token is counted in bad_index_counter if given.
