@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
-
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
+from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
 
 DTYPES = (torch.bfloat16, torch.float16)
 # DeepSeek V2/V3, Kimi K2: kv_lora_rank 512, qk_rope_head_dim 64, tiles of 128.
@@ -208,7 +207,9 @@ def test_nan_in_one_tile_poisons_only_that_tile():
     dst = torch.zeros_like(rows)
     mk.decode_scatter(layer_views(views, 0), torch.arange(3), [dst], torch.arange(3))
     assert torch.isnan(dst[1, 0, 128:256]).all()
-    assert torch.isfinite(dst[1, 0, :128]).all() and torch.isfinite(dst[1, 0, 256:]).all()
+    assert (
+        torch.isfinite(dst[1, 0, :128]).all() and torch.isfinite(dst[1, 0, 256:]).all()
+    )
     assert torch.isfinite(dst[0]).all() and torch.isfinite(dst[2, 0, :-ROPE]).all()
     assert dst[2, 0, RANK + 5] == -INF
 
@@ -240,7 +241,9 @@ def test_layouts_pages_and_shuffled_indices(layout, page_size, dtype):
     back = torch.randperm(size, generator=g)[:tokens]
     for layer in range(n_layers):
         dst = torch.full((size, 1, RANK + ROPE), -7.0, dtype=dtype)
-        check_tokens(layers[layer][dev], layer, dtype, views, host, unit_tokens, dst, back)
+        check_tokens(
+            layers[layer][dev], layer, dtype, views, host, unit_tokens, dst, back
+        )
         kept = torch.ones(size, dtype=torch.bool)
         kept[back] = False
         assert (dst[kept] == -7.0).all()
@@ -263,7 +266,9 @@ def test_smaller_latents(rank):
     encode(layers, dev, host, views)
     for layer in range(2):
         dst = torch.zeros_like(layers[0])
-        check_tokens(layers[layer][dev], layer, torch.bfloat16, views, host, 2, dst, dev)
+        check_tokens(
+            layers[layer][dev], layer, torch.bfloat16, views, host, 2, dst, dev
+        )
 
 
 @pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))
@@ -275,12 +280,21 @@ def test_out_of_range_host_indices_are_counted_and_skipped(index_dtype):
     dev = torch.tensor([1, 2, 3, 4, 5], dtype=index_dtype)
     host = torch.tensor([0, -1, 12, 5, 40], dtype=index_dtype)
     ok = torch.tensor([True, False, False, True, False])
-    store, views = host_records(units, n_layers, unit_tokens, torch.float16, "page_first")
+    store, views = host_records(
+        units, n_layers, unit_tokens, torch.float16, "page_first"
+    )
     stats = encode(layers, dev, host, views)
     assert int(stats["bad_index"]) == 3
     good = host[ok].long()
     for layer in range(n_layers):
-        check_tokens(layers[layer][dev[ok].long()], layer, torch.float16, views, good, unit_tokens)
+        check_tokens(
+            layers[layer][dev[ok].long()],
+            layer,
+            torch.float16,
+            views,
+            good,
+            unit_tokens,
+        )
     written = torch.zeros(units * unit_tokens, dtype=torch.bool)
     written[good] = True
     flat_kv = views["kv"].transpose(1, 2).reshape(units * unit_tokens, n_layers, -1)

@@ -27,8 +27,9 @@ Everything kv_int8_triton's docstring says about bit-exactness, host memory
 specialization and lazy building holds here unchanged: the arithmetic is the
 same code. Counters, as kv_mla_int8_codec's encode_into: non-finite = latent
 tiles stored with a NaN scale plus RoPE rows holding NaN/Inf (copied as they
-are, so they restore as themselves, never as finite values). scale_amax is [layers, 1]: the largest amax of the finite
-latent tiles. A token whose host index is out of range is counted once.
+are, so they restore as themselves, never as finite values). scale_amax is
+[layers, 1]: the largest amax of the finite latent tiles. A token whose host
+index is out of range is counted once.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from types import SimpleNamespace
 from typing import Mapping, Sequence
 
 import torch
-
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.kernels.ops.kvcache.kv_int8_triton import DeviceLayerTable, available
 
