@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hicache_harness import MLAGeometry, fill_random, make_device_pool, make_host_pool
+from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
+
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
-from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
 
 DTYPES = (torch.bfloat16, torch.float16)
 # DeepSeek V2/V3, Kimi K2: kv_lora_rank 512, qk_rope_head_dim 64, tiles of 128.
 RANK, ROPE, TILE = 512, 64, 128
 NAN, INF = float("nan"), float("inf")
 LAYOUTS = ("page_first", "layer_first")
+RECORD_NAMES = ("kv", "scale", "rope")
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
     pytest.mark.usefixtures("triton_interpreter"),
@@ -372,3 +375,70 @@ def test_bad_arguments_raise_and_write_nothing():
     # An empty transfer is a no-op.
     mk.encode_gather([table], idx[:0], base, idx[:0])
     assert (base["kv"] == 55).all()
+
+
+# --- against the MLA INT8 host pool's torch path ---------------------------------
+
+
+def poisoned_fill(device_pool, dev):
+    """Random latent rows, a NaN tile, an Inf RoPE value, an over-range tile."""
+    fill_random(device_pool, dev, seed=device_pool.page_size)
+    device_pool.kv_buffer[0][dev[1], 0, 300] = NAN
+    device_pool.kv_buffer[-1][dev[-1], 0, RANK + 3] = INF
+    device_pool.kv_buffer[-1][dev[0], 0, :TILE] = 1e7  # past the fp16-scale guard
+
+
+def fill_records(pool, byte: int) -> None:
+    for t in pool.host_records.values():
+        t.view(torch.int8).fill_(byte)
+
+
+def pool_views(pool) -> dict[str, torch.Tensor]:
+    """The pool's host records as the kernels take them: [units, L, ...]."""
+    return {
+        name: t if pool.layout != "layer_first" else t.transpose(0, 1)
+        for name, t in pool.host_records.items()
+    }
+
+
+@pytest.mark.parametrize("layout", ("page_first", "page_first_direct", "layer_first"))
+@pytest.mark.parametrize("page_size", (1, 16, 64))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_match_the_pool_torch_path(layout, page_size, dtype):
+    """SGLang's MLA device pool and the MLA INT8 host pool (torch path) at
+    DeepSeek geometry: the kernels write the same host bytes into the pool's
+    own record tensors, restore the same device bits, and count the same
+    non-finite rows and amax."""
+    geo = MLAGeometry(layer_num=2, dtype=dtype, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=8 * page_size)
+    pool = make_host_pool(
+        device_pool, host_tokens=8 * page_size, layout=layout, host_dtype="int8"
+    )
+    g = torch.Generator().manual_seed(page_size)
+    pages = torch.randperm(6, generator=g)[:3] + 1
+    dev = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    poisoned_fill(device_pool, dev)
+    host_all = pool.alloc(5 * page_size)
+    host = torch.cat([host_all[3 * page_size :], host_all[:page_size]])  # a gap
+    fill_records(pool, 77)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    expected = {name: t.clone() for name, t in pool.host_records.items()}
+
+    fill_records(pool, 77)
+    stats = encode(device_pool.kv_buffer, dev, host, pool_views(pool))
+    for name, t in pool.host_records.items():
+        assert torch.equal(t.view(torch.int8), expected[name].view(torch.int8)), name
+    assert int(stats["nonfinite"]) == pool.nonfinite_row_count() == 3
+    assert torch.equal(stats["amax"], pool.scale_amax_by_layer())
+
+    new_pages = torch.randperm(6, generator=g)[:3] + 1
+    new_dev = (new_pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    for layer in range(geo.layer_num):
+        kv = device_pool.kv_buffer[layer]
+        kv.fill_(-7.0)
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+        restored = kv.clone()
+        kv.fill_(-7.0)
+        records = {name: pool._host_layer(name, layer) for name in RECORD_NAMES}
+        mk.decode_scatter(records, host, [kv], new_dev)
+        assert_same_bits(kv, restored)

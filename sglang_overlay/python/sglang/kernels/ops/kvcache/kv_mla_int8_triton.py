@@ -38,6 +38,7 @@ from types import SimpleNamespace
 from typing import Mapping, Sequence
 
 import torch
+
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.kernels.ops.kvcache.kv_int8_triton import DeviceLayerTable, available
 
