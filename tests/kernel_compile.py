@@ -1,4 +1,4 @@
-"""Compile the INT8 host pool's Triton kernels for NVIDIA GPUs on a CPU-only machine.
+"""Compile the INT8 host pools' Triton kernels for NVIDIA GPUs on a CPU-only machine.
 
 Triton picks its compile target from the active driver. TargetOnlyDriver is a
 stand-in that reports a CUDA target (sm_80/86/89/90) and nothing else; with
@@ -8,7 +8,9 @@ every `kernel[grid](...)` they reach is recorded instead of launched, keeping
 the first launch of each distinct specialisation (Triton's own binder and
 cache key). Each of those is then compiled for each target with Triton's
 warm-up on the recorded arguments: PTX and, by Triton's bundled ptxas, a
-cubin, never launched.
+cubin, never launched. The MLA kernels (kv_mla_int8_triton) are driven
+directly, on SGLang's real MLA device pool and records shaped as the MLA INT8
+host pool allocates them (grid "mla"), until a fused MLA pool launches them.
 
 What is checked on each compiled kernel (CompiledSpec.problems):
   * ptxas reports no register spills (its `-v` log, captured per compile);
@@ -412,6 +414,136 @@ def drive_pool_grid() -> None:
         drive_pool(case)
 
 
+# --- the MLA kernels ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLACase:
+    layout: str
+    page_size: int
+    dtype: torch.dtype
+    # "direct": the host pool's own record tensors (layer_first: layer-major,
+    # transposed); "staged": one contiguous [units, L, ...] chunk buffer.
+    host_access: str
+    device_index_kinds: tuple[str, ...] = ("int64",)
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    layer_num: int = 2
+    host_tokens: int | None = None  # beyond memory: meta tensors, as drive_pool
+
+    def __str__(self) -> str:
+        return (
+            f"mla/{self.layout}/p{self.page_size}/r{self.kv_lora_rank}+{self.rope_dim}/"
+            f"{str(self.dtype).removeprefix('torch.')}/{self.host_access}"
+            + (f"/host{self.host_tokens}" if self.host_tokens else "")
+        )
+
+
+def _mla_records(case: MLACase, fmt, units: int) -> dict[str, torch.Tensor]:
+    """[units, L, *record.shape] views, laid out as case.host_access says."""
+    device = "meta" if case.host_tokens else "cpu"
+    views = {}
+    for record in fmt.records:
+        layer_major = case.layout == "layer_first" and case.host_access == "direct"
+        dims = (units, case.layer_num, *record.shape)
+        if layer_major:
+            dims = (case.layer_num, units, *record.shape)
+        t = torch.zeros(dims, dtype=record.dtype, device=device)
+        views[record.name] = t.transpose(0, 1) if layer_major else t
+    return views
+
+
+def drive_mla(case: MLACase) -> None:
+    """Backups (all layers) and per-layer restores of every transfer size
+    through kv_mla_int8_triton, with every counter the pool keeps."""
+    from hicache_harness import MLAGeometry, make_device_pool
+
+    from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
+    from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
+
+    p = case.page_size
+    unit_tokens = 1 if case.layout == "layer_first" else p
+    geo = MLAGeometry(
+        layer_num=case.layer_num,
+        kv_lora_rank=case.kv_lora_rank,
+        qk_rope_head_dim=case.rope_dim,
+        dtype=case.dtype,
+        page_size=p,
+    )
+    pages = max(TRANSFER_PAGES) + 1
+    device_pool = make_device_pool(geo, device_tokens=pages * p)
+    fmt = MLAInt8HostFormat(
+        (case.kv_lora_rank + case.rope_dim,),
+        1,
+        unit_tokens,
+        case.dtype,
+        rope_dim=case.rope_dim,
+    )
+    host_tokens = case.host_tokens or pages * p
+    views = _mla_records(case, fmt, host_tokens // unit_tokens)
+    table = mk.DeviceLayerTable(device_pool.kv_buffer)
+    nonfinite = torch.zeros((), dtype=torch.int64)
+    bad_index = torch.zeros((), dtype=torch.int64)
+    amax = torch.zeros(case.layer_num, 1)
+    for n_pages in TRANSFER_PAGES:
+        tokens = n_pages * p
+        rows = torch.arange(p, p + tokens)
+        host = torch.arange(host_tokens - tokens, host_tokens)
+        for kind in case.device_index_kinds:
+            dev = _device_indices(rows, kind)
+            mk.encode_gather(
+                [table], dev, views, host.clone(), nonfinite_counter=nonfinite,
+                scale_amax=amax, bad_index_counter=bad_index,
+            )  # fmt: skip
+            restore_host = host.clone()
+            for layer in range(case.layer_num):
+                mk.decode_scatter(
+                    {name: v[:, layer] for name, v in views.items()},
+                    restore_host,
+                    [device_pool.kv_buffer[layer]],
+                    dev,
+                    bad_index_counter=bad_index,
+                )
+
+
+def mla_grid() -> list[MLACase]:
+    """DeepSeek geometry: every layout, page size 1/16/64, both device dtypes,
+    pool records and a contiguous chunk; every device index kind at page 16;
+    a smaller latent; records past 2**31 elements."""
+    from test_kv_int8_triton import DTYPES
+
+    cases = [
+        MLACase(layout, page_size, dtype, access)
+        for layout in ("page_first", "page_first_direct", "layer_first")
+        for page_size in (1, 16, 64)
+        for dtype in DTYPES
+        for access in HOST_ACCESS
+    ]
+    cases += [
+        MLACase(layout, 16, dtype, "direct", DEVICE_INDEX_KINDS)
+        for layout in ("page_first", "layer_first")
+        for dtype in DTYPES
+    ]
+    cases += [MLACase("page_first", 16, torch.bfloat16, "direct", kv_lora_rank=256)]
+    # layer_first's layer stride (512 int8 per token) passes 2**31 elements,
+    # an i64 kernel argument; page_first's unit * stride is int64 in-kernel.
+    huge = (1 << 31) // 512 + 64 * 64
+    cases += [
+        MLACase(layout, 64, dtype, "direct", host_tokens=huge)
+        for layout in ("page_first", "layer_first")
+        for dtype in DTYPES
+    ]
+    return cases
+
+
+def drive_mla_grid() -> None:
+    for case in mla_grid():
+        drive_mla(case)
+
+
+GRIDS = {"int8": drive_pool_grid, "mla": drive_mla_grid}
+
+
 def summary(run: CompileRun) -> dict:
     """What the tests assert on, as JSON."""
     return {
@@ -434,8 +566,8 @@ def summary(run: CompileRun) -> dict:
 
 
 def _worker_main(argv: list[str]) -> None:
-    """python tests/kernel_compile.py OUT_DIR ARCH...: compile the grid for
-    each target, writing OUT_DIR/sm_<arch>.json."""
+    """python tests/kernel_compile.py OUT_DIR GRID ARCH...: compile the grid
+    (a GRIDS key) for each target, writing OUT_DIR/sm_<arch>.json."""
     import json
     import sys
     import tempfile
@@ -444,16 +576,19 @@ def _worker_main(argv: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import conftest  # noqa: F401  (the CPU stand-ins, before sglang)
 
-    out, archs = Path(argv[0]), [int(a) for a in argv[1:]]
+    out, drive, archs = Path(argv[0]), GRIDS[argv[1]], [int(a) for a in argv[2:]]
     with tempfile.TemporaryDirectory() as cache_dir:
-        runs = compile_for_targets(drive_pool_grid, archs, cache_dir)
+        runs = compile_for_targets(drive, archs, cache_dir)
     for arch, run in runs.items():
         (out / f"sm_{arch}.json").write_text(json.dumps(summary(run)))
 
 
-def compile_grid_in_workers(archs, out_dir, jobs: int) -> dict[int, dict]:
-    """Compile the grid for each target in `jobs` parallel processes (Triton
-    compiles one kernel at a time per process); each drives the pool once."""
+def compile_grid_in_workers(
+    archs, out_dir, jobs: int, grid: str = "int8"
+) -> dict[int, dict]:
+    """Compile a grid (GRIDS: "int8" the MHA pool's, "mla" the MLA kernels')
+    for each target in `jobs` parallel processes (Triton compiles one kernel at
+    a time per process); each drives the grid once."""
     import json
     import os
     import subprocess
@@ -463,7 +598,7 @@ def compile_grid_in_workers(archs, out_dir, jobs: int) -> dict[int, dict]:
     groups = [list(archs[i::jobs]) for i in range(jobs) if archs[i::jobs]]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(out_dir), *map(str, group)],
+            [sys.executable, __file__, str(out_dir), grid, *map(str, group)],
             env=os.environ.copy(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -82,7 +82,7 @@ def _rope_offsets_src(
     return didx, hidx // UT, hidx % UT, hmask
 
 
-def _encode_kernel_src(
+def _mla_encode_kernel_src(
     x_base,
     x_offs,
     dev_idx_ptr,
@@ -161,7 +161,7 @@ def _encode_kernel_src(
             tl.atomic_add(counter_ptr, n_bad, mask=n_bad > 0)
 
 
-def _decode_kernel_src(
+def _mla_decode_kernel_src(
     kv_in,
     s_in,
     r_in,
@@ -250,12 +250,12 @@ def _build() -> SimpleNamespace:
     _KERNELS = SimpleNamespace(
         rows=rows,
         encode=triton.jit(
-            _encode_kernel_src,
+            _mla_encode_kernel_src,
             do_not_specialize=ENCODE_PER_TRANSFER_ARGS,
             do_not_specialize_on_alignment=ENCODE_BOOKKEEPING_POINTERS,
         ),
         decode=triton.jit(
-            _decode_kernel_src,
+            _mla_decode_kernel_src,
             do_not_specialize=DECODE_PER_TRANSFER_ARGS,
             do_not_specialize_on_alignment=DECODE_BOOKKEEPING_POINTERS,
         ),
