@@ -23,7 +23,14 @@ from queue import Empty
 import pytest
 import torch
 
-from hicache_harness import Geometry, HiCacheRig, finish_transfers, make_rig
+from hicache_harness import (
+    Geometry,
+    HiCacheRig,
+    MLAGeometry,
+    finish_transfers,
+    make_rig,
+)
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 # Every wait on a storage thread is bounded, so a fault can only fail a test.
@@ -187,7 +194,7 @@ class MooncakeMaster:
 @dataclass
 class L3Rig:
     rig: HiCacheRig
-    geo: Geometry
+    geo: Geometry | MLAGeometry
 
     @property
     def controller(self):
@@ -208,7 +215,7 @@ def make_l3_rig(
     extra_config: dict,
     *,
     host_dtype: str = "int8",
-    geo: Geometry | None = None,
+    geo: Geometry | MLAGeometry | None = None,
     layout: str = "page_first_direct",
     device_tokens: int = 256,
     host_tokens: int = 512,
@@ -233,8 +240,11 @@ def make_l3_rig(
 
 
 def device_rows(rig: HiCacheRig, indices: torch.Tensor) -> list[torch.Tensor]:
-    """K then V rows of every layer at device `indices` (copies)."""
+    """K then V rows (MLA: latent rows) of every layer at device `indices`
+    (copies)."""
     pool = rig.device_pool
+    if isinstance(pool, MLATokenToKVPool):
+        return [pool.kv_buffer[i][indices].clone() for i in range(pool.layer_num)]
     return [pool.k_buffer[i][indices].clone() for i in range(pool.layer_num)] + [
         pool.v_buffer[i][indices].clone() for i in range(pool.layer_num)
     ]
@@ -266,9 +276,14 @@ def evict_everywhere(l3: L3Rig, dev: torch.Tensor, host: torch.Tensor) -> None:
     """Drop the KV from L1 and L2, poisoning the freed rows so stale bytes
     cannot pass for restored ones."""
     pool = l3.rig.device_pool
+    buffers = (
+        [pool.kv_buffer]
+        if isinstance(pool, MLATokenToKVPool)
+        else [pool.k_buffer, pool.v_buffer]
+    )
     for layer in range(pool.layer_num):
-        pool.k_buffer[layer][dev] = float("nan")
-        pool.v_buffer[layer][dev] = float("nan")
+        for buffer in buffers:
+            buffer[layer][dev] = float("nan")
     l3.rig.allocator.free(dev)
     l3.controller.mem_pool_host.free(host)
 

@@ -261,10 +261,14 @@ def test_int8_rejects_decode_host_receive():
         )
 
 
-def test_int8_rejects_mla_model(models):
+def test_int8_rejects_mla_model_without_128_value_tiles(models):
+    # This tiny DeepSeek-V2 has kv_lora_rank 32; tests/test_mla_int8_server_args.py
+    # covers the MLA models the INT8 pool accepts.
     with pytest.raises(ValueError) as error:
         resolve(models["mla"], hicache_host_dtype="int8")
-    assert "--hicache-host-dtype int8 does not support MLA models" in str(error.value)
+    assert "--hicache-host-dtype int8 does not support kv_lora_rank 32" in str(
+        error.value
+    )
 
 
 def test_auto_keeps_upstream_behaviour_for_the_same_arguments(models):
@@ -304,7 +308,9 @@ def test_int8_accepts_supported_combinations_before_the_model(
 
 def test_unknown_host_dtype_is_refused_at_start_up():
     # The one place that validates the flag; the pool dispatch does not.
-    with pytest.raises(ValueError, match="--hicache-host-dtype must be 'auto' or 'int8'"):
+    with pytest.raises(
+        ValueError, match="--hicache-host-dtype must be 'auto' or 'int8'"
+    ):
         resolve(hicache_host_dtype="int4")
 
 

@@ -20,44 +20,40 @@ A tile holding NaN/Inf, or one whose scale would overflow fp16, is stored with
 a NaN scale and restores as NaN; RoPE values restore exactly, non-finite ones
 included. For finite input every latent element obeys kv_int8_codec's bound
 ``|x - x^| <= s/2 + half_ulp_out(x^)`` with its tile's scale ``s``; RoPE
-elements restore with no error. The docs page gives the choice and the
-measured error.
+elements restore with no error. docs/advanced_features/hicache_host_dtype_mla.md
+gives the reasons for this split and the measured error.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, Mapping, NamedTuple, Sequence
+import importlib
+from typing import ClassVar, Mapping, Sequence
 
 import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8
+from sglang.srt.mem_cache.pool_host.host_format import (
+    EncodeStats,
+    HostKVFormat,
+    HostRecord,
+)
 
 TILE = 128
 SCALE_DTYPE = int8.SCALE_DTYPE
 DEVICE_DTYPES = (torch.bfloat16, torch.float16)
+# The fused kernels (Triton) this format forwards to.
+_KERNELS = "sglang.kernels.ops.kvcache.kv_mla_int8_triton"
 
 
-class EncodeStats(NamedTuple):
-    # Largest max|x| over the finite latent tiles encoded, [len(sides)] fp32
-    # (0 if none), kept on the encoding device.
-    amax: torch.Tensor
-    # Tiles stored with a NaN scale plus RoPE rows holding NaN/Inf, 0-dim int64.
-    nonfinite: torch.Tensor
-
-
-class HostRecord(NamedTuple):
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-class MLAInt8HostFormat:
+class MLAInt8HostFormat(HostKVFormat):
     """Latent in 128-value INT8 tiles with FP16 scales, RoPE in the device dtype.
 
     One instance per pool: ``dims = (kv_lora_rank + rope_dim,)``, ``head_num =
     1``; ``unit_tokens`` is the tokens one host unit holds (a page, or one token
     for layer_first). Rows passed in and out are
-    ``[n_units, unit_tokens, 1, kv_lora_rank + rope_dim]``.
+    ``[n_units, unit_tokens, 1, kv_lora_rank + rope_dim]``. The amax statistic
+    covers the latent tiles; ``nonfinite`` counts NaN-scale tiles and RoPE rows
+    holding NaN/Inf.
     """
 
     name: ClassVar[str] = "int8"
@@ -79,10 +75,7 @@ class MLAInt8HostFormat:
                 "--hicache-host-dtype int8 needs a BF16/FP16 MLA device KV cache, "
                 f"got {device_dtype}."
             )
-        self.dims = tuple(dims)
-        self.head_num = head_num
-        self.unit_tokens = unit_tokens
-        self.device_dtype = device_dtype
+        super().__init__(dims, head_num, unit_tokens, device_dtype)
         self.tiles = self.latent_dim // TILE
         ut = unit_tokens
         self.records = (
@@ -101,13 +94,9 @@ class MLAInt8HostFormat:
         *,
         rope_dim: int = 64,
     ) -> float:
-        latent, rope = _split_dims(dims, head_num, rope_dim)
-        scales = latent // TILE * SCALE_DTYPE.itemsize
-        return float(latent + scales + rope * device_dtype.itemsize)
-
-    def bytes_per_token(self) -> float:
-        total = sum(_numel(r.shape) * r.dtype.itemsize for r in self.records)
-        return total / self.unit_tokens
+        return cls(
+            dims, head_num, unit_tokens, device_dtype, rope_dim=rope_dim
+        ).bytes_per_token()
 
     def describe(self) -> str:
         return (
@@ -187,12 +176,54 @@ class MLAInt8HostFormat:
         return (torch.cat([latent_bound, rope_bound], dim=-1),)
 
     # ------------------------------------------------------------------
+    # fused kernels (Triton), in the kernels package
+
+    def fused_available(self, device: torch.device) -> bool:
+        try:
+            kernels = importlib.import_module(_KERNELS)
+        except ImportError:
+            return False
+        return kernels.available(device)
+
+    def encode_gather(
+        self,
+        tables,
+        device_indices,
+        out,
+        host_indices,
+        *,
+        nonfinite_counter=None,
+        scale_amax=None,
+        bad_index_counter=None,
+    ) -> None:
+        importlib.import_module(_KERNELS).encode_gather(
+            tables,
+            device_indices,
+            out,
+            host_indices,
+            nonfinite_counter=nonfinite_counter,
+            scale_amax=scale_amax,
+            bad_index_counter=bad_index_counter,
+        )
+
+    def decode_scatter(
+        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
+    ) -> None:
+        importlib.import_module(_KERNELS).decode_scatter(
+            records,
+            host_indices,
+            dst,
+            device_indices,
+            bad_index_counter=bad_index_counter,
+        )
+
+    # ------------------------------------------------------------------
     # L3 zero-copy: MLA pages are one object per page (rank-replicated keys)
 
     def zero_copy_objects(self) -> list[list[tuple[str, int, int]]]:
         """One object holding every record of the unit, in ``records`` order:
         [(record name, byte offset within the unit's record, nbytes)], per layer."""
-        return [[(r.name, 0, _numel(r.shape) * r.dtype.itemsize) for r in self.records]]
+        return [[(r.name, 0, r.nbytes) for r in self.records]]
 
     # ------------------------------------------------------------------
 
@@ -223,13 +254,6 @@ def _split_dims(dims: tuple[int, ...], head_num: int, rope_dim: int) -> tuple[in
             f"{TILE}; got kv_lora_rank={latent}, qk_rope_head_dim={rope_dim}."
         )
     return latent, rope_dim
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _count_nonfinite_rows(rope: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,401 @@
+"""The MLA INT8 host pool (pool_host/mla_int8.py) at DeepSeek geometry on CPU:
+SGLang's real MLATokenToKVPool, the real MLA host pools and the real
+HiCacheController. Write -> L1 eviction -> load round trips on every layout,
+page size and io backend, BF16 and FP16; capacity from the allocated buffers;
+NaN policy and host-tier statistics; bad indices; L2 page bytes; fail-fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache_harness import (
+    MLAGeometry,
+    fill_random,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
+from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import TILE, MLAInt8HostFormat
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla_int8 import (
+    MLATokenToKVPoolINT8Host,
+    get_mla_host_pool_cls,
+)
+
+LATENT, ROPE = 512, 64
+NAN, INF = float("nan"), float("inf")
+LAYOUT_IO = [
+    ("page_first", "kernel"),
+    ("page_first", "direct"),
+    ("page_first_direct", "kernel"),
+    ("page_first_direct", "direct"),
+    ("layer_first", "kernel"),
+    ("layer_first", "direct"),
+]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def expected_restore(rows: torch.Tensor) -> torch.Tensor:
+    """What the format's reference restores for device rows [n, 1, 576]."""
+    f = MLAInt8HostFormat((LATENT + ROPE,), 1, 1, rows.dtype)
+    x = rows.view(-1, 1, 1, LATENT + ROPE)
+    (y,) = f.decode_reference(f.encode_reference([x]), rows.dtype)
+    return y.view_as(rows)
+
+
+def round_trip(rig, n_tokens: int, seed: int = 0, edit=None):
+    """Device rows -> L2 (controller write) -> L1 eviction (poisoned) -> load.
+    Returns (written rows per layer, restored rows per layer, host indices)."""
+    ctl, pool = rig.controller, rig.device_pool
+    dev = rig.allocator.alloc(n_tokens)
+    written = fill_random(pool, dev, seed=seed)
+    if edit is not None:
+        edit(pool, dev)
+        written = [pool.kv_buffer[i][dev].clone() for i in range(pool.layer_num)]
+    host = ctl.write(dev)
+    assert host is not None
+    finish_transfers(ctl)
+    for layer in range(pool.layer_num):
+        pool.kv_buffer[layer][dev] = NAN
+    rig.allocator.free(dev)
+    dev2 = ctl.load(host)
+    assert dev2 is not None
+    ctl.start_loading()
+    finish_transfers(ctl)
+    restored = [pool.kv_buffer[i][dev2].clone() for i in range(pool.layer_num)]
+    return written, restored, host
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+def test_stock_bf16_mla_pool_round_trips_exactly(layout):
+    """The baseline: SGLang's own MLA host pool through the same rig."""
+    rig = make_rig(
+        MLAGeometry(layer_num=2, page_size=4),
+        device_tokens=64,
+        host_tokens=128,
+        layout=layout,
+        io_backend="direct",
+    )
+    assert type(rig.host_pool) is MLATokenToKVPoolHost
+    written, restored, _ = round_trip(rig, 24)
+    for w, r in zip(written, restored):
+        assert torch.equal(bits(w), bits(r))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+@pytest.mark.parametrize("layout,io_backend", LAYOUT_IO)
+def test_round_trip_every_layout_page_size_and_io_backend(
+    layout, io_backend, page_size, dtype
+):
+    geo = MLAGeometry(layer_num=2, dtype=dtype, page_size=page_size)
+    rig = make_rig(
+        geo,
+        device_tokens=max(64, 8 * page_size),
+        host_tokens=max(128, 16 * page_size),
+        layout=layout,
+        io_backend=io_backend,
+        host_dtype="int8",
+    )
+    assert type(rig.host_pool) is MLATokenToKVPoolINT8Host
+    n = 3 * page_size if page_size > 1 else 37
+    written, restored, host = round_trip(rig, n, seed=page_size)
+    f = MLAInt8HostFormat((LATENT + ROPE,), 1, 1, dtype)
+    for w, r in zip(written, restored):
+        # Bit for bit what the reference restores, RoPE bit for bit as written.
+        assert torch.equal(bits(r), bits(expected_restore(w)))
+        assert torch.equal(bits(r[..., LATENT:]), bits(w[..., LATENT:]))
+        x = w.view(-1, 1, 1, LATENT + ROPE)
+        (bound,) = f.error_bound(f.encode_reference([x]), [r.view_as(x)])
+        assert ((w.double() - r.double()).abs() <= bound.view_as(w).double()).all()
+    assert rig.host_pool.available_size() == rig.host_pool.size - len(host)
+
+
+def test_capacity_from_allocated_buffers():
+    """DeepSeek geometry (61 layers), the same token count in both pools:
+    bytes are summed over the tensors each pool really allocated."""
+    geo = MLAGeometry(layer_num=61, page_size=64)
+    device_pool = make_device_pool(geo, 64)
+    tokens = 2 * 64
+    pools = {
+        hd: make_host_pool(
+            device_pool, host_tokens=tokens, layout="page_first", host_dtype=hd
+        )
+        for hd in ("auto", "int8")
+    }
+    stock, int8 = pools["auto"], pools["int8"]
+    assert stock.size == int8.size == tokens
+    stock_bytes = stock.kv_buffer.numel() * stock.kv_buffer.element_size()
+    int8_bytes = sum(t.numel() * t.element_size() for t in int8.kv_buffer)
+    ratio = stock_bytes / int8_bytes
+    print(
+        f"\nMLA host pool, DeepSeek geometry (61 layers, 512 + 64, bf16), "
+        f"{tokens} tokens: bf16 {stock_bytes // tokens} B/token, "
+        f"int8 {int8_bytes // tokens} B/token -> {ratio:.3f}x tokens per host byte"
+    )
+    assert int8_bytes == int8.get_size_per_token() * tokens == 648 * 61 * tokens
+    assert stock_bytes == stock.get_size_per_token() * tokens == 1152 * 61 * tokens
+    assert ratio >= 1.75
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    assert MLATokenToKVPoolINT8Host.host_bytes_per_device_byte(info) == 648 / 1152
+    assert int8.device_size_per_token() == stock.get_size_per_token()
+
+
+def test_dispatch_by_host_dtype():
+    device_pool = make_device_pool(MLAGeometry(layer_num=1), 16)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    assert get_mla_host_pool_cls(info, "int8") is MLATokenToKVPoolINT8Host
+    assert get_mla_host_pool_cls(info, "auto") is MLATokenToKVPoolHost
+
+
+@pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
+def test_nonfinite_policy_and_statistics(layout, page_size):
+    """A NaN latent tile restores as NaN (that tile only), an Inf RoPE value as
+    Inf; both are counted; the amax statistic covers finite tiles only."""
+    geo = MLAGeometry(layer_num=3, page_size=page_size)
+    rig = make_rig(
+        geo,
+        device_tokens=16 * page_size,
+        host_tokens=16 * page_size,
+        layout=layout,
+        io_backend="direct",
+        host_dtype="int8",
+    )
+    pool = rig.host_pool
+    assert pool.nonfinite_row_count() == 0
+    assert torch.equal(pool.scale_amax_by_layer(), torch.zeros(3, 1))
+
+    def edit(device_pool, dev):
+        device_pool.kv_buffer[0][dev[1], 0, TILE + 3] = NAN
+        device_pool.kv_buffer[0][dev[1], 0, 5] = 300.0  # finite tile, counts
+        device_pool.kv_buffer[1][dev[2], 0, LATENT + 1] = INF
+        device_pool.kv_buffer[2][dev[3], 0, 2 * TILE] = 1e7  # past fp16 scales
+        device_pool.kv_buffer[2][dev[0], 0, 7] = -40.0
+
+    written, restored, _ = round_trip(rig, 4 * page_size, seed=3, edit=edit)
+    nan_tile = torch.isnan(restored[0][1, 0])
+    assert nan_tile[TILE : 2 * TILE].all() and nan_tile.sum() == TILE
+    assert restored[1][2, 0, LATENT + 1].item() == INF
+    assert torch.isnan(restored[2][3, 0, 2 * TILE : 3 * TILE]).all()
+    assert pool.nonfinite_row_count() == 3
+    amax = pool.scale_amax_by_layer()
+    assert amax.shape == (3, 1) and amax.dtype == torch.float32
+    want = []
+    for w in written:
+        tiles = w[..., :LATENT].unflatten(-1, (4, TILE)).float().abs().amax(-1)
+        ok = torch.isfinite(tiles) & (tiles <= 127 * 65504)
+        want.append(tiles[ok].max().item())
+    assert amax[:, 0].tolist() == want
+    assert want[0] == 300.0 and want[2] == 40.0
+
+
+@pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
+@pytest.mark.parametrize("kind", ["negative", "past_end"])
+def test_out_of_range_host_indices_move_nothing(layout, page_size, kind):
+    geo = MLAGeometry(layer_num=2, page_size=page_size)
+    device_pool = make_device_pool(geo, 16 * page_size)
+    pool = make_host_pool(
+        device_pool,
+        host_tokens=8 * page_size,
+        layout=layout,
+        host_pool_cls=MLATokenToKVPoolINT8Host,
+    )
+    dev = torch.arange(page_size, 5 * page_size)
+    fill_random(device_pool, torch.arange(16 * page_size), seed=1)
+    pool.backup_from_device_all_layer(device_pool, pool.alloc(len(dev)), dev, "direct")
+    before = [b.clone() for b in pool.kv_buffer] + [
+        b.clone() for b in device_pool.kv_buffer
+    ]
+    first = -page_size if kind == "negative" else pool.size
+    bad = torch.cat(
+        [
+            torch.arange(5 * page_size, 6 * page_size),
+            torch.arange(first, first + page_size),
+        ]
+    )
+    with pytest.raises(IndexError, match="out of range"):
+        pool.backup_from_device_all_layer(device_pool, bad, dev[: len(bad)], "direct")
+    with pytest.raises(IndexError, match="out of range"):
+        pool.load_to_device_per_layer(device_pool, bad, dev[: len(bad)], 0, "direct")
+    after = list(pool.kv_buffer) + list(device_pool.kv_buffer)
+    for a, b in zip(before, after):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize(
+    "layout,page_size",
+    [("page_first", 4), ("page_first_direct", 4), ("layer_first", 4)],
+)
+def test_storage_page_bytes(layout, page_size):
+    """One L3 object per page: the flat page (file backend) and the zero-copy
+    pieces (mooncake) hold the same bytes, records in order, and a page of
+    the wrong size is refused before any byte lands."""
+    geo = MLAGeometry(layer_num=3, page_size=page_size)
+    device_pool = make_device_pool(geo, 16 * page_size)
+    pool = make_host_pool(
+        device_pool, host_tokens=8 * page_size, layout=layout, host_dtype="int8"
+    )
+    host = pool.alloc(2 * page_size)
+    dev = torch.arange(page_size, 3 * page_size)
+    fill_random(device_pool, dev, seed=2)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    page = pool.get_data_page(int(host[page_size]))
+    assert page.dtype == torch.uint8 and page.numel() == pool.storage_page_bytes
+    assert pool.storage_page_bytes == 648 * 3 * page_size
+    # Record order: all "kv" bytes, then "scale", then "rope".
+    kv_bytes = 3 * page_size * LATENT
+    if layout == "layer_first":
+        # Zero-copy (Mooncake) runs page-major; start-up turns layer_first
+        # into page_first(_direct) for it.
+        with pytest.raises(ValueError, match="--hicache-mem-layout page_first"):
+            pool.get_page_buffer_meta(host)
+        return
+    ptrs, sizes = pool.get_page_buffer_meta(host)
+    per_page = len(ptrs) // 2
+    assert sum(sizes[per_page:]) == pool.storage_page_bytes
+    gathered = torch.cat(
+        [_bytes_at(ptr, size) for ptr, size in zip(ptrs[per_page:], sizes[per_page:])]
+    )
+    assert torch.equal(gathered, page)
+    # Writing the page into a free slot reproduces the records.
+    target = pool.alloc(page_size)
+    pool.set_from_flat_data_page(int(target[0]), page)
+    assert torch.equal(pool.get_data_page(int(target[0])), page)
+    rope = page[-3 * page_size * ROPE * 2 :].view(torch.bfloat16)
+    assert torch.isfinite(rope).all()
+    assert page[:kv_bytes].view(torch.int8).abs().max() == 127
+    with pytest.raises(ValueError, match="bytes, expected"):
+        pool.set_from_flat_data_page(int(target[0]), page[:-1])
+    assert torch.equal(pool.get_data_page(int(target[0])), page)
+
+
+def _bytes_at(ptr: int, size: int) -> torch.Tensor:
+    import ctypes
+
+    return torch.frombuffer(
+        (ctypes.c_uint8 * size).from_address(ptr), dtype=torch.uint8
+    ).clone()
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["layout", "fp8", "fp32", "draft", "dcp", "layer_shard", "wide_rows", "io"],
+)
+def test_unsupported_setups_fail_naming_the_flag(case):
+    dtype = {"fp8": torch.float8_e4m3fn, "fp32": torch.float32}.get(
+        case, torch.bfloat16
+    )
+    device_pool = make_device_pool(MLAGeometry(layer_num=2, dtype=dtype), 16)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    kwargs = dict(
+        host_tokens=32, layout="page_unified" if case == "layout" else "page_first"
+    )
+    if case == "draft":
+        kwargs["draft_buffer_infos"] = (
+            make_device_pool(MLAGeometry(layer_num=1), 16)
+            .get_device_pool_infos()[0]
+            .buffer_info,
+        )
+    if case == "dcp":
+        kwargs.update(dcp_size=2, dcp_rank=0)
+    if case == "layer_shard":
+        kwargs["layer_shard_enabled"] = True
+    if case == "wide_rows":
+        kwargs["override_kv_cache_dim"] = 656  # a DSA FP8 packed row
+    if case == "io":
+        pool = make_host_pool(
+            device_pool, host_pool_cls=MLATokenToKVPoolINT8Host, **kwargs
+        )
+        with pytest.raises(ValueError, match="--hicache-io-backend"):
+            pool.backup_from_device_all_layer(
+                device_pool, pool.alloc(2), torch.arange(2), "kernel_ascend"
+            )
+        return
+    with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8"):
+        if case == "wide_rows":
+            MLATokenToKVPoolINT8Host(
+                info,
+                2.0,
+                0,
+                1,
+                "page_first",
+                pin_memory=False,
+                override_kv_cache_dim=656,
+                device_capacity_tokens=16,
+                start_layer=0,
+                end_layer=1,
+                target_layer_num=2,
+                host_token_capacity=32,
+            )
+        else:
+            make_host_pool(
+                device_pool, host_pool_cls=MLATokenToKVPoolINT8Host, **kwargs
+            )
+
+
+@pytest.mark.parametrize("host_dtype,ratio", [("auto", 1.0), ("int8", 648 / 1152)])
+def test_auto_size_uses_the_mla_pool_bytes(monkeypatch, host_dtype, ratio):
+    """hicache_auto_size sizes the default ratio by the MLA host pool class
+    the dispatch picks, with the ratio the allocated buffers show."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import hicache_auto_size
+
+    device_pool = make_device_pool(MLAGeometry(layer_num=2, page_size=4), 64)
+    params = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: device_pool),
+        req_to_token_pool=None,
+        mtp_draft_device_pools=(),
+        page_size=4,
+    )
+    monkeypatch.setattr(
+        hicache_auto_size,
+        "get_memory",
+        lambda: SimpleNamespace(
+            hicache_host_dtype=host_dtype, hicache_mem_layout="page_first"
+        ),
+    )
+    estimate = hicache_auto_size._estimate_hicache_bytes(params, None)
+    assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)
+    pool = make_host_pool(
+        device_pool, host_tokens=32, layout="page_first", host_dtype=host_dtype
+    )
+    allocated = (
+        sum(t.nbytes for t in pool.kv_buffer)
+        if host_dtype == "int8"
+        else (pool.kv_buffer.nbytes)
+    )
+    assert allocated / pool.size / pool.device_size_per_token() == ratio
+
+
+def test_build_kv_host_pool_dispatches_int8_for_mla(monkeypatch):
+    """SGLang's own builder (hybrid_pool_assembler.build_kv_host_pool) picks
+    the MLA INT8 pool for --hicache-host-dtype int8."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
+
+    device_pool = make_device_pool(MLAGeometry(layer_num=2, page_size=4), 64)
+    for host_dtype, cls in (
+        ("int8", MLATokenToKVPoolINT8Host),
+        ("auto", MLATokenToKVPoolHost),
+    ):
+        memory = SimpleNamespace(
+            hicache_host_dtype=host_dtype,
+            hicache_ratio=2.0,
+            hicache_size=0,
+            hicache_mem_layout="page_first_direct",
+        )
+        monkeypatch.setattr(assembler, "get_memory", lambda: memory)
+        monkeypatch.setattr(
+            assembler, "get_parallel", lambda: SimpleNamespace(dcp_enabled=False)
+        )
+        monkeypatch.setattr(assembler, "_get_allocator_type", lambda: "default")
+        # Pinned host memory goes through the CPU stand-in for cudaHostRegister.
+        pool = assembler.build_kv_host_pool(kv_pool=device_pool, page_size=4)
+        assert type(pool) is cls
