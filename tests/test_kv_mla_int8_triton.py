@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hicache_harness import MLAGeometry, fill_random, make_device_pool, make_host_pool
+from hicache_harness import (
+    MLAGeometry,
+    fill_random,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
 from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
 
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
@@ -377,7 +384,15 @@ def test_bad_arguments_raise_and_write_nothing():
     assert (base["kv"] == 55).all()
 
 
-# --- against the MLA INT8 host pool's torch path ---------------------------------
+# --- through the MLA INT8 host pool: fused paths == torch path ------------------
+
+
+@pytest.fixture
+def big_tiles(monkeypatch):
+    """Fewer, larger programs: the interpreter's cost is per program (the
+    kernel-level tests above cover the default and small tiles)."""
+    monkeypatch.setattr(mk, "ENCODE_TILE", 65536)
+    monkeypatch.setattr(mk, "DECODE_TILE", 65536)
 
 
 def poisoned_fill(device_pool, dev):
@@ -388,57 +403,117 @@ def poisoned_fill(device_pool, dev):
     device_pool.kv_buffer[-1][dev[0], 0, :TILE] = 1e7  # past the fp16-scale guard
 
 
-def fill_records(pool, byte: int) -> None:
-    for t in pool.host_records.values():
-        t.view(torch.int8).fill_(byte)
-
-
-def pool_views(pool) -> dict[str, torch.Tensor]:
-    """The pool's host records as the kernels take them: [units, L, ...]."""
-    return {
-        name: t if pool.layout != "layer_first" else t.transpose(0, 1)
-        for name, t in pool.host_records.items()
-    }
-
-
-@pytest.mark.parametrize("layout", ("page_first", "page_first_direct", "layer_first"))
-@pytest.mark.parametrize("page_size", (1, 16, 64))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_kernels_match_the_pool_torch_path(layout, page_size, dtype):
-    """SGLang's MLA device pool and the MLA INT8 host pool (torch path) at
-    DeepSeek geometry: the kernels write the same host bytes into the pool's
-    own record tensors, restore the same device bits, and count the same
-    non-finite rows and amax."""
-    geo = MLAGeometry(layer_num=2, dtype=dtype, page_size=page_size)
+def pool_round_trip(layout, page_size, dtype, mode, layers=2):
+    """Backup then per-layer restore through SGLang's MLA device pool and the
+    MLA INT8 host pool at DeepSeek geometry; mode None = the torch path, else
+    the fused kernels with that host access. Host pages out of order with a
+    gap, shuffled device pages. Returns (host records, device buffers,
+    non-finite count, amax by layer)."""
+    geo = MLAGeometry(layer_num=layers, dtype=dtype, page_size=page_size)
     device_pool = make_device_pool(geo, device_tokens=8 * page_size)
     pool = make_host_pool(
         device_pool, host_tokens=8 * page_size, layout=layout, host_dtype="int8"
     )
+    assert pool.use_fused_kernels is False  # CPU default: the torch path
+    if mode is not None:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = mode
     g = torch.Generator().manual_seed(page_size)
-    pages = torch.randperm(6, generator=g)[:3] + 1
-    dev = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    dev = (torch.randperm(6, generator=g)[:3] + 1)[:, None] * page_size
+    dev = (dev + torch.arange(page_size)).flatten()
     poisoned_fill(device_pool, dev)
     host_all = pool.alloc(5 * page_size)
     host = torch.cat([host_all[3 * page_size :], host_all[:page_size]])  # a gap
-    fill_records(pool, 77)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    expected = {name: t.clone() for name, t in pool.host_records.items()}
+    for t in pool.host_records.values():
+        t.view(torch.int8).fill_(77)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "kernel")
+    records = {name: t.clone() for name, t in pool.host_records.items()}
+    new_dev = (torch.randperm(6, generator=g)[:3] + 1)[:, None] * page_size
+    new_dev = (new_dev + torch.arange(page_size)).flatten()
+    for layer in range(layers):
+        device_pool.kv_buffer[layer].fill_(-7.0)
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "kernel")
+    device = [b.clone() for b in device_pool.kv_buffer]
+    return records, device, pool.nonfinite_row_count(), pool.scale_amax_by_layer()
 
-    fill_records(pool, 77)
-    stats = encode(device_pool.kv_buffer, dev, host, pool_views(pool))
-    for name, t in pool.host_records.items():
-        assert torch.equal(t.view(torch.int8), expected[name].view(torch.int8)), name
-    assert int(stats["nonfinite"]) == pool.nonfinite_row_count() == 3
-    assert torch.equal(stats["amax"], pool.scale_amax_by_layer())
 
-    new_pages = torch.randperm(6, generator=g)[:3] + 1
-    new_dev = (new_pages[:, None] * page_size + torch.arange(page_size)).flatten()
-    for layer in range(geo.layer_num):
-        kv = device_pool.kv_buffer[layer]
-        kv.fill_(-7.0)
-        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-        restored = kv.clone()
-        kv.fill_(-7.0)
-        records = {name: pool._host_layer(name, layer) for name in RECORD_NAMES}
-        mk.decode_scatter(records, host, [kv], new_dev)
-        assert_same_bits(kv, restored)
+def assert_same_round_trip(got, ref):
+    for name, t in ref[0].items():
+        assert torch.equal(got[0][name].view(torch.int8), t.view(torch.int8)), name
+    for a, b in zip(got[1], ref[1]):
+        assert_same_bits(a, b)
+    assert got[2] == ref[2] == 3  # the NaN tile, the Inf RoPE row, the 1e7 tile
+    assert torch.equal(got[3], ref[3])
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("layout", ("page_first", "page_first_direct", "layer_first"))
+@pytest.mark.parametrize("page_size", (1, 16, 64))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pool_fused_paths_equal_the_torch_path(layout, page_size, dtype):
+    """The pool's own launch sites (direct: host records; staged: its
+    staging buffers, one layer per launch) write the torch path's host bytes,
+    restore its device bits and keep its statistics."""
+    ref = pool_round_trip(layout, page_size, dtype, None)
+    for mode in ("direct", "staged"):
+        assert_same_round_trip(pool_round_trip(layout, page_size, dtype, mode), ref)
+
+
+@pytest.mark.usefixtures("big_tiles")
+def test_pool_one_launch_per_backup_and_per_layer_restore(monkeypatch):
+    launches = {"encode_gather": 0, "decode_scatter": 0}
+    for name in launches:
+        real = getattr(mk, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            launches[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mk, name, counted)
+    pool_round_trip("page_first", 4, torch.bfloat16, "direct", layers=3)
+    assert launches == {"encode_gather": 1, "decode_scatter": 3}
+
+
+@pytest.mark.usefixtures("big_tiles")
+def test_pool_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
+    """The pool's start-up self-check (what CUDA runs before serving) passes
+    with these kernels, and falls back to the torch path when the restore
+    is wrong."""
+    geo = MLAGeometry(layer_num=2, page_size=16)
+    device_pool = make_device_pool(geo, device_tokens=8 * 16)
+    pool = make_host_pool(device_pool, host_tokens=8 * 16, host_dtype="int8")
+    pool.use_fused_kernels = True
+    assert pool.self_check() and pool.transfer_path == "fused_direct"
+    real = mk.decode_scatter
+
+    def reversed_slots(records, host, dst, dev, **kw):
+        real(records, host, dst, dev.flip(0), **kw)  # in range, wrong rows
+
+    monkeypatch.setattr(mk, "decode_scatter", reversed_slots)
+    assert not pool.self_check()
+    assert pool.transfer_path == "torch" and "self-check" in pool.transfer_path_reason
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
+def test_controller_round_trip_with_fused_kernels(layout, page_size):
+    """The real HiCacheController drives the fused path: write-through, evict
+    from L1, load back: the codec's reference values at the new slots."""
+    geo = MLAGeometry(layer_num=2, page_size=page_size)
+    rig = make_rig(
+        geo, device_tokens=32 * page_size, host_tokens=64 * page_size,
+        layout=layout, io_backend="kernel", host_dtype="int8",
+    )  # fmt: skip
+    rig.host_pool.use_fused_kernels = True
+    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
+    dev = alloc.alloc(6 * page_size)
+    written = fill_random(dev_pool, dev, seed=5)
+    host = ctl.write(dev)
+    finish_transfers(ctl)
+    alloc.free(dev)
+    new_dev = ctl.load(host)
+    ctl.start_loading()
+    finish_transfers(ctl)
+    for layer, rows in enumerate(written):
+        assert torch.equal(dev_pool.kv_buffer[layer][new_dev], reference_rows(rows))
+    assert rig.host_pool.transfer_path == "fused_direct"
