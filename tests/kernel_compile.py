@@ -8,9 +8,8 @@ every `kernel[grid](...)` they reach is recorded instead of launched, keeping
 the first launch of each distinct specialisation (Triton's own binder and
 cache key). Each of those is then compiled for each target with Triton's
 warm-up on the recorded arguments: PTX and, by Triton's bundled ptxas, a
-cubin, never launched. The MLA kernels (kv_mla_int8_triton) are driven
-directly, on SGLang's real MLA device pool and records shaped as the MLA INT8
-host pool allocates them (grid "mla"), until a fused MLA pool launches them.
+cubin, never launched. Grid "mla" does the same for the MLA INT8 pool
+(MLATokenToKVPoolINT8Host -> kv_mla_int8_triton) on SGLang's MLA device pool.
 
 What is checked on each compiled kernel (CompiledSpec.problems):
   * ptxas reports no register spills (its `-v` log, captured per compile);
@@ -422,14 +421,12 @@ class MLACase:
     layout: str
     page_size: int
     dtype: torch.dtype
-    # "direct": the host pool's own record tensors (layer_first: layer-major,
-    # transposed); "staged": one contiguous [units, L, ...] chunk buffer.
     host_access: str
     device_index_kinds: tuple[str, ...] = ("int64",)
     kv_lora_rank: int = 512
     rope_dim: int = 64
     layer_num: int = 2
-    host_tokens: int | None = None  # beyond memory: meta tensors, as drive_pool
+    host_tokens: int | None = None  # beyond memory: meta tensors, as PoolCase
 
     def __str__(self) -> str:
         return (
@@ -439,30 +436,15 @@ class MLACase:
         )
 
 
-def _mla_records(case: MLACase, fmt, units: int) -> dict[str, torch.Tensor]:
-    """[units, L, *record.shape] views, laid out as case.host_access says."""
-    device = "meta" if case.host_tokens else "cpu"
-    views = {}
-    for record in fmt.records:
-        layer_major = case.layout == "layer_first" and case.host_access == "direct"
-        dims = (units, case.layer_num, *record.shape)
-        if layer_major:
-            dims = (case.layer_num, units, *record.shape)
-        t = torch.zeros(dims, dtype=record.dtype, device=device)
-        views[record.name] = t.transpose(0, 1) if layer_major else t
-    return views
-
-
 def drive_mla(case: MLACase) -> None:
-    """Backups (all layers) and per-layer restores of every transfer size
-    through kv_mla_int8_triton, with every counter the pool keeps."""
-    from hicache_harness import MLAGeometry, make_device_pool
+    """Backups and per-layer restores of every transfer size through a real
+    MLATokenToKVPoolINT8Host with the fused kernels selected (its launch
+    sites call kv_mla_int8_triton through MLAInt8HostFormat)."""
+    from hicache_harness import MLAGeometry, make_device_pool, make_host_pool
 
-    from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
-    from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
+    from sglang.srt.mem_cache.pool_host import base, quantized
 
     p = case.page_size
-    unit_tokens = 1 if case.layout == "layer_first" else p
     geo = MLAGeometry(
         layer_num=case.layer_num,
         kv_lora_rank=case.kv_lora_rank,
@@ -472,44 +454,37 @@ def drive_mla(case: MLACase) -> None:
     )
     pages = max(TRANSFER_PAGES) + 1
     device_pool = make_device_pool(geo, device_tokens=pages * p)
-    fmt = MLAInt8HostFormat(
-        (case.kv_lora_rank + case.rope_dim,),
-        1,
-        unit_tokens,
-        case.dtype,
-        rope_dim=case.rope_dim,
-    )
-    host_tokens = case.host_tokens or pages * p
-    views = _mla_records(case, fmt, host_tokens // unit_tokens)
-    table = mk.DeviceLayerTable(device_pool.kv_buffer)
-    nonfinite = torch.zeros((), dtype=torch.int64)
-    bad_index = torch.zeros((), dtype=torch.int64)
-    amax = torch.zeros(case.layer_num, 1)
+    with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
+        if case.host_tokens is not None:
+            mp.setattr(quantized, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
+        pool = make_host_pool(
+            device_pool,
+            host_tokens=case.host_tokens or pages * p,
+            layout=case.layout,
+            host_dtype="int8",
+        )
+    pool.use_fused_kernels = True
+    pool.fused_host_access = case.host_access
     for n_pages in TRANSFER_PAGES:
         tokens = n_pages * p
         rows = torch.arange(p, p + tokens)
-        host = torch.arange(host_tokens - tokens, host_tokens)
+        host = torch.arange(pool.size - tokens, pool.size)
         for kind in case.device_index_kinds:
             dev = _device_indices(rows, kind)
-            mk.encode_gather(
-                [table], dev, views, host.clone(), nonfinite_counter=nonfinite,
-                scale_amax=amax, bad_index_counter=bad_index,
-            )  # fmt: skip
+            pool.backup_from_device_all_layer(device_pool, host.clone(), dev, "kernel")
             restore_host = host.clone()
             for layer in range(case.layer_num):
-                mk.decode_scatter(
-                    {name: v[:, layer] for name, v in views.items()},
-                    restore_host,
-                    [device_pool.kv_buffer[layer]],
-                    dev,
-                    bad_index_counter=bad_index,
+                pool.load_to_device_per_layer(
+                    device_pool, restore_host, dev, layer, "kernel"
                 )
+    if pool.fused_host_access != case.host_access:
+        raise AssertionError(f"{case}: the pool left {case.host_access} access")
 
 
 def mla_grid() -> list[MLACase]:
-    """DeepSeek geometry: every layout, page size 1/16/64, both device dtypes,
-    pool records and a contiguous chunk; every device index kind at page 16;
-    a smaller latent; records past 2**31 elements."""
+    """DeepSeek geometry: every layout, page size 1/16/64, both device dtypes
+    and both host-access modes; every device index kind at page 16; a smaller
+    latent; host records past 2**31 elements (direct access)."""
     from test_kv_int8_triton import DTYPES
 
     cases = [
