@@ -84,21 +84,24 @@ def test_refuses_dsa_sparse_mla(tmp_path, monkeypatch):
     assert "DSA/NSA sparse-attention MLA models" in message
 
 
-def test_refuses_mla_with_mtp_draft(tmp_path):
+@pytest.mark.parametrize("algorithm,mtp_layers", [("NEXTN", 1), ("EAGLE", 0)])
+def test_refuses_mla_with_speculative_drafts(tmp_path, algorithm, mtp_layers):
+    # Packed MTP layers and separate draft pools alike are untested with the
+    # MLA INT8 pool.
     config = dict(
         _DEEPSEEK_MLA,
         architectures=["DeepseekV3ForCausalLM"],
         model_type="deepseek_v3",
-        num_nextn_predict_layers=1,
+        num_nextn_predict_layers=mtp_layers,
     )
     message = refused(
         _model_dir(tmp_path, "mtp", config),
-        speculative_algorithm="NEXTN",
+        speculative_algorithm=algorithm,
         speculative_num_steps=1,
         speculative_eagle_topk=1,
         speculative_num_draft_tokens=2,
     )
-    assert "--speculative-algorithm NEXTN" in message
+    assert f"--speculative-algorithm {algorithm}" in message
 
 
 def test_refuses_kv_lora_rank_without_128_value_tiles(tmp_path):

@@ -1,0 +1,178 @@
+"""The MLA INT8 pool's fused transfer wiring (QuantizedFusedHostPoolMixin),
+checked against the kernels' contract with a torch stand-in for them.
+
+The real kernels (sglang.kernels.ops.kvcache.kv_mla_int8_triton) are built on
+the mla-kernels branch and tested there under the Triton interpreter. Here a
+stand-in with the same signatures, written from the format's reference,
+takes their place, so what is tested is the pool's side: the device layer
+tables, the record views ([unit, layer, ...] for a backup, one layer for a
+restore), host and device indices, direct and staged host access, the
+statistics and the start-up self-check. Without the kernel module the format
+reports the fused path unavailable and the torch path serves."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from hicache_harness import MLAGeometry, fill_random, make_device_pool, make_host_pool
+from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
+from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
+from sglang.srt.mem_cache.pool_host.mla_int8 import MLATokenToKVPoolINT8Host
+
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+
+
+def _format_of(out, dtype, dim):
+    ut = out["kv"].shape[-3]
+    return MLAInt8HostFormat((dim,), 1, ut, dtype, rope_dim=out["rope"].shape[-1]), ut
+
+
+def _units(host_indices, ut, n_units, bad_index_counter):
+    units = host_indices.view(-1, ut)[:, 0].long() // ut
+    ok = (units >= 0) & (units < n_units)
+    if bad_index_counter is not None:
+        bad_index_counter += (~ok).sum() * ut
+    return units, ok
+
+
+def encode_gather(
+    tables,
+    device_indices,
+    out,
+    host_indices,
+    *,
+    nonfinite_counter=None,
+    scale_amax=None,
+    bad_index_counter=None,
+):
+    (table,) = tables
+    dim = table.shape[-1]
+    fmt, ut = _format_of(out, table.dtype, dim)
+    units, ok = _units(host_indices, ut, out["kv"].shape[0], bad_index_counter)
+    for layer, device_layer in enumerate(table.layers):
+        rows = device_layer[device_indices.long()].view(-1, ut, 1, dim)[ok]
+        encoded = fmt.encode_reference([rows])
+        for name, value in encoded.items():
+            out[name][units[ok], layer] = value
+        stats = fmt.encode_into(
+            [rows], {n: torch.empty_like(v) for n, v in encoded.items()}
+        )
+        if nonfinite_counter is not None:
+            nonfinite_counter += stats.nonfinite
+        if scale_amax is not None:
+            torch.maximum(scale_amax[layer], stats.amax, out=scale_amax[layer])
+
+
+def decode_scatter(
+    records, host_indices, dst, device_indices, *, bad_index_counter=None
+):
+    (out,) = dst
+    fmt, ut = _format_of(records, out.dtype, out.shape[-1])
+    units, ok = _units(host_indices, ut, records["kv"].shape[0], bad_index_counter)
+    (rows,) = fmt.decode_reference(
+        {name: value[units[ok]] for name, value in records.items()}, out.dtype
+    )
+    dev = device_indices.long().view(-1, ut)[ok].flatten()
+    out[dev] = rows.reshape(-1, 1, out.shape[-1])
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    module = types.ModuleType(mla_codec._KERNELS)
+    module.available = lambda device: True
+    module.encode_gather = encode_gather
+    module.decode_scatter = decode_scatter
+    monkeypatch.setitem(sys.modules, mla_codec._KERNELS, module)
+    return module
+
+
+def build(layout, page_size, dtype=torch.bfloat16, fused=None):
+    geo = MLAGeometry(layer_num=3, dtype=dtype, page_size=page_size)
+    device_pool = make_device_pool(geo, 16 * page_size)
+    pool = make_host_pool(
+        device_pool,
+        host_tokens=8 * page_size,
+        layout=layout,
+        host_pool_cls=MLATokenToKVPoolINT8Host,
+    )
+    if fused is not None:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = fused
+    return device_pool, pool
+
+
+def test_without_the_kernel_module_the_torch_path_serves():
+    _, pool = build("page_first", 4)
+    fmt = pool.host_format
+    assert not fmt.fused_available(torch.device("cpu"))
+    assert pool.transfer_path == "torch"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("access", ["direct", "staged"])
+@pytest.mark.parametrize("layout,page_size", [(l, p) for l in LAYOUTS for p in (1, 4)])
+def test_fused_paths_write_the_torch_paths_bytes(
+    kernels, layout, page_size, access, dtype
+):
+    results = []
+    for fused in (None, access):
+        device_pool, pool = build(layout, page_size, dtype, fused)
+        assert pool.transfer_path == ("torch" if fused is None else f"fused_{access}")
+        src = torch.arange(page_size, 6 * page_size)
+        fill_random(device_pool, torch.arange(16 * page_size), seed=4)
+        device_pool.kv_buffer[1][src[2], 0, 130] = float("nan")
+        # Host units in a scrambled order, as the allocator hands them out.
+        host = torch.cat(
+            [torch.arange(u * page_size, (u + 1) * page_size) for u in (6, 1, 3, 0, 7)]
+        )
+        pool.backup_from_device_all_layer(device_pool, host, src, "kernel")
+        dst = torch.arange(10 * page_size, 15 * page_size)
+        for layer in range(3):
+            pool.load_to_device_per_layer(device_pool, host, dst, layer, "direct")
+        results.append(
+            (
+                [t.clone() for t in pool.kv_buffer],
+                [device_pool.kv_buffer[i][dst].clone() for i in range(3)],
+                pool.nonfinite_row_count(),
+                pool.scale_amax_by_layer(),
+            )
+        )
+    (torch_records, torch_rows, torch_bad, torch_amax), fused = results[0], results[1]
+    for a, b in zip(torch_records + torch_rows, fused[0] + fused[1]):
+        bits = {1: torch.int8, 2: torch.int16}[a.element_size()]
+        assert torch.equal(a.view(bits), b.view(bits))
+    assert torch_bad == fused[2] == 1
+    assert torch.equal(torch_amax, fused[3])
+
+
+@pytest.mark.parametrize("access", ["direct", "staged"])
+def test_self_check_passes_and_puts_everything_back(kernels, access):
+    device_pool, pool = build("page_first", 4, fused=access)
+    fill_random(device_pool, torch.arange(64), seed=5)
+    before = [t.clone() for t in pool.kv_buffer] + [
+        t.clone() for t in device_pool.kv_buffer
+    ]
+    assert pool.self_check()
+    assert pool.transfer_path == f"fused_{access}"
+    for a, b in zip(before, list(pool.kv_buffer) + list(device_pool.kv_buffer)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert pool.nonfinite_row_count() == 0
+
+
+def test_self_check_catches_kernels_that_differ(kernels, monkeypatch):
+    """A kernel that drops RoPE bits fails the start-up check: the pool falls
+    back to the torch path and says why."""
+
+    def lossy_decode(records, host_indices, dst, device_indices, **kw):
+        decode_scatter(records, host_indices, dst, device_indices, **kw)
+        dst[0][device_indices.long(), 0, -1] = 0
+
+    monkeypatch.setattr(kernels, "decode_scatter", lossy_decode)
+    _, pool = build("page_first", 4, fused="direct")
+    assert not pool.self_check()
+    assert pool.transfer_path == "torch"
+    assert "self-check failed" in pool.transfer_path_reason
