@@ -852,6 +852,15 @@ def main(argv=None) -> int:
         result["figures"] = headline_figures(
             measured, result["codec"], result["bandwidth"]
         )
+        mla = result["mla_codec"]
+        # The MLA kernels' throughput, where the records live: device memory
+        # (vs device copy bandwidth) and, on CUDA, pinned host memory (vs PCIe).
+        result["figures"]["mla"] = {
+            f"{where}_{step}_GBps": round(mla[where][f"{step}_GBps"], 2)
+            for where in ("device", "host")
+            if where in mla
+            for step in ("encode", "decode")
+        }
     except Exception as e:
         result["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-4000:]
         save()
