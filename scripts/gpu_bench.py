@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """GPU benchmark: INT8 host pool (fused Triton and torch paths) against the
-stock BF16 host pool, side by side in one run, at Qwen3-8B geometry.
+stock BF16 host pool, side by side in one run, at Qwen3-8B geometry; and the
+MLA INT8 kernels at DeepSeek geometry ("mla_codec").
 
 Measured, for 4k and 16k tokens (--tokens) and each (layout, page size) config:
   restore  time per layer (host -> device, plus decode for INT8): all layers
@@ -66,6 +67,7 @@ from gpu_support import (  # noqa: E402
     install_gpu_standins,
     make_device_pool,
     make_host_pool,
+    make_mla_device_pool,
     missing_packages,
     same_bits,
 )
@@ -91,6 +93,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec  # noqa: E402
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt  # noqa: E402
+from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk  # noqa: E402
+from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import (  # noqa: E402
+    MLAInt8HostFormat,
+)
 from sglang.srt.mem_cache.pool_host import mha as stock_mha  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha_int8_fused import (  # noqa: E402
@@ -346,6 +352,72 @@ def codec_throughput(clock, device, geo, tokens, dry, copy_gbps, sweep_tiles) ->
         (rows_k.numel() * 3 + s.numel() * 2) / t["ms"] / 1e6
     )
     del dev_pool, k_rec, v_rec, s_rec
+    return out
+
+
+# DeepSeek V2/V3 latent widths; fewer layers than the model's 61 (per-layer
+# figures do not depend on the count).
+MLA_GEOMETRY = dict(layer_num=8, kv_lora_rank=512, qk_rope_head_dim=64)
+
+
+def mla_codec_throughput(clock, device, tokens, dry, copy_gbps, pcie_gbps) -> dict:
+    """kv_mla_int8_triton at DeepSeek geometry: encode (all layers, one
+    launch) and decode (per layer) into device records (vs device copy
+    bandwidth) and into pinned host records through UVA (the pool's direct
+    path, vs PCIe bandwidth); restored rows checked against the torch codec
+    on the same device."""
+    L = 2 if dry else MLA_GEOMETRY["layer_num"]
+    rank, rope = MLA_GEOMETRY["kv_lora_rank"], MLA_GEOMETRY["qk_rope_head_dim"]
+    dev_pool = make_mla_device_pool(layer_num=L, tokens=tokens, device=device)
+    for buf in dev_pool.kv_buffer:
+        buf.normal_()
+    table = mk.DeviceLayerTable(dev_pool.kv_buffer)
+    idx = torch.arange(1, tokens + 1, device=device)
+    fmt = MLAInt8HostFormat((rank + rope,), 1, 1, dev_pool.dtype, rope_dim=rope)
+    row_bytes = (rank + rope) * 2
+    rec_bytes = fmt.bytes_per_token()
+    out = {"tokens": tokens, "layers": L, "geometry": {**MLA_GEOMETRY, "layer_num": L},
+           "host_bytes_per_token_layer": rec_bytes,
+           "ratio_vs_bf16": row_bytes / rec_bytes, "checks": {}}  # fmt: skip
+    places = ("device", "host") if clock.cuda else ("device",)
+    iters = 1 if dry else 3
+    for where in places:
+        records = {}
+        for r in fmt.records:
+            t = torch.empty((tokens + 1, L, *r.shape), dtype=r.dtype,
+                            device=device if where == "device" else "cpu",
+                            pin_memory=where == "host" and clock.cuda)  # fmt: skip
+            records[r.name] = t
+        enc = clock.run(
+            lambda: mk.encode_gather([table], idx, records, idx), iters=iters
+        )
+        restored = torch.empty_like(dev_pool.kv_buffer[0])
+
+        def dec():
+            for layer in range(L):
+                layer_records = {k: v[:, layer] for k, v in records.items()}
+                mk.decode_scatter(layer_records, idx, [restored], idx)
+
+        t = clock.run(dec, iters=iters)
+        moved = tokens * L * (row_bytes + rec_bytes)
+        ref = torch.empty_like(restored[1 : tokens + 1])
+        fmt.decode_into(
+            {k: v[1 : tokens + 1, L - 1] for k, v in records.items()}, [ref[:, None]]
+        )
+        out["checks"][f"{where}_restore_equals_torch_codec"] = same_bits(
+            restored[1 : tokens + 1], ref
+        )
+        bound = copy_gbps if where == "device" else pcie_gbps
+        out[where] = {
+            "encode_ms": enc["ms"], "encode_GBps": moved / enc["ms"] / 1e6,
+            "decode_ms_per_layer": t["ms"] / L,
+            "decode_GBps": moved / t["ms"] / 1e6,
+            "bound_GBps": bound,
+            "note": "bytes of device rows + records per second"
+            + ("" if where == "device" else "; the records cross PCIe"),
+        }  # fmt: skip
+        del records
+    del dev_pool
     return out
 
 
@@ -758,6 +830,14 @@ def main(argv=None) -> int:
             copy_gbps, args.sweep,
         )  # fmt: skip
         save()
+        pcie = min(
+            result["bandwidth"].get(k, copy_gbps) for k in ("h2d_GBps", "d2h_GBps")
+        )
+        result["mla_codec"] = mla_codec_throughput(
+            clock, device, 256 if args.dry_run else 16384, args.dry_run, copy_gbps,
+            pcie,
+        )  # fmt: skip
+        save()
         result["configs"] = []
         for layout, page in configs:
             if time.time() > deadline:
@@ -772,6 +852,15 @@ def main(argv=None) -> int:
         result["figures"] = headline_figures(
             measured, result["codec"], result["bandwidth"]
         )
+        mla = result["mla_codec"]
+        # The MLA kernels' throughput, where the records live: device memory
+        # (vs device copy bandwidth) and, on CUDA, pinned host memory (vs PCIe).
+        result["figures"]["mla"] = {
+            f"{where}_{step}_GBps": round(mla[where][f"{step}_GBps"], 2)
+            for where in ("device", "host")
+            if where in mla
+            for step in ("encode", "decode")
+        }
     except Exception as e:
         result["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-4000:]
         save()
@@ -783,6 +872,10 @@ def main(argv=None) -> int:
         for c in measured
         for row in c["sizes"]
         for name, ok in row.get("checks", {}).items()
+        if not ok
+    ] + [
+        f"mla_codec: {name}"
+        for name, ok in result["mla_codec"]["checks"].items()
         if not ok
     ]
     save()

@@ -1,4 +1,4 @@
-"""Compile the INT8 host pool's Triton kernels for NVIDIA GPUs on a CPU-only machine.
+"""Compile the INT8 host pools' Triton kernels for NVIDIA GPUs on a CPU-only machine.
 
 Triton picks its compile target from the active driver. TargetOnlyDriver is a
 stand-in that reports a CUDA target (sm_80/86/89/90) and nothing else; with
@@ -8,7 +8,8 @@ every `kernel[grid](...)` they reach is recorded instead of launched, keeping
 the first launch of each distinct specialisation (Triton's own binder and
 cache key). Each of those is then compiled for each target with Triton's
 warm-up on the recorded arguments: PTX and, by Triton's bundled ptxas, a
-cubin, never launched.
+cubin, never launched. Grid "mla" does the same for the MLA INT8 pool
+(MLATokenToKVPoolINT8Host -> kv_mla_int8_triton) on SGLang's MLA device pool.
 
 What is checked on each compiled kernel (CompiledSpec.problems):
   * ptxas reports no register spills (its `-v` log, captured per compile);
@@ -412,6 +413,112 @@ def drive_pool_grid() -> None:
         drive_pool(case)
 
 
+# --- the MLA kernels ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MLACase:
+    layout: str
+    page_size: int
+    dtype: torch.dtype
+    host_access: str
+    device_index_kinds: tuple[str, ...] = ("int64",)
+    kv_lora_rank: int = 512
+    rope_dim: int = 64
+    layer_num: int = 2
+    host_tokens: int | None = None  # beyond memory: meta tensors, as PoolCase
+
+    def __str__(self) -> str:
+        return (
+            f"mla/{self.layout}/p{self.page_size}/r{self.kv_lora_rank}+{self.rope_dim}/"
+            f"{str(self.dtype).removeprefix('torch.')}/{self.host_access}"
+            + (f"/host{self.host_tokens}" if self.host_tokens else "")
+        )
+
+
+def drive_mla(case: MLACase) -> None:
+    """Backups and per-layer restores of every transfer size through a real
+    MLATokenToKVPoolINT8Host with the fused kernels selected (its launch
+    sites call kv_mla_int8_triton through MLAInt8HostFormat)."""
+    from hicache_harness import MLAGeometry, make_device_pool, make_host_pool
+
+    from sglang.srt.mem_cache.pool_host import base, quantized
+
+    p = case.page_size
+    geo = MLAGeometry(
+        layer_num=case.layer_num,
+        kv_lora_rank=case.kv_lora_rank,
+        qk_rope_head_dim=case.rope_dim,
+        dtype=case.dtype,
+        page_size=p,
+    )
+    pages = max(TRANSFER_PAGES) + 1
+    device_pool = make_device_pool(geo, device_tokens=pages * p)
+    with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
+        if case.host_tokens is not None:
+            mp.setattr(quantized, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
+        pool = make_host_pool(
+            device_pool,
+            host_tokens=case.host_tokens or pages * p,
+            layout=case.layout,
+            host_dtype="int8",
+        )
+    pool.use_fused_kernels = True
+    pool.fused_host_access = case.host_access
+    for n_pages in TRANSFER_PAGES:
+        tokens = n_pages * p
+        rows = torch.arange(p, p + tokens)
+        host = torch.arange(pool.size - tokens, pool.size)
+        for kind in case.device_index_kinds:
+            dev = _device_indices(rows, kind)
+            pool.backup_from_device_all_layer(device_pool, host.clone(), dev, "kernel")
+            restore_host = host.clone()
+            for layer in range(case.layer_num):
+                pool.load_to_device_per_layer(
+                    device_pool, restore_host, dev, layer, "kernel"
+                )
+    if pool.fused_host_access != case.host_access:
+        raise AssertionError(f"{case}: the pool left {case.host_access} access")
+
+
+def mla_grid() -> list[MLACase]:
+    """DeepSeek geometry: every layout, page size 1/16/64, both device dtypes
+    and both host-access modes; every device index kind at page 16; a smaller
+    latent; host records past 2**31 elements (direct access)."""
+    from test_kv_int8_triton import DTYPES
+
+    cases = [
+        MLACase(layout, page_size, dtype, access)
+        for layout in ("page_first", "page_first_direct", "layer_first")
+        for page_size in (1, 16, 64)
+        for dtype in DTYPES
+        for access in HOST_ACCESS
+    ]
+    cases += [
+        MLACase(layout, 16, dtype, "direct", DEVICE_INDEX_KINDS)
+        for layout in ("page_first", "layer_first")
+        for dtype in DTYPES
+    ]
+    cases += [MLACase("page_first", 16, torch.bfloat16, "direct", kv_lora_rank=256)]
+    # layer_first's layer stride (512 int8 per token) passes 2**31 elements,
+    # an i64 kernel argument; page_first's unit * stride is int64 in-kernel.
+    huge = (1 << 31) // 512 + 64 * 64
+    cases += [
+        MLACase(layout, 64, dtype, "direct", host_tokens=huge)
+        for layout in ("page_first", "layer_first")
+        for dtype in DTYPES
+    ]
+    return cases
+
+
+def drive_mla_grid() -> None:
+    for case in mla_grid():
+        drive_mla(case)
+
+
+GRIDS = {"int8": drive_pool_grid, "mla": drive_mla_grid}
+
+
 def summary(run: CompileRun) -> dict:
     """What the tests assert on, as JSON."""
     return {
@@ -434,8 +541,8 @@ def summary(run: CompileRun) -> dict:
 
 
 def _worker_main(argv: list[str]) -> None:
-    """python tests/kernel_compile.py OUT_DIR ARCH...: compile the grid for
-    each target, writing OUT_DIR/sm_<arch>.json."""
+    """python tests/kernel_compile.py OUT_DIR GRID ARCH...: compile the grid
+    (a GRIDS key) for each target, writing OUT_DIR/sm_<arch>.json."""
     import json
     import sys
     import tempfile
@@ -444,16 +551,19 @@ def _worker_main(argv: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import conftest  # noqa: F401  (the CPU stand-ins, before sglang)
 
-    out, archs = Path(argv[0]), [int(a) for a in argv[1:]]
+    out, drive, archs = Path(argv[0]), GRIDS[argv[1]], [int(a) for a in argv[2:]]
     with tempfile.TemporaryDirectory() as cache_dir:
-        runs = compile_for_targets(drive_pool_grid, archs, cache_dir)
+        runs = compile_for_targets(drive, archs, cache_dir)
     for arch, run in runs.items():
         (out / f"sm_{arch}.json").write_text(json.dumps(summary(run)))
 
 
-def compile_grid_in_workers(archs, out_dir, jobs: int) -> dict[int, dict]:
-    """Compile the grid for each target in `jobs` parallel processes (Triton
-    compiles one kernel at a time per process); each drives the pool once."""
+def compile_grid_in_workers(
+    archs, out_dir, jobs: int, grid: str = "int8"
+) -> dict[int, dict]:
+    """Compile a grid (GRIDS: "int8" the MHA pool's, "mla" the MLA kernels')
+    for each target in `jobs` parallel processes (Triton compiles one kernel at
+    a time per process); each drives the grid once."""
     import json
     import os
     import subprocess
@@ -463,7 +573,7 @@ def compile_grid_in_workers(archs, out_dir, jobs: int) -> dict[int, dict]:
     groups = [list(archs[i::jobs]) for i in range(jobs) if archs[i::jobs]]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(out_dir), *map(str, group)],
+            [sys.executable, __file__, str(out_dir), grid, *map(str, group)],
             env=os.environ.copy(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

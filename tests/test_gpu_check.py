@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh on CPU: --dry-run runs both phases end to end (every
-test of tests/gpu/test_int8_gpu.py, kernels interpreted; the benchmark at tiny
-sizes), and the tests phase fails, naming the cause in one line, when there
+test of tests/gpu/ (INT8 MHA and MLA), kernels interpreted; the benchmark at
+tiny sizes), and the tests phase fails, naming the cause in one line, when there
 is no CUDA device or a package is missing."""
 
 from __future__ import annotations
@@ -62,6 +62,9 @@ def test_dry_run_runs_both_phases(site, tmp_path):
         "test_delayed_transfers_stay_on_their_stream",
         "test_controller_layer_events_cover_a_delayed_restore",
         "test_unpinned_host_memory",
+        "test_mla_kernels_bit_exact_against_cpu_reference",
+        "test_mla_kernels_on_the_pools_pinned_records",
+        "test_mla_kernels_run_on_the_callers_stream",
     } <= ran
 
     bench = json.loads((tmp_path / "gpu_bench.json").read_text())
@@ -73,6 +76,9 @@ def test_dry_run_runs_both_phases(site, tmp_path):
     for f in figures:
         assert f["restore_ms_per_layer_int8"] > 0 and f["backup_ms_per_layer_bf16"] > 0
     assert bench["figures"]["codec_encode_GBps"] > 0
+    mla = bench["mla_codec"]
+    assert mla["checks"] == {"device_restore_equals_torch_codec": True}
+    assert mla["ratio_vs_bf16"] == 1152 / 648 and mla["device"]["encode_GBps"] > 0
     assert bench["figures"]["device_copy_GBps"] > 0
 
     # A later phase reuses the installed site: no second pip install. (Extra

@@ -1,5 +1,5 @@
-"""The INT8 host pool's Triton kernels compile for every NVIDIA target we ship
-for (sm_80, sm_86, sm_89, sm_90), without a GPU.
+"""The INT8 host pools' Triton kernels (MHA and MLA) compile for every NVIDIA
+target we ship for (sm_80, sm_86, sm_89, sm_90), without a GPU.
 
 Every specialisation the pool can launch over the test grid is compiled
 through the pool's real launch sites with the pinned Triton and its bundled
@@ -65,6 +65,39 @@ def test_every_pool_kernel_compiles_cleanly(compiled, arch):
     }
     assert kinds == {(e, b) for e in (True, False) for b in (True, False)}
     assert {s["constexprs"].get("UT") for s in specs} >= {1, 16, 64}
+    assert any("i64" in s["signature"].values() for s in specs if "encode" in s["name"])
+
+
+@pytest.fixture(scope="module")
+def compiled_mla(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel-compile-mla")
+    start = time.perf_counter()
+    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="mla")
+    for arch, run in results.items():
+        print(
+            f"MLA sm_{arch}: {len(run['specs'])} distinct specialisations from "
+            f"{run['launches']} launches in {run['seconds']} s"
+        )
+    print(f"MLA kernel compile check: {time.perf_counter() - start:.0f} s wall")
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_mla_kernel_compiles_cleanly(compiled_mla, arch):
+    """kv_mla_int8_triton over the MLA grid (tests/kernel_compile.py
+    mla_grid): the same checks as the MHA kernels, which it shares the
+    arithmetic with."""
+    specs = compiled_mla[arch]["specs"]
+    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
+    assert not problems, "\n".join(problems)
+    assert {s["name"] for s in specs} == {
+        "_mla_encode_kernel_src",
+        "_mla_decode_kernel_src",
+    }
+    kinds = {("encode" in s["name"], s["constexprs"].get("IS_BF16")) for s in specs}
+    assert kinds == {(e, b) for e in (True, False) for b in (True, False)}
+    assert {s["constexprs"].get("UT") for s in specs} >= {1, 16, 64}
+    assert {s["constexprs"].get("NT") for s in specs} == {2, 4}
     assert any("i64" in s["signature"].values() for s in specs if "encode" in s["name"])
 
 

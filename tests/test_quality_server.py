@@ -27,8 +27,19 @@ class FakeSGLang:
     """Just enough of SGLang's HTTP API: /server_info, /tokenize, /generate
     (input/top/output logprobs, cached_tokens_details), /metrics."""
 
-    def __init__(self, *, noise=0.0, restores=True, details=True, metrics=True, l1=300):
+    def __init__(
+        self,
+        *,
+        noise=0.0,
+        restores=True,
+        details=True,
+        metrics=True,
+        l1=300,
+        model_path="fake/model",
+        kv_cache_dtype="auto",
+    ):
         self.noise, self.restores, self.details = noise, restores, details
+        self.model_path, self.kv_cache_dtype = model_path, kv_cache_dtype
         self.expose_metrics, self.l1 = metrics, l1
         self.load_back = 0
         self.host_hits = 0
@@ -89,7 +100,8 @@ class FakeSGLang:
         return {
             "enable_hierarchical_cache": True,
             "hicache_host_dtype": "int8" if self.noise else "auto",
-            "model_path": "fake/model",
+            "model_path": self.model_path,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "internal_states": [{"max_total_num_tokens": self.l1}],
         }
 
@@ -307,3 +319,78 @@ def test_lm_eval_command_line():
     assert "model=Qwen/Qwen3-8B" in args and "tokenizer=Qwen/Qwen3-8B" in args
     assert cmd[cmd.index("--limit") + 1] == "100"
     assert cmd[cmd.index("--output_path") + 1] == "results/lm_eval_patched"
+
+
+# --- MLA: DeepSeek-V2-Lite preset ---------------------------------------------
+
+V2_LITE = "/models/deepseek-ai/DeepSeek-V2-Lite/"
+
+
+def test_deepseek_v2_lite_launch_commands_parse_as_server_args():
+    """The printed commands are valid sglang.launch_server arguments (the
+    patched tree's parser, which has --hicache-host-dtype), BF16 KV on both,
+    INT8 L2 only on the patched server."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    lines = []
+    argv_ = ["--model-preset", "deepseek-v2-lite", "--launch-commands",
+             "--patched", "http://127.0.0.1:31001"]  # fmt: skip
+    assert qs.main(argv_, log=lines.append) == 0
+    cmds = {line.split("\n")[0][2:]: line.split("\n")[1].split() for line in lines}
+    parsed = {}
+    for name, cmd in cmds.items():
+        assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        parsed[name] = parser.parse_args(cmd[3:])
+    stock, patched = parsed["stock"], parsed["patched"]
+    assert stock.model_path == patched.model_path == "deepseek-ai/DeepSeek-V2-Lite"
+    assert stock.kv_cache_dtype == patched.kv_cache_dtype == "bf16"
+    assert stock.enable_hierarchical_cache and patched.enable_hierarchical_cache
+    assert stock.hicache_host_dtype == "auto" and patched.hicache_host_dtype == "int8"
+    assert (stock.port, patched.port) == (30000, 31001)
+    assert patched.hicache_mem_layout == "page_first"
+    assert patched.hicache_io_backend == "kernel"
+    with pytest.raises(SystemExit):
+        qs.parse_args(["--launch-commands"])  # which model?
+
+
+def test_deepseek_v2_lite_preset_checks_both_servers(text_file, tmp_path, capsys):
+    with (
+        FakeSGLang(model_path=V2_LITE, kv_cache_dtype="bf16") as stock,
+        FakeSGLang(noise=0.01, model_path=V2_LITE) as patched,
+    ):
+        args = argv(stock, patched, text_file, tmp_path, "--model-preset",
+                    "deepseek-v2-lite")  # fmt: skip
+        assert qs.main(args, log=lambda s: None) == 0
+    assert (tmp_path / "quality_server.json").exists()
+
+
+INT8 = {"noise": 0.01}  # the fake reports --hicache-host-dtype int8 when noisy
+
+
+@pytest.mark.parametrize(
+    "stock_kw,patched_kw,message",
+    [
+        ({}, INT8, "not deepseek-v2-lite"),
+        ({"model_path": V2_LITE},
+         {**INT8, "model_path": V2_LITE, "kv_cache_dtype": "fp8_e4m3"},
+         "--kv-cache-dtype bf16"),
+        ({**INT8, "model_path": V2_LITE}, {**INT8, "model_path": V2_LITE},
+         "stock server stores int8"),
+        ({"model_path": V2_LITE}, {"model_path": V2_LITE},
+         "without --hicache-host-dtype int8"),
+    ],
+)  # fmt: skip
+def test_preset_mismatch_fails_before_measuring(
+    text_file, tmp_path, capsys, stock_kw, patched_kw, message
+):
+    with FakeSGLang(**stock_kw) as stock, FakeSGLang(**patched_kw) as patched:
+        args = argv(stock, patched, text_file, tmp_path, "--model-preset",
+                    "deepseek-v2-lite")  # fmt: skip
+        assert qs.main(args, log=lambda s: None) == 2
+        assert not stock.requests and not patched.requests  # nothing measured
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "quality_server.json").exists()

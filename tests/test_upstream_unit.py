@@ -14,6 +14,8 @@ UPSTREAM_TESTS = [
     / "test/registered/unit/mem_cache/test_mha_int8_storage_pages.py",
     PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mha_int4_host_pool.py",
     PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mla_int8_host_pool.py",
+    PATCHED_TREE.parent
+    / "test/registered/kernels/ops/kvcache/test_kv_mla_int8_triton.py",
 ]
 
 

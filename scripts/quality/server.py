@@ -37,6 +37,15 @@ Task accuracy: --lm-eval-tasks prints (and --run-lm-eval runs) one
 lm-evaluation-harness `local-completions` command per server. Keep L1 small
 (--max-total-tokens) so that the few-shot prefixes really cycle through L2.
 
+MLA models (DeepSeek-V2-Lite). `--model-preset deepseek-v2-lite
+--launch-commands` prints both servers' launch commands (BF16 latent KV,
+which --hicache-host-dtype int8 needs for MLA: FP8 KV is refused at start-up)
+and exits; `--model-preset deepseek-v2-lite` on a measuring run first checks
+that both servers serve that model with non-FP8 KV and that only the patched
+one stores INT8 in L2 (exit 2 naming the mismatch otherwise). No MLA
+checkpoint is available offline here, so this has only been run against the
+fake server.
+
 Standard library only (no torch). Tested against a fake server in
 tests/test_quality_server.py; it cannot run on a machine without GPU servers.
 """
@@ -56,6 +65,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 RESTORE_METRIC = "sglang:load_back_tokens_total"  # labels: pool="kv", per rank
@@ -65,6 +75,84 @@ BACKUP_METRIC = "sglang:hicache_backup_tokens_total"  # labels: pool="kv"
 
 class ServerError(RuntimeError):
     pass
+
+
+class ServerSetupError(ServerError):
+    """The servers do not run the configuration the run was asked to compare."""
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """What a model needs on both servers, and what the patched one adds."""
+
+    model_path: str
+    server_flags: tuple[str, ...]
+    patched_flags: tuple[str, ...]
+
+
+# Both servers keep the latent KV in BF16 (the checkpoint's dtype; the INT8
+# MLA host pool refuses FP8 KV) and use a host layout and io backend the MLA
+# INT8 pool supports. 27 layers x (512 latent + 64 RoPE): 31,104 B per token
+# in L1 and the stock L2, 17,496 B in the INT8 L2.
+MODEL_PRESETS = {
+    "deepseek-v2-lite": ModelPreset(
+        model_path="deepseek-ai/DeepSeek-V2-Lite",
+        server_flags=(
+            "--trust-remote-code",
+            "--kv-cache-dtype",
+            "bf16",
+            "--enable-hierarchical-cache",
+            "--hicache-mem-layout",
+            "page_first",
+            "--hicache-io-backend",
+            "kernel",
+            "--enable-metrics",
+            "--max-total-tokens",
+            "65536",
+        ),
+        patched_flags=("--hicache-host-dtype", "int8"),
+    ),
+}
+
+
+def launch_commands(preset: ModelPreset, stock_port: int, patched_port: int):
+    """(stock, patched) sglang.launch_server command lines for a preset."""
+    base = [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        preset.model_path,
+        *preset.server_flags,
+    ]
+    return (
+        base + ["--port", str(stock_port)],
+        base + ["--port", str(patched_port), *preset.patched_flags],
+    )
+
+
+def check_preset(preset: ModelPreset, infos: dict) -> None:
+    """Raise ServerSetupError unless both servers serve the preset's model with
+    non-FP8 KV and only the patched one stores INT8 in L2."""
+    problems = []
+    model = preset.model_path.rsplit("/", 1)[-1].lower()
+    for name, info in infos.items():
+        path = str(info.get("model_path") or "")
+        if not path.rstrip("/").lower().endswith(model):
+            problems.append(f"{name} serves {path or 'an unknown model'}, not {model}")
+        kv = str(info.get("kv_cache_dtype") or "auto")
+        if kv.startswith(("fp8", "fp4")):
+            problems.append(f"{name} keeps {kv} KV (pass --kv-cache-dtype bf16)")
+        if not info.get("enable_hierarchical_cache"):
+            problems.append(f"{name} runs without --enable-hierarchical-cache")
+    if infos["patched"].get("hicache_host_dtype") != "int8":
+        problems.append("patched server runs without --hicache-host-dtype int8")
+    if infos["stock"].get("hicache_host_dtype") not in (None, "auto"):
+        problems.append(
+            f"stock server stores {infos['stock']['hicache_host_dtype']} in L2"
+        )
+    if problems:
+        raise ServerSetupError("; ".join(problems))
 
 
 class NoServerRestoreError(ServerError):
@@ -421,9 +509,21 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="python3 -m scripts.quality.server", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--stock", required=True, help="base URL of the stock SGLang server")
-    p.add_argument("--patched", required=True, help="base URL of the HiQCache server")
-    p.add_argument("--text-file", required=True)
+    p.add_argument("--stock", help="base URL of the stock SGLang server")
+    p.add_argument("--patched", help="base URL of the HiQCache server")
+    p.add_argument("--text-file")
+    p.add_argument(
+        "--model-preset",
+        choices=sorted(MODEL_PRESETS),
+        default=None,
+        help="check both servers against this model's settings before measuring",
+    )
+    p.add_argument(
+        "--launch-commands",
+        action="store_true",
+        help="print the --model-preset's two server launch commands and exit "
+        "(ports from --stock/--patched, else 30000/30001)",
+    )
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--score-len", type=int, default=512)
@@ -446,7 +546,21 @@ def parse_args(argv=None):
     p.add_argument(
         "--run-lm-eval", action="store_true", help="run the lm_eval commands"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.launch_commands:
+        if args.model_preset is None:
+            p.error("--launch-commands needs --model-preset")
+        return args
+    missing = [f"--{k.replace('_', '-')}" for k in ("stock", "patched", "text_file")
+               if getattr(args, k) is None]  # fmt: skip
+    if missing:
+        p.error(f"the following arguments are required: {', '.join(missing)}")
+    return args
+
+
+def _port(url: str | None, default: int) -> int:
+    match = re.search(r":(\d+)/?$", url or "")
+    return int(match.group(1)) if match else default
 
 
 def markdown(report: dict) -> str:
@@ -487,10 +601,22 @@ def markdown(report: dict) -> str:
 
 def main(argv=None, log=print) -> int:
     args = parse_args(argv)
+    preset = MODEL_PRESETS.get(args.model_preset)
+    if args.launch_commands:
+        for name, cmd in zip(
+            ("stock", "patched"),
+            launch_commands(
+                preset, _port(args.stock, 30000), _port(args.patched, 30001)
+            ),
+        ):
+            log(f"# {name}\n{shlex.join(cmd)}")
+        return 0
     stock = Server("stock", args.stock, args.timeout)
     patched = Server("patched", args.patched, args.timeout)
     try:
         infos = {s.name: s.info() for s in (stock, patched)}
+        if preset is not None:
+            check_preset(preset, infos)
         text = Path(args.text_file).read_text(encoding="utf-8")
         ids = stock.tokenize(text)
         window_len = args.prefix_len + args.score_len + 1
@@ -511,7 +637,7 @@ def main(argv=None, log=print) -> int:
             s.name: run_server(s, windows, fillers, args, log) for s in (stock, patched)
         }
         comparison = compare(results["stock"], results["patched"], args.prefix_len)
-    except NoServerRestoreError as exc:
+    except (NoServerRestoreError, ServerSetupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     report = {

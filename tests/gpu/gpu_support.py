@@ -51,6 +51,9 @@ MODULES_UNDER_TEST = (
     "sglang.srt.mem_cache.pool_host.mha_int8",
     "sglang.srt.mem_cache.pool_host.mha_int8_fused",
     "sglang.kernels.ops.kvcache.kv_int8_triton",
+    "sglang.srt.mem_cache.pool_host.kv_mla_int8_codec",
+    "sglang.srt.mem_cache.pool_host.mla_int8",
+    "sglang.kernels.ops.kvcache.kv_mla_int8_triton",
     "sglang.srt.mem_cache.allocator.token",
     "sglang.srt.managers.cache_controller",
 )
@@ -239,6 +242,53 @@ def make_host_pool(
         device_capacity_tokens=device_pool.size,
         start_layer=device_pool.start_layer,
         end_layer=device_pool.end_layer,
+        host_token_capacity=host_tokens,
+    )
+
+
+def make_mla_device_pool(
+    *,
+    layer_num: int,
+    kv_lora_rank: int = 512,
+    qk_rope_head_dim: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    page_size: int = 1,
+    tokens: int,
+    device: str,
+):
+    """SGLang's MLA latent pool; DeepSeek V2/V3 widths by default."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool(
+        size=tokens,
+        page_size=page_size,
+        dtype=dtype,
+        kv_lora_rank=kv_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim,
+        layer_num=layer_num,
+        device=device,
+        enable_memory_saver=False,
+    )
+
+
+def make_mla_host_pool(device_pool, *, layout: str, host_tokens: int, pin_memory: bool):
+    """The MLA INT8 host pool as hybrid_pool_assembler builds it."""
+    from sglang.srt.mem_cache.pool_host.mla_int8 import MLATokenToKVPoolINT8Host
+
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    return MLATokenToKVPoolINT8Host(
+        info,
+        2.0,
+        0,
+        device_pool.page_size,
+        layout,
+        pin_memory=pin_memory,
+        device="cpu",
+        override_kv_cache_dim=device_pool.kv_cache_dim,
+        device_capacity_tokens=device_pool.size,
+        start_layer=device_pool.start_layer,
+        end_layer=device_pool.end_layer,
+        target_layer_num=device_pool.layer_num,
         host_token_capacity=host_tokens,
     )
 

@@ -1,0 +1,387 @@
+"""MLA latent KV through the HiCache restore path, on a random-weight DeepSeek-V2.
+
+The library behind `python -m scripts.quality --mla-random`. NOT a quality
+figure: the model has random weights (no checkpoint of an MLA model is
+available offline), so its logits mean nothing about text; what this shows is
+how far the INT8 MLA host format moves the logits of a real DeepSeek-V2
+architecture (transformers' DeepseekV2ForCausalLM: MLA attention with
+kv_lora_rank latent + decoupled RoPE, MoE MLP) when its prefix KV comes back
+from L2, and that the stock BF16 host pool changes nothing.
+
+Per window: random token ids; the model prefills the prefix and its cache
+(transformers keeps MLA's compressed cache: the normalized latent [.., rank]
+as keys and the rotated RoPE part [.., rope] as values) becomes SGLang's
+device rows [tokens, 1, rank + rope] in the L1 dtype, written into SGLang's
+real MLATokenToKVPool, backed up through the real HiCacheController.write into
+the host pool picked by the real MLA dispatch (get_mla_host_pool_cls), wiped
+with NaN and freed (L1 eviction), loaded back through HiCacheController.load +
+start_loading, read out of the device pool, and handed back to the model as
+its cache to score the continuation. Arms on identical windows:
+
+  exact   the prefix rows in the L1 dtype, never offloaded
+  bf16    stock MLA host pool (host dtype "auto"): the control, must be
+          bit-identical to exact
+  int8    MLATokenToKVPoolINT8Host (--hicache-host-dtype int8)
+
+A window whose prefix did not come back finite from L2 raises RestoreError.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from scripts.quality.harness import RestoreError, compare_logits, versions
+
+KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Offloaded arms: name -> (host dtype for get_mla_host_pool_cls, default layout).
+OFFLOAD_ARMS = {"bf16": ("auto", "layer_first"), "int8": ("int8", "page_first")}
+ALL_ARMS = ("exact", *OFFLOAD_ARMS)
+CONTROL_ARM = "bf16"
+
+
+@dataclass
+class MLARandomConfig:
+    """A small DeepSeek-V2 (MLA + MoE) with DeepSeek's latent widths."""
+
+    layers: int = 3
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 64
+    v_head_dim: int = 64
+    hidden_size: int = 256
+    heads: int = 4
+    vocab_size: int = 1024
+    # Weight init std: transformers' default for DeepSeek-V2.
+    init_std: float = 0.02
+    windows: int = 4
+    prefix_len: int = 256
+    score_len: int = 64
+    kv_dtype: str = "bf16"
+    page_size: int = 1
+    layouts: dict = field(
+        default_factory=lambda: {a: v[1] for a, v in OFFLOAD_ARMS.items()}
+    )
+    arms: tuple[str, ...] = ALL_ARMS
+    seed: int = 0
+
+
+def build_model(cfg: MLARandomConfig):
+    """transformers' DeepseekV2ForCausalLM from a config, random weights
+    (seeded), fp32, eval mode. One dense layer first, MoE after, as DeepSeek."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    config = DeepseekV2Config(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=2 * cfg.hidden_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.heads,
+        kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=None,  # DeepSeek-V2-Lite projects q directly
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        moe_intermediate_size=cfg.hidden_size // 2,
+        first_k_dense_replace=1,
+        max_position_embeddings=cfg.prefix_len + cfg.score_len + 16,
+        initializer_range=cfg.init_std,
+    )
+    torch.manual_seed(cfg.seed)
+    return DeepseekV2ForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def prefill_latent(model, ids: torch.Tensor, kv_dtype: torch.dtype) -> list:
+    """The prefix's MLA cache as SGLang's device rows: per layer
+    [tokens, 1, kv_lora_rank + rope] = [normalized latent | rotated RoPE],
+    rounded to the L1 dtype."""
+    cache = model(ids[None], use_cache=True).past_key_values
+    return [
+        torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)[:, None].to(kv_dtype)
+        for layer in cache.layers
+    ]
+
+
+@torch.no_grad()
+def score_from_latent(model, rows: Sequence[torch.Tensor], suffix: torch.Tensor):
+    """Logits [len(suffix), vocab] of the continuation, attending to the
+    prefix cache given as device rows (widened to the model's dtype)."""
+    from transformers import DynamicCache
+
+    rank = model.config.kv_lora_rank
+    cache = DynamicCache(config=model.config)
+    dtype = next(model.parameters()).dtype
+    for layer, r in enumerate(rows):
+        r = r[:, 0].to(dtype)[None, None]  # [1, 1, tokens, rank + rope]
+        cache.update(r[..., :rank].contiguous(), r[..., rank:].contiguous(), layer)
+    return model(suffix[None], past_key_values=cache, use_cache=True).logits[0].float()
+
+
+class MLAOffloadRig:
+    """SGLang's MLATokenToKVPool + the dispatched MLA host pool + the real
+    HiCacheController (write_through, io backend direct), on CPU."""
+
+    def __init__(self, cfg: MLARandomConfig, host_dtype: str, layout: str):
+        # tests/ is on the path once the CPU stand-ins are installed.
+        from hicache_harness import MLAGeometry, make_rig
+
+        page = cfg.page_size
+        device_tokens = -(-2 * cfg.prefix_len // page) * page
+        geo = MLAGeometry(
+            layer_num=cfg.layers,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            dtype=KV_DTYPES[cfg.kv_dtype],
+            page_size=page,
+        )
+        rig = make_rig(
+            geo,
+            device_tokens=device_tokens,
+            host_tokens=2 * device_tokens,
+            layout=layout,
+            io_backend="direct",
+            host_dtype=host_dtype,
+        )
+        self.device_pool, self.allocator = rig.device_pool, rig.allocator
+        self.host_pool, self.controller = rig.host_pool, rig.controller
+        # A row the load path did not write stays NaN and is caught below.
+        for buf in self.device_pool.kv_buffer:
+            buf.fill_(float("nan"))
+        self.describe = {
+            "host_dtype": host_dtype,
+            "host_pool": type(self.host_pool).__name__,
+            "layout": layout,
+            "io_backend": "direct",
+            "page_size": page,
+            "host_bytes_per_token": int(self.host_pool.get_size_per_token()),
+            "device_bytes_per_token": cfg.layers
+            * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+            * geo.dtype.itemsize,
+        }
+
+    def round_trip(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Write rows to L2, evict them from L1, load them back; the restored
+        rows. Raises RestoreError unless every token came back finite."""
+        ctl, pool, alloc = self.controller, self.device_pool, self.allocator
+        n = rows[0].shape[0]
+        dev = alloc.alloc(n)
+        for layer, r in enumerate(rows):
+            pool.kv_buffer[layer][dev] = r
+        host = ctl.write(dev)
+        if host is None:
+            raise RestoreError(f"host pool cannot hold {n} tokens")
+        _drain(ctl.ack_write_queue)
+        for layer in range(len(rows)):
+            pool.kv_buffer[layer][dev] = float("nan")
+        alloc.free(dev)
+        new_dev = ctl.load(host)
+        if new_dev is None:
+            raise RestoreError(f"device pool cannot take {n} restored tokens")
+        ctl.start_loading()
+        loaded = _drain(ctl.ack_load_queue)
+        restored = [
+            pool.kv_buffer[layer][new_dev].clone() for layer in range(len(rows))
+        ]
+        # The source rows hold no NaN, so a NaN row here was not restored.
+        finite = sum(int(torch.isfinite(r).all(-1).all(-1).sum()) for r in restored)
+        for layer in range(len(rows)):
+            pool.kv_buffer[layer][new_dev] = float("nan")
+        alloc.free(new_dev)
+        ctl.evict_host(host)
+        if loaded != n or finite != n * len(rows):
+            raise RestoreError(
+                f"{self.describe['host_pool']}: {loaded}/{n} tokens loaded, "
+                f"{finite}/{n * len(rows)} rows finite after the load"
+            )
+        return restored
+
+
+def _drain(queue) -> int:
+    tokens = 0
+    for ack in queue:
+        ack.finish_event.synchronize()
+        tokens += ack.num_tokens
+    queue.clear()
+    return tokens
+
+
+def run_mla_random(
+    cfg: MLARandomConfig,
+    standins: list[str] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Every arm on the same windows; the report dict."""
+    t_start = time.perf_counter()
+    arms = tuple(a for a in ALL_ARMS if a in cfg.arms or a == "exact")
+    unknown = set(cfg.arms) - set(ALL_ARMS)
+    if unknown:
+        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ALL_ARMS}")
+    kv_dtype = KV_DTYPES[cfg.kv_dtype]
+    model = build_model(cfg)
+    rigs = {
+        arm: MLAOffloadRig(cfg, OFFLOAD_ARMS[arm][0], cfg.layouts[arm])
+        for arm in arms
+        if arm != "exact"
+    }
+    gen = torch.Generator().manual_seed(cfg.seed)
+    acc = {
+        arm: {"abs_err": [], "kl": [], "top1": [], "latent": [0.0, 0.0]} for arm in arms
+    }
+    rope_exact = True
+    ref_logits = []
+    for w in range(cfg.windows):
+        ids = torch.randint(
+            cfg.vocab_size, (cfg.prefix_len + cfg.score_len,), generator=gen
+        )
+        prefix, suffix = ids[: cfg.prefix_len], ids[cfg.prefix_len :]
+        rows = prefill_latent(model, prefix, kv_dtype)
+        ref = score_from_latent(model, rows, suffix)
+        ref_logits.append(ref.flatten())
+        line = []
+        for arm in arms:
+            restored = rows if arm == "exact" else rigs[arm].round_trip(rows)
+            logits = (
+                ref if arm == "exact" else score_from_latent(model, restored, suffix)
+            )
+            cmp = compare_logits(ref, logits, suffix)
+            a = acc[arm]
+            a["abs_err"].append((logits - ref).abs().flatten())
+            a["kl"].append(cmp["kl"])
+            a["top1"].append(cmp["top1"])
+            for r0, r1 in zip(rows, restored):
+                latent0 = r0[..., : cfg.kv_lora_rank].double()
+                latent1 = r1[..., : cfg.kv_lora_rank].double()
+                a["latent"][0] += float(((latent1 - latent0) ** 2).sum())
+                a["latent"][1] += float((latent0**2).sum())
+                rope_exact &= torch.equal(
+                    r0[..., cfg.kv_lora_rank :].view(torch.int16),
+                    r1[..., cfg.kv_lora_rank :].view(torch.int16),
+                )
+            line.append(
+                f"{arm}: max|dlogit| {float(a['abs_err'][-1].max()):.3g}, "
+                f"top-1 {float(cmp['top1'].double().mean()):.4f}"
+            )
+        log(f"window {w + 1}/{cfg.windows}: " + ", ".join(line))
+    logit_std = float(torch.cat(ref_logits).double().std())
+    return _report(
+        cfg, model, arms, rigs, acc, rope_exact, logit_std, standins, t_start
+    )
+
+
+def _report(
+    cfg, model, arms, rigs, acc, rope_exact, logit_std, standins, t_start
+) -> dict:
+    summary = {}
+    for arm in arms:
+        a = acc[arm]
+        err = torch.cat(a["abs_err"]).double()
+        kl = torch.cat(a["kl"])
+        num, den = a["latent"]
+        summary[arm] = {
+            "max_abs_logit_err": float(err.max()),
+            "mean_abs_logit_err": float(err.mean()),
+            "top1_agreement": float(torch.cat(a["top1"]).double().mean()),
+            "mean_kl": float(kl.mean()),
+            "max_kl": float(kl.max()),
+            "latent_rel_err": math.sqrt(num / den) if den else 0.0,
+            "scored_tokens": int(kl.numel()),
+        }
+    control = summary.get(CONTROL_ARM)
+    return {
+        "kind": "mla_random",
+        "caveat": (
+            "random weights: these are not quality figures, only the effect of the "
+            "host format on a DeepSeek-V2-architecture model's logits"
+        ),
+        "config": asdict(cfg),
+        "model": {
+            "class": type(model).__name__,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "compute_dtype": str(next(model.parameters()).dtype),
+            "exact_logit_std": logit_std,
+        },
+        "arms": summary,
+        "rigs": {arm: rig.describe for arm, rig in rigs.items()},
+        "control_bit_identical": (
+            None if control is None else control["max_abs_logit_err"] == 0.0
+        ),
+        "rope_bits_exact": rope_exact,
+        "restore_path": (
+            "MLATokenToKVPool -> HiCacheController.write -> MLA host pool -> NaN-wipe"
+            " + free -> HiCacheController.load/start_loading -> MLATokenToKVPool"
+        ),
+        "cpu_standins": standins or [],
+        "versions": versions(),
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+
+
+def markdown_report(report: dict, command: str | None = None) -> str:
+    cfg = report["config"]
+    lines = [
+        "# MLA latent KV restored from L2: random-weight DeepSeek-V2 (CPU)",
+        "",
+        f"**{report['caveat'][0].upper()}{report['caveat'][1:]}.**",
+        "",
+        f"Model: {report['model']['class']}, {report['model']['parameters']:,} "
+        f"random parameters (seed {cfg['seed']}), {cfg['layers']} layers, "
+        f"kv_lora_rank {cfg['kv_lora_rank']}, qk_rope_head_dim "
+        f"{cfg['qk_rope_head_dim']}, computed in {report['model']['compute_dtype']}; "
+        f"L1 KV {cfg['kv_dtype']}. {cfg['windows']} windows of random tokens: "
+        f"{cfg['prefix_len']} restored + {cfg['score_len']} scored. Exact logits "
+        f"have std {report['model']['exact_logit_std']:.3g} (scale for the errors).",
+        "",
+        f"Restore path: {report['restore_path']}.",
+        "",
+        "| arm | host pool | layout | B/token (host / L1) | max abs logit err "
+        "| mean abs logit err | top-1 agreement | mean KL | latent rel err |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, s in report["arms"].items():
+        rig = report["rigs"].get(arm)
+        pool = rig["host_pool"] if rig else "-"
+        layout = rig["layout"] if rig else "-"
+        size = (
+            f"{rig['host_bytes_per_token']} / {rig['device_bytes_per_token']}"
+            if rig
+            else "-"
+        )
+        lines.append(
+            f"| {arm} | {pool} | {layout} | {size} | {s['max_abs_logit_err']:.3g} "
+            f"| {s['mean_abs_logit_err']:.3g} | {100 * s['top1_agreement']:.2f} % "
+            f"| {s['mean_kl']:.3g} | {s['latent_rel_err']:.3g} |"
+        )
+    lines += [
+        "",
+        f"Control (stock BF16 MLA host pool) bit-identical to exact: "
+        f"{report['control_bit_identical']}. RoPE part restored bit for bit in "
+        f"every arm: {report['rope_bits_exact']}.",
+        "",
+        f"Run time {report['seconds']} s.",
+    ]
+    if command:
+        lines += ["", f"Command: `python {command}`"]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(report: dict, out_dir, name: str, command: str | None = None) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
+    paths["json"].write_text(
+        json.dumps({**report, "command": command}, indent=1) + "\n"
+    )
+    paths["md"].write_text(markdown_report(report, command))
+    return {k: os.fspath(v) for k, v in paths.items()}

@@ -1,0 +1,519 @@
+"""Fused MLA INT8 host-pool kernels (kernels/ops/kvcache/kv_mla_int8_triton.py)
+under the Triton interpreter, against the MLA INT8 format's torch reference:
+every record byte on encode (int8 latent, fp16 tile scales, RoPE bits), every
+restored bit on decode, for bf16/fp16 device KV, page sizes 1/16/64,
+page-major and layer-major (layer_first) record views, fragmented host units,
+shuffled device indices, NaN/Inf and out-of-range host indices.
+
+The reference is kv_mla_int8_codec's MLAInt8HostFormat (encode_reference,
+decode_reference, and encode_into for the statistics): latent in tiles of 128
+values, each encoded as one kv_int8_codec row; RoPE kept in the device dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hicache_harness import (
+    MLAGeometry,
+    fill_random,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
+from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
+
+from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
+from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
+
+DTYPES = (torch.bfloat16, torch.float16)
+# DeepSeek V2/V3, Kimi K2: kv_lora_rank 512, qk_rope_head_dim 64, tiles of 128.
+RANK, ROPE, TILE = 512, 64, 128
+NAN, INF = float("nan"), float("inf")
+LAYOUTS = ("page_first", "layer_first")
+RECORD_NAMES = ("kv", "scale", "rope")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
+
+
+# --- the format's reference ---------------------------------------------------
+
+
+def mla_format(rows: torch.Tensor) -> MLAInt8HostFormat:
+    return MLAInt8HostFormat((rows.shape[-1],), 1, 1, rows.dtype, rope_dim=ROPE)
+
+
+def reference_records(rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """kv_mla_int8_codec's encode_reference of rows [n, 1, W] (n units of
+    one token), as [n, 1, n_values] records."""
+    records = mla_format(rows).encode_reference([rows[:, None]])
+    return {name: r[:, 0] for name, r in records.items()}
+
+
+def reference_rows(rows: torch.Tensor) -> torch.Tensor:
+    """What a restore must produce: decode_reference(encode_reference(rows))."""
+    fmt = mla_format(rows)
+    records = fmt.encode_reference([rows[:, None]])
+    return fmt.decode_reference(records, rows.dtype)[0][:, 0]
+
+
+def reference_stats(rows: torch.Tensor):
+    """encode_into's statistics (amax over finite tiles, non-finite count)."""
+    fmt = mla_format(rows)
+    out = {
+        r.name: torch.empty((rows.shape[0], *r.shape), dtype=r.dtype)
+        for r in fmt.records
+    }
+    return fmt.encode_into([rows[:, None]], out)
+
+
+# --- driving the kernels --------------------------------------------------------
+
+
+def host_records(units, layers, unit_tokens, dtype, layout, rank=RANK, rope=ROPE):
+    """Sentinel-filled host records and their [units, L, ut, 1, n] views:
+    page-major tensors as they are, layer_first's layer-major ones transposed."""
+    shapes = {
+        "kv": (torch.int8, rank, 55),
+        "scale": (torch.float16, rank // TILE, 3.0),
+        "rope": (dtype, rope, -9.0),
+    }
+    store, views = {}, {}
+    for name, (dt, width, fill) in shapes.items():
+        if layout == "layer_first":
+            t = torch.full((layers, units, unit_tokens, 1, width), fill, dtype=dt)
+            views[name] = t.transpose(0, 1)
+        else:
+            t = torch.full((units, layers, unit_tokens, 1, width), fill, dtype=dt)
+            views[name] = t
+        store[name] = t
+    return store, views
+
+
+def encode(
+    layers, dev, host, views, *, tile=None, counters=True, amax=True
+) -> dict[str, torch.Tensor]:
+    stats = {
+        "nonfinite": torch.zeros((), dtype=torch.int64),
+        "bad_index": torch.zeros((), dtype=torch.int64),
+        "amax": torch.zeros(len(layers), 1),
+    }
+    mk.encode_gather(
+        [mk.DeviceLayerTable(layers)], dev, views, host,
+        nonfinite_counter=stats["nonfinite"] if counters else None,
+        scale_amax=stats["amax"] if amax else None,
+        bad_index_counter=stats["bad_index"] if counters else None,
+        tile=tile,
+    )  # fmt: skip
+    return stats
+
+
+def layer_views(views, layer):
+    return {name: v[:, layer] for name, v in views.items()}
+
+
+def check_tokens(rows, layer, dtype, views, host, unit_tokens, dst=None, slots=None):
+    """Records at host == reference encoding of rows [n, 1, W] in every byte;
+    decoding them into dst at slots == reference decoding in every bit."""
+    ref = reference_records(rows)
+    unit, within = host // unit_tokens, host % unit_tokens
+    for name, expected in ref.items():
+        got = views[name][unit, layer, within]
+        assert got.dtype == expected.dtype
+        assert torch.equal(got.view(torch.int8), expected.view(torch.int8)), name
+    if dst is not None:
+        mk.decode_scatter(layer_views(views, layer), host, [dst], slots)
+        assert_same_bits(dst[slots], reference_rows(rows))
+    return ref
+
+
+def random_layers(n_layers, size, dtype, seed, rank=RANK, rope=ROPE):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, 1, rank + rope, generator=g) * 2.0 ** (i - 1)).to(dtype)
+        for i in range(n_layers)
+    ]
+
+
+# --- value coverage ----------------------------------------------------------
+
+
+def tokens_from_tiles(tiles: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """tiles [n * RANK / TILE, TILE] -> device rows [n, 1, RANK + ROPE]."""
+    latent = tiles.reshape(-1, 1, RANK)
+    return torch.cat([latent, rope.reshape(latent.shape[0], 1, ROPE)], dim=-1)
+
+
+def round_trip_rows(rows: torch.Tensor, tile=None) -> dict[str, torch.Tensor]:
+    """Encode rows [n, 1, W] (one layer) at shuffled device slots into
+    records, decode them to other shuffled slots; check both against the
+    reference and that nothing else was written. Returns the stats."""
+    n, dtype = rows.shape[0], rows.dtype
+    size = 2 * n + 5
+    g = torch.Generator().manual_seed(n)
+    slots = torch.randperm(size, generator=g)
+    dev, back = slots[:n], slots[n : 2 * n]
+    layer = torch.full((size, 1, rows.shape[-1]), -3.0, dtype=dtype)
+    layer[dev] = rows
+    store, views = host_records(n, 1, 1, dtype, "page_first", rank=RANK)
+    host = torch.randperm(n, generator=g)
+    stats = encode([layer], dev, host, views, tile=tile)
+    dst = torch.full_like(layer, -7.0)
+    check_tokens(rows, 0, dtype, views, host, 1, dst, back)
+    untouched = torch.ones(size, dtype=torch.bool)
+    untouched[back] = False
+    assert (dst[untouched] == -7.0).all()
+    expected = reference_stats(rows)
+    assert int(stats["nonfinite"]) == int(expected.nonfinite)
+    assert torch.equal(stats["amax"][0], expected.amax)
+    return stats
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_edge_tiles_and_rope_specials(dtype):
+    """kv_int8_codec's edge rows (zeros, -0, subnormals, ties, dtype max, past
+    the fp16-scale guard, NaN/Inf, spikes) as latent tiles, next to finite
+    tiles; NaN/Inf/-0/subnormal RoPE values copied bit for bit."""
+    (edge,) = [x for x in edge_inputs() if x.dtype == dtype]
+    tiles = edge.repeat(1, TILE // edge.shape[1])  # [15, 128]
+    g = torch.Generator().manual_seed(1)
+    filler = torch.randn(tiles.shape[0] * 3, TILE, generator=g).to(dtype)
+    mixed = torch.cat([tiles, filler]).reshape(4, -1, TILE).transpose(0, 1)
+    rope = torch.randn(mixed.shape[0], ROPE, generator=g).to(dtype)
+    rope[0, :4] = torch.tensor([NAN, INF, -INF, -0.0])
+    rope[1, 0] = torch.finfo(dtype).smallest_normal / 4
+    rope[2, :2] = torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max])
+    rows = tokens_from_tiles(mixed.reshape(-1, TILE), rope)
+    stats = round_trip_rows(rows)
+    # NaN/Inf/over-range edge tiles (bf16: its max and 127 * 65504 too) and
+    # the RoPE row with NaN/Inf (the one at +-max is finite).
+    assert int(stats["nonfinite"]) == (6 if dtype == torch.float16 else 8) + 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_random_tiles_across_magnitudes(dtype):
+    """Gaussian, heavy-tailed, spiky and zero tiles from the dtype's
+    subnormals to past the scale guard; default and small program tiles."""
+    lo, hi = LOG2_RANGE[dtype]
+    mags = [lo + (hi - lo) * i / 23 for i in range(24)]
+    tiles = make_rows(7, (96, TILE), dtype, ["gauss", "heavy", "spike", "zero"], mags)
+    rope = make_rows(8, (24, ROPE), dtype, ["gauss", "heavy"], mags)
+    rows = tokens_from_tiles(tiles, rope)
+    round_trip_rows(rows)
+    # tile 256: 2 latent tiles per program, RoPE programs of one token.
+    round_trip_rows(rows[:5], tile=256)
+
+
+def test_nan_in_one_tile_poisons_only_that_tile():
+    rows = random_layers(1, 3, torch.bfloat16, seed=4)[0]
+    rows[1, 0, 130] = NAN  # tile 1 of token 1
+    store, views = host_records(3, 1, 1, torch.bfloat16, "page_first")
+    rows[2, 0, RANK + 5] = -INF  # a RoPE value: counted, restored as itself
+    stats = encode([rows], torch.arange(3), torch.arange(3), views)
+    assert int(stats["nonfinite"]) == 2
+    dst = torch.zeros_like(rows)
+    mk.decode_scatter(layer_views(views, 0), torch.arange(3), [dst], torch.arange(3))
+    assert torch.isnan(dst[1, 0, 128:256]).all()
+    assert (
+        torch.isfinite(dst[1, 0, :128]).all() and torch.isfinite(dst[1, 0, 256:]).all()
+    )
+    assert torch.isfinite(dst[0]).all() and torch.isfinite(dst[2, 0, :-ROPE]).all()
+    assert dst[2, 0, RANK + 5] == -INF
+
+
+# --- addressing --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("page_size", (1, 16, 64))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layouts_pages_and_shuffled_indices(layout, page_size, dtype):
+    """Every layer in one encode launch from separately allocated device
+    layers, records at fragmented host units (backward jumps, a gap),
+    shuffled device indices in and out, one decode per layer; untouched
+    records and device rows keep their sentinels."""
+    unit_tokens = 1 if layout == "layer_first" else page_size
+    n_layers, pages = 3, 3
+    tokens = pages * page_size
+    size = 8 * page_size + 1
+    layers = random_layers(n_layers, size, dtype, seed=page_size)
+    g = torch.Generator().manual_seed(17)
+    dev = torch.randperm(size, generator=g)[:tokens]
+    host_pages = torch.tensor([5, 1, 3])  # units 0, 2, 4 and 6.. untouched
+    host = (host_pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    units = 7 * page_size // unit_tokens
+    store, views = host_records(units, n_layers, unit_tokens, dtype, layout)
+    stats = encode(layers, dev, host, views)
+    assert int(stats["nonfinite"]) == int(stats["bad_index"]) == 0
+    back = torch.randperm(size, generator=g)[:tokens]
+    for layer in range(n_layers):
+        dst = torch.full((size, 1, RANK + ROPE), -7.0, dtype=dtype)
+        check_tokens(
+            layers[layer][dev], layer, dtype, views, host, unit_tokens, dst, back
+        )
+        kept = torch.ones(size, dtype=torch.bool)
+        kept[back] = False
+        assert (dst[kept] == -7.0).all()
+        expected = layers[layer][dev][..., :RANK].float().abs().amax()
+        assert float(stats["amax"][layer, 0]) == float(expected)
+    written = torch.zeros(units * unit_tokens, dtype=torch.bool)
+    written[host] = True
+    for name, fill in (("kv", 55), ("scale", 3.0), ("rope", -9.0)):
+        flat = views[name].transpose(0, 1).reshape(n_layers, units * unit_tokens, -1)
+        assert (flat[:, ~written] == fill).all(), name
+
+
+@pytest.mark.parametrize("rank", (128, 256))
+def test_smaller_latents(rank):
+    """kv_lora_rank 128/256 (1 or 2 tiles): the tile count comes from the
+    records."""
+    layers = random_layers(2, 9, torch.bfloat16, seed=rank, rank=rank)
+    store, views = host_records(4, 2, 2, torch.bfloat16, "page_first", rank=rank)
+    dev, host = torch.tensor([8, 0, 4, 5]), torch.tensor([7, 6, 1, 2])
+    encode(layers, dev, host, views)
+    for layer in range(2):
+        dst = torch.zeros_like(layers[0])
+        check_tokens(
+            layers[layer][dev], layer, torch.bfloat16, views, host, 2, dst, dev
+        )
+
+
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))
+def test_out_of_range_host_indices_are_counted_and_skipped(index_dtype):
+    """Host indices < 0 or >= units * unit_tokens write nothing, restore
+    nothing, and count once per token (not per layer or tile)."""
+    unit_tokens, units, n_layers = 4, 3, 2
+    layers = random_layers(n_layers, 10, torch.float16, seed=3)
+    dev = torch.tensor([1, 2, 3, 4, 5], dtype=index_dtype)
+    host = torch.tensor([0, -1, 12, 5, 40], dtype=index_dtype)
+    ok = torch.tensor([True, False, False, True, False])
+    store, views = host_records(
+        units, n_layers, unit_tokens, torch.float16, "page_first"
+    )
+    stats = encode(layers, dev, host, views)
+    assert int(stats["bad_index"]) == 3
+    good = host[ok].long()
+    for layer in range(n_layers):
+        check_tokens(
+            layers[layer][dev[ok].long()],
+            layer,
+            torch.float16,
+            views,
+            good,
+            unit_tokens,
+        )
+    written = torch.zeros(units * unit_tokens, dtype=torch.bool)
+    written[good] = True
+    flat_kv = views["kv"].transpose(1, 2).reshape(units * unit_tokens, n_layers, -1)
+    assert (flat_kv[~written] == 55).all()
+    dst = torch.full_like(layers[0], -7.0)
+    bad = torch.zeros((), dtype=torch.int64)
+    mk.decode_scatter(layer_views(views, 1), host, [dst], dev, bad_index_counter=bad)
+    assert int(bad) == 3
+    restored = torch.zeros(10, dtype=torch.bool)
+    restored[dev[ok].long()] = True
+    assert (dst[~restored] == -7.0).all() and torch.isfinite(dst[restored]).all()
+
+
+def test_one_launch_per_backup_and_per_layer_restore(monkeypatch):
+    kernels = mk._build()
+    launches = {"encode": [], "decode": []}
+    for name in launches:
+        real = getattr(kernels, name)
+
+        class Counting:
+            def __getitem__(self, grid, _real=real, _name=name):
+                launches[_name].append(grid)
+                return _real[grid]
+
+        monkeypatch.setattr(kernels, name, Counting())
+    layers = random_layers(4, 40, torch.bfloat16, seed=0)
+    store, views = host_records(40, 4, 1, torch.bfloat16, "page_first")
+    idx = torch.arange(33)
+    encode(layers, idx, idx, views)
+    for layer in range(4):
+        mk.decode_scatter(layer_views(views, layer), idx, [layers[layer]], idx)
+    assert [g[1:] for g in launches["encode"]] == [(4, 2)]
+    assert len(launches["decode"]) == 4
+
+
+# --- bad arguments -----------------------------------------------------------
+
+
+def test_bad_arguments_raise_and_write_nothing():
+    layers = random_layers(2, 8, torch.bfloat16, seed=0)
+    table = mk.DeviceLayerTable(layers)
+    idx = torch.arange(4)
+
+    def views_with(**changes):
+        store, views = host_records(4, 2, 1, torch.bfloat16, "page_first")
+        views.update(changes)
+        return views
+
+    def enc(views, tables=(table,), **kw):
+        mk.encode_gather(list(tables), idx, views, idx, **kw)
+
+    base = views_with()
+    cases = [
+        (dict(tables=(table, table)), "one side"),
+        (dict(views=views_with(kv=base["kv"].view(torch.uint8))), "record kv"),
+        (dict(views=views_with(rope=base["rope"].half())), "record rope"),
+        (dict(views=views_with(scale=base["scale"][..., :3])), "whole number"),
+        (dict(views=views_with(kv=base["kv"][..., :256])), "device MLA KV"),
+        (dict(views=views_with(rope=base["rope"][:, :1])), "record rope"),
+        (dict(views={k: v for k, v in base.items() if k != "rope"}), "missing"),
+        (dict(scale_amax=torch.zeros(2, 2)), "scale_amax"),
+        (dict(nonfinite_counter=torch.zeros(1, dtype=torch.int64)), "nonfinite"),
+    ]
+    for kwargs, match in cases:
+        views = kwargs.pop("views", base)
+        with pytest.raises((ValueError, TypeError), match=match):
+            enc(views, **kwargs)
+    assert (base["kv"] == 55).all()
+    with pytest.raises(ValueError, match="one side"):
+        mk.decode_scatter(layer_views(base, 0), idx, layers, idx)
+    with pytest.raises(ValueError, match="rope must be"):
+        mk.decode_scatter(layer_views(base, 0), idx, [layers[0].half()], idx)
+    with pytest.raises(ValueError, match="host_indices"):
+        mk.decode_scatter(layer_views(base, 0), idx[:3], [layers[0]], idx)
+    # An empty transfer is a no-op.
+    mk.encode_gather([table], idx[:0], base, idx[:0])
+    assert (base["kv"] == 55).all()
+
+
+# --- through the MLA INT8 host pool: fused paths == torch path ------------------
+
+
+@pytest.fixture
+def big_tiles(monkeypatch):
+    """Fewer, larger programs: the interpreter's cost is per program (the
+    kernel-level tests above cover the default and small tiles)."""
+    monkeypatch.setattr(mk, "ENCODE_TILE", 65536)
+    monkeypatch.setattr(mk, "DECODE_TILE", 65536)
+
+
+def poisoned_fill(device_pool, dev):
+    """Random latent rows, a NaN tile, an Inf RoPE value, an over-range tile."""
+    fill_random(device_pool, dev, seed=device_pool.page_size)
+    device_pool.kv_buffer[0][dev[1], 0, 300] = NAN
+    device_pool.kv_buffer[-1][dev[-1], 0, RANK + 3] = INF
+    device_pool.kv_buffer[-1][dev[0], 0, :TILE] = 1e7  # past the fp16-scale guard
+
+
+def pool_round_trip(layout, page_size, dtype, mode, layers=2):
+    """Backup then per-layer restore through SGLang's MLA device pool and the
+    MLA INT8 host pool at DeepSeek geometry; mode None = the torch path, else
+    the fused kernels with that host access. Host pages out of order with a
+    gap, shuffled device pages. Returns (host records, device buffers,
+    non-finite count, amax by layer)."""
+    geo = MLAGeometry(layer_num=layers, dtype=dtype, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=8 * page_size)
+    pool = make_host_pool(
+        device_pool, host_tokens=8 * page_size, layout=layout, host_dtype="int8"
+    )
+    assert pool.use_fused_kernels is False  # CPU default: the torch path
+    if mode is not None:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = mode
+    g = torch.Generator().manual_seed(page_size)
+    dev = (torch.randperm(6, generator=g)[:3] + 1)[:, None] * page_size
+    dev = (dev + torch.arange(page_size)).flatten()
+    poisoned_fill(device_pool, dev)
+    host_all = pool.alloc(5 * page_size)
+    host = torch.cat([host_all[3 * page_size :], host_all[:page_size]])  # a gap
+    for t in pool.host_records.values():
+        t.view(torch.int8).fill_(77)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "kernel")
+    records = {name: t.clone() for name, t in pool.host_records.items()}
+    new_dev = (torch.randperm(6, generator=g)[:3] + 1)[:, None] * page_size
+    new_dev = (new_dev + torch.arange(page_size)).flatten()
+    for layer in range(layers):
+        device_pool.kv_buffer[layer].fill_(-7.0)
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "kernel")
+    device = [b.clone() for b in device_pool.kv_buffer]
+    return records, device, pool.nonfinite_row_count(), pool.scale_amax_by_layer()
+
+
+def assert_same_round_trip(got, ref):
+    for name, t in ref[0].items():
+        assert torch.equal(got[0][name].view(torch.int8), t.view(torch.int8)), name
+    for a, b in zip(got[1], ref[1]):
+        assert_same_bits(a, b)
+    assert got[2] == ref[2] == 3  # the NaN tile, the Inf RoPE row, the 1e7 tile
+    assert torch.equal(got[3], ref[3])
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("layout", ("page_first", "page_first_direct", "layer_first"))
+@pytest.mark.parametrize("page_size", (1, 16, 64))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pool_fused_paths_equal_the_torch_path(layout, page_size, dtype):
+    """The pool's own launch sites (direct: host records; staged: its
+    staging buffers, one layer per launch) write the torch path's host bytes,
+    restore its device bits and keep its statistics."""
+    ref = pool_round_trip(layout, page_size, dtype, None)
+    for mode in ("direct", "staged"):
+        assert_same_round_trip(pool_round_trip(layout, page_size, dtype, mode), ref)
+
+
+@pytest.mark.usefixtures("big_tiles")
+def test_pool_one_launch_per_backup_and_per_layer_restore(monkeypatch):
+    launches = {"encode_gather": 0, "decode_scatter": 0}
+    for name in launches:
+        real = getattr(mk, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            launches[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(mk, name, counted)
+    pool_round_trip("page_first", 4, torch.bfloat16, "direct", layers=3)
+    assert launches == {"encode_gather": 1, "decode_scatter": 3}
+
+
+@pytest.mark.usefixtures("big_tiles")
+def test_pool_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
+    """The pool's start-up self-check (what CUDA runs before serving) passes
+    with these kernels, and falls back to the torch path when the restore
+    is wrong."""
+    geo = MLAGeometry(layer_num=2, page_size=16)
+    device_pool = make_device_pool(geo, device_tokens=8 * 16)
+    pool = make_host_pool(device_pool, host_tokens=8 * 16, host_dtype="int8")
+    pool.use_fused_kernels = True
+    assert pool.self_check() and pool.transfer_path == "fused_direct"
+    real = mk.decode_scatter
+
+    def reversed_slots(records, host, dst, dev, **kw):
+        real(records, host, dst, dev.flip(0), **kw)  # in range, wrong rows
+
+    monkeypatch.setattr(mk, "decode_scatter", reversed_slots)
+    assert not pool.self_check()
+    assert pool.transfer_path == "torch" and "self-check" in pool.transfer_path_reason
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
+def test_controller_round_trip_with_fused_kernels(layout, page_size):
+    """The real HiCacheController drives the fused path: write-through, evict
+    from L1, load back: the codec's reference values at the new slots."""
+    geo = MLAGeometry(layer_num=2, page_size=page_size)
+    rig = make_rig(
+        geo, device_tokens=32 * page_size, host_tokens=64 * page_size,
+        layout=layout, io_backend="kernel", host_dtype="int8",
+    )  # fmt: skip
+    rig.host_pool.use_fused_kernels = True
+    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
+    dev = alloc.alloc(6 * page_size)
+    written = fill_random(dev_pool, dev, seed=5)
+    host = ctl.write(dev)
+    finish_transfers(ctl)
+    alloc.free(dev)
+    new_dev = ctl.load(host)
+    ctl.start_loading()
+    finish_transfers(ctl)
+    for layer, rows in enumerate(written):
+        assert torch.equal(dev_pool.kv_buffer[layer][new_dev], reference_rows(rows))
+    assert rig.host_pool.transfer_path == "fused_direct"
