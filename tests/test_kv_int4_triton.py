@@ -1,0 +1,361 @@
+"""Fused INT4 / K8V4 host-format kernels (kernels/ops/kvcache/kv_int4_triton.py)
+under the Triton interpreter (TRITON_INTERPRET=1), against a step-by-step
+reference of the shared host-format spec (sections 3-4): every record byte
+and every restored bit, bf16 and fp16, page-major units of 1/4/16/64 tokens
+and layer_first-shaped views, shuffled and fragmented indices, NaN/Inf/huge/
+zero groups, out-of-range host indices (counted, not written), int32 and
+int64 indices, and the statistics (non-finite groups, amax per layer/side).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kv_int8_codec import assert_same_bits
+
+from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8_codec
+
+DTYPES = (torch.bfloat16, torch.float16)
+NAN, INF = float("nan"), float("inf")
+K_CHANNEL_MIN_TOKENS = 16
+FP16_NAN_BITS = 0x7E00
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
+
+
+# --- the spec, step by step (sections 3-4) -------------------------------------
+
+
+def group_size(dim: int) -> int:
+    return 64 if dim % 64 == 0 else 32 if dim % 32 == 0 else dim
+
+
+def quantize_groups(x: torch.Tensor):
+    """Groups along the last dim -> (codes [..., n] int64, s fp16, m fp16,
+    non-finite flags, max(|lo|, |hi|))."""
+    xf = x.float()
+    lo, hi = xf.amin(-1), xf.amax(-1)
+    m16 = lo.to(torch.float16)
+    m = m16.float()
+    s32 = ((hi - m) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    s16 = s32.to(torch.float16)
+    s16 = (s16.view(torch.int16) + (s16.float() < s32)).view(torch.float16)
+    bad = ~torch.isfinite(xf).all(-1) | ~torch.isfinite(m16) | ~torch.isfinite(s16)
+    q = torch.round((xf - m[..., None]) / s16.float()[..., None]).clamp(0, 15)
+    q = q.masked_fill(bad[..., None], 0).to(torch.int64)
+    nan16 = torch.tensor(FP16_NAN_BITS, dtype=torch.int16).view(torch.float16)
+    s16 = torch.where(bad, nan16, s16)
+    m16 = torch.where(bad, nan16, m16)
+    return q, s16, m16, bad, torch.maximum(lo.abs(), hi.abs())
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def encode_side_per_token(x, group):
+    """x [U, UT, H, D] -> (codes, meta [U, UT, H, D/G, 2], stats)."""
+    U, UT, H, D = x.shape
+    q, s, m, bad, amax = quantize_groups(x.reshape(U, UT, H, D // group, group))
+    return pack(q.reshape(U, UT, H, D)), torch.stack([s, m], -1), bad, amax
+
+
+def encode_keys_per_channel(x):
+    """x [U, UT, H, D] -> (codes, meta [U, H, D, 2], stats): one group per
+    channel over the unit's tokens."""
+    q, s, m, bad, amax = quantize_groups(x.permute(0, 2, 3, 1))
+    return pack(q.permute(0, 3, 1, 2)), torch.stack([s, m], -1), bad, amax
+
+
+def reference_records(fmt, k, v):
+    """One layer's rows k, v [U, UT, H, D] -> (records [U, *shape], non-finite
+    groups, amax (K, V))."""
+    records, bads, amaxes = {}, [], []
+    if fmt == "k8v4":
+        q, scale = int8_codec.quantize_reference(k)
+        records["k"], records["k_scale"] = q, scale
+        bads.append(torch.isnan(scale))
+        finite = k.float().abs().amax(-1)
+        amaxes.append(finite[~torch.isnan(scale)])
+    else:
+        ut = k.shape[1]
+        if ut >= K_CHANNEL_MIN_TOKENS:
+            codes, meta, bad, amax = encode_keys_per_channel(k)
+        else:
+            codes, meta, bad, amax = encode_side_per_token(k, group_size(k.shape[-1]))
+        records["k"], records["k_meta"] = codes, meta
+        bads.append(bad)
+        amaxes.append(amax[~bad])
+    codes, meta, bad, amax = encode_side_per_token(v, group_size(v.shape[-1]))
+    records["v"], records["v_meta"] = codes, meta
+    bads.append(bad)
+    amaxes.append(amax[~bad])
+    stats = [float(a.max()) if a.numel() else 0.0 for a in amaxes]
+    return records, int(sum(int(b.sum()) for b in bads)), stats
+
+
+def dequantize(codes, meta, group_of_channel, dtype):
+    """codes [..., D/2] packed, meta (s, m) per channel via group_of_channel."""
+    q = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float()
+    s, m = meta[..., 0].float(), meta[..., 1].float()
+    y = group_of_channel(m) + q * group_of_channel(s)
+    top = torch.finfo(dtype).max
+    return y.clamp(-top, top).to(dtype)
+
+
+def reference_decode(fmt, records, dtype):
+    """One layer's records [U, *shape] -> (k, v) rows [U, UT, H, D]."""
+    v_codes, v_meta = records["v"], records["v_meta"]
+    ut = v_codes.shape[1]
+
+    def per_token(codes, meta):
+        group = 2 * codes.shape[-1] // meta.shape[-2]
+        return lambda t: t.repeat_interleave(group, -1)
+
+    v = dequantize(v_codes, v_meta, per_token(v_codes, v_meta), dtype)
+    if fmt == "k8v4":
+        k = int8_codec.dequantize_reference(records["k"], records["k_scale"], dtype)
+    elif records["k_meta"].dim() == 4:  # per-channel [U, H, D, 2]
+        k = dequantize(
+            records["k"], records["k_meta"],
+            lambda t: t[:, None].expand(-1, ut, -1, -1), dtype,
+        )  # fmt: skip
+    else:
+        k_codes, k_meta = records["k"], records["k_meta"]
+        k = dequantize(k_codes, k_meta, per_token(k_codes, k_meta), dtype)
+    return k, v
+
+
+def record_shapes(fmt, ut, H, dk, dv):
+    gv = group_size(dv)
+    shapes = {}
+    if fmt == "k8v4":
+        shapes["k"] = ((ut, H, dk), torch.int8)
+        shapes["k_scale"] = ((ut, H), torch.float16)
+    else:
+        shapes["k"] = ((ut, H, dk // 2), torch.uint8)
+        if ut >= K_CHANNEL_MIN_TOKENS:
+            shapes["k_meta"] = ((H, dk, 2), torch.float16)
+        else:
+            shapes["k_meta"] = ((ut, H, dk // group_size(dk), 2), torch.float16)
+    shapes["v"] = ((ut, H, dv // 2), torch.uint8)
+    shapes["v_meta"] = ((ut, H, dv // gv, 2), torch.float16)
+    return shapes
+
+
+# --- a host "pool": one buffer per record -------------------------------------
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t
+
+
+class Host:
+    """Host records as the pool lays them out: page-major [units, L, *shape]
+    or layer_first [L, units, *shape] (unit = 1 token), sentinel-filled."""
+
+    def __init__(self, fmt, units, layers, ut, H, dk, dv, layer_first=False):
+        assert not layer_first or ut == 1
+        self.fmt, self.ut, self.layer_first = fmt, ut, layer_first
+        self.bufs = {}
+        for name, (shape, dtype) in record_shapes(fmt, ut, H, dk, dv).items():
+            lead = (layers, units) if layer_first else (units, layers)
+            buf = torch.empty(*lead, *shape, dtype=dtype)
+            raw(buf).fill_(0x5A)
+            self.bufs[name] = buf
+
+    def all_layers(self):
+        """[units, L, *shape] views (encode)."""
+        return {
+            n: b.transpose(0, 1) if self.layer_first else b for n, b in self.bufs.items()
+        }
+
+    def layer(self, layer):
+        """[units, *shape] views of one layer (decode)."""
+        return {
+            n: b[layer] if self.layer_first else b[:, layer] for n, b in self.bufs.items()
+        }
+
+    def clone(self):
+        other = object.__new__(Host)
+        other.__dict__.update(self.__dict__)
+        other.bufs = {n: b.clone() for n, b in self.bufs.items()}
+        return other
+
+
+def assert_same_records(got: Host, want: Host):
+    for name in want.bufs:
+        a, b = got.bufs[name], want.bufs[name]
+        assert a.dtype == b.dtype and torch.equal(raw(a), raw(b)), name
+
+
+def fill_rows(x: torch.Tensor, seed: int, special_rows: torch.Tensor | None):
+    """Random rows over magnitudes; NaN/Inf/huge/zero/-0/constant/tiny groups
+    in the special rows (8 device slots) if given."""
+    g = torch.Generator().manual_seed(seed)
+    n, H, D = x.shape
+    mags = 2.0 ** torch.randint(-12, 8, (n, H, 1), generator=g).double()
+    vals = torch.randn(n, H, D, generator=g, dtype=torch.float64) * mags
+    vals[:, :, 3] *= 20  # an outlier channel, as keys have
+    x.copy_(vals.to(x.dtype))
+    if special_rows is None:
+        return
+    r = special_rows.tolist()
+    x[r[1], 0, 5] = NAN
+    x[r[2], H - 1, D - 1] = INF
+    x[r[3], 0, 0] = -INF
+    x[r[4], 0] = 0.0
+    x[r[5], 0] = -0.0
+    x[r[6], 0] = 1.5  # constant group: m rounds to the value, s to the floor
+    x[r[7], 0, : D // 2] = 7e4 if x.dtype == torch.bfloat16 else 6.5e4  # huge
+    x[r[0], H - 1] = 2.0**-20  # tiny: fp16 subnormal m and s
+
+
+def assert_canonical_nan(t: torch.Tensor) -> None:
+    """NaN groups restore as one NaN pattern per dtype (fp16 0x7E00, bf16
+    0x7FC0): torch's own arithmetic leaves the payload to the CPU's vector
+    unit, the kernels do not."""
+    canonical = 0x7E00 if t.dtype == torch.float16 else 0x7FC0
+    assert (raw(t)[torch.isnan(t)] == canonical).all()
+
+
+# --- kernel round trips ----------------------------------------------------------
+
+
+@pytest.fixture
+def big_tiles(monkeypatch):
+    """Fewer, larger programs (the interpreter's cost is per program)."""
+    monkeypatch.setattr(k4, "ENCODE_TILE", 16384)
+    monkeypatch.setattr(k4, "DECODE_TILE", 16384)
+
+
+def run_case(
+    fmt, *, ut, H=2, dk=64, dv=64, layers=2, n_units=3, dtype=torch.bfloat16,
+    layer_first=False, index_dtype=torch.int64, specials=True, token_shuffle=False,
+    tile=None, seed=0,
+):  # fmt: skip
+    """Backup n_units units of shuffled device rows into fragmented host units
+    with one encode_gather, compare with the reference; then restore each layer
+    into shuffled device slots with decode_scatter and compare."""
+    g = torch.Generator().manual_seed(seed)
+    size = 2 * n_units * ut + 8
+    k_layers = [torch.empty(size, H, dk, dtype=dtype) for _ in range(layers)]
+    v_layers = [torch.empty(size, H, dv, dtype=dtype) for _ in range(layers)]
+    n = n_units * ut
+    dev = torch.randperm(size, generator=g)[:n]
+    for i, t in enumerate(k_layers + v_layers):
+        spots = dev[(torch.arange(8) * 7 + i) % n] if specials else None
+        fill_rows(t, seed * 31 + i, spots)
+    host_units = 2 * n_units + 1
+    units = torch.randperm(host_units, generator=g)[:n_units]  # gaps, jumps
+    host_idx = (units[:, None] * ut + torch.arange(ut)).flatten()
+    if token_shuffle:  # per-token formats take any token order
+        perm = torch.randperm(n, generator=g)
+        host_idx = host_idx[perm]
+    host = Host(fmt, host_units, layers, ut, H, dk, dv, layer_first)
+    want = host.clone()
+    counter = torch.zeros((), dtype=torch.int64)
+    bad_idx = torch.zeros((), dtype=torch.int64)
+    amax = torch.zeros(layers, 2)
+    k4.encode_gather(
+        (k4.DeviceLayerTable(k_layers), k4.DeviceLayerTable(v_layers)),
+        dev.to(index_dtype), host.all_layers(), host_idx.to(index_dtype),
+        nonfinite_counter=counter, scale_amax=amax, bad_index_counter=bad_idx,
+        tile=tile,
+    )  # fmt: skip
+
+    # Expected: the reference per unit of the transfer's rows.
+    order = torch.argsort(host_idx)  # tokens sorted by host slot
+    dev_sorted = dev[order]
+    slots = host_idx[order].view(n_units, ut)
+    sorted_units = slots[:, 0] // ut
+    want_bad, want_amax = 0, torch.zeros(layers, 2)
+    want_views = want.all_layers()
+    for layer in range(layers):
+        k = k_layers[layer][dev_sorted].view(n_units, ut, H, dk)
+        v = v_layers[layer][dev_sorted].view(n_units, ut, H, dv)
+        records, bad, stats = reference_records(fmt, k, v)
+        want_bad += bad
+        want_amax[layer] = torch.tensor(stats)
+        for name, rec in records.items():
+            want_views[name][sorted_units, layer] = rec
+    assert_same_records(host, want)
+    assert int(counter) == want_bad
+    assert int(bad_idx) == 0
+    assert torch.equal(amax, want_amax)
+    if specials:
+        assert want_bad > 0
+
+    # Restore every layer into other slots, shuffled; untouched slots keep 7.
+    for out_dtype in DTYPES:
+        new_dev = torch.randperm(size, generator=g)[:n]
+        for layer in range(layers):
+            k_dst = torch.full((size, H, dk), 7.0, dtype=out_dtype)
+            v_dst = torch.full((size, H, dv), 7.0, dtype=out_dtype)
+            k4.decode_scatter(
+                host.layer(layer), host_idx.to(index_dtype), (k_dst, v_dst),
+                new_dev.to(index_dtype), bad_index_counter=bad_idx, tile=tile,
+            )  # fmt: skip
+            layer_records = {
+                name: rec[sorted_units] for name, rec in host.layer(layer).items()
+            }
+            k_ref, v_ref = reference_decode(fmt, layer_records, out_dtype)
+            rows = new_dev[order]
+            assert_same_bits(k_dst[rows], k_ref.reshape(n, H, dk))
+            assert_same_bits(v_dst[rows], v_ref.reshape(n, H, dv))
+            if fmt == "int4":
+                assert_canonical_nan(k_dst)
+            assert_canonical_nan(v_dst)
+            untouched = torch.ones(size, dtype=torch.bool)
+            untouched[new_dev] = False
+            assert (k_dst[untouched] == 7.0).all() and (v_dst[untouched] == 7.0).all()
+    assert int(bad_idx) == 0
+    return host
+
+
+FORMATS = ("int4", "k8v4")
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ut", (1, 16, 64))
+def test_round_trip_page_sizes(fmt, ut, dtype):
+    run_case(fmt, ut=ut, dtype=dtype, n_units=3 if ut > 1 else 24, seed=ut)
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))
+def test_layer_first_views_and_index_dtypes(fmt, index_dtype):
+    run_case(
+        fmt, ut=1, layer_first=True, n_units=16, index_dtype=index_dtype,
+        dtype=torch.float16, seed=5,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_per_token_keys_any_token_order(fmt):
+    """Below 16 tokens per unit keys are per token: host slots in any order."""
+    run_case(fmt, ut=4, n_units=4, token_shuffle=True, seed=2)
+
+
+@pytest.mark.parametrize(
+    "dk,dv,H", [(128, 128, 1), (96, 96, 3), (80, 48, 2), (192, 128, 1)]
+)
+def test_head_dims_and_groups(dk, dv, H):
+    """Groups of 64, 32 and whole heads (80, 48: not a multiple of 32), head
+    dims that aren't powers of two, per-channel keys split into channel
+    blocks by a small tile."""
+    run_case("int4", ut=16, H=H, dk=dk, dv=dv, n_units=2, layers=1, tile=512, seed=dk)
+    run_case("int4", ut=2, H=H, dk=dk, dv=dv, n_units=3, layers=1, seed=dv)
+
+
+def test_small_tiles_split_rows():
+    """Small tiles: many programs, rows and channel blocks split differently."""
+    run_case("int4", ut=16, n_units=2, layers=1, tile=256, seed=9)
+    run_case("k8v4", ut=4, n_units=3, layers=1, tile=128, seed=9)
