@@ -170,13 +170,15 @@ class Host:
     def all_layers(self):
         """[units, L, *shape] views (encode)."""
         return {
-            n: b.transpose(0, 1) if self.layer_first else b for n, b in self.bufs.items()
+            n: b.transpose(0, 1) if self.layer_first else b
+            for n, b in self.bufs.items()
         }
 
     def layer(self, layer):
         """[units, *shape] views of one layer (decode)."""
         return {
-            n: b[layer] if self.layer_first else b[:, layer] for n, b in self.bufs.items()
+            n: b[layer] if self.layer_first else b[:, layer]
+            for n, b in self.bufs.items()
         }
 
     def clone(self):
@@ -359,3 +361,223 @@ def test_small_tiles_split_rows():
     """Small tiles: many programs, rows and channel blocks split differently."""
     run_case("int4", ut=16, n_units=2, layers=1, tile=256, seed=9)
     run_case("k8v4", ut=4, n_units=3, layers=1, tile=128, seed=9)
+
+
+# --- chosen rows: ties, exact grids, special metadata ---------------------------
+
+
+def encode_rows(fmt, k, v, ut):
+    """k, v [n, H, D] (one layer, n a multiple of ut) through the kernels:
+    returns (host records [units, *shape] as the kernel wrote them, the
+    reference's, non-finite count, reference count)."""
+    n, H, dk = k.shape
+    units = n // ut
+    host = Host(fmt, units, 1, ut, H, dk, v.shape[2])
+    counter = torch.zeros((), dtype=torch.int64)
+    idx = torch.arange(n)
+    k4.encode_gather(
+        (k4.DeviceLayerTable([k]), k4.DeviceLayerTable([v])), idx,
+        host.all_layers(), idx, nonfinite_counter=counter,
+    )  # fmt: skip
+    want, bad, _ = reference_records(
+        fmt, k.view(units, ut, H, dk), v.view(units, ut, H, -1)
+    )
+    return host.layer(0), want, int(counter), bad
+
+
+def check_rows(fmt, k, v, ut):
+    got, want, count, want_count = encode_rows(fmt, k, v, ut)
+    for name in want:
+        assert torch.equal(raw(got[name]), raw(want[name])), name
+    assert count == want_count
+    n, H, dk = k.shape
+    for out_dtype in DTYPES:
+        k_dst = torch.full_like(k, 7.0, dtype=out_dtype)
+        v_dst = torch.full_like(v, 7.0, dtype=out_dtype)
+        idx = torch.arange(n)
+        k4.decode_scatter(got, idx, (k_dst, v_dst), idx)
+        k_ref, v_ref = reference_decode(fmt, want, out_dtype)
+        assert_same_bits(k_dst, k_ref.reshape(k_dst.shape))
+        assert_same_bits(v_dst, v_ref.reshape(v_dst.shape))
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ut", (1, 16))
+def test_round_half_to_even_ties_and_exact_grid(dtype, ut):
+    """Codes k * s + s / 2 (ties: even neighbour), k * s (exact: decode
+    gives x back) at power-of-two scales, from fp16 subnormal to large."""
+    rows = []
+    for log2_s in (-24, -18, -3, 0, 4):
+        s = 2.0**log2_s
+        grid = torch.arange(16, dtype=torch.float64).repeat(4)  # 0..15: m = 0
+        ties = grid.clone()
+        ties[16:] += ((ties[16:] > 0) & (ties[16:] < 15)) * 0.5  # first 16 pin s
+        rows += [grid * s, ties * s, (grid - 8) * s]
+    x = torch.stack(rows).to(dtype)  # [15, 64]
+    n = ut * ((len(rows) + ut - 1) // ut)
+    x = torch.cat([x, x[: n - len(rows)]])[:, None, :].contiguous()
+    got = check_rows("int4", x, x, ut)
+    if ut == 1:  # per-token: the grid's codes are exactly k
+        codes = got["v"].view(n, 32)
+        q = torch.stack([codes & 15, codes >> 4], -1).view(n, 64).long()
+        assert torch.equal(q[0], torch.arange(16).repeat(4))
+        k = torch.arange(16).repeat(4)
+        tie = (torch.arange(64) >= 16) & (k > 0) & (k < 15)
+        assert torch.equal(q[1], torch.where(tie, k + k % 2, k))  # half to even
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_groups_non_finite(fmt):
+    """Every group NaN/Inf: all metadata NaN, codes 0, amax stays 0."""
+    x = torch.full((16, 2, 64), NAN, dtype=torch.bfloat16)
+    x[::2] = INF
+    host = Host(fmt, 1, 1, 16, 2, 64, 64)
+    counter = torch.zeros((), dtype=torch.int64)
+    amax = torch.zeros(1, 2)
+    idx = torch.arange(16)
+    table = k4.DeviceLayerTable([x])
+    k4.encode_gather(
+        (table, table), idx, host.all_layers(), idx,
+        nonfinite_counter=counter, scale_amax=amax,
+    )  # fmt: skip
+    rec = host.layer(0)
+    groups = {"int4": 2 * 64 + 16 * 2, "k8v4": 16 * 2 + 16 * 2}[fmt]
+    assert int(counter) == groups
+    assert (amax == 0).all()
+    assert (rec["v"] == 0).all() and (raw(rec["v_meta"]) == FP16_NAN_BITS).all()
+
+
+def test_decode_special_metadata():
+    """Decode alone over chosen (s, m): NaN in either, fp16 overflow of
+    m + 15 s (saturates), subnormal s, -0 and huge m."""
+    g = torch.Generator().manual_seed(4)
+    n, H, D = 12, 2, 64
+    codes = torch.randint(0, 256, (n, 1, H, D // 2), generator=g).to(torch.uint8)
+    meta = torch.rand(n, 1, H, 1, 2, generator=g).half()
+    meta[0, ..., 0] = NAN
+    meta[1, ..., 1] = NAN
+    meta[2] = 65504.0  # m + 15 s > fp16 max
+    meta[3, ..., 0] = 2.0**-24
+    meta[4, ..., 1] = -0.0
+    meta[5, ..., 1] = -65504.0
+    meta[6, ..., 0] = 4096.0
+    records = {"k": codes, "k_meta": meta, "v": codes, "v_meta": meta}
+    for out_dtype in DTYPES:
+        dst = [torch.full((n, H, D), 7.0, dtype=out_dtype) for _ in range(2)]
+        idx = torch.arange(n)
+        k4.decode_scatter(records, idx, dst, idx)
+        k_ref, v_ref = reference_decode("int4", records, out_dtype)
+        assert_same_bits(dst[0], k_ref.view(n, H, D))
+        assert_same_bits(dst[1], v_ref.view(n, H, D))
+        assert torch.isnan(dst[0][:2]).all()
+        if out_dtype == torch.float16:
+            assert dst[0][2].abs().max() == 65504.0
+
+
+# --- host indices outside the records, malformed runs, bad arguments ------------
+
+
+def small_setup(fmt, ut, n_units=2, H=2, D=64, layers=2):
+    g = torch.Generator().manual_seed(ut)
+    n = n_units * ut
+    k = [torch.randn(n, H, D, generator=g).bfloat16() for _ in range(layers)]
+    v = [torch.randn(n, H, D, generator=g).bfloat16() for _ in range(layers)]
+    host = Host(fmt, n_units + 1, layers, ut, H, D, D)
+    tables = (k4.DeviceLayerTable(k), k4.DeviceLayerTable(v))
+    return tables, k, v, host
+
+
+@pytest.mark.parametrize("fmt,ut", [("int4", 16), ("int4", 4), ("k8v4", 16)])
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))
+def test_out_of_range_host_indices_are_counted_not_written(fmt, ut, index_dtype):
+    tables, k, v, host = small_setup(fmt, ut)
+    n_host = 3 * ut
+    host_idx = torch.arange(2 * ut)  # units 0 and 1
+    host_idx[ut + 1] = n_host  # one token of unit 1 past the end
+    host_idx[ut + 2] = -1
+    before = host.clone()
+    bad = torch.zeros((), dtype=torch.int64)
+    k4.encode_gather(
+        tables, torch.arange(2 * ut).to(index_dtype), host.all_layers(),
+        host_idx.to(index_dtype), bad_index_counter=bad,
+    )  # fmt: skip
+    per_channel = fmt == "int4" and ut >= K_CHANNEL_MIN_TOKENS
+    # Per-channel keys: unit 1's run is broken, so none of its tokens is
+    # fully written; per-token formats lose only the two tokens.
+    assert int(bad) == (ut if per_channel else 2)
+    unit0 = Host(fmt, 1, 2, ut, 2, 64, 64)
+    k4.encode_gather(
+        (k4.DeviceLayerTable([t[:ut] for t in k]), k4.DeviceLayerTable([t[:ut] for t in v])),
+        torch.arange(ut), unit0.all_layers(), torch.arange(ut),
+    )  # fmt: skip
+    for name, buf in host.bufs.items():
+        assert torch.equal(raw(buf[0]), raw(unit0.bufs[name][0])), name  # unit 0 done
+        assert torch.equal(raw(buf[2]), raw(before.bufs[name][2])), name  # untouched
+    key_unit1 = raw(host.bufs["k"][1])
+    if per_channel:
+        assert torch.equal(key_unit1, raw(before.bufs["k"][1]))
+        assert torch.equal(raw(host.bufs["k_meta"][1]), raw(before.bufs["k_meta"][1]))
+    else:
+        sentinel = raw(before.bufs["k"][1])
+        if ut > 1:
+            assert torch.equal(key_unit1[:, 1:3], sentinel[:, 1:3])  # never written
+            assert not torch.equal(key_unit1[:, 0], sentinel[:, 0])
+
+    # Restore: the bad tokens keep their device rows and are counted.
+    bad.zero_()
+    dst = [torch.full((2 * ut, 2, 64), 7.0, dtype=torch.bfloat16) for _ in range(2)]
+    k4.decode_scatter(
+        host.layer(0), host_idx.to(index_dtype), dst,
+        torch.arange(2 * ut).to(index_dtype), bad_index_counter=bad,
+    )  # fmt: skip
+    assert int(bad) == 2
+    assert (dst[0][ut + 1 : ut + 3] == 7.0).all() and (
+        dst[1][ut + 1 : ut + 3] == 7.0
+    ).all()
+    assert not (dst[0][:ut] == 7.0).any()
+
+
+def test_per_channel_run_out_of_order_writes_no_keys():
+    """Per-channel keys need each run of UT tokens to be one unit in order."""
+    tables, _, _, host = small_setup("int4", 16)
+    before = host.clone()
+    host_idx = torch.cat([torch.arange(16), torch.arange(16, 32).flip(0)])
+    bad = torch.zeros((), dtype=torch.int64)
+    k4.encode_gather(
+        tables, torch.arange(32), host.all_layers(), host_idx, bad_index_counter=bad
+    )
+    assert int(bad) == 16
+    assert torch.equal(host.bufs["k"][1], before.bufs["k"][1])
+    assert not torch.equal(host.bufs["k"][0], before.bufs["k"][0])
+    # A run that starts mid-unit: also refused.
+    bad.zero_()
+    k4.encode_gather(
+        tables, torch.arange(16), host.all_layers(), torch.arange(8, 24),
+        bad_index_counter=bad,
+    )  # fmt: skip
+    assert int(bad) == 16
+
+
+def test_bad_arguments_fail_before_launch():
+    tables, _, _, host = small_setup("int4", 16)
+    out = host.all_layers()
+    idx = torch.arange(24)
+    before = host.clone()
+    with pytest.raises(ValueError, match="whole units"):
+        k4.encode_gather(tables, idx, out, idx)
+    with pytest.raises(ValueError, match="records must be"):
+        k4.encode_gather(tables, idx[:16], {"k": out["k"]}, idx[:16])
+    with pytest.raises(ValueError, match="k_meta"):
+        bad_meta = dict(out, k_meta=out["k_meta"][..., 0])
+        k4.encode_gather(tables, idx[:16], bad_meta, idx[:16])
+    with pytest.raises(ValueError, match="layers"):
+        k4.encode_gather(tuple(t.select(0) for t in tables), idx[:16], out, idx[:16])
+    with pytest.raises(TypeError, match="int32/int64"):
+        k4.encode_gather(tables, idx[:16].float(), out, idx[:16])
+    with pytest.raises(ValueError, match="scale_amax"):
+        k4.encode_gather(tables, idx[:16], out, idx[:16], scale_amax=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="even head dim"):
+        odd = torch.zeros(16, 2, 63, dtype=torch.bfloat16)
+        k4.decode_scatter(host.layer(0), idx[:16], (odd, odd), idx[:16])
+    assert_same_records(host, before)

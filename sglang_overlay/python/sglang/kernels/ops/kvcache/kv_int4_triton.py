@@ -296,7 +296,9 @@ def _encode_channels_src(
     didx = tl.load(dev_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
     hidx = tl.load(host_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
     first = tl.load(host_idx_ptr + run.to(tl.int64) * UT).to(tl.int64)
-    out_of_order = tl.reduce((tmask & (hidx != first + t)).to(tl.int32), 0, _max_combine)
+    out_of_order = tl.reduce(
+        (tmask & (hidx != first + t)).to(tl.int32), 0, _max_combine
+    )
     run_ok = (first >= 0) & (first < n_host) & (first % UT == 0) & (out_of_order == 0)
     if COUNT_BAD_IDX:
         # The out-of-range tokens are counted by the value programs.
@@ -715,7 +717,7 @@ def _side(records, side: str, lead: int, head_num: int, dim: int) -> _Side:
     """Parse one side's records (lead = 3: [unit, layer, token] for encode,
     2: [unit, token] for decode); the key mode and the group size follow
     from the metadata's shape."""
-    codes, per_layer = records[side], lead == 3
+    codes = records[side]
     if side == "k" and "k_scale" in records:
         strides = _codes_view(side, codes, torch.int8, lead, head_num, dim)
         scale = records["k_scale"]
