@@ -48,6 +48,7 @@ MODULES_UNDER_TEST = (
     "sglang.srt.mem_cache.pool_host.mha_int8",
     "sglang.srt.mem_cache.pool_host.mha_int8_fused",
     "sglang.kernels.ops.kvcache.kv_int8_triton",
+    "sglang.kernels.ops.kvcache.kv_int4_triton",
     "sglang.srt.mem_cache.allocator.token",
     "sglang.srt.managers.cache_controller",
 )

@@ -24,9 +24,11 @@ fp16 round-up of the scale, bf16 RNE by integer ops, NaN by x != x, no
 @jit library reductions), per group:
 
   * lo = min x, hi = max x in fp32 (exact); padded lanes take +-inf so they
-    never win. The group is non-finite when it holds a NaN (x != x, since
-    Triton's min/max need not propagate NaN) or +-Inf (then lo or hi is
-    infinite), or when m16 = fp16(lo) (RNE) or the scale is not finite.
+    never win. m16 = fp16(lo) (RNE), stored as +0 when it is a zero: IEEE
+    min(-0, +0) may be either, and the sign changes no restored value. The
+    group is non-finite when it holds a NaN (x != x, since Triton's min/max
+    need not propagate NaN) or +-Inf (then lo or hi is infinite), or when
+    m16 or the scale is not finite.
   * s32 = div_rn(hi - m, 15), floored at finfo(fp32).tiny; s16 = fp16(s32)
     RNE, +1 on the bit pattern if fp32(s16) < s32 (so q never exceeds 15
     by more than rounding), raised to at least 2**-24 as INT8 does.
@@ -120,9 +122,10 @@ def _rint_src(v):
 def _group_params_src(lo, hi, has_nan):
     """(s, m) of groups with extremes lo, hi: fp16 bit patterns (NaN for
     non-finite groups), their fp32 values, and the non-finite flag."""
-    m_h = lo.to(tl.float16)
-    m_bits = m_h.to(tl.int16, bitcast=True)
-    m = m_h.to(tl.float32)
+    # A zero m is stored as +0: min(-0, +0) may return either zero.
+    m_bits = lo.to(tl.float16).to(tl.int16, bitcast=True)
+    m_bits = tl.where(m_bits == -32768, 0, m_bits).to(tl.int16)
+    m = m_bits.to(tl.float16, bitcast=True).to(tl.float32)
     s32 = tl.math.div_rn(hi - m, 15.0)
     s32 = tl.maximum(s32, 1.1754943508222875e-38)
     s_bits = s32.to(tl.float16).to(tl.int16, bitcast=True)
