@@ -388,6 +388,15 @@ def test_per_channel_run_out_of_order_writes_no_keys():
     assert int(bad) == 16
     assert torch.equal(host.bufs["k"][1], before.bufs["k"][1])
     assert not torch.equal(host.bufs["k"][0], before.bufs["k"][0])
+    # Aligned first index, two tokens swapped: refused too.
+    bad.zero_()
+    swapped = torch.arange(16, 32)
+    swapped[[1, 2]] = swapped[[2, 1]]
+    k4.encode_gather(
+        tables, torch.arange(16), host.all_layers(), swapped, bad_index_counter=bad
+    )
+    assert int(bad) == 16
+    assert torch.equal(host.bufs["k"][1], before.bufs["k"][1])
     # A run that starts mid-unit: also refused.
     bad.zero_()
     k4.encode_gather(

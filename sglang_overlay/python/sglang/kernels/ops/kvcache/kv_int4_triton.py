@@ -27,8 +27,8 @@ fp16 round-up of the scale, bf16 RNE by integer ops, NaN by x != x, no
     never win. m16 = fp16(lo) (RNE), stored as +0 when it is a zero: IEEE
     min(-0, +0) may be either, and the sign changes no restored value. The
     group is non-finite when it holds a NaN (x != x, since Triton's min/max
-    need not propagate NaN) or +-Inf (then lo or hi is infinite), or when
-    m16 or the scale is not finite.
+    need not propagate NaN) or when m16 or the scale is not finite (which
+    covers +-Inf: lo = -inf gives m16 = -inf, hi = +inf an infinite scale).
   * s32 = div_rn(hi - m, 15), floored at finfo(fp32).tiny; s16 = fp16(s32)
     RNE, +1 on the bit pattern if fp32(s16) < s32 (so q never exceeds 15
     by more than rounding), raised to at least 2**-24 as INT8 does.
@@ -132,8 +132,8 @@ def _group_params_src(lo, hi, has_nan):
     below = s_bits.to(tl.float16, bitcast=True).to(tl.float32) < s32
     s_bits = tl.maximum(s_bits + below.to(tl.int16), 1).to(tl.int16)
     s = s_bits.to(tl.float16, bitcast=True).to(tl.float32)
-    finite_in = ~has_nan & (lo > float("-inf")) & (hi < float("inf"))
-    bad = ~finite_in | (tl.abs(m) > 65504.0) | (s != s) | (s > 65504.0)
+    # An Inf in the group makes m (lo = -inf) or s (hi = +inf) infinite.
+    bad = has_nan | (tl.abs(m) > 65504.0) | (s != s) | (s > 65504.0)
     s_bits = tl.where(bad, 0x7E00, s_bits).to(tl.int16)  # torch's fp16 NaN
     m_bits = tl.where(bad, 0x7E00, m_bits).to(tl.int16)
     return s_bits, m_bits, s, m, bad
