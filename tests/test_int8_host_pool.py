@@ -175,9 +175,9 @@ def test_run_copy_path_matches_indexed_path(layout, page_size, io_backend):
 
 
 def test_transfer_larger_than_staging_is_chunked(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import mha_int8
+    from sglang.srt.mem_cache.pool_host import quantized
 
-    monkeypatch.setattr(mha_int8, "_INT8_STAGING_TOKENS", 8)
+    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 8)
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
     device_pool, written, new_dev = round_trip(geo, "page_first", False, n_pages=7)
     for layer, (k_rows, v_rows) in enumerate(written):
@@ -287,13 +287,16 @@ def test_auto_sizing_counts_encoded_host_bytes(monkeypatch):
         token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: device_pool),
         req_to_token_pool=None,
         mtp_draft_device_pools=(),
+        page_size=16,
     )
     estimates = {}
     for host_dtype in ("auto", "int8"):
         monkeypatch.setattr(
             hicache_auto_size,
             "get_memory",
-            lambda: SimpleNamespace(hicache_host_dtype=host_dtype),
+            lambda: SimpleNamespace(
+                hicache_host_dtype=host_dtype, hicache_mem_layout="page_first"
+            ),
         )
         estimates[host_dtype] = hicache_auto_size._estimate_hicache_bytes(params, None)
     assert estimates["auto"] / estimates["int8"] == pytest.approx(256 / 130, rel=1e-6)

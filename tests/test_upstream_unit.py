@@ -12,6 +12,7 @@ UPSTREAM_TESTS = [
     PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_hicache_host_tier_stats.py",
     PATCHED_TREE.parent
     / "test/registered/unit/mem_cache/test_mha_int8_storage_pages.py",
+    PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mha_int4_host_pool.py",
 ]
 
 
