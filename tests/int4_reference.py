@@ -1,13 +1,17 @@
-"""A small step-by-step reference of the INT4 / K8V4 host formats (the
-shared host-format spec, sections 3-4), for the kernel tests until the
-format module's own reference exists, and a host "pool" of records laid out
-as the pool lays them out. Test-only; imports nothing test-specific, so the
-GPU tests (tests/gpu) use it too."""
+"""What the INT4 / K8V4 kernel tests compare with: the records and restored
+rows of the format module's reference (kv_int4_codec), the statistics the
+kernels keep (non-finite groups, amax per side), and a host "pool" of records
+laid out as the pools lay them out. Also a second, independent step-by-step
+reading of the shared host-format spec (sections 3-4), written before the
+codec existed and kept as a cross-check of it (spec_records / spec_decode).
+Test-only; imports nothing test-specific, so the GPU tests (tests/gpu) use it
+too."""
 
 from __future__ import annotations
 
 import torch
 
+from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8_codec
 
 K_CHANNEL_MIN_TOKENS = 16
@@ -56,9 +60,9 @@ def encode_keys_per_channel(x):
     return pack(q.permute(0, 3, 1, 2)), torch.stack([s, m], -1), bad, amax
 
 
-def reference_records(fmt, k, v):
+def spec_records(fmt, k, v):
     """One layer's rows k, v [U, UT, H, D] -> (records [U, *shape], non-finite
-    groups, amax (K, V))."""
+    groups, amax (K, V)), by the spec read step by step."""
     records, bads, amaxes = {}, [], []
     if fmt == "k8v4":
         q, scale = int8_codec.quantize_reference(k)
@@ -92,8 +96,9 @@ def dequantize(codes, meta, group_of_channel, dtype):
     return y.clamp(-top, top).to(dtype)
 
 
-def reference_decode(fmt, records, dtype):
-    """One layer's records [U, *shape] -> (k, v) rows [U, UT, H, D]."""
+def spec_decode(fmt, records, dtype):
+    """One layer's records [U, *shape] -> (k, v) rows [U, UT, H, D], by the
+    spec read step by step."""
     v_codes, v_meta = records["v"], records["v_meta"]
     ut = v_codes.shape[1]
 
@@ -115,21 +120,23 @@ def reference_decode(fmt, records, dtype):
     return k, v
 
 
+def reference_records(fmt, k, v):
+    """One layer's rows k, v [U, UT, H, D] -> (the codec reference's records
+    [U, *shape], non-finite groups, amax (K, V))."""
+    encode = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
+    _, bad, stats = spec_records(fmt, k, v)
+    return encode[fmt](k, v), bad, stats
+
+
+def reference_decode(fmt, records, dtype):
+    """One layer's records [U, *shape] -> the codec reference's (k, v)."""
+    decode = {"int4": codec.int4_decode_reference, "k8v4": codec.k8v4_decode_reference}
+    return decode[fmt](records, dtype)
+
+
 def record_shapes(fmt, ut, H, dk, dv):
-    gv = group_size(dv)
-    shapes = {}
-    if fmt == "k8v4":
-        shapes["k"] = ((ut, H, dk), torch.int8)
-        shapes["k_scale"] = ((ut, H), torch.float16)
-    else:
-        shapes["k"] = ((ut, H, dk // 2), torch.uint8)
-        if ut >= K_CHANNEL_MIN_TOKENS:
-            shapes["k_meta"] = ((H, dk, 2), torch.float16)
-        else:
-            shapes["k_meta"] = ((ut, H, dk // group_size(dk), 2), torch.float16)
-    shapes["v"] = ((ut, H, dv // 2), torch.uint8)
-    shapes["v_meta"] = ((ut, H, dv // gv, 2), torch.float16)
-    return shapes
+    shapes = {"int4": codec.int4_record_shapes, "k8v4": codec.k8v4_record_shapes}
+    return shapes[fmt]((dk, dv), H, ut)
 
 
 # --- a host "pool": one buffer per record -------------------------------------

@@ -1,7 +1,8 @@
 """Fused INT4 / K8V4 host-format kernels (kernels/ops/kvcache/kv_int4_triton.py)
-under the Triton interpreter (TRITON_INTERPRET=1), against a step-by-step
-reference of the shared host-format spec (sections 3-4): every record byte
-and every restored bit, bf16 and fp16, page-major units of 1/4/16/64 tokens
+under the Triton interpreter (TRITON_INTERPRET=1), against the format
+module's reference (kv_int4_codec, via tests/int4_reference.py): every
+record byte and every restored bit (NaN: position, and the canonical NaN
+the kernels write), bf16 and fp16, page-major units of 1/4/16/64 tokens
 and layer_first-shaped views, shuffled and fragmented indices, NaN/Inf/huge/
 zero groups, out-of-range host indices (counted, not written), int32 and
 int64 indices, and the statistics (non-finite groups, amax per layer/side).
@@ -19,10 +20,13 @@ from int4_reference import (
     raw,
     reference_decode,
     reference_records,
+    spec_decode,
+    spec_records,
 )
 from test_kv_int8_codec import assert_same_bits
 
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 
 DTYPES = (torch.bfloat16, torch.float16)
 NAN, INF = float("nan"), float("inf")
@@ -428,3 +432,62 @@ def test_bad_arguments_fail_before_launch():
         odd = torch.zeros(16, 2, 63, dtype=torch.bfloat16)
         k4.decode_scatter(host.layer(0), idx[:16], (odd, odd), idx[:16])
     assert_same_records(host, before)
+
+
+# --- the codec's reference, its fast path and the kernels agree -----------------
+
+
+def zero_groups(dtype):
+    """Rows whose minimum is a zero: all -0, -0 and +0 mixed (either may be
+    min's result), zeros with positives; and tiny negatives rounding to -0."""
+    rows = [
+        torch.full((64,), -0.0),
+        torch.tensor([-0.0, 0.0] * 32),
+        torch.tensor([0.0, -0.0] * 32),
+        torch.cat([torch.tensor([-0.0, 0.0]), torch.rand(62) * 3]),
+        torch.cat([torch.tensor([-1e-9]), torch.rand(63)]),
+    ]
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_spec_reading_codec_reference_and_fast_path_agree(dtype):
+    """The codec's reference == this test's own reading of the spec == the
+    codec's fast path (encode_into), on random, special and zero-minimum
+    groups, both key groupings and both formats."""
+    g = torch.Generator().manual_seed(8)
+    for fmt, ut in (("int4", 16), ("int4", 1), ("k8v4", 16)):
+        x = (torch.randn(2 * ut * 2, 2, 64, generator=g) * 5).to(dtype)
+        z = zero_groups(dtype)
+        x.view(-1, 64)[: len(z)] = z
+        x.view(-1, 64)[len(z), 3] = NAN
+        x.view(-1, 64)[len(z) + 1, 0] = -INF
+        k = x[: 2 * ut].reshape(2, ut, 2, 64)
+        v = x[2 * ut :].reshape(2, ut, 2, 64)
+        want, _, _ = reference_records(fmt, k, v)
+        mine, _, _ = spec_records(fmt, k, v)
+        fast = {n: torch.empty_like(t) for n, t in want.items()}
+        (codec.int4_encode_into if fmt == "int4" else codec.k8v4_encode_into)(
+            k, v, fast
+        )
+        for name in want:
+            assert torch.equal(raw(mine[name]), raw(want[name])), (fmt, ut, name)
+            assert torch.equal(raw(fast[name]), raw(want[name])), (fmt, ut, name)
+        for out_dtype in DTYPES:
+            for a, b in zip(
+                spec_decode(fmt, want, out_dtype),
+                reference_decode(fmt, want, out_dtype),
+            ):
+                assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_minimum_stores_plus_zero(dtype):
+    """A group whose minimum is a zero (of either sign, or a negative that
+    rounds to zero) stores m = +0 in kernel, codec reference and fast path."""
+    z = zero_groups(dtype)
+    x = torch.cat([z, z[:3]])[:, None, :].repeat(2, 1, 1)  # 16 tokens, 1 head
+    for ut in (1, 16):
+        got = check_rows("int4", x.contiguous(), x.contiguous(), ut)
+        m = raw(got["v_meta"])[..., 1].flatten()[: len(z)]
+        assert (m == 0).all()
