@@ -13,6 +13,7 @@ UPSTREAM_TESTS = [
     PATCHED_TREE.parent
     / "test/registered/unit/mem_cache/test_mha_int8_storage_pages.py",
     PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mha_int4_host_pool.py",
+    PATCHED_TREE.parent / "test/registered/kernels/ops/kvcache/test_kv_int4_triton.py",
 ]
 
 
