@@ -777,16 +777,11 @@ def _format_records(records, lead: int, head_num: int, dk: int, dv: int):
     return keys, values
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
+_pow2, _cdiv = kt._pow2, kt._cdiv
 
 
 def _rows_per_program(tile: int, width: int) -> int:
-    return max(1, _pow2(tile) // _pow2(width))
+    return kt._block_rows(tile, _pow2(width))
 
 
 def _check_tables(tables) -> tuple[DeviceLayerTable, DeviceLayerTable]:
