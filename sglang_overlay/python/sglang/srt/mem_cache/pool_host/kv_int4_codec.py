@@ -227,8 +227,11 @@ def _unpack_float(packed: torch.Tensor) -> torch.Tensor:
         dtype=torch.float32,
         device=packed.device,
     )
-    qf[..., 0::2].copy_(packed & 15)
-    qf[..., 1::2].copy_(packed >> 4)
+    # Nibbles by fp32 arithmetic in place (exact for 0..255), so no integer
+    # temporaries: high = floor(byte / 16), low = byte - 16 * high.
+    even, odd = qf[..., 0::2], qf[..., 1::2]
+    odd.copy_(packed).div_(16).floor_()
+    even.copy_(packed).add_(odd, alpha=-16)
     return qf
 
 
