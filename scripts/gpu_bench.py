@@ -56,6 +56,7 @@ if "--dry-run" in sys.argv:
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+sys.path.insert(0, str(ROOT / "tests"))  # int4_reference
 
 import torch  # noqa: E402
 from gpu_support import (  # noqa: E402
@@ -97,6 +98,8 @@ from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk  # noqa: E402
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import (  # noqa: E402
     MLAInt8HostFormat,
 )
+from sglang.kernels.ops.kvcache import kv_int4_triton as k4  # noqa: E402
+from int4_reference import Host, reference_decode, reference_records  # noqa: E402
 from sglang.srt.mem_cache.pool_host import mha as stock_mha  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha_int8_fused import (  # noqa: E402
@@ -418,6 +421,91 @@ def mla_codec_throughput(clock, device, tokens, dry, copy_gbps, pcie_gbps) -> di
         }  # fmt: skip
         del records
     del dev_pool
+
+
+# (format, unit tokens): per-channel keys at page 64, per-token keys at
+# layer_first's unit of one token, INT8 keys with INT4 values.
+INT4_FORMATS = (("int4", 64), ("int4", 1), ("k8v4", 64))
+
+
+def int4_codec_throughput(clock, device, geo, tokens, dry, copy_gbps) -> dict:
+    """The INT4 / K8V4 kernels: encode (all layers, one launch) and decode
+    (one launch per layer) with the records in device memory and, on CUDA,
+    in pinned host memory (UVA, what the pools' direct path does). GB/s count
+    device KV bytes read or written plus record bytes. Each run's restore of
+    a few units is checked against the reference (tests/int4_reference.py)."""
+    L, H, D = geo["layer_num"], geo["head_num"], geo["head_dim"]
+    g = torch.Generator(device=device).manual_seed(1)
+    k_src = [
+        torch.empty(tokens, H, D, dtype=torch.bfloat16, device=device).normal_(
+            generator=g
+        )
+        for _ in range(L)
+    ]
+    v_src = [torch.empty_like(t).normal_(generator=g) for t in k_src]
+    tables = (k4.DeviceLayerTable(k_src), k4.DeviceLayerTable(v_src))
+    k_dst = [torch.empty_like(t) for t in k_src]
+    v_dst = [torch.empty_like(t) for t in v_src]
+    idx = torch.arange(tokens, device=device)
+    kv_bytes = 2 * tokens * L * H * D * 2
+    out = {"tokens": tokens, "layers": L, "runs": [], "failed_checks": []}
+    iters = 1 if dry else 3
+    for fmt, ut in INT4_FORMATS:
+        for where in ("device", "pinned") if clock.cuda else ("device",):
+            host = Host(fmt, tokens // ut, L, ut, H, D, D)
+            for name, buf in host.bufs.items():
+                host.bufs[name] = (
+                    buf.to(device) if where == "device" else buf.pin_memory()
+                )
+            rec_bytes = sum(b.numel() * b.element_size() for b in host.bufs.values())
+
+            def enc():
+                k4.encode_gather(tables, idx, host.all_layers(), idx)
+
+            def dec():
+                for layer in range(L):
+                    k4.decode_scatter(
+                        host.layer(layer), idx, (k_dst[layer], v_dst[layer]), idx
+                    )
+
+            t_enc = clock.run(enc, iters=iters)
+            t_dec = clock.run(dec, iters=iters)
+            moved = kv_bytes + rec_bytes
+            run = {
+                "format": fmt, "unit_tokens": ut, "records": where,
+                "encode_ms": t_enc["ms"], "encode_GBps": moved / t_enc["ms"] / 1e6,
+                "decode_ms_per_layer": t_dec["ms"] / L,
+                "decode_GBps": moved / t_dec["ms"] / 1e6,
+                "host_bytes_per_token_layer": rec_bytes / tokens / L,
+            }  # fmt: skip
+            clock.sync()
+            units = min(4, tokens // ut)
+            probe = {n: b[:units, 0].cpu() for n, b in host.bufs.items()}
+            rows = units * ut
+            want, _, _ = reference_records(
+                fmt,
+                k_src[0][:rows].cpu().view(units, ut, H, D),
+                v_src[0][:rows].cpu().view(units, ut, H, D),
+            )
+            k_ref, v_ref = reference_decode(fmt, want, torch.bfloat16)
+            run["checks"] = {
+                "records_match_reference": all(
+                    same_bits(probe[n], want[n]) for n in want
+                ),
+                "restore_matches_reference": same_bits(
+                    k_dst[0][:rows].cpu(), k_ref.reshape(rows, H, D)
+                )
+                and same_bits(v_dst[0][:rows].cpu(), v_ref.reshape(rows, H, D)),
+            }
+            out["failed_checks"] += [
+                f"{fmt}/p{ut}/{where}: {c}" for c, ok in run["checks"].items() if not ok
+            ]
+            out["runs"].append(run)
+            print(f"[bench] {fmt}/p{ut} records in {where}: encode "
+                  f"{run['encode_GBps']:.1f} GB/s, decode {run['decode_GBps']:.1f} "
+                  f"GB/s", flush=True)  # fmt: skip
+
+    out["device_copy_GBps"] = copy_gbps
     return out
 
 
@@ -838,6 +926,11 @@ def main(argv=None) -> int:
             pcie,
         )  # fmt: skip
         save()
+        result["int4_codec"] = int4_codec_throughput(
+            clock, device, geo, 256 if args.dry_run else 16384, args.dry_run,
+            copy_gbps,
+        )  # fmt: skip
+        save()
         result["configs"] = []
         for layout, page in configs:
             if time.time() > deadline:
@@ -877,7 +970,7 @@ def main(argv=None) -> int:
         f"mla_codec: {name}"
         for name, ok in result["mla_codec"]["checks"].items()
         if not ok
-    ]
+    ] + result["int4_codec"]["failed_checks"]
     save()
     print(json.dumps(result["figures"], indent=1))
     print(json.dumps(result["targets"]["summary"], indent=1))

@@ -21,12 +21,16 @@ if os.environ.get("HIQ_PIPELINE_ONLY") != "1":
 
 @pytest.fixture(scope="module")
 def triton_interpreter():
-    """Build the INT8 kernels under Triton's interpreter for one test module
-    (modules opt in with usefixtures), so no GPU is needed."""
+    """Build the fused host-pool kernels (INT8, INT4/K8V4) under Triton's
+    interpreter for one test module (modules opt in with usefixtures), so no
+    GPU is needed."""
+    from sglang.kernels.ops.kvcache import kv_int4_triton as k4
     from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         kt.reset_kernels()
+        k4.reset_kernels()
         yield
     kt.reset_kernels()
+    k4.reset_kernels()

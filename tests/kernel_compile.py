@@ -230,8 +230,9 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
     compile each distinct specialisation it launched for each sm_<arch>
     (PTX and cubin, Triton's full pipeline with warm-up).
 
-    kv_int8_triton's kernels are built in compiled (not interpreted) mode for
-    this and dropped after it."""
+    The fused kernels (kv_int8_triton, kv_int4_triton) are built in compiled
+    (not interpreted) mode for this and dropped after it."""
+    from sglang.kernels.ops.kvcache import kv_int4_triton as k4
     from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
     launches, counter = {}, [0]
@@ -249,6 +250,7 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
         knobs.compilation.always_compile = True
         knobs.nvidia.dump_ptxas_log = True
         kt.reset_kernels()
+        k4.reset_kernels()
         try:
             driver.set_active(TargetOnlyDriver(archs[0]))
             with pytest.MonkeyPatch.context() as recording:
@@ -270,6 +272,7 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
         finally:
             driver.set_active(previous_driver)
             kt.reset_kernels()
+            k4.reset_kernels()
     return runs
 
 
@@ -516,7 +519,103 @@ def drive_mla_grid() -> None:
         drive_mla(case)
 
 
-GRIDS = {"int8": drive_pool_grid, "mla": drive_mla_grid}
+# --- the INT4 / K8V4 kernels, driven directly ----------------------------------
+# Their pools are built elsewhere; until they drive these kernels, the grid
+# calls encode_gather / decode_scatter as a pool does: one backup of all
+# layers with every statistic (direct access), one layer without the
+# bad-index counter (staged), and a restore per layer.
+
+
+@dataclass(frozen=True)
+class Int4Case:
+    fmt: str  # "int4" | "k8v4"
+    unit_tokens: int  # page size; 1 with layer_first
+    geometry: tuple[int, int, int]  # (head_num, head_dim, v_head_dim)
+    dtype: torch.dtype
+    layer_first: bool = False
+    index_kinds: tuple[str, ...] = ("int64",)
+    staged: bool = False  # also one layer without the bad-index counter
+    layer_num: int = 2
+
+    def __str__(self) -> str:
+        h, d, dv = self.geometry
+        layout = "layer_first" if self.layer_first else "page_first"
+        return (
+            f"{self.fmt}/{layout}/p{self.unit_tokens}/h{h}d{d}v{dv}/"
+            f"{str(self.dtype).removeprefix('torch.')}"
+        )
+
+
+def drive_int4_case(case: Int4Case) -> None:
+    from int4_reference import Host
+
+    from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+
+    H, dk, dv = case.geometry
+    ut, layers = case.unit_tokens, case.layer_num
+    pages = max(TRANSFER_PAGES) + 1
+    size = (pages + 1) * ut
+    k_layers = [torch.zeros(size, H, dk, dtype=case.dtype) for _ in range(layers)]
+    v_layers = [torch.zeros(size, H, dv, dtype=case.dtype) for _ in range(layers)]
+    tables = (k4.DeviceLayerTable(k_layers), k4.DeviceLayerTable(v_layers))
+    host = Host(case.fmt, pages, layers, ut, H, dk, dv, case.layer_first)
+    counter = torch.zeros((), dtype=torch.int64)
+    bad = torch.zeros((), dtype=torch.int64)
+    amax = torch.zeros(layers, 2)
+    for n_pages in TRANSFER_PAGES:
+        tokens = n_pages * ut
+        rows = torch.arange(ut, ut + tokens)
+        host_idx = torch.arange((pages - n_pages) * ut, pages * ut)
+        for kind in case.index_kinds:
+            dev = _device_indices(rows, kind)
+            k4.encode_gather(
+                tables, dev, host.all_layers(), host_idx, nonfinite_counter=counter,
+                scale_amax=amax, bad_index_counter=bad,
+            )  # fmt: skip
+            for layer in range(layers):
+                dst = (k_layers[layer], v_layers[layer])
+                k4.decode_scatter(
+                    host.layer(layer), host_idx, dst, dev, bad_index_counter=bad
+                )
+            if case.staged:
+                one_layer = {n: t[:, :1] for n, t in host.all_layers().items()}
+                k4.encode_gather(
+                    tuple(t.select(0) for t in tables), dev, one_layer, host_idx,
+                    nonfinite_counter=counter, scale_amax=amax[:1],
+                )  # fmt: skip
+                k4.decode_scatter(host.layer(0), host_idx, dst, dev)
+
+
+def int4_grid() -> list[Int4Case]:
+    """Both formats at Qwen3-8B's heads for every key grouping (per-channel
+    keys at page sizes 16 and 64, per-token keys at 4 and layer_first's 1),
+    BF16 and FP16, int32 and int64 indices and the staged calls at page 64;
+    head dims with channel blocks, groups of 32 and whole-head groups at one
+    page size. Kept small: compiling is the slow part (minutes per target on
+    2 loaded cores)."""
+    bf16, fp16, qwen = torch.bfloat16, torch.float16, (8, 128, 128)
+    both = ("int64", "int32")
+    return [
+        Int4Case("int4", 64, qwen, bf16, index_kinds=both, staged=True),
+        Int4Case("int4", 64, qwen, fp16),
+        Int4Case("int4", 16, qwen, bf16),
+        Int4Case("int4", 4, qwen, bf16),
+        Int4Case("int4", 1, qwen, bf16, layer_first=True),
+        Int4Case("int4", 1, qwen, fp16, layer_first=True),
+        Int4Case("k8v4", 64, qwen, bf16, index_kinds=both, staged=True),
+        Int4Case("k8v4", 64, qwen, fp16),
+        Int4Case("k8v4", 1, qwen, bf16, layer_first=True),
+        Int4Case("int4", 64, (4, 192, 128), bf16),
+        Int4Case("int4", 4, (2, 96, 80), bf16),
+    ]
+
+
+def drive_int4_grid() -> None:
+    for case in int4_grid():
+        drive_int4_case(case)
+
+
+GRIDS = {"int8": drive_pool_grid, "mla": drive_mla_grid, "int4": drive_int4_grid}
 
 
 def summary(run: CompileRun) -> dict:
@@ -561,9 +660,10 @@ def _worker_main(argv: list[str]) -> None:
 def compile_grid_in_workers(
     archs, out_dir, jobs: int, grid: str = "int8"
 ) -> dict[int, dict]:
-    """Compile a grid (GRIDS: "int8" the MHA pool's, "mla" the MLA kernels')
-    for each target in `jobs` parallel processes (Triton compiles one kernel at
-    a time per process); each drives the grid once."""
+    """Compile a grid (GRIDS: "int8" the MHA pool's, "mla" the MLA kernels',
+    "int4" the INT4/K8V4 kernels') for each target in `jobs` parallel
+    processes (Triton compiles one kernel at a time per process); each drives
+    the grid once."""
     import json
     import os
     import subprocess

@@ -1,7 +1,7 @@
 """scripts/gpu_check.sh on CPU: --dry-run runs both phases end to end (every
-test of tests/gpu/ (INT8 MHA and MLA), kernels interpreted; the benchmark at
-tiny sizes), and the tests phase fails, naming the cause in one line, when there
-is no CUDA device or a package is missing."""
+test of tests/gpu/ (INT8 MHA, INT4/K8V4 and MLA), kernels interpreted; the
+benchmark at tiny sizes), and the tests phase fails, naming the cause in one
+line, when there is no CUDA device or a package is missing."""
 
 from __future__ import annotations
 
@@ -67,8 +67,14 @@ def test_dry_run_runs_both_phases(site, tmp_path):
         "test_mla_kernels_run_on_the_callers_stream",
     } <= ran
 
+    assert any("test_int4_gpu.py::" in t["test"] for t in tests["tests"])
+
     bench = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert "fatal" not in bench and bench["failed_checks"] == []
+    int4_runs = bench["int4_codec"]["runs"]
+    formats = {(r["format"], r["unit_tokens"]) for r in int4_runs}
+    assert formats == {("int4", 64), ("int4", 1), ("k8v4", 64)}
+    assert all(all(r["checks"].values()) and r["encode_GBps"] > 0 for r in int4_runs)
     figures = bench["figures"]["transfers"]
     assert {(f["config"], f["tokens"]) for f in figures} == {
         (cfg, n) for cfg in ("page_first/p64", "layer_first/p1") for n in (64, 256)

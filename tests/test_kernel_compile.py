@@ -22,14 +22,17 @@ import torch
 from kernel_compile import (
     ARCHS,
     TRANSFER_PAGES,
+    Int4Case,
     PoolCase,
     compile_for_targets,
     compile_grid_in_workers,
+    drive_int4_case,
     drive_pool,
     ptx_problems,
 )
 from triton.compiler.errors import CompilationError
 
+from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
 JOBS = max(1, min(len(ARCHS), os.cpu_count() or 1))
@@ -82,6 +85,20 @@ def compiled_mla(tmp_path_factory):
     return results
 
 
+@pytest.fixture(scope="module")
+def compiled_int4(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel-compile-int4")
+    start = time.perf_counter()
+    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="int4")
+    for arch, run in results.items():
+        print(
+            f"int4/k8v4 sm_{arch}: {len(run['specs'])} distinct specialisations "
+            f"from {run['launches']} launches in {run['seconds']} s"
+        )
+    print(f"int4 compile check: {time.perf_counter() - start:.0f} s wall")
+    return results
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_mla_kernel_compiles_cleanly(compiled_mla, arch):
     """kv_mla_int8_triton over the MLA grid (tests/kernel_compile.py
@@ -99,6 +116,26 @@ def test_every_mla_kernel_compiles_cleanly(compiled_mla, arch):
     assert {s["constexprs"].get("UT") for s in specs} >= {1, 16, 64}
     assert {s["constexprs"].get("NT") for s in specs} == {2, 4}
     assert any("i64" in s["signature"].values() for s in specs if "encode" in s["name"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_int4_kernel_compiles_cleanly(compiled_int4, arch):
+    """The INT4 / K8V4 kernels (kv_int4_triton) over their grid: no spill,
+    the IEEE arithmetic the format's bit-exactness rests on."""
+    specs = compiled_int4[arch]["specs"]
+    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
+    assert not problems, "\n".join(problems)
+    # Both kernels, both device dtypes, every key grouping (INT8 keys,
+    # per-token, per-channel) and unit size.
+    kinds = {
+        ("encode" in s["name"], s["constexprs"]["IS_BF16"], s["constexprs"]["KEY_MODE"])
+        for s in specs
+    }
+    modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
+    assert kinds == {
+        (e, b, m) for e in (True, False) for b in (True, False) for m in modes
+    }
+    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
 
 
 # --- the check fails on broken kernels ---------------------------------------
@@ -188,3 +225,15 @@ def test_ptx_checks_flag_non_ieee_fp16_and_missing_nan_test(tmp_path):
     assert flagged(ptx + "\n\tabs.ftz.f32 %f1, %f2;", "flush-to-zero")
     no_nan = ptx.replace("setp.nan.f32", "setp.lt.f32")
     assert flagged(no_nan.replace("setp.neu.f32", "setp.ne.f32"), "NaN test")
+
+
+def test_approximate_division_in_int4_kernels_is_reported(tmp_path, monkeypatch):
+    broken = _mutant(k4._group_params_src, _DivRnToSlash(), tmp_path)
+    monkeypatch.setattr(k4, "_group_params_src", broken)
+    case = Int4Case("int4", 16, (2, 64, 64), torch.bfloat16, layer_num=1)
+    run = compile_for_targets(lambda: drive_int4_case(case), (86,), tmp_path / "c")[86]
+    encodes = run.by_name("encode")
+    assert encodes and all(
+        any("non-IEEE fp32 division" in p for p in spec.problems()) for spec in encodes
+    )
+    assert all(not spec.problems() for spec in run.by_name("decode"))

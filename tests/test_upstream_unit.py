@@ -16,6 +16,7 @@ UPSTREAM_TESTS = [
     PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mla_int8_host_pool.py",
     PATCHED_TREE.parent
     / "test/registered/kernels/ops/kvcache/test_kv_mla_int8_triton.py",
+    PATCHED_TREE.parent / "test/registered/kernels/ops/kvcache/test_kv_int4_triton.py",
 ]
 
 

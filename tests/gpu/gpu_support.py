@@ -54,6 +54,7 @@ MODULES_UNDER_TEST = (
     "sglang.srt.mem_cache.pool_host.kv_mla_int8_codec",
     "sglang.srt.mem_cache.pool_host.mla_int8",
     "sglang.kernels.ops.kvcache.kv_mla_int8_triton",
+    "sglang.kernels.ops.kvcache.kv_int4_triton",
     "sglang.srt.mem_cache.allocator.token",
     "sglang.srt.managers.cache_controller",
 )

@@ -13,7 +13,7 @@ group is a set of values of one head in one layer:
 For a group ``x`` (bf16 or fp16; fp32 accepted), all arithmetic in fp32:
 
     lo, hi = min x, max x                         (exact)
-    m  = fp16(lo), round to nearest even
+    m  = fp16(lo), round to nearest even; a zero m is +0
     s  = max((hi - m) / 15, finfo(float32).tiny), rounded *up* to fp16
     q  = clamp(round_half_even((x - m) / s), 0, 15)
     x^ = sat(m + q * s).to(out_dtype)
@@ -133,7 +133,8 @@ def _encode_groups_reference(
     xf = xg.to(torch.float32)
     lo = xf.amin(dim=dim, keepdim=True)
     hi = xf.amax(dim=dim, keepdim=True)
-    m16 = lo.to(META_DTYPE)
+    # A zero m is +0 (x + 0.0): min(-0, +0) may return either zero.
+    m16 = lo.to(META_DTYPE) + 0.0
     s32 = (hi - m16.to(torch.float32)) / torch.full(
         (), QMAX, dtype=torch.float32, device=xf.device
     )
@@ -174,7 +175,7 @@ def _group_meta_into(
     Both are NaN for groups that can't be encoded, so the quotient below is NaN
     there. Only touches per-group tensors.
     """
-    m16 = lo.to(META_DTYPE)
+    m16 = lo.to(META_DTYPE).add_(0.0)  # a zero m is +0, as in the reference
     m32 = m16.to(torch.float32)
     # A tensor divisor, not a Python number: CUDA would turn the latter into a
     # multiplication by the reciprocal, which is not correctly rounded.

@@ -1,0 +1,214 @@
+"""INT4 / K8V4 fused kernels (kv_int4_triton) on a real GPU (skipped without
+CUDA).
+
+Run by scripts/gpu_check.sh on a CUDA machine. Every record byte and every
+restored value is compared with the spec reference (tests/int4_reference.py)
+computed on the CPU, so these check the compiled arithmetic (IEEE division,
+fp16 rounding, round-half-even), pinned host records reached through UVA,
+and that all work runs on the caller's stream. With HIQ_GPU_TEST_DEVICE=cpu
+and TRITON_INTERPRET=1 (gpu_check.sh --dry-run) the same tests run on CPU at
+small sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_support import edge_rows, gpu_test_device, random_rows, same_bits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
+
+DEVICE = gpu_test_device()
+CUDA = DEVICE == "cuda"
+pytestmark = [
+    pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"),
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
+
+if DEVICE is not None:
+    from int4_reference import Host, reference_decode, reference_records
+
+    from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+
+DTYPES = (torch.bfloat16, torch.float16)
+# GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s on current parts.
+DELAY = int(5e8)
+
+
+@pytest.fixture(autouse=True)
+def big_tiles_when_interpreted(monkeypatch):
+    """Dry run: fewer, larger programs (tile sizes do not change results,
+    see tests/test_kv_int4_triton.py)."""
+    if not CUDA:
+        monkeypatch.setattr(k4, "ENCODE_TILE", 16384)
+        monkeypatch.setattr(k4, "DECODE_TILE", 16384)
+
+
+def sync():
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def rows(seed: int, n: int, H: int, d: int, dtype) -> torch.Tensor:
+    """[n, H, d] random rows across magnitudes."""
+    return random_rows(seed, n * H, d, dtype).reshape(n, H, d)
+
+
+def put_edge_rows(x: torch.Tensor, slots: torch.Tensor) -> None:
+    """The edge rows (NaN/Inf/huge/zero/ties) into the first device slots a
+    transfer reads, heads first."""
+    n, H, d = len(slots), x.shape[1], x.shape[2]
+    edge = edge_rows(x.dtype, d)
+    flat = x[slots].reshape(n * H, d)
+    m = min(len(edge), n * H)
+    flat[:m] = edge[:m]
+    x[slots] = flat.view(n, H, d)
+
+
+def to_host(host: Host, where: str) -> Host:
+    """The records in device memory or in pinned host memory (UVA)."""
+    for name, buf in host.bufs.items():
+        host.bufs[name] = buf.to(DEVICE) if where == "device" else buf
+        if where == "host" and CUDA:
+            host.bufs[name] = buf.pin_memory()
+    return host
+
+
+CASES = [
+    ("int4", 64, (8, 128, 128)),  # per-channel keys, Qwen3-8B heads
+    ("int4", 16, (4, 192, 128)),  # per-channel keys in channel blocks
+    ("int4", 1, (8, 128, 128)),  # per-token keys (layer_first's unit)
+    ("int4", 4, (2, 96, 80)),  # groups of 32 and a whole-head group
+    ("k8v4", 64, (8, 128, 128)),
+    ("k8v4", 1, (4, 64, 64)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt,ut,geometry", CASES)
+def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
+    """Encode all layers into device memory and into pinned host memory,
+    decode each layer back to shuffled device slots: the reference's bytes
+    and values, the statistics too."""
+    H, dk, dv = geometry
+    layers = 2
+    n_units = (256 if CUDA else 8) // ut or 1
+    n = n_units * ut
+    size = 2 * n + 8
+    g = torch.Generator().manual_seed(ut * 7 + H)
+    k_cpu = [rows(i, size, H, dk, dtype) for i in range(layers)]
+    v_cpu = [rows(10 + i, size, H, dv, dtype) for i in range(layers)]
+    dev = torch.randperm(size, generator=g)[:n]
+    host_units = 2 * n_units + 1
+    units = torch.randperm(host_units, generator=g)[:n_units]
+    host_idx = (units[:, None] * ut + torch.arange(ut)).flatten()
+    for t in k_cpu + v_cpu:
+        put_edge_rows(t, dev)
+    k_dev = [t.to(DEVICE) for t in k_cpu]
+    v_dev = [t.to(DEVICE) for t in v_cpu]
+    tables = (k4.DeviceLayerTable(k_dev), k4.DeviceLayerTable(v_dev))
+
+    want = Host(fmt, host_units, layers, ut, H, dk, dv)
+    want_views, want_bad, want_amax = want.all_layers(), 0, torch.zeros(layers, 2)
+    for layer in range(layers):
+        k = k_cpu[layer][dev].view(n_units, ut, H, dk)
+        v = v_cpu[layer][dev].view(n_units, ut, H, dv)
+        records, bad, stats = reference_records(fmt, k, v)
+        want_bad += bad
+        want_amax[layer] = torch.tensor(stats)
+        for name, rec in records.items():
+            want_views[name][units, layer] = rec
+    assert want_bad > 0  # the edge rows reached the kernels
+
+    for where in ("device", "host") if CUDA else ("host",):
+        host = to_host(Host(fmt, host_units, layers, ut, H, dk, dv), where)
+        counter = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        bad_idx = torch.zeros((), dtype=torch.int64, device=DEVICE)
+        amax = torch.zeros(layers, 2, device=DEVICE)
+        k4.encode_gather(
+            tables, dev.to(DEVICE), host.all_layers(), host_idx.to(DEVICE),
+            nonfinite_counter=counter, scale_amax=amax, bad_index_counter=bad_idx,
+        )  # fmt: skip
+        sync()
+        for name in want.bufs:
+            assert same_bits(host.bufs[name].cpu(), want.bufs[name]), (where, name)
+        assert int(counter) == want_bad and int(bad_idx) == 0, where
+        assert torch.equal(amax.cpu(), want_amax), where
+
+        for out_dtype in DTYPES:
+            new_dev = torch.randperm(size, generator=g)[:n].to(DEVICE)
+            for layer in range(layers):
+                dst = [
+                    torch.full((size, H, d), 7.0, dtype=out_dtype, device=DEVICE)
+                    for d in (dk, dv)
+                ]
+                k4.decode_scatter(
+                    host.layer(layer), host_idx.to(DEVICE), dst, new_dev,
+                    bad_index_counter=bad_idx,
+                )  # fmt: skip
+                sync()
+                layer_records = {n_: r[units] for n_, r in want.layer(layer).items()}
+                k_ref, v_ref = reference_decode(fmt, layer_records, out_dtype)
+                got_k, got_v = dst[0][new_dev].cpu(), dst[1][new_dev].cpu()
+                assert same_bits(got_k, k_ref.reshape(n, H, dk)), (where, out_dtype)
+                assert same_bits(got_v, v_ref.reshape(n, H, dv)), (where, out_dtype)
+                untouched = torch.ones(size, dtype=torch.bool, device=DEVICE)
+                untouched[new_dev] = False
+                assert (dst[0][untouched] == 7.0).all()
+        assert int(bad_idx) == 0
+
+
+def test_transfers_stay_on_the_callers_stream():
+    """With the caller's stream stalled (torch.cuda._sleep), neither kernel
+    has written anything before the stall ends; after it, the bytes are the
+    reference's."""
+    H, D, ut, n_units = 8, 128, 64, (16 if CUDA else 1)
+    n = n_units * ut
+    x = [rows(3, n, H, D, torch.bfloat16).to(DEVICE) for _ in range(2)]
+    tables = (k4.DeviceLayerTable([x[0]]), k4.DeviceLayerTable([x[1]]))
+    host = to_host(Host("int4", n_units, 1, ut, H, D, D), "host")
+    idx = torch.arange(n, device=DEVICE)
+    # Compile first: a first launch compiles on the CPU, outlasting the stall.
+    k4.encode_gather(tables, idx, host.all_layers(), idx)
+    warm = [torch.empty_like(t) for t in x]
+    k4.decode_scatter(host.layer(0), idx, warm, idx)
+    sync()
+    before = {name: buf.clone() for name, buf in host.bufs.items()}
+    for buf in host.bufs.values():
+        buf.view(torch.uint8).fill_(0x5A)
+    stream = torch.cuda.Stream() if CUDA else None
+    ctx = torch.cuda.stream(stream) if CUDA else contextlib.nullcontext()
+    with ctx:
+        if CUDA:
+            torch.cuda._sleep(DELAY)
+        k4.encode_gather(tables, idx, host.all_layers(), idx)
+        done = torch.cuda.Event() if CUDA else None
+        if CUDA:
+            done.record()
+    if CUDA:
+        assert not done.query(), "stream not delayed; raise DELAY"
+        assert (host.bufs["k"].view(torch.uint8) == 0x5A).all()
+        done.synchronize()
+    for name, buf in host.bufs.items():
+        assert same_bits(buf.cpu(), before[name].cpu()), name
+
+    dst = [torch.full((n, H, D), 7.0, dtype=torch.bfloat16, device=DEVICE) for _ in x]
+    with ctx:
+        if CUDA:
+            torch.cuda._sleep(DELAY)
+        k4.decode_scatter(host.layer(0), idx, dst, idx)
+        if CUDA:
+            done.record()
+    if CUDA:
+        assert not done.query(), "stream not delayed; raise DELAY"
+        assert (dst[0] == 7.0).all()
+        done.synchronize()
+    k_ref, _ = reference_decode(
+        "int4", {name: buf[:, 0].cpu() for name, buf in host.bufs.items()},
+        torch.bfloat16,
+    )  # fmt: skip
+    assert same_bits(dst[0].cpu(), k_ref.reshape(n, H, D))

@@ -1,0 +1,187 @@
+"""What the INT4 / K8V4 kernel tests compare with: the records and restored
+rows of the format module's reference (kv_int4_codec), the statistics the
+kernels keep (non-finite groups, amax per side), and a host "pool" of records
+laid out as the pools lay them out. Also a second, independent step-by-step
+reading of the shared host-format spec (sections 3-4), written before the
+codec existed and kept as a cross-check of it (spec_records / spec_decode).
+Test-only; imports nothing test-specific, so the GPU tests (tests/gpu) use it
+too."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8_codec
+
+K_CHANNEL_MIN_TOKENS = 16
+FP16_NAN_BITS = 0x7E00
+
+
+def group_size(dim: int) -> int:
+    return 64 if dim % 64 == 0 else 32 if dim % 32 == 0 else dim
+
+
+def quantize_groups(x: torch.Tensor):
+    """Groups along the last dim -> (codes [..., n] int64, s fp16, m fp16,
+    non-finite flags, max(|lo|, |hi|))."""
+    xf = x.float()
+    lo, hi = xf.amin(-1), xf.amax(-1)
+    m16 = lo.to(torch.float16)
+    m16 = torch.where(m16 == 0, 0.0, m16)  # +0: min(-0, +0) may be either
+    m = m16.float()
+    s32 = ((hi - m) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    s16 = s32.to(torch.float16)
+    s16 = (s16.view(torch.int16) + (s16.float() < s32)).view(torch.float16)
+    bad = ~torch.isfinite(xf).all(-1) | ~torch.isfinite(m16) | ~torch.isfinite(s16)
+    q = torch.round((xf - m[..., None]) / s16.float()[..., None]).clamp(0, 15)
+    q = q.masked_fill(bad[..., None], 0).to(torch.int64)
+    nan16 = torch.tensor(FP16_NAN_BITS, dtype=torch.int16).view(torch.float16)
+    s16 = torch.where(bad, nan16, s16)
+    m16 = torch.where(bad, nan16, m16)
+    return q, s16, m16, bad, torch.maximum(lo.abs(), hi.abs())
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def encode_side_per_token(x, group):
+    """x [U, UT, H, D] -> (codes, meta [U, UT, H, D/G, 2], stats)."""
+    U, UT, H, D = x.shape
+    q, s, m, bad, amax = quantize_groups(x.reshape(U, UT, H, D // group, group))
+    return pack(q.reshape(U, UT, H, D)), torch.stack([s, m], -1), bad, amax
+
+
+def encode_keys_per_channel(x):
+    """x [U, UT, H, D] -> (codes, meta [U, H, D, 2], stats): one group per
+    channel over the unit's tokens."""
+    q, s, m, bad, amax = quantize_groups(x.permute(0, 2, 3, 1))
+    return pack(q.permute(0, 3, 1, 2)), torch.stack([s, m], -1), bad, amax
+
+
+def spec_records(fmt, k, v):
+    """One layer's rows k, v [U, UT, H, D] -> (records [U, *shape], non-finite
+    groups, amax (K, V)), by the spec read step by step."""
+    records, bads, amaxes = {}, [], []
+    if fmt == "k8v4":
+        q, scale = int8_codec.quantize_reference(k)
+        records["k"], records["k_scale"] = q, scale
+        bads.append(torch.isnan(scale))
+        finite = k.float().abs().amax(-1)
+        amaxes.append(finite[~torch.isnan(scale)])
+    else:
+        ut = k.shape[1]
+        if ut >= K_CHANNEL_MIN_TOKENS:
+            codes, meta, bad, amax = encode_keys_per_channel(k)
+        else:
+            codes, meta, bad, amax = encode_side_per_token(k, group_size(k.shape[-1]))
+        records["k"], records["k_meta"] = codes, meta
+        bads.append(bad)
+        amaxes.append(amax[~bad])
+    codes, meta, bad, amax = encode_side_per_token(v, group_size(v.shape[-1]))
+    records["v"], records["v_meta"] = codes, meta
+    bads.append(bad)
+    amaxes.append(amax[~bad])
+    stats = [float(a.max()) if a.numel() else 0.0 for a in amaxes]
+    return records, int(sum(int(b.sum()) for b in bads)), stats
+
+
+def dequantize(codes, meta, group_of_channel, dtype):
+    """codes [..., D/2] packed, meta (s, m) per channel via group_of_channel."""
+    q = torch.stack([codes & 15, codes >> 4], -1).flatten(-2).float()
+    s, m = meta[..., 0].float(), meta[..., 1].float()
+    y = group_of_channel(m) + q * group_of_channel(s)
+    top = torch.finfo(dtype).max
+    return y.clamp(-top, top).to(dtype)
+
+
+def spec_decode(fmt, records, dtype):
+    """One layer's records [U, *shape] -> (k, v) rows [U, UT, H, D], by the
+    spec read step by step."""
+    v_codes, v_meta = records["v"], records["v_meta"]
+    ut = v_codes.shape[1]
+
+    def per_token(codes, meta):
+        group = 2 * codes.shape[-1] // meta.shape[-2]
+        return lambda t: t.repeat_interleave(group, -1)
+
+    v = dequantize(v_codes, v_meta, per_token(v_codes, v_meta), dtype)
+    if fmt == "k8v4":
+        k = int8_codec.dequantize_reference(records["k"], records["k_scale"], dtype)
+    elif records["k_meta"].dim() == 4:  # per-channel [U, H, D, 2]
+        k = dequantize(
+            records["k"], records["k_meta"],
+            lambda t: t[:, None].expand(-1, ut, -1, -1), dtype,
+        )  # fmt: skip
+    else:
+        k_codes, k_meta = records["k"], records["k_meta"]
+        k = dequantize(k_codes, k_meta, per_token(k_codes, k_meta), dtype)
+    return k, v
+
+
+def reference_records(fmt, k, v):
+    """One layer's rows k, v [U, UT, H, D] -> (the codec reference's records
+    [U, *shape], non-finite groups, amax (K, V))."""
+    encode = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
+    _, bad, stats = spec_records(fmt, k, v)
+    return encode[fmt](k, v), bad, stats
+
+
+def reference_decode(fmt, records, dtype):
+    """One layer's records [U, *shape] -> the codec reference's (k, v)."""
+    decode = {"int4": codec.int4_decode_reference, "k8v4": codec.k8v4_decode_reference}
+    return decode[fmt](records, dtype)
+
+
+def record_shapes(fmt, ut, H, dk, dv):
+    shapes = {"int4": codec.int4_record_shapes, "k8v4": codec.k8v4_record_shapes}
+    return shapes[fmt]((dk, dv), H, ut)
+
+
+# --- a host "pool": one buffer per record -------------------------------------
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t
+
+
+class Host:
+    """Host records as the pool lays them out: page-major [units, L, *shape]
+    or layer_first [L, units, *shape] (unit = 1 token), sentinel-filled."""
+
+    def __init__(self, fmt, units, layers, ut, H, dk, dv, layer_first=False):
+        assert not layer_first or ut == 1
+        self.fmt, self.ut, self.layer_first = fmt, ut, layer_first
+        self.bufs = {}
+        for name, (shape, dtype) in record_shapes(fmt, ut, H, dk, dv).items():
+            lead = (layers, units) if layer_first else (units, layers)
+            buf = torch.empty(*lead, *shape, dtype=dtype)
+            raw(buf).fill_(0x5A)
+            self.bufs[name] = buf
+
+    def all_layers(self):
+        """[units, L, *shape] views (encode)."""
+        return {
+            n: b.transpose(0, 1) if self.layer_first else b
+            for n, b in self.bufs.items()
+        }
+
+    def layer(self, layer):
+        """[units, *shape] views of one layer (decode)."""
+        return {
+            n: b[layer] if self.layer_first else b[:, layer]
+            for n, b in self.bufs.items()
+        }
+
+    def clone(self):
+        other = object.__new__(Host)
+        other.__dict__.update(self.__dict__)
+        other.bufs = {n: b.clone() for n, b in self.bufs.items()}
+        return other
+
+
+def assert_same_records(got: Host, want: Host):
+    for name in want.bufs:
+        a, b = got.bufs[name], want.bufs[name]
+        assert a.dtype == b.dtype and torch.equal(raw(a), raw(b)), name
