@@ -421,6 +421,7 @@ def mla_codec_throughput(clock, device, tokens, dry, copy_gbps, pcie_gbps) -> di
         }  # fmt: skip
         del records
     del dev_pool
+    return out
 
 
 # (format, unit tokens): per-channel keys at page 64, per-token keys at
