@@ -1,0 +1,57 @@
+"""The host (L2) formats every CPU tool measures: one list, read from the server.
+
+`make quality`, `make demo` and `make bench-codec` iterate over
+`host_formats()`: the values the patched server's own `--hicache-host-dtype`
+parser accepts. A format added to the server (a registry entry and a flag
+choice) therefore gets its quality arm, its demo row and curve and its codec
+benchmark row without a tool change.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from scripts.common.cpu_sglang import install_cpu_standins
+
+# Table order where known (capacity order: bf16, int8, k8v4, int4); formats the
+# tools don't know yet follow in the parser's order.
+PREFERRED_ORDER = ("auto", "int8", "k8v4", "int4")
+
+
+@dataclass(frozen=True)
+class HostFormat:
+    label: str  # what tables print: the stock pool is labelled by its dtype
+    host_dtype: str  # the --hicache-host-dtype value
+
+    @property
+    def stock(self) -> bool:
+        return self.host_dtype == "auto"
+
+
+def host_dtype_choices() -> list[str]:
+    """`--hicache-host-dtype`'s choices, from SGLang's own argument parser."""
+    install_cpu_standins()
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    action = next(
+        a for a in parser._actions if "--hicache-host-dtype" in a.option_strings
+    )
+    return list(action.choices)
+
+
+def host_formats(stock_label: str = "bf16") -> list[HostFormat]:
+    """Every host format the patched server accepts, stock pool first."""
+    choices = host_dtype_choices()
+
+    def rank(name: str) -> int:
+        if name in PREFERRED_ORDER:
+            return PREFERRED_ORDER.index(name)
+        return len(PREFERRED_ORDER) + choices.index(name)
+
+    return [
+        HostFormat(stock_label if name == "auto" else name, name)
+        for name in sorted(choices, key=rank)
+    ]
