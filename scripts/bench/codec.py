@@ -102,9 +102,10 @@ def copy_op(dev: DeviceStandIn):
     return copy
 
 
-def format_ops(name: str, fmt, dev: DeviceStandIn) -> dict[str, object]:
+def format_ops(name: str, fmt, dev: DeviceStandIn) -> tuple[dict, dict]:
     """encode / decode of all layers through the format object, with and
-    without the device-side gather / scatter."""
+    without the device-side gather / scatter; and the tensors they read and
+    write (the last layer's restored rows stay in "restored")."""
     units = dev.tokens // PAGE_SIZE
     unit_shape = (units, PAGE_SIZE, HEADS, HEAD_DIM)
     records = {
@@ -146,12 +147,13 @@ def format_ops(name: str, fmt, dev: DeviceStandIn) -> dict[str, object]:
                 )
 
     encode()  # records hold real codes before the first decode is timed
-    return {
+    ops = {
         f"{name} encode_into": encode,
         f"{name} gather + encode_into": gather_encode,
         f"{name} decode_into -> bf16": decode,
         f"{name} decode_into + scatter": decode_scatter,
     }
+    return ops, {"gathered": gathered, "records": records, "restored": restored}
 
 
 def bench_throughput(classes, token_counts, reps) -> dict:
@@ -172,7 +174,7 @@ def bench_throughput(classes, token_counts, reps) -> dict:
         dev = DeviceStandIn(tokens, gen)
         ops = {COPY: copy_op(dev)}
         for name, cls in classes.items():
-            ops.update(format_ops(name, make_format(cls), dev))
+            ops.update(format_ops(name, make_format(cls), dev)[0])
         results = median_ms(ops, reps)
         nbytes = 2 * LAYERS * tokens * HEADS * HEAD_DIM * 2  # bf16 K and V
         # One baseline for both directions: the stock pool's load (host ->
