@@ -329,7 +329,7 @@ def drive_pool(case: PoolCase) -> None:
     MHATokenToKVPoolINT8FusedHost with the fused kernels selected."""
     from hicache_harness import Geometry, make_device_pool, make_host_pool
 
-    from sglang.srt.mem_cache.pool_host import base, mha_int8, mha_int8_fused
+    from sglang.srt.mem_cache.pool_host import base, mha_int8_fused, quantized
 
     head_num, head_dim, v_head_dim = case.geometry
     p = case.page_size
@@ -345,7 +345,7 @@ def drive_pool(case: PoolCase) -> None:
     device_pool = make_device_pool(geo, device_tokens=pages * p)
     with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
         if case.host_tokens is not None:
-            mp.setattr(mha_int8, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
+            mp.setattr(quantized, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
         pool = make_host_pool(
             device_pool,
             host_tokens=case.host_tokens or pages * p,

@@ -175,9 +175,9 @@ def test_run_copy_path_matches_indexed_path(layout, page_size, io_backend):
 
 
 def test_transfer_larger_than_staging_is_chunked(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import mha_int8
+    from sglang.srt.mem_cache.pool_host import quantized
 
-    monkeypatch.setattr(mha_int8, "_INT8_STAGING_TOKENS", 8)
+    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 8)
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
     device_pool, written, new_dev = round_trip(geo, "page_first", False, n_pages=7)
     for layer, (k_rows, v_rows) in enumerate(written):

@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.usefixtures("triton_interpreter"),
 ]
 LOGGER = "sglang.srt.mem_cache.pool_host"
-FUSED_LOGGER = "sglang.srt.mem_cache.pool_host.mha_int8_fused"
+FUSED_LOGGER = "sglang.srt.mem_cache.pool_host.quantized_fused"
 
 
 def build(geo: Geometry, layout: str, access: str | None):

@@ -27,7 +27,7 @@ from hicache_harness import (
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host import mha_int8, mha_int8_fused
+from sglang.srt.mem_cache.pool_host import quantized, quantized_fused
 from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
 
@@ -325,7 +325,7 @@ def test_pool_nonfinite_rows_and_device_index_dtypes(layout, dtype):
     geo = Geometry(layer_num=3, head_num=3, head_dim=16, page_size=2, dtype=dtype)
     ref = pool_round_trip(geo, layout, None, n_pages=5, poison=True)
     assert ref[2] == 3
-    for mode in mha_int8_fused.FUSED_HOST_ACCESS:
+    for mode in quantized_fused.FUSED_HOST_ACCESS:
         got = pool_round_trip(
             geo, layout, mode, n_pages=5, poison=True, device_index_dtype=torch.int32
         )
@@ -335,7 +335,7 @@ def test_pool_nonfinite_rows_and_device_index_dtypes(layout, dtype):
 
 @pytest.mark.usefixtures("big_tiles")
 def test_staged_fused_path_chunks(monkeypatch):
-    monkeypatch.setattr(mha_int8, "_INT8_STAGING_TOKENS", 8)
+    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 8)
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
     ref = pool_round_trip(geo, "page_first", None, n_pages=7, poison=True)
     assert_same_results(
@@ -353,7 +353,7 @@ def test_one_launch_per_backup_and_per_layer(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(kt, real.__name__, counted)
-    monkeypatch.setattr(mha_int8, "_INT8_STAGING_TOKENS", 8)  # direct ignores chunks
+    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 8)  # direct ignores chunks
     geo = Geometry(layer_num=4, head_num=2, head_dim=16, page_size=2)
     pool_round_trip(geo, "page_first", "direct", n_pages=7)
     assert calls == {"encode": 1, "decode": geo.layer_num}
@@ -502,7 +502,7 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
 @pytest.mark.usefixtures("big_tiles")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("page_size", (1, 4))
-@pytest.mark.parametrize("mode", mha_int8_fused.FUSED_HOST_ACCESS)
+@pytest.mark.parametrize("mode", quantized_fused.FUSED_HOST_ACCESS)
 def test_fused_unordered_host_slots_round_trip(layout, page_size, mode):
     """The fused kernels (direct, and staged with the per-run copies CUDA
     uses) with host slots out of order, with gaps and backward jumps: the

@@ -143,9 +143,9 @@ def test_mooncake_objects_are_the_l2_records(master, rigs, request):
     dev, host, hashes, stored = h.write_through(l3, TOKENS)
     pool, backend = l3.controller.mem_pool_host, l3.backend
     page = int(host[GEO.page_size]) // GEO.page_size
-    k_page = pool.k_host_buffer[page].view(torch.uint8).flatten()
-    v_page = pool.v_host_buffer[page].view(torch.uint8).flatten()
-    scales = pool.scale_buffer[page].view(torch.uint8).flatten()
+    k_page = pool.host_records["k"][page].view(torch.uint8).flatten()
+    v_page = pool.host_records["v"][page].view(torch.uint8).flatten()
+    scales = pool.host_records["scale"][page].view(torch.uint8).flatten()
     half = scales.numel() // 2
     key = backend._tag_keys([hashes[1]])[0] + f"_{backend.mha_suffix}"
     k_obj = torch.frombuffer(
@@ -423,12 +423,12 @@ def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, rigs, layout):
     if layout == "layer_first":
         parts = [
             b[:, sl]
-            for b in (pool.k_host_buffer, pool.v_host_buffer, pool.scale_buffer)
+            for b in (pool.host_records["k"], pool.host_records["v"], pool.host_records["scale"])
         ]
     else:
         p = index // GEO.page_size
         parts = [
-            b[p] for b in (pool.k_host_buffer, pool.v_host_buffer, pool.scale_buffer)
+            b[p] for b in (pool.host_records["k"], pool.host_records["v"], pool.host_records["scale"])
         ]
     expected = torch.cat([x.contiguous().view(torch.uint8).flatten() for x in parts])
     assert torch.equal(page, expected)

@@ -59,7 +59,7 @@ def _pools(layout):
 
 
 def _page_records(pool, index):
-    bufs = (pool.k_host_buffer, pool.v_host_buffer, pool.scale_buffer)
+    bufs = (pool.host_records["k"], pool.host_records["v"], pool.host_records["scale"])
     if pool.layout == "layer_first":
         parts = [b[:, index : index + PAGE_SIZE] for b in bufs]
     else:

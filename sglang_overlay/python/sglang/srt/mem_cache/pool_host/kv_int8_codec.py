@@ -22,6 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from sglang.srt.mem_cache.pool_host.host_format import (
+    EncodeStats,
+    HostKVFormat,
+    HostRecord,
+)
+
 SCALE_DTYPE = torch.float16
 QMAX = 127
 
@@ -207,3 +213,117 @@ def count_nonfinite_rows(scale: torch.Tensor) -> torch.Tensor:
     """Number of rows stored as non-finite (NaN scale), as a 0-dim int64 tensor
     on scale's device; no host sync, so callers can accumulate it lazily."""
     return torch.count_nonzero(~torch.isfinite(scale))
+
+
+class Int8HostFormat(HostKVFormat):
+    """--hicache-host-dtype int8: the codec above per head row of K and V.
+
+    Records per unit and layer: "k" int8 [ut, H, Dk], "v" int8 [ut, H, Dv],
+    "scale" fp16 [ut, 2, H] (K scales at [:, 0], V scales at [:, 1]).
+    """
+
+    name = "int8"
+    storage_format_tag = "int8-fp16scale-v1"
+    sides = ("k", "v")
+
+    def __init__(self, dims, head_num, unit_tokens, device_dtype):
+        super().__init__(dims, head_num, unit_tokens, device_dtype)
+        ut, heads = self.unit_tokens, self.head_num
+        self.records = (
+            HostRecord("k", (ut, heads, self.dims[0]), torch.int8),
+            HostRecord("v", (ut, heads, self.dims[1]), torch.int8),
+            HostRecord("scale", (ut, 2, heads), SCALE_DTYPE),
+        )
+
+    def encode_reference(self, rows):
+        encoded = [quantize_reference(x) for x in rows]
+        return {
+            "k": encoded[0][0],
+            "v": encoded[1][0],
+            "scale": torch.stack([encoded[0][1], encoded[1][1]], dim=-2),
+        }
+
+    def decode_reference(self, records, dtype):
+        return tuple(
+            dequantize_reference(records[side], records["scale"][..., i, :], dtype)
+            for i, side in enumerate(self.sides)
+        )
+
+    def encode_into(self, rows, out) -> EncodeStats:
+        scales = out["scale"]
+        amax = []
+        for i, side in enumerate(self.sides):
+            row_amax = quantize_into(rows[i], out[side], scales[..., i, :])
+            # Rows stored as NaN do not count towards the running amax.
+            finite = torch.isfinite(scales[..., i, :])
+            amax.append(torch.where(finite, row_amax, 0.0).amax())
+        return EncodeStats(torch.stack(amax), count_nonfinite_rows(scales))
+
+    def decode_into(self, records, out) -> None:
+        for i, side in enumerate(self.sides):
+            dequantize_into(records[side], records["scale"][..., i, :], out[i])
+
+    def error_bound(self, records, restored):
+        return tuple(
+            error_bound(records["scale"][..., i, :], restored[i])
+            for i in range(len(self.sides))
+        )
+
+    def fused_available(self, device) -> bool:
+        from sglang.kernels.ops.kvcache import kv_int8_triton
+
+        return kv_int8_triton.available(device)
+
+    def encode_gather(
+        self,
+        tables,
+        device_indices,
+        out,
+        host_indices,
+        *,
+        nonfinite_counter=None,
+        scale_amax=None,
+        bad_index_counter=None,
+    ) -> None:
+        from sglang.kernels.ops.kvcache import kv_int8_triton
+
+        kv_int8_triton.encode_gather(
+            tables[0],
+            tables[1],
+            device_indices,
+            out["k"],
+            out["v"],
+            out["scale"],
+            host_indices,
+            unit_tokens=self.unit_tokens,
+            nonfinite_counter=nonfinite_counter,
+            scale_amax=scale_amax,
+            bad_index_counter=bad_index_counter,
+        )
+
+    def decode_scatter(
+        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
+    ) -> None:
+        from sglang.kernels.ops.kvcache import kv_int8_triton
+
+        kv_int8_triton.decode_scatter(
+            records["k"],
+            records["v"],
+            records["scale"],
+            host_indices,
+            dst[0],
+            dst[1],
+            device_indices,
+            unit_tokens=self.unit_tokens,
+            bad_index_counter=bad_index_counter,
+        )
+
+    def zero_copy_objects(self):
+        # Two objects per page, as a BF16 page has (_k and _v): each takes its
+        # payload and half of the page's scale bytes.
+        k_bytes, v_bytes, s_bytes = (record.nbytes for record in self.records)
+        half = s_bytes // 2
+        return [
+            [("k", 0, k_bytes), ("scale", 0, half)],
+            [("v", 0, v_bytes), ("scale", half, s_bytes - half)],
+        ]

@@ -1,0 +1,161 @@
+"""MHA host (L2) pool that stores KV in an encoded host format
+(--hicache-host-dtype, pool_host/host_format.py).
+
+The format encodes the K and V rows of each layer (sides "k" and "v"); the
+layouts, indices, staging, transfers, statistics and L3 pages are
+QuantizedHostPoolMixin's. This class adds the MHA specifics: which device
+KV it accepts, the device buffers per side and the host bytes per device
+byte that auto-sizing asks for. Each format has one small subclass that sets
+`host_format_cls`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.quantized import (
+    QUANTIZED_HOST_DEVICE_DTYPES,
+    QuantizedHostPoolMixin,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class MHATokenToKVPoolQuantizedHost(QuantizedHostPoolMixin, MHATokenToKVPoolHost):
+    """MHA host pool holding the records of `host_format_cls`.
+
+    L3 storage moves pages in this encoded form: one object per page for
+    generic backends (file), the format's zero-copy objects per page for
+    zero-copy backends (mooncake); QuantizedHostPoolMixin gives the byte order.
+    """
+
+    @classmethod
+    def host_bytes_per_device_byte(
+        cls,
+        buffer_info: MHABufferInfo,
+        page_size: int = 1,
+        layout: str = "layer_first",
+    ) -> float:
+        # Page size and layout set the unit a format may group over (e.g.
+        # per-page key scales), hence its bytes per token.
+        unit_tokens = cls._unit_tokens_for(page_size, layout)
+        dims = (buffer_info.head_dim, buffer_info.v_head_dim)
+        encoded = cls.host_format_cls.bytes_per_token_for(
+            dims, buffer_info.head_num, unit_tokens, buffer_info.dtype
+        )
+        device = sum(dims) * buffer_info.head_num * buffer_info.dtype.itemsize
+        return encoded / device
+
+    def __init__(
+        self,
+        buffer_info: MHABufferInfo,
+        host_to_device_ratio: float,
+        host_size: int,
+        page_size: int,
+        layout: str,
+        pin_memory: bool = True,
+        device: str = "cpu",
+        allocator_type: str = "default",
+        *,
+        device_capacity_tokens: int,
+        start_layer: int,
+        end_layer: int,
+        draft_buffer_infos: Sequence[MHABufferInfo] = (),
+        write_back_staging: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pool_label: str = "kv",
+        host_token_capacity: int | None = None,
+    ):
+        name = self.host_format_cls.name
+        self._check_layout(layout)
+        if draft_buffer_infos:
+            raise NotImplementedError(
+                f"--hicache-host-dtype {name} does not pack MTP draft KV layers yet."
+            )
+        if buffer_info.scales is not None or buffer_info.dtype not in (
+            QUANTIZED_HOST_DEVICE_DTYPES
+        ):
+            # FP8/FP4 KV reaches the pool as its one-byte storage dtype.
+            got = (
+                "a quantized (FP8/FP4) one"
+                if buffer_info.dtype.itemsize <= 1 or buffer_info.scales is not None
+                else str(buffer_info.dtype).removeprefix("torch.")
+            )
+            raise NotImplementedError(
+                f"--hicache-host-dtype {name} needs a BF16/FP16 device KV cache, "
+                f"got {got}. Pass --kv-cache-dtype bf16, or use "
+                "--hicache-host-dtype auto."
+            )
+        # The format sizes the pool (get_size_per_token) before the base
+        # constructor allocates it.
+        self.page_size = page_size
+        self.layout = layout
+        self.dtype = buffer_info.dtype
+        self._make_host_format(
+            (buffer_info.head_dim, buffer_info.v_head_dim), buffer_info.head_num
+        )
+        self.host_records: dict[str, torch.Tensor] = {}
+        super().__init__(
+            buffer_info,
+            host_to_device_ratio,
+            host_size,
+            page_size,
+            layout,
+            pin_memory,
+            device,
+            allocator_type,
+            device_capacity_tokens=device_capacity_tokens,
+            start_layer=start_layer,
+            end_layer=end_layer,
+            write_back_staging=None,
+            pool_label=pool_label,
+            host_token_capacity=host_token_capacity,
+        )
+        logger.info(
+            "HiCache %s host pool stores %s KV: %s B/token (%s: %d B/token), "
+            "%.2fx tokens per host byte, layout=%s.",
+            pool_label,
+            name.upper(),
+            self.get_size_per_token(),
+            self.dtype,
+            self.device_size_per_token(),
+            self.device_size_per_token() / self.get_size_per_token(),
+            layout,
+        )
+        self._finish_transfer_setup()
+
+    def device_size_per_token(self) -> int:
+        """Bytes per token of the same KV in the device dtype (what BF16 offload stores)."""
+        return (
+            (self.head_dim + self.v_head_dim)
+            * self.head_num
+            * self.layer_num
+            * self.dtype.itemsize
+        )
+
+    def get_ksize_per_token(self):
+        return self.head_dim * self.head_num * self.layer_num
+
+    def _device_buffers(self, side_index: int) -> Sequence[torch.Tensor]:
+        return (self.device_k_buffers, self.device_v_buffers)[side_index]
+
+    def _initialize_transfer_views(self, buffer_info, write_back_staging) -> None:
+        self.element_dim = self.head_num * self.head_dim
+        self.token_stride_size = self.element_dim * self.dtype.itemsize
+        self.layout_dim = self.token_stride_size * self.layer_num
+        self._init_device_row_stride((*self.device_k_buffers, *self.device_v_buffers))
+        # Upstream movers copy raw rows; encoded records move through our own path.
+        self.can_use_jit = False
+        self.can_use_write_back_jit = False
+        self.staging_page_capacity = 0
+        self.staging_token_capacity = 0
+        self.k_data_refs = []
+        self.v_data_refs = []
+        self.k_data_ptrs = None
+        self.v_data_ptrs = None
+        self.host_kv_data_refs = []
+        self._init_quantized_transfer_state()
