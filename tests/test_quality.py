@@ -87,11 +87,13 @@ def _dispatch_cls(bundle_report, host_dtype):
     return get_mha_host_pool_cls(info, host_dtype)
 
 
-def test_one_arm_per_host_format_of_the_server():
-    from scripts.common.host_formats import host_dtype_choices
+def test_one_arm_per_registered_host_format():
+    from scripts.common.host_formats import registered_host_dtypes
 
     arms = hq.offload_arms()
-    assert sorted(a.host_dtype for a in arms.values()) == sorted(host_dtype_choices())
+    assert sorted(a.host_dtype for a in arms.values()) == sorted(
+        registered_host_dtypes()
+    )
     assert arms["bf16"].host_dtype == "auto" and arms["bf16"].page_size == 1
     assert arms["int8"].page_size == 1  # the README's INT8 figures
     for arm in arms.values():
@@ -103,8 +105,10 @@ def test_one_arm_per_host_format_of_the_server():
 def test_a_format_added_to_the_server_gets_an_arm(monkeypatch):
     from scripts.common import host_formats
 
-    choices = host_formats.host_dtype_choices()
-    monkeypatch.setattr(host_formats, "host_dtype_choices", lambda: [*choices, "fp6"])
+    choices = host_formats.registered_host_dtypes()
+    monkeypatch.setattr(
+        host_formats, "registered_host_dtypes", lambda: [*choices, "fp6"]
+    )
     arms = hq.offload_arms()
     assert arms["fp6"] == hq.Arm("fp6", "fp6", "page_first", hq.GROUPED_PAGE_SIZE)
     assert list(arms)[0] == "bf16"  # the control stays first

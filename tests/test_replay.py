@@ -83,10 +83,12 @@ def sweep(formats, requests):
     return results
 
 
-def test_formats_come_from_the_server_flag(formats):
-    from scripts.common.host_formats import host_dtype_choices
+def test_formats_come_from_the_registry_and_the_server_accepts_them(formats):
+    from scripts.common.host_formats import host_dtype_choices, registered_host_dtypes
 
-    assert sorted(formats.values()) == sorted(host_dtype_choices())
+    assert sorted(formats.values()) == sorted(registered_host_dtypes())
+    # Every row is a value --hicache-host-dtype accepts.
+    assert set(formats.values()) <= set(host_dtype_choices())
     assert list(formats)[0] == "bf16" and formats["bf16"] == "auto"
     for name in QUANTIZED:
         assert formats[name] == name

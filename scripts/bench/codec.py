@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CPU benchmark of every host (L2) format's torch path against a plain copy.
 
-1. Throughput of each quantized format the server accepts (INT8, K8V4, INT4,
+1. Throughput of each registered quantized format (INT8, K8V4, INT4,
    ...: scripts/common/host_formats.py) through its format object
    (pool_host/host_format.py: `encode_into` / `decode_into`, the torch path
    the host pool runs), at Qwen3-8B KV geometry (36 layers, 8 KV heads x 128
@@ -45,7 +45,7 @@ SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 def format_classes() -> dict[str, type]:
     """--hicache-host-dtype value -> its format class, for every quantized
-    format the server accepts."""
+    registered format."""
     install_cpu_standins()
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 

@@ -1,10 +1,12 @@
-"""The host (L2) formats every CPU tool measures: one list, read from the server.
+"""The host (L2) formats every CPU tool measures: one list, read from SGLang.
 
 `make quality`, `make demo` and `make bench-codec` iterate over
-`host_formats()`: the values the patched server's own `--hicache-host-dtype`
-parser accepts. A format added to the server (a registry entry and a flag
-choice) therefore gets its quality arm, its demo row and curve and its codec
-benchmark row without a tool change.
+`host_formats()`: the stock pool (`auto`) and every format in the patched
+tree's registry (`pool_host/host_format.py`, `host_format_names()`). A format
+added there (one module and one registry line) therefore gets its quality
+arm, its demo row and curve and its codec benchmark row without a tool
+change. `host_dtype_choices()` is what the server's `--hicache-host-dtype`
+accepts; tests/test_replay.py checks that it covers the registry.
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ class HostFormat:
         return self.host_dtype == "auto"
 
 
+def registered_host_dtypes() -> list[str]:
+    """`auto` and every format of the host-format registry."""
+    install_cpu_standins()
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_names
+
+    return ["auto", *host_format_names()]
+
+
 def host_dtype_choices() -> list[str]:
     """`--hicache-host-dtype`'s choices, from SGLang's own argument parser."""
     install_cpu_standins()
@@ -43,8 +53,8 @@ def host_dtype_choices() -> list[str]:
 
 
 def host_formats(stock_label: str = "bf16") -> list[HostFormat]:
-    """Every host format the patched server accepts, stock pool first."""
-    choices = host_dtype_choices()
+    """The stock pool and every registered host format, stock pool first."""
+    choices = registered_host_dtypes()
 
     def rank(name: str) -> int:
         if name in PREFERRED_ORDER:

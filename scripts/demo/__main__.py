@@ -3,7 +3,7 @@
 patched SGLang code (no GPU needed).
 
 A) Same L2 token capacity -> host bytes the real stock host pool and the pool
-   of every quantized format the server accepts (INT8, K8V4, INT4, ...)
+   of every registered quantized format (INT8, K8V4, INT4, ...)
    allocate at the model geometry, and bytes per token by page size.
 B) Same host budget (`--hicache-size` GB) -> L2 tokens each pool holds and the
    cache-hit rate of bench_serving's generated-shared-prefix workload (its own

@@ -75,8 +75,8 @@ def setup_sglang(quiet: bool = True) -> None:
 
 
 def host_formats() -> list[tuple[str, str]]:
-    """(label, --hicache-host-dtype value) for every host format the patched
-    server accepts, read from its own argument parser (the tools' one list,
+    """(label, --hicache-host-dtype value) for the stock pool and every host
+    format of the patched tree's registry (the tools' one list,
     scripts/common/host_formats.py). `auto` is the stock pool, labelled by
     the device KV dtype, and comes first."""
     setup_sglang()

@@ -6,8 +6,8 @@ library installed with this interpreter) with a real model, moves each
 prefix's KV through SGLang's real HiCache write (device -> host) and load
 (host -> device) path, and scores the continuation from the restored KV. Arms
 on identical windows: exact (no offload), stock BF16 host pool (control: must
-be bit-identical to exact) and one per quantized host format the server
-accepts (int8, k8v4, int4, ...). Writes <out-dir>/<name>.{md,json} and
+be bit-identical to exact) and one per registered quantized host format
+(int8, k8v4, int4, ...). Writes <out-dir>/<name>.{md,json} and
 <name>_kl.png for WikiText-2, <name>_code.* for the code, and
 <name>_summary.md with both tables and the targets. Exits 2 if an arm's
 prefix did not come back from L2 (nothing to report), and with
@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--arms",
         default=None,
         help="comma list of arms (default: exact, bf16 and every quantized host "
-        "format the server accepts)",
+        "format of the host-format registry)",
     )
     p.add_argument(
         "--layout",

@@ -14,9 +14,9 @@ windows:
   bf16    stock host pool (host dtype "auto" = the device dtype): the control.
           It must be bit-identical to `exact`, which shows the harness
           measures the host codec and nothing else.
-  <fmt>   one arm per quantized host format the patched server accepts
-          (--hicache-host-dtype int8, k8v4, int4, ...: the list is read from
-          the server's own parser, scripts/common/host_formats.py). INT8 runs
+  <fmt>   one arm per quantized host format of the patched tree's registry
+          (--hicache-host-dtype int8, k8v4, int4, ...: pool_host/host_format.py,
+          read by scripts/common/host_formats.py). INT8 runs
           at page size 1, the others at page size 64, where INT4's
           per-channel keys group the 64 tokens of a page.
 
@@ -121,7 +121,7 @@ class Arm:
 def offload_arms(
     page_size: int | None = None, layouts: dict[str, str] | None = None
 ) -> dict[str, Arm]:
-    """One arm per host format the patched server accepts, the stock control
+    """One arm per registered host format, the stock control
     first. `page_size` overrides every arm's; `layouts` maps arm -> layout."""
     from scripts.common.host_formats import host_formats
 
