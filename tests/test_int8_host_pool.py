@@ -287,13 +287,16 @@ def test_auto_sizing_counts_encoded_host_bytes(monkeypatch):
         token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: device_pool),
         req_to_token_pool=None,
         mtp_draft_device_pools=(),
+        page_size=16,
     )
     estimates = {}
     for host_dtype in ("auto", "int8"):
         monkeypatch.setattr(
             hicache_auto_size,
             "get_memory",
-            lambda: SimpleNamespace(hicache_host_dtype=host_dtype),
+            lambda: SimpleNamespace(
+                hicache_host_dtype=host_dtype, hicache_mem_layout="page_first"
+            ),
         )
         estimates[host_dtype] = hicache_auto_size._estimate_hicache_bytes(params, None)
     assert estimates["auto"] / estimates["int8"] == pytest.approx(256 / 130, rel=1e-6)

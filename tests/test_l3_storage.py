@@ -423,12 +423,21 @@ def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, rigs, layout):
     if layout == "layer_first":
         parts = [
             b[:, sl]
-            for b in (pool.host_records["k"], pool.host_records["v"], pool.host_records["scale"])
+            for b in (
+                pool.host_records["k"],
+                pool.host_records["v"],
+                pool.host_records["scale"],
+            )
         ]
     else:
         p = index // GEO.page_size
         parts = [
-            b[p] for b in (pool.host_records["k"], pool.host_records["v"], pool.host_records["scale"])
+            b[p]
+            for b in (
+                pool.host_records["k"],
+                pool.host_records["v"],
+                pool.host_records["scale"],
+            )
         ]
     expected = torch.cat([x.contiguous().view(torch.uint8).flatten() for x in parts])
     assert torch.equal(page, expected)
@@ -491,7 +500,157 @@ def test_storage_format_tag_names_the_page_bytes(tmp_path, rigs):
     digest = hashlib.sha256()
     for i in range(0, len(host), GEO.page_size):
         digest.update(pool.get_data_page(int(host[i])).numpy().tobytes())
-    assert (
-        pool.storage_format_tag in PAGE_FORMAT_DIGESTS
-    ), f"new storage_format_tag {pool.storage_format_tag!r}: pin its digest"
+    assert pool.storage_format_tag in PAGE_FORMAT_DIGESTS, (
+        f"new storage_format_tag {pool.storage_format_tag!r}: pin its digest"
+    )
     assert PAGE_FORMAT_DIGESTS[pool.storage_format_tag] == digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# 4-bit formats (int4, k8v4): the same page I/O over their own records. Page
+# size 16 gives int4 its per-channel keys on the page layouts; layer_first
+# units are tokens, so its keys are per token.
+
+GEO16 = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
+PAGES16 = 4
+TOKENS16 = list(range(3000, 3000 + PAGES16 * GEO16.page_size))
+FOUR_BIT = ("int4", "k8v4")
+
+
+def expected_restore_4bit(written, host_dtype, layout):
+    """Reference restore of rows written in token order: consecutive tokens of
+    a page form one host unit (one token for layer_first)."""
+    from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec4
+
+    encode = getattr(codec4, f"{host_dtype}_encode_reference")
+    decode = getattr(codec4, f"{host_dtype}_decode_reference")
+    ut = 1 if layout == "layer_first" else GEO16.page_size
+    layers = GEO16.layer_num
+    restored_k, restored_v = [], []
+    for k, v in zip(written[:layers], written[layers:]):
+        units = [x.view(len(x) // ut, ut, *x.shape[1:]) for x in (k, v)]
+        rk, rv = decode(encode(*units), k.dtype)
+        restored_k.append(rk.flatten(0, 1))
+        restored_v.append(rv.flatten(0, 1))
+    return restored_k + restored_v
+
+
+def round_trip_4bit(l3, host_dtype, layout, seed=0):
+    """Write-through to L3, evict L1 and L2, prefetch L3 -> L2 -> L1."""
+    dev, host, hashes, stored = h.write_through(l3, TOKENS16, seed=seed)
+    assert stored == len(hashes) == PAGES16
+    written = h.device_rows(l3.rig, dev)
+    h.evict_everywhere(l3, dev, host)
+    fetch_and_check_4bit(l3, host_dtype, layout, written)
+    return written
+
+
+def fetch_and_check_4bit(l3, host_dtype, layout, written):
+    pf = h.prefetch(l3, TOKENS16 + [7])
+    assert pf.hit_tokens == pf.completed_tokens == len(TOKENS16)
+    dev = h.load_to_device(l3, pf.host_indices)
+    assert_restored(l3, dev, expected_restore_4bit(written, host_dtype, layout))
+    h.evict_everywhere(l3, dev, pf.host_indices)
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_first", "layer_first"])
+@pytest.mark.parametrize("host_dtype", FOUR_BIT)
+def test_4bit_file_round_trip(tmp_path, rigs, request, host_dtype, layout):
+    l3 = h.make_l3_rig(
+        "file",
+        h.file_storage_config(tmp_path),
+        host_dtype=host_dtype,
+        geo=GEO16,
+        layout=layout,
+        model_name=model_name(request),
+    )
+    rigs.append(l3)
+    round_trip_4bit(l3, host_dtype, layout)
+    files = list(tmp_path.glob("*.bin"))
+    assert len(files) == PAGES16  # one object per page
+    pool = l3.controller.mem_pool_host
+    assert {f.stat().st_size for f in files} == {pool.storage_page_bytes}
+    assert pool.storage_page_bytes == pool.get_size_per_token() * GEO16.page_size
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "page_first"])
+@pytest.mark.parametrize("host_dtype", FOUR_BIT)
+def test_4bit_mooncake_round_trip_zero_copy(master, rigs, request, host_dtype, layout):
+    l3 = h.make_l3_rig(
+        "mooncake",
+        master.storage_config(),
+        host_dtype=host_dtype,
+        geo=GEO16,
+        layout=layout,
+        model_name=model_name(request),
+    )
+    rigs.append(l3)
+    assert l3.controller.page_get_func == l3.controller._page_get_zero_copy
+    before = master.metrics()
+    round_trip_4bit(l3, host_dtype, layout)
+    after = master.metrics()
+    assert after["master_key_count"] - before["master_key_count"] == 2 * PAGES16
+    stored = after["master_allocated_bytes"] - before["master_allocated_bytes"]
+    assert stored == len(TOKENS16) * l3.controller.mem_pool_host.get_size_per_token()
+
+
+@pytest.mark.parametrize("host_dtype", FOUR_BIT)
+def test_4bit_mooncake_objects_are_the_l2_records(master, rigs, request, host_dtype):
+    """Object _k is the page's key payload then its key metadata, _v the same
+    for values: the L2 records, never re-encoded."""
+    l3 = h.make_l3_rig(
+        "mooncake",
+        master.storage_config(),
+        host_dtype=host_dtype,
+        geo=GEO16,
+        model_name=model_name(request),
+    )
+    rigs.append(l3)
+    dev, host, hashes, stored = h.write_through(l3, TOKENS16)
+    pool, backend = l3.controller.mem_pool_host, l3.backend
+    page = int(host[GEO16.page_size]) // GEO16.page_size
+    k_meta = "k_meta" if host_dtype == "int4" else "k_scale"
+
+    def record(name):
+        return pool.host_records[name][page].view(torch.uint8).flatten()
+
+    key = backend._tag_keys([hashes[1]])[0] + f"_{backend.mha_suffix}"
+    k_obj = torch.frombuffer(
+        bytearray(backend.store.get(key + "_k")), dtype=torch.uint8
+    )
+    v_obj = torch.frombuffer(
+        bytearray(backend.store.get(key + "_v")), dtype=torch.uint8
+    )
+    assert torch.equal(k_obj, torch.cat([record("k"), record(k_meta)]))
+    assert torch.equal(v_obj, torch.cat([record("v"), record("v_meta")]))
+    assert pool.storage_format_tag in key
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+def test_quantized_formats_never_read_each_others_pages(
+    tmp_path, rigs, request, backend
+):
+    """int8, int4 and k8v4 pages of the same tokens and model coexist in one
+    store; each pool hits only its own."""
+    if backend == "mooncake":
+        config = request.getfixturevalue("master").storage_config()
+    else:
+        config = h.file_storage_config(tmp_path)
+    name = model_name(request)
+    pools = {
+        fmt: h.make_l3_rig(backend, config, host_dtype=fmt, geo=GEO16, model_name=name)
+        for fmt in ("int8", "int4", "k8v4")
+    }
+    rigs.extend(pools.values())
+    tags = {
+        fmt: l3.controller.mem_pool_host.storage_format_tag for fmt, l3 in pools.items()
+    }
+    assert len(set(tags.values())) == 3
+    layout = "page_first_direct"
+    int4_written = round_trip_4bit(pools["int4"], "int4", layout, seed=1)
+    assert h.prefetch(pools["k8v4"], TOKENS16 + [7]).hit_tokens == 0
+    assert h.prefetch(pools["int8"], TOKENS16 + [7]).hit_tokens == 0
+    # Different KV under the same tokens, so a crossed read would show.
+    k8v4_written = round_trip_4bit(pools["k8v4"], "k8v4", layout, seed=2)
+    fetch_and_check_4bit(pools["int4"], "int4", layout, int4_written)
+    fetch_and_check_4bit(pools["k8v4"], "k8v4", layout, k8v4_written)

@@ -64,6 +64,9 @@ _DEEPSEEK_V2_MLA = {
 
 INT8_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 INT8_IO_BACKENDS = ("kernel", "direct")
+# Every --hicache-host-dtype that encodes the host copy; each is validated alike.
+QUANTIZED = ("int8", "int4", "k8v4")
+per_format = pytest.mark.parametrize("host_dtype", QUANTIZED)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +119,7 @@ def test_flag_defaults_to_auto(parser):
     assert from_argv(parser, "dummy").hicache_host_dtype == "auto"
 
 
-@pytest.mark.parametrize("value", ["auto", "int8"])
+@pytest.mark.parametrize("value", ["auto", *QUANTIZED])
 def test_flag_parses(parser, value):
     args = from_argv(parser, "dummy", "--hicache-host-dtype", value)
     assert args.hicache_host_dtype == value
@@ -138,9 +141,13 @@ def test_flag_help_text(parser):
     (action,) = [
         a for a in parser._actions if "--hicache-host-dtype" in a.option_strings
     ]
-    assert action.choices == ["auto", "int8"]
+    assert action.choices == ["auto", "int8", "int4", "k8v4"]
     assert action.help.startswith("Data type of the HiCache host (L2) KV copy.")
     assert "about 1.97x tokens per host byte at head_dim 128" in action.help
+    # The capacity figures of tests/test_int4_host_pool.py's table.
+    assert "about 3.56x at head_dim 128 and page size 64, 3.05x at" in action.help
+    assert "'k8v4' keeps INT8 keys and stores 4-bit values" in action.help
+    assert "(about 2.53x)" in action.help
 
 
 def test_field_is_last_positional_field():
@@ -189,74 +196,103 @@ def test_host_pool_dispatch_receives_host_dtype(monkeypatch):
 # --------------------------------------------------------------------------
 
 
+@per_format
 @pytest.mark.parametrize(
     "kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "fp4_mx_block16"]
 )
-def test_int8_rejects_quantized_device_kv(parser, kv_cache_dtype):
+def test_quantized_rejects_quantized_device_kv(parser, kv_cache_dtype, host_dtype):
     server_args = from_argv(
         parser,
         "dummy",
         "--enable-hierarchical-cache",
         "--hicache-host-dtype",
-        "int8",
+        host_dtype,
         "--kv-cache-dtype",
         kv_cache_dtype,
     )
     with pytest.raises(ValueError) as error:
         server_args.resolve_once()
     message = str(error.value)
-    assert f"--hicache-host-dtype int8 with --kv-cache-dtype {kv_cache_dtype}" in (
-        message
+    assert (
+        f"--hicache-host-dtype {host_dtype} with --kv-cache-dtype {kv_cache_dtype}"
+        in message
     )
-    assert "INT8 host KV needs a BF16/FP16 device KV cache" in message
+    assert "quantized host KV needs a BF16/FP16 device KV cache" in message
 
 
-def test_int8_rejects_fp32_model_dtype_with_auto_kv():
-    with pytest.raises(ValueError, match="--hicache-host-dtype int8 with --dtype"):
-        resolve(hicache_host_dtype="int8", dtype="float32")
+@per_format
+def test_quantized_rejects_fp32_model_dtype_with_auto_kv(host_dtype):
+    with pytest.raises(
+        ValueError, match=f"--hicache-host-dtype {host_dtype} with --dtype"
+    ):
+        resolve(hicache_host_dtype=host_dtype, dtype="float32")
 
 
-def test_int8_rejects_quantized_draft_kv():
+@per_format
+def test_quantized_rejects_quantized_draft_kv(host_dtype):
     with pytest.raises(
         ValueError,
-        match="--hicache-host-dtype int8 with --speculative-draft-kv-cache-dtype",
+        match=f"--hicache-host-dtype {host_dtype} with --speculative-draft-kv-cache-dtype",
     ):
-        resolve(hicache_host_dtype="int8", speculative_draft_kv_cache_dtype="fp8_e4m3")
+        resolve(
+            hicache_host_dtype=host_dtype, speculative_draft_kv_cache_dtype="fp8_e4m3"
+        )
 
 
+@per_format
 @pytest.mark.parametrize("backend", ["hf3fs", "nixl"])
-def test_int8_rejects_storage_backend(backend):
+def test_quantized_rejects_storage_backend(backend, host_dtype):
     with pytest.raises(ValueError) as error:
-        resolve(hicache_host_dtype="int8", hicache_storage_backend=backend)
-    assert "--hicache-host-dtype int8" in str(error.value)
-    assert "--hicache-storage-backend" in str(error.value)
-
-
-@pytest.mark.parametrize("layout", ["page_head", "page_first_kv_split", "page_unified"])
-def test_int8_rejects_mem_layout(layout):
-    with pytest.raises(ValueError) as error:
-        resolve(hicache_host_dtype="int8", hicache_mem_layout=layout)
+        resolve(hicache_host_dtype=host_dtype, hicache_storage_backend=backend)
     assert (
-        f"--hicache-host-dtype int8 does not support --hicache-mem-layout {layout}"
-        in (str(error.value))
+        f"--hicache-host-dtype {host_dtype} does not support "
+        f"--hicache-storage-backend {backend}" in str(error.value)
     )
 
 
-def test_int8_rejects_io_backend():
+@per_format
+def test_quantized_storage_needs_cache_memory_mode(host_dtype):
     with pytest.raises(ValueError) as error:
-        resolve(hicache_host_dtype="int8", hicache_io_backend="kernel_ascend")
+        resolve(
+            hicache_host_dtype=host_dtype,
+            hicache_storage_backend="file",
+            hicache_host_memory_mode="buffer_only",
+        )
+    assert f"--hicache-host-dtype {host_dtype} with --hicache-storage-backend" in (
+        str(error.value)
+    )
+
+
+@per_format
+@pytest.mark.parametrize("layout", ["page_head", "page_first_kv_split", "page_unified"])
+def test_quantized_rejects_mem_layout(layout, host_dtype):
+    with pytest.raises(ValueError) as error:
+        resolve(hicache_host_dtype=host_dtype, hicache_mem_layout=layout)
     assert (
-        "--hicache-host-dtype int8 does not support --hicache-io-backend "
+        f"--hicache-host-dtype {host_dtype} does not support --hicache-mem-layout "
+        f"{layout}" in str(error.value)
+    )
+
+
+@per_format
+def test_quantized_rejects_io_backend(host_dtype):
+    with pytest.raises(ValueError) as error:
+        resolve(hicache_host_dtype=host_dtype, hicache_io_backend="kernel_ascend")
+    assert (
+        f"--hicache-host-dtype {host_dtype} does not support --hicache-io-backend "
         "kernel_ascend" in str(error.value)
     )
 
 
-def test_int8_rejects_decode_host_receive():
+@per_format
+def test_quantized_rejects_decode_host_receive(host_dtype):
     with pytest.raises(
-        ValueError, match="--disaggregation-decode-host-receive-threshold"
+        ValueError,
+        match=f"--hicache-host-dtype {host_dtype} does not support "
+        "--disaggregation-decode-host-receive-threshold",
     ):
         resolve(
-            hicache_host_dtype="int8",
+            hicache_host_dtype=host_dtype,
             disaggregation_decode_host_receive_threshold=0.5,
         )
 
@@ -267,6 +303,16 @@ def test_int8_rejects_mla_model(models):
     assert "--hicache-host-dtype int8 does not support MLA models" in str(error.value)
 
 
+@pytest.mark.parametrize("host_dtype", ("int4", "k8v4"))
+def test_4bit_formats_reject_mla_model(models, host_dtype):
+    with pytest.raises(ValueError) as error:
+        resolve(models["mla"], hicache_host_dtype=host_dtype)
+    assert f"--hicache-host-dtype {host_dtype} does not support MLA models" in str(
+        error.value
+    )
+    assert f"has a {host_dtype.upper()} variant" in str(error.value)
+
+
 def test_auto_keeps_upstream_behaviour_for_the_same_arguments(models):
     # None of the int8 checks applies to the default host dtype.
     resolve(kv_cache_dtype="fp8_e4m3", hicache_storage_backend="file")
@@ -274,9 +320,10 @@ def test_auto_keeps_upstream_behaviour_for_the_same_arguments(models):
     resolve(models["mla"])
 
 
-def test_int8_checks_only_apply_with_a_host_pool():
+@per_format
+def test_quantized_checks_only_apply_with_a_host_pool(host_dtype):
     resolve(
-        hicache_host_dtype="int8",
+        hicache_host_dtype=host_dtype,
         enable_hierarchical_cache=False,
         kv_cache_dtype="fp8_e4m3",
         hicache_storage_backend="file",
@@ -288,14 +335,15 @@ def test_int8_checks_only_apply_with_a_host_pool():
 # --------------------------------------------------------------------------
 
 
+@per_format
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "bf16", "bfloat16"])
 @pytest.mark.parametrize("io_backend", INT8_IO_BACKENDS)
 @pytest.mark.parametrize("layout", INT8_LAYOUTS)
-def test_int8_accepts_supported_combinations_before_the_model(
-    layout, io_backend, kv_cache_dtype
+def test_quantized_accepts_supported_combinations_before_the_model(
+    layout, io_backend, kv_cache_dtype, host_dtype
 ):
     resolve(
-        hicache_host_dtype="int8",
+        hicache_host_dtype=host_dtype,
         hicache_mem_layout=layout,
         hicache_io_backend=io_backend,
         kv_cache_dtype=kv_cache_dtype,
@@ -304,25 +352,30 @@ def test_int8_accepts_supported_combinations_before_the_model(
 
 def test_unknown_host_dtype_is_refused_at_start_up():
     # The one place that validates the flag; the pool dispatch does not.
-    with pytest.raises(ValueError, match="--hicache-host-dtype must be 'auto' or 'int8'"):
-        resolve(hicache_host_dtype="int4")
+    with pytest.raises(ValueError) as error:
+        resolve(hicache_host_dtype="int2")
+    assert (
+        "--hicache-host-dtype must be one of auto, int8, int4, k8v4; got 'int2'"
+        in str(error.value)
+    )
 
 
+@per_format
 @pytest.mark.parametrize("io_backend", INT8_IO_BACKENDS)
 @pytest.mark.parametrize("layout", INT8_LAYOUTS)
-def test_int8_resolves_every_layout_io_pair_as_the_stock_pool(
-    models, caplog, layout, io_backend
+def test_quantized_resolves_every_layout_io_pair_as_the_stock_pool(
+    models, caplog, layout, io_backend, host_dtype
 ):
     # The INT8 pool places its own indices for every pair, so it takes
     # upstream's layout/io rewrites unchanged instead of a special case.
     pair = dict(hicache_mem_layout=layout, hicache_io_backend=io_backend)
     stock = resolve(models["mha"], **pair)
     with caplog.at_level(logging.INFO, logger="sglang.srt.arg_groups.hicache_hook"):
-        server_args = resolve(models["mha"], hicache_host_dtype="int8", **pair)
+        server_args = resolve(models["mha"], hicache_host_dtype=host_dtype, **pair)
     for name in ("hicache_mem_layout", "hicache_io_backend"):
         assert resolution_result(server_args, name) == resolution_result(stock, name)
-    assert resolution_result(server_args, "hicache_host_dtype") == "int8"
-    assert "HiCache host KV dtype: int8 (" in caplog.text
+    assert resolution_result(server_args, "hicache_host_dtype") == host_dtype
+    assert f"HiCache host KV dtype: {host_dtype} (" in caplog.text
 
 
 def test_stock_pool_layout_io_rewrite_is_unchanged(models):
@@ -377,23 +430,26 @@ _FP8_KV_CHECKPOINTS = {
 }
 
 
+@per_format
 @pytest.mark.parametrize("checkpoint", sorted(_FP8_KV_CHECKPOINTS))
-def test_int8_refuses_fp8_kv_checkpoint_with_auto_kv_dtype(tmp_path, checkpoint):
+def test_quantized_refuses_fp8_kv_checkpoint_with_auto_kv_dtype(
+    tmp_path, checkpoint, host_dtype
+):
     quant_config, files = _FP8_KV_CHECKPOINTS[checkpoint]
     config = dict(_LLAMA)
     if quant_config is not None:
         config["quantization_config"] = quant_config
     path = _model_dir(tmp_path, checkpoint, config, **files)
     with pytest.raises(ValueError) as error:
-        resolve(path, hicache_host_dtype="int8")
+        resolve(path, hicache_host_dtype=host_dtype)
     message = str(error.value)
-    assert "--hicache-host-dtype int8 with --kv-cache-dtype auto" in message
+    assert f"--hicache-host-dtype {host_dtype} with --kv-cache-dtype auto" in message
     assert "FP8 KV cache" in message
     assert "Pass --kv-cache-dtype bf16" in message
     # Neither the storage dtype nor a value --kv-cache-dtype does not accept.
     assert "uint8" not in message and "fp16" not in message
     # The suggested value is a real choice and gets the server past the check.
-    resolve(path, hicache_host_dtype="int8", kv_cache_dtype="bf16")
+    resolve(path, hicache_host_dtype=host_dtype, kv_cache_dtype="bf16")
     resolve(path)  # the stock pool serves an FP8 device KV as before
 
 
@@ -406,8 +462,9 @@ def test_int8_accepts_unquantized_kv_checkpoint(tmp_path):
     resolve(_model_dir(tmp_path, "w8", config), hicache_host_dtype="int8")
 
 
+@per_format
 @pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
-def test_int8_refuses_packed_mtp_draft_on_mha(tmp_path, algorithm):
+def test_quantized_refuses_packed_mtp_draft_on_mha(tmp_path, algorithm, host_dtype):
     config = dict(_LLAMA, num_nextn_predict_layers=1)
     path = _model_dir(tmp_path, "mtp", config)
     spec = dict(
@@ -417,27 +474,29 @@ def test_int8_refuses_packed_mtp_draft_on_mha(tmp_path, algorithm):
         speculative_num_draft_tokens=2,
     )
     with pytest.raises(ValueError) as error:
-        resolve(path, hicache_host_dtype="int8", **spec)
+        resolve(path, hicache_host_dtype=host_dtype, **spec)
     message = str(error.value)
-    assert "--hicache-host-dtype int8 does not support --speculative-algorithm" in (
-        message
+    assert (
+        f"--hicache-host-dtype {host_dtype} does not support --speculative-algorithm"
+        in message
     )
     assert "num_nextn_predict_layers=1" in message
     assert "--hicache-host-dtype auto" in message
 
 
-def test_int8_warns_once_without_hierarchical_cache(caplog):
+@per_format
+def test_quantized_warns_once_without_hierarchical_cache(caplog, host_dtype):
     with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups.hicache_hook"):
-        resolve(hicache_host_dtype="int8", enable_hierarchical_cache=False)
+        resolve(hicache_host_dtype=host_dtype, enable_hierarchical_cache=False)
     warnings = [
         r
         for r in caplog.records
-        if "--hicache-host-dtype int8 has no effect" in r.message
+        if f"--hicache-host-dtype {host_dtype} has no effect" in r.message
     ]
     assert len(warnings) == 1
     assert "--enable-hierarchical-cache" in warnings[0].getMessage()
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups.hicache_hook"):
-        resolve(hicache_host_dtype="int8")
+        resolve(hicache_host_dtype=host_dtype)
         resolve(enable_hierarchical_cache=False)
     assert "has no effect" not in caplog.text

@@ -1,0 +1,454 @@
+"""The host-format interface (pool_host/host_format.py) and the generic
+quantized host pools built on it.
+
+A toy lossless format defined here, plugged into the real generic MHA pools
+(torch path, and the fused paths with a torch stand-in for kernels), goes
+through backup/load in every layout and through the L3 page methods: adding
+a format is one module. The INT8 pool's host bytes are checked against the
+layout the pre-refactor pool wrote, rebuilt from the reference codec.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hicache_harness import Geometry, make_device_pool, make_host_pool
+from sglang.srt.mem_cache.pool_host import host_format as hf
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host import mha_quantized_fused
+from sglang.srt.mem_cache.pool_host.host_format import (
+    EncodeStats,
+    HostKVFormat,
+    HostRecord,
+    host_format_cls,
+)
+from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
+from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
+from sglang.srt.mem_cache.pool_host.mha_quantized import MHATokenToKVPoolQuantizedHost
+from sglang.srt.mem_cache.pool_host.mha_quantized_fused import (
+    MHATokenToKVPoolQuantizedFusedHost,
+)
+
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+PATHS = ("torch", "fused_direct", "fused_staged")
+
+
+class CopyHostFormat(HostKVFormat):
+    """Lossless toy format: K and V rows as their 16-bit patterns, plus one
+    per-unit record (amax of the unit's finite K and V rows, fp32), which has
+    no token axis, like per-page key scales."""
+
+    name = "copy"
+    storage_format_tag = "copy-test-v1"
+    sides = ("k", "v")
+
+    def __init__(self, dims, head_num, unit_tokens, device_dtype):
+        super().__init__(dims, head_num, unit_tokens, device_dtype)
+        ut, heads = self.unit_tokens, self.head_num
+        self.records = (
+            HostRecord("k", (ut, heads, self.dims[0]), torch.int16),
+            HostRecord("v", (ut, heads, self.dims[1]), torch.int16),
+            HostRecord("unit_amax", (2,), torch.float32),
+        )
+
+    def encode_reference(self, rows):
+        out = {
+            "k": rows[0].contiguous().view(torch.int16).clone(),
+            "v": rows[1].contiguous().view(torch.int16).clone(),
+            "unit_amax": torch.stack([self._unit_amax(x) for x in rows], dim=-1),
+        }
+        return out
+
+    @staticmethod
+    def _unit_amax(x):
+        xf = x.float().flatten(1)
+        return torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax(dim=1)
+
+    def decode_reference(self, records, dtype):
+        return tuple(records[side].view(dtype).clone() for side in self.sides)
+
+    def encode_into(self, rows, out):
+        ref = self.encode_reference(rows)
+        for name, value in ref.items():
+            out[name].copy_(value)
+        nonfinite = sum(
+            torch.count_nonzero(~torch.isfinite(x.float()).all(dim=-1)) for x in rows
+        )
+        return EncodeStats(ref["unit_amax"].amax(dim=0), nonfinite)
+
+    def decode_into(self, records, out):
+        for i, side in enumerate(self.sides):
+            out[i].copy_(records[side].view(out[i].dtype))
+
+    def error_bound(self, records, restored):
+        return tuple(torch.zeros(r.shape) for r in restored)
+
+    # A torch stand-in for fused kernels, with the kernels' contract: tables
+    # of all layers, out as [unit, layer, ...] views, indices on the device.
+    def fused_available(self, device):
+        return True
+
+    def encode_gather(
+        self,
+        tables,
+        device_indices,
+        out,
+        host_indices,
+        *,
+        nonfinite_counter=None,
+        scale_amax=None,
+        bad_index_counter=None,
+    ):
+        ut = self.unit_tokens
+        units = host_indices.view(-1, ut)[:, 0].long() // ut
+        for layer in range(len(tables[0])):
+            rows = [
+                t.layers[layer][device_indices.long()].view(-1, ut, *t.shape[1:])
+                for t in tables
+            ]
+            encoded = self.encode_reference(rows)
+            for name, value in encoded.items():
+                out[name][units, layer] = value
+            if scale_amax is not None:
+                torch.maximum(
+                    scale_amax[layer],
+                    encoded["unit_amax"].amax(dim=0),
+                    out=scale_amax[layer],
+                )
+
+    def decode_scatter(
+        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
+    ):
+        ut = self.unit_tokens
+        units = host_indices.view(-1, ut)[:, 0].long() // ut
+        for i, side in enumerate(self.sides):
+            rows = records[side][units].view(dst[i].dtype)
+            dst[i][device_indices.long()] = rows.reshape(-1, *dst[i].shape[1:])
+
+    def zero_copy_objects(self):
+        k, v, amax = (r.nbytes for r in self.records)
+        return [[("k", 0, k), ("unit_amax", 0, 4)], [("v", 0, v), ("unit_amax", 4, 4)]]
+
+
+class CopyHostPool(MHATokenToKVPoolQuantizedHost):
+    host_format_cls = CopyHostFormat
+
+
+class CopyFusedHostPool(MHATokenToKVPoolQuantizedFusedHost):
+    host_format_cls = CopyHostFormat
+
+
+def copy_pool(device_pool, layout, host_tokens, path):
+    cls = CopyHostPool if path == "torch" else CopyFusedHostPool
+    pool = make_host_pool(
+        device_pool, host_tokens=host_tokens, layout=layout, host_pool_cls=cls
+    )
+    if path != "torch":
+        pool.use_fused_kernels = True
+        pool.fused_host_access = path.removeprefix("fused_")
+    return pool
+
+
+def seeded_rows(device_pool, slots, seed):
+    """Random rows (with a NaN and an Inf) written to `slots` of every layer;
+    returns [(k, v)] per layer."""
+    gen = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(device_pool.layer_num):
+        pair = []
+        for buf in (device_pool.k_buffer[layer], device_pool.v_buffer[layer]):
+            x = torch.randn((len(slots), *buf.shape[1:]), generator=gen)
+            x *= torch.logspace(-8, 6, len(slots), base=2.0)[:, None, None]
+            x[1, 0, 0] = float("nan")
+            x[2, -1, -1] = float("inf")
+            x = x.to(buf.dtype)
+            buf[slots] = x
+            pair.append(x)
+        written.append(tuple(pair))
+    return written
+
+
+def bits(t):
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.uint8)
+
+
+def pages_as_tokens(pages, page_size):
+    return (
+        torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)
+    ).flatten()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("page_size", (1, 4))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_toy_format_round_trips_through_the_generic_pool(layout, page_size, path):
+    geo = Geometry(
+        layer_num=3, head_num=2, head_dim=16, v_head_dim=8, page_size=page_size
+    )
+    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
+    pool = copy_pool(device_pool, layout, 12 * page_size, path)
+    assert pool.transfer_path == path
+    host = pages_as_tokens([7, 8, 2, 3, 10, 5], page_size)
+    slots = torch.randperm(len(host), generator=torch.Generator().manual_seed(5))
+    slots += page_size  # device page 0 is padding
+    written = seeded_rows(device_pool, slots, seed=3)
+    before = [b.clone() for b in pool.kv_buffer]
+    pool.backup_from_device_all_layer(device_pool, host, slots, "direct")
+
+    fmt = pool.host_format
+    ut = fmt.unit_tokens
+    units = host[::ut] // ut
+    for layer, (k, v) in enumerate(written):
+        want = fmt.encode_reference([x.view(-1, ut, *x.shape[1:]) for x in (k, v)])
+        for name, value in want.items():
+            got = pool._host_layer(name, layer)[units]
+            assert torch.equal(bits(got), bits(value)), (name, layer)
+    # Only the backed-up units changed on the host.
+    kept = torch.ones(pool.host_units, dtype=torch.bool)
+    kept[units] = False
+    for name, old in zip(pool.host_records, before):
+        now = pool._host_all_layers(name)
+        then = old if pool._page_major else old.transpose(0, 1)
+        assert torch.equal(bits(now[kept]), bits(then[kept]))
+    # Statistics: per layer and side, the largest finite |x| backed up.
+    amax = pool.scale_amax_by_layer()
+    assert amax.shape == (geo.layer_num, 2)
+    for layer, rows in enumerate(written):
+        for side, x in enumerate(rows):
+            xf = x.float()
+            assert amax[layer, side] == xf[torch.isfinite(xf)].abs().max()
+
+    # Load back, each layer into fresh device slots in reversed unit order.
+    order = torch.arange(len(host)).view(-1, ut).flip(0).flatten()
+    fresh = torch.arange(len(host)) + (len(host) + page_size)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host[order], fresh, layer, "direct")
+        for side, buf in enumerate((device_pool.k_buffer, device_pool.v_buffer)):
+            assert torch.equal(
+                bits(buf[layer][fresh]), bits(written[layer][side][order])
+            )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_toy_format_l3_pages_round_trip(layout):
+    page_size = 4
+    geo = Geometry(
+        layer_num=2, head_num=2, head_dim=16, v_head_dim=8, page_size=page_size
+    )
+    device_pool = make_device_pool(geo, device_tokens=8 * page_size)
+    pool = copy_pool(device_pool, layout, 8 * page_size, "torch")
+    host = pages_as_tokens([3, 1], page_size)
+    slots = torch.arange(len(host)) + page_size
+    written = seeded_rows(device_pool, slots, seed=9)
+    pool.backup_from_device_all_layer(device_pool, host, slots, "direct")
+
+    # Generic object: every record, in `records` order, [layer, *shape] per unit.
+    fmt = pool.host_format
+    ut = fmt.unit_tokens
+    page = pool.get_data_page(3 * page_size)
+    assert page.dtype == torch.uint8 and page.numel() == pool.storage_page_bytes
+    per_layer = [
+        fmt.encode_reference([x[:page_size].view(-1, ut, *x.shape[1:]) for x in pair])
+        for pair in written
+    ]
+    expected = []
+    for record in fmt.records:
+        layers = torch.stack([enc[record.name] for enc in per_layer])  # [L, units, ...]
+        if pool._page_major:
+            layers = layers.transpose(0, 1)
+        expected.append(layers.contiguous().view(torch.uint8).flatten())
+    assert torch.equal(page, torch.cat(expected))
+    assert pool.storage_page_bytes == fmt.bytes_per_token() * geo.layer_num * page_size
+
+    # set_from_flat_data_page writes the page elsewhere; loading it restores
+    # the original rows bit for bit.
+    pool.set_from_flat_data_page(6 * page_size, page)
+    target = torch.arange(page_size) + 6 * page_size
+    fresh = torch.arange(page_size) + 5 * page_size
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, target, fresh, layer, "direct")
+        for side, buf in enumerate((device_pool.k_buffer, device_pool.v_buffer)):
+            want = written[layer][side][:page_size]
+            assert torch.equal(bits(buf[layer][fresh]), bits(want))
+    # A short page is refused before any byte moves.
+    snapshot = [b.clone() for b in pool.kv_buffer]
+    with pytest.raises(ValueError, match="--hicache-host-dtype copy storage page"):
+        pool.set_from_flat_data_page(0, page[:-1])
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(pool.kv_buffer, snapshot))
+
+    if not pool._page_major:
+        with pytest.raises(ValueError, match="page_first or page_first_direct"):
+            pool.get_page_buffer_meta(host)
+        return
+    # Zero-copy: the format's objects, each piece a share of the page's block.
+    ptrs, sizes = pool.get_page_buffer_meta(host[:page_size])
+    k, v, amax = (pool.host_records[n] for n in ("k", "v", "unit_amax"))
+    assert pool.storage_buffers_per_object == 2
+    assert sizes == [k[3].nbytes, 4 * geo.layer_num, v[3].nbytes, 4 * geo.layer_num]
+    assert ptrs == [
+        k[3].data_ptr(),
+        amax[3].data_ptr(),
+        v[3].data_ptr(),
+        amax[3].data_ptr() + 4 * geo.layer_num,
+    ]
+
+
+def test_host_bytes_follow_page_size_and_layout(monkeypatch):
+    """host_bytes_per_device_byte is what a pool really allocates, for the
+    page size and layout auto-sizing passes (the toy's per-unit record makes
+    bytes per token depend on both)."""
+    from sglang.srt.mem_cache import hicache_auto_size
+
+    ratios = {}
+    for page_size in (1, 4):
+        geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=page_size)
+        device_pool = make_device_pool(geo, device_tokens=8 * page_size)
+        info = device_pool.get_device_pool_infos()[0].buffer_info
+        for layout in LAYOUTS:
+            pool = copy_pool(device_pool, layout, 8 * page_size, "torch")
+            host = sum(b.nbytes for b in pool.kv_buffer)
+            allocated = host / pool.size / pool.device_size_per_token()
+            ratio = CopyHostPool.host_bytes_per_device_byte(info, page_size, layout)
+            assert ratio == pytest.approx(allocated, rel=1e-12)
+            ratios[page_size, layout] = ratio
+
+            params = SimpleNamespace(
+                token_to_kv_pool_allocator=SimpleNamespace(
+                    get_kvcache=lambda: device_pool
+                ),
+                req_to_token_pool=None,
+                mtp_draft_device_pools=(),
+                page_size=page_size,
+            )
+            monkeypatch.setattr(
+                hicache_auto_size,
+                "get_memory",
+                lambda: SimpleNamespace(
+                    hicache_host_dtype="copy", hicache_mem_layout=layout
+                ),
+            )
+            monkeypatch.setattr(
+                hicache_auto_size,
+                "get_mha_host_pool_cls",
+                lambda info, dtype: CopyHostPool,
+            )
+            estimate = hicache_auto_size._estimate_hicache_bytes(params, None)
+            assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)
+    assert ratios[4, "page_first"] < ratios[1, "page_first"]
+    assert ratios[4, "layer_first"] == ratios[1, "layer_first"]
+
+
+def test_registry_and_dispatch(monkeypatch):
+    info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
+    assert host_format_cls("int8") is codec.Int8HostFormat
+    assert get_mha_host_pool_cls(info, "int8") is MHATokenToKVPoolINT8FusedHost
+    assert MHATokenToKVPoolINT8Host.host_format_cls is codec.Int8HostFormat
+    with pytest.raises(ValueError, match="--hicache-host-dtype 'bogus'"):
+        host_format_cls("bogus")
+    # A format or pool module this build lacks fails naming the flag.
+    monkeypatch.setitem(hf._FORMAT_CLASSES, "int4", ("sglang.no_such_codec", "X"))
+    monkeypatch.delitem(hf.HOST_FORMATS, "int4", raising=False)
+    with pytest.raises(NotImplementedError, match="--hicache-host-dtype int4"):
+        get_mha_host_pool_cls(info, "int4")
+    monkeypatch.setitem(
+        mha_quantized_fused.MHA_QUANTIZED_HOST_POOLS,
+        "int8",
+        ("sglang.no_such_pool", "X"),
+    )
+    with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8"):
+        get_mha_host_pool_cls(info, "int8")
+
+
+# ---------------------------------------------------------------------------
+# INT8: the bytes the pre-refactor pool wrote
+
+
+def old_int8_layout(pool, written, host, page_size, layout):
+    """Host buffers as the pre-refactor INT8 pool laid them out, filled from
+    the reference codec: k [units, L, ut, H, Dk], v [units, L, ut, H, Dv],
+    scale [units, L, ut, 2, H] page-major; [L, units, ...] layer_first
+    (ut = 1). Slots not in `host` keep the pool's fill byte."""
+    ut = 1 if layout == "layer_first" else page_size
+    units, L = pool.size // ut, len(written)
+    geo = written[0][0].shape[1:], written[0][1].shape[1:]
+    (H, DK), (_, DV) = geo
+    shapes = {
+        "k": (units, L, ut, H, DK),
+        "v": (units, L, ut, H, DV),
+        "scale": (units, L, ut, 2, H),
+    }
+    dtypes = {"k": torch.int8, "v": torch.int8, "scale": torch.float16}
+    # 0xA5 bytes everywhere, as the pool's buffers were filled before the backup.
+    out = {
+        n: torch.full(
+            (*s[:-1], s[-1] * dtypes[n].itemsize), 0xA5, dtype=torch.uint8
+        ).view(dtypes[n])
+        for n, s in shapes.items()
+    }
+    for layer, (k, v) in enumerate(written):
+        (qk, sk), (qv, sv) = codec.quantize_reference(k), codec.quantize_reference(v)
+        unit, within = host // ut, host % ut
+        out["k"][unit, layer, within] = qk
+        out["v"][unit, layer, within] = qv
+        out["scale"][unit, layer, within, 0] = sk
+        out["scale"][unit, layer, within, 1] = sv
+    if layout == "layer_first":
+        out = {n: t.transpose(0, 1).contiguous() for n, t in out.items()}
+    return [out["k"], out["v"], out["scale"]]
+
+
+@pytest.mark.parametrize("fused", (False, True), ids=("torch", "fused_direct"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
+@pytest.mark.parametrize("page_size", (1, 4))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_int8_host_bytes_are_the_pre_refactor_bytes(
+    request, layout, page_size, dtype, fused
+):
+    if fused:
+        request.getfixturevalue("triton_interpreter")
+    geo = Geometry(layer_num=2, head_num=3, head_dim=32, v_head_dim=16, dtype=dtype,
+                   page_size=page_size)  # fmt: skip
+    device_pool = make_device_pool(geo, device_tokens=12 * page_size)
+    cls = MHATokenToKVPoolINT8FusedHost if fused else MHATokenToKVPoolINT8Host
+    pool = make_host_pool(
+        device_pool, host_tokens=10 * page_size, layout=layout, host_pool_cls=cls
+    )
+    if fused:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = "direct"
+    for buf in pool.kv_buffer:
+        buf.view(torch.uint8).fill_(0xA5)
+    host = pages_as_tokens([7, 8, 2, 3, 9, 0], page_size)
+    slots = torch.randperm(len(host), generator=torch.Generator().manual_seed(2))
+    written = seeded_rows(device_pool, slots + page_size, seed=17)
+    pool.backup_from_device_all_layer(device_pool, host, slots + page_size, "direct")
+
+    expected = old_int8_layout(pool, written, host, page_size, layout)
+    assert [r.name for r in pool.host_format.records] == ["k", "v", "scale"]
+    assert pool.storage_format_tag == "int8-fp16scale-v1"
+    for got, want in zip(pool.kv_buffer, expected):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # L3: the generic object is K | V | scales of the page, each in host order.
+    for page in (7, 0):
+        if layout == "layer_first":
+            parts = [t[:, page * page_size : (page + 1) * page_size] for t in expected]
+        else:
+            parts = [t[page] for t in expected]
+        flat = torch.cat([p.contiguous().view(torch.uint8).flatten() for p in parts])
+        assert torch.equal(pool.get_data_page(page * page_size), flat)
+    if layout != "layer_first":
+        ptrs, sizes = pool.get_page_buffer_meta(pages_as_tokens([7], page_size))
+        k, v, s = pool.kv_buffer
+        half = s[7].nbytes // 2
+        assert sizes == [k[7].nbytes, half, v[7].nbytes, half]
+        assert ptrs == [
+            k[7].data_ptr(),
+            s[7].data_ptr(),
+            v[7].data_ptr(),
+            s[7].data_ptr() + half,
+        ]
