@@ -226,6 +226,8 @@ def allocate_host_pool(
     publish_server_args(host_dtype, layout=layout, page_size=page_size)
     device_pool = make_device_pool(geometry, max(64, page_size), page_size)
     cls, info, kwargs = _mha_host_inputs(device_pool)
+    # Host pools hold whole pages.
+    tokens = -(-tokens // page_size) * page_size
     kwargs.pop("write_back_staging", None)
 
     def build():
