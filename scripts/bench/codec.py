@@ -1,58 +1,71 @@
 #!/usr/bin/env python3
-"""CPU benchmark of the INT8 KV codec (pool_host/kv_int8_codec.py).
+"""CPU benchmark of every host (L2) format's torch path against a plain copy.
 
-1. Throughput of the fast path (quantize_into / dequantize_into) at Qwen3-8B
-   KV geometry (36 layers, 8 KV heads x 128 dims, bf16), against a plain BF16
-   gather + copy of the same tokens, which is what the stock host pool does.
-   Every op covers all (K|V, layer) slabs of the token set, one call per slab,
-   as the layer_first host layout stores them ([2, layers, tokens, heads, dim]).
-2. Bytes per token, stock BF16 host pool vs INT8 + FP16 scales.
-3. The measurement behind FP16 (not BF16) scales: relative error of the same
-   round-up format with either scale dtype, on gaussian and heavy-tailed data.
+1. Throughput of each registered quantized format (INT8, K8V4, INT4,
+   ...: scripts/common/host_formats.py) through its format object
+   (pool_host/host_format.py: `encode_into` / `decode_into`, the torch path
+   the host pool runs), at Qwen3-8B KV geometry (36 layers, 8 KV heads x 128
+   dims, bf16) and page size 64, against a plain BF16 gather + copy of the
+   same tokens, which is what the stock host pool does. Each op covers all
+   layers of the token set, one call per layer and K+V, as a backup or a
+   restore does; the gather variants include the index_select from (or
+   index_copy into) a device-pool stand-in.
+2. Bytes per token of every format, stock BF16 included, at page sizes 1,
+   16 and 64 (the format's own `bytes_per_token_for`).
+3. The measurement behind INT8's FP16 (not BF16) scales: relative error of
+   the same round-up format with either scale dtype, on gaussian and
+   heavy-tailed data.
 
 Run: PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.codec
-(`make bench-codec`). Uses torch's default thread count; < 1 minute.
+(`make bench-codec`). Uses torch's default thread count; a few minutes.
+The fused Triton kernels are measured on a GPU by scripts/gpu_bench.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-
-def load_codec():
-    """Load kv_int8_codec.py from the sglang on the path (the patched tree)
-    without running sglang's package __init__s: they pull in the whole server
-    (and torchvision), which a CPU-only venv can't import and the codec,
-    which needs only torch, doesn't use."""
-    sglang_spec = importlib.util.find_spec("sglang")
-    path = Path(sglang_spec.origin).parent / "srt/mem_cache/pool_host/kv_int8_codec.py"
-    spec = importlib.util.spec_from_file_location("kv_int8_codec", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module, path
-
-
-codec, CODEC_PATH = load_codec()
+from scripts.common.cpu_sglang import install_cpu_standins
+from scripts.common.host_formats import host_formats
 
 LAYERS, HEADS, HEAD_DIM = 36, 8, 128  # Qwen3-8B KV geometry
+DEVICE_DTYPE = torch.bfloat16
+PAGE_SIZE = 64
+PAGE_SIZES = (1, 16, 64)
 TOKEN_COUNTS = (1024, 4096)
 WARMUP, REPS = 1, 5
 COPY = "bf16 gather + copy (stock host pool)"
 SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def median_ms(ops: dict[str, object]) -> dict[str, tuple[float, float]]:
+def format_classes() -> dict[str, type]:
+    """--hicache-host-dtype value -> its format class, for every quantized
+    registered format."""
+    install_cpu_standins()
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+
+    return {
+        f.host_dtype: host_format_cls(f.host_dtype)
+        for f in host_formats()
+        if not f.stock
+    }
+
+
+def make_format(cls, unit_tokens: int = PAGE_SIZE):
+    return cls((HEAD_DIM, HEAD_DIM), HEADS, unit_tokens, DEVICE_DTYPE)
+
+
+def median_ms(ops: dict[str, object], reps: int) -> dict[str, tuple[float, float]]:
     """(median, min) wall time in ms of each op. Reps are interleaved (A, B,
     C, A, B, C, ...) so that load from elsewhere on the machine hits every op
     alike and the ratios stay meaningful."""
     times: dict[str, list[float]] = {name: [] for name in ops}
-    for rep in range(WARMUP + REPS):
+    for rep in range(WARMUP + reps):
         for name, fn in ops.items():
             start = time.perf_counter()
             fn()
@@ -63,103 +76,149 @@ def median_ms(ops: dict[str, object]) -> dict[str, tuple[float, float]]:
     }
 
 
-def bench_tokens(tokens: int, gen: torch.Generator) -> dict[str, tuple[float, float]]:
-    """Time the stock copy and the codec ops for one token count."""
-    # Device-pool stand-in with spare capacity; tokens picked at random
-    # indices, as a write-back of scattered KV slots would.
-    capacity = 2 * tokens
-    # One random layer repeated: the speed doesn't depend on the values, and
-    # drawing ~10^9 normals would take longer than the benchmark itself.
-    layer = torch.randn(capacity, HEADS, HEAD_DIM, generator=gen)
-    src = layer.to(torch.bfloat16).expand(2, LAYERS, *layer.shape).contiguous()
-    idx = torch.randperm(capacity, generator=gen)[:tokens]
-    host_idx = torch.randperm(tokens, generator=gen)
-    slab = (tokens, HEADS, HEAD_DIM)
-    stock = torch.empty(2, LAYERS, *slab, dtype=torch.bfloat16)
-    q = torch.empty(2, LAYERS, *slab, dtype=torch.int8)
-    scale = torch.empty(2, LAYERS, tokens, HEADS, dtype=codec.SCALE_DTYPE)
-    stage = torch.empty(slab, dtype=torch.bfloat16)
-    q_stage = torch.empty(slab, dtype=torch.int8)
-    s_stage = torch.empty(slab[:-1], dtype=codec.SCALE_DTYPE)
-    slabs = [(kv, layer) for kv in range(2) for layer in range(LAYERS)]
-    gathered = src[:, :, idx].contiguous()  # codec-only input
+class DeviceStandIn:
+    """A device pool's K and V per layer with spare capacity, and the slots a
+    transfer of `tokens` tokens touches (random, as a write-back of scattered
+    KV slots would)."""
+
+    def __init__(self, tokens: int, gen: torch.Generator):
+        capacity = 2 * tokens
+        # One random layer repeated: the speed doesn't depend on the values,
+        # and drawing ~10^9 normals would take longer than the benchmark.
+        layer = torch.randn(capacity, HEADS, HEAD_DIM, generator=gen)
+        self.kv = layer.to(DEVICE_DTYPE).expand(2, LAYERS, *layer.shape).contiguous()
+        self.idx = torch.randperm(capacity, generator=gen)[:tokens]
+        self.tokens = tokens
+
+
+def copy_op(dev: DeviceStandIn):
+    stock = torch.empty(2, LAYERS, dev.tokens, HEADS, HEAD_DIM, dtype=DEVICE_DTYPE)
 
     def copy():
-        for kv, layer in slabs:
-            torch.index_select(src[kv, layer], 0, idx, out=stock[kv, layer])
+        for kv in range(2):
+            for layer in range(LAYERS):
+                torch.index_select(dev.kv[kv, layer], 0, dev.idx, out=stock[kv, layer])
+
+    return copy
+
+
+def format_ops(name: str, fmt, dev: DeviceStandIn) -> tuple[dict, dict]:
+    """encode / decode of all layers through the format object, with and
+    without the device-side gather / scatter; and the tensors they read and
+    write (the last layer's restored rows stay in "restored")."""
+    units = dev.tokens // PAGE_SIZE
+    unit_shape = (units, PAGE_SIZE, HEADS, HEAD_DIM)
+    records = {
+        r.name: torch.empty(LAYERS, units, *r.shape, dtype=r.dtype) for r in fmt.records
+    }
+    per_layer = [{n: t[layer] for n, t in records.items()} for layer in range(LAYERS)]
+    # The codec-only input: the token set's rows, already gathered.
+    gathered = dev.kv[:, :, dev.idx].contiguous()
+    staging = [torch.empty(unit_shape, dtype=DEVICE_DTYPE) for _ in range(2)]
+    restored = [torch.empty(unit_shape, dtype=DEVICE_DTYPE) for _ in range(2)]
+    scatter_into = dev.kv.clone()
 
     def encode():
-        for kv, layer in slabs:
-            codec.quantize_into(gathered[kv, layer], q[kv, layer], scale[kv, layer])
+        for layer in range(LAYERS):
+            rows = [gathered[kv, layer].view(unit_shape) for kv in range(2)]
+            fmt.encode_into(rows, per_layer[layer])
 
     def gather_encode():
-        for kv, layer in slabs:
-            torch.index_select(src[kv, layer], 0, idx, out=stage)
-            codec.quantize_into(stage, q[kv, layer], scale[kv, layer])
+        for layer in range(LAYERS):
+            for kv in range(2):
+                torch.index_select(
+                    dev.kv[kv, layer],
+                    0,
+                    dev.idx,
+                    out=staging[kv].view(-1, HEADS, HEAD_DIM),
+                )
+            fmt.encode_into(staging, per_layer[layer])
 
     def decode():
-        for kv, layer in slabs:
-            codec.dequantize_into(q[kv, layer], scale[kv, layer], stock[kv, layer])
+        for layer in range(LAYERS):
+            fmt.decode_into(per_layer[layer], restored)
 
-    def gather_decode():
-        for kv, layer in slabs:
-            torch.index_select(q[kv, layer], 0, host_idx, out=q_stage)
-            torch.index_select(scale[kv, layer], 0, host_idx, out=s_stage)
-            codec.dequantize_into(q_stage, s_stage, stock[kv, layer])
+    def decode_scatter():
+        for layer in range(LAYERS):
+            fmt.decode_into(per_layer[layer], restored)
+            for kv in range(2):
+                scatter_into[kv, layer].index_copy_(
+                    0, dev.idx, restored[kv].view(-1, HEADS, HEAD_DIM)
+                )
 
-    return median_ms(
-        {
-            COPY: copy,
-            "encode: quantize_into": encode,
-            "encode: gather + quantize_into": gather_encode,
-            "decode: dequantize_into -> bf16": decode,
-            "decode: gather int8+scale + dequantize": gather_decode,
-        }
-    )
+    encode()  # records hold real codes before the first decode is timed
+    ops = {
+        f"{name} encode_into": encode,
+        f"{name} gather + encode_into": gather_encode,
+        f"{name} decode_into -> bf16": decode,
+        f"{name} decode_into + scatter": decode_scatter,
+    }
+    return ops, {"gathered": gathered, "records": records, "restored": restored}
 
 
-def bench_throughput() -> None:
+def bench_throughput(classes, token_counts, reps) -> dict:
     print(
         f"== throughput: {LAYERS} layers x K,V x {HEADS} heads x {HEAD_DIM} dims, "
-        f"bf16, torch threads={torch.get_num_threads()}, median of {REPS} =="
+        f"bf16, page size {PAGE_SIZE}, torch threads={torch.get_num_threads()}, "
+        f"median of {reps} =="
     )
     header = (
-        f"{'tokens':>6}  {'op':<40} {'median ms':>9} {'GB/s':>6} {'x copy':>6}"
+        f"{'tokens':>6}  {'op':<36} {'median ms':>9} {'GB/s':>6} {'x copy':>6}"
         f" {'min ms':>8} {'x copy':>6}"
     )
     print(header)
     print("-" * len(header))
     gen = torch.Generator().manual_seed(0)
-    for tokens in TOKEN_COUNTS:
-        results = bench_tokens(tokens, gen)
+    out = {}
+    for tokens in token_counts:
+        dev = DeviceStandIn(tokens, gen)
+        ops = {COPY: copy_op(dev)}
+        for name, cls in classes.items():
+            ops.update(format_ops(name, make_format(cls), dev)[0])
+        results = median_ms(ops, reps)
         nbytes = 2 * LAYERS * tokens * HEADS * HEAD_DIM * 2  # bf16 K and V
         # One baseline for both directions: the stock pool's load (host ->
         # device) is the same gather + copy of bf16 rows as its write-back.
         copy_med, copy_min = results[COPY]
-        for name, (med, low) in results.items():
+        for op, (med, low) in results.items():
             gbps = nbytes / (med * 1e-3) / 1e9
             print(
-                f"{tokens:>6}  {name:<40} {med:>9.1f} {gbps:>6.2f} "
+                f"{tokens:>6}  {op:<36} {med:>9.1f} {gbps:>6.2f} "
                 f"{med / copy_med:>6.2f} {low:>8.1f} {low / copy_min:>6.2f}"
             )
+        out[tokens] = results
     print("GB/s: bf16 bytes of the token set's K and V (2*L*tokens*H*D*2) / median.")
     print()
+    return out
 
 
-def bytes_per_token() -> None:
+def bytes_per_token(classes) -> dict:
     stock = 2 * LAYERS * HEADS * HEAD_DIM * 2
-    int8 = 2 * LAYERS * HEADS * HEAD_DIM + 2 * LAYERS * HEADS * 2
-    print("== host bytes per token ==")
-    print(f"stock bf16 (2*L*H*D*2):            {stock}")
-    print(f"int8 + fp16 scales (2*L*H*D + 2*L*H*2): {int8}")
-    print(f"ratio int8/stock: {int8 / stock:.4f}  ({stock / int8:.3f}x more tokens)")
+    print(
+        f"== host bytes per token, all {LAYERS} layers (tokens per host byte vs "
+        "bf16 in brackets) =="
+    )
+    print(f"{'format':<7}" + "".join(f" {'page ' + str(p):>20}" for p in PAGE_SIZES))
+    print(f"{'bf16':<7}" + "".join(f" {stock:>11,} (1.000x)" for _ in PAGE_SIZES))
+    table = {}
+    for name, cls in classes.items():
+        row = {
+            p: LAYERS * cls.bytes_per_token_for((HEAD_DIM, HEAD_DIM), HEADS, p)
+            for p in PAGE_SIZES
+        }
+        table[name] = row
+        print(
+            f"{name:<7}"
+            + "".join(f" {row[p]:>11,.0f} ({stock / row[p]:.3f}x)" for p in PAGE_SIZES)
+        )
     print()
+    return table
 
 
 def quantize_with_scale_dtype(
     x: torch.Tensor, scale_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The codec's format with a choice of scale dtype (same round-up rule)."""
+    """INT8's format with a choice of scale dtype (same round-up rule)."""
     xf = x.to(torch.float32)
     s32 = xf.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / 127
     s = s32.to(scale_dtype)
@@ -170,6 +229,8 @@ def quantize_with_scale_dtype(
 
 
 def scale_dtype_errors() -> None:
+    from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+
     rows = 65536
     gen = torch.Generator().manual_seed(1)
     data = {
@@ -179,7 +240,7 @@ def scale_dtype_errors() -> None:
         / (torch.randn(rows, HEAD_DIM, 3, generator=gen).square().mean(-1).sqrt()),
     }
     print(
-        f"== scale dtype: error of the same round-up format, {rows} bf16 rows x "
+        f"== INT8 scale dtype: error of the same round-up format, {rows} bf16 rows x "
         f"{HEAD_DIM} =="
     )
     print("rel = ||x - x^|| / ||x|| per row; step = max|x - x^| / (amax/127)")
@@ -212,18 +273,42 @@ def scale_dtype_errors() -> None:
     print()
 
 
-def main() -> None:
-    print(f"codec: {CODEC_PATH}")
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.bench.codec", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--tokens",
+        default=",".join(map(str, TOKEN_COUNTS)),
+        help="comma list of token counts (multiples of the page size 64)",
+    )
+    p.add_argument("--reps", type=int, default=REPS)
+    p.add_argument(
+        "--skip-scale-study", action="store_true", help="skip section 3 (INT8 scales)"
+    )
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    token_counts = [int(t) for t in args.tokens.split(",") if t.strip()]
+    bad = [t for t in token_counts if t <= 0 or t % PAGE_SIZE]
+    if bad:
+        raise SystemExit(f"--tokens: {bad} are not positive multiples of {PAGE_SIZE}")
+    classes = format_classes()
+    print(f"formats: {', '.join(f'{n} ({c.__module__})' for n, c in classes.items())}")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     start = time.perf_counter()
-    bytes_per_token()
-    scale_dtype_errors()
-    bench_throughput()
+    result = {"bytes_per_token": bytes_per_token(classes)}
+    if not args.skip_scale_study:
+        scale_dtype_errors()
+    result["throughput"] = bench_throughput(classes, token_counts, args.reps)
     print(
         f"total {time.perf_counter() - start:.1f} s; load average "
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + " (other work on the machine inflates the times)"
     )
+    return result
 
 
 if __name__ == "__main__":

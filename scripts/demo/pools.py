@@ -1,11 +1,16 @@
 """SGLang's HiCache pools on CPU: set-up, experiment A and budget sizing.
 
 A. Same L2 token capacity -> host bytes. The real stock host pool and the
-   real INT8 host pool are built at the model geometry with the same token
-   capacity, and their bytes are read from the tensors they allocated.
+   real host pool of every quantized format are built at the model geometry
+   with the same token capacity, and their bytes are read from the tensors
+   they allocated.
 B (sizing). Same host budget (`--hicache-size` GB) -> the token capacity
    SGLang's own `build_kv_host_pool` gives each pool at the model geometry;
    the replay (replay.py) then runs host pools of exactly those capacities.
+
+Pools are sized at a page size (the demo's default is 64): formats whose key
+scales are shared by the tokens of a page (INT4's per-channel keys) need
+whole pages, and their bytes per token depend on it.
 
 Only CPU stand-ins from tests/cpu_standins.py replace CUDA-only pieces
 (torchvision stub, a pure-torch transfer_kv_direct, no cudaHostRegister).
@@ -70,30 +75,20 @@ def setup_sglang(quiet: bool = True) -> None:
 
 
 def host_formats() -> list[tuple[str, str]]:
-    """(label, --hicache-host-dtype value) for every host format the patched
-    server accepts, read from its own argument parser. `auto` is the stock
-    pool, labelled by the device KV dtype."""
+    """(label, --hicache-host-dtype value) for the stock pool and every host
+    format of the patched tree's registry (the tools' one list,
+    scripts/common/host_formats.py). `auto` is the stock pool, labelled by
+    the device KV dtype, and comes first."""
     setup_sglang()
-    import argparse
+    from scripts.common.host_formats import host_formats as server_formats
 
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    action = next(
-        a for a in parser._actions if "--hicache-host-dtype" in a.option_strings
-    )
-    formats = []
-    for choice in action.choices:
-        label = "bf16" if choice == "auto" else choice
-        formats.append((label, choice))
-    formats.sort(key=lambda item: item[1] != "auto")  # stock first
-    return formats
+    return [(f.label, f.host_dtype) for f in server_formats()]
 
 
 def publish_server_args(
     host_dtype: str,
     *,
+    page_size: int = 1,
     hicache_size: float = 0,
     hicache_ratio: Optional[float] = None,
     layout: str = "page_first",
@@ -109,7 +104,7 @@ def publish_server_args(
     server_args = ServerArgs(
         model_path="dummy",
         device="cpu",
-        page_size=1,
+        page_size=page_size,
         enable_hierarchical_cache=True,
         hicache_ratio=hicache_ratio,
         hicache_size=hicache_size,
@@ -124,13 +119,13 @@ def publish_server_args(
     return server_args
 
 
-def make_device_pool(geometry: ModelGeometry, tokens: int):
+def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
     setup_sglang()
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
     return MHATokenToKVPool(
         size=tokens,
-        page_size=1,
+        page_size=page_size,
         dtype=geometry.dtype,
         head_num=geometry.head_num,
         head_dim=geometry.head_dim,
@@ -200,9 +195,10 @@ class PoolAllocation:
     label: str
     host_dtype: str
     pool_class: str
+    page_size: int
     tokens: int
     bytes: int  # read from the allocated buffers
-    bytes_per_token: int  # the pool's own get_size_per_token()
+    bytes_per_token: float  # the pool's own get_size_per_token()
     committed: bool  # memory really faulted in (else lazily mapped)
     resident_bytes: int  # RssShmem growth while the pool lived (committed only)
     note: str = ""
@@ -214,6 +210,7 @@ def allocate_host_pool(
     geometry: ModelGeometry = QWEN3_8B,
     *,
     layout: str = "page_first",
+    page_size: int = 1,
     commit: bool = True,
     label: Optional[str] = None,
 ) -> PoolAllocation:
@@ -226,9 +223,11 @@ def allocate_host_pool(
     setup_sglang()
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
 
-    publish_server_args(host_dtype, layout=layout)
-    device_pool = make_device_pool(geometry, 64)
+    publish_server_args(host_dtype, layout=layout, page_size=page_size)
+    device_pool = make_device_pool(geometry, max(64, page_size), page_size)
     cls, info, kwargs = _mha_host_inputs(device_pool)
+    # Host pools hold whole pages.
+    tokens = -(-tokens // page_size) * page_size
     kwargs.pop("write_back_staging", None)
 
     def build():
@@ -266,6 +265,7 @@ def allocate_host_pool(
         label=label or host_dtype,
         host_dtype=host_dtype,
         pool_class=type(host_pool).__name__,
+        page_size=page_size,
         tokens=host_pool.size,
         bytes=host_buffer_bytes(host_pool),
         bytes_per_token=host_pool.get_size_per_token(),
@@ -290,9 +290,10 @@ class BudgetCapacity:
     host_dtype: str
     budget_gb: float
     pool_class: str
+    page_size: int
     tokens: int  # the pool's size: what the radix tree can hold in L2
     bytes: int  # bytes of its buffers (mapped lazily, never committed)
-    bytes_per_token: int
+    bytes_per_token: float
 
 
 def capacity_at_budget(
@@ -301,6 +302,7 @@ def capacity_at_budget(
     geometry: ModelGeometry = QWEN3_8B,
     *,
     layout: str = "page_first",
+    page_size: int = 1,
     label: Optional[str] = None,
 ) -> BudgetCapacity:
     """Tokens the server's host pool holds for `--hicache-size budget_gb`:
@@ -311,15 +313,18 @@ def capacity_at_budget(
         build_kv_host_pool,
     )
 
-    publish_server_args(host_dtype, hicache_size=budget_gb, layout=layout)
-    device_pool = make_device_pool(geometry, 64)
+    publish_server_args(
+        host_dtype, hicache_size=budget_gb, layout=layout, page_size=page_size
+    )
+    device_pool = make_device_pool(geometry, max(64, page_size), page_size)
     with lazy_host_allocation():
-        host_pool = build_kv_host_pool(kv_pool=device_pool, page_size=1)
+        host_pool = build_kv_host_pool(kv_pool=device_pool, page_size=page_size)
     result = BudgetCapacity(
         label=label or host_dtype,
         host_dtype=host_dtype,
         budget_gb=budget_gb,
         pool_class=type(host_pool).__name__,
+        page_size=page_size,
         tokens=host_pool.size,
         bytes=host_buffer_bytes(host_pool),
         bytes_per_token=host_pool.get_size_per_token(),

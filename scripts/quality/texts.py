@@ -1,0 +1,87 @@
+"""The texts `make quality` scores: read in place, never copied into the repo.
+
+- `wikitext-2`: WikiText-2's test split, a file given by path (prose).
+- `python-stdlib`: source code, a fixed list of modules of the Python standard
+  library this interpreter ships (`sysconfig.get_paths()["stdlib"]`), read
+  from there. Code has other statistics than prose (indentation runs,
+  identifiers repeated across a file, long exact-match spans), so a format's
+  error shows differently on it. The files are present in CPython 3.10-3.13;
+  their bytes differ by Python version, so the report records the version and
+  each file's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+# Large, pure-Python modules (about 300k tokens in all with SmolLM2's
+# tokenizer): room for 32 windows of 1,537 tokens with most inside one file.
+STDLIB_FILES = (
+    "argparse.py",
+    "ast.py",
+    "dataclasses.py",
+    "difflib.py",
+    "enum.py",
+    "functools.py",
+    "inspect.py",
+    "logging/__init__.py",
+    "shutil.py",
+    "subprocess.py",
+    "tarfile.py",
+    "typing.py",
+)
+# Between two files, so no token spans the end of one and the start of the next.
+FILE_SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class TextSource:
+    name: str
+    kind: str  # "prose", "source code"
+    paths: tuple[Path, ...]
+
+    def read(self) -> str:
+        missing = [str(p) for p in self.paths if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{self.name}: missing {', '.join(missing)}")
+        return FILE_SEPARATOR.join(p.read_text(encoding="utf-8") for p in self.paths)
+
+    def describe(self) -> dict:
+        """Where the text came from, for the report (paths and checksums)."""
+        files = [{"path": str(p), "sha256": _sha256(p)} for p in self.paths]
+        whole = hashlib.sha256("".join(f["sha256"] for f in files).encode())
+        info = {"name": self.name, "kind": self.kind, "sha256": whole.hexdigest()}
+        if len(files) == 1:
+            info["path"] = files[0]["path"]
+        else:
+            info["path"] = str(Path(files[0]["path"]).parent)
+            info["files"] = files
+            info["python"] = platform.python_version()
+        return info
+
+
+def wikitext(path: str | Path) -> TextSource:
+    return TextSource("wikitext-2", "prose", (Path(path),))
+
+
+def python_stdlib(
+    files: tuple[str, ...] = STDLIB_FILES, root: str | Path | None = None
+) -> TextSource:
+    """Source code of the Python standard library, read where it is installed."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    return TextSource("python-stdlib", "source code", tuple(base / f for f in files))
+
+
+CODE_TEXTS = {"python-stdlib": python_stdlib}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
