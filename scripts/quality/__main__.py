@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="MLA latent KV of a random-weight DeepSeek-V2 (transformers) through "
         "the MLA host pools instead of a real model on text; random weights are "
         "not a quality figure. Uses --windows/--prefix-len/--score-len/--seed/"
-        "--kv-dtype/--page-size/--arms/--int8-layout/--bf16-layout/--out-dir/--name",
+        "--kv-dtype/--page-size/--arms/--layout/--out-dir/--name",
     )
     p.add_argument(
         "--mla-layers", type=int, default=3, help="--mla-random: decoder layers"
@@ -155,6 +155,11 @@ def main_mla_random(args, command: str) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    defaults = mla_random.MLARandomConfig()
+    layouts = {**defaults.layouts, **_layouts(args.layout)}
+    arms = defaults.arms
+    if args.arms:
+        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     cfg = mla_random.MLARandomConfig(
         layers=args.mla_layers,
         kv_lora_rank=args.mla_kv_lora_rank,
@@ -162,9 +167,9 @@ def main_mla_random(args, command: str) -> int:
         prefix_len=args.prefix_len,
         score_len=args.score_len,
         kv_dtype=args.kv_dtype,
-        page_size=args.page_size,
-        layouts={"int8": args.int8_layout, "bf16": args.bf16_layout},
-        arms=tuple(a.strip() for a in args.arms.split(",") if a.strip()),
+        page_size=args.page_size or defaults.page_size,
+        layouts=layouts,
+        arms=arms,
         seed=args.seed,
     )
     try:
