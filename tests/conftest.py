@@ -10,11 +10,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cpu_standins import install_torchvision_stub  # noqa: E402
+from tests.support.standins import install_torchvision_stub  # noqa: E402
 
 install_torchvision_stub()
 if os.environ.get("HIQ_PIPELINE_ONLY") != "1":
-    from cpu_standins import install_sglang_standins  # noqa: E402
+    from tests.support.standins import install_sglang_standins  # noqa: E402
 
     install_sglang_standins()
 

@@ -1,7 +1,7 @@
 """Build real SGLang HiCache pieces on CPU: device pool, host pool, controller.
 
 The harness later tests (host formats, quality, replay) build on. Everything
-here is SGLang's own code; only the stand-ins in cpu_standins.py replace what
+here is SGLang's own code; only the stand-ins in tests/support/standins.py replace what
 needs CUDA.
 """
 

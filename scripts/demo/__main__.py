@@ -176,7 +176,7 @@ def print_header(geometry, formats) -> None:
         + ", ".join(f"{label} ({dt})" for label, dt in formats)
     )
     print(
-        "CPU stand-ins (tests/cpu_standins.py): torchvision stub, pure-torch "
+        "CPU stand-ins (tests/support/standins.py): torchvision stub, pure-torch "
         "transfer_kv_direct, no cudaHostRegister"
     )
     print()

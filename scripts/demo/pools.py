@@ -12,7 +12,7 @@ Pools are sized at a page size (the demo's default is 64): formats whose key
 scales are shared by the tokens of a page (INT4's per-channel keys) need
 whole pages, and their bytes per token depend on it.
 
-Only CPU stand-ins from tests/cpu_standins.py replace CUDA-only pieces
+Only CPU stand-ins from tests/support/standins.py replace CUDA-only pieces
 (torchvision stub, a pure-torch transfer_kv_direct, no cudaHostRegister).
 """
 
@@ -59,7 +59,7 @@ _SETUP_DONE = False
 
 
 def setup_sglang(quiet: bool = True) -> None:
-    """Install the CPU stand-ins (tests/cpu_standins.py) before sglang imports."""
+    """Install the CPU stand-ins (tests/support/standins.py) before sglang imports."""
     global _SETUP_DONE
     if _SETUP_DONE:
         return

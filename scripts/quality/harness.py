@@ -40,7 +40,7 @@ restored raises `RestoreError`; a run that restored nothing at all raises
 through L2.
 
 CPU. On a machine without CUDA, SGLang's host pools and controller need the
-stand-ins in tests/cpu_standins.py (a torchvision import stub, a pure-torch
+stand-ins in tests/support/standins.py (a torchvision import stub, a pure-torch
 `transfer_kv_direct` for the stock pool's `direct` io backend, and a no-op
 host-memory registration). `install_cpu_runtime()` installs exactly those and
 the report lists them.
@@ -159,7 +159,7 @@ class NoRestoreError(RestoreError):
 
 
 def install_cpu_runtime() -> list[str]:
-    """Install the CPU stand-ins (tests/cpu_standins.py) SGLang's HiCache code
+    """Install the CPU stand-ins (tests/support/standins.py) SGLang's HiCache code
     needs to run its pools on the CPU; return their names for the report. Must
     run before sglang is imported."""
     # The pools live on the CPU even where CUDA exists: this is the CPU mode
@@ -971,7 +971,7 @@ def markdown_report(report: dict, command: str | None = None) -> str:
     lines.append(f"- path: {report['harness']}")
     if report["cpu_standins"]:
         lines.append(
-            "- CPU stand-ins (tests/cpu_standins.py): "
+            "- CPU stand-ins (tests/support/standins.py): "
             + "; ".join(report["cpu_standins"])
         )
     if command:

@@ -8,7 +8,7 @@ unguarded. install_gpu_standins() therefore puts a stub package in place when
 the real one does not import: any attribute is a function that raises
 NotImplementedError naming itself (none of the code under test calls one),
 except kvcacheio.transfer_kv_direct, the pure-torch stand-in from
-tests/cpu_standins.py. `sgl_kernel.scalar_type` is left missing on purpose:
+tests/support/standins.py. `sgl_kernel.scalar_type` is left missing on purpose:
 sglang falls back to its own mock for it, and a stub would break that.
 torchvision is stubbed the same way as on CPU only if the real one fails to
 import. Nothing else is replaced: pinned memory (cudaHostRegister) is real.
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-TESTS_DIR = Path(__file__).resolve().parent.parent
+TESTS_DIR = Path(__file__).resolve().parents[2]  # the repository root, for tests.support
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
@@ -152,7 +152,7 @@ class _SglKernelStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__path__ = []
         module.__hiq_stub__ = True
         if spec.name == "sgl_kernel.kvcacheio":
-            from cpu_standins import transfer_kv_direct
+            from tests.support.standins import transfer_kv_direct
 
             module.transfer_kv_direct = transfer_kv_direct
         return module
@@ -177,7 +177,7 @@ def install_gpu_standins() -> dict[str, str]:
             used["torchvision"] = "real"
         except Exception as e:  # missing, or built for another torch
             _drop_modules("torchvision")
-            from cpu_standins import install_torchvision_stub
+            from tests.support.standins import install_torchvision_stub
 
             install_torchvision_stub()
             used["torchvision"] = f"stub ({type(e).__name__})"
