@@ -20,19 +20,23 @@ What is checked on each compiled kernel (CompiledSpec.problems):
     fp16 arithmetic is the round-to-nearest multiply LLVM may narrow the fp16
     decode to (same single rounding of the exact q * s); the only
     flush-to-zero instruction is libdevice's floor (`cvt.rmi.ftz.f32.f32`,
-    harmless per kv_int8_triton's docstring); and the NaN tests (x != x) were
+    harmless, docs/kernels.md); and the NaN tests (x != x) were
     not folded away.
 Test-only: nothing here is part of the product.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
 import io
 import re
 import resource
+import textwrap
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,27 +234,23 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
     compile each distinct specialisation it launched for each sm_<arch>
     (PTX and cubin, Triton's full pipeline with warm-up).
 
-    The fused kernels (kv_int8_triton, kv_int4_triton) are built in compiled
-    (not interpreted) mode for this and dropped after it."""
-    from sglang.kernels.ops.kvcache import kv_int4_triton as k4
-    from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+    The kernels must have been built in compiled mode: a process that
+    imported triton without TRITON_INTERPRET (compile_grid_in_workers)."""
+    from sglang.kernels.ops.kvcache import host_kv_common
 
+    if host_kv_common.available("cpu"):
+        raise RuntimeError(
+            "the kernels were built interpreted: compile them in a process "
+            "started with TRITON_INTERPRET=0 (compile_grid_in_workers)"
+        )
     launches, counter = {}, [0]
     runs = {}
     previous_driver = driver._active
-    with (
-        pytest.MonkeyPatch.context() as mp,
-        knobs.cache.scope(),
-        knobs.compilation.scope(),
-        knobs.nvidia.scope(),
-    ):
-        mp.delenv("TRITON_INTERPRET", raising=False)
+    with knobs.cache.scope(), knobs.compilation.scope(), knobs.nvidia.scope():
         knobs.cache.dir = str(cache_dir)
         # A cached cubin would skip ptxas and with it the spill report.
         knobs.compilation.always_compile = True
         knobs.nvidia.dump_ptxas_log = True
-        kt.reset_kernels()
-        k4.reset_kernels()
         try:
             driver.set_active(TargetOnlyDriver(archs[0]))
             with pytest.MonkeyPatch.context() as recording:
@@ -271,8 +271,6 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
                 run.cpu_seconds = _cpu_seconds() - cpu_start
         finally:
             driver.set_active(previous_driver)
-            kt.reset_kernels()
-            k4.reset_kernels()
     return runs
 
 
@@ -615,10 +613,79 @@ def drive_int4_grid() -> None:
         drive_int4_case(case)
 
 
-GRIDS = {"int8": drive_pool_grid, "mla": drive_mla_grid, "int4": drive_int4_grid}
+# --- small drives and kernels broken on purpose (the check must fail) ---------
+
+SMALL = PoolCase("page_first", 16, (2, 128, 128), torch.bfloat16, "direct")
+SMALL_INT4 = Int4Case("int4", 16, (2, 64, 64), torch.bfloat16, layer_num=1)
 
 
-def summary(run: CompileRun) -> dict:
+class DivRnToSlash(ast.NodeTransformer):
+    """tl.math.div_rn(a, b) -> a / b: Triton's fast (approximate) division."""
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if isinstance(node.func, ast.Attribute) and node.func.attr == "div_rn":
+            return ast.BinOp(node.args[0], ast.Div(), node.args[1])
+        return node
+
+
+class PrependTypeError(ast.NodeTransformer):
+    """A first statement that shifts a float tensor: a Triton type error."""
+
+    def visit_FunctionDef(self, node):
+        bad = ast.parse("_bad = tl.arange(0, BLOCK_R).to(tl.float32) << 1").body
+        node.body = bad + node.body
+        return node
+
+
+def mutant(jit_fn, transformer, out_dir: Path):
+    """A jit function whose source is jit_fn's rewritten by transformer, in
+    jit_fn's module namespace (written to a file: Triton reads it back)."""
+    import triton
+
+    fn = jit_fn.fn
+    source = textwrap.dedent(inspect.getsource(fn))
+    tree = transformer.visit(ast.parse(source))
+    mutated = ast.unparse(ast.fix_missing_locations(tree))
+    assert mutated != ast.unparse(ast.parse(source))
+    path = out_dir / f"{fn.__name__}_mutant.py"
+    path.write_text(mutated)
+    namespace = {}
+    exec(compile(mutated, str(path), "exec"), fn.__globals__, namespace)
+    return triton.jit(namespace[fn.__name__])
+
+
+def _mutate(name: str, out_dir: Path) -> None:
+    """Break one kernel as MUTATIONS[name] says, in this (worker) process."""
+    from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+    from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+
+    if name == "decode-type-error":
+        kt.int8_decode_rows = mutant(kt.int8_decode_rows, PrependTypeError(), out_dir)
+    elif name == "encode-div":
+        kt.int8_encode_rows = mutant(kt.int8_encode_rows, DivRnToSlash(), out_dir)
+    elif name == "encode-spill":
+        kt.ENCODE_TILE = 1 << 15  # far past the register file
+    elif name == "int4-div":
+        k4._group_params = mutant(k4._group_params, DivRnToSlash(), out_dir)
+    else:
+        raise ValueError(f"unknown mutation {name!r}; choose from {MUTATIONS}")
+
+
+MUTATIONS = ("decode-type-error", "encode-div", "encode-spill", "int4-div")
+
+GRIDS = {
+    "int8": drive_pool_grid,
+    "mla": drive_mla_grid,
+    "int4": drive_int4_grid,
+    "small": lambda: drive_pool(SMALL),
+    "small-int4": lambda: drive_int4_case(SMALL_INT4),
+}
+# Grids whose JSON carries each kernel's PTX (small enough to send back).
+PTX_GRIDS = ("small", "small-int4")
+
+
+def summary(run: CompileRun, with_ptx: bool = False) -> dict:
     """What the tests assert on, as JSON."""
     return {
         "arch": run.arch,
@@ -633,6 +700,7 @@ def summary(run: CompileRun) -> dict:
                 "constexprs": {k: v for k, v in spec.constexprs.items()},
                 "spill_bytes": spec.spill_bytes(),
                 "problems": spec.problems(),
+                **({"ptx": spec.ptx} if with_ptx else {}),
             }
             for spec in run.specs.values()
         ],
@@ -640,41 +708,44 @@ def summary(run: CompileRun) -> dict:
 
 
 def _worker_main(argv: list[str]) -> None:
-    """python tests/kernel_compile.py OUT_DIR GRID ARCH...: compile the grid
-    (a GRIDS key) for each target, writing OUT_DIR/sm_<arch>.json."""
+    """python -m tests.kernel_compile OUT_DIR GRID[+MUTATION] ARCH...: compile
+    the grid (a GRIDS key), with one kernel broken (a MUTATIONS name) if
+    given, for each target, writing OUT_DIR/sm_<arch>.json."""
     import json
-    import sys
     import tempfile
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import conftest  # noqa: F401  (the CPU stand-ins, before sglang)
+    from tests import conftest  # noqa: F401  (the CPU stand-ins, before sglang)
 
-    out, drive, archs = Path(argv[0]), GRIDS[argv[1]], [int(a) for a in argv[2:]]
+    out, (grid, _, mutation), archs = Path(argv[0]), argv[1].partition("+"), argv[2:]
+    if mutation:
+        _mutate(mutation, out)
     with tempfile.TemporaryDirectory() as cache_dir:
-        runs = compile_for_targets(drive, archs, cache_dir)
+        runs = compile_for_targets(GRIDS[grid], [int(a) for a in archs], cache_dir)
     for arch, run in runs.items():
-        (out / f"sm_{arch}.json").write_text(json.dumps(summary(run)))
+        summary_json = json.dumps(summary(run, with_ptx=grid in PTX_GRIDS))
+        (out / f"sm_{arch}.json").write_text(summary_json)
 
 
 def compile_grid_in_workers(
     archs, out_dir, jobs: int, grid: str = "int8"
 ) -> dict[int, dict]:
     """Compile a grid (GRIDS: "int8" the MHA pool's, "mla" the MLA kernels',
-    "int4" the INT4/K8V4 kernels') for each target in `jobs` parallel
-    processes (Triton compiles one kernel at a time per process); each drives
-    the grid once."""
+    "int4" the INT4/K8V4 kernels'; "GRID+MUTATION" with a kernel broken) for
+    each target in `jobs` parallel processes (Triton compiles one kernel at a
+    time per process); each drives the grid once. The workers build the
+    kernels in compiled mode (TRITON_INTERPRET=0)."""
     import json
     import os
     import subprocess
     import sys
-    from pathlib import Path
 
     groups = [list(archs[i::jobs]) for i in range(jobs) if archs[i::jobs]]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(out_dir), grid, *map(str, group)],
-            env=os.environ.copy(),
+            [sys.executable, "-m", "tests.kernel_compile", str(out_dir), grid]
+            + [str(arch) for arch in group],
+            cwd=Path(__file__).resolve().parents[1],
+            env={**os.environ, "TRITON_INTERPRET": "0"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -319,17 +319,16 @@ def test_out_of_range_host_indices_are_counted_and_skipped(index_dtype):
 
 
 def test_one_launch_per_backup_and_per_layer_restore(monkeypatch):
-    kernels = mk._build()
     launches = {"encode": [], "decode": []}
     for name in launches:
-        real = getattr(kernels, name)
+        real = getattr(mk, f"_mla_{name}_kernel")
 
         class Counting:
             def __getitem__(self, grid, _real=real, _name=name):
                 launches[_name].append(grid)
                 return _real[grid]
 
-        monkeypatch.setattr(kernels, name, Counting())
+        monkeypatch.setattr(mk, f"_mla_{name}_kernel", Counting())
     layers = random_layers(4, 40, torch.bfloat16, seed=0)
     store, views = host_records(40, 4, 1, torch.bfloat16, "page_first")
     idx = torch.arange(33)

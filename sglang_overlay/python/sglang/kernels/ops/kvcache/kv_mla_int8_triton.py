@@ -1,35 +1,11 @@
 """Fused Triton kernels for the MLA INT8 host (L2) KV pool (--hicache-host-dtype int8).
 
-An MLA layer keeps one device row per token, [kv_lora_rank latent | rope], in
-bf16/fp16. The host format stores per token and layer:
-
-  "kv"     int8 [unit_tokens, 1, kv_lora_rank]      the latent, in tiles
-  "scale"  fp16 [unit_tokens, 1, kv_lora_rank / T]   one scale per tile of T
-  "rope"   [unit_tokens, 1, rope_dim]                the RoPE part, bit for bit
-
-Each latent tile is encoded exactly like one INT8 head row (kv_int8_codec's
-math: fp16 scale amax/127 rounded up, round half to even, NaN tile -> NaN
-scale and q = 0), so the kernels reuse kv_int8_triton's row functions: a
-token's latent is kv_lora_rank / T "heads" of T values, T elements apart in
-both the device row and the record. The RoPE part is copied as 16-bit
-patterns. T is read off the records' shapes (kv_lora_rank / scale entries).
-
-  encode_gather   backup, ONE launch per transfer (all layers)
-  decode_scatter  restore, ONE launch per layer
-
-Grids: encode (row blocks, layers, latent|rope), decode (row blocks,
-latent|rope); a latent program handles BLOCK_R tiles, a RoPE program the
-BLOCK_T >= BLOCK_R / tiles tokens of the same block index, so the RoPE
-programs cover every token the latent ones do.
-
-Everything kv_int8_triton's docstring says about bit-exactness, host memory
-(UVA-direct or staged), host-index bounds and counters, per-transfer
-specialization and lazy building holds here unchanged: the arithmetic is the
-same code. Counters, as kv_mla_int8_codec's encode_into: non-finite = latent
-tiles stored with a NaN scale plus RoPE rows holding NaN/Inf (copied as they
-are, so they restore as themselves, never as finite values). scale_amax is
-[layers, 1]: the largest amax of the finite latent tiles. A token whose host
-index is out of range is counted once.
+An MLA device row is [kv_lora_rank latent | rope]. Records per token and layer:
+"kv" int8 [1, kv_lora_rank], "scale" fp16 [1, kv_lora_rank / T] (one per tile
+of T values, T read off the shapes), "rope" copied bit for bit. Each latent
+tile is coded as one INT8 head row (host_kv_common.int8_encode_rows), so the
+bits match kv_mla_int8_codec (docs/kernels.md). encode_gather: one launch per
+backup (all layers); decode_scatter: one launch per layer.
 """
 
 from __future__ import annotations
@@ -38,33 +14,42 @@ from types import SimpleNamespace
 from typing import Mapping, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
-from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.kernels.ops.kvcache.kv_int8_triton import DeviceLayerTable, available
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - sglang always ships triton
-    triton = tl = None
+from sglang.kernels.ops.kvcache.host_kv_common import (
+    BOOKKEEPING_POINTERS,
+    DEVICE_DTYPES,
+    STATS_POINTERS,
+    DeviceLayerTable,
+    available,
+    bits16,
+    block_rows,
+    check_amax,
+    check_counter,
+    check_indices,
+    count_flags,
+    host_slots,
+    int8_decode_rows,
+    int8_encode_rows,
+    or_dummy,
+    pow2,
+)
 
 __all__ = ["DeviceLayerTable", "available", "decode_scatter", "encode_gather"]
 
 RECORD_NAMES = ("kv", "scale", "rope")
 
-# The latent programs are kv_int8_triton's row code on tiles; its tile sizes
+# The latent programs are the INT8 row code on tiles; the INT8 tile sizes
 # (compile-checked on sm_80-90) apply as they are.
-ENCODE_TILE = kt.ENCODE_TILE
-ENCODE_WARPS = kt.ENCODE_WARPS
-DECODE_TILE = kt.DECODE_TILE
-DECODE_WARPS = kt.DECODE_WARPS
+ENCODE_TILE = 4096
+ENCODE_WARPS = 4
+DECODE_TILE = 8192
+DECODE_WARPS = 4
 
 
-# ----------------------------------------------------------------------------
-# kernel sources (jit-compiled by _build() on first use)
-
-
-def _rope_offsets_src(
+@triton.jit
+def _rope_slots(
     tok0,
     n_tok,
     n_host,
@@ -77,34 +62,37 @@ def _rope_offsets_src(
     tok = tok0 + tl.arange(0, BLOCK_T)
     tmask = tok < n_tok
     didx = tl.load(dev_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    hidx = tl.load(host_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    hmask = tmask & (hidx >= 0) & (hidx < n_host)
-    return didx, hidx // UT, hidx % UT, hmask
+    unit, within, hmask = host_slots(host_idx_ptr, tok, tmask, n_host, UT)
+    return didx, unit, within, hmask
 
 
-def _mla_encode_kernel_src(
+@triton.jit(
+    do_not_specialize=["n_tok", "n_host"],
+    do_not_specialize_on_alignment=["x_offs"] + BOOKKEEPING_POINTERS + STATS_POINTERS,
+)
+def _mla_encode_kernel(
     x_base,
     x_offs,
     dev_idx_ptr,
     host_idx_ptr,
     kv_out,
-    s_out,
-    r_out,
-    counter_ptr,
+    scale_out,
+    rope_out,
+    nonfinite_ptr,
     amax_ptr,
     bad_idx_ptr,
     n_tok,
     n_host,
-    d_st,
-    kv_su,
-    kv_sl,
-    kv_st,
-    s_su,
-    s_sl,
-    s_st,
-    r_su,
-    r_sl,
-    r_st,
+    dev_stride_token,
+    kv_stride_unit,
+    kv_stride_layer,
+    kv_stride_token,
+    scale_stride_unit,
+    scale_stride_layer,
+    scale_stride_token,
+    rope_stride_unit,
+    rope_stride_layer,
+    rope_stride_token,
     NT: tl.constexpr,
     T: tl.constexpr,
     T_PAD: tl.constexpr,
@@ -128,56 +116,56 @@ def _mla_encode_kernel_src(
     if tl.program_id(2) == 0:
         # Tiles as heads: "head" stride T in the device row and the record,
         # the scale's tile stride 1.
-        _encode_rows(
-            x_base, off, dev_idx_ptr, d_st, T, host_idx_ptr,
-            kv_out, kv_su, kv_sl, kv_st, T,
-            s_out, s_su, s_sl, s_st, 1,
+        int8_encode_rows(
+            x_base, off, dev_idx_ptr, dev_stride_token, T, host_idx_ptr,
+            kv_out, kv_stride_unit, kv_stride_layer, kv_stride_token, T,
+            scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token, 1,
             layer, tl.program_id(0) * BLOCK_R, n_tok * NT, n_host,
-            counter_ptr, amax_ptr + layer, bad_idx_ptr,
+            nonfinite_ptr, amax_ptr + layer, bad_idx_ptr,
             NT, T, T_PAD, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
-        didx, unit, within, hmask = _rope_offsets(
+        didx, unit, within, hmask = _rope_slots(
             tl.program_id(0) * BLOCK_T, n_tok, n_host, dev_idx_ptr, host_idx_ptr,
             BLOCK_T, UT,
         )  # fmt: skip
         d = tl.arange(0, P_PAD)
         m2 = hmask[:, None] & (d < P)[None, :]
-        src = off + NT * T + didx * d_st
+        src = off + NT * T + didx * dev_stride_token
         bits = tl.load(x_base + (src[:, None] + d[None, :]), mask=m2, other=0)
-        dst = unit * r_su + layer * r_sl + within * r_st
-        tl.store(r_out + (dst[:, None] + d[None, :]), bits, mask=m2)
+        dst = unit * rope_stride_unit + layer * rope_stride_layer
+        dst += within * rope_stride_token
+        tl.store(rope_out + (dst[:, None] + d[None, :]), bits, mask=m2)
         if COUNT:
-            # A RoPE row holding NaN/Inf (all exponent bits set) counts once,
-            # as the codec counts it.
+            # A RoPE row holding NaN/Inf (all exponent bits set) counts once.
             if IS_BF16:
-                exponent = bits.to(tl.int32) & 0x7F80
-                special = (exponent == 0x7F80) & m2
+                special = ((bits.to(tl.int32) & 0x7F80) == 0x7F80) & m2
             else:
-                exponent = bits.to(tl.int32) & 0x7C00
-                special = (exponent == 0x7C00) & m2
-            row_bad = tl.reduce(special.to(tl.int32), 1, _max_combine) > 0
-            n_bad = tl.reduce(row_bad.to(tl.int64), 0, _sum_combine)
-            tl.atomic_add(counter_ptr, n_bad, mask=n_bad > 0)
+                special = ((bits.to(tl.int32) & 0x7C00) == 0x7C00) & m2
+            count_flags(nonfinite_ptr, tl.max(special.to(tl.int32), axis=1) > 0)
 
 
-def _mla_decode_kernel_src(
+@triton.jit(
+    do_not_specialize=["n_tok", "n_host"],
+    do_not_specialize_on_alignment=BOOKKEEPING_POINTERS,
+)
+def _mla_decode_kernel(
     kv_in,
-    s_in,
-    r_in,
+    scale_in,
+    rope_in,
     host_idx_ptr,
     y_base,
     dev_idx_ptr,
     bad_idx_ptr,
     n_tok,
     n_host,
-    kv_su,
-    kv_st,
-    s_su,
-    s_st,
-    r_su,
-    r_st,
-    y_st,
+    kv_stride_unit,
+    kv_stride_token,
+    scale_stride_unit,
+    scale_stride_token,
+    rope_stride_unit,
+    rope_stride_token,
+    dst_stride_token,
     NT: tl.constexpr,
     T: tl.constexpr,
     T_PAD: tl.constexpr,
@@ -191,87 +179,24 @@ def _mla_decode_kernel_src(
 ):
     # grid: (row blocks, latent|rope)
     if tl.program_id(1) == 0:
-        _decode_rows(
-            kv_in, kv_su, kv_st, T, s_in, s_su, s_st, 1, host_idx_ptr,
-            y_base, y_st, T, dev_idx_ptr, tl.program_id(0) * BLOCK_R,
+        int8_decode_rows(
+            kv_in, kv_stride_unit, kv_stride_token, T,
+            scale_in, scale_stride_unit, scale_stride_token, 1, host_idx_ptr,
+            y_base, dst_stride_token, T, dev_idx_ptr, tl.program_id(0) * BLOCK_R,
             n_tok * NT, n_host, bad_idx_ptr,
             NT, T, T_PAD, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
-        didx, unit, within, hmask = _rope_offsets(
+        didx, unit, within, hmask = _rope_slots(
             tl.program_id(0) * BLOCK_T, n_tok, n_host, dev_idx_ptr, host_idx_ptr,
             BLOCK_T, UT,
         )  # fmt: skip
         d = tl.arange(0, P_PAD)
         m2 = hmask[:, None] & (d < P)[None, :]
-        src = unit * r_su + within * r_st
-        bits = tl.load(r_in + (src[:, None] + d[None, :]), mask=m2, other=0)
-        dst = NT * T + didx * y_st
+        src = unit * rope_stride_unit + within * rope_stride_token
+        bits = tl.load(rope_in + (src[:, None] + d[None, :]), mask=m2, other=0)
+        dst = NT * T + didx * dst_stride_token
         tl.store(y_base + (dst[:, None] + d[None, :]), bits, mask=m2)
-
-
-# Bound by _build() to kv_int8_triton's jit-compiled row functions (built in
-# the same mode) and this module's helper.
-_encode_rows = None
-_decode_rows = None
-_max_combine = None
-_sum_combine = None
-_rope_offsets = None
-_KERNELS: SimpleNamespace | None = None
-
-# As in kv_int8_triton: per-transfer sizes and bookkeeping pointers pick no
-# kernel variant (a serving pool would otherwise compile mid-flight).
-ENCODE_PER_TRANSFER_ARGS = ("n_tok", "n_host")
-ENCODE_BOOKKEEPING_POINTERS = (
-    "x_offs",
-    "dev_idx_ptr",
-    "host_idx_ptr",
-    "counter_ptr",
-    "amax_ptr",
-    "bad_idx_ptr",
-)
-DECODE_PER_TRANSFER_ARGS = ("n_tok", "n_host")
-DECODE_BOOKKEEPING_POINTERS = ("host_idx_ptr", "dev_idx_ptr", "bad_idx_ptr")
-
-
-def _build() -> SimpleNamespace:
-    global _KERNELS, _encode_rows, _decode_rows, _rope_offsets
-    global _max_combine, _sum_combine
-    # kv_int8_triton decides the mode (TRITON_INTERPRET) and owns the row
-    # functions; rebuild whenever it rebuilt (reset_kernels there resets here).
-    rows = kt._build()
-    if _KERNELS is not None and _KERNELS.rows is rows:
-        return _KERNELS
-    _encode_rows = kt._encode_rows
-    _decode_rows = kt._decode_rows
-    _max_combine = kt._max_combine
-    _sum_combine = kt._sum_combine
-    _rope_offsets = triton.jit(_rope_offsets_src)
-    _KERNELS = SimpleNamespace(
-        rows=rows,
-        encode=triton.jit(
-            _mla_encode_kernel_src,
-            do_not_specialize=ENCODE_PER_TRANSFER_ARGS,
-            do_not_specialize_on_alignment=ENCODE_BOOKKEEPING_POINTERS,
-        ),
-        decode=triton.jit(
-            _mla_decode_kernel_src,
-            do_not_specialize=DECODE_PER_TRANSFER_ARGS,
-            do_not_specialize_on_alignment=DECODE_BOOKKEEPING_POINTERS,
-        ),
-    )
-    return _KERNELS
-
-
-def reset_kernels() -> None:
-    """Forget built kernels, here and in kv_int8_triton (next call rebuilds)."""
-    global _KERNELS
-    _KERNELS = None
-    kt.reset_kernels()
-
-
-# ----------------------------------------------------------------------------
-# host-side wrappers
 
 
 def _record_geometry(records: Mapping[str, torch.Tensor], dims: int) -> SimpleNamespace:
@@ -305,7 +230,7 @@ def _record_geometry(records: Mapping[str, torch.Tensor], dims: int) -> SimpleNa
 
 
 def _check_device_row(geo: SimpleNamespace, shape, dtype, rope_dtype) -> None:
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype not in DEVICE_DTYPES:
         raise TypeError(f"device KV must be bf16/fp16, got {dtype}")
     if rope_dtype not in (torch.int16, dtype):
         raise ValueError(
@@ -320,12 +245,8 @@ def _check_device_row(geo: SimpleNamespace, shape, dtype, rope_dtype) -> None:
 
 def _blocks(tile: int, geo: SimpleNamespace) -> tuple[int, int]:
     """(BLOCK_R tiles, BLOCK_T tokens) per program; BLOCK_T covers BLOCK_R."""
-    block_r = kt._block_rows(tile, kt._pow2(geo.T))
-    return block_r, kt._pow2(kt._cdiv(block_r, geo.NT))
-
-
-def _bits16(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
+    block_r = block_rows(tile, geo.T)
+    return block_r, pow2(triton.cdiv(block_r, geo.NT))
 
 
 def encode_gather(
@@ -349,13 +270,12 @@ def encode_gather(
       out["rope"]   16-bit [units, L, unit_tokens, 1, rope_dim]
 
     (any strides, last dim contiguous; unit = host_index // unit_tokens).
-    Bit-identical to kv_mla_int8_codec's encode_reference. Latent tiles
-    stored non-finite and RoPE rows holding NaN/Inf are added to
-    nonfinite_counter (0-dim int64) if given, as encode_into counts them;
-    scale_amax (fp32 [L, 1]) is raised to each layer's largest finite tile
-    amax. A host index outside [0, units * unit_tokens) writes nothing and its
-    token is counted once in bad_index_counter. Device indices are not
-    range-checked here.
+    Latent tiles stored non-finite and RoPE rows holding NaN/Inf are added
+    to nonfinite_counter (0-dim int64), as the codec's encode_into counts
+    them; scale_amax (fp32 [L, 1]) is raised to each layer's largest finite
+    tile amax. A host index outside [0, units * unit_tokens) writes nothing
+    and its token is counted once in bad_index_counter. Device indices are
+    not range-checked.
     """
     if len(tables) != 1:
         raise ValueError(f"MLA encodes one side ('kv'), got {len(tables)} tables")
@@ -373,41 +293,52 @@ def encode_gather(
     if n == 0:
         return
     dev = table.device
-    kt._check_index("device_indices", device_indices, n, dev)
-    kt._check_index("host_indices", host_indices, n, dev)
-    kt._check_counter("nonfinite_counter", nonfinite_counter, dev)
-    kt._check_counter("bad_index_counter", bad_index_counter, dev)
-    if scale_amax is not None and (
-        scale_amax.dtype != torch.float32
-        or scale_amax.shape != (layers, 1)
-        or not scale_amax.is_contiguous()
-        or scale_amax.device != dev
-    ):
-        raise ValueError(
-            f"scale_amax must be contiguous float32 [{layers}, 1] on {dev}, got "
-            f"{scale_amax.dtype} {tuple(scale_amax.shape)} on {scale_amax.device}"
-        )
+    check_indices(device_indices, host_indices, n, dev)
+    check_counter("nonfinite_counter", nonfinite_counter, dev)
+    check_counter("bad_index_counter", bad_index_counter, dev)
+    check_amax(scale_amax, layers, 1, dev)
 
-    kernels = _build()
     block_r, block_t = _blocks(tile or ENCODE_TILE, geo)
-    kv, s16, rope = out["kv"], _bits16(out["scale"]), _bits16(out["rope"])
+    kv, s16, rope = out["kv"], bits16(out["scale"]), bits16(out["rope"])
     dummy = table.offsets
-    kernels.encode[(kt._cdiv(n * geo.NT, block_r), layers, 2)](
-        table.base, table.offsets, device_indices, host_indices, kv, s16, rope,
-        kt._or_dummy(nonfinite_counter, dummy),
-        kt._or_dummy(scale_amax, dummy, torch.int32),
-        kt._or_dummy(bad_index_counter, dummy),
-        n, kv.shape[0] * geo.UT, table.stride[0],
-        kv.stride(0), kv.stride(1), kv.stride(2),
-        s16.stride(0), s16.stride(1), s16.stride(2),
-        rope.stride(0), rope.stride(1), rope.stride(2),
-        NT=geo.NT, T=geo.T, T_PAD=kt._pow2(geo.T), P=geo.P, P_PAD=kt._pow2(geo.P),
-        UT=geo.UT, BLOCK_R=block_r, BLOCK_T=block_t,
-        IS_BF16=table.dtype == torch.bfloat16, ALIGNED=table.aligned,
-        COUNT=nonfinite_counter is not None, AMAX=scale_amax is not None,
+    _mla_encode_kernel[(triton.cdiv(n * geo.NT, block_r), layers, 2)](
+        x_base=table.base,
+        x_offs=table.offsets,
+        dev_idx_ptr=device_indices,
+        host_idx_ptr=host_indices,
+        kv_out=kv,
+        scale_out=s16,
+        rope_out=rope,
+        nonfinite_ptr=or_dummy(nonfinite_counter, dummy),
+        amax_ptr=or_dummy(scale_amax, dummy, torch.int32),
+        bad_idx_ptr=or_dummy(bad_index_counter, dummy),
+        n_tok=n,
+        n_host=kv.shape[0] * geo.UT,
+        dev_stride_token=table.stride[0],
+        kv_stride_unit=kv.stride(0),
+        kv_stride_layer=kv.stride(1),
+        kv_stride_token=kv.stride(2),
+        scale_stride_unit=s16.stride(0),
+        scale_stride_layer=s16.stride(1),
+        scale_stride_token=s16.stride(2),
+        rope_stride_unit=rope.stride(0),
+        rope_stride_layer=rope.stride(1),
+        rope_stride_token=rope.stride(2),
+        NT=geo.NT,
+        T=geo.T,
+        T_PAD=pow2(geo.T),
+        P=geo.P,
+        P_PAD=pow2(geo.P),
+        UT=geo.UT,
+        BLOCK_R=block_r,
+        BLOCK_T=block_t,
+        IS_BF16=table.dtype == torch.bfloat16,
+        ALIGNED=table.aligned,
+        COUNT=nonfinite_counter is not None,
+        AMAX=scale_amax is not None,
         COUNT_BAD_IDX=bad_index_counter is not None,
         num_warps=num_warps or ENCODE_WARPS,
-    )  # fmt: skip
+    )
 
 
 def decode_scatter(
@@ -426,10 +357,10 @@ def decode_scatter(
     unit_tokens, 1, rope_dim]) into dst[0][device_indices[i]], the device
     layer [size, 1, kv_lora_rank + rope_dim] (bf16/fp16, last dim contiguous).
 
-    Bit-identical to kv_mla_int8_codec's decode_reference: NaN tiles restore as
-    NaN, fp16 output saturates at +-65504, RoPE bits are copied. A host index
-    outside [0, units * unit_tokens) restores nothing (the device row keeps
-    its contents) and its token is counted in bad_index_counter if given.
+    NaN tiles restore as NaN, fp16 output saturates at +-65504, RoPE bits are
+    copied. A host index outside [0, units * unit_tokens) restores nothing
+    (the device row keeps its contents) and its token is counted in
+    bad_index_counter if given.
     """
     if len(dst) != 1:
         raise ValueError(f"MLA restores one side ('kv'), got {len(dst)} tensors")
@@ -445,22 +376,37 @@ def decode_scatter(
     if n == 0:
         return
     dev = y.device
-    kt._check_index("device_indices", device_indices, n, dev)
-    kt._check_index("host_indices", host_indices, n, dev)
-    kt._check_counter("bad_index_counter", bad_index_counter, dev)
+    check_indices(device_indices, host_indices, n, dev)
+    check_counter("bad_index_counter", bad_index_counter, dev)
 
-    kernels = _build()
     block_r, block_t = _blocks(tile or DECODE_TILE, geo)
-    kv, s16, rope = records["kv"], _bits16(records["scale"]), _bits16(records["rope"])
-    kernels.decode[(kt._cdiv(n * geo.NT, block_r), 2)](
-        kv, s16, rope, host_indices, _bits16(y), device_indices,
-        kt._or_dummy(bad_index_counter, device_indices),
-        n, kv.shape[0] * geo.UT,
-        kv.stride(0), kv.stride(1), s16.stride(0), s16.stride(1),
-        rope.stride(0), rope.stride(1), y.stride(0),
-        NT=geo.NT, T=geo.T, T_PAD=kt._pow2(geo.T), P=geo.P, P_PAD=kt._pow2(geo.P),
-        UT=geo.UT, BLOCK_R=block_r, BLOCK_T=block_t,
+    kv, s16, rope = records["kv"], bits16(records["scale"]), bits16(records["rope"])
+    _mla_decode_kernel[(triton.cdiv(n * geo.NT, block_r), 2)](
+        kv_in=kv,
+        scale_in=s16,
+        rope_in=rope,
+        host_idx_ptr=host_indices,
+        y_base=bits16(y),
+        dev_idx_ptr=device_indices,
+        bad_idx_ptr=or_dummy(bad_index_counter, device_indices),
+        n_tok=n,
+        n_host=kv.shape[0] * geo.UT,
+        kv_stride_unit=kv.stride(0),
+        kv_stride_token=kv.stride(1),
+        scale_stride_unit=s16.stride(0),
+        scale_stride_token=s16.stride(1),
+        rope_stride_unit=rope.stride(0),
+        rope_stride_token=rope.stride(1),
+        dst_stride_token=y.stride(0),
+        NT=geo.NT,
+        T=geo.T,
+        T_PAD=pow2(geo.T),
+        P=geo.P,
+        P_PAD=pow2(geo.P),
+        UT=geo.UT,
+        BLOCK_R=block_r,
+        BLOCK_T=block_t,
         IS_BF16=y.dtype == torch.bfloat16,
         COUNT_BAD_IDX=bad_index_counter is not None,
         num_warps=num_warps or DECODE_WARPS,
-    )  # fmt: skip
+    )

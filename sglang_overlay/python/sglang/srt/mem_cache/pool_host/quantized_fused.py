@@ -23,7 +23,7 @@ import logging
 import torch
 
 # Every format's kernels take the device KV as this per-side layer table.
-from sglang.kernels.ops.kvcache.kv_int8_triton import DeviceLayerTable
+from sglang.kernels.ops.kvcache.host_kv_common import DeviceLayerTable
 from sglang.srt.environ import envs
 
 logger = logging.getLogger(__name__)
