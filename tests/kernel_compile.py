@@ -657,13 +657,14 @@ def mutant(jit_fn, transformer, out_dir: Path):
 
 def _mutate(name: str, out_dir: Path) -> None:
     """Break one kernel as MUTATIONS[name] says, in this (worker) process."""
+    from sglang.kernels.ops.kvcache import host_kv_common as hk
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
     from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
     if name == "decode-type-error":
-        kt.int8_decode_rows = mutant(kt.int8_decode_rows, PrependTypeError(), out_dir)
+        hk.int8_decode_rows = mutant(hk.int8_decode_rows, PrependTypeError(), out_dir)
     elif name == "encode-div":
-        kt.int8_encode_rows = mutant(kt.int8_encode_rows, DivRnToSlash(), out_dir)
+        hk.int8_encode_rows = mutant(hk.int8_encode_rows, DivRnToSlash(), out_dir)
     elif name == "encode-spill":
         kt.ENCODE_TILE = 1 << 15  # far past the register file
     elif name == "int4-div":

@@ -257,12 +257,72 @@ def bits16(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
-def or_dummy(t, dummy, view_dtype=None):
+def _or_dummy(t, dummy, view_dtype=None):
     """The pointer argument for an optional tensor; a constexpr flag tells the
     kernel whether to touch it."""
     if t is None:
         return dummy
     return t if view_dtype is None else t.view(view_dtype)
+
+
+def stride_args(name: str, t: torch.Tensor, dims: Sequence[str]) -> dict[str, int]:
+    """{name}_stride_{dim} kernel arguments of t's leading dims."""
+    return {f"{name}_stride_{dim}": t.stride(i) for i, dim in enumerate(dims)}
+
+
+def encode_args(
+    tables: dict[str, DeviceLayerTable],
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+    nonfinite_counter: torch.Tensor | None,
+    scale_amax: torch.Tensor | None,
+    bad_index_counter: torch.Tensor | None,
+) -> dict:
+    """The arguments every encode kernel takes, by the kernels' names: each
+    side's layer table, the indices and the statistics with their flags."""
+    first = next(iter(tables.values()))
+    args = bad_index_args(bad_index_counter, first.offsets)
+    args.update(
+        dev_idx_ptr=device_indices,
+        host_idx_ptr=host_indices,
+        nonfinite_ptr=_or_dummy(nonfinite_counter, first.offsets),
+        amax_ptr=_or_dummy(scale_amax, first.offsets, torch.int32),
+        IS_BF16=first.dtype == torch.bfloat16,
+        ALIGNED=all(t.aligned for t in tables.values()),
+        COUNT=nonfinite_counter is not None,
+        AMAX=scale_amax is not None,
+    )
+    for side, table in tables.items():
+        args[f"{side}_base"] = table.base
+        args[f"{side}_offs"] = table.offsets
+        args[f"{side}_dev_stride_token"] = table.stride[0]
+        args[f"{side}_dev_stride_head"] = table.stride[1]
+    return args
+
+
+def decode_args(
+    dst: dict[str, torch.Tensor],
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+    bad_index_counter: torch.Tensor | None,
+) -> dict:
+    """The arguments every decode kernel takes: each side's device layer (as
+    16-bit patterns), the indices and the bad-index counter with its flag."""
+    args = bad_index_args(bad_index_counter, device_indices)
+    args.update(dev_idx_ptr=device_indices, host_idx_ptr=host_indices)
+    args["IS_BF16"] = next(iter(dst.values())).dtype == torch.bfloat16
+    for side, t in dst.items():
+        args[f"{side}_dst"] = bits16(t)
+        args[f"{side}_dst_stride_token"] = t.stride(0)
+        args[f"{side}_dst_stride_head"] = t.stride(1)
+    return args
+
+
+def bad_index_args(bad_index_counter: torch.Tensor | None, dummy) -> dict:
+    return dict(
+        bad_idx_ptr=_or_dummy(bad_index_counter, dummy),
+        COUNT_BAD_IDX=bad_index_counter is not None,
+    )
 
 
 class DeviceLayerTable:

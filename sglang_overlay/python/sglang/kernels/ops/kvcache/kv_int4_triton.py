@@ -18,30 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.kernels.ops.kvcache.host_kv_common import (
-    BOOKKEEPING_POINTERS,
-    STATS_POINTERS,
-    DeviceLayerTable,
-    available,
-    bf16_rne_bits,
-    bits16,
-    block_rows,
-    check_amax,
-    check_counter,
-    check_device_layers,
-    check_indices,
-    check_kv_tables,
-    count_flags,
-    fp16_scale_up,
-    int8_decode_rows,
-    int8_encode_rows,
-    or_dummy,
-    pow2,
-    raise_amax,
-    rint,
-    row_slots,
-    to_fp32,
-)
+from sglang.kernels.ops.kvcache import host_kv_common as hk
+from sglang.kernels.ops.kvcache.host_kv_common import DeviceLayerTable, available
 
 __all__ = ["DeviceLayerTable", "available", "decode_scatter", "encode_gather"]
 
@@ -65,7 +43,7 @@ def _group_params(lo, hi, has_nan):
     m_bits = tl.where(m_bits == -32768, 0, m_bits).to(tl.int16)
     m = m_bits.to(tl.float16, bitcast=True).to(tl.float32)
     s32 = tl.maximum(tl.math.div_rn(hi - m, 15.0), 1.1754943508222875e-38)
-    s_bits, s = fp16_scale_up(s32)
+    s_bits, s = hk.fp16_scale_up(s32)
     # An Inf in the group makes m (lo = -inf) or s (hi = +inf) infinite.
     bad = has_nan | (tl.abs(m) > 65504.0) | (s != s) | (s > 65504.0)
     s_bits = tl.where(bad, 0x7E00, s_bits).to(tl.int16)  # torch's fp16 NaN
@@ -76,7 +54,7 @@ def _group_params(lo, hi, has_nan):
 @triton.jit
 def _codes(x, s, m, bad):
     """4-bit codes (int32) of x given broadcastable (s, m, bad)."""
-    r = rint(tl.math.div_rn(x - m, s))
+    r = hk.rint(tl.math.div_rn(x - m, s))
     r = tl.minimum(tl.maximum(r, 0.0), 15.0)
     return tl.where(bad, 0.0, r).to(tl.int32)
 
@@ -85,7 +63,7 @@ def _codes(x, s, m, bad):
 def _to_device_bits(y, IS_BF16: tl.constexpr):
     """fp32 values -> 16-bit patterns of the device dtype, rounded once."""
     if IS_BF16:
-        out = bf16_rne_bits(y)
+        out = hk.bf16_rne_bits(y)
     else:
         # Test NaN first: min/max need not propagate it.
         is_nan = y != y
@@ -134,7 +112,7 @@ def _encode_groups(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     """Per-token groups: rows (token, head, group) of G channels."""
-    rmask, head_grp, didx, unit, within, hmask = row_slots(
+    rmask, head_grp, didx, unit, within, hmask = hk.row_slots(
         row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H * NG, BLOCK_R, UT
     )
     head = head_grp // NG
@@ -143,14 +121,14 @@ def _encode_groups(
     e = tl.arange(0, 2)
     if COUNT_BAD_IDX:
         # Once per token: its first row, in layer 0.
-        count_flags(bad_idx_ptr, rmask & ~hmask & (head_grp == 0) & (layer == 0))
+        hk.count_flags(bad_idx_ptr, rmask & ~hmask & (head_grp == 0) & (layer == 0))
     lane = j < G // 2
     inside = lane[None, :, None] & (e < 2)[None, None, :]
     c = 2 * j[:, None] + e[None, :]
     m3 = hmask[:, None, None] & inside
     src = layer_off + didx * dev_stride_token + head * dev_stride_head + grp * G
     bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
-    x = to_fp32(bits, IS_BF16)
+    x = hk.to_fp32(bits, IS_BF16)
 
     lo = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=2), axis=1)
     hi = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=2), axis=1)
@@ -178,10 +156,10 @@ def _encode_groups(
     tl.store(m_base + m_off, s_bits, mask=hmask)
     tl.store(m_base + m_off + m_stride_param, m_bits, mask=hmask)
     if COUNT:
-        count_flags(nonfinite_ptr, bad & hmask)
+        hk.count_flags(nonfinite_ptr, bad & hmask)
     if AMAX:
         amax = tl.maximum(tl.abs(lo), tl.abs(hi))
-        raise_amax(amax_ptr, tl.where(hmask & ~bad, amax, 0.0))
+        hk.raise_amax(amax_ptr, tl.where(hmask & ~bad, amax, 0.0))
 
 
 @triton.jit
@@ -237,7 +215,7 @@ def _encode_channels(
     if COUNT_BAD_IDX:
         # The out-of-range tokens are counted by the value programs.
         in_range = tmask & (hidx >= 0) & (hidx < n_host)
-        count_flags(
+        hk.count_flags(
             bad_idx_ptr, in_range & ~run_ok & (head == 0) & (cb == 0) & (layer == 0)
         )
     j = cb * CB2 + tl.arange(0, CB2)
@@ -248,7 +226,7 @@ def _encode_channels(
     m3 = (tmask & run_ok)[:, None, None] & cmask[None, :, :]
     src = layer_off + didx * dev_stride_token + head * dev_stride_head
     bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
-    x = to_fp32(bits, IS_BF16)
+    x = hk.to_fp32(bits, IS_BF16)
 
     lo = tl.min(tl.where(tvalid, x, float("inf")), axis=0)
     hi = tl.max(tl.where(tvalid, x, float("-inf")), axis=0)
@@ -268,10 +246,10 @@ def _encode_channels(
     tl.store(m_base + m_off, s_bits, mask=wmask)
     tl.store(m_base + m_off + m_stride_param, m_bits, mask=wmask)
     if COUNT:
-        count_flags(nonfinite_ptr, tl.sum((bad & wmask).to(tl.int64), axis=1))
+        hk.count_flags(nonfinite_ptr, tl.sum((bad & wmask).to(tl.int64), axis=1))
     if AMAX:
         amax = tl.where(wmask & ~bad, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0)
-        raise_amax(amax_ptr, tl.max(amax, axis=1))
+        hk.raise_amax(amax_ptr, tl.max(amax, axis=1))
 
 
 @triton.jit
@@ -306,13 +284,13 @@ def _decode_groups(
 ):
     """Rows (token, head) of D channels; channel c's (s, m) sit at group
     c // G (per-channel keys: G = 1 and no token stride)."""
-    rmask, head, didx, unit, within, hmask = row_slots(
+    rmask, head, didx, unit, within, hmask = hk.row_slots(
         row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R, UT
     )
     j = tl.arange(0, D2_PAD)
     e = tl.arange(0, 2)
     if COUNT_BAD_IDX:
-        count_flags(bad_idx_ptr, rmask & ~hmask & (head == 0))
+        hk.count_flags(bad_idx_ptr, rmask & ~hmask & (head == 0))
     lane = j < D // 2
     q_row = unit * q_stride_unit + within * q_stride_token + head * q_stride_head
     packed = tl.load(
@@ -337,8 +315,8 @@ def _decode_groups(
 @triton.jit(
     do_not_specialize=["n_tok", "n_host", "n_k_progs"],
     do_not_specialize_on_alignment=["k_offs", "v_offs"]
-    + BOOKKEEPING_POINTERS
-    + STATS_POINTERS,
+    + hk.BOOKKEEPING_POINTERS
+    + hk.STATS_POINTERS,
 )
 def _encode_kernel(
     k_base,
@@ -411,7 +389,7 @@ def _encode_kernel(
         if ALIGNED:
             off = tl.multiple_of(off, 16)
         if KEY_MODE == 0:
-            int8_encode_rows(
+            hk.int8_encode_rows(
                 k_base, off, dev_idx_ptr, k_dev_stride_token, k_dev_stride_head,
                 host_idx_ptr, k_codes, k_codes_stride_unit, k_codes_stride_layer,
                 k_codes_stride_token, k_codes_stride_head,
@@ -465,7 +443,7 @@ def _encode_kernel(
 
 @triton.jit(
     do_not_specialize=["n_tok", "n_host", "n_k_progs"],
-    do_not_specialize_on_alignment=BOOKKEEPING_POINTERS,
+    do_not_specialize_on_alignment=hk.BOOKKEEPING_POINTERS,
 )
 def _decode_kernel(
     k_codes,
@@ -518,7 +496,7 @@ def _decode_kernel(
     pid = tl.program_id(0)
     if pid < n_k_progs:
         if KEY_MODE == 0:
-            int8_decode_rows(
+            hk.int8_decode_rows(
                 k_codes, k_codes_stride_unit, k_codes_stride_token,
                 k_codes_stride_head, k_meta, k_meta_stride_unit,
                 k_meta_stride_token, k_meta_stride_head, host_idx_ptr,
@@ -662,7 +640,7 @@ def _format_records(records, lead: int, head_num: int, dk: int, dv: int):
 def _check_tables(tables) -> tuple[DeviceLayerTable, DeviceLayerTable]:
     if len(tables) != 2:
         raise ValueError(f"expected the K and V layer tables, got {len(tables)}")
-    check_kv_tables(*tables)
+    hk.check_kv_tables(*tables)
     return tables[0], tables[1]
 
 
@@ -705,7 +683,7 @@ def encode_gather(
     if n == 0:
         return
     dev = k_table.device
-    check_indices(device_indices, host_indices, n, dev)
+    hk.check_indices(device_indices, host_indices, n, dev)
     layers, H = len(k_table), k_table.shape[1]
     keys, values = _format_records(out, 3, H, k_table.shape[2], v_table.shape[2])
     units, rec_layers, ut = keys.codes.shape[:3]
@@ -716,70 +694,62 @@ def encode_gather(
             f"per-channel keys encode whole units: {n} tokens is not a "
             f"multiple of unit_tokens={ut}"
         )
-    check_counter("nonfinite_counter", nonfinite_counter, dev)
-    check_counter("bad_index_counter", bad_index_counter, dev)
-    check_amax(scale_amax, layers, 2, dev)
+    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
+    hk.check_counter("bad_index_counter", bad_index_counter, dev)
+    hk.check_amax(scale_amax, layers, 2, dev)
 
     tile = tile or ENCODE_TILE
     dk = keys.dim
     if keys.mode == KEYS_PER_CHANNEL:
-        ut_pad = pow2(ut)
-        pairs = max(1, min(pow2(dk) // 2, pow2(tile) // (2 * ut_pad)))
+        ut_pad = hk.pow2(ut)
+        pairs = max(1, min(hk.pow2(dk) // 2, hk.pow2(tile) // (2 * ut_pad)))
         k_ncb = triton.cdiv(dk // 2, pairs)
         k_block, n_k_progs = pairs, (n // ut) * H * k_ncb
     else:
         ut_pad, k_ncb = 1, 1
         k_width = dk if keys.mode == KEYS_INT8 else keys.group
-        k_block = block_rows(tile, k_width)
+        k_block = hk.block_rows(tile, k_width)
         n_k_progs = triton.cdiv(n * H * (dk // k_width), k_block)
-    v_block = block_rows(tile, values.group)
+    v_block = hk.block_rows(tile, values.group)
     n_v_progs = triton.cdiv(n * H * (values.dim // values.group), v_block)
-    dummy = k_table.offsets
+    args = hk.encode_args(
+        {"k": k_table, "v": v_table},
+        device_indices,
+        host_indices,
+        nonfinite_counter,
+        scale_amax,
+        bad_index_counter,
+    )
+    # Keys count bad indices unless values do (per-token keys: same tokens).
+    count_bad = args.pop("COUNT_BAD_IDX")
     _encode_kernel[(n_k_progs + n_v_progs, layers)](
-        k_base=k_table.base,
-        v_base=v_table.base,
-        k_offs=k_table.offsets,
-        v_offs=v_table.offsets,
-        dev_idx_ptr=device_indices,
-        host_idx_ptr=host_indices,
         k_codes=keys.codes,
         k_meta=keys.meta,
         v_codes=values.codes,
         v_meta=values.meta,
-        nonfinite_ptr=or_dummy(nonfinite_counter, dummy),
-        amax_ptr=or_dummy(scale_amax, dummy, torch.int32),
-        bad_idx_ptr=or_dummy(bad_index_counter, dummy),
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
-        k_dev_stride_token=k_table.stride[0],
-        k_dev_stride_head=k_table.stride[1],
-        v_dev_stride_token=v_table.stride[0],
-        v_dev_stride_head=v_table.stride[1],
         **keys.stride_args("k", _CODE_DIMS, _META_DIMS),
         **values.stride_args("v", _CODE_DIMS, _META_DIMS),
         H=H,
         DK=dk,
-        DK_PAD=pow2(dk),
+        DK_PAD=hk.pow2(dk),
         KEY_MODE=keys.mode,
         GK=keys.group,
-        GK2_PAD=pow2(keys.group) // 2 if keys.group > 1 else 1,
+        GK2_PAD=hk.pow2(keys.group) // 2 if keys.group > 1 else 1,
         K_BLOCK=k_block,
         K_NCB=k_ncb,
         DV=values.dim,
         GV=values.group,
-        GV2_PAD=pow2(values.group) // 2,
+        GV2_PAD=hk.pow2(values.group) // 2,
         V_BLOCK_R=v_block,
         UT=ut,
         UT_PAD=ut_pad,
-        IS_BF16=k_table.dtype == torch.bfloat16,
-        ALIGNED=k_table.aligned and v_table.aligned,
-        COUNT=nonfinite_counter is not None,
-        AMAX=scale_amax is not None,
-        # Keys count bad indices unless values do (per-token keys: same tokens).
-        K_COUNT_BAD_IDX=bad_index_counter is not None and keys.mode != KEYS_PER_TOKEN,
-        V_COUNT_BAD_IDX=bad_index_counter is not None and keys.mode != KEYS_INT8,
+        K_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_PER_TOKEN,
+        V_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_INT8,
         num_warps=num_warps or ENCODE_WARPS,
+        **args,
     )
 
 
@@ -810,50 +780,43 @@ def decode_scatter(
     if n == 0:
         return
     dev = k_dst.device
-    check_indices(device_indices, host_indices, n, dev)
-    check_device_layers(k_dst, v_dst)
+    hk.check_indices(device_indices, host_indices, n, dev)
+    hk.check_device_layers(k_dst, v_dst)
     H = k_dst.shape[1]
     keys, values = _format_records(records, 2, H, k_dst.shape[2], v_dst.shape[2])
     units, ut = keys.codes.shape[:2]
-    check_counter("bad_index_counter", bad_index_counter, dev)
+    hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
     tile = tile or DECODE_TILE
     dk, dv = keys.dim, values.dim
-    k_block = block_rows(tile, dk)
-    v_block = block_rows(tile, dv)
+    k_block = hk.block_rows(tile, dk)
+    v_block = hk.block_rows(tile, dv)
     n_k_progs = triton.cdiv(n * H, k_block)
     layer_dims = ("unit", "token", "head")
+    args = hk.decode_args(
+        {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
+    )
     _decode_kernel[(n_k_progs + triton.cdiv(n * H, v_block),)](
         k_codes=keys.codes,
         k_meta=keys.meta,
         v_codes=values.codes,
         v_meta=values.meta,
-        host_idx_ptr=host_indices,
-        k_dst=bits16(k_dst),
-        v_dst=bits16(v_dst),
-        dev_idx_ptr=device_indices,
-        bad_idx_ptr=or_dummy(bad_index_counter, device_indices),
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
         **keys.stride_args("k", layer_dims, (*layer_dims, "group", "param")),
         **values.stride_args("v", layer_dims, (*layer_dims, "group", "param")),
-        k_dst_stride_token=k_dst.stride(0),
-        k_dst_stride_head=k_dst.stride(1),
-        v_dst_stride_token=v_dst.stride(0),
-        v_dst_stride_head=v_dst.stride(1),
         H=H,
         DK=dk,
-        DK_PAD=pow2(dk),
+        DK_PAD=hk.pow2(dk),
         KEY_MODE=keys.mode,
         GK=keys.group,
         K_BLOCK_R=k_block,
         DV=dv,
-        DV_PAD=pow2(dv),
+        DV_PAD=hk.pow2(dv),
         GV=values.group,
         V_BLOCK_R=v_block,
         UT=ut,
-        IS_BF16=k_dst.dtype == torch.bfloat16,
-        COUNT_BAD_IDX=bad_index_counter is not None,
         num_warps=num_warps or DECODE_WARPS,
+        **args,
     )

@@ -13,23 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.kernels.ops.kvcache.host_kv_common import (
-    BOOKKEEPING_POINTERS,
-    STATS_POINTERS,
-    DeviceLayerTable,
-    available,
-    bits16,
-    block_rows,
-    check_amax,
-    check_counter,
-    check_device_layers,
-    check_indices,
-    check_kv_tables,
-    int8_decode_rows,
-    int8_encode_rows,
-    or_dummy,
-    pow2,
-)
+from sglang.kernels.ops.kvcache import host_kv_common as hk
+from sglang.kernels.ops.kvcache.host_kv_common import DeviceLayerTable, available
 
 __all__ = ["DeviceLayerTable", "available", "decode_scatter", "encode_gather"]
 
@@ -43,8 +28,8 @@ DECODE_WARPS = 4
 @triton.jit(
     do_not_specialize=["n_rows", "n_host"],
     do_not_specialize_on_alignment=["k_offs", "v_offs"]
-    + BOOKKEEPING_POINTERS
-    + STATS_POINTERS,
+    + hk.BOOKKEEPING_POINTERS
+    + hk.STATS_POINTERS,
 )
 def _encode_kernel(
     k_base,
@@ -99,7 +84,7 @@ def _encode_kernel(
         off = tl.load(k_offs + layer_idx)
         if ALIGNED:
             off = tl.multiple_of(off, 16)
-        int8_encode_rows(
+        hk.int8_encode_rows(
             k_base, off, dev_idx_ptr, k_dev_stride_token, k_dev_stride_head,
             host_idx_ptr, k_out, k_out_stride_unit, k_out_stride_layer,
             k_out_stride_token, k_out_stride_head,
@@ -113,7 +98,7 @@ def _encode_kernel(
         off = tl.load(v_offs + layer_idx)
         if ALIGNED:
             off = tl.multiple_of(off, 16)
-        int8_encode_rows(
+        hk.int8_encode_rows(
             v_base, off, dev_idx_ptr, v_dev_stride_token, v_dev_stride_head,
             host_idx_ptr, v_out, v_out_stride_unit, v_out_stride_layer,
             v_out_stride_token, v_out_stride_head,
@@ -127,7 +112,7 @@ def _encode_kernel(
 
 @triton.jit(
     do_not_specialize=["n_rows", "n_host"],
-    do_not_specialize_on_alignment=BOOKKEEPING_POINTERS,
+    do_not_specialize_on_alignment=hk.BOOKKEEPING_POINTERS,
 )
 def _decode_kernel(
     k_in,
@@ -167,7 +152,7 @@ def _decode_kernel(
     # grid: (row blocks, K|V)
     row0 = tl.program_id(0) * BLOCK_R
     if tl.program_id(1) == 0:
-        int8_decode_rows(
+        hk.int8_decode_rows(
             k_in, k_in_stride_unit, k_in_stride_token, k_in_stride_head,
             scale_in, scale_stride_unit, scale_stride_token, scale_stride_head,
             host_idx_ptr, k_dst, k_dst_stride_token, k_dst_stride_head,
@@ -175,7 +160,7 @@ def _decode_kernel(
             H, DK, DK_PAD, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
-        int8_decode_rows(
+        hk.int8_decode_rows(
             v_in, v_in_stride_unit, v_in_stride_token, v_in_stride_head,
             scale_in + scale_stride_side, scale_stride_unit, scale_stride_token,
             scale_stride_head,
@@ -183,6 +168,22 @@ def _decode_kernel(
             dev_idx_ptr, row0, n_rows, n_host, bad_idx_ptr,
             H, DV, DV_PAD, UT, BLOCK_R, IS_BF16, False,
         )  # fmt: skip
+
+
+def _shape_args(n_rows, units, heads_dims, unit_tokens, block_r) -> dict:
+    """Sizes and constexprs both kernels take: rows, host slots, H, Dk, Dv."""
+    H, DK, DV = heads_dims
+    return dict(
+        n_rows=n_rows,
+        n_host=units * unit_tokens,
+        H=H,
+        DK=DK,
+        DK_PAD=hk.pow2(DK),
+        DV=DV,
+        DV_PAD=hk.pow2(DV),
+        UT=unit_tokens,
+        BLOCK_R=block_r,
+    )
 
 
 def _check_records(name, t, dims, dtype, head_num, dim=None) -> None:
@@ -242,70 +243,42 @@ def encode_gather(
     outside [0, units * unit_tokens) writes nothing and its token is counted
     once in bad_index_counter. Device indices are not range-checked.
     """
-    check_kv_tables(k_table, v_table)
+    hk.check_kv_tables(k_table, v_table)
     n = int(device_indices.numel())
     if n == 0:
         return
     dev, layers = k_table.device, len(k_table)
-    check_indices(device_indices, host_indices, n, dev)
+    hk.check_indices(device_indices, host_indices, n, dev)
     H, DK, DV = k_table.shape[1], k_table.shape[2], v_table.shape[2]
     _check_records("k_out", k_out, 5, torch.int8, H, DK)
     _check_records("v_out", v_out, 5, torch.int8, H, DV)
     _check_records("scale_out", scale_out, 5, torch.float16, H)
     _check_unit_dims((k_out, v_out, scale_out), (layers, unit_tokens), scale_out)
-    check_counter("nonfinite_counter", nonfinite_counter, dev)
-    check_counter("bad_index_counter", bad_index_counter, dev)
-    check_amax(scale_amax, layers, 2, dev)
+    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
+    hk.check_counter("bad_index_counter", bad_index_counter, dev)
+    hk.check_amax(scale_amax, layers, 2, dev)
 
-    block_r = block_rows(tile or ENCODE_TILE, max(DK, DV))
+    block_r = hk.block_rows(tile or ENCODE_TILE, max(DK, DV))
     n_rows = n * H
-    s16 = bits16(scale_out)
-    dummy = k_table.offsets
+    s16 = hk.bits16(scale_out)
+    args = hk.encode_args(
+        {"k": k_table, "v": v_table},
+        device_indices,
+        host_indices,
+        nonfinite_counter,
+        scale_amax,
+        bad_index_counter,
+    )
     _encode_kernel[(triton.cdiv(n_rows, block_r), layers, 2)](
-        k_base=k_table.base,
-        v_base=v_table.base,
-        k_offs=k_table.offsets,
-        v_offs=v_table.offsets,
-        dev_idx_ptr=device_indices,
-        host_idx_ptr=host_indices,
         k_out=k_out,
         v_out=v_out,
         scale_out=s16,
-        nonfinite_ptr=or_dummy(nonfinite_counter, dummy),
-        amax_ptr=or_dummy(scale_amax, dummy, torch.int32),
-        bad_idx_ptr=or_dummy(bad_index_counter, dummy),
-        n_rows=n_rows,
-        n_host=k_out.shape[0] * unit_tokens,
-        k_dev_stride_token=k_table.stride[0],
-        k_dev_stride_head=k_table.stride[1],
-        v_dev_stride_token=v_table.stride[0],
-        v_dev_stride_head=v_table.stride[1],
-        k_out_stride_unit=k_out.stride(0),
-        k_out_stride_layer=k_out.stride(1),
-        k_out_stride_token=k_out.stride(2),
-        k_out_stride_head=k_out.stride(3),
-        v_out_stride_unit=v_out.stride(0),
-        v_out_stride_layer=v_out.stride(1),
-        v_out_stride_token=v_out.stride(2),
-        v_out_stride_head=v_out.stride(3),
-        scale_stride_unit=s16.stride(0),
-        scale_stride_layer=s16.stride(1),
-        scale_stride_token=s16.stride(2),
-        scale_stride_side=s16.stride(3),
-        scale_stride_head=s16.stride(4),
-        H=H,
-        DK=DK,
-        DK_PAD=pow2(DK),
-        DV=DV,
-        DV_PAD=pow2(DV),
-        UT=unit_tokens,
-        BLOCK_R=block_r,
-        IS_BF16=k_table.dtype == torch.bfloat16,
-        ALIGNED=k_table.aligned and v_table.aligned,
-        COUNT=nonfinite_counter is not None,
-        AMAX=scale_amax is not None,
-        COUNT_BAD_IDX=bad_index_counter is not None,
+        **hk.stride_args("k_out", k_out, ("unit", "layer", "token", "head")),
+        **hk.stride_args("v_out", v_out, ("unit", "layer", "token", "head")),
+        **hk.stride_args("scale", s16, ("unit", "layer", "token", "side", "head")),
+        **_shape_args(n_rows, k_out.shape[0], (H, DK, DV), unit_tokens, block_r),
         num_warps=num_warps or ENCODE_WARPS,
+        **args,
     )
 
 
@@ -339,51 +312,29 @@ def decode_scatter(
     if n == 0:
         return
     dev = k_dst.device
-    check_indices(device_indices, host_indices, n, dev)
-    check_device_layers(k_dst, v_dst)
+    hk.check_indices(device_indices, host_indices, n, dev)
+    hk.check_device_layers(k_dst, v_dst)
     H, DK, DV = k_dst.shape[1], k_dst.shape[2], v_dst.shape[2]
     _check_records("k_in", k_in, 4, torch.int8, H, DK)
     _check_records("v_in", v_in, 4, torch.int8, H, DV)
     _check_records("scale_in", scale_in, 4, torch.float16, H)
     _check_unit_dims((k_in, v_in, scale_in), (unit_tokens,), scale_in)
-    check_counter("bad_index_counter", bad_index_counter, dev)
+    hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
-    block_r = block_rows(tile or DECODE_TILE, max(DK, DV))
+    block_r = hk.block_rows(tile or DECODE_TILE, max(DK, DV))
     n_rows = n * H
-    s16 = bits16(scale_in)
+    s16 = hk.bits16(scale_in)
+    args = hk.decode_args(
+        {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
+    )
     _decode_kernel[(triton.cdiv(n_rows, block_r), 2)](
         k_in=k_in,
         v_in=v_in,
         scale_in=s16,
-        host_idx_ptr=host_indices,
-        k_dst=bits16(k_dst),
-        v_dst=bits16(v_dst),
-        dev_idx_ptr=device_indices,
-        bad_idx_ptr=or_dummy(bad_index_counter, device_indices),
-        n_rows=n_rows,
-        n_host=k_in.shape[0] * unit_tokens,
-        k_in_stride_unit=k_in.stride(0),
-        k_in_stride_token=k_in.stride(1),
-        k_in_stride_head=k_in.stride(2),
-        v_in_stride_unit=v_in.stride(0),
-        v_in_stride_token=v_in.stride(1),
-        v_in_stride_head=v_in.stride(2),
-        scale_stride_unit=s16.stride(0),
-        scale_stride_token=s16.stride(1),
-        scale_stride_side=s16.stride(2),
-        scale_stride_head=s16.stride(3),
-        k_dst_stride_token=k_dst.stride(0),
-        k_dst_stride_head=k_dst.stride(1),
-        v_dst_stride_token=v_dst.stride(0),
-        v_dst_stride_head=v_dst.stride(1),
-        H=H,
-        DK=DK,
-        DK_PAD=pow2(DK),
-        DV=DV,
-        DV_PAD=pow2(DV),
-        UT=unit_tokens,
-        BLOCK_R=block_r,
-        IS_BF16=k_dst.dtype == torch.bfloat16,
-        COUNT_BAD_IDX=bad_index_counter is not None,
+        **hk.stride_args("k_in", k_in, ("unit", "token", "head")),
+        **hk.stride_args("v_in", v_in, ("unit", "token", "head")),
+        **hk.stride_args("scale", s16, ("unit", "token", "side", "head")),
+        **_shape_args(n_rows, k_in.shape[0], (H, DK, DV), unit_tokens, block_r),
         num_warps=num_warps or DECODE_WARPS,
+        **args,
     )

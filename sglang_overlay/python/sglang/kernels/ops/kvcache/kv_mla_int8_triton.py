@@ -17,24 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.kernels.ops.kvcache.host_kv_common import (
-    BOOKKEEPING_POINTERS,
-    DEVICE_DTYPES,
-    STATS_POINTERS,
-    DeviceLayerTable,
-    available,
-    bits16,
-    block_rows,
-    check_amax,
-    check_counter,
-    check_indices,
-    count_flags,
-    host_slots,
-    int8_decode_rows,
-    int8_encode_rows,
-    or_dummy,
-    pow2,
-)
+from sglang.kernels.ops.kvcache import host_kv_common as hk
+from sglang.kernels.ops.kvcache.host_kv_common import DeviceLayerTable, available
 
 __all__ = ["DeviceLayerTable", "available", "decode_scatter", "encode_gather"]
 
@@ -62,17 +46,19 @@ def _rope_slots(
     tok = tok0 + tl.arange(0, BLOCK_T)
     tmask = tok < n_tok
     didx = tl.load(dev_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    unit, within, hmask = host_slots(host_idx_ptr, tok, tmask, n_host, UT)
+    unit, within, hmask = hk.host_slots(host_idx_ptr, tok, tmask, n_host, UT)
     return didx, unit, within, hmask
 
 
 @triton.jit(
     do_not_specialize=["n_tok", "n_host"],
-    do_not_specialize_on_alignment=["x_offs"] + BOOKKEEPING_POINTERS + STATS_POINTERS,
+    do_not_specialize_on_alignment=["kv_offs"]
+    + hk.BOOKKEEPING_POINTERS
+    + hk.STATS_POINTERS,
 )
 def _mla_encode_kernel(
-    x_base,
-    x_offs,
+    kv_base,
+    kv_offs,
     dev_idx_ptr,
     host_idx_ptr,
     kv_out,
@@ -83,7 +69,8 @@ def _mla_encode_kernel(
     bad_idx_ptr,
     n_tok,
     n_host,
-    dev_stride_token,
+    kv_dev_stride_token,
+    kv_dev_stride_head,
     kv_stride_unit,
     kv_stride_layer,
     kv_stride_token,
@@ -110,14 +97,14 @@ def _mla_encode_kernel(
     # grid: (row blocks, layers, latent|rope)
     layer_idx = tl.program_id(1)
     layer = layer_idx.to(tl.int64)
-    off = tl.load(x_offs + layer_idx)
+    off = tl.load(kv_offs + layer_idx)
     if ALIGNED:
         off = tl.multiple_of(off, 16)
     if tl.program_id(2) == 0:
         # Tiles as heads: "head" stride T in the device row and the record,
         # the scale's tile stride 1.
-        int8_encode_rows(
-            x_base, off, dev_idx_ptr, dev_stride_token, T, host_idx_ptr,
+        hk.int8_encode_rows(
+            kv_base, off, dev_idx_ptr, kv_dev_stride_token, T, host_idx_ptr,
             kv_out, kv_stride_unit, kv_stride_layer, kv_stride_token, T,
             scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token, 1,
             layer, tl.program_id(0) * BLOCK_R, n_tok * NT, n_host,
@@ -131,8 +118,8 @@ def _mla_encode_kernel(
         )  # fmt: skip
         d = tl.arange(0, P_PAD)
         m2 = hmask[:, None] & (d < P)[None, :]
-        src = off + NT * T + didx * dev_stride_token
-        bits = tl.load(x_base + (src[:, None] + d[None, :]), mask=m2, other=0)
+        src = off + NT * T + didx * kv_dev_stride_token
+        bits = tl.load(kv_base + (src[:, None] + d[None, :]), mask=m2, other=0)
         dst = unit * rope_stride_unit + layer * rope_stride_layer
         dst += within * rope_stride_token
         tl.store(rope_out + (dst[:, None] + d[None, :]), bits, mask=m2)
@@ -142,19 +129,19 @@ def _mla_encode_kernel(
                 special = ((bits.to(tl.int32) & 0x7F80) == 0x7F80) & m2
             else:
                 special = ((bits.to(tl.int32) & 0x7C00) == 0x7C00) & m2
-            count_flags(nonfinite_ptr, tl.max(special.to(tl.int32), axis=1) > 0)
+            hk.count_flags(nonfinite_ptr, tl.max(special.to(tl.int32), axis=1) > 0)
 
 
 @triton.jit(
     do_not_specialize=["n_tok", "n_host"],
-    do_not_specialize_on_alignment=BOOKKEEPING_POINTERS,
+    do_not_specialize_on_alignment=hk.BOOKKEEPING_POINTERS,
 )
 def _mla_decode_kernel(
     kv_in,
     scale_in,
     rope_in,
     host_idx_ptr,
-    y_base,
+    kv_dst,
     dev_idx_ptr,
     bad_idx_ptr,
     n_tok,
@@ -165,7 +152,8 @@ def _mla_decode_kernel(
     scale_stride_token,
     rope_stride_unit,
     rope_stride_token,
-    dst_stride_token,
+    kv_dst_stride_token,
+    kv_dst_stride_head,
     NT: tl.constexpr,
     T: tl.constexpr,
     T_PAD: tl.constexpr,
@@ -179,10 +167,10 @@ def _mla_decode_kernel(
 ):
     # grid: (row blocks, latent|rope)
     if tl.program_id(1) == 0:
-        int8_decode_rows(
+        hk.int8_decode_rows(
             kv_in, kv_stride_unit, kv_stride_token, T,
             scale_in, scale_stride_unit, scale_stride_token, 1, host_idx_ptr,
-            y_base, dst_stride_token, T, dev_idx_ptr, tl.program_id(0) * BLOCK_R,
+            kv_dst, kv_dst_stride_token, T, dev_idx_ptr, tl.program_id(0) * BLOCK_R,
             n_tok * NT, n_host, bad_idx_ptr,
             NT, T, T_PAD, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
         )  # fmt: skip
@@ -195,8 +183,8 @@ def _mla_decode_kernel(
         m2 = hmask[:, None] & (d < P)[None, :]
         src = unit * rope_stride_unit + within * rope_stride_token
         bits = tl.load(rope_in + (src[:, None] + d[None, :]), mask=m2, other=0)
-        dst = NT * T + didx * dst_stride_token
-        tl.store(y_base + (dst[:, None] + d[None, :]), bits, mask=m2)
+        dst = NT * T + didx * kv_dst_stride_token
+        tl.store(kv_dst + (dst[:, None] + d[None, :]), bits, mask=m2)
 
 
 def _record_geometry(records: Mapping[str, torch.Tensor], dims: int) -> SimpleNamespace:
@@ -230,7 +218,7 @@ def _record_geometry(records: Mapping[str, torch.Tensor], dims: int) -> SimpleNa
 
 
 def _check_device_row(geo: SimpleNamespace, shape, dtype, rope_dtype) -> None:
-    if dtype not in DEVICE_DTYPES:
+    if dtype not in hk.DEVICE_DTYPES:
         raise TypeError(f"device KV must be bf16/fp16, got {dtype}")
     if rope_dtype not in (torch.int16, dtype):
         raise ValueError(
@@ -245,8 +233,25 @@ def _check_device_row(geo: SimpleNamespace, shape, dtype, rope_dtype) -> None:
 
 def _blocks(tile: int, geo: SimpleNamespace) -> tuple[int, int]:
     """(BLOCK_R tiles, BLOCK_T tokens) per program; BLOCK_T covers BLOCK_R."""
-    block_r = block_rows(tile, geo.T)
-    return block_r, pow2(triton.cdiv(block_r, geo.NT))
+    block_r = hk.block_rows(tile, geo.T)
+    return block_r, hk.pow2(triton.cdiv(block_r, geo.NT))
+
+
+def _tile_args(geo: SimpleNamespace, n: int, units: int, blocks) -> dict:
+    """Sizes and constexprs both kernels take (tiles, RoPE width, blocks)."""
+    block_r, block_t = blocks
+    return dict(
+        n_tok=n,
+        n_host=units * geo.UT,
+        NT=geo.NT,
+        T=geo.T,
+        T_PAD=hk.pow2(geo.T),
+        P=geo.P,
+        P_PAD=hk.pow2(geo.P),
+        UT=geo.UT,
+        BLOCK_R=block_r,
+        BLOCK_T=block_t,
+    )
 
 
 def encode_gather(
@@ -293,51 +298,31 @@ def encode_gather(
     if n == 0:
         return
     dev = table.device
-    check_indices(device_indices, host_indices, n, dev)
-    check_counter("nonfinite_counter", nonfinite_counter, dev)
-    check_counter("bad_index_counter", bad_index_counter, dev)
-    check_amax(scale_amax, layers, 1, dev)
+    hk.check_indices(device_indices, host_indices, n, dev)
+    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
+    hk.check_counter("bad_index_counter", bad_index_counter, dev)
+    hk.check_amax(scale_amax, layers, 1, dev)
 
     block_r, block_t = _blocks(tile or ENCODE_TILE, geo)
-    kv, s16, rope = out["kv"], bits16(out["scale"]), bits16(out["rope"])
-    dummy = table.offsets
+    kv, s16, rope = out["kv"], hk.bits16(out["scale"]), hk.bits16(out["rope"])
+    args = hk.encode_args(
+        {"kv": table},
+        device_indices,
+        host_indices,
+        nonfinite_counter,
+        scale_amax,
+        bad_index_counter,
+    )
     _mla_encode_kernel[(triton.cdiv(n * geo.NT, block_r), layers, 2)](
-        x_base=table.base,
-        x_offs=table.offsets,
-        dev_idx_ptr=device_indices,
-        host_idx_ptr=host_indices,
         kv_out=kv,
         scale_out=s16,
         rope_out=rope,
-        nonfinite_ptr=or_dummy(nonfinite_counter, dummy),
-        amax_ptr=or_dummy(scale_amax, dummy, torch.int32),
-        bad_idx_ptr=or_dummy(bad_index_counter, dummy),
-        n_tok=n,
-        n_host=kv.shape[0] * geo.UT,
-        dev_stride_token=table.stride[0],
-        kv_stride_unit=kv.stride(0),
-        kv_stride_layer=kv.stride(1),
-        kv_stride_token=kv.stride(2),
-        scale_stride_unit=s16.stride(0),
-        scale_stride_layer=s16.stride(1),
-        scale_stride_token=s16.stride(2),
-        rope_stride_unit=rope.stride(0),
-        rope_stride_layer=rope.stride(1),
-        rope_stride_token=rope.stride(2),
-        NT=geo.NT,
-        T=geo.T,
-        T_PAD=pow2(geo.T),
-        P=geo.P,
-        P_PAD=pow2(geo.P),
-        UT=geo.UT,
-        BLOCK_R=block_r,
-        BLOCK_T=block_t,
-        IS_BF16=table.dtype == torch.bfloat16,
-        ALIGNED=table.aligned,
-        COUNT=nonfinite_counter is not None,
-        AMAX=scale_amax is not None,
-        COUNT_BAD_IDX=bad_index_counter is not None,
+        **hk.stride_args("kv", kv, ("unit", "layer", "token")),
+        **hk.stride_args("scale", s16, ("unit", "layer", "token")),
+        **hk.stride_args("rope", rope, ("unit", "layer", "token")),
+        **_tile_args(geo, n, kv.shape[0], (block_r, block_t)),
         num_warps=num_warps or ENCODE_WARPS,
+        **args,
     )
 
 
@@ -376,37 +361,24 @@ def decode_scatter(
     if n == 0:
         return
     dev = y.device
-    check_indices(device_indices, host_indices, n, dev)
-    check_counter("bad_index_counter", bad_index_counter, dev)
+    hk.check_indices(device_indices, host_indices, n, dev)
+    hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
     block_r, block_t = _blocks(tile or DECODE_TILE, geo)
-    kv, s16, rope = records["kv"], bits16(records["scale"]), bits16(records["rope"])
+    kv, s16, rope = (
+        records["kv"],
+        hk.bits16(records["scale"]),
+        hk.bits16(records["rope"]),
+    )
+    args = hk.decode_args({"kv": y}, device_indices, host_indices, bad_index_counter)
     _mla_decode_kernel[(triton.cdiv(n * geo.NT, block_r), 2)](
         kv_in=kv,
         scale_in=s16,
         rope_in=rope,
-        host_idx_ptr=host_indices,
-        y_base=bits16(y),
-        dev_idx_ptr=device_indices,
-        bad_idx_ptr=or_dummy(bad_index_counter, device_indices),
-        n_tok=n,
-        n_host=kv.shape[0] * geo.UT,
-        kv_stride_unit=kv.stride(0),
-        kv_stride_token=kv.stride(1),
-        scale_stride_unit=s16.stride(0),
-        scale_stride_token=s16.stride(1),
-        rope_stride_unit=rope.stride(0),
-        rope_stride_token=rope.stride(1),
-        dst_stride_token=y.stride(0),
-        NT=geo.NT,
-        T=geo.T,
-        T_PAD=pow2(geo.T),
-        P=geo.P,
-        P_PAD=pow2(geo.P),
-        UT=geo.UT,
-        BLOCK_R=block_r,
-        BLOCK_T=block_t,
-        IS_BF16=y.dtype == torch.bfloat16,
-        COUNT_BAD_IDX=bad_index_counter is not None,
+        **hk.stride_args("kv", kv, ("unit", "token")),
+        **hk.stride_args("scale", s16, ("unit", "token")),
+        **hk.stride_args("rope", rope, ("unit", "token")),
+        **_tile_args(geo, n, kv.shape[0], (block_r, block_t)),
         num_warps=num_warps or DECODE_WARPS,
+        **args,
     )
