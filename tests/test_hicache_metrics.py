@@ -229,7 +229,7 @@ def test_int8_nonfinite_rows_and_scale_amax(collectors):
     tier.backup(8, nan_rows=5)
     scrape = tier.collect()
     nonfinite = 5 * GEO.layer_num
-    assert tier.pool.nonfinite_row_count() == nonfinite
+    assert tier.pool.nonfinite_group_count() == nonfinite
     assert scrape.value("sglang:hicache_host_nonfinite_rows_total") == nonfinite
     # Read again with nothing new: the counter does not count twice.
     scrape = tier.collect()

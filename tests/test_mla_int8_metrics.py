@@ -68,7 +68,7 @@ def test_mla_int8_host_tier_metrics(collectors):  # noqa: F811
     assert scrape.value("sglang:hicache_backup_bytes_total") == 16 * host_bpt
     assert scrape.value("sglang:hicache_backup_logical_bytes_total") == 16 * device_bpt
     assert scrape.value("sglang:hicache_host_nonfinite_rows_total") == GEO.layer_num
-    assert pool.nonfinite_row_count() == GEO.layer_num
+    assert pool.nonfinite_group_count() == GEO.layer_num
     samples = scrape.all("sglang:hicache_host_scale_amax")
     assert len(samples) == GEO.layer_num
     for layer, rows in enumerate(written):
