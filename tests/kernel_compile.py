@@ -645,10 +645,11 @@ def mutant(jit_fn, transformer, out_dir: Path):
     import triton
 
     fn = jit_fn.fn
-    source = textwrap.dedent(inspect.getsource(fn))
-    tree = transformer.visit(ast.parse(source))
-    mutated = ast.unparse(ast.fix_missing_locations(tree))
-    assert mutated != ast.unparse(ast.parse(source))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    tree.body[0].decorator_list = []  # jit-ed below, once
+    source = ast.unparse(tree)
+    mutated = ast.unparse(ast.fix_missing_locations(transformer.visit(tree)))
+    assert mutated != source
     path = out_dir / f"{fn.__name__}_mutant.py"
     path.write_text(mutated)
     namespace = {}

@@ -107,7 +107,8 @@ def build(layout, page_size, dtype=torch.bfloat16, fused=None):
     return device_pool, pool
 
 
-def test_without_the_kernel_module_the_torch_path_serves():
+def test_without_the_kernel_module_the_torch_path_serves(monkeypatch):
+    monkeypatch.setitem(sys.modules, mla_codec._KERNELS, None)  # not importable
     _, pool = build("page_first", 4)
     fmt = pool.host_format
     assert not fmt.fused_available(torch.device("cpu"))
