@@ -12,7 +12,9 @@ Stable API:
 
 - ``CPU_FLAGS``: the launch flags a CPU server needs here (tuple of str).
 - ``hicache_flags(host_dtype=None, ratio=2.0, layout="layer_first",
-  io_backend="direct", storage_backend=None, extra=()) -> list[str]``.
+  io_backend="direct", storage_backend=None, extra=()) -> list[str]``
+  (host_dtype None: the stock BF16 pool; layout/io_backend None: flag left
+  out, SGLang's default and resolution apply).
 - ``LiveServer(args, *, name="server", via="launch_server"|"hiqcache_serve",
   model=None, python=None, sglang_path=..., env=None, log_dir=None,
   startup_timeout=900.0, progress=print)``; ``model`` defaults to the
@@ -95,21 +97,19 @@ def hicache_flags(
     host_dtype: str | None = None,
     *,
     ratio: float = 2.0,
-    layout: str = "layer_first",
-    io_backend: str = "direct",
+    layout: str | None = "layer_first",
+    io_backend: str | None = "direct",
     storage_backend: str | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """HiCache flags for one arm; host_dtype None keeps the stock BF16 pool."""
-    flags = [
-        "--enable-hierarchical-cache",
-        "--hicache-ratio",
-        str(ratio),
-        "--hicache-mem-layout",
-        layout,
-        "--hicache-io-backend",
-        io_backend,
-    ]
+    """HiCache flags for one arm; host_dtype None keeps the stock BF16 pool,
+    layout / io_backend None keep SGLang's defaults (page_first, kernel)."""
+    flags = ["--enable-hierarchical-cache", "--hicache-ratio", str(ratio)]
+    # None leaves the flag out: SGLang's own default and resolution apply.
+    if layout is not None:
+        flags += ["--hicache-mem-layout", layout]
+    if io_backend is not None:
+        flags += ["--hicache-io-backend", io_backend]
     if host_dtype is not None:
         flags += ["--hicache-host-dtype", host_dtype]
     if storage_backend is not None:
