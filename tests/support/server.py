@@ -33,6 +33,9 @@ Stable API:
 - ``run_cli(args, *, via=..., model=None, timeout=600, env=None) ->
   subprocess.CompletedProcess``: run the launcher to completion (for flags
   that must fail at start-up); stdout and stderr merged into ``.stdout``.
+- ``cpu_env(sglang_path=PATCHED_PYTHON, kernel_log=None, extra=None) -> dict``:
+  the environment for any other SGLang process on CPU (``python -m
+  sglang.bench_serving`` imports sglang.srt.configs, so it needs the stand-ins).
 - ``free_port() -> int``.
 - ``ServerStartError``: raised when the server exits or times out before
   healthy; its message ends with the log tail.
@@ -117,9 +120,13 @@ def hicache_flags(
     return flags + list(extra)
 
 
-def _server_env(
-    sglang_path: Path | None, kernel_log: Path, extra: dict | None
+def cpu_env(
+    sglang_path: Path | None = PATCHED_PYTHON,
+    kernel_log: Path | None = None,
+    extra: dict | None = None,
 ) -> dict[str, str]:
+    """The environment of a CPU SGLang process: cpu_site first on PYTHONPATH,
+    then sglang_path (None: the interpreter's own sglang)."""
     env = dict(os.environ)
     paths = [str(CPU_SITE)]
     if sglang_path is not None:
@@ -127,7 +134,8 @@ def _server_env(
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
-    env[KERNEL_LOG_ENV] = str(kernel_log)
+    if kernel_log is not None:
+        env[KERNEL_LOG_ENV] = str(kernel_log)
     # hiqcache_serve.sh runs `python3`: make it this interpreter's venv.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -169,7 +177,7 @@ def run_cli(
     host_port = ["--host", "127.0.0.1", "--port", str(free_port())]
     cmd, cmd_env = _command(args, via, model, python or sys.executable, host_port)
     with tempfile.TemporaryDirectory(prefix="hiq-cli-") as tmp:
-        full_env = _server_env(sglang_path, Path(tmp) / "sgl_kernel.jsonl", env)
+        full_env = cpu_env(sglang_path, Path(tmp) / "sgl_kernel.jsonl", env)
         full_env.update(cmd_env)
         proc = subprocess.Popen(
             cmd,
@@ -267,7 +275,7 @@ class LiveServer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         host_port = ["--host", "127.0.0.1", "--port", str(self.port)]
         cmd, cmd_env = _command(self.args, self.via, model, self.python, host_port)
-        env = _server_env(self.sglang_path, self.kernel_log_path, self.extra_env)
+        env = cpu_env(self.sglang_path, self.kernel_log_path, self.extra_env)
         env.update(cmd_env)
         log = open(self.log_path, "w", encoding="utf-8")
         log.write("$ " + " ".join(cmd) + "\n")
