@@ -16,7 +16,8 @@ Stable API:
   (host_dtype None: the stock BF16 pool; layout/io_backend None: flag left
   out, SGLang's default and resolution apply).
 - ``LiveServer(args, *, name="server", via="launch_server"|"hiqcache_serve",
-  model=None, python=None, sglang_path=..., env=None, log_dir=None,
+  model=None, python=None, sglang_path=..., env=None, log_dir=None
+  (default build/live-logs/<name>/, this server's files replaced at start),
   startup_timeout=900.0, progress=print)``; ``model`` defaults to the
   converted SmolLM2 (tests/support/model.py). Use as a context manager or
   call ``start()`` / ``stop()``. Attributes: ``base_url``, ``port``, ``pid``,
@@ -63,12 +64,15 @@ CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
 PATCHED_PYTHON = REPO_ROOT / "build" / "sglang" / "python"
 SERVE_SCRIPT = REPO_ROOT / "scripts" / "hiqcache_serve.sh"
 KERNEL_LOG_ENV = "HIQ_SGL_KERNEL_LOG"
+LOG_ROOT = REPO_ROOT / "build" / "live-logs"
 
 # Why each flag: --device cpu plus SGLANG_USE_CPU_ENGINE=1 (else is_cpu() is
 # False and rotary imports vllm); torch_native attention (the x86 default is
 # intel_amx, which this CPU's AMX flag selects); pytorch sampling (no
 # flashinfer); no CUDA graphs; no warm-up request (it races metrics); a small
-# L1 so a handful of long prompts overflow it.
+# L1 so a handful of long prompts overflow it (--max-total-tokens caps the KV
+# pool; the memory fraction only has to cover the weights while other
+# processes hold RAM: 0.05 failed at 13 GB free).
 CPU_FLAGS = (
     "--device",
     "cpu",
@@ -80,7 +84,7 @@ CPU_FLAGS = (
     "--skip-server-warmup",
     "--enable-metrics",
     "--mem-fraction-static",
-    "0.05",
+    "0.25",
     "--max-total-tokens",
     "4096",
 )
@@ -250,7 +254,8 @@ class LiveServer:
         self.python = python or sys.executable
         self.sglang_path = sglang_path
         self.extra_env = env
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"hiq-{name}-"))
+        # build/, not pytest's tmp: concurrent pytest runs prune old basetemps.
+        self.log_dir = Path(log_dir or LOG_ROOT / name)
         self.startup_timeout = startup_timeout
         self.progress = progress or (lambda line: None)
         self.port = free_port()
@@ -273,6 +278,8 @@ class LiveServer:
     def start(self) -> "LiveServer":
         model = self.model if self.model is not None else _default_model()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        for old in (self.log_path, self.kernel_log_path):
+            old.unlink(missing_ok=True)
         host_port = ["--host", "127.0.0.1", "--port", str(self.port)]
         cmd, cmd_env = _command(self.args, self.via, model, self.python, host_port)
         env = cpu_env(self.sglang_path, self.kernel_log_path, self.extra_env)
