@@ -11,8 +11,8 @@ from that venv only (build/sglang is not on its path):
   Dockerfile's command (site-packages layout).
 
 The venvs borrow torch and the other dependencies from the test venv through
-a ``.pth`` line placed after their own site-packages (no re-download), so
-their own ``sglang`` shadows the test venv's stock copy.
+a ``.pth`` line placed after their own site-packages once pip is done (no
+re-download), so their own ``sglang`` shadows the test venv's stock copy.
 """
 
 from __future__ import annotations
@@ -70,10 +70,15 @@ def fresh_stock_venv(root: Path) -> tuple[Path, Path]:
             python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"
         ).strip()
     )
-    # After the venv's own site-packages: torch & co. from the test venv.
-    (site / "zz_hiq_test_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     pip(python, stock_wheel())
     return python, site
+
+
+def borrow_test_venv(site: Path) -> None:
+    """Torch & co. from the test venv, after the venv's own site-packages.
+    Only once pip is done there: pip would take the test venv's stock sglang
+    for the venv's own."""
+    (site / "zz_hiq_test_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
 
 def serve_int8(python: Path, site: Path, name: str) -> dict:
@@ -128,5 +133,6 @@ def test_wheel_over_stock_install_serves_int8():
 def test_overlay_install_in_place_serves_int8():
     python, site = fresh_stock_venv(fresh_dir("install-overlay"))
     run(sys.executable, "scripts/overlay.py", "install", "--target", site)
+    borrow_test_venv(site)
     assert (site / "sglang" / ".hiqcache-applied").is_file()
     serve_int8(python, site, "install-overlay-int8")

@@ -61,7 +61,10 @@ from tests.support import prom
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
-PATCHED_PYTHON = REPO_ROOT / "build" / "sglang" / "python"
+# The same tree tests/support/standins.py checks sglang against.
+PATCHED_PYTHON = (
+    Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang") / "python"
+)
 SERVE_SCRIPT = REPO_ROOT / "scripts" / "hiqcache_serve.sh"
 KERNEL_LOG_ENV = "HIQ_SGL_KERNEL_LOG"
 LOG_ROOT = REPO_ROOT / "build" / "live-logs"
@@ -138,6 +141,8 @@ def cpu_env(
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
+    # 1 GiB, not upstream's 10 GiB reserve: see cpu_site/sitecustomize.py.
+    env.setdefault("HIQ_HOST_MEMORY_RESERVE_BYTES", str(1 << 30))
     if kernel_log is not None:
         env[KERNEL_LOG_ENV] = str(kernel_log)
     # hiqcache_serve.sh runs `python3`: make it this interpreter's venv.
