@@ -63,7 +63,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
 # The same tree tests/support/standins.py checks sglang against.
 PATCHED_PYTHON = (
-    Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang") / "python"
+    Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang").resolve()
+    / "python"
 )
 SERVE_SCRIPT = REPO_ROOT / "scripts" / "hiqcache_serve.sh"
 KERNEL_LOG_ENV = "HIQ_SGL_KERNEL_LOG"
