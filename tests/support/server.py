@@ -71,7 +71,7 @@ KERNEL_LOG_ENV = "HIQ_SGL_KERNEL_LOG"
 # HIQ_LIVE_LOG_ROOT separates concurrent runs (same server names, same files).
 LOG_ROOT = Path(
     os.environ.get("HIQ_LIVE_LOG_ROOT") or REPO_ROOT / "build" / "live-logs"
-)
+).resolve()
 
 # Why each flag: --device cpu plus SGLANG_USE_CPU_ENGINE=1 (else is_cpu() is
 # False and rotary imports vllm); torch_native attention (the x86 default is
