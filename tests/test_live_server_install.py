@@ -129,6 +129,7 @@ def test_wheel_over_stock_install_serves_int8():
     assert wheels, "make wheel built no wheel for this Python"
     python, site = fresh_stock_venv(fresh_dir("install-wheel"))
     pip(python, wheels[-1])
+    borrow_test_venv(site)
     version = run(
         python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"
     )
