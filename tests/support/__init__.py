@@ -4,4 +4,10 @@ Imported as ``tests.support`` by tests and scripts (the repository root is on
 the path in both), never by the product. Modules:
 
 - ``standins``: the CPU stand-ins for CUDA-only pieces (each says what it replaces).
+- ``cpu_site/``: put first on PYTHONPATH of a live server's processes; its
+  sitecustomize installs the stand-ins there, next to the strict import-only
+  ``sgl_kernel`` stand-in.
+- ``server``: one live patched SGLang server on CPU (start, /generate, /metrics, stop).
+- ``model``: SmolLM2-135M-Instruct converted from the packaged GGUF, cached in build/.
+- ``prom``: the Prometheus text parser for /metrics.
 """

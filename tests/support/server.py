@@ -1,0 +1,423 @@
+"""A live patched SGLang server on this CPU machine, for tests and ``make demo``.
+
+One helper starts ``python -m sglang.launch_server`` (or the image's default
+command, ``scripts/hiqcache_serve.sh``, with ``MODEL`` set) on 127.0.0.1 and a
+free port, with ``SGLANG_USE_CPU_ENGINE=1``, the CPU flags below and
+``tests/support/cpu_site`` first on PYTHONPATH (the stand-ins every server
+process needs, see its sitecustomize.py). It waits for /health with progress
+lines, captures the log to a file and stops the whole process group by pid,
+also when start-up or a test fails.
+
+Stable API:
+
+- ``CPU_FLAGS``: the launch flags a CPU server needs here (tuple of str).
+- ``hicache_flags(host_dtype=None, ratio=2.0, layout="layer_first",
+  io_backend="direct", storage_backend=None, extra=()) -> list[str]``
+  (host_dtype None: the stock BF16 pool; layout/io_backend None: flag left
+  out, SGLang's default and resolution apply).
+- ``LiveServer(args, *, name="server", via="launch_server"|"hiqcache_serve",
+  model=None, python=None, sglang_path=..., env=None, log_dir=None
+  (default build/live-logs/<name>/, this server's files replaced at start),
+  startup_timeout=900.0, progress=print)``; ``model`` defaults to the
+  converted SmolLM2 (tests/support/model.py). Use as a context manager or
+  call ``start()`` / ``stop()``. Attributes: ``base_url``, ``port``, ``pid``,
+  ``log_path``, ``kernel_log_path``, ``startup_seconds``.
+  - ``generate(text=None, *, input_ids=None, max_new_tokens=8,
+    return_logprob=False, top_logprobs_num=0, timeout=600, **sampling) -> dict``:
+    one greedy (temperature 0 unless given) /generate; the reply dict, with
+    ``meta_info`` (``cached_tokens``, ``cached_tokens_details``, ``output_ids``...).
+  - ``metrics() -> tests.support.prom.Metrics`` (needs ``--enable-metrics``,
+    which CPU_FLAGS sets).
+  - ``flush_cache()``, ``get(path)``, ``post(path, payload)``.
+  - ``log_text()``; ``kernel_calls() -> list[dict]`` (the sgl_kernel stand-in's
+    JSON lines: ``{"event": "load"|"call", "pid", "op"?}``).
+- ``run_cli(args, *, via=..., model=None, timeout=600, env=None) ->
+  subprocess.CompletedProcess``: run the launcher to completion (for flags
+  that must fail at start-up); stdout and stderr merged into ``.stdout``.
+- ``cpu_env(sglang_path=PATCHED_PYTHON, kernel_log=None, extra=None) -> dict``:
+  the environment for any other SGLang process on CPU (``python -m
+  sglang.bench_serving`` imports sglang.srt.configs, so it needs the stand-ins).
+- ``free_port() -> int``.
+- ``ServerStartError``: raised when the server exits or times out before
+  healthy; its message ends with the log tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Sequence
+
+from tests.support import prom
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
+# The same tree tests/support/standins.py checks sglang against.
+PATCHED_PYTHON = (
+    Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang").resolve()
+    / "python"
+)
+SERVE_SCRIPT = REPO_ROOT / "scripts" / "hiqcache_serve.sh"
+KERNEL_LOG_ENV = "HIQ_SGL_KERNEL_LOG"
+# HIQ_LIVE_LOG_ROOT separates concurrent runs (same server names, same files).
+LOG_ROOT = Path(
+    os.environ.get("HIQ_LIVE_LOG_ROOT") or REPO_ROOT / "build" / "live-logs"
+).resolve()
+
+# Why each flag: --device cpu plus SGLANG_USE_CPU_ENGINE=1 (else is_cpu() is
+# False and rotary imports vllm); torch_native attention (the x86 default is
+# intel_amx, which this CPU's AMX flag selects); pytorch sampling (no
+# flashinfer); no CUDA graphs; no warm-up request (it races metrics); a small
+# L1 so a handful of long prompts overflow it (--max-total-tokens caps the KV
+# pool; the memory fraction only has to cover the weights while other
+# processes hold RAM: 0.05 failed at 13 GB free).
+CPU_FLAGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-cuda-graph",
+    "--skip-server-warmup",
+    "--enable-metrics",
+    "--mem-fraction-static",
+    "0.25",
+    "--max-total-tokens",
+    "4096",
+)
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def hicache_flags(
+    host_dtype: str | None = None,
+    *,
+    ratio: float = 2.0,
+    layout: str | None = "layer_first",
+    io_backend: str | None = "direct",
+    storage_backend: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """HiCache flags for one arm; host_dtype None keeps the stock BF16 pool,
+    layout / io_backend None keep SGLang's defaults (page_first, kernel)."""
+    flags = ["--enable-hierarchical-cache", "--hicache-ratio", str(ratio)]
+    # None leaves the flag out: SGLang's own default and resolution apply.
+    if layout is not None:
+        flags += ["--hicache-mem-layout", layout]
+    if io_backend is not None:
+        flags += ["--hicache-io-backend", io_backend]
+    if host_dtype is not None:
+        flags += ["--hicache-host-dtype", host_dtype]
+    if storage_backend is not None:
+        flags += ["--hicache-storage-backend", storage_backend]
+    return flags + list(extra)
+
+
+def cpu_env(
+    sglang_path: Path | None = PATCHED_PYTHON,
+    kernel_log: Path | None = None,
+    extra: dict | None = None,
+) -> dict[str, str]:
+    """The environment of a CPU SGLang process: cpu_site first on PYTHONPATH,
+    then sglang_path (None: the interpreter's own sglang)."""
+    env = dict(os.environ)
+    paths = [str(CPU_SITE)]
+    if sglang_path is not None:
+        paths.append(str(sglang_path))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["SGLANG_USE_CPU_ENGINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    # 1 GiB, not upstream's 10 GiB reserve: see cpu_site/sitecustomize.py.
+    env.setdefault("HIQ_HOST_MEMORY_RESERVE_BYTES", str(1 << 30))
+    if kernel_log is not None:
+        env[KERNEL_LOG_ENV] = str(kernel_log)
+    # hiqcache_serve.sh runs `python3`: make it this interpreter's venv.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _command(
+    args: Sequence[str], via: str, model: Path | str, python: str, host_port: list
+) -> tuple[list[str], dict]:
+    if via == "launch_server":
+        launcher = [python, "-m", "sglang.launch_server", "--model-path", str(model)]
+        return [*launcher, *host_port, *args], {}
+    if via == "hiqcache_serve":
+        # The image's default command: the model comes from MODEL.
+        return ["bash", str(SERVE_SCRIPT), *host_port, *args], {"MODEL": str(model)}
+    raise ValueError(f"via={via!r}: pass 'launch_server' or 'hiqcache_serve'")
+
+
+def _default_model() -> Path:
+    from tests.support.model import smollm2_dir
+
+    return smollm2_dir()
+
+
+def run_cli(
+    args: Sequence[str],
+    *,
+    via: str = "launch_server",
+    model: Path | str | None = None,
+    python: str | None = None,
+    sglang_path: Path | None = PATCHED_PYTHON,
+    timeout: float = 600.0,
+    env: dict | None = None,
+) -> subprocess.CompletedProcess:
+    """Run the launcher to completion (a start-up that must fail)."""
+    model = model if model is not None else _default_model()
+    host_port = ["--host", "127.0.0.1", "--port", str(free_port())]
+    cmd, cmd_env = _command(args, via, model, python or sys.executable, host_port)
+    with tempfile.TemporaryDirectory(prefix="hiq-cli-") as tmp:
+        full_env = cpu_env(sglang_path, Path(tmp) / "sgl_kernel.jsonl", env)
+        full_env.update(cmd_env)
+        proc = subprocess.Popen(
+            cmd,
+            env=full_env,
+            cwd=tmp,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            out, _ = proc.communicate()
+            raise
+        finally:
+            if proc.poll() is None:
+                _kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def _kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM then SIGKILL the server's process group (it was started as a
+    session leader, so the group is its own, never the test's)."""
+    if proc.poll() is not None:
+        # The leader exited; children it left in the group still go.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class LiveServer:
+    """One live server; see the module docstring."""
+
+    def __init__(
+        self,
+        args: Sequence[str],
+        *,
+        name: str = "server",
+        via: str = "launch_server",
+        model: Path | str | None = None,
+        python: str | None = None,
+        sglang_path: Path | None = PATCHED_PYTHON,
+        env: dict | None = None,
+        log_dir: Path | str | None = None,
+        startup_timeout: float = 900.0,
+        progress: Callable[[str], None] | None = print,
+    ):
+        self.args = list(args)
+        self.name = name
+        self.via = via
+        self.model = model
+        self.python = python or sys.executable
+        self.sglang_path = sglang_path
+        self.extra_env = env
+        # build/, not pytest's tmp: concurrent pytest runs prune old basetemps.
+        self.log_dir = Path(log_dir or LOG_ROOT / name)
+        self.startup_timeout = startup_timeout
+        self.progress = progress or (lambda line: None)
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.log_dir / f"{name}.log"
+        self.kernel_log_path = self.log_dir / f"{name}.sgl_kernel.jsonl"
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def __enter__(self) -> "LiveServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> "LiveServer":
+        model = self.model if self.model is not None else _default_model()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        for old in (self.log_path, self.kernel_log_path):
+            old.unlink(missing_ok=True)
+        host_port = ["--host", "127.0.0.1", "--port", str(self.port)]
+        cmd, cmd_env = _command(self.args, self.via, model, self.python, host_port)
+        env = cpu_env(self.sglang_path, self.kernel_log_path, self.extra_env)
+        env.update(cmd_env)
+        log = open(self.log_path, "w", encoding="utf-8")
+        log.write("$ " + " ".join(cmd) + "\n")
+        log.flush()
+        start = time.monotonic()
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=self.log_dir,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        self.progress(
+            f"[{self.name}] starting pid {self.proc.pid} on {self.base_url} "
+            f"(40-120 s here), log {self.log_path}"
+        )
+        try:
+            self._wait_healthy(start)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - start
+        self.progress(f"[{self.name}] healthy after {self.startup_seconds:.0f} s")
+        return self
+
+    def _wait_healthy(self, start: float) -> None:
+        next_note = start + 15
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"{self.name} exited with {self.proc.returncode} before it "
+                    f"was healthy; log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            now = time.monotonic()
+            if now - start > self.startup_timeout:
+                raise ServerStartError(
+                    f"{self.name} not healthy after {self.startup_timeout:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if now >= next_note:
+                last = self.log_tail(1).strip()[:120]
+                self.progress(f"[{self.name}] {now - start:.0f} s: {last}")
+                next_note = now + 15
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        _kill_group(self.proc)
+        self.proc.wait()
+
+    # -- requests ---------------------------------------------------------
+
+    def post(self, path: str, payload: dict, timeout: float = 600.0) -> dict:
+        request = urllib.request.Request(
+            self.base_url + path,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                body = r.read().decode()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(
+                f"{self.name} POST {path}: HTTP {e.code}: {e.read().decode()[:2000]}"
+            ) from None
+        return json.loads(body) if body.strip() else {}
+
+    def get(self, path: str, timeout: float = 60.0) -> str:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
+            return r.read().decode()
+
+    def generate(
+        self,
+        text: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        max_new_tokens: int = 8,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        timeout: float = 600.0,
+        **sampling,
+    ) -> dict:
+        if (text is None) == (input_ids is None):
+            raise ValueError("generate: pass exactly one of text= or input_ids=")
+        params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, **sampling}
+        payload: dict = {"sampling_params": params}
+        if text is not None:
+            payload["text"] = text
+        else:
+            payload["input_ids"] = list(input_ids)
+        if return_logprob:
+            payload["return_logprob"] = True
+            payload["top_logprobs_num"] = top_logprobs_num
+        return self.post("/generate", payload, timeout=timeout)
+
+    def metrics(self) -> prom.Metrics:
+        return prom.parse(self.get("/metrics"))
+
+    def flush_cache(self) -> None:
+        urllib.request.urlopen(
+            urllib.request.Request(self.base_url + "/flush_cache", method="POST"),
+            timeout=60,
+        ).read()
+
+    # -- logs -------------------------------------------------------------
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_text().splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    def kernel_calls(self) -> list[dict]:
+        if not self.kernel_log_path.is_file():
+            return []
+        with open(self.kernel_log_path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
