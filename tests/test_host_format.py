@@ -10,6 +10,7 @@ layout the pre-refactor pool wrote, rebuilt from the reference codec.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,6 @@ import torch
 from hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import mha_quantized_fused
 from sglang.srt.mem_cache.pool_host.host_format import (
     EncodeStats,
     HostKVFormat,
@@ -344,23 +344,28 @@ def test_host_bytes_follow_page_size_and_layout(monkeypatch):
 
 def test_registry_and_dispatch(monkeypatch):
     info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
+    assert hf.host_dtype_choices() == ["auto", "int8", "int4", "k8v4"]
     assert host_format_cls("int8") is codec.Int8HostFormat
-    assert get_mha_host_pool_cls(info, "int8") is MHATokenToKVPoolINT8FusedHost
-    assert MHATokenToKVPoolINT8Host.host_format_cls is codec.Int8HostFormat
-    with pytest.raises(ValueError, match="--hicache-host-dtype 'bogus'"):
+    assert host_format_cls("int8", "mla").name == "int8"
+    pool_cls = get_mha_host_pool_cls(info, "int8")
+    assert pool_cls is hf.host_pool_cls("int8", "mha")
+    assert pool_cls.host_format_cls is codec.Int8HostFormat
+    with pytest.raises(ValueError, match="--hicache-host-dtype 'bogus'.*auto, int8"):
         host_format_cls("bogus")
+    with pytest.raises(
+        NotImplementedError, match="int4 does not support MLA.*auto, int8"
+    ):
+        hf.host_pool_cls("int4", "mla")
     # A format or pool module this build lacks fails naming the flag.
-    monkeypatch.setitem(hf._FORMAT_CLASSES, "int4", ("sglang.no_such_codec", "X"))
-    monkeypatch.delitem(hf.HOST_FORMATS, "int4", raising=False)
-    with pytest.raises(NotImplementedError, match="--hicache-host-dtype int4"):
-        get_mha_host_pool_cls(info, "int4")
-    monkeypatch.setitem(
-        mha_quantized_fused.MHA_QUANTIZED_HOST_POOLS,
-        "int8",
-        ("sglang.no_such_pool", "X"),
-    )
-    with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8"):
-        get_mha_host_pool_cls(info, "int8")
+    monkeypatch.setattr(hf, "HOST_DTYPES", dict(hf.HOST_DTYPES))
+    int8 = hf.get_host_dtype("int8")
+    hf.register_host_dtype(replace(int8, name="nocodec", mha_format="sglang.no:X"))
+    with pytest.raises(NotImplementedError, match="--hicache-host-dtype nocodec"):
+        get_mha_host_pool_cls(info, "nocodec")
+    hf.register_host_dtype(replace(int8, name="nopool"))
+    monkeypatch.setitem(hf._HOST_POOLS, "mha", "sglang.no_such_pool:X")
+    with pytest.raises(NotImplementedError, match="--hicache-host-dtype nopool"):
+        get_mha_host_pool_cls(info, "nopool")
 
 
 # ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 
 from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
-from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.quantized import (
     QUANTIZED_HOST_DEVICE_DTYPES,
@@ -32,13 +32,12 @@ from sglang.srt.mem_cache.pool_host.quantized_fused import QuantizedFusedHostPoo
 logger = logging.getLogger(__name__)
 
 
-class MLATokenToKVPoolINT8Host(
+class MLATokenToKVPoolQuantizedHost(
     QuantizedFusedHostPoolMixin, QuantizedHostPoolMixin, MLATokenToKVPoolHost
 ):
-    """MLA host pool holding the latent cache in MLAInt8HostFormat; fused
-    transfers where the format's kernels run, the torch path otherwise."""
-
-    host_format_cls = MLAInt8HostFormat
+    """MLA host pool holding the latent cache in `host_format_cls` (bound by
+    host_format.host_pool_cls); fused transfers where the format's kernels
+    run, the torch path otherwise."""
 
     @classmethod
     def host_bytes_per_device_byte(
@@ -210,12 +209,9 @@ def _refuse_unsupported(
 
 
 def get_mla_host_pool_cls(buffer_info: MLABufferInfo, host_dtype: str = "auto") -> type:
-    """The MLA host pool class for --hicache-host-dtype."""
-    if host_dtype == "int8":
-        return MLATokenToKVPoolINT8Host
-    if host_dtype != "auto":
-        raise NotImplementedError(
-            f"--hicache-host-dtype {host_dtype} has no MLA host pool; MLA models "
-            "support auto and int8."
-        )
-    return MLATokenToKVPoolHost
+    """Deprecated: host_format.host_pool_cls(host_dtype, "mla"), or the stock pool."""
+    return (
+        MLATokenToKVPoolHost
+        if host_dtype == "auto"
+        else host_pool_cls(host_dtype, "mla")
+    )
