@@ -333,8 +333,8 @@ def test_host_bytes_follow_page_size_and_layout(monkeypatch):
             )
             monkeypatch.setattr(
                 hicache_auto_size,
-                "get_mha_host_pool_cls",
-                lambda info, dtype: CopyHostPool,
+                "host_pool_cls",
+                lambda name, kind: CopyHostPool if (name, kind) == ("copy", "mha") else None,
             )
             estimate = hicache_auto_size._estimate_hicache_bytes(params, None)
             assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)

@@ -12,6 +12,7 @@ import unittest
 import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 from sglang.test.ci.ci_register import register_cpu_ci
@@ -45,18 +46,20 @@ def _store(reads):
         enable_alt_stream=False,
     )
     info = device_pool.get_device_pool_infos()[0].buffer_info
-    host_pool = MHATokenToKVPoolHost(
-        info,
-        2.0,
-        0,
-        PAGE_SIZE,
-        "page_first",
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_pool.size,
-        start_layer=0,
-        end_layer=device_pool.layer_num,
-    )
+    # A budget of its own: the pool is tiny, whatever else the machine runs.
+    with host_memory_budget_scope(1 << 30):
+        host_pool = MHATokenToKVPoolHost(
+            info,
+            2.0,
+            0,
+            PAGE_SIZE,
+            "page_first",
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device_pool.size,
+            start_layer=0,
+            end_layer=device_pool.layer_num,
+        )
     # Only what batch_get_v1 reads; the real constructor connects to a master.
     store = MooncakeStore.__new__(MooncakeStore)
     store.mem_pool_host = host_pool

@@ -114,6 +114,9 @@ class QuantizedHostPoolMixin:
         """The format's name (metrics label: what the host stores)."""
         return self.host_format.name
 
+    # The metrics reporter's name for it (HostKVCache.host_format_name).
+    host_format_name = host_dtype
+
     @property
     def _page_major(self) -> bool:
         return self.layout != "layer_first"
@@ -226,6 +229,9 @@ class QuantizedHostPoolMixin:
         """
         self._sync_transfer_device()
         return int(self._nonfinite_rows.item())
+
+    # The metrics reporter's name for it (HostKVCache.nonfinite_group_count).
+    nonfinite_group_count = nonfinite_row_count
 
     def scale_amax_by_layer(self) -> torch.Tensor:
         """Largest max |x| of a group backed up so far, per layer and side:
