@@ -3,8 +3,8 @@
 A format (--hicache-host-dtype) owns all value math: which host tensors
 ("records") it stores per unit and layer, how device rows become records and
 back, its error bound and its fused kernels. It never sees indices, layouts or
-staging; the quantized host pools (pool_host/quantized.py) handle those once
-for every format.
+staging; the encoded host pools (pool_host/encoded.py) handle those once for
+every format.
 
 A unit is what one host index range addresses per layer: a page for the
 page-major layouts (page_first, page_first_direct), a token for layer_first.
@@ -228,9 +228,8 @@ HOST_DTYPES: dict[str, HostDtype] = {}
 MODEL_KINDS = ("mha", "mla")
 # The encoded host pool of each model kind; host_pool_cls binds a format to it.
 _HOST_POOLS = {
-    "mha": "sglang.srt.mem_cache.pool_host.mha_quantized_fused:"
-    "MHATokenToKVPoolQuantizedFusedHost",
-    "mla": "sglang.srt.mem_cache.pool_host.mla_int8:MLATokenToKVPoolQuantizedHost",
+    "mha": "sglang.srt.mem_cache.pool_host.mha_encoded:MHATokenToKVPoolEncodedHost",
+    "mla": "sglang.srt.mem_cache.pool_host.mla_encoded:MLATokenToKVPoolEncodedHost",
 }
 _format_classes: dict[tuple[str, str], type[HostKVFormat]] = {}
 _pool_classes: dict[tuple[str, str], type] = {}
