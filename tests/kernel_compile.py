@@ -2,7 +2,7 @@
 
 Triton picks its compile target from the active driver. TargetOnlyDriver is a
 stand-in that reports a CUDA target (sm_80/86/89/90) and nothing else; with
-it active, the pool's real launch sites (MHATokenToKVPoolINT8FusedHost backup and
+it active, the pool's real launch sites (MHATokenToKVPoolINT8Host backup and
 restore -> kv_int8_triton.encode_gather / decode_scatter) run as usual, and
 every `kernel[grid](...)` they reach is recorded instead of launched, keeping
 the first launch of each distinct specialisation (Triton's own binder and

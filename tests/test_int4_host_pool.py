@@ -1,4 +1,4 @@
-"""INT4 and K8V4 host pools (pool_host/mha_int4.py) through the real patched
+"""INT4 and K8V4 host pools (host_pool_cls("int4"/"k8v4"), pool_host/mha_encoded.py) through the real patched
 SGLang code on CPU: the dispatch, every layout, page size and io backend,
 BF16/FP16 device KV, the real controller, L3 page I/O and the capacity the
 allocated buffers give against BF16.
@@ -256,7 +256,7 @@ def test_nonfinite_kv_restores_as_nan_and_is_counted(fmt, layout, page_size):
     device_pool.k_buffer[1][k_tok, 1, 5] = float("nan")
     device_pool.v_buffer[0][v_tok, 0, 40] = float("inf")
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    assert pool.nonfinite_row_count() == 2
+    assert pool.nonfinite_group_count() == 2
     new_dev = pages([6, 7], page_size)
     for layer in range(geo.layer_num):
         pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
@@ -591,7 +591,7 @@ def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access)
         assert torch.equal(
             fused_pool.host_records[name].view(torch.uint8), buf.view(torch.uint8)
         ), name
-    assert fused_pool.nonfinite_row_count() == torch_pool.nonfinite_row_count() == 1
+    assert fused_pool.nonfinite_group_count() == torch_pool.nonfinite_group_count() == 1
     assert torch.equal(
         fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
     )

@@ -55,7 +55,7 @@ def state(device_pool, pool):
     return (
         [b.clone() for b in pool.kv_buffer],
         [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
-        pool.nonfinite_row_count(),
+        pool.nonfinite_group_count(),
         pool.scale_amax_by_layer(),
     )
 

@@ -48,7 +48,7 @@ def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
 
 
 def unit_tokens(layout: str, page_size: int) -> int:
-    """Tokens per host unit (module docstring of mha_int8)."""
+    """Tokens per host unit (pool_host/encoded.py)."""
     return 1 if layout == "layer_first" else page_size
 
 
@@ -197,7 +197,7 @@ def test_nonfinite_kv_restores_as_nan_and_is_counted(layout):
     device_pool.v_buffer[0][6, 0, 0] = float("inf")
     host = pool.alloc(8)
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    assert pool.nonfinite_row_count() == 2
+    assert pool.nonfinite_group_count() == 2
     new_dev = torch.arange(10, 18)
     for layer in range(geo.layer_num):
         pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")

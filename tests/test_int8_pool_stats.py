@@ -1,7 +1,7 @@
 """The INT8 host pool's statistics interface, on the torch path and on the
 fused kernels (Triton interpreter): scale_amax_by_layer() is the running
 maximum of the finite rows' amax per layer, K and V; non-finite rows feed
-nonfinite_row_count() instead. Expectations are computed here from the device
+nonfinite_group_count() instead. Expectations are computed here from the device
 rows themselves."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_scale_amax_tracks_finite_rows_per_layer(access, layout, page_size):
     amax = pool.scale_amax_by_layer()
     assert amax.dtype == torch.float32 and amax.device.type == "cpu"
     assert torch.equal(amax, want)
-    assert pool.nonfinite_row_count() == 2
+    assert pool.nonfinite_group_count() == 2
 
     # A running maximum: smaller rows leave it, a larger one raises its slot.
     dev2 = torch.arange(8 * page_size, 10 * page_size)

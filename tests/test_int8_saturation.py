@@ -120,7 +120,7 @@ def round_trip(dtype, values, access):
         pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
     k = device_pool.k_buffer[1][new_dev, 0, 0].float()
     v = device_pool.v_buffer[1][new_dev, 1, 3].float()
-    return k, v, pool.nonfinite_row_count()
+    return k, v, pool.nonfinite_group_count()
 
 
 PATHS = [None, "direct", "staged"]

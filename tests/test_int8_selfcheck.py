@@ -55,7 +55,7 @@ def snapshot(device_pool, pool):
         "device": [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
         "free_slots": pool.free_slots.clone(),
         "available": pool.available_size(),
-        "nonfinite": pool.nonfinite_row_count(),
+        "nonfinite": pool.nonfinite_group_count(),
         "amax": pool.scale_amax_by_layer(),
         "invalid": pool.invalid_host_index_count(),
     }

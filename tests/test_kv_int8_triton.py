@@ -275,7 +275,7 @@ def pool_round_trip(
             device_pool, host, new_dev.to(device_index_dtype), layer, "direct"
         )
     device = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
-    return host_bufs, device, pool.nonfinite_row_count()
+    return host_bufs, device, pool.nonfinite_group_count()
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:

@@ -434,7 +434,7 @@ def pool_round_trip(layout, page_size, dtype, mode, layers=2):
         device_pool.kv_buffer[layer].fill_(-7.0)
         pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "kernel")
     device = [b.clone() for b in device_pool.kv_buffer]
-    return records, device, pool.nonfinite_row_count(), pool.scale_amax_by_layer()
+    return records, device, pool.nonfinite_group_count(), pool.scale_amax_by_layer()
 
 
 def assert_same_round_trip(got, ref):

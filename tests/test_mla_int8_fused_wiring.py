@@ -1,4 +1,4 @@
-"""The MLA INT8 pool's fused transfer wiring (QuantizedFusedHostPoolMixin),
+"""The MLA INT8 pool's fused transfer wiring (encoded_fused.FusedTransfer),
 checked against the kernels' contract with a torch stand-in for them.
 
 The real kernels (sglang.kernels.ops.kvcache.kv_mla_int8_triton) are built on
@@ -139,7 +139,7 @@ def test_fused_paths_write_the_torch_paths_bytes(
             (
                 [t.clone() for t in pool.kv_buffer],
                 [device_pool.kv_buffer[i][dst].clone() for i in range(3)],
-                pool.nonfinite_row_count(),
+                pool.nonfinite_group_count(),
                 pool.scale_amax_by_layer(),
             )
         )
@@ -162,7 +162,7 @@ def test_self_check_passes_and_puts_everything_back(kernels, access):
     assert pool.transfer_path == f"fused_{access}"
     for a, b in zip(before, list(pool.kv_buffer) + list(device_pool.kv_buffer)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    assert pool.nonfinite_row_count() == 0
+    assert pool.nonfinite_group_count() == 0
 
 
 def test_self_check_catches_kernels_that_differ(kernels, monkeypatch):

@@ -167,7 +167,7 @@ def test_nonfinite_policy_and_statistics(layout, page_size):
         host_dtype="int8",
     )
     pool = rig.host_pool
-    assert pool.nonfinite_row_count() == 0
+    assert pool.nonfinite_group_count() == 0
     assert torch.equal(pool.scale_amax_by_layer(), torch.zeros(3, 1))
 
     def edit(device_pool, dev):
@@ -182,7 +182,7 @@ def test_nonfinite_policy_and_statistics(layout, page_size):
     assert nan_tile[TILE : 2 * TILE].all() and nan_tile.sum() == TILE
     assert restored[1][2, 0, LATENT + 1].item() == INF
     assert torch.isnan(restored[2][3, 0, 2 * TILE : 3 * TILE]).all()
-    assert pool.nonfinite_row_count() == 3
+    assert pool.nonfinite_group_count() == 3
     amax = pool.scale_amax_by_layer()
     assert amax.shape == (3, 1) and amax.dtype == torch.float32
     want = []

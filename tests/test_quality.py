@@ -125,7 +125,7 @@ def test_every_offloaded_token_came_back_from_l2(report):
         assert s["written_tokens"] == expected, arm
         assert s["load_acked_tokens"] == expected, arm
     assert report["arms"]["bf16"]["host_pool"] == "MHATokenToKVPoolHost"
-    assert report["arms"]["int8"]["host_pool"] == "MHATokenToKVPoolINT8FusedHost"
+    assert report["arms"]["int8"]["host_pool"] == "MHATokenToKVPoolINT8Host"
     assert report["arms"]["exact"]["restored_tokens"] == 0
 
 

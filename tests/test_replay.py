@@ -285,7 +285,7 @@ def test_int8_arm_runs_the_int8_pool_through_the_server_dispatch():
     engine = rp.HiCacheReplay("int8", 3000, SERVING)
     try:
         assert get_memory().hicache_host_dtype == "int8"
-        assert type(engine.host_pool).__name__ == "MHATokenToKVPoolINT8FusedHost"
+        assert type(engine.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
         assert engine.host_pool.size == 3000
     finally:
         engine.close()

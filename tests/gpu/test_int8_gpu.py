@@ -43,9 +43,9 @@ pytestmark = [
 if DEVICE is not None:
     from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
     from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-    from sglang.srt.mem_cache.pool_host.mha_int8_fused import (
-        MHATokenToKVPoolINT8FusedHost,
-    )
+    from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+    MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 DTYPES = (torch.bfloat16, torch.float16)
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
@@ -97,7 +97,7 @@ def int8_pool(dev_pool, layout, host_tokens, pin_memory=CUDA):
     run) the fused kernels are switched on, so the kernels a GPU would run
     are the ones exercised."""
     pool = make_host_pool(
-        dev_pool, cls=MHATokenToKVPoolINT8FusedHost, layout=layout,
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
         host_tokens=host_tokens, pin_memory=pin_memory,
     )  # fmt: skip
     if not CUDA:
@@ -152,7 +152,7 @@ def test_fused_path_is_the_default_on_cuda():
         layer_num=2, head_num=2, head_dim=64, tokens=32, device=DEVICE
     )
     pool = make_host_pool(
-        dev_pool, cls=MHATokenToKVPoolINT8FusedHost, layout="page_first",
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout="page_first",
         host_tokens=32, pin_memory=CUDA,
     )  # fmt: skip
     if CUDA:
@@ -246,7 +246,7 @@ def pool_round_trip(layout, page, geo, mode, *, poison=False, layers=3, pages=5)
         page_size=page, tokens=16 * page, device=DEVICE,
     )  # fmt: skip
     pool = make_host_pool(
-        dev_pool, cls=MHATokenToKVPoolINT8FusedHost, layout=layout,
+        dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
         host_tokens=16 * page, pin_memory=CUDA,
     )  # fmt: skip
     pool.use_fused_kernels = mode is not None
@@ -287,7 +287,7 @@ def pool_round_trip(layout, page, geo, mode, *, poison=False, layers=3, pages=5)
             )
     sync()
     device = [b.cpu() for b in dev_pool.k_buffer + dev_pool.v_buffer]
-    count = pool.nonfinite_row_count()
+    count = pool.nonfinite_group_count()
     destroy_host_pool(pool)
     return written, host_bufs, device, new_dev, count
 

@@ -197,7 +197,7 @@ def run_case(key: str) -> str:
     pool.backup_from_device_all_layer(device_pool, host, dev, "kernel")
     for name, buf in pool.host_records.items():
         d.add(f"host/{name}", buf)
-    d.add("nonfinite", pool.nonfinite_row_count())
+    d.add("nonfinite", pool.nonfinite_group_count())
     d.add("scale_amax", pool.scale_amax_by_layer())
     if hasattr(pool, "invalid_host_index_count"):
         d.add("invalid_host_indices", pool.invalid_host_index_count())

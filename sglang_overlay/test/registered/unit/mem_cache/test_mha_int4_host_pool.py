@@ -171,7 +171,7 @@ class TestMHAInt4HostPool(CustomTestCase):
         device_pool.k_buffer[0][src[2], 1, 3] = float("inf")
         host = pool.alloc(16)
         pool.backup_from_device_all_layer(device_pool, host, src, "direct")
-        self.assertEqual(pool.nonfinite_row_count(), 1)
+        self.assertEqual(pool.nonfinite_group_count(), 1)
         dst = _pages(3, 1, 16)
         pool.load_to_device_per_layer(device_pool, host, dst, 0, "direct")
         restored = device_pool.k_buffer[0][dst]

@@ -120,7 +120,7 @@ class TestMHAInt8HostPool(CustomTestCase):
         device_pool.k_buffer[0][2, 1, 3] = float("inf")
         host = pool.alloc(4)
         pool.backup_from_device_all_layer(device_pool, host, src, "direct")
-        self.assertEqual(pool.nonfinite_row_count(), 1)
+        self.assertEqual(pool.nonfinite_group_count(), 1)
         dst = torch.arange(8, 12)
         pool.load_to_device_per_layer(device_pool, host, dst, 0, "direct")
         restored = device_pool.k_buffer[0][dst]
@@ -141,7 +141,7 @@ class TestMHAInt8HostPool(CustomTestCase):
         pool.load_to_device_per_layer(device_pool, host, dst, 0, "direct")
         restored = device_pool.k_buffer[0][dst, 0, 0].tolist()
         self.assertEqual(restored, [65504.0, 65504.0, -65504.0, -65504.0])
-        self.assertEqual(pool.nonfinite_row_count(), 0)
+        self.assertEqual(pool.nonfinite_group_count(), 0)
         self.assertEqual(pool.scale_amax_by_layer()[0, 0].item(), 65504.0)
 
     def test_bad_host_indices_move_nothing(self):

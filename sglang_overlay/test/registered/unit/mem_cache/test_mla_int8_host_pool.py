@@ -114,7 +114,7 @@ class TestMLAInt8HostPool(CustomTestCase):
         restored = device_pool.kv_buffer[0][dst]
         self.assertTrue(torch.isnan(restored[0, 0, 128:256]).all())
         self.assertEqual(int(torch.isnan(restored).sum()), 128)
-        self.assertEqual(pool.nonfinite_row_count(), 1)
+        self.assertEqual(pool.nonfinite_group_count(), 1)
 
     def test_sized_by_encoded_bytes(self):
         device_pool = _device_pool(4, layers=3)
