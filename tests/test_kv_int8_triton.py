@@ -457,8 +457,7 @@ def test_mode_selection(monkeypatch):
     pool = build()  # CPU: torch path by default, kernels can reach host memory
     assert not pool.use_fused_kernels and pool.fused_host_access == "direct"
     assert not pool.use_run_copies
-    # The deprecated name still counts while Envs declares only it.
-    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "staged")
+    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "staged")
     assert build().fused_host_access == "staged"
     monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "bogus")
     with pytest.raises(ValueError, match="SGLANG_HICACHE_FUSED_TRANSFER"):

@@ -49,7 +49,8 @@ def test_accepts_plain_mla_with_every_layout_and_io_backend(
     # The MLA INT8 pool takes upstream's layout/io rewrites unchanged.
     for name in ("hicache_mem_layout", "hicache_io_backend"):
         assert resolution_result(server_args, name) == resolution_result(stock, name)
-    assert "MLA latent as INT8 in 128-value tiles" in caplog.text
+    assert "HiCache host KV dtype: int8 for MLA models (" in caplog.text
+    assert "the latent in 128-value tiles" in caplog.text
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp16"])

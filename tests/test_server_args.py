@@ -133,21 +133,23 @@ def test_flag_rejects_unknown_value(parser, capsys):
 
 def test_unknown_value_from_python_api_fails_at_startup():
     # The argparse choices do not guard ServerArgs(...) built in Python.
-    with pytest.raises(ValueError, match="--hicache-host-dtype must be"):
+    with pytest.raises(ValueError, match="--hicache-host-dtype 'fp8' is not a host KV"):
         resolve(hicache_host_dtype="fp8", enable_hierarchical_cache=False)
 
 
 def test_flag_help_text(parser):
+    from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES
+
     (action,) = [
         a for a in parser._actions if "--hicache-host-dtype" in a.option_strings
     ]
-    assert action.choices == ["auto", "int8", "int4", "k8v4"]
+    # Choices and help come from the host-format registry, in its order.
+    assert action.choices == ["auto", *QUANTIZED]
+    assert list(HOST_DTYPES) == list(QUANTIZED)
     assert action.help.startswith("Data type of the HiCache host (L2) KV copy.")
-    assert "about 1.97x tokens per host byte at head_dim 128" in action.help
-    # The capacity figures of tests/test_int4_host_pool.py's table.
-    assert "about 3.56x at head_dim 128 and page size 64, 3.05x at" in action.help
-    assert "'k8v4' keeps INT8 keys and stores 4-bit values" in action.help
-    assert "(about 2.53x)" in action.help
+    for entry in HOST_DTYPES.values():
+        assert f"'{entry.name}' stores {entry.help}" in action.help
+    assert "'int8' stores symmetric INT8 with one FP16 scale per token" in action.help
 
 
 def test_field_is_last_positional_field():
@@ -359,8 +361,8 @@ def test_unknown_host_dtype_is_refused_at_start_up():
     with pytest.raises(ValueError) as error:
         resolve(hicache_host_dtype="int2")
     assert (
-        "--hicache-host-dtype must be one of auto, int8, int4, k8v4; got 'int2'"
-        in str(error.value)
+        "--hicache-host-dtype 'int2' is not a host KV format; pass one of "
+        "auto, int8, int4, k8v4." in str(error.value)
     )
 
 
@@ -379,7 +381,7 @@ def test_quantized_resolves_every_layout_io_pair_as_the_stock_pool(
     for name in ("hicache_mem_layout", "hicache_io_backend"):
         assert resolution_result(server_args, name) == resolution_result(stock, name)
     assert resolution_result(server_args, "hicache_host_dtype") == host_dtype
-    assert f"HiCache host KV dtype: {host_dtype} (" in caplog.text
+    assert f"HiCache host KV dtype: {host_dtype} for MHA models (" in caplog.text
 
 
 def test_stock_pool_layout_io_rewrite_is_unchanged(models):

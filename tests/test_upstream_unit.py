@@ -17,6 +17,9 @@ UPSTREAM_TESTS = [
     PATCHED_TREE.parent
     / "test/registered/kernels/ops/kvcache/test_kv_mla_int8_triton.py",
     PATCHED_TREE.parent / "test/registered/kernels/ops/kvcache/test_kv_int4_triton.py",
+    PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mooncake_short_read.py",
+    PATCHED_TREE.parent
+    / "test/registered/unit/mem_cache/test_mooncake_multi_buffer_pages.py",
 ]
 
 

@@ -1,7 +1,7 @@
 """HiCache host-tier stats behind the sglang:hicache_host_* metrics, on CPU.
 
 SchedulerMetricsReporter._read_hicache_host_tier reads the host pool's format,
-bytes and (for the INT8 pool) encoding statistics; the controller's ack counts
+bytes and (for encoded pools) non-finite groups; the controller's ack counts
 the same traffic in the device dtype. Both are checked against the pools after
 a real backup.
 
@@ -18,6 +18,7 @@ from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -40,19 +41,21 @@ def _pools(host_dtype):
         enable_alt_stream=False,
     )
     info = device_pool.get_device_pool_infos()[0].buffer_info
-    host_pool = get_mha_host_pool_cls(info, host_dtype=host_dtype)(
-        info,
-        2.0,
-        0,
-        1,
-        "layer_first",
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_pool.size,
-        start_layer=0,
-        end_layer=LAYERS,
-        host_token_capacity=64,
-    )
+    # A budget of its own: the pool is tiny, whatever else the machine runs.
+    with host_memory_budget_scope(1 << 30):
+        host_pool = get_mha_host_pool_cls(info, host_dtype=host_dtype)(
+            info,
+            2.0,
+            0,
+            1,
+            "layer_first",
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device_pool.size,
+            start_layer=0,
+            end_layer=LAYERS,
+            host_token_capacity=64,
+        )
     return device_pool, host_pool
 
 
@@ -94,7 +97,7 @@ class TestHiCacheHostTierStats(CustomTestCase):
         tier = _read_tier(host_pool)
         bf16_bytes = LAYERS * HEADS * 2 * DIM * 2
         self.assertEqual(
-            tier.format_labels(),
+            tier.info,
             {
                 "host_dtype": "bfloat16",
                 "device_dtype": "bfloat16",
@@ -104,33 +107,32 @@ class TestHiCacheHostTierStats(CustomTestCase):
             },
         )
         self.assertEqual(tier.bytes_per_token, bf16_bytes)
-        self.assertEqual(tier.logical_bytes_per_token, bf16_bytes)
-        self.assertEqual(tier.total_bytes, host_pool.size * bf16_bytes)
         self.assertEqual(tier.used_bytes, TOKENS * bf16_bytes)
-        self.assertIsNone(tier.nonfinite_rows)
-        self.assertIsNone(tier.scale_amax)
+        self.assertIsNone(tier.nonfinite_groups)
         self.assertEqual(_logical_bytes(host_pool, 5), 5 * bf16_bytes)
 
-    def test_int8_pool_reports_encoded_bytes_and_statistics(self):
+    def test_int8_pool_reports_encoded_bytes_and_nonfinite_groups(self):
         device_pool, host_pool = _pools("int8")
         device_indices = _backup(device_pool, host_pool)
         tier = _read_tier(host_pool)
         int8_bytes = LAYERS * HEADS * (2 * DIM + 2 * 2)
         bf16_bytes = LAYERS * HEADS * 2 * DIM * 2
-        self.assertEqual(tier.host_dtype, "int8")
-        self.assertEqual(tier.device_dtype, "bfloat16")
-        self.assertEqual(tier.transfer_path, "torch")
+        self.assertEqual(tier.info["host_dtype"], "int8")
+        self.assertEqual(tier.info["device_dtype"], "bfloat16")
+        self.assertEqual(tier.info["transfer_path"], "torch")
         self.assertEqual(tier.bytes_per_token, int8_bytes)
-        self.assertEqual(tier.logical_bytes_per_token, bf16_bytes)
         self.assertEqual(tier.used_bytes, TOKENS * int8_bytes)
-        self.assertEqual(tier.nonfinite_rows, 0)
-        self.assertEqual(len(tier.scale_amax), LAYERS)
-        for layer, k_amax, v_amax in tier.scale_amax:
-            k = device_pool.k_buffer[layer][device_indices].float()
-            v = device_pool.v_buffer[layer][device_indices].float()
-            self.assertEqual(k_amax, k.abs().max().item())
-            self.assertEqual(v_amax, v.abs().max().item())
+        self.assertEqual(tier.nonfinite_groups, 0)
         self.assertEqual(_logical_bytes(host_pool, 5), 5 * bf16_bytes)
+
+        # A NaN in one K head row (one INT8 scale group) of every layer.
+        for layer in range(LAYERS):
+            device_pool.k_buffer[layer][device_indices[0], 0, 0] = float("nan")
+        host_indices = host_pool.alloc(1)
+        host_pool.backup_from_device_all_layer(
+            device_pool, host_indices, device_indices[:1], "direct"
+        )
+        self.assertEqual(_read_tier(host_pool).nonfinite_groups, LAYERS)
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ class TorchTransfer:
 
     path = "torch"
 
-    def __init__(self, pool: "EncodedHostPool"):
+    def __init__(self, pool: EncodedHostPool):
         self.pool = pool
 
     def _unit_rows(self, rows: torch.Tensor, n_tokens: int) -> torch.Tensor:

@@ -11,7 +11,6 @@ the torch path's bytes. SGLANG_HICACHE_FUSED_TRANSFER picks the path: auto
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -30,13 +29,7 @@ _SELF_CHECK_TOKENS = 4
 
 
 def fused_transfer_mode() -> str:
-    declared = getattr(envs, FUSED_ENV, None)
-    if declared is not None:
-        mode = declared.get()
-    else:
-        # Until Envs declares FUSED_ENV: read it raw, then its deprecated name.
-        mode = os.environ.get(FUSED_ENV) or envs.SGLANG_HICACHE_INT8_FUSED.get()
-    mode = mode.strip().lower() or "auto"
+    mode = envs.SGLANG_HICACHE_FUSED_TRANSFER.get().strip().lower() or "auto"
     if mode not in ("auto", "off", *FUSED_HOST_ACCESS):
         raise ValueError(
             f"{FUSED_ENV} must be auto, off, direct or staged; got {mode!r}"

@@ -16,9 +16,9 @@ import torch
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 

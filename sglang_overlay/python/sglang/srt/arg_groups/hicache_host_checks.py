@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start-up checks of an encoded --hicache-host-dtype that need the model.
+
+hicache_hook runs them once the model config is known; each refusal names the
+flag and what to pass instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from sglang.srt.arg_groups.overrides import (
+    model_config_of,
+    resolving_view,
+    use_mla_backend,
+)
+
+
+def check_model_for_encoded_host_kv(server_args: Any) -> None:
+    if use_mla_backend(server_args):
+        _refuse_unsupported_mla(server_args)
+    _refuse_checkpoint_fp8_kv(server_args)
+    _refuse_packed_mtp_draft(server_args)
+
+
+def _refuse_unsupported_mla(server_args: Any) -> None:
+    """The MLA host pool encodes plain MLA latent caches (DeepSeek V2/V3,
+    Kimi K2 and the like) whose kv_lora_rank splits into 128-value tiles."""
+    from sglang.srt.configs.model_config import is_deepseek_dsa, is_deepseek_v4
+
+    cfg = resolving_view(server_args)
+    model_config = model_config_of(server_args)
+    hf_config = model_config.hf_config
+    unsupported = None
+    if is_deepseek_dsa(hf_config):
+        unsupported = "DSA/NSA sparse-attention MLA models (their indexer cache)"
+    elif is_deepseek_v4(hf_config):
+        unsupported = "DeepSeek V4's compressed MLA caches"
+    elif model_config.is_hybrid_swa or model_config.linear_attn_registry_result:
+        unsupported = "hybrid MLA models (sliding-window or linear-attention layers)"
+    elif cfg.enable_hisparse:
+        unsupported = "--enable-hisparse"
+    elif cfg.dcp_size > 1:
+        unsupported = "--dcp-size > 1 (no DCP index translation in the encoded pool)"
+    elif cfg.speculative_algorithm is not None:
+        # Draft KV gets its own or a packed host pool; neither is tested with
+        # the encoded MLA pool.
+        unsupported = (
+            f"--speculative-algorithm {cfg.speculative_algorithm} with MLA models"
+        )
+    elif model_config.kv_lora_rank % 128:
+        unsupported = (
+            f"kv_lora_rank {model_config.kv_lora_rank}, which is not a multiple "
+            "of the 128-value tiles"
+        )
+    if unsupported is not None:
+        raise ValueError(
+            f"--hicache-host-dtype {cfg.hicache_host_dtype} does not support "
+            f"{unsupported}. Use --hicache-host-dtype auto."
+        )
+
+
+def checkpoint_kv_cache_quant_algo(model_config: Any) -> str | None:
+    """The KV cache quantization a checkpoint declares, as --kv-cache-dtype auto
+    would apply it once the weights load (configure_kv_cache_dtype)."""
+    quant_cfg = getattr(model_config.hf_config, "quantization_config", None)
+    if quant_cfg is not None and not isinstance(quant_cfg, dict):
+        quant_cfg = quant_cfg.to_dict()
+    quant_cfg = dict(quant_cfg or {})
+    # ModelOpt checkpoints keep it in a separate hf_quant_config.json.
+    modelopt_file = os.path.join(model_config.model_path, "hf_quant_config.json")
+    if not quant_cfg and os.path.isfile(modelopt_file):
+        with open(modelopt_file) as f:
+            quant_cfg = json.load(f).get("quantization", {})
+    algo = quant_cfg.get("kv_cache_quant_algo")
+    scheme = quant_cfg.get("kv_cache_scheme")
+    if algo is None and isinstance(scheme, dict):
+        # compressed-tensors describes FP8 KV as an 8-bit float scheme.
+        if scheme.get("type") == "float" and scheme.get("num_bits") == 8:
+            algo = "FP8"
+    return algo.upper() if isinstance(algo, str) else None
+
+
+def _refuse_checkpoint_fp8_kv(server_args: Any) -> None:
+    cfg = resolving_view(server_args)
+    if cfg.kv_cache_dtype != "auto":
+        return
+    algo = checkpoint_kv_cache_quant_algo(model_config_of(server_args))
+    if algo is not None:
+        raise ValueError(
+            f"--hicache-host-dtype {cfg.hicache_host_dtype} with --kv-cache-dtype "
+            f"auto: this checkpoint declares an {algo} KV cache "
+            "(kv_cache_quant_algo), and quantized host KV needs a BF16/FP16 "
+            "device KV cache. Pass --kv-cache-dtype bf16 to keep the device KV "
+            "in BF16, or use --hicache-host-dtype auto."
+        )
+
+
+def _refuse_packed_mtp_draft(server_args: Any) -> None:
+    """NEXTN/MTP drafts pack their KV layers into the target's host pool
+    (base_spec_worker._can_pack_hicache_mtp), which the encoded pools do not do."""
+    cfg = resolving_view(server_args)
+    algorithm = (cfg.speculative_algorithm or "").upper()
+    if algorithm not in ("EAGLE", "NEXTN"):
+        return
+    from sglang.srt.configs.model_config import ModelConfig
+
+    draft_config = ModelConfig.from_server_args(
+        server_args,
+        model_path=cfg.speculative_draft_model_path or cfg.model_path,
+        model_revision=cfg.speculative_draft_model_revision,
+        is_draft_model=True,
+    )
+    if draft_config.num_nextn_predict_layers:
+        raise ValueError(
+            f"--hicache-host-dtype {cfg.hicache_host_dtype} does not support "
+            f"--speculative-algorithm {cfg.speculative_algorithm} with an MTP "
+            f"draft (num_nextn_predict_layers="
+            f"{draft_config.num_nextn_predict_layers}): HiCache packs the draft "
+            "KV layers into the target's host pool, and the encoded host pools "
+            "cannot pack them yet. Use --hicache-host-dtype auto, or drop "
+            "--speculative-algorithm."
+        )
