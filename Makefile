@@ -92,7 +92,10 @@ $(LINT_DIR)/.stamp: requirements/test-tools-lint.txt
 pr-check: pr $(LINT_DIR)/.stamp
 	PYTHONPATH=$(CURDIR)/$(LINT_DIR) $(PYTHON) scripts/pr_gate.py
 
+# The live-server tests (tests/test_live_server*.py) start real servers:
+# HIQ_LIVE_SERVER=0 skips them, HIQ_LIVE_MATRIX=1 adds every layout/io pair.
 test: venv apply
+	@bash scripts/debian_deps.sh check
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest $(PYTEST_ARGS) tests
 
 # Same host memory, more reuse: part 1 starts the patched server once per host

@@ -12,6 +12,9 @@ Stable API (used by tests and ``make demo``):
   (about 85 s, 257 MB). Safe to call from several processes: the folder is
   built under a temporary name and renamed into place.
 - ``MODEL_LABEL``: the human label of that model.
+- ``stdlib_prompts(model_dir, count, tokens) -> list[list[int]]``: ``count``
+  natural-text prompts of ``tokens`` token ids each, far apart in Python's own
+  source (no shared prefix; the same on every machine with this Python).
 
 Run ``python -m tests.support.model`` to convert ahead of time.
 """
@@ -70,6 +73,31 @@ def smollm2_dir() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def stdlib_prompts(model_dir: Path, count: int, tokens: int) -> list[list[int]]:
+    """Distinct natural-text prompts (token ids) from Python's stdlib source:
+    one file per prompt, spread over the sorted file list, skipping each
+    file's first SKIP_TOKENS so no two prompts share a prefix."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    sources = sorted(Path(os.__file__).parent.glob("*.py"))
+    prompts: list[list[int]] = []
+    for i in range(count):
+        for path in sources[i * len(sources) // count :]:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) >= SKIP_TOKENS + tokens:
+                prompts.append(ids[SKIP_TOKENS : SKIP_TOKENS + tokens])
+                break
+        else:
+            raise ValueError(f"no stdlib file has {SKIP_TOKENS + tokens} tokens")
+    return prompts
+
+
+# Past licence headers and module docstrings' common openings.
+SKIP_TOKENS = 256
 
 
 def _convert(gguf: Path, out: Path) -> None:

@@ -12,9 +12,12 @@ Stable API:
 
 - ``CPU_FLAGS``: the launch flags a CPU server needs here (tuple of str).
 - ``hicache_flags(host_dtype=None, ratio=2.0, layout="layer_first",
-  io_backend="direct", storage_backend=None, extra=()) -> list[str]``.
+  io_backend="direct", storage_backend=None, extra=()) -> list[str]``
+  (host_dtype None: the stock BF16 pool; layout/io_backend None: flag left
+  out, SGLang's default and resolution apply).
 - ``LiveServer(args, *, name="server", via="launch_server"|"hiqcache_serve",
-  model=None, python=None, sglang_path=..., env=None, log_dir=None,
+  model=None, python=None, sglang_path=..., env=None, log_dir=None
+  (default build/live-logs/<name>/, this server's files replaced at start),
   startup_timeout=900.0, progress=print)``; ``model`` defaults to the
   converted SmolLM2 (tests/support/model.py). Use as a context manager or
   call ``start()`` / ``stop()``. Attributes: ``base_url``, ``port``, ``pid``,
@@ -31,6 +34,9 @@ Stable API:
 - ``run_cli(args, *, via=..., model=None, timeout=600, env=None) ->
   subprocess.CompletedProcess``: run the launcher to completion (for flags
   that must fail at start-up); stdout and stderr merged into ``.stdout``.
+- ``cpu_env(sglang_path=PATCHED_PYTHON, kernel_log=None, extra=None) -> dict``:
+  the environment for any other SGLang process on CPU (``python -m
+  sglang.bench_serving`` imports sglang.srt.configs, so it needs the stand-ins).
 - ``free_port() -> int``.
 - ``ServerStartError``: raised when the server exits or times out before
   healthy; its message ends with the log tail.
@@ -55,15 +61,21 @@ from tests.support import prom
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
-PATCHED_PYTHON = REPO_ROOT / "build" / "sglang" / "python"
+# The same tree tests/support/standins.py checks sglang against.
+PATCHED_PYTHON = (
+    Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang") / "python"
+)
 SERVE_SCRIPT = REPO_ROOT / "scripts" / "hiqcache_serve.sh"
 KERNEL_LOG_ENV = "HIQ_SGL_KERNEL_LOG"
+LOG_ROOT = REPO_ROOT / "build" / "live-logs"
 
 # Why each flag: --device cpu plus SGLANG_USE_CPU_ENGINE=1 (else is_cpu() is
 # False and rotary imports vllm); torch_native attention (the x86 default is
 # intel_amx, which this CPU's AMX flag selects); pytorch sampling (no
 # flashinfer); no CUDA graphs; no warm-up request (it races metrics); a small
-# L1 so a handful of long prompts overflow it.
+# L1 so a handful of long prompts overflow it (--max-total-tokens caps the KV
+# pool; the memory fraction only has to cover the weights while other
+# processes hold RAM: 0.05 failed at 13 GB free).
 CPU_FLAGS = (
     "--device",
     "cpu",
@@ -75,7 +87,7 @@ CPU_FLAGS = (
     "--skip-server-warmup",
     "--enable-metrics",
     "--mem-fraction-static",
-    "0.05",
+    "0.25",
     "--max-total-tokens",
     "4096",
 )
@@ -95,21 +107,19 @@ def hicache_flags(
     host_dtype: str | None = None,
     *,
     ratio: float = 2.0,
-    layout: str = "layer_first",
-    io_backend: str = "direct",
+    layout: str | None = "layer_first",
+    io_backend: str | None = "direct",
     storage_backend: str | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """HiCache flags for one arm; host_dtype None keeps the stock BF16 pool."""
-    flags = [
-        "--enable-hierarchical-cache",
-        "--hicache-ratio",
-        str(ratio),
-        "--hicache-mem-layout",
-        layout,
-        "--hicache-io-backend",
-        io_backend,
-    ]
+    """HiCache flags for one arm; host_dtype None keeps the stock BF16 pool,
+    layout / io_backend None keep SGLang's defaults (page_first, kernel)."""
+    flags = ["--enable-hierarchical-cache", "--hicache-ratio", str(ratio)]
+    # None leaves the flag out: SGLang's own default and resolution apply.
+    if layout is not None:
+        flags += ["--hicache-mem-layout", layout]
+    if io_backend is not None:
+        flags += ["--hicache-io-backend", io_backend]
     if host_dtype is not None:
         flags += ["--hicache-host-dtype", host_dtype]
     if storage_backend is not None:
@@ -117,9 +127,13 @@ def hicache_flags(
     return flags + list(extra)
 
 
-def _server_env(
-    sglang_path: Path | None, kernel_log: Path, extra: dict | None
+def cpu_env(
+    sglang_path: Path | None = PATCHED_PYTHON,
+    kernel_log: Path | None = None,
+    extra: dict | None = None,
 ) -> dict[str, str]:
+    """The environment of a CPU SGLang process: cpu_site first on PYTHONPATH,
+    then sglang_path (None: the interpreter's own sglang)."""
     env = dict(os.environ)
     paths = [str(CPU_SITE)]
     if sglang_path is not None:
@@ -127,7 +141,10 @@ def _server_env(
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
-    env[KERNEL_LOG_ENV] = str(kernel_log)
+    # 1 GiB, not upstream's 10 GiB reserve: see cpu_site/sitecustomize.py.
+    env.setdefault("HIQ_HOST_MEMORY_RESERVE_BYTES", str(1 << 30))
+    if kernel_log is not None:
+        env[KERNEL_LOG_ENV] = str(kernel_log)
     # hiqcache_serve.sh runs `python3`: make it this interpreter's venv.
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env["PATH"]])
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -169,7 +186,7 @@ def run_cli(
     host_port = ["--host", "127.0.0.1", "--port", str(free_port())]
     cmd, cmd_env = _command(args, via, model, python or sys.executable, host_port)
     with tempfile.TemporaryDirectory(prefix="hiq-cli-") as tmp:
-        full_env = _server_env(sglang_path, Path(tmp) / "sgl_kernel.jsonl", env)
+        full_env = cpu_env(sglang_path, Path(tmp) / "sgl_kernel.jsonl", env)
         full_env.update(cmd_env)
         proc = subprocess.Popen(
             cmd,
@@ -242,7 +259,8 @@ class LiveServer:
         self.python = python or sys.executable
         self.sglang_path = sglang_path
         self.extra_env = env
-        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix=f"hiq-{name}-"))
+        # build/, not pytest's tmp: concurrent pytest runs prune old basetemps.
+        self.log_dir = Path(log_dir or LOG_ROOT / name)
         self.startup_timeout = startup_timeout
         self.progress = progress or (lambda line: None)
         self.port = free_port()
@@ -265,9 +283,11 @@ class LiveServer:
     def start(self) -> "LiveServer":
         model = self.model if self.model is not None else _default_model()
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        for old in (self.log_path, self.kernel_log_path):
+            old.unlink(missing_ok=True)
         host_port = ["--host", "127.0.0.1", "--port", str(self.port)]
         cmd, cmd_env = _command(self.args, self.via, model, self.python, host_port)
-        env = _server_env(self.sglang_path, self.kernel_log_path, self.extra_env)
+        env = cpu_env(self.sglang_path, self.kernel_log_path, self.extra_env)
         env.update(cmd_env)
         log = open(self.log_path, "w", encoding="utf-8")
         log.write("$ " + " ".join(cmd) + "\n")

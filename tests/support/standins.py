@@ -131,3 +131,105 @@ def install_sglang_standins() -> None:
     mla.transfer_kv_per_layer_direct_pf_lf = transfer_kv_per_layer_direct_pf_lf
     # Pinned memory calls into the CUDA runtime.
     common._cuda_host_register = lambda *args, **kwargs: None
+
+
+# -- the stock MHA pool's `kernel` io backend (sgl_kernel.kvcacheio) ------------
+# Those ops take device layers as int64 tables of data pointers; on CPU the
+# pointers are host addresses, so a ctypes view turns each back into rows.
+
+
+def _rows_at(ptr, rows: int, row_bytes: int) -> torch.Tensor:
+    """Byte rows [rows, row_bytes] over the memory at address ptr (no copy)."""
+    import ctypes
+
+    buf = (ctypes.c_uint8 * (rows * row_bytes)).from_address(int(ptr))
+    return torch.frombuffer(buf, dtype=torch.uint8).view(rows, row_bytes)
+
+
+def transfer_kv_per_layer(
+    src_k, dst_k, src_v, dst_v, src_indices, dst_indices, item_size, **_
+):
+    """Stand-in for kvcacheio.transfer_kv_per_layer: one layer's rows
+    src[src_indices] -> dst[dst_indices], both layer-first tensors."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        rows = src.view(torch.uint8).view(-1, item_size).index_select(0, src_indices)
+        dst.view(torch.uint8).view(-1, item_size).index_copy_(0, dst_indices, rows)
+
+
+def transfer_kv_per_layer_pf_lf(
+    src_k,
+    dst_k,
+    src_v,
+    dst_v,
+    src_indices,
+    dst_indices,
+    layer_id,
+    item_size,
+    src_layout_dim,
+    **_,
+):
+    """Stand-in for kvcacheio.transfer_kv_per_layer_pf_lf: host page_first
+    ([token, layer, ...]) rows of one layer -> the device layer."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    lo = layer_id * item_size
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        tokens = src.view(torch.uint8).view(-1, src_layout_dim)
+        rows = tokens.index_select(0, src_indices)[:, lo : lo + item_size]
+        dst.view(torch.uint8).view(-1, item_size).index_copy_(0, dst_indices, rows)
+
+
+def transfer_kv_all_layer(
+    src_k_layers,
+    dst_k_layers,
+    src_v_layers,
+    dst_v_layers,
+    src_indices,
+    dst_indices,
+    item_size,
+    num_layers,
+    **_,
+):
+    """Stand-in for kvcacheio.transfer_kv_all_layer: every layer's rows,
+    layer-first on both sides, layers given as data-pointer tables."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    n_src = int(src_indices.max()) + 1 if src_indices.numel() else 0
+    n_dst = int(dst_indices.max()) + 1 if dst_indices.numel() else 0
+    for src_ptrs, dst_ptrs in (
+        (src_k_layers, dst_k_layers),
+        (src_v_layers, dst_v_layers),
+    ):
+        for layer in range(num_layers):
+            src = _rows_at(src_ptrs[layer], n_src, item_size)
+            dst = _rows_at(dst_ptrs[layer], n_dst, item_size)
+            dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
+
+
+def transfer_kv_all_layer_lf_pf(
+    src_k_layers,
+    dst_k,
+    src_v_layers,
+    dst_v,
+    src_indices,
+    dst_indices,
+    item_size,
+    dst_layout_dim,
+    num_layers,
+    **_,
+):
+    """Stand-in for kvcacheio.transfer_kv_all_layer_lf_pf: device layers
+    (data-pointer tables) -> host page_first ([token, layer, ...]) rows."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    n_src = int(src_indices.max()) + 1 if src_indices.numel() else 0
+    for src_ptrs, dst in ((src_k_layers, dst_k), (src_v_layers, dst_v)):
+        tokens = dst.view(torch.uint8).view(-1, dst_layout_dim)
+        for layer in range(num_layers):
+            rows = _rows_at(src_ptrs[layer], n_src, item_size).index_select(
+                0, src_indices
+            )
+            lo = layer * item_size
+            tokens[dst_indices, lo : lo + item_size] = rows

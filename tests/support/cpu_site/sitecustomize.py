@@ -13,7 +13,11 @@ installed in the test process would not reach them). It installs:
   after they import (replace sgl_kernel.kvcacheio, imported there only on
   CUDA/HIP);
 - a no-op ``pool_host.common._cuda_host_register`` (pinning host memory
-  calls the CUDA runtime).
+  calls the CUDA runtime);
+- ``pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES`` from
+  ``HIQ_HOST_MEMORY_RESERVE_BYTES`` when set (the 10 GiB reserve is sized for
+  GPU hosts; on this 24 GiB machine shared by parallel test runs it refuses
+  even a 0.1 GB host pool).
 
 The stand-ins come from ``tests/support/standins.py``, loaded by path so the
 repository root need not be on the server's path (the install-path tests
@@ -68,6 +72,12 @@ def _after_common(module) -> None:
     module._cuda_host_register = lambda *args, **kwargs: None
 
 
+def _after_base(module) -> None:
+    reserve = os.environ.get("HIQ_HOST_MEMORY_RESERVE_BYTES")
+    if reserve:
+        module.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(reserve)
+
+
 # The stock MHA pool's `kernel` io backend ops, bound where standins.py has them.
 KERNEL_IO_OPS = (
     "transfer_kv_per_layer",
@@ -81,6 +91,7 @@ _AFTER = {
     "sglang.srt.mem_cache.pool_host.mha": _after_mha,
     "sglang.srt.mem_cache.pool_host.mla": _after_mla,
     "sglang.srt.mem_cache.pool_host.common": _after_common,
+    "sglang.srt.mem_cache.pool_host.base": _after_base,
 }
 
 

@@ -1,0 +1,81 @@
+"""Bad HiCache flags fail at start-up through the real CLI.
+
+Each case runs ``python -m sglang.launch_server`` from the patched tree (with
+the CPU stand-ins every server process gets) to completion and checks it
+exits non-zero before serving, with a message that names the flag and what
+to pass instead. About 20-40 s per case here (the imports).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.support.server import CPU_FLAGS, hicache_flags, run_cli
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
+)
+
+# A DeepSeek-V2-style MLA config small enough to resolve without weights
+# (start-up rejects int4 from the config alone, before any weight loads).
+TINY_MLA = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+    "kv_lora_rank": 128,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
+    "moe_layer_freq": 1,
+}
+
+
+def refused(args, model=None) -> str:
+    result = run_cli([*CPU_FLAGS, *args], model=model, timeout=300)
+    assert result.returncode != 0, result.stdout[-3000:]
+    # It failed in argument checks, not after the engine came up.
+    assert "Load weight begin" not in result.stdout, result.stdout[-3000:]
+    return result.stdout
+
+
+def test_unknown_host_dtype_names_the_flag_and_the_choices():
+    out = refused(hicache_flags("bogus"))
+    assert "--hicache-host-dtype" in out
+    assert "bogus" in out
+    for choice in ("auto", "int8", "int4", "k8v4"):
+        assert choice in out.split("--hicache-host-dtype", 1)[1][:400]
+
+
+def test_int8_with_nixl_storage_names_both_flags_and_the_way_out():
+    out = refused(hicache_flags("int8", storage_backend="nixl"))
+    assert (
+        "--hicache-host-dtype int8 does not support --hicache-storage-backend nixl"
+        in out
+    )
+    assert "--hicache-host-dtype auto" in out
+
+
+def test_int4_with_an_mla_model_names_the_flag_and_int8(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MLA))
+    out = refused(hicache_flags("int4"), model=tmp_path)
+    assert "--hicache-host-dtype int4 does not support MLA models" in out
+    assert "--hicache-host-dtype int8 or auto" in out

@@ -1,0 +1,138 @@
+"""The live server from each way a user installs the product, not build/sglang.
+
+Opt-in (HIQ_LIVE_INSTALL=1; about 3-6 minutes each here): each case makes a
+fresh venv holding a stock SGLang 0.5.23 (the pinned wheel, ``--no-deps``),
+turns it into the product the way a user would, and starts an INT8 server
+from that venv only (build/sglang is not on its path):
+
+- ``wheel``: ``make wheel``'s patched wheel installed ``--no-deps`` over the
+  stock one (pip replaces 0.5.23 by 0.5.23+hiq.N);
+- ``overlay``: ``scripts/overlay.py install --target <site-packages>``, the
+  Dockerfile's command (site-packages layout).
+
+The venvs borrow torch and the other dependencies from the test venv through
+a ``.pth`` line placed after their own site-packages once pip is done (no
+re-download), so their own ``sglang`` shadows the test venv's stock copy.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.support.model import smollm2_dir, stdlib_prompts
+from tests.support.server import LOG_ROOT, CPU_FLAGS, LiveServer, hicache_flags
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("HIQ_LIVE_INSTALL") != "1", reason="HIQ_LIVE_INSTALL=1"
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(*argv, **kwargs) -> str:
+    proc = subprocess.run(
+        [str(a) for a in argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        **kwargs,
+    )
+    assert proc.returncode == 0, f"{argv}: {proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def pip(venv_python: Path, *args) -> str:
+    # The test venv's pip installs into the fresh venv (--python).
+    return run(
+        sys.executable, "-m", "pip", "--python", venv_python, "install",
+        "--quiet", "--disable-pip-version-check", "--no-deps", *args,
+    )  # fmt: skip
+
+
+def stock_wheel() -> Path:
+    return Path(run(sys.executable, "scripts/overlay.py", "fetch").strip())
+
+
+def fresh_stock_venv(root: Path) -> tuple[Path, Path]:
+    venv = root / "venv"
+    run(sys.executable, "-m", "venv", "--without-pip", venv)
+    python = venv / "bin" / "python"
+    site = Path(
+        run(
+            python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        ).strip()
+    )
+    pip(python, stock_wheel())
+    return python, site
+
+
+def borrow_test_venv(site: Path) -> None:
+    """Torch & co. from the test venv, after the venv's own site-packages.
+    Only once pip is done there: pip would take the test venv's stock sglang
+    for the venv's own."""
+    (site / "zz_hiq_test_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+
+def serve_int8(python: Path, site: Path, name: str) -> dict:
+    where = run(python, "-c", "import sglang, sys; print(sglang.__file__)").strip()
+    assert Path(where).is_relative_to(site), where
+    model = smollm2_dir()
+    prompts = stdlib_prompts(model, 3, 1400)
+    server = LiveServer(
+        [*CPU_FLAGS, *hicache_flags("int8", layout=None, io_backend=None)],
+        name=name,
+        model=model,
+        python=str(python),
+        sglang_path=None,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    with server:
+        first = server.generate(input_ids=prompts[0], max_new_tokens=4)
+        for p in prompts[1:]:
+            server.generate(input_ids=p, max_new_tokens=1)
+        reuse = server.generate(input_ids=prompts[0], max_new_tokens=4)
+        info = server.metrics().samples("sglang:hicache_host_info")[0][0]
+        log = server.log_text()
+    assert info["host_dtype"] == "int8"
+    assert "HiCache kv host format: int8" in log
+    assert (reuse["meta_info"].get("cached_tokens_details") or {}).get("host", 0) > 0
+    assert reuse["output_ids"] == first["output_ids"]
+    return info
+
+
+def fresh_dir(name: str) -> Path:
+    # build/, not pytest's tmp: concurrent pytest runs prune old basetemps.
+    root = LOG_ROOT / name
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return root
+
+
+def test_wheel_over_stock_install_serves_int8():
+    run("make", "wheel", f"WHEEL_TAGS={sys.version_info[0]}{sys.version_info[1]}")
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    wheels = sorted((REPO / "dist").glob(f"sglang-0.5.23+hiq.*-{tag}-*.whl"))
+    assert wheels, "make wheel built no wheel for this Python"
+    python, site = fresh_stock_venv(fresh_dir("install-wheel"))
+    pip(python, wheels[-1])
+    version = run(
+        python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"
+    )
+    assert "+hiq." in version
+    serve_int8(python, site, "install-wheel-int8")
+
+
+def test_overlay_install_in_place_serves_int8():
+    python, site = fresh_stock_venv(fresh_dir("install-overlay"))
+    run(sys.executable, "scripts/overlay.py", "install", "--target", site)
+    borrow_test_venv(site)
+    assert (site / "sglang" / ".hiqcache-applied").is_file()
+    serve_int8(python, site, "install-overlay-int8")
