@@ -63,7 +63,6 @@ M_HOST_USED_TOKENS = "sglang:hicache_host_used_tokens"
 M_HOST_USED_BYTES = "sglang:hicache_host_used_bytes"
 M_HOST_BPT = "sglang:hicache_host_bytes_per_token"
 SOURCES = ("device", "host", "storage")
-MEM_FRACTION_STATIC = 0.3
 SERVER_INFO_KEYS = (
     "max_total_num_tokens",
     "chunked_prefill_size",
@@ -494,10 +493,6 @@ def server_args_for(sizing: ArmSizing, config: LiveConfig) -> list[str]:
 
     flags = list(CPU_FLAGS)
     flags[flags.index("--max-total-tokens") + 1] = str(config.device_tokens)
-    # On CPU the KV budget is free RAM after the weights load; other jobs on a
-    # shared machine move it by more than 5%, so keep headroom (L1 stays capped
-    # by --max-total-tokens).
-    flags[flags.index("--mem-fraction-static") + 1] = str(MEM_FRACTION_STATIC)
     host_dtype = None if sizing.host_dtype == "auto" else sizing.host_dtype
     return flags + hicache_flags(host_dtype, ratio=round(sizing.hicache_ratio, 6))
 
