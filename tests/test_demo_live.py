@@ -132,8 +132,11 @@ def test_live_demo_counts_agree_with_metrics_and_are_paired(demo_run):
                 for source in live.SOURCES:
                     if reuse is None:
                         resp = run["bench"]["cached"][source]
-                    else:
-                        resp = sum(r["cached"][source] for r in reuse)
+                    else:  # the reuse requests and their scoring requests
+                        resp = sum(
+                            r["cached"][source] + r["score_cached"][source]
+                            for r in reuse
+                        )
                     assert counts[f"cached_{source}"] == resp, (arm["label"], phase)
             # bench_serving sent the prompts the demo reuses (server-reported
             # prompt lengths, in send order, equal the demo's tokenization).

@@ -848,7 +848,7 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         for run in arm.seeds:
             c_b, c_r = run.bench_counts, run.reuse_counts
             resp = run.bench["cached"]["host"] + sum(
-                x.cached["host"] for x in run.reuse
+                x.cached["host"] + x.score_cached["host"] for x in run.reuse
             )
             met = c_b["cached_host"] + c_r["cached_host"]
             if resp != met:
