@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.model import smollm2_dir, stdlib_prompts
-from tests.support.server import LOG_ROOT, CPU_FLAGS, LiveServer, hicache_flags
+from tests.support.server import CPU_FLAGS, LOG_ROOT, LiveServer, cpu_env, hicache_flags
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_INSTALL") != "1", reason="HIQ_LIVE_INSTALL=1"
@@ -37,6 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(*argv, **kwargs) -> str:
+    # Without the test's PYTHONPATH (build/sglang): the venvs see their own.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    kwargs.setdefault("env", env)
     proc = subprocess.run(
         [str(a) for a in argv],
         cwd=REPO,
@@ -82,7 +85,10 @@ def borrow_test_venv(site: Path) -> None:
 
 
 def serve_int8(python: Path, site: Path, name: str) -> dict:
-    where = run(python, "-c", "import sglang, sys; print(sglang.__file__)").strip()
+    # The server's own environment: cpu_site on PYTHONPATH, no build/sglang.
+    where = run(
+        python, "-c", "import sglang; print(sglang.__file__)", env=cpu_env(None)
+    ).strip()
     assert Path(where).is_relative_to(site), where
     model = smollm2_dir()
     prompts = stdlib_prompts(model, 3, 1400)
@@ -123,6 +129,7 @@ def test_wheel_over_stock_install_serves_int8():
     assert wheels, "make wheel built no wheel for this Python"
     python, site = fresh_stock_venv(fresh_dir("install-wheel"))
     pip(python, wheels[-1])
+    borrow_test_venv(site)
     version = run(
         python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"
     )

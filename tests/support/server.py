@@ -63,11 +63,15 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
 # The same tree tests/support/standins.py checks sglang against.
 PATCHED_PYTHON = (
-    Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang") / "python"
+    Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang").resolve()
+    / "python"
 )
 SERVE_SCRIPT = REPO_ROOT / "scripts" / "hiqcache_serve.sh"
 KERNEL_LOG_ENV = "HIQ_SGL_KERNEL_LOG"
-LOG_ROOT = REPO_ROOT / "build" / "live-logs"
+# HIQ_LIVE_LOG_ROOT separates concurrent runs (same server names, same files).
+LOG_ROOT = Path(
+    os.environ.get("HIQ_LIVE_LOG_ROOT") or REPO_ROOT / "build" / "live-logs"
+).resolve()
 
 # Why each flag: --device cpu plus SGLANG_USE_CPU_ENGINE=1 (else is_cpu() is
 # False and rotary imports vllm); torch_native attention (the x86 default is

@@ -12,8 +12,9 @@ installed in the test process would not reach them). It installs:
 - pure-torch host<->device KV copies on ``pool_host.mha`` and ``.mla`` right
   after they import (replace sgl_kernel.kvcacheio, imported there only on
   CUDA/HIP);
-- a no-op ``pool_host.common._cuda_host_register`` (pinning host memory
-  calls the CUDA runtime);
+- a no-op ``pool_host.common._cuda_host_register`` and ``pin_memory``
+  False on every host pool once built (pinning host memory calls the CUDA
+  runtime; the L3 prefetch's page buffers ask torch for pinned memory);
 - ``pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES`` from
   ``HIQ_HOST_MEMORY_RESERVE_BYTES`` when set (the 10 GiB reserve is sized for
   GPU hosts; on this 24 GiB machine shared by parallel test runs it refuses
@@ -26,6 +27,7 @@ run SGLang from a venv, not from build/sglang).
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import os
@@ -76,6 +78,15 @@ def _after_base(module) -> None:
     reserve = os.environ.get("HIQ_HOST_MEMORY_RESERVE_BYTES")
     if reserve:
         module.HICACHE_HOST_MEMORY_RESERVE_BYTES = int(reserve)
+    init = module.HostKVCache.__init__
+
+    @functools.wraps(init)
+    def init_unpinned(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        # Later page buffers (L3 prefetch) ask torch for pinned memory.
+        self.pin_memory = False
+
+    module.HostKVCache.__init__ = init_unpinned
 
 
 # The stock MHA pool's `kernel` io backend ops, bound where standins.py has them.
