@@ -21,7 +21,7 @@ QUALITY_ARGS ?=
 .PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality quality-gemma demo demo-l3 gpu-check clean
 
 help:
-	@echo "make demo           main command: capacity + cache-hit experiments on CPU (table + results/demo.png)"
+	@echo "make demo           main command: the patched server live on CPU per host format at one host budget, then the Qwen3-8B-scale replay (tables + results/demo*.png)"
 	@echo "make demo-l3        INT8 vs BF16 pages in a real Mooncake L3 store: bytes/token, hit rate (CPU)"
 	@echo "make apply          build/sglang = pinned SGLang + sglang_overlay/ + patches/"
 	@echo "make test           CPU test environment (.venv) + apply + pytest"
@@ -98,8 +98,10 @@ test: venv apply
 	@bash scripts/debian_deps.sh check
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest $(PYTEST_ARGS) tests
 
-# Same CPU memory, more reuse: experiments A and B at Qwen3-8B geometry with the
-# real patched SGLang pools and radix cache (python -m scripts.demo --help for options).
+# Same host memory, more reuse: part 1 starts the patched server once per host
+# format on CPU (SmolLM2-135M, bench_serving), part 2 replays experiments A and B
+# at Qwen3-8B geometry with the real pools and radix cache
+# (python -m scripts.demo --help for options, DEMO_ARGS=--live-quick for a short run).
 DEMO_ARGS ?=
 demo: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.demo $(DEMO_ARGS)

@@ -1,20 +1,32 @@
 #!/usr/bin/env python3
-"""`make demo`: same CPU memory, more reuse -- measured on CPU with the real
-patched SGLang code (no GPU needed).
+"""`make demo`: same host memory, more reuse -- the patched SGLang server live
+on this CPU, then the same question at Qwen3-8B scale (no GPU needed).
 
-A) Same L2 token capacity -> host bytes the real stock host pool and the pool
-   of every registered quantized format (INT8, K8V4, INT4, ...)
-   allocate at the model geometry, and bytes per token by page size.
-B) Same host budget (`--hicache-size` GB) -> L2 tokens each pool holds and the
-   cache-hit rate of bench_serving's generated-shared-prefix workload (its own
-   requests, order and warm-up) replayed through SGLang's radix cache +
-   HiCache, over several dataset seeds (mean +- sd), plus a sweep of budgets.
+1) Live server (scripts/demo/live.py): the patched SGLang server started once
+   per host format (BF16, INT8, K8V4, INT4, ...) at ONE host byte budget
+   computed so that BF16's host tier overflows on bench_serving's
+   generated-shared-prefix workload and INT8's does not; bench_serving with
+   paired seeds plus a reuse phase; host tokens and bytes, prompt tokens
+   served from device/host/storage, load-back, TTFT and throughput (CPU
+   figures), greedy agreement and logprob quality against BF16.
+2) Qwen3-8B-scale replay, beyond what a CPU serves:
+   A) Same L2 token capacity -> host bytes the real stock host pool and the
+      pool of every registered quantized format allocate at the model
+      geometry, and bytes per token by page size.
+   B) Same host budget (`--hicache-size` GB) -> L2 tokens each pool holds and
+      the cache-hit rate of bench_serving's generated-shared-prefix workload
+      (its own requests, order and warm-up) replayed through SGLang's radix
+      cache + HiCache, over several dataset seeds (mean +- sd), plus a sweep
+      of budgets.
+   The same replay also runs part 1's requests at part 1's capacities, and
+   the demo prints how its hits agree with the live server's.
 
 Run from the repository root with the patched tree first on PYTHONPATH:
 
     PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo
 
-It prints the tables and writes results/demo.json and results/demo.png.
+It prints the tables and writes results/demo.json, results/demo.png and
+results/demo-live.png (--no-live / --no-replay run one part).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from scripts.demo import pools, replay, report, workload
+from scripts.demo import live, pools, replay, report, workload
 from scripts.demo.report import pm, spread
 
 DEFAULT_SWEEP = (1, 2, 4, 6, 8, 12, 16)
@@ -129,6 +141,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="A: map the pools lazily instead of faulting their memory in",
     )
+    p.add_argument(
+        "--no-live", action="store_true", help="skip part 1 (the live servers)"
+    )
+    p.add_argument("--no-replay", action="store_true", help="skip part 2 (the replay)")
+    live.add_args(p)
     p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
     p.add_argument("--name", default="demo", help="basename of the .json/.png")
     return p.parse_args(argv)
@@ -406,7 +423,7 @@ def print_summary(args, formats, alloc, main_row) -> dict:
 
 
 def write_outputs(args, argv, geometry, formats, alloc, by_page, workloads, serving,
-                  sweep, best, summary, never_worse, seconds) -> Path:  # fmt: skip
+                  sweep, best, summary, never_worse, seconds, live_result=None) -> Path:  # fmt: skip
     import sglang
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -451,8 +468,18 @@ def write_outputs(args, argv, geometry, formats, alloc, by_page, workloads, serv
         "never_worse": never_worse,
         "seconds": seconds,
     }
+    if live_result is not None:
+        data = {"live": live_result.to_json(), **data}
     json_path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return json_path
+
+
+def run_live(args, formats) -> live.LiveResult:
+    config = live.config_from_args(args)
+    arms = live.select_formats(formats, args.live_formats)
+    result = live.run(config, arms, log_dir=args.live_log_dir)
+    live.print_report(result)
+    return result
 
 
 def main(argv=None) -> int:
@@ -465,6 +492,28 @@ def main(argv=None) -> int:
     workloads = build_workloads(args)
     print_header(geometry, formats)
 
+    live_result = None
+    if not args.no_live:
+        live_result = run_live(args, formats)
+        agreement = live.replay_agreement(live_result)
+        live.print_agreement(agreement)
+        live_result.agreement = agreement
+        png = args.out / f"{args.name}-live.png"
+        args.out.mkdir(parents=True, exist_ok=True)
+        backend = live.plot(live_result, png)
+        print(f"wrote {png} ({backend})")
+        print()
+    if args.no_replay:
+        if live_result is None:
+            raise SystemExit("--no-live with --no-replay leaves nothing to run")
+        json_path = args.out / f"{args.name}.json"
+        json_path.write_text(
+            json.dumps({"live": live_result.to_json()}, indent=1, default=str) + "\n"
+        )
+        print(f"wrote {json_path}; total {time.perf_counter() - t_start:.0f}s")
+        return 0 if live.passed(live_result) else 1
+
+    print(f"2) {geometry.name} scale: the real pools and radix cache, replayed")
     t0 = time.perf_counter()
     alloc = run_experiment_a(args, formats, geometry)
     by_page = bytes_by_page_size(formats, geometry)
@@ -483,12 +532,16 @@ def main(argv=None) -> int:
         f"lower hit rate than {formats[0][0]} at any budget and seed: "
         f"{'yes' if never_worse else 'NO'}"
     )
+    if live_result is not None:
+        live.print_scale_agreement(live_result, summary)
 
     seconds = {"experiment_a": t_a, "experiment_b": t_b}
+    if live_result is not None:
+        seconds["live"] = live_result.seconds
     seconds["total"] = time.perf_counter() - t_start
     json_path = write_outputs(
         args, argv, geometry, formats, alloc, by_page, workloads, serving,
-        sweep, best, summary, never_worse, seconds,
+        sweep, best, summary, never_worse, seconds, live_result,
     )  # fmt: skip
     png_path = args.out / f"{args.name}.png"
     w = workloads[0]
@@ -502,11 +555,13 @@ def main(argv=None) -> int:
         f"concurrency {serving.concurrency}, L1 {serving.l1_tokens:,} tokens, "
         f"{len(workloads)} seeds",
     )
+    live_time = f"live {live_result.seconds:.0f}s, " if live_result else ""
     print(
-        f"wrote {json_path} and {png_path} ({backend}); time: A {t_a:.0f}s, "
+        f"wrote {json_path} and {png_path} ({backend}); time: {live_time}A {t_a:.0f}s, "
         f"B {t_b:.0f}s, total {time.perf_counter() - t_start:.0f}s"
     )
-    return 0 if never_worse else 1
+    ok = never_worse and (live_result is None or live.passed(live_result))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -113,9 +113,7 @@ def _plot_pillow(sweep, formats, best, budget, path: Path, title: str) -> None:
         right = left + W // 2 - 130
         top, bottom = 60, H - 70
         sx = lambda x: left + (right - left) * x / x_max  # noqa: E731
-        sy = lambda y: bottom - (bottom - top) * (y - y_min) / (
-            y_max - y_min
-        )  # noqa: E731
+        sy = lambda y: bottom - (bottom - top) * (y - y_min) / (y_max - y_min)  # noqa: E731
         draw.rectangle([left, top, right, bottom], outline="black")
         ticks = round((y_max - y_min) / _nice_step((y_max - y_min) / 5))
         for i in range(ticks + 1):
@@ -164,4 +162,100 @@ def _plot_pillow(sweep, formats, best, budget, path: Path, title: str) -> None:
             ly = top + 12 + 20 * i
             draw.line([left + 12, ly, left + 36, ly], fill=color, width=3)
             draw.text((left + 42, ly), label, fill="black", font=small, anchor="lm")
+    img.save(path)
+
+
+def plot_bars(bars, parts, path: Path, title: str = "", ylabel: str = "",
+              right_label: str = "") -> str:  # fmt: skip
+    """Two panels per arm: a stacked bar of `parts` (left) and one value
+    (right). `bars` is [(label, [part values], right value)]."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _bars_pillow(bars, parts, path, title, ylabel, right_label)
+        return "Pillow"
+    labels = [b[0] for b in bars]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    bottom = [0.0] * len(bars)
+    for i, name in enumerate(parts):
+        values = [b[1][i] for b in bars]
+        ax1.bar(
+            labels, values, bottom=bottom, color=COLORS[i % len(COLORS)], label=name
+        )
+        bottom = [x + y for x, y in zip(bottom, values)]
+    ax1.set_ylabel(ylabel)
+    ax1.legend()
+    ax2.bar(labels, [b[2] for b in bars], color="#8c8c8c")
+    ax2.set_ylabel(right_label)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "matplotlib"
+
+
+def _bars_pillow(bars, parts, path: Path, title, ylabel, right_label) -> None:
+    from PIL import Image, ImageDraw, ImageFont
+
+    W, H = 1320, 560
+    img = Image.new("RGB", (W, H), "white")
+    draw = ImageDraw.Draw(img)
+    try:
+        font = ImageFont.load_default(size=15)
+        small = ImageFont.load_default(size=13)
+    except TypeError:  # Pillow < 10.1
+        font = small = ImageFont.load_default()
+    draw.text((W // 2, 14), title, fill="black", font=font, anchor="mt")
+    panels = [
+        (ylabel, [b[1] for b in bars], True),
+        (right_label, [[b[2]] for b in bars], False),
+    ]
+    for p, (label, stacks, legend) in enumerate(panels):
+        left = 90 + p * (W // 2)
+        right = left + W // 2 - 130
+        top, bottom = 60, H - 70
+        top_value = max(sum(s) for s in stacks) or 1.0
+        step = _nice_step(top_value / 5)
+        # Headroom for the legend above the tallest bar.
+        y_max = step * math.ceil(top_value * 1.3 / step)
+        sy = lambda y: bottom - (bottom - top) * y / y_max  # noqa: E731
+        draw.rectangle([left, top, right, bottom], outline="black")
+        for i in range(round(y_max / step) + 1):
+            y = i * step
+            draw.line([left, sy(y), right, sy(y)], fill="#e6e6e6")
+            draw.text(
+                (left - 8, sy(y)), f"{y:,.0f}", fill="black", font=small, anchor="rm"
+            )
+        slot = (right - left) / len(bars)
+        for k, (name, stack) in enumerate(zip([b[0] for b in bars], stacks)):
+            x0, x1 = left + slot * (k + 0.2), left + slot * (k + 0.8)
+            base = 0.0
+            for i, value in enumerate(stack):
+                color = COLORS[i % len(COLORS)] if legend else "#8c8c8c"
+                if value > 0:
+                    draw.rectangle([x0, sy(base + value), x1, sy(base)], fill=color)
+                base += value
+            draw.text(
+                ((x0 + x1) / 2, bottom + 8), name, fill="black", font=font, anchor="mt"
+            )
+            draw.text(((x0 + x1) / 2, sy(base) - 4), f"{base:,.0f}", fill="black",
+                      font=small, anchor="mb")  # fmt: skip
+        label_img = Image.new("RGBA", (bottom - top, 22), (255, 255, 255, 0))
+        ImageDraw.Draw(label_img).text(
+            ((bottom - top) // 2, 11), label, fill="black", font=font, anchor="mm"
+        )
+        label_img = label_img.rotate(90, expand=True)
+        img.paste(label_img, (left - 80, top), label_img)
+        if legend:
+            # Right-aligned, above the bars' value labels.
+            lx = right - 210
+            for i, name in enumerate(parts):
+                ly = top + 12 + 20 * i
+                draw.rectangle([lx, ly - 6, lx + 18, ly + 6], fill=COLORS[i])
+                draw.text((lx + 26, ly), name, fill="black", font=small, anchor="lm")
     img.save(path)

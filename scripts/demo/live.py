@@ -1,0 +1,1045 @@
+"""`make demo` part 1: the patched SGLang server, live on this CPU.
+
+One server per host format (the stock pool `auto`, labelled bf16, and every
+format of the registry, read through scripts/common/host_formats.py), all at
+ONE host byte budget. The budget is computed, not chosen by hand: from the
+workload's working set (distinct prompt-prefix tokens plus output tokens,
+tokenized as the server tokenizes them) and each format's bytes per token
+(read from the real host pool at the model's geometry), so that INT8's host
+tier holds the whole working set with a margin and BF16's cannot. Each
+format then gets the `--hicache-ratio` that buys that many bytes.
+
+Per server and dataset seed (paired: every arm sends the same requests):
+
+1. `/flush_cache`, then `python -m sglang.bench_serving --backend sglang
+   --dataset-name generated-shared-prefix --cache-report` (bench_serving's
+   own code, run in this process so its imports are paid once).
+2. Reuse: each group's last-sent prompt again, least recently used group
+   first, greedy, with `return_logprob`; its cached-token details say how
+   much came from device, host or storage.
+3. Scoring (quality, reported, not gated): the same prompt followed by the
+   bf16 arm's greedy tokens, with `logprob_start_len` at the prompt's end and
+   `top_logprobs_num=1`, right after the reuse loaded the prompt back: per
+   token, the arm's top-1 against bf16's token and |logprob difference|
+   against the bf16 arm's own scoring of the same tokens (same prefill path).
+
+/metrics is read before and after each phase: cached tokens by source,
+load-back tokens, host tokens and bytes. Figures for TTFT and throughput are
+CPU figures of a 135M model, reported with their spread over seeds and
+paired against bf16; counts are the result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from scripts.demo import workload
+from scripts.demo.report import spread
+
+# The format whose host tier must hold the working set, and the stock arm.
+ANCHOR_FORMAT = "int8"
+STOCK_LABEL = "bf16"
+# bench_serving's warm-up: its first request, at most 32 output tokens.
+WARMUP_OUTPUT_CAP = workload.WARMUP_OUTPUT_CAP
+
+M_CACHED = "sglang:cached_tokens_total"
+M_PROMPT = "sglang:prompt_tokens_total"
+M_LOAD_BACK = "sglang:load_back_tokens_total"
+M_EVICTED = "sglang:evicted_tokens_total"
+M_BACKUP = "sglang:hicache_backup_tokens_total"
+M_HOST_TOTAL_TOKENS = "sglang:hicache_host_total_tokens"
+M_HOST_TOTAL_BYTES = "sglang:hicache_host_total_bytes"
+M_HOST_USED_TOKENS = "sglang:hicache_host_used_tokens"
+M_HOST_USED_BYTES = "sglang:hicache_host_used_bytes"
+M_HOST_BPT = "sglang:hicache_host_bytes_per_token"
+SOURCES = ("device", "host", "storage")
+SERVER_INFO_KEYS = (
+    "max_total_num_tokens",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "disable_overlap_schedule",
+    "hicache_ratio",
+    "hicache_host_dtype",
+    "hicache_write_policy",
+    "page_size",
+)
+
+
+# --------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    groups: int = 8  # --gsp-num-groups
+    prompts_per_group: int = 2
+    system_prompt_len: int = 512
+    question_len: int = 32
+    output_len: int = 8
+    concurrency: int = 2  # bench_serving --max-concurrency
+    seeds: tuple = (42, 43, 44)
+    device_tokens: int = 2048  # --max-total-tokens (L1)
+    margin: float = 1.25  # anchor host tokens / working set
+    gen_tokens: int = 16  # greedy tokens per reuse, scored for quality
+
+    def workload(self, seed: int) -> workload.Workload:
+        return workload.Workload(
+            num_groups=self.groups,
+            prompts_per_group=self.prompts_per_group,
+            system_prompt_len=self.system_prompt_len,
+            question_len=self.question_len,
+            output_len=self.output_len,
+            seed=seed,
+        )
+
+    def bench_serving_args(self, seed: int, model: Path, port: int, out: Path):
+        return [
+            "--backend", "sglang",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(model), "--tokenizer", str(model),
+            *self.workload(seed).bench_serving_args(),
+            "--max-concurrency", str(self.concurrency),
+            "--cache-report", "--disable-tqdm",
+            "--output-file", str(out), "--output-details",
+        ]  # fmt: skip
+
+
+QUICK = LiveConfig(
+    groups=4,
+    prompts_per_group=2,
+    system_prompt_len=320,
+    question_len=16,
+    output_len=4,
+    concurrency=2,
+    seeds=(42,),
+    device_tokens=768,
+    gen_tokens=8,
+)
+
+
+_INT_FLAGS = (
+    "groups", "prompts_per_group", "system_prompt_len", "question_len",
+    "output_len", "concurrency", "device_tokens", "gen_tokens",
+)  # fmt: skip
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = LiveConfig()
+    g = p.add_argument_group(
+        "part 1, live server (--live-*; unset flags take the defaults shown, "
+        "or --live-quick's)"
+    )
+    g.add_argument(
+        "--live-formats",
+        default=None,
+        help="comma-separated labels of the arms (default: every registered "
+        "format; bf16 and int8 are always run: bf16 is the reference, int8 "
+        "sets the budget)",
+    )
+    for name in _INT_FLAGS:
+        g.add_argument(
+            "--live-" + name.replace("_", "-"), type=int, default=None,
+            help=f"default {getattr(d, name)}",
+        )  # fmt: skip
+    g.add_argument(
+        "--live-seeds",
+        type=int,
+        default=None,
+        help=f"dataset seeds per arm: --seed, --seed+1, ... (paired across arms; "
+        f"default {len(d.seeds)})",
+    )
+    g.add_argument(
+        "--live-margin", type=float, default=None,
+        help=f"{ANCHOR_FORMAT} host tokens over the working set (default {d.margin})",
+    )  # fmt: skip
+    g.add_argument(
+        "--live-quick",
+        action="store_true",
+        help="a tiny live workload (4 groups x 2 prompts of ~340 tokens, one "
+        "seed, L1 768 tokens) for tests and a first look",
+    )
+    g.add_argument(
+        "--live-log-dir",
+        type=Path,
+        default=None,
+        help="server logs (default: a temporary directory, kept and printed)",
+    )
+
+
+def config_from_args(args) -> LiveConfig:
+    base = QUICK if args.live_quick else LiveConfig()
+    values = {}
+    for name in (*_INT_FLAGS, "seeds"):
+        value = getattr(args, f"live_{name}")
+        if value is not None and value < 1:
+            flag = "--live-" + name.replace("_", "-")
+            raise SystemExit(f"{flag} must be at least 1 (got {value})")
+        if value is not None:
+            values[name] = value
+    if "seeds" in values:
+        values["seeds"] = tuple(args.seed + i for i in range(values["seeds"]))
+    elif args.seed != base.seeds[0]:
+        values["seeds"] = tuple(args.seed + i for i in range(len(base.seeds)))
+    if args.live_margin is not None:
+        if args.live_margin <= 1:
+            raise SystemExit(
+                "--live-margin must be above 1: the int8 host tier must hold the "
+                f"whole working set (got {args.live_margin}; pass e.g. 1.25)"
+            )
+        values["margin"] = args.live_margin
+    return LiveConfig(**{**asdict(base), **values})
+
+
+# --------------------------------------------------------------------------
+# The workload as the server sees it, and the budget
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class SentPrompt:
+    group: int
+    text: str
+    ids: list  # tokenized as the server tokenizes text
+    output_len: int
+
+
+def sent_prompts(config: LiveConfig, seed: int, tokenizer) -> list[SentPrompt]:
+    """bench_serving's requests for `seed` in send order (its own generator,
+    seeded as it seeds it), tokenized as the server tokenizes `text`."""
+    w = config.workload(seed)
+    rows = workload.sent_rows(w, tokenizer, input_ids=False)
+    return [
+        SentPrompt(
+            group=slot // w.prompts_per_group,
+            text=row.prompt,
+            ids=list(tokenizer(row.prompt)["input_ids"]),
+            output_len=row.output_len,
+        )
+        for slot, row in rows
+    ]
+
+
+def reuse_order(prompts: Sequence[SentPrompt]) -> list[SentPrompt]:
+    """Each group's last-sent prompt, least recently used group first (the
+    order in which an LRU cache lost them)."""
+    last = {}
+    for i, p in enumerate(prompts):
+        last[p.group] = (i, p)
+    return [p for _, p in sorted(last.values(), key=lambda x: x[0])]
+
+
+def working_set_tokens(prompts: Sequence[SentPrompt], gen_tokens: int) -> int:
+    """Tokens the cache holds if nothing is evicted: distinct prompt prefixes
+    (shared system prompts count once), every output (ignore_eos), the
+    warm-up's output, and the reuse phase's greedy and scored tokens."""
+    mod, base = (1 << 61) - 1, 1_000_003
+    seen: set[int] = set()
+    for p in prompts:
+        h = 0
+        for token in p.ids:
+            h = (h * base + token + 1) % mod
+            seen.add(h)
+    outputs = sum(p.output_len for p in prompts)
+    warmup = min(prompts[0].output_len, WARMUP_OUTPUT_CAP)
+    reuse = 2 * (gen_tokens + 1) * len(reuse_order(prompts))
+    return len(seen) + outputs + warmup + reuse
+
+
+@dataclass
+class ArmSizing:
+    label: str
+    host_dtype: str
+    bytes_per_token: float  # the real host pool's get_size_per_token()
+    host_tokens: int  # what the budget buys
+    hicache_ratio: float  # host tokens / device tokens, as --hicache-ratio
+
+
+@dataclass
+class Budget:
+    bytes: int
+    working_set: int
+    device_tokens: int
+    arms: list  # ArmSizing
+
+    def arm(self, label: str) -> ArmSizing:
+        return next(a for a in self.arms if a.label == label)
+
+
+def model_geometry(model_dir: Path):
+    """The model's KV geometry from its config.json (TP=1)."""
+    from scripts.demo.pools import ModelGeometry
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return ModelGeometry(
+        name=cfg.get("_name_or_path") or model_dir.name,
+        layer_num=cfg["num_hidden_layers"],
+        head_num=cfg.get("num_key_value_heads", heads),
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    )
+
+
+def bytes_per_token(formats, geometry) -> dict[str, float]:
+    """Each format's host bytes per token at the servers' layout (layer_first,
+    page size 1), from the real pool the --hicache-host-dtype dispatch builds."""
+    from scripts.demo import pools
+
+    return {
+        label: pools.allocate_host_pool(
+            dt, 64, geometry, layout="layer_first", page_size=1, commit=False
+        ).bytes_per_token
+        for label, dt in formats
+    }
+
+
+def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> Budget:
+    """One host byte budget for every arm: the anchor format holds the working
+    set times the margin; refuses a workload where BF16 would not overflow or
+    would get a host tier smaller than L1."""
+    anchor_bytes = math.ceil(config.margin * working_set * bpt[ANCHOR_FORMAT])
+    arms = []
+    for label, dt in formats:
+        tokens = anchor_bytes // bpt[label]
+        tokens = int(tokens)
+        # int(device * ratio) is what SGLang allocates: the half token keeps
+        # the float product above the integer.
+        ratio = (tokens + 0.5) / config.device_tokens
+        arms.append(ArmSizing(label, dt, bpt[label], tokens, ratio))
+    budget = Budget(anchor_bytes, working_set, config.device_tokens, arms)
+    stock = budget.arm(STOCK_LABEL)
+    if stock.host_tokens >= working_set:
+        raise SystemExit(
+            f"live workload too small: bf16's host tier ({stock.host_tokens:,} "
+            f"tokens) at the budget would hold the whole working set "
+            f"({working_set:,}); lower --live-margin (now {config.margin})"
+        )
+    if stock.host_tokens <= config.device_tokens:
+        raise SystemExit(
+            f"bf16's host tier ({stock.host_tokens:,} tokens) would be no larger "
+            f"than L1 (--live-device-tokens {config.device_tokens:,}); raise "
+            "--live-groups or --live-system-prompt-len, or lower "
+            "--live-device-tokens"
+        )
+    if working_set <= config.device_tokens:
+        raise SystemExit(
+            f"the working set ({working_set:,} tokens) fits in L1 "
+            f"(--live-device-tokens {config.device_tokens:,}): nothing would "
+            "reach the host tier; raise --live-groups or lower --live-device-tokens"
+        )
+    return budget
+
+
+# --------------------------------------------------------------------------
+# Measuring one arm
+# --------------------------------------------------------------------------
+
+
+def _host_gauges(m) -> dict:
+    return {
+        "total_tokens": m.value(M_HOST_TOTAL_TOKENS),
+        "total_bytes": m.value(M_HOST_TOTAL_BYTES),
+        "used_tokens": m.value(M_HOST_USED_TOKENS),
+        "used_bytes": m.value(M_HOST_USED_BYTES),
+        "bytes_per_token": m.value(M_HOST_BPT),
+    }
+
+
+def _counter_deltas(after, before) -> dict:
+    from tests.support.prom import diff
+
+    out = {
+        f"cached_{s}": diff(after, before, M_CACHED, cache_source=s) for s in SOURCES
+    }
+    out["prompt_tokens"] = diff(after, before, M_PROMPT)
+    out["load_back_tokens"] = diff(after, before, M_LOAD_BACK)
+    out["evicted_tokens"] = diff(after, before, M_EVICTED)
+    out["backup_tokens"] = diff(after, before, M_BACKUP)
+    return out
+
+
+def _details(meta: dict) -> dict:
+    d = meta.get("cached_tokens_details") or {}
+    return {s: int(d.get(s) or 0) for s in SOURCES}
+
+
+def import_bench_serving():
+    """sglang.benchmark.serving, with the real datasets package under it."""
+    name = "sglang.benchmark.datasets"
+    package = sys.modules.get(name)
+    if package is not None and not hasattr(package, "get_dataset"):
+        # workload.generator_module's package without its __init__ (for the
+        # replay alone); bench_serving imports the real one.
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+    from sglang.benchmark import serving
+
+    return serving
+
+
+def run_bench_serving(argv: list[str], out: Path, log) -> dict:
+    """bench_serving's CLI, in this process; its result line from --output-file."""
+    bench = import_bench_serving()
+    module = workload.generator_module()
+    saved = sys.argv
+    sys.argv = ["python -m sglang.bench_serving", *argv]
+    try:
+        # Its generator pickles prompts under ~/.cache; keep runs self-contained.
+        with (
+            workload._private_generator_cache(module),
+            contextlib.redirect_stdout(log),
+            contextlib.redirect_stderr(log),
+        ):
+            bench.cli_main()
+    finally:
+        sys.argv = saved
+    return json.loads(out.read_text().splitlines()[-1])
+
+
+@dataclass
+class Reuse:
+    group: int
+    prompt_tokens: int
+    cached: dict  # from the response's cached_tokens_details
+    output_ids: list
+    ttft_s: float
+    # Scoring of the reference (bf16) tokens after the load-back.
+    score_ids: list = field(default_factory=list)
+    score_logprobs: list = field(default_factory=list)
+    score_top1: list = field(default_factory=list)
+    score_cached: dict = field(default_factory=dict)
+
+
+@dataclass
+class SeedRun:
+    seed: int
+    bench: dict  # bench_serving's figures
+    bench_counts: dict  # /metrics deltas over the bench_serving run
+    reuse: list  # Reuse
+    reuse_counts: dict  # /metrics deltas over the reuse phase
+    host_after: dict  # host gauges after the seed
+    sent_prompt_tokens: list  # the demo's tokenization of what bench_serving sent
+
+
+def reuse_phase(server, prompts, gen_tokens: int, reference=None) -> list[Reuse]:
+    out = []
+    for i, p in enumerate(reuse_order(prompts)):
+        t0 = time.perf_counter()
+        r = server.post(
+            "/generate",
+            {
+                "text": p.text,
+                "sampling_params": {
+                    "temperature": 0.0,
+                    "max_new_tokens": gen_tokens,
+                    "ignore_eos": True,
+                },
+                "return_logprob": True,
+                "return_cached_tokens_details": True,
+            },
+        )
+        meta = r["meta_info"]
+        ttft = meta.get("first_token_latency", time.perf_counter() - t0)
+        ids = r.get("output_ids") or [x[1] for x in meta["output_token_logprobs"]]
+        rec = Reuse(p.group, len(p.ids), _details(meta), list(ids), ttft)
+        ref_ids = reference[i].output_ids if reference is not None else rec.output_ids
+        score = server.post(
+            "/generate",
+            {
+                "input_ids": p.ids + list(ref_ids),
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 1},
+                "return_logprob": True,
+                "logprob_start_len": len(p.ids) - 1,
+                "top_logprobs_num": 1,
+                "return_cached_tokens_details": True,
+            },
+        )
+        sm = score["meta_info"]
+        # Entry 0 is the prompt's last token; entries 1.. are ref_ids.
+        rec.score_ids = list(ref_ids)
+        rec.score_logprobs = [x[0] for x in sm["input_token_logprobs"][1:]]
+        rec.score_top1 = [x[0][1] for x in sm["input_top_logprobs"][1:]]
+        rec.score_cached = _details(sm)
+        out.append(rec)
+    return out
+
+
+@dataclass
+class ArmResult:
+    label: str
+    host_dtype: str
+    sizing: ArmSizing
+    startup_seconds: float
+    server_args: list
+    log_path: str
+    host_start: dict  # host gauges right after start-up
+    server_info: dict  # the /server_info fields the replay needs
+    seeds: list  # SeedRun
+    kernel_calls: list
+
+
+def server_args_for(sizing: ArmSizing, config: LiveConfig) -> list[str]:
+    from tests.support.server import CPU_FLAGS, hicache_flags
+
+    flags = list(CPU_FLAGS)
+    flags[flags.index("--max-total-tokens") + 1] = str(config.device_tokens)
+    host_dtype = None if sizing.host_dtype == "auto" else sizing.host_dtype
+    return flags + hicache_flags(host_dtype, ratio=round(sizing.hicache_ratio, 6))
+
+
+def run_arm(sizing, config, prompts_by_seed, model, log_dir, reference, say) -> ArmResult:  # fmt: skip
+    from tests.support.server import LiveServer
+
+    args = server_args_for(sizing, config)
+    bench_log = open(log_dir / f"{sizing.label}.bench_serving.log", "w")
+    with LiveServer(args, name=sizing.label, model=model, log_dir=log_dir, progress=say) as s:  # fmt: skip
+        host_start = _host_gauges(s.metrics())
+        info = json.loads(s.get("/server_info"))
+        info = {k: info.get(k) for k in SERVER_INFO_KEYS}
+        seeds = []
+        for seed in config.seeds:
+            s.flush_cache()
+            m0 = s.metrics()
+            out = log_dir / f"{sizing.label}.seed{seed}.jsonl"
+            t0 = time.perf_counter()
+            bench = run_bench_serving(
+                config.bench_serving_args(seed, model, s.port, out), out, bench_log
+            )
+            m1 = s.metrics()
+            ref = reference[seed] if reference is not None else None
+            reuse = reuse_phase(s, prompts_by_seed[seed], config.gen_tokens, ref)
+            m2 = s.metrics()
+            run = SeedRun(
+                seed=seed,
+                bench=_bench_figures(bench),
+                bench_counts=_counter_deltas(m1, m0),
+                reuse=reuse,
+                reuse_counts=_counter_deltas(m2, m1),
+                host_after=_host_gauges(m2),
+                sent_prompt_tokens=[len(p.ids) for p in prompts_by_seed[seed]],
+            )
+            seeds.append(run)
+            rh = sum(r.cached["host"] for r in reuse)
+            say(
+                f"[{sizing.label}] seed {seed}: bench_serving + reuse in "
+                f"{time.perf_counter() - t0:.0f} s; host hits bench "
+                f"{run.bench['cached']['host']:,} tokens, reuse {rh:,}"
+            )
+        kernel_calls = [c for c in s.kernel_calls() if c.get("event") == "call"]
+    bench_log.close()
+    return ArmResult(
+        label=sizing.label,
+        host_dtype=sizing.host_dtype,
+        sizing=sizing,
+        startup_seconds=s.startup_seconds,
+        server_args=args,
+        log_path=str(s.log_path),
+        host_start=host_start,
+        server_info=info,
+        seeds=seeds,
+        kernel_calls=kernel_calls,
+    )
+
+
+def _bench_figures(result: dict) -> dict:
+    report = result.get("cache_report") or {}
+    details = result.get("cached_tokens_details") or []
+    cached = {s: sum(int((d or {}).get(s) or 0) for d in details) for s in SOURCES}
+    return {
+        "completed": result["completed"],
+        "duration_s": result["duration"],
+        "prompt_tokens": report.get(
+            "total_prompt_tokens", result["total_input_tokens"]
+        ),
+        "cached": cached,
+        "cached_total": report.get("total_cached_tokens"),
+        "mean_ttft_ms": result["mean_ttft_ms"],
+        "median_ttft_ms": result["median_ttft_ms"],
+        "request_throughput": result["request_throughput"],
+        "input_throughput": result["input_throughput"],
+        "output_throughput": result["output_throughput"],
+        "input_lens": result.get("input_lens", []),
+    }
+
+
+# --------------------------------------------------------------------------
+# Quality and agreement against the bf16 arm
+# --------------------------------------------------------------------------
+
+
+def quality(arm: ArmResult, base: ArmResult) -> dict:
+    """Greedy agreement and scored quality of `arm` against the bf16 arm over
+    every reused prompt (all seeds)."""
+    same = prompts = 0
+    prefix = []
+    top1 = positions = 0
+    diffs = []
+    host_scored = 0
+    for run, ref in zip(arm.seeds, base.seeds):
+        for r, b in zip(run.reuse, ref.reuse):
+            prompts += 1
+            same += r.output_ids == b.output_ids
+            n = next(
+                (
+                    i
+                    for i, (x, y) in enumerate(zip(r.output_ids, b.output_ids))
+                    if x != y
+                ),
+                min(len(r.output_ids), len(b.output_ids)),
+            )
+            prefix.append(n)
+            top1 += sum(t == y for t, y in zip(r.score_top1, b.score_ids))
+            positions += len(b.score_ids)
+            diffs += [abs(x - y) for x, y in zip(r.score_logprobs, b.score_logprobs)]
+            host_scored += r.cached["host"] > 0
+    return {
+        "prompts": prompts,
+        "greedy_identical": same,
+        "greedy_common_prefix_mean": spread(prefix)[0] if prefix else 0.0,
+        "top1_agreement": top1 / positions if positions else float("nan"),
+        "positions": positions,
+        "mean_abs_logprob_diff": spread(diffs)[0] if diffs else float("nan"),
+        "max_abs_logprob_diff": max(diffs) if diffs else float("nan"),
+        "prompts_loaded_back_from_host": host_scored,
+    }
+
+
+# --------------------------------------------------------------------------
+# Driver and report
+# --------------------------------------------------------------------------
+
+
+def select_formats(formats, spec: Optional[str]):
+    if not spec:
+        return list(formats)
+    labels = {x.strip() for x in spec.split(",") if x.strip()}
+    known = {label for label, _ in formats}
+    unknown = labels - known
+    if unknown:
+        raise SystemExit(
+            f"--live-formats: unknown {sorted(unknown)}; pass labels from "
+            f"{', '.join(sorted(known))}"
+        )
+    labels |= {STOCK_LABEL, ANCHOR_FORMAT}
+    return [(label, dt) for label, dt in formats if label in labels]
+
+
+@dataclass
+class LiveResult:
+    config: LiveConfig
+    model: str
+    geometry: dict
+    budget: Budget
+    arms: list  # ArmResult
+    quality: dict  # label -> quality()
+    seconds: float
+    log_dir: str
+    uptime_before: str
+    uptime_after: str
+    # Token ids of the prompts per seed (for the replay; not written out).
+    prompts: dict = field(default_factory=dict, repr=False)
+    agreement: list = field(default_factory=list)
+
+    def arm(self, label: str) -> ArmResult:
+        return next(a for a in self.arms if a.label == label)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data.pop("prompts")
+        return data
+
+
+def _uptime() -> str:
+    try:
+        return "load average " + ", ".join(
+            Path("/proc/loadavg").read_text().split()[:3]
+        )
+    except OSError:
+        return "load average unknown"
+
+
+def run(config: LiveConfig, formats, *, log_dir: Optional[Path] = None,
+        say: Callable[[str], None] = print) -> LiveResult:  # fmt: skip
+    from transformers import AutoTokenizer
+
+    from tests.support.model import MODEL_LABEL, smollm2_dir
+
+    t_start = time.perf_counter()
+    uptime_before = _uptime()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model = smollm2_dir()
+    import_bench_serving()  # before the generator is imported for the prompts
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    prompts = {seed: sent_prompts(config, seed, tokenizer) for seed in config.seeds}
+    working_set = max(
+        working_set_tokens(p, config.gen_tokens) for p in prompts.values()
+    )
+    geometry = model_geometry(model)
+    bpt = bytes_per_token(formats, geometry)
+    budget = choose_budget(formats, bpt, working_set, config)
+    log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hiq-demo-live-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    say(
+        f"live: {MODEL_LABEL} on CPU, L1 {config.device_tokens:,} tokens, working "
+        f"set {working_set:,} tokens, host budget {budget.bytes / 1e6:.1f} MB "
+        f"({ANCHOR_FORMAT} x {config.margin}); {len(formats)} servers one after "
+        f"another, logs in {log_dir}"
+    )
+    arms = []
+    reference = None
+    for label, _ in formats:
+        sizing = budget.arm(label)
+        say(
+            f"[{label}] --hicache-ratio {sizing.hicache_ratio:.4f} -> "
+            f"{sizing.host_tokens:,} host tokens x {sizing.bytes_per_token:,.0f} B"
+        )
+        arm = run_arm(sizing, config, prompts, model, log_dir, reference, say)
+        arms.append(arm)
+        if label == STOCK_LABEL:
+            reference = {run.seed: run.reuse for run in arm.seeds}
+    base = next(a for a in arms if a.label == STOCK_LABEL)
+    q = {a.label: quality(a, base) for a in arms if a.label != STOCK_LABEL}
+    return LiveResult(
+        config=config,
+        model=MODEL_LABEL,
+        geometry=vars(geometry) | {"dtype": str(geometry.dtype)},
+        budget=budget,
+        arms=arms,
+        quality=q,
+        seconds=time.perf_counter() - t_start,
+        log_dir=str(log_dir),
+        uptime_before=uptime_before,
+        uptime_after=_uptime(),
+        prompts=prompts,
+    )
+
+
+def arm_totals(arm: ArmResult) -> dict:
+    """Per-seed counts of an arm (lists over seeds)."""
+
+    def per_seed(fn):
+        return [fn(run) for run in arm.seeds]
+
+    return {
+        "bench_prompt": per_seed(lambda r: r.bench["prompt_tokens"]),
+        "bench_device": per_seed(lambda r: r.bench["cached"]["device"]),
+        "bench_host": per_seed(lambda r: r.bench["cached"]["host"]),
+        "bench_storage": per_seed(lambda r: r.bench["cached"]["storage"]),
+        "bench_load_back": per_seed(lambda r: r.bench_counts["load_back_tokens"]),
+        "reuse_prompt": per_seed(lambda r: sum(x.prompt_tokens for x in r.reuse)),
+        "reuse_device": per_seed(lambda r: sum(x.cached["device"] for x in r.reuse)),
+        "reuse_host": per_seed(lambda r: sum(x.cached["host"] for x in r.reuse)),
+        "reuse_storage": per_seed(lambda r: sum(x.cached["storage"] for x in r.reuse)),
+        "reuse_load_back": per_seed(lambda r: r.reuse_counts["load_back_tokens"]),
+        "metrics_host": per_seed(
+            lambda r: r.bench_counts["cached_host"] + r.reuse_counts["cached_host"]
+        ),
+        "ttft_ms": per_seed(lambda r: r.bench["mean_ttft_ms"]),
+        "reuse_ttft_ms": per_seed(
+            lambda r: 1000 * spread([x.ttft_s for x in r.reuse])[0]
+        ),
+        "out_tps": per_seed(lambda r: r.bench["output_throughput"]),
+    }
+
+
+def _m(values, digits=0) -> str:
+    mean = spread(values)[0]
+    return f"{mean:,.{digits}f}"
+
+
+def _pm(values, digits=0) -> str:
+    mean, sd = spread(values)
+    return f"{mean:,.{digits}f} +- {sd:,.{digits}f}"
+
+
+def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
+    c, b = res.config, res.budget
+    seeds = list(c.seeds)
+    say(
+        f"1) Live patched SGLang server on CPU ({res.model}, "
+        f"{res.geometry['layer_num']} layers x {res.geometry['head_num']} KV heads x "
+        f"{res.geometry['head_dim']} dims, BF16), one host budget "
+        f"{b.bytes / 1e6:.1f} MB for every format"
+    )
+    say(
+        f"   workload: bench_serving generated-shared-prefix, {c.groups} groups x "
+        f"{c.prompts_per_group} prompts, system prompt {c.system_prompt_len} + "
+        f"question {c.question_len} tokens, output {c.output_len}, concurrency "
+        f"{c.concurrency}, seeds {', '.join(map(str, seeds))} (same requests per "
+        f"arm); then reuse: each group's last prompt again, least recently used "
+        f"first, {c.gen_tokens} greedy tokens"
+    )
+    say(
+        f"   budget: {ANCHOR_FORMAT} holds the working set ({b.working_set:,} "
+        f"tokens) x {c.margin}; L1 (--max-total-tokens) {c.device_tokens:,}; "
+        "--hicache-mem-layout layer_first, --hicache-io-backend direct"
+    )
+    say(
+        f"   {'format':<7} {'ratio':>7} {'host tokens':>11} {'host MB':>8} "
+        f"{'B/token':>7} | {'bench: prompt':>13} {'device':>7} {'host':>6} "
+        f"{'stor.':>5} {'loaded':>7} | {'reuse: prompt':>13} {'device':>7} "
+        f"{'host':>6} {'stor.':>5} {'loaded':>7}"
+    )
+    for arm in res.arms:
+        t = arm_totals(arm)
+        h = arm.host_start
+        say(
+            f"   {arm.label:<7} {arm.sizing.hicache_ratio:>7.3f} "
+            f"{h['total_tokens']:>11,.0f} {h['total_bytes'] / 1e6:>8.1f} "
+            f"{h['bytes_per_token']:>7,.0f} | {_m(t['bench_prompt']):>13} "
+            f"{_m(t['bench_device']):>7} {_m(t['bench_host']):>6} "
+            f"{_m(t['bench_storage']):>5} {_m(t['bench_load_back']):>7} | "
+            f"{_m(t['reuse_prompt']):>13} {_m(t['reuse_device']):>7} "
+            f"{_m(t['reuse_host']):>6} {_m(t['reuse_storage']):>5} "
+            f"{_m(t['reuse_load_back']):>7}"
+        )
+    say(
+        "   (host tokens/MB/B per token from /metrics at start-up; prompt tokens "
+        "served from device/host/storage from the responses' cached_tokens_details, "
+        f"mean per seed; loaded = /metrics {M_LOAD_BACK})"
+    )
+    base_t = arm_totals(res.arm(STOCK_LABEL))
+    say(
+        "   CPU figures (2-core VM, 135M model; noisy): mean +- sd over seeds, "
+        f"paired differences vs {STOCK_LABEL}"
+    )
+    say(
+        f"   {'format':<7} {'bench TTFT ms':>18} {'vs bf16':>16} "
+        f"{'reuse TTFT ms':>18} {'vs bf16':>16} {'out tok/s':>14} | "
+        f"{'greedy = bf16':>13} {'top-1':>7} {'|dlogp|':>7}"
+    )
+    for arm in res.arms:
+        t = arm_totals(arm)
+
+        def paired(key):
+            if arm.label == STOCK_LABEL:
+                return "-"
+            return _pm([x - y for x, y in zip(t[key], base_t[key])])
+
+        q = res.quality.get(arm.label)
+        qcells = (
+            f"{q['greedy_identical']:>6}/{q['prompts']:<6} "
+            f"{100 * q['top1_agreement']:>6.1f}% {q['mean_abs_logprob_diff']:>7.4f}"
+            if q
+            else f"{'reference':>13} {'':>7} {'':>7}"
+        )
+        say(
+            f"   {arm.label:<7} {_pm(t['ttft_ms']):>18} {paired('ttft_ms'):>16} "
+            f"{_pm(t['reuse_ttft_ms']):>18} {paired('reuse_ttft_ms'):>16} "
+            f"{_pm(t['out_tps'], 1):>14} | {qcells}"
+        )
+    say(
+        f"   quality (reported, not gated): the first {c.gen_tokens} tokens after a "
+        "host load-back, scored with return_logprob against bf16's greedy tokens "
+        "(top-1 = the arm's argmax is bf16's token; |dlogp| = mean |logprob "
+        "difference| of those tokens)"
+    )
+    for arm in res.arms:
+        for run in arm.seeds:
+            c_b, c_r = run.bench_counts, run.reuse_counts
+            resp = run.bench["cached"]["host"] + sum(
+                x.cached["host"] + x.score_cached["host"] for x in run.reuse
+            )
+            met = c_b["cached_host"] + c_r["cached_host"]
+            if resp != met:
+                say(
+                    f"   WARNING {arm.label} seed {run.seed}: host-served tokens "
+                    f"{resp:,} in responses vs {met:,.0f} in /metrics"
+                )
+    calls = sum(len(a.kernel_calls) for a in res.arms)
+    say(
+        f"   cross-checks: host-served tokens in responses = /metrics "
+        f'{M_CACHED}{{cache_source="host"}} per seed; sgl_kernel stand-in ops '
+        f"called: {calls}; servers started in "
+        + ", ".join(f"{a.label} {a.startup_seconds:.0f} s" for a in res.arms)
+    )
+    say(
+        f"   part 1 took {res.seconds:.0f} s ({res.uptime_before} before, "
+        f"{res.uptime_after} after); logs in {res.log_dir}"
+    )
+    say("")
+
+
+def passed(res: LiveResult) -> bool:
+    """The demo's claim, from measured counts: on reuse, every quantized arm
+    serves at least as many prompt tokens from cache as bf16, and int8 serves
+    host hits where bf16 serves fewer."""
+    base = arm_totals(res.arm(STOCK_LABEL))
+    base_hits = spread(
+        [d + h for d, h in zip(base["reuse_device"], base["reuse_host"])]
+    )[0]
+    ok = True
+    for arm in res.arms:
+        t = arm_totals(arm)
+        hits = spread([d + h for d, h in zip(t["reuse_device"], t["reuse_host"])])[0]
+        ok &= hits >= base_hits
+    anchor = arm_totals(res.arm(ANCHOR_FORMAT))
+    return ok and spread(anchor["reuse_host"])[0] > spread(base["reuse_host"])[0]
+
+
+# --------------------------------------------------------------------------
+# How part 1 and part 2 agree
+# --------------------------------------------------------------------------
+
+
+def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:
+    """Part 1's bench_serving requests as the replay's Request objects (the
+    server's token ids; outputs are random ids of the same length, since only
+    their count matters to the cache)."""
+    from array import array
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    groups_seen: dict[int, int] = {}
+    out = []
+    for i, p in enumerate(prompts):
+        slot = groups_seen.setdefault(p.group, 0)
+        groups_seen[p.group] += 1
+        out.append(
+            workload.Request(
+                rid=i,
+                group=p.group,
+                slot=p.group * 1000 + slot,
+                prompt=array("q", p.ids),
+                output=array("q", rng.integers(0, 49_152, p.output_len).tolist()),
+            )
+        )
+    return out
+
+
+def replay_agreement(res: LiveResult) -> list[dict]:
+    """Part 2's replay model run on part 1's requests at part 1's host
+    capacities and server settings, next to what the live servers measured
+    (the bench_serving run of each seed)."""
+    from scripts.demo import replay
+
+    rows = []
+    for arm in res.arms:
+        info = arm.server_info
+        chunk = info.get("chunked_prefill_size")
+        serving = replay.Serving(
+            l1_tokens=int(info.get("max_total_num_tokens") or res.config.device_tokens),
+            concurrency=res.config.concurrency,
+            max_prefill_tokens=int(info.get("max_prefill_tokens") or 16_384),
+            chunked_prefill_size=chunk if chunk and chunk > 0 else None,
+            overlap_schedule=not info.get("disable_overlap_schedule", False),
+            write_policy=info.get("hicache_write_policy") or "write_through",
+        )
+        replayed, live_l1, live_l2, prompt = [], [], [], []
+        for run in arm.seeds:
+            reqs = replay_requests(res.prompts[run.seed], run.seed)
+            r = replay.replay(
+                arm.host_dtype,
+                int(arm.host_start["total_tokens"]) or arm.sizing.host_tokens,
+                reqs,
+                serving,
+                seed=run.seed,
+                label=arm.label,
+            )
+            replayed.append(r)
+            live_l1.append(run.bench["cached"]["device"])
+            live_l2.append(run.bench["cached"]["host"])
+            prompt.append(run.bench["prompt_tokens"])
+        rows.append(
+            {
+                "label": arm.label,
+                "serving": vars(serving),
+                "replay_l1": [r.l1_hit_tokens for r in replayed],
+                "replay_l2": [r.l2_hit_tokens for r in replayed],
+                "replay_prompt": [r.prompt_tokens for r in replayed],
+                "live_device": live_l1,
+                "live_host": live_l2,
+                "live_prompt": prompt,
+            }
+        )
+    return rows
+
+
+def print_agreement(rows: list[dict], say: Callable[[str], None] = print) -> None:
+    say(
+        "   replay model (part 2's engine) on part 1's requests at part 1's host "
+        "capacities vs the live servers (bench_serving run; mean per seed):"
+    )
+    say(
+        f"   {'format':<7} {'hit % live':>10} {'replay':>7} | {'device live':>11} "
+        f"{'replay L1':>9} | {'host live':>9} {'replay L2':>9}"
+    )
+    for r in rows:
+        live_hit = [
+            (d + h) / p
+            for d, h, p in zip(r["live_device"], r["live_host"], r["live_prompt"])
+        ]
+        rep_hit = [
+            (a + b) / p
+            for a, b, p in zip(r["replay_l1"], r["replay_l2"], r["replay_prompt"])
+        ]
+        say(
+            f"   {r['label']:<7} {100 * spread(live_hit)[0]:>10.1f} "
+            f"{100 * spread(rep_hit)[0]:>7.1f} | {_m(r['live_device']):>11} "
+            f"{_m(r['replay_l1']):>9} | {_m(r['live_host']):>9} {_m(r['replay_l2']):>9}"
+        )
+
+
+def print_scale_agreement(res: LiveResult, summary: dict, say=print) -> None:
+    """One line per quantized format: tokens per host byte live (SmolLM2) and
+    at Qwen3-8B scale, and what each part shows for the same budget."""
+    base = res.arm(STOCK_LABEL)
+    bt = arm_totals(base)
+    say("parts 1 and 2:")
+    for arm in res.arms:
+        if arm.label == STOCK_LABEL or arm.label not in summary:
+            continue
+        t = arm_totals(arm)
+        live_ratio = (
+            base.host_start["bytes_per_token"] / arm.host_start["bytes_per_token"]
+        )
+        s = summary[arm.label]
+        say(
+            f"   {arm.label}: tokens per host byte vs {STOCK_LABEL} {live_ratio:.3f}x "
+            f"live ({res.geometry['head_dim']}-dim heads) and "
+            f"{s['tokens_ratio']:.3f}x at Qwen3-8B (128-dim); at one budget the "
+            f"live reuse served {_m(t['reuse_host'])} tokens from host vs "
+            f"{_m(bt['reuse_host'])} for {STOCK_LABEL}, the replay's hit rate "
+            f"{100 * s['hit_rate'][0]:.1f}% vs {100 * s['hit_rate_base'][0]:.1f}%"
+        )
+
+
+def plot(res: LiveResult, path: Path) -> str:
+    """Per arm: prompt tokens of the reuse phase served from device, host or
+    recomputed (mean per seed), and host tokens at the one budget."""
+    from scripts.demo import report
+
+    bars = []
+    for arm in res.arms:
+        t = arm_totals(arm)
+        dev, host = spread(t["reuse_device"])[0], spread(t["reuse_host"])[0]
+        total = spread(t["reuse_prompt"])[0]
+        bars.append(
+            (
+                arm.label,
+                [dev, host, max(0.0, total - dev - host)],
+                arm.host_start["total_tokens"],
+            )
+        )
+    c = res.config
+    return report.plot_bars(
+        bars,
+        ("device (L1)", "host (L2), loaded back", "recomputed"),
+        path,
+        title=f"live patched SGLang on CPU, {res.model}: one host budget "
+        f"{res.budget.bytes / 1e6:.1f} MB, {c.groups} groups x {c.prompts_per_group} "
+        f"shared-prefix prompts, L1 {c.device_tokens:,} tokens, {len(c.seeds)} seed(s)",
+        ylabel="reused prompt tokens (mean per seed)",
+        right_label="host tier, tokens",
+    )
