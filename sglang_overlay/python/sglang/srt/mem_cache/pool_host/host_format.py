@@ -217,6 +217,8 @@ _FORMAT_CLASSES: dict[str, tuple[str, str]] = {
     "int8": ("sglang.srt.mem_cache.pool_host.kv_int8_codec", "Int8HostFormat"),
     "int4": ("sglang.srt.mem_cache.pool_host.kv_int4_codec", "Int4HostFormat"),
     "k8v4": ("sglang.srt.mem_cache.pool_host.kv_int4_codec", "K8V4HostFormat"),
+    "int4r": ("sglang.srt.mem_cache.pool_host.kv_int4_rot_codec", "Int4RotHostFormat"),
+    "k8v4r": ("sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec", "K8V4RotHostFormat"),
 }
 
 HOST_FORMATS: dict[str, type[HostKVFormat]] = {}

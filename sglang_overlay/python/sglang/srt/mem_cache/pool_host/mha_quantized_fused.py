@@ -33,6 +33,14 @@ MHA_QUANTIZED_HOST_POOLS: dict[str, tuple[str, str]] = {
     ),
     "int4": ("sglang.srt.mem_cache.pool_host.mha_int4", "MHATokenToKVPoolINT4Host"),
     "k8v4": ("sglang.srt.mem_cache.pool_host.mha_int4", "MHATokenToKVPoolK8V4Host"),
+    "int4r": (
+        "sglang.srt.mem_cache.pool_host.mha_int4_rot",
+        "MHATokenToKVPoolINT4RotHost",
+    ),
+    "k8v4r": (
+        "sglang.srt.mem_cache.pool_host.mha_int4_rot",
+        "MHATokenToKVPoolK8V4RotHost",
+    ),
 }
 
 
