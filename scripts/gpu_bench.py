@@ -811,7 +811,7 @@ def _expected_restore(pool, dev_pool, rows):
     pool's format's reference encode + decode (on the CPU) of the whole unit
     each row belongs to (a page for page-major layouts: INT4's per-channel
     key groups span it). The backup source starts at a page boundary."""
-    unit = pool.unit_tokens
+    unit = pool.host_format.unit_tokens
     offset = (rows % unit).cpu()
     unit_rows = (rows - rows % unit)[:, None] + torch.arange(unit, device=rows.device)
     pick = torch.arange(len(rows))
@@ -840,12 +840,12 @@ def _same(a_list, b_list):
 
 def _host_sample(pool, n):
     """A few host units' records (all layers) after the last backup."""
-    units = torch.arange(0, max(1, n // pool.unit_tokens))
+    units = torch.arange(0, max(1, n // pool.host_format.unit_tokens))
     pick = torch.unique(
         torch.cat([units[:4], units[-4:], units[:: max(1, len(units) // 16)]])
     )
     return [
-        (b[pick] if pool._page_major else b[:, pick]).clone() for b in pool.kv_buffer
+        (b[pick] if pool.records.page_major else b[:, pick]).clone() for b in pool.kv_buffer
     ]
 
 

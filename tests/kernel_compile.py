@@ -330,10 +330,11 @@ def _meta_alloc(dims, dtype, device, pin_memory, allocator):
 
 def drive_pool(case: PoolCase) -> None:
     """Backups and per-layer restores of every transfer size through a real
-    MHATokenToKVPoolINT8FusedHost with the fused kernels selected."""
+    MHATokenToKVPoolINT8Host (host_pool_cls("int8")) with the fused kernels selected."""
     from hicache_harness import Geometry, make_device_pool, make_host_pool
 
-    from sglang.srt.mem_cache.pool_host import base, mha_int8_fused, quantized
+    from sglang.srt.mem_cache.pool_host import base, encoded
+    from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
     head_num, head_dim, v_head_dim = case.geometry
     p = case.page_size
@@ -349,12 +350,12 @@ def drive_pool(case: PoolCase) -> None:
     device_pool = make_device_pool(geo, device_tokens=pages * p)
     with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
         if case.host_tokens is not None:
-            mp.setattr(quantized, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
+            mp.setattr(encoded, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
         pool = make_host_pool(
             device_pool,
             host_tokens=case.host_tokens or pages * p,
             layout=case.layout,
-            host_pool_cls=mha_int8_fused.MHATokenToKVPoolINT8FusedHost,
+            host_pool_cls=host_pool_cls("int8"),
         )
     pool.use_fused_kernels = True
     pool.fused_host_access = case.host_access
@@ -445,7 +446,7 @@ def drive_mla(case: MLACase) -> None:
     sites call kv_mla_int8_triton through MLAInt8HostFormat)."""
     from hicache_harness import MLAGeometry, make_device_pool, make_host_pool
 
-    from sglang.srt.mem_cache.pool_host import base, quantized
+    from sglang.srt.mem_cache.pool_host import base, encoded
 
     p = case.page_size
     geo = MLAGeometry(
@@ -459,7 +460,7 @@ def drive_mla(case: MLACase) -> None:
     device_pool = make_device_pool(geo, device_tokens=pages * p)
     with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
         if case.host_tokens is not None:
-            mp.setattr(quantized, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
+            mp.setattr(encoded, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
         pool = make_host_pool(
             device_pool,
             host_tokens=case.host_tokens or pages * p,

@@ -1,15 +1,17 @@
-"""The host-format interface (pool_host/host_format.py) and the generic
-quantized host pools built on it.
+"""The host-format registry and interface (pool_host/host_format.py) and the
+encoded host pools built on it.
 
-A toy lossless format defined here, plugged into the real generic MHA pools
-(torch path, and the fused paths with a torch stand-in for kernels), goes
-through backup/load in every layout and through the L3 page methods: adding
-a format is one module. The INT8 pool's host bytes are checked against the
+A toy lossless format (tests/support/copy_format.py), registered through the
+registry alone, goes through the real dispatch, auto-sizing, the generic MHA
+pool (torch path, and the fused paths with a torch stand-in for kernels) in
+every layout, the L3 page methods and the tools' format list: adding a
+format is one module and one entry. The INT8 pool's host bytes are checked against the
 layout the pre-refactor pool wrote, rebuilt from the reference codec.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,134 +20,27 @@ import torch
 from hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host import mha_quantized_fused
-from sglang.srt.mem_cache.pool_host.host_format import (
-    EncodeStats,
-    HostKVFormat,
-    HostRecord,
-    host_format_cls,
-)
+from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from tests.support import copy_format as toy
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
-from sglang.srt.mem_cache.pool_host.mha_quantized import MHATokenToKVPoolQuantizedHost
-from sglang.srt.mem_cache.pool_host.mha_quantized_fused import (
-    MHATokenToKVPoolQuantizedFusedHost,
-)
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 PATHS = ("torch", "fused_direct", "fused_staged")
 
 
-class CopyHostFormat(HostKVFormat):
-    """Lossless toy format: K and V rows as their 16-bit patterns, plus one
-    per-unit record (amax of the unit's finite K and V rows, fp32), which has
-    no token axis, like per-page key scales."""
-
-    name = "copy"
-    storage_format_tag = "copy-test-v1"
-    sides = ("k", "v")
-
-    def __init__(self, dims, head_num, unit_tokens, device_dtype):
-        super().__init__(dims, head_num, unit_tokens, device_dtype)
-        ut, heads = self.unit_tokens, self.head_num
-        self.records = (
-            HostRecord("k", (ut, heads, self.dims[0]), torch.int16),
-            HostRecord("v", (ut, heads, self.dims[1]), torch.int16),
-            HostRecord("unit_amax", (2,), torch.float32),
-        )
-
-    def encode_reference(self, rows):
-        out = {
-            "k": rows[0].contiguous().view(torch.int16).clone(),
-            "v": rows[1].contiguous().view(torch.int16).clone(),
-            "unit_amax": torch.stack([self._unit_amax(x) for x in rows], dim=-1),
-        }
-        return out
-
-    @staticmethod
-    def _unit_amax(x):
-        xf = x.float().flatten(1)
-        return torch.where(torch.isfinite(xf), xf.abs(), 0.0).amax(dim=1)
-
-    def decode_reference(self, records, dtype):
-        return tuple(records[side].view(dtype).clone() for side in self.sides)
-
-    def encode_into(self, rows, out):
-        ref = self.encode_reference(rows)
-        for name, value in ref.items():
-            out[name].copy_(value)
-        nonfinite = sum(
-            torch.count_nonzero(~torch.isfinite(x.float()).all(dim=-1)) for x in rows
-        )
-        return EncodeStats(ref["unit_amax"].amax(dim=0), nonfinite)
-
-    def decode_into(self, records, out):
-        for i, side in enumerate(self.sides):
-            out[i].copy_(records[side].view(out[i].dtype))
-
-    def error_bound(self, records, restored):
-        return tuple(torch.zeros(r.shape) for r in restored)
-
-    # A torch stand-in for fused kernels, with the kernels' contract: tables
-    # of all layers, out as [unit, layer, ...] views, indices on the device.
-    def fused_available(self, device):
-        return True
-
-    def encode_gather(
-        self,
-        tables,
-        device_indices,
-        out,
-        host_indices,
-        *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
-    ):
-        ut = self.unit_tokens
-        units = host_indices.view(-1, ut)[:, 0].long() // ut
-        for layer in range(len(tables[0])):
-            rows = [
-                t.layers[layer][device_indices.long()].view(-1, ut, *t.shape[1:])
-                for t in tables
-            ]
-            encoded = self.encode_reference(rows)
-            for name, value in encoded.items():
-                out[name][units, layer] = value
-            if scale_amax is not None:
-                torch.maximum(
-                    scale_amax[layer],
-                    encoded["unit_amax"].amax(dim=0),
-                    out=scale_amax[layer],
-                )
-
-    def decode_scatter(
-        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
-    ):
-        ut = self.unit_tokens
-        units = host_indices.view(-1, ut)[:, 0].long() // ut
-        for i, side in enumerate(self.sides):
-            rows = records[side][units].view(dst[i].dtype)
-            dst[i][device_indices.long()] = rows.reshape(-1, *dst[i].shape[1:])
-
-    def zero_copy_objects(self):
-        k, v, amax = (r.nbytes for r in self.records)
-        return [[("k", 0, k), ("unit_amax", 0, 4)], [("v", 0, v), ("unit_amax", 4, 4)]]
-
-
-class CopyHostPool(MHATokenToKVPoolQuantizedHost):
-    host_format_cls = CopyHostFormat
-
-
-class CopyFusedHostPool(MHATokenToKVPoolQuantizedFusedHost):
-    host_format_cls = CopyHostFormat
+@pytest.fixture(autouse=True)
+def copy_format():
+    """The toy format, registered through the registry alone."""
+    hf.register_host_dtype(toy.ENTRY)
+    yield toy.CopyHostFormat
+    del hf.HOST_DTYPES["copy"]
 
 
 def copy_pool(device_pool, layout, host_tokens, path):
-    cls = CopyHostPool if path == "torch" else CopyFusedHostPool
     pool = make_host_pool(
-        device_pool, host_tokens=host_tokens, layout=layout, host_pool_cls=cls
+        device_pool, host_tokens=host_tokens, layout=layout, host_dtype="copy"
     )
     if path != "torch":
         pool.use_fused_kernels = True
@@ -205,14 +100,14 @@ def test_toy_format_round_trips_through_the_generic_pool(layout, page_size, path
     for layer, (k, v) in enumerate(written):
         want = fmt.encode_reference([x.view(-1, ut, *x.shape[1:]) for x in (k, v)])
         for name, value in want.items():
-            got = pool._host_layer(name, layer)[units]
+            got = pool.records.layer(name, layer)[units]
             assert torch.equal(bits(got), bits(value)), (name, layer)
     # Only the backed-up units changed on the host.
-    kept = torch.ones(pool.host_units, dtype=torch.bool)
+    kept = torch.ones(len(pool.records.all_layers("k")), dtype=torch.bool)
     kept[units] = False
     for name, old in zip(pool.host_records, before):
-        now = pool._host_all_layers(name)
-        then = old if pool._page_major else old.transpose(0, 1)
+        now = pool.records.all_layers(name)
+        then = old if pool.records.page_major else old.transpose(0, 1)
         assert torch.equal(bits(now[kept]), bits(then[kept]))
     # Statistics: per layer and side, the largest finite |x| backed up.
     amax = pool.scale_amax_by_layer()
@@ -258,7 +153,7 @@ def test_toy_format_l3_pages_round_trip(layout):
     expected = []
     for record in fmt.records:
         layers = torch.stack([enc[record.name] for enc in per_layer])  # [L, units, ...]
-        if pool._page_major:
+        if pool.records.page_major:
             layers = layers.transpose(0, 1)
         expected.append(layers.contiguous().view(torch.uint8).flatten())
     assert torch.equal(page, torch.cat(expected))
@@ -280,7 +175,7 @@ def test_toy_format_l3_pages_round_trip(layout):
         pool.set_from_flat_data_page(0, page[:-1])
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(pool.kv_buffer, snapshot))
 
-    if not pool._page_major:
+    if not pool.records.page_major:
         with pytest.raises(ValueError, match="page_first or page_first_direct"):
             pool.get_page_buffer_meta(host)
         return
@@ -312,7 +207,9 @@ def test_host_bytes_follow_page_size_and_layout(monkeypatch):
             pool = copy_pool(device_pool, layout, 8 * page_size, "torch")
             host = sum(b.nbytes for b in pool.kv_buffer)
             allocated = host / pool.size / pool.device_size_per_token()
-            ratio = CopyHostPool.host_bytes_per_device_byte(info, page_size, layout)
+            ratio = host_pool_cls("copy").host_bytes_per_device_byte(
+                info, page_size, layout
+            )
             assert ratio == pytest.approx(allocated, rel=1e-12)
             ratios[page_size, layout] = ratio
 
@@ -331,36 +228,51 @@ def test_host_bytes_follow_page_size_and_layout(monkeypatch):
                     hicache_host_dtype="copy", hicache_mem_layout=layout
                 ),
             )
-            monkeypatch.setattr(
-                hicache_auto_size,
-                "get_mha_host_pool_cls",
-                lambda info, dtype: CopyHostPool,
-            )
             estimate = hicache_auto_size._estimate_hicache_bytes(params, None)
             assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)
     assert ratios[4, "page_first"] < ratios[1, "page_first"]
     assert ratios[4, "layer_first"] == ratios[1, "layer_first"]
 
 
+def test_toy_format_is_dispatched_and_listed_from_its_registry_entry():
+    from scripts.common.host_formats import host_formats
+
+    info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
+    assert hf.get_host_dtype("copy") is toy.ENTRY
+    assert hf.host_dtype_choices()[-1] == "copy"
+    pool_cls = get_mha_host_pool_cls(info, "copy")
+    assert pool_cls is host_pool_cls("copy", "mha")
+    assert pool_cls.host_format_cls is toy.CopyHostFormat
+    assert pool_cls.__name__ == "MHATokenToKVPoolCOPYHost"
+    with pytest.raises(NotImplementedError, match="copy does not support MLA"):
+        host_pool_cls("copy", "mla")
+    assert "copy" in [f.host_dtype for f in host_formats()]
+
+
 def test_registry_and_dispatch(monkeypatch):
     info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
+    assert hf.host_dtype_choices()[:4] == ["auto", "int8", "int4", "k8v4"]
     assert host_format_cls("int8") is codec.Int8HostFormat
-    assert get_mha_host_pool_cls(info, "int8") is MHATokenToKVPoolINT8FusedHost
-    assert MHATokenToKVPoolINT8Host.host_format_cls is codec.Int8HostFormat
-    with pytest.raises(ValueError, match="--hicache-host-dtype 'bogus'"):
+    assert host_format_cls("int8", "mla").name == "int8"
+    pool_cls = get_mha_host_pool_cls(info, "int8")
+    assert pool_cls is hf.host_pool_cls("int8", "mha")
+    assert pool_cls.host_format_cls is codec.Int8HostFormat
+    with pytest.raises(ValueError, match="--hicache-host-dtype 'bogus'.*auto, int8"):
         host_format_cls("bogus")
+    with pytest.raises(
+        NotImplementedError, match="int4 does not support MLA.*auto, int8"
+    ):
+        hf.host_pool_cls("int4", "mla")
     # A format or pool module this build lacks fails naming the flag.
-    monkeypatch.setitem(hf._FORMAT_CLASSES, "int4", ("sglang.no_such_codec", "X"))
-    monkeypatch.delitem(hf.HOST_FORMATS, "int4", raising=False)
-    with pytest.raises(NotImplementedError, match="--hicache-host-dtype int4"):
-        get_mha_host_pool_cls(info, "int4")
-    monkeypatch.setitem(
-        mha_quantized_fused.MHA_QUANTIZED_HOST_POOLS,
-        "int8",
-        ("sglang.no_such_pool", "X"),
-    )
-    with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8"):
-        get_mha_host_pool_cls(info, "int8")
+    monkeypatch.setattr(hf, "HOST_DTYPES", dict(hf.HOST_DTYPES))
+    int8 = hf.get_host_dtype("int8")
+    hf.register_host_dtype(replace(int8, name="nocodec", mha_format="sglang.no:X"))
+    with pytest.raises(NotImplementedError, match="--hicache-host-dtype nocodec"):
+        get_mha_host_pool_cls(info, "nocodec")
+    hf.register_host_dtype(replace(int8, name="nopool"))
+    monkeypatch.setitem(hf._HOST_POOLS, "mha", "sglang.no_such_pool:X")
+    with pytest.raises(NotImplementedError, match="--hicache-host-dtype nopool"):
+        get_mha_host_pool_cls(info, "nopool")
 
 
 # ---------------------------------------------------------------------------
@@ -413,7 +325,7 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
     geo = Geometry(layer_num=2, head_num=3, head_dim=32, v_head_dim=16, dtype=dtype,
                    page_size=page_size)  # fmt: skip
     device_pool = make_device_pool(geo, device_tokens=12 * page_size)
-    cls = MHATokenToKVPoolINT8FusedHost if fused else MHATokenToKVPoolINT8Host
+    cls = MHATokenToKVPoolINT8Host if fused else MHATokenToKVPoolINT8Host
     pool = make_host_pool(
         device_pool, host_tokens=10 * page_size, layout=layout, host_pool_cls=cls
     )

@@ -30,10 +30,10 @@ from sglang.srt.mem_cache.pool_host.mha import (
     MHATokenToKVPoolHost,
     get_mha_host_pool_cls,
 )
-from sglang.srt.mem_cache.pool_host.mha_int4 import (
-    MHATokenToKVPoolINT4Host,
-    MHATokenToKVPoolK8V4Host,
-)
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT4Host = host_pool_cls("int4")
+MHATokenToKVPoolK8V4Host = host_pool_cls("k8v4")
 
 FORMATS = ("int4", "k8v4")
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
@@ -205,9 +205,9 @@ def test_odd_head_dim_fails_naming_the_flag():
 
 
 def test_transfer_larger_than_staging_is_chunked(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import quantized
+    from sglang.srt.mem_cache.pool_host import encoded
 
-    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 32)
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
     geo, device_pool, pool = build("int4", "page_first", 16)
     dev, host = pages([1, 2, 3, 4, 5], 16), pages([9, 3, 4, 0, 7], 16)
     written = fill_spread(device_pool, dev, seed=5)

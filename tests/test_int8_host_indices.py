@@ -15,7 +15,9 @@ import torch
 from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
@@ -36,7 +38,7 @@ def build(path: str, layout: str, page_size: int):
     device_pool = make_device_pool(geo, device_tokens=16 * page_size)
     pool = make_host_pool(
         device_pool, host_tokens=8 * page_size, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     fused, access, runs = PATHS[path]
     pool.use_fused_kernels = fused
@@ -155,7 +157,7 @@ def test_pool_counts_device_resident_bad_rows_on_demand(monkeypatch):
     would sync); the pool's kernels must then drop and count bad rows. A CPU
     pool takes that branch when the CPU check is switched off."""
     device_pool, pool = build("fused-direct", "page_first", 2)
-    monkeypatch.setattr(pool, "_check_host_indices", lambda host_indices: None)
+    monkeypatch.setattr(pool.planner, "check", lambda host_indices: None)
     host = bad_host_indices(pool, "negative")
     dev = torch.arange(16, 16 + len(host))
     before = state(device_pool, pool)

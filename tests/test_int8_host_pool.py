@@ -18,8 +18,9 @@ from sglang.srt.mem_cache.pool_host.mha import (
     MHATokenToKVPoolHost,
     get_mha_host_pool_cls,
 )
-from sglang.srt.mem_cache.pool_host.mha_int8 import MHATokenToKVPoolINT8Host
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 
@@ -175,9 +176,9 @@ def test_run_copy_path_matches_indexed_path(layout, page_size, io_backend):
 
 
 def test_transfer_larger_than_staging_is_chunked(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import quantized
+    from sglang.srt.mem_cache.pool_host import encoded
 
-    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 8)
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 8)
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
     device_pool, written, new_dev = round_trip(geo, "page_first", False, n_pages=7)
     for layer, (k_rows, v_rows) in enumerate(written):
@@ -244,8 +245,8 @@ def test_dispatch_by_host_dtype():
     assert get_mha_host_pool_cls(info) is MHATokenToKVPoolHost
     assert get_mha_host_pool_cls(info, host_dtype="auto") is MHATokenToKVPoolHost
     # The fused subclass of the INT8 pool: fused kernels on CUDA, torch path here.
-    assert get_mha_host_pool_cls(info, host_dtype="int8") is MHATokenToKVPoolINT8FusedHost
-    assert issubclass(MHATokenToKVPoolINT8FusedHost, MHATokenToKVPoolINT8Host)
+    assert get_mha_host_pool_cls(info, host_dtype="int8") is MHATokenToKVPoolINT8Host
+    assert issubclass(MHATokenToKVPoolINT8Host, MHATokenToKVPoolINT8Host)
 
 
 @pytest.mark.parametrize("layout", ("page_head", "page_unified"))

@@ -16,9 +16,11 @@ import pytest
 import torch
 from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
@@ -95,7 +97,7 @@ def test_no_new_kernel_variant_after_the_self_check(
     fill_random(device_pool, torch.arange(40 * page_size), seed=2)
     pool = make_host_pool(
         device_pool, host_tokens=80 * page_size, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     pool.use_fused_kernels = True
     pool.fused_host_access = access
@@ -115,7 +117,7 @@ def test_the_key_sees_per_transfer_specialization(monkeypatch):
     device_pool = make_device_pool(geo, device_tokens=80)
     pool = make_host_pool(
         device_pool, host_tokens=160, layout="page_first",
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     pool.use_fused_kernels = True
     recorders = record_keys(monkeypatch, honour_options=False)

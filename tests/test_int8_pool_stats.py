@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
@@ -35,7 +37,7 @@ def test_scale_amax_tracks_finite_rows_per_layer(access, layout, page_size):
     device_pool = make_device_pool(geo, device_tokens=16 * page_size)
     pool = make_host_pool(
         device_pool, host_tokens=16 * page_size, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     if access is not None:
         pool.use_fused_kernels = True

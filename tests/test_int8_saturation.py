@@ -15,7 +15,9 @@ import torch
 from hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
@@ -99,7 +101,7 @@ def round_trip(dtype, values, access):
     device_pool = make_device_pool(geo, device_tokens=32)
     pool = make_host_pool(
         device_pool, host_tokens=32, layout="layer_first",
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     if access is not None:
         pool.use_fused_kernels = True

@@ -1,4 +1,4 @@
-"""Start-up self-check of the INT8 host pool (MHATokenToKVPoolINT8FusedHost.self_check)
+"""Start-up self-check of the INT8 host pool (MHATokenToKVPoolINT8Host.self_check)
 and its transfer-path reporting, run on CPU pools with the fused kernels under
 the Triton interpreter (TRITON_INTERPRET=1).
 
@@ -18,14 +18,16 @@ import torch
 from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
     pytest.mark.usefixtures("triton_interpreter"),
 ]
 LOGGER = "sglang.srt.mem_cache.pool_host"
-FUSED_LOGGER = "sglang.srt.mem_cache.pool_host.quantized_fused"
+FUSED_LOGGER = "sglang.srt.mem_cache.pool_host.encoded_fused"
 
 
 def build(geo: Geometry, layout: str, access: str | None):
@@ -34,7 +36,7 @@ def build(geo: Geometry, layout: str, access: str | None):
     device_pool = make_device_pool(geo, device_tokens=16 * p)
     pool = make_host_pool(
         device_pool, host_tokens=16 * p, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     if access is not None:
         pool.use_fused_kernels = True
@@ -187,9 +189,9 @@ def test_transfer_path_and_reason(monkeypatch, caplog):
     ]
     assert lines == ["HiCache kv INT8 host pool transfer path: torch (not CUDA (cpu))."]
 
-    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "off")
+    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "off")
     _, pool = build(geo, "page_first", None)
-    assert pool.transfer_path_reason == "SGLANG_HICACHE_INT8_FUSED=off"
+    assert pool.transfer_path_reason == "SGLANG_HICACHE_FUSED_TRANSFER=off"
 
     pool.use_fused_kernels = True
     assert pool.transfer_path == "fused_direct"

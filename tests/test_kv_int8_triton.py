@@ -27,9 +27,11 @@ from hicache_harness import (
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host import quantized, quantized_fused
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
+from sglang.srt.mem_cache.pool_host import encoded, encoded_fused
 from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 DTYPES = (torch.bfloat16, torch.float16)
 # numpy warns about lanes the kernels mask out (NaN-row quotients, padding).
@@ -242,7 +244,7 @@ def pool_round_trip(
     device_pool = make_device_pool(geo, device_tokens=16 * p)
     pool = make_host_pool(
         device_pool, host_tokens=16 * p, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     assert pool.use_fused_kernels is False  # CPU default: the torch path
     if mode is not None:
@@ -325,7 +327,7 @@ def test_pool_nonfinite_rows_and_device_index_dtypes(layout, dtype):
     geo = Geometry(layer_num=3, head_num=3, head_dim=16, page_size=2, dtype=dtype)
     ref = pool_round_trip(geo, layout, None, n_pages=5, poison=True)
     assert ref[2] == 3
-    for mode in quantized_fused.FUSED_HOST_ACCESS:
+    for mode in encoded_fused.FUSED_HOST_ACCESS:
         got = pool_round_trip(
             geo, layout, mode, n_pages=5, poison=True, device_index_dtype=torch.int32
         )
@@ -335,7 +337,7 @@ def test_pool_nonfinite_rows_and_device_index_dtypes(layout, dtype):
 
 @pytest.mark.usefixtures("big_tiles")
 def test_staged_fused_path_chunks(monkeypatch):
-    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 8)
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 8)
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
     ref = pool_round_trip(geo, "page_first", None, n_pages=7, poison=True)
     assert_same_results(
@@ -353,7 +355,7 @@ def test_one_launch_per_backup_and_per_layer(monkeypatch):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(kt, real.__name__, counted)
-    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 8)  # direct ignores chunks
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 8)  # direct ignores chunks
     geo = Geometry(layer_num=4, head_num=2, head_dim=16, page_size=2)
     pool_round_trip(geo, "page_first", "direct", n_pages=7)
     assert calls == {"encode": 1, "decode": geo.layer_num}
@@ -366,7 +368,7 @@ def test_host_index_out_of_range_is_rejected():
         device_pool,
         host_tokens=16,
         layout="layer_first",
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )
     pool.use_fused_kernels = True
     with pytest.raises(IndexError):
@@ -400,7 +402,7 @@ def build_pool_on(device_pool, device=None, pin_memory=False):
     info = device_pool.get_device_pool_infos()[0].buffer_info
     if device is not None:
         info = msgspec.structs.replace(info, device=device)
-    return MHATokenToKVPoolINT8FusedHost(
+    return MHATokenToKVPoolINT8Host(
         info, 2.0, 0, device_pool.page_size, "page_first",
         pin_memory=pin_memory, device="cpu",
         device_capacity_tokens=device_pool.size,
@@ -432,12 +434,12 @@ def test_cuda_defaults_fused_and_run_copies(cuda_typed, pinned):
     assert pool.use_fused_kernels and pool.use_run_copies
     assert pool.fused_host_access == ("direct" if pinned else "staged")
     # The direct path stages nothing; the staged one has both directions.
-    assert sorted(pool._staging) == ([] if pinned else ["d2h", "h2d"])
+    assert sorted(pool.staging.directions) == ([] if pinned else ["d2h", "h2d"])
 
 
 @pytest.mark.parametrize("mode", ("off", "direct", "staged"))
 def test_fused_env_overrides_the_cuda_default(cuda_typed, monkeypatch, mode):
-    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", mode)
+    monkeypatch.setenv(encoded_fused.FUSED_ENV, mode)
     pool = build_pool_on(make_device_pool(Geometry(), 16), cuda_typed, True)
     assert pool.use_fused_kernels is (mode != "off")
     assert pool.use_run_copies  # the torch path on CUDA copies per run
@@ -455,10 +457,11 @@ def test_mode_selection(monkeypatch):
     pool = build()  # CPU: torch path by default, kernels can reach host memory
     assert not pool.use_fused_kernels and pool.fused_host_access == "direct"
     assert not pool.use_run_copies
+    # The deprecated name still counts while Envs declares only it.
     monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "staged")
     assert build().fused_host_access == "staged"
-    monkeypatch.setenv("SGLANG_HICACHE_INT8_FUSED", "bogus")
-    with pytest.raises(ValueError, match="SGLANG_HICACHE_INT8_FUSED"):
+    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "bogus")
+    with pytest.raises(ValueError, match="SGLANG_HICACHE_FUSED_TRANSFER"):
         build()
 
 
@@ -470,7 +473,7 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
     geo = Geometry(layer_num=2, head_num=2, head_dim=8, page_size=page_size)
     rig = make_rig(
         geo, device_tokens=32 * page_size, host_tokens=64 * page_size,
-        layout=layout, io_backend="kernel", host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        layout=layout, io_backend="kernel", host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     rig.host_pool.use_fused_kernels = True
     ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
@@ -502,7 +505,7 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
 @pytest.mark.usefixtures("big_tiles")
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("page_size", (1, 4))
-@pytest.mark.parametrize("mode", quantized_fused.FUSED_HOST_ACCESS)
+@pytest.mark.parametrize("mode", encoded_fused.FUSED_HOST_ACCESS)
 def test_fused_unordered_host_slots_round_trip(layout, page_size, mode):
     """The fused kernels (direct, and staged with the per-run copies CUDA
     uses) with host slots out of order, with gaps and backward jumps: the
@@ -521,7 +524,7 @@ def test_unsupported_io_backend_on_fused_load_fails():
     device_pool = make_device_pool(geo, 16)
     pool = make_host_pool(
         device_pool, host_tokens=16, layout="page_first",
-        host_pool_cls=MHATokenToKVPoolINT8FusedHost,
+        host_pool_cls=MHATokenToKVPoolINT8Host,
     )  # fmt: skip
     pool.use_fused_kernels = True
     before = [b.clone() for b in device_pool.k_buffer]

@@ -13,7 +13,9 @@ import torch
 
 from hicache_harness import MLAGeometry, finish_transfers, make_rig
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
-from sglang.srt.mem_cache.pool_host.mla_int8 import MLATokenToKVPoolINT8Host
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
 
 def encoded(rows: torch.Tensor) -> torch.Tensor:

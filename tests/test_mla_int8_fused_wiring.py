@@ -21,7 +21,9 @@ import torch
 from hicache_harness import MLAGeometry, fill_random, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
-from sglang.srt.mem_cache.pool_host.mla_int8 import MLATokenToKVPoolINT8Host
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 

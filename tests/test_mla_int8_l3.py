@@ -17,7 +17,9 @@ import l3_harness as h
 from hicache_harness import MLAGeometry
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla_int8 import MLATokenToKVPoolINT8Host
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
 GEO = MLAGeometry(layer_num=3, page_size=4)
 PAGES = 6

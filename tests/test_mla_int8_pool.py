@@ -19,10 +19,10 @@ from hicache_harness import (
 )
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import TILE, MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla_int8 import (
-    MLATokenToKVPoolINT8Host,
-    get_mla_host_pool_cls,
-)
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+
+MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
 LATENT, ROPE = 512, 64
 NAN, INF = float("nan"), float("inf")

@@ -56,7 +56,9 @@ def test_control_is_bit_identical_and_int8_is_close(report):
 
 
 def test_a_load_that_restores_nothing_refuses_to_report(monkeypatch):
-    from sglang.srt.mem_cache.pool_host.mla_int8 import MLATokenToKVPoolINT8Host
+    from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+    MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
     monkeypatch.setattr(
         MLATokenToKVPoolINT8Host, "load_to_device_per_layer", lambda *a, **k: None

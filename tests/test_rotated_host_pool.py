@@ -16,17 +16,14 @@ import pytest
 import torch
 
 from hicache_harness import Geometry, make_device_pool, make_host_pool
-from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+from sglang.srt.mem_cache.pool_host import encoded_fused
+from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-from sglang.srt.mem_cache.pool_host.mha_int4_rot import (
-    MHATokenToKVPoolINT4RotHost,
-    MHATokenToKVPoolK8V4RotHost,
-)
 from tests import test_int4_host_pool as int4_suite
 from tests.test_int4_host_pool import build, fill_spread, pages
 
 ROTATED = {"int4r": "int4", "k8v4r": "k8v4"}  # format -> base format
-POOL_CLS = {"int4r": MHATokenToKVPoolINT4RotHost, "k8v4r": MHATokenToKVPoolK8V4RotHost}
+POOL_CLS = {name: host_pool_cls(name) for name in ROTATED}
 LAYOUTS = int4_suite.LAYOUTS
 IO_BACKENDS = ("kernel", "direct")
 
@@ -141,9 +138,9 @@ def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
 
 
 def test_transfer_larger_than_staging_is_chunked(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import quantized
+    from sglang.srt.mem_cache.pool_host import encoded
 
-    monkeypatch.setattr(quantized, "_STAGING_TOKENS", 32)
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
     geo, device_pool, pool = build("int4r", "page_first", 16)
     dev, host = pages([1, 2, 3, 4, 5], 16), pages([9, 3, 4, 0, 7], 16)
     written = fill_spread(device_pool, dev, seed=5)
@@ -207,8 +204,11 @@ def test_no_fused_kernels_so_the_pool_takes_the_torch_path(fmt):
     bytes from int4's kernels."""
     _, device_pool, pool = build(fmt, "page_first", 16)
     assert not pool.host_format.fused_available(torch.device("cuda"))
-    pool._select_transfer_path(torch.device("cuda"))
-    assert pool.transfer_path == "torch" and not pool.use_fused_kernels
+    pool._transfer_device = torch.device("cuda")  # only select_transfer reads it
+    transfer = encoded_fused.select_transfer(pool)
+    assert not isinstance(transfer, encoded_fused.FusedTransfer)
+    assert pool.transfer_path_reason == f"no fused {fmt} kernels for this device"
+    pool._transfer_device = torch.device("cpu")
     pool.use_fused_kernels = True
     with pytest.raises(NotImplementedError, match=f"--hicache-host-dtype {fmt}"):
         pool.backup_from_device_all_layer(

@@ -2,7 +2,7 @@
 
 `make quality`, `make demo` and `make bench-codec` iterate over
 `host_formats()`: the stock pool (`auto`) and every format in the patched
-tree's registry (`pool_host/host_format.py`, `host_format_names()`). A format
+tree's registry (`pool_host/host_format.py`, `HOST_DTYPES`). A format
 added there (one module and one registry line) therefore gets its quality
 arm, its demo row and curve and its codec benchmark row without a tool
 change. `host_dtype_choices()` is what the server's `--hicache-host-dtype`
@@ -34,9 +34,9 @@ class HostFormat:
 def registered_host_dtypes() -> list[str]:
     """`auto` and every format of the host-format registry."""
     install_cpu_standins()
-    from sglang.srt.mem_cache.pool_host.host_format import host_format_names
+    from sglang.srt.mem_cache.pool_host.host_format import host_dtype_choices
 
-    return ["auto", *host_format_names()]
+    return host_dtype_choices()
 
 
 def host_dtype_choices() -> list[str]:

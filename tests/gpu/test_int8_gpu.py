@@ -157,8 +157,8 @@ def test_fused_path_is_the_default_on_cuda():
     )  # fmt: skip
     if CUDA:
         assert_cuda_defaults(pool)
-        assert pool._staging == {}  # the direct path needs no staging
-        assert pool._fused_layer_tables[0].aligned  # vectorized device loads
+        assert pool.staging.directions == ()  # the direct path needs no staging
+        assert pool.transfer.tables()[0].aligned  # vectorized device loads
     else:
         assert not pool.use_fused_kernels and not pool.use_run_copies
     destroy_host_pool(pool)

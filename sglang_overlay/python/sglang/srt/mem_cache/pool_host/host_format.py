@@ -3,16 +3,17 @@
 A format (--hicache-host-dtype) owns all value math: which host tensors
 ("records") it stores per unit and layer, how device rows become records and
 back, its error bound and its fused kernels. It never sees indices, layouts or
-staging; the quantized host pools (pool_host/quantized.py) handle those once
-for every format.
+staging; the encoded host pools (pool_host/encoded.py) handle those once for
+every format.
 
 A unit is what one host index range addresses per layer: a page for the
 page-major layouts (page_first, page_first_direct), a token for layer_first.
 Each record is stored as one host tensor of shape (units, layers, *shape)
 page-major or (layers, units, *shape) layer_first.
 
-Adding a format is one module defining a HostKVFormat subclass, one line in
-_FORMAT_CLASSES below, and its tests.
+Adding a format is one module defining a HostKVFormat subclass and one
+register_host_dtype() entry below (HOST_DTYPES): the flag's choices and
+validation, the pool dispatch, auto-sizing and the tools all read it.
 """
 
 from __future__ import annotations
@@ -211,39 +212,157 @@ class HostKVFormat:
         raise NotImplementedError
 
 
-# --hicache-host-dtype -> (module, class) of its format, imported on first use
-# so a format's kernels and codec load only when selected.
-_FORMAT_CLASSES: dict[str, tuple[str, str]] = {
-    "int8": ("sglang.srt.mem_cache.pool_host.kv_int8_codec", "Int8HostFormat"),
-    "int4": ("sglang.srt.mem_cache.pool_host.kv_int4_codec", "Int4HostFormat"),
-    "k8v4": ("sglang.srt.mem_cache.pool_host.kv_int4_codec", "K8V4HostFormat"),
-    "int4r": ("sglang.srt.mem_cache.pool_host.kv_int4_rot_codec", "Int4RotHostFormat"),
-    "k8v4r": ("sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec", "K8V4RotHostFormat"),
-}
+@dataclass(frozen=True)
+class HostDtype:
+    """One --hicache-host-dtype value: the formats it stores per model kind."""
 
-HOST_FORMATS: dict[str, type[HostKVFormat]] = {}
+    name: str  # the --hicache-host-dtype value, e.g. "int8"
+    mha_format: str  # "module:Class" of its HostKVFormat for MHA models
+    mla_format: str | None  # the same for MLA models; None = refused for MLA
+    help: str  # one line for --help and the supported matrix
+
+
+# The registry, in flag order ("auto", upstream's device-dtype copy, is not in
+# it). Formats import on first use, so only the selected codec and kernels load.
+HOST_DTYPES: dict[str, HostDtype] = {}
+MODEL_KINDS = ("mha", "mla")
+# The encoded host pool of each model kind; host_pool_cls binds a format to it.
+_HOST_POOLS = {
+    "mha": "sglang.srt.mem_cache.pool_host.mha_encoded:MHATokenToKVPoolEncodedHost",
+    "mla": "sglang.srt.mem_cache.pool_host.mla_encoded:MLATokenToKVPoolEncodedHost",
+}
+_format_classes: dict[tuple[str, str], type[HostKVFormat]] = {}
+_pool_classes: dict[tuple[str, str], type] = {}
+
+
+def register_host_dtype(entry: HostDtype) -> None:
+    """Add (or replace) a --hicache-host-dtype value."""
+    if entry.name == "auto" or not entry.name.isidentifier():
+        raise ValueError(f"--hicache-host-dtype cannot register {entry.name!r}")
+    if HOST_DTYPES.get(entry.name) == entry:
+        return
+    HOST_DTYPES[entry.name] = entry
+    for cache in (_format_classes, _pool_classes):
+        for key in [k for k in cache if k[0] == entry.name]:
+            del cache[key]
+
+
+def host_dtype_choices() -> list[str]:
+    return ["auto", *HOST_DTYPES]
+
+
+def get_host_dtype(name: str) -> HostDtype:
+    if name not in HOST_DTYPES:
+        raise ValueError(
+            f"--hicache-host-dtype {name!r} is not a host KV format; pass one of "
+            f"{', '.join(host_dtype_choices())}."
+        )
+    return HOST_DTYPES[name]
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind must be one of {MODEL_KINDS}; got {kind!r}")
+
+
+def _import(target: str, what: str):
+    module_name, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise NotImplementedError(
+            f"--hicache-host-dtype {what} is not available in this build "
+            f"({target}: {e})."
+        ) from e
+
+
+def host_format_cls(name: str, kind: str = "mha") -> type[HostKVFormat]:
+    """The HostKVFormat class of a --hicache-host-dtype value for a model kind."""
+    _check_kind(kind)
+    key = (name, kind)
+    if key not in _format_classes:
+        target = getattr(get_host_dtype(name), f"{kind}_format")
+        if target is None:
+            mla = [n for n, e in HOST_DTYPES.items() if e.mla_format]
+            raise NotImplementedError(
+                f"--hicache-host-dtype {name} does not support MLA models; pass "
+                f"one of {', '.join(['auto', *mla])}."
+            )
+        _format_classes[key] = _import(target, f"{name} for {kind.upper()} models")
+    return _format_classes[key]
+
+
+def host_pool_cls(name: str, kind: str = "mha") -> type:
+    """The encoded host pool class of a --hicache-host-dtype value for a model
+    kind: the kind's pool bound to the value's format (one class per pair)."""
+    key = (name, kind)
+    if key not in _pool_classes:
+        fmt = host_format_cls(name, kind)
+        base = _import(_HOST_POOLS[kind], f"{name} for {kind.upper()} models")
+        prefix = "MHATokenToKVPool" if kind == "mha" else "MLATokenToKVPool"
+        cls_name = f"{prefix}{name.upper()}Host"
+        _pool_classes[key] = type(
+            cls_name,
+            (base,),
+            {
+                "host_format_cls": fmt,
+                "__module__": base.__module__,
+                "__qualname__": cls_name,
+            },
+        )
+    return _pool_classes[key]
 
 
 def host_format_names() -> tuple[str, ...]:
-    return tuple(_FORMAT_CLASSES)
+    """Deprecated: HOST_DTYPES' names (scripts still call it)."""
+    return tuple(HOST_DTYPES)
 
 
-def host_format_cls(name: str) -> type[HostKVFormat]:
-    """The format class of a --hicache-host-dtype value."""
-    if name in HOST_FORMATS:
-        return HOST_FORMATS[name]
-    if name not in _FORMAT_CLASSES:
-        raise ValueError(
-            f"--hicache-host-dtype {name!r} is not a host KV format; known: "
-            f"{', '.join(_FORMAT_CLASSES)}"
-        )
-    module_name, class_name = _FORMAT_CLASSES[name]
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
-        raise NotImplementedError(
-            f"--hicache-host-dtype {name} is not available in this build "
-            f"({module_name}.{class_name}: {e})."
-        ) from e
-    HOST_FORMATS[name] = cls
-    return cls
+_CODECS = "sglang.srt.mem_cache.pool_host"
+register_host_dtype(
+    HostDtype(
+        "int8",
+        f"{_CODECS}.kv_int8_codec:Int8HostFormat",
+        f"{_CODECS}.kv_mla_int8_codec:MLAInt8HostFormat",
+        "symmetric INT8 with one FP16 scale per token, layer, K|V and head "
+        "(MLA: the latent in 128-value tiles with one FP16 scale each, RoPE "
+        "kept in the device dtype)",
+    )
+)
+register_host_dtype(
+    HostDtype(
+        "int4",
+        f"{_CODECS}.kv_int4_codec:Int4HostFormat",
+        None,
+        "4-bit codes with an FP16 scale and zero point per group: keys per "
+        "channel over a page of at least 16 tokens, else per token; values "
+        "per token",
+    )
+)
+register_host_dtype(
+    HostDtype(
+        "k8v4",
+        f"{_CODECS}.kv_int4_codec:K8V4HostFormat",
+        None,
+        "INT8 keys with one FP16 scale per token, layer and head; 4-bit values "
+        "with an FP16 scale and zero point per token group",
+    )
+)
+register_host_dtype(
+    HostDtype(
+        "int4r",
+        f"{_CODECS}.kv_int4_rot_codec:Int4RotHostFormat",
+        None,
+        "int4 with keys and values rotated per head (Walsh-Hadamard, seeded "
+        "sign flip) before encoding: same bytes per token, closer restored KV",
+    )
+)
+register_host_dtype(
+    HostDtype(
+        "k8v4r",
+        f"{_CODECS}.kv_k8v4_rot_codec:K8V4RotHostFormat",
+        None,
+        "k8v4 with values rotated per head (Walsh-Hadamard, seeded sign flip) "
+        "before encoding: same bytes per token, closer restored KV",
+    )
+)

@@ -17,9 +17,11 @@ import torch
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host.mha_int8_fused import MHATokenToKVPoolINT8FusedHost
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 register_cuda_ci(est_time=30, stage="base-b-kernel-unit", runner_config="1-gpu-small")
@@ -96,7 +98,7 @@ class TestKVInt8Triton(CustomTestCase):
             enable_memory_saver=False, v_head_dim=16, enable_alt_stream=False,
         )  # fmt: skip
         info = dev_pool.get_device_pool_infos()[0].buffer_info
-        pool = MHATokenToKVPoolINT8FusedHost(
+        pool = MHATokenToKVPoolINT8Host(
             info, 2.0, 0, page_size, layout, pin_memory=CUDA, device="cpu",
             device_capacity_tokens=dev_pool.size, start_layer=dev_pool.start_layer,
             end_layer=dev_pool.end_layer, host_token_capacity=16 * page_size,

@@ -18,9 +18,11 @@ import torch
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
-from sglang.srt.mem_cache.pool_host.mla_int8 import MLATokenToKVPoolINT8Host
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
+
+MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
 register_cpu_ci(est_time=30, suite="base-a-test-cpu")
 register_cuda_ci(est_time=30, stage="base-b-kernel-unit", runner_config="1-gpu-small")

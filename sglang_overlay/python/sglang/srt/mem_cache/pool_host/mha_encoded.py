@@ -1,13 +1,7 @@
 """MHA host (L2) pool that stores KV in an encoded host format
-(--hicache-host-dtype, pool_host/host_format.py).
-
-The format encodes the K and V rows of each layer (sides "k" and "v"); the
-layouts, indices, staging, transfers, statistics and L3 pages are
-QuantizedHostPoolMixin's. This class adds the MHA specifics: which device
-KV it accepts, the device buffers per side and the host bytes per device
-byte that auto-sizing asks for. Each format has one small subclass that sets
-`host_format_cls`.
-"""
+(--hicache-host-dtype): the format encodes each layer's K and V rows (sides
+"k" and "v"); EncodedHostPool's collaborators move them. Dispatched through
+host_format.host_pool_cls(name, "mha"), which binds the format."""
 
 from __future__ import annotations
 
@@ -17,22 +11,21 @@ from typing import Sequence
 import torch
 
 from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.quantized import (
-    QUANTIZED_HOST_DEVICE_DTYPES,
-    QuantizedHostPoolMixin,
+from sglang.srt.mem_cache.pool_host.encoded import (
+    ENCODED_HOST_DEVICE_DTYPES,
+    EncodedHostPool,
+    check_layout,
+    unit_tokens_for,
 )
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 logger = logging.getLogger(__name__)
 
 
-class MHATokenToKVPoolQuantizedHost(QuantizedHostPoolMixin, MHATokenToKVPoolHost):
-    """MHA host pool holding the records of `host_format_cls`.
-
-    L3 storage moves pages in this encoded form: one object per page for
+class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
+    """L3 storage moves pages in this encoded form: one object per page for
     generic backends (file), the format's zero-copy objects per page for
-    zero-copy backends (mooncake); QuantizedHostPoolMixin gives the byte order.
-    """
+    zero-copy backends (mooncake)."""
 
     @classmethod
     def host_bytes_per_device_byte(
@@ -43,10 +36,12 @@ class MHATokenToKVPoolQuantizedHost(QuantizedHostPoolMixin, MHATokenToKVPoolHost
     ) -> float:
         # Page size and layout set the unit a format may group over (e.g.
         # per-page key scales), hence its bytes per token.
-        unit_tokens = cls._unit_tokens_for(page_size, layout)
         dims = (buffer_info.head_dim, buffer_info.v_head_dim)
         encoded = cls.host_format_cls.bytes_per_token_for(
-            dims, buffer_info.head_num, unit_tokens, buffer_info.dtype
+            dims,
+            buffer_info.head_num,
+            unit_tokens_for(page_size, layout),
+            buffer_info.dtype,
         )
         device = sum(dims) * buffer_info.head_num * buffer_info.dtype.itemsize
         return encoded / device
@@ -71,13 +66,13 @@ class MHATokenToKVPoolQuantizedHost(QuantizedHostPoolMixin, MHATokenToKVPoolHost
         host_token_capacity: int | None = None,
     ):
         name = self.host_format_cls.name
-        self._check_layout(layout)
+        check_layout(name, layout)
         if draft_buffer_infos:
             raise NotImplementedError(
                 f"--hicache-host-dtype {name} does not pack MTP draft KV layers yet."
             )
         if buffer_info.scales is not None or buffer_info.dtype not in (
-            QUANTIZED_HOST_DEVICE_DTYPES
+            ENCODED_HOST_DEVICE_DTYPES
         ):
             # FP8/FP4 KV reaches the pool as its one-byte storage dtype.
             got = (
@@ -90,15 +85,13 @@ class MHATokenToKVPoolQuantizedHost(QuantizedHostPoolMixin, MHATokenToKVPoolHost
                 f"got {got}. Pass --kv-cache-dtype bf16, or use "
                 "--hicache-host-dtype auto."
             )
-        # The format sizes the pool (get_size_per_token) before the base
-        # constructor allocates it.
-        self.page_size = page_size
-        self.layout = layout
-        self.dtype = buffer_info.dtype
-        self._make_host_format(
-            (buffer_info.head_dim, buffer_info.v_head_dim), buffer_info.head_num
+        # HostKVCache sizes the pool from get_size_per_token, which the format answers.
+        self.host_format = self.host_format_cls(
+            (buffer_info.head_dim, buffer_info.v_head_dim),
+            buffer_info.head_num,
+            unit_tokens_for(page_size, layout),
+            buffer_info.dtype,
         )
-        self.host_records: dict[str, torch.Tensor] = {}
         super().__init__(
             buffer_info,
             host_to_device_ratio,
@@ -126,16 +119,12 @@ class MHATokenToKVPoolQuantizedHost(QuantizedHostPoolMixin, MHATokenToKVPoolHost
             self.device_size_per_token() / self.get_size_per_token(),
             layout,
         )
-        self._finish_transfer_setup()
+        self._finish_setup()
 
     def device_size_per_token(self) -> int:
         """Bytes per token of the same KV in the device dtype (what BF16 offload stores)."""
-        return (
-            (self.head_dim + self.v_head_dim)
-            * self.head_num
-            * self.layer_num
-            * self.dtype.itemsize
-        )
+        dims = self.head_dim + self.v_head_dim
+        return dims * self.head_num * self.layer_num * self.dtype.itemsize
 
     def get_ksize_per_token(self):
         return self.head_dim * self.head_num * self.layer_num
@@ -158,4 +147,4 @@ class MHATokenToKVPoolQuantizedHost(QuantizedHostPoolMixin, MHATokenToKVPoolHost
         self.k_data_ptrs = None
         self.v_data_ptrs = None
         self.host_kv_data_refs = []
-        self._init_quantized_transfer_state()
+        self._build_transfer()

@@ -1,0 +1,617 @@
+"""Encoded host (L2) KV pools (--hicache-host-dtype): the parts every model
+kind shares.
+
+The device (L1) KV cache stays BF16/FP16; a HostKVFormat (host_format.py)
+owns the value math. A pool (mha_encoded.py, mla_encoded.py) is the upstream
+pool of its kind plus EncodedHostPool, which delegates to named
+collaborators: HostRecords (one host tensor per record), UnitPlanner (host
+indices -> units and runs), StagingBuffers, HostKVCounters, a transfer
+strategy (TorchTransfer here, FusedTransfer in encoded_fused.py, chosen once
+at construction) and L3PageCodec (the storage page bytes).
+
+A unit is what one host index range addresses per layer: a page for
+page_first and page_first_direct, a token for layer_first. Transfers run on
+the caller's stream (HiCache's transfer stream), so the per-layer done event
+still marks fully restored KV, for the kernel and the direct io backend.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, ClassVar, Sequence
+
+import torch
+
+from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
+from sglang.srt.mem_cache.pool_host.host_format import EncodeStats, HostKVFormat
+
+logger = logging.getLogger(__name__)
+
+ENCODED_HOST_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+ENCODED_HOST_IO_BACKENDS = ("kernel", "direct")
+ENCODED_HOST_DEVICE_DTYPES = (torch.bfloat16, torch.float16)
+# Tokens one staging chunk holds (rounded to whole units).
+STAGING_TOKENS = 4096
+
+
+def unit_tokens_for(page_size: int, layout: str) -> int:
+    return 1 if layout == "layer_first" else page_size
+
+
+def check_io_backend(name: str, io_backend: str) -> None:
+    if io_backend not in ENCODED_HOST_IO_BACKENDS:
+        raise ValueError(
+            f"--hicache-host-dtype {name} supports --hicache-io-backend "
+            f"{', '.join(ENCODED_HOST_IO_BACKENDS)}; got {io_backend!r}."
+        )
+
+
+def check_layout(name: str, layout: str) -> None:
+    if layout not in ENCODED_HOST_LAYOUTS:
+        raise NotImplementedError(
+            f"--hicache-host-dtype {name} supports --hicache-mem-layout "
+            f"{', '.join(ENCODED_HOST_LAYOUTS)}; got {layout!r}."
+        )
+
+
+class HostRecords:
+    """One host tensor per format record: (units, layers, *shape) page-major,
+    (layers, units, *shape) layer_first."""
+
+    def __init__(
+        self,
+        fmt: HostKVFormat,
+        units: int,
+        layer_num: int,
+        page_major: bool,
+        alloc: Callable,
+    ):
+        self.page_major = page_major
+        self.tensors: dict[str, torch.Tensor] = {}
+        for record in fmt.records:
+            layered = (units, layer_num) if page_major else (layer_num, units)
+            self.tensors[record.name] = alloc((*layered, *record.shape), record.dtype)
+
+    def layer(self, name: str, layer_id: int) -> torch.Tensor:
+        """[units, *record shape] view of one layer."""
+        buf = self.tensors[name]
+        return buf[:, layer_id] if self.page_major else buf[layer_id]
+
+    def all_layers(self, name: str) -> torch.Tensor:
+        """[units, layers, *record shape] view."""
+        buf = self.tensors[name]
+        return buf if self.page_major else buf.transpose(0, 1)
+
+
+class UnitPlanner:
+    """Host token indices -> host units, checked on the CPU before anything
+    moves (torch indexing would wrap negative ones silently)."""
+
+    def __init__(
+        self,
+        name: str,
+        size: int,
+        unit_tokens: int,
+        staging_units: int,
+        device: torch.device,
+    ):
+        self.name = name
+        self.size = size
+        self.unit_tokens = unit_tokens
+        self.staging_units = staging_units
+        self.device = device
+        # Copying per contiguous run keeps host<->device copies asynchronous;
+        # on a CPU transfer device one indexed copy does the same work.
+        self.use_runs = device.type != "cpu"
+
+    def check(self, host_indices: torch.Tensor) -> None:
+        # Checked where the indices are on the CPU, so the check never syncs.
+        if host_indices.device.type == "cpu" and host_indices.numel():
+            lo, hi = int(host_indices.min()), int(host_indices.max())
+            if lo < 0 or hi >= self.size:
+                raise IndexError(
+                    f"--hicache-host-dtype {self.name} host pool: host indices "
+                    f"[{lo}, {hi}] out of range [0, {self.size}); nothing was "
+                    "transferred."
+                )
+
+    def units(self, host_indices: torch.Tensor) -> torch.Tensor:
+        """Token indices (page-aligned runs for page layouts) -> unit ids on CPU."""
+        host_indices = host_indices.to("cpu", torch.int64)
+        self.check(host_indices)
+        if self.unit_tokens == 1:
+            return host_indices
+        return host_indices[:: self.unit_tokens] // self.unit_tokens
+
+    @staticmethod
+    def runs(units: list[int]) -> list[tuple[int, int, int]]:
+        """(chunk offset, first unit, length) for each run of consecutive units."""
+        runs = []
+        start = 0
+        for i in range(1, len(units) + 1):
+            if i == len(units) or units[i] != units[i - 1] + 1:
+                runs.append((start, units[start], i - start))
+                start = i
+        return runs
+
+    def chunks(self, host_indices: torch.Tensor, device_indices: torch.Tensor):
+        """(units, runs or None, device indices) per staging-sized chunk."""
+        units = self.units(host_indices)
+        device_indices = device_indices.to(self.device, torch.int64)
+        step = self.staging_units
+        for first in range(0, len(units), step):
+            chunk_units = units[first : first + step]
+            tokens = slice(
+                first * self.unit_tokens, (first + len(chunk_units)) * self.unit_tokens
+            )
+            runs = self.runs(chunk_units.tolist()) if self.use_runs else None
+            yield chunk_units, runs, device_indices[tokens]
+
+
+class StagingBuffers:
+    """Per direction (a backup encodes into d2h while a load may decode from
+    h2d): one chunk of records, its device-dtype rows per side, and the token
+    positions the fused kernels take as host indices into staging."""
+
+    def __init__(
+        self, fmt: HostKVFormat, units: int, dtype: torch.dtype, device: torch.device
+    ):
+        self.fmt, self.units, self.dtype, self.device = fmt, units, dtype, device
+        self._buffers: dict[str, dict] = {}
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        """The directions allocated so far."""
+        return tuple(self._buffers)
+
+    def __getitem__(self, direction: str) -> dict:
+        if direction not in self._buffers:
+            fmt, dev = self.fmt, self.device
+            tokens = self.units * fmt.unit_tokens
+            self._buffers[direction] = {
+                "records": {
+                    r.name: torch.empty(
+                        (self.units, *r.shape), dtype=r.dtype, device=dev
+                    )
+                    for r in fmt.records
+                },
+                "rows": [
+                    torch.empty(
+                        (tokens, fmt.head_num, dim), dtype=self.dtype, device=dev
+                    )
+                    for dim in fmt.dims
+                ],
+                "positions": torch.arange(tokens, dtype=torch.int64, device=dev),
+            }
+        return self._buffers[direction]
+
+
+class HostKVCounters:
+    """Encoding statistics on the transfer device; reading them synchronizes
+    with it (all its streams: backups run on HiCache's D2H stream)."""
+
+    def __init__(self, layer_num: int, sides: int, device: torch.device):
+        # Groups (the format's scale groups) stored as non-finite.
+        self.nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        # Largest max |x| of a group stored finite, per layer and side.
+        self.amax = torch.zeros((layer_num, sides), dtype=torch.float32, device=device)
+        # Token entries fused launches skipped for an out-of-range host index.
+        self.bad_indices = torch.zeros((), dtype=torch.int64, device=device)
+
+    def track(self, layer_id: int, stats: EncodeStats) -> None:
+        slot = self.amax[layer_id]
+        torch.maximum(slot, stats.amax, out=slot)
+        self.nonfinite += stats.nonfinite
+
+    def sync(self) -> None:
+        if self.nonfinite.is_cuda:
+            torch.cuda.synchronize(self.nonfinite.device)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in (self.nonfinite, self.amax, self.bad_indices)]
+
+    def restore(self, saved: Sequence[torch.Tensor]) -> None:
+        for live, old in zip((self.nonfinite, self.amax, self.bad_indices), saved):
+            live.copy_(old)
+
+
+class TorchTransfer:
+    """Gather -> encode -> store on backup, fetch -> decode -> scatter on load,
+    through staging, with the format's torch code."""
+
+    path = "torch"
+
+    def __init__(self, pool: "EncodedHostPool"):
+        self.pool = pool
+
+    def _unit_rows(self, rows: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        rows = rows[:n_tokens]
+        ut = self.pool.host_format.unit_tokens
+        return rows.view(n_tokens // ut, ut, *rows.shape[1:])
+
+    def backup(self, host_indices, device_indices) -> None:
+        pool = self.pool
+        stage = pool.staging["d2h"]
+        names = list(stage["records"])
+        for units, runs, dev_rows in pool.planner.chunks(host_indices, device_indices):
+            n_tokens = len(dev_rows)
+            out = {name: stage["records"][name][: len(units)] for name in names}
+            for layer_id in range(pool.layer_num):
+                rows = []
+                for side, staged in enumerate(stage["rows"]):
+                    device_layer = pool._device_buffers(side)[layer_id]
+                    torch.index_select(device_layer, 0, dev_rows, out=staged[:n_tokens])
+                    rows.append(self._unit_rows(staged, n_tokens))
+                pool.counters.track(layer_id, pool.host_format.encode_into(rows, out))
+                for name in names:
+                    store(
+                        pool.records.layer(name, layer_id),
+                        stage["records"][name],
+                        units,
+                        runs,
+                    )
+
+    def load(self, host_indices, device_indices, layer_id: int) -> None:
+        pool = self.pool
+        stage = pool.staging["h2d"]
+        for units, runs, dev_rows in pool.planner.chunks(host_indices, device_indices):
+            n_tokens = len(dev_rows)
+            records = {
+                name: fetch(pool.records.layer(name, layer_id), staged, units, runs)
+                for name, staged in stage["records"].items()
+            }
+            rows = [self._unit_rows(staged, n_tokens) for staged in stage["rows"]]
+            pool.host_format.decode_into(records, rows)
+            for side, staged in enumerate(stage["rows"]):
+                pool._device_buffers(side)[layer_id].index_copy_(
+                    0, dev_rows, staged[:n_tokens]
+                )
+
+
+def store(host: torch.Tensor, stage: torch.Tensor, units, runs) -> None:
+    """Staged records -> host rows of one layer."""
+    if runs is None:
+        host.index_copy_(0, units, stage[: len(units)])
+        return
+    for offset, unit, length in runs:
+        host[unit : unit + length].copy_(
+            stage[offset : offset + length], non_blocking=True
+        )
+
+
+def fetch(host: torch.Tensor, stage: torch.Tensor, units, runs) -> torch.Tensor:
+    """Host rows of one layer -> staged records."""
+    out = stage[: len(units)]
+    if runs is None:
+        torch.index_select(host, 0, units, out=out)
+        return out
+    for offset, unit, length in runs:
+        out[offset : offset + length].copy_(
+            host[unit : unit + length], non_blocking=True
+        )
+    return out
+
+
+class L3PageCodec:
+    """A page in storage is exactly its L2 bytes, never re-encoded.
+
+    Generic backends (file): ONE object per page, every record in the
+    format's `records` order, each in host order ([layer, *shape] per unit,
+    the page's units in order). Zero-copy backends (mooncake): the format's
+    zero_copy_objects(), page-major layouts only.
+    """
+
+    def __init__(
+        self,
+        fmt: HostKVFormat,
+        records: HostRecords,
+        page_size: int,
+        layer_num: int,
+        layout: str,
+    ):
+        self.fmt, self.records = fmt, records
+        self.page_size, self.layer_num, self.layout = page_size, layer_num, layout
+        self.page_bytes = fmt.unit_bytes() * layer_num * (page_size // fmt.unit_tokens)
+        per_unit = {r.name: r.nbytes for r in fmt.records}
+        # zero_copy_objects' pieces scaled from one layer's record to a page's
+        # (every layer of a page-major unit is one contiguous block).
+        self.pieces = []
+        for obj in fmt.zero_copy_objects():
+            for name, offset, size in obj:
+                if offset + size > per_unit[name]:
+                    raise ValueError(f"zero-copy piece beyond record {name!r}")
+                self.pieces.append((name, offset * layer_num, size * layer_num))
+        self.buffers_per_object = len(fmt.zero_copy_objects()[0])
+
+    def _parts(self, index) -> list[torch.Tensor]:
+        """Every record of the page at token `index`, as byte views in storage
+        order (contiguous for page-major layouts)."""
+        index = int(index)
+        if index % self.page_size:
+            raise ValueError(
+                f"storage page index {index} is not aligned to page_size {self.page_size}"
+            )
+        bufs = list(self.records.tensors.values())
+        if self.records.page_major:
+            page = index // self.page_size
+            return [buf[page].view(torch.uint8).reshape(-1) for buf in bufs]
+        return [
+            buf[:, index : index + self.page_size].view(torch.uint8) for buf in bufs
+        ]
+
+    def read(self, index) -> torch.Tensor:
+        # Several host tensors hold a page, so a flat page is always a copy.
+        return torch.cat([part.reshape(-1) for part in self._parts(index)])
+
+    def write(self, index, data_page: torch.Tensor) -> None:
+        nbytes = data_page.numel() * data_page.element_size()
+        if nbytes != self.page_bytes:
+            # A short or long object is not a page of this format: refuse it
+            # before any byte reaches the pool.
+            raise ValueError(
+                f"--hicache-host-dtype {self.fmt.name} storage page has {nbytes} "
+                f"bytes, expected {self.page_bytes} ({self.fmt.storage_format_tag})"
+            )
+        flat = data_page.reshape(-1).view(torch.uint8)
+        offset = 0
+        for part in self._parts(index):
+            size = part.numel()
+            part.copy_(flat[offset : offset + size].view(part.shape))
+            offset += size
+
+    def buffer_meta(self, indices) -> tuple[list[int], list[int]]:
+        name = self.fmt.name
+        if not self.records.page_major:
+            raise ValueError(
+                f"--hicache-host-dtype {name} zero-copy storage pages need "
+                "--hicache-mem-layout page_first or page_first_direct; got "
+                f"{self.layout}."
+            )
+        if len(indices) % self.page_size:
+            raise ValueError(
+                f"--hicache-host-dtype {name} storage page metadata needs whole pages."
+            )
+        tensors = self.records.tensors
+        bases = {n: buf.data_ptr() for n, buf in tensors.items()}
+        strides = {n: buf[0].numel() * buf.element_size() for n, buf in tensors.items()}
+        ptrs, sizes = [], []
+        for index in indices[:: self.page_size].tolist():
+            page = index // self.page_size
+            for record, offset, size in self.pieces:
+                ptrs.append(bases[record] + page * strides[record] + offset)
+                sizes.append(size)
+        return ptrs, sizes
+
+    def stride_page_aligned(self, page_size_bytes: int) -> bool:
+        if not self.records.page_major:
+            return False
+        bufs = list(self.records.tensors.values())
+        offsets = [buf[0].numel() * buf.element_size() for buf in bufs]
+        offsets += [buf.data_ptr() for buf in bufs]
+        offsets += [offset for _, offset, _ in self.pieces]
+        return all(offset % page_size_bytes == 0 for offset in offsets)
+
+
+class EncodedHostPool:
+    """The encoded half of a host pool; listed before the upstream pool of
+    its kind (MHATokenToKVPoolHost, MLATokenToKVPoolHost), which supplies
+    layer_num, target_layer_num, page_size, layout, size, page_num, dtype,
+    device, pin_memory, allocator, pool_label and _transfer_device.
+
+    The kind sets `self.host_format` before the upstream constructor sizes the
+    pool, defines `_device_buffers(side)` and calls `_build_transfer()` once
+    its device buffers are known and `_finish_setup()` last.
+    """
+
+    host_format_cls: ClassVar[type[HostKVFormat]]
+    host_format: HostKVFormat
+    # Host rows are addressed on the CPU and device rows where the device pool
+    # lives; the controller passes indices through unmoved.
+    transfers_own_indices = True
+
+    def get_size_per_token(self):
+        total = self.host_format.unit_bytes() * self.layer_num
+        ut = self.host_format.unit_tokens
+        return total // ut if total % ut == 0 else total / ut
+
+    @property
+    def host_format_name(self) -> str:
+        """The --hicache-host-dtype value (the metrics' host_dtype label)."""
+        return self.host_format.name
+
+    # Deprecated: the metrics reporter's name until it reads host_format_name.
+    host_dtype = host_format_name
+
+    @property
+    def storage_format_tag(self) -> str:
+        return self.host_format.storage_format_tag
+
+    @property
+    def host_records(self) -> dict[str, torch.Tensor]:
+        return self.records.tensors
+
+    def init_kv_buffer(self):
+        page_major = self.layout != "layer_first"
+        alloc_func = ALLOC_MEMORY_FUNCS[self._transfer_device.type]
+
+        def alloc(shape, dtype):
+            return alloc_func(shape, dtype=dtype, device=self.device,
+                              pin_memory=self.pin_memory, allocator=self.allocator)  # fmt: skip
+
+        units = self.page_num if page_major else self.size
+        self.records = HostRecords(
+            self.host_format, units, self.layer_num, page_major, alloc
+        )
+        self.pages = L3PageCodec(
+            self.host_format, self.records, self.page_size, self.layer_num, self.layout
+        )
+        # HostKVCache.destroy unregisters every tensor in kv_buffer.
+        return list(self.records.tensors.values())
+
+    def _build_transfer(self) -> None:
+        """Planner, staging, counters and the transfer strategy."""
+        from sglang.srt.mem_cache.pool_host import encoded_fused
+
+        fmt, dev = self.host_format, self._transfer_device
+        units = self.page_num if self.records.page_major else self.size
+        staging_units = min(max(1, STAGING_TOKENS // fmt.unit_tokens), units)
+        self.planner = UnitPlanner(
+            fmt.name, self.size, fmt.unit_tokens, staging_units, dev
+        )
+        self.staging = StagingBuffers(fmt, staging_units, self.dtype, dev)
+        self.counters = HostKVCounters(self.layer_num, len(fmt.sides), dev)
+        self.transfer = encoded_fused.select_transfer(self)
+        if self.transfer.path != "fused_direct":
+            # Allocated up front where the path uses them (direct needs none).
+            self.staging["d2h"], self.staging["h2d"]
+        if dev.type == "cuda":
+            # What was enqueued here (counters) is complete before the
+            # transfer streams touch it.
+            torch.cuda.current_stream(dev).synchronize()
+
+    def _finish_setup(self) -> None:
+        from sglang.srt.mem_cache.pool_host import encoded_fused
+
+        if self._transfer_device.type == "cuda" and self.use_fused_kernels:
+            encoded_fused.self_check(self)
+        logger.info(
+            "HiCache %s host format: %s.", self.pool_label, self.host_format.describe()
+        )
+        logger.info(
+            "HiCache %s %s host pool transfer path: %s (%s).",
+            self.pool_label,
+            self.host_format.name.upper(),
+            self.transfer_path,
+            self.transfer_path_reason,
+        )
+
+    @property
+    def transfer_path(self) -> str:
+        """Which code moves the records: fused_direct, fused_staged or torch."""
+        return self.transfer.path
+
+    # The transfer strategy is chosen at construction; these switch it (tests,
+    # tools, and the Triton interpreter on CPU).
+
+    @property
+    def use_fused_kernels(self) -> bool:
+        return self.transfer.path != "torch"
+
+    @use_fused_kernels.setter
+    def use_fused_kernels(self, on: bool) -> None:
+        from sglang.srt.mem_cache.pool_host import encoded_fused
+
+        encoded_fused.set_transfer_path(
+            self, on, self.fused_host_access, "set on the pool object"
+        )
+
+    @property
+    def fused_host_access(self) -> str:
+        """How fused kernels reach host memory: direct (UVA) or staged."""
+        return self._fused_access
+
+    @fused_host_access.setter
+    def fused_host_access(self, access: str) -> None:
+        from sglang.srt.mem_cache.pool_host import encoded_fused
+
+        encoded_fused.set_transfer_path(
+            self, self.use_fused_kernels, access, "set on the pool object"
+        )
+
+    @property
+    def use_run_copies(self) -> bool:
+        return self.planner.use_runs
+
+    @use_run_copies.setter
+    def use_run_copies(self, on: bool) -> None:
+        self.planner.use_runs = bool(on)
+
+    def self_check(self) -> bool:
+        """encoded_fused.self_check: the fused path against the reference."""
+        from sglang.srt.mem_cache.pool_host import encoded_fused
+
+        return encoded_fused.self_check(self)
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices, device_indices, io_backend
+    ):
+        check_io_backend(self.host_format.name, io_backend)
+        self.transfer.backup(host_indices, device_indices)
+
+    def load_to_device_per_layer(
+        self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft: bool = False
+    ):  # fmt: skip
+        if is_draft:
+            raise NotImplementedError(
+                f"--hicache-host-dtype {self.host_format.name} host pool has no "
+                "draft layers."
+            )
+        check_io_backend(self.host_format.name, io_backend)
+        if 0 <= layer_id < self.target_layer_num:
+            self.transfer.load(host_indices, device_indices, layer_id)
+
+    def nonfinite_group_count(self) -> int:
+        """Scale groups of the format (what one scale covers) backed up with
+        NaN/Inf, or beyond the format's scale range, so far; they restore as
+        NaN. Reading it synchronizes with the transfer device."""
+        self.counters.sync()
+        return int(self.counters.nonfinite.item())
+
+    # Deprecated: the metrics reporter's name until it reads nonfinite_group_count.
+    nonfinite_row_count = nonfinite_group_count
+
+    def scale_amax_by_layer(self) -> torch.Tensor:
+        """Largest max |x| of a group backed up so far, per layer and side:
+        CPU float32 [layer_num, len(sides)]; non-finite groups do not count."""
+        self.counters.sync()
+        return self.counters.amax.to("cpu", copy=True)
+
+    def invalid_host_index_count(self) -> int:
+        """Token entries fused transfers skipped because their host index,
+        already on the device, was out of range (one per token and launch).
+        Indices that arrive on the CPU raise IndexError instead."""
+        self.counters.sync()
+        return int(self.counters.bad_indices.item())
+
+    # -- L3 storage pages: storage_format_tag names the byte format in every
+    # storage key, so pages of another host format miss.
+
+    @property
+    def storage_buffers_per_object(self) -> int:
+        """Host buffers one zero-copy storage object is gathered from."""
+        return self.pages.buffers_per_object
+
+    @property
+    def storage_page_bytes(self) -> int:
+        return self.pages.page_bytes
+
+    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
+        return self.pages.read(index)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(
+            self.pages.page_bytes,
+            dtype=torch.uint8,
+            device=self.device,
+            pin_memory=self.pin_memory,
+        )
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        self.pages.write(index, data_page)
+
+    def get_page_buffer_meta(self, indices):
+        return self.pages.buffer_meta(indices)
+
+    def get_split_heads_page_buffer_meta(
+        self, indices: torch.Tensor, split_factor: int
+    ):
+        raise NotImplementedError(
+            f"--hicache-host-dtype {self.host_format.name} does not split storage "
+            "pages by head (--hicache-mem-layout page_head)."
+        )
+
+    def get_hybrid_pool_buffer(self):
+        return list(self.records.tensors.values())
+
+    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
+        return self.pages.stride_page_aligned(page_size_bytes)

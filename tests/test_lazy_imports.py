@@ -1,0 +1,57 @@
+"""Building the stock host pools (--hicache-host-dtype auto) imports no codec,
+kernel or encoded-pool module of ours: checked in a fresh interpreter, after
+importing every upstream module the series edits to dispatch host pools."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.standins import REPO_ROOT
+
+PROBE = """
+import json, sys
+from tests.support import standins
+standins.install_torchvision_stub()
+standins.install_sglang_standins()
+from sglang.srt.mem_cache import hicache_auto_size
+from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost, get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from tests.hicache_harness import Geometry, MLAGeometry, make_device_pool, make_host_pool
+built = []
+for geo in (Geometry(), MLAGeometry(layer_num=2)):
+    device_pool = make_device_pool(geo, 64)
+    pool = make_host_pool(device_pool, host_tokens=128, host_dtype="auto")
+    built.append(type(pool).__name__)
+info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
+assert get_mha_host_pool_cls(info, "auto") is MHATokenToKVPoolHost
+print(json.dumps({"built": built, "modules": sorted(sys.modules)}))
+"""
+OURS = (
+    "sglang.kernels.ops.kvcache.kv_",
+    "sglang.kernels.ops.kvcache.host_kv_common",
+    "sglang.srt.mem_cache.pool_host.kv_",
+    "sglang.srt.mem_cache.pool_host.encoded",
+    "sglang.srt.mem_cache.pool_host.mha_encoded",
+    "sglang.srt.mem_cache.pool_host.mla_encoded",
+)
+
+
+def test_stock_pools_import_none_of_our_codecs_or_kernels():
+    run = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    assert probe["built"] == ["MHATokenToKVPoolHost", "MLATokenToKVPoolHost"]
+    loaded = [m for m in probe["modules"] if m.startswith(OURS)]
+    assert loaded == []
+    # The registry itself is what the dispatch reads.
+    assert "sglang.srt.mem_cache.pool_host.host_format" in probe["modules"]
