@@ -7,7 +7,7 @@ Walsh-Hadamard butterfly with a fixed seeded sign flip), stored as k8v4's
 objects as k8v4; the storage tag differs.
 
 Keys stay unrotated: rotating the INT8 keys as well (K8V4RotKeysHostFormat)
-gained 6% of mean KL and no top-1 agreement at reduced size
+gained 6-8% of mean KL and no clear top-1 agreement at reduced size
 (docs/quality-rotated.md), too little for a format of its own.
 """
 
