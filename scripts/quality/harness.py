@@ -94,13 +94,31 @@ class Target:
 
     ppl_rel_delta: float  # |PPL / PPL_exact - 1| at most
     top1: float | None = None  # top-1 agreement with exact at least
+    # (host dtype, factor): mean KL at most factor x that format's mean KL in
+    # the same run (checked only where that format is an arm too).
+    kl_rel: tuple[str, float] | None = None
 
 
 TARGETS = {
     "int8": Target(ppl_rel_delta=0.001, top1=0.995),
     "k8v4": Target(ppl_rel_delta=0.003),
     "int4": Target(ppl_rel_delta=0.01, top1=0.97),
+    # Issue 22: the rotated formats must beat today's int4/k8v4 side by side.
+    "int4r": Target(ppl_rel_delta=0.01, top1=0.97, kl_rel=("int4", 0.6)),
+    "k8v4r": Target(ppl_rel_delta=0.003, top1=0.985),
 }
+
+
+def _kl_reference(target: Target, summary: dict) -> tuple[str, float] | None:
+    """(arm, its mean KL) that target.kl_rel compares with, if it ran."""
+    if target.kl_rel is None:
+        return None
+    for arm, s in summary.items():
+        if s.get("host_dtype") == target.kl_rel[0]:
+            return arm, s["kl_mean"]
+    return None
+
+
 TARGET_WINDOWS = 32
 TARGET_PREFIX = 1024
 TARGET_SCORED = 512
@@ -318,7 +336,7 @@ class OffloadRig:
         io_backend: str = "direct",
     ):
         # tests/ is on the path once install_cpu_runtime() has run.
-        from hicache_harness import make_rig
+        from tests.hicache_harness import make_rig
 
         self.geo = geo
         page = geo.page_size
@@ -876,6 +894,10 @@ def _targets(cfg: QualityConfig, summary: dict, windows: int) -> dict:
         )
         if target.top1 is not None:
             out[f"{a}_top1_ge_{target.top1:g}"] = s["top1_agree"] >= target.top1
+        ref = _kl_reference(target, summary)
+        if ref is not None:
+            factor = target.kl_rel[1]
+            out[f"{a}_kl_le_{factor:g}x_{ref[0]}"] = s["kl_mean"] <= factor * ref[1]
     return out
 
 
@@ -1032,7 +1054,7 @@ def _text_label(text: dict) -> str:
     return f"{text.get('name', 'text')} ({text.get('kind', 'prose')}: {text['path']})"
 
 
-def _target_cells(target: Target | None, s: dict) -> str:
+def _target_cells(target: Target | None, s: dict, summary: dict) -> str:
     """The format's targets with pass/miss, from the measured figures."""
     if target is None:
         return "-"
@@ -1044,6 +1066,12 @@ def _target_cells(target: Target | None, s: dict) -> str:
     if target.top1 is not None:
         ok = s["top1_agree"] >= target.top1
         cells.append(f"top-1 >= {100 * target.top1:g}%: {'pass' if ok else 'MISS'}")
+    ref = _kl_reference(target, summary)
+    if ref is not None:
+        ok = s["kl_mean"] <= target.kl_rel[1] * ref[1]
+        cells.append(
+            f"KL <= {target.kl_rel[1]:g}x {ref[0]}: {'pass' if ok else 'MISS'}"
+        )
     return "; ".join(cells)
 
 
@@ -1082,7 +1110,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
                 f"| {bpt:,} | {bf16_bpt / bpt:.3f}x | {s['ppl']:.4f} "
                 f"| {100 * s['ppl_rel_delta']:+.4f}% | {_pct(s['top1_agree'])} "
                 f"| {s['kl_mean']:.2e} | {s['kl_max']:.2e} "
-                f"| {_target_cells(TARGETS.get(s['host_dtype']), s)} |"
+                f"| {_target_cells(TARGETS.get(s['host_dtype']), s, report['arms'])} |"
             )
         control = report.get("control")
         if control:

@@ -55,7 +55,7 @@ def select_transfer(pool):
     elif dev.type != "cuda":
         use, why = False, f"not CUDA ({dev.type})"
     elif not pool.host_format.fused_available(dev):
-        use, why = False, "triton cannot run on this device"
+        use, why = False, f"no fused {pool.host_format.name} kernels for this device"
     else:
         use = True
     pool._fused_access, pool.transfer_path_reason = access, why

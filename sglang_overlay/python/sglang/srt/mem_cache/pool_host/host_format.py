@@ -348,3 +348,21 @@ register_host_dtype(
         "with an FP16 scale and zero point per token group",
     )
 )
+register_host_dtype(
+    HostDtype(
+        "int4r",
+        f"{_CODECS}.kv_int4_rot_codec:Int4RotHostFormat",
+        None,
+        "int4 with keys and values rotated per head (Walsh-Hadamard, seeded "
+        "sign flip) before encoding: same bytes per token, closer restored KV",
+    )
+)
+register_host_dtype(
+    HostDtype(
+        "k8v4r",
+        f"{_CODECS}.kv_k8v4_rot_codec:K8V4RotHostFormat",
+        None,
+        "k8v4 with values rotated per head (Walsh-Hadamard, seeded sign flip) "
+        "before encoding: same bytes per token, closer restored KV",
+    )
+)

@@ -1,0 +1,279 @@
+"""The rotated host formats (int4r, k8v4r) through the real patched SGLang
+pools and controller on CPU.
+
+The format-independent checks are test_int4_host_pool's own tests, run here
+for the rotated formats with the expected records and rows taken from each
+format's reference encode/decode; what differs (start-up log, NaN spread,
+transfer path, capacity) is tested below.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+import torch
+
+from hicache_harness import Geometry, make_device_pool, make_host_pool
+from sglang.srt.mem_cache.pool_host import encoded_fused
+from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from tests import test_int4_host_pool as int4_suite
+from tests.test_int4_host_pool import build, fill_spread, pages
+
+ROTATED = {"int4r": "int4", "k8v4r": "k8v4"}  # format -> base format
+POOL_CLS = {name: host_pool_cls(name) for name in ROTATED}
+LAYOUTS = int4_suite.LAYOUTS
+IO_BACKENDS = ("kernel", "direct")
+
+
+def _format_of(name, records):
+    """The format instance that wrote `records` ([units, *shape] each)."""
+    v = records["v"]
+    k_bytes = records["k"]
+    dk = k_bytes.shape[-1] * (2 if k_bytes.dtype == torch.uint8 else 1)
+    return host_format_cls(name)((dk, 2 * v.shape[-1]), v.shape[2], v.shape[1], None)
+
+
+def _encode(name):
+    def encode(k, v):
+        dims, heads, ut = (k.shape[-1], v.shape[-1]), k.shape[2], k.shape[1]
+        return host_format_cls(name)(dims, heads, ut, k.dtype).encode_reference((k, v))
+
+    return encode
+
+
+def _decode(name):
+    def decode(records, dtype):
+        return _format_of(name, records).decode_reference(records, dtype)
+
+    return decode
+
+
+@pytest.fixture(autouse=True)
+def rotated_in_the_int4_suite(monkeypatch):
+    """Give test_int4_host_pool's tables the rotated formats for one test."""
+    for name, base in ROTATED.items():
+        monkeypatch.setitem(int4_suite.POOL_CLS, name, POOL_CLS[name])
+        monkeypatch.setitem(int4_suite.ENCODE, name, _encode(name))
+        monkeypatch.setitem(int4_suite.DECODE, name, _decode(name))
+        monkeypatch.setitem(int4_suite.RECORDS, name, int4_suite.RECORDS[base])
+
+
+# --- test_int4_host_pool's checks, for the rotated formats -------------------
+
+
+def test_dispatch_by_host_dtype():
+    info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
+    for name, cls in POOL_CLS.items():
+        assert get_mha_host_pool_cls(info, name) is cls
+        assert cls.host_format_cls.name == name
+
+
+@pytest.mark.parametrize(
+    "fmt,layout,page_size,io_backend,dtype",
+    list(
+        itertools.product(ROTATED, LAYOUTS, (1, 16, 64), IO_BACKENDS, int4_suite.DTYPES)
+    ),
+)
+def test_backup_load_restores_reference(fmt, layout, page_size, io_backend, dtype):
+    int4_suite.test_backup_load_restores_reference(
+        fmt, layout, page_size, io_backend, dtype
+    )
+
+
+@pytest.mark.parametrize("fmt", ROTATED)
+@pytest.mark.parametrize("dims", ((128, 128), (192, 128), (96, 96), (80, 80), (72, 72)))
+def test_geometries_round_trip(fmt, dims):
+    int4_suite.test_geometries_round_trip(fmt, dims)
+
+
+@pytest.mark.parametrize("fmt", ROTATED)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_out_of_range_host_indices_rejected_and_nothing_moves(fmt, layout):
+    int4_suite.test_out_of_range_host_indices_rejected_and_nothing_moves(fmt, layout)
+
+
+@pytest.mark.parametrize(
+    "fmt,layout,page_size,io_backend",
+    [
+        (fmt, layout, page_size, io)
+        for fmt in ROTATED
+        for (layout, page_size), io in zip(
+            (("page_first", 16), ("layer_first", 1), ("page_first_direct", 64)),
+            itertools.cycle(IO_BACKENDS),
+        )
+    ]
+    + [("int4r", "page_first", 16, "direct"), ("k8v4r", "layer_first", 2, "kernel")],
+)
+def test_controller_random_operations(fmt, layout, page_size, io_backend):
+    int4_suite.test_controller_random_operations(fmt, layout, page_size, io_backend)
+
+
+@pytest.mark.parametrize("fmt", ROTATED)
+@pytest.mark.parametrize(
+    "layout,page_size",
+    (("page_first", 16), ("page_first_direct", 64), ("layer_first", 16)),
+)
+def test_storage_pages_round_trip(fmt, layout, page_size):
+    int4_suite.test_storage_pages_round_trip(fmt, layout, page_size)
+
+
+@pytest.mark.parametrize("fmt", ROTATED)
+def test_zero_copy_page_buffers_cover_the_page(fmt):
+    # The suite's last check names int4's key grouping tag; int4r's carries it
+    # too, k8v4r's is checked in test_storage_tag_differs_from_the_base_format.
+    int4_suite.test_zero_copy_page_buffers_cover_the_page(
+        "k8v4" if fmt == "k8v4r" else fmt
+    )
+
+
+@pytest.mark.parametrize("fmt", ROTATED)
+@pytest.mark.parametrize(
+    "layout,page_size", (("page_first", 64), ("page_first", 16), ("layer_first", 64))
+)
+def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
+    int4_suite.test_auto_size_ratio_matches_the_pool(fmt, layout, page_size)
+
+
+def test_transfer_larger_than_staging_is_chunked(monkeypatch):
+    from sglang.srt.mem_cache.pool_host import encoded
+
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
+    geo, device_pool, pool = build("int4r", "page_first", 16)
+    dev, host = pages([1, 2, 3, 4, 5], 16), pages([9, 3, 4, 0, 7], 16)
+    written = fill_spread(device_pool, dev, seed=5)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    new_dev = pages([10, 11, 12, 13, 14], 16)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+    for layer, (k_rows, v_rows) in enumerate(written):
+        k_want, v_want, _ = int4_suite.expected_restore("int4r", k_rows, v_rows, 16)
+        assert torch.equal(device_pool.k_buffer[layer][new_dev], k_want)
+        assert torch.equal(device_pool.v_buffer[layer][new_dev], v_want)
+
+
+# --- what differs from int4/k8v4 ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fmt,layout,page_size,dims,texts",
+    [
+        (
+            "int4r",
+            "page_first",
+            64,
+            (64, 64),
+            ("keys per channel over 64-token pages", "k in one 64-point block"),
+        ),
+        (
+            "int4r",
+            "layer_first",
+            64,
+            (96, 96),
+            ("keys per token in groups of 32 channels", "v in 3 blocks of 32"),
+        ),
+        ("k8v4r", "page_first", 16, (64, 64), ("keys as int8", "v in one 64-point")),
+        ("int4r", "page_first", 16, (72, 72), ("k NOT rotated (head dim 72",)),
+    ],
+)
+def test_startup_log_states_rotation_and_torch_path(
+    fmt, layout, page_size, dims, texts, caplog
+):
+    with caplog.at_level(logging.INFO):
+        build(fmt, layout, page_size, head_dim=dims[0], v_head_dim=dims[1])
+    text = caplog.text
+    assert f"stores {fmt.upper()} KV" in text
+    assert "Walsh-Hadamard rotation per head (seeded sign flip)" in text
+    for part in texts:
+        assert part in text
+    assert f"{fmt.upper()} host pool transfer path: torch" in text
+    warned = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "NOT rotated" in r.getMessage()
+    ]
+    assert bool(warned) == ("NOT rotated" in text)
+
+
+@pytest.mark.parametrize("fmt", ROTATED)
+def test_no_fused_kernels_so_the_pool_takes_the_torch_path(fmt):
+    """fused_available is False: on a CUDA device too the pool picks the torch
+    path, and forcing the fused path fails naming the flag, not with wrong
+    bytes from int4's kernels."""
+    _, device_pool, pool = build(fmt, "page_first", 16)
+    assert not pool.host_format.fused_available(torch.device("cuda"))
+    pool._transfer_device = torch.device("cuda")  # only select_transfer reads it
+    transfer = encoded_fused.select_transfer(pool)
+    assert not isinstance(transfer, encoded_fused.FusedTransfer)
+    assert pool.transfer_path_reason == f"no fused {fmt} kernels for this device"
+    pool._transfer_device = torch.device("cpu")
+    pool.use_fused_kernels = True
+    with pytest.raises(NotImplementedError, match=f"--hicache-host-dtype {fmt}"):
+        pool.backup_from_device_all_layer(
+            device_pool, pages([0], 16), pages([1], 16), "direct"
+        )
+
+
+@pytest.mark.parametrize("fmt", ROTATED)
+@pytest.mark.parametrize("layout,page_size", (("page_first", 16), ("layer_first", 1)))
+def test_nonfinite_kv_restores_as_nan_over_its_block(fmt, layout, page_size):
+    """A NaN key and an Inf value: every channel of their rotation block
+    restores as NaN, the groups are counted, the amax stays finite, and the
+    other heads and tokens restore finite."""
+    geo, device_pool, pool = build(fmt, layout, page_size)
+    dev, host = pages([1, 2], page_size), pages([3, 4], page_size)
+    fill_spread(device_pool, dev, seed=9)
+    k_tok, v_tok = dev[1], dev[-1]
+    device_pool.k_buffer[1][k_tok, 1, 5] = float("nan")
+    device_pool.v_buffer[0][v_tok, 0, 40] = float("inf")
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    assert pool.nonfinite_row_count() >= 2
+    new_dev = pages([6, 7], page_size)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+    k1 = device_pool.k_buffer[1][new_dev]
+    v0 = device_pool.v_buffer[0][new_dev]
+    # head dim 64: one 64-point block per head
+    assert torch.isnan(k1[1, 1]).all() and torch.isnan(v0[-1, 0]).all()
+    per_channel_keys = fmt == "int4r" and page_size >= 16
+    k_bad = (slice(0, page_size), 1) if per_channel_keys else (1, 1)
+    k1[k_bad] = 0
+    v0[-1, 0] = 0
+    assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
+    amax = pool.scale_amax_by_layer()
+    assert amax.shape == (2, 2) and torch.isfinite(amax).all() and (amax > 0).all()
+
+
+@pytest.mark.parametrize("fmt", ROTATED)
+def test_storage_tag_differs_from_the_base_format(fmt):
+    _, _, pool = build(fmt, "page_first", 16)
+    _, _, base = build(ROTATED[fmt], "page_first", 16)
+    assert pool.storage_format_tag.startswith(f"{fmt}-")
+    assert pool.storage_format_tag != base.storage_format_tag
+    assert pool.get_size_per_token() == base.get_size_per_token()
+
+
+def test_capacity_unchanged_at_qwen3_8b_geometry():
+    """Bytes per token of the allocated host buffers, rotated vs base, at
+    Qwen3-8B geometry (36 layers, 8 KV heads, head dim 128), page 64 (and 16,
+    1). Run with -s for the table (docs/quality-rotated.md)."""
+    print("\npage  format  B/token  tokens per host byte vs BF16")
+    for page_size in (1, 16, 64):
+        geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=page_size)
+        device_pool = make_device_pool(geo, device_tokens=2 * page_size)
+        per_token = {}
+        for name in ("k8v4", "k8v4r", "int4", "int4r"):
+            pool = make_host_pool(
+                device_pool, host_size_gb=0.02, layout="page_first", host_dtype=name
+            )
+            nbytes = int4_suite.allocated_bytes(pool)
+            assert nbytes == pool.size * pool.get_size_per_token()
+            per_token[name] = nbytes / pool.size
+            ratio = 36 * 2 * 8 * 128 * 2 / per_token[name]
+            print(f"{page_size:>4}  {name:<6}  {per_token[name]:>7.0f}  {ratio:.3f}x")
+        assert per_token["int4r"] == per_token["int4"]
+        assert per_token["k8v4r"] == per_token["k8v4"]
+        if page_size == 64:
+            assert 36 * 2 * 8 * 128 * 2 / per_token["int4r"] >= 3.5
