@@ -212,6 +212,10 @@ def test_restores_are_checked_against_what_was_written(sweep):
             continue
         # Lossy where anything came back from L2 (the format really ran).
         assert (res.max_restore_error > 0) == (res.l2_hit_tokens > 0), label
+        # Rotated formats spread a block's error over its channels: their
+        # bound is per element (tests/test_kv_rotated_codec.py), not per amax.
+        if label not in QUANTIZED:
+            continue
         bound = INT8_BOUND if label == "int8" else INT4_BOUND
         assert res.max_restore_error <= bound, label
     assert any(res.l2_hit_tokens > 0 for _, res in sweep.values())
