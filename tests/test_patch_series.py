@@ -74,6 +74,7 @@ def added_lines(path: str) -> int:
 
 def test_hook_and_collector_stay_within_their_budget(patch_commits):
     # hicache_hook imports the format names from the registry; the collector
-    # keeps what an operator reads.
+    # keeps what an operator reads (83 host-tier lines + 12 for the L3
+    # refused-pages counter, issue 21).
     assert 0 < added_lines(HOOK) <= 120
-    assert 0 < added_lines(COLLECTOR) <= 85
+    assert 0 < added_lines(COLLECTOR) <= 95

@@ -51,7 +51,7 @@ def object_layouts(pool, zero_copy: bool) -> list[ObjectLayout]:
     otherwise, each ending in its seal."""
     layouts = []
     if zero_copy:
-        objects = pool._zero_copy_page_objects()
+        objects = pool.pages.objects
     else:
         units = pool.page_size // pool.unit_tokens
         objects = [
