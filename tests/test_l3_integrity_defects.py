@@ -12,10 +12,9 @@ from hicache_harness import Geometry, MLAGeometry, make_rig
 from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
 from sglang.srt.mem_cache.pool_host import base
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
-from sglang.srt.mem_cache.pool_host.mla_int8 import (
-    _refuse_unsupported,
-    get_mla_host_pool_cls,
-)
+from sglang.srt.mem_cache.pool_host.encoded_fused import FusedTransfer
+from sglang.srt.mem_cache.pool_host.mla_encoded import _refuse_unsupported
+from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
 from sglang.srt.server_args import ServerArgs
 
 
@@ -85,7 +84,7 @@ def _split_buffer_info() -> MLABufferInfo:
 def test_mla_int8_refuses_npu_split_buffers_naming_the_flag():
     # Mutant: without this refusal the pool fails later with an IndexError.
     with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8"):
-        _refuse_unsupported(_split_buffer_info(), None, (), 1, False)
+        _refuse_unsupported("int8", _split_buffer_info(), None, (), 1, False)
 
 
 @pytest.mark.parametrize("host_dtype", ["int4", "k8v4"])
@@ -117,16 +116,16 @@ def test_fused_load_index_cache_sees_in_place_changes():
     the cache ignoring the tensor's version)."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=4)
     rig = make_rig(geo, layout="page_first", host_dtype="int8")
-    pool = rig.host_pool
+    fused = FusedTransfer(rig.host_pool)
     # A GPU upload is a copy; on CPU the tensor itself would hide a stale cache.
-    pool._on_transfer_device = lambda t: t.clone()
+    fused._on_device = lambda t: t.clone()
     host = torch.arange(8, dtype=torch.int64)
     dev = torch.arange(8, 16, dtype=torch.int64)
-    first = [t.clone() for t in pool._load_indices(host, dev)]
+    first = [t.clone() for t in fused._load_indices(host, dev)]
     assert torch.equal(first[0].cpu(), host) and torch.equal(first[1].cpu(), dev)
     host.add_(8)  # one tensor at a time: each must invalidate the cache
-    again = pool._load_indices(host, dev)
+    again = fused._load_indices(host, dev)
     assert torch.equal(again[0].cpu(), host) and torch.equal(again[1].cpu(), dev)
     dev.sub_(8)
-    again = pool._load_indices(host, dev)
+    again = fused._load_indices(host, dev)
     assert torch.equal(again[0].cpu(), host) and torch.equal(again[1].cpu(), dev)

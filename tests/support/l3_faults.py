@@ -53,7 +53,7 @@ def object_layouts(pool, zero_copy: bool) -> list[ObjectLayout]:
     if zero_copy:
         objects = pool.pages.objects
     else:
-        units = pool.page_size // pool.unit_tokens
+        units = pool.page_size // pool.host_format.unit_tokens
         objects = [
             [(r.name, 0, r.nbytes * pool.layer_num * units)]
             for r in pool.host_format.records
