@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
 from hicache_harness import (
     MLAGeometry,
@@ -245,7 +246,9 @@ def test_storage_page_bytes(layout, page_size):
     fill_random(device_pool, dev, seed=2)
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
     page = pool.get_data_page(int(host[page_size]))
-    assert page.dtype == torch.uint8 and page.numel() == pool.storage_page_bytes
+    # The page's records, then its seal (page_integrity).
+    assert page.dtype == torch.uint8
+    assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
     assert pool.storage_page_bytes == 648 * 3 * page_size
     # Record order: all "kv" bytes, then "scale", then "rope".
     kv_bytes = 3 * page_size * LATENT
