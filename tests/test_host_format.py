@@ -182,16 +182,25 @@ def test_toy_format_l3_pages_round_trip(layout):
         with pytest.raises(ValueError, match="page_first or page_first_direct"):
             pool.get_page_buffer_meta(host)
         return
-    # Zero-copy: the format's objects, each piece a share of the page's block.
+    # Zero-copy: the format's objects, each piece a share of the page's block,
+    # each object ending in its seal.
     ptrs, sizes = pool.get_page_buffer_meta(host[:page_size])
     k, v, amax = (pool.host_records[n] for n in ("k", "v", "unit_amax"))
-    assert pool.storage_buffers_per_object == 2
-    assert sizes == [k[3].nbytes, 4 * geo.layer_num, v[3].nbytes, 4 * geo.layer_num]
+    seals = pool.pages.seals
+    assert pool.storage_buffers_per_object == 3
+    amax_bytes = 4 * geo.layer_num
+    assert sizes == [k[3].nbytes, amax_bytes, SEAL_BYTES] + [
+        v[3].nbytes,
+        amax_bytes,
+        SEAL_BYTES,
+    ]
     assert ptrs == [
         k[3].data_ptr(),
         amax[3].data_ptr(),
+        seals[3, 0].data_ptr(),
         v[3].data_ptr(),
-        amax[3].data_ptr() + 4 * geo.layer_num,
+        amax[3].data_ptr() + amax_bytes,
+        seals[3, 1].data_ptr(),
     ]
 
 
@@ -360,10 +369,13 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
         ptrs, sizes = pool.get_page_buffer_meta(pages_as_tokens([7], page_size))
         k, v, s = pool.kv_buffer
         half = s[7].nbytes // 2
-        assert sizes == [k[7].nbytes, half, v[7].nbytes, half]
+        seals = pool.pages.seals
+        assert sizes == [k[7].nbytes, half, SEAL_BYTES, v[7].nbytes, half, SEAL_BYTES]
         assert ptrs == [
             k[7].data_ptr(),
             s[7].data_ptr(),
+            seals[7, 0].data_ptr(),
             v[7].data_ptr(),
             s[7].data_ptr() + half,
+            seals[7, 1].data_ptr(),
         ]
