@@ -260,16 +260,19 @@ def test_storage_page_bytes(layout, page_size):
         return
     ptrs, sizes = pool.get_page_buffer_meta(host)
     per_page = len(ptrs) // 2
-    assert sum(sizes[per_page:]) == pool.storage_page_bytes
+    # The zero-copy object is the same payload, then its own seal buffer.
+    assert sizes[-1] == SEAL_BYTES
+    assert sum(sizes[per_page:-1]) == pool.storage_page_bytes
     gathered = torch.cat(
-        [_bytes_at(ptr, size) for ptr, size in zip(ptrs[per_page:], sizes[per_page:])]
+        [_bytes_at(ptr, n) for ptr, n in zip(ptrs[per_page:-1], sizes[per_page:-1])]
     )
-    assert torch.equal(gathered, page)
+    assert torch.equal(gathered, page[:-SEAL_BYTES])
+    assert ptrs[-1] == pool.pages.seals[int(host[page_size]) // page_size, 0].data_ptr()
     # Writing the page into a free slot reproduces the records.
     target = pool.alloc(page_size)
     pool.set_from_flat_data_page(int(target[0]), page)
     assert torch.equal(pool.get_data_page(int(target[0])), page)
-    rope = page[-3 * page_size * ROPE * 2 :].view(torch.bfloat16)
+    rope = page[:-SEAL_BYTES][-3 * page_size * ROPE * 2 :].view(torch.bfloat16)
     assert torch.isfinite(rope).all()
     assert page[:kv_bytes].view(torch.int8).abs().max() == 127
     with pytest.raises(ValueError, match="bytes, expected"):
