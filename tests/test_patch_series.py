@@ -51,7 +51,9 @@ def test_no_patch_edits_a_line_an_earlier_patch_added(patch_commits):
     for commit in patch_commits:
         for path, lines in removed_lines(commit).items():
             for number in lines:
-                blame = git("blame", "-l", "-L", f"{number},{number}", f"{commit}~", "--", path)
+                blame = git(
+                    "blame", "-l", "-L", f"{number},{number}", f"{commit}~", "--", path
+                )
                 author = blame.split()[0].lstrip("^")
                 subject = git("log", "-1", "--format=%s", commit).strip()
                 assert author not in earlier, (
