@@ -47,16 +47,16 @@ refresh:
 
 # The stamp depends on every pinned input, so a changed lock rebuilds the venv.
 $(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/test-tools.txt \
-		requirements/l3-mooncake.txt requirements/test-tools-lint.txt \
-		requirements/upstream-test.txt requirements/cpu-server.txt
+		requirements/l3-mooncake.txt requirements/l3-integrity.txt \
+		requirements/test-tools-lint.txt requirements/upstream-test.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps \
 		-r requirements/cpu-test.txt -r requirements/test-tools.txt \
-		-r requirements/l3-mooncake.txt -r requirements/test-tools-lint.txt \
-		-r requirements/upstream-test.txt -r requirements/cpu-server.txt \
-		"$$($(OVERLAY) fetch)"
+		-r requirements/l3-mooncake.txt -r requirements/l3-integrity.txt \
+		-r requirements/test-tools-lint.txt \
+		-r requirements/upstream-test.txt "$$($(OVERLAY) fetch)"
 	touch $@
 
 venv: $(VENV)/.stamp
@@ -92,10 +92,7 @@ $(LINT_DIR)/.stamp: requirements/test-tools-lint.txt
 pr-check: pr $(LINT_DIR)/.stamp
 	PYTHONPATH=$(CURDIR)/$(LINT_DIR) $(PYTHON) scripts/pr_gate.py
 
-# The live-server tests (tests/test_live_server*.py) start real servers:
-# HIQ_LIVE_SERVER=0 skips them, HIQ_LIVE_MATRIX=1 adds every layout/io pair.
 test: venv apply
-	@bash scripts/debian_deps.sh check
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest $(PYTEST_ARGS) tests
 
 # Same host memory, more reuse: part 1 starts the patched server once per host

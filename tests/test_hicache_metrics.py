@@ -21,6 +21,7 @@ from hicache_harness import Geometry, make_rig
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )
+from sglang.srt.mem_cache.pool_host.page_integrity import Refusal, StoragePageRefused
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.observability.metrics_collector import (
     SchedulerMetricsCollector,
@@ -144,7 +145,6 @@ class TierRig:
         return Scrape()
 
 
-
 def layer_bytes(dims_itemsize: int, scale_bytes: int = 0) -> int:
     return (
         GEO.layer_num * GEO.head_num * (2 * GEO.head_dim * dims_itemsize + scale_bytes)
@@ -237,3 +237,27 @@ def test_format_series_follows_a_transfer_path_change(collectors):
         for s in scrape.all("sglang:hicache_host_info")
     }
     assert series == {before: 0, "fused_staged": 1}
+
+
+def test_l3_pages_refused_by_reason(collectors):
+    """Pages the sealing pool refuses on the way in from L3 are counted per
+    reason once each (issue 21); pools that do not seal export no series."""
+    name = "sglang:hicache_l3_pages_refused_total"
+    stock = TierRig("auto", collectors)
+    stock.backup(4)
+    assert stock.collect().all(name) == []
+
+    tier = TierRig("int8", collectors)
+    host = tier.backup(8)
+    pool = tier.pool
+    page = pool.get_data_page(int(host[0]), key="k0")
+    corrupt = page.clone()
+    corrupt[0] ^= 1
+    for data, key in ((corrupt, "k0"), (page, "k1"), (page[:-1], "k0")):
+        with pytest.raises(StoragePageRefused):
+            pool.set_from_flat_data_page(int(host[0]), data, key=key)
+    pool.set_from_flat_data_page(int(host[0]), page, key="k0")  # verified: no count
+    want = {r.value: 0 for r in Refusal} | {"checksum": 1, "key": 1, "size": 1}
+    for _ in range(2):  # a second read with nothing new does not count twice
+        scrape = tier.collect()
+        assert {s.labels["reason"]: s.value for s in scrape.all(name)} == want

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, SEAL_TAG
 
 from hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import host_format as hf
@@ -145,7 +146,9 @@ def test_toy_format_l3_pages_round_trip(layout):
     fmt = pool.host_format
     ut = fmt.unit_tokens
     page = pool.get_data_page(3 * page_size)
-    assert page.dtype == torch.uint8 and page.numel() == pool.storage_page_bytes
+    # The page's records, then its seal (page_integrity).
+    assert page.dtype == torch.uint8
+    assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
     per_layer = [
         fmt.encode_reference([x[:page_size].view(-1, ut, *x.shape[1:]) for x in pair])
         for pair in written
@@ -156,7 +159,7 @@ def test_toy_format_l3_pages_round_trip(layout):
         if pool.records.page_major:
             layers = layers.transpose(0, 1)
         expected.append(layers.contiguous().view(torch.uint8).flatten())
-    assert torch.equal(page, torch.cat(expected))
+    assert torch.equal(page[:-SEAL_BYTES], torch.cat(expected))
     assert pool.storage_page_bytes == fmt.bytes_per_token() * geo.layer_num * page_size
 
     # set_from_flat_data_page writes the page elsewhere; loading it restores
@@ -171,7 +174,7 @@ def test_toy_format_l3_pages_round_trip(layout):
             assert torch.equal(bits(buf[layer][fresh]), bits(want))
     # A short page is refused before any byte moves.
     snapshot = [b.clone() for b in pool.kv_buffer]
-    with pytest.raises(ValueError, match="--hicache-host-dtype copy storage page"):
+    with pytest.raises(ValueError, match="size"):
         pool.set_from_flat_data_page(0, page[:-1])
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(pool.kv_buffer, snapshot))
 
@@ -179,16 +182,25 @@ def test_toy_format_l3_pages_round_trip(layout):
         with pytest.raises(ValueError, match="page_first or page_first_direct"):
             pool.get_page_buffer_meta(host)
         return
-    # Zero-copy: the format's objects, each piece a share of the page's block.
+    # Zero-copy: the format's objects, each piece a share of the page's block,
+    # each object ending in its seal.
     ptrs, sizes = pool.get_page_buffer_meta(host[:page_size])
     k, v, amax = (pool.host_records[n] for n in ("k", "v", "unit_amax"))
-    assert pool.storage_buffers_per_object == 2
-    assert sizes == [k[3].nbytes, 4 * geo.layer_num, v[3].nbytes, 4 * geo.layer_num]
+    seals = pool.pages.seals
+    assert pool.storage_buffers_per_object == 3
+    amax_bytes = 4 * geo.layer_num
+    assert sizes == [k[3].nbytes, amax_bytes, SEAL_BYTES] + [
+        v[3].nbytes,
+        amax_bytes,
+        SEAL_BYTES,
+    ]
     assert ptrs == [
         k[3].data_ptr(),
         amax[3].data_ptr(),
+        seals[3, 0].data_ptr(),
         v[3].data_ptr(),
-        amax[3].data_ptr() + 4 * geo.layer_num,
+        amax[3].data_ptr() + amax_bytes,
+        seals[3, 1].data_ptr(),
     ]
 
 
@@ -341,7 +353,7 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
 
     expected = old_int8_layout(pool, written, host, page_size, layout)
     assert [r.name for r in pool.host_format.records] == ["k", "v", "scale"]
-    assert pool.storage_format_tag == "int8-fp16scale-v1"
+    assert pool.storage_format_tag == f"int8-fp16scale-v1-{SEAL_TAG}"
     for got, want in zip(pool.kv_buffer, expected):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
@@ -352,15 +364,18 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
         else:
             parts = [t[page] for t in expected]
         flat = torch.cat([p.contiguous().view(torch.uint8).flatten() for p in parts])
-        assert torch.equal(pool.get_data_page(page * page_size), flat)
+        assert torch.equal(pool.get_data_page(page * page_size)[:-SEAL_BYTES], flat)
     if layout != "layer_first":
         ptrs, sizes = pool.get_page_buffer_meta(pages_as_tokens([7], page_size))
         k, v, s = pool.kv_buffer
         half = s[7].nbytes // 2
-        assert sizes == [k[7].nbytes, half, v[7].nbytes, half]
+        seals = pool.pages.seals
+        assert sizes == [k[7].nbytes, half, SEAL_BYTES, v[7].nbytes, half, SEAL_BYTES]
         assert ptrs == [
             k[7].data_ptr(),
             s[7].data_ptr(),
+            seals[7, 0].data_ptr(),
             v[7].data_ptr(),
             s[7].data_ptr() + half,
+            seals[7, 1].data_ptr(),
         ]

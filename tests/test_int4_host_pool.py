@@ -26,6 +26,7 @@ from hicache_harness import (
     make_rig,
 )
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, StoragePageRefused
 from sglang.srt.mem_cache.pool_host.mha import (
     MHATokenToKVPoolHost,
     get_mha_host_pool_cls,
@@ -411,11 +412,13 @@ def test_storage_pages_round_trip(fmt, layout, page_size):
     flat = [pool.get_data_page(int(i)) for i in host[::page_size]]
     per_token = pool.get_size_per_token()
     for page in flat:
-        assert page.dtype == torch.uint8 and page.numel() == per_token * page_size
+        # The page's records, then its seal (page_integrity).
+        assert page.dtype == torch.uint8
+        assert page.numel() == per_token * page_size + SEAL_BYTES
     target = pages([0, 7], page_size)
     for index, page in zip(target[::page_size].tolist(), flat):
         other.set_from_flat_data_page(index, page)
-    with pytest.raises(ValueError, match=f"--hicache-host-dtype {fmt} storage page"):
+    with pytest.raises(StoragePageRefused, match="size"):
         other.set_from_flat_data_page(0, flat[0][:-1])
     new_dev = pages([9, 10], page_size)
     for layer in range(geo.layer_num):
@@ -436,17 +439,19 @@ def test_zero_copy_page_buffers_cover_the_page(fmt):
     fill_spread(device_pool, dev, seed=3)
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
     ptrs, sizes = pool.get_page_buffer_meta(host)
-    assert pool.storage_buffers_per_object == 2
-    assert len(ptrs) == len(sizes) == 2 * 2 * 2  # pages x objects x pieces
+    assert pool.storage_buffers_per_object == 3  # two record pieces and a seal
+    assert len(ptrs) == len(sizes) == 2 * 2 * 3  # pages x objects x buffers
     names = RECORDS[fmt]
     for p, page in enumerate((4, 6)):
-        piece = slice(4 * p, 4 * p + 4)
+        piece = slice(6 * p, 6 * p + 6)
         got = [_bytes_at(ptr, size) for ptr, size in zip(ptrs[piece], sizes[piece])]
+        # object order: k, k_meta (k_scale), seal | v, v_meta, seal
+        records, seals = got[0:2] + got[3:5], (got[2], got[5])
         want = [pool.host_records[n][page].reshape(-1).view(torch.uint8) for n in names]
-        # object order: k, k_meta (k_scale) | v, v_meta
-        for g, w in zip(got, want):
+        for g, w in zip(records, want):
             assert torch.equal(g, w)
-        assert sum(sizes[piece]) == pool.get_size_per_token() * 16
+        assert all(len(seal) == SEAL_BYTES for seal in seals)
+        assert sum(sizes[piece]) == pool.get_size_per_token() * 16 + 2 * SEAL_BYTES
     assert "kchannel" in pool.storage_format_tag or fmt == "k8v4"
 
 

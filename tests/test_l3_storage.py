@@ -18,6 +18,7 @@ import torch
 import l3_harness as h
 from hicache_harness import Geometry
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
 GEO = Geometry(layer_num=3, head_num=2, head_dim=16, page_size=4)
 PAGES = 8
@@ -111,7 +112,9 @@ def test_file_round_trip(tmp_path, rigs, request, host_dtype, layout):
     files = list(tmp_path.glob("*.bin"))
     assert len(files) == PAGES  # one object per page
     page_bytes = l3.controller.mem_pool_host.get_size_per_token() * GEO.page_size
-    assert {f.stat().st_size for f in files} == {page_bytes}
+    # Encoded pages carry their seal (page_integrity) after the records.
+    seal = SEAL_BYTES if host_dtype != "auto" else 0
+    assert {f.stat().st_size for f in files} == {page_bytes + seal}
 
 
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
@@ -131,7 +134,8 @@ def test_mooncake_round_trip_zero_copy(master, rigs, request, host_dtype):
     # What the store holds per token is what the host pool holds per token.
     stored = after["master_allocated_bytes"] - before["master_allocated_bytes"]
     host_pool = l3.controller.mem_pool_host
-    assert stored == len(TOKENS) * host_pool.get_size_per_token()
+    seals = 2 * PAGES * SEAL_BYTES if host_dtype != "auto" else 0
+    assert stored == len(TOKENS) * host_pool.get_size_per_token() + seals
 
 
 def test_mooncake_objects_are_the_l2_records(master, rigs, request):
@@ -154,8 +158,11 @@ def test_mooncake_objects_are_the_l2_records(master, rigs, request):
     v_obj = torch.frombuffer(
         bytearray(backend.store.get(key + "_v")), dtype=torch.uint8
     )
-    assert torch.equal(k_obj, torch.cat([k_page, scales[:half]]))
-    assert torch.equal(v_obj, torch.cat([v_page, scales[half:]]))
+    assert torch.equal(k_obj[:-SEAL_BYTES], torch.cat([k_page, scales[:half]]))
+    assert torch.equal(v_obj[:-SEAL_BYTES], torch.cat([v_page, scales[half:]]))
+    # Each object ends in its seal, moved zero-copy from the pool's seal buffer.
+    assert torch.equal(k_obj[-SEAL_BYTES:], pool.pages.seals[page, 0])
+    assert torch.equal(v_obj[-SEAL_BYTES:], pool.pages.seals[page, 1])
     # The key carries the pool's format tag (storage_model_name).
     assert pool.storage_format_tag in key
 
@@ -272,9 +279,10 @@ def test_file_truncated_page_is_refused(tmp_path, rigs, request):
     path = file_page(tmp_path, l3, hashes[3])
     path.write_bytes(path.read_bytes()[:-16])
     pf = h.prefetch(l3, TOKENS + [7])
-    # HiCacheFile raises on the short read, which fails its whole batch.
-    check_partial_prefetch(l3, "int8", written, pf, good_pages=0)
-    assert l3.controller.prefetch_failed_pages == PAGES
+    # A miss for that page only: the pages before it are restored.
+    check_partial_prefetch(l3, "int8", written, pf, good_pages=3)
+    assert l3.controller.prefetch_failed_pages == PAGES - 3
+    assert l3.controller.mem_pool_host.storage_integrity.counts()["size"] == 1
 
 
 def test_file_page_missing_at_read_is_refused(tmp_path, rigs, request):
@@ -418,7 +426,8 @@ def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, rigs, layout):
     pool = l3.controller.mem_pool_host
     index = int(host[2 * GEO.page_size])
     page = pool.get_data_page(index)
-    assert page.dtype == torch.uint8 and page.numel() == pool.storage_page_bytes
+    assert page.dtype == torch.uint8
+    assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
     sl = slice(index, index + GEO.page_size)
     if layout == "layer_first":
         parts = [
@@ -440,7 +449,7 @@ def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, rigs, layout):
             )
         ]
     expected = torch.cat([x.contiguous().view(torch.uint8).flatten() for x in parts])
-    assert torch.equal(page, expected)
+    assert torch.equal(page[:-SEAL_BYTES], expected)
 
     # Into a free page: the records land exactly, nothing else changes.
     free = pool.alloc(GEO.page_size)
@@ -463,12 +472,17 @@ def test_page_buffer_meta_points_at_the_flat_page_bytes(tmp_path, rigs, layout):
     pool = l3.controller.mem_pool_host
     ptrs, sizes = pool.get_page_buffer_meta(host[: 2 * GEO.page_size])
     assert len(ptrs) == 2 * 2 * pool.storage_buffers_per_object  # 2 pages
+    per_page = 2 * pool.storage_buffers_per_object
     for page in range(2):
-        got = [_read(p, s) for p, s in zip(ptrs[page * 4 : page * 4 + 4], sizes)]
-        k, s_lo, v, s_hi = got
+        got = [
+            _read(p, s)
+            for p, s in zip(ptrs[page * per_page : (page + 1) * per_page], sizes)
+        ]
+        k, s_lo, k_seal, v, s_hi, v_seal = got
         flat = pool.get_data_page(int(host[page * GEO.page_size]))
-        assert torch.equal(torch.cat([k, v, s_lo, s_hi]), flat)
-        assert sum(sizes[:4]) == pool.storage_page_bytes
+        assert torch.equal(torch.cat([k, v, s_lo, s_hi]), flat[:-SEAL_BYTES])
+        assert sum(sizes[:per_page]) == pool.storage_page_bytes + 2 * SEAL_BYTES
+        assert len(k_seal) == len(v_seal) == SEAL_BYTES
 
 
 def test_layer_first_has_no_zero_copy_pages(tmp_path, rigs):
@@ -486,7 +500,7 @@ def test_layer_first_has_no_zero_copy_pages(tmp_path, rigs):
 # the page bytes for the same KV fails here: give it a new storage_format_tag
 # (keys change with it, so old pages become misses), then add its digest.
 PAGE_FORMAT_DIGESTS = {
-    "int8-fp16scale-v1": "a766c80d3ab493ce0a2f477030118311b89656d5ec80a7be7eab9abae753b2f7",
+    "int8-fp16scale-v1-seal1": "09a31b14f2af2a2cf0a0409cc1f5adcae3ca19fe59a0f10d4e1afc76776310e9",
 }
 
 
@@ -569,7 +583,7 @@ def test_4bit_file_round_trip(tmp_path, rigs, request, host_dtype, layout):
     files = list(tmp_path.glob("*.bin"))
     assert len(files) == PAGES16  # one object per page
     pool = l3.controller.mem_pool_host
-    assert {f.stat().st_size for f in files} == {pool.storage_page_bytes}
+    assert {f.stat().st_size for f in files} == {pool.storage_page_bytes + SEAL_BYTES}
     assert pool.storage_page_bytes == pool.get_size_per_token() * GEO16.page_size
 
 
@@ -591,7 +605,11 @@ def test_4bit_mooncake_round_trip_zero_copy(master, rigs, request, host_dtype, l
     after = master.metrics()
     assert after["master_key_count"] - before["master_key_count"] == 2 * PAGES16
     stored = after["master_allocated_bytes"] - before["master_allocated_bytes"]
-    assert stored == len(TOKENS16) * l3.controller.mem_pool_host.get_size_per_token()
+    seals = 2 * PAGES16 * SEAL_BYTES
+    assert (
+        stored
+        == len(TOKENS16) * l3.controller.mem_pool_host.get_size_per_token() + seals
+    )
 
 
 @pytest.mark.parametrize("host_dtype", FOUR_BIT)
@@ -621,8 +639,8 @@ def test_4bit_mooncake_objects_are_the_l2_records(master, rigs, request, host_dt
     v_obj = torch.frombuffer(
         bytearray(backend.store.get(key + "_v")), dtype=torch.uint8
     )
-    assert torch.equal(k_obj, torch.cat([record("k"), record(k_meta)]))
-    assert torch.equal(v_obj, torch.cat([record("v"), record("v_meta")]))
+    assert torch.equal(k_obj[:-SEAL_BYTES], torch.cat([record("k"), record(k_meta)]))
+    assert torch.equal(v_obj[:-SEAL_BYTES], torch.cat([record("v"), record("v_meta")]))
     assert pool.storage_format_tag in key
 
 

@@ -18,6 +18,7 @@ from hicache_harness import MLAGeometry
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
 MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
@@ -108,7 +109,8 @@ def test_file_round_trip(tmp_path, rigs, request, host_dtype, layout):
     files = list(tmp_path.glob("*.bin"))
     assert len(files) == PAGES  # one object per page
     page_bytes = l3.controller.mem_pool_host.get_size_per_token() * GEO.page_size
-    assert {f.stat().st_size for f in files} == {page_bytes}
+    seal = SEAL_BYTES if host_dtype == "int8" else 0
+    assert {f.stat().st_size for f in files} == {page_bytes + seal}
     if host_dtype == "int8":
         assert page_bytes == 648 * GEO.layer_num * GEO.page_size
 
@@ -135,7 +137,10 @@ def test_mooncake_round_trip_rank_replicated_zero_copy(
     after = master.metrics()
     assert after["master_key_count"] - before["master_key_count"] == PAGES
     stored = after["master_allocated_bytes"] - before["master_allocated_bytes"]
-    assert stored == len(TOKENS) * l3.controller.mem_pool_host.get_size_per_token()
+    seals = PAGES * SEAL_BYTES if host_dtype == "int8" else 0
+    assert (
+        stored == len(TOKENS) * l3.controller.mem_pool_host.get_size_per_token() + seals
+    )
 
 
 def test_mooncake_object_is_the_l2_page(master, rigs, request):
@@ -148,7 +153,10 @@ def test_mooncake_object_is_the_l2_page(master, rigs, request):
     pool, backend = l3.controller.mem_pool_host, l3.backend
     key = backend._tag_keys([hashes[2]])[0] + f"_{backend.mla_suffix}_k"
     obj = torch.frombuffer(bytearray(backend.store.get(key)), dtype=torch.uint8)
-    assert torch.equal(obj, pool.get_data_page(int(host[2 * GEO.page_size])))
+    flat = pool.get_data_page(int(host[2 * GEO.page_size]))
+    assert torch.equal(obj[:-SEAL_BYTES], flat[:-SEAL_BYTES])
+    page = int(host[2 * GEO.page_size]) // GEO.page_size
+    assert torch.equal(obj[-SEAL_BYTES:], pool.pages.seals[page, 0])
     assert pool.storage_format_tag in key
     assert "mla-int8-t128-fp16scale-rope16-v1" in key
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
 from hicache_harness import (
     MLAGeometry,
@@ -245,7 +246,9 @@ def test_storage_page_bytes(layout, page_size):
     fill_random(device_pool, dev, seed=2)
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
     page = pool.get_data_page(int(host[page_size]))
-    assert page.dtype == torch.uint8 and page.numel() == pool.storage_page_bytes
+    # The page's records, then its seal (page_integrity).
+    assert page.dtype == torch.uint8
+    assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
     assert pool.storage_page_bytes == 648 * 3 * page_size
     # Record order: all "kv" bytes, then "scale", then "rope".
     kv_bytes = 3 * page_size * LATENT
@@ -257,16 +260,19 @@ def test_storage_page_bytes(layout, page_size):
         return
     ptrs, sizes = pool.get_page_buffer_meta(host)
     per_page = len(ptrs) // 2
-    assert sum(sizes[per_page:]) == pool.storage_page_bytes
+    # The zero-copy object is the same payload, then its own seal buffer.
+    assert sizes[-1] == SEAL_BYTES
+    assert sum(sizes[per_page:-1]) == pool.storage_page_bytes
     gathered = torch.cat(
-        [_bytes_at(ptr, size) for ptr, size in zip(ptrs[per_page:], sizes[per_page:])]
+        [_bytes_at(ptr, n) for ptr, n in zip(ptrs[per_page:-1], sizes[per_page:-1])]
     )
-    assert torch.equal(gathered, page)
+    assert torch.equal(gathered, page[:-SEAL_BYTES])
+    assert ptrs[-1] == pool.pages.seals[int(host[page_size]) // page_size, 0].data_ptr()
     # Writing the page into a free slot reproduces the records.
     target = pool.alloc(page_size)
     pool.set_from_flat_data_page(int(target[0]), page)
     assert torch.equal(pool.get_data_page(int(target[0])), page)
-    rope = page[-3 * page_size * ROPE * 2 :].view(torch.bfloat16)
+    rope = page[:-SEAL_BYTES][-3 * page_size * ROPE * 2 :].view(torch.bfloat16)
     assert torch.isfinite(rope).all()
     assert page[:kv_bytes].view(torch.int8).abs().max() == 127
     with pytest.raises(ValueError, match="bytes, expected"):

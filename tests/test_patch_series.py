@@ -51,7 +51,9 @@ def test_no_patch_edits_a_line_an_earlier_patch_added(patch_commits):
     for commit in patch_commits:
         for path, lines in removed_lines(commit).items():
             for number in lines:
-                blame = git("blame", "-l", "-L", f"{number},{number}", f"{commit}~", "--", path)
+                blame = git(
+                    "blame", "-l", "-L", f"{number},{number}", f"{commit}~", "--", path
+                )
                 author = blame.split()[0].lstrip("^")
                 subject = git("log", "-1", "--format=%s", commit).strip()
                 assert author not in earlier, (
@@ -74,6 +76,7 @@ def added_lines(path: str) -> int:
 
 def test_hook_and_collector_stay_within_their_budget(patch_commits):
     # hicache_hook imports the format names from the registry; the collector
-    # keeps what an operator reads.
+    # keeps what an operator reads (83 host-tier lines + 12 for the L3
+    # refused-pages counter, issue 21).
     assert 0 < added_lines(HOOK) <= 120
-    assert 0 < added_lines(COLLECTOR) <= 85
+    assert 0 < added_lines(COLLECTOR) <= 95

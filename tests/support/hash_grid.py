@@ -140,9 +140,11 @@ def _set_path(pool, path) -> None:
 def _zero_copy_meta(pool, host_tokens):
     """get_page_buffer_meta as (record, offset from that record's base, size)."""
     ptrs, sizes = pool.get_page_buffer_meta(host_tokens)
+    # Each object's last piece is its seal (page_integrity.py), in its own buffer.
+    buffers = {**pool.host_records, "seal": pool.pages.seals}
     bases = sorted(
         (buf.data_ptr(), buf.data_ptr() + buf.numel() * buf.element_size(), name)
-        for name, buf in pool.host_records.items()
+        for name, buf in buffers.items()
     )
     out = []
     for ptr, size in zip(ptrs, sizes):

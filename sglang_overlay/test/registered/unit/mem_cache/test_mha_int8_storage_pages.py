@@ -15,6 +15,7 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -74,10 +75,16 @@ class TestMHAInt8StoragePages(CustomTestCase):
                 pool = _pools(layout)
                 page = pool.get_data_page(PAGE_SIZE)
                 self.assertEqual(page.dtype, torch.uint8)
-                self.assertEqual(page.numel(), pool.get_size_per_token() * PAGE_SIZE)
-                self.assertTrue(torch.equal(page, _page_records(pool, PAGE_SIZE)))
+                # The page's records, then its seal (page_integrity.py).
+                self.assertEqual(
+                    page.numel(), pool.get_size_per_token() * PAGE_SIZE + SEAL_BYTES
+                )
+                records = page[:-SEAL_BYTES]
+                self.assertTrue(torch.equal(records, _page_records(pool, PAGE_SIZE)))
                 pool.set_from_flat_data_page(5 * PAGE_SIZE, page)
-                self.assertTrue(torch.equal(_page_records(pool, 5 * PAGE_SIZE), page))
+                self.assertTrue(
+                    torch.equal(_page_records(pool, 5 * PAGE_SIZE), records)
+                )
 
     def test_wrong_size_page_is_refused_untouched(self):
         pool = _pools("page_first")
@@ -94,14 +101,15 @@ class TestMHAInt8StoragePages(CustomTestCase):
                 pool = _pools(layout)
                 ptrs, sizes = pool.get_page_buffer_meta(torch.arange(2 * PAGE_SIZE))
                 self.assertEqual(len(ptrs), 2 * 2 * pool.storage_buffers_per_object)
+                n = 2 * pool.storage_buffers_per_object  # K, scales, seal; V, ...
                 for page in range(2):
-                    k, s_lo, v, s_hi = (
+                    k, s_lo, _, v, s_hi, _ = (
                         torch.frombuffer(
                             bytearray(ctypes.string_at(ptr, size)), dtype=torch.uint8
                         )
                         for ptr, size in zip(
-                            ptrs[4 * page : 4 * page + 4],
-                            sizes[4 * page : 4 * page + 4],
+                            ptrs[n * page : n * page + n],
+                            sizes[n * page : n * page + n],
                         )
                     )
                     self.assertTrue(

@@ -16,6 +16,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
 
@@ -133,7 +134,8 @@ class TestMLAInt8HostPool(CustomTestCase):
         host = pool.alloc(4)
         pool.backup_from_device_all_layer(device_pool, host, src, "direct")
         page = pool.get_data_page(int(host[0]))
-        self.assertEqual(page.numel(), pool.get_size_per_token() * 4)
+        # The page's records, then its seal (page_integrity.py).
+        self.assertEqual(page.numel(), pool.get_size_per_token() * 4 + SEAL_BYTES)
         target = pool.alloc(4)
         pool.set_from_flat_data_page(int(target[0]), page)
         self.assertTrue(torch.equal(pool.get_data_page(int(target[0])), page))

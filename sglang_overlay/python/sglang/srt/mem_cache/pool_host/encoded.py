@@ -22,6 +22,7 @@ from typing import Callable, ClassVar, Sequence
 
 import torch
 
+from sglang.srt.mem_cache.pool_host import page_integrity as integrity
 from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 from sglang.srt.mem_cache.pool_host.host_format import EncodeStats, HostKVFormat
 
@@ -293,12 +294,15 @@ def fetch(host: torch.Tensor, stage: torch.Tensor, units, runs) -> torch.Tensor:
 
 
 class L3PageCodec:
-    """A page in storage is exactly its L2 bytes, never re-encoded.
+    """A page in storage is exactly its L2 bytes, never re-encoded, each
+    storage object followed by its seal (page_integrity.py), checked before
+    any of its bytes is used.
 
     Generic backends (file): ONE object per page, every record in the
     format's `records` order, each in host order ([layer, *shape] per unit,
-    the page's units in order). Zero-copy backends (mooncake): the format's
-    zero_copy_objects(), page-major layouts only.
+    the page's units in order), then the seal. Zero-copy backends (mooncake):
+    the format's zero_copy_objects(), page-major layouts only, each gathered
+    with its seal (one more host buffer) as the object's last piece.
     """
 
     def __init__(
@@ -308,20 +312,46 @@ class L3PageCodec:
         page_size: int,
         layer_num: int,
         layout: str,
+        alloc: Callable,
     ):
         self.fmt, self.records = fmt, records
         self.page_size, self.layer_num, self.layout = page_size, layer_num, layout
         self.page_bytes = fmt.unit_bytes() * layer_num * (page_size // fmt.unit_tokens)
+        self.tag = f"{fmt.storage_format_tag}-{integrity.SEAL_TAG}"
         per_unit = {r.name: r.nbytes for r in fmt.records}
         # zero_copy_objects' pieces scaled from one layer's record to a page's
         # (every layer of a page-major unit is one contiguous block).
-        self.pieces = []
+        self.objects = []
         for obj in fmt.zero_copy_objects():
             for name, offset, size in obj:
                 if offset + size > per_unit[name]:
                     raise ValueError(f"zero-copy piece beyond record {name!r}")
-                self.pieces.append((name, offset * layer_num, size * layer_num))
-        self.buffers_per_object = len(fmt.zero_copy_objects()[0])
+            self.objects.append(
+                [(n, off * layer_num, size * layer_num) for n, off, size in obj]
+            )
+        self.pieces = [piece for obj in self.objects for piece in obj]
+        self.buffers_per_object = len(self.objects[0]) + 1
+        self.stats = integrity.PageIntegrityStats()
+        geometry = (
+            f"{self.tag}|layers{layer_num}|page{page_size}|heads{fmt.head_num}"
+            f"|dims{fmt.dims}|{fmt.device_dtype}"
+        )
+        self.flat_sealer = integrity.PageSealer(
+            f"{geometry}|flat", (self.page_bytes,), self.stats
+        )
+        self.zero_copy_sealer = integrity.PageSealer(
+            f"{geometry}|zero-copy",
+            [sum(size for _, _, size in obj) for obj in self.objects],
+            self.stats,
+        )
+        # One seal per zero-copy object and page; kept out of kv_buffer (not
+        # KV bytes), Mooncake registers it through get_hybrid_pool_buffer.
+        units = next(iter(records.tensors.values())).shape[0]
+        self.seals = (
+            alloc((units, len(self.objects), integrity.SEAL_BYTES), torch.uint8)
+            if records.page_major
+            else None
+        )
 
     def _parts(self, index) -> list[torch.Tensor]:
         """Every record of the page at token `index`, as byte views in storage
@@ -339,25 +369,25 @@ class L3PageCodec:
             buf[:, index : index + self.page_size].view(torch.uint8) for buf in bufs
         ]
 
-    def read(self, index) -> torch.Tensor:
+    def read(self, index, key=None) -> torch.Tensor:
         # Several host tensors hold a page, so a flat page is always a copy.
-        return torch.cat([part.reshape(-1) for part in self._parts(index)])
+        out = torch.empty(self.page_bytes + integrity.SEAL_BYTES, dtype=torch.uint8)
+        payload = out[: self.page_bytes]
+        torch.cat([part.reshape(-1) for part in self._parts(index)], out=payload)
+        self.flat_sealer.seal_into(
+            out[self.page_bytes :], 0, key, [integrity.byte_view(payload)]
+        )
+        return out
 
-    def write(self, index, data_page: torch.Tensor) -> None:
-        nbytes = data_page.numel() * data_page.element_size()
-        if nbytes != self.page_bytes:
-            # A short or long object is not a page of this format: refuse it
-            # before any byte reaches the pool.
-            raise ValueError(
-                f"--hicache-host-dtype {self.fmt.name} storage page has {nbytes} "
-                f"bytes, expected {self.page_bytes} ({self.fmt.storage_format_tag})"
-            )
-        flat = data_page.reshape(-1).view(torch.uint8)
+    def write(self, index, data_page: torch.Tensor, key=None) -> None:
+        # Refuses (StoragePageRefused, a ValueError) before any byte reaches the pool.
+        flat = self.flat_sealer.check_flat(key, data_page)
         offset = 0
         for part in self._parts(index):
             size = part.numel()
             part.copy_(flat[offset : offset + size].view(part.shape))
             offset += size
+        self._note_loaded(int(index))
 
     def buffer_meta(self, indices) -> tuple[list[int], list[int]]:
         name = self.fmt.name
@@ -377,19 +407,87 @@ class L3PageCodec:
         ptrs, sizes = [], []
         for index in indices[:: self.page_size].tolist():
             page = index // self.page_size
-            for record, offset, size in self.pieces:
-                ptrs.append(bases[record] + page * strides[record] + offset)
-                sizes.append(size)
+            for obj, pieces in enumerate(self.objects):
+                for record, offset, size in pieces:
+                    ptrs.append(bases[record] + page * strides[record] + offset)
+                    sizes.append(size)
+                ptrs.append(self.seals[page, obj].data_ptr())
+                sizes.append(integrity.SEAL_BYTES)
         return ptrs, sizes
+
+    def seal_buffers(self) -> list[torch.Tensor]:
+        return [] if self.seals is None else [self.seals]
 
     def stride_page_aligned(self, page_size_bytes: int) -> bool:
         if not self.records.page_major:
             return False
-        bufs = list(self.records.tensors.values())
+        bufs = list(self.records.tensors.values()) + self.seal_buffers()
         offsets = [buf[0].numel() * buf.element_size() for buf in bufs]
         offsets += [buf.data_ptr() for buf in bufs]
         offsets += [offset for _, offset, _ in self.pieces]
         return all(offset % page_size_bytes == 0 for offset in offsets)
+
+    def _object_buffers(self, page: int, pieces) -> list:
+        views = {
+            n: integrity.byte_view(self.records.tensors[n][page]) for n, _, _ in pieces
+        }
+        return [views[n][offset : offset + size] for n, offset, size in pieces]
+
+    def seal_pages(self, keys, host_indices) -> None:
+        """Write the seals of these pages' zero-copy objects (before a put)."""
+        for key, index in zip(keys, host_indices[:: self.page_size].tolist()):
+            page = index // self.page_size
+            for obj, pieces in enumerate(self.objects):
+                self.zero_copy_sealer.seal_into(
+                    self.seals[page, obj], obj, key, self._object_buffers(page, pieces)
+                )
+
+    def verify_pages(self, keys, host_indices, results) -> list[bool]:
+        """Check the pages a zero-copy get delivered, in order, up to the first
+        missing or refused one (a prefetch is a prefix); that page's host rows
+        are zeroed, since a failed get may have filled part of it."""
+        verified = [False] * len(results)
+        pages = host_indices[:: self.page_size].tolist()
+        for i, (key, index, ok) in enumerate(zip(keys, pages, results)):
+            page = index // self.page_size
+            reason = None if ok else integrity.Refusal.MISSING
+            for obj, pieces in enumerate(self.objects if ok else ()):
+                seal = integrity.byte_view(self.seals[page, obj])
+                buffers = self._object_buffers(page, pieces)
+                reason = self.zero_copy_sealer.check(obj, key, buffers, seal)
+                if reason is not None:
+                    break
+            if reason is not None:
+                self.stats.note_refused(reason, f"{self.tag}: key {key}")
+                for buf in self.records.tensors.values():
+                    buf[page].zero_()
+                break
+            self.stats.note_verified()
+            self._note_loaded(index)
+            verified[i] = True
+        return verified
+
+    def note_missing(self, key) -> None:
+        """A generic backend delivered no object for a page the hit query found."""
+        self.stats.note_refused(integrity.Refusal.MISSING, f"{self.tag}: key {key}")
+
+    def _note_loaded(self, index: int) -> None:
+        # Load-side non-finite statistic: scales/metadata (or MLA RoPE) as restored.
+        bufs = self.records.tensors.values()
+        if self.records.page_major:
+            records = [buf[index // self.page_size] for buf in bufs]
+        else:
+            records = [buf[:, index : index + self.page_size] for buf in bufs]
+        if integrity.has_nonfinite(records):
+            self.stats.note_nonfinite_loaded()
+
+    def counts(self) -> dict:
+        """Refused pages by reason, pages verified and non-finite pages loaded."""
+        return {
+            "refused": self.stats.counts(),
+            "verified": self.stats.pages_verified,
+            "nonfinite_pages_loaded": self.stats.nonfinite_pages_loaded,
+        }
 
 
 class EncodedHostPool:
@@ -408,6 +506,8 @@ class EncodedHostPool:
     # Host rows are addressed on the CPU and device rows where the device pool
     # lives; the controller passes indices through unmoved.
     transfers_own_indices = True
+    # Storage page objects carry seals bound to their key (page_integrity.py).
+    seals_storage_pages = True
 
     def get_size_per_token(self):
         total = self.host_format.unit_bytes() * self.layer_num
@@ -424,7 +524,8 @@ class EncodedHostPool:
 
     @property
     def storage_format_tag(self) -> str:
-        return self.host_format.storage_format_tag
+        # Sealed pages are a new byte format: unsealed ones miss by key.
+        return self.pages.tag
 
     @property
     def host_records(self) -> dict[str, torch.Tensor]:
@@ -443,8 +544,15 @@ class EncodedHostPool:
             self.host_format, units, self.layer_num, page_major, alloc
         )
         self.pages = L3PageCodec(
-            self.host_format, self.records, self.page_size, self.layer_num, self.layout
-        )
+            self.host_format, self.records, self.page_size, self.layer_num,
+            self.layout, alloc,
+        )  # fmt: skip
+        # The controller's L3 seal hooks (patch: storage concern) are the codec's.
+        self.storage_integrity = self.pages.stats
+        self.seal_storage_pages = self.pages.seal_pages
+        self.verify_storage_pages = self.pages.verify_pages
+        self.note_storage_page_missing = self.pages.note_missing
+        self.storage_integrity_counts = self.pages.counts
         # HostKVCache.destroy unregisters every tensor in kv_buffer.
         return list(self.records.tensors.values())
 
@@ -578,26 +686,27 @@ class EncodedHostPool:
 
     @property
     def storage_buffers_per_object(self) -> int:
-        """Host buffers one zero-copy storage object is gathered from."""
+        """Host buffers one zero-copy storage object is gathered from (its
+        record pieces and its seal)."""
         return self.pages.buffers_per_object
 
     @property
     def storage_page_bytes(self) -> int:
         return self.pages.page_bytes
 
-    def get_data_page(self, index, flat: bool = True) -> torch.Tensor:
-        return self.pages.read(index)
+    def get_data_page(self, index, flat: bool = True, key=None) -> torch.Tensor:
+        return self.pages.read(index, key)
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
         return torch.zeros(
-            self.pages.page_bytes,
+            self.pages.page_bytes + integrity.SEAL_BYTES,
             dtype=torch.uint8,
             device=self.device,
             pin_memory=self.pin_memory,
         )
 
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        self.pages.write(index, data_page)
+    def set_from_flat_data_page(self, index: int, data_page, key=None) -> None:
+        self.pages.write(index, data_page, key)
 
     def get_page_buffer_meta(self, indices):
         return self.pages.buffer_meta(indices)
@@ -611,7 +720,7 @@ class EncodedHostPool:
         )
 
     def get_hybrid_pool_buffer(self):
-        return list(self.records.tensors.values())
+        return list(self.records.tensors.values()) + self.pages.seal_buffers()
 
     def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         return self.pages.stride_page_aligned(page_size_bytes)

@@ -592,7 +592,7 @@ class _Int4ValuesHostFormat(HostKVFormat):
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
-        odd = [d for d in self._int4_dims() if d % 2]
+        odd = [d for d in self._even_dims() if d % 2]
         if odd:
             raise NotImplementedError(
                 f"--hicache-host-dtype {self.name} packs two 4-bit codes per byte "
@@ -606,6 +606,10 @@ class _Int4ValuesHostFormat(HostKVFormat):
 
     def _int4_dims(self) -> tuple[int, ...]:
         raise NotImplementedError
+
+    def _even_dims(self) -> tuple[int, ...]:
+        """Head dims the codec needs even (the packed 4-bit sides)."""
+        return self._int4_dims()
 
     def _record_shapes(self) -> dict:
         raise NotImplementedError
@@ -741,6 +745,10 @@ class K8V4HostFormat(_Int4ValuesHostFormat):
 
     def _int4_dims(self):
         return self.dims[1:]
+
+    def _even_dims(self):
+        # The k8v4 codec checks its int8 keys with the same even-width rule.
+        return self.dims
 
     def _record_shapes(self):
         return k8v4_record_shapes(self.dims, self.head_num, self.unit_tokens)

@@ -247,8 +247,15 @@ def _split_dims(dims: tuple[int, ...], head_num: int, rope_dim: int) -> tuple[in
             f"(dims=(kv_lora_rank + qk_rope_head_dim,), head_num=1); got dims={dims}, "
             f"head_num={head_num}."
         )
+    if rope_dim <= 0:
+        # The pool keeps RoPE as its own record; an empty one cannot be mapped.
+        raise NotImplementedError(
+            "--hicache-host-dtype int8 for MLA needs a RoPE part "
+            f"(qk_rope_head_dim > 0); got qk_rope_head_dim={rope_dim}. Use "
+            "--hicache-host-dtype auto for this model."
+        )
     latent = dims[0] - rope_dim
-    if latent <= 0 or latent % TILE or rope_dim < 0:
+    if latent <= 0 or latent % TILE:
         raise NotImplementedError(
             f"--hicache-host-dtype int8 for MLA needs kv_lora_rank a multiple of "
             f"{TILE}; got kv_lora_rank={latent}, qk_rope_head_dim={rope_dim}."

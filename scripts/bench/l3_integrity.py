@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""CPU cost of sealing L3 pages (pool_host/page_integrity.py) next to the
+page I/O it guards.
+
+1. xxh3-64 throughput (the seal's hash) on one core, next to a plain memory
+   copy of the same bytes.
+2. Per page at Qwen3-8B geometry (36 layers, 8 KV heads x 128 dims, bf16,
+   page size 64) for each encoded host format: the page's bytes, the time to
+   seal one page (hash + seal) and to check it, and the `file` backend's page
+   I/O (write a page file, read it back) on this machine's temporary disk.
+
+Run: PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.l3_integrity
+Prints a Markdown table; docs/l3-integrity.md keeps the figures measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+from scripts.common.cpu_sglang import install_cpu_standins
+
+
+def best(fn, repeat: int) -> float:
+    """Fastest of `repeat` runs, in seconds (the machine is shared)."""
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mib", type=int, default=64, help="buffer for the GB/s figure")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--page-size", type=int, default=64)
+    args = ap.parse_args()
+
+    install_cpu_standins()
+    import numpy as np
+    import torch
+    import xxhash
+
+    from scripts.common.host_formats import host_formats
+    from sglang.srt.mem_cache.pool_host import page_integrity as pi
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+    from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
+
+    buf = np.random.default_rng(0).integers(0, 256, args.mib << 20, dtype=np.uint8)
+    dst = np.empty_like(buf)
+    gb = buf.nbytes / 1e9
+    t_hash = best(lambda: xxhash.xxh3_64_intdigest(buf), args.repeat)
+    t_copy = best(lambda: np.copyto(dst, buf), args.repeat)
+    print(
+        f"xxh3-64: {gb / t_hash:.1f} GB/s; memcpy: {gb / t_copy:.1f} GB/s "
+        f"({args.mib} MiB, one core, best of {args.repeat})\n"
+    )
+
+    layers, heads, dim = 36, 8, 128
+    cases = [
+        (
+            fmt.host_dtype,
+            layers,
+            host_format_cls(fmt.host_dtype)(
+                (dim, dim), heads, args.page_size, torch.bfloat16
+            ),
+        )
+        for fmt in host_formats()
+        if not fmt.stock
+    ]
+    # MLA at DeepSeek-V3 geometry (61 layers, latent 512 + RoPE 64).
+    cases.append(
+        (
+            "mla-int8 (DeepSeek-V3)",
+            61,
+            MLAInt8HostFormat((576,), 1, args.page_size, torch.bfloat16),
+        )
+    )
+    print(
+        "| format | page bytes | seal µs | check µs | file write µs | file read µs | seal+check / file I/O |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, n_layers, f in cases:
+            nbytes = f.unit_bytes() * n_layers
+            page = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
+            stats = pi.PageIntegrityStats()
+            sealer = pi.PageSealer(f"{name}|bench", (nbytes,), stats)
+            seal = sealer.seal(0, "key", [page])
+            t_seal = best(lambda: sealer.seal(0, "key", [page]), args.repeat * 5)
+            t_check = best(
+                lambda: sealer.check(0, "key", [page], seal), args.repeat * 5
+            )
+            path = os.path.join(tmp, "page.bin")
+            sealed = np.concatenate([page, np.frombuffer(seal, np.uint8)])
+            t_write = best(lambda: sealed.tofile(path), args.repeat)
+            target = np.empty_like(sealed)
+
+            def read():
+                with open(path, "rb", buffering=0) as fh:
+                    fh.readinto(memoryview(target))
+
+            t_read = best(read, args.repeat)
+            ratio = (t_seal + t_check) / (t_write + t_read)
+            print(
+                f"| {name} | {nbytes} | {t_seal * 1e6:.0f} | {t_check * 1e6:.0f} "
+                f"| {t_write * 1e6:.0f} | {t_read * 1e6:.0f} | {ratio:.0%} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""Fault injection into the L3 objects of encoded host pages, for SGLang's
+`file` backend and for MooncakeStore (zero-copy objects) over a real master.
+
+A `PageObjects` names the storage objects of one page and where each byte of
+an object comes from (which record, or the seal), so a fault can aim at the
+payload, the scales, the metadata or the seal. Faults are applied to the
+store between write and read and undone afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from queue import Empty
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
+
+STORE_WAIT_S = 20.0
+
+# What a record's bytes are, for aiming byte flips.
+PAYLOAD, SCALES, METADATA, SEAL = "payload", "scales", "metadata", "seal"
+
+
+def region_of(record_name: str) -> str:
+    if "scale" in record_name:
+        return SCALES
+    if "meta" in record_name or record_name == "rope":
+        return METADATA
+    return PAYLOAD
+
+
+@dataclass
+class ObjectLayout:
+    """Byte ranges of one storage object: [(region, start, end)]."""
+
+    ranges: list[tuple[str, int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.ranges[-1][2]
+
+    def spans(self, region: str) -> list[tuple[int, int]]:
+        return [(a, b) for r, a, b in self.ranges if r == region]
+
+
+def object_layouts(pool, zero_copy: bool) -> list[ObjectLayout]:
+    """The layout of each storage object of one page of `pool` (an encoded
+    host pool): the flat page for generic backends, the zero-copy objects
+    otherwise, each ending in its seal."""
+    layouts = []
+    if zero_copy:
+        objects = pool.pages.objects
+    else:
+        units = pool.page_size // pool.host_format.unit_tokens
+        objects = [
+            [(r.name, 0, r.nbytes * pool.layer_num * units)]
+            for r in pool.host_format.records
+        ]
+        objects = [[piece for obj in objects for piece in obj]]
+    for pieces in objects:
+        ranges, at = [], 0
+        for name, _, size in pieces:
+            ranges.append((region_of(name), at, at + size))
+            at += size
+        ranges.append((SEAL, at, at + SEAL_BYTES))
+        layouts.append(ObjectLayout(ranges))
+    return layouts
+
+
+class FileObjects:
+    """The `file` backend: one object (file) per page."""
+
+    zero_copy = False
+
+    def __init__(self, l3):
+        self.backend = l3.backend
+        self.dir = Path(self.backend.file_path)
+
+    def parts(self) -> list[str]:
+        return [""]
+
+    def path(self, page_hash: str) -> Path:
+        return self.dir / f"{self.backend._get_suffixed_key(page_hash)}.bin"
+
+    def read(self, page_hash: str, part: str) -> bytes:
+        return self.path(page_hash).read_bytes()
+
+    def write(self, page_hash: str, part: str, data: bytes | None) -> None:
+        path = self.path(page_hash)
+        if data is None:
+            path.unlink()
+        else:
+            path.write_bytes(data)
+
+
+class MooncakeObjects:
+    """MooncakeStore: the page's zero-copy objects (_k/_v for MHA, _k for MLA)."""
+
+    zero_copy = True
+
+    def __init__(self, l3):
+        self.backend = l3.backend
+        self.store = self.backend.store
+        self.mla = self.backend.is_mla_backend
+
+    def parts(self) -> list[str]:
+        return ["k"] if self.mla else ["k", "v"]
+
+    def key(self, page_hash: str, part: str) -> str:
+        b = self.backend
+        suffix = b.mla_suffix if self.mla else b.mha_suffix
+        return b._tag_keys([page_hash])[0] + f"_{suffix}_{part}"
+
+    def read(self, page_hash: str, part: str) -> bytes:
+        return bytes(self.store.get(self.key(page_hash, part)))
+
+    def write(self, page_hash: str, part: str, data: bytes | None) -> None:
+        key = self.key(page_hash, part)
+        # force: skip the read lease of the prefetch that just ended (nothing
+        # reads the store meanwhile); -704: there is no such object.
+        rc = self.store.remove(key, force=True)
+        if rc not in (0, -704):
+            raise AssertionError(f"cannot remove {key}: {rc}")
+        if data is not None:
+            rc = self.store.put(key, data)
+            if rc != 0:
+                raise AssertionError(f"put {key} returned {rc}")
+
+
+def objects_for(l3):
+    return (
+        MooncakeObjects(l3)
+        if l3.backend.__class__.__name__ == "MooncakeStore"
+        else FileObjects(l3)
+    )
+
+
+# ---------------------------------------------------------------------------
+# faults: each returns {(page_hash, part): new bytes or None} to write
+
+
+FAULT_KINDS = (
+    "flip_payload",
+    "flip_scales",
+    "flip_metadata",
+    "flip_seal",
+    "truncate",
+    "extend",
+    "zero",
+    "swap_pages",
+    "swap_parts",
+    "foreign",
+)
+
+
+def _flip(data: bytes, spans, rng: random.Random) -> bytes:
+    a, b = rng.choice(spans)
+    at = rng.randrange(a, b)
+    out = bytearray(data)
+    out[at] ^= 1 << rng.randrange(8) if rng.random() < 0.5 else rng.randrange(1, 256)
+    return bytes(out)
+
+
+def make_fault(
+    kind: str,
+    rng: random.Random,
+    objects,
+    layouts: list[ObjectLayout],
+    hashes: list[str],
+    page: int,
+    foreign=None,
+):
+    """The writes that put fault `kind` into page `page`'s objects (or None if
+    the kind does not apply to this format/backend, e.g. no metadata record).
+    `foreign` reads another format's objects of the same page hash."""
+    parts = objects.parts()
+    pi = rng.randrange(len(parts))
+    part, layout = parts[pi], layouts[pi]
+    h = hashes[page]
+    data = objects.read(h, part)
+    if kind.startswith("flip_"):
+        spans = layout.spans(kind.removeprefix("flip_"))
+        if not spans:
+            return None
+        return {(h, part): _flip(data, spans, rng)}
+    if kind == "truncate":
+        return {(h, part): data[: -rng.randrange(1, min(len(data), 64) + 1)]}
+    if kind == "extend":
+        return {(h, part): data + rng.randbytes(rng.randrange(1, 65))}
+    if kind == "zero":
+        return {(h, part): bytes(len(data))}
+    if kind == "swap_pages":
+        other = rng.choice([i for i in range(len(hashes)) if i != page])
+        return {(h, part): objects.read(hashes[other], part)}
+    if kind == "swap_parts":
+        if len(parts) < 2:
+            return None
+        a, b = parts
+        return {(h, a): objects.read(h, b), (h, b): objects.read(h, a)}
+    if kind == "foreign":
+        return {(h, part): foreign.read(h, part)}
+    raise ValueError(kind)
+
+
+def prefetch_all(l3, tokens, before_io=None):
+    """L3 -> L2 through the controller's query and I/O threads, as
+    l3_harness.prefetch does, but returning the whole host allocation:
+    (tokens hit, tokens delivered, host indices); the caller frees them."""
+    ctl = l3.controller
+    op = ctl.prefetch("r", tokens)
+    assert ctl.prefetch_hit_queue.get(timeout=STORE_WAIT_S) is op
+    hit = op.storage_hit_count
+    host = ctl.mem_pool_host.alloc(hit)
+    assert host is not None
+    op.host_indices = host
+    op.hash_value = op.hash_value[: hit // l3.geo.page_size]
+    if before_io is not None:
+        before_io()
+    ctl.prefetch_buffer.put(op)
+    completed = 0
+    deadline = time.monotonic() + STORE_WAIT_S
+    while True:
+        try:
+            ack = ctl.ack_prefetch_queue.get(
+                timeout=max(0.0, deadline - time.monotonic())
+            )
+        except Empty:
+            raise AssertionError("prefetch did not complete in time") from None
+        if ack.completed_tokens is not None:
+            completed = ack.completed_tokens
+        if ack.completed_req:
+            return hit, completed, host
