@@ -273,7 +273,9 @@ def make_mla_device_pool(
 
 def make_mla_host_pool(device_pool, *, layout: str, host_tokens: int, pin_memory: bool):
     """The MLA INT8 host pool as hybrid_pool_assembler builds it."""
-    from sglang.srt.mem_cache.pool_host.mla_int8 import MLATokenToKVPoolINT8Host
+    from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+    MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
     info = device_pool.get_device_pool_infos()[0].buffer_info
     return MLATokenToKVPoolINT8Host(
