@@ -34,3 +34,15 @@ def triton_interpreter():
 
     if not host_kv_common.available("cpu"):
         pytest.skip("the fused kernels were built for the GPU, not interpreted")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _restore_sglang_log_level():
+    """The demo and replay tools quiet the sglang logger in-process; later
+    modules assert on its INFO/WARNING lines, so each module starts as it was."""
+    import logging
+
+    logger = logging.getLogger("sglang")
+    level = logger.level
+    yield
+    logger.setLevel(level)
