@@ -58,7 +58,6 @@ M_LOAD_BACK = "sglang:load_back_tokens_total"
 M_EVICTED = "sglang:evicted_tokens_total"
 M_BACKUP = "sglang:hicache_backup_tokens_total"
 M_HOST_TOTAL_TOKENS = "sglang:hicache_host_total_tokens"
-M_HOST_TOTAL_BYTES = "sglang:hicache_host_total_bytes"
 M_HOST_USED_TOKENS = "sglang:hicache_host_used_tokens"
 M_HOST_USED_BYTES = "sglang:hicache_host_used_bytes"
 M_HOST_BPT = "sglang:hicache_host_bytes_per_token"
@@ -346,12 +345,14 @@ def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> B
 
 
 def _host_gauges(m) -> dict:
+    # The host tier's size in bytes is not exported: it is tokens x bytes/token.
+    total_tokens, bytes_per_token = m.value(M_HOST_TOTAL_TOKENS), m.value(M_HOST_BPT)
     return {
-        "total_tokens": m.value(M_HOST_TOTAL_TOKENS),
-        "total_bytes": m.value(M_HOST_TOTAL_BYTES),
+        "total_tokens": total_tokens,
+        "total_bytes": total_tokens * bytes_per_token,
         "used_tokens": m.value(M_HOST_USED_TOKENS),
         "used_bytes": m.value(M_HOST_USED_BYTES),
-        "bytes_per_token": m.value(M_HOST_BPT),
+        "bytes_per_token": bytes_per_token,
     }
 
 
