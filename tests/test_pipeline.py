@@ -810,3 +810,31 @@ def test_make_wheel_builds_the_image_tag_without_the_test_venv():
     host = f"{sys.version_info.major}{sys.version_info.minor}"
     assert f"for tag in {' '.join(sorted({'312', host}))}; do" in proc.stdout
     assert "scripts/overlay.py wheel --python-tag $tag" in proc.stdout
+
+
+# Requirements files that stay out of the test venv, and who installs them.
+OUTSIDE_THE_TEST_VENV = {"quality-gemma.txt": "make quality-gemma (build/)"}
+
+
+def test_make_venv_installs_every_pinned_requirements_file():
+    """The venv recipe installs each requirements/*.txt and rebuilds when one
+    changes; a file left out passes here and breaks a clean clone (CI)."""
+    proc = subprocess.run(
+        ["make", "-n", "-B", "venv", "PYTHON=python3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    installed = set(re.findall(r"-r requirements/(\S+\.txt)", proc.stdout))
+    pinned = {p.name for p in (REPO / "requirements").glob("*.txt")}
+    assert installed == pinned - set(OUTSIDE_THE_TEST_VENV)
+    # The prerequisites: the rule's line and its backslash continuations.
+    stamp_rule = re.search(
+        r"^\$\(VENV\)/\.stamp:((?:.*\\\n)*.*)$",
+        (REPO / "Makefile").read_text(),
+        re.M,
+    )
+    assert stamp_rule, "Makefile has no $(VENV)/.stamp rule"
+    assert set(re.findall(r"requirements/(\S+\.txt)", stamp_rule[1])) == installed
