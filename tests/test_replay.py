@@ -296,7 +296,8 @@ def test_int8_arm_runs_the_int8_pool_through_the_server_dispatch():
 
 
 def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
-    """`make demo`'s script end to end, scaled down (lazy pools for speed)."""
+    """`make demo`'s replay part end to end, scaled down (lazy pools for
+    speed); its live part is tests/test_demo_live.py's."""
     import json
 
     from scripts.demo.__main__ import main
@@ -306,7 +307,7 @@ def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
         "--groups", "8", "--system-prompt-len", "512", "--question-len", "64",
         "--output-len", "64", "--l1-tokens", "2048", "--concurrency", "4",
         "--budget", "0.4", "--sweep", "0.2", "--tokens", "2048", "--no-commit",
-        "--seeds", "2", "--out", str(out),
+        "--seeds", "2", "--no-live", "--out", str(out),
     ]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out

@@ -399,11 +399,24 @@ class LiveServer:
     def metrics(self) -> prom.Metrics:
         return prom.parse(self.get("/metrics"))
 
-    def flush_cache(self) -> None:
-        urllib.request.urlopen(
-            urllib.request.Request(self.base_url + "/flush_cache", method="POST"),
-            timeout=60,
-        ).read()
+    def flush_cache(self, wait_s: float = 30.0) -> None:
+        """POST /flush_cache until the scheduler is idle. It answers 400 while
+        its last batch is still set, which outlives the last response by a
+        scheduler step."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                urllib.request.urlopen(
+                    urllib.request.Request(
+                        self.base_url + "/flush_cache", method="POST"
+                    ),
+                    timeout=60,
+                ).read()
+                return
+            except urllib.error.HTTPError as e:
+                if e.code != 400 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
 
     # -- logs -------------------------------------------------------------
 
