@@ -129,19 +129,40 @@ def test_every_offloaded_token_came_back_from_l2(report):
     assert report["arms"]["exact"]["restored_tokens"] == 0
 
 
+def _format_bytes_per_token(report, arm) -> float:
+    """Host bytes per token (all layers) the arm's format stores, from the
+    registry's format class, not from a pool."""
+    from sglang.srt.mem_cache.pool_host.encoded import unit_tokens_for
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+
+    geo = report["kv_geometry"]
+    if arm.host_dtype == "auto":
+        return geo["bf16_bytes_per_token"]
+    per_layer = host_format_cls(arm.host_dtype, "mha").bytes_per_token_for(
+        (geo["head_dim"], geo["v_head_dim"]),
+        geo["kv_heads"],
+        unit_tokens_for(arm.page_size, arm.layout),
+    )
+    return geo["layers"] * per_layer
+
+
 def test_each_arm_runs_the_host_pool_of_its_format(report):
     """Every arm's pool is the one the --hicache-host-dtype dispatch gives,
-    at the arm's page size, and it stores its own bytes per token."""
+    at the arm's page size, and it stores its format's bytes per token
+    (a rotated format stores as many as its plain kin)."""
     arms = hq.offload_arms()
-    sizes = set()
+    pools = set()
     for name, arm in arms.items():
         s = report["arms"][name]
         assert s["host_pool"] == _dispatch_cls(report, arm.host_dtype).__name__
         assert (
             s["page_size"] == arm.page_size == report["kv_geometry"]["page_sizes"][name]
         )
-        sizes.add(s["host_bytes_per_token"])
-    assert len(sizes) == len(arms), "two formats stored the same bytes per token"
+        assert s["host_bytes_per_token"] == pytest.approx(
+            _format_bytes_per_token(report, arm)
+        ), name
+        pools.add(s["host_pool"])
+    assert len(pools) == len(arms), "two arms ran the same host pool class"
 
 
 def test_control_arm_is_bit_identical_to_exact(report):
