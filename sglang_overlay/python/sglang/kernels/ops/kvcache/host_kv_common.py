@@ -85,10 +85,17 @@ def bf16_rne_bits(y):
 
 
 @triton.jit
-def host_slots(host_idx_ptr, tok, mask, n_host, UT: tl.constexpr):
-    """Host unit, token-in-unit and in-range mask of the tokens' host indices."""
+def host_rows(host_idx_ptr, tok, mask, n_host):
+    """The tokens' host indices and their in-range mask."""
     hidx = tl.load(host_idx_ptr + tok, mask=mask, other=0).to(tl.int64)
-    return hidx // UT, hidx % UT, mask & (hidx >= 0) & (hidx < n_host)
+    return hidx, mask & (hidx >= 0) & (hidx < n_host)
+
+
+@triton.jit
+def unit_slots(hidx, UT: tl.constexpr):
+    """Host unit and token-in-unit of host indices. Called next to the record
+    accesses: two int64 vectors held across the row math spill registers."""
+    return hidx // UT, hidx % UT
 
 
 @triton.jit
@@ -100,15 +107,15 @@ def row_slots(
     n_host,
     H: tl.constexpr,
     BLOCK_R: tl.constexpr,
-    UT: tl.constexpr,
 ):
-    """For BLOCK_R (token, head) rows: mask, head, device index and host slots."""
+    """For BLOCK_R (token, head) rows: mask, head, device and host index, and
+    whether the host index is inside the records."""
     rows = row0 + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
     tok = rows // H
     didx = tl.load(dev_idx_ptr + tok, mask=rmask, other=0).to(tl.int64)
-    unit, within, hmask = host_slots(host_idx_ptr, tok, rmask, n_host, UT)
-    return rmask, (rows % H).to(tl.int64), didx, unit, within, hmask
+    hidx, hmask = host_rows(host_idx_ptr, tok, rmask, n_host)
+    return rmask, (rows % H).to(tl.int64), didx, hidx, hmask
 
 
 @triton.jit
@@ -147,8 +154,8 @@ def int8_encode_rows(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     """BLOCK_R rows of D values -> int8 codes + one fp16 scale per row."""
-    rmask, head, didx, unit, within, hmask = row_slots(
-        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R, UT
+    rmask, head, didx, hidx, hmask = row_slots(
+        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R
     )
     d = tl.arange(0, D_PAD)
     m2 = hmask[:, None] & (d < D)[None, :]
@@ -171,6 +178,7 @@ def int8_encode_rows(
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)
     r = tl.where(bad[:, None], 0.0, r)
 
+    unit, within = unit_slots(hidx, UT)
     q_row = (
         unit * q_stride_unit
         + layer * q_stride_layer
@@ -219,17 +227,18 @@ def int8_decode_rows(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     """BLOCK_R rows of int8 codes and scales -> device rows."""
-    rmask, head, didx, unit, within, hmask = row_slots(
-        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R, UT
+    rmask, head, didx, hidx, hmask = row_slots(
+        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R
     )
     d = tl.arange(0, D_PAD)
     m2 = hmask[:, None] & (d < D)[None, :]
     if COUNT_BAD_IDX:
         count_flags(bad_idx_ptr, rmask & ~hmask & (head == 0))
-    q_row = unit * q_stride_unit + within * q_stride_token + head * q_stride_head
-    q = tl.load(q_base + (q_row[:, None] + d[None, :]), mask=m2, other=0)
+    unit, within = unit_slots(hidx, UT)
     s_off = unit * s_stride_unit + within * s_stride_token + head * s_stride_head
     s = tl.load(s_base + s_off, mask=hmask, other=0)
+    q_row = unit * q_stride_unit + within * q_stride_token + head * q_stride_head
+    q = tl.load(q_base + (q_row[:, None] + d[None, :]), mask=m2, other=0)
     y = q.to(tl.float32) * s.to(tl.float16, bitcast=True).to(tl.float32)[:, None]
     if IS_BF16:
         out = bf16_rne_bits(y)

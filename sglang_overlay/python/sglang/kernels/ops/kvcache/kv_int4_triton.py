@@ -112,8 +112,8 @@ def _encode_groups(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     """Per-token groups: rows (token, head, group) of G channels."""
-    rmask, head_grp, didx, unit, within, hmask = hk.row_slots(
-        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H * NG, BLOCK_R, UT
+    rmask, head_grp, didx, hidx, hmask = hk.row_slots(
+        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H * NG, BLOCK_R
     )
     head = head_grp // NG
     grp = head_grp % NG
@@ -137,6 +137,7 @@ def _encode_groups(
     q = _codes(x, s[:, None, None], m[:, None, None], bad[:, None, None])
     packed = tl.sum(q << (4 * e)[None, None, :], axis=2)
 
+    unit, within = hk.unit_slots(hidx, UT)
     q_row = (
         unit * q_stride_unit
         + layer * q_stride_layer
@@ -284,14 +285,15 @@ def _decode_groups(
 ):
     """Rows (token, head) of D channels; channel c's (s, m) sit at group
     c // G (per-channel keys: G = 1 and no token stride)."""
-    rmask, head, didx, unit, within, hmask = hk.row_slots(
-        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R, UT
+    rmask, head, didx, hidx, hmask = hk.row_slots(
+        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R
     )
     j = tl.arange(0, D2_PAD)
     e = tl.arange(0, 2)
     if COUNT_BAD_IDX:
         hk.count_flags(bad_idx_ptr, rmask & ~hmask & (head == 0))
     lane = j < D // 2
+    unit, within = hk.unit_slots(hidx, UT)
     q_row = unit * q_stride_unit + within * q_stride_token + head * q_stride_head
     packed = tl.load(
         q_base + (q_row[:, None] + j[None, :]),

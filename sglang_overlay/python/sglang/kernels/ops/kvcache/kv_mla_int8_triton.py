@@ -46,7 +46,8 @@ def _rope_slots(
     tok = tok0 + tl.arange(0, BLOCK_T)
     tmask = tok < n_tok
     didx = tl.load(dev_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    unit, within, hmask = hk.host_slots(host_idx_ptr, tok, tmask, n_host, UT)
+    hidx, hmask = hk.host_rows(host_idx_ptr, tok, tmask, n_host)
+    unit, within = hk.unit_slots(hidx, UT)
     return didx, unit, within, hmask
 
 
