@@ -9,7 +9,7 @@ TREE := build/sglang
 # The patched tree goes first on the path, ahead of the stock sglang in .venv.
 PATCHED_PATH := $(CURDIR)/$(TREE)/python
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 SGLANG_IMAGE_TAG ?= v0.5.23-cu130
 IMAGE ?= hiqcache/sglang:0.5.23-hiq
 # WikiText-2 test split, read in place (never copied into the repo).
