@@ -295,7 +295,7 @@ def test_int8_arm_runs_the_int8_pool_through_the_server_dispatch():
         engine.close()
 
 
-def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
+def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys, formats):
     """`make demo`'s replay part end to end, scaled down (lazy pools for
     speed); its live part is tests/test_demo_live.py's."""
     import json
@@ -317,12 +317,12 @@ def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert "seeds 42..43 (2)" in text and "+-" in text
     data = json.loads((out / "demo.json").read_text())
     assert data["never_worse"] is True
-    assert [f["label"] for f in data["formats"]] == ["bf16", *QUANTIZED]
+    assert [f["label"] for f in data["formats"]] == list(formats)
     assert data["page_size"] == 64
     for label, target in (("int8", 1.93), ("int4", 3.5)):
         assert data["summary"][label]["tokens_ratio"] >= target
         assert data["summary"][label]["bytes_ratio"] >= target
-    assert set(data["bytes_per_token_by_page_size"]) == {"bf16", *QUANTIZED}
+    assert set(data["bytes_per_token_by_page_size"]) == set(formats)
     assert "k8v4 vs bf16" in text and "int4 vs bf16" in text
     assert [row["budget_gb"] for row in data["experiment_b"]["sweep"]] == [0.2, 0.4]
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
