@@ -24,6 +24,7 @@ checked against the pools.
 from __future__ import annotations
 
 import json
+from array import array
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -492,6 +493,94 @@ def test_linear_attention_round_trip(
         assert torch.equal(want, stock_want)
         assert torch.equal(stock_got, stock_want)
         assert torch.equal(got, stock_got)
+
+
+# -- host hits through the radix cache ----------------------------------------
+
+
+class _Req:
+    """The attributes of a scheduler Req that init_load_back reads."""
+
+    def __init__(self, rid: str, last_node):
+        self.rid = rid
+        self.last_node = last_node
+        self.swa_host_hit_length = 0
+        self.mamba_host_hit_length = 0
+        self.mamba_pool_idx = None
+        self.kv = SimpleNamespace(mamba_pool_idx=None)
+
+
+def radix_key(ids):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", ids))
+
+
+@pytest.mark.parametrize("layout,page_size,io_backend", SWA_LAYOUTS)
+@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
+def test_sliding_window_host_hit(model_dirs, host_dtype, layout, page_size, io_backend):
+    """The scheduler's order: insert (written through), L1 eviction, a match
+    that hits the host, init_load_back, the load; the full-attention KV comes
+    back for every token, the SWA KV for the window the model attends to."""
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+
+    rig = swa_rig(model_dirs, host_dtype, layout, page_size, io_backend)
+    cache, window, tokens = rig.cache, GPT_OSS["sliding_window"], 48
+    ids = list(range(100, 100 + tokens))
+    gen = torch.Generator().manual_seed(1)
+    full = alloc_swa_tokens(rig.allocator, tokens)
+    swa = rig.allocator.translate_loc_from_full_to_swa(full)
+    full_written = fill_kv(rig.kv_pool, full, gen)
+    swa_written = fill_kv(rig.side_pool, swa, gen)
+    cache.insert(
+        InsertParams(key=radix_key(ids), value=full.to(torch.int64), prev_prefix_len=0)
+    )
+    cache.flush_pending_backups()
+    cache.check_hicache_events()
+    evicted = cache.evict(EvictParams(num_tokens=tokens, swa_num_tokens=tokens))
+    assert evicted.num_tokens_evicted == tokens
+    wipe_kv(rig.kv_pool, full)
+    wipe_kv(rig.side_pool, swa)
+
+    query = radix_key([*ids, 7])
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    assert (match.device_prefix_len, match.host_hit_length) == (0, tokens)
+    lock = cache.lock(match.last_device_node)
+    loaded, last_node = cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=match.best_match_node,
+            host_hit_length=match.host_hit_length,
+            req=_Req("r0", match.last_device_node),
+        )
+    )
+    assert loaded == tokens
+    cache.unlock(lock)
+    lock = cache.lock(last_node)
+    cache.ready_to_load_host_cache()
+    cache.check_hicache_events()
+
+    device = cache.path_device_indices(last_node)
+    assert len(device) == tokens
+    assert_kv_restored(rig, PoolName.KV, rig.kv_pool, device, full_written)
+    # SWA slots only for the last `window` tokens; the rest map to the
+    # padding slot 0.
+    swa_device = rig.allocator.translate_loc_from_full_to_swa(device)
+    assert not swa_device[: tokens - window].any()
+    assert swa_device[tokens - window :].all()
+    tail = [(k[-window:], v[-window:]) for k, v in swa_written]
+    assert_kv_restored(
+        rig, PoolName.SWA, rig.side_pool, swa_device[tokens - window :], tail
+    )
+    # The next match is a device hit.
+    again = cache.match_prefix(MatchPrefixParams(key=query))
+    assert (again.device_prefix_len, again.host_hit_length) == (tokens, 0)
+    cache.unlock(lock)
+    cache.sanity_check()
 
 
 # -- metrics -------------------------------------------------------------------
