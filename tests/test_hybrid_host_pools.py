@@ -507,6 +507,7 @@ class _Req:
         self.swa_host_hit_length = 0
         self.mamba_host_hit_length = 0
         self.mamba_pool_idx = None
+        self.session = None
         self.kv = SimpleNamespace(mamba_pool_idx=None)
 
 
@@ -581,6 +582,95 @@ def test_sliding_window_host_hit(model_dirs, host_dtype, layout, page_size, io_b
     assert (again.device_prefix_len, again.host_hit_length) == (tokens, 0)
     cache.unlock(lock)
     cache.sanity_check()
+
+
+def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2):
+    """The scheduler's order for a linear-attention model: insert KV and the
+    sequence-end state, L1 eviction of both, a match that hits the host,
+    init_load_back into the request's own state slot, the load. Returns the
+    state written and the request's state after the load."""
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+
+    cache = rig.cache
+    ids = list(range(100, 100 + tokens))
+    gen = torch.Generator().manual_seed(seed)
+    full = rig.allocator.alloc(tokens)
+    slot = cache.req_to_token_pool.mamba_allocator.alloc(1)
+    written = fill_kv(rig.kv_pool, full, gen)
+    state = fill_mamba(rig.side_pool, slot, gen)
+    cache.insert(
+        InsertParams(
+            key=radix_key(ids),
+            value=full.to(torch.int64),
+            prev_prefix_len=0,
+            mamba_value=slot,
+        )
+    )
+    cache.flush_pending_backups()
+    cache.check_hicache_events()
+    evicted = cache.evict(EvictParams(num_tokens=tokens, mamba_num=1))
+    assert (evicted.num_tokens_evicted, evicted.mamba_num_evicted) == (tokens, 1)
+    wipe_kv(rig.kv_pool, full)
+    wipe_mamba(rig.side_pool, slot)
+
+    req = _Req("r0", None)
+    req.kv = SimpleNamespace(
+        mamba_pool_idx=None,
+        holds_mamba=False,
+        mamba_cow_src_index=None,
+        mamba_needs_clear=False,
+    )
+    query = radix_key([*ids, 7])
+    match = cache.match_prefix(MatchPrefixParams(key=query, cow_mamba=True, req=req))
+    assert (match.device_prefix_len, match.host_hit_length) == (0, tokens)
+    assert match.mamba_host_hit_length == 1
+    req.last_node = match.last_device_node
+    lock = cache.lock(match.last_device_node)
+    loaded, last_node = cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=match.best_match_node,
+            host_hit_length=match.host_hit_length,
+            req=req,
+        )
+    )
+    assert loaded == tokens and req.kv.mamba_pool_idx is not None
+    cache.unlock(lock)
+    lock = cache.lock(last_node)
+    cache.ready_to_load_host_cache()
+    cache.check_hicache_events()
+
+    device = cache.path_device_indices(last_node)
+    assert_kv_restored(rig, PoolName.KV, rig.kv_pool, device, written)
+    restored = mamba_state(rig.side_pool, req.kv.mamba_pool_idx.view(1))
+    again = cache.match_prefix(MatchPrefixParams(key=query))
+    assert (again.device_prefix_len, again.host_hit_length) == (tokens, 0)
+    cache.unlock(lock)
+    cache.sanity_check()
+    return state, restored
+
+
+@pytest.mark.parametrize("layout,page_size,io_backend", MAMBA_LAYOUTS)
+@pytest.mark.parametrize("host_dtype", ENCODED)
+def test_linear_attention_host_hit(
+    model_dirs, host_dtype, layout, page_size, io_backend
+):
+    stock_state, stock_restored = mamba_host_hit(
+        mamba_rig(model_dirs, "auto", layout, page_size, io_backend)
+    )
+    state, restored = mamba_host_hit(
+        mamba_rig(model_dirs, host_dtype, layout, page_size, io_backend)
+    )
+    for want, got, stock_want, stock_got in zip(
+        state, restored, stock_state, stock_restored
+    ):
+        assert torch.equal(want, stock_want)
+        assert torch.equal(stock_got, stock_want)
+        assert torch.equal(got, stock_got)
 
 
 # -- metrics -------------------------------------------------------------------
