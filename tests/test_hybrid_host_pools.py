@@ -12,7 +12,8 @@ and checks it bit for bit:
 - gpt-oss shaped (sliding-window + full attention): the full-attention and the
   SWA host pools are both the format's encoded pool; both restore exactly the
   format's reference decode.
-- Qwen3-Next shaped (GDN linear attention + full attention): the KV host pool
+- Qwen3-Next and Qwen3.5 shaped (GDN linear attention + full attention): the
+  KV host pool
   is encoded, the Mamba state host pool stays SGLang's MambaPoolHost and its
   state comes back exactly as with --hicache-host-dtype auto.
 
@@ -32,7 +33,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 from test_hicache_metrics import Scrape
-from test_hybrid_server_args import GPT_OSS, QWEN3_NEXT
+from test_hybrid_server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.pool_host.host_format import (
@@ -97,7 +98,11 @@ def _runtime_context(monkeypatch):
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid_models")
     paths = {}
-    for name, config in (("gpt_oss", GPT_OSS), ("qwen3_next", QWEN3_NEXT)):
+    for name, config in (
+        ("gpt_oss", GPT_OSS),
+        ("qwen3_next", QWEN3_NEXT),
+        ("qwen3_5", QWEN3_5),
+    ):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(config))
         paths[name] = str(root / name)
@@ -237,11 +242,29 @@ def swa_rig(
     )
 
 
-def mamba_rig(
-    model_dirs, host_dtype, layout, page_size, io_backend, metrics=False
-) -> Rig:
-    """Qwen3-Next shaped: GDN layers 0-2, full attention at layer 3."""
+def linear_attention_text_config(model: str):
+    """The model's text config as SGLang loads it (Qwen3.5's sits under its
+    vision-language wrapper)."""
     from sglang.srt.configs import Qwen3NextConfig
+    from sglang.srt.configs.qwen3_5 import Qwen3_5MoeTextConfig
+
+    cls, fields = {
+        "qwen3_next": (Qwen3NextConfig, QWEN3_NEXT),
+        "qwen3_5": (Qwen3_5MoeTextConfig, QWEN3_5["text_config"]),
+    }[model]
+    return cls(**{k: v for k, v in fields.items() if k != "architectures"})
+
+
+def mamba_rig(
+    model_dirs,
+    host_dtype,
+    layout,
+    page_size,
+    io_backend,
+    metrics=False,
+    model="qwen3_next",
+) -> Rig:
+    """Qwen3-Next / Qwen3.5 shaped: GDN layers 0-2, full attention at layer 3."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -251,11 +274,10 @@ def mamba_rig(
     )
 
     server_args = publish_server_args(
-        model_dirs["qwen3_next"], host_dtype, layout, page_size, io_backend, metrics
+        model_dirs[model], host_dtype, layout, page_size, io_backend, metrics
     )
-    config = Qwen3NextConfig(
-        **{k: v for k, v in QWEN3_NEXT.items() if k not in ("architectures",)}
-    )
+    config = linear_attention_text_config(model)
+    assert config.full_attention_layer_ids == [3]
     cache_params = config.mamba2_cache_params
     req_to_token = HybridReqToTokenPool(
         size=4,
@@ -274,8 +296,8 @@ def mamba_rig(
         size=256,
         dtype=DTYPE,
         page_size=page_size,
-        head_num=QWEN3_NEXT["num_key_value_heads"],
-        head_dim=QWEN3_NEXT["head_dim"],
+        head_num=config.num_key_value_heads,
+        head_dim=config.head_dim,
         full_attention_layer_ids=config.full_attention_layer_ids,
         device="cpu",
         mamba_pool=req_to_token.mamba_pool,
@@ -469,14 +491,15 @@ def test_sliding_window_round_trip(
 
 @pytest.mark.parametrize("layout,page_size,io_backend", MAMBA_LAYOUTS)
 @pytest.mark.parametrize("host_dtype", ENCODED)
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
 def test_linear_attention_round_trip(
-    model_dirs, host_dtype, layout, page_size, io_backend
+    model_dirs, model, host_dtype, layout, page_size, io_backend
 ):
     tokens = 2 * page_size if page_size > 1 else 24
-    stock = mamba_rig(model_dirs, "auto", layout, page_size, io_backend)
+    stock = mamba_rig(model_dirs, "auto", layout, page_size, io_backend, model=model)
     stock_state, stock_restored = mamba_round_trip(stock, tokens)
 
-    rig = mamba_rig(model_dirs, host_dtype, layout, page_size, io_backend)
+    rig = mamba_rig(model_dirs, host_dtype, layout, page_size, io_backend, model=model)
     assert type(rig.host_pool(PoolName.KV)) is host_pool_cls(host_dtype)
     # The state pool stays upstream's, whatever the KV format.
     assert type(rig.host_pool(PoolName.MAMBA)) is MambaPoolHost
@@ -656,14 +679,15 @@ def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2):
 
 @pytest.mark.parametrize("layout,page_size,io_backend", MAMBA_LAYOUTS)
 @pytest.mark.parametrize("host_dtype", ENCODED)
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
 def test_linear_attention_host_hit(
-    model_dirs, host_dtype, layout, page_size, io_backend
+    model_dirs, model, host_dtype, layout, page_size, io_backend
 ):
     stock_state, stock_restored = mamba_host_hit(
-        mamba_rig(model_dirs, "auto", layout, page_size, io_backend)
+        mamba_rig(model_dirs, "auto", layout, page_size, io_backend, model=model)
     )
     state, restored = mamba_host_hit(
-        mamba_rig(model_dirs, host_dtype, layout, page_size, io_backend)
+        mamba_rig(model_dirs, host_dtype, layout, page_size, io_backend, model=model)
     )
     for want, got, stock_want, stock_got in zip(
         state, restored, stock_state, stock_restored

@@ -1,6 +1,6 @@
 """Hybrid models at start-up: SGLang's own argument resolution over tiny local
 configs (no weights) of each hybrid family. Sliding-window (gpt-oss) and
-linear-attention (Qwen3-Next) models take every encoded --hicache-host-dtype;
+linear-attention (Qwen3-Next, Qwen3.5) models take every encoded --hicache-host-dtype;
 MLA + linear attention (Kimi-Linear) is refused naming the flag; a layout the
 Mamba state host pool cannot take is refused for every host dtype, auto too,
 instead of failing when the scheduler builds the pool."""
@@ -60,6 +60,24 @@ QWEN3_NEXT = {
     "max_position_embeddings": 512,
     "torch_dtype": "bfloat16",
 }
+# Qwen3.5 (MoE): a Qwen3-Next text model with Gated DeltaNet layers under a
+# vision-language wrapper (hybrid_gdn_config reads its text config).
+QWEN3_5 = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        **{k: v for k, v in QWEN3_NEXT.items() if k != "architectures"},
+        "model_type": "qwen3_5_moe_text",
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    },
+    "vision_config": {
+        "depth": 1,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+    },
+}
 # Kimi-Linear: MLA full-attention layers (DeepSeek latent widths) between KDA
 # linear-attention layers.
 KIMI_LINEAR = {
@@ -112,6 +130,7 @@ def models(tmp_path_factory):
         for name, config in (
             ("gpt_oss", GPT_OSS),
             ("qwen3_next", QWEN3_NEXT),
+            ("qwen3_5", QWEN3_5),
             ("kimi_linear", KIMI_LINEAR),
         )
     }
@@ -124,10 +143,12 @@ def test_configs_are_the_hybrid_families(models):
     configs = {name: model_config_of(resolve(path)) for name, path in models.items()}
     assert configs["gpt_oss"].is_hybrid_swa
     assert hybrid_gdn_config(configs["qwen3_next"]) is not None
+    assert hybrid_gdn_config(configs["qwen3_5"]) is not None
     kimi = configs["kimi_linear"]
     assert kimi_linear_config(kimi) is not None and kimi.kv_lora_rank == 512
     # What the hook used to read: empty for both linear-attention families.
     assert not configs["qwen3_next"].linear_attn_registry_result
+    assert not configs["qwen3_5"].linear_attn_registry_result
     assert not kimi.linear_attn_registry_result
 
 
@@ -144,15 +165,16 @@ def test_sliding_window_model_takes_every_encoded_format(models, host_dtype, lay
     assert server_args.hicache_mem_layout == layout
 
 
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("host_dtype", ENCODED)
 @pytest.mark.parametrize(
     "layout,io_backend", [("page_first", "kernel"), ("page_first_direct", "direct")]
 )
 def test_linear_attention_model_takes_every_encoded_format(
-    models, host_dtype, layout, io_backend
+    models, model, host_dtype, layout, io_backend
 ):
     server_args = resolve(
-        models["qwen3_next"],
+        models[model],
         hicache_host_dtype=host_dtype,
         hicache_mem_layout=layout,
         hicache_io_backend=io_backend,
@@ -172,7 +194,7 @@ def test_refuses_mla_linear_attention_hybrid(models, host_dtype):
 
 
 @pytest.mark.parametrize("host_dtype", ["auto", *ENCODED])
-@pytest.mark.parametrize("model", ["qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5", "kimi_linear"])
 def test_refuses_layer_first_for_mamba_state(models, model, host_dtype):
     with pytest.raises(ValueError) as error:
         resolve(
@@ -187,7 +209,7 @@ def test_refuses_layer_first_for_mamba_state(models, model, host_dtype):
     assert "page_first_direct" in message
 
 
-@pytest.mark.parametrize("model", ["qwen3_next", "kimi_linear"])
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5", "kimi_linear"])
 @pytest.mark.parametrize(
     "layout,io_backend", [("page_first", "kernel"), ("page_first_direct", "direct")]
 )
