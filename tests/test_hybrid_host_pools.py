@@ -25,6 +25,7 @@ checked against the pools.
 from __future__ import annotations
 
 import json
+import time
 from array import array
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -110,14 +111,27 @@ def model_dirs(tmp_path_factory):
 
 
 def publish_server_args(
-    model_path, host_dtype, layout, page_size, io_backend, metrics=False
+    model_path, host_dtype, layout, page_size, io_backend, metrics=False, l3=None
 ):
     """Resolve the server's arguments for the model and publish them for this
-    process, as the scheduler does (what get_memory() reads)."""
+    process, as the scheduler does (what get_memory() reads); with `l3` (a
+    directory) the host tier is backed by SGLang's `file` storage backend."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
+    storage = {}
+    if l3 is not None:
+        storage = dict(
+            hicache_storage_backend="file",
+            file_storage_path=str(l3),
+            # Prefetch whatever hits, and wait for it (no timeout on CPU).
+            hicache_storage_backend_extra_config=json.dumps(
+                {"prefetch_threshold": page_size}
+            ),
+            hicache_storage_prefetch_policy="wait_complete",
+        )
     server_args = ServerArgs(
+        **storage,
         model_path=model_path,
         device="cpu",
         skip_tokenizer_init=True,
@@ -166,7 +180,12 @@ def build_cache(server_args, params, *, swa: bool, ssm: bool):
         tp_rank=0,
         tp_group=None,
     )
-    return create_unified_radix_cache(ctx)
+    cache = create_unified_radix_cache(ctx)
+    for entry in cache.cache_controller.mem_pool_host.entries:
+        # Later page buffers (L3 prefetch) ask torch for pinned memory, which
+        # needs CUDA; the server's CPU stand-in (cpu_site) does the same.
+        entry.host_pool.pin_memory = False
+    return cache
 
 
 @dataclass
@@ -200,7 +219,7 @@ class Rig:
 
 
 def swa_rig(
-    model_dirs, host_dtype, layout, page_size, io_backend, metrics=False
+    model_dirs, host_dtype, layout, page_size, io_backend, metrics=False, l3=None
 ) -> Rig:
     """gpt-oss shaped: layers 0, 2 sliding-window, 1, 3 full attention."""
     from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
@@ -209,7 +228,7 @@ def swa_rig(
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
 
     server_args = publish_server_args(
-        model_dirs["gpt_oss"], host_dtype, layout, page_size, io_backend, metrics
+        model_dirs["gpt_oss"], host_dtype, layout, page_size, io_backend, metrics, l3
     )
     kv = SWAKVPool(
         size=256,
@@ -263,6 +282,7 @@ def mamba_rig(
     io_backend,
     metrics=False,
     model="qwen3_next",
+    l3=None,
 ) -> Rig:
     """Qwen3-Next / Qwen3.5 shaped: GDN layers 0-2, full attention at layer 3."""
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -274,7 +294,7 @@ def mamba_rig(
     )
 
     server_args = publish_server_args(
-        model_dirs[model], host_dtype, layout, page_size, io_backend, metrics
+        model_dirs[model], host_dtype, layout, page_size, io_backend, metrics, l3
     )
     config = linear_attention_text_config(model)
     assert config.full_attention_layer_ids == [3]
@@ -540,12 +560,63 @@ def radix_key(ids):
     return RadixKey(array("q", ids))
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", SWA_LAYOUTS)
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_sliding_window_host_hit(model_dirs, host_dtype, layout, page_size, io_backend):
-    """The scheduler's order: insert (written through), L1 eviction, a match
-    that hits the host, init_load_back, the load; the full-attention KV comes
-    back for every token, the SWA KV for the window the model attends to."""
+STORAGE_WAIT_S = 20.0
+
+
+def wait_for(condition, what: str) -> None:
+    """Poll the cache's events until `condition()` (storage threads run
+    asynchronously); bounded, so a fault fails the test."""
+    deadline = time.monotonic() + STORAGE_WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not finish in time")
+        time.sleep(0.02)
+
+
+def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
+    """After the L1 eviction: wait for the L3 backups, drop the host copies
+    too, then prefetch the prefix from L3 into the host tier as the scheduler
+    does (prefetch_from_storage, check_prefetch_progress)."""
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        CacheRequestHandle,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+
+    cache = rig.cache
+
+    def backed_up():
+        cache.check_hicache_events()
+        return not cache.ongoing_backup
+
+    wait_for(backed_up, "the L3 backup")
+    for component in cache.components:
+        cache.evict_host(len(ids), component)
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    assert (match.device_prefix_len, match.host_hit_length) == (0, 0)
+    handle = CacheRequestHandle("r0", 0)
+    cache.prefetch_from_storage(
+        handle,
+        match.last_host_node,
+        array("q", ids),
+        cache.get_last_hash_value(match.last_host_node),
+        None,
+        matched_prefix_tokens=array("q"),
+    )
+    def prefetched():
+        cache.check_hicache_events()
+        return cache.check_prefetch_progress(handle)
+
+    wait_for(prefetched, "the L3 prefetch")
+    assert cache.pop_prefetch_loaded_span(handle) == (len(ids), 0)
+    assert ComponentType.FULL in cache.components
+
+
+def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = False):
+    """The scheduler's order: insert (written through), L1 eviction (with
+    `from_l3`, L2 eviction and an L3 prefetch too), a match that hits the
+    host, init_load_back, the load; the full-attention KV comes back for every
+    token, the SWA KV for the window the model attends to."""
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,
@@ -553,10 +624,9 @@ def test_sliding_window_host_hit(model_dirs, host_dtype, layout, page_size, io_b
         MatchPrefixParams,
     )
 
-    rig = swa_rig(model_dirs, host_dtype, layout, page_size, io_backend)
-    cache, window, tokens = rig.cache, GPT_OSS["sliding_window"], 48
+    cache, window = rig.cache, GPT_OSS["sliding_window"]
     ids = list(range(100, 100 + tokens))
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     full = alloc_swa_tokens(rig.allocator, tokens)
     swa = rig.allocator.translate_loc_from_full_to_swa(full)
     full_written = fill_kv(rig.kv_pool, full, gen)
@@ -570,8 +640,10 @@ def test_sliding_window_host_hit(model_dirs, host_dtype, layout, page_size, io_b
     assert evicted.num_tokens_evicted == tokens
     wipe_kv(rig.kv_pool, full)
     wipe_kv(rig.side_pool, swa)
-
     query = radix_key([*ids, 7])
+    if from_l3:
+        reload_from_l3(rig, ids, query)
+
     match = cache.match_prefix(MatchPrefixParams(key=query))
     assert (match.device_prefix_len, match.host_hit_length) == (0, tokens)
     lock = cache.lock(match.last_device_node)
@@ -605,6 +677,24 @@ def test_sliding_window_host_hit(model_dirs, host_dtype, layout, page_size, io_b
     assert (again.device_prefix_len, again.host_hit_length) == (tokens, 0)
     cache.unlock(lock)
     cache.sanity_check()
+
+
+@pytest.mark.parametrize("layout,page_size,io_backend", SWA_LAYOUTS)
+@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
+def test_sliding_window_host_hit(model_dirs, host_dtype, layout, page_size, io_backend):
+    swa_host_hit(swa_rig(model_dirs, host_dtype, layout, page_size, io_backend))
+
+
+@pytest.mark.parametrize("layout,page_size,io_backend", SWA_LAYOUTS)
+@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
+def test_sliding_window_l3_hit(
+    model_dirs, tmp_path, host_dtype, layout, page_size, io_backend
+):
+    rig = swa_rig(
+        model_dirs, host_dtype, layout, page_size, io_backend, l3=tmp_path / "l3"
+    )
+    assert rig.cache.enable_storage
+    swa_host_hit(rig, from_l3=True)
 
 
 def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2):
