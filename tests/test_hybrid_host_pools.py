@@ -603,6 +603,7 @@ def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
         None,
         matched_prefix_tokens=array("q"),
     )
+
     def prefetched():
         cache.check_hicache_events()
         return cache.check_prefetch_progress(handle)
@@ -697,7 +698,7 @@ def test_sliding_window_l3_hit(
     swa_host_hit(rig, from_l3=True)
 
 
-def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2):
+def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = False):
     """The scheduler's order for a linear-attention model: insert KV and the
     sequence-end state, L1 eviction of both, a match that hits the host,
     init_load_back into the request's own state slot, the load. Returns the
@@ -730,6 +731,9 @@ def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2):
     assert (evicted.num_tokens_evicted, evicted.mamba_num_evicted) == (tokens, 1)
     wipe_kv(rig.kv_pool, full)
     wipe_mamba(rig.side_pool, slot)
+    query = radix_key([*ids, 7])
+    if from_l3:
+        reload_from_l3(rig, ids, query)
 
     req = _Req("r0", None)
     req.kv = SimpleNamespace(
@@ -738,7 +742,6 @@ def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2):
         mamba_cow_src_index=None,
         mamba_needs_clear=False,
     )
-    query = radix_key([*ids, 7])
     match = cache.match_prefix(MatchPrefixParams(key=query, cow_mamba=True, req=req))
     assert (match.device_prefix_len, match.host_hit_length) == (0, tokens)
     assert match.mamba_host_hit_length == 1
@@ -779,6 +782,26 @@ def test_linear_attention_host_hit(
     state, restored = mamba_host_hit(
         mamba_rig(model_dirs, host_dtype, layout, page_size, io_backend, model=model)
     )
+    for want, got, stock_want, stock_got in zip(
+        state, restored, stock_state, stock_restored
+    ):
+        assert torch.equal(want, stock_want)
+        assert torch.equal(stock_got, stock_want)
+        assert torch.equal(got, stock_got)
+
+
+@pytest.mark.parametrize("layout,page_size,io_backend", MAMBA_LAYOUTS)
+@pytest.mark.parametrize("host_dtype", ENCODED)
+def test_linear_attention_l3_hit(
+    model_dirs, tmp_path, host_dtype, layout, page_size, io_backend
+):
+    def rig(dtype):
+        return mamba_rig(
+            model_dirs, dtype, layout, page_size, io_backend, l3=tmp_path / dtype
+        )
+
+    stock_state, stock_restored = mamba_host_hit(rig("auto"), from_l3=True)
+    state, restored = mamba_host_hit(rig(host_dtype), from_l3=True)
     for want, got, stock_want, stock_got in zip(
         state, restored, stock_state, stock_restored
     ):
