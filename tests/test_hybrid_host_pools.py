@@ -79,6 +79,10 @@ def _host_copies_on_cpu():
         yield
 
 
+# The radix caches built by the current test, released after it.
+_CACHES: list = []
+
+
 @pytest.fixture(autouse=True)
 def _runtime_context(monkeypatch):
     from sglang.srt.runtime_context import reset_context
@@ -89,6 +93,12 @@ def _runtime_context(monkeypatch):
     )
     registered_before = set(REGISTRY._collector_to_names)
     yield
+    while _CACHES:
+        cache = _CACHES.pop()
+        # Stop the storage threads an L3-backed controller started.
+        if cache.cache_controller.enable_storage:
+            cache.cache_controller.detach_storage_backend()
+        cache.release_host_resources()
     # The caches' and scheduler's collectors register process-wide.
     for collector in set(REGISTRY._collector_to_names) - registered_before:
         REGISTRY.unregister(collector)
@@ -185,6 +195,7 @@ def build_cache(server_args, params, *, swa: bool, ssm: bool):
         # Later page buffers (L3 prefetch) ask torch for pinned memory, which
         # needs CUDA; the server's CPU stand-in (cpu_site) does the same.
         entry.host_pool.pin_memory = False
+    _CACHES.append(cache)
     return cache
 
 
