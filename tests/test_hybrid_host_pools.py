@@ -33,6 +33,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from prometheus_client import REGISTRY
+from l3_harness import MooncakeMaster, require_mooncake
 from test_hicache_metrics import Scrape
 from test_hybrid_server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
@@ -54,6 +55,7 @@ SWA_LAYOUTS = [("page_first", 16, "kernel"), ("layer_first", 1, "direct")]
 # at start-up, test_hybrid_server_args).
 MAMBA_LAYOUTS = [("page_first", 16, "kernel"), ("page_first_direct", 1, "direct")]
 DTYPE = torch.bfloat16
+BACKENDS = ("file", "mooncake")
 
 
 # The stock MHA pool's `kernel` io backend ops (sgl_kernel.kvcacheio).
@@ -124,20 +126,18 @@ def publish_server_args(
     model_path, host_dtype, layout, page_size, io_backend, metrics=False, l3=None
 ):
     """Resolve the server's arguments for the model and publish them for this
-    process, as the scheduler does (what get_memory() reads); with `l3` (a
-    directory) the host tier is backed by SGLang's `file` storage backend."""
+    process, as the scheduler does (what get_memory() reads); with `l3` (the
+    storage backend's arguments, l3_args) the host tier has an L3."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
     storage = {}
     if l3 is not None:
-        storage = dict(
-            hicache_storage_backend="file",
-            file_storage_path=str(l3),
-            # Prefetch whatever hits, and wait for it (no timeout on CPU).
-            hicache_storage_backend_extra_config=json.dumps(
-                {"prefetch_threshold": page_size}
-            ),
+        storage = dict(l3)
+        # Prefetch whatever hits, and wait for it (no timeout on CPU).
+        extra = dict(storage.pop("extra_config", {}), prefetch_threshold=page_size)
+        storage.update(
+            hicache_storage_backend_extra_config=json.dumps(extra),
             hicache_storage_prefetch_policy="wait_complete",
         )
     server_args = ServerArgs(
@@ -697,14 +697,38 @@ def test_sliding_window_host_hit(model_dirs, host_dtype, layout, page_size, io_b
     swa_host_hit(swa_rig(model_dirs, host_dtype, layout, page_size, io_backend))
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", SWA_LAYOUTS)
+# Mooncake takes page-first layouts only (SGLang rewrites layer_first).
+L3_SWA_CASES = [("file", *case) for case in SWA_LAYOUTS] + [
+    ("mooncake", *case) for case in MAMBA_LAYOUTS
+]
+L3_MAMBA_CASES = [(backend, *case) for backend in BACKENDS for case in MAMBA_LAYOUTS]
+
+
+@pytest.fixture(scope="module")
+def mooncake_master(tmp_path_factory):
+    require_mooncake()
+    master = MooncakeMaster(tmp_path_factory.mktemp("mooncake") / "master.log")
+    yield master.start()
+    master.stop()
+
+
+def l3_args(request, backend: str, path) -> dict:
+    """The storage arguments of an L3 `backend`; each test its own model name,
+    so tests sharing one Mooncake store keep their keys apart."""
+    args = dict(hicache_storage_backend=backend, served_model_name=request.node.name)
+    if backend == "file":
+        return dict(args, file_storage_path=str(path))
+    master = request.getfixturevalue("mooncake_master")
+    return dict(args, extra_config=master.storage_config())
+
+
+@pytest.mark.parametrize("backend,layout,page_size,io_backend", L3_SWA_CASES)
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
 def test_sliding_window_l3_hit(
-    model_dirs, tmp_path, host_dtype, layout, page_size, io_backend
+    model_dirs, request, tmp_path, host_dtype, backend, layout, page_size, io_backend
 ):
-    rig = swa_rig(
-        model_dirs, host_dtype, layout, page_size, io_backend, l3=tmp_path / "l3"
-    )
+    l3 = l3_args(request, backend, tmp_path)
+    rig = swa_rig(model_dirs, host_dtype, layout, page_size, io_backend, l3=l3)
     assert rig.cache.enable_storage
     swa_host_hit(rig, from_l3=True)
 
@@ -801,15 +825,16 @@ def test_linear_attention_host_hit(
         assert torch.equal(got, stock_got)
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", MAMBA_LAYOUTS)
+@pytest.mark.parametrize("backend,layout,page_size,io_backend", L3_MAMBA_CASES)
 @pytest.mark.parametrize("host_dtype", ENCODED)
 def test_linear_attention_l3_hit(
-    model_dirs, tmp_path, host_dtype, layout, page_size, io_backend
+    model_dirs, request, tmp_path, host_dtype, backend, layout, page_size, io_backend
 ):
     def rig(dtype):
-        return mamba_rig(
-            model_dirs, dtype, layout, page_size, io_backend, l3=tmp_path / dtype
-        )
+        l3 = l3_args(request, backend, tmp_path / dtype)
+        # Distinct keys for the stock and the encoded run.
+        l3["served_model_name"] += f"-{dtype}"
+        return mamba_rig(model_dirs, dtype, layout, page_size, io_backend, l3=l3)
 
     stock_state, stock_restored = mamba_host_hit(rig("auto"), from_l3=True)
     state, restored = mamba_host_hit(rig(host_dtype), from_l3=True)
