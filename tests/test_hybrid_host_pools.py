@@ -1,21 +1,24 @@
-"""Hybrid models' host tiers through SGLang's own hybrid pool assembler and
-HybridCacheController, on CPU, for every --hicache-host-dtype.
+"""Hybrid models' host tiers through SGLang's own hybrid pool assembler,
+HybridCacheController and UnifiedRadixCache, on CPU, for every
+--hicache-host-dtype.
 
 Server arguments resolve from tiny local configs (test_hybrid_server_args) and
 are published as the scheduler publishes them; the real device pools
 (SWAKVPool, HybridLinearKVPool + the Mamba state pool) go through
 registry.create_unified_radix_cache, which picks the hybrid stack strategy and
-builds the host pools and the controller. Each case writes KV (and state)
-through the controller, wipes the device copy, loads it back into fresh slots
-and checks it bit for bit:
+builds the host pools and the controller. KV (and state) is written, the
+device copy wiped, and what comes back into fresh slots checked bit for bit:
+through the controller directly, through the radix cache's own host hit
+(insert, L1 eviction, match, init_load_back), and through an L3 hit (L2
+eviction too, prefetch from SGLang's file backend or a real mooncake_master).
 
 - gpt-oss shaped (sliding-window + full attention): the full-attention and the
   SWA host pools are both the format's encoded pool; both restore exactly the
-  format's reference decode.
+  format's reference decode (the SWA KV for the window the model attends to).
 - Qwen3-Next and Qwen3.5 shaped (GDN linear attention + full attention): the
-  KV host pool
-  is encoded, the Mamba state host pool stays SGLang's MambaPoolHost and its
-  state comes back exactly as with --hicache-host-dtype auto.
+  KV host pool is encoded, the Mamba state host pool stays SGLang's
+  MambaPoolHost and its state comes back exactly as with
+  --hicache-host-dtype auto.
 
 Metrics: the real radix-cache ack loggers and scheduler reporter feed the real
 collectors; byte counters, per-pool token counts and host-tier gauges are
