@@ -233,3 +233,49 @@ def transfer_kv_all_layer_lf_pf(
             )
             lo = layer * item_size
             tokens[dst_indices, lo : lo + item_size] = rows
+
+
+# -- the Mamba state host pool (pool_host/mamba.py) ----------------------------
+# Its copies are the MHA/MLA direct ops and two JIT CUDA kernels; on CPU the
+# page-first state buffers ([slot, layer, 1, *state]) take the same torch copies.
+
+
+def transfer_kv_mamba_lf_pf(
+    src_ptrs, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, **_
+):
+    """Stand-in for transfer_mamba.transfer_kv_mamba_lf_pf: every layer's state
+    rows (layers as a data-pointer table) -> host page-first slots."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64).cpu()
+    n_src = int(src_indices.max()) + 1 if src_indices.numel() else 0
+    slots = dst.view(torch.uint8).view(-1, dst_layout_dim)
+    for layer in range(num_layers):
+        rows = _rows_at(src_ptrs[layer], n_src, item_size).index_select(0, src_indices)
+        lo = layer * item_size
+        slots[dst_indices, lo : lo + item_size] = rows.cpu()
+
+
+def transfer_kv_mamba_pf_lf(
+    src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, **_
+):
+    """Stand-in for transfer_mamba.transfer_kv_mamba_pf_lf: one layer's state
+    rows from host page-first slots -> the device layer."""
+    src_indices = src_indices.to(torch.int64).cpu()
+    dst_indices = dst_indices.to(torch.int64)
+    lo = layer_id * item_size
+    rows = src.view(torch.uint8).view(-1, src_layout_dim).index_select(0, src_indices)
+    dst.view(torch.uint8).view(-1, item_size).index_copy_(
+        0, dst_indices, rows[:, lo : lo + item_size].to(dst.device)
+    )
+
+
+def mamba_standins() -> dict:
+    """What MambaPoolHost's module needs bound to copy on CPU with either io
+    backend (the page-first layouts it accepts): name -> stand-in."""
+    return {
+        "transfer_kv_direct": transfer_kv_direct,
+        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf_mla,
+        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf,
+        "transfer_kv_mamba_lf_pf": transfer_kv_mamba_lf_pf,
+        "transfer_kv_mamba_pf_lf": transfer_kv_mamba_pf_lf,
+    }

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Start-up checks of an encoded --hicache-host-dtype that need the model.
+"""Start-up checks of the host KV pool that need the model.
 
-hicache_hook runs them once the model config is known; each refusal names the
+hicache_hook runs them once the model config is known and the layout resolved:
+check_model_for_host_kv for every --hicache-host-dtype, auto included, and
+check_model_for_encoded_host_kv for the encoded ones. Each refusal names the
 flag and what to pass instead.
 """
 
@@ -16,6 +18,47 @@ from sglang.srt.arg_groups.overrides import (
     resolving_view,
     use_mla_backend,
 )
+
+
+# What MambaPoolHost takes once hybrid_pool_assembler has rewritten
+# page_first_kv_split to page_first_direct for the state pool.
+_MAMBA_HOST_MEM_LAYOUTS = ("page_first", "page_first_direct", "page_first_kv_split")
+
+
+def check_model_for_host_kv(server_args: Any) -> None:
+    _refuse_layout_without_mamba_host_pool(server_args)
+
+
+def _refuse_layout_without_mamba_host_pool(server_args: Any) -> None:
+    """Models with recurrent state (Mamba, GDN, KDA, lightning) get a Mamba
+    state host pool next to the KV one, and that pool asserts its layout only
+    when the scheduler builds it, after start-up."""
+    cfg = resolving_view(server_args)
+    if cfg.hicache_mem_layout in _MAMBA_HOST_MEM_LAYOUTS:
+        return
+    # The same test kv_cache_builder uses to build the Mamba-state radix cache.
+    from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
+
+    model_config = model_config_of(server_args)
+    if not uses_ssm_state(model_config):
+        return
+    arch = (model_config.hf_config.architectures or ["this model"])[0]
+    raise ValueError(
+        f"--hicache-mem-layout {cfg.hicache_mem_layout} is not supported for "
+        f"{arch}: its linear-attention/Mamba state host pool (MambaPoolHost) "
+        "stores states page first only. Use --hicache-mem-layout page_first "
+        "(with --hicache-io-backend kernel) or page_first_direct (with "
+        "--hicache-io-backend direct)."
+    )
+
+
+def is_hybrid_model(model_config: Any) -> bool:
+    """Whether SGLang builds hybrid pools for the model: sliding-window layers,
+    or linear-attention/Mamba layers by config class (configs/hybrid_arch.py)
+    or through the linear-attention registry."""
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    return bool(model_config.is_hybrid_swa or mambaish_config(model_config) is not None)
 
 
 def check_model_for_encoded_host_kv(server_args: Any) -> None:
@@ -38,8 +81,11 @@ def _refuse_unsupported_mla(server_args: Any) -> None:
         unsupported = "DSA/NSA sparse-attention MLA models (their indexer cache)"
     elif is_deepseek_v4(hf_config):
         unsupported = "DeepSeek V4's compressed MLA caches"
-    elif model_config.is_hybrid_swa or model_config.linear_attn_registry_result:
-        unsupported = "hybrid MLA models (sliding-window or linear-attention layers)"
+    elif is_hybrid_model(model_config):
+        unsupported = (
+            "hybrid MLA models (sliding-window or linear-attention layers: "
+            f"{(hf_config.architectures or ['this model'])[0]})"
+        )
     elif cfg.enable_hisparse:
         unsupported = "--enable-hisparse"
     elif cfg.dcp_size > 1:

@@ -1,0 +1,220 @@
+"""Hybrid models at start-up: SGLang's own argument resolution over tiny local
+configs (no weights) of each hybrid family. Sliding-window (gpt-oss) and
+linear-attention (Qwen3-Next, Qwen3.5) models take every encoded --hicache-host-dtype;
+MLA + linear attention (Kimi-Linear) is refused naming the flag; a layout the
+Mamba state host pool cannot take is refused for every host dtype, auto too,
+instead of failing when the scheduler builds the pool."""
+
+from __future__ import annotations
+
+import pytest
+from test_server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
+    _model_dir,
+    _restore_environ,
+    resolve,
+)
+
+from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES, host_dtype_choices
+
+ENCODED = tuple(name for name in host_dtype_choices() if name != "auto")
+# The other formats are refused for MLA models as such, before the model check.
+ENCODED_MLA = tuple(name for name, entry in HOST_DTYPES.items() if entry.mla_format)
+
+GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
+}
+QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
+}
+# Qwen3.5 (MoE): a Qwen3-Next text model with Gated DeltaNet layers under a
+# vision-language wrapper (hybrid_gdn_config reads its text config).
+QWEN3_5 = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        **{k: v for k, v in QWEN3_NEXT.items() if k != "architectures"},
+        "model_type": "qwen3_5_moe_text",
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    },
+    "vision_config": {
+        "depth": 1,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+    },
+}
+# Kimi-Linear: MLA full-attention layers (DeepSeek latent widths) between KDA
+# linear-attention layers.
+KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 16,
+    "mla_use_nope": True,
+    "num_experts": 4,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "linear_attn_config": {
+        "kda_layers": [1, 2, 3],
+        "full_attn_layers": [4],
+        "num_heads": 4,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+    },
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.fixture(autouse=True)
+def _mamba_state_snapshots_as_on_cuda(monkeypatch):
+    # Linear-attention models default to the extra_buffer Mamba strategy,
+    # which SGLang allows on CUDA/ROCm/NPU/XPU platforms but not on CPU.
+    monkeypatch.setattr(
+        "sglang.srt.arg_groups.mamba_hook._platform_supports_mamba_cache_extra_buffer",
+        lambda: True,
+    )
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    return {
+        name: _model_dir(root, name, config)
+        for name, config in (
+            ("gpt_oss", GPT_OSS),
+            ("qwen3_next", QWEN3_NEXT),
+            ("qwen3_5", QWEN3_5),
+            ("kimi_linear", KIMI_LINEAR),
+        )
+    }
+
+
+def test_configs_are_the_hybrid_families(models):
+    from sglang.srt.arg_groups.overrides import model_config_of
+    from sglang.srt.configs.hybrid_arch import hybrid_gdn_config, kimi_linear_config
+
+    configs = {name: model_config_of(resolve(path)) for name, path in models.items()}
+    assert configs["gpt_oss"].is_hybrid_swa
+    assert hybrid_gdn_config(configs["qwen3_next"]) is not None
+    assert hybrid_gdn_config(configs["qwen3_5"]) is not None
+    kimi = configs["kimi_linear"]
+    assert kimi_linear_config(kimi) is not None and kimi.kv_lora_rank == 512
+    # What the hook used to read: empty for both linear-attention families.
+    assert not configs["qwen3_next"].linear_attn_registry_result
+    assert not configs["qwen3_5"].linear_attn_registry_result
+    assert not kimi.linear_attn_registry_result
+
+
+@pytest.mark.parametrize("host_dtype", ENCODED)
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_sliding_window_model_takes_every_encoded_format(models, host_dtype, layout):
+    io_backend = "kernel" if layout == "page_first" else "direct"
+    server_args = resolve(
+        models["gpt_oss"],
+        hicache_host_dtype=host_dtype,
+        hicache_mem_layout=layout,
+        hicache_io_backend=io_backend,
+    )
+    assert server_args.hicache_mem_layout == layout
+
+
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("host_dtype", ENCODED)
+@pytest.mark.parametrize(
+    "layout,io_backend", [("page_first", "kernel"), ("page_first_direct", "direct")]
+)
+def test_linear_attention_model_takes_every_encoded_format(
+    models, model, host_dtype, layout, io_backend
+):
+    server_args = resolve(
+        models[model],
+        hicache_host_dtype=host_dtype,
+        hicache_mem_layout=layout,
+        hicache_io_backend=io_backend,
+    )
+    assert server_args.hicache_mem_layout == layout
+
+
+@pytest.mark.parametrize("host_dtype", ENCODED_MLA)
+def test_refuses_mla_linear_attention_hybrid(models, host_dtype):
+    with pytest.raises(ValueError) as error:
+        resolve(models["kimi_linear"], hicache_host_dtype=host_dtype)
+    message = str(error.value)
+    assert f"--hicache-host-dtype {host_dtype}" in message
+    assert "hybrid MLA models" in message and "KimiLinearForCausalLM" in message
+    assert "Use --hicache-host-dtype auto." in message
+    resolve(models["kimi_linear"])  # auto keeps the stock host pools
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", *ENCODED])
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5", "kimi_linear"])
+def test_refuses_layer_first_for_mamba_state(models, model, host_dtype):
+    with pytest.raises(ValueError) as error:
+        resolve(
+            models[model],
+            hicache_host_dtype=host_dtype,
+            hicache_mem_layout="layer_first",
+            hicache_io_backend="direct",
+        )
+    message = str(error.value)
+    assert "--hicache-mem-layout layer_first is not supported" in message
+    assert "--hicache-mem-layout page_first" in message
+    assert "page_first_direct" in message
+
+
+@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5", "kimi_linear"])
+@pytest.mark.parametrize(
+    "layout,io_backend", [("page_first", "kernel"), ("page_first_direct", "direct")]
+)
+def test_auto_takes_the_layouts_the_message_names(models, model, layout, io_backend):
+    server_args = resolve(
+        models[model], hicache_mem_layout=layout, hicache_io_backend=io_backend
+    )
+    assert server_args.hicache_mem_layout == layout
