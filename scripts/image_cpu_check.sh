@@ -128,7 +128,9 @@ step "podman build the stand-in docker.io/lmsysorg/sglang:$STANDIN_TAG"
     || { tail -30 "$CACHE/standin-build.log" >&2; exit 1; }
 mark standin_s
 
-# 4. The real Dockerfile, unchanged, from the stand-in.
+# 4. The real Dockerfile, unchanged, from the stand-in. A wrong base's image
+# from an earlier run must not linger as if this build had made it.
+[[ -z "$BASE_VERSION" ]] || "${PODMAN[@]}" rmi --ignore "$PRODUCT_IMAGE" >/dev/null
 step "podman build -f Dockerfile --build-arg SGLANG_IMAGE_TAG=$STANDIN_TAG -t $PRODUCT_IMAGE"
 if ! "${PODMAN[@]}" build --format docker --pull=never --layers \
     --build-arg SGLANG_IMAGE_TAG="$STANDIN_TAG" -t "$PRODUCT_IMAGE" -f Dockerfile . \
@@ -154,10 +156,16 @@ print(" ".join([*CPU_FLAGS, *hicache_flags("int8")]))')
 port="$("$HOST_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 rm -rf "$RUN_DIR" && mkdir -p "$RUN_DIR"
 cleanup() {
+    local rc=$?
     "${PODMAN[@]}" logs "$CONTAINER" >"$RUN_DIR/server.log" 2>&1 || true
     "${PODMAN[@]}" rm -f "$CONTAINER" >/dev/null 2>&1 || true
+    if [[ $rc -ne 0 ]]; then
+        grep -v '^[[:space:]]' "$RUN_DIR/server.log" | tail -8 >&2 || true
+        echo "image_cpu_check: failed; container $CONTAINER removed, log: $RUN_DIR/server.log" >&2
+    fi
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
 "${PODMAN[@]}" rm -f "$CONTAINER" >/dev/null 2>&1 || true
 step "podman run $PRODUCT_IMAGE hiqcache-serve (MODEL=/models/smollm2, port $port)"
 "${PODMAN[@]}" run -d --name "$CONTAINER" --network host --shm-size 2g \

@@ -40,14 +40,24 @@ PIN = next(
 )
 
 
+CONTAINER = "hiq-image-cpu-check"
+
+
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["bash", str(SCRIPT), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
+    try:
+        return subprocess.run(
+            ["bash", str(SCRIPT), *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+    finally:
+        # The script removes its container on exit; not when a timeout kills it.
+        subprocess.run(
+            ["podman", "--runtime", "runc", "rm", "-f", "--ignore", CONTAINER],
+            capture_output=True,
+        )
 
 
 def int8_bytes_per_token(model_dir: Path) -> int:
