@@ -53,9 +53,11 @@ HOST_PY="${HOST_PYTHON:-python3}"
 mkdir -p "$CACHE"
 
 T0=$SECONDS
+T_LAST=$SECONDS
 declare -a TIMINGS=()
 step() { echo "image_cpu_check: $*" >&2; }
-mark() { TIMINGS+=("$1=$((SECONDS - T0))"); }
+# Seconds each step took (not since the start).
+mark() { TIMINGS+=("$1=$((SECONDS - T_LAST))"); T_LAST=$SECONDS; }
 
 # 1. Host set-up (idempotent).
 need=()
