@@ -60,6 +60,10 @@ step() { echo "image_cpu_check: $*" >&2; }
 mark() { TIMINGS+=("$1=$((SECONDS - T_LAST))"); T_LAST=$SECONDS; }
 
 # 1. Host set-up (idempotent).
+if [[ $EUID -ne 0 ]]; then
+    echo "image_cpu_check: run as root (debootstrap, apt-get and /etc/containers need it)" >&2
+    exit 2
+fi
 need=()
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
