@@ -63,7 +63,6 @@ if "--dry-run" in sys.argv:
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-sys.path.insert(0, str(ROOT / "tests"))  # int4_reference
 
 import torch  # noqa: E402
 from gpu_support import (  # noqa: E402
@@ -106,7 +105,11 @@ from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import (  # noqa: E402
     MLAInt8HostFormat,
 )
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4  # noqa: E402
-from int4_reference import Host, reference_decode, reference_records  # noqa: E402
+from tests.support.int4_reference import (  # noqa: E402
+    Host,
+    reference_decode,
+    reference_records,
+)
 from sglang.srt.mem_cache.pool_host import mha as stock_mha  # noqa: E402
 from sglang.srt.mem_cache.pool_host.host_format import (  # noqa: E402
     host_format_cls,
@@ -503,7 +506,7 @@ def int4_codec_throughput(clock, device, geo, tokens, dry, copy_gbps) -> dict:
     (one launch per layer) with the records in device memory and, on CUDA,
     in pinned host memory (UVA, what the pools' direct path does). GB/s count
     device KV bytes read or written plus record bytes. Each run's restore of
-    a few units is checked against the reference (tests/int4_reference.py)."""
+    a few units is checked against the reference (tests/support/int4_reference.py)."""
     L, H, D = geo["layer_num"], geo["head_num"], geo["head_dim"]
     g = torch.Generator(device=device).manual_seed(1)
     k_src = [

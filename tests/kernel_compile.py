@@ -329,7 +329,7 @@ def _meta_alloc(dims, dtype, device, pin_memory, allocator):
 def drive_pool(case: PoolCase) -> None:
     """Backups and per-layer restores of every transfer size through a real
     MHATokenToKVPoolINT8Host (host_pool_cls("int8")) with the fused kernels selected."""
-    from hicache_harness import Geometry, make_device_pool, make_host_pool
+    from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
 
     from sglang.srt.mem_cache.pool_host import base, encoded
     from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
@@ -442,7 +442,11 @@ def drive_mla(case: MLACase) -> None:
     """Backups and per-layer restores of every transfer size through a real
     MLATokenToKVPoolINT8Host with the fused kernels selected (its launch
     sites call kv_mla_int8_triton through MLAInt8HostFormat)."""
-    from hicache_harness import MLAGeometry, make_device_pool, make_host_pool
+    from tests.support.hicache_harness import (
+        MLAGeometry,
+        make_device_pool,
+        make_host_pool,
+    )
 
     from sglang.srt.mem_cache.pool_host import base, encoded
 
@@ -546,7 +550,7 @@ class Int4Case:
 
 
 def drive_int4_case(case: Int4Case) -> None:
-    from int4_reference import Host
+    from tests.support.int4_reference import Host
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 

@@ -3,7 +3,12 @@ on CPU with the stock host pool (io backend `direct`)."""
 
 import torch
 
-from hicache_harness import Geometry, fill_random, finish_transfers, make_rig
+from tests.support.hicache_harness import (
+    Geometry,
+    fill_random,
+    finish_transfers,
+    make_rig,
+)
 
 
 def test_write_evict_load_cycle_restores_exact_bytes():

@@ -1,7 +1,7 @@
 """HiCache host-tier metrics, scraped from SGLang's own collectors (issue 11).
 
-Real host pools and real HiCacheController transfers (hicache_harness) feed the
-real code paths: UnifiedRadixCache's ack loggers into RadixCacheMetricsCollector
+Real host pools and real HiCacheController transfers
+(tests.support.hicache_harness) feed the real code paths: UnifiedRadixCache's ack loggers into RadixCacheMetricsCollector
 (byte counters), and SchedulerMetricsReporter._log_hicache_stats into
 SchedulerMetricsCollector.log_stats (host format, bytes, non-finite groups). The text exposition is parsed with prometheus_client's parser and every
 value is checked against the pool and the KV that was written. Only the
@@ -17,7 +17,7 @@ import torch
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache_harness import Geometry, make_rig
+from tests.support.hicache_harness import Geometry, make_rig
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )

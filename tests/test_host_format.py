@@ -18,7 +18,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, SEAL_TAG
 
-from hicache_harness import Geometry, make_device_pool, make_host_pool
+from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from hicache_harness import Geometry, finish_transfers, make_rig
+from tests.support.hicache_harness import Geometry, finish_transfers, make_rig
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 

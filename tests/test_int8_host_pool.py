@@ -12,7 +12,12 @@ import itertools
 import pytest
 import torch
 
-from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
+from tests.support.hicache_harness import (
+    Geometry,
+    fill_random,
+    make_device_pool,
+    make_host_pool,
+)
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.mha import (
     MHATokenToKVPoolHost,

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
+from tests.support.hicache_harness import (
+    Geometry,
+    fill_random,
+    make_device_pool,
+    make_host_pool,
+)
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature

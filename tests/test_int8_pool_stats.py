@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
+from tests.support.hicache_harness import (
+    Geometry,
+    fill_random,
+    make_device_pool,
+    make_host_pool,
+)
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")

@@ -15,7 +15,12 @@ import logging
 
 import pytest
 import torch
-from hicache_harness import Geometry, fill_random, make_device_pool, make_host_pool
+from tests.support.hicache_harness import (
+    Geometry,
+    fill_random,
+    make_device_pool,
+    make_host_pool,
+)
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls

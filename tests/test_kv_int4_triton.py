@@ -1,6 +1,6 @@
 """Fused INT4 / K8V4 host-format kernels (kernels/ops/kvcache/kv_int4_triton.py)
 under the Triton interpreter (TRITON_INTERPRET=1), against the format
-module's reference (kv_int4_codec, via tests/int4_reference.py): every
+module's reference (kv_int4_codec, via tests/support/int4_reference.py): every
 record byte and every restored bit (NaN: position, and the canonical NaN
 the kernels write), bf16 and fp16, page-major units of 1/4/16/64 tokens
 and layer_first-shaped views, shuffled and fragmented indices, NaN/Inf/huge/
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from int4_reference import (
+from tests.support.int4_reference import (
     FP16_NAN_BITS,
     K_CHANNEL_MIN_TOKENS,
     Host,

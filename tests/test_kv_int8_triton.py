@@ -17,7 +17,7 @@ import types
 import msgspec
 import pytest
 import torch
-from hicache_harness import (
+from tests.support.hicache_harness import (
     Geometry,
     fill_random,
     finish_transfers,

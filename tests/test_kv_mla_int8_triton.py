@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hicache_harness import (
+from tests.support.hicache_harness import (
     MLAGeometry,
     fill_random,
     finish_transfers,

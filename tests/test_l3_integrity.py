@@ -13,8 +13,8 @@ import logging
 import pytest
 import torch
 
-import l3_harness as h
-from hicache_harness import Geometry, MLAGeometry
+from tests.support import l3_harness as h
+from tests.support.hicache_harness import Geometry, MLAGeometry
 from sglang.srt.mem_cache.pool_host import page_integrity
 from sglang.srt.mem_cache.pool_host import base
 from sglang.srt.mem_cache.pool_host.page_integrity import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_harness import Geometry, MLAGeometry, make_rig
+from tests.support.hicache_harness import Geometry, MLAGeometry, make_rig
 from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
 from sglang.srt.mem_cache.pool_host import base
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat

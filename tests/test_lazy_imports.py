@@ -20,7 +20,12 @@ from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost, get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
-from tests.hicache_harness import Geometry, MLAGeometry, make_device_pool, make_host_pool
+from tests.support.hicache_harness import (
+    Geometry,
+    MLAGeometry,
+    make_device_pool,
+    make_host_pool,
+)
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 built = []
 for geo in (Geometry(), MLAGeometry(layer_num=2)):

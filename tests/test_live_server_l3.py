@@ -159,7 +159,7 @@ def test_file_store_keys_name_the_host_format(file_store):
     os.environ.get("HIQ_LIVE_L3_MOONCAKE") != "1", reason="HIQ_LIVE_L3_MOONCAKE=1"
 )
 def test_mooncake_store_serves_int8_pages_after_restart_and_not_to_bf16():
-    from l3_harness import MooncakeMaster, require_mooncake
+    from tests.support.l3_harness import MooncakeMaster, require_mooncake
 
     require_mooncake()
     root = fresh_dir("l3-mooncake")

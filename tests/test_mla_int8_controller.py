@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from hicache_harness import MLAGeometry, finish_transfers, make_rig
+from tests.support.hicache_harness import MLAGeometry, finish_transfers, make_rig
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 

@@ -18,7 +18,12 @@ import types
 import pytest
 import torch
 
-from hicache_harness import MLAGeometry, fill_random, make_device_pool, make_host_pool
+from tests.support.hicache_harness import (
+    MLAGeometry,
+    fill_random,
+    make_device_pool,
+    make_host_pool,
+)
 from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls

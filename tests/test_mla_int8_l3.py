@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import l3_harness as h
-from hicache_harness import MLAGeometry
+from tests.support import l3_harness as h
+from tests.support.hicache_harness import MLAGeometry
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls

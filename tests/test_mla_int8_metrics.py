@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from test_hicache_metrics import Scrape, collectors  # noqa: F401  (fixture)
 
-from hicache_harness import MLAGeometry, make_rig
+from tests.support.hicache_harness import MLAGeometry, make_rig
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )

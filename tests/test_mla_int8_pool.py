@@ -10,7 +10,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
-from hicache_harness import (
+from tests.support.hicache_harness import (
     MLAGeometry,
     fill_random,
     finish_transfers,

@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from hicache_harness import Geometry, make_device_pool, make_host_pool
+from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls

@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def setup():
     install_cpu_standins()
-    import l3_harness as h
+    from tests.support import l3_harness as h
 
     reason = h.mooncake_unavailable_reason()
     if reason:
@@ -77,7 +77,7 @@ def setup():
 
 
 def bytes_per_token(h, args, workdir: Path) -> dict:
-    from hicache_harness import Geometry
+    from tests.support.hicache_harness import Geometry
 
     geo = Geometry(
         layer_num=args.layers,
@@ -162,7 +162,7 @@ class PageLRU:
 
 
 def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -> dict:
-    from hicache_harness import Geometry, fill_random, finish_transfers
+    from tests.support.hicache_harness import Geometry, fill_random, finish_transfers
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     ps = args.page_size

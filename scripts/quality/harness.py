@@ -336,7 +336,7 @@ class OffloadRig:
         io_backend: str = "direct",
     ):
         # tests/ is on the path once install_cpu_runtime() has run.
-        from tests.hicache_harness import make_rig
+        from tests.support.hicache_harness import make_rig
 
         self.geo = geo
         page = geo.page_size

@@ -135,7 +135,7 @@ class MLAOffloadRig:
 
     def __init__(self, cfg: MLARandomConfig, host_dtype: str, layout: str):
         # tests/ is on the path once the CPU stand-ins are installed.
-        from hicache_harness import MLAGeometry, make_rig
+        from tests.support.hicache_harness import MLAGeometry, make_rig
 
         page = cfg.page_size
         device_tokens = -(-2 * cfg.prefix_len // page) * page

@@ -2,7 +2,7 @@
 CUDA).
 
 Run by scripts/gpu_check.sh on a CUDA machine. Every record byte and every
-restored value is compared with the spec reference (tests/int4_reference.py)
+restored value is compared with the spec reference (tests/support/int4_reference.py)
 computed on the CPU, so these check the compiled arithmetic (IEEE division,
 fp16 rounding, round-half-even), pinned host records reached through UVA,
 and that all work runs on the caller's stream. With HIQ_GPU_TEST_DEVICE=cpu
@@ -13,14 +13,11 @@ small sizes.
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from gpu_support import edge_rows, gpu_test_device, random_rows, same_bits
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/
 
 DEVICE = gpu_test_device()
 CUDA = DEVICE == "cuda"
@@ -30,7 +27,7 @@ pytestmark = [
 ]
 
 if DEVICE is not None:
-    from int4_reference import Host, reference_decode, reference_records
+    from tests.support.int4_reference import Host, reference_decode, reference_records
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 

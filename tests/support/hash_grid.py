@@ -37,7 +37,7 @@ standins.install_torchvision_stub()
 standins.install_sglang_standins()
 
 from sglang.srt.mem_cache.pool_host import base  # noqa: E402
-from tests.hicache_harness import (  # noqa: E402
+from tests.support.hicache_harness import (  # noqa: E402
     Geometry,
     MLAGeometry,
     make_device_pool,

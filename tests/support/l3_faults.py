@@ -206,7 +206,7 @@ def make_fault(
 
 def prefetch_all(l3, tokens, before_io=None):
     """L3 -> L2 through the controller's query and I/O threads, as
-    l3_harness.prefetch does, but returning the whole host allocation:
+    tests.support.l3_harness.prefetch does, but returning the whole host allocation:
     (tokens hit, tokens delivered, host indices); the caller frees them."""
     ctl = l3.controller
     op = ctl.prefetch("r", tokens)

@@ -23,7 +23,7 @@ from queue import Empty
 import pytest
 import torch
 
-from hicache_harness import (
+from tests.support.hicache_harness import (
     Geometry,
     HiCacheRig,
     MLAGeometry,
@@ -254,7 +254,7 @@ def write_through(l3: L3Rig, tokens: list[int], seed: int = 0, edit=None):
     """New KV for `tokens` on the device -> L2 -> L3 (edit(device_pool, dev)
     may change it first). Returns (device indices, host indices, page hashes,
     number of pages L3 accepted)."""
-    from hicache_harness import fill_random
+    from tests.support.hicache_harness import fill_random
 
     ctl, rig = l3.controller, l3.rig
     dev = rig.allocator.alloc(len(tokens))
