@@ -36,7 +36,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from prometheus_client import REGISTRY
-from l3_harness import MooncakeMaster, require_mooncake
+from tests.support.l3_harness import MooncakeMaster, require_mooncake
 from test_hicache_metrics import Scrape
 from test_hybrid_server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
