@@ -1,5 +1,6 @@
 """The INT8 host pools' Triton kernels (MHA and MLA) compile for every NVIDIA
-target we ship for (sm_80, sm_86, sm_89, sm_90), without a GPU.
+target we ship for (sm_80, sm_86, sm_89, sm_90), without a GPU: sm_86 and sm_90
+in make test, all four with HIQ_KERNEL_ARCHS=all (kernel_compile.ARCHS).
 
 Every specialisation the pool can launch over the test grid is compiled
 through the pool's real launch sites with the pinned Triton and its bundled
