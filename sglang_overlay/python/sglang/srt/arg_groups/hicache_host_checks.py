@@ -19,7 +19,6 @@ from sglang.srt.arg_groups.overrides import (
     use_mla_backend,
 )
 
-
 # What MambaPoolHost takes once hybrid_pool_assembler has rewritten
 # page_first_kv_split to page_first_direct for the state pool.
 _MAMBA_HOST_MEM_LAYOUTS = ("page_first", "page_first_direct", "page_first_kv_split")
