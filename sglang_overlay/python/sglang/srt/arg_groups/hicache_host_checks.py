@@ -134,14 +134,27 @@ def _refuse_checkpoint_fp8_kv(server_args: Any) -> None:
     if cfg.kv_cache_dtype != "auto":
         return
     algo = checkpoint_kv_cache_quant_algo(model_config_of(server_args))
-    if algo is not None:
-        raise ValueError(
-            f"--hicache-host-dtype {cfg.hicache_host_dtype} with --kv-cache-dtype "
-            f"auto: this checkpoint declares an {algo} KV cache "
-            "(kv_cache_quant_algo), and quantized host KV needs a BF16/FP16 "
-            "device KV cache. Pass --kv-cache-dtype bf16 to keep the device KV "
-            "in BF16, or use --hicache-host-dtype auto."
-        )
+    if algo is None:
+        return
+    from sglang.srt.mem_cache.pool_host.host_format import fp8_host_dtypes
+
+    fp8_dtypes = fp8_host_dtypes()
+    if algo == "FP8" and cfg.hicache_host_dtype in fp8_dtypes:
+        # The device KV becomes FP8 E4M3 (configure_kv_cache_dtype), which
+        # this format encodes; the checkpoint's k/v scales stay on the device.
+        return
+    also = (
+        f", or --hicache-host-dtype {' or '.join(fp8_dtypes)}, which encode FP8 KV"
+        if algo == "FP8"
+        else ""
+    )
+    raise ValueError(
+        f"--hicache-host-dtype {cfg.hicache_host_dtype} with --kv-cache-dtype "
+        f"auto: this checkpoint declares an {algo} KV cache "
+        "(kv_cache_quant_algo), and this host format needs a BF16/FP16 "
+        "device KV cache. Pass --kv-cache-dtype bf16 to keep the device KV "
+        f"in BF16{also}, or use --hicache-host-dtype auto."
+    )
 
 
 def _refuse_packed_mtp_draft(server_args: Any) -> None:
