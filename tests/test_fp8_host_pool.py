@@ -531,3 +531,52 @@ def test_capacity_vs_stock_fp8_at_test_geometry():
         assert ratio["int4"] == pytest.approx(256 / int4)
         # k8v4: 128 B int8 keys + 4 B scales, 64 B codes + 8 B meta.
         assert ratio["k8v4"] == pytest.approx(256 / 204)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_restore_saturates_beyond_the_fp8_range(fmt, fp8):
+    """Records whose values lie past FP8's largest finite value (m + 15 s up
+    to 61440, where E5M2's cast alone gives Inf) restore as the largest value,
+    on the pool's path and in the reference."""
+    _, device_pool, pool = build(fmt, "page_first", 16, fp8)
+    dev = pages([0], 16)
+    fill_fp8(device_pool, dev, fp8, seed=4)
+    pool.backup_from_device_all_layer(device_pool, dev, dev, "direct")
+    v, v_meta = pool.host_records["v"], pool.host_records["v_meta"]
+    v[0, 0].fill_(0xFF)  # codes 15 everywhere
+    v_meta[0, 0, ..., 0] = 4096.0  # s
+    v_meta[0, 0, ..., 1] = 0.0  # m
+    v_meta[0, 0, 3, 1, 0, 1] = -65504.0  # a group from below: m alone overflows
+    device_pool.v_buffer[0].fill_(POISON)
+    pool.load_to_device_per_layer(device_pool, dev, dev, 0, "direct")
+    got = restored(device_pool, 0, dev, fp8)[1].float()
+    top = torch.finfo(fp8).max
+    want = torch.full_like(got, top)
+    want[3, 1, 0:64] = -65504.0 + 15 * 4096.0  # -4064: in range for both
+    want = want.to(fp8).float()
+    assert torch.equal(got, want)
+    records = {n: b[:1, 0] for n, b in pool.host_records.items()}
+    ref_v = DECODE[fmt](records, fp8)[1].flatten(0, 1)
+    assert same_bytes(ref_v, want.to(fp8))
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("host_dtype", ["int4", "k8v4", "auto"])
+def test_the_assembler_passes_the_fp8_dtype(host_dtype, fp8):
+    """hybrid_pool_assembler.build_kv_host_pool, as the scheduler calls it,
+    builds the encoded pool for an FP8 device pool (patch 0010) and the stock
+    one for auto."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+    h.publish_runtime(16, "page_first", host_dtype)
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=16)
+    device_pool = make_device_pool(geo, device_tokens=64)
+    pool = hybrid_pool_assembler.build_kv_host_pool(
+        kv_pool=device_pool, page_size=16, host_size=0
+    )
+    if host_dtype == "auto":
+        assert type(pool) is MHATokenToKVPoolHost and pool.dtype == torch.uint8
+        return
+    assert type(pool) is host_pool_cls(host_dtype)
+    assert pool.device_kv_dtype == fp8 and pool.transfer_path == "torch"
