@@ -20,9 +20,35 @@ from sglang.srt.arg_groups.overrides import (
 )
 
 
+# --kv-cache-dtype values of an FP8 device KV cache, which only the formats
+# with fp8_device_kv (host_format.fp8_host_dtypes) encode.
+_FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # What MambaPoolHost takes once hybrid_pool_assembler has rewritten
 # page_first_kv_split to page_first_direct for the state pool.
 _MAMBA_HOST_MEM_LAYOUTS = ("page_first", "page_first_direct", "page_first_kv_split")
+
+
+def check_device_kv_dtype(cfg: Any, flag: str, plain: tuple, needs: str) -> None:
+    """--kv-cache-dtype against an encoded --hicache-host-dtype: `plain`
+    (BF16/FP16) for every format, FP8 for the formats that encode it."""
+    if cfg.kv_cache_dtype in plain:
+        return
+    from sglang.srt.mem_cache.pool_host.host_format import fp8_host_dtypes
+
+    fp8_dtypes = " or ".join(fp8_host_dtypes())
+    if cfg.kv_cache_dtype not in _FP8_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"{flag} with --kv-cache-dtype {cfg.kv_cache_dtype}: {needs} "
+            "(--kv-cache-dtype auto, bf16 or fp16; fp8_e4m3 or fp8_e5m2 with "
+            f"--hicache-host-dtype {fp8_dtypes})."
+        )
+    if cfg.hicache_host_dtype not in fp8_host_dtypes():
+        raise ValueError(
+            f"{flag} with --kv-cache-dtype {cfg.kv_cache_dtype}: {flag} gains "
+            "nothing over the 1-byte FP8 device values and does not encode "
+            f"them; pass --hicache-host-dtype {fp8_dtypes} (MHA models) for a "
+            "smaller host copy of FP8 KV, or --hicache-host-dtype auto."
+        )
 
 
 def check_model_for_host_kv(server_args: Any) -> None:
