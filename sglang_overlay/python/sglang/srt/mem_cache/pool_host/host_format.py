@@ -136,7 +136,8 @@ class HostKVFormat:
 
     def encode_reference(self, rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """rows[i]: [n_units, unit_tokens, head_num, dims[i]] of sides[i]
-        (bf16/fp16, FP8 where fp8_device_kv; fp32 accepted). Returns every record as [n_units, *shape]."""
+        (bf16/fp16, FP8 where fp8_device_kv; fp32 accepted). Returns every
+        record as [n_units, *shape]."""
         raise NotImplementedError
 
     def decode_reference(
@@ -162,7 +163,8 @@ class HostKVFormat:
     def error_bound(
         self, records: Mapping[str, torch.Tensor], restored: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
-        """Elementwise fp32 bound on |x - x^| per side, for bf16/fp16 input."""
+        """Elementwise fp32 bound on |x - x^| per side, for bf16/fp16 (or FP8)
+        input."""
         raise NotImplementedError
 
     # -- fused kernels (Triton); the format forwards to its kernel module ----

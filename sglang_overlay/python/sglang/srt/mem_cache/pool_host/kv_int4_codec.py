@@ -31,6 +31,11 @@ finite bf16/fp16 group every element satisfies
 (``error_bound_tokens`` / ``error_bound_channels``); the derivation is in the
 HiCache host dtype docs page.
 
+FP8 input (an FP8 device KV cache) is encoded from its values, each exact in
+fp32 and in fp16, so the bound above holds with ``half_ulp_out`` of the FP8
+dtype; restores saturate at its largest finite value and round to nearest
+even.
+
 K8V4 stores keys exactly as ``kv_int8_codec`` and values as above.
 
 Shapes: the record functions take ``k``/``v`` as ``[units, unit_tokens,
