@@ -19,7 +19,6 @@ from sglang.srt.arg_groups.overrides import (
     use_mla_backend,
 )
 
-
 # --kv-cache-dtype values of an FP8 device KV cache, which only the formats
 # with fp8_device_kv (host_format.fp8_host_dtypes) encode.
 _FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
