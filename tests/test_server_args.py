@@ -187,10 +187,13 @@ def test_host_pool_dispatch_receives_host_dtype(monkeypatch):
         start_layer=0,
         end_layer=2,
         hicache_write_back_staging=False,
+        dtype="the device pool's dtype",
     )
-    cls, host_input, _ = assembler._mha_host_inputs(pool)
+    cls, host_input, kwargs = assembler._mha_host_inputs(pool)
     assert (cls, host_input) == (object, info)
     assert calls == [(info, "int8")]
+    # An encoded pool is told the device dtype (FP8 KV is stored as uint8).
+    assert kwargs["device_kv_dtype"] == "the device pool's dtype"
 
 
 # --------------------------------------------------------------------------
@@ -199,9 +202,7 @@ def test_host_pool_dispatch_receives_host_dtype(monkeypatch):
 
 
 @per_format
-@pytest.mark.parametrize(
-    "kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "fp4_mx_block16"]
-)
+@pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "nvfp4", "fp4_mx_block16"])
 def test_quantized_rejects_quantized_device_kv(parser, kv_cache_dtype, host_dtype):
     server_args = from_argv(
         parser,
@@ -438,7 +439,8 @@ _FP8_KV_CHECKPOINTS = {
 }
 
 
-@per_format
+# int4 and k8v4 encode an FP8 device KV cache (tests/test_fp8_server_args.py).
+@pytest.mark.parametrize("host_dtype", ["int8"])
 @pytest.mark.parametrize("checkpoint", sorted(_FP8_KV_CHECKPOINTS))
 def test_quantized_refuses_fp8_kv_checkpoint_with_auto_kv_dtype(
     tmp_path, checkpoint, host_dtype

@@ -123,7 +123,17 @@ TARGET_WINDOWS = 32
 TARGET_PREFIX = 1024
 TARGET_SCORED = 512
 
-KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+KV_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    # FP8 L1 (--kv-cache-dtype fp8_e4m3/fp8_e5m2): exact is the FP8 KV, the
+    # control the stock 1-byte host pool; SGLang stores it as uint8.
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# A byte that is NaN in both FP8 formats: the poison of an FP8 device slot.
+_FP8_POISON = 0xFF
 
 
 @dataclass(frozen=True)
@@ -345,6 +355,11 @@ class OffloadRig:
         # (SGLang warns otherwise, as with --hicache-ratio <= 1); one window at
         # a time is backed up, then evicted from L2.
         device_tokens = -(-2 * tokens // page) * page
+        self.fp8 = geo.dtype in FP8_KV_DTYPES
+        # An encoded pool is told which FP8 its uint8 device rows hold.
+        extra = (
+            {"device_kv_dtype": geo.dtype} if self.fp8 and host_dtype != "auto" else {}
+        )
         rig = make_rig(
             geo,
             device_tokens=device_tokens,
@@ -352,13 +367,14 @@ class OffloadRig:
             layout=layout,
             io_backend=io_backend,
             host_dtype=host_dtype,
+            **extra,
         )
         self.device_pool, self.allocator = rig.device_pool, rig.allocator
         self.host_pool, self.controller = rig.host_pool, rig.controller
         # Every slot starts as NaN: a row the load path did not write is
         # visible as such (see restore accounting in the module docstring).
         for buf in (*self.device_pool.k_buffer, *self.device_pool.v_buffer):
-            buf.fill_(float("nan"))
+            buf.fill_(self._poison())
         self.describe = {
             "host_dtype": host_dtype,
             "host_pool": type(self.host_pool).__name__,
@@ -368,6 +384,15 @@ class OffloadRig:
             # Fractional where a page's scales are shared by its tokens.
             "host_bytes_per_token": _whole(self.host_pool.get_size_per_token()),
         }
+
+    def _poison(self):
+        return _FP8_POISON if self.fp8 else float("nan")
+
+    def _stored(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.view(torch.uint8) if self.fp8 else rows
+
+    def _read(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.view(self.geo.dtype) if self.fp8 else rows
 
     def _drain(self, queue) -> int:
         """Wait for acknowledged transfers; return the tokens they covered."""
@@ -390,16 +415,16 @@ class OffloadRig:
         if dev is None:
             raise RuntimeError(f"device pool cannot hold {n} tokens")
         for layer, (k, v) in enumerate(kv):
-            pool.k_buffer[layer][dev] = k
-            pool.v_buffer[layer][dev] = v
+            pool.k_buffer[layer][dev] = self._stored(k)
+            pool.v_buffer[layer][dev] = self._stored(v)
         host = ctl.write(dev)
         if host is None:
             raise RuntimeError(f"host pool cannot hold {n} tokens")
         written = self._drain(ctl.ack_write_queue)
         # L1 eviction: the device copy is gone.
         for layer in range(len(kv)):
-            pool.k_buffer[layer][dev] = float("nan")
-            pool.v_buffer[layer][dev] = float("nan")
+            pool.k_buffer[layer][dev] = self._poison()
+            pool.v_buffer[layer][dev] = self._poison()
         alloc.free(dev)
         loaded = 0
         new_dev = None
@@ -416,16 +441,16 @@ class OffloadRig:
         restored = []
         finite = torch.ones(n, dtype=torch.bool)
         for layer in range(len(kv)):
-            k = pool.k_buffer[layer][read_idx].clone()
-            v = pool.v_buffer[layer][read_idx].clone()
-            finite &= torch.isfinite(k).flatten(1).all(1)
-            finite &= torch.isfinite(v).flatten(1).all(1)
+            k = self._read(pool.k_buffer[layer][read_idx].clone())
+            v = self._read(pool.v_buffer[layer][read_idx].clone())
+            finite &= torch.isfinite(k.float()).flatten(1).all(1)
+            finite &= torch.isfinite(v.float()).flatten(1).all(1)
             restored.append((k, v))
         restored_tokens = min(loaded, int(finite.sum()))
         if new_dev is not None:
             for layer in range(len(kv)):
-                pool.k_buffer[layer][new_dev] = float("nan")
-                pool.v_buffer[layer][new_dev] = float("nan")
+                pool.k_buffer[layer][new_dev] = self._poison()
+                pool.v_buffer[layer][new_dev] = self._poison()
             alloc.free(new_dev)
         ctl.evict_host(host)
         stats = {
@@ -568,9 +593,16 @@ def kv_relative_error(ref, restored) -> float:
 
 
 def _kv_equal(a, b) -> bool:
+    # Bytes, so FP8 rows (no torch.equal kernel on CPU) compare too.
     return all(
-        torch.equal(k0, k1) and torch.equal(v0, v1) for (k0, v0), (k1, v1) in zip(a, b)
+        x0.dtype == x1.dtype and torch.equal(_bytes(x0), _bytes(x1))
+        for (k0, v0), (k1, v1) in zip(a, b)
+        for x0, x1 in ((k0, k1), (v0, v1))
     )
+
+
+def _bytes(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------

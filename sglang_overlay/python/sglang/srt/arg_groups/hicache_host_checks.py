@@ -19,9 +19,35 @@ from sglang.srt.arg_groups.overrides import (
     use_mla_backend,
 )
 
+# --kv-cache-dtype values of an FP8 device KV cache, which only the formats
+# with fp8_device_kv (host_format.fp8_host_dtypes) encode.
+_FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # What MambaPoolHost takes once hybrid_pool_assembler has rewritten
 # page_first_kv_split to page_first_direct for the state pool.
 _MAMBA_HOST_MEM_LAYOUTS = ("page_first", "page_first_direct", "page_first_kv_split")
+
+
+def check_device_kv_dtype(cfg: Any, flag: str, plain: tuple, needs: str) -> None:
+    """--kv-cache-dtype against an encoded --hicache-host-dtype: `plain`
+    (BF16/FP16) for every format, FP8 for the formats that encode it."""
+    if cfg.kv_cache_dtype in plain:
+        return
+    from sglang.srt.mem_cache.pool_host.host_format import fp8_host_dtypes
+
+    fp8_dtypes = " or ".join(fp8_host_dtypes())
+    if cfg.kv_cache_dtype not in _FP8_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"{flag} with --kv-cache-dtype {cfg.kv_cache_dtype}: {needs} "
+            "(--kv-cache-dtype auto, bf16 or fp16; fp8_e4m3 or fp8_e5m2 with "
+            f"--hicache-host-dtype {fp8_dtypes})."
+        )
+    if cfg.hicache_host_dtype not in fp8_host_dtypes():
+        raise ValueError(
+            f"{flag} with --kv-cache-dtype {cfg.kv_cache_dtype}: {flag} gains "
+            "nothing over the 1-byte FP8 device values and does not encode "
+            f"them; pass --hicache-host-dtype {fp8_dtypes} (MHA models) for a "
+            "smaller host copy of FP8 KV, or --hicache-host-dtype auto."
+        )
 
 
 def check_model_for_host_kv(server_args: Any) -> None:
@@ -133,14 +159,27 @@ def _refuse_checkpoint_fp8_kv(server_args: Any) -> None:
     if cfg.kv_cache_dtype != "auto":
         return
     algo = checkpoint_kv_cache_quant_algo(model_config_of(server_args))
-    if algo is not None:
-        raise ValueError(
-            f"--hicache-host-dtype {cfg.hicache_host_dtype} with --kv-cache-dtype "
-            f"auto: this checkpoint declares an {algo} KV cache "
-            "(kv_cache_quant_algo), and quantized host KV needs a BF16/FP16 "
-            "device KV cache. Pass --kv-cache-dtype bf16 to keep the device KV "
-            "in BF16, or use --hicache-host-dtype auto."
-        )
+    if algo is None:
+        return
+    from sglang.srt.mem_cache.pool_host.host_format import fp8_host_dtypes
+
+    fp8_dtypes = fp8_host_dtypes()
+    if algo == "FP8" and cfg.hicache_host_dtype in fp8_dtypes:
+        # The device KV becomes FP8 E4M3 (configure_kv_cache_dtype), which
+        # this format encodes; the checkpoint's k/v scales stay on the device.
+        return
+    also = (
+        f", or --hicache-host-dtype {' or '.join(fp8_dtypes)}, which encode FP8 KV"
+        if algo == "FP8"
+        else ""
+    )
+    raise ValueError(
+        f"--hicache-host-dtype {cfg.hicache_host_dtype} with --kv-cache-dtype "
+        f"auto: this checkpoint declares an {algo} KV cache "
+        "(kv_cache_quant_algo), and this host format needs a BF16/FP16 "
+        "device KV cache. Pass --kv-cache-dtype bf16 to keep the device KV "
+        f"in BF16{also}, or use --hicache-host-dtype auto."
+    )
 
 
 def _refuse_packed_mtp_draft(server_args: Any) -> None:

@@ -1,8 +1,9 @@
 """Encoded host (L2) KV pools (--hicache-host-dtype): the parts every model
 kind shares.
 
-The device (L1) KV cache stays BF16/FP16; a HostKVFormat (host_format.py)
-owns the value math. A pool (mha_encoded.py, mla_encoded.py) is the upstream
+The device (L1) KV cache is BF16/FP16, or FP8 for formats with
+fp8_device_kv (the torch path only); a HostKVFormat (host_format.py) owns the
+value math. A pool (mha_encoded.py, mla_encoded.py) is the upstream
 pool of its kind plus EncodedHostPool, which delegates to named
 collaborators: HostRecords (one host tensor per record), UnitPlanner (host
 indices -> units and runs), StagingBuffers, HostKVCounters, a transfer
@@ -31,6 +32,9 @@ logger = logging.getLogger(__name__)
 ENCODED_HOST_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 ENCODED_HOST_IO_BACKENDS = ("kernel", "direct")
 ENCODED_HOST_DEVICE_DTYPES = (torch.bfloat16, torch.float16)
+# FP8 device KV, stored by the device pool as uint8 (memory_pool.py's
+# store_dtype); formats with fp8_device_kv encode it.
+FP8_DEVICE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Tokens one staging chunk holds (rounded to whole units).
 STAGING_TOKENS = 4096
 
@@ -234,6 +238,8 @@ class TorchTransfer:
         pool = self.pool
         stage = pool.staging["d2h"]
         names = list(stage["records"])
+        # The element dtype of the device rows (FP8 KV is staged as uint8).
+        elem = pool.host_format.device_dtype
         for units, runs, dev_rows in pool.planner.chunks(host_indices, device_indices):
             n_tokens = len(dev_rows)
             out = {name: stage["records"][name][: len(units)] for name in names}
@@ -242,7 +248,7 @@ class TorchTransfer:
                 for side, staged in enumerate(stage["rows"]):
                     device_layer = pool._device_buffers(side)[layer_id]
                     torch.index_select(device_layer, 0, dev_rows, out=staged[:n_tokens])
-                    rows.append(self._unit_rows(staged, n_tokens))
+                    rows.append(self._unit_rows(staged, n_tokens).view(elem))
                 pool.counters.track(layer_id, pool.host_format.encode_into(rows, out))
                 for name in names:
                     store(
@@ -255,13 +261,16 @@ class TorchTransfer:
     def load(self, host_indices, device_indices, layer_id: int) -> None:
         pool = self.pool
         stage = pool.staging["h2d"]
+        elem = pool.host_format.device_dtype
         for units, runs, dev_rows in pool.planner.chunks(host_indices, device_indices):
             n_tokens = len(dev_rows)
             records = {
                 name: fetch(pool.records.layer(name, layer_id), staged, units, runs)
                 for name, staged in stage["records"].items()
             }
-            rows = [self._unit_rows(staged, n_tokens) for staged in stage["rows"]]
+            rows = [
+                self._unit_rows(staged, n_tokens).view(elem) for staged in stage["rows"]
+            ]
             pool.host_format.decode_into(records, rows)
             for side, staged in enumerate(stage["rows"]):
                 pool._device_buffers(side)[layer_id].index_copy_(

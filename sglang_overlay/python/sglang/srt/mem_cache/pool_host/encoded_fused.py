@@ -50,7 +50,11 @@ def select_transfer(pool):
         access, why = "staged", "host memory not device-addressable (not pinned)"
     # On the CPU the kernels run only under the Triton interpreter, switched
     # on by setting use_fused_kernels.
-    if mode == "off":
+    fp8 = fp8_torch_only_reason(pool)
+    if fp8 is not None:
+        # Before the env check: FUSED_TRANSFER=direct/staged cannot force it.
+        use, why = False, fp8
+    elif mode == "off":
         use, why = False, f"{FUSED_ENV}=off"
     elif dev.type != "cuda":
         use, why = False, f"not CUDA ({dev.type})"
@@ -62,10 +66,25 @@ def select_transfer(pool):
     return FusedTransfer(pool) if use else TorchTransfer(pool)
 
 
+def fp8_torch_only_reason(pool) -> str | None:
+    """Why an FP8 device KV cache keeps the torch path, None for BF16/FP16."""
+    dtype = pool.host_format.device_dtype
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return None
+    name = str(dtype).removeprefix("torch.")
+    return f"FP8 device KV ({name}): no fused kernels for FP8 rows"
+
+
 def set_transfer_path(pool, use_fused: bool, access: str, reason: str) -> None:
     """The one place the path changes after construction, so its reason stays current."""
     if access not in FUSED_HOST_ACCESS:
         raise ValueError(f"fused_host_access must be direct or staged: {access!r}")
+    fp8 = fp8_torch_only_reason(pool)
+    if use_fused and fp8 is not None:
+        raise ValueError(
+            f"--hicache-host-dtype {pool.host_format.name}: {fp8}; the pool keeps "
+            "its torch path."
+        )
     pool._fused_access, pool.transfer_path_reason = access, reason
     if use_fused != isinstance(pool.transfer, FusedTransfer):
         pool.transfer = FusedTransfer(pool) if use_fused else TorchTransfer(pool)

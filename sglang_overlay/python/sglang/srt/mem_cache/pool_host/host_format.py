@@ -76,6 +76,9 @@ class HostKVFormat:
     storage_format_tag: ClassVar[str]
     # Device tensors per layer the format encodes, e.g. ("k", "v") or ("kv",).
     sides: ClassVar[tuple[str, ...]]
+    # Whether it encodes an FP8 device KV cache (device_dtype float8_e4m3fn or
+    # float8_e5m2, the element dtype the device pool stores as uint8).
+    fp8_device_kv: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -133,7 +136,8 @@ class HostKVFormat:
 
     def encode_reference(self, rows: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """rows[i]: [n_units, unit_tokens, head_num, dims[i]] of sides[i]
-        (bf16/fp16; fp32 accepted). Returns every record as [n_units, *shape]."""
+        (bf16/fp16, FP8 where fp8_device_kv; fp32 accepted). Returns every
+        record as [n_units, *shape]."""
         raise NotImplementedError
 
     def decode_reference(
@@ -159,7 +163,8 @@ class HostKVFormat:
     def error_bound(
         self, records: Mapping[str, torch.Tensor], restored: Sequence[torch.Tensor]
     ) -> tuple[torch.Tensor, ...]:
-        """Elementwise fp32 bound on |x - x^| per side, for bf16/fp16 input."""
+        """Elementwise fp32 bound on |x - x^| per side, for bf16/fp16 (or FP8)
+        input."""
         raise NotImplementedError
 
     # -- fused kernels (Triton); the format forwards to its kernel module ----
@@ -311,6 +316,12 @@ def host_pool_cls(name: str, kind: str = "mha") -> type:
             },
         )
     return _pool_classes[key]
+
+
+def fp8_host_dtypes() -> list[str]:
+    """The --hicache-host-dtype values whose MHA format encodes an FP8 device
+    KV cache (imports their codecs: start-up checks and refusals only)."""
+    return [name for name in HOST_DTYPES if host_format_cls(name, "mha").fp8_device_kv]
 
 
 def host_format_names() -> tuple[str, ...]:

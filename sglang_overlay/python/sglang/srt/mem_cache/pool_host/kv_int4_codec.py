@@ -31,6 +31,11 @@ finite bf16/fp16 group every element satisfies
 (``error_bound_tokens`` / ``error_bound_channels``); the derivation is in the
 HiCache host dtype docs page.
 
+FP8 input (an FP8 device KV cache) is encoded from its values, each exact in
+fp32 and in fp16, so the bound above holds with ``half_ulp_out`` of the FP8
+dtype; restores saturate at its largest finite value and round to nearest
+even.
+
 K8V4 stores keys exactly as ``kv_int8_codec`` and values as above.
 
 Shapes: the record functions take ``k``/``v`` as ``[units, unit_tokens,
@@ -59,7 +64,10 @@ QMAX = 15
 # groups of 64 cost 0.5), so smaller units fall back to per-token keys.
 K_CHANNEL_MIN_TOKENS = 16
 
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# FP8 device KV (--kv-cache-dtype fp8_e4m3/fp8_e5m2) is encoded from its
+# values, each exact in fp32, and restored rounded and saturated to FP8.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, *FP8_DTYPES)
 # Floor for the scale: a constant group gets the smallest scale and q = 0.
 _SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
@@ -387,6 +395,8 @@ _FORMAT = {
     torch.bfloat16: (8, -126),
     torch.float16: (11, -14),
     torch.float32: (24, -126),
+    torch.float8_e4m3fn: (4, -6),
+    torch.float8_e5m2: (3, -14),
 }
 
 
@@ -589,6 +599,9 @@ class _Int4ValuesHostFormat(HostKVFormat):
     sglang.kernels.ops.kvcache.kv_int4_triton, one zero-copy object per side."""
 
     sides = ("k", "v")
+    # FP8 values are exact in fp32 and restore rounded to the same FP8 dtype;
+    # the fused kernels read 2-byte rows only, so FP8 takes the torch path.
+    fp8_device_kv = True
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -619,6 +632,8 @@ class _Int4ValuesHostFormat(HostKVFormat):
         return f"values per token in groups of {value_group_size(dv)} channels"
 
     def fused_available(self, device) -> bool:
+        if self.device_dtype in FP8_DTYPES:
+            return False
         try:
             from sglang.kernels.ops.kvcache import kv_int4_triton
         except ImportError:

@@ -31,7 +31,14 @@ from sglang.srt.mem_cache.pool_host.host_format import (
 SCALE_DTYPE = torch.float16
 QMAX = 127
 
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# FP8 (k8v4's keys from an FP8 device KV cache) widens exactly to fp32.
+_INPUT_DTYPES = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+)
 # Floor for amax: an all-zero row gets the smallest scale and q = 0, not 0/0.
 _AMAX_FLOOR = torch.finfo(torch.float32).tiny
 
@@ -171,6 +178,8 @@ _OUT_FORMAT = {
     torch.bfloat16: (8, -126),
     torch.float16: (11, -14),
     torch.float32: (24, -126),
+    torch.float8_e4m3fn: (4, -6),
+    torch.float8_e5m2: (3, -14),
 }
 
 

@@ -13,6 +13,7 @@ import torch
 from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 from sglang.srt.mem_cache.pool_host.encoded import (
     ENCODED_HOST_DEVICE_DTYPES,
+    FP8_DEVICE_DTYPES,
     EncodedHostPool,
     check_layout,
     unit_tokens_for,
@@ -64,6 +65,7 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
         write_back_staging: tuple[torch.Tensor, torch.Tensor] | None = None,
         pool_label: str = "kv",
         host_token_capacity: int | None = None,
+        device_kv_dtype: torch.dtype | None = None,
     ):
         name = self.host_format_cls.name
         check_layout(name, layout)
@@ -71,26 +73,15 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
             raise NotImplementedError(
                 f"--hicache-host-dtype {name} does not pack MTP draft KV layers yet."
             )
-        if buffer_info.scales is not None or buffer_info.dtype not in (
-            ENCODED_HOST_DEVICE_DTYPES
-        ):
-            # FP8/FP4 KV reaches the pool as its one-byte storage dtype.
-            got = (
-                "a quantized (FP8/FP4) one"
-                if buffer_info.dtype.itemsize <= 1 or buffer_info.scales is not None
-                else str(buffer_info.dtype).removeprefix("torch.")
-            )
-            raise NotImplementedError(
-                f"--hicache-host-dtype {name} needs a BF16/FP16 device KV cache, "
-                f"got {got}. Pass --kv-cache-dtype bf16, or use "
-                "--hicache-host-dtype auto."
-            )
+        # device_kv_dtype: the device pool's dtype; FP8 KV reaches the pool as
+        # its uint8 storage dtype, so only the caller knows which FP8 it is.
+        self.device_kv_dtype = self._check_device_dtype(buffer_info, device_kv_dtype)
         # HostKVCache sizes the pool from get_size_per_token, which the format answers.
         self.host_format = self.host_format_cls(
             (buffer_info.head_dim, buffer_info.v_head_dim),
             buffer_info.head_num,
             unit_tokens_for(page_size, layout),
-            buffer_info.dtype,
+            self.device_kv_dtype,
         )
         super().__init__(
             buffer_info,
@@ -114,12 +105,49 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
             pool_label,
             name.upper(),
             self.get_size_per_token(),
-            self.dtype,
+            self.device_kv_dtype,
             self.device_size_per_token(),
             self.device_size_per_token() / self.get_size_per_token(),
             layout,
         )
         self._finish_setup()
+
+    @classmethod
+    def _check_device_dtype(
+        cls, buffer_info: MHABufferInfo, device_kv_dtype: torch.dtype | None
+    ) -> torch.dtype:
+        """The element dtype of the device KV rows, or a refusal naming the flags."""
+        fmt = cls.host_format_cls
+        store = buffer_info.dtype
+        dtype = store if device_kv_dtype is None else device_kv_dtype
+        fp8 = dtype in FP8_DEVICE_DTYPES and store == torch.uint8
+        if buffer_info.scales is None and (
+            (dtype in ENCODED_HOST_DEVICE_DTYPES and store == dtype)
+            or (fp8 and fmt.fp8_device_kv)
+        ):
+            return dtype
+        if fp8:
+            from sglang.srt.mem_cache.pool_host.host_format import fp8_host_dtypes
+
+            fp8_names = fp8_host_dtypes()
+            raise NotImplementedError(
+                f"--hicache-host-dtype {fmt.name} does not encode an FP8 device KV "
+                f"cache ({str(dtype).removeprefix('torch.')}). Use "
+                f"--hicache-host-dtype {' or '.join([*fp8_names, 'auto'])}, or "
+                "--kv-cache-dtype bf16."
+            )
+        # FP4 (scales) or uint8 storage of unknown FP8 kind, or another dtype.
+        got = (
+            "a quantized (FP8/FP4) one"
+            if store.itemsize <= 1 or buffer_info.scales is not None
+            else str(store).removeprefix("torch.")
+        )
+        raise NotImplementedError(
+            f"--hicache-host-dtype {fmt.name} needs a BF16/FP16 device KV cache"
+            f"{' (or FP8, passed as device_kv_dtype)' if fmt.fp8_device_kv else ''}, "
+            f"got {got}. Pass --kv-cache-dtype bf16, or use "
+            "--hicache-host-dtype auto."
+        )
 
     def device_size_per_token(self) -> int:
         """Bytes per token of the same KV in the device dtype (what BF16 offload stores)."""

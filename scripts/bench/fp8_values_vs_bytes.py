@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Why int4/k8v4 encode an FP8 device KV cache by its values, not its bytes.
+
+An FP8 KV cache reaches the host pool as uint8 codes. Two ways to put a 4-bit
+copy of it on the host, both through kv_int4_codec's reference (same records,
+same bytes per token):
+
+- values: the FP8 values widened to fp32 (exact), encoded, decoded and
+  rounded back to the FP8 dtype (what the pools do);
+- bytes: the uint8 codes taken as numbers 0..255, encoded the same way,
+  decoded, rounded to the nearest code and reinterpreted as FP8.
+
+For each, on KV-like rows (gaussian with per-channel key outliers and an
+offset, as tests/test_fp8_host_pool.py writes) at page size 64: the relative
+RMS error of the restored values, the largest error relative to the row's
+largest value, and how many finite inputs come back non-finite (a byte code
+can land on an FP8 NaN/Inf pattern).
+
+Run: PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.fp8_values_vs_bytes
+(seconds; CPU). The table is in docs/fp8-device-kv.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scripts.common.cpu_sglang import install_cpu_standins
+
+PAGE = 64
+HEADS, DIM = 8, 128
+PAGES = 32
+
+
+def kv_rows(fp8: torch.dtype, keys: bool, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn((PAGES, PAGE, HEADS, DIM), generator=gen)
+    if keys:
+        gain = torch.ones(DIM)
+        gain[::7] = 20.0
+        x = x * gain + 2.0
+    top = torch.finfo(fp8).max
+    return x.clamp(-top, top).to(fp8)
+
+
+def _codec():
+    install_cpu_standins()
+    from sglang.srt.mem_cache.pool_host import kv_int4_codec
+
+    return kv_int4_codec
+
+
+def by_values(fmt: str, k: torch.Tensor, v: torch.Tensor):
+    codec = _codec()
+    encode = getattr(codec, f"{fmt}_encode_reference")
+    decode = getattr(codec, f"{fmt}_decode_reference")
+    return decode(encode(k, v), k.dtype)
+
+
+def by_bytes(fmt: str, k: torch.Tensor, v: torch.Tensor):
+    codec = _codec()
+    encode = getattr(codec, f"{fmt}_encode_reference")
+    decode = getattr(codec, f"{fmt}_decode_reference")
+    codes = [t.view(torch.uint8).to(torch.float32) for t in (k, v)]
+    restored = decode(encode(*codes), torch.float32)
+    return tuple(
+        r.round().clamp(0, 255).to(torch.uint8).view(k.dtype) for r in restored
+    )
+
+
+def errors(x: torch.Tensor, x_hat: torch.Tensor) -> tuple[float, float, int]:
+    x, x_hat = x.double(), x_hat.double()
+    finite = torch.isfinite(x_hat)
+    lost = int((~finite).sum())
+    diff = torch.where(finite, x_hat - x, torch.zeros_like(x))
+    rel_rms = float(diff.norm() / x.norm())
+    row_max = x.abs().amax(dim=-1, keepdim=True)
+    rel_max = float((diff.abs() / row_max).max())
+    return rel_rms, rel_max, lost
+
+
+def main() -> None:
+    print("fp8     fmt   side  encoding  rel RMS err  max err/row max  finite->NaN/Inf")
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        gen = torch.Generator().manual_seed(0)
+        k, v = kv_rows(fp8, True, gen), kv_rows(fp8, False, gen)
+        for fmt in ("int4", "k8v4"):
+            for encoding, run in (("values", by_values), ("bytes", by_bytes)):
+                for side, x, x_hat in zip("kv", (k, v), run(fmt, k, v)):
+                    rms, worst, lost = errors(x, x_hat)
+                    name = str(fp8).removeprefix("torch.float8_")
+                    print(
+                        f"{name:<7} {fmt:<5} {side:<5} {encoding:<8}  {rms:>11.4f}  "
+                        f"{worst:>15.4f}  {lost:>15d}"
+                    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,582 @@
+"""INT4 and K8V4 host copies of an FP8 device KV cache (--kv-cache-dtype
+fp8_e4m3 / fp8_e5m2) through the real patched SGLang code on CPU: SGLang's
+MHATokenToKVPool in FP8 (stored as uint8), the encoded host pools, the real
+HiCacheController, L3 pages through the `file` backend, and the capacity the
+allocated buffers give against the stock FP8 host pool (1 byte per value).
+
+Expected values come from kv_int4_codec's reference functions applied to the
+FP8 rows the test wrote (their values, widened to fp32), decoded back to the
+same FP8 dtype; every comparison is on the bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+import pytest
+import torch
+
+import l3_harness as h
+from hicache_harness import (
+    Geometry,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
+from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.page_integrity import (
+    SEAL_BYTES,
+    StoragePageRefused,
+)
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+FORMATS = ("int4", "k8v4")
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+ENCODE = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
+DECODE = {"int4": codec.int4_decode_reference, "k8v4": codec.k8v4_decode_reference}
+# A byte that is NaN in both FP8 formats: what a wiped device row holds.
+POISON = 0xFF
+
+
+def fp8_id(dtype) -> str:
+    return str(dtype).removeprefix("torch.float8_")
+
+
+def unit_tokens(layout: str, page_size: int) -> int:
+    return 1 if layout == "layer_first" else page_size
+
+
+def as_units(rows: torch.Tensor, ut: int) -> torch.Tensor:
+    return rows.view(rows.shape[0] // ut, ut, *rows.shape[1:])
+
+
+def pages(page_ids, page_size):
+    page_ids = torch.as_tensor(page_ids)
+    return (page_ids[:, None] * page_size + torch.arange(page_size)).flatten()
+
+
+def random_fp8(shape, fp8, gen, spread=True) -> torch.Tensor:
+    """FP8 rows as an FP8 KV cache holds them: a per-channel spread (key
+    outliers), an offset, and values up to the format's largest finite one."""
+    x = torch.randn(shape, generator=gen)
+    if spread:
+        gain = torch.ones(shape[-1])
+        gain[::7] = 40.0
+        x = x * gain + 2.0
+    top = torch.finfo(fp8).max
+    x[..., 3] = top  # a saturating group: m + 15 s may round above the top
+    return x.clamp(-top, top).to(fp8)
+
+
+def write_fp8(device_pool, layer, indices, k, v) -> None:
+    # SGLang stores FP8 KV as uint8 (index_put has no FP8 kernel).
+    device_pool.k_buffer[layer][indices] = k.view(torch.uint8)
+    device_pool.v_buffer[layer][indices] = v.view(torch.uint8)
+
+
+def fill_fp8(device_pool, indices, fp8, seed):
+    gen = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(device_pool.layer_num):
+        shape = (len(indices), *device_pool.k_buffer[layer].shape[1:])
+        k = random_fp8(shape, fp8, gen)
+        v = random_fp8(shape, fp8, gen, spread=layer % 2 == 0)
+        write_fp8(device_pool, layer, indices, k, v)
+        written.append((k, v))
+    return written
+
+
+def restored(device_pool, layer, indices, fp8):
+    return (
+        device_pool.k_buffer[layer][indices].view(fp8),
+        device_pool.v_buffer[layer][indices].view(fp8),
+    )
+
+
+def expected_restore(fmt, k, v, ut):
+    records = ENCODE[fmt](as_units(k, ut), as_units(v, ut))
+    k_hat, v_hat = DECODE[fmt](records, k.dtype)
+    return k_hat.flatten(0, 1), v_hat.flatten(0, 1), records
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def build(fmt, layout, page_size, fp8, head_dim=64, layer_num=2, host_pages=16):
+    geo = Geometry(
+        layer_num=layer_num,
+        head_num=2,
+        head_dim=head_dim,
+        dtype=fp8,
+        page_size=page_size,
+    )
+    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
+    pool = make_host_pool(
+        device_pool,
+        host_tokens=host_pages * page_size,
+        layout=layout,
+        host_dtype=fmt,
+        device_kv_dtype=fp8,
+    )
+    return geo, device_pool, pool
+
+
+# --- the FP8 device pool is what SGLang builds ------------------------------
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+def test_device_pool_stores_fp8_as_uint8(fp8):
+    """The premise of device_kv_dtype: the host pool sees uint8 storage only."""
+    _, device_pool, pool = build("int4", "page_first", 16, fp8)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    assert device_pool.dtype == fp8 and info.dtype == torch.uint8
+    assert pool.device_kv_dtype == fp8 and pool.host_format.device_dtype == fp8
+    assert pool.dtype == torch.uint8
+
+
+# --- backup -> load, every layout / page size / backend ---------------------
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize(
+    "fmt,layout,page_size,io_backend",
+    list(itertools.product(FORMATS, LAYOUTS, (1, 16, 64), ("kernel", "direct"))),
+)
+def test_backup_load_is_the_reference_bytes(fmt, layout, page_size, io_backend, fp8):
+    geo, device_pool, pool = build(fmt, layout, page_size, fp8)
+    ut = unit_tokens(layout, page_size)
+    dev, host = pages([4, 1, 6], page_size), pages([5, 2, 9], page_size)
+    written = fill_fp8(device_pool, dev, fp8, seed=page_size)
+    pool.backup_from_device_all_layer(device_pool, host, dev, io_backend)
+
+    units = host if ut == 1 else host[::ut] // ut
+    for layer, (k, v) in enumerate(written):
+        want = ENCODE[fmt](as_units(k, ut), as_units(v, ut))
+        for name, buf in pool.host_records.items():
+            got = buf[units, layer] if layout != "layer_first" else buf[layer, units]
+            assert same_bytes(got, want[name]), name
+
+    for layer in range(geo.layer_num):
+        device_pool.k_buffer[layer].fill_(POISON)
+        device_pool.v_buffer[layer].fill_(POISON)
+    new_dev = pages([8, 11, 9], page_size)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, io_backend)
+    untouched = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
+    untouched[new_dev] = False
+    top = torch.finfo(fp8).max
+    for layer, (k, v) in enumerate(written):
+        k_want, v_want, records = expected_restore(fmt, k, v, ut)
+        k_got, v_got = restored(device_pool, layer, new_dev, fp8)
+        assert same_bytes(k_got, k_want) and same_bytes(v_got, v_want)
+        bounds = pool.host_format.error_bound(
+            records, (as_units(k_got, ut), as_units(v_got, ut))
+        )
+        for rows, got, bound in ((k, k_got, bounds[0]), (v, v_got, bounds[1])):
+            got = got.double()
+            # Finite FP8 in, finite FP8 out: saturated, never NaN or Inf.
+            assert torch.isfinite(got).all() and (got.abs() <= top).all()
+            err = (got - rows.double()).abs()
+            assert (err <= bound.flatten(0, 1).double()).all()
+        assert (device_pool.k_buffer[layer][untouched] == POISON).all()
+        assert (device_pool.v_buffer[layer][untouched] == POISON).all()
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_restore_rounds_to_nearest_even_and_saturates(fmt, fp8):
+    """The decode's last step is fp32 -> FP8 round to nearest even with
+    saturation: checked against an independent rounding of the fp32 decode
+    over FP8's value grid, on rows that reach the format's largest value."""
+    _, device_pool, pool = build(fmt, "page_first", 16, fp8)
+    dev = pages([0, 1], 16)
+    written = fill_fp8(device_pool, dev, fp8, seed=5)
+    pool.backup_from_device_all_layer(device_pool, dev, dev, "direct")
+    grid = torch.arange(256, dtype=torch.uint8).view(fp8).double()
+    grid = torch.unique(grid[torch.isfinite(grid)])  # sorted, one zero
+    for layer, (k, v) in enumerate(written):
+        records = ENCODE[fmt](as_units(k, 16), as_units(v, 16))
+        exact = DECODE[fmt](records, torch.float32)
+        pool.load_to_device_per_layer(device_pool, dev, dev, layer, "direct")
+        got = restored(device_pool, layer, dev, fp8)
+        for x, g in zip(exact, got):
+            x = x.flatten(0, 1).double().clamp(grid[0], grid[-1])
+            hi = torch.searchsorted(grid, x).clamp(1, len(grid) - 1)
+            lo_v, hi_v = grid[hi - 1], grid[hi]
+            # Nearest grid value; a tie goes to the even code (last bit 0).
+            pick_hi = (hi_v - x) < (x - lo_v)
+            tie = (hi_v - x) == (x - lo_v)
+            hi_even = (hi_v.to(fp8).view(torch.uint8) & 1) == 0
+            want = torch.where(pick_hi | (tie & hi_even), hi_v, lo_v)
+            assert torch.equal(g.double(), want)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize(
+    "fmt,layout,page_size", [("int4", "page_first", 16), ("int4", "layer_first", 1),
+                             ("k8v4", "page_first_direct", 64)],
+)  # fmt: skip
+def test_nonfinite_fp8_restores_as_nan_and_is_counted(fmt, layout, page_size, fp8):
+    geo, device_pool, pool = build(fmt, layout, page_size, fp8)
+    dev, host = pages([1, 2], page_size), pages([3, 4], page_size)
+    written = fill_fp8(device_pool, dev, fp8, seed=9)
+    k_tok, v_tok = dev[1], dev[-1]
+    bad = [float("nan")] + ([float("inf")] if fp8 == torch.float8_e5m2 else [])
+    k, v = written[1][0].clone(), written[0][1].clone()
+    k[1, 1, 5] = torch.tensor(bad[0]).to(fp8)
+    v[-1, 0, 40] = torch.tensor(bad[-1]).to(fp8)
+    device_pool.k_buffer[1][k_tok] = k[1].view(torch.uint8)
+    device_pool.v_buffer[0][v_tok] = v[-1].view(torch.uint8)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    assert pool.nonfinite_group_count() == 2
+    new_dev = pages([6, 7], page_size)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+    k1 = restored(device_pool, 1, new_dev, fp8)[0].float()
+    v0 = restored(device_pool, 0, new_dev, fp8)[1].float()
+    if fmt == "int4" and unit_tokens(layout, page_size) >= codec.K_CHANNEL_MIN_TOKENS:
+        k_bad = (slice(0, page_size), 1, 5)
+    elif fmt == "int4":
+        k_bad = (1, 1, slice(0, 64))
+    else:
+        k_bad = (1, 1, slice(None))
+    v_bad = (-1, 0, slice(0, 64))
+    # Never finite: the whole group comes back NaN (not Inf, not a number).
+    assert torch.isnan(k1[k_bad]).all() and torch.isnan(v0[v_bad]).all()
+    k1[k_bad] = 0
+    v0[v_bad] = 0
+    assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
+
+
+# --- through the real HiCacheController -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fmt,layout,page_size,io_backend,fp8",
+    [
+        (fmt, layout, page_size, backend, fp8)
+        for i, (fmt, layout, page_size) in enumerate(
+            itertools.product(FORMATS, LAYOUTS, (1, 16, 64))
+        )
+        for backend, fp8 in [(("kernel", "direct")[i % 2], FP8[(i // 2) % 2])]
+    ],
+    ids=lambda p: fp8_id(p) if isinstance(p, torch.dtype) else str(p),
+)
+def test_controller_write_wipe_load(fmt, layout, page_size, io_backend, fp8):
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
+    rig = make_rig(
+        geo,
+        device_tokens=16 * page_size,
+        host_tokens=24 * page_size,
+        layout=layout,
+        io_backend=io_backend,
+        host_dtype=fmt,
+        device_kv_dtype=fp8,
+    )
+    assert type(rig.host_pool) is host_pool_cls(fmt)
+    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
+    ut = unit_tokens(layout, page_size)
+    rng = random.Random(page_size)
+    gen = torch.Generator().manual_seed(3)
+    backed_up = []
+    for _ in range(6):
+        n = rng.randint(1, 3) * page_size
+        dev = alloc.alloc(n)
+        expected = []
+        for layer in range(geo.layer_num):
+            k = random_fp8((n, 2, 64), fp8, gen)
+            v = random_fp8((n, 2, 64), fp8, gen, spread=False)
+            write_fp8(dev_pool, layer, dev, k, v)
+            expected.append(expected_restore(fmt, k, v, ut)[:2])
+        host = ctl.write(dev)
+        assert host is not None
+        finish_transfers(ctl)
+        for layer in range(geo.layer_num):
+            dev_pool.k_buffer[layer][dev] = POISON
+            dev_pool.v_buffer[layer][dev] = POISON
+        alloc.free(dev)
+        backed_up.append((host, expected))
+    for host, expected in reversed(backed_up):
+        dev = ctl.load(host)
+        assert dev is not None
+        ctl.start_loading()
+        finish_transfers(ctl)
+        for layer, (k, v) in enumerate(expected):
+            k_got, v_got = restored(dev_pool, layer, dev, fp8)
+            assert same_bytes(k_got, k) and same_bytes(v_got, v)
+        alloc.free(dev)
+        ctl.evict_host(host)
+    assert rig.host_pool.available_size() == rig.host_pool.size
+
+
+# --- L3: sealed pages through the `file` backend ----------------------------
+
+
+def _l3_rig(tmp_path, fmt, layout, fp8, name):
+    geo = Geometry(layer_num=3, head_num=2, head_dim=64, dtype=fp8, page_size=16)
+    h.publish_runtime(geo.page_size, layout, fmt)
+    rig = make_rig(
+        geo,
+        device_tokens=256,
+        host_tokens=256,
+        layout=layout,
+        host_dtype=fmt,
+        device_kv_dtype=fp8,
+    )
+    rig.controller.attach_storage_backend(
+        "file",
+        prefetch_threshold=geo.page_size,
+        model_name=f"hiq/{name}",
+        storage_backend_extra_config=h.file_storage_config(tmp_path),
+    )
+    return h.L3Rig(rig, geo)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize(
+    "fmt,layout", [("int4", "page_first_direct"), ("k8v4", "page_first"),
+                   ("int4", "layer_first")],
+)  # fmt: skip
+def test_file_l3_round_trip_of_sealed_pages(tmp_path, request, fmt, layout, fp8):
+    l3 = _l3_rig(tmp_path, fmt, layout, fp8, request.node.name)
+    try:
+        ctl, rig = l3.controller, l3.rig
+        tokens = list(range(500, 500 + 4 * 16))
+        dev = rig.allocator.alloc(len(tokens))
+        gen = torch.Generator().manual_seed(11)
+        expected = []
+        for layer in range(l3.geo.layer_num):
+            k = random_fp8((len(tokens), 2, 64), fp8, gen)
+            v = random_fp8((len(tokens), 2, 64), fp8, gen)
+            write_fp8(rig.device_pool, layer, dev, k, v)
+            expected.append(expected_restore(fmt, k, v, unit_tokens(layout, 16))[:2])
+        host = ctl.write(dev, node_id=0)
+        ctl.start_writing()
+        finish_transfers(ctl)
+        hashes = get_storage_hash_str(tokens, None, page_size=16)
+        op_id = ctl.write_storage(host, tokens, hash_value=hashes)
+        op = ctl.ack_backup_queue.get(timeout=h.STORAGE_WAIT_S)
+        assert op.id == op_id and op.completed_tokens == len(tokens)
+        files = list(tmp_path.glob("*.bin"))
+        page_bytes = ctl.mem_pool_host.get_size_per_token() * 16
+        assert {f.stat().st_size for f in files} == {page_bytes + SEAL_BYTES}
+        assert len(files) == 4
+        # Evict L1 and L2, poisoning the freed device rows.
+        for layer in range(l3.geo.layer_num):
+            rig.device_pool.k_buffer[layer][dev] = POISON
+            rig.device_pool.v_buffer[layer][dev] = POISON
+        rig.allocator.free(dev)
+        ctl.mem_pool_host.free(host)
+        pf = h.prefetch(l3, tokens + [7])
+        assert pf.hit_tokens == pf.completed_tokens == len(tokens)
+        dev = h.load_to_device(l3, pf.host_indices)
+        for layer, (k, v) in enumerate(expected):
+            k_got, v_got = restored(rig.device_pool, layer, dev, fp8)
+            assert same_bytes(k_got, k) and same_bytes(v_got, v)
+        assert ctl.mem_pool_host.storage_integrity_counts()["verified"] == 4
+    finally:
+        l3.close()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pages_of_one_fp8_dtype_are_refused_by_the_other(fmt):
+    """A sealed page names its device dtype: an E4M3 page read into an E5M2
+    pool (same records and sizes) would decode other values, so it is refused
+    before any byte reaches the pool."""
+    geo, device_pool, e4m3 = build(fmt, "page_first", 16, torch.float8_e4m3fn)
+    _, _, e5m2 = build(fmt, "page_first", 16, torch.float8_e5m2)
+    _, _, twin = build(fmt, "page_first", 16, torch.float8_e4m3fn)
+    dev = pages([1], 16)
+    fill_fp8(device_pool, dev, torch.float8_e4m3fn, seed=1)
+    e4m3.backup_from_device_all_layer(device_pool, dev, dev, "direct")
+    page = e4m3.get_data_page(16, key="k0")
+    assert page.numel() == e5m2.get_dummy_flat_data_page().numel()
+    before = {n: b.clone() for n, b in e5m2.host_records.items()}
+    with pytest.raises(StoragePageRefused):
+        e5m2.set_from_flat_data_page(32, page, key="k0")
+    for name, buf in e5m2.host_records.items():
+        assert same_bytes(buf, before[name])
+    twin.set_from_flat_data_page(32, page, key="k0")  # the same dtype reads it
+    for name, buf in twin.host_records.items():
+        assert same_bytes(buf[2], e4m3.host_records[name][1])
+
+
+# --- what is refused, and the start-up log -----------------------------------
+
+
+@pytest.mark.parametrize("host_dtype", ["int8", "int4r", "k8v4r"])
+def test_formats_without_fp8_refuse_it_naming_int4(host_dtype):
+    geo = Geometry(dtype=torch.float8_e4m3fn, page_size=16, head_dim=64)
+    device_pool = make_device_pool(geo, 64)
+    with pytest.raises(NotImplementedError) as error:
+        make_host_pool(
+            device_pool,
+            host_tokens=64,
+            layout="page_first",
+            host_dtype=host_dtype,
+            device_kv_dtype=torch.float8_e4m3fn,
+        )
+    message = str(error.value)
+    assert f"--hicache-host-dtype {host_dtype} does not encode an FP8" in message
+    assert "--hicache-host-dtype int4 or k8v4 or auto" in message
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_uint8_storage_without_its_fp8_dtype_is_refused(fmt):
+    """Without device_kv_dtype the pool cannot tell E4M3 from E5M2 bytes."""
+    geo = Geometry(dtype=torch.float8_e5m2, page_size=16, head_dim=64)
+    device_pool = make_device_pool(geo, 64)
+    with pytest.raises(NotImplementedError, match="device_kv_dtype"):
+        make_host_pool(device_pool, host_tokens=64, layout="page_first", host_dtype=fmt)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("env", ["auto", "direct", "staged", "off"])
+def test_fp8_takes_the_torch_path_and_says_so(monkeypatch, caplog, env, fp8):
+    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", env)
+    with caplog.at_level(logging.INFO, logger="sglang"):
+        _, device_pool, pool = build("int4", "page_first", 16, fp8)
+    name = fp8_id(fp8)
+    assert pool.transfer_path == "torch"
+    assert pool.transfer_path_reason.startswith(f"FP8 device KV (float8_{name})")
+    assert "INT4 host pool transfer path: torch (FP8 device KV" in caplog.text
+    assert (
+        f"stores INT4 KV: {pool.get_size_per_token()} B/token (torch.float8_{name}: "
+        f"{pool.device_size_per_token()} B/token)" in caplog.text
+    )
+    with pytest.raises(ValueError, match="no fused kernels for FP8"):
+        pool.use_fused_kernels = True
+    assert pool.transfer_path == "torch"
+    # Still moves bytes after the refused switch.
+    dev = pages([0], 16)
+    written = fill_fp8(device_pool, dev, fp8, seed=2)
+    pool.backup_from_device_all_layer(device_pool, dev, dev, "direct")
+    device_pool.k_buffer[0].fill_(POISON)
+    pool.load_to_device_per_layer(device_pool, dev, dev, 0, "direct")
+    k_want = expected_restore("int4", *written[0], 16)[0]
+    assert same_bytes(restored(device_pool, 0, dev, fp8)[0], k_want)
+
+
+# --- capacity against the stock FP8 host pool ---------------------------------
+
+
+def allocated_bytes(pool) -> int:
+    if hasattr(pool, "host_records"):
+        return sum(b.numel() * b.element_size() for b in pool.host_records.values())
+    return pool.kv_buffer.numel() * pool.kv_buffer.element_size()
+
+
+def capacity_vs_stock_fp8(geo_kwargs, page_size, budget_gb):
+    """Host tokens per allocated host byte of each format over the stock FP8
+    pool's (auto), and each pool's bytes per token and layer."""
+    geo = Geometry(dtype=torch.float8_e4m3fn, page_size=page_size, **geo_kwargs)
+    device_pool = make_device_pool(geo, device_tokens=2 * page_size)
+    per_byte, per_token = {}, {}
+    for host_dtype in ("auto", "k8v4", "int4"):
+        extra = {} if host_dtype == "auto" else {"device_kv_dtype": geo.dtype}
+        pool = make_host_pool(
+            device_pool,
+            host_size_gb=budget_gb,
+            layout="page_first",
+            host_dtype=host_dtype,
+            **extra,
+        )
+        if host_dtype == "auto":
+            assert type(pool) is MHATokenToKVPoolHost
+            assert pool.kv_buffer.dtype == torch.uint8  # 1 byte per FP8 value
+        nbytes = allocated_bytes(pool)
+        assert nbytes == pool.size * pool.get_size_per_token()
+        per_byte[host_dtype] = pool.size / nbytes
+        per_token[host_dtype] = nbytes / pool.size / geo.layer_num
+    ratio = {f: per_byte[f] / per_byte["auto"] for f in ("k8v4", "int4")}
+    return ratio, per_token
+
+
+def test_capacity_vs_stock_fp8_at_qwen3_8b_geometry():
+    """36 layers, 8 KV heads, head dim 128 (docs/fp8-device-kv.md, run with -s)."""
+    print("\npage  format  B/token/layer  tokens per host byte vs stock FP8")
+    for page_size in (1, 16, 64):
+        ratio, per_token = capacity_vs_stock_fp8(
+            dict(layer_num=36, head_num=8, head_dim=128), page_size, 0.02
+        )
+        for f in ("auto", "k8v4", "int4"):
+            r = 1.0 if f == "auto" else ratio[f]
+            name = "fp8" if f == "auto" else f
+            print(f"{page_size:>4}  {name:<6}  {per_token[f]:>13.0f}  {r:.3f}x")
+        # FP8 K|V: 2 x 8 x 128 x 1 B = 2048 B per token and layer.
+        assert per_token["auto"] == 2048
+        int4 = 1344 if page_size == 16 else 1152  # page 16: per-channel key meta
+        assert ratio["int4"] == pytest.approx(2048 / int4)
+        assert ratio["k8v4"] == pytest.approx(2048 / 1616)
+    assert ratio["int4"] > 1.75
+
+
+def test_capacity_vs_stock_fp8_at_test_geometry():
+    """2 heads of 64 channels: smaller heads pay relatively more metadata."""
+    # int4: 64 + 64 B of codes, per-token meta 8 + 8 B; page 16 keys per
+    # channel: 2 x 64 x 4 B per page = 32 B per token.
+    for page_size, int4 in ((1, 144), (16, 168), (64, 144)):
+        ratio, per_token = capacity_vs_stock_fp8(
+            dict(layer_num=2, head_num=2, head_dim=64), page_size, 0.001
+        )
+        assert per_token["auto"] == 256
+        assert per_token["int4"] == int4
+        assert ratio["int4"] == pytest.approx(256 / int4)
+        # k8v4: 128 B int8 keys + 4 B scales, 64 B codes + 8 B meta.
+        assert ratio["k8v4"] == pytest.approx(256 / 204)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_restore_saturates_beyond_the_fp8_range(fmt, fp8):
+    """Records whose values lie past FP8's largest finite value (m + 15 s up
+    to 61440, where E5M2's cast alone gives Inf) restore as the largest value,
+    on the pool's path and in the reference."""
+    _, device_pool, pool = build(fmt, "page_first", 16, fp8)
+    dev = pages([0], 16)
+    fill_fp8(device_pool, dev, fp8, seed=4)
+    pool.backup_from_device_all_layer(device_pool, dev, dev, "direct")
+    v, v_meta = pool.host_records["v"], pool.host_records["v_meta"]
+    v[0, 0].fill_(0xFF)  # codes 15 everywhere
+    v_meta[0, 0, ..., 0] = 4096.0  # s
+    v_meta[0, 0, ..., 1] = 0.0  # m
+    v_meta[0, 0, 3, 1, 0, 1] = -65504.0  # a group from below: m alone overflows
+    device_pool.v_buffer[0].fill_(POISON)
+    pool.load_to_device_per_layer(device_pool, dev, dev, 0, "direct")
+    got = restored(device_pool, 0, dev, fp8)[1].float()
+    top = torch.finfo(fp8).max
+    want = torch.full_like(got, top)
+    want[3, 1, 0:64] = -65504.0 + 15 * 4096.0  # -4064: in range for both
+    want = want.to(fp8).float()
+    assert torch.equal(got, want)
+    records = {n: b[:1, 0] for n, b in pool.host_records.items()}
+    ref_v = DECODE[fmt](records, fp8)[1].flatten(0, 1)
+    assert same_bytes(ref_v, want.to(fp8))
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("host_dtype", ["int4", "k8v4", "auto"])
+def test_the_assembler_passes_the_fp8_dtype(host_dtype, fp8):
+    """hybrid_pool_assembler.build_kv_host_pool, as the scheduler calls it,
+    builds the encoded pool for an FP8 device pool (patch 0010) and the stock
+    one for auto."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+    h.publish_runtime(16, "page_first", host_dtype)
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=16)
+    device_pool = make_device_pool(geo, device_tokens=64)
+    pool = hybrid_pool_assembler.build_kv_host_pool(
+        kv_pool=device_pool, page_size=16, host_size=0
+    )
+    if host_dtype == "auto":
+        assert type(pool) is MHATokenToKVPoolHost and pool.dtype == torch.uint8
+        return
+    assert type(pool) is host_pool_cls(host_dtype)
+    assert pool.device_kv_dtype == fp8 and pool.transfer_path == "torch"
