@@ -18,8 +18,8 @@ import random
 import pytest
 import torch
 
-import l3_harness as h
-from hicache_harness import (
+from tests.support import l3_harness as h
+from tests.support.hicache_harness import (
     Geometry,
     finish_transfers,
     make_device_pool,
