@@ -32,9 +32,6 @@ logger = logging.getLogger(__name__)
 ENCODED_HOST_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 ENCODED_HOST_IO_BACKENDS = ("kernel", "direct")
 ENCODED_HOST_DEVICE_DTYPES = (torch.bfloat16, torch.float16)
-# FP8 device KV, stored by the device pool as uint8 (memory_pool.py's
-# store_dtype); formats with fp8_device_kv encode it.
-FP8_DEVICE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Tokens one staging chunk holds (rounded to whole units).
 STAGING_TOKENS = 4096
 

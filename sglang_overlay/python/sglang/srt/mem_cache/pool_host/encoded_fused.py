@@ -16,6 +16,7 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.pool_host.encoded import TorchTransfer, fetch, store
+from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def select_transfer(pool):
 def fp8_torch_only_reason(pool) -> str | None:
     """Why an FP8 device KV cache keeps the torch path, None for BF16/FP16."""
     dtype = pool.host_format.device_dtype
-    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if dtype not in FP8_DEVICE_DTYPES:
         return None
     name = str(dtype).removeprefix("torch.")
     return f"FP8 device KV ({name}): no fused kernels for FP8 rows"

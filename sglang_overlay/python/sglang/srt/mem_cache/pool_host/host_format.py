@@ -25,6 +25,10 @@ from typing import ClassVar, Mapping, Sequence
 
 import torch
 
+# FP8 device KV (--kv-cache-dtype fp8_e4m3/fp8_e5m2), stored by the device pool
+# as uint8 (memory_pool.py's store_dtype); formats with fp8_device_kv encode it.
+FP8_DEVICE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 @dataclass(frozen=True)
 class HostRecord:

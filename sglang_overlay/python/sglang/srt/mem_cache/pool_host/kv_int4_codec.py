@@ -52,6 +52,7 @@ import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec
 from sglang.srt.mem_cache.pool_host.host_format import (
+    FP8_DEVICE_DTYPES,
     EncodeStats,
     HostKVFormat,
     HostRecord,
@@ -66,8 +67,7 @@ K_CHANNEL_MIN_TOKENS = 16
 
 # FP8 device KV (--kv-cache-dtype fp8_e4m3/fp8_e5m2) is encoded from its
 # values, each exact in fp32, and restored rounded and saturated to FP8.
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, *FP8_DTYPES)
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, *FP8_DEVICE_DTYPES)
 # Floor for the scale: a constant group gets the smallest scale and q = 0.
 _SCALE_FLOOR = torch.finfo(torch.float32).tiny
 
@@ -632,7 +632,7 @@ class _Int4ValuesHostFormat(HostKVFormat):
         return f"values per token in groups of {value_group_size(dv)} channels"
 
     def fused_available(self, device) -> bool:
-        if self.device_dtype in FP8_DTYPES:
+        if self.device_dtype in FP8_DEVICE_DTYPES:
             return False
         try:
             from sglang.kernels.ops.kvcache import kv_int4_triton
