@@ -5,6 +5,13 @@ the rest of the suite let through.
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import re
+import shlex
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,7 +22,93 @@ from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.encoded_fused import FusedTransfer
 from sglang.srt.mem_cache.pool_host.mla_encoded import _refuse_unsupported
 from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from sglang.srt.arg_groups import hicache_hook
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 from sglang.srt.server_args import ServerArgs
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+}
+# DeepSeek-V2 shaped, with a kv_lora_rank the MLA int8 pool accepts.
+_DEEPSEEK_V2 = {
+    **_LLAMA,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "moe_intermediate_size": 32,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 128,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
+    "moe_layer_freq": 1,
+}
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    # Start-up resolution exports environment variables.
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def parser():
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def _model(tmp_path, config: dict) -> str:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def _start(model_path: str, **kwargs) -> ServerArgs:
+    server_args = ServerArgs(
+        model_path=model_path,
+        device="cpu",
+        skip_tokenizer_init=True,
+        enable_hierarchical_cache=True,
+        **kwargs,
+    )
+    server_args.resolve_once()
+    return server_args
+
+
+def _device_kv_dtype(server_args: ServerArgs) -> torch.dtype:
+    """The device KV dtype the model runner would configure (no weights: no
+    checkpoint KV quantization)."""
+    model_dtype = ModelConfig.from_server_args(server_args).dtype
+    _, dtype = configure_kv_cache_dtype(
+        server_args_kv_cache_dtype=server_args.kv_cache_dtype,
+        model=None,
+        model_dtype=model_dtype,
+        is_draft_worker=False,
+        is_dflash=False,
+        speculative_draft_attention_backend=None,
+    )
+    return dtype
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +119,7 @@ def _host_ram_not_under_test():
         yield
 
 
-def test_k8v4_odd_key_dim_is_refused_at_startup_naming_the_flag():
+def test_k8v4_pool_refuses_an_odd_key_dim_naming_the_flag():
     # Keys are int8 but the k8v4 codec's key path needs an even width too;
     # before the fix the pool started and every backup raised.
     geo = Geometry(layer_num=2, head_num=2, head_dim=15, v_head_dim=64, page_size=16)
@@ -35,7 +128,7 @@ def test_k8v4_odd_key_dim_is_refused_at_startup_naming_the_flag():
     assert "(15, 64)" in str(e.value) and "--hicache-host-dtype int8" in str(e.value)
 
 
-def test_mla_int8_without_rope_is_refused_naming_the_flag():
+def test_mla_int8_pool_refuses_no_rope_part_naming_the_flag():
     # Before the fix: OSError [Errno 22] from mmap of the empty RoPE record.
     geo = MLAGeometry(layer_num=2, qk_rope_head_dim=0, page_size=4)
     with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8") as e:
@@ -129,3 +222,122 @@ def test_fused_load_index_cache_sees_in_place_changes():
     dev.sub_(8)
     again = fused._load_indices(host, dev)
     assert torch.equal(again[0].cpu(), host) and torch.equal(again[1].cpu(), dev)
+
+
+# --- FP16 device KV: the README matrix, the hook and argparse agree ----------
+
+
+def _choices(parser, dest: str) -> list:
+    return next(a.choices for a in parser._actions if a.dest == dest)
+
+
+def test_hook_device_kv_dtypes_are_argparse_choices(parser):
+    """Every --kv-cache-dtype the hook lets an encoded host dtype through is
+    one argparse accepts and the model runner maps to BF16/FP16 (before the
+    fix the hook also took fp16/float16, which neither accepts: FP16 device
+    KV comes from --dtype float16)."""
+    choices = _choices(parser, "kv_cache_dtype")
+    for kv_cache_dtype in hicache_hook._ENCODED_HOST_DEVICE_KV_DTYPES:
+        assert kv_cache_dtype in choices, kv_cache_dtype
+        if kv_cache_dtype != "auto":
+            _, dtype = configure_kv_cache_dtype(
+                server_args_kv_cache_dtype=kv_cache_dtype,
+                model=None,
+                model_dtype=torch.float16,
+                is_draft_worker=False,
+                is_dflash=False,
+                speculative_draft_attention_backend=None,
+            )
+            assert dtype in (torch.bfloat16, torch.float16), kv_cache_dtype
+
+
+def _readme_plain_device_kv_spellings() -> list[list[str]]:
+    """The command-line spellings in the BF16/FP16 clause of the README's
+    "device KV dtype" row (before its FP8 clause); `--flag a/b` is two."""
+    row = next(
+        line
+        for line in README.read_text().splitlines()
+        if line.startswith("| device KV dtype |")
+    )
+    plain = row.split("|")[2].split(";")[0]
+    spellings = []
+    for span in re.findall(r"`(--[^`]+)`", plain):
+        argv = shlex.split(span)
+        alternatives = [argv[:-1] + [v] for v in argv[-1].split("/")]
+        spellings.extend(alternatives)
+    return spellings
+
+
+@pytest.mark.parametrize("host_dtype", ["int8", "int4", "k8v4"])
+def test_readme_bf16_fp16_device_kv_rows_start_through_the_cli(
+    tmp_path, parser, host_dtype
+):
+    """Each BF16/FP16 spelling of the supported matrix parses (argparse),
+    passes start-up with the encoded host dtype, and gives the device KV
+    dtype the row claims: both BF16 and FP16 are reached."""
+    model = _model(tmp_path, _LLAMA)
+    spellings = _readme_plain_device_kv_spellings()
+    assert spellings, "README's device KV dtype row names no flag"
+    reached = set()
+    for argv in spellings:
+        full = ["--model-path", model, "--device", "cpu", "--skip-tokenizer-init"]
+        full += ["--enable-hierarchical-cache", "--hicache-host-dtype", host_dtype]
+        try:
+            parsed = parser.parse_args(full + argv)
+        except (SystemExit, argparse.ArgumentError):
+            pytest.fail(f"README's {' '.join(argv)} is refused by argparse")
+        server_args = ServerArgs.from_cli_args(parsed)
+        server_args.resolve_once()
+        reached.add(_device_kv_dtype(server_args))
+    assert reached == {torch.bfloat16, torch.float16}, (spellings, reached)
+
+
+def test_fp16_kv_cache_dtype_spelling_is_refused_naming_the_real_one():
+    """A Python-API caller passing --kv-cache-dtype fp16 (argparse refuses it,
+    the model runner would raise) is told how FP16 device KV is spelled."""
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp16") as e:
+        _start("dummy", hicache_host_dtype="int8", kv_cache_dtype="fp16")
+    assert "--dtype float16" in str(e.value)
+
+
+# --- geometries a host format cannot encode fail at start-up -----------------
+
+
+@pytest.mark.parametrize(
+    "host_dtype,head_dim,v_head_dim",
+    [
+        ("k8v4", 15, 64),  # the probe's case: INT8 keys, but an odd key dim
+        ("k8v4", 64, 15),
+        ("int4", 15, 64),
+        ("int4r", 64, 15),
+        ("k8v4r", 15, 64),
+    ],
+)
+def test_odd_head_dim_is_refused_at_startup_naming_the_flag(
+    tmp_path, host_dtype, head_dim, v_head_dim
+):
+    """Before the fix start-up passed and the pool (k8v4: every backup)
+    failed later. RoPE over 12 of the 15 channels keeps the config valid."""
+    config = dict(
+        _LLAMA, head_dim=head_dim, v_head_dim=v_head_dim, partial_rotary_factor=0.8
+    )
+    model = _model(tmp_path, config)
+    with pytest.raises(ValueError, match=f"--hicache-host-dtype {host_dtype} ") as e:
+        _start(model, hicache_host_dtype=host_dtype)
+    assert f"({head_dim}, {v_head_dim})" in str(e.value)
+    assert "--hicache-host-dtype int8" in str(e.value)
+    _start(model, hicache_host_dtype="int8")  # what the message suggests starts
+
+
+def test_mla_int8_without_rope_is_refused_at_startup_naming_the_flag(tmp_path):
+    """Before the fix start-up passed and the pool failed with OSError [Errno
+    22] from mmap of the empty RoPE record."""
+    _start(_model(tmp_path, _DEEPSEEK_V2), hicache_host_dtype="int8")
+    no_rope = tmp_path / "no_rope"
+    no_rope.mkdir()
+    model = _model(no_rope, dict(_DEEPSEEK_V2, qk_rope_head_dim=0))
+    with pytest.raises(ValueError, match="--hicache-host-dtype int8") as e:
+        _start(model, hicache_host_dtype="int8")
+    assert "qk_rope_head_dim=0" in str(e.value)
+    assert "--hicache-host-dtype auto" in str(e.value)
+    _start(model)  # the stock pool still serves it

@@ -38,7 +38,8 @@ def check_device_kv_dtype(cfg: Any, flag: str, plain: tuple, needs: str) -> None
     if cfg.kv_cache_dtype not in _FP8_KV_CACHE_DTYPES:
         raise ValueError(
             f"{flag} with --kv-cache-dtype {cfg.kv_cache_dtype}: {needs} "
-            "(--kv-cache-dtype auto, bf16 or fp16; fp8_e4m3 or fp8_e5m2 with "
+            "(--kv-cache-dtype auto or bf16, FP16 device KV with --dtype float16 "
+            "and --kv-cache-dtype auto; fp8_e4m3 or fp8_e5m2 with "
             f"--hicache-host-dtype {fp8_dtypes})."
         )
     if cfg.hicache_host_dtype not in fp8_host_dtypes():
@@ -89,6 +90,7 @@ def is_hybrid_model(model_config: Any) -> bool:
 def check_model_for_encoded_host_kv(server_args: Any) -> None:
     if use_mla_backend(server_args):
         _refuse_unsupported_mla(server_args)
+    _refuse_unencodable_head_dims(server_args)
     _refuse_checkpoint_fp8_kv(server_args)
     _refuse_packed_mtp_draft(server_args)
 
@@ -131,6 +133,35 @@ def _refuse_unsupported_mla(server_args: Any) -> None:
             f"--hicache-host-dtype {cfg.hicache_host_dtype} does not support "
             f"{unsupported}. Use --hicache-host-dtype auto."
         )
+
+
+def _refuse_unencodable_head_dims(server_args: Any) -> None:
+    """Build the host format over the model's head dims, as the pool will, so
+    a geometry its codec cannot encode (an odd dim for the 4-bit and k8v4
+    formats, MLA without a RoPE part) fails here and not at the first backup."""
+    import torch
+
+    from sglang.srt.mem_cache.pool_host.encoded import unit_tokens_for
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+
+    cfg = resolving_view(server_args)
+    model_config = model_config_of(server_args)
+    unit_tokens = unit_tokens_for(cfg.page_size or 1, cfg.hicache_mem_layout)
+    if use_mla_backend(server_args):
+        fmt = host_format_cls(cfg.hicache_host_dtype, "mla")
+        rope_dim = model_config.qk_rope_head_dim
+        geometries = [((model_config.kv_lora_rank + rope_dim,), {"rope_dim": rope_dim})]
+    else:
+        fmt = host_format_cls(cfg.hicache_host_dtype, "mha")
+        geometries = [((model_config.head_dim, model_config.v_head_dim), {})]
+        if model_config.is_hybrid_swa:
+            swa_dims = (model_config.swa_head_dim, model_config.swa_v_head_dim)
+            geometries.append((swa_dims, {}))
+    for dims, extra in geometries:
+        try:
+            fmt(dims, 1, unit_tokens, torch.bfloat16, **extra)
+        except NotImplementedError as e:
+            raise ValueError(str(e)) from e
 
 
 def checkpoint_kv_cache_quant_algo(model_config: Any) -> str | None:
