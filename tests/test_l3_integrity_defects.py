@@ -18,6 +18,8 @@ import torch
 from tests.support.hicache_harness import Geometry, MLAGeometry, make_rig
 from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
 from sglang.srt.mem_cache.pool_host import base
+from sglang.srt.mem_cache.pool_host import mla as mla_host
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.encoded_fused import FusedTransfer
 from sglang.srt.mem_cache.pool_host.mla_encoded import _refuse_unsupported
@@ -182,10 +184,17 @@ def test_mla_int8_refuses_npu_split_buffers_naming_the_flag():
 
 @pytest.mark.parametrize("host_dtype", ["int4", "k8v4"])
 def test_mla_host_pool_class_refuses_4bit_formats(host_dtype):
-    """Auto-sizing and the hybrid assembler call this directly, after no
-    start-up validation (mutant: they silently got the BF16 MLA pool)."""
-    with pytest.raises(NotImplementedError, match=f"--hicache-host-dtype {host_dtype}"):
+    """Auto-sizing (host_pool_cls) and the hybrid assembler (mla.py's
+    get_mla_host_pool_cls) call these directly, after no start-up validation
+    (mutant: they silently got the BF16 MLA pool)."""
+    match = f"--hicache-host-dtype {host_dtype}"
+    with pytest.raises(NotImplementedError, match=match):
         get_mla_host_pool_cls(None, host_dtype=host_dtype)
+    with pytest.raises(NotImplementedError, match=match):
+        mla_host.get_mla_host_pool_cls(host_dtype)
+    with pytest.raises(NotImplementedError, match=match):
+        host_pool_cls(host_dtype, "mla")
+    assert mla_host.get_mla_host_pool_cls("int8") is host_pool_cls("int8", "mla")
 
 
 @pytest.mark.parametrize("dtype", ["float", "float32"])

@@ -53,9 +53,16 @@ def test_accepts_plain_mla_with_every_layout_and_io_backend(
     assert "the latent in 128-value tiles" in caplog.text
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bf16", "fp16"])
-def test_accepts_bf16_and_fp16_device_kv(mla_model, kv_cache_dtype):
-    resolve(mla_model, hicache_host_dtype="int8", kv_cache_dtype=kv_cache_dtype)
+# FP16 device KV is --dtype float16 with --kv-cache-dtype auto: argparse has
+# no fp16 --kv-cache-dtype.
+@pytest.mark.parametrize(
+    "kv_cache_dtype,dtype",
+    [("bf16", "auto"), ("auto", "bfloat16"), ("auto", "float16")],
+)
+def test_accepts_bf16_and_fp16_device_kv(mla_model, kv_cache_dtype, dtype):
+    resolve(
+        mla_model, hicache_host_dtype="int8", kv_cache_dtype=kv_cache_dtype, dtype=dtype
+    )
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
