@@ -8,8 +8,13 @@ page I/O it guards.
    page size 64) for each encoded host format: the page's bytes, the time to
    seal one page (hash + seal) and to check it, and the `file` backend's page
    I/O (write a page file, read it back) on this machine's temporary disk.
+3. With --mooncake: a put and a get of the int8 page through a real
+   mooncake_master (TCP, one client), with Mooncake's own opt-in object
+   CRC-64 off and on (MOONCAKE_STORE_CHECKSUM, read when the client starts,
+   so each setting runs in its own process).
 
 Run: PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.l3_integrity
+     [--mooncake]
 Prints a Markdown table; docs/l3-integrity.md keeps the figures measured.
 """
 
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -33,12 +40,71 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
+def mooncake_worker(metadata: str, master: str, nbytes: int, repeat: int) -> None:
+    """One client: best put and get of one page object, in µs (stdout)."""
+    import numpy as np
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    segment = max(4 * nbytes, 64 << 20)
+    rc = store.setup("127.0.0.1", metadata, segment, segment, "tcp", "", master)
+    if rc != 0:
+        raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
+    page = np.random.default_rng(2).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    keys = iter(range(10**6))
+
+    def put():
+        put.key = f"bench-{next(keys)}"
+        if store.put(put.key, page) != 0:
+            raise RuntimeError("put failed")
+
+    t_put = best(put, repeat)
+    t_get = best(lambda: store.get(put.key), repeat)
+    if store.get(put.key) != page:
+        raise RuntimeError("get returned other bytes")
+    print(f"{t_put * 1e6:.0f} {t_get * 1e6:.0f}")
+    store.close()
+
+
+def mooncake_rows(nbytes: int, repeat: int) -> None:
+    from tests.support.l3_harness import MooncakeMaster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        master = MooncakeMaster(os.path.join(tmp, "master.log")).start()
+        try:
+            cfg = master.storage_config()
+            print("\n| Mooncake put/get, int8 page | put µs | get µs |")
+            print("|---|---:|---:|")
+            for checksum in ("0", "1"):
+                out = subprocess.run(
+                    [sys.executable, "-m", "scripts.bench.l3_integrity",
+                     "--mooncake-worker", cfg["metadata_server"],
+                     cfg["master_server_address"], str(nbytes), str(repeat)],
+                    env={**os.environ, "MOONCAKE_STORE_CHECKSUM": checksum},
+                    capture_output=True, text=True, check=True,
+                ).stdout.split()  # fmt: skip
+                label = "CRC-64 on" if checksum == "1" else "CRC-64 off"
+                print(
+                    f"| MOONCAKE_STORE_CHECKSUM={checksum} ({label}) | {out[-2]} | {out[-1]} |"
+                )
+        finally:
+            master.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=64, help="buffer for the GB/s figure")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument(
+        "--mooncake", action="store_true", help="also Mooncake put/get, CRC-64 off/on"
+    )
+    ap.add_argument("--mooncake-worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.mooncake_worker:
+        metadata, master, nbytes, repeat = args.mooncake_worker
+        mooncake_worker(metadata, master, int(nbytes), int(repeat))
+        return
 
     install_cpu_standins()
     import numpy as np
@@ -110,6 +176,10 @@ def main() -> None:
                 f"| {name} | {nbytes} | {t_seal * 1e6:.0f} | {t_check * 1e6:.0f} "
                 f"| {t_write * 1e6:.0f} | {t_read * 1e6:.0f} | {ratio:.0%} |"
             )
+            if name == "int8":
+                int8_bytes = nbytes + len(seal)
+    if args.mooncake:
+        mooncake_rows(int8_bytes, args.repeat)
 
 
 if __name__ == "__main__":
