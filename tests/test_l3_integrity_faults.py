@@ -1,10 +1,10 @@
 """Random faults in stored L3 pages, through SGLang's real HiCacheController
 storage threads, on the `file` backend and on MooncakeStore against a real
-mooncake_master: for each host format (int8, int4, k8v4, MLA int8) byte flips
-in payload, scales, metadata and seal, truncation, extension, zeroed objects,
-objects swapped between pages or between a page's K and V objects, objects of
-another format under the same key, and objects deleted between the hit query
-and the read.
+mooncake_master: for each host format (int8, int4, k8v4, int4r, k8v4r, MLA
+int8) byte flips in payload, scales, metadata and seal, truncation, extension,
+zeroed objects, objects swapped between pages or between a page's K and V
+objects, objects of another format under the same key, and objects deleted
+between the hit query and the read.
 
 Every fault must end as one of: refused (a miss for that page, counted by
 reason, the pages before it restored bit-identical to what was written) or,
@@ -37,11 +37,15 @@ FORMATS = {
     "int8": (GEO16, "int8", "k8v4"),
     "int4": (GEO16, "int4", "int8"),
     "k8v4": (GEO16, "k8v4", "int4"),
+    # The rotated formats store their base format's records: its pages are
+    # the same bytes, rotated otherwise, under the same key.
+    "int4r": (GEO16, "int4r", "int4"),
+    "k8v4r": (GEO16, "k8v4r", "k8v4"),
     "mla-int8": (GEO_MLA, "int8", "auto"),
 }
 BACKENDS = ("file", "mooncake")
 KINDS = lf.FAULT_KINDS + ("delete",)
-# >= 1000 faults over the 8 (format, backend) pairs: 4 x (160 + 96) = 1024.
+# >= 1000 faults over the 12 (format, backend) pairs: 6 x (160 + 96) = 1536.
 # Mooncake faults cost more (each rewrite waits out the read lease).
 FAULTS = {"file": 160, "mooncake": 96}
 SCALE = float(os.environ.get("HIQ_L3_FAULTS_SCALE", "1"))
