@@ -139,8 +139,7 @@ def test_torch_and_fused_paths_count_the_same_groups(name, kind, layout, page_si
 
 def test_metric_help_states_the_unit_of_every_format():
     """The counter's help says what one group is for each format (the rotated
-    ones count as their base format), so a reader knows rates compare only
-    within one --hicache-host-dtype."""
+    ones count as their base format): rates compare only within one format."""
     server_args = ServerArgs(
         model_path="dummy",
         device="cpu",
@@ -166,11 +165,17 @@ def test_metric_help_states_the_unit_of_every_format():
             REGISTRY.unregister(collector)
         reset_context()
     doc = families["sglang:hicache_host_nonfinite_groups"].documentation
-    for name in HOST_DTYPES:
-        base_name = getattr(host_format_cls(name), "base_name", name)
-        assert base_name in doc, base_name
-    assert "MLA int8" in doc and "latent tile" in doc and "RoPE row" in doc
-    assert "--hicache-host-dtype" in doc
+    # One unit per codec family: int8 rows (k8v4 keys too), 4-bit groups
+    # (int4, k8v4 values; the rotated formats alike), MLA tiles and RoPE rows.
+    for unit in (
+        "int8/k8v4-key head row",
+        "4-bit channel group",
+        "MLA tile",
+        "RoPE row",
+    ):
+        assert unit in doc, unit
+    codecs = {getattr(host_format_cls(n), "base_name", n) for n in HOST_DTYPES}
+    assert codecs == {"int8", "int4", "k8v4"}, "a new format needs its unit in the help"
 
 
 # --- load side: pages restored from L3 holding non-finite scales ------------
