@@ -84,9 +84,8 @@ def mooncake_rows(nbytes: int, repeat: int) -> None:
                     capture_output=True, text=True, check=True,
                 ).stdout.split()  # fmt: skip
                 label = "CRC-64 on" if checksum == "1" else "CRC-64 off"
-                print(
-                    f"| MOONCAKE_STORE_CHECKSUM={checksum} ({label}) | {out[-2]} | {out[-1]} |"
-                )
+                setting = f"MOONCAKE_STORE_CHECKSUM={checksum} ({label})"
+                print(f"| {setting} | {out[-2]} | {out[-1]} |")
         finally:
             master.stop()
 
