@@ -48,7 +48,6 @@ the report lists them.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -171,10 +170,6 @@ def offload_arms(
     return arms
 
 
-def all_arms() -> tuple[str, ...]:
-    return ("exact", *offload_arms())
-
-
 class RestoreError(RuntimeError):
     """An offloaded arm's prefix did not fully come back from L2."""
 
@@ -281,7 +276,7 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
         "model": label,
         "path": model_dir,
         "gguf_file": gguf_file,
-        "weights_sha256": _sha256(weights) if weights and weights.is_file() else None,
+        "weights_sha256": texts.sha256(weights) if weights and weights.is_file() else None,
         "architecture": type(lm).__name__,
         "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "load_seconds": round(load_s, 1),
@@ -395,15 +390,6 @@ class OffloadRig:
     def _read(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.view(self.geo.dtype) if self.fp8 else rows
 
-    def _drain(self, queue) -> int:
-        """Wait for acknowledged transfers; return the tokens they covered."""
-        tokens = 0
-        for ack in queue:
-            ack.finish_event.synchronize()
-            tokens += ack.num_tokens
-        queue.clear()
-        return tokens
-
     def round_trip(
         self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], restore: bool = True
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
@@ -421,7 +407,7 @@ class OffloadRig:
         host = ctl.write(dev)
         if host is None:
             raise RuntimeError(f"host pool cannot hold {n} tokens")
-        written = self._drain(ctl.ack_write_queue)
+        written = drain(ctl.ack_write_queue)
         # L1 eviction: the device copy is gone.
         for layer in range(len(kv)):
             pool.k_buffer[layer][dev] = self._poison()
@@ -434,7 +420,7 @@ class OffloadRig:
             if new_dev is None:
                 raise RuntimeError(f"device pool cannot take {n} restored tokens")
             ctl.start_loading()
-            loaded = self._drain(ctl.ack_load_queue)
+            loaded = drain(ctl.ack_load_queue)
             read_idx = new_dev
         else:
             # Read the evicted slots as they are: nothing restored them.
@@ -461,6 +447,16 @@ class OffloadRig:
             "restored_tokens": restored_tokens,
         }
         return restored, stats
+
+
+def drain(queue) -> int:
+    """Wait for a controller's acknowledged transfers; the tokens they covered."""
+    tokens = 0
+    for ack in queue:
+        ack.finish_event.synchronize()
+        tokens += ack.num_tokens
+    queue.clear()
+    return tokens
 
 
 def _whole(x: float) -> float | int:
@@ -940,14 +936,6 @@ def targets_met(report: dict) -> bool:
 
 # ---------------------------------------------------------------------------
 # provenance
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _version(dist: str) -> str | None:
