@@ -40,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
 
@@ -634,22 +634,15 @@ def parse_args(argv=None) -> Config:
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
     split = lambda items: [tok for item in items for tok in shlex.split(item)]  # noqa: E731
-    return Config(
-        model=a.model, mode=a.mode, arms=arms, repeats=a.repeats, seed=a.seed,
-        hicache_size=a.hicache_size, max_total_tokens=a.max_total_tokens,
-        groups=a.groups, prompts_per_group=a.prompts_per_group,
-        system_prompt_len=a.system_prompt_len, question_len=a.question_len,
-        output_len=a.output_len, concurrency=a.concurrency,
-        warmup_requests=a.warmup_requests, host=a.host, port=a.port,
+    # Every flag is the Config field of its name; these four are parsed here.
+    values = {f.name: getattr(a, f.name) for f in fields(Config)}
+    values.update(
+        arms=arms,
         gpus=[g.strip() for g in a.gpus.split(",") if g.strip()],
-        stock_image=a.stock_image, patched_image=a.patched_image,
-        stock_python=a.stock_python, patched_python=a.patched_python,
-        stock_cmd=a.stock_cmd, patched_cmd=a.patched_cmd, bench_cmd=a.bench_cmd,
-        server_args=split(a.server_args), bench_args=split(a.bench_args),
-        hf_cache=a.hf_cache, ready_timeout=a.ready_timeout,
-        bench_timeout=a.bench_timeout, reuse_servers=a.reuse_servers,
-        out=a.out, dry_run=a.dry_run,
-    )  # fmt: skip
+        server_args=split(a.server_args),
+        bench_args=split(a.bench_args),
+    )
+    return Config(**values)
 
 
 def main(argv=None) -> int:
