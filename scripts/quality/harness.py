@@ -276,7 +276,9 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
         "model": label,
         "path": model_dir,
         "gguf_file": gguf_file,
-        "weights_sha256": texts.sha256(weights) if weights and weights.is_file() else None,
+        "weights_sha256": texts.sha256(weights)
+        if weights and weights.is_file()
+        else None,
         "architecture": type(lm).__name__,
         "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "load_seconds": round(load_s, 1),
