@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""GPU benchmark: the quantized host pools of every registered host format
-(INT8, K8V4, INT4, ...: fused Triton and torch paths) against the stock BF16
-host pool, side by side in one run, at Qwen3-8B geometry; and the MLA INT8
-kernels at DeepSeek geometry ("mla_codec").
+"""GPU benchmark: the host pools of every registered host format (INT8,
+K8V4, INT4, ...: fused Triton and torch paths) against the stock BF16 host
+pool, side by side in one run, at Qwen3-8B geometry; and every format's
+kernels, MLA ones at DeepSeek geometry ("codec"). Formats come from the
+registry (`pool_host/host_format.py`, HOST_DTYPES): a new entry is measured
+without a change here.
 
 Measured, for 4k and 16k tokens (--tokens) and each (layout, page size) config:
-  restore  time per layer (host -> device, plus decode for INT8): all layers
+  restore  time per layer (host -> device, plus decode): all layers
            restored back to back on one transfer stream, total / layers
   backup   time of one all-layer backup (device -> host, plus encode)
 for these implementations (<fmt> = each registered format, pool from the
@@ -20,7 +22,7 @@ are in this build, `fused_available`):
                       with --stock-jit, where they load (nvcc + tvm-ffi: a
                       compile of minutes, so not in the default short run)
   bf16_triton_copy    stock host buffers, a Triton zero-copy gather/scatter
-                      copy with the same structure as the fused INT8 kernels
+                      copy with the same structure as the fused kernels
                       (what io_backend=kernel does, for when its kernels are
                       unavailable)
   bf16_dma            stock layer_first buffers, one cudaMemcpyAsync per layer
@@ -29,12 +31,11 @@ are in this build, `fused_available`):
 Host and device indices are contiguous ranges (the best case for BF16 DMA).
 Every timed restore is checked bit for bit against the format's reference
 encode + decode of the unit (page) the row belongs to.
-Also: device copy bandwidth (D2D copy_), pinned PCIe bandwidth, INT8 codec
-throughput (encode / decode device->device, all bytes read + written) at the
-default tiles (--sweep: a few tile sizes), and every format's fused encode /
-decode throughput through its format object (page size 64). INT8's targets
-(from its issue) are evaluated at the end, and "figures" sums up what the
-README quotes, per format.
+Also: device copy bandwidth (D2D copy_), pinned PCIe bandwidth, and each
+format's fused encode / decode throughput per model kind and unit size, with
+the records on the device and (CUDA) in pinned host memory, each run checked
+against the format's reference. INT8's targets (from its issue) are evaluated
+at the end, and "figures" sums up what the docs quote, per format.
 
 Sized for a short GPU slot: each measurement repeats until --iters or its
 share of the time budget is spent, sizes left when --budget-s runs out are
@@ -74,7 +75,6 @@ from gpu_support import (  # noqa: E402
     install_gpu_standins,
     make_device_pool,
     make_host_pool,
-    make_mla_device_pool,
     missing_packages,
     same_bits,
 )
@@ -98,22 +98,11 @@ STANDINS = install_gpu_standins()
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec  # noqa: E402
-from sglang.kernels.ops.kvcache import kv_int8_triton as kt  # noqa: E402
-from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk  # noqa: E402
-from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import (  # noqa: E402
-    MLAInt8HostFormat,
-)
-from sglang.kernels.ops.kvcache import kv_int4_triton as k4  # noqa: E402
-from tests.support.int4_reference import (  # noqa: E402
-    Host,
-    reference_decode,
-    reference_records,
-)
+from sglang.kernels.ops.kvcache.host_kv_common import DeviceLayerTable  # noqa: E402
 from sglang.srt.mem_cache.pool_host import mha as stock_mha  # noqa: E402
 from sglang.srt.mem_cache.pool_host.host_format import (  # noqa: E402
+    HOST_DTYPES,
     host_format_cls,
-    host_format_names,
 )
 from sglang.srt.mem_cache.pool_host.mha import (  # noqa: E402
     MHATokenToKVPoolHost,
@@ -237,8 +226,8 @@ class StockTritonCopy:
     def __init__(self, stock, device):
         self.stock = stock
         self.tables = [
-            kt.DeviceLayerTable(stock.device_k_buffers),
-            kt.DeviceLayerTable(stock.device_v_buffers),
+            DeviceLayerTable(stock.device_k_buffers),
+            DeviceLayerTable(stock.device_v_buffers),
         ]
         self.zero = torch.zeros(stock.layer_num, dtype=torch.int64, device=device)
         H, D = stock.head_num, stock.head_dim
@@ -301,285 +290,121 @@ def bandwidth(clock, device, dry) -> dict:
     return out
 
 
-def codec_throughput(clock, device, geo, tokens, dry, copy_gbps, sweep_tiles) -> dict:
-    """Encode (all layers) and decode (per layer) device -> device."""
-    L, H, D = geo["layer_num"], geo["head_num"], geo["head_dim"]
-    dev_pool = make_device_pool(
-        layer_num=L, head_num=H, head_dim=D, tokens=tokens, device=device
-    )
-    for buf in dev_pool.k_buffer + dev_pool.v_buffer:
-        buf.normal_()
-    k_tab = kt.DeviceLayerTable(dev_pool.k_buffer)
-    v_tab = kt.DeviceLayerTable(dev_pool.v_buffer)
-    idx = torch.arange(1, tokens + 1, device=device)
-    k_rec = torch.empty(tokens + 1, L, 1, H, D, dtype=torch.int8, device=device)
-    v_rec = torch.empty_like(k_rec)
-    s_rec = torch.empty(tokens + 1, L, 1, 2, H, dtype=torch.float16, device=device)
-    kv_bytes = 2 * tokens * L * H * D
-    enc_bytes = kv_bytes * 2 + kv_bytes + tokens * L * 2 * H * 2
-    dec_layer_bytes = (kv_bytes * 2 + kv_bytes + tokens * L * 2 * H * 2) / L
-
-    sweep = [(kt.ENCODE_TILE, kt.ENCODE_WARPS)]
-    if sweep_tiles:
-        sweep += [(4096, 4), (8192, 8), (16384, 8), (32768, 8)]
-    out = {"tokens": tokens, "layers": L, "encode": [], "decode": []}
-    for tile, warps in sweep:
-
-        def enc():
-            kt.encode_gather(
-                k_tab, v_tab, idx, k_rec, v_rec, s_rec, idx, unit_tokens=1,
-                tile=tile, num_warps=warps,
-            )  # fmt: skip
-
-        t = clock.run(enc, iters=3 if not dry else 1)
-        out["encode"].append(
-            {"tile": tile, "num_warps": warps, "ms": t["ms"],
-             "GBps": enc_bytes / t["ms"] / 1e6}
-        )  # fmt: skip
-
-        def dec():
-            for layer in range(L):
-                kt.decode_scatter(
-                    k_rec[:, layer], v_rec[:, layer], s_rec[:, layer], idx,
-                    dev_pool.k_buffer[layer], dev_pool.v_buffer[layer], idx,
-                    unit_tokens=1, tile=tile, num_warps=warps,
-                )  # fmt: skip
-
-        t = clock.run(dec, iters=3 if not dry else 1)
-        out["decode"].append(
-            {"tile": tile, "num_warps": warps, "ms_per_layer": t["ms"] / L,
-             "GBps": dec_layer_bytes * L / t["ms"] / 1e6}
-        )  # fmt: skip
-    for name in ("encode", "decode"):
-        best = max(out[name], key=lambda r: r["GBps"])
-        out[f"{name}_best"] = best
-        out[f"{name}_best_fraction_of_copy_bw"] = best["GBps"] / copy_gbps
-
-    # The torch codec on the same device, one layer (K and V), for reference.
-    rows_k = dev_pool.k_buffer[0][1 : tokens + 1]
-    q = torch.empty_like(rows_k, dtype=torch.int8)
-    s = torch.empty(rows_k.shape[:-1], dtype=torch.float16, device=device)
-    t = clock.run(lambda: codec.quantize_into(rows_k, q, s), iters=3 if not dry else 1)
-    out["torch_quantize_into_GBps"] = (
-        (rows_k.numel() * 3 + s.numel() * 2) / t["ms"] / 1e6
-    )
-    o = torch.empty_like(rows_k)
-    t = clock.run(lambda: codec.dequantize_into(q, s, o), iters=3 if not dry else 1)
-    out["torch_dequantize_into_GBps"] = (
-        (rows_k.numel() * 3 + s.numel() * 2) / t["ms"] / 1e6
-    )
-    del dev_pool, k_rec, v_rec, s_rec
-    return out
-
-
-# DeepSeek V2/V3 latent widths; fewer layers than the model's 61 (per-layer
-# figures do not depend on the count).
+# DeepSeek V2/V3 latent widths (512 + 64 RoPE, one head); fewer layers than
+# the model's 61 (per-layer figures do not depend on the count).
 MLA_GEOMETRY = dict(layer_num=8, kv_lora_rank=512, qk_rope_head_dim=64)
+# Units per model kind: page 64 (INT4's per-channel keys) and layer_first's
+# one token for MHA; the MLA pool's one token.
+CODEC_UNITS = {"mha": (64, 1), "mla": (1,)}
 
 
-def mla_codec_throughput(clock, device, tokens, dry, copy_gbps, pcie_gbps) -> dict:
-    """kv_mla_int8_triton at DeepSeek geometry: encode (all layers, one
-    launch) and decode (per layer) into device records (vs device copy
-    bandwidth) and into pinned host records through UVA (the pool's direct
-    path, vs PCIe bandwidth); restored rows checked against the torch codec
-    on the same device."""
-    L = 2 if dry else MLA_GEOMETRY["layer_num"]
-    rank, rope = MLA_GEOMETRY["kv_lora_rank"], MLA_GEOMETRY["qk_rope_head_dim"]
-    dev_pool = make_mla_device_pool(layer_num=L, tokens=tokens, device=device)
-    for buf in dev_pool.kv_buffer:
-        buf.normal_()
-    table = mk.DeviceLayerTable(dev_pool.kv_buffer)
-    idx = torch.arange(1, tokens + 1, device=device)
-    fmt = MLAInt8HostFormat((rank + rope,), 1, 1, dev_pool.dtype, rope_dim=rope)
-    row_bytes = (rank + rope) * 2
-    rec_bytes = fmt.bytes_per_token()
-    out = {"tokens": tokens, "layers": L, "geometry": {**MLA_GEOMETRY, "layer_num": L},
-           "host_bytes_per_token_layer": rec_bytes,
-           "ratio_vs_bf16": row_bytes / rec_bytes, "checks": {}}  # fmt: skip
-    places = ("device", "host") if clock.cuda else ("device",)
-    iters = 1 if dry else 3
-    for where in places:
-        records = {}
-        for r in fmt.records:
-            t = torch.empty((tokens + 1, L, *r.shape), dtype=r.dtype,
+def _codec_geometry(kind, geo, dry):
+    """(layers, head_num, per-side widths) of a kind's codec benchmark."""
+    if kind == "mla":
+        width = MLA_GEOMETRY["kv_lora_rank"] + MLA_GEOMETRY["qk_rope_head_dim"]
+        return (2 if dry else MLA_GEOMETRY["layer_num"]), 1, (width,)
+    return geo["layer_num"], geo["head_num"], (geo["head_dim"], geo["v_head_dim"])
+
+
+def _codec_run(clock, fmt, src, dst, L, tokens, where, iters) -> dict:
+    """One format's fused encode (all layers, one launch) and decode (one
+    launch per layer) with its records on the device or in pinned host memory
+    (UVA, the pools' direct path); the first units of the first and last layer
+    checked bit for bit against the format's reference encode and decode."""
+    device = src[0][0].device
+    ut = fmt.unit_tokens
+    records = {
+        r.name: torch.empty((tokens // ut, L, *r.shape), dtype=r.dtype,
                             device=device if where == "device" else "cpu",
-                            pin_memory=where == "host" and clock.cuda)  # fmt: skip
-            records[r.name] = t
-        enc = clock.run(
-            lambda: mk.encode_gather([table], idx, records, idx), iters=iters
-        )
-        restored = torch.empty_like(dev_pool.kv_buffer[0])
-
-        def dec():
-            for layer in range(L):
-                layer_records = {k: v[:, layer] for k, v in records.items()}
-                mk.decode_scatter(layer_records, idx, [restored], idx)
-
-        t = clock.run(dec, iters=iters)
-        moved = tokens * L * (row_bytes + rec_bytes)
-        ref = torch.empty_like(restored[1 : tokens + 1])
-        fmt.decode_into(
-            {k: v[1 : tokens + 1, L - 1] for k, v in records.items()}, [ref[:, None]]
-        )
-        out["checks"][f"{where}_restore_equals_torch_codec"] = same_bits(
-            restored[1 : tokens + 1], ref
-        )
-        bound = copy_gbps if where == "device" else pcie_gbps
-        out[where] = {
-            "encode_ms": enc["ms"], "encode_GBps": moved / enc["ms"] / 1e6,
-            "decode_ms_per_layer": t["ms"] / L,
-            "decode_GBps": moved / t["ms"] / 1e6,
-            "bound_GBps": bound,
-            "note": "bytes of device rows + records per second"
-            + ("" if where == "device" else "; the records cross PCIe"),
-        }  # fmt: skip
-        del records
-    del dev_pool
-    return out
-
-
-def format_codec_throughput(clock, device, geo, tokens, dry, copy_gbps) -> dict:
-    """Each registered format's fused encode (all layers) and decode (per
-    layer) device -> device through its format object, at page size 64 (the
-    unit INT4's per-channel keys need), against the device copy bandwidth.
-    GB/s counts the device-dtype bytes of K and V, so formats compare."""
-    L, H, D = geo["layer_num"], geo["head_num"], geo["head_dim"]
-    unit = 64
-    tokens = max(unit, tokens // unit * unit)
-    dev_pool = make_device_pool(
-        layer_num=L, head_num=H, head_dim=D, tokens=tokens + unit, device=device
-    )
-    for buf in dev_pool.k_buffer + dev_pool.v_buffer:
-        buf.normal_()
-    tables = (
-        kt.DeviceLayerTable(dev_pool.k_buffer),
-        kt.DeviceLayerTable(dev_pool.v_buffer),
-    )
-    dev_idx = torch.arange(unit, tokens + unit, device=device)
-    host_idx = torch.arange(0, tokens, device=device)
-    kv_bytes = 2 * tokens * L * H * D * dev_pool.k_buffer[0].element_size()
-    out = {"tokens": tokens, "unit_tokens": unit, "formats": {}}
-    for name in host_format_names():
-        fmt = host_format_cls(name)((D, D), H, unit, dev_pool.k_buffer[0].dtype)
-        row = out["formats"][name] = {"fused_available": fmt.fused_available(
-            torch.device(device))}  # fmt: skip
-        if not row["fused_available"]:
-            continue
-        records = {
-            r.name: torch.empty(tokens // unit, L, *r.shape, dtype=r.dtype, device=device)
-            for r in fmt.records
-        }  # fmt: skip
-        try:
-            t = clock.run(
-                lambda: fmt.encode_gather(tables, dev_idx, records, host_idx),
-                iters=3 if not dry else 1,
-            )
-            row["encode_ms"] = t["ms"]
-            row["encode_GBps"] = kv_bytes / t["ms"] / 1e6
-
-            def dec():
-                for layer in range(L):
-                    fmt.decode_scatter(
-                        {n: r[:, layer] for n, r in records.items()}, host_idx,
-                        (dev_pool.k_buffer[layer], dev_pool.v_buffer[layer]), dev_idx,
-                    )  # fmt: skip
-
-            t = clock.run(dec, iters=3 if not dry else 1)
-            row["decode_ms_per_layer"] = t["ms"] / L
-            row["decode_GBps"] = kv_bytes / t["ms"] / 1e6
-            for op in ("encode", "decode"):
-                row[f"{op}_fraction_of_copy_bw"] = row[f"{op}_GBps"] / copy_gbps
-        except Exception as e:  # record and go on: one format must not sink the run
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-            traceback.print_exc()
-    del dev_pool
-    return out
-
-
-# (format, unit tokens): per-channel keys at page 64, per-token keys at
-# layer_first's unit of one token, INT8 keys with INT4 values.
-INT4_FORMATS = (("int4", 64), ("int4", 1), ("k8v4", 64))
-
-
-def int4_codec_throughput(clock, device, geo, tokens, dry, copy_gbps) -> dict:
-    """The INT4 / K8V4 kernels: encode (all layers, one launch) and decode
-    (one launch per layer) with the records in device memory and, on CUDA,
-    in pinned host memory (UVA, what the pools' direct path does). GB/s count
-    device KV bytes read or written plus record bytes. Each run's restore of
-    a few units is checked against the reference (tests/support/int4_reference.py)."""
-    L, H, D = geo["layer_num"], geo["head_num"], geo["head_dim"]
-    g = torch.Generator(device=device).manual_seed(1)
-    k_src = [
-        torch.empty(tokens, H, D, dtype=torch.bfloat16, device=device).normal_(
-            generator=g
-        )
-        for _ in range(L)
-    ]
-    v_src = [torch.empty_like(t).normal_(generator=g) for t in k_src]
-    tables = (k4.DeviceLayerTable(k_src), k4.DeviceLayerTable(v_src))
-    k_dst = [torch.empty_like(t) for t in k_src]
-    v_dst = [torch.empty_like(t) for t in v_src]
+                            pin_memory=where == "pinned")
+        for r in fmt.records
+    }  # fmt: skip
+    tables = [DeviceLayerTable(side) for side in src]
     idx = torch.arange(tokens, device=device)
-    kv_bytes = 2 * tokens * L * H * D * 2
-    out = {"tokens": tokens, "layers": L, "runs": [], "failed_checks": []}
-    iters = 1 if dry else 3
-    for fmt, ut in INT4_FORMATS:
-        for where in ("device", "pinned") if clock.cuda else ("device",):
-            host = Host(fmt, tokens // ut, L, ut, H, D, D)
-            for name, buf in host.bufs.items():
-                host.bufs[name] = (
-                    buf.to(device) if where == "device" else buf.pin_memory()
-                )
-            rec_bytes = sum(b.numel() * b.element_size() for b in host.bufs.values())
 
-            def enc():
-                k4.encode_gather(tables, idx, host.all_layers(), idx)
+    def dec():
+        for layer in range(L):
+            fmt.decode_scatter({n: r[:, layer] for n, r in records.items()}, idx,
+                               [side[layer] for side in dst], idx)  # fmt: skip
 
-            def dec():
-                for layer in range(L):
-                    k4.decode_scatter(
-                        host.layer(layer), idx, (k_dst[layer], v_dst[layer]), idx
-                    )
+    t_enc = clock.run(lambda: fmt.encode_gather(tables, idx, records, idx), iters=iters)
+    t_dec = clock.run(dec, iters=iters)
+    clock.sync()
+    kv_bytes = sum(t.numel() * t.element_size() for side in src for t in side)
+    rec_bytes = sum(r.numel() * r.element_size() for r in records.values())
+    moved = kv_bytes + rec_bytes
+    run = {
+        "format": fmt.name, "unit_tokens": ut, "records": where,
+        "encode_ms": t_enc["ms"], "encode_GBps": moved / t_enc["ms"] / 1e6,
+        "decode_ms_per_layer": t_dec["ms"] / L,
+        "decode_GBps": moved / t_dec["ms"] / 1e6,
+        "host_bytes_per_token_layer": fmt.bytes_per_token(),
+        "ratio_vs_device": kv_bytes / rec_bytes,
+        "checks": {"records_match_reference": True, "restore_matches_reference": True},
+    }  # fmt: skip
+    units = min(4, tokens // ut)
+    for layer in (0, L - 1):
+        rows = [s[layer][: units * ut].cpu().view(units, ut, *s[layer].shape[1:]) for s in src]  # fmt: skip
+        want = fmt.encode_reference(rows)
+        got = [d[layer][: units * ut].cpu().view_as(r) for d, r in zip(dst, rows)]
+        run["checks"]["records_match_reference"] &= all(
+            same_bits(records[n][:units, layer].cpu(), want[n]) for n in want
+        )
+        ref = fmt.decode_reference(want, rows[0].dtype)
+        run["checks"]["restore_matches_reference"] &= all(
+            same_bits(a, b) for a, b in zip(got, ref)
+        )
+    del records
+    return run
 
-            t_enc = clock.run(enc, iters=iters)
-            t_dec = clock.run(dec, iters=iters)
-            moved = kv_bytes + rec_bytes
-            run = {
-                "format": fmt, "unit_tokens": ut, "records": where,
-                "encode_ms": t_enc["ms"], "encode_GBps": moved / t_enc["ms"] / 1e6,
-                "decode_ms_per_layer": t_dec["ms"] / L,
-                "decode_GBps": moved / t_dec["ms"] / 1e6,
-                "host_bytes_per_token_layer": rec_bytes / tokens / L,
-            }  # fmt: skip
-            clock.sync()
-            units = min(4, tokens // ut)
-            probe = {n: b[:units, 0].cpu() for n, b in host.bufs.items()}
-            rows = units * ut
-            want, _, _ = reference_records(
-                fmt,
-                k_src[0][:rows].cpu().view(units, ut, H, D),
-                v_src[0][:rows].cpu().view(units, ut, H, D),
-            )
-            k_ref, v_ref = reference_decode(fmt, want, torch.bfloat16)
-            run["checks"] = {
-                "records_match_reference": all(
-                    same_bits(probe[n], want[n]) for n in want
-                ),
-                "restore_matches_reference": same_bits(
-                    k_dst[0][:rows].cpu(), k_ref.reshape(rows, H, D)
-                )
-                and same_bits(v_dst[0][:rows].cpu(), v_ref.reshape(rows, H, D)),
-            }
-            out["failed_checks"] += [
-                f"{fmt}/p{ut}/{where}: {c}" for c, ok in run["checks"].items() if not ok
-            ]
-            out["runs"].append(run)
-            print(f"[bench] {fmt}/p{ut} records in {where}: encode "
-                  f"{run['encode_GBps']:.1f} GB/s, decode {run['decode_GBps']:.1f} "
-                  f"GB/s", flush=True)  # fmt: skip
 
-    out["device_copy_GBps"] = copy_gbps
+def codec_throughput(clock, device, geo, tokens, dry, copy_gbps, pcie_gbps) -> dict:
+    """Every registered format, per model kind it supports (MHA at Qwen3-8B
+    geometry, MLA at DeepSeek's) and unit size: fused encode / decode GB/s
+    (device KV bytes read or written plus record bytes) against the device
+    copy bandwidth (records on the device) or PCIe (pinned records, CUDA)."""
+    out = {"tokens": tokens, "device_copy_GBps": copy_gbps, "pcie_GBps": pcie_gbps,
+           "mla_geometry": MLA_GEOMETRY, "runs": [], "skipped": [], "failed_checks": []}  # fmt: skip
+    places = ("device", "pinned") if clock.cuda else ("device",)
+    g = torch.Generator(device=device).manual_seed(1)
+    for kind, units in CODEC_UNITS.items():
+        L, H, dims = _codec_geometry(kind, geo, dry)
+        src = [[torch.empty(tokens, H, d, dtype=torch.bfloat16, device=device).normal_(generator=g)
+                for _ in range(L)] for d in dims]  # fmt: skip
+        dst = [[torch.empty_like(t) for t in side] for side in src]
+        for name, entry in HOST_DTYPES.items():
+            if getattr(entry, f"{kind}_format") is None:
+                continue
+            for ut in units:
+                what = f"{name}/{kind}/p{ut}"
+                try:
+                    fmt = host_format_cls(name, kind)(dims, H, ut, torch.bfloat16)
+                except NotImplementedError as e:  # a geometry the format refuses
+                    out["skipped"].append(f"{what}: {e}")
+                    continue
+                if not fmt.fused_available(torch.device(device)):
+                    out["skipped"].append(f"{what}: no fused kernels in this build")
+                    continue
+                for where in places:
+                    try:
+                        run = _codec_run(clock, fmt, src, dst, L, tokens, where, 1 if dry else 3)
+                    except Exception as e:  # record and go on: one format must not sink the run
+                        out["failed_checks"].append(f"{what}/{where}: {type(e).__name__}: {e}"[:500])
+                        traceback.print_exc()
+                        continue
+                    run["kind"] = kind
+                    run["bound_GBps"] = copy_gbps if where == "device" else pcie_gbps
+                    out["runs"].append(run)
+                    out["failed_checks"] += [f"{what}/{where}: {c}" for c, ok in run["checks"].items() if not ok]  # fmt: skip
+                    print(f"[bench] {what} records in {where}: encode {run['encode_GBps']:.1f} "
+                          f"GB/s, decode {run['decode_GBps']:.1f} GB/s", flush=True)  # fmt: skip
+        del src, dst
     return out
+
+
+def _codec_row(codec, name, kind="mha", unit=1, where="device"):
+    return next((r for r in codec.get("runs", []) if (r["format"], r["kind"], r["unit_tokens"],
+                 r["records"]) == (name, kind, unit, where)), {})  # fmt: skip
 
 
 def build_config(device, geo, layout, page, max_tokens, pin, stock_jit):
@@ -599,7 +424,7 @@ def build_config(device, geo, layout, page, max_tokens, pin, stock_jit):
             dev_pool, cls=get_mha_host_pool_cls(info, name), layout=layout,
             host_tokens=max_tokens + page, pin_memory=pin,
         )  # fmt: skip
-        for name in host_format_names()
+        for name in HOST_DTYPES
     }
     if not stock_jit:
         stock_mha.can_use_hicache_jit_kernel = lambda **kwargs: False
@@ -883,8 +708,10 @@ def evaluate_targets(configs, codec_out) -> dict:
                         "ratios_vs_each_bf16": {k: table[variant] / v for k, v in ref.items()},
                         "pass": ratio <= limit,
                     })  # fmt: skip
-    enc = codec_out.get("encode_best_fraction_of_copy_bw")
-    dec = codec_out.get("decode_best_fraction_of_copy_bw")
+    int8 = _codec_row(codec_out, "int8")
+    copy = codec_out.get("device_copy_GBps")
+    enc = int8["encode_GBps"] / copy if int8 and copy else None
+    dec = int8["decode_GBps"] / copy if int8 and copy else None
 
     def verdict(rows, variant):
         sel = [r["pass"] for r in rows if r["int8"] == variant]
@@ -906,7 +733,7 @@ def evaluate_targets(configs, codec_out) -> dict:
     }
 
 
-def headline_figures(configs, codec_out, bw, codec_formats=None) -> dict:
+def headline_figures(configs, codec_out, bw) -> dict:
     """What the README quotes: per config and size, restore and backup ms per
     layer of the default INT8 path and the best BF16 baseline, and the
     codec's GB/s against the device copy's."""
@@ -937,17 +764,20 @@ def headline_figures(configs, codec_out, bw, codec_formats=None) -> dict:
                         for k, v in table.items()
                         if k.startswith(name + "_")
                     }
-                    for name in host_format_names()
+                    for name in HOST_DTYPES
                 }
             rows.append(entry)
     return {
         "transfers": rows,
+        # Per format, model kind, unit and where the records live.
         "codec_by_format": {
-            name: {k: v for k, v in row.items() if k.endswith(("GBps", "bw"))}
-            for name, row in (codec_formats or {}).get("formats", {}).items()
+            f"{r['format']}/{r['kind']}/p{r['unit_tokens']}/{r['records']}": {
+                k: v for k, v in r.items() if k.endswith("GBps")
+            }
+            for r in codec_out.get("runs", [])
         },
-        "codec_encode_GBps": (codec_out.get("encode_best") or {}).get("GBps"),
-        "codec_decode_GBps": (codec_out.get("decode_best") or {}).get("GBps"),
+        "codec_encode_GBps": _codec_row(codec_out, "int8").get("encode_GBps"),
+        "codec_decode_GBps": _codec_row(codec_out, "int8").get("decode_GBps"),
         "device_copy_GBps": bw.get("device_copy_GBps"),
         "h2d_GBps": bw.get("h2d_GBps"),
         "d2h_GBps": bw.get("d2h_GBps"),
@@ -968,8 +798,6 @@ def main(argv=None) -> int:
                         help="skip what is left after this many seconds")  # fmt: skip
     parser.add_argument("--stock-jit", action="store_true",
                         help="also try SGLang's JIT HiCache kernels (nvcc compile, minutes)")  # fmt: skip
-    parser.add_argument("--sweep", action="store_true",
-                        help="codec throughput at several tile sizes, not just the defaults")  # fmt: skip
     parser.add_argument("--dry-run", action="store_true",
                         help="CPU, Triton interpreter, tiny sizes: checks the script")  # fmt: skip
     args = parser.parse_args(argv)
@@ -1008,10 +836,6 @@ def main(argv=None) -> int:
             "and K/V over contiguous ranges: best case of io_backend=direct",
         },
         "index_pattern": "contiguous host and device ranges (best case for BF16 DMA)",
-        "kernel_defaults": {
-            "ENCODE_TILE": kt.ENCODE_TILE, "ENCODE_WARPS": kt.ENCODE_WARPS,
-            "DECODE_TILE": kt.DECODE_TILE, "DECODE_WARPS": kt.DECODE_WARPS,
-        },  # fmt: skip
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -1023,26 +847,12 @@ def main(argv=None) -> int:
         result["bandwidth"] = bandwidth(clock, device, args.dry_run)
         save()
         copy_gbps = result["bandwidth"]["device_copy_GBps"]
-        result["codec"] = codec_throughput(
-            clock, device, geo, 256 if args.dry_run else 16384, args.dry_run,
-            copy_gbps, args.sweep,
-        )  # fmt: skip
-        result["codec_formats"] = format_codec_throughput(
-            clock, device, geo, 256 if args.dry_run else 16384, args.dry_run,
-            copy_gbps,
-        )  # fmt: skip
-        save()
         pcie = min(
             result["bandwidth"].get(k, copy_gbps) for k in ("h2d_GBps", "d2h_GBps")
         )
-        result["mla_codec"] = mla_codec_throughput(
-            clock, device, 256 if args.dry_run else 16384, args.dry_run, copy_gbps,
-            pcie,
-        )  # fmt: skip
-        save()
-        result["int4_codec"] = int4_codec_throughput(
+        result["codec"] = codec_throughput(
             clock, device, geo, 256 if args.dry_run else 16384, args.dry_run,
-            copy_gbps,
+            copy_gbps, pcie,
         )  # fmt: skip
         save()
         result["configs"] = []
@@ -1057,17 +867,8 @@ def main(argv=None) -> int:
         measured = [c for c in result["configs"] if "sizes" in c]
         result["targets"] = evaluate_targets(measured, result["codec"])
         result["figures"] = headline_figures(
-            measured, result["codec"], result["bandwidth"], result["codec_formats"]
+            measured, result["codec"], result["bandwidth"]
         )
-        mla = result["mla_codec"]
-        # The MLA kernels' throughput, where the records live: device memory
-        # (vs device copy bandwidth) and, on CUDA, pinned host memory (vs PCIe).
-        result["figures"]["mla"] = {
-            f"{where}_{step}_GBps": round(mla[where][f"{step}_GBps"], 2)
-            for where in ("device", "host")
-            if where in mla
-            for step in ("encode", "decode")
-        }
     except Exception as e:
         result["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-4000:]
         save()
@@ -1080,11 +881,7 @@ def main(argv=None) -> int:
         for row in c["sizes"]
         for name, ok in row.get("checks", {}).items()
         if not ok
-    ] + [
-        f"mla_codec: {name}"
-        for name, ok in result["mla_codec"]["checks"].items()
-        if not ok
-    ] + result["int4_codec"]["failed_checks"]
+    ] + [f"codec: {c}" for c in result["codec"]["failed_checks"]]
     save()
     print(json.dumps(result["figures"], indent=1))
     print(json.dumps(result["targets"]["summary"], indent=1))

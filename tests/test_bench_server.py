@@ -265,15 +265,6 @@ def test_mean_ci_is_the_student_t_interval():
     assert bs.t975(200) == 1.960 and bs.t975(35) == bs.t975(40)
 
 
-def test_prometheus_parsing():
-    text = (
-        '# HELP x\nsglang:hicache_host_total_tokens{a="1"} 1.0683800e+05\n'
-        "sglang:hicache_host_used_tokens 5\n"
-    )
-    assert bs.parse_prometheus_gauge(text, "sglang:hicache_host_total_tokens") == 106838
-    assert bs.parse_prometheus_gauge(text, "sglang:missing") is None
-
-
 def test_dry_run_docker_commands(capsys):
     assert bs.main(["--model", "Qwen/Qwen3-8B", "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()

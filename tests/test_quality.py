@@ -19,6 +19,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
+from scripts.common import plot  # noqa: E402
 from scripts.quality import harness as hq  # noqa: E402
 from scripts.quality import texts  # noqa: E402
 
@@ -413,8 +414,8 @@ def test_windows_do_not_overlap_and_are_seeded():
 
 
 def test_histogram_handles_all_zero_series(tmp_path):
-    hq.kl_histogram_png(
+    plot.kl_histogram(
         {"bf16": [0.0] * 10, "int8": [1e-5, 3e-4, 2e-3]}, tmp_path / "h.png"
     )
-    hq.kl_histogram_png({"bf16": [0.0] * 10}, tmp_path / "z.png")
+    plot.kl_histogram({"bf16": [0.0] * 10}, tmp_path / "z.png")
     assert (tmp_path / "z.png").read_bytes()[:4] == b"\x89PNG"

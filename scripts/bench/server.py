@@ -36,16 +36,21 @@ import math
 import os
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Optional
+
+from scripts.common.server import (
+    ServerError,
+    ServerProcess,
+    http,
+    metric,
+    parse_prometheus,
+)
 
 STOCK_IMAGE = "lmsysorg/sglang:v0.5.23-cu130"
 PATCHED_IMAGE = "hiqcache/sglang:0.5.23-hiq"
@@ -262,103 +267,41 @@ def bench_command(cfg: Config, args: list[str], out_dir: Path) -> list[str]:
 # --------------------------------------------------------------------------
 
 
-def http_get(url: str, timeout: float = 10) -> tuple[int, str]:
+def _get(url: str, timeout: float = 10):
+    """A GET's reply, or None when the server does not answer it."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, ""
-    except (urllib.error.URLError, OSError):
-        return 0, ""
+        return http(url, timeout=timeout)
+    except ServerError:
+        return None
 
 
-class Server:
+class Server(ServerProcess):
     """One server process this script started, and only that one."""
 
     def __init__(
         self, cfg: Config, arm: str, port: int, gpu: str, log_dir: Path, tag: str
     ):
         self.cfg, self.arm, self.port = cfg, arm, port
-        self.name = f"hiq-bench-{arm}-{os.getpid()}-{tag}"
-        self.argv, self.env = server_command(cfg, arm, port, gpu, self.name)
-        self.base_url = f"http://{cfg.host}:{port}"
-        self.log_path = log_dir / f"server-{arm}-{tag}.log"
-        self.proc: Optional[subprocess.Popen] = None
-        self._log = None
-
-    def start(self) -> None:
-        self._log = open(self.log_path, "w")
-        self._log.write("$ " + shlex.join(self.argv) + "\n")
-        self._log.flush()
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **self.env},
-            start_new_session=True,
-        )
-
-    def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        delay = 0.1
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = "\n".join(self.log_text().splitlines()[-30:])
-                raise RuntimeError(
-                    f"{self.arm} server exited with {self.proc.returncode}:\n{tail}"
-                )
-            status, _ = http_get(self.base_url + "/health", timeout=5)
-            if status == 200:
-                return
-            time.sleep(delay)
-            delay = min(2.0, delay * 1.5)
-        raise TimeoutError(f"{self.arm} server not ready after {timeout:.0f}s")
+        name = f"hiq-bench-{arm}-{os.getpid()}-{tag}"
+        argv, env = server_command(cfg, arm, port, gpu, name)
+        super().__init__(argv, name=name, base_url=f"http://{cfg.host}:{port}",
+                         log_path=log_dir / f"server-{arm}-{tag}.log",
+                         env={**os.environ, **env})  # fmt: skip
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            self._close_log()
-            return
-        flavour = ARMS[self.arm][0]
-        template = self.cfg.stock_cmd if flavour == "stock" else self.cfg.patched_cmd
-        if self.cfg.mode == "docker" and not template:
-            subprocess.run(
-                ["docker", "stop", "-t", "30", self.name],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        else:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-        self._close_log()
-
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-
-def parse_prometheus_gauge(text: str, name: str) -> Optional[float]:
-    pattern = re.compile(
-        rf"^{re.escape(name)}(?:\{{[^}}]*\}})?\s+([-+0-9.eE]+|NaN)\s*$", re.M
-    )
-    values = [float(v) for v in pattern.findall(text)]
-    return max(values) if values else None
+        template = (
+            self.cfg.stock_cmd if ARMS[self.arm][0] == "stock" else self.cfg.patched_cmd
+        )
+        if (
+            self.proc is not None
+            and self.proc.poll() is None
+            and self.cfg.mode == "docker"
+            and not template
+        ):
+            # The container outlives a killed `docker run` client.
+            subprocess.run(["docker", "stop", "-t", "30", self.name],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        super().stop(grace=60)
 
 
 _LOG_CAPACITY = re.compile(r"Allocating kv hierarchical KV host pool: (\d+) tokens")
@@ -368,9 +311,11 @@ _LOG_BYTES_PER_TOKEN = re.compile(r"stores INT8 KV: (\d+) B/token")
 def read_l2_capacity(server: Server) -> tuple[Optional[int], str]:
     """The server's host (L2) pool size in tokens: its HiCache metric, or
     the pool's startup log line."""
-    status, text = http_get(server.base_url + "/metrics")
-    if status == 200:
-        value = parse_prometheus_gauge(text, "sglang:hicache_host_total_tokens")
+    text = _get(server.base_url + "/metrics")
+    if isinstance(text, str):
+        value = metric(
+            parse_prometheus(text), "sglang:hicache_host_total_tokens", "max"
+        )
         if value:
             return int(value), "metrics"
     match = _LOG_CAPACITY.findall(server.log_text())
@@ -380,12 +325,11 @@ def read_l2_capacity(server: Server) -> tuple[Optional[int], str]:
 
 
 def read_server_info(server: Server) -> dict:
-    status, text = http_get(server.base_url + "/server_info")
-    if status != 200:
-        status, text = http_get(server.base_url + "/get_server_info")
-    if status != 200:
+    info = _get(server.base_url + "/server_info")
+    if not isinstance(info, dict):
+        info = _get(server.base_url + "/get_server_info")
+    if not isinstance(info, dict):
         return {}
-    info = json.loads(text)
     keep = (
         "version", "model_path", "hicache_size", "hicache_ratio",
         "hicache_host_dtype", "hicache_mem_layout", "hicache_io_backend",
@@ -472,7 +416,7 @@ def run_all(cfg: Config) -> dict:
         print(f"  start {arm}: {shlex.join(server.argv)}", flush=True)
         server.start()
         live[arm] = server
-        server.wait_ready(cfg.ready_timeout)
+        server.wait_healthy(cfg.ready_timeout)
         info = read_server_info(server)
         check_arm(arm, info)
         servers_info.setdefault(arm, info)
@@ -689,25 +633,16 @@ def parse_args(argv=None) -> Config:
         p.error(f"--arms needs two or more of {', '.join(ARMS)}; got {a.arms!r}")
     if a.repeats < 1:
         p.error("--repeats must be at least 1")
-    split = lambda items: [
-        tok for item in items for tok in shlex.split(item)
-    ]  # noqa: E731
-    return Config(
-        model=a.model, mode=a.mode, arms=arms, repeats=a.repeats, seed=a.seed,
-        hicache_size=a.hicache_size, max_total_tokens=a.max_total_tokens,
-        groups=a.groups, prompts_per_group=a.prompts_per_group,
-        system_prompt_len=a.system_prompt_len, question_len=a.question_len,
-        output_len=a.output_len, concurrency=a.concurrency,
-        warmup_requests=a.warmup_requests, host=a.host, port=a.port,
+    split = lambda items: [tok for item in items for tok in shlex.split(item)]  # noqa: E731
+    # Every flag is the Config field of its name; these four are parsed here.
+    values = {f.name: getattr(a, f.name) for f in fields(Config)}
+    values.update(
+        arms=arms,
         gpus=[g.strip() for g in a.gpus.split(",") if g.strip()],
-        stock_image=a.stock_image, patched_image=a.patched_image,
-        stock_python=a.stock_python, patched_python=a.patched_python,
-        stock_cmd=a.stock_cmd, patched_cmd=a.patched_cmd, bench_cmd=a.bench_cmd,
-        server_args=split(a.server_args), bench_args=split(a.bench_args),
-        hf_cache=a.hf_cache, ready_timeout=a.ready_timeout,
-        bench_timeout=a.bench_timeout, reuse_servers=a.reuse_servers,
-        out=a.out, dry_run=a.dry_run,
-    )  # fmt: skip
+        server_args=split(a.server_args),
+        bench_args=split(a.bench_args),
+    )
+    return Config(**values)
 
 
 def main(argv=None) -> int:

@@ -1,1 +1,1 @@
-"""Helpers shared by the CPU tools in scripts/ (demo, quality)."""
+"""Helpers shared by the tools in scripts/ (and, for server.py, tests.support)."""

@@ -39,7 +39,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from scripts.demo import live, pools, replay, report, workload
+from scripts.common import plot
+from scripts.demo import live, pools, replay, workload
 from scripts.demo.report import pm, spread
 
 DEFAULT_SWEEP = (1, 2, 4, 6, 8, 12, 16)
@@ -500,8 +501,8 @@ def main(argv=None) -> int:
         live_result.agreement = agreement
         png = args.out / f"{args.name}-live.png"
         args.out.mkdir(parents=True, exist_ok=True)
-        backend = live.plot(live_result, png)
-        print(f"wrote {png} ({backend})")
+        live.plot(live_result, png)
+        print(f"wrote {png}")
         print()
     if args.no_replay:
         if live_result is None:
@@ -545,7 +546,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     png_path = args.out / f"{args.name}.png"
     w = workloads[0]
-    backend = report.plot_sweep(
+    plot.plot_sweep(
         sweep,
         formats,
         spread(best)[0],
@@ -557,7 +558,7 @@ def main(argv=None) -> int:
     )
     live_time = f"live {live_result.seconds:.0f}s, " if live_result else ""
     print(
-        f"wrote {json_path} and {png_path} ({backend}); time: {live_time}A {t_a:.0f}s, "
+        f"wrote {json_path} and {png_path}; time: {live_time}A {t_a:.0f}s, "
         f"B {t_b:.0f}s, total {time.perf_counter() - t_start:.0f}s"
     )
     ok = never_worse and (live_result is None or live.passed(live_result))

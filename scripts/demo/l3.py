@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
+from scripts.common import plot
 from scripts.common.cpu_sglang import REPO_ROOT as ROOT
 from scripts.common.cpu_sglang import install_cpu_standins
 
@@ -331,89 +332,9 @@ def main(argv=None) -> int:
     json_path = args.out / "demo-l3.json"
     json_path.write_text(json.dumps(result, indent=2))
     png_path = args.out / "demo-l3.png"
-    plot(result, png_path)
+    plot.plot_l3(result, png_path)
     print(f"\nwrote {json_path} and {png_path} in {result['seconds']:.0f} s")
     return 0
-
-
-def plot(result, path: Path) -> None:
-    from PIL import Image, ImageDraw, ImageFont
-
-    W, H = 1200, 520
-    img = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(img)
-    try:
-        font = ImageFont.load_default(size=15)
-    except TypeError:
-        font = ImageFont.load_default()
-    colors = {"bf16": "#4c72b0", "int8": "#dd8452"}
-    # Left: store bytes per token.
-    a = result["bytes_per_token"]
-    left, right, top, bottom = 80, 500, 70, 440
-    top_value = max(r["bytes_per_token"] for r in a.values()) * 1.15
-    d.rectangle([left, top, right, bottom], outline="black")
-    d.text(
-        ((left + right) // 2, 30),
-        "Mooncake store bytes per cached token",
-        fill="black",
-        font=font,
-        anchor="mt",
-    )
-    for i, (label, row) in enumerate(a.items()):
-        x0 = left + 60 + i * 180
-        y = bottom - (bottom - top) * row["bytes_per_token"] / top_value
-        d.rectangle([x0, y, x0 + 120, bottom], fill=colors[label])
-        d.text(
-            (x0 + 60, y - 6),
-            f"{row['bytes_per_token']:,.0f} B",
-            fill="black",
-            font=font,
-            anchor="mb",
-        )
-        d.text((x0 + 60, bottom + 10), label, fill="black", font=font, anchor="mt")
-    # Right: hit rate vs L3 budget.
-    rows = result["hit_rate"]
-    budgets = sorted({r["l3_bytes"] for r in rows})
-    left, right = 620, 1160
-    d.rectangle([left, top, right, bottom], outline="black")
-    d.text(
-        ((left + right) // 2, 30),
-        "hit rate vs L3 budget (same bytes), small L2",
-        fill="black",
-        font=font,
-        anchor="mt",
-    )
-    sx = (
-        lambda i: left + 50 + (right - left - 100) * i / max(1, len(budgets) - 1)
-    )  # noqa: E731
-    sy = lambda v: bottom - (bottom - top) * v  # noqa: E731
-    for v in (0, 0.25, 0.5, 0.75, 1.0):
-        d.line([left, sy(v), right, sy(v)], fill="#e6e6e6")
-        d.text(
-            (left - 8, sy(v)), f"{100 * v:.0f}%", fill="black", font=font, anchor="rm"
-        )
-    d.line([left, sy(result["best"]), right, sy(result["best"])], fill="gray")
-    for i, b in enumerate(budgets):
-        d.text(
-            (sx(i), bottom + 10), f"{b / MB:g} MB", fill="black", font=font, anchor="mt"
-        )
-    for label, color in colors.items():
-        pts = [
-            (sx(budgets.index(r["l3_bytes"])), sy(r["hit_rate"]))
-            for r in rows
-            if r["format"] == label
-        ]
-        d.line(pts, fill=color, width=3)
-        for x, y in pts:
-            d.ellipse([x - 5, y - 5, x + 5, y + 5], fill=color)
-        d.text(
-            (pts[-1][0] - 10, pts[-1][1] - 12),
-            label,
-            fill=color,
-            font=font,
-            anchor="rb",
-        )
-    img.save(path)
 
 
 if __name__ == "__main__":

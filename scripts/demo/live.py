@@ -1016,10 +1016,10 @@ def print_scale_agreement(res: LiveResult, summary: dict, say=print) -> None:
         )
 
 
-def plot(res: LiveResult, path: Path) -> str:
+def plot(res: LiveResult, path: Path) -> None:
     """Per arm: prompt tokens of the reuse phase served from device, host or
     recomputed (mean per seed), and host tokens at the one budget."""
-    from scripts.demo import report
+    from scripts.common import plot
 
     bars = []
     for arm in res.arms:
@@ -1034,7 +1034,7 @@ def plot(res: LiveResult, path: Path) -> str:
             )
         )
     c = res.config
-    return report.plot_bars(
+    plot.plot_bars(
         bars,
         ("device (L1)", "host (L2), loaded back", "recomputed"),
         path,

@@ -48,7 +48,6 @@ the report lists them.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -64,6 +63,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from scripts.common import plot
 from scripts.common.cpu_sglang import REPO_ROOT, install_cpu_standins
 from scripts.quality import texts
 from scripts.quality.server import pick_windows  # one rule, torch-free there
@@ -168,10 +168,6 @@ def offload_arms(
     if unknown:
         raise ValueError(f"layout for unknown arms {sorted(unknown)}")
     return arms
-
-
-def all_arms() -> tuple[str, ...]:
-    return ("exact", *offload_arms())
 
 
 class RestoreError(RuntimeError):
@@ -280,7 +276,9 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
         "model": label,
         "path": model_dir,
         "gguf_file": gguf_file,
-        "weights_sha256": _sha256(weights) if weights and weights.is_file() else None,
+        "weights_sha256": texts.sha256(weights)
+        if weights and weights.is_file()
+        else None,
         "architecture": type(lm).__name__,
         "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "load_seconds": round(load_s, 1),
@@ -394,15 +392,6 @@ class OffloadRig:
     def _read(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.view(self.geo.dtype) if self.fp8 else rows
 
-    def _drain(self, queue) -> int:
-        """Wait for acknowledged transfers; return the tokens they covered."""
-        tokens = 0
-        for ack in queue:
-            ack.finish_event.synchronize()
-            tokens += ack.num_tokens
-        queue.clear()
-        return tokens
-
     def round_trip(
         self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], restore: bool = True
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
@@ -420,7 +409,7 @@ class OffloadRig:
         host = ctl.write(dev)
         if host is None:
             raise RuntimeError(f"host pool cannot hold {n} tokens")
-        written = self._drain(ctl.ack_write_queue)
+        written = drain(ctl.ack_write_queue)
         # L1 eviction: the device copy is gone.
         for layer in range(len(kv)):
             pool.k_buffer[layer][dev] = self._poison()
@@ -433,7 +422,7 @@ class OffloadRig:
             if new_dev is None:
                 raise RuntimeError(f"device pool cannot take {n} restored tokens")
             ctl.start_loading()
-            loaded = self._drain(ctl.ack_load_queue)
+            loaded = drain(ctl.ack_load_queue)
             read_idx = new_dev
         else:
             # Read the evicted slots as they are: nothing restored them.
@@ -460,6 +449,16 @@ class OffloadRig:
             "restored_tokens": restored_tokens,
         }
         return restored, stats
+
+
+def drain(queue) -> int:
+    """Wait for a controller's acknowledged transfers; the tokens they covered."""
+    tokens = 0
+    for ack in queue:
+        ack.finish_event.synchronize()
+        tokens += ack.num_tokens
+    queue.clear()
+    return tokens
 
 
 def _whole(x: float) -> float | int:
@@ -941,14 +940,6 @@ def targets_met(report: dict) -> bool:
 # provenance
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -1170,7 +1161,7 @@ def write_outputs(
         json.dumps({**report, "command": command}, indent=1) + "\n"
     )
     paths["md"].write_text(markdown_report(report, command))
-    kl_histogram_png(
+    plot.kl_histogram(
         report["kl_per_token"],
         paths["png"],
         title=(
@@ -1179,88 +1170,3 @@ def write_outputs(
         ),
     )
     return {k: str(v) for k, v in paths.items()}
-
-
-_COLORS = [
-    (31, 119, 180),
-    (214, 39, 40),
-    (44, 160, 44),
-    (148, 103, 189),
-    (255, 127, 14),
-]
-
-
-def kl_histogram_png(
-    series: dict[str, list[float]], path, title: str = "", bins_per_decade: int = 5
-) -> None:
-    """Histogram of log10(KL) per arm (Pillow only). Tokens with KL == 0
-    (bit-identical distributions) can't sit on a log axis; the legend counts
-    them."""
-    from PIL import Image, ImageDraw, ImageFont
-
-    W, H = 960, 560
-    left, right, top, bottom = 80, 30, 60, 80
-    img = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(img)
-    try:
-        font = ImageFont.load_default(size=14)
-        small = ImageFont.load_default(size=12)
-    except TypeError:  # old Pillow
-        font = small = ImageFont.load_default()
-    positive = [x for v in series.values() for x in v if x > 0]
-    lo = math.floor(math.log10(min(positive))) if positive else -8
-    hi = math.ceil(math.log10(max(positive))) if positive else 0
-    lo, hi = max(lo, -12), max(hi, lo + 1)
-    nb = (hi - lo) * bins_per_decade
-    counts = {}
-    for name, vals in series.items():
-        c = [0] * nb
-        for x in vals:
-            if x > 0:
-                b = int((math.log10(x) - lo) * bins_per_decade)
-                c[min(max(b, 0), nb - 1)] += 1
-        counts[name] = c
-    ymax = int(max([max(c) for c in counts.values() if c] + [1]))
-    pw, ph = W - left - right, H - top - bottom
-    d.text((left, 15), title, fill="black", font=font)
-    d.line([(left, top), (left, top + ph), (left + pw, top + ph)], fill="black")
-    for dec in range(lo, hi + 1):
-        x = left + pw * (dec - lo) / (hi - lo)
-        d.line([(x, top + ph), (x, top + ph + 5)], fill="black")
-        d.text((x - 14, top + ph + 8), f"1e{dec}", fill="black", font=small)
-    d.text(
-        (left + pw // 2 - 120, H - 30),
-        "KL divergence per scored token (log scale)",
-        fill="black",
-        font=font,
-    )
-    # y axis in whole, "nice" steps (1, 2, 5 x 10^k), at most ~5 ticks
-    raw = ymax / 4
-    mag = 10 ** math.floor(math.log10(raw)) if raw >= 1 else 1
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    ymax = step * math.ceil(ymax / step)
-    for v in range(0, ymax + 1, step):
-        y = top + ph - ph * v / ymax
-        d.line([(left - 5, y), (left, y)], fill="black")
-        d.text((8, y - 7), f"{v}", fill="black", font=small)
-    d.text((8, top - 25), "tokens", fill="black", font=font)
-    n = max(len(counts), 1)
-    bw = pw / nb
-    for i, (name, c) in enumerate(counts.items()):
-        color = _COLORS[i % len(_COLORS)]
-        for b, cnt in enumerate(c):
-            if cnt:
-                x0 = left + b * bw + i * bw / n
-                # at least one pixel tall, so a bin of 1 among thousands shows
-                y0 = min(top + ph - ph * cnt / ymax, top + ph - 2)
-                d.rectangle([x0, y0, x0 + bw / n - 1, top + ph - 1], fill=color)
-        vals = series[name]
-        zeros = sum(1 for x in vals if x == 0)
-        label = f"{name}: {len(vals)} tokens, {zeros} with KL = 0"
-        if len(vals) > zeros:
-            pos = sorted(x for x in vals if x > 0)
-            label += f", median {pos[len(pos) // 2]:.2e}, max {pos[-1]:.2e}"
-        ly = top + 10 + 20 * i
-        d.rectangle([left + 20, ly, left + 32, ly + 12], fill=color)
-        d.text((left + 40, ly - 2), label, fill="black", font=small)
-    img.save(path)

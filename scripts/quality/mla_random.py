@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from scripts.quality.harness import RestoreError, compare_logits, versions
+from scripts.quality.harness import RestoreError, compare_logits, drain, versions
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Offloaded arms: name -> (host dtype for get_mla_host_pool_cls, default layout).
@@ -182,7 +182,7 @@ class MLAOffloadRig:
         host = ctl.write(dev)
         if host is None:
             raise RestoreError(f"host pool cannot hold {n} tokens")
-        _drain(ctl.ack_write_queue)
+        drain(ctl.ack_write_queue)
         for layer in range(len(rows)):
             pool.kv_buffer[layer][dev] = float("nan")
         alloc.free(dev)
@@ -190,7 +190,7 @@ class MLAOffloadRig:
         if new_dev is None:
             raise RestoreError(f"device pool cannot take {n} restored tokens")
         ctl.start_loading()
-        loaded = _drain(ctl.ack_load_queue)
+        loaded = drain(ctl.ack_load_queue)
         restored = [
             pool.kv_buffer[layer][new_dev].clone() for layer in range(len(rows))
         ]
@@ -206,15 +206,6 @@ class MLAOffloadRig:
                 f"{finite}/{n * len(rows)} rows finite after the load"
             )
         return restored
-
-
-def _drain(queue) -> int:
-    tokens = 0
-    for ack in queue:
-        ack.finish_event.synchronize()
-        tokens += ack.num_tokens
-    queue.clear()
-    return tokens
 
 
 def run_mla_random(

@@ -62,19 +62,15 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.common.server import ServerError, http, metric, parse_prometheus
+
 RESTORE_METRIC = "sglang:load_back_tokens_total"  # labels: pool="kv", per rank
 HOST_HIT_METRIC = "sglang:cached_tokens_total"  # labels: cache_source="host"
 BACKUP_METRIC = "sglang:hicache_backup_tokens_total"  # labels: pool="kv"
-
-
-class ServerError(RuntimeError):
-    pass
 
 
 class ServerSetupError(ServerError):
@@ -157,64 +153,6 @@ def check_preset(preset: ModelPreset, infos: dict) -> None:
 
 class NoServerRestoreError(ServerError):
     """A server showed no L2 load-back during the measurement phase."""
-
-
-# ---------------------------------------------------------------------------
-# HTTP and Prometheus
-
-
-def http(url: str, payload=None, timeout: float = 600.0):
-    """GET (payload None) or POST JSON; return parsed JSON or text."""
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"} if data else {}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read().decode()
-            ctype = resp.headers.get("Content-Type", "")
-    except urllib.error.HTTPError as exc:
-        raise ServerError(f"{url}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
-    except urllib.error.URLError as exc:
-        raise ServerError(f"{url}: {exc.reason}") from exc
-    if "json" in ctype or body[:1] in "{[":
-        return json.loads(body)
-    return body
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
-    """Samples of a Prometheus text exposition: (name, labels, value)."""
-    samples = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = {k: v.replace('\\"', '"') for k, v in _LABEL.findall(m.group(3) or "")}
-        try:
-            samples.append((m.group(1), labels, float(m.group(4))))
-        except ValueError:
-            continue
-    return samples
-
-
-def metric(samples, name: str, reduce: str = "sum", **labels) -> float | None:
-    """Reduce the samples of `name` whose labels include `labels`; None when
-    the server exposes no such sample. Use reduce="max" for counters every TP
-    rank reports with the same logical value (load-back tokens)."""
-    vals = [
-        v
-        for n, lab, v in samples
-        if n == name and all(lab.get(k) == w for k, w in labels.items())
-    ]
-    if not vals:
-        return None
-    return max(vals) if reduce == "max" else sum(vals)
 
 
 def restore_counters(samples) -> dict:

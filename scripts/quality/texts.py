@@ -52,7 +52,7 @@ class TextSource:
 
     def describe(self) -> dict:
         """Where the text came from, for the report (paths and checksums)."""
-        files = [{"path": str(p), "sha256": _sha256(p)} for p in self.paths]
+        files = [{"path": str(p), "sha256": sha256(p)} for p in self.paths]
         whole = hashlib.sha256("".join(f["sha256"] for f in files).encode())
         info = {"name": self.name, "kind": self.kind, "sha256": whole.hexdigest()}
         if len(files) == 1:
@@ -79,7 +79,7 @@ def python_stdlib(
 CODE_TEXTS = {"python-stdlib": python_stdlib}
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -40,14 +40,16 @@ Stable API:
 - ``free_port() -> int``.
 - ``ServerStartError``: raised when the server exits or times out before
   healthy; its message ends with the log tail.
+
+The process handling (start in its own session, wait for /health, stop the
+group by pid), ``free_port`` and the HTTP helper are scripts/common/server.py's,
+shared with the GPU scripts (scripts/bench/server.py, scripts/quality/server.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +59,13 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
 
+from scripts.common.server import (  # noqa: F401 (ServerStartError, free_port: API)
+    ServerProcess,
+    ServerStartError,
+    free_port,
+    http,
+    kill_group,
+)
 from tests.support import prom
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -95,16 +104,6 @@ CPU_FLAGS = (
     "--max-total-tokens",
     "4096",
 )
-
-
-class ServerStartError(RuntimeError):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hicache_flags(
@@ -204,39 +203,13 @@ def run_cli(
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             out, _ = proc.communicate()
             raise
         finally:
             if proc.poll() is None:
-                _kill_group(proc)
+                kill_group(proc)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
-
-
-def _kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
-    """SIGTERM then SIGKILL the server's process group (it was started as a
-    session leader, so the group is its own, never the test's)."""
-    if proc.poll() is not None:
-        # The leader exited; children it left in the group still go.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 class LiveServer:
@@ -271,8 +244,12 @@ class LiveServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = self.log_dir / f"{name}.log"
         self.kernel_log_path = self.log_dir / f"{name}.sgl_kernel.jsonl"
-        self.proc: subprocess.Popen | None = None
+        self.process: ServerProcess | None = None
         self.startup_seconds: float | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.process.proc if self.process else None
 
     @property
     def pid(self) -> int | None:
@@ -293,25 +270,16 @@ class LiveServer:
         cmd, cmd_env = _command(self.args, self.via, model, self.python, host_port)
         env = cpu_env(self.sglang_path, self.kernel_log_path, self.extra_env)
         env.update(cmd_env)
-        log = open(self.log_path, "w", encoding="utf-8")
-        log.write("$ " + " ".join(cmd) + "\n")
-        log.flush()
         start = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd,
-            env=env,
-            cwd=self.log_dir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
+        self.process = ServerProcess(cmd, name=self.name, base_url=self.base_url,
+                                     log_path=self.log_path, env=env, cwd=self.log_dir)  # fmt: skip
+        self.process.start()
         self.progress(
-            f"[{self.name}] starting pid {self.proc.pid} on {self.base_url} "
+            f"[{self.name}] starting pid {self.pid} on {self.base_url} "
             f"(40-120 s here), log {self.log_path}"
         )
         try:
-            self._wait_healthy(start)
+            self.process.wait_healthy(self.startup_timeout, self.progress, start)
         except BaseException:
             self.stop()
             raise
@@ -319,54 +287,14 @@ class LiveServer:
         self.progress(f"[{self.name}] healthy after {self.startup_seconds:.0f} s")
         return self
 
-    def _wait_healthy(self, start: float) -> None:
-        next_note = start + 15
-        while True:
-            if self.proc.poll() is not None:
-                raise ServerStartError(
-                    f"{self.name} exited with {self.proc.returncode} before it "
-                    f"was healthy; log {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            now = time.monotonic()
-            if now - start > self.startup_timeout:
-                raise ServerStartError(
-                    f"{self.name} not healthy after {self.startup_timeout:.0f} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            if now >= next_note:
-                last = self.log_tail(1).strip()[:120]
-                self.progress(f"[{self.name}] {now - start:.0f} s: {last}")
-                next_note = now + 15
-            time.sleep(1.0)
-
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        _kill_group(self.proc)
-        self.proc.wait()
+        if self.process is not None:
+            self.process.stop()
 
     # -- requests ---------------------------------------------------------
 
     def post(self, path: str, payload: dict, timeout: float = 600.0) -> dict:
-        request = urllib.request.Request(
-            self.base_url + path,
-            data=json.dumps(payload).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as r:
-                body = r.read().decode()
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(
-                f"{self.name} POST {path}: HTTP {e.code}: {e.read().decode()[:2000]}"
-            ) from None
-        return json.loads(body) if body.strip() else {}
+        return http(self.base_url + path, payload, timeout=timeout)
 
     def get(self, path: str, timeout: float = 60.0) -> str:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
@@ -424,10 +352,7 @@ class LiveServer:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_text().splitlines()[-lines:])
-        except FileNotFoundError:
-            return ""
+        return self.process.log_tail(lines) if self.process else ""
 
     def kernel_calls(self) -> list[dict]:
         if not self.kernel_log_path.is_file():

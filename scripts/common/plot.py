@@ -1,0 +1,281 @@
+"""The tools' plots (`make demo`'s curves and bars, `make quality`'s KL
+histogram), drawn with Pillow (pinned in requirements/cpu-test.txt)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from PIL import Image, ImageDraw, ImageFont
+
+from scripts.demo.report import spread
+
+COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
+KL_COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]  # fmt: skip
+
+
+def _fonts(size: int, small: int):
+    try:
+        return ImageFont.load_default(size=size), ImageFont.load_default(size=small)
+    except TypeError:  # Pillow < 10.1
+        font = ImageFont.load_default()
+        return font, font
+
+
+def nice_step(raw: float, multiples=(1, 2, 2.5, 5, 10)) -> float:
+    """The smallest of `multiples` times a power of ten that is at least `raw`."""
+    power = 10 ** math.floor(math.log10(raw))
+    return next(m * power for m in multiples if m * power >= raw)
+
+
+class _Panels:
+    """A 1320 x 560 canvas with a title and two side-by-side framed panels."""
+
+    W, H = 1320, 560
+    TOP, BOTTOM = 60, H - 70
+
+    def __init__(self, title: str):
+        self.img = Image.new("RGB", (self.W, self.H), "white")
+        self.draw = ImageDraw.Draw(self.img)
+        self.font, self.small = _fonts(15, 13)
+        self.draw.text((self.W // 2, 14), title, fill="black", font=self.font, anchor="mt")  # fmt: skip
+
+    def frame(self, p: int, sy, y_max: float, step: float, fmt: str = "{:.0f}"):
+        """Panel p's box and horizontal grid; returns its (left, right)."""
+        left = 90 + p * (self.W // 2)
+        right = left + self.W // 2 - 130
+        self.draw.rectangle([left, self.TOP, right, self.BOTTOM], outline="black")
+        for i in range(round(y_max / step) + 1):
+            y = i * step
+            self.draw.line([left, sy(y), right, sy(y)], fill="#e6e6e6")
+            self.draw.text((left - 8, sy(y)), fmt.format(y), fill="black",
+                           font=self.small, anchor="rm")  # fmt: skip
+        return left, right
+
+    def ylabel(self, text: str, x: int) -> None:
+        top, bottom = self.TOP, self.BOTTOM
+        label = Image.new("RGBA", (bottom - top, 22), (255, 255, 255, 0))
+        ImageDraw.Draw(label).text(((bottom - top) // 2, 11), text, fill="black",
+                                   font=self.font, anchor="mm")  # fmt: skip
+        label = label.rotate(90, expand=True)
+        self.img.paste(label, (x, top), label)
+
+
+def _series(sweep, formats):
+    """Per format: (label, color, hit-rate means, hit-rate sds, L2 kilotokens)."""
+    xs = [row["budget_gb"] for row in sweep]
+    out = []
+    for i, (label, _) in enumerate(formats):
+        spreads = [spread(row["formats"][label]["hit_rates"]) for row in sweep]
+        hits = [100 * m for m, _ in spreads]
+        sds = [100 * sd for _, sd in spreads]
+        toks = [row["formats"][label]["capacity"].tokens / 1000 for row in sweep]
+        out.append((label, COLORS[i % len(COLORS)], hits, sds, toks))
+    return xs, out
+
+
+def plot_sweep(sweep, formats, best, budget, path: Path, title: str = "") -> None:
+    """`make demo` part 2: hit rate (left) and L2 capacity (right) against the
+    host budget, one line per format, the spread over seeds as error bars."""
+    c = _Panels(title)
+    draw, small = c.draw, c.small
+    xs, series = _series(sweep, formats)
+    x_max = max(xs) * 1.04
+    top_tokens = max(max(s[4]) for s in series)
+    step = nice_step(top_tokens / 5)
+    panels = [
+        ("cache-hit rate, % of prompt tokens (mean +- sd)", 100.0,
+         [(s[2], s[3]) for s in series], 100 * best),
+        ("L2 capacity, thousand tokens", step * math.ceil(top_tokens * 1.02 / step),
+         [(s[4], [0.0] * len(xs)) for s in series], None),
+    ]  # fmt: skip
+    top, bottom = c.TOP, c.BOTTOM
+    for p, (ylabel, y_max, ys_list, hline) in enumerate(panels):
+        sy = lambda y: bottom - (bottom - top) * y / y_max  # noqa: E731
+        left, right = c.frame(p, sy, y_max, y_max / round(y_max / nice_step(y_max / 5)))
+        sx = lambda x: left + (right - left) * x / x_max  # noqa: E731
+        for x in xs:
+            draw.line([sx(x), bottom, sx(x), bottom + 5], fill="black")
+            draw.text((sx(x), bottom + 8), f"{x:g}", fill="black", font=small, anchor="mt")  # fmt: skip
+        draw.text(((left + right) // 2, bottom + 30), "host budget, GB (--hicache-size)",
+                  fill="black", font=c.font, anchor="mt")  # fmt: skip
+        c.ylabel(ylabel, left - 75)
+        bx = sx(budget)
+        for y in range(top, bottom, 8):
+            draw.line([bx, y, bx, y + 3], fill="gray")
+        legend = [(s[0], s[1]) for s in series]
+        if hline is not None:
+            for x in range(int(left), int(right), 12):
+                draw.line([x, sy(hline), x + 6, sy(hline)], fill="gray", width=2)
+            legend.append(("best possible", "gray"))
+        for (_, color, *_), (ys, sds) in zip(series, ys_list):
+            pts = [(sx(x), sy(y)) for x, y in zip(xs, ys)]
+            draw.line(pts, fill=color, width=3)
+            for (x, y), value, sd in zip(pts, ys, sds):
+                draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color)
+                if sd > 0:  # the spread over seeds
+                    lo, hi = sy(value - sd), sy(value + sd)
+                    draw.line([x, lo, x, hi], fill=color, width=2)
+                    draw.line([x - 5, lo, x + 5, lo], fill=color, width=2)
+                    draw.line([x - 5, hi, x + 5, hi], fill=color, width=2)
+        for i, (label, color) in enumerate(legend):
+            ly = top + 12 + 20 * i
+            draw.line([left + 12, ly, left + 36, ly], fill=color, width=3)
+            draw.text((left + 42, ly), label, fill="black", font=small, anchor="lm")
+    c.img.save(path)
+
+
+def plot_bars(bars, parts, path: Path, title: str = "", ylabel: str = "",
+              right_label: str = "") -> None:  # fmt: skip
+    """Two panels per arm: a stacked bar of `parts` (left) and one value
+    (right). `bars` is [(label, [part values], right value)]."""
+    c = _Panels(title)
+    draw, small = c.draw, c.small
+    top, bottom = c.TOP, c.BOTTOM
+    panels = [
+        (ylabel, [b[1] for b in bars], True),
+        (right_label, [[b[2]] for b in bars], False),
+    ]
+    for p, (label, stacks, legend) in enumerate(panels):
+        top_value = max(sum(s) for s in stacks) or 1.0
+        step = nice_step(top_value / 5)
+        # Headroom for the legend above the tallest bar.
+        y_max = step * math.ceil(top_value * 1.3 / step)
+        sy = lambda y: bottom - (bottom - top) * y / y_max  # noqa: E731
+        left, right = c.frame(p, sy, y_max, step, fmt="{:,.0f}")
+        slot = (right - left) / len(bars)
+        for k, (name, stack) in enumerate(zip([b[0] for b in bars], stacks)):
+            x0, x1 = left + slot * (k + 0.2), left + slot * (k + 0.8)
+            base = 0.0
+            for i, value in enumerate(stack):
+                color = COLORS[i % len(COLORS)] if legend else "#8c8c8c"
+                if value > 0:
+                    draw.rectangle([x0, sy(base + value), x1, sy(base)], fill=color)
+                base += value
+            draw.text(((x0 + x1) / 2, bottom + 8), name, fill="black", font=c.font, anchor="mt")  # fmt: skip
+            draw.text(((x0 + x1) / 2, sy(base) - 4), f"{base:,.0f}", fill="black",
+                      font=small, anchor="mb")  # fmt: skip
+        c.ylabel(label, left - 80)
+        if legend:
+            # Right-aligned, above the bars' value labels.
+            lx = right - 210
+            for i, name in enumerate(parts):
+                ly = top + 12 + 20 * i
+                draw.rectangle([lx, ly - 6, lx + 18, ly + 6], fill=COLORS[i])
+                draw.text((lx + 26, ly), name, fill="black", font=small, anchor="lm")
+    c.img.save(path)
+
+
+def kl_histogram(
+    series: dict[str, list[float]], path, title: str = "", bins_per_decade: int = 5
+) -> None:
+    """`make quality`: histogram of log10(KL) per arm. Tokens with KL == 0
+    (bit-identical distributions) can't sit on a log axis; the legend counts
+    them."""
+    W, H = 960, 560
+    left, right, top, bottom = 80, 30, 60, 80
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    font, small = _fonts(14, 12)
+    positive = [x for v in series.values() for x in v if x > 0]
+    lo = math.floor(math.log10(min(positive))) if positive else -8
+    hi = math.ceil(math.log10(max(positive))) if positive else 0
+    lo, hi = max(lo, -12), max(hi, lo + 1)
+    nb = (hi - lo) * bins_per_decade
+    counts = {}
+    for name, vals in series.items():
+        c = [0] * nb
+        for x in vals:
+            if x > 0:
+                b = int((math.log10(x) - lo) * bins_per_decade)
+                c[min(max(b, 0), nb - 1)] += 1
+        counts[name] = c
+    ymax = int(max([max(c) for c in counts.values() if c] + [1]))
+    pw, ph = W - left - right, H - top - bottom
+    d.text((left, 15), title, fill="black", font=font)
+    d.line([(left, top), (left, top + ph), (left + pw, top + ph)], fill="black")
+    for dec in range(lo, hi + 1):
+        x = left + pw * (dec - lo) / (hi - lo)
+        d.line([(x, top + ph), (x, top + ph + 5)], fill="black")
+        d.text((x - 14, top + ph + 8), f"1e{dec}", fill="black", font=small)
+    d.text((left + pw // 2 - 120, H - 30), "KL divergence per scored token (log scale)",
+           fill="black", font=font)  # fmt: skip
+    # Whole "nice" steps (1, 2, 5 x 10^k) on the count axis, at most ~5 ticks.
+    step = int(nice_step(ymax / 4, (1, 2, 5, 10))) if ymax >= 4 else 1
+    ymax = step * math.ceil(ymax / step)
+    for v in range(0, ymax + 1, step):
+        y = top + ph - ph * v / ymax
+        d.line([(left - 5, y), (left, y)], fill="black")
+        d.text((8, y - 7), f"{v}", fill="black", font=small)
+    d.text((8, top - 25), "tokens", fill="black", font=font)
+    n = max(len(counts), 1)
+    bw = pw / nb
+    for i, (name, c) in enumerate(counts.items()):
+        color = KL_COLORS[i % len(KL_COLORS)]
+        for b, cnt in enumerate(c):
+            if cnt:
+                x0 = left + b * bw + i * bw / n
+                # At least one pixel tall, so a bin of 1 among thousands shows.
+                y0 = min(top + ph - ph * cnt / ymax, top + ph - 2)
+                d.rectangle([x0, y0, x0 + bw / n - 1, top + ph - 1], fill=color)
+        vals = series[name]
+        zeros = sum(1 for x in vals if x == 0)
+        label = f"{name}: {len(vals)} tokens, {zeros} with KL = 0"
+        if len(vals) > zeros:
+            pos = sorted(x for x in vals if x > 0)
+            label += f", median {pos[len(pos) // 2]:.2e}, max {pos[-1]:.2e}"
+        ly = top + 10 + 20 * i
+        d.rectangle([left + 20, ly, left + 32, ly + 12], fill=color)
+        d.text((left + 40, ly - 2), label, fill="black", font=small)
+    img.save(path)
+
+
+def plot_l3(result, path: Path) -> None:
+    """`make demo-l3`: Mooncake store bytes per token (left) and hit rate
+    against the L3 budget (right), per format."""
+    W, H = 1200, 520
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    font = _fonts(15, 15)[0]
+    colors = {"bf16": "#4c72b0", "int8": "#dd8452"}
+    a = result["bytes_per_token"]
+    left, right, top, bottom = 80, 500, 70, 440
+    top_value = max(r["bytes_per_token"] for r in a.values()) * 1.15
+    d.rectangle([left, top, right, bottom], outline="black")
+    d.text(((left + right) // 2, 30), "Mooncake store bytes per cached token",
+           fill="black", font=font, anchor="mt")  # fmt: skip
+    for i, (label, row) in enumerate(a.items()):
+        x0 = left + 60 + i * 180
+        y = bottom - (bottom - top) * row["bytes_per_token"] / top_value
+        d.rectangle([x0, y, x0 + 120, bottom], fill=colors[label])
+        d.text((x0 + 60, y - 6), f"{row['bytes_per_token']:,.0f} B", fill="black",
+               font=font, anchor="mb")  # fmt: skip
+        d.text((x0 + 60, bottom + 10), label, fill="black", font=font, anchor="mt")
+    rows = result["hit_rate"]
+    budgets = sorted({r["l3_bytes"] for r in rows})
+    left, right = 620, 1160
+    d.rectangle([left, top, right, bottom], outline="black")
+    d.text(((left + right) // 2, 30), "hit rate vs L3 budget (same bytes), small L2",
+           fill="black", font=font, anchor="mt")  # fmt: skip
+
+    def sx(i):
+        return left + 50 + (right - left - 100) * i / max(1, len(budgets) - 1)
+
+    def sy(v):
+        return bottom - (bottom - top) * v
+
+    for v in (0, 0.25, 0.5, 0.75, 1.0):
+        d.line([left, sy(v), right, sy(v)], fill="#e6e6e6")
+        d.text((left - 8, sy(v)), f"{100 * v:.0f}%", fill="black", font=font, anchor="rm")  # fmt: skip
+    d.line([left, sy(result["best"]), right, sy(result["best"])], fill="gray")
+    for i, b in enumerate(budgets):
+        d.text((sx(i), bottom + 10), f"{b / (1 << 20):g} MB", fill="black", font=font,
+               anchor="mt")  # fmt: skip
+    for label, color in colors.items():
+        pts = [(sx(budgets.index(r["l3_bytes"])), sy(r["hit_rate"]))
+               for r in rows if r["format"] == label]  # fmt: skip
+        d.line(pts, fill=color, width=3)
+        for x, y in pts:
+            d.ellipse([x - 5, y - 5, x + 5, y + 5], fill=color)
+        d.text((pts[-1][0] - 10, pts[-1][1] - 12), label, fill=color, font=font, anchor="rb")  # fmt: skip
+    img.save(path)

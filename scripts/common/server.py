@@ -1,0 +1,173 @@
+"""One SGLang server process: start it, wait for /health, talk HTTP, read
+/metrics, stop its process group by pid.
+
+Standard library only: scripts/bench/server.py and scripts/quality/server.py
+run outside the SGLang environments they drive. tests/support/server.py
+(LiveServer, the CPU servers of the tests and `make demo`) builds on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Sequence
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+class ServerStartError(ServerError):
+    """The server exited or timed out before it was healthy; the message ends
+    with its log tail."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, payload=None, timeout: float = 600.0):
+    """GET (payload None) or POST JSON; the parsed JSON reply, or its text."""
+    data = None if payload is None else json.dumps(payload).encode()
+    headers = {"Content-Type": "application/json"} if data else {}
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, data=data, headers=headers), timeout=timeout
+        ) as resp:
+            body = resp.read().decode("utf-8", "replace")
+            ctype = resp.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as exc:
+        raise ServerError(f"{url}: HTTP {exc.code}: {exc.read()[:2000]!r}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise ServerError(f"{url}: {getattr(exc, 'reason', exc)}") from exc
+    if "json" in ctype or body[:1] in "{[":
+        return json.loads(body) if body.strip() else {}
+    return body
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
+    """Samples of a Prometheus text exposition: (name, labels, value)."""
+    samples = []
+    for line in text.splitlines():
+        m = _SAMPLE.match(line) if line and not line.startswith("#") else None
+        if not m:
+            continue
+        labels = {k: v.replace('\\"', '"') for k, v in _LABEL.findall(m.group(3) or "")}
+        try:
+            samples.append((m.group(1), labels, float(m.group(4))))
+        except ValueError:
+            continue
+    return samples
+
+
+def metric(samples, name: str, reduce: str = "sum", **labels) -> float | None:
+    """Reduce the samples of `name` whose labels include `labels`; None when
+    there is none. reduce="max" for values every TP rank reports alike."""
+    vals = [
+        v
+        for n, lab, v in samples
+        if n == name and all(lab.get(k) == w for k, w in labels.items())
+    ]
+    if not vals:
+        return None
+    return max(vals) if reduce == "max" else sum(vals)
+
+
+def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
+    """SIGTERM then SIGKILL the server's process group (it was started as a
+    session leader, so the group is its own, never the caller's)."""
+    if proc.poll() is None:
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
+    # The leader exited; children it left in the group still go.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class ServerProcess:
+    """A server command run in its own session, its output in `log_path`."""
+
+    def __init__(self, argv: Sequence[str], *, name: str, base_url: str,
+                 log_path: Path, env: dict | None = None, cwd=None):  # fmt: skip
+        self.argv, self.name, self.base_url = list(argv), name, base_url.rstrip("/")
+        self.log_path, self.env, self.cwd = Path(log_path), env, cwd
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def start(self) -> None:
+        with open(self.log_path, "w", encoding="utf-8") as log:
+            log.write("$ " + shlex.join(self.argv) + "\n")
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.cwd, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+
+    def wait_healthy(self, timeout: float, progress: Callable[[str], None] | None = None,
+                     start: float | None = None) -> None:  # fmt: skip
+        """Poll /health every second; progress gets a log line every 15 s."""
+        start = time.monotonic() if start is None else start
+        next_note = start + 15
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"{self.name} exited with {self.proc.returncode} before it "
+                    f"was healthy; log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            now = time.monotonic()
+            if now - start > timeout:
+                raise ServerStartError(
+                    f"{self.name} not healthy after {timeout:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if progress is not None and now >= next_note:
+                progress(f"[{self.name}] {now - start:.0f} s: {self.log_tail(1).strip()[:120]}")  # fmt: skip
+                next_note = now + 15
+            time.sleep(1.0)
+
+    def stop(self, grace: float = 20.0) -> None:
+        if self.proc is not None:
+            kill_group(self.proc, grace)
+            self.proc.wait()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_text().splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
