@@ -30,6 +30,49 @@ import torch
 FP8_DEVICE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+# --- error-bound arithmetic the formats share ---------------------------------
+
+# (significant bits, exponent of the smallest normal) of each float format.
+_FLOAT_FORMATS = {
+    torch.bfloat16: (8, -126),
+    torch.float16: (11, -14),
+    torch.float32: (24, -126),
+    torch.float8_e4m3fn: (4, -6),
+    torch.float8_e5m2: (3, -14),
+}
+
+
+def half_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half a unit in the last place of ``dtype`` at |values| (fp32 values),
+    as an exact fp32 power of two; 2**-149 where it would be smaller, Inf at
+    Inf, NaN at NaN."""
+    bits, emin = _FLOAT_FORMATS[dtype]
+    r = values.to(torch.float32).abs()
+    # |r| = f * 2**k with f in [0.5, 1): binade exponent k - 1; clamping to the
+    # smallest normal gives zero and subnormals the subnormal spacing.
+    exp = torch.frexp(r.clamp_min(2.0**emin)).exponent - 1
+    # fp32's own half ulp at the bottom (2**-150) isn't representable; 2**-149
+    # still bounds it (the upper clamp keeps Inf/NaN lanes from overflowing).
+    e = (exp - bits).clamp_(-149, 127)
+    # 2**e from its bits (exact, unlike pow): normal or subnormal fp32.
+    normal = (e + 127).clamp_min_(1).bitwise_left_shift_(23)
+    subnormal = torch.ones_like(e).bitwise_left_shift_((e + 149).clamp_max_(22))
+    out = torch.where(e >= -126, normal, subnormal).view(torch.float32)
+    out = torch.where(torch.isinf(r), r, out)
+    return torch.where(torch.isnan(r), r, out)
+
+
+def add_round_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b for a, b >= 0 in fp32, rounded up (Fast2Sum finds the lost part),
+    so a bound never undercuts its real-valued formula."""
+    big, small = torch.maximum(a, b), torch.minimum(a, b)
+    total = big + small
+    lost = small - (total - big)
+    return torch.where(
+        lost > 0, (total.view(torch.int32) + 1).view(torch.float32), total
+    )
+
+
 @dataclass(frozen=True)
 class HostRecord:
     """One host tensor of a format.

@@ -56,6 +56,8 @@ from sglang.srt.mem_cache.pool_host.host_format import (
     EncodeStats,
     HostKVFormat,
     HostRecord,
+    add_round_up,
+    half_ulp,
 )
 
 META_DTYPE = torch.float16
@@ -390,44 +392,6 @@ def finite_amax(amax: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     return kept.amax() if kept.numel() else kept.new_zeros(())
 
 
-# (significant bits, exponent of the smallest normal) of each float format.
-_FORMAT = {
-    torch.bfloat16: (8, -126),
-    torch.float16: (11, -14),
-    torch.float32: (24, -126),
-    torch.float8_e4m3fn: (4, -6),
-    torch.float8_e5m2: (3, -14),
-}
-
-
-def half_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Half a unit in the last place of ``dtype`` at |values| (fp32 values),
-    as an exact fp32 power of two; 2**-149 where it would be smaller, Inf at
-    Inf, NaN at NaN."""
-    bits, emin = _FORMAT[dtype]
-    r = values.to(torch.float32).abs()
-    # |r| = f * 2**k with f in [0.5, 1): binade exponent k - 1; clamping to the
-    # smallest normal gives zero and subnormals the subnormal spacing.
-    exp = torch.frexp(r.clamp_min(2.0**emin)).exponent - 1
-    e = (exp - bits).clamp_(-149, 127)
-    # 2**e from its bits (exact, unlike pow): normal or subnormal fp32.
-    normal = (e + 127).clamp_min_(1).bitwise_left_shift_(23)
-    subnormal = torch.ones_like(e).bitwise_left_shift_((e + 149).clamp_max_(22))
-    out = torch.where(e >= -126, normal, subnormal).view(torch.float32)
-    out = torch.where(torch.isinf(r), r, out)
-    return torch.where(torch.isnan(r), r, out)
-
-
-def _add_round_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b for a, b >= 0 in fp32, rounded up (Fast2Sum finds the lost part)."""
-    big, small = torch.maximum(a, b), torch.minimum(a, b)
-    total = big + small
-    lost = small - (total - big)
-    return torch.where(
-        lost > 0, (total.view(torch.int32) + 1).view(torch.float32), total
-    )
-
-
 def _error_bound(
     s: torch.Tensor, m: torch.Tensor, restored: torch.Tensor
 ) -> torch.Tensor:
@@ -435,8 +399,8 @@ def _error_bound(
     rounded up; s and m broadcast to restored."""
     s, m = torch.broadcast_tensors(s.to(torch.float32), m, restored)[:2]
     quant = torch.maximum(s / 2, half_ulp(m, META_DTYPE))
-    bound = _add_round_up(quant, half_ulp(restored, torch.float32))
-    bound = _add_round_up(bound, half_ulp(restored, restored.dtype))
+    bound = add_round_up(quant, half_ulp(restored, torch.float32))
+    bound = add_round_up(bound, half_ulp(restored, restored.dtype))
     return torch.where(torch.isnan(restored) | torch.isnan(s), restored.float(), bound)
 
 
