@@ -46,7 +46,8 @@ which Int4HostFormat and K8V4HostFormat wrap for the host pools.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -558,6 +559,15 @@ def k8v4_decode_into(
 # --- the host formats (pool_host/host_format.py) ---------------------------
 
 
+class _Codec(NamedTuple):
+    """A format's module-level functions (above) that its methods call."""
+
+    encode_reference: Callable
+    decode_reference: Callable
+    encode_into: Callable
+    decode_into: Callable
+
+
 class _Int4ValuesHostFormat(HostKVFormat):
     """What int4 and k8v4 share: sides K and V, INT4 values, fused kernels in
     sglang.kernels.ops.kvcache.kv_int4_triton, one zero-copy object per side."""
@@ -566,6 +576,8 @@ class _Int4ValuesHostFormat(HostKVFormat):
     # FP8 values are exact in fp32 and restore rounded to the same FP8 dtype;
     # the fused kernels read 2-byte rows only, so FP8 takes the torch path.
     fp8_device_kv = True
+    kernel_module = "sglang.kernels.ops.kvcache.kv_int4_triton"
+    _codec: ClassVar[_Codec]
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -591,55 +603,21 @@ class _Int4ValuesHostFormat(HostKVFormat):
     def _record_shapes(self) -> dict:
         raise NotImplementedError
 
+    def encode_reference(self, rows):
+        return self._codec.encode_reference(*rows)
+
+    def decode_reference(self, records, dtype):
+        return self._codec.decode_reference(records, dtype)
+
+    def encode_into(self, rows, out) -> EncodeStats:
+        return EncodeStats(*self._codec.encode_into(*rows, out))
+
+    def decode_into(self, records, out) -> None:
+        self._codec.decode_into(records, *out)
+
     def _values_description(self) -> str:
         dv = self.dims[1]
         return f"values per token in groups of {value_group_size(dv)} channels"
-
-    def fused_available(self, device) -> bool:
-        if self.device_dtype in FP8_DEVICE_DTYPES:
-            return False
-        try:
-            from sglang.kernels.ops.kvcache import kv_int4_triton
-        except ImportError:
-            # Kernels not in this build: the pool keeps its torch path.
-            return False
-        return kv_int4_triton.available(device)
-
-    def encode_gather(
-        self,
-        tables,
-        device_indices,
-        out,
-        host_indices,
-        *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
-    ) -> None:
-        from sglang.kernels.ops.kvcache import kv_int4_triton
-
-        kv_int4_triton.encode_gather(
-            tables,
-            device_indices,
-            out,
-            host_indices,
-            nonfinite_counter=nonfinite_counter,
-            scale_amax=scale_amax,
-            bad_index_counter=bad_index_counter,
-        )
-
-    def decode_scatter(
-        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
-    ) -> None:
-        from sglang.kernels.ops.kvcache import kv_int4_triton
-
-        kv_int4_triton.decode_scatter(
-            records,
-            host_indices,
-            dst,
-            device_indices,
-            bad_index_counter=bad_index_counter,
-        )
 
     def zero_copy_objects(self):
         # One object per side, as a BF16 page has (_k and _v): payload, then
@@ -662,6 +640,12 @@ class Int4HostFormat(_Int4ValuesHostFormat):
 
     name = "int4"
     storage_format_tag = "int4-fp16meta-v1"
+    _codec = _Codec(
+        int4_encode_reference,
+        int4_decode_reference,
+        int4_encode_into,
+        int4_decode_into,
+    )
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -691,18 +675,6 @@ class Int4HostFormat(_Int4ValuesHostFormat):
             )
         return f"{super().describe()}; {keys}, {self._values_description()}"
 
-    def encode_reference(self, rows):
-        return int4_encode_reference(*rows)
-
-    def decode_reference(self, records, dtype):
-        return int4_decode_reference(records, dtype)
-
-    def encode_into(self, rows, out) -> EncodeStats:
-        return EncodeStats(*int4_encode_into(*rows, out))
-
-    def decode_into(self, records, out) -> None:
-        int4_decode_into(records, *out)
-
     def error_bound(self, records, restored):
         k, v = restored
         if self.keys_per_channel:
@@ -721,6 +693,12 @@ class K8V4HostFormat(_Int4ValuesHostFormat):
 
     name = "k8v4"
     storage_format_tag = "k8v4-fp16meta-v1"
+    _codec = _Codec(
+        k8v4_encode_reference,
+        k8v4_decode_reference,
+        k8v4_encode_into,
+        k8v4_decode_into,
+    )
 
     def _int4_dims(self):
         return self.dims[1:]
@@ -737,18 +715,6 @@ class K8V4HostFormat(_Int4ValuesHostFormat):
             f"{super().describe()}; keys as int8 per token and head, "
             f"{self._values_description()}"
         )
-
-    def encode_reference(self, rows):
-        return k8v4_encode_reference(*rows)
-
-    def decode_reference(self, records, dtype):
-        return k8v4_decode_reference(records, dtype)
-
-    def encode_into(self, rows, out) -> EncodeStats:
-        return EncodeStats(*k8v4_encode_into(*rows, out))
-
-    def decode_into(self, records, out) -> None:
-        k8v4_decode_into(records, *out)
 
     def error_bound(self, records, restored):
         k, v = restored

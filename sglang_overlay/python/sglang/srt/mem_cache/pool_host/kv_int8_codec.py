@@ -204,6 +204,7 @@ class Int8HostFormat(HostKVFormat):
     name = "int8"
     storage_format_tag = "int8-fp16scale-v1"
     sides = ("k", "v")
+    kernel_module = "sglang.kernels.ops.kvcache.kv_int8_triton"
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -248,25 +249,9 @@ class Int8HostFormat(HostKVFormat):
             for i in range(len(self.sides))
         )
 
-    def fused_available(self, device) -> bool:
-        from sglang.kernels.ops.kvcache import kv_int8_triton
-
-        return kv_int8_triton.available(device)
-
-    def encode_gather(
-        self,
-        tables,
-        device_indices,
-        out,
-        host_indices,
-        *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
-    ) -> None:
-        from sglang.kernels.ops.kvcache import kv_int8_triton
-
-        kv_int8_triton.encode_gather(
+    def encode_gather(self, tables, device_indices, out, host_indices, **counters):
+        # kv_int8_triton takes each side's table and record by name.
+        self._kernels().encode_gather(
             tables[0],
             tables[1],
             device_indices,
@@ -275,17 +260,11 @@ class Int8HostFormat(HostKVFormat):
             out["scale"],
             host_indices,
             unit_tokens=self.unit_tokens,
-            nonfinite_counter=nonfinite_counter,
-            scale_amax=scale_amax,
-            bad_index_counter=bad_index_counter,
+            **counters,
         )
 
-    def decode_scatter(
-        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
-    ) -> None:
-        from sglang.kernels.ops.kvcache import kv_int8_triton
-
-        kv_int8_triton.decode_scatter(
+    def decode_scatter(self, records, host_indices, dst, device_indices, **counters):
+        self._kernels().decode_scatter(
             records["k"],
             records["v"],
             records["scale"],
@@ -294,7 +273,7 @@ class Int8HostFormat(HostKVFormat):
             dst[1],
             device_indices,
             unit_tokens=self.unit_tokens,
-            bad_index_counter=bad_index_counter,
+            **counters,
         )
 
     def zero_copy_objects(self):
