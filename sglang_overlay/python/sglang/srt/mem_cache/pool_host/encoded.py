@@ -502,18 +502,31 @@ class EncodedHostPool:
     layer_num, target_layer_num, page_size, layout, size, page_num, dtype,
     device, pin_memory, allocator, pool_label and _transfer_device.
 
-    The kind sets `self.host_format` before the upstream constructor sizes the
-    pool, defines `_device_buffers(side)` and calls `_build_transfer()` once
-    its device buffers are known and `_finish_setup()` last.
+    The kind defines `_format_for` (its format's geometry) and
+    `_device_buffers(side)`, sets `self.host_format` before the upstream
+    constructor sizes the pool, calls `_build_transfer(device buffers)` from
+    the upstream's `_initialize_transfer_views` and `_finish_setup()` last.
     """
 
     host_format_cls: ClassVar[type[HostKVFormat]]
     host_format: HostKVFormat
+    # The model kind in start-up log lines ("" for MHA, "MLA ").
+    log_kind: ClassVar[str] = ""
     # Host rows are addressed on the CPU and device rows where the device pool
     # lives; the controller passes indices through unmoved.
     transfers_own_indices = True
     # Storage page objects carry seals bound to their key (page_integrity.py).
     seals_storage_pages = True
+
+    @classmethod
+    def host_bytes_per_device_byte(
+        cls, buffer_info, page_size: int = 1, layout: str = "layer_first"
+    ) -> float:
+        # Page size and layout set the unit a format may group over (e.g.
+        # per-page key scales), hence its bytes per token.
+        fmt = cls._format_for(buffer_info, page_size, layout, buffer_info.dtype)
+        device = sum(fmt.dims) * fmt.head_num * buffer_info.dtype.itemsize
+        return fmt.bytes_per_token() / device
 
     def get_size_per_token(self):
         total = self.host_format.unit_bytes() * self.layer_num
@@ -562,10 +575,16 @@ class EncodedHostPool:
         # HostKVCache.destroy unregisters every tensor in kv_buffer.
         return list(self.records.tensors.values())
 
-    def _build_transfer(self) -> None:
-        """Planner, staging, counters and the transfer strategy."""
+    def _build_transfer(self, device_buffers: Sequence[torch.Tensor]) -> None:
+        """Planner, staging, counters and the transfer strategy, in place of
+        the upstream movers (they copy raw rows; records move through ours)."""
         from sglang.srt.mem_cache.pool_host import encoded_fused
 
+        self.can_use_jit = False
+        self.can_use_write_back_jit = False
+        self.staging_page_capacity = 0
+        self.staging_token_capacity = 0
+        self._init_device_row_stride(device_buffers)
         fmt, dev = self.host_format, self._transfer_device
         units = self.page_num if self.records.page_major else self.size
         staging_units = min(max(1, STAGING_TOKENS // fmt.unit_tokens), units)
@@ -586,6 +605,18 @@ class EncodedHostPool:
     def _finish_setup(self) -> None:
         from sglang.srt.mem_cache.pool_host import encoded_fused
 
+        logger.info(
+            "HiCache %s %shost pool stores %s KV: %s B/token (%s: %d B/token), "
+            "%.2fx tokens per host byte, layout=%s.",
+            self.pool_label,
+            self.log_kind,
+            self.host_format.name.upper(),
+            self.get_size_per_token(),
+            self.host_format.device_dtype,
+            self.device_size_per_token(),
+            self.device_size_per_token() / self.get_size_per_token(),
+            self.layout,
+        )
         if self._transfer_device.type == "cuda" and self.use_fused_kernels:
             encoded_fused.self_check(self)
         logger.info(
