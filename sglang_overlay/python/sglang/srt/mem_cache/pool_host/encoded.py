@@ -209,6 +209,26 @@ class HostKVCounters:
         if self.nonfinite.is_cuda:
             torch.cuda.synchronize(self.nonfinite.device)
 
+    def nonfinite_groups(self) -> int:
+        """Scale groups of the format (what one scale covers) backed up with
+        NaN/Inf, or beyond the format's scale range, so far; they restore as
+        NaN."""
+        self.sync()
+        return int(self.nonfinite.item())
+
+    def amax_by_layer(self) -> torch.Tensor:
+        """Largest max |x| of a group backed up so far, per layer and side:
+        CPU float32 [layer_num, len(sides)]; non-finite groups do not count."""
+        self.sync()
+        return self.amax.to("cpu", copy=True)
+
+    def invalid_host_indices(self) -> int:
+        """Token entries fused transfers skipped because their host index,
+        already on the device, was out of range (one per token and launch).
+        Indices that arrive on the CPU raise IndexError instead."""
+        self.sync()
+        return int(self.bad_indices.item())
+
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in (self.nonfinite, self.amax, self.bad_indices)]
 
@@ -421,13 +441,15 @@ class L3PageCodec:
                 sizes.append(integrity.SEAL_BYTES)
         return ptrs, sizes
 
-    def seal_buffers(self) -> list[torch.Tensor]:
-        return [] if self.seals is None else [self.seals]
+    def host_buffers(self) -> list[torch.Tensor]:
+        """Every host buffer a storage backend registers: records and seals."""
+        seals = [] if self.seals is None else [self.seals]
+        return list(self.records.tensors.values()) + seals
 
-    def stride_page_aligned(self, page_size_bytes: int) -> bool:
+    def stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         if not self.records.page_major:
             return False
-        bufs = list(self.records.tensors.values()) + self.seal_buffers()
+        bufs = self.host_buffers()
         offsets = [buf[0].numel() * buf.element_size() for buf in bufs]
         offsets += [buf.data_ptr() for buf in bufs]
         offsets += [offset for _, offset, _ in self.pieces]
@@ -572,6 +594,13 @@ class EncodedHostPool:
         self.verify_storage_pages = self.pages.verify_pages
         self.note_storage_page_missing = self.pages.note_missing
         self.storage_integrity_counts = self.pages.counts
+        # The storage interface of HostKVCache, answered by the codec too.
+        self.storage_buffers_per_object = self.pages.buffers_per_object
+        self.storage_page_bytes = self.pages.page_bytes
+        self.set_from_flat_data_page = self.pages.write
+        self.get_page_buffer_meta = self.pages.buffer_meta
+        self.get_hybrid_pool_buffer = self.pages.host_buffers
+        self.is_stride_page_aligned = self.pages.stride_page_aligned
         # HostKVCache.destroy unregisters every tensor in kv_buffer.
         return list(self.records.tensors.values())
 
@@ -593,6 +622,12 @@ class EncodedHostPool:
         )
         self.staging = StagingBuffers(fmt, staging_units, self.dtype, dev)
         self.counters = HostKVCounters(self.layer_num, len(fmt.sides), dev)
+        # The statistics the metrics reporter reads (each syncs the device).
+        self.nonfinite_group_count = self.counters.nonfinite_groups
+        # Deprecated: the metrics reporter's name until it reads nonfinite_group_count.
+        self.nonfinite_row_count = self.counters.nonfinite_groups
+        self.scale_amax_by_layer = self.counters.amax_by_layer
+        self.invalid_host_index_count = self.counters.invalid_host_indices
         self.transfer = encoded_fused.select_transfer(self)
         if self.transfer.path != "fused_direct":
             # Allocated up front where the path uses them (direct needs none).
@@ -695,41 +730,8 @@ class EncodedHostPool:
         if 0 <= layer_id < self.target_layer_num:
             self.transfer.load(host_indices, device_indices, layer_id)
 
-    def nonfinite_group_count(self) -> int:
-        """Scale groups of the format (what one scale covers) backed up with
-        NaN/Inf, or beyond the format's scale range, so far; they restore as
-        NaN. Reading it synchronizes with the transfer device."""
-        self.counters.sync()
-        return int(self.counters.nonfinite.item())
-
-    # Deprecated: the metrics reporter's name until it reads nonfinite_group_count.
-    nonfinite_row_count = nonfinite_group_count
-
-    def scale_amax_by_layer(self) -> torch.Tensor:
-        """Largest max |x| of a group backed up so far, per layer and side:
-        CPU float32 [layer_num, len(sides)]; non-finite groups do not count."""
-        self.counters.sync()
-        return self.counters.amax.to("cpu", copy=True)
-
-    def invalid_host_index_count(self) -> int:
-        """Token entries fused transfers skipped because their host index,
-        already on the device, was out of range (one per token and launch).
-        Indices that arrive on the CPU raise IndexError instead."""
-        self.counters.sync()
-        return int(self.counters.bad_indices.item())
-
     # -- L3 storage pages: storage_format_tag names the byte format in every
     # storage key, so pages of another host format miss.
-
-    @property
-    def storage_buffers_per_object(self) -> int:
-        """Host buffers one zero-copy storage object is gathered from (its
-        record pieces and its seal)."""
-        return self.pages.buffers_per_object
-
-    @property
-    def storage_page_bytes(self) -> int:
-        return self.pages.page_bytes
 
     def get_data_page(self, index, flat: bool = True, key=None) -> torch.Tensor:
         return self.pages.read(index, key)
@@ -742,12 +744,6 @@ class EncodedHostPool:
             pin_memory=self.pin_memory,
         )
 
-    def set_from_flat_data_page(self, index: int, data_page, key=None) -> None:
-        self.pages.write(index, data_page, key)
-
-    def get_page_buffer_meta(self, indices):
-        return self.pages.buffer_meta(indices)
-
     def get_split_heads_page_buffer_meta(
         self, indices: torch.Tensor, split_factor: int
     ):
@@ -755,9 +751,3 @@ class EncodedHostPool:
             f"--hicache-host-dtype {self.host_format.name} does not split storage "
             "pages by head (--hicache-mem-layout page_head)."
         )
-
-    def get_hybrid_pool_buffer(self):
-        return list(self.records.tensors.values()) + self.pages.seal_buffers()
-
-    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        return self.pages.stride_page_aligned(page_size_bytes)
