@@ -89,11 +89,11 @@ def decode_scatter(
 
 @pytest.fixture
 def kernels(monkeypatch):
-    module = types.ModuleType(mla_codec._KERNELS)
+    module = types.ModuleType(mla_codec.MLAInt8HostFormat.kernel_module)
     module.available = lambda device: True
     module.encode_gather = encode_gather
     module.decode_scatter = decode_scatter
-    monkeypatch.setitem(sys.modules, mla_codec._KERNELS, module)
+    monkeypatch.setitem(sys.modules, mla_codec.MLAInt8HostFormat.kernel_module, module)
     return module
 
 
@@ -113,7 +113,9 @@ def build(layout, page_size, dtype=torch.bfloat16, fused=None):
 
 
 def test_without_the_kernel_module_the_torch_path_serves(monkeypatch):
-    monkeypatch.setitem(sys.modules, mla_codec._KERNELS, None)  # not importable
+    monkeypatch.setitem(
+        sys.modules, mla_codec.MLAInt8HostFormat.kernel_module, None
+    )  # not importable
     _, pool = build("page_first", 4)
     fmt = pool.host_format
     assert not fmt.fused_available(torch.device("cpu"))

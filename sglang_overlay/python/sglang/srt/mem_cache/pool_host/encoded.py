@@ -209,6 +209,26 @@ class HostKVCounters:
         if self.nonfinite.is_cuda:
             torch.cuda.synchronize(self.nonfinite.device)
 
+    def nonfinite_groups(self) -> int:
+        """Scale groups of the format (what one scale covers) backed up with
+        NaN/Inf, or beyond the format's scale range, so far; they restore as
+        NaN."""
+        self.sync()
+        return int(self.nonfinite.item())
+
+    def amax_by_layer(self) -> torch.Tensor:
+        """Largest max |x| of a group backed up so far, per layer and side:
+        CPU float32 [layer_num, len(sides)]; non-finite groups do not count."""
+        self.sync()
+        return self.amax.to("cpu", copy=True)
+
+    def invalid_host_indices(self) -> int:
+        """Token entries fused transfers skipped because their host index,
+        already on the device, was out of range (one per token and launch).
+        Indices that arrive on the CPU raise IndexError instead."""
+        self.sync()
+        return int(self.bad_indices.item())
+
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in (self.nonfinite, self.amax, self.bad_indices)]
 
@@ -421,13 +441,15 @@ class L3PageCodec:
                 sizes.append(integrity.SEAL_BYTES)
         return ptrs, sizes
 
-    def seal_buffers(self) -> list[torch.Tensor]:
-        return [] if self.seals is None else [self.seals]
+    def host_buffers(self) -> list[torch.Tensor]:
+        """Every host buffer a storage backend registers: records and seals."""
+        seals = [] if self.seals is None else [self.seals]
+        return list(self.records.tensors.values()) + seals
 
-    def stride_page_aligned(self, page_size_bytes: int) -> bool:
+    def stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
         if not self.records.page_major:
             return False
-        bufs = list(self.records.tensors.values()) + self.seal_buffers()
+        bufs = self.host_buffers()
         offsets = [buf[0].numel() * buf.element_size() for buf in bufs]
         offsets += [buf.data_ptr() for buf in bufs]
         offsets += [offset for _, offset, _ in self.pieces]
@@ -502,18 +524,31 @@ class EncodedHostPool:
     layer_num, target_layer_num, page_size, layout, size, page_num, dtype,
     device, pin_memory, allocator, pool_label and _transfer_device.
 
-    The kind sets `self.host_format` before the upstream constructor sizes the
-    pool, defines `_device_buffers(side)` and calls `_build_transfer()` once
-    its device buffers are known and `_finish_setup()` last.
+    The kind defines `_format_for` (its format's geometry) and
+    `_device_buffers(side)`, sets `self.host_format` before the upstream
+    constructor sizes the pool, calls `_build_transfer(device buffers)` from
+    the upstream's `_initialize_transfer_views` and `_finish_setup()` last.
     """
 
     host_format_cls: ClassVar[type[HostKVFormat]]
     host_format: HostKVFormat
+    # The model kind in start-up log lines ("" for MHA, "MLA ").
+    log_kind: ClassVar[str] = ""
     # Host rows are addressed on the CPU and device rows where the device pool
     # lives; the controller passes indices through unmoved.
     transfers_own_indices = True
     # Storage page objects carry seals bound to their key (page_integrity.py).
     seals_storage_pages = True
+
+    @classmethod
+    def host_bytes_per_device_byte(
+        cls, buffer_info, page_size: int = 1, layout: str = "layer_first"
+    ) -> float:
+        # Page size and layout set the unit a format may group over (e.g.
+        # per-page key scales), hence its bytes per token.
+        fmt = cls._format_for(buffer_info, page_size, layout, buffer_info.dtype)
+        device = sum(fmt.dims) * fmt.head_num * buffer_info.dtype.itemsize
+        return fmt.bytes_per_token() / device
 
     def get_size_per_token(self):
         total = self.host_format.unit_bytes() * self.layer_num
@@ -559,13 +594,26 @@ class EncodedHostPool:
         self.verify_storage_pages = self.pages.verify_pages
         self.note_storage_page_missing = self.pages.note_missing
         self.storage_integrity_counts = self.pages.counts
+        # The storage interface of HostKVCache, answered by the codec too.
+        self.storage_buffers_per_object = self.pages.buffers_per_object
+        self.storage_page_bytes = self.pages.page_bytes
+        self.set_from_flat_data_page = self.pages.write
+        self.get_page_buffer_meta = self.pages.buffer_meta
+        self.get_hybrid_pool_buffer = self.pages.host_buffers
+        self.is_stride_page_aligned = self.pages.stride_page_aligned
         # HostKVCache.destroy unregisters every tensor in kv_buffer.
         return list(self.records.tensors.values())
 
-    def _build_transfer(self) -> None:
-        """Planner, staging, counters and the transfer strategy."""
+    def _build_transfer(self, device_buffers: Sequence[torch.Tensor]) -> None:
+        """Planner, staging, counters and the transfer strategy, in place of
+        the upstream movers (they copy raw rows; records move through ours)."""
         from sglang.srt.mem_cache.pool_host import encoded_fused
 
+        self.can_use_jit = False
+        self.can_use_write_back_jit = False
+        self.staging_page_capacity = 0
+        self.staging_token_capacity = 0
+        self._init_device_row_stride(device_buffers)
         fmt, dev = self.host_format, self._transfer_device
         units = self.page_num if self.records.page_major else self.size
         staging_units = min(max(1, STAGING_TOKENS // fmt.unit_tokens), units)
@@ -574,6 +622,12 @@ class EncodedHostPool:
         )
         self.staging = StagingBuffers(fmt, staging_units, self.dtype, dev)
         self.counters = HostKVCounters(self.layer_num, len(fmt.sides), dev)
+        # The statistics the metrics reporter reads (each syncs the device).
+        self.nonfinite_group_count = self.counters.nonfinite_groups
+        # Deprecated: the metrics reporter's name until it reads nonfinite_group_count.
+        self.nonfinite_row_count = self.counters.nonfinite_groups
+        self.scale_amax_by_layer = self.counters.amax_by_layer
+        self.invalid_host_index_count = self.counters.invalid_host_indices
         self.transfer = encoded_fused.select_transfer(self)
         if self.transfer.path != "fused_direct":
             # Allocated up front where the path uses them (direct needs none).
@@ -586,6 +640,18 @@ class EncodedHostPool:
     def _finish_setup(self) -> None:
         from sglang.srt.mem_cache.pool_host import encoded_fused
 
+        logger.info(
+            "HiCache %s %shost pool stores %s KV: %s B/token (%s: %d B/token), "
+            "%.2fx tokens per host byte, layout=%s.",
+            self.pool_label,
+            self.log_kind,
+            self.host_format.name.upper(),
+            self.get_size_per_token(),
+            self.host_format.device_dtype,
+            self.device_size_per_token(),
+            self.device_size_per_token() / self.get_size_per_token(),
+            self.layout,
+        )
         if self._transfer_device.type == "cuda" and self.use_fused_kernels:
             encoded_fused.self_check(self)
         logger.info(
@@ -664,41 +730,8 @@ class EncodedHostPool:
         if 0 <= layer_id < self.target_layer_num:
             self.transfer.load(host_indices, device_indices, layer_id)
 
-    def nonfinite_group_count(self) -> int:
-        """Scale groups of the format (what one scale covers) backed up with
-        NaN/Inf, or beyond the format's scale range, so far; they restore as
-        NaN. Reading it synchronizes with the transfer device."""
-        self.counters.sync()
-        return int(self.counters.nonfinite.item())
-
-    # Deprecated: the metrics reporter's name until it reads nonfinite_group_count.
-    nonfinite_row_count = nonfinite_group_count
-
-    def scale_amax_by_layer(self) -> torch.Tensor:
-        """Largest max |x| of a group backed up so far, per layer and side:
-        CPU float32 [layer_num, len(sides)]; non-finite groups do not count."""
-        self.counters.sync()
-        return self.counters.amax.to("cpu", copy=True)
-
-    def invalid_host_index_count(self) -> int:
-        """Token entries fused transfers skipped because their host index,
-        already on the device, was out of range (one per token and launch).
-        Indices that arrive on the CPU raise IndexError instead."""
-        self.counters.sync()
-        return int(self.counters.bad_indices.item())
-
     # -- L3 storage pages: storage_format_tag names the byte format in every
     # storage key, so pages of another host format miss.
-
-    @property
-    def storage_buffers_per_object(self) -> int:
-        """Host buffers one zero-copy storage object is gathered from (its
-        record pieces and its seal)."""
-        return self.pages.buffers_per_object
-
-    @property
-    def storage_page_bytes(self) -> int:
-        return self.pages.page_bytes
 
     def get_data_page(self, index, flat: bool = True, key=None) -> torch.Tensor:
         return self.pages.read(index, key)
@@ -711,12 +744,6 @@ class EncodedHostPool:
             pin_memory=self.pin_memory,
         )
 
-    def set_from_flat_data_page(self, index: int, data_page, key=None) -> None:
-        self.pages.write(index, data_page, key)
-
-    def get_page_buffer_meta(self, indices):
-        return self.pages.buffer_meta(indices)
-
     def get_split_heads_page_buffer_meta(
         self, indices: torch.Tensor, split_factor: int
     ):
@@ -724,9 +751,3 @@ class EncodedHostPool:
             f"--hicache-host-dtype {self.host_format.name} does not split storage "
             "pages by head (--hicache-mem-layout page_head)."
         )
-
-    def get_hybrid_pool_buffer(self):
-        return list(self.records.tensors.values()) + self.pages.seal_buffers()
-
-    def is_stride_page_aligned(self, page_size_bytes: int = 4096) -> bool:
-        return self.pages.stride_page_aligned(page_size_bytes)

@@ -30,6 +30,49 @@ import torch
 FP8_DEVICE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+# --- error-bound arithmetic the formats share ---------------------------------
+
+# (significant bits, exponent of the smallest normal) of each float format.
+_FLOAT_FORMATS = {
+    torch.bfloat16: (8, -126),
+    torch.float16: (11, -14),
+    torch.float32: (24, -126),
+    torch.float8_e4m3fn: (4, -6),
+    torch.float8_e5m2: (3, -14),
+}
+
+
+def half_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half a unit in the last place of ``dtype`` at |values| (fp32 values),
+    as an exact fp32 power of two; 2**-149 where it would be smaller, Inf at
+    Inf, NaN at NaN."""
+    bits, emin = _FLOAT_FORMATS[dtype]
+    r = values.to(torch.float32).abs()
+    # |r| = f * 2**k with f in [0.5, 1): binade exponent k - 1; clamping to the
+    # smallest normal gives zero and subnormals the subnormal spacing.
+    exp = torch.frexp(r.clamp_min(2.0**emin)).exponent - 1
+    # fp32's own half ulp at the bottom (2**-150) isn't representable; 2**-149
+    # still bounds it (the upper clamp keeps Inf/NaN lanes from overflowing).
+    e = (exp - bits).clamp_(-149, 127)
+    # 2**e from its bits (exact, unlike pow): normal or subnormal fp32.
+    normal = (e + 127).clamp_min_(1).bitwise_left_shift_(23)
+    subnormal = torch.ones_like(e).bitwise_left_shift_((e + 149).clamp_max_(22))
+    out = torch.where(e >= -126, normal, subnormal).view(torch.float32)
+    out = torch.where(torch.isinf(r), r, out)
+    return torch.where(torch.isnan(r), r, out)
+
+
+def add_round_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b for a, b >= 0 in fp32, rounded up (Fast2Sum finds the lost part),
+    so a bound never undercuts its real-valued formula."""
+    big, small = torch.maximum(a, b), torch.minimum(a, b)
+    total = big + small
+    lost = small - (total - big)
+    return torch.where(
+        lost > 0, (total.view(torch.int32) + 1).view(torch.float32), total
+    )
+
+
 @dataclass(frozen=True)
 class HostRecord:
     """One host tensor of a format.
@@ -83,6 +126,9 @@ class HostKVFormat:
     # Whether it encodes an FP8 device KV cache (device_dtype float8_e4m3fn or
     # float8_e5m2, the element dtype the device pool stores as uint8).
     fp8_device_kv: ClassVar[bool] = False
+    # The module of its fused Triton kernels (encode_gather/decode_scatter and
+    # available), imported on first use; None: torch path only.
+    kernel_module: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -124,9 +170,13 @@ class HostKVFormat:
         head_num: int,
         unit_tokens: int,
         device_dtype: torch.dtype = torch.bfloat16,
+        **geometry,
     ) -> float:
-        """bytes_per_token() of a pool that is not built yet (auto-sizing)."""
-        return cls(dims, head_num, unit_tokens, device_dtype).bytes_per_token()
+        """bytes_per_token() of a pool that is not built yet (auto-sizing);
+        geometry: the format's own constructor keywords (MLA's rope_dim)."""
+        return cls(
+            dims, head_num, unit_tokens, device_dtype, **geometry
+        ).bytes_per_token()
 
     def describe(self) -> str:
         """One start-up log line: the records and any grouping fallback."""
@@ -173,42 +223,41 @@ class HostKVFormat:
 
     # -- fused kernels (Triton); the format forwards to its kernel module ----
 
+    def _kernels(self):
+        return importlib.import_module(self.kernel_module)
+
     def fused_available(self, device: torch.device) -> bool:
         """Whether encode_gather/decode_scatter can run for this transfer device."""
-        return False
+        # The kernels read 2-byte device rows only, so FP8 takes the torch path.
+        if self.kernel_module is None or self.device_dtype in FP8_DEVICE_DTYPES:
+            return False
+        try:
+            kernels = self._kernels()
+        except ImportError:
+            # Kernels not in this build: the pool keeps its torch path.
+            return False
+        return kernels.available(device)
 
-    def encode_gather(
-        self,
-        tables: Sequence,
-        device_indices: torch.Tensor,
-        out: Mapping[str, torch.Tensor],
-        host_indices: torch.Tensor,
-        *,
-        nonfinite_counter: torch.Tensor | None = None,
-        scale_amax: torch.Tensor | None = None,
-        bad_index_counter: torch.Tensor | None = None,
-    ) -> None:
+    def encode_gather(self, tables, device_indices, out, host_indices, **counters):
         """Backup in one launch: tables[i] (a DeviceLayerTable of sides[i], all
         layers) rows device_indices -> records at host_indices.
 
-        out[name] is a [unit, layer, *shape] view; scale_amax is fp32
-        [layers, len(sides)]. A host index outside the records is skipped and
-        counted in bad_index_counter.
+        out[name] is a [unit, layer, *shape] view. counters (each optional):
+        nonfinite_counter and bad_index_counter (0-dim int64; a host index
+        outside the records is skipped and counted) and scale_amax (fp32
+        [layers, len(sides)]).
         """
-        raise NotImplementedError
+        self._kernels().encode_gather(
+            tables, device_indices, out, host_indices, **counters
+        )
 
-    def decode_scatter(
-        self,
-        records: Mapping[str, torch.Tensor],
-        host_indices: torch.Tensor,
-        dst: Sequence[torch.Tensor],
-        device_indices: torch.Tensor,
-        *,
-        bad_index_counter: torch.Tensor | None = None,
-    ) -> None:
+    def decode_scatter(self, records, host_indices, dst, device_indices, **counters):
         """Restore one layer in one launch: records[name] ([unit, *shape] views
-        of that layer) at host_indices -> dst[i][device_indices]."""
-        raise NotImplementedError
+        of that layer) at host_indices -> dst[i][device_indices]; counters:
+        bad_index_counter."""
+        self._kernels().decode_scatter(
+            records, host_indices, dst, device_indices, **counters
+        )
 
     # -- L3 zero-copy storage ----------------------------------------------
 

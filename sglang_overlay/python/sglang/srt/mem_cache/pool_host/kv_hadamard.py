@@ -186,7 +186,7 @@ def rotated_error_bound(
     """Elementwise fp32 bound on |x - x^| (module docstring) from the base
     format's decoded rotated rows y^ (fp32), its bound e on them, and the
     restored rows x^; NaN where the block holds a non-finite group."""
-    from sglang.srt.mem_cache.pool_host.kv_int4_codec import half_ulp
+    from sglang.srt.mem_cache.pool_host.host_format import half_ulp
 
     log2 = block.bit_length() - 1
     slack = (log2 + 2) * block * 2.0**-22

@@ -46,7 +46,8 @@ which Int4HostFormat and K8V4HostFormat wrap for the host pools.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -56,6 +57,8 @@ from sglang.srt.mem_cache.pool_host.host_format import (
     EncodeStats,
     HostKVFormat,
     HostRecord,
+    add_round_up,
+    half_ulp,
 )
 
 META_DTYPE = torch.float16
@@ -390,44 +393,6 @@ def finite_amax(amax: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     return kept.amax() if kept.numel() else kept.new_zeros(())
 
 
-# (significant bits, exponent of the smallest normal) of each float format.
-_FORMAT = {
-    torch.bfloat16: (8, -126),
-    torch.float16: (11, -14),
-    torch.float32: (24, -126),
-    torch.float8_e4m3fn: (4, -6),
-    torch.float8_e5m2: (3, -14),
-}
-
-
-def half_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Half a unit in the last place of ``dtype`` at |values| (fp32 values),
-    as an exact fp32 power of two; 2**-149 where it would be smaller, Inf at
-    Inf, NaN at NaN."""
-    bits, emin = _FORMAT[dtype]
-    r = values.to(torch.float32).abs()
-    # |r| = f * 2**k with f in [0.5, 1): binade exponent k - 1; clamping to the
-    # smallest normal gives zero and subnormals the subnormal spacing.
-    exp = torch.frexp(r.clamp_min(2.0**emin)).exponent - 1
-    e = (exp - bits).clamp_(-149, 127)
-    # 2**e from its bits (exact, unlike pow): normal or subnormal fp32.
-    normal = (e + 127).clamp_min_(1).bitwise_left_shift_(23)
-    subnormal = torch.ones_like(e).bitwise_left_shift_((e + 149).clamp_max_(22))
-    out = torch.where(e >= -126, normal, subnormal).view(torch.float32)
-    out = torch.where(torch.isinf(r), r, out)
-    return torch.where(torch.isnan(r), r, out)
-
-
-def _add_round_up(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b for a, b >= 0 in fp32, rounded up (Fast2Sum finds the lost part)."""
-    big, small = torch.maximum(a, b), torch.minimum(a, b)
-    total = big + small
-    lost = small - (total - big)
-    return torch.where(
-        lost > 0, (total.view(torch.int32) + 1).view(torch.float32), total
-    )
-
-
 def _error_bound(
     s: torch.Tensor, m: torch.Tensor, restored: torch.Tensor
 ) -> torch.Tensor:
@@ -435,8 +400,8 @@ def _error_bound(
     rounded up; s and m broadcast to restored."""
     s, m = torch.broadcast_tensors(s.to(torch.float32), m, restored)[:2]
     quant = torch.maximum(s / 2, half_ulp(m, META_DTYPE))
-    bound = _add_round_up(quant, half_ulp(restored, torch.float32))
-    bound = _add_round_up(bound, half_ulp(restored, restored.dtype))
+    bound = add_round_up(quant, half_ulp(restored, torch.float32))
+    bound = add_round_up(bound, half_ulp(restored, restored.dtype))
     return torch.where(torch.isnan(restored) | torch.isnan(s), restored.float(), bound)
 
 
@@ -594,6 +559,15 @@ def k8v4_decode_into(
 # --- the host formats (pool_host/host_format.py) ---------------------------
 
 
+class _Codec(NamedTuple):
+    """A format's module-level functions (above) that its methods call."""
+
+    encode_reference: Callable
+    decode_reference: Callable
+    encode_into: Callable
+    decode_into: Callable
+
+
 class _Int4ValuesHostFormat(HostKVFormat):
     """What int4 and k8v4 share: sides K and V, INT4 values, fused kernels in
     sglang.kernels.ops.kvcache.kv_int4_triton, one zero-copy object per side."""
@@ -602,6 +576,8 @@ class _Int4ValuesHostFormat(HostKVFormat):
     # FP8 values are exact in fp32 and restore rounded to the same FP8 dtype;
     # the fused kernels read 2-byte rows only, so FP8 takes the torch path.
     fp8_device_kv = True
+    kernel_module = "sglang.kernels.ops.kvcache.kv_int4_triton"
+    _codec: ClassVar[_Codec]
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -627,55 +603,21 @@ class _Int4ValuesHostFormat(HostKVFormat):
     def _record_shapes(self) -> dict:
         raise NotImplementedError
 
+    def encode_reference(self, rows):
+        return self._codec.encode_reference(*rows)
+
+    def decode_reference(self, records, dtype):
+        return self._codec.decode_reference(records, dtype)
+
+    def encode_into(self, rows, out) -> EncodeStats:
+        return EncodeStats(*self._codec.encode_into(*rows, out))
+
+    def decode_into(self, records, out) -> None:
+        self._codec.decode_into(records, *out)
+
     def _values_description(self) -> str:
         dv = self.dims[1]
         return f"values per token in groups of {value_group_size(dv)} channels"
-
-    def fused_available(self, device) -> bool:
-        if self.device_dtype in FP8_DEVICE_DTYPES:
-            return False
-        try:
-            from sglang.kernels.ops.kvcache import kv_int4_triton
-        except ImportError:
-            # Kernels not in this build: the pool keeps its torch path.
-            return False
-        return kv_int4_triton.available(device)
-
-    def encode_gather(
-        self,
-        tables,
-        device_indices,
-        out,
-        host_indices,
-        *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
-    ) -> None:
-        from sglang.kernels.ops.kvcache import kv_int4_triton
-
-        kv_int4_triton.encode_gather(
-            tables,
-            device_indices,
-            out,
-            host_indices,
-            nonfinite_counter=nonfinite_counter,
-            scale_amax=scale_amax,
-            bad_index_counter=bad_index_counter,
-        )
-
-    def decode_scatter(
-        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
-    ) -> None:
-        from sglang.kernels.ops.kvcache import kv_int4_triton
-
-        kv_int4_triton.decode_scatter(
-            records,
-            host_indices,
-            dst,
-            device_indices,
-            bad_index_counter=bad_index_counter,
-        )
 
     def zero_copy_objects(self):
         # One object per side, as a BF16 page has (_k and _v): payload, then
@@ -698,6 +640,12 @@ class Int4HostFormat(_Int4ValuesHostFormat):
 
     name = "int4"
     storage_format_tag = "int4-fp16meta-v1"
+    _codec = _Codec(
+        int4_encode_reference,
+        int4_decode_reference,
+        int4_encode_into,
+        int4_decode_into,
+    )
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -727,18 +675,6 @@ class Int4HostFormat(_Int4ValuesHostFormat):
             )
         return f"{super().describe()}; {keys}, {self._values_description()}"
 
-    def encode_reference(self, rows):
-        return int4_encode_reference(*rows)
-
-    def decode_reference(self, records, dtype):
-        return int4_decode_reference(records, dtype)
-
-    def encode_into(self, rows, out) -> EncodeStats:
-        return EncodeStats(*int4_encode_into(*rows, out))
-
-    def decode_into(self, records, out) -> None:
-        int4_decode_into(records, *out)
-
     def error_bound(self, records, restored):
         k, v = restored
         if self.keys_per_channel:
@@ -757,6 +693,12 @@ class K8V4HostFormat(_Int4ValuesHostFormat):
 
     name = "k8v4"
     storage_format_tag = "k8v4-fp16meta-v1"
+    _codec = _Codec(
+        k8v4_encode_reference,
+        k8v4_decode_reference,
+        k8v4_encode_into,
+        k8v4_decode_into,
+    )
 
     def _int4_dims(self):
         return self.dims[1:]
@@ -773,18 +715,6 @@ class K8V4HostFormat(_Int4ValuesHostFormat):
             f"{super().describe()}; keys as int8 per token and head, "
             f"{self._values_description()}"
         )
-
-    def encode_reference(self, rows):
-        return k8v4_encode_reference(*rows)
-
-    def decode_reference(self, records, dtype):
-        return k8v4_decode_reference(records, dtype)
-
-    def encode_into(self, rows, out) -> EncodeStats:
-        return EncodeStats(*k8v4_encode_into(*rows, out))
-
-    def decode_into(self, records, out) -> None:
-        k8v4_decode_into(records, *out)
 
     def error_bound(self, records, restored):
         k, v = restored

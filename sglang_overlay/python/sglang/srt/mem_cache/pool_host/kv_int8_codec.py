@@ -26,6 +26,8 @@ from sglang.srt.mem_cache.pool_host.host_format import (
     EncodeStats,
     HostKVFormat,
     HostRecord,
+    add_round_up,
+    half_ulp,
 )
 
 SCALE_DTYPE = torch.float16
@@ -173,16 +175,6 @@ def dequantize_into(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> 
     out.copy_(xf)
 
 
-# (significant bits, exponent of the smallest normal) of each output dtype.
-_OUT_FORMAT = {
-    torch.bfloat16: (8, -126),
-    torch.float16: (11, -14),
-    torch.float32: (24, -126),
-    torch.float8_e4m3fn: (4, -6),
-    torch.float8_e5m2: (3, -14),
-}
-
-
 def error_bound(scale: torch.Tensor, restored: torch.Tensor) -> torch.Tensor:
     """Elementwise bound s/2 + half_ulp_out(x^) on |x - x^|, as fp32.
 
@@ -190,31 +182,9 @@ def error_bound(scale: torch.Tensor, restored: torch.Tensor) -> torch.Tensor:
     rounded up, so the result is the formula exactly when it is an fp32 and
     the next fp32 above it otherwise. Inf where x^ is Inf, NaN for NaN rows.
     """
-    bits, emin = _OUT_FORMAT[restored.dtype]
     r = restored.to(torch.float32).abs()
-    # |r| = m * 2**k with m in [0.5, 1), so the binade exponent is k - 1.
-    # Clamping to the smallest normal first makes zero and subnormal outputs
-    # use the subnormal spacing (frexp(0) would report exponent 0).
-    exp = torch.frexp(r.clamp_min(2.0**emin)).exponent - 1
-    # Half an ulp is 2**(exp - (bits - 1) - 1). fp32's own half ulp at the
-    # bottom (2**-150) isn't representable; 2**-149 still bounds it. (The upper
-    # clamp only keeps Inf/NaN lanes, replaced below, from overflowing int32.)
-    e = (exp - bits).clamp_(-149, 127)
-    # Build the power of two from bits (exact, unlike pow): a normal fp32 has
-    # biased exponent e + 127 in bits 23..30; a subnormal is 1 << (e + 149).
-    normal = (e + 127).clamp_min_(1).bitwise_left_shift_(23)
-    subnormal = torch.ones_like(e).bitwise_left_shift_((e + 149).clamp_max_(22))
-    half_ulp = torch.where(e >= -126, normal, subnormal).view(torch.float32)
-    half_ulp = torch.where(torch.isinf(r), r, half_ulp)
-    # s/2 + half_ulp in fp32, rounded *up* so the bound never undercuts the
-    # real-valued formula (Fast2Sum recovers the rounding error exactly).
-    half_s = (scale.to(torch.float32) / 2).unsqueeze(-1).expand_as(half_ulp)
-    big, small = torch.maximum(half_s, half_ulp), torch.minimum(half_s, half_ulp)
-    bound = big + small
-    lost = small - (bound - big)
-    bound = torch.where(
-        lost > 0, (bound.view(torch.int32) + 1).view(torch.float32), bound
-    )
+    half_s = (scale.to(torch.float32) / 2).unsqueeze(-1)
+    bound = add_round_up(half_s, half_ulp(r, restored.dtype))
     return torch.where(torch.isnan(r), r, bound)
 
 
@@ -234,6 +204,7 @@ class Int8HostFormat(HostKVFormat):
     name = "int8"
     storage_format_tag = "int8-fp16scale-v1"
     sides = ("k", "v")
+    kernel_module = "sglang.kernels.ops.kvcache.kv_int8_triton"
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -278,25 +249,9 @@ class Int8HostFormat(HostKVFormat):
             for i in range(len(self.sides))
         )
 
-    def fused_available(self, device) -> bool:
-        from sglang.kernels.ops.kvcache import kv_int8_triton
-
-        return kv_int8_triton.available(device)
-
-    def encode_gather(
-        self,
-        tables,
-        device_indices,
-        out,
-        host_indices,
-        *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
-    ) -> None:
-        from sglang.kernels.ops.kvcache import kv_int8_triton
-
-        kv_int8_triton.encode_gather(
+    def encode_gather(self, tables, device_indices, out, host_indices, **counters):
+        # kv_int8_triton takes each side's table and record by name.
+        self._kernels().encode_gather(
             tables[0],
             tables[1],
             device_indices,
@@ -305,17 +260,11 @@ class Int8HostFormat(HostKVFormat):
             out["scale"],
             host_indices,
             unit_tokens=self.unit_tokens,
-            nonfinite_counter=nonfinite_counter,
-            scale_amax=scale_amax,
-            bad_index_counter=bad_index_counter,
+            **counters,
         )
 
-    def decode_scatter(
-        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
-    ) -> None:
-        from sglang.kernels.ops.kvcache import kv_int8_triton
-
-        kv_int8_triton.decode_scatter(
+    def decode_scatter(self, records, host_indices, dst, device_indices, **counters):
+        self._kernels().decode_scatter(
             records["k"],
             records["v"],
             records["scale"],
@@ -324,7 +273,7 @@ class Int8HostFormat(HostKVFormat):
             dst[1],
             device_indices,
             unit_tokens=self.unit_tokens,
-            bad_index_counter=bad_index_counter,
+            **counters,
         )
 
     def zero_copy_objects(self):

@@ -26,7 +26,6 @@ gives the reasons for this split and the measured error.
 
 from __future__ import annotations
 
-import importlib
 from typing import ClassVar, Mapping, Sequence
 
 import torch
@@ -41,8 +40,6 @@ from sglang.srt.mem_cache.pool_host.host_format import (
 TILE = 128
 SCALE_DTYPE = int8.SCALE_DTYPE
 DEVICE_DTYPES = (torch.bfloat16, torch.float16)
-# The fused kernels (Triton) this format forwards to.
-_KERNELS = "sglang.kernels.ops.kvcache.kv_mla_int8_triton"
 
 
 class MLAInt8HostFormat(HostKVFormat):
@@ -59,16 +56,9 @@ class MLAInt8HostFormat(HostKVFormat):
     name: ClassVar[str] = "int8"
     storage_format_tag: ClassVar[str] = "mla-int8-t128-fp16scale-rope16-v1"
     sides: ClassVar[tuple[str, ...]] = ("kv",)
+    kernel_module = "sglang.kernels.ops.kvcache.kv_mla_int8_triton"
 
-    def __init__(
-        self,
-        dims: tuple[int, ...],
-        head_num: int,
-        unit_tokens: int,
-        device_dtype: torch.dtype,
-        *,
-        rope_dim: int = 64,
-    ):
+    def __init__(self, dims, head_num, unit_tokens, device_dtype, *, rope_dim=64):
         self.latent_dim, self.rope_dim = _split_dims(dims, head_num, rope_dim)
         if device_dtype not in DEVICE_DTYPES:
             raise NotImplementedError(
@@ -83,20 +73,6 @@ class MLAInt8HostFormat(HostKVFormat):
             HostRecord("scale", (ut, 1, self.tiles), SCALE_DTYPE),
             HostRecord("rope", (ut, 1, self.rope_dim), device_dtype),
         )
-
-    @classmethod
-    def bytes_per_token_for(
-        cls,
-        dims: tuple[int, ...],
-        head_num: int,
-        unit_tokens: int,
-        device_dtype: torch.dtype = torch.bfloat16,
-        *,
-        rope_dim: int = 64,
-    ) -> float:
-        return cls(
-            dims, head_num, unit_tokens, device_dtype, rope_dim=rope_dim
-        ).bytes_per_token()
 
     def describe(self) -> str:
         return (
@@ -174,48 +150,6 @@ class MLAInt8HostFormat(HostKVFormat):
             torch.isnan(rope), float("nan"), torch.zeros_like(rope, dtype=torch.float32)
         )
         return (torch.cat([latent_bound, rope_bound], dim=-1),)
-
-    # ------------------------------------------------------------------
-    # fused kernels (Triton), in the kernels package
-
-    def fused_available(self, device: torch.device) -> bool:
-        try:
-            kernels = importlib.import_module(_KERNELS)
-        except ImportError:
-            return False
-        return kernels.available(device)
-
-    def encode_gather(
-        self,
-        tables,
-        device_indices,
-        out,
-        host_indices,
-        *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
-    ) -> None:
-        importlib.import_module(_KERNELS).encode_gather(
-            tables,
-            device_indices,
-            out,
-            host_indices,
-            nonfinite_counter=nonfinite_counter,
-            scale_amax=scale_amax,
-            bad_index_counter=bad_index_counter,
-        )
-
-    def decode_scatter(
-        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
-    ) -> None:
-        importlib.import_module(_KERNELS).decode_scatter(
-            records,
-            host_indices,
-            dst,
-            device_indices,
-            bad_index_counter=bad_index_counter,
-        )
 
     # ------------------------------------------------------------------
     # L3 zero-copy: MLA pages are one object per page (rank-replicated keys)

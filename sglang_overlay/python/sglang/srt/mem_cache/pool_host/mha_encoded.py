@@ -5,7 +5,6 @@ host_format.host_pool_cls(name, "mha"), which binds the format."""
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
@@ -20,8 +19,6 @@ from sglang.srt.mem_cache.pool_host.encoded import (
 from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-logger = logging.getLogger(__name__)
-
 
 class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
     """L3 storage moves pages in this encoded form: one object per page for
@@ -29,23 +26,13 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
     zero-copy backends (mooncake)."""
 
     @classmethod
-    def host_bytes_per_device_byte(
-        cls,
-        buffer_info: MHABufferInfo,
-        page_size: int = 1,
-        layout: str = "layer_first",
-    ) -> float:
-        # Page size and layout set the unit a format may group over (e.g.
-        # per-page key scales), hence its bytes per token.
-        dims = (buffer_info.head_dim, buffer_info.v_head_dim)
-        encoded = cls.host_format_cls.bytes_per_token_for(
-            dims,
+    def _format_for(cls, buffer_info, page_size, layout, device_dtype):
+        return cls.host_format_cls(
+            (buffer_info.head_dim, buffer_info.v_head_dim),
             buffer_info.head_num,
             unit_tokens_for(page_size, layout),
-            buffer_info.dtype,
+            device_dtype,
         )
-        device = sum(dims) * buffer_info.head_num * buffer_info.dtype.itemsize
-        return encoded / device
 
     def __init__(
         self,
@@ -77,11 +64,8 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
         # its uint8 storage dtype, so only the caller knows which FP8 it is.
         self.device_kv_dtype = self._check_device_dtype(buffer_info, device_kv_dtype)
         # HostKVCache sizes the pool from get_size_per_token, which the format answers.
-        self.host_format = self.host_format_cls(
-            (buffer_info.head_dim, buffer_info.v_head_dim),
-            buffer_info.head_num,
-            unit_tokens_for(page_size, layout),
-            self.device_kv_dtype,
+        self.host_format = self._format_for(
+            buffer_info, page_size, layout, self.device_kv_dtype
         )
         super().__init__(
             buffer_info,
@@ -98,17 +82,6 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
             write_back_staging=None,
             pool_label=pool_label,
             host_token_capacity=host_token_capacity,
-        )
-        logger.info(
-            "HiCache %s host pool stores %s KV: %s B/token (%s: %d B/token), "
-            "%.2fx tokens per host byte, layout=%s.",
-            pool_label,
-            name.upper(),
-            self.get_size_per_token(),
-            self.device_kv_dtype,
-            self.device_size_per_token(),
-            self.device_size_per_token() / self.get_size_per_token(),
-            layout,
         )
         self._finish_setup()
 
@@ -164,15 +137,9 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
         self.element_dim = self.head_num * self.head_dim
         self.token_stride_size = self.element_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
-        self._init_device_row_stride((*self.device_k_buffers, *self.device_v_buffers))
-        # Upstream movers copy raw rows; encoded records move through our own path.
-        self.can_use_jit = False
-        self.can_use_write_back_jit = False
-        self.staging_page_capacity = 0
-        self.staging_token_capacity = 0
         self.k_data_refs = []
         self.v_data_refs = []
         self.k_data_ptrs = None
         self.v_data_ptrs = None
         self.host_kv_data_refs = []
-        self._build_transfer()
+        self._build_transfer((*self.device_k_buffers, *self.device_v_buffers))

@@ -6,7 +6,6 @@ keys). Dispatched through host_format.host_pool_cls(name, "mla")."""
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import torch
@@ -20,26 +19,19 @@ from sglang.srt.mem_cache.pool_host.encoded import (
 )
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
-logger = logging.getLogger(__name__)
-
 
 class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
+    log_kind = "MLA "
+
     @classmethod
-    def host_bytes_per_device_byte(
-        cls,
-        buffer_info: MLABufferInfo,
-        page_size: int = 1,
-        layout: str = "layer_first",
-    ) -> float:
-        width = buffer_info.kv_lora_rank + buffer_info.qk_rope_head_dim
-        encoded = cls.host_format_cls.bytes_per_token_for(
-            (width,),
+    def _format_for(cls, buffer_info, page_size, layout, device_dtype):
+        return cls.host_format_cls(
+            (buffer_info.kv_lora_rank + buffer_info.qk_rope_head_dim,),
             1,
             unit_tokens_for(page_size, layout),
-            buffer_info.dtype,
+            device_dtype,
             rope_dim=buffer_info.qk_rope_head_dim,
         )
-        return encoded / (width * buffer_info.dtype.itemsize)
 
     def __init__(
         self,
@@ -75,12 +67,8 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
             layer_shard_enabled,
         )
         # HostKVCache sizes the pool from get_size_per_token, which the format answers.
-        self.host_format = self.host_format_cls(
-            (buffer_info.kv_lora_rank + buffer_info.qk_rope_head_dim,),
-            1,
-            unit_tokens_for(page_size, layout),
-            buffer_info.dtype,
-            rope_dim=buffer_info.qk_rope_head_dim,
+        self.host_format = self._format_for(
+            buffer_info, page_size, layout, buffer_info.dtype
         )
         super().__init__(
             buffer_info,
@@ -103,17 +91,6 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
             pool_label=pool_label,
             host_token_capacity=host_token_capacity,
         )
-        logger.info(
-            "HiCache %s MLA host pool stores %s KV: %s B/token (%s: %d B/token), "
-            "%.3fx tokens per host byte, layout=%s.",
-            pool_label,
-            name.upper(),
-            self.get_size_per_token(),
-            self.dtype,
-            self.device_size_per_token(),
-            self.device_size_per_token() / self.get_size_per_token(),
-            layout,
-        )
         self._finish_setup()
 
     def device_size_per_token(self) -> int:
@@ -128,18 +105,12 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
         return self.device_kv_buffers
 
     def _initialize_transfer_views(self) -> None:
-        # Upstream movers copy raw rows; encoded records move through our own path.
-        self.can_use_jit = False
-        self.can_use_write_back_jit = False
-        self.staging_page_capacity = 0
-        self.staging_token_capacity = 0
         self.staging_buffer = None
         self.token_stride_size = self.kv_cache_dim * self.dtype.itemsize
         self.layout_dim = self.token_stride_size * self.layer_num
         self.data_refs = []
         self.data_ptrs = None
-        self._init_device_row_stride(self.device_kv_buffers)
-        self._build_transfer()
+        self._build_transfer(self.device_kv_buffers)
 
     def get_contiguous_buf_infos(self):
         raise NotImplementedError(
