@@ -105,7 +105,7 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
         )
         logger.info(
             "HiCache %s MLA host pool stores %s KV: %s B/token (%s: %d B/token), "
-            "%.3fx tokens per host byte, layout=%s.",
+            "%.3fx tokens per host byte, layout=%s%s.",
             pool_label,
             name.upper(),
             self.get_size_per_token(),
@@ -113,6 +113,7 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
             self.device_size_per_token(),
             self.device_size_per_token() / self.get_size_per_token(),
             layout,
+            self._describe_draft_bytes(),
         )
         self._finish_setup()
 
@@ -174,11 +175,15 @@ def _refuse_unsupported(
             "supported). Pass --kv-cache-dtype bf16, or use --hicache-host-dtype "
             "auto."
         )
-    if draft_buffer_infos:
-        raise NotImplementedError(
-            f"--hicache-host-dtype {name} does not pack MTP draft KV layers into the "
-            "MLA host pool."
-        )
+    for depth, draft in enumerate(draft_buffer_infos):
+        # NEXTN draft layers are encoded with the target's format; the
+        # upstream pool checks their row width and dtype against the target's.
+        if draft.packed_fp8 or isinstance(draft.buffers, MLASplitBuffers):
+            raise NotImplementedError(
+                f"--hicache-host-dtype {name}: packed MTP draft[{depth}] KV is "
+                "not a BF16/FP16 latent cache. Pass --kv-cache-dtype bf16, or use "
+                "--hicache-host-dtype auto."
+            )
     if dcp_size > 1:
         raise NotImplementedError(
             f"--hicache-host-dtype {name} for MLA models does not support decode "
