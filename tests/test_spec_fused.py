@@ -132,3 +132,20 @@ def test_packed_draft_fused_matches_torch_mla(layout, page_size, mode):
     geo = MLAGeometry(layer_num=2, page_size=page_size)
     ref = round_trip(geo, "int8", layout, None, drafts=1)
     assert_same(round_trip(geo, "int8", layout, mode, drafts=1), ref)
+
+
+@pytest.mark.parametrize(
+    "geo,host_dtype",
+    [
+        (Geometry(layer_num=2, head_num=2, head_dim=64, page_size=4), "int8"),
+        (Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16), "k8v4"),
+        (MLAGeometry(layer_num=2, page_size=2), "int8"),
+    ],
+    ids=["int8", "k8v4", "mla-int8"],
+)
+def test_start_up_self_check_covers_the_draft_layers(geo, host_dtype):
+    """The start-up self-check (run on CUDA before the first transfer) restores
+    every layer, the drafts with is_draft, so the fused path stays selected."""
+    _, _, pool = packed_pool(geo, host_dtype, "page_first", 1, "direct")
+    assert pool.self_check()
+    assert pool.transfer_path == "fused_direct"
