@@ -79,6 +79,16 @@ TARGET_LAYERS = 2
 DEVICE_TOKENS = 256
 
 
+@pytest.fixture(autouse=True)
+def _host_memory_budget():
+    """The pools here are a few MB: size them against a fixed budget, not the
+    free RAM of a shared machine less SGLang's 10 GiB reserve."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(1 << 40):
+        yield
+
+
 @pytest.fixture(scope="module")
 def spec_models(tmp_path_factory, hybrid_model_dirs):  # noqa: F811
     root = tmp_path_factory.mktemp("spec_models")
