@@ -574,3 +574,59 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
     assert_mha_restored(
         host_dtype, draft_host, draft.swa_kv_pool, restore.device_indices, d_rows, "d"
     )
+
+
+# -- a hybrid target's packed MTP layer (Qwen3-Next NEXTN) ------------------------
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
+def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypatch):
+    """Qwen3-Next NEXTN: the draft's full-attention layer packs after the
+    target's in the (encoded) KV host pool; the draft shares the target's
+    Mamba state, which stays SGLang's MambaPoolHost."""
+    import test_hybrid_host_pools as hybrid
+
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    drafts = []
+
+    def build_with_draft(server_args, params, *, swa, ssm):
+        full = params.token_to_kv_pool_allocator.get_kvcache().full_kv_pool
+        draft = HybridLinearKVPool(
+            size=DEVICE_TOKENS,
+            dtype=DTYPE,
+            page_size=params.page_size,
+            head_num=full.head_num,
+            head_dim=full.head_dim,
+            full_attention_layer_ids=[0],
+            device="cpu",
+            mamba_pool=params.req_to_token_pool.mamba_pool,
+        )
+        drafts.append(draft)
+        params.mtp_draft_device_pools = (draft,)
+        return build_cache(server_args, params, swa=swa, ssm=ssm)
+
+    monkeypatch.setattr(hybrid, "build_cache", build_with_draft)
+    rig = hybrid.mamba_rig(spec_models, host_dtype, "page_first", 16, "kernel")
+    (draft,) = drafts
+    host = rig.host_pool(PoolName.KV)
+    assert type(host) is expected_host_cls(host_dtype)
+    assert host.layer_num == host.target_layer_num + 1
+    draft_kv = draft.full_kv_pool
+
+    ctl, gen = rig.controller, torch.Generator().manual_seed(7)
+    slots = rig.allocator.alloc(40)
+    written = fill_kv(rig.kv_pool, slots, gen)
+    d_written = fill_kv(draft_kv, slots, gen)
+    host_idx = ctl.write(slots)
+    assert host_idx is not None
+    rig.finish()
+    wipe_kv(rig.kv_pool, slots)
+    wipe_kv(draft_kv, slots)
+    rig.allocator.free(slots)
+    loaded = ctl.load(host_idx)
+    assert loaded is not None
+    ctl.start_loading()
+    rig.finish()
+    assert_mha_restored(host_dtype, host, rig.kv_pool, loaded, written, "target")
+    assert_mha_restored(host_dtype, host, draft_kv, loaded, d_written, "draft")

@@ -3,13 +3,14 @@ argument resolution over tiny local configs (no weights). Accepted where the
 draft's host copy is tested (tests/test_spec_host_pools.py): packed MTP
 layers of MHA and MLA (DeepSeek V3) targets under NEXTN/EAGLE, separate
 drafts under EAGLE/EAGLE3/STANDALONE; refused, naming the flags and what to
-pass, for a hybrid target's packed MTP layers and for algorithms whose draft
+pass, for a sliding-window target's packed MTP layers and for algorithms whose draft
 KV the encoded pools never ran with."""
 
 from __future__ import annotations
 
 import pytest
 from test_hybrid_server_args import (  # noqa: F401  (autouse fixture)
+    GPT_OSS,
     QWEN3_NEXT,
     _mamba_state_snapshots_as_on_cuda,
 )
@@ -52,6 +53,9 @@ def models(tmp_path_factory):
         "qwen3_next_mtp": _model_dir(
             root, "qwen3_next_mtp", dict(QWEN3_NEXT, num_nextn_predict_layers=1)
         ),
+        "gpt_oss_mtp": _model_dir(
+            root, "gpt_oss_mtp", dict(GPT_OSS, num_nextn_predict_layers=1)
+        ),
     }
 
 
@@ -93,12 +97,22 @@ def test_accepts_mla_int8_with_drafts(models, algorithm, model, draft):
     )
 
 
-def test_refuses_packed_mtp_draft_on_hybrid(models):
+@pytest.mark.parametrize("host_dtype", ["int8", "k8v4"])
+def test_accepts_packed_mtp_draft_on_linear_attention_hybrid(models, host_dtype):
+    resolve(
+        models["qwen3_next_mtp"],
+        hicache_host_dtype=host_dtype,
+        hicache_mem_layout="page_first",
+        speculative_algorithm="NEXTN",
+        **SPEC,
+    )
+
+
+def test_refuses_packed_mtp_draft_on_sliding_window_hybrid(models):
     with pytest.raises(ValueError) as error:
         resolve(
-            models["qwen3_next_mtp"],
+            models["gpt_oss_mtp"],
             hicache_host_dtype="int8",
-            hicache_mem_layout="page_first",
             speculative_algorithm="NEXTN",
             **SPEC,
         )
@@ -106,9 +120,11 @@ def test_refuses_packed_mtp_draft_on_hybrid(models):
     assert "--hicache-host-dtype int8 does not support --speculative-algorithm" in (
         message
     )
-    assert "Qwen3NextForCausalLM" in message and "num_nextn_predict_layers=1" in message
+    assert "GptOssForCausalLM" in message and "num_nextn_predict_layers=1" in message
     assert "Use --hicache-host-dtype auto" in message
     assert "--speculative-draft-model-path" in message
+    # The stock pool packs it as upstream does.
+    resolve(models["gpt_oss_mtp"], speculative_algorithm="NEXTN", **SPEC)
 
 
 def test_auto_keeps_upstream_behaviour_with_packed_mtp_drafts(models):

@@ -178,7 +178,7 @@ def _refuse_checkpoint_fp8_kv(server_args: Any) -> None:
 
 # Draft KV the encoded pools are tested with (tests/test_spec_host_pools.py):
 # packed MTP layers (NEXTN, or EAGLE on the checkpoint's own MTP layers) for
-# MHA and MLA, and a separate draft model's sidecar pool (EAGLE, EAGLE3,
+# MHA, linear-attention hybrid and MLA targets, and a separate draft model's sidecar pool (EAGLE, EAGLE3,
 # STANDALONE); NGRAM keeps no draft KV.
 SPECULATIVE_WITH_ENCODED_HOST_KV = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 
@@ -202,10 +202,11 @@ def _refuse_untested_speculative_draft(server_args: Any) -> None:
 
 
 def _refuse_packed_mtp_draft_on_hybrid(server_args: Any, cfg: Any) -> None:
-    """A hybrid target's MTP layers pack into its hybrid host pools (and, for
-    linear attention, the Mamba state pool), not tested with encoded pools."""
+    """A sliding-window target's MTP layers pack into its full and SWA host
+    pools, not tested with encoded pools (linear-attention targets, whose
+    draft shares the Mamba state, are)."""
     model_config = model_config_of(server_args)
-    if not is_hybrid_model(model_config):
+    if not model_config.is_hybrid_swa:
         return
     from sglang.srt.configs.model_config import ModelConfig
 
@@ -220,9 +221,9 @@ def _refuse_packed_mtp_draft_on_hybrid(server_args: Any, cfg: Any) -> None:
         raise ValueError(
             f"--hicache-host-dtype {cfg.hicache_host_dtype} does not support "
             f"--speculative-algorithm {cfg.speculative_algorithm} with the MTP "
-            f"layers of the hybrid model {arch} (num_nextn_predict_layers="
+            f"layers of the sliding-window model {arch} (num_nextn_predict_layers="
             f"{draft_config.num_nextn_predict_layers}), whose draft KV packs into "
-            "the hybrid host pools: untested. Use --hicache-host-dtype auto, or "
+            "its full and SWA host pools: untested. Use --hicache-host-dtype auto, or "
             "a separate draft model (--speculative-algorithm EAGLE3 with "
             "--speculative-draft-model-path)."
         )
