@@ -446,7 +446,9 @@ def pool_grid() -> list[PoolCase]:
     ]
     # Packed MTP drafts: the layer tables reach separate draft allocations.
     cases += [
-        PoolCase("page_first", 16, (8, 128, 128), torch.bfloat16, access, draft_layers=1)
+        PoolCase(
+            "page_first", 16, (8, 128, 128), torch.bfloat16, access, draft_layers=1
+        )
         for access in HOST_ACCESS
     ]
     return cases

@@ -373,7 +373,9 @@ def test_packed_mtp_start_up_log_names_bytes_with_and_without_draft(
             spec_models, "int8", "page_first", 4, "kernel", depth=1
         )
     host = rig.host_pool()
-    lines = [r.getMessage() for r in caplog.records if "stores INT8 KV" in r.getMessage()]
+    lines = [
+        r.getMessage() for r in caplog.records if "stores INT8 KV" in r.getMessage()
+    ]
     assert len(lines) == 1, lines
     assert f"{host.size_per_token} B/token" in lines[0]
     assert (
@@ -432,8 +434,10 @@ def test_packed_mtp_mla(spec_models, host_dtype, layout, page_size, io_backend):
     draft = mla_pool(1, page_size)
     rig = FlatRig(server_args, target, page_size, (draft,))
     host = rig.host_pool()
-    expected = MLATokenToKVPoolHost if host_dtype == "auto" else host_pool_cls(
-        host_dtype, "mla"
+    expected = (
+        MLATokenToKVPoolHost
+        if host_dtype == "auto"
+        else host_pool_cls(host_dtype, "mla")
     )
     assert type(host) is expected
     assert (host.target_layer_num, host.layer_num) == (TARGET_LAYERS, TARGET_LAYERS + 1)

@@ -43,7 +43,9 @@ DEEPSEEK_V3 = dict(
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("spec_models")
     return {
-        "mha_mtp": _model_dir(root, "mha_mtp", dict(_LLAMA, num_nextn_predict_layers=1)),
+        "mha_mtp": _model_dir(
+            root, "mha_mtp", dict(_LLAMA, num_nextn_predict_layers=1)
+        ),
         "mha": _model_dir(root, "mha", _LLAMA),
         "draft": _model_dir(root, "draft", dict(_LLAMA, num_hidden_layers=1)),
         "mla_mtp": _model_dir(
