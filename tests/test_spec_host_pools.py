@@ -634,3 +634,53 @@ def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypa
     rig.finish()
     assert_mha_restored(host_dtype, host, rig.kv_pool, loaded, written, "target")
     assert_mha_restored(host_dtype, host, draft_kv, loaded, d_written, "draft")
+
+
+# -- an FP8 device KV cache (int4/k8v4 encode it) ---------------------------------
+
+
+@pytest.mark.parametrize("host_dtype", ["int4", "k8v4"])
+def test_packed_mtp_with_fp8_device_kv(host_dtype):
+    """--kv-cache-dtype fp8_e4m3: the packed draft pool is FP8 too (stored as
+    uint8); its layer restores exactly what a target layer holding the same
+    rows restores (test_fp8_host_pool checks target layers against the
+    reference codec)."""
+    from tests.support.hicache_harness import (
+        Geometry,
+        make_device_pool,
+        make_host_pool,
+    )
+
+    fp8, page_size = torch.float8_e4m3fn, 16
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
+    target = make_device_pool(geo, 4 * page_size)
+    draft = make_device_pool(
+        Geometry(**{**geo.__dict__, "layer_num": 1}), 4 * page_size
+    )
+    host = make_host_pool(
+        target,
+        host_tokens=4 * page_size,
+        layout="page_first",
+        host_dtype=host_dtype,
+        device_kv_dtype=fp8,
+        draft_buffer_infos=(draft.get_device_pool_infos()[0].buffer_info,),
+    )
+    assert (host.layer_num, host.host_format.device_dtype) == (3, fp8)
+    gen = torch.Generator().manual_seed(11)
+    slots = torch.arange(page_size, 3 * page_size)
+    for pool, layer in ((target, 1), (draft, 0)):
+        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+            x = torch.randn((len(slots), *buf.shape[1:]), generator=gen)
+            buf[slots] = (x * 4).to(fp8).view(torch.uint8)
+        gen = torch.Generator().manual_seed(11)  # the same rows in both
+    host_slots = torch.arange(2 * page_size, 4 * page_size)
+    host.backup_from_device_all_layer(target, host_slots, slots, "kernel")
+    for pool, layer in ((target, 1), (draft, 0)):
+        pool.k_buffer[layer][slots] = 0xFF  # NaN in FP8
+        pool.v_buffer[layer][slots] = 0xFF
+    host.load_to_device_per_layer(target, host_slots, slots, 1, "kernel")
+    host.load_to_device_per_layer(draft, host_slots, slots, 2, "kernel", is_draft=True)
+    for side in ("k_buffer", "v_buffer"):
+        got = getattr(draft, side)[0][slots]
+        assert torch.equal(got, getattr(target, side)[1][slots]), side
+        assert not torch.isnan(got.view(fp8).float()).any()

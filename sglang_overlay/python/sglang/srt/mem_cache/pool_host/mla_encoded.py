@@ -70,7 +70,6 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
             name,
             buffer_info,
             override_kv_cache_dim,
-            draft_buffer_infos,
             dcp_size,
             layer_shard_enabled,
         )
@@ -92,6 +91,8 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
             device,
             allocator_type,
             override_kv_cache_dim,
+            # Packed NEXTN draft layers are encoded after the target's with the
+            # same format; the upstream pool checks their row width and dtype.
             draft_buffer_infos,
             dcp_size,
             dcp_rank,
@@ -154,7 +155,6 @@ def _refuse_unsupported(
     name: str,
     buffer_info: MLABufferInfo,
     override_kv_cache_dim: int | None,
-    draft_buffer_infos: Sequence[MLABufferInfo],
     dcp_size: int,
     layer_shard_enabled: bool,
 ) -> None:
@@ -175,15 +175,6 @@ def _refuse_unsupported(
             "supported). Pass --kv-cache-dtype bf16, or use --hicache-host-dtype "
             "auto."
         )
-    for depth, draft in enumerate(draft_buffer_infos):
-        # NEXTN draft layers are encoded with the target's format; the
-        # upstream pool checks their row width and dtype against the target's.
-        if draft.packed_fp8 or isinstance(draft.buffers, MLASplitBuffers):
-            raise NotImplementedError(
-                f"--hicache-host-dtype {name}: packed MTP draft[{depth}] KV is "
-                "not a BF16/FP16 latent cache. Pass --kv-cache-dtype bf16, or use "
-                "--hicache-host-dtype auto."
-            )
     if dcp_size > 1:
         raise NotImplementedError(
             f"--hicache-host-dtype {name} for MLA models does not support decode "
