@@ -177,9 +177,9 @@ def _refuse_checkpoint_fp8_kv(server_args: Any) -> None:
 
 
 # Draft KV the encoded pools are tested with (tests/test_spec_host_pools.py):
-# packed MTP layers (NEXTN, or EAGLE on the checkpoint's own MTP layers) for
-# MHA, linear-attention hybrid and MLA targets, and a separate draft model's sidecar pool (EAGLE, EAGLE3,
-# STANDALONE); NGRAM keeps no draft KV.
+# packed MTP layers (NEXTN, or EAGLE on the checkpoint's own MTP layers) of
+# MHA, linear-attention hybrid and MLA targets, and a separate draft model's
+# sidecar pool (EAGLE, EAGLE3, STANDALONE); NGRAM keeps no draft KV.
 SPECULATIVE_WITH_ENCODED_HOST_KV = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
 
 
