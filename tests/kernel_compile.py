@@ -312,6 +312,8 @@ class PoolCase:
     # Host slots; None: 17 pages. Beyond memory, the host buffers are meta
     # tensors (shapes and strides only): nothing is launched, nothing touched.
     host_tokens: int | None = None
+    # Packed MTP draft layers (one device pool each) after the target's.
+    draft_layers: int = 0
 
     def __str__(self) -> str:
         h, d, dv = self.geometry
@@ -319,6 +321,7 @@ class PoolCase:
             f"{self.layout}/p{self.page_size}/h{h}d{d}v{dv}/"
             f"{str(self.dtype).removeprefix('torch.')}/{self.host_access}"
             + (f"/host{self.host_tokens}" if self.host_tokens else "")
+            + (f"/draft{self.draft_layers}" if self.draft_layers else "")
         )
 
 
@@ -358,6 +361,7 @@ def drive_pool(case: PoolCase) -> None:
     )
     pages = max(TRANSFER_PAGES) + 1
     device_pool = make_device_pool(geo, device_tokens=pages * p)
+    drafts = _draft_pools(geo, case.draft_layers, pages * p)
     with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
         if case.host_tokens is not None:
             mp.setattr(encoded, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
@@ -366,6 +370,7 @@ def drive_pool(case: PoolCase) -> None:
             host_tokens=case.host_tokens or pages * p,
             layout=case.layout,
             host_pool_cls=host_pool_cls("int8"),
+            draft_buffer_infos=_draft_infos(drafts),
         )
     pool.use_fused_kernels = True
     pool.fused_host_access = case.host_access
@@ -382,8 +387,28 @@ def drive_pool(case: PoolCase) -> None:
                 pool.load_to_device_per_layer(
                     device_pool, restore_host, dev, layer, "kernel"
                 )
+            _load_drafts(pool, drafts, restore_host, dev)
     if pool.fused_host_access != case.host_access:
         raise AssertionError(f"{case}: the pool left {case.host_access} access")
+
+
+def _draft_pools(geo, layers: int, device_tokens: int) -> list:
+    from tests.support.hicache_harness import make_device_pool
+
+    one = type(geo)(**{**geo.__dict__, "layer_num": 1})
+    return [make_device_pool(one, device_tokens) for _ in range(layers)]
+
+
+def _draft_infos(drafts) -> tuple:
+    return tuple(d.get_device_pool_infos()[0].buffer_info for d in drafts)
+
+
+def _load_drafts(pool, drafts, host, dev) -> None:
+    """Each draft layer's restore, as the controller's draft mapper issues it."""
+    for depth, draft in enumerate(drafts):
+        pool.load_to_device_per_layer(
+            draft, host, dev, pool.target_layer_num + depth, "kernel", is_draft=True
+        )
 
 
 # --- the grid, and one worker process per group of targets -------------------
@@ -419,6 +444,13 @@ def pool_grid() -> list[PoolCase]:
         for layout in LAYOUTS
         for dtype in DTYPES
     ]
+    # Packed MTP drafts: the layer tables reach separate draft allocations.
+    cases += [
+        PoolCase(
+            "page_first", 16, (8, 128, 128), torch.bfloat16, access, draft_layers=1
+        )
+        for access in HOST_ACCESS
+    ]
     return cases
 
 
@@ -441,12 +473,14 @@ class MLACase:
     rope_dim: int = 64
     layer_num: int = 2
     host_tokens: int | None = None  # beyond memory: meta tensors, as PoolCase
+    draft_layers: int = 0  # packed MTP (NEXTN) draft layers, as PoolCase
 
     def __str__(self) -> str:
         return (
             f"mla/{self.layout}/p{self.page_size}/r{self.kv_lora_rank}+{self.rope_dim}/"
             f"{str(self.dtype).removeprefix('torch.')}/{self.host_access}"
             + (f"/host{self.host_tokens}" if self.host_tokens else "")
+            + (f"/draft{self.draft_layers}" if self.draft_layers else "")
         )
 
 
@@ -472,6 +506,7 @@ def drive_mla(case: MLACase) -> None:
     )
     pages = max(TRANSFER_PAGES) + 1
     device_pool = make_device_pool(geo, device_tokens=pages * p)
+    drafts = _draft_pools(geo, case.draft_layers, pages * p)
     with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
         if case.host_tokens is not None:
             mp.setattr(encoded, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
@@ -480,6 +515,7 @@ def drive_mla(case: MLACase) -> None:
             host_tokens=case.host_tokens or pages * p,
             layout=case.layout,
             host_dtype="int8",
+            draft_buffer_infos=_draft_infos(drafts),
         )
     pool.use_fused_kernels = True
     pool.fused_host_access = case.host_access
@@ -495,6 +531,7 @@ def drive_mla(case: MLACase) -> None:
                 pool.load_to_device_per_layer(
                     device_pool, restore_host, dev, layer, "kernel"
                 )
+            _load_drafts(pool, drafts, restore_host, dev)
     if pool.fused_host_access != case.host_access:
         raise AssertionError(f"{case}: the pool left {case.host_access} access")
 
@@ -525,6 +562,11 @@ def mla_grid() -> list[MLACase]:
         MLACase(layout, 64, dtype, "direct", host_tokens=huge)
         for layout in ("page_first", "layer_first")
         for dtype in DTYPES
+    ]
+    # DeepSeek NEXTN: one packed MTP draft layer after the target's.
+    cases += [
+        MLACase("page_first", 16, torch.bfloat16, access, draft_layers=1)
+        for access in HOST_ACCESS
     ]
     return cases
 
@@ -699,6 +741,13 @@ GRIDS = {
     "int4": drive_int4_grid,
     "small": lambda: drive_pool(SMALL),
     "small-int4": lambda: drive_int4_case(SMALL_INT4),
+    # Packed MTP drafts alone (both grids above include them).
+    "draft": lambda: [
+        drive(case)
+        for drive, grid in ((drive_pool, pool_grid), (drive_mla, mla_grid))
+        for case in grid()
+        if case.draft_layers
+    ],
 }
 # Grids whose JSON carries each kernel's PTX (small enough to send back).
 PTX_GRIDS = ("small", "small-int4")

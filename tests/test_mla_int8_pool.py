@@ -290,7 +290,8 @@ def _bytes_at(ptr: int, size: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     "case",
-    ["layout", "fp8", "fp32", "draft", "dcp", "layer_shard", "wide_rows", "io"],
+    # Packed NEXTN drafts are served: tests/test_spec_host_pools.py.
+    ["layout", "fp8", "fp32", "dcp", "layer_shard", "wide_rows", "io"],
 )
 def test_unsupported_setups_fail_naming_the_flag(case):
     dtype = {"fp8": torch.float8_e4m3fn, "fp32": torch.float32}.get(
@@ -301,12 +302,6 @@ def test_unsupported_setups_fail_naming_the_flag(case):
     kwargs = dict(
         host_tokens=32, layout="page_unified" if case == "layout" else "page_first"
     )
-    if case == "draft":
-        kwargs["draft_buffer_infos"] = (
-            make_device_pool(MLAGeometry(layer_num=1), 16)
-            .get_device_pool_infos()[0]
-            .buffer_info,
-        )
     if case == "dcp":
         kwargs.update(dcp_size=2, dcp_rank=0)
     if case == "layer_shard":

@@ -2,7 +2,8 @@
 resolution over tiny local DeepSeek configs (no weights). Plain MLA models
 whose kv_lora_rank splits into 128-value tiles are accepted with every layout
 and io backend the MLA INT8 pool serves, BF16/FP16 device KV; FP8 device KV,
-DSA sparse models, MTP drafts, HiSparse and DCP are refused, naming the flag."""
+DSA sparse models, HiSparse and DCP are refused (speculative drafts:
+test_spec_server_args.py), naming the flag."""
 
 from __future__ import annotations
 
@@ -92,24 +93,8 @@ def test_refuses_dsa_sparse_mla(tmp_path, monkeypatch):
     assert "DSA/NSA sparse-attention MLA models" in message
 
 
-@pytest.mark.parametrize("algorithm,mtp_layers", [("NEXTN", 1), ("EAGLE", 0)])
-def test_refuses_mla_with_speculative_drafts(tmp_path, algorithm, mtp_layers):
-    # Packed MTP layers and separate draft pools alike are untested with the
-    # MLA INT8 pool.
-    config = dict(
-        _DEEPSEEK_MLA,
-        architectures=["DeepseekV3ForCausalLM"],
-        model_type="deepseek_v3",
-        num_nextn_predict_layers=mtp_layers,
-    )
-    message = refused(
-        _model_dir(tmp_path, "mtp", config),
-        speculative_algorithm=algorithm,
-        speculative_num_steps=1,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=2,
-    )
-    assert f"--speculative-algorithm {algorithm}" in message
+# Speculative drafts (NEXTN packed, EAGLE3 separate) are accepted:
+# test_spec_server_args.py.
 
 
 def test_refuses_kv_lora_rank_without_128_value_tiles(tmp_path):

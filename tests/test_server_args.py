@@ -472,26 +472,7 @@ def test_int8_accepts_unquantized_kv_checkpoint(tmp_path):
     resolve(_model_dir(tmp_path, "w8", config), hicache_host_dtype="int8")
 
 
-@per_format
-@pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
-def test_quantized_refuses_packed_mtp_draft_on_mha(tmp_path, algorithm, host_dtype):
-    config = dict(_LLAMA, num_nextn_predict_layers=1)
-    path = _model_dir(tmp_path, "mtp", config)
-    spec = dict(
-        speculative_algorithm=algorithm,
-        speculative_num_steps=1,
-        speculative_eagle_topk=1,
-        speculative_num_draft_tokens=2,
-    )
-    with pytest.raises(ValueError) as error:
-        resolve(path, hicache_host_dtype=host_dtype, **spec)
-    message = str(error.value)
-    assert (
-        f"--hicache-host-dtype {host_dtype} does not support --speculative-algorithm"
-        in message
-    )
-    assert "num_nextn_predict_layers=1" in message
-    assert "--hicache-host-dtype auto" in message
+# Speculative decoding (packed MTP drafts, separate drafts): test_spec_server_args.py.
 
 
 @per_format

@@ -92,7 +92,7 @@ def check_model_for_encoded_host_kv(server_args: Any) -> None:
         _refuse_unsupported_mla(server_args)
     _refuse_unencodable_head_dims(server_args)
     _refuse_checkpoint_fp8_kv(server_args)
-    _refuse_packed_mtp_draft(server_args)
+    _refuse_untested_speculative_draft(server_args)
 
 
 def _refuse_unsupported_mla(server_args: Any) -> None:
@@ -117,12 +117,6 @@ def _refuse_unsupported_mla(server_args: Any) -> None:
         unsupported = "--enable-hisparse"
     elif cfg.dcp_size > 1:
         unsupported = "--dcp-size > 1 (no DCP index translation in the encoded pool)"
-    elif cfg.speculative_algorithm is not None:
-        # Draft KV gets its own or a packed host pool; neither is tested with
-        # the encoded MLA pool.
-        unsupported = (
-            f"--speculative-algorithm {cfg.speculative_algorithm} with MLA models"
-        )
     elif model_config.kv_lora_rank % 128:
         unsupported = (
             f"kv_lora_rank {model_config.kv_lora_rank}, which is not a multiple "
@@ -213,12 +207,37 @@ def _refuse_checkpoint_fp8_kv(server_args: Any) -> None:
     )
 
 
-def _refuse_packed_mtp_draft(server_args: Any) -> None:
-    """NEXTN/MTP drafts pack their KV layers into the target's host pool
-    (base_spec_worker._can_pack_hicache_mtp), which the encoded pools do not do."""
+# Draft KV the encoded pools are tested with (tests/test_spec_host_pools.py):
+# packed MTP layers (NEXTN, or EAGLE on the checkpoint's own MTP layers) of
+# MHA, linear-attention hybrid and MLA targets, and a separate draft model's
+# sidecar pool (EAGLE, EAGLE3, STANDALONE); NGRAM keeps no draft KV.
+SPECULATIVE_WITH_ENCODED_HOST_KV = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "NGRAM")
+
+
+def _refuse_untested_speculative_draft(server_args: Any) -> None:
+    """Drafts whose KV lives in the target's page envelopes (DFLASH, DSPARK)
+    or in a pool the encoded pools were never run with are refused."""
     cfg = resolving_view(server_args)
     algorithm = (cfg.speculative_algorithm or "").upper()
-    if algorithm not in ("EAGLE", "NEXTN"):
+    if algorithm in ("EAGLE", "NEXTN"):
+        _refuse_packed_mtp_draft_on_hybrid(server_args, cfg)
+    if not algorithm or algorithm in SPECULATIVE_WITH_ENCODED_HOST_KV:
+        return
+    raise ValueError(
+        f"--hicache-host-dtype {cfg.hicache_host_dtype} is not tested with "
+        f"--speculative-algorithm {cfg.speculative_algorithm} (its draft KV "
+        "host copy). Use --speculative-algorithm "
+        f"{', '.join(SPECULATIVE_WITH_ENCODED_HOST_KV)}, or --hicache-host-dtype "
+        "auto."
+    )
+
+
+def _refuse_packed_mtp_draft_on_hybrid(server_args: Any, cfg: Any) -> None:
+    """A sliding-window target's MTP layers pack into its full and SWA host
+    pools, not tested with encoded pools (linear-attention targets, whose
+    draft shares the Mamba state, are)."""
+    model_config = model_config_of(server_args)
+    if not model_config.is_hybrid_swa:
         return
     from sglang.srt.configs.model_config import ModelConfig
 
@@ -229,12 +248,13 @@ def _refuse_packed_mtp_draft(server_args: Any) -> None:
         is_draft_model=True,
     )
     if draft_config.num_nextn_predict_layers:
+        arch = (model_config.hf_config.architectures or ["this model"])[0]
         raise ValueError(
             f"--hicache-host-dtype {cfg.hicache_host_dtype} does not support "
-            f"--speculative-algorithm {cfg.speculative_algorithm} with an MTP "
-            f"draft (num_nextn_predict_layers="
-            f"{draft_config.num_nextn_predict_layers}): HiCache packs the draft "
-            "KV layers into the target's host pool, and the encoded host pools "
-            "cannot pack them yet. Use --hicache-host-dtype auto, or drop "
-            "--speculative-algorithm."
+            f"--speculative-algorithm {cfg.speculative_algorithm} with the MTP "
+            f"layers of the sliding-window model {arch} (num_nextn_predict_layers="
+            f"{draft_config.num_nextn_predict_layers}), whose draft KV packs into "
+            "its full and SWA host pools: untested. Use --hicache-host-dtype auto, or "
+            "a separate draft model (--speculative-algorithm EAGLE3 with "
+            "--speculative-draft-model-path)."
         )

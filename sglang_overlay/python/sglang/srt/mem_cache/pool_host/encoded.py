@@ -642,7 +642,7 @@ class EncodedHostPool:
 
         logger.info(
             "HiCache %s %shost pool stores %s KV: %s B/token (%s: %d B/token), "
-            "%.2fx tokens per host byte, layout=%s.",
+            "%.2fx tokens per host byte, layout=%s%s.",
             self.pool_label,
             self.log_kind,
             self.host_format.name.upper(),
@@ -651,6 +651,7 @@ class EncodedHostPool:
             self.device_size_per_token(),
             self.device_size_per_token() / self.get_size_per_token(),
             self.layout,
+            self._describe_draft_bytes(),
         )
         if self._transfer_device.type == "cuda" and self.use_fused_kernels:
             encoded_fused.self_check(self)
@@ -721,14 +722,36 @@ class EncodedHostPool:
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft: bool = False
     ):  # fmt: skip
-        if is_draft:
-            raise NotImplementedError(
-                f"--hicache-host-dtype {self.host_format.name} host pool has no "
-                "draft layers."
-            )
         check_io_backend(self.host_format.name, io_backend)
-        if 0 <= layer_id < self.target_layer_num:
+        # Packed MTP draft layers follow the target's (host layer
+        # target_layer_num + depth, as the controller's draft mapper passes it).
+        first, end = (
+            (self.target_layer_num, self.layer_num)
+            if is_draft
+            else (0, self.target_layer_num)
+        )
+        if first <= layer_id < end:
             self.transfer.load(host_indices, device_indices, layer_id)
+
+    @property
+    def draft_layer_num(self) -> int:
+        """Packed MTP draft layers stored after the target's."""
+        return self.layer_num - self.target_layer_num
+
+    def size_per_token_without_draft(self):
+        """Host bytes per token of the target layers alone."""
+        total = self.host_format.unit_bytes() * self.target_layer_num
+        ut = self.host_format.unit_tokens
+        return total // ut if total % ut == 0 else total / ut
+
+    def _describe_draft_bytes(self) -> str:
+        if not self.draft_layer_num:
+            return ""
+        return (
+            f", {self.target_layer_num} target + {self.draft_layer_num} packed "
+            f"draft layers ({self.size_per_token_without_draft()} B/token "
+            "without the draft)"
+        )
 
     # -- L3 storage pages: storage_format_tag names the byte format in every
     # storage key, so pages of another host format miss.

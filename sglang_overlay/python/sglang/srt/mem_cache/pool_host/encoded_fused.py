@@ -395,7 +395,11 @@ def _run_self_check(pool, host, device) -> None:
                 _expect_same("backup", name, layer, stored, expected[layer][name])
             for side in sides:
                 pool._device_buffers(side)[layer][device] = 0
-            pool.load_to_device_per_layer(None, host, device_indices, layer, "kernel")
+            # Packed MTP draft layers load as the controller's draft mapper does.
+            pool.load_to_device_per_layer(
+                None, host, device_indices, layer, "kernel",
+                is_draft=layer >= pool.target_layer_num,
+            )  # fmt: skip
             want = fmt.decode_reference(expected[layer], pool.dtype)
             for side in sides:
                 restored = pool._device_buffers(side)[layer][device]

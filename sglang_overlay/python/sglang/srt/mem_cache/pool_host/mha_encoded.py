@@ -56,10 +56,6 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
     ):
         name = self.host_format_cls.name
         check_layout(name, layout)
-        if draft_buffer_infos:
-            raise NotImplementedError(
-                f"--hicache-host-dtype {name} does not pack MTP draft KV layers yet."
-            )
         # device_kv_dtype: the device pool's dtype; FP8 KV reaches the pool as
         # its uint8 storage dtype, so only the caller knows which FP8 it is.
         self.device_kv_dtype = self._check_device_dtype(buffer_info, device_kv_dtype)
@@ -79,6 +75,10 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
             device_capacity_tokens=device_capacity_tokens,
             start_layer=start_layer,
             end_layer=end_layer,
+            # Packed MTP draft layers (one per draft pool) are encoded after
+            # the target's with the same format: the upstream pool checks
+            # their geometry and appends their device buffers.
+            draft_buffer_infos=draft_buffer_infos,
             write_back_staging=None,
             pool_label=pool_label,
             host_token_capacity=host_token_capacity,

@@ -62,7 +62,6 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
             name,
             buffer_info,
             override_kv_cache_dim,
-            draft_buffer_infos,
             dcp_size,
             layer_shard_enabled,
         )
@@ -80,6 +79,8 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
             device,
             allocator_type,
             override_kv_cache_dim,
+            # Packed NEXTN draft layers are encoded after the target's with the
+            # same format; the upstream pool checks their row width and dtype.
             draft_buffer_infos,
             dcp_size,
             dcp_rank,
@@ -124,7 +125,6 @@ def _refuse_unsupported(
     name: str,
     buffer_info: MLABufferInfo,
     override_kv_cache_dim: int | None,
-    draft_buffer_infos: Sequence[MLABufferInfo],
     dcp_size: int,
     layer_shard_enabled: bool,
 ) -> None:
@@ -144,11 +144,6 @@ def _refuse_unsupported(
             "(FP8/FP4 KV, DSA packed rows and NPU split buffers are not "
             "supported). Pass --kv-cache-dtype bf16, or use --hicache-host-dtype "
             "auto."
-        )
-    if draft_buffer_infos:
-        raise NotImplementedError(
-            f"--hicache-host-dtype {name} does not pack MTP draft KV layers into the "
-            "MLA host pool."
         )
     if dcp_size > 1:
         raise NotImplementedError(

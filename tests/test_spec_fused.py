@@ -1,0 +1,151 @@
+"""Packed MTP draft layers through the fused transfer kernels, under the
+Triton interpreter (TRITON_INTERPRET=1): the draft layers are separate device
+allocations appended to the target's layer table (DeviceLayerTable offsets
+reach them), so one encode launch covers target and draft, and a draft load
+decodes into the draft pool. The fused path writes the torch path's host
+bytes and restores the same device rows, for MHA (int8, int4, k8v4) and MLA
+int8, direct and staged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.support.hicache_harness import (
+    Geometry,
+    MLAGeometry,
+    fill_random,
+    make_device_pool,
+    make_host_pool,
+)
+
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
+DEVICE_TOKENS = 64
+
+
+def packed_pool(geo, host_dtype, layout, drafts, mode):
+    target = make_device_pool(geo, DEVICE_TOKENS)
+    draft_geo = type(geo)(**{**geo.__dict__, "layer_num": 1})
+    draft_pools = [make_device_pool(draft_geo, DEVICE_TOKENS) for _ in range(drafts)]
+    kind = "mla" if isinstance(geo, MLAGeometry) else "mha"
+    pool = make_host_pool(
+        target,
+        host_tokens=8 * geo.page_size * 4,
+        layout=layout,
+        host_pool_cls=host_pool_cls(host_dtype, kind),
+        draft_buffer_infos=tuple(
+            d.get_device_pool_infos()[0].buffer_info for d in draft_pools
+        ),
+    )
+    if mode is not None:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = mode
+    assert pool.transfer_path == ("torch" if mode is None else f"fused_{mode}")
+    return target, draft_pools, pool
+
+
+def device_rows(pool, indices):
+    if hasattr(pool, "kv_buffer") and not hasattr(pool, "k_buffer"):
+        return [pool.kv_buffer[i][indices].clone() for i in range(pool.layer_num)]
+    return [
+        t[indices].clone()
+        for i in range(pool.layer_num)
+        for t in (pool.k_buffer[i], pool.v_buffer[i])
+    ]
+
+
+def wipe(pool, indices):
+    bufs = (
+        pool.kv_buffer
+        if not hasattr(pool, "k_buffer")
+        else [*pool.k_buffer, *pool.v_buffer]
+    )
+    for buf in bufs:
+        buf[indices] = float("nan")
+
+
+def round_trip(geo, host_dtype, layout, mode, drafts=2):
+    """Back up target + drafts, restore every layer into fresh slots; returns
+    the host records and the restored device rows per pool."""
+    target, draft_pools, pool = packed_pool(geo, host_dtype, layout, drafts, mode)
+    pools = [target, *draft_pools]
+    n = 3 * geo.page_size
+    src = torch.arange(geo.page_size, geo.page_size + n)
+    for seed, p in enumerate(pools):
+        fill_random(p, src, seed=seed)
+    # Host units out of order (a backward jump).
+    host = torch.cat([torch.arange(4 * geo.page_size, 5 * geo.page_size),
+                      torch.arange(0, 2 * geo.page_size)])  # fmt: skip
+    pool.backup_from_device_all_layer(target, host, src, "kernel")
+    records = {k: v.clone() for k, v in pool.host_records.items()}
+    dst = torch.arange(DEVICE_TOKENS - n, DEVICE_TOKENS)
+    for p in pools:
+        wipe(p, dst)
+    for layer in range(pool.target_layer_num):
+        pool.load_to_device_per_layer(target, host, dst, layer, "kernel")
+    for depth, p in enumerate(draft_pools):
+        pool.load_to_device_per_layer(
+            p, host, dst, pool.target_layer_num + depth, "kernel", is_draft=True
+        )
+    return records, [device_rows(p, dst) for p in pools]
+
+
+def same_bits(a, b):
+    view = torch.int16 if a.element_size() == 2 else torch.uint8
+    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def assert_same(got, ref):
+    (g_rec, g_rows), (r_rec, r_rows) = got, ref
+    assert g_rec.keys() == r_rec.keys()
+    for name in r_rec:
+        assert same_bits(g_rec[name], r_rec[name]), name
+    for p, (g_pool, r_pool) in enumerate(zip(g_rows, r_rows)):
+        for i, (g, r) in enumerate(zip(g_pool, r_pool)):
+            assert same_bits(g, r), ("target" if p == 0 else f"draft{p - 1}", i)
+            assert not torch.isnan(g).any()
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize(
+    "host_dtype,layout,page_size",
+    [
+        ("int8", "page_first", 4),
+        ("int8", "layer_first", 1),
+        ("int4", "page_first_direct", 16),
+        ("k8v4", "page_first", 4),
+    ],
+)
+def test_packed_draft_fused_matches_torch_mha(host_dtype, layout, page_size, mode):
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
+    ref = round_trip(geo, host_dtype, layout, None)
+    assert_same(round_trip(geo, host_dtype, layout, mode), ref)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("layout,page_size", [("page_first", 2), ("layer_first", 1)])
+def test_packed_draft_fused_matches_torch_mla(layout, page_size, mode):
+    geo = MLAGeometry(layer_num=2, page_size=page_size)
+    ref = round_trip(geo, "int8", layout, None, drafts=1)
+    assert_same(round_trip(geo, "int8", layout, mode, drafts=1), ref)
+
+
+@pytest.mark.parametrize(
+    "geo,host_dtype",
+    [
+        (Geometry(layer_num=2, head_num=2, head_dim=64, page_size=4), "int8"),
+        (Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16), "k8v4"),
+        (MLAGeometry(layer_num=2, page_size=2), "int8"),
+    ],
+    ids=["int8", "k8v4", "mla-int8"],
+)
+def test_start_up_self_check_covers_the_draft_layers(geo, host_dtype):
+    """The start-up self-check (run on CUDA before the first transfer) restores
+    every layer, the drafts with is_draft, so the fused path stays selected."""
+    _, _, pool = packed_pool(geo, host_dtype, "page_first", 1, "direct")
+    assert pool.self_check()
+    assert pool.transfer_path == "fused_direct"

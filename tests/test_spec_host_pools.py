@@ -1,0 +1,686 @@
+"""Host tiers under speculative decoding, through SGLang's own registry,
+hybrid pool assembler, HybridCacheController and UnifiedRadixCache on CPU,
+for every --hicache-host-dtype.
+
+SGLang 0.5.23 gives the draft model's KV a host copy in one of two ways
+(speculative/base_spec_worker._build_hicache_draft_plan):
+
+- packed: NEXTN (and EAGLE whose draft is the checkpoint's own MTP layers)
+  appends one host layer per draft pool to the target's host pool
+  (CacheInitParams.mtp_draft_device_pools -> draft_buffer_infos); the
+  controller loads them with is_draft=True at host layer target + depth.
+  MHA (GLM-4-MoE / Qwen3-Next style) and MLA (DeepSeek V3 NEXTN).
+- sidecar: EAGLE/EAGLE3 with --speculative-draft-model-path, and STANDALONE,
+  get a DRAFT host pool of their own (hybrid_pool_assembler
+  .build_full_draft_pools) whose indices follow the target's KV; a
+  sliding-window target's draft also gets DRAFT_SWA (build_swa_draft_sidecars).
+
+Each case writes target and draft KV, wipes the device, loads both back into
+fresh slots and checks them bit for bit against the format's reference
+decode (host_format_cls(name, kind).decode_reference), or the rows
+themselves for --hicache-host-dtype auto.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from test_hybrid_host_pools import (  # noqa: F401  (autouse fixtures)
+    DTYPE,
+    HOST_DTYPES,
+    _host_copies_on_cpu,
+    _runtime_context,
+    bits,
+    build_cache,
+    expected_host_cls,
+    fill_kv,
+    kv_restore,
+    publish_server_args,
+    swa_rig,
+    wipe_kv,
+)
+from test_hybrid_host_pools import model_dirs as hybrid_model_dirs  # noqa: F401
+from test_server_args import _DEEPSEEK_V2_MLA, _LLAMA
+
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+ENCODED = tuple(name for name in HOST_DTYPES if name != "auto")
+# Every (layout, page size, io backend) the encoded pools serve, with a page
+# size above 1 wherever the layout groups by page.
+MHA_LAYOUTS = [
+    ("page_first", 4, "kernel"),
+    ("page_first", 4, "direct"),
+    ("page_first_direct", 4, "direct"),
+    ("page_first_direct", 4, "kernel"),
+    ("layer_first", 1, "kernel"),
+    ("layer_first", 2, "direct"),
+]
+# What the stock pool takes of those (on CPU, through the kvcacheio stand-ins).
+STOCK_LAYOUTS = [
+    ("page_first", 4, "kernel"),
+    ("page_first_direct", 4, "direct"),
+    ("layer_first", 1, "direct"),
+]
+DEEPSEEK_MLA = dict(
+    _DEEPSEEK_V2_MLA,
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    num_nextn_predict_layers=1,
+)
+MHA_MTP = dict(_LLAMA, num_nextn_predict_layers=1)
+TARGET_LAYERS = 2
+DEVICE_TOKENS = 256
+
+
+@pytest.fixture(autouse=True)
+def _host_memory_budget():
+    """The pools here are a few MB: size them against a fixed budget, not the
+    free RAM of a shared machine less SGLang's 10 GiB reserve."""
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
+
+    with host_memory_budget_scope(1 << 40):
+        yield
+
+
+@pytest.fixture(scope="module")
+def spec_models(tmp_path_factory, hybrid_model_dirs):  # noqa: F811
+    root = tmp_path_factory.mktemp("spec_models")
+    paths = dict(hybrid_model_dirs)
+    for name, config in (("mha_mtp", MHA_MTP), ("deepseek", DEEPSEEK_MLA)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        paths[name] = str(root / name)
+    return paths
+
+
+def mha_pool(layers: int, page_size: int, head_num=2, head_dim=16):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    return MHATokenToKVPool(
+        size=DEVICE_TOKENS,
+        page_size=page_size,
+        dtype=DTYPE,
+        head_num=head_num,
+        head_dim=head_dim,
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+        enable_alt_stream=False,
+    )
+
+
+def mla_pool(layers: int, page_size: int):
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
+    return MLATokenToKVPool(
+        size=DEVICE_TOKENS,
+        page_size=page_size,
+        dtype=DTYPE,
+        kv_lora_rank=DEEPSEEK_MLA["kv_lora_rank"],
+        qk_rope_head_dim=DEEPSEEK_MLA["qk_rope_head_dim"],
+        layer_num=layers,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+
+
+class FlatRig:
+    """A flat (MHA or MLA) target's radix cache with HiCache, as the scheduler
+    builds it, optionally with packed MTP draft pools."""
+
+    def __init__(self, server_args, kv_pool, page_size, packed_drafts=()):
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        self.kv_pool = kv_pool
+        if page_size == 1:
+            self.allocator = TokenToKVPoolAllocator(
+                DEVICE_TOKENS, DTYPE, "cpu", kv_pool, need_sort=False
+            )
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(
+                DEVICE_TOKENS, page_size, DTYPE, "cpu", kv_pool, need_sort=False
+            )
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=ReqToTokenPool(
+                size=4, max_context_len=512, device="cpu", enable_memory_saver=False
+            ),
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=page_size,
+            mtp_draft_device_pools=tuple(packed_drafts),
+        )
+        self.cache = build_cache(server_args, params, swa=False, ssm=False)
+
+    @property
+    def controller(self):
+        return self.cache.cache_controller
+
+    def host_pool(self, name=PoolName.KV):
+        return self.controller.mem_pool_host.entry_map[name].host_pool
+
+    def finish(self):
+        ctl = self.controller
+        for ack in ctl.ack_write_queue + ctl.ack_load_queue:
+            ack.finish_event.synchronize()
+        ctl.ack_write_queue.clear()
+        ctl.ack_load_queue.clear()
+
+
+def add_draft_sidecar(rig, draft_pool):
+    """Register the draft pool as SGLang does for a separate draft model
+    (HiCacheDraftMode.SIDECAR)."""
+    from sglang.srt.mem_cache.kv_cache_builder import maybe_register_hicache_draft
+    from sglang.srt.speculative.base_spec_worker import (
+        HiCacheDraftMode,
+        HiCacheDraftPlan,
+    )
+
+    maybe_register_hicache_draft(
+        tree_cache=rig.cache,
+        draft_plan=HiCacheDraftPlan(
+            mode=HiCacheDraftMode.SIDECAR, device_pools=(draft_pool,)
+        ),
+    )
+
+
+# -- what a restore must give --------------------------------------------------
+
+
+def fill_mla(pool, indices, gen):
+    written = []
+    for layer in range(pool.layer_num):
+        kv = pool.kv_buffer[layer]
+        x = torch.randn((len(indices), *kv.shape[1:]), generator=gen)
+        x *= torch.logspace(-2, 2, len(indices)).view(-1, 1, 1)
+        kv[indices] = x.to(kv.dtype)
+        written.append(kv[indices].clone())
+    return written
+
+
+def wipe_mla(pool, indices):
+    for layer in range(pool.layer_num):
+        pool.kv_buffer[layer][indices] = float("nan")
+
+
+def mla_restore(host_dtype, host_pool, rows):
+    """Latent rows [tokens, 1, width] after the format's reference round trip."""
+    if host_dtype == "auto":
+        return rows
+    ut = host_pool.host_format.unit_tokens
+    fmt = host_format_cls(host_dtype, "mla")(
+        (rows.shape[-1],), 1, ut, rows.dtype, rope_dim=DEEPSEEK_MLA["qk_rope_head_dim"]
+    )
+    (y,) = fmt.decode_reference(
+        fmt.encode_reference([rows.view(-1, ut, *rows.shape[1:])]), rows.dtype
+    )
+    return y.reshape(rows.shape)
+
+
+def assert_mha_restored(host_dtype, host_pool, pool, indices, written, what):
+    for layer, (k, v) in enumerate(written):
+        k_ref, v_ref = kv_restore(host_dtype, host_pool, k, v)
+        got_k, got_v = pool.k_buffer[layer][indices], pool.v_buffer[layer][indices]
+        assert torch.equal(bits(got_k), bits(k_ref)), (what, layer, "k")
+        assert torch.equal(bits(got_v), bits(v_ref)), (what, layer, "v")
+
+
+def assert_mla_restored(host_dtype, host_pool, pool, indices, written, what):
+    for layer, rows in enumerate(written):
+        got = pool.kv_buffer[layer][indices]
+        ref = mla_restore(host_dtype, host_pool, rows)
+        assert torch.equal(bits(got), bits(ref)), (what, layer)
+
+
+def round_trip(rig, pools, tokens, *, mla=False, sidecars=(), seed=0):
+    """Write `tokens` tokens of KV into every pool in `pools` (target first,
+    then the drafts, whose slots follow the target's), back them up through
+    the controller, wipe the device, load everything back into fresh slots
+    and check it; returns the loaded slots."""
+    fill, wipe, check = (
+        (fill_mla, wipe_mla, assert_mla_restored)
+        if mla
+        else (fill_kv, wipe_kv, assert_mha_restored)
+    )
+    ctl, gen = rig.controller, torch.Generator().manual_seed(seed)
+    slots = rig.allocator.alloc(tokens)
+    written = [fill(pool, slots, gen) for pool in pools]
+    extra = [PoolTransfer(name=n, indices_from_pool=PoolName.KV) for n in sidecars]
+    host = ctl.write(slots, extra_pools=extra or None)
+    assert host is not None
+    rig.finish()
+    for pool in pools:
+        wipe(pool, slots)
+    rig.allocator.free(slots)
+
+    extra = [PoolTransfer(name=n, indices_from_pool=PoolName.KV) for n in sidecars]
+    loaded = ctl.load(host, extra_pools=extra or None)
+    assert loaded is not None
+    ctl.start_loading()
+    rig.finish()
+    return loaded, written
+
+
+# -- packed MTP drafts (NEXTN) ---------------------------------------------------
+
+
+def packed_mha_rig(spec_models, host_dtype, layout, page_size, io_backend, depth=2):
+    server_args = publish_server_args(
+        spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
+    )
+    target = mha_pool(TARGET_LAYERS, page_size)
+    drafts = tuple(mha_pool(1, page_size) for _ in range(depth))
+    return FlatRig(server_args, target, page_size, drafts), target, drafts
+
+
+def check_packed_layers(rig, host_dtype, draft_layers):
+    host = rig.host_pool()
+    assert type(host) is expected_host_cls(host_dtype)
+    assert (host.target_layer_num, host.layer_num) == (
+        TARGET_LAYERS,
+        TARGET_LAYERS + draft_layers,
+    )
+    if host_dtype == "auto":
+        return
+    # Allocated bytes are what the pool reports per token (the metrics'
+    # bytes_per_token), target and draft layers together.
+    allocated = sum(t.nbytes for t in host.host_records.values())
+    assert allocated == host.size * host.size_per_token
+    per_layer = host.host_format.unit_bytes() / host.host_format.unit_tokens
+    assert host.size_per_token_without_draft() == per_layer * TARGET_LAYERS
+    assert host.size_per_token == per_layer * (TARGET_LAYERS + draft_layers)
+
+
+@pytest.mark.parametrize("layout,page_size,io_backend", MHA_LAYOUTS)
+def test_packed_mtp_mha_int8_every_layout(spec_models, layout, page_size, io_backend):
+    rig, target, drafts = packed_mha_rig(
+        spec_models, "int8", layout, page_size, io_backend
+    )
+    check_packed_layers(rig, "int8", len(drafts))
+    host = rig.host_pool()
+    loaded, written = round_trip(rig, (target, *drafts), 3 * page_size + 4)
+    for pool, rows, what in zip((target, *drafts), written, ("target", "d0", "d1")):
+        assert_mha_restored("int8", host, pool, loaded, rows, what)
+
+
+@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
+def test_packed_mtp_mha_every_format(spec_models, host_dtype):
+    layout, page_size, io_backend = ("page_first", 4, "kernel")
+    rig, target, drafts = packed_mha_rig(
+        spec_models, host_dtype, layout, page_size, io_backend, depth=1
+    )
+    check_packed_layers(rig, host_dtype, 1)
+    host = rig.host_pool()
+    loaded, written = round_trip(rig, (target, *drafts), 2 * page_size + 2)
+    for pool, rows, what in zip((target, *drafts), written, ("target", "draft")):
+        assert_mha_restored(host_dtype, host, pool, loaded, rows, what)
+
+
+@pytest.mark.parametrize("layout,page_size,io_backend", STOCK_LAYOUTS)
+def test_packed_mtp_mha_stock_pool_alike(spec_models, layout, page_size, io_backend):
+    """The layouts the encoded pools pack drafts with are the stock pool's."""
+    rig, target, drafts = packed_mha_rig(
+        spec_models, "auto", layout, page_size, io_backend, depth=1
+    )
+    check_packed_layers(rig, "auto", 1)
+    loaded, written = round_trip(rig, (target, *drafts), 2 * page_size + 2)
+    for pool, rows, what in zip((target, *drafts), written, ("target", "draft")):
+        assert_mha_restored("auto", rig.host_pool(), pool, loaded, rows, what)
+
+
+def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
+    """A load with is_draft=True writes the draft's host layer into the draft
+    device pool, and a target-only load leaves the draft untouched."""
+    rig, target, (draft,) = packed_mha_rig(
+        spec_models, "int8", "page_first", 4, "kernel", depth=1
+    )
+    host = rig.host_pool()
+    gen = torch.Generator().manual_seed(3)
+    slots = rig.allocator.alloc(8)
+    fill_kv(target, slots, gen)
+    draft_rows = fill_kv(draft, slots, gen)
+    host_slots = torch.arange(8, dtype=torch.int64)
+    host.backup_from_device_all_layer(target, host_slots, slots, "kernel")
+    wipe_kv(draft, slots)
+    for layer in range(TARGET_LAYERS):
+        host.load_to_device_per_layer(target, host_slots, slots, layer, "kernel")
+    assert torch.isnan(draft.k_buffer[0][slots]).all()
+    # Out of the draft range: nothing moves.
+    host.load_to_device_per_layer(
+        draft, host_slots, slots, TARGET_LAYERS + 1, "kernel", is_draft=True
+    )
+    assert torch.isnan(draft.k_buffer[0][slots]).all()
+    host.load_to_device_per_layer(
+        draft, host_slots, slots, TARGET_LAYERS, "kernel", is_draft=True
+    )
+    assert_mha_restored("int8", host, draft, slots, draft_rows, "draft")
+
+
+def test_packed_mtp_start_up_log_names_bytes_with_and_without_draft(
+    spec_models, caplog
+):
+    with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.pool_host"):
+        rig, _, drafts = packed_mha_rig(
+            spec_models, "int8", "page_first", 4, "kernel", depth=1
+        )
+    host = rig.host_pool()
+    lines = [
+        r.getMessage() for r in caplog.records if "stores INT8 KV" in r.getMessage()
+    ]
+    assert len(lines) == 1, lines
+    assert f"{host.size_per_token} B/token" in lines[0]
+    assert (
+        f"{TARGET_LAYERS} target + 1 packed draft layers "
+        f"({host.size_per_token_without_draft()} B/token without the draft)"
+    ) in lines[0]
+
+
+def test_packed_mtp_l3_pages_carry_the_draft_layers(spec_models):
+    """The stock pool's storage pages hold every host layer, drafts included;
+    so do the encoded pool's: a page read and written back elsewhere restores
+    the draft layer."""
+    rig, target, (draft,) = packed_mha_rig(
+        spec_models, "int8", "page_first", 4, "kernel", depth=1
+    )
+    host = rig.host_pool()
+    fmt = host.host_format
+    assert host.storage_page_bytes == fmt.unit_bytes() * (TARGET_LAYERS + 1)
+    gen = torch.Generator().manual_seed(5)
+    slots = rig.allocator.alloc(4)
+    fill_kv(target, slots, gen)
+    draft_rows = fill_kv(draft, slots, gen)
+    src, dst = torch.arange(4), torch.arange(8, 12)
+    host.backup_from_device_all_layer(target, src, slots, "kernel")
+    page = host.get_data_page(0, key="k0").clone()
+    host.set_from_flat_data_page(8, page, key="k0")
+    wipe_kv(draft, slots)
+    host.load_to_device_per_layer(
+        draft, dst, slots, TARGET_LAYERS, "kernel", is_draft=True
+    )
+    assert_mha_restored("int8", host, draft, slots, draft_rows, "draft via L3 page")
+
+
+MLA_LAYOUTS = [
+    ("page_first", 4, "kernel"),
+    ("page_first_direct", 4, "direct"),
+    ("layer_first", 1, "kernel"),
+    ("layer_first", 2, "direct"),
+]
+
+
+# The stock MLA pool's `kernel` copies have no CPU stand-in: `auto` runs the
+# direct ones.
+MLA_CASES = [("int8", *case) for case in MLA_LAYOUTS] + [
+    ("auto", *case) for case in MLA_LAYOUTS if case[2] == "direct"
+]
+
+
+@pytest.mark.parametrize("host_dtype,layout,page_size,io_backend", MLA_CASES)
+def test_packed_mtp_mla(spec_models, host_dtype, layout, page_size, io_backend):
+    """DeepSeek V3 NEXTN: the draft's latent layer is packed after the target's."""
+    server_args = publish_server_args(
+        spec_models["deepseek"], host_dtype, layout, page_size, io_backend
+    )
+    target = mla_pool(TARGET_LAYERS, page_size)
+    draft = mla_pool(1, page_size)
+    rig = FlatRig(server_args, target, page_size, (draft,))
+    host = rig.host_pool()
+    expected = (
+        MLATokenToKVPoolHost
+        if host_dtype == "auto"
+        else host_pool_cls(host_dtype, "mla")
+    )
+    assert type(host) is expected
+    assert (host.target_layer_num, host.layer_num) == (TARGET_LAYERS, TARGET_LAYERS + 1)
+    if host_dtype != "auto":
+        allocated = sum(t.nbytes for t in host.host_records.values())
+        assert allocated == host.size * host.size_per_token
+        assert host.size_per_token_without_draft() * 3 == host.size_per_token * 2
+    loaded, written = round_trip(rig, (target, draft), 2 * page_size + 2, mla=True)
+    for pool, rows, what in zip((target, draft), written, ("target", "draft")):
+        assert_mla_restored(host_dtype, host, pool, loaded, rows, what)
+
+
+# -- separate drafts (EAGLE/EAGLE3 with a draft model, STANDALONE) ---------------
+
+
+@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
+def test_separate_draft_sidecar_is_the_encoded_pool(spec_models, host_dtype):
+    """EAGLE3 with a Llama-shaped draft (one layer, its own head geometry)."""
+    layout, page_size, io_backend = ("page_first", 4, "kernel")
+    server_args = publish_server_args(
+        spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
+    )
+    target = mha_pool(TARGET_LAYERS, page_size)
+    rig = FlatRig(server_args, target, page_size)
+    draft = mha_pool(1, page_size, head_num=4, head_dim=32)
+    add_draft_sidecar(rig, draft)
+    draft_host = rig.host_pool(PoolName.DRAFT)
+    assert type(draft_host) is expected_host_cls(host_dtype)
+    assert draft_host.layer_num == draft_host.target_layer_num == 1
+    loaded, written = round_trip(
+        rig, (target, draft), 3 * page_size, sidecars=(PoolName.DRAFT,)
+    )
+    assert_mha_restored(host_dtype, rig.host_pool(), target, loaded, written[0], "t")
+    assert_mha_restored(host_dtype, draft_host, draft, loaded, written[1], "draft")
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
+def test_standalone_draft_sidecar(spec_models, host_dtype):
+    """STANDALONE: a smaller model of the target's family as the draft (several
+    layers, the target's heads)."""
+    layout, page_size, io_backend = ("layer_first", 1, "direct")
+    server_args = publish_server_args(
+        spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
+    )
+    target = mha_pool(TARGET_LAYERS, page_size)
+    rig = FlatRig(server_args, target, page_size)
+    draft = mha_pool(2, page_size)
+    add_draft_sidecar(rig, draft)
+    draft_host = rig.host_pool(PoolName.DRAFT)
+    assert type(draft_host) is expected_host_cls(host_dtype)
+    loaded, written = round_trip(rig, (target, draft), 7, sidecars=(PoolName.DRAFT,))
+    assert_mha_restored(host_dtype, rig.host_pool(), target, loaded, written[0], "t")
+    assert_mha_restored(host_dtype, draft_host, draft, loaded, written[1], "draft")
+
+
+def test_mla_target_with_separate_mha_draft(spec_models):
+    """An MLA target (int8) with an EAGLE3 Llama-shaped draft: the draft's
+    host pool is the MHA INT8 pool."""
+    server_args = publish_server_args(
+        spec_models["deepseek"], "int8", "page_first", 4, "kernel"
+    )
+    target = mla_pool(TARGET_LAYERS, 4)
+    rig = FlatRig(server_args, target, 4)
+    draft = mha_pool(1, 4)
+    add_draft_sidecar(rig, draft)
+    draft_host = rig.host_pool(PoolName.DRAFT)
+    assert type(draft_host) is host_pool_cls("int8", "mha")
+    gen = torch.Generator().manual_seed(1)
+    slots = rig.allocator.alloc(12)
+    t_rows = fill_mla(target, slots, gen)
+    d_rows = fill_kv(draft, slots, gen)
+    extra = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)]
+    host_idx = rig.controller.write(slots, extra_pools=extra)
+    rig.finish()
+    wipe_mla(target, slots)
+    wipe_kv(draft, slots)
+    rig.allocator.free(slots)
+    extra = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)]
+    loaded = rig.controller.load(host_idx, extra_pools=extra)
+    rig.controller.start_loading()
+    rig.finish()
+    assert_mla_restored("int8", rig.host_pool(), target, loaded, t_rows, "target")
+    assert_mha_restored("int8", draft_host, draft, loaded, d_rows, "draft")
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
+def test_sliding_window_draft_sidecar(spec_models, host_dtype):
+    """gpt-oss + EAGLE3: the draft's SWA layers get DRAFT_SWA, indexed like
+    the target's SWA pool; both are the format's encoded pool."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        build_swa_draft_pools,
+    )
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    layout, page_size, io_backend = ("page_first", 16, "kernel")
+    rig = swa_rig(spec_models, host_dtype, layout, page_size, io_backend)
+    target_swa_host = rig.host_pool(PoolName.SWA)
+    draft = SWAKVPool(
+        size=256,
+        size_swa=128,
+        page_size=page_size,
+        dtype=DTYPE,
+        head_num=target_swa_host.head_num,
+        head_dim=target_swa_host.head_dim,
+        swa_attention_layer_ids=[0],
+        full_attention_layer_ids=[],
+        device="cpu",
+        enable_alt_stream=False,
+    )
+    specs, entries = build_swa_draft_pools(draft_kv_pool=draft, tree_cache=rig.cache)
+    for spec, entry in zip(specs, entries, strict=True):
+        rig.cache.register_sidecar_pool(spec, entry)
+    draft_host = rig.controller.mem_pool_host.entry_map[PoolName.DRAFT_SWA].host_pool
+    assert type(draft_host) is type(target_swa_host)
+    assert type(draft_host) is expected_host_cls(host_dtype)
+
+    from test_hybrid_host_pools import alloc_swa_tokens
+
+    ctl, gen = rig.controller, torch.Generator().manual_seed(2)
+    full = alloc_swa_tokens(rig.allocator, 32)
+    swa = rig.allocator.translate_loc_from_full_to_swa(full)
+    fill_kv(rig.kv_pool, full, gen)
+    fill_kv(rig.side_pool, swa, gen)
+    d_rows = fill_kv(draft.swa_kv_pool, swa, gen)
+    backup = PoolTransfer(name=PoolName.SWA, device_indices=swa.to(torch.int64))
+    d_backup = PoolTransfer(name=PoolName.DRAFT_SWA, indices_from_pool=PoolName.SWA)
+    host = ctl.write(full, extra_pools=[backup, d_backup])
+    assert host is not None
+    rig.finish()
+    wipe_kv(draft.swa_kv_pool, swa)
+    rig.allocator.free(full)
+    restore = PoolTransfer(name=PoolName.SWA, host_indices=backup.host_indices)
+    d_restore = PoolTransfer(name=PoolName.DRAFT_SWA, indices_from_pool=PoolName.SWA)
+    loaded = ctl.load(host, extra_pools=[restore, d_restore])
+    assert loaded is not None
+    ctl.start_loading()
+    rig.finish()
+    assert_mha_restored(
+        host_dtype, draft_host, draft.swa_kv_pool, restore.device_indices, d_rows, "d"
+    )
+
+
+# -- a hybrid target's packed MTP layer (Qwen3-Next NEXTN) ------------------------
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
+def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypatch):
+    """Qwen3-Next NEXTN: the draft's full-attention layer packs after the
+    target's in the (encoded) KV host pool; the draft shares the target's
+    Mamba state, which stays SGLang's MambaPoolHost."""
+    import test_hybrid_host_pools as hybrid
+
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
+
+    drafts = []
+
+    def build_with_draft(server_args, params, *, swa, ssm):
+        full = params.token_to_kv_pool_allocator.get_kvcache().full_kv_pool
+        draft = HybridLinearKVPool(
+            size=DEVICE_TOKENS,
+            dtype=DTYPE,
+            page_size=params.page_size,
+            head_num=full.head_num,
+            head_dim=full.head_dim,
+            full_attention_layer_ids=[0],
+            device="cpu",
+            mamba_pool=params.req_to_token_pool.mamba_pool,
+        )
+        drafts.append(draft)
+        params.mtp_draft_device_pools = (draft,)
+        return build_cache(server_args, params, swa=swa, ssm=ssm)
+
+    monkeypatch.setattr(hybrid, "build_cache", build_with_draft)
+    rig = hybrid.mamba_rig(spec_models, host_dtype, "page_first", 16, "kernel")
+    (draft,) = drafts
+    host = rig.host_pool(PoolName.KV)
+    assert type(host) is expected_host_cls(host_dtype)
+    assert host.layer_num == host.target_layer_num + 1
+    draft_kv = draft.full_kv_pool
+
+    ctl, gen = rig.controller, torch.Generator().manual_seed(7)
+    slots = rig.allocator.alloc(40)
+    written = fill_kv(rig.kv_pool, slots, gen)
+    d_written = fill_kv(draft_kv, slots, gen)
+    host_idx = ctl.write(slots)
+    assert host_idx is not None
+    rig.finish()
+    wipe_kv(rig.kv_pool, slots)
+    wipe_kv(draft_kv, slots)
+    rig.allocator.free(slots)
+    loaded = ctl.load(host_idx)
+    assert loaded is not None
+    ctl.start_loading()
+    rig.finish()
+    assert_mha_restored(host_dtype, host, rig.kv_pool, loaded, written, "target")
+    assert_mha_restored(host_dtype, host, draft_kv, loaded, d_written, "draft")
+
+
+# -- an FP8 device KV cache (int4/k8v4 encode it) ---------------------------------
+
+
+@pytest.mark.parametrize("host_dtype", ["int4", "k8v4"])
+def test_packed_mtp_with_fp8_device_kv(host_dtype):
+    """--kv-cache-dtype fp8_e4m3: the packed draft pool is FP8 too (stored as
+    uint8); its layer restores exactly what a target layer holding the same
+    rows restores (test_fp8_host_pool checks target layers against the
+    reference codec)."""
+    from tests.support.hicache_harness import (
+        Geometry,
+        make_device_pool,
+        make_host_pool,
+    )
+
+    fp8, page_size = torch.float8_e4m3fn, 16
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
+    target = make_device_pool(geo, 4 * page_size)
+    draft = make_device_pool(
+        Geometry(**{**geo.__dict__, "layer_num": 1}), 4 * page_size
+    )
+    host = make_host_pool(
+        target,
+        host_tokens=4 * page_size,
+        layout="page_first",
+        host_dtype=host_dtype,
+        device_kv_dtype=fp8,
+        draft_buffer_infos=(draft.get_device_pool_infos()[0].buffer_info,),
+    )
+    assert (host.layer_num, host.host_format.device_dtype) == (3, fp8)
+    gen = torch.Generator().manual_seed(11)
+    slots = torch.arange(page_size, 3 * page_size)
+    for pool, layer in ((target, 1), (draft, 0)):
+        for buf in (pool.k_buffer[layer], pool.v_buffer[layer]):
+            x = torch.randn((len(slots), *buf.shape[1:]), generator=gen)
+            buf[slots] = (x * 4).to(fp8).view(torch.uint8)
+        gen = torch.Generator().manual_seed(11)  # the same rows in both
+    host_slots = torch.arange(2 * page_size, 4 * page_size)
+    host.backup_from_device_all_layer(target, host_slots, slots, "kernel")
+    for pool, layer in ((target, 1), (draft, 0)):
+        pool.k_buffer[layer][slots] = 0xFF  # NaN in FP8
+        pool.v_buffer[layer][slots] = 0xFF
+    host.load_to_device_per_layer(target, host_slots, slots, 1, "kernel")
+    host.load_to_device_per_layer(draft, host_slots, slots, 2, "kernel", is_draft=True)
+    for side in ("k_buffer", "v_buffer"):
+        got = getattr(draft, side)[0][slots]
+        assert torch.equal(got, getattr(target, side)[1][slots]), side
+        assert not torch.isnan(got.view(fp8).float()).any()
