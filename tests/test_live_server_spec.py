@@ -66,8 +66,10 @@ L1_TOKENS = 2048
 NEW_TOKENS = 12
 TOP_LOGPROBS = 3
 DRAFT_TOKENS = 3  # --speculative-num-draft-tokens: the most one verify accepts
-# On these prompts at least this many leading greedy tokens agree.
-MIN_AGREED = 4
+# At least this many leading greedy tokens agree: prompt A's fourth generated
+# token is an exact top-2 tie (measured: both -1.76), which any cached pass
+# may break the other way.
+MIN_AGREED = 3
 # Largest |logprob| change of a generated token, cold pass vs reuse in one arm:
 # a cached pass's logprobs come from verify passes whose BF16 matmuls round
 # differently from the cold pass's (0.09 measured with BF16 host pages, which
