@@ -34,6 +34,9 @@ Stable API:
 - ``run_cli(args, *, via=..., model=None, timeout=600, env=None) ->
   subprocess.CompletedProcess``: run the launcher to completion (for flags
   that must fail at start-up); stdout and stderr merged into ``.stdout``.
+- ``spec_flags(draft_model, algorithm="STANDALONE", num_steps=2, topk=1,
+  draft_tokens=3) -> list[str]`` and ``SPEC_ENV`` (dict): speculative decoding
+  on CPU, passed as ``args`` and ``env=``; see spec_flags' docstring.
 - ``cpu_env(sglang_path=PATCHED_PYTHON, kernel_log=None, extra=None) -> dict``:
   the environment for any other SGLang process on CPU (``python -m
   sglang.bench_serving`` imports sglang.srt.configs, so it needs the stand-ins).
@@ -128,6 +131,39 @@ def hicache_flags(
     if storage_backend is not None:
         flags += ["--hicache-storage-backend", storage_backend]
     return flags + list(extra)
+
+
+# Speculative decoding on CPU: the pure-torch sgl_kernel ops and the AMX
+# platform override (cpu_site), and one OpenMP thread per process (on the two
+# shared cores, spin-waiting OpenMP threads made each small op ~100x slower).
+SPEC_ENV = {"HIQ_SGL_KERNEL_TORCH_OPS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def spec_flags(
+    draft_model: Path | str,
+    *,
+    algorithm: str = "STANDALONE",
+    num_steps: int = 2,
+    topk: int = 1,
+    draft_tokens: int = 3,
+) -> list[str]:
+    """Speculative-decoding flags for a CPU server started with SPEC_ENV.
+    intel_amx attention, because SGLang's torch_native backend has no draft
+    backend (draft_utils.py refuses it); placed after CPU_FLAGS, it wins."""
+    return [
+        "--attention-backend",
+        "intel_amx",
+        "--speculative-algorithm",
+        algorithm,
+        "--speculative-draft-model-path",
+        str(draft_model),
+        "--speculative-num-steps",
+        str(num_steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(draft_tokens),
+    ]
 
 
 def cpu_env(

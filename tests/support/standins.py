@@ -279,3 +279,357 @@ def mamba_standins() -> dict:
         "transfer_kv_mamba_lf_pf": transfer_kv_mamba_lf_pf,
         "transfer_kv_mamba_pf_lf": transfer_kv_mamba_pf_lf,
     }
+
+
+# -- speculative decoding's sgl_kernel CPU ops ----------------------------------
+# On CPU SGLang 0.5.23 calls these compiled ``sgl_kernel.*_cpu`` ops (the CPU
+# build of the sgl-kernel wheel) where CUDA runs Triton kernels. The import-only
+# stand-in (cpu_site/sgl_kernel) dispatches to these pure-torch versions only
+# when HIQ_SGL_KERNEL_TORCH_OPS=1; each follows the Triton kernel of the same
+# name in sglang/kernels/ops (cited per op), which is the upstream reference.
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt_loc, src_loc):
+    """Replaces sgl_kernel.copy_all_layer_kv_cache_cpu (cache_move.py's
+    copy_all_layer_kv_cache_tiled): rows src_loc -> tgt_loc in every KV buffer,
+    buffers given as a data-pointer table with their row strides in bytes."""
+    src = src_loc.to(torch.int64)
+    tgt = tgt_loc.to(torch.int64)
+    if src.numel() == 0:
+        return
+    rows = int(torch.maximum(src.max(), tgt.max())) + 1
+    for ptr, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        buf = _rows_at(ptr, rows, int(stride))
+        # Gather before scatter: the kernel is safe for overlapping src/tgt.
+        buf.index_copy_(0, tgt, buf.index_select(0, src).clone())
+
+
+def assign_req_to_token_pool_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+):
+    """Replaces sgl_kernel.assign_req_to_token_pool_cpu (allocation.py's
+    assign_req_to_token_pool): req_to_token[r, start:end] = the request's run
+    of out_cache_loc, runs packed in batch order."""
+    offset = 0
+    for r, start, end in zip(
+        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
+    ):
+        n = end - start
+        req_to_token[r, start:end] = out_cache_loc[offset : offset + n].to(
+            req_to_token.dtype
+        )
+        offset += n
+
+
+def assign_extend_cache_locs_cpu(
+    req_pool_indices, req_to_token, start_offset, end_offset, out_cache_loc, pool_len
+):
+    """Replaces sgl_kernel.assign_extend_cache_locs_cpu (cache_locs.py's
+    assign_extend_cache_locs): out_cache_loc = req_to_token[r, start:end] of
+    each request, packed in batch order."""
+    offset = 0
+    for r, start, end in zip(
+        req_pool_indices.tolist(), start_offset.tolist(), end_offset.tolist()
+    ):
+        n = end - start
+        out_cache_loc[offset : offset + n] = req_to_token[r, start:end].to(
+            out_cache_loc.dtype
+        )
+        offset += n
+
+
+def assign_draft_cache_locs_contiguous_cpu(
+    req_pool_indices, req_to_token, seq_lens, out_cache_loc, pool_len, topk, num_cols
+):
+    """Replaces sgl_kernel.assign_draft_cache_locs_contiguous_cpu (cache_locs.py's
+    assign_draft_cache_locs_contiguous): request b's topk * num_cols slots from
+    seq_lens[b] on, at out_cache_loc[b * topk * num_cols]."""
+    n = topk * num_cols
+    for b, (r, start) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        out_cache_loc[b * n : (b + 1) * n] = req_to_token[r, start : start + n].to(
+            out_cache_loc.dtype
+        )
+
+
+def fill_bonus_tokens_cpu(accept_tokens, accept_lens, bonus_tokens, accept_stride):
+    """Replaces sgl_kernel.fill_bonus_tokens_cpu (eagle.py's fill_bonus_tokens):
+    each request's last accepted token (accept_lens counts the bonus)."""
+    flat = accept_tokens.reshape(-1)
+    for b, n in enumerate(accept_lens.tolist()):
+        bonus_tokens[b] = flat[accept_stride * b + n - 1]
+
+
+def fill_accept_out_cache_loc_cpu(accept_index, out_cache_loc, accept_out_cache_loc):
+    """Replaces sgl_kernel.fill_accept_out_cache_loc_cpu (eagle.py's
+    fill_accept_out_cache_loc): the cache slots of the accepted draft tokens
+    (accept_index != -1), packed in order."""
+    index = accept_index.reshape(-1).to(torch.int64)
+    index = index[index != -1]
+    accept_out_cache_loc[: index.numel()] = out_cache_loc[index].to(
+        accept_out_cache_loc.dtype
+    )
+
+
+def build_tree_kernel_efficient_cpu(
+    parent_list,
+    selected_index,
+    verified_seq_len,
+    tree_mask,
+    positions,
+    retrieve_index,
+    retrieve_next_token,
+    retrieve_next_sibling,
+    topk,
+    depth,
+    draft_token_num,
+    tree_mask_mode,
+):
+    """Replaces sgl_kernel.build_tree_kernel_efficient_cpu: a line-by-line
+    Python form of spec_tree.py's sgl_build_tree_kernel_efficient_triton
+    (the draft tree's mask, positions and retrieve links per request)."""
+    n = draft_token_num
+    parents = parent_list.reshape(parent_list.shape[0], -1).tolist()
+    selected = selected_index.reshape(selected_index.shape[0], -1).tolist()
+    seq_lens = verified_seq_len.tolist()
+    mask = tree_mask.view(-1)
+    next_token = retrieve_next_token.view(-1)
+    next_sibling = retrieve_next_sibling.view(-1)
+    prefix = 0
+    for b, seq_len in enumerate(seq_lens):
+        sel, par = selected[b], parents[b]
+        seq_tree_idx = n * n * b + prefix * n
+        prefix += seq_len
+        positions[b * n] = seq_len
+
+        def position_of(token_idx):
+            for pp in range(n - 1):
+                if sel[pp] == token_idx:
+                    return pp
+            return None
+
+        for i in range(n - 1, 0, -1):
+            retrieve_index.view(-1)[b * n + i] = b * n + i
+            parent_tb_idx = sel[i - 1] // topk
+            if parent_tb_idx == 0:
+                parent_position = 0
+            else:
+                pp = position_of(par[parent_tb_idx])
+                if pp is None:
+                    continue
+                parent_position = pp + 1
+            slot = b * n + parent_position
+            previous = int(next_token[slot])
+            next_token[slot] = i
+            if previous != -1:
+                next_sibling[b * n + i] = previous
+        retrieve_index.view(-1)[b * n] = b * n
+
+        for x in range(n):
+            if int(tree_mask_mode) == 0:  # FULL_MASK
+                token_tree_idx = seq_tree_idx + (seq_len + n) * x + seq_len + 1
+            else:
+                token_tree_idx = n * n * b + n * x + 1
+            mask[token_tree_idx - 1] = True
+            mask[token_tree_idx : token_tree_idx + n - 1] = False
+            if x == 0:
+                continue
+            cur, position = x - 1, 0
+            for _ in range(depth):
+                position += 1
+                mask[token_tree_idx + cur] = True
+                parent_tb_idx = sel[cur] // topk
+                if parent_tb_idx == 0:
+                    break
+                cur = position_of(par[parent_tb_idx])
+                if cur is None:
+                    break
+            positions[b * n + x] = position + seq_len
+
+
+def verify_tree_greedy_cpu(
+    predicts,
+    accept_index,
+    accept_token_num,
+    candidates,
+    retrive_index,
+    retrive_next_token,
+    retrive_next_sibling,
+    target_predict,
+):
+    """Replaces sgl_kernel.verify_tree_greedy_cpu: a Python form of
+    spec_tree.py's verify_tree_greedy_kernel_triton (walk each request's draft
+    tree, accepting the child whose token equals the target's greedy token)."""
+    bs, n = candidates.shape
+    steps = accept_index.shape[1]
+    cand = candidates.tolist()
+    index = retrive_index.tolist()
+    next_token = retrive_next_token.tolist()
+    next_sibling = retrive_next_sibling.tolist()
+    target = target_predict.reshape(-1).tolist()
+    pred = predicts.view(-1)
+    for b in range(bs):
+        last = index[b][0]
+        accept_index[b, 0] = last
+        accepted, cur = 0, 0
+        for _ in range(1, steps):
+            cur = next_token[b][cur]
+            wanted = target[last]
+            while cur != -1 and cand[b][cur] != wanted:
+                cur = next_sibling[b][cur]
+            if cur == -1:
+                break
+            pred[last] = wanted
+            accepted += 1
+            accept_index[b, accepted] = index[b][cur]
+            last = index[b][cur]
+        accept_token_num[b] = accepted
+        pred[last] = target[last]
+
+
+# -- the intel_amx attention backend's sgl_kernel CPU ops -----------------------
+# SGLang 0.5.23's only CPU attention backend with a speculative draft path is
+# intel_amx (torch_native has none: draft_utils.py refuses it), and it calls
+# torch.ops.sgl_kernel.{decode,extend}_attention_cpu (AMX kernels of the CPU
+# sgl-kernel build). These are plain float32 attention over the paged KV, bound
+# as attributes of torch.ops.sgl_kernel by the stand-in, never registered as ops
+# (so cpu_has_amx_support(), which asks for convert_weight_packed, stays False).
+
+
+def _attend(q, keys, values, scaling, logit_cap, mask=None):
+    """softmax(q k^T * scaling) v for q [Tq, H, D] over keys [Tk, Hkv, D]
+    (grouped-query heads repeat), mask [Tq, Tk] True where visible."""
+    heads, kv_heads = q.shape[1], keys.shape[1]
+    keys = keys.float().repeat_interleave(heads // kv_heads, dim=1)
+    values = values.float().repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scaling
+    if logit_cap and logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+
+
+def _check_attention_args(is_cross, window, sinks):
+    if is_cross or (window is not None and window > 0) or sinks is not None:
+        raise NotImplementedError(
+            "the pure-torch attention stand-in covers causal self-attention "
+            "without sliding window or sinks"
+        )
+
+
+def decode_attention_cpu(
+    q,
+    k_buffer,
+    v_buffer,
+    k_scale,
+    v_scale,
+    o,
+    k,
+    v,
+    cache_loc,
+    attn_logits,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    scaling,
+    logit_cap,
+    is_cross,
+    window,
+    encoder_lens,
+    sinks,
+):
+    """Replaces sgl_kernel's decode_attention_cpu: writes the new token's k/v
+    (when given) at cache_loc, then one query row per sequence over its
+    req_to_token row of seq_lens[b] slots."""
+    _check_attention_args(is_cross, window, sinks)
+    if k is not None and v is not None:
+        loc = cache_loc.to(torch.int64)
+        k_buffer[loc] = k.view(-1, *k_buffer.shape[1:]).to(k_buffer.dtype)
+        v_buffer[loc] = v.view(-1, *v_buffer.shape[1:]).to(v_buffer.dtype)
+    for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        slots = req_to_token[r, :n].to(torch.int64)
+        keys = k_buffer[slots].float() * k_scale
+        values = v_buffer[slots].float() * v_scale
+        out = _attend(q[b : b + 1], keys, values, scaling, logit_cap)
+        o[b : b + 1] = out.to(o.dtype)
+
+
+def extend_attention_cpu(
+    q_extend,
+    k_extend,
+    v_extend,
+    o_extend,
+    k_buffer,
+    v_buffer,
+    k_scale,
+    v_scale,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    extend_seq_lens,
+    extend_start_loc,
+    max_len_extend,
+    scaling,
+    logit_cap,
+    is_cross,
+    window,
+    encoder_lens,
+    sinks,
+    tree_mask,
+    is_causal,
+):
+    """Replaces sgl_kernel's extend_attention_cpu: each sequence's new rows
+    attend to its cached prefix (req_to_token) and causally to the new rows, or
+    through tree_mask (FULL_MASK layout: per request [extend, prefix + extend],
+    requests back to back) in a speculative verify."""
+    _check_attention_args(is_cross, window, sinks)
+    mask_offset = 0
+    rows = zip(
+        req_pool_indices.tolist(),
+        seq_lens.tolist(),
+        extend_seq_lens.tolist(),
+        extend_start_loc.tolist(),
+    )
+    for r, total, ext, start in rows:
+        prefix = total - ext
+        slots = req_to_token[r, :prefix].to(torch.int64)
+        keys = torch.cat(
+            [k_buffer[slots].float() * k_scale, k_extend[start : start + ext].float()]
+        )
+        values = torch.cat(
+            [v_buffer[slots].float() * v_scale, v_extend[start : start + ext].float()]
+        )
+        if tree_mask is not None:
+            size = ext * total
+            mask = tree_mask.view(-1)[mask_offset : mask_offset + size].view(ext, total)
+            mask = mask.to(torch.bool)
+            mask_offset += size
+        elif is_causal:
+            col = torch.arange(total)
+            mask = col[None, :] <= (prefix + torch.arange(ext))[:, None]
+        else:
+            mask = None
+        out = _attend(
+            q_extend[start : start + ext], keys, values, scaling, logit_cap, mask
+        )
+        o_extend[start : start + ext] = out.to(o_extend.dtype)
+
+
+def build_draft_decode_metadata_cpu(
+    req_to_token, req_pool_indices, seq_lens, topk, num_steps, pool_len
+):
+    """Replaces sgl_kernel.build_draft_decode_metadata_cpu: one req_to_token
+    row per draft branch, its request's prefix then that branch's num_steps
+    draft slots (laid out [topk, num_steps] after the prefix, as
+    assign_draft_cache_locs_contiguous hands them out)."""
+    bs = seq_lens.shape[0]
+    out = torch.zeros(
+        (bs * topk, pool_len), dtype=req_to_token.dtype, device=req_to_token.device
+    )
+    for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
+        for t in range(topk):
+            row = out[b * topk + t]
+            row[:n] = req_to_token[r, :n]
+            lo = n + t * num_steps
+            row[n : n + num_steps] = req_to_token[r, lo : lo + num_steps]
+    return out

@@ -15,6 +15,12 @@ installed in the test process would not reach them). It installs:
 - a no-op ``pool_host.common._cuda_host_register`` and ``pin_memory``
   False on every host pool once built (pinning host memory calls the CUDA
   runtime; the L3 prefetch's page buffers ask torch for pinned memory);
+- with ``HIQ_SGL_KERNEL_TORCH_OPS=1`` (the speculative-decoding live tests),
+  the platform fact ``has_amx`` overridden to True, so ``--attention-backend
+  intel_amx`` (the only CPU backend with a draft path) is kept instead of
+  falling back to torch_native; its AMX attention ops are then the pure-torch
+  stand-ins the ``sgl_kernel`` stand-in binds, and ``cpu_has_amx_support()``
+  (what the layers ask) stays False;
 - ``pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES`` from
   ``HIQ_HOST_MEMORY_RESERVE_BYTES`` when set (the 10 GiB reserve is sized for
   GPU hosts; on this 24 GiB machine shared by parallel test runs it refuses
@@ -89,6 +95,12 @@ def _after_base(module) -> None:
     module.HostKVCache.__init__ = init_unpinned
 
 
+def _after_runtime_context(module) -> None:
+    if os.environ.get("HIQ_SGL_KERNEL_TORCH_OPS") == "1":
+        # Replaces the AMX CPU feature check of attention-backend selection only.
+        module.get_platform()._install(has_amx=True)
+
+
 # The stock MHA pool's `kernel` io backend ops, bound where standins.py has them.
 KERNEL_IO_OPS = (
     "transfer_kv_per_layer",
@@ -103,6 +115,7 @@ _AFTER = {
     "sglang.srt.mem_cache.pool_host.mla": _after_mla,
     "sglang.srt.mem_cache.pool_host.common": _after_common,
     "sglang.srt.mem_cache.pool_host.base": _after_base,
+    "sglang.srt.runtime_context": _after_runtime_context,
 }
 
 
