@@ -312,9 +312,11 @@ def test_packed_mtp_mha_int8_every_layout(spec_models, layout, page_size, io_bac
         assert_mha_restored("int8", host, pool, loaded, rows, what)
 
 
+@pytest.mark.parametrize("layout,page_size,io_backend", MHA_LAYOUTS)
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_packed_mtp_mha_every_format(spec_models, host_dtype):
-    layout, page_size, io_backend = ("page_first", 4, "kernel")
+def test_packed_mtp_mha_every_format(
+    spec_models, host_dtype, layout, page_size, io_backend
+):
     rig, target, drafts = packed_mha_rig(
         spec_models, host_dtype, layout, page_size, io_backend, depth=1
     )
