@@ -10,11 +10,11 @@ override turns hybrid SWA memory off for Gemma2/Gemma3 in any case
 (arg_groups/model_overrides/gemma2_gemma3.py, an upstream FIXME; it wins
 over the config opt-in ``is_hybrid_swa``, tried here). So SGLang builds one
 full-size KV pool for all 18 layers and applies the windows as attention
-masks. No hybrid SWA architecture that SGLang 0.5.23 lists runs on
-this CPU: gpt-oss and Granite-SWA pass attention sinks, which the
-torch_native backend does not take (its ``forward_extend`` has no ``sinks``),
-and the other listed families need MoE, Triton or CUDA kernels. The hybrid
-pools are tested at pool level (tests/test_hybrid_host_pools.py). This file
+masks. gpt-oss and Granite-SWA, which SGLang does build hybrid SWA pools
+for, pass attention sinks, which the CPU's torch_native backend does not
+take (its ``forward_extend`` has no ``sinks``); the other listed families
+(Gemma 4, Mellum, Laguna, MiMo-V2, Step-3.5, ...) were not tried here. The
+hybrid pools are tested at pool level (tests/test_hybrid_host_pools.py). This file
 covers what runs: a sliding-window model with head_dim 256 through the real
 server, every host pool in the arm's format.
 
@@ -33,9 +33,14 @@ near-tie, logprobs within the arm's tolerance (as tests/test_live_server.py).
 
 ``make test`` runs the INT8 arm (one server start: 11 min 50 s measured here
 at a load average of about 20, the start alone 296 s).
-HIQ_LIVE_HYBRID_FULL=1 adds the BF16 (stock pool) and INT4 arms, compares
-INT8's and INT4's reuse with BF16's, and starts an FP8 device pool
-(``--kv-cache-dtype fp8_e4m3``) with an INT4 host copy. Skipped, with the
+HIQ_LIVE_HYBRID_FULL=1 adds the BF16 (stock pool) and INT4 arms and
+compares INT8's and INT4's reuse with BF16's; and it starts an FP8 device
+pool (``--kv-cache-dtype fp8_e4m3``) with an INT4 host copy, which does not
+run on this CPU: our check accepts it, then SGLang's pool set-up
+(mem_cache/kv_cache_configurator.py) stops with "CPU FP8 KV cache requires
+Intel AMX support." (FP8 KV on CPU needs sgl_kernel's AMX ops and the
+intel_amx backend; ``fp8_e5m2`` is refused earlier on CPU, "--kv-cache-dtype
+fp8_e5m2 is not supported on CPU."). Skipped, with the
 command to install it, when the Gemma GGUF packages are not installed;
 HIQ_LIVE_SERVER=0 skips everything.
 """
@@ -51,7 +56,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.model import ModelUnavailable, gemma3_dir, stdlib_prompts
-from tests.support.server import CPU_FLAGS, LiveServer, hicache_flags
+from tests.support.server import CPU_FLAGS, LiveServer, hicache_flags, run_cli
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
@@ -255,13 +260,19 @@ def test_encoded_reuse_agrees_with_bf16_reuse(model_dir, prompts):
 
 
 @full_only
-def test_fp8_e4m3_device_kv_with_int4_host_copy(model_dir, prompts):
-    with start(
-        "hybrid-fp8-int4", "int4", model_dir, extra=["--kv-cache-dtype", "fp8_e4m3"]
-    ) as server:
-        seq = run_sequence(server, prompts)
-        log = server.log_text()
-    assert "HiCache kv host format: int4" in log, log[-3000:]
-    reuse = details(seq["reuse"])
-    assert reuse.get("host", 0) >= PROMPT_TOKENS // 2, reuse
-    assert agreeing_prefix(seq["first"], seq["reuse"]) >= MIN_AGREED
+def test_fp8_e4m3_device_kv_with_int4_host_copy_stops_at_sglang_cpu_check(model_dir):
+    """Our start-up check takes int4 over FP8 device KV; SGLang's CPU pool
+    set-up then refuses FP8 KV without AMX kernels (sgl_kernel's CPU ops,
+    which the strict stand-in does not register) and the intel_amx backend."""
+    result = run_cli(
+        [
+            *CPU_FLAGS,
+            *hicache_flags("int4"),
+            "--kv-cache-dtype",
+            "fp8_e4m3",
+        ],
+        model=model_dir,
+    )
+    assert result.returncode != 0
+    assert "--kv-cache-dtype fp8_e4m3, on load" in result.stdout
+    assert "CPU FP8 KV cache requires Intel AMX support." in result.stdout
