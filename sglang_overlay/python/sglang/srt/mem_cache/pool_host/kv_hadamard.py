@@ -334,12 +334,16 @@ class RotatedHostFormatMixin:
     def fused_available(self, device) -> bool:
         return self.fused_rotation and super().fused_available(device)
 
-    def _kernel_rotation(self, device) -> dict:
+    def _check_fused(self) -> None:
         if not self.fused_rotation:
             raise NotImplementedError(
                 f"--hicache-host-dtype {self.name} has no fused kernels; the "
                 "pool uses its torch path."
             )
+
+    def _kernel_rotation(self, device) -> dict:
+        """The kernels' rotation arguments for a transfer device."""
+        self._check_fused()
         cache = self.__dict__.setdefault("_signs_by_device", {})
         device = torch.device(device)
         if device not in cache:
@@ -360,6 +364,7 @@ class RotatedHostFormatMixin:
         scale_amax=None,
         bad_index_counter=None,
     ) -> None:
+        self._check_fused()
         from sglang.kernels.ops.kvcache import kv_int4_triton
 
         kv_int4_triton.encode_gather(
@@ -376,6 +381,7 @@ class RotatedHostFormatMixin:
     def decode_scatter(
         self, records, host_indices, dst, device_indices, *, bad_index_counter=None
     ) -> None:
+        self._check_fused()
         from sglang.kernels.ops.kvcache import kv_int4_triton
 
         kv_int4_triton.decode_scatter(
