@@ -669,6 +669,7 @@ def drive_int4_rotated_grid() -> None:
 
 SMALL = PoolCase("page_first", 16, (2, 128, 128), torch.bfloat16, "direct")
 SMALL_INT4 = Int4Case("int4", 16, (2, 64, 64), torch.bfloat16, layer_num=1)
+SMALL_INT4_ROT = Int4Case("int4r", 16, (2, 128, 128), torch.bfloat16, layer_num=1)
 
 
 class DivRnToSlash(ast.NodeTransformer):
@@ -735,6 +736,7 @@ GRIDS = {
     "int4-rot": drive_int4_rotated_grid,
     "small": lambda: drive_pool(SMALL),
     "small-int4": lambda: drive_int4_case(SMALL_INT4),
+    "small-int4-rot": lambda: drive_int4_case(SMALL_INT4_ROT),
 }
 # Grids whose JSON carries each kernel's PTX (small enough to send back).
 PTX_GRIDS = ("small", "small-int4")

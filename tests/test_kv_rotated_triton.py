@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from tests.support.int4_reference import Host, assert_same_records
 from test_kv_int8_codec import assert_same_bits
 
+from sglang.kernels.ops.kvcache import kv_hadamard_triton as hr
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.srt.mem_cache.pool_host import kv_hadamard
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
@@ -37,15 +40,69 @@ def big_tiles(monkeypatch):
 
 
 def fill_rows(x: torch.Tensor, seed: int, nan_row: int, inf_row: int) -> None:
-    """Rows over magnitudes with an outlier channel, one NaN and one -Inf."""
+    """Rows over magnitudes with an outlier channel, one NaN and one -Inf.
+    Every other row mixes magnitudes 2**-16..2**8 channel by channel, so the
+    butterfly's fp32 sums round (rows of one magnitude sum exactly in any
+    order, and would not tell the stage order apart)."""
     g = torch.Generator().manual_seed(seed)
     n, H, D = x.shape
     mags = 2.0 ** torch.randint(-10, 8, (n, H, 1), generator=g).double()
+    mixed = 2.0 ** torch.randint(-16, 8, (n, H, D), generator=g).double()
+    mags = torch.where(torch.arange(n)[:, None, None] % 2 == 1, mixed, mags)
     vals = torch.randn(n, H, D, generator=g, dtype=torch.float64) * mags
     vals[:, :, 3] *= 20
     x.copy_(vals.to(x.dtype))
     x[nan_row, 0, 5] = NAN
     x[inf_row, H - 1, D - 1] = -INF
+
+
+# --- the butterfly alone, in fp32 ---------------------------------------------
+
+
+@triton.jit
+def _rotate_rows(x_ptr, sign_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr,
+                 D_PAD: tl.constexpr, B: tl.constexpr, DECODE: tl.constexpr):  # fmt: skip
+    r = tl.arange(0, R)[:, None]
+    c = tl.arange(0, D_PAD)[None, :]
+    mask = (c < D) & (r >= 0)
+    x = tl.load(x_ptr + r * D + c, mask=mask, other=0.0)
+    signs = tl.load(sign_ptr + c, mask=c < D, other=0.0)
+    if DECODE:
+        y = hr.unrotate(x, signs, B)
+    else:
+        y = hr.rotate(x, signs, B)
+    tl.store(y_ptr + r * D + c, y, mask=mask)
+
+
+@pytest.mark.parametrize("dim", (16, 64, 128, 256, 96, 80), ids=lambda d: f"d{d}")
+def test_butterfly_is_the_reference_bit_for_bit(dim):
+    """kv_hadamard_triton.rotate/unrotate on fp32 rows whose channels mix
+    magnitudes 2**-30..2**30 (so the sums round and the stage order shows),
+    with -0, NaN and Inf: the bits of kv_hadamard's reference."""
+    g = torch.Generator().manual_seed(dim)
+    rows = 8
+    mags = 2.0 ** torch.randint(-30, 30, (rows, dim), generator=g).float()
+    x = torch.randn(rows, dim, generator=g) * mags
+    x[1] = -0.0
+    x[2, dim // 2] = NAN
+    x[3, 1] = INF
+    x[4] = x[4].round()  # exact sums: ties and zeros of both signs
+    block = kv_hadamard.rotation_block(dim)
+    signs = kv_hadamard.rotation_signs(dim)
+    for decode, reference in (
+        (False, kv_hadamard.rotate_reference),
+        (True, kv_hadamard.unrotate_reference),
+    ):
+        y = torch.full_like(x, 7.0)
+        _rotate_rows[(1,)](x, signs, y, rows, dim, k4.hk.pow2(dim), block, decode)
+        want = reference(x, block)
+        assert torch.equal(torch.isnan(y), torch.isnan(want))
+        assert torch.equal(
+            y.nan_to_num(0).view(torch.int32), want.nan_to_num(0).view(torch.int32)
+        ), "decode" if decode else "encode"
+
+
+# --- kernel round trips ---------------------------------------------------------
 
 
 def run_case(
