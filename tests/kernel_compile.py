@@ -574,12 +574,12 @@ def drive_int4_case(case: Int4Case) -> None:
     k_layers = [torch.zeros(size, H, dk, dtype=case.dtype) for _ in range(layers)]
     v_layers = [torch.zeros(size, H, dv, dtype=case.dtype) for _ in range(layers)]
     tables = (k4.DeviceLayerTable(k_layers), k4.DeviceLayerTable(v_layers))
-    fmt = host_format_cls(case.fmt, "mha")((dk, dv), H, ut, case.dtype)
-    # Rotated formats: the blocks and signs their pools pass (on the stand-in
-    # CUDA device the launch is only recorded).
-    rotation = (
-        fmt._kernel_rotation(k_layers[0].device) if case.fmt.endswith("r") else {}
-    )
+    # Rotated formats: the blocks and signs their pools pass (the launch is
+    # only recorded, so the CPU tensors stand in for device ones).
+    rotation = {}
+    if case.fmt.endswith("r"):
+        fmt = host_format_cls(case.fmt, "mha")((dk, dv), H, ut, case.dtype)
+        rotation = fmt._kernel_rotation(k_layers[0].device)
     base = case.fmt.removesuffix("r")
     host = Host(base, pages, layers, ut, H, dk, dv, case.layer_first)
     counter = torch.zeros((), dtype=torch.int64)
