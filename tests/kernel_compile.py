@@ -585,7 +585,7 @@ def drive_mla_grid() -> None:
 
 @dataclass(frozen=True)
 class Int4Case:
-    fmt: str  # "int4" | "k8v4"
+    fmt: str  # "int4" | "k8v4", or rotated: "int4r" | "k8v4r"
     unit_tokens: int  # page size; 1 with layer_first
     geometry: tuple[int, int, int]  # (head_num, head_dim, v_head_dim)
     dtype: torch.dtype
@@ -607,6 +607,7 @@ def drive_int4_case(case: Int4Case) -> None:
     from tests.support.int4_reference import Host
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
     H, dk, dv = case.geometry
     ut, layers = case.unit_tokens, case.layer_num
@@ -615,7 +616,14 @@ def drive_int4_case(case: Int4Case) -> None:
     k_layers = [torch.zeros(size, H, dk, dtype=case.dtype) for _ in range(layers)]
     v_layers = [torch.zeros(size, H, dv, dtype=case.dtype) for _ in range(layers)]
     tables = (k4.DeviceLayerTable(k_layers), k4.DeviceLayerTable(v_layers))
-    host = Host(case.fmt, pages, layers, ut, H, dk, dv, case.layer_first)
+    # Rotated formats: the blocks and signs their pools pass (the launch is
+    # only recorded, so the CPU tensors stand in for device ones).
+    rotation = {}
+    if case.fmt.endswith("r"):
+        fmt = host_format_cls(case.fmt, "mha")((dk, dv), H, ut, case.dtype)
+        rotation = fmt._kernel_rotation(k_layers[0].device)
+    base = case.fmt.removesuffix("r")
+    host = Host(base, pages, layers, ut, H, dk, dv, case.layer_first)
     counter = torch.zeros((), dtype=torch.int64)
     bad = torch.zeros((), dtype=torch.int64)
     amax = torch.zeros(layers, 2)
@@ -627,20 +635,21 @@ def drive_int4_case(case: Int4Case) -> None:
             dev = _device_indices(rows, kind)
             k4.encode_gather(
                 tables, dev, host.all_layers(), host_idx, nonfinite_counter=counter,
-                scale_amax=amax, bad_index_counter=bad,
+                scale_amax=amax, bad_index_counter=bad, **rotation,
             )  # fmt: skip
             for layer in range(layers):
                 dst = (k_layers[layer], v_layers[layer])
                 k4.decode_scatter(
-                    host.layer(layer), host_idx, dst, dev, bad_index_counter=bad
-                )
+                    host.layer(layer), host_idx, dst, dev, bad_index_counter=bad,
+                    **rotation,
+                )  # fmt: skip
             if case.staged:
                 one_layer = {n: t[:, :1] for n, t in host.all_layers().items()}
                 k4.encode_gather(
                     tuple(t.select(0) for t in tables), dev, one_layer, host_idx,
-                    nonfinite_counter=counter, scale_amax=amax[:1],
+                    nonfinite_counter=counter, scale_amax=amax[:1], **rotation,
                 )  # fmt: skip
-                k4.decode_scatter(host.layer(0), host_idx, dst, dev)
+                k4.decode_scatter(host.layer(0), host_idx, dst, dev, **rotation)
 
 
 def int4_grid() -> list[Int4Case]:
@@ -672,10 +681,37 @@ def drive_int4_grid() -> None:
         drive_int4_case(case)
 
 
+def int4_rotated_grid() -> list[Int4Case]:
+    """int4r / k8v4r (the rotation inside the same kernels): Qwen3-8B's heads
+    (one 128-point block over two value groups) for every key grouping,
+    both dtypes, int32/int64 indices and the staged calls at page 64, and
+    head dims 96/80 (blocks of 32 and 16, a whole-head group of 80)."""
+    bf16, fp16, qwen = torch.bfloat16, torch.float16, (8, 128, 128)
+    both = ("int64", "int32")
+    return [
+        Int4Case("int4r", 64, qwen, bf16, index_kinds=both, staged=True),
+        Int4Case("int4r", 64, qwen, fp16),
+        Int4Case("int4r", 16, qwen, bf16),
+        Int4Case("int4r", 4, qwen, bf16),
+        Int4Case("int4r", 1, qwen, fp16, layer_first=True),
+        Int4Case("k8v4r", 64, qwen, bf16, index_kinds=both, staged=True),
+        Int4Case("k8v4r", 64, qwen, fp16),
+        Int4Case("k8v4r", 1, qwen, bf16, layer_first=True),
+        Int4Case("int4r", 16, (2, 96, 80), bf16),
+        Int4Case("int4r", 4, (2, 96, 80), bf16),
+    ]
+
+
+def drive_int4_rotated_grid() -> None:
+    for case in int4_rotated_grid():
+        drive_int4_case(case)
+
+
 # --- small drives and kernels broken on purpose (the check must fail) ---------
 
 SMALL = PoolCase("page_first", 16, (2, 128, 128), torch.bfloat16, "direct")
 SMALL_INT4 = Int4Case("int4", 16, (2, 64, 64), torch.bfloat16, layer_num=1)
+SMALL_INT4_ROT = Int4Case("int4r", 16, (2, 128, 128), torch.bfloat16, layer_num=1)
 
 
 class DivRnToSlash(ast.NodeTransformer):
@@ -739,6 +775,7 @@ GRIDS = {
     "int8": drive_pool_grid,
     "mla": drive_mla_grid,
     "int4": drive_int4_grid,
+    "int4-rot": drive_int4_rotated_grid,
     "small": lambda: drive_pool(SMALL),
     "small-int4": lambda: drive_int4_case(SMALL_INT4),
     # Packed MTP drafts alone (both grids above include them).
@@ -748,6 +785,7 @@ GRIDS = {
         for case in grid()
         if case.draft_layers
     ],
+    "small-int4-rot": lambda: drive_int4_case(SMALL_INT4_ROT),
 }
 # Grids whose JSON carries each kernel's PTX (small enough to send back).
 PTX_GRIDS = ("small", "small-int4")

@@ -132,6 +132,53 @@ def test_every_int4_kernel_compiles_cleanly(compiled_int4, arch):
     assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
 
 
+@pytest.fixture(scope="module")
+def compiled_int4_rotated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel-compile-int4-rot")
+    start = time.perf_counter()
+    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="int4-rot")
+    for arch, run in results.items():
+        print(
+            f"int4r/k8v4r sm_{arch}: {len(run['specs'])} distinct specialisations "
+            f"from {run['launches']} launches in {run['seconds']} s"
+        )
+    print(f"rotated int4 compile check: {time.perf_counter() - start:.0f} s wall")
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_rotated_int4_kernel_compiles_cleanly(compiled_int4_rotated, arch):
+    """The rotated variants (K_ROT_B / V_ROT_B > 0: the butterfly inside the
+    INT4 / K8V4 tiles) over kernel_compile.int4_rotated_grid: the same
+    checks, for every key grouping, block size and unit size."""
+    specs = compiled_int4_rotated[arch]["specs"]
+    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
+    assert not problems, "\n".join(problems)
+    kinds = {
+        (
+            "encode" in s["name"],
+            s["constexprs"]["KEY_MODE"],
+            s["constexprs"]["K_ROT_B"],
+            s["constexprs"]["V_ROT_B"],
+        )
+        for s in specs
+    }
+    per_token, per_channel = k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL
+    assert kinds == {
+        (e, *rot)
+        for e in (True, False)
+        for rot in (
+            (per_channel, 128, 128),
+            (per_token, 128, 128),
+            (k4.KEYS_INT8, 0, 128),
+            (per_channel, 32, 16),
+            (per_token, 32, 16),
+        )
+    }
+    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
+    assert {s["constexprs"]["IS_BF16"] for s in specs} == {True, False}
+
+
 # --- the check fails on broken kernels ---------------------------------------
 # Each breaks a kernel in a fresh compile worker (kernel_compile.MUTATIONS).
 

@@ -18,6 +18,7 @@ import torch
 from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from tests import test_int4_host_pool as int4_suite
 from tests.test_int4_host_pool import build, fill_spread, pages
@@ -178,7 +179,7 @@ def test_transfer_larger_than_staging_is_chunked(monkeypatch):
         ("int4r", "page_first", 16, (72, 72), ("k NOT rotated (head dim 72",)),
     ],
 )
-def test_startup_log_states_rotation_and_torch_path(
+def test_startup_log_states_rotation_and_cpu_torch_path(
     fmt, layout, page_size, dims, texts, caplog
 ):
     # The sglang logger itself: an earlier in-process server tool may have raised its level.
@@ -199,22 +200,136 @@ def test_startup_log_states_rotation_and_torch_path(
 
 
 @pytest.mark.parametrize("fmt", ROTATED)
-def test_no_fused_kernels_so_the_pool_takes_the_torch_path(fmt):
-    """fused_available is False: on a CUDA device too the pool picks the torch
-    path, and forcing the fused path fails naming the flag, not with wrong
-    bytes from int4's kernels."""
-    _, device_pool, pool = build(fmt, "page_first", 16)
-    assert not pool.host_format.fused_available(torch.device("cuda"))
+def test_fused_kernels_are_selected_where_the_base_kernels_run(fmt, monkeypatch):
+    """The rotated formats take the fused path wherever int4/k8v4 would (a
+    CUDA transfer device here); the INT8-rotated-keys variant has no kernels
+    and says so naming the flag."""
+    from sglang.kernels.ops.kvcache import kv_int4_triton
+
+    _, _, pool = build(fmt, "page_first", 16)
+    monkeypatch.setattr(kv_int4_triton, "available", lambda device: True)
+    assert pool.host_format.fused_rotation
+    assert pool.host_format.fused_available(torch.device("cuda"))
     pool._transfer_device = torch.device("cuda")  # only select_transfer reads it
     transfer = encoded_fused.select_transfer(pool)
-    assert not isinstance(transfer, encoded_fused.FusedTransfer)
-    assert pool.transfer_path_reason == f"no fused {fmt} kernels for this device"
-    pool._transfer_device = torch.device("cpu")
-    pool.use_fused_kernels = True
-    with pytest.raises(NotImplementedError, match=f"--hicache-host-dtype {fmt}"):
-        pool.backup_from_device_all_layer(
-            device_pool, pages([0], 16), pages([1], 16), "direct"
+    assert isinstance(transfer, encoded_fused.FusedTransfer)
+    # Not pinned on this CPU pool: staged, the reason int4's pools give too.
+    assert pool.transfer_path_reason == "host memory not device-addressable (not pinned)"
+
+    k8rv4r = K8V4RotKeysHostFormat((64, 64), 2, 16, torch.bfloat16)
+    assert not k8rv4r.fused_available(torch.device("cuda"))
+    with pytest.raises(NotImplementedError, match="--hicache-host-dtype k8rv4r"):
+        k8rv4r.encode_gather(None, None, None, None)
+
+
+FUSED_CASES = [
+    ("int4r", "page_first", 16, "direct"),
+    ("int4r", "layer_first", 1, "direct"),
+    ("int4r", "page_first_direct", 4, "staged"),
+    ("k8v4r", "page_first", 16, "staged"),
+    ("k8v4r", "layer_first", 2, "direct"),
+]
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fmt,layout,page_size,access", FUSED_CASES)
+def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
+    """Through the real pool: the fused kernels' host bytes, statistics and
+    restored rows equal the torch path's, a NaN key spread over its block."""
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
+    pools = {}
+    for path in ("torch", "fused"):
+        pool = make_host_pool(
+            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt
         )
+        if path == "fused":
+            pool.use_fused_kernels = True
+            pool.fused_host_access = access
+        pools[path] = pool
+    dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
+    fill_spread(device_pool, dev, seed=12)
+    device_pool.k_buffer[0][dev[1], 1, 3] = float("nan")
+    for pool in pools.values():
+        pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    torch_pool, fused_pool = pools["torch"], pools["fused"]
+    assert fused_pool.transfer_path == f"fused_{access}"
+    for name, buf in torch_pool.host_records.items():
+        assert torch.equal(
+            fused_pool.host_records[name].view(torch.uint8), buf.view(torch.uint8)
+        ), name
+    assert fused_pool.nonfinite_group_count() == torch_pool.nonfinite_group_count()
+    assert torch_pool.nonfinite_group_count() >= 1
+    assert torch.equal(
+        fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
+    )
+    restored = {}
+    for path, pool in pools.items():
+        new_dev = pages([8, 10, 9], page_size)
+        for layer in range(geo.layer_num):
+            device_pool.k_buffer[layer][new_dev] = 0
+            device_pool.v_buffer[layer][new_dev] = 0
+            pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+        restored[path] = [
+            b[new_dev].clone() for b in device_pool.k_buffer + device_pool.v_buffer
+        ]
+    for a, b in zip(restored["torch"], restored["fused"]):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(
+            a.nan_to_num(0).view(torch.int16), b.nan_to_num(0).view(torch.int16)
+        )
+    # Head dim 64 is one block: the NaN key's whole head row restores as NaN.
+    assert torch.isnan(restored["fused"][0][1, 1]).all()
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fmt", ROTATED)
+def test_self_check_passes_and_catches_wrong_signs(fmt, monkeypatch, caplog):
+    """The start-up self-check (the other formats' own) passes on the fused
+    path; kernels given another sign vector fail it and the pool falls back
+    to the torch path."""
+    _, device_pool, pool = build(fmt, "page_first", 16)
+    pool.use_fused_kernels = True
+    assert encoded_fused.self_check(pool) is True
+    assert pool.transfer_path == "fused_direct"
+
+    fmt_obj, real = pool.host_format, pool.host_format._kernel_rotation
+
+    def flipped(device):
+        args = real(device)
+        return {**args, "rotation_signs": -args["rotation_signs"]}
+
+    monkeypatch.setattr(fmt_obj, "_kernel_rotation", flipped)
+    with caplog.at_level(logging.WARNING, logger="sglang"):
+        assert encoded_fused.self_check(pool) is False
+    assert pool.transfer_path == "torch"
+    assert pool.transfer_path_reason.startswith("self-check failed: ")
+    assert "differs from the torch reference" in pool.transfer_path_reason
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "fmt,layout,page_size",
+    [("int4r", "page_first", 16), ("k8v4r", "layer_first", 2)],
+)
+def test_controller_random_operations_on_the_fused_path(
+    fmt, layout, page_size, monkeypatch
+):
+    """HiCacheController's random writes, loads and evictions with the pool
+    on the fused kernels: every restore equals the rotated reference."""
+    real_rig = int4_suite.make_rig
+
+    def fused_rig(*args, **kwargs):
+        rig = real_rig(*args, **kwargs)
+        rig.host_pool.use_fused_kernels = True
+        assert rig.host_pool.transfer_path == "fused_direct"
+        return rig
+
+    monkeypatch.setattr(int4_suite, "make_rig", fused_rig)
+    int4_suite.test_controller_random_operations(fmt, layout, page_size, "kernel")
 
 
 @pytest.mark.parametrize("fmt", ROTATED)

@@ -85,6 +85,68 @@ CASES = [
 ]
 
 
+ROTATED_CASES = [
+    ("int4r", 64, (8, 128, 128)),  # one 128-point block, per-channel keys
+    ("int4r", 1, (8, 128, 128)),  # a block over two groups, per-token keys
+    ("int4r", 4, (2, 96, 80)),  # blocks of 32, blocks of 16 in one group
+    ("k8v4r", 64, (8, 128, 128)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt,ut,geometry", ROTATED_CASES)
+def test_rotated_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
+    """int4r / k8v4r (the butterfly inside the kernels' tiles): pinned host
+    records and the restored rows equal the format's CPU reference."""
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+
+    H, dk, dv = geometry
+    n_units = (256 if CUDA else 8) // ut or 1
+    n = n_units * ut
+    size = 2 * n + 8
+    g = torch.Generator().manual_seed(ut * 5 + H)
+    k_cpu, v_cpu = rows(1, size, H, dk, dtype), rows(2, size, H, dv, dtype)
+    dev = torch.randperm(size, generator=g)[:n]
+    units = torch.randperm(2 * n_units + 1, generator=g)[:n_units]
+    host_idx = (units[:, None] * ut + torch.arange(ut)).flatten()
+    for t in (k_cpu, v_cpu):
+        put_edge_rows(t, dev)
+    fmt_obj = host_format_cls(fmt, "mha")((dk, dv), H, ut, dtype)
+    rotation = fmt_obj._kernel_rotation(DEVICE)
+    tables = (
+        k4.DeviceLayerTable([k_cpu.to(DEVICE)]),
+        k4.DeviceLayerTable([v_cpu.to(DEVICE)]),
+    )
+    base = fmt.removesuffix("r")
+    host = to_host(Host(base, 2 * n_units + 1, 1, ut, H, dk, dv), "host")
+    counter = torch.zeros((), dtype=torch.int64, device=DEVICE)
+    k4.encode_gather(
+        tables, dev.to(DEVICE), host.all_layers(), host_idx.to(DEVICE),
+        nonfinite_counter=counter, **rotation,
+    )  # fmt: skip
+    sync()
+    k = k_cpu[dev].view(n_units, ut, H, dk)
+    v = v_cpu[dev].view(n_units, ut, H, dv)
+    want = fmt_obj.encode_reference((k, v))
+    got = {name: buf[units, 0].cpu() for name, buf in host.bufs.items()}
+    for name, rec in want.items():
+        assert same_bits(got[name], rec), name
+    assert int(counter) > 0  # the edge rows reached the kernels
+    for out_dtype in DTYPES:
+        new_dev = torch.randperm(size, generator=g)[:n].to(DEVICE)
+        dst = [
+            torch.full((size, H, d), 7.0, dtype=out_dtype, device=DEVICE)
+            for d in (dk, dv)
+        ]
+        k4.decode_scatter(
+            host.layer(0), host_idx.to(DEVICE), dst, new_dev, **rotation
+        )  # fmt: skip
+        sync()
+        k_ref, v_ref = fmt_obj.decode_reference(want, out_dtype)
+        assert same_bits(dst[0][new_dev].cpu(), k_ref.reshape(n, H, dk)), out_dtype
+        assert same_bits(dst[1][new_dev].cpu(), v_ref.reshape(n, H, dv)), out_dtype
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt,ut,geometry", CASES)
 def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from sglang.kernels.ops.kvcache import host_kv_common as hk
+from sglang.kernels.ops.kvcache import kv_hadamard_triton as hr
 from sglang.kernels.ops.kvcache.host_kv_common import DeviceLayerTable, available
 
 __all__ = ["DeviceLayerTable", "available", "decode_scatter", "encode_gather"]
@@ -100,6 +101,7 @@ def _encode_groups(
     nonfinite_ptr,
     amax_ptr,
     bad_idx_ptr,
+    sign_ptr,
     H: tl.constexpr,
     NG: tl.constexpr,
     G: tl.constexpr,
@@ -110,8 +112,10 @@ def _encode_groups(
     COUNT: tl.constexpr,
     AMAX: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
+    ROT_B: tl.constexpr,
 ):
-    """Per-token groups: rows (token, head, group) of G channels."""
+    """Per-token groups: rows (token, head, group) of G channels; ROT_B > 0
+    rotates them first (a block spans ROT_B / G whole rows if ROT_B > G)."""
     rmask, head_grp, didx, hidx, hmask = hk.row_slots(
         row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H * NG, BLOCK_R
     )
@@ -129,6 +133,9 @@ def _encode_groups(
     src = layer_off + didx * dev_stride_token + head * dev_stride_head + grp * G
     bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
     x = hk.to_fp32(bits, IS_BF16)
+    if ROT_B:
+        sign_off = (grp * G)[:, None, None] + c[None, :, :]
+        x = hr.rotate(x, tl.load(sign_ptr + sign_off, mask=m3, other=0.0), ROT_B)
 
     lo = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=2), axis=1)
     hi = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=2), axis=1)
@@ -188,6 +195,7 @@ def _encode_channels(
     nonfinite_ptr,
     amax_ptr,
     bad_idx_ptr,
+    sign_ptr,
     H: tl.constexpr,
     D: tl.constexpr,
     CB2: tl.constexpr,
@@ -198,9 +206,10 @@ def _encode_channels(
     COUNT: tl.constexpr,
     AMAX: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
+    ROT_B: tl.constexpr,
 ):
     """Per-channel groups over one run of UT tokens (one host unit), for one
-    head and CB2 channel pairs."""
+    head and CB2 channel pairs (whole rotation blocks if ROT_B > 0)."""
     run = pid // (H * NCB)
     head = ((pid // NCB) % H).to(tl.int64)
     cb = pid % NCB
@@ -228,6 +237,9 @@ def _encode_channels(
     src = layer_off + didx * dev_stride_token + head * dev_stride_head
     bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
     x = hk.to_fp32(bits, IS_BF16)
+    if ROT_B:
+        signs = tl.load(sign_ptr + c, mask=cmask, other=0.0)
+        x = hr.rotate(x, signs[None, :, :], ROT_B)
 
     lo = tl.min(tl.where(tvalid, x, float("inf")), axis=0)
     hi = tl.max(tl.where(tvalid, x, float("-inf")), axis=0)
@@ -274,6 +286,7 @@ def _decode_groups(
     n_rows,
     n_host,
     bad_idx_ptr,
+    sign_ptr,
     H: tl.constexpr,
     D: tl.constexpr,
     D2_PAD: tl.constexpr,
@@ -282,6 +295,7 @@ def _decode_groups(
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
+    ROT_B: tl.constexpr,
 ):
     """Rows (token, head) of D channels; channel c's (s, m) sit at group
     c // G (per-channel keys: G = 1 and no token stride)."""
@@ -309,14 +323,18 @@ def _decode_groups(
     m = tl.load(m_base + (m_off + m_stride_param), mask=m3, other=0)
     s = s.to(tl.float16, bitcast=True).to(tl.float32)
     m = m.to(tl.float16, bitcast=True).to(tl.float32)
-    out = _to_device_bits(m + q.to(tl.float32) * s, IS_BF16)
+    y = m + q.to(tl.float32) * s
+    if ROT_B:
+        signs = tl.load(sign_ptr + c, mask=lane[:, None] & (e < 2)[None, :], other=0.0)
+        y = hr.unrotate(y, signs[None, :, :], ROT_B)
+    out = _to_device_bits(y, IS_BF16)
     y_row = didx * y_stride_token + head * y_stride_head
     tl.store(y_base + (y_row[:, None, None] + c[None, :, :]), out, mask=m3)
 
 
 @triton.jit(
     do_not_specialize=["n_tok", "n_host", "n_k_progs"],
-    do_not_specialize_on_alignment=["k_offs", "v_offs"]
+    do_not_specialize_on_alignment=["k_offs", "v_offs", "sign_ptr"]
     + hk.BOOKKEEPING_POINTERS
     + hk.STATS_POINTERS,
 )
@@ -334,6 +352,7 @@ def _encode_kernel(
     nonfinite_ptr,
     amax_ptr,
     bad_idx_ptr,
+    sign_ptr,
     n_tok,
     n_host,
     n_k_progs,
@@ -381,6 +400,8 @@ def _encode_kernel(
     AMAX: tl.constexpr,
     K_COUNT_BAD_IDX: tl.constexpr,
     V_COUNT_BAD_IDX: tl.constexpr,
+    K_ROT_B: tl.constexpr = 0,
+    V_ROT_B: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs, layers)
     pid = tl.program_id(0)
@@ -410,9 +431,9 @@ def _encode_kernel(
                 k_meta_stride_token, k_meta_stride_head, k_meta_stride_group,
                 k_meta_stride_param,
                 layer, pid * K_BLOCK, n_tok * (H * (DK // GK)), n_host,
-                nonfinite_ptr, amax_ptr + 2 * layer, bad_idx_ptr,
+                nonfinite_ptr, amax_ptr + 2 * layer, bad_idx_ptr, sign_ptr,
                 H, DK // GK, GK, GK2_PAD, UT, K_BLOCK, IS_BF16, COUNT, AMAX,
-                K_COUNT_BAD_IDX,
+                K_COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
         else:
             _encode_channels(
@@ -422,9 +443,9 @@ def _encode_kernel(
                 k_meta, k_meta_stride_unit, k_meta_stride_layer,
                 k_meta_stride_head, k_meta_stride_group, k_meta_stride_param,
                 layer, pid, n_host, nonfinite_ptr, amax_ptr + 2 * layer,
-                bad_idx_ptr,
+                bad_idx_ptr, sign_ptr,
                 H, DK, K_BLOCK, K_NCB, UT, UT_PAD, IS_BF16, COUNT, AMAX,
-                K_COUNT_BAD_IDX,
+                K_COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
     else:
         off = tl.load(v_offs + layer_idx)
@@ -437,15 +458,15 @@ def _encode_kernel(
             v_meta, v_meta_stride_unit, v_meta_stride_layer, v_meta_stride_token,
             v_meta_stride_head, v_meta_stride_group, v_meta_stride_param,
             layer, (pid - n_k_progs) * V_BLOCK_R, n_tok * (H * (DV // GV)), n_host,
-            nonfinite_ptr, amax_ptr + 2 * layer + 1, bad_idx_ptr,
+            nonfinite_ptr, amax_ptr + 2 * layer + 1, bad_idx_ptr, sign_ptr,
             H, DV // GV, GV, GV2_PAD, UT, V_BLOCK_R, IS_BF16, COUNT, AMAX,
-            V_COUNT_BAD_IDX,
+            V_COUNT_BAD_IDX, V_ROT_B,
         )  # fmt: skip
 
 
 @triton.jit(
     do_not_specialize=["n_tok", "n_host", "n_k_progs"],
-    do_not_specialize_on_alignment=hk.BOOKKEEPING_POINTERS,
+    do_not_specialize_on_alignment=["sign_ptr"] + hk.BOOKKEEPING_POINTERS,
 )
 def _decode_kernel(
     k_codes,
@@ -457,6 +478,7 @@ def _decode_kernel(
     v_dst,
     dev_idx_ptr,
     bad_idx_ptr,
+    sign_ptr,
     n_tok,
     n_host,
     n_k_progs,
@@ -493,6 +515,8 @@ def _decode_kernel(
     UT: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
+    K_ROT_B: tl.constexpr = 0,
+    V_ROT_B: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs,)
     pid = tl.program_id(0)
@@ -513,8 +537,9 @@ def _decode_kernel(
                 k_meta_stride_token, k_meta_stride_head, k_meta_stride_group,
                 k_meta_stride_param, host_idx_ptr,
                 k_dst, k_dst_stride_token, k_dst_stride_head, dev_idx_ptr,
-                pid * K_BLOCK_R, n_tok * H, n_host, bad_idx_ptr,
+                pid * K_BLOCK_R, n_tok * H, n_host, bad_idx_ptr, sign_ptr,
                 H, DK, DK_PAD // 2, GK, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX,
+                K_ROT_B,
             )  # fmt: skip
     else:
         _decode_groups(
@@ -522,8 +547,8 @@ def _decode_kernel(
             v_meta, v_meta_stride_unit, v_meta_stride_token, v_meta_stride_head,
             v_meta_stride_group, v_meta_stride_param, host_idx_ptr,
             v_dst, v_dst_stride_token, v_dst_stride_head, dev_idx_ptr,
-            (pid - n_k_progs) * V_BLOCK_R, n_tok * H, n_host, bad_idx_ptr,
-            H, DV, DV_PAD // 2, GV, UT, V_BLOCK_R, IS_BF16, False,
+            (pid - n_k_progs) * V_BLOCK_R, n_tok * H, n_host, bad_idx_ptr, sign_ptr,
+            H, DV, DV_PAD // 2, GV, UT, V_BLOCK_R, IS_BF16, False, V_ROT_B,
         )  # fmt: skip
 
 
@@ -646,6 +671,16 @@ def _check_tables(tables) -> tuple[DeviceLayerTable, DeviceLayerTable]:
     return tables[0], tables[1]
 
 
+def _check_rotation(keys: _Side, values: _Side, blocks, signs, device):
+    """The (K, V) rotation blocks, checked against the records."""
+    kb, vb = (int(b) for b in blocks)
+    if kb and keys.mode == KEYS_INT8:
+        raise ValueError("k: K8V4's INT8 keys have no rotated kernel variant")
+    hr.check_rotation("k", keys.dim, kb, signs, device)
+    hr.check_rotation("v", values.dim, vb, signs, device)
+    return kb, vb
+
+
 def encode_gather(
     tables: Sequence[DeviceLayerTable],
     device_indices: torch.Tensor,
@@ -655,6 +690,8 @@ def encode_gather(
     nonfinite_counter: torch.Tensor | None = None,
     scale_amax: torch.Tensor | None = None,
     bad_index_counter: torch.Tensor | None = None,
+    rotation_blocks: tuple[int, int] = (0, 0),
+    rotation_signs: torch.Tensor | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -679,6 +716,11 @@ def encode_gather(
     int64); scale_amax (fp32 [L, 2]: K, V) is raised to the largest
     max(|lo|, |hi|) of the finite groups. Device indices are not
     range-checked.
+
+    rotation_blocks (K, V; 0: not rotated) rotate each head row in blocks of
+    that many channels before it is coded (int4r, k8v4r: kv_hadamard's
+    rotation, with rotation_signs its fp32 sign per channel); K8V4's INT8
+    keys are never rotated.
     """
     k_table, v_table = _check_tables(tables)
     n = int(device_indices.numel())
@@ -699,20 +741,27 @@ def encode_gather(
     hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
     hk.check_amax(scale_amax, layers, 2, dev)
+    kb, vb = _check_rotation(keys, values, rotation_blocks, rotation_signs, dev)
 
     tile = tile or ENCODE_TILE
+    warps = num_warps or ENCODE_WARPS
     dk = keys.dim
     if keys.mode == KEYS_PER_CHANNEL:
         ut_pad = hk.pow2(ut)
         pairs = max(1, min(hk.pow2(dk) // 2, hk.pow2(tile) // (2 * ut_pad)))
+        if kb > 2 * pairs:
+            # A program rotates whole blocks: more lanes, as many per thread.
+            warps = num_warps or ENCODE_WARPS * kb // (2 * pairs)
+            pairs = kb // 2
         k_ncb = triton.cdiv(dk // 2, pairs)
         k_block, n_k_progs = pairs, (n // ut) * H * k_ncb
     else:
         ut_pad, k_ncb = 1, 1
         k_width = dk if keys.mode == KEYS_INT8 else keys.group
-        k_block = hk.block_rows(tile, k_width)
+        # A block wider than a group spans that many consecutive rows.
+        k_block = max(hk.block_rows(tile, k_width), kb // k_width)
         n_k_progs = triton.cdiv(n * H * (dk // k_width), k_block)
-    v_block = hk.block_rows(tile, values.group)
+    v_block = max(hk.block_rows(tile, values.group), vb // values.group)
     n_v_progs = triton.cdiv(n * H * (values.dim // values.group), v_block)
     args = hk.encode_args(
         {"k": k_table, "v": v_table},
@@ -725,6 +774,7 @@ def encode_gather(
     # Keys count bad indices unless values do (per-token keys: same tokens).
     count_bad = args.pop("COUNT_BAD_IDX")
     _encode_kernel[(n_k_progs + n_v_progs, layers)](
+        sign_ptr=keys.codes if rotation_signs is None else rotation_signs,
         k_codes=keys.codes,
         k_meta=keys.meta,
         v_codes=values.codes,
@@ -750,7 +800,9 @@ def encode_gather(
         UT_PAD=ut_pad,
         K_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_PER_TOKEN,
         V_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_INT8,
-        num_warps=num_warps or ENCODE_WARPS,
+        K_ROT_B=kb,
+        V_ROT_B=vb,
+        num_warps=warps,
         **args,
     )
 
@@ -762,6 +814,8 @@ def decode_scatter(
     device_indices: torch.Tensor,
     *,
     bad_index_counter: torch.Tensor | None = None,
+    rotation_blocks: tuple[int, int] = (0, 0),
+    rotation_signs: torch.Tensor | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -773,7 +827,8 @@ def decode_scatter(
     device layers, dim contiguous. fp16 output saturates at +-65504;
     non-finite groups restore as NaN. A host index outside the records
     restores nothing (the device rows keep their contents) and its token is
-    counted in bad_index_counter if given.
+    counted in bad_index_counter if given. rotation_blocks / rotation_signs:
+    as encode_gather's; the rows are unrotated after decoding.
     """
     if len(dst) != 2:
         raise ValueError(f"expected the K and V device layers, got {len(dst)}")
@@ -788,6 +843,7 @@ def decode_scatter(
     keys, values = _format_records(records, 2, H, k_dst.shape[2], v_dst.shape[2])
     units, ut = keys.codes.shape[:2]
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
+    kb, vb = _check_rotation(keys, values, rotation_blocks, rotation_signs, dev)
 
     tile = tile or DECODE_TILE
     dk, dv = keys.dim, values.dim
@@ -799,6 +855,7 @@ def decode_scatter(
         {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
     )
     _decode_kernel[(n_k_progs + triton.cdiv(n * H, v_block),)](
+        sign_ptr=keys.codes if rotation_signs is None else rotation_signs,
         k_codes=keys.codes,
         k_meta=keys.meta,
         v_codes=values.codes,
@@ -819,6 +876,8 @@ def decode_scatter(
         GV=values.group,
         V_BLOCK_R=v_block,
         UT=ut,
+        K_ROT_B=kb,
+        V_ROT_B=vb,
         num_warps=num_warps or DECODE_WARPS,
         **args,
     )

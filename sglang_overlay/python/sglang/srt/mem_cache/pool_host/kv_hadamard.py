@@ -209,14 +209,17 @@ class RotatedHostFormatMixin:
     """Rotation around a base HostKVFormat (mix in before it): sides named in
     `rotated_sides` are rotated before the base format encodes them and
     unrotated after it decodes them; records, sizes and L3 objects are the
-    base format's. The fused kernels do not rotate yet, so fused_available is
-    False and the pools take their torch path."""
+    base format's. The base format's fused kernels rotate inside their tiles
+    (kv_hadamard_triton) where `fused_rotation` says they can."""
 
     rotated_sides: ClassVar[tuple[str, ...]]
     # Base format's --hicache-host-dtype, for the log line.
     base_name: ClassVar[str]
     # Not measured or tested with FP8 device KV yet: refused at start-up.
     fp8_device_kv = False
+    # Whether the base format's kernels have the rotated variant for
+    # rotated_sides (kv_int4_triton: INT4 keys and values, not INT8 keys).
+    fused_rotation: ClassVar[bool] = True
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -326,19 +329,66 @@ class RotatedHostFormatMixin:
             for x, y, e, b in zip(restored, decoded, base_bounds, self.rotation_blocks)
         )
 
-    # kernels: not yet
+    # kernels: the base format's, told the blocks and given the signs
 
     def fused_available(self, device) -> bool:
-        return False
+        return self.fused_rotation and super().fused_available(device)
 
-    def encode_gather(self, *args, **kwargs) -> None:
-        raise NotImplementedError(
-            f"--hicache-host-dtype {self.name} has no fused kernels yet; the "
-            "pool uses its torch path."
+    def _check_fused(self) -> None:
+        if not self.fused_rotation:
+            raise NotImplementedError(
+                f"--hicache-host-dtype {self.name} has no fused kernels; the "
+                "pool uses its torch path."
+            )
+
+    def _kernel_rotation(self, device) -> dict:
+        """The kernels' rotation arguments for a transfer device."""
+        self._check_fused()
+        cache = self.__dict__.setdefault("_signs_by_device", {})
+        device = torch.device(device)
+        if device not in cache:
+            cache[device] = rotation_signs(max(self.dims), device)
+        return {
+            "rotation_blocks": self.rotation_blocks,
+            "rotation_signs": cache[device],
+        }
+
+    def encode_gather(
+        self,
+        tables,
+        device_indices,
+        out,
+        host_indices,
+        *,
+        nonfinite_counter=None,
+        scale_amax=None,
+        bad_index_counter=None,
+    ) -> None:
+        self._check_fused()
+        from sglang.kernels.ops.kvcache import kv_int4_triton
+
+        kv_int4_triton.encode_gather(
+            tables,
+            device_indices,
+            out,
+            host_indices,
+            nonfinite_counter=nonfinite_counter,
+            scale_amax=scale_amax,
+            bad_index_counter=bad_index_counter,
+            **self._kernel_rotation(tables[0].device),
         )
 
-    def decode_scatter(self, *args, **kwargs) -> None:
-        raise NotImplementedError(
-            f"--hicache-host-dtype {self.name} has no fused kernels yet; the "
-            "pool uses its torch path."
+    def decode_scatter(
+        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
+    ) -> None:
+        self._check_fused()
+        from sglang.kernels.ops.kvcache import kv_int4_triton
+
+        kv_int4_triton.decode_scatter(
+            records,
+            host_indices,
+            dst,
+            device_indices,
+            bad_index_counter=bad_index_counter,
+            **self._kernel_rotation(dst[0].device),
         )

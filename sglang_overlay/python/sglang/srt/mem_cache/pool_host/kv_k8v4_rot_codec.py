@@ -34,3 +34,5 @@ class K8V4RotKeysHostFormat(RotatedHostFormatMixin, K8V4HostFormat):
     base_name = "k8v4"
     storage_format_tag = "k8rv4r-fp16meta-v1"
     rotated_sides = ("k", "v")
+    # The kernels' INT8 keys have no rotated variant: torch path only.
+    fused_rotation = False
