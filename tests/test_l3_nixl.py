@@ -16,6 +16,7 @@ seal buffers) and layer_first (NIXL copy mode: one sealed flat page per file).
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -30,8 +31,6 @@ from tests.test_l3_integrity_faults import (
     page_bytes,
     reference_restore,
 )
-from collections import Counter
-
 from sglang.srt.mem_cache.pool_host import base
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
@@ -93,6 +92,19 @@ def _host_ram_not_under_test():
     # The pools are a few KiB; the free-RAM guard is not what is tested here.
     with base.host_memory_budget_scope(1 << 40):
         yield
+
+
+TALLY: Counter = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    if TALLY:
+        print(
+            f"\nNIXL L3 faults: {TALLY['tried']} tried, {TALLY['refused']} refused, "
+            f"{TALLY['identical']} identical, 0 silent (a silent one fails the test)"
+        )
 
 
 @pytest.fixture
@@ -274,6 +286,7 @@ def test_faults_are_refused_or_restored_exactly(store, rigs, request, fmt, layou
         for (hh, part), data in undo.items():
             objects.write(hh, part, data)
         outcomes.setdefault(kind, []).append(outcome)
+        TALLY.update(["tried", outcome])
     # Every fault here changes the page's bytes, so each one is refused.
     for kind, seen in outcomes.items():
         assert set(seen) == {"refused"}, (kind, seen)
