@@ -179,6 +179,20 @@ def test_round_trip_is_the_reference_decode(store, rigs, request, fmt, layout):
 
 
 @pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+def test_default_direct_io_serves_sealed_pages_buffered(store, rigs, request, layout):
+    # SGLang's default is O_DIRECT; a sealed object is never whole OS pages.
+    config = {k: v for k, v in NIXL_CONFIG.items() if k != "use_direct_io"}
+    l3 = h.make_l3_rig(
+        "nixl", config, host_dtype="int8", geo=GEO16, layout=layout,
+        model_name=f"hiq/{request.node.name}",
+    )  # fmt: skip
+    rigs.append(l3)
+    assert not l3.backend.file_manager.use_direct_io
+    assert l3.backend.is_zero_copy == (layout != "layer_first")
+    round_trip(l3, tokens_for(GEO16), seed=4)
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "mla-int8"])
 def test_objects_are_the_l2_records_and_their_seal(store, rigs, request, fmt, layout):
     geo, host_dtype, _ = FORMATS[fmt]
