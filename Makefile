@@ -48,14 +48,14 @@ refresh:
 # The stamp depends on every pinned input, so a changed lock rebuilds the venv.
 $(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/cpu-server.txt \
 		requirements/test-tools.txt requirements/l3-mooncake.txt requirements/l3-integrity.txt \
-		requirements/test-tools-lint.txt requirements/upstream-test.txt
+		requirements/l3-nixl.txt requirements/test-tools-lint.txt requirements/upstream-test.txt
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps \
 		-r requirements/cpu-test.txt -r requirements/cpu-server.txt \
 		-r requirements/test-tools.txt -r requirements/l3-mooncake.txt -r requirements/l3-integrity.txt \
-		-r requirements/test-tools-lint.txt \
+		-r requirements/l3-nixl.txt -r requirements/test-tools-lint.txt \
 		-r requirements/upstream-test.txt "$$($(OVERLAY) fetch)"
 	touch $@
 

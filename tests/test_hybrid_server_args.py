@@ -165,6 +165,29 @@ def test_sliding_window_model_takes_every_encoded_format(models, host_dtype, lay
     assert server_args.hicache_mem_layout == layout
 
 
+@pytest.mark.parametrize("model", ["gpt_oss", "qwen3_next"])
+def test_hybrid_model_with_nixl_storage_names_both_flags(models, model):
+    # NIXL's hybrid side-pool path has not run with encoded KV pages.
+    with pytest.raises(ValueError) as error:
+        resolve(
+            models[model],
+            hicache_host_dtype="int8",
+            hicache_mem_layout="page_first_direct",
+            hicache_io_backend="direct",
+            hicache_storage_backend="nixl",
+        )
+    message = str(error.value)
+    assert "--hicache-host-dtype int8 with --hicache-storage-backend nixl" in message
+    assert "file or mooncake" in message
+    resolve(
+        models[model],
+        hicache_host_dtype="int8",
+        hicache_mem_layout="page_first_direct",
+        hicache_io_backend="direct",
+        hicache_storage_backend="mooncake",
+    )
+
+
 @pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("host_dtype", ENCODED)
 @pytest.mark.parametrize(

@@ -65,10 +65,10 @@ def test_unknown_host_dtype_names_the_flag_and_the_choices():
         assert choice in out.split("--hicache-host-dtype", 1)[1][:400]
 
 
-def test_int8_with_nixl_storage_names_both_flags_and_the_way_out():
-    out = refused(hicache_flags("int8", storage_backend="nixl"))
+def test_int8_with_hf3fs_storage_names_both_flags_and_the_way_out():
+    out = refused(hicache_flags("int8", storage_backend="hf3fs"))
     assert (
-        "--hicache-host-dtype int8 does not support --hicache-storage-backend nixl"
+        "--hicache-host-dtype int8 does not support --hicache-storage-backend hf3fs"
         in out
     )
     assert "--hicache-host-dtype auto" in out

@@ -243,7 +243,7 @@ def test_quantized_rejects_quantized_draft_kv(host_dtype):
 
 
 @per_format
-@pytest.mark.parametrize("backend", ["hf3fs", "nixl"])
+@pytest.mark.parametrize("backend", ["hf3fs", "aibrix"])
 def test_quantized_rejects_storage_backend(backend, host_dtype):
     with pytest.raises(ValueError) as error:
         resolve(hicache_host_dtype=host_dtype, hicache_storage_backend=backend)
@@ -251,6 +251,16 @@ def test_quantized_rejects_storage_backend(backend, host_dtype):
         f"--hicache-host-dtype {host_dtype} does not support "
         f"--hicache-storage-backend {backend}" in str(error.value)
     )
+
+
+@per_format
+@pytest.mark.parametrize("backend", ["file", "mooncake", "nixl"])
+def test_quantized_accepts_storage_backend(backend, host_dtype):
+    # NIXL moves encoded page objects since patch 0010 (tests/test_l3_nixl.py).
+    server_args = resolve(
+        hicache_host_dtype=host_dtype, hicache_storage_backend=backend
+    )
+    assert server_args.hicache_storage_backend == backend
 
 
 @per_format

@@ -1,5 +1,6 @@
 """Fault injection into the L3 objects of encoded host pages, for SGLang's
-`file` backend and for MooncakeStore (zero-copy objects) over a real master.
+`file` backend, for MooncakeStore (zero-copy objects) over a real master and
+for HiCacheNixl's FILE objects (NIXL's POSIX plugin).
 
 A `PageObjects` names the storage objects of one page and where each byte of
 an object comes from (which record, or the seal), so a fault can aim at the
@@ -129,12 +130,37 @@ class MooncakeObjects:
                 raise AssertionError(f"put {key} returned {rc}")
 
 
+class NixlObjects:
+    """HiCacheNixl's FILE objects: a page's _k/_v files (MLA: _k) in zero-copy
+    mode, its one flat page file in copy mode (layer_first)."""
+
+    def __init__(self, l3):
+        self.backend = l3.backend
+        self.zero_copy = self.backend.is_zero_copy
+        mla = self.backend.is_mla_model
+        self._parts = (["k"] if mla else ["k", "v"]) if self.zero_copy else [""]
+
+    def parts(self) -> list[str]:
+        return self._parts
+
+    def path(self, page_hash: str, part: str) -> Path:
+        key = self.backend._get_suffixed_key(page_hash) + (f"_{part}" if part else "")
+        return Path(self.backend.file_manager.get_file_path(key))
+
+    def read(self, page_hash: str, part: str) -> bytes:
+        return self.path(page_hash, part).read_bytes()
+
+    def write(self, page_hash: str, part: str, data: bytes | None) -> None:
+        path = self.path(page_hash, part)
+        if data is None:
+            path.unlink()
+        else:
+            path.write_bytes(data)
+
+
 def objects_for(l3):
-    return (
-        MooncakeObjects(l3)
-        if l3.backend.__class__.__name__ == "MooncakeStore"
-        else FileObjects(l3)
-    )
+    kind = {"MooncakeStore": MooncakeObjects, "HiCacheNixl": NixlObjects}
+    return kind.get(l3.backend.__class__.__name__, FileObjects)(l3)
 
 
 # ---------------------------------------------------------------------------

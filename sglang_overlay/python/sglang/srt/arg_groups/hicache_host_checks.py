@@ -93,6 +93,23 @@ def check_model_for_encoded_host_kv(server_args: Any) -> None:
     _refuse_unencodable_head_dims(server_args)
     _refuse_checkpoint_fp8_kv(server_args)
     _refuse_untested_speculative_draft(server_args)
+    _refuse_nixl_with_hybrid_model(server_args)
+
+
+def _refuse_nixl_with_hybrid_model(server_args: Any) -> None:
+    """NIXL moves encoded KV pages (patch 0010), but its path for the hybrid
+    side pools (sliding-window, Mamba state) has not run with them."""
+    cfg = resolving_view(server_args)
+    model_config = model_config_of(server_args)
+    if cfg.hicache_storage_backend != "nixl" or not is_hybrid_model(model_config):
+        return
+    arch = (model_config.hf_config.architectures or ["this model"])[0]
+    raise ValueError(
+        f"--hicache-host-dtype {cfg.hicache_host_dtype} with "
+        f"--hicache-storage-backend nixl does not support hybrid models ({arch}: "
+        "sliding-window or linear-attention layers). Use --hicache-storage-backend "
+        "file or mooncake, or --hicache-host-dtype auto."
+    )
 
 
 def _refuse_unsupported_mla(server_args: Any) -> None:

@@ -463,6 +463,8 @@ class L3PageCodec:
 
     def seal_pages(self, keys, host_indices) -> None:
         """Write the seals of these pages' zero-copy objects (before a put)."""
+        if self.seals is None:
+            return  # layer_first: flat pages only, sealed by read() per page
         for key, index in zip(keys, host_indices[:: self.page_size].tolist()):
             page = index // self.page_size
             for obj, pieces in enumerate(self.objects):
@@ -474,6 +476,9 @@ class L3PageCodec:
         """Check the pages a zero-copy get delivered, in order, up to the first
         missing or refused one (a prefetch is a prefix); that page's host rows
         are zeroed, since a failed get may have filled part of it."""
+        if self.seals is None:
+            # layer_first: copy-mode backends checked each flat page in write().
+            return results
         verified = [False] * len(results)
         pages = host_indices[:: self.page_size].tolist()
         for i, (key, index, ok) in enumerate(zip(keys, pages, results)):
