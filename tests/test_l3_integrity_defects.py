@@ -179,7 +179,7 @@ def _split_buffer_info() -> MLABufferInfo:
 def test_mla_int8_refuses_npu_split_buffers_naming_the_flag():
     # Mutant: without this refusal the pool fails later with an IndexError.
     with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8"):
-        _refuse_unsupported("int8", _split_buffer_info(), None, (), 1, False)
+        _refuse_unsupported("int8", _split_buffer_info(), None, 1, False)
 
 
 @pytest.mark.parametrize("host_dtype", ["int4", "k8v4"])
