@@ -57,14 +57,14 @@ def l3_rigs():
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory):
     """One real mooncake_master on 127.0.0.1 for the session (tests keep their
-    keys apart by model name). Short leases let tests rewrite objects and the
-    store evict them."""
+    keys apart by model name). Leases of 1 s let tests rewrite objects and the
+    store evict them, yet outlive a read on a busy machine."""
     from tests.support import l3_harness
 
     l3_harness.require_mooncake()
     master = l3_harness.MooncakeMaster(
         tmp_path_factory.mktemp("mooncake") / "master.log",
-        extra_args=("--default_kv_lease_ttl=100",),
+        extra_args=("--default_kv_lease_ttl=1000",),
     ).start()
     yield master
     master.stop()

@@ -189,11 +189,11 @@ def controller_round_trip(
 TORCH_GRID = [
     (layout, io, ps, dtype, path)
     for layout, io, ps in itertools.product(LAYOUTS, IO_BACKENDS, PAGE_SIZES)
-    for dtype, path in (
-        (torch.bfloat16, "torch"),
-        (torch.float16, "torch"),
-        (torch.bfloat16, "runs"),
-    )
+    for dtype, path in ((torch.bfloat16, "torch"), (torch.float16, "torch"))
+] + [
+    # The per-run copies CUDA uses, on the CPU pool.
+    (layout, io, ps, torch.bfloat16, "runs")
+    for layout, io, ps in itertools.product(LAYOUTS, IO_BACKENDS, (1, 16))
 ]
 
 
@@ -244,17 +244,22 @@ def test_fused_round_trip(request, case, layout, io_backend, page_size, path):
 
 # --- head geometries: TP-sliced head counts, the common dims, K != V ---------
 
-# The INT8 grid (every geometry at page 16, a subset at 1 and 64, direct io)
-# and the 4-bit one (two heads, widths the value groups and rotations split
-# differently, page 16, kernel io).
-GEOMETRY_GRID = [
-    (layout, ps, geometry, "direct")
-    for layout, ps in itertools.product(LAYOUTS, PAGE_SIZES)
-    for geometry in (GEOMETRIES if ps == 16 else GEOMETRIES[:3])
-] + [
-    ("page_first", 16, (2, *dims), "kernel")
-    for dims in ((128, 128), (192, 128), (96, 96), (80, 80), (72, 72))
-]
+# Every geometry at page 16, a subset at 1 and 64 (direct io), and two heads
+# at the widths the 4-bit value groups and rotations split differently
+# (kernel io). INT8's full layout x page x geometry grid stays in
+# tests/test_int8_host_pool.py, next to the kernels' (KERNEL_POOL_CASES).
+GEOMETRY_GRID = (
+    [("page_first", 16, geometry, "direct") for geometry in GEOMETRIES]
+    + [
+        (layout, ps, geometry, "direct")
+        for layout, ps in (("layer_first", 1), ("page_first_direct", 64))
+        for geometry in GEOMETRIES[:3]
+    ]
+    + [
+        ("page_first", 16, (2, *dims), "kernel")
+        for dims in ((128, 128), (192, 128), (96, 96), (80, 80), (72, 72))
+    ]
+)
 
 
 @pytest.mark.parametrize(

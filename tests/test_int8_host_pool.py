@@ -1,20 +1,24 @@
 """MHATokenToKVPoolINT8Host: the real patched SGLang host pool on CPU.
 
 The round trips every format shares (layouts, page sizes, io backends, copy
-paths, geometries, unordered host slots) are in tests/test_conformance.py;
-here: chunking through staging, the NaN policy, capacity, dispatch, refusals.
+paths, unordered host slots, L3) are in tests/test_conformance.py; here:
+INT8's full layout x page size x geometry grid (the fused kernels' grid),
+chunking through staging, the NaN policy, capacity, dispatch, refusals.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.mha import (
     MHATokenToKVPoolHost,
     get_mha_host_pool_cls,
 )
-from tests.support.conformance import LAYOUTS
+from tests.support.conformance import GEOMETRIES, LAYOUTS
 from tests.support.hicache_harness import (
     Geometry,
     fill_random,
@@ -62,6 +66,39 @@ def round_trip(geo, layout, use_run_copies, io_backend="direct", n_pages=3):
     for layer in range(geo.layer_num):
         pool.load_to_device_per_layer(device_pool, host, new_dev, layer, io_backend)
     return device_pool, written, new_dev
+
+
+@pytest.mark.parametrize(
+    "layout,page_size,geometry",
+    [
+        (layout, page_size, geometry)
+        for layout, page_size in itertools.product(LAYOUTS, (1, 16, 64))
+        for geometry in (GEOMETRIES if page_size == 16 else GEOMETRIES[:3])
+    ],
+)
+def test_backup_load_restores_reference_values(layout, page_size, geometry):
+    head_num, head_dim, v_head_dim = geometry
+    geo = Geometry(
+        layer_num=2,
+        head_num=head_num,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        page_size=page_size,
+    )
+    device_pool, written, new_dev = round_trip(geo, layout, use_run_copies=False)
+    untouched = torch.ones(device_pool.size + page_size, dtype=bool)
+    untouched[new_dev] = False
+    for layer, (k_rows, v_rows) in enumerate(written):
+        for buf, rows in (
+            (device_pool.k_buffer[layer], k_rows),
+            (device_pool.v_buffer[layer], v_rows),
+        ):
+            restored = buf[new_dev]
+            assert torch.equal(restored, expected_restore(rows))
+            _, scale = codec.quantize_reference(rows)
+            err = (restored.float() - rows.float()).abs()
+            assert (err <= codec.error_bound(scale, restored)).all()
+            assert (buf[untouched] == 7.0).all()
 
 
 def test_transfer_larger_than_staging_is_chunked(monkeypatch):

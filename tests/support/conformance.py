@@ -69,10 +69,17 @@ class FormatCase:
         return hf.host_format_cls(self.host_dtype, self.kind)
 
     def has_fused_kernels(self) -> bool:
-        """Whether the format implements the fused kernel contract at all."""
+        """Whether the format's fused kernels run on CPU tensors here (under
+        Triton's interpreter, tests/conftest.py)."""
         if self.stock:
             return False
-        return self.format_cls().encode_gather is not hf.HostKVFormat.encode_gather
+        geo = self.geometry(16)
+        if self.kind == "mla":
+            dims, heads = (geo.kv_lora_rank + geo.qk_rope_head_dim,), 1
+        else:
+            dims, heads = (geo.head_dim, geo.v_head_dim), geo.head_num
+        fmt = self.format_cls()(dims, heads, geo.page_size, geo.dtype)
+        return fmt.fused_available(torch.device("cpu"))
 
     def geometry(self, page_size: int, dtype=torch.bfloat16, layer_num: int = 2):
         if self.kind == "mla":
