@@ -48,7 +48,8 @@ def test_int4_and_k8v4_accept_fp8_device_kv(
     parser, llama, caplog, host_dtype, layout, io_backend, kv_cache_dtype
 ):
     args = from_argv(
-            llama,
+        parser,
+        llama,
         "--device",
         "cpu",
         "--skip-tokenizer-init",
@@ -78,7 +79,8 @@ def test_formats_without_fp8_are_refused_suggesting_int4(
     parser, host_dtype, kv_cache_dtype
 ):
     args = from_argv(
-            "dummy",
+        parser,
+        "dummy",
         "--enable-hierarchical-cache",
         "--hicache-host-dtype",
         host_dtype,

@@ -140,7 +140,8 @@ def test_host_pool_dispatch_receives_host_dtype(monkeypatch):
 @pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "nvfp4", "fp4_mx_block16"])
 def test_quantized_rejects_quantized_device_kv(parser, kv_cache_dtype, host_dtype):
     server_args = from_argv(
-            "dummy",
+        parser,
+        "dummy",
         "--enable-hierarchical-cache",
         "--hicache-host-dtype",
         host_dtype,
