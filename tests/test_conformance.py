@@ -111,8 +111,8 @@ def controller_round_trip(
     ps = geo.page_size
     rig = make_rig(
         geo,
-        device_tokens=max(96, 16 * ps),
-        host_tokens=max(96, 16 * ps),
+        device_tokens=max(96, 10 * ps),
+        host_tokens=max(96, 12 * ps),
         layout=layout,
         io_backend=io_backend,
         host_dtype=case.host_dtype,
@@ -124,7 +124,7 @@ def controller_round_trip(
     scrambled_host_free_list(pool, ps, seed)
     free_before = pool.available_size()
 
-    dev = rig.allocator.alloc(37 if ps == 1 else 5 * ps)
+    dev = rig.allocator.alloc(37 if ps == 1 else 4 * ps)
     spread(device_pool, dev, seed)
     written = rows_at(device_pool, dev)
     host_before = (

@@ -201,5 +201,6 @@ def scrambled_host_free_list(pool, page_size: int, seed: int) -> None:
         order = torch.randperm(64, generator=gen)
         pool.free(taken[order])
         return
-    pages = torch.tensor([6, 7, 2, 3, 9, 5, 4, 11])
+    # A run (6 7), a backward jump (7 -> 2), a gap (2 -> 9), a descending pair.
+    pages = torch.tensor([6, 7, 2, 9, 5, 4, 11, 3])
     pool.free((pages[:, None] * page_size + torch.arange(page_size)).flatten())
