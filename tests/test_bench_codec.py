@@ -4,15 +4,12 @@ object next to the plain BF16 copy, and bytes per token from the format."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.bench import codec  # noqa: E402
-from scripts.common.host_formats import host_formats  # noqa: E402
+from scripts.bench import codec
+from scripts.common.host_formats import host_formats
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,11 @@ import shlex
 import socket
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.bench import server as bs  # noqa: E402
+from scripts.bench import server as bs
 
 FAKE_SERVER = r"""
 import argparse, http.server, json, sys, time

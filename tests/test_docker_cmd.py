@@ -14,15 +14,14 @@ import os
 import shutil
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from scripts.check_docker import instructions
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "hiqcache_serve.sh"
-sys.path.insert(0, str(REPO / "scripts"))
-from check_docker import instructions  # noqa: E402
 
 LAUNCH = ["-m", "sglang.launch_server"]
 DEFAULTS = ["--host", "0.0.0.0", "--port", "30000", "--enable-hierarchical-cache"]

@@ -15,14 +15,14 @@ from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )
 from sglang.srt.observability.metrics_collector import SchedulerStats
-from test_hicache_metrics import Scrape, collectors  # noqa: F401 (fixture)
+from tests.support.metrics import Scrape
 
 
 @pytest.mark.parametrize(
     "host_dtype,fp8",
     [("int4", torch.float8_e4m3fn), ("k8v4", torch.float8_e5m2)],
 )
-def test_info_series_names_the_fp8_device_dtype(collectors, host_dtype, fp8):  # noqa: F811
+def test_info_series_names_the_fp8_device_dtype(collectors, host_dtype, fp8):
     scheduler_collector, radix = collectors
     geo = Geometry(layer_num=3, head_num=2, head_dim=64, dtype=fp8, page_size=16)
     rig = make_rig(

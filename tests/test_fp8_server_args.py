@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 
 import pytest
 
-from test_server_args import (
-    _DEEPSEEK_V2_MLA,
-    _FP8_KV_CHECKPOINTS,
-    _LLAMA,
-    _model_dir,
+from tests.support.server_args import (  # noqa: F401  (fixtures)
+    DEEPSEEK_V2_MLA,
+    FP8_KV_CHECKPOINTS,
+    LLAMA,
+    _restore_environ,
     from_argv,
+    model_dir,
     resolve,
 )
 
@@ -34,28 +34,9 @@ LAYOUT_IO = (
 )
 
 
-@pytest.fixture(autouse=True)
-def _restore_environ():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return _model_dir(tmp_path_factory.mktemp("models"), "llama", _LLAMA)
-
-
-@pytest.fixture(scope="module")
-def parser():
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser(prog="sglang serve")
-    ServerArgs.add_cli_args(parser)
-    return parser
+    return model_dir(tmp_path_factory.mktemp("models"), "llama", LLAMA)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FP8_KV)
@@ -120,25 +101,25 @@ def test_formats_without_fp8_are_refused_suggesting_int4(
 
 
 @pytest.mark.parametrize("host_dtype", ACCEPTED)
-@pytest.mark.parametrize("checkpoint", sorted(_FP8_KV_CHECKPOINTS))
+@pytest.mark.parametrize("checkpoint", sorted(FP8_KV_CHECKPOINTS))
 def test_fp8_kv_checkpoint_with_auto_is_accepted(tmp_path, host_dtype, checkpoint):
     """auto makes the device KV FP8 E4M3 (configure_kv_cache_dtype); the
     checkpoint's k/v scales stay with the device pool."""
-    quant_config, files = _FP8_KV_CHECKPOINTS[checkpoint]
-    config = dict(_LLAMA)
+    quant_config, files = FP8_KV_CHECKPOINTS[checkpoint]
+    config = dict(LLAMA)
     if quant_config is not None:
         config["quantization_config"] = quant_config
-    path = _model_dir(tmp_path, checkpoint, config, **files)
+    path = model_dir(tmp_path, checkpoint, config, **files)
     resolve(path, hicache_host_dtype=host_dtype)
 
 
-@pytest.mark.parametrize("checkpoint", sorted(_FP8_KV_CHECKPOINTS))
+@pytest.mark.parametrize("checkpoint", sorted(FP8_KV_CHECKPOINTS))
 def test_fp8_kv_checkpoint_refusal_names_int4(tmp_path, checkpoint):
-    quant_config, files = _FP8_KV_CHECKPOINTS[checkpoint]
-    config = dict(_LLAMA)
+    quant_config, files = FP8_KV_CHECKPOINTS[checkpoint]
+    config = dict(LLAMA)
     if quant_config is not None:
         config["quantization_config"] = quant_config
-    path = _model_dir(tmp_path, checkpoint, config, **files)
+    path = model_dir(tmp_path, checkpoint, config, **files)
     with pytest.raises(ValueError) as error:
         resolve(path, hicache_host_dtype="int8")
     assert "--hicache-host-dtype int4 or k8v4, which encode FP8 KV" in str(error.value)
@@ -146,7 +127,7 @@ def test_fp8_kv_checkpoint_refusal_names_int4(tmp_path, checkpoint):
 
 @pytest.mark.parametrize("host_dtype", ACCEPTED)
 def test_fp8_with_an_mla_model_is_refused(tmp_path, host_dtype):
-    path = _model_dir(tmp_path, "mla", _DEEPSEEK_V2_MLA)
+    path = model_dir(tmp_path, "mla", DEEPSEEK_V2_MLA)
     with pytest.raises(ValueError, match="does not support MLA models"):
         resolve(path, hicache_host_dtype=host_dtype, kv_cache_dtype="fp8_e4m3")
 

@@ -14,71 +14,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from prometheus_client import REGISTRY, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.hicache_harness import Geometry, make_rig
+from tests.support.metrics import Scrape
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )
 from sglang.srt.mem_cache.pool_host.page_integrity import Refusal, StoragePageRefused
-from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.observability.metrics_collector import (
-    SchedulerMetricsCollector,
     SchedulerStats,
 )
-from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-from sglang.srt.server_args import ServerArgs
 
 GEO = Geometry(layer_num=3, head_num=2, head_dim=16, dtype=torch.bfloat16)
-
-
-@pytest.fixture
-def collectors():
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        enable_hierarchical_cache=True,
-        enable_metrics=True,
-    )
-    registered_before = set(REGISTRY._collector_to_names)
-    reset_context()
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
-    # Built the way the scheduler and the radix cache build them.
-    scheduler = SchedulerMetricsCollector.init_new(
-        server_args=server_args,
-        enable_priority_scheduling=False,
-        enable_lora=False,
-        enable_hierarchical_cache=True,
-    ).collector
-    radix = UnifiedRadixCache.__new__(UnifiedRadixCache)
-    radix.init_metrics_collector()
-    yield scheduler, radix
-    # The collectors register in the process-wide registry; a server builds
-    # them once, a test once per case.
-    for collector in set(REGISTRY._collector_to_names) - registered_before:
-        REGISTRY.unregister(collector)
-    reset_context()
-
-
-class Scrape:
-    def __init__(self):
-        self.families = {
-            f.name: f
-            for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
-        }
-        self.samples = [s for f in self.families.values() for s in f.samples]
-
-    def all(self, name: str, **labels) -> list:
-        return [
-            s
-            for s in self.samples
-            if s.name == name and labels.items() <= s.labels.items()
-        ]
-
-    def value(self, name: str, **labels) -> float:
-        (sample,) = self.all(name, **labels)
-        return sample.value
 
 
 class TierRig:

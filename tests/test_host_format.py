@@ -31,12 +31,8 @@ LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 PATHS = ("torch", "fused_direct", "fused_staged")
 
 
-@pytest.fixture(autouse=True)
-def copy_format():
-    """The toy format, registered through the registry alone."""
-    hf.register_host_dtype(toy.ENTRY)
-    yield toy.CopyHostFormat
-    del hf.HOST_DTYPES["copy"]
+# The toy format, registered through the registry alone (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("toy_host_format")
 
 
 def copy_pool(device_pool, layout, host_tokens, path):

@@ -37,8 +37,8 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 from tests.support.l3_harness import MooncakeMaster, require_mooncake
-from test_hicache_metrics import Scrape
-from test_hybrid_server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
+from tests.support.metrics import Scrape
+from tests.support.server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.pool_host.host_format import (

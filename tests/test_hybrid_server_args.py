@@ -8,8 +8,11 @@ instead of failing when the scheduler builds the pool."""
 from __future__ import annotations
 
 import pytest
-from test_server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
-    _model_dir,
+from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
+    GPT_OSS,
+    QWEN3_5,
+    QWEN3_NEXT,
+    model_dir,
     _restore_environ,
     resolve,
 )
@@ -20,64 +23,6 @@ ENCODED = tuple(name for name in host_dtype_choices() if name != "auto")
 # The other formats are refused for MLA models as such, before the model check.
 ENCODED_MLA = tuple(name for name, entry in HOST_DTYPES.items() if entry.mla_format)
 
-GPT_OSS = {
-    "architectures": ["GptOssForCausalLM"],
-    "model_type": "gpt_oss",
-    "hidden_size": 64,
-    "intermediate_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 4,
-    "layer_types": ["sliding_attention", "full_attention"] * 2,
-    "sliding_window": 32,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "torch_dtype": "bfloat16",
-}
-QWEN3_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_hidden_layers": 4,
-    "full_attention_interval": 4,
-    "linear_num_value_heads": 4,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 4,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "torch_dtype": "bfloat16",
-}
-# Qwen3.5 (MoE): a Qwen3-Next text model with Gated DeltaNet layers under a
-# vision-language wrapper (hybrid_gdn_config reads its text config).
-QWEN3_5 = {
-    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-    "model_type": "qwen3_5_moe",
-    "text_config": {
-        **{k: v for k, v in QWEN3_NEXT.items() if k != "architectures"},
-        "model_type": "qwen3_5_moe_text",
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-    },
-    "vision_config": {
-        "depth": 1,
-        "hidden_size": 32,
-        "num_heads": 2,
-        "intermediate_size": 64,
-        "out_hidden_size": 64,
-    },
-}
 # Kimi-Linear: MLA full-attention layers (DeepSeek latent widths) between KDA
 # linear-attention layers.
 KIMI_LINEAR = {
@@ -126,7 +71,7 @@ def _mamba_state_snapshots_as_on_cuda(monkeypatch):
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
     return {
-        name: _model_dir(root, name, config)
+        name: model_dir(root, name, config)
         for name, config in (
             ("gpt_oss", GPT_OSS),
             ("qwen3_next", QWEN3_NEXT),

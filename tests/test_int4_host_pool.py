@@ -10,7 +10,6 @@ by the test itself.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import random
 
@@ -38,7 +37,6 @@ MHATokenToKVPoolK8V4Host = host_pool_cls("k8v4")
 
 FORMATS = ("int4", "k8v4")
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
-DTYPES = (torch.bfloat16, torch.float16)
 POOL_CLS = {"int4": MHATokenToKVPoolINT4Host, "k8v4": MHATokenToKVPoolK8V4Host}
 ENCODE = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
 DECODE = {"int4": codec.int4_decode_reference, "k8v4": codec.k8v4_decode_reference}
@@ -124,77 +122,7 @@ def test_dispatch_by_host_dtype():
     assert MHATokenToKVPoolK8V4Host.host_format_cls.name == "k8v4"
 
 
-# --- backup -> load through every layout / page size / backend / dtype ------
-
-
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,io_backend,dtype",
-    list(
-        itertools.product(FORMATS, LAYOUTS, (1, 16, 64), ("kernel", "direct"), DTYPES)
-    ),
-)
-def test_backup_load_restores_reference(fmt, layout, page_size, io_backend, dtype):
-    geo, device_pool, pool = build(fmt, layout, page_size, dtype)
-    assert type(pool) is POOL_CLS[fmt]
-    ut = unit_tokens(layout, page_size)
-    # Host pages out of order (a backward jump, a gap), device pages too.
-    dev, host = pages([4, 1, 6], page_size), pages([5, 2, 9], page_size)
-    written = fill_spread(device_pool, dev, seed=page_size)
-    pool.backup_from_device_all_layer(device_pool, host, dev, io_backend)
-
-    units = host // ut if ut == 1 else host[::ut] // ut
-    for layer, (k_rows, v_rows) in enumerate(written):
-        want = expected_records(fmt, k_rows, v_rows, ut)
-        got = host_unit_records(pool, layout, layer, units)
-        assert list(got) == list(RECORDS[fmt])
-        for name in RECORDS[fmt]:
-            assert torch.equal(
-                got[name].view(torch.uint8), want[name].view(torch.uint8)
-            )
-
-    for layer in range(geo.layer_num):
-        device_pool.k_buffer[layer].fill_(7.0)
-        device_pool.v_buffer[layer].fill_(7.0)
-    new_dev = pages([8, 11, 9], page_size)
-    for layer in range(geo.layer_num):
-        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, io_backend)
-    untouched = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
-    untouched[new_dev] = False
-    for layer, (k_rows, v_rows) in enumerate(written):
-        k_want, v_want, records = expected_restore(fmt, k_rows, v_rows, ut)
-        k_got = device_pool.k_buffer[layer][new_dev]
-        v_got = device_pool.v_buffer[layer][new_dev]
-        assert torch.equal(k_got, k_want) and torch.equal(v_got, v_want)
-        bounds = pool.host_format.error_bound(
-            records, (as_units(k_got, ut), as_units(v_got, ut))
-        )
-        for rows, got, bound in (
-            (k_rows, k_got, bounds[0]),
-            (v_rows, v_got, bounds[1]),
-        ):
-            err = (got.double() - rows.double()).abs()
-            assert (err <= bound.flatten(0, 1).double()).all()
-        assert (device_pool.k_buffer[layer][untouched] == 7.0).all()
-        assert (device_pool.v_buffer[layer][untouched] == 7.0).all()
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dims", ((128, 128), (192, 128), (96, 96), (80, 80)))
-def test_geometries_round_trip(fmt, dims):
-    geo, device_pool, pool = build(
-        fmt, "page_first", 16, head_dim=dims[0], v_head_dim=dims[1]
-    )
-    dev, host = pages([1, 3], 16), pages([0, 2], 16)
-    written = fill_spread(device_pool, dev, seed=2)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "kernel")
-    for layer in range(geo.layer_num):
-        pool.load_to_device_per_layer(
-            device_pool, host, pages([5, 6], 16), layer, "kernel"
-        )
-    for layer, (k_rows, v_rows) in enumerate(written):
-        k_want, v_want, _ = expected_restore(fmt, k_rows, v_rows, 16)
-        assert torch.equal(device_pool.k_buffer[layer][pages([5, 6], 16)], k_want)
-        assert torch.equal(device_pool.v_buffer[layer][pages([5, 6], 16)], v_want)
+# --- geometry refusals (the round trips: tests/test_conformance.py) ----------
 
 
 def test_odd_head_dim_fails_naming_the_flag():

@@ -23,7 +23,7 @@ from tests.support.int4_reference import (
     spec_decode,
     spec_records,
 )
-from test_kv_int8_codec import assert_same_bits
+from tests.support.codec_inputs import assert_same_bits
 
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec

@@ -11,37 +11,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from tests.support.codec_inputs import (
+    LOG2_RANGE,
+    assert_same_bits,
+    edge_inputs,
+    int_view,
+    make_rows,
+)
 
 HEAD_DIMS = (64, 96, 128, 256)
 DTYPES = (torch.bfloat16, torch.float16)
 FP16_MAX = 65504.0
 NAN = float("nan")
 INF = float("inf")
-# Smallest/largest row magnitude (log2) per input dtype: from the dtype's
-# subnormals up to past the fp16-scale guard (127 * 65504 ~= 2**23) for bf16.
-LOG2_RANGE = {torch.bfloat16: (-140, 30), torch.float16: (-27, 16)}
 
 FAST = settings(max_examples=40, deadline=None)
 
 
 # --- helpers ---------------------------------------------------------------
-
-
-def int_view(t: torch.Tensor) -> torch.Tensor:
-    """Same bytes as an integer tensor, so torch.equal compares bits."""
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-    return t.view(ints[t.element_size()])
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Identical dtype/shape, identical NaN positions, identical bits elsewhere
-    (NaN payloads may differ between kernels, positions may not)."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    if a.dtype.is_floating_point:
-        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-        assert torch.equal(nan_a, nan_b)
-        a, b = a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
-    assert torch.equal(int_view(a.contiguous()), int_view(b.contiguous()))
 
 
 def fast_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,38 +46,6 @@ def fast_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
 
 def row_amax64(x: torch.Tensor) -> torch.Tensor:
     return x.double().abs().amax(dim=-1)
-
-
-def make_rows(
-    seed: int,
-    shape: tuple[int, ...],
-    dtype: torch.dtype,
-    kinds: list[str],
-    log2_mags: list[float],
-) -> torch.Tensor:
-    """Rows of the given kinds and magnitudes; kinds/mags cycle over rows."""
-    g = torch.Generator().manual_seed(seed)
-    *lead, d = shape
-    n = math.prod(lead)
-    rows = torch.empty(n, d, dtype=torch.float64)
-    for i in range(n):
-        kind, mag = kinds[i % len(kinds)], 2.0 ** log2_mags[i % len(log2_mags)]
-        if kind == "gauss":
-            rows[i] = torch.randn(d, generator=g, dtype=torch.float64) * mag
-        elif kind == "heavy":  # z / sqrt(u): heavy tails, rare 1000x outliers
-            z = torch.randn(d, generator=g, dtype=torch.float64)
-            u = torch.rand(d, generator=g, dtype=torch.float64).clamp_min(1e-6)
-            rows[i] = z / u.sqrt() * mag
-        elif kind == "spike":  # one outlier channel, rest small
-            rows[i] = torch.randn(d, generator=g, dtype=torch.float64) * mag * 1e-3
-            rows[i, int(torch.randint(d, (1,), generator=g))] = mag
-        elif kind == "zero":
-            rows[i] = 0.0
-        else:
-            raise AssertionError(kind)
-    # Values past the dtype's range become +-Inf here, which is a valid
-    # (non-finite) input row.
-    return rows.reshape(shape).to(dtype)
 
 
 def check_encoding(x: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -226,38 +181,6 @@ def test_nonfinite_poison_only_their_row(seed, rows, d, dtype, bad):
 
 
 # --- edge cases ------------------------------------------------------------
-
-
-def edge_inputs() -> list[torch.Tensor]:
-    """Hand-picked rows that stress rounding, ranges and specials."""
-    d = 64
-    out = []
-    for dtype in DTYPES + (torch.float32,):
-        info = torch.finfo(dtype)
-        rows = [
-            torch.zeros(d),
-            -torch.zeros(d),
-            torch.full((d,), float(info.smallest_normal)),
-            torch.full((d,), float(info.smallest_normal) / 8),  # subnormal input
-            torch.linspace(-1, 1, d),
-            torch.arange(d) - 31.5,  # half-integer quotients
-            torch.full((d,), float(info.max)),
-            torch.full((d,), -float(info.max)),
-            torch.full((d,), 127 * FP16_MAX),  # the guard boundary, fp32 only exact
-            torch.full((d,), 1e7),
-            torch.full((d,), 3e38),
-            torch.tensor([NAN] + [1.0] * (d - 1)),
-            torch.tensor([INF] + [1.0] * (d - 1)),
-            torch.tensor([1.0] * (d - 1) + [-INF]),
-            torch.tensor([1e-3] * (d - 1) + [1e3]),
-        ]
-        out.append(torch.stack(rows).to(dtype))
-    # fp32 scale boundary: exactly 127*65504 is finite, the next float isn't.
-    edge = torch.tensor([127 * FP16_MAX, 127 * 65520.0], dtype=torch.float32)
-    below = torch.nextafter(edge[:1], torch.tensor([0.0]))
-    above = torch.nextafter(edge[:1], torch.tensor([INF]))
-    out.append(torch.cat([edge, below, above]).unsqueeze(-1).expand(4, 8).clone())
-    return out
 
 
 @pytest.mark.parametrize("case", range(len(edge_inputs())))

@@ -11,7 +11,6 @@ use (see the kernel module's docstring).
 
 from __future__ import annotations
 
-import itertools
 import types
 
 import msgspec
@@ -28,18 +27,23 @@ from tests.support.hicache_harness import (
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host import encoded, encoded_fused
-from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
+from tests.support.codec_inputs import (
+    LOG2_RANGE,
+    assert_same_bits,
+    edge_inputs,
+    make_rows,
+)
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+from tests.support.conformance import DTYPES, KERNEL_POOL_CASES, LAYOUTS
+from tests.support.int8_pool_checks import check_unordered_round_trip
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
-DTYPES = (torch.bfloat16, torch.float16)
 # numpy warns about lanes the kernels mask out (NaN-row quotients, padding).
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
     pytest.mark.usefixtures("triton_interpreter"),
 ]
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 NAN, INF = float("nan"), float("inf")
 
 
@@ -228,12 +232,6 @@ def big_tiles(monkeypatch):
     monkeypatch.setattr(kt, "DECODE_TILE", 65536)
 
 
-from test_int8_host_pool import (  # the same geometry grid  # noqa: E402
-    GEOMETRIES,
-    check_unordered_round_trip,
-)
-
-
 def pool_round_trip(
     geo, layout, mode, n_pages=3, poison=False, device_index_dtype=torch.int64
 ):
@@ -290,13 +288,7 @@ def assert_same_results(a, b):
     assert a[2] == b[2]
 
 
-POOL_CASES = [
-    (layout, page_size, geometry)
-    for layout, page_size in itertools.product(LAYOUTS, (1, 16, 64))
-    for geometry in (
-        GEOMETRIES if page_size == 16 else GEOMETRIES[:3] + GEOMETRIES[-1:]
-    )
-]
+POOL_CASES = KERNEL_POOL_CASES  # the grid the compile check compiles
 
 
 @pytest.mark.usefixtures("big_tiles")

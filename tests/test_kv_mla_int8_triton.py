@@ -22,7 +22,7 @@ from tests.support.hicache_harness import (
     make_host_pool,
     make_rig,
 )
-from test_kv_int8_codec import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
+from tests.support.codec_inputs import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
 
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat

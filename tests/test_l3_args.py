@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sglang.srt.arg_groups.overrides import resolution_result
-from test_server_args import models, resolve  # noqa: F401  (fixture)
+from tests.support.server_args import resolve
 
 
 @pytest.mark.parametrize("backend", ["file", "mooncake"])

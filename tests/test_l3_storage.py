@@ -43,107 +43,21 @@ def assert_restored(l3, dev, expected, tokens=None):
         assert torch.equal(g, e[:n]), "restored KV differs from what was written"
 
 
-@pytest.fixture
-def rigs():
-    made = []
-    yield made
-    for l3 in made:
-        l3.close()
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    h.require_mooncake()
-    # Short leases so tests can rewrite objects and the store can evict them.
-    m = h.MooncakeMaster(
-        tmp_path_factory.mktemp("mooncake") / "master.log",
-        extra_args=("--default_kv_lease_ttl=100",),
-    ).start()
-    yield m
-    m.stop()
-
-
 def model_name(request) -> str:
     # Tests share one store; distinct model names keep their keys apart.
     return f"hiq/{request.node.name}"
-
-
-def round_trip(l3, host_dtype, tokens=TOKENS, seed=0):
-    """Write-through to L3, evict L1 and L2, prefetch L3 -> L2 -> L1."""
-    dev, host, hashes, stored = h.write_through(l3, tokens, seed=seed)
-    assert stored == len(hashes) == len(tokens) // GEO.page_size
-    written = h.device_rows(l3.rig, dev)
-    h.evict_everywhere(l3, dev, host)
-    fetch_and_check(l3, host_dtype, written, tokens)
-    return written
-
-
-def fetch_and_check(l3, host_dtype, written, tokens=TOKENS):
-    pf = h.prefetch(l3, tokens + [7])
-    assert pf.hit_tokens == pf.completed_tokens == len(tokens)
-    dev = h.load_to_device(l3, pf.host_indices)
-    assert_restored(l3, dev, expected_restore(written, host_dtype))
-    h.evict_everywhere(l3, dev, pf.host_indices)
 
 
 # ---------------------------------------------------------------------------
 # round trips
 
 
-@pytest.mark.parametrize(
-    "host_dtype,layout",
-    [
-        ("auto", "page_first_direct"),
-        ("int8", "page_first_direct"),
-        ("int8", "page_first"),
-        ("int8", "layer_first"),
-    ],
-)
-def test_file_round_trip(tmp_path, rigs, request, host_dtype, layout):
-    l3 = h.make_l3_rig(
-        "file",
-        h.file_storage_config(tmp_path),
-        host_dtype=host_dtype,
-        layout=layout,
-        model_name=model_name(request),
-    )
-    rigs.append(l3)
-    round_trip(l3, host_dtype)
-    files = list(tmp_path.glob("*.bin"))
-    assert len(files) == PAGES  # one object per page
-    page_bytes = l3.controller.mem_pool_host.get_size_per_token() * GEO.page_size
-    # Encoded pages carry their seal (page_integrity) after the records.
-    seal = SEAL_BYTES if host_dtype != "auto" else 0
-    assert {f.stat().st_size for f in files} == {page_bytes + seal}
-
-
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_mooncake_round_trip_zero_copy(master, rigs, request, host_dtype):
-    l3 = h.make_l3_rig(
-        "mooncake",
-        master.storage_config(),
-        host_dtype=host_dtype,
-        model_name=model_name(request),
-    )
-    rigs.append(l3)
-    assert l3.controller.page_get_func == l3.controller._page_get_zero_copy
-    before = master.metrics()
-    round_trip(l3, host_dtype)
-    after = master.metrics()
-    assert after["master_key_count"] - before["master_key_count"] == 2 * PAGES
-    # What the store holds per token is what the host pool holds per token.
-    stored = after["master_allocated_bytes"] - before["master_allocated_bytes"]
-    host_pool = l3.controller.mem_pool_host
-    seals = 2 * PAGES * SEAL_BYTES if host_dtype != "auto" else 0
-    assert stored == len(TOKENS) * host_pool.get_size_per_token() + seals
-
-
-def test_mooncake_objects_are_the_l2_records(master, rigs, request):
+def test_mooncake_objects_are_the_l2_records(mooncake_master, l3_rigs, request):
     """No re-encoding: each object is byte-for-byte the pool's page records."""
     l3 = h.make_l3_rig(
-        "mooncake", master.storage_config(), model_name=model_name(request)
+        "mooncake", mooncake_master.storage_config(), model_name=model_name(request)
     )
-    rigs.append(l3)
+    l3_rigs.append(l3)
     dev, host, hashes, stored = h.write_through(l3, TOKENS)
     pool, backend = l3.controller.mem_pool_host, l3.backend
     page = int(host[GEO.page_size]) // GEO.page_size
@@ -169,29 +83,6 @@ def test_mooncake_objects_are_the_l2_records(master, rigs, request):
 
 # ---------------------------------------------------------------------------
 # isolation
-
-
-@pytest.mark.parametrize("backend", ["file", "mooncake"])
-def test_bf16_and_int8_never_read_each_others_pages(tmp_path, rigs, request, backend):
-    if backend == "mooncake":
-        m = request.getfixturevalue("master")
-        config = m.storage_config()
-    else:
-        config = h.file_storage_config(tmp_path)
-    name = model_name(request)
-    bf16 = h.make_l3_rig(backend, config, host_dtype="auto", model_name=name)
-    rigs.append(bf16)
-    int8 = h.make_l3_rig(backend, config, host_dtype="int8", model_name=name)
-    rigs.append(int8)
-
-    bf16_written = round_trip(bf16, "auto", seed=1)
-    # Same tokens, same model: the INT8 pool finds nothing of BF16's.
-    assert h.prefetch(int8, TOKENS + [7]).hit_tokens == 0
-    # Different KV under the same tokens, so a crossed read would show.
-    int8_written = round_trip(int8, "int8", seed=2)
-    # Both formats now in the store; each reads back only its own pages.
-    fetch_and_check(bf16, "auto", bf16_written)
-    fetch_and_check(int8, "int8", int8_written)
 
 
 # ---------------------------------------------------------------------------
@@ -231,14 +122,14 @@ def check_partial_prefetch(l3, host_dtype, written, pf, good_pages):
 
 
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_mooncake_truncated_object_is_refused(master, rigs, request, host_dtype):
+def test_mooncake_truncated_object_is_refused(mooncake_master, l3_rigs, request, host_dtype):
     l3 = h.make_l3_rig(
         "mooncake",
-        master.storage_config(),
+        mooncake_master.storage_config(),
         host_dtype=host_dtype,
         model_name=model_name(request),
     )
-    rigs.append(l3)
+    l3_rigs.append(l3)
     written, hashes = written_then_evicted(l3)
     store, key = l3.backend.store, mooncake_key(l3, hashes[3], "k")
     replace_object(store, key, bytes(store.get_size(key) - 16))
@@ -250,14 +141,14 @@ def test_mooncake_truncated_object_is_refused(master, rigs, request, host_dtype)
 
 
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_mooncake_object_missing_at_read_is_refused(master, rigs, request, host_dtype):
+def test_mooncake_object_missing_at_read_is_refused(mooncake_master, l3_rigs, request, host_dtype):
     l3 = h.make_l3_rig(
         "mooncake",
-        master.storage_config(),
+        mooncake_master.storage_config(),
         host_dtype=host_dtype,
         model_name=model_name(request),
     )
-    rigs.append(l3)
+    l3_rigs.append(l3)
     written, hashes = written_then_evicted(l3)
     store, key = l3.backend.store, mooncake_key(l3, hashes[5], "v")
     pf = h.prefetch(l3, TOKENS + [7], before_io=lambda: replace_object(store, key, b""))
@@ -270,11 +161,11 @@ def file_page(tmp_path, l3, page_hash):
     return path
 
 
-def test_file_truncated_page_is_refused(tmp_path, rigs, request):
+def test_file_truncated_page_is_refused(tmp_path, l3_rigs, request):
     l3 = h.make_l3_rig(
         "file", h.file_storage_config(tmp_path), model_name=model_name(request)
     )
-    rigs.append(l3)
+    l3_rigs.append(l3)
     written, hashes = written_then_evicted(l3)
     path = file_page(tmp_path, l3, hashes[3])
     path.write_bytes(path.read_bytes()[:-16])
@@ -285,11 +176,11 @@ def test_file_truncated_page_is_refused(tmp_path, rigs, request):
     assert l3.controller.mem_pool_host.storage_integrity.counts()["size"] == 1
 
 
-def test_file_page_missing_at_read_is_refused(tmp_path, rigs, request):
+def test_file_page_missing_at_read_is_refused(tmp_path, l3_rigs, request):
     l3 = h.make_l3_rig(
         "file", h.file_storage_config(tmp_path), model_name=model_name(request)
     )
-    rigs.append(l3)
+    l3_rigs.append(l3)
     written, hashes = written_then_evicted(l3)
     path = file_page(tmp_path, l3, hashes[5])
     pf = h.prefetch(l3, TOKENS + [7], before_io=path.unlink)
@@ -297,9 +188,9 @@ def test_file_page_missing_at_read_is_refused(tmp_path, rigs, request):
     assert l3.controller.prefetch_failed_pages == PAGES - 5
 
 
-def test_wrong_size_flat_page_is_refused_before_it_reaches_the_pool(rigs, tmp_path):
+def test_wrong_size_flat_page_is_refused_before_it_reaches_the_pool(l3_rigs, tmp_path):
     l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path))
-    rigs.append(l3)
+    l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
     before = [b.clone() for b in pool.kv_buffer]
     page = pool.get_dummy_flat_data_page()
@@ -309,14 +200,14 @@ def test_wrong_size_flat_page_is_refused_before_it_reaches_the_pool(rigs, tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(before, pool.kv_buffer))
 
 
-def test_master_stopped_mid_run(tmp_path, rigs, request):
+def test_master_stopped_mid_run(tmp_path, l3_rigs, request):
     h.require_mooncake()
     m = h.MooncakeMaster(tmp_path / "master.log").start()
     try:
         l3 = h.make_l3_rig(
             "mooncake", m.storage_config(), model_name=model_name(request)
         )
-        rigs.append(l3)
+        l3_rigs.append(l3)
         dev_a, host_a, _, stored = h.write_through(l3, TOKENS, seed=1)
         assert stored == PAGES
         written_a = h.device_rows(l3.rig, dev_a)
@@ -344,7 +235,7 @@ def test_master_stopped_mid_run(tmp_path, rigs, request):
         m.stop()
 
 
-def test_store_full_evicts_and_keeps_serving(tmp_path, rigs, request):
+def test_store_full_evicts_and_keeps_serving(tmp_path, l3_rigs, request):
     """A store smaller than what is written: the store evicts, writes fail or
     succeed cleanly, and whatever a prefetch delivers is the written KV."""
     h.require_mooncake()
@@ -362,7 +253,7 @@ def test_store_full_evicts_and_keeps_serving(tmp_path, rigs, request):
             host_tokens=4096,
             model_name=model_name(request),
         )
-        rigs.append(l3)
+        l3_rigs.append(l3)
         round_bytes = 2048 * l3.controller.mem_pool_host.get_size_per_token()
         rounds = capacity // round_bytes + 3
         written = {}
@@ -390,13 +281,13 @@ def test_store_full_evicts_and_keeps_serving(tmp_path, rigs, request):
 
 
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
-def test_nonfinite_kv_comes_back_nan_through_l3(tmp_path, rigs, request, backend):
+def test_nonfinite_kv_comes_back_nan_through_l3(tmp_path, l3_rigs, request, backend):
     if backend == "mooncake":
-        config = request.getfixturevalue("master").storage_config()
+        config = request.getfixturevalue("mooncake_master").storage_config()
     else:
         config = h.file_storage_config(tmp_path)
     l3 = h.make_l3_rig(backend, config, model_name=model_name(request))
-    rigs.append(l3)
+    l3_rigs.append(l3)
 
     def poison(pool, dev):
         pool.k_buffer[1][dev[5], 0, 3] = float("inf")
@@ -419,9 +310,9 @@ def test_nonfinite_kv_comes_back_nan_through_l3(tmp_path, rigs, request, backend
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
-def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, rigs, layout):
+def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, l3_rigs, layout):
     l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path), layout=layout)
-    rigs.append(l3)
+    l3_rigs.append(l3)
     dev, host, _, _ = h.write_through(l3, TOKENS)
     pool = l3.controller.mem_pool_host
     index = int(host[2 * GEO.page_size])
@@ -465,9 +356,9 @@ def _read(ptr: int, size: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_page_buffer_meta_points_at_the_flat_page_bytes(tmp_path, rigs, layout):
+def test_page_buffer_meta_points_at_the_flat_page_bytes(tmp_path, l3_rigs, layout):
     l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path), layout=layout)
-    rigs.append(l3)
+    l3_rigs.append(l3)
     dev, host, _, _ = h.write_through(l3, TOKENS)
     pool = l3.controller.mem_pool_host
     ptrs, sizes = pool.get_page_buffer_meta(host[: 2 * GEO.page_size])
@@ -485,9 +376,9 @@ def test_page_buffer_meta_points_at_the_flat_page_bytes(tmp_path, rigs, layout):
         assert len(k_seal) == len(v_seal) == SEAL_BYTES
 
 
-def test_layer_first_has_no_zero_copy_pages(tmp_path, rigs):
+def test_layer_first_has_no_zero_copy_pages(tmp_path, l3_rigs):
     l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path), layout="layer_first")
-    rigs.append(l3)
+    l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
     with pytest.raises(ValueError, match="--hicache-mem-layout page_first"):
         pool.get_page_buffer_meta(torch.arange(GEO.page_size))
@@ -504,11 +395,11 @@ PAGE_FORMAT_DIGESTS = {
 }
 
 
-def test_storage_format_tag_names_the_page_bytes(tmp_path, rigs):
+def test_storage_format_tag_names_the_page_bytes(tmp_path, l3_rigs):
     import hashlib
 
     l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path))
-    rigs.append(l3)
+    l3_rigs.append(l3)
     dev, host, _, _ = h.write_through(l3, TOKENS, seed=11)
     pool = l3.controller.mem_pool_host
     digest = hashlib.sha256()
@@ -531,99 +422,18 @@ TOKENS16 = list(range(3000, 3000 + PAGES16 * GEO16.page_size))
 FOUR_BIT = ("int4", "k8v4")
 
 
-def expected_restore_4bit(written, host_dtype, layout):
-    """Reference restore of rows written in token order: consecutive tokens of
-    a page form one host unit (one token for layer_first)."""
-    from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec4
-
-    encode = getattr(codec4, f"{host_dtype}_encode_reference")
-    decode = getattr(codec4, f"{host_dtype}_decode_reference")
-    ut = 1 if layout == "layer_first" else GEO16.page_size
-    layers = GEO16.layer_num
-    restored_k, restored_v = [], []
-    for k, v in zip(written[:layers], written[layers:]):
-        units = [x.view(len(x) // ut, ut, *x.shape[1:]) for x in (k, v)]
-        rk, rv = decode(encode(*units), k.dtype)
-        restored_k.append(rk.flatten(0, 1))
-        restored_v.append(rv.flatten(0, 1))
-    return restored_k + restored_v
-
-
-def round_trip_4bit(l3, host_dtype, layout, seed=0):
-    """Write-through to L3, evict L1 and L2, prefetch L3 -> L2 -> L1."""
-    dev, host, hashes, stored = h.write_through(l3, TOKENS16, seed=seed)
-    assert stored == len(hashes) == PAGES16
-    written = h.device_rows(l3.rig, dev)
-    h.evict_everywhere(l3, dev, host)
-    fetch_and_check_4bit(l3, host_dtype, layout, written)
-    return written
-
-
-def fetch_and_check_4bit(l3, host_dtype, layout, written):
-    pf = h.prefetch(l3, TOKENS16 + [7])
-    assert pf.hit_tokens == pf.completed_tokens == len(TOKENS16)
-    dev = h.load_to_device(l3, pf.host_indices)
-    assert_restored(l3, dev, expected_restore_4bit(written, host_dtype, layout))
-    h.evict_everywhere(l3, dev, pf.host_indices)
-
-
-@pytest.mark.parametrize("layout", ["page_first_direct", "page_first", "layer_first"])
 @pytest.mark.parametrize("host_dtype", FOUR_BIT)
-def test_4bit_file_round_trip(tmp_path, rigs, request, host_dtype, layout):
-    l3 = h.make_l3_rig(
-        "file",
-        h.file_storage_config(tmp_path),
-        host_dtype=host_dtype,
-        geo=GEO16,
-        layout=layout,
-        model_name=model_name(request),
-    )
-    rigs.append(l3)
-    round_trip_4bit(l3, host_dtype, layout)
-    files = list(tmp_path.glob("*.bin"))
-    assert len(files) == PAGES16  # one object per page
-    pool = l3.controller.mem_pool_host
-    assert {f.stat().st_size for f in files} == {pool.storage_page_bytes + SEAL_BYTES}
-    assert pool.storage_page_bytes == pool.get_size_per_token() * GEO16.page_size
-
-
-@pytest.mark.parametrize("layout", ["page_first_direct", "page_first"])
-@pytest.mark.parametrize("host_dtype", FOUR_BIT)
-def test_4bit_mooncake_round_trip_zero_copy(master, rigs, request, host_dtype, layout):
-    l3 = h.make_l3_rig(
-        "mooncake",
-        master.storage_config(),
-        host_dtype=host_dtype,
-        geo=GEO16,
-        layout=layout,
-        model_name=model_name(request),
-    )
-    rigs.append(l3)
-    assert l3.controller.page_get_func == l3.controller._page_get_zero_copy
-    before = master.metrics()
-    round_trip_4bit(l3, host_dtype, layout)
-    after = master.metrics()
-    assert after["master_key_count"] - before["master_key_count"] == 2 * PAGES16
-    stored = after["master_allocated_bytes"] - before["master_allocated_bytes"]
-    seals = 2 * PAGES16 * SEAL_BYTES
-    assert (
-        stored
-        == len(TOKENS16) * l3.controller.mem_pool_host.get_size_per_token() + seals
-    )
-
-
-@pytest.mark.parametrize("host_dtype", FOUR_BIT)
-def test_4bit_mooncake_objects_are_the_l2_records(master, rigs, request, host_dtype):
+def test_4bit_mooncake_objects_are_the_l2_records(mooncake_master, l3_rigs, request, host_dtype):
     """Object _k is the page's key payload then its key metadata, _v the same
     for values: the L2 records, never re-encoded."""
     l3 = h.make_l3_rig(
         "mooncake",
-        master.storage_config(),
+        mooncake_master.storage_config(),
         host_dtype=host_dtype,
         geo=GEO16,
         model_name=model_name(request),
     )
-    rigs.append(l3)
+    l3_rigs.append(l3)
     dev, host, hashes, stored = h.write_through(l3, TOKENS16)
     pool, backend = l3.controller.mem_pool_host, l3.backend
     page = int(host[GEO16.page_size]) // GEO16.page_size
@@ -644,31 +454,3 @@ def test_4bit_mooncake_objects_are_the_l2_records(master, rigs, request, host_dt
     assert pool.storage_format_tag in key
 
 
-@pytest.mark.parametrize("backend", ["file", "mooncake"])
-def test_quantized_formats_never_read_each_others_pages(
-    tmp_path, rigs, request, backend
-):
-    """int8, int4 and k8v4 pages of the same tokens and model coexist in one
-    store; each pool hits only its own."""
-    if backend == "mooncake":
-        config = request.getfixturevalue("master").storage_config()
-    else:
-        config = h.file_storage_config(tmp_path)
-    name = model_name(request)
-    pools = {
-        fmt: h.make_l3_rig(backend, config, host_dtype=fmt, geo=GEO16, model_name=name)
-        for fmt in ("int8", "int4", "k8v4")
-    }
-    rigs.extend(pools.values())
-    tags = {
-        fmt: l3.controller.mem_pool_host.storage_format_tag for fmt, l3 in pools.items()
-    }
-    assert len(set(tags.values())) == 3
-    layout = "page_first_direct"
-    int4_written = round_trip_4bit(pools["int4"], "int4", layout, seed=1)
-    assert h.prefetch(pools["k8v4"], TOKENS16 + [7]).hit_tokens == 0
-    assert h.prefetch(pools["int8"], TOKENS16 + [7]).hit_tokens == 0
-    # Different KV under the same tokens, so a crossed read would show.
-    k8v4_written = round_trip_4bit(pools["k8v4"], "k8v4", layout, seed=2)
-    fetch_and_check_4bit(pools["int4"], "int4", layout, int4_written)
-    fetch_and_check_4bit(pools["k8v4"], "k8v4", layout, k8v4_written)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from test_hicache_metrics import Scrape, collectors  # noqa: F401  (fixture)
+from tests.support.metrics import Scrape
 
 from tests.support.hicache_harness import MLAGeometry, make_rig
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
@@ -20,7 +20,7 @@ GEO = MLAGeometry(layer_num=3, page_size=4)
 LATENT = GEO.kv_lora_rank
 
 
-def test_mla_int8_host_tier_metrics(collectors):  # noqa: F811
+def test_mla_int8_host_tier_metrics(collectors):
     scheduler_collector, radix = collectors
     rig = make_rig(
         GEO,

@@ -72,51 +72,6 @@ def round_trip(rig, n_tokens: int, seed: int = 0, edit=None):
     return written, restored, host
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
-def test_stock_bf16_mla_pool_round_trips_exactly(layout):
-    """The baseline: SGLang's own MLA host pool through the same rig."""
-    rig = make_rig(
-        MLAGeometry(layer_num=2, page_size=4),
-        device_tokens=64,
-        host_tokens=128,
-        layout=layout,
-        io_backend="direct",
-    )
-    assert type(rig.host_pool) is MLATokenToKVPoolHost
-    written, restored, _ = round_trip(rig, 24)
-    for w, r in zip(written, restored):
-        assert torch.equal(bits(w), bits(r))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("page_size", [1, 16, 64])
-@pytest.mark.parametrize("layout,io_backend", LAYOUT_IO)
-def test_round_trip_every_layout_page_size_and_io_backend(
-    layout, io_backend, page_size, dtype
-):
-    geo = MLAGeometry(layer_num=2, dtype=dtype, page_size=page_size)
-    rig = make_rig(
-        geo,
-        device_tokens=max(64, 8 * page_size),
-        host_tokens=max(128, 16 * page_size),
-        layout=layout,
-        io_backend=io_backend,
-        host_dtype="int8",
-    )
-    assert type(rig.host_pool) is MLATokenToKVPoolINT8Host
-    n = 3 * page_size if page_size > 1 else 37
-    written, restored, host = round_trip(rig, n, seed=page_size)
-    f = MLAInt8HostFormat((LATENT + ROPE,), 1, 1, dtype)
-    for w, r in zip(written, restored):
-        # Bit for bit what the reference restores, RoPE bit for bit as written.
-        assert torch.equal(bits(r), bits(expected_restore(w)))
-        assert torch.equal(bits(r[..., LATENT:]), bits(w[..., LATENT:]))
-        x = w.view(-1, 1, 1, LATENT + ROPE)
-        (bound,) = f.error_bound(f.encode_reference([x]), [r.view_as(x)])
-        assert ((w.double() - r.double()).abs() <= bound.view_as(w).double()).all()
-    assert rig.host_pool.available_size() == rig.host_pool.size - len(host)
-
-
 def test_capacity_from_allocated_buffers():
     """DeepSeek geometry (61 layers), the same token count in both pools:
     bytes are summed over the tensors each pool really allocated."""

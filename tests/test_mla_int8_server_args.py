@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 
 import pytest
-from test_server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
-    _DEEPSEEK_V2_MLA,
+from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
+    DEEPSEEK_V2_MLA,
     INT8_IO_BACKENDS,
     INT8_LAYOUTS,
-    _model_dir,
+    model_dir,
     _restore_environ,
     resolve,
 )
@@ -22,12 +22,12 @@ from test_server_args import (  # noqa: F401  (_restore_environ: autouse fixture
 from sglang.srt.arg_groups.overrides import resolution_result
 
 # DeepSeek-V2's latent widths (kv_lora_rank 512, qk_rope_head_dim 64).
-_DEEPSEEK_MLA = dict(_DEEPSEEK_V2_MLA, kv_lora_rank=512, qk_rope_head_dim=64)
+_DEEPSEEK_MLA = dict(DEEPSEEK_V2_MLA, kv_lora_rank=512, qk_rope_head_dim=64)
 
 
 @pytest.fixture(scope="module")
 def mla_model(tmp_path_factory):
-    return _model_dir(tmp_path_factory.mktemp("mla"), "deepseek", _DEEPSEEK_MLA)
+    return model_dir(tmp_path_factory.mktemp("mla"), "deepseek", _DEEPSEEK_MLA)
 
 
 def refused(path, **kwargs) -> str:
@@ -89,7 +89,7 @@ def test_refuses_dsa_sparse_mla(tmp_path, monkeypatch):
         index_head_dim=32,
         index_n_heads=2,
     )
-    message = refused(_model_dir(tmp_path, "dsa", config))
+    message = refused(model_dir(tmp_path, "dsa", config))
     assert "DSA/NSA sparse-attention MLA models" in message
 
 
@@ -99,10 +99,10 @@ def test_refuses_dsa_sparse_mla(tmp_path, monkeypatch):
 
 def test_refuses_kv_lora_rank_without_128_value_tiles(tmp_path):
     config = dict(_DEEPSEEK_MLA, kv_lora_rank=320)
-    message = refused(_model_dir(tmp_path, "odd", config))
+    message = refused(model_dir(tmp_path, "odd", config))
     assert "kv_lora_rank 320" in message
 
 
 def test_auto_accepts_what_int8_refuses(tmp_path, mla_model):
     resolve(mla_model, kv_cache_dtype="fp8_e4m3")
-    resolve(_model_dir(tmp_path, "odd", dict(_DEEPSEEK_MLA, kv_lora_rank=320)))
+    resolve(model_dir(tmp_path, "odd", dict(_DEEPSEEK_MLA, kv_lora_rank=320)))

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from scripts.overlay import OVERLAY_SUBJECT, read_lock
+
 REPO = Path(__file__).resolve().parents[1]
 WHEEL_CACHE = REPO / "build" / "wheels"
 PY_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
@@ -41,8 +43,6 @@ VERSION_LINE = "HIQ_PIPELINE_PROBE_VERSION = 1\n"
 NEW_TEXT = '"""Overlay file made by tests/test_pipeline.py."""\n\nPROBE = "new file"\n'
 SUBJECT_MHA = "Pipeline probe: mha marker"
 SUBJECT_VERSION = "Pipeline probe: version marker"
-sys.path.insert(0, str(REPO / "scripts"))
-from overlay import OVERLAY_SUBJECT, read_lock  # noqa: E402
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "Pipeline Test",
     "GIT_AUTHOR_EMAIL": "pipeline@localhost",

@@ -9,41 +9,18 @@ installed Python standard library, never from the repo."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from scripts.common import plot
+from scripts.quality import harness as hq
+from scripts.quality import texts
+from tests.support.quality_inputs import SMALL, TEXT_FILE
+from tests.support.quality_inputs import require_inputs as _require_inputs
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from scripts.common import plot  # noqa: E402
-from scripts.quality import harness as hq  # noqa: E402
-from scripts.quality import texts  # noqa: E402
-
-TEXT_FILE = Path(
-    os.environ.get(
-        "HIQ_WIKITEXT", REPO_ROOT.parent / "shared" / "data" / "wikitext-2" / "test.txt"
-    )
-)
-# A few short windows: the full-size run is `make quality`.
-SMALL = dict(windows=2, prefix_len=128, score_len=64, greedy_tokens=8, seed=1)
-
-
-def _require_inputs():
-    missing = []
-    if not TEXT_FILE.is_file():
-        missing.append(f"WikiText-2 at {TEXT_FILE} (set HIQ_WIKITEXT)")
-    try:
-        hq.smollm_gguf_path()
-    except FileNotFoundError as exc:
-        missing.append(str(exc))
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail("quality test inputs missing in CI: " + "; ".join(missing))
-        pytest.skip("; ".join(missing))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from scripts.quality import harness as hq
-from test_quality import SMALL, TEXT_FILE, _require_inputs
+from tests.support.quality_inputs import SMALL, TEXT_FILE
+from tests.support.quality_inputs import require_inputs as _require_inputs
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,17 @@ refuses to report."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
+from scripts.quality import __main__ as quality_main
+from scripts.quality import mla_random as mr
+from scripts.quality.harness import RestoreError
 
-from scripts.quality import __main__ as quality_main  # noqa: E402
-from scripts.quality import mla_random as mr  # noqa: E402
-from scripts.quality.harness import RestoreError  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 
 SMALL = dict(layers=2, hidden_size=128, windows=1, prefix_len=48, score_len=16)
 

@@ -9,16 +9,13 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.quality import server as qs  # noqa: E402
+from scripts.quality import server as qs
 
 VOCAB = 500
 

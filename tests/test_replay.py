@@ -14,17 +14,14 @@ demo; the rows' pools come from the server's dispatch.
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.demo import pools  # noqa: E402
-from scripts.demo import replay as rp  # noqa: E402
-from scripts.demo import workload as wl  # noqa: E402
+from scripts.demo import pools
+from scripts.demo import replay as rp
+from scripts.demo import workload as wl
 
 SMALL = wl.Workload(
     num_groups=8,

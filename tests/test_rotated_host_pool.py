@@ -72,24 +72,6 @@ def test_dispatch_by_host_dtype():
         assert cls.host_format_cls.name == name
 
 
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,io_backend,dtype",
-    list(
-        itertools.product(ROTATED, LAYOUTS, (1, 16, 64), IO_BACKENDS, int4_suite.DTYPES)
-    ),
-)
-def test_backup_load_restores_reference(fmt, layout, page_size, io_backend, dtype):
-    int4_suite.test_backup_load_restores_reference(
-        fmt, layout, page_size, io_backend, dtype
-    )
-
-
-@pytest.mark.parametrize("fmt", ROTATED)
-@pytest.mark.parametrize("dims", ((128, 128), (192, 128), (96, 96), (80, 80), (72, 72)))
-def test_geometries_round_trip(fmt, dims):
-    int4_suite.test_geometries_round_trip(fmt, dims)
-
-
 @pytest.mark.parametrize("fmt", ROTATED)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_out_of_range_host_indices_rejected_and_nothing_moves(fmt, layout):

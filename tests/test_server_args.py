@@ -9,104 +9,39 @@ dummy-model boundary, after the model-independent checks; tiny local HF configs
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import os
 from types import SimpleNamespace
 
 import pytest
 
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import ServerArgs
+from tests.support.server_args import (  # noqa: F401  (fixtures)
+    DEEPSEEK_V2_MLA,
+    FP8_KV_CHECKPOINTS,
+    INT8_IO_BACKENDS,
+    INT8_LAYOUTS,
+    LLAMA,
+    _restore_environ,
+    from_argv,
+    model_dir,
+    resolve,
+)
 
-_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-}
-_DEEPSEEK_V2_MLA = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-    "kv_lora_rank": 32,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 2,
-    "moe_layer_freq": 1,
-}
 
-INT8_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
-INT8_IO_BACKENDS = ("kernel", "direct")
 # Every --hicache-host-dtype that encodes the host copy; each is validated alike.
 QUANTIZED = ("int8", "int4", "k8v4")
 per_format = pytest.mark.parametrize("host_dtype", QUANTIZED)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    paths = {}
-    for name, config in (("mha", _LLAMA), ("mla", _DEEPSEEK_V2_MLA)):
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps(config))
-        paths[name] = str(root / name)
-    return paths
 
 
-@pytest.fixture(autouse=True)
-def _restore_environ():
-    # Resolution exports environment variables (handle_environment_variables).
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
-@pytest.fixture(scope="module")
-def parser():
-    parser = argparse.ArgumentParser(prog="sglang serve")
-    ServerArgs.add_cli_args(parser)
-    return parser
 
 
-def from_argv(parser, *argv: str) -> ServerArgs:
-    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", *argv]))
 
 
-def resolve(model_path: str = "dummy", **kwargs) -> ServerArgs:
-    kwargs.setdefault("enable_hierarchical_cache", True)
-    server_args = ServerArgs(
-        model_path=model_path, device="cpu", skip_tokenizer_init=True, **kwargs
-    )
-    server_args.resolve_once()
-    return server_args
 
 
 # --------------------------------------------------------------------------
@@ -409,57 +344,21 @@ def test_stock_pool_layout_io_rewrite_is_unchanged(models):
 # --------------------------------------------------------------------------
 
 
-def _model_dir(root, name: str, config: dict, **files: dict) -> str:
-    path = root / name
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps(config))
-    for filename, content in files.items():
-        (path / filename).write_text(json.dumps(content))
-    return str(path)
 
 
-_FP8_KV_CHECKPOINTS = {
-    # config.json quantization_config of an FP8 checkpoint (Fp8Config reads it)
-    "fp8_config": (
-        {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "kv_cache_quant_algo": "FP8",
-        },
-        {},
-    ),
-    # compressed-tensors describes the KV cache as an 8-bit float scheme
-    "compressed_tensors": (
-        {
-            "quant_method": "compressed-tensors",
-            "config_groups": {},
-            "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"},
-        },
-        {},
-    ),
-    # ModelOpt keeps it in hf_quant_config.json beside config.json
-    "modelopt": (
-        None,
-        {
-            "hf_quant_config.json": {
-                "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
-            }
-        },
-    ),
-}
 
 
 # int4 and k8v4 encode an FP8 device KV cache (tests/test_fp8_server_args.py).
 @pytest.mark.parametrize("host_dtype", ["int8"])
-@pytest.mark.parametrize("checkpoint", sorted(_FP8_KV_CHECKPOINTS))
+@pytest.mark.parametrize("checkpoint", sorted(FP8_KV_CHECKPOINTS))
 def test_quantized_refuses_fp8_kv_checkpoint_with_auto_kv_dtype(
     tmp_path, checkpoint, host_dtype
 ):
-    quant_config, files = _FP8_KV_CHECKPOINTS[checkpoint]
-    config = dict(_LLAMA)
+    quant_config, files = FP8_KV_CHECKPOINTS[checkpoint]
+    config = dict(LLAMA)
     if quant_config is not None:
         config["quantization_config"] = quant_config
-    path = _model_dir(tmp_path, checkpoint, config, **files)
+    path = model_dir(tmp_path, checkpoint, config, **files)
     with pytest.raises(ValueError) as error:
         resolve(path, hicache_host_dtype=host_dtype)
     message = str(error.value)
@@ -474,12 +373,12 @@ def test_quantized_refuses_fp8_kv_checkpoint_with_auto_kv_dtype(
 
 
 def test_int8_accepts_unquantized_kv_checkpoint(tmp_path):
-    config = dict(_LLAMA)
+    config = dict(LLAMA)
     config["quantization_config"] = {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",
     }
-    resolve(_model_dir(tmp_path, "w8", config), hicache_host_dtype="int8")
+    resolve(model_dir(tmp_path, "w8", config), hicache_host_dtype="int8")
 
 
 # Speculative decoding (packed MTP drafts, separate drafts): test_spec_server_args.py.

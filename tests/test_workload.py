@@ -12,15 +12,13 @@ for two seeds.
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.demo import workload as wl  # noqa: E402
+from scripts.demo import workload as wl
 
 SMALL = wl.Workload(
     num_groups=4,

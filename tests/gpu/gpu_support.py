@@ -211,38 +211,23 @@ def make_device_pool(
     tokens: int,
     device: str,
 ):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from tests.support import hicache_harness as hh
 
-    return MHATokenToKVPool(
-        size=tokens,
-        page_size=page_size,
-        dtype=dtype,
-        head_num=head_num,
-        head_dim=head_dim,
-        layer_num=layer_num,
-        device=device,
-        enable_memory_saver=False,
-        v_head_dim=v_head_dim,
-        enable_alt_stream=False,
-    )
+    geo = hh.Geometry(layer_num, head_num, head_dim, v_head_dim, dtype, page_size)
+    return hh.make_device_pool(geo, tokens, device=device)
 
 
 def make_host_pool(
     device_pool, *, cls, layout: str, host_tokens: int, pin_memory: bool
 ):
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    return cls(
-        info,
-        2.0,
-        0,
-        device_pool.page_size,
-        layout,
+    from tests.support import hicache_harness as hh
+
+    return hh.make_host_pool(
+        device_pool,
+        host_tokens=host_tokens,
+        layout=layout,
+        host_pool_cls=cls,
         pin_memory=pin_memory,
-        device="cpu",
-        device_capacity_tokens=device_pool.size,
-        start_layer=device_pool.start_layer,
-        end_layer=device_pool.end_layer,
-        host_token_capacity=host_tokens,
     )
 
 
@@ -257,41 +242,22 @@ def make_mla_device_pool(
     device: str,
 ):
     """SGLang's MLA latent pool; DeepSeek V2/V3 widths by default."""
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from tests.support import hicache_harness as hh
 
-    return MLATokenToKVPool(
-        size=tokens,
-        page_size=page_size,
-        dtype=dtype,
-        kv_lora_rank=kv_lora_rank,
-        qk_rope_head_dim=qk_rope_head_dim,
-        layer_num=layer_num,
-        device=device,
-        enable_memory_saver=False,
-    )
+    geo = hh.MLAGeometry(layer_num, kv_lora_rank, qk_rope_head_dim, dtype, page_size)
+    return hh.make_device_pool(geo, tokens, device=device)
 
 
 def make_mla_host_pool(device_pool, *, layout: str, host_tokens: int, pin_memory: bool):
     """The MLA INT8 host pool as hybrid_pool_assembler builds it."""
-    from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+    from tests.support import hicache_harness as hh
 
-    MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
-
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    return MLATokenToKVPoolINT8Host(
-        info,
-        2.0,
-        0,
-        device_pool.page_size,
-        layout,
+    return hh.make_host_pool(
+        device_pool,
+        host_tokens=host_tokens,
+        layout=layout,
+        host_dtype="int8",
         pin_memory=pin_memory,
-        device="cpu",
-        override_kv_cache_dim=device_pool.kv_cache_dim,
-        device_capacity_tokens=device_pool.size,
-        start_layer=device_pool.start_layer,
-        end_layer=device_pool.end_layer,
-        target_layer_num=device_pool.layer_num,
-        host_token_capacity=host_tokens,
     )
 
 

@@ -16,6 +16,7 @@ from sglang.srt.managers.cache_controller import HiCacheController
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
 
@@ -50,7 +51,16 @@ class HiCacheRig:
     controller: HiCacheController
 
 
-def make_device_pool(geo: Geometry | MLAGeometry, device_tokens: int):
+def _rig_memory_budget():
+    """The rigs' pools take a few MB: book them against a fixed budget, not
+    the machine's free RAM less the production 10 GiB reserve, so a busy
+    machine cannot refuse them."""
+    return host_memory_budget_scope(1 << 40)
+
+
+def make_device_pool(
+    geo: Geometry | MLAGeometry, device_tokens: int, device: str = "cpu"
+):
     if isinstance(geo, MLAGeometry):
         return MLATokenToKVPool(
             size=device_tokens,
@@ -59,7 +69,7 @@ def make_device_pool(geo: Geometry | MLAGeometry, device_tokens: int):
             kv_lora_rank=geo.kv_lora_rank,
             qk_rope_head_dim=geo.qk_rope_head_dim,
             layer_num=geo.layer_num,
-            device="cpu",
+            device=device,
             enable_memory_saver=False,
         )
     return MHATokenToKVPool(
@@ -69,7 +79,7 @@ def make_device_pool(geo: Geometry | MLAGeometry, device_tokens: int):
         head_num=geo.head_num,
         head_dim=geo.head_dim,
         layer_num=geo.layer_num,
-        device="cpu",
+        device=device,
         enable_memory_saver=False,
         v_head_dim=geo.v_head_dim,
         enable_alt_stream=False,
@@ -85,6 +95,7 @@ def make_host_pool(
     layout: str = "layer_first",
     host_pool_cls=None,
     host_dtype: str = "auto",
+    pin_memory: bool = False,
     **extra,
 ):
     info = device_pool.get_device_pool_infos()[0].buffer_info
@@ -98,23 +109,25 @@ def make_host_pool(
             layout=layout,
             host_pool_cls=host_pool_cls,
             host_dtype=host_dtype,
+            pin_memory=pin_memory,
             **extra,
         )
     cls = host_pool_cls or get_mha_host_pool_cls(info, host_dtype)
-    return cls(
-        info,
-        host_ratio,
-        host_size_gb,
-        device_pool.page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device_pool.size,
-        start_layer=device_pool.start_layer,
-        end_layer=device_pool.end_layer,
-        host_token_capacity=host_tokens,
-        **extra,
-    )
+    with _rig_memory_budget():
+        return cls(
+            info,
+            host_ratio,
+            host_size_gb,
+            device_pool.page_size,
+            layout,
+            pin_memory=pin_memory,
+            device="cpu",
+            device_capacity_tokens=device_pool.size,
+            start_layer=device_pool.start_layer,
+            end_layer=device_pool.end_layer,
+            host_token_capacity=host_tokens,
+            **extra,
+        )
 
 
 def make_mla_host_pool(
@@ -127,26 +140,28 @@ def make_mla_host_pool(
     layout: str,
     host_pool_cls=None,
     host_dtype: str = "auto",
+    pin_memory: bool = False,
     **extra,
 ):
     """The MLA host pool as hybrid_pool_assembler's build_kv_host_pool builds it."""
     cls = host_pool_cls or get_mla_host_pool_cls(info, host_dtype)
-    return cls(
-        info,
-        host_ratio,
-        host_size_gb,
-        device_pool.page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        override_kv_cache_dim=device_pool.kv_cache_dim,
-        device_capacity_tokens=device_pool.size,
-        start_layer=device_pool.start_layer,
-        end_layer=device_pool.end_layer,
-        target_layer_num=device_pool.layer_num,
-        host_token_capacity=host_tokens,
-        **extra,
-    )
+    with _rig_memory_budget():
+        return cls(
+            info,
+            host_ratio,
+            host_size_gb,
+            device_pool.page_size,
+            layout,
+            pin_memory=pin_memory,
+            device="cpu",
+            override_kv_cache_dim=device_pool.kv_cache_dim,
+            device_capacity_tokens=device_pool.size,
+            start_layer=device_pool.start_layer,
+            end_layer=device_pool.end_layer,
+            target_layer_num=device_pool.layer_num,
+            host_token_capacity=host_tokens,
+            **extra,
+        )
 
 
 def make_rig(

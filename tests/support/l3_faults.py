@@ -11,14 +11,11 @@ store between write and read and undone afterwards.
 from __future__ import annotations
 
 import random
-import time
-from queue import Empty
 from dataclasses import dataclass
 from pathlib import Path
 
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
-
-STORE_WAIT_S = 20.0
+from tests.support.l3_harness import prefetch_to_host
 
 # What a record's bytes are, for aiming byte flips.
 PAYLOAD, SCALES, METADATA, SEAL = "payload", "scales", "metadata", "seal"
@@ -231,30 +228,6 @@ def make_fault(
 
 
 def prefetch_all(l3, tokens, before_io=None):
-    """L3 -> L2 through the controller's query and I/O threads, as
-    tests.support.l3_harness.prefetch does, but returning the whole host allocation:
-    (tokens hit, tokens delivered, host indices); the caller frees them."""
-    ctl = l3.controller
-    op = ctl.prefetch("r", tokens)
-    assert ctl.prefetch_hit_queue.get(timeout=STORE_WAIT_S) is op
-    hit = op.storage_hit_count
-    host = ctl.mem_pool_host.alloc(hit)
-    assert host is not None
-    op.host_indices = host
-    op.hash_value = op.hash_value[: hit // l3.geo.page_size]
-    if before_io is not None:
-        before_io()
-    ctl.prefetch_buffer.put(op)
-    completed = 0
-    deadline = time.monotonic() + STORE_WAIT_S
-    while True:
-        try:
-            ack = ctl.ack_prefetch_queue.get(
-                timeout=max(0.0, deadline - time.monotonic())
-            )
-        except Empty:
-            raise AssertionError("prefetch did not complete in time") from None
-        if ack.completed_tokens is not None:
-            completed = ack.completed_tokens
-        if ack.completed_req:
-            return hit, completed, host
+    """(tokens hit, tokens delivered, the whole host allocation) of an L3 ->
+    L2 prefetch, a miss included; the caller frees the allocation."""
+    return prefetch_to_host(l3, tokens, before_io=before_io, stop_on_miss=False)

@@ -295,18 +295,26 @@ class Prefetch:
     host_indices: torch.Tensor | None
 
 
-def prefetch(
-    l3: L3Rig, tokens: list[int], request_id: str = "r", before_io=None
-) -> Prefetch:
-    """L3 -> L2 through the controller's query and I/O threads; before_io()
-    runs between the hit query and the reads (to fault the store there)."""
+def prefetch_to_host(
+    l3: L3Rig,
+    tokens: list[int],
+    request_id: str = "r",
+    before_io=None,
+    *,
+    stop_on_miss: bool = True,
+) -> tuple[int, int, torch.Tensor | None]:
+    """L3 -> L2 through the controller's query and I/O threads, as
+    UnifiedRadixCache drives them; before_io() runs between the hit query and
+    the reads (to fault the store there). Returns (tokens hit, tokens
+    delivered, the whole host allocation: the caller frees it); a miss stops
+    after the query unless stop_on_miss is False."""
     ctl = l3.controller
     op = ctl.prefetch(request_id, tokens)
     queried = ctl.prefetch_hit_queue.get(timeout=STORAGE_WAIT_S)
     assert queried is op
     hit = op.storage_hit_count
-    if hit == 0:
-        return Prefetch(0, 0, None)
+    if hit == 0 and stop_on_miss:
+        return 0, 0, None
     host = ctl.mem_pool_host.alloc(hit)
     assert host is not None, "host pool full"
     op.host_indices = host
@@ -326,10 +334,19 @@ def prefetch(
         if ack.completed_tokens is not None:
             completed = ack.completed_tokens
         if ack.completed_req:
-            break
-    # Only the delivered prefix enters the cache; the rest goes back.
+            return hit, completed, host
+
+
+def prefetch(
+    l3: L3Rig, tokens: list[int], request_id: str = "r", before_io=None
+) -> Prefetch:
+    """prefetch_to_host, keeping what the cache keeps: only the delivered
+    prefix enters it, the rest of the host allocation goes back."""
+    hit, completed, host = prefetch_to_host(l3, tokens, request_id, before_io)
+    if hit == 0:
+        return Prefetch(0, 0, None)
     if completed < hit:
-        ctl.mem_pool_host.free(host[completed:])
+        l3.controller.mem_pool_host.free(host[completed:])
     return Prefetch(hit, completed, host[:completed])
 
 

@@ -419,8 +419,8 @@ def pool_grid() -> list[PoolCase]:
     every geometry at page size 16, a subset at 1 and 64) for both device
     dtypes and both host-access modes; every device index kind on the
     odd-head geometry; and pools whose host buffers exceed 2**31 elements."""
-    from test_int8_host_pool import LAYOUTS
-    from test_kv_int8_triton import DTYPES, POOL_CASES
+    from tests.support.conformance import DTYPES, KERNEL_POOL_CASES as POOL_CASES
+    from tests.support.conformance import LAYOUTS
 
     cases = [
         PoolCase(layout, page_size, geometry, dtype, access)
@@ -540,7 +540,7 @@ def mla_grid() -> list[MLACase]:
     """DeepSeek geometry: every layout, page size 1/16/64, both device dtypes
     and both host-access modes; every device index kind at page 16; a smaller
     latent; host records past 2**31 elements (direct access)."""
-    from test_kv_int8_triton import DTYPES
+    from tests.support.conformance import DTYPES
 
     cases = [
         MLACase(layout, page_size, dtype, access)
@@ -814,7 +814,7 @@ def summary(run: CompileRun, with_ptx: bool = False) -> dict:
 
 
 def _worker_main(argv: list[str]) -> None:
-    """python -m tests.kernel_compile OUT_DIR GRID[+MUTATION] ARCH...: compile
+    """python -m tests.support.kernel_compile OUT_DIR GRID[+MUTATION] ARCH...: compile
     the grid (a GRIDS key), with one kernel broken (a MUTATIONS name) if
     given, for each target, writing OUT_DIR/sm_<arch>.json."""
     import json
@@ -848,9 +848,9 @@ def compile_grid_in_workers(
     groups = [list(archs[i::jobs]) for i in range(jobs) if archs[i::jobs]]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.kernel_compile", str(out_dir), grid]
+            [sys.executable, "-m", "tests.support.kernel_compile", str(out_dir), grid]
             + [str(arch) for arch in group],
-            cwd=Path(__file__).resolve().parents[1],
+            cwd=Path(__file__).resolve().parents[2],
             env={**os.environ, "TRITON_INTERPRET": "0"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

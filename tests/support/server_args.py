@@ -1,0 +1,204 @@
+"""ServerArgs rigs: SGLang's own argument parser and resolution pipeline
+(``ServerArgs.resolve_once``) over tiny local HF configs (no weights), and the
+fixtures the start-up tests share (import them into the test module)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from sglang.srt.server_args import ServerArgs
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+}
+
+
+DEEPSEEK_V2_MLA = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+    "kv_lora_rank": 32,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 2,
+    "moe_layer_freq": 1,
+}
+
+
+INT8_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+INT8_IO_BACKENDS = ("kernel", "direct")
+
+
+def write_models(root) -> dict[str, str]:
+    """The tiny MHA (Llama) and MLA (DeepSeek-V2) configs under `root`."""
+    paths = {}
+    for name, config in (("mha", LLAMA), ("mla", DEEPSEEK_V2_MLA)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        paths[name] = str(root / name)
+    return paths
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    # Resolution exports environment variables (handle_environment_variables).
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def cli_parser() -> argparse.ArgumentParser:
+    """SGLang's own `sglang serve` argument parser."""
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def from_argv(parser, *argv: str) -> ServerArgs:
+    return ServerArgs.from_cli_args(parser.parse_args(["--model-path", *argv]))
+
+
+def resolve(model_path: str = "dummy", **kwargs) -> ServerArgs:
+    kwargs.setdefault("enable_hierarchical_cache", True)
+    server_args = ServerArgs(
+        model_path=model_path, device="cpu", skip_tokenizer_init=True, **kwargs
+    )
+    server_args.resolve_once()
+    return server_args
+
+
+def model_dir(root, name: str, config: dict, **files: dict) -> str:
+    path = root / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    for filename, content in files.items():
+        (path / filename).write_text(json.dumps(content))
+    return str(path)
+
+
+FP8_KV_CHECKPOINTS = {
+    # config.json quantization_config of an FP8 checkpoint (Fp8Config reads it)
+    "fp8_config": (
+        {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "kv_cache_quant_algo": "FP8",
+        },
+        {},
+    ),
+    # compressed-tensors describes the KV cache as an 8-bit float scheme
+    "compressed_tensors": (
+        {
+            "quant_method": "compressed-tensors",
+            "config_groups": {},
+            "kv_cache_scheme": {"type": "float", "num_bits": 8, "strategy": "tensor"},
+        },
+        {},
+    ),
+    # ModelOpt keeps it in hf_quant_config.json beside config.json
+    "modelopt": (
+        None,
+        {
+            "hf_quant_config.json": {
+                "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
+            }
+        },
+    ),
+}
+
+
+GPT_OSS = {
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 32,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
+}
+
+
+QWEN3_NEXT = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 4,
+    "full_attention_interval": 4,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
+}
+
+
+# Qwen3.5 (MoE): a Qwen3-Next text model with Gated DeltaNet layers under a
+# vision-language wrapper (hybrid_gdn_config reads its text config).
+QWEN3_5 = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        **{k: v for k, v in QWEN3_NEXT.items() if k != "architectures"},
+        "model_type": "qwen3_5_moe_text",
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    },
+    "vision_config": {
+        "depth": 1,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+    },
+}

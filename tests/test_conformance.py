@@ -1,0 +1,418 @@
+"""Host-format conformance: every --hicache-host-dtype value of the registry
+(MHA, and MLA where the value has an MLA format), the toy format registered
+through the registry alone, and the stock pool as the control, through the
+real HiCacheController on CPU.
+
+Every layout, io backend, page size 1/16/64 and device dtype, the indexed and
+per-run torch copies, the fused kernels (under Triton's interpreter) where the
+format has them, head geometries, and L3 (SGLang's file backend and
+MooncakeStore against a real mooncake_master): the host records are
+bit for bit the format's `encode_reference` of what was written, the restored
+rows bit for bit its `decode_reference` and within its `error_bound`, and no
+other host unit or device slot changes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
+from tests.support import l3_harness as h
+from tests.support.conformance import (
+    GEOMETRIES,
+    IO_BACKENDS,
+    LAYOUTS,
+    PAGE_SIZES,
+    FormatCase,
+    bits,
+    error_bounds,
+    format_cases,
+    host_unit_records,
+    host_units,
+    reference,
+    rows_at,
+    scrambled_host_free_list,
+    side_buffers,
+    spread,
+)
+from tests.support.hicache_harness import Geometry, finish_transfers, make_rig
+
+CASES = format_cases()
+MHA_CASES = format_cases(kinds=("mha",))
+FUSED_CASES = [c for c in CASES if c.has_fused_kernels()]
+SENTINEL = 7.0
+
+
+@pytest.fixture
+def case(request):
+    """The parametrized FormatCase, with the toy format registered for it."""
+    case: FormatCase = request.param
+    if case.toy:
+        request.getfixturevalue("toy_host_format")
+    return case
+
+
+def case_params(cases, grid, keep=lambda case, *row: True):
+    """pytest params of every case crossed with every grid row it `keep`s."""
+    params = []
+    for c, row in itertools.product(cases, grid):
+        row = row if isinstance(row, tuple) else (row,)
+        if keep(c, *row):
+            ids = "-".join([c.id, *map(str, row)]).replace("torch.", "")
+            params.append(pytest.param(c, *row, id=ids))
+    return params
+
+
+def accepted(case: FormatCase, layout: str, io_backend: str, path: str) -> bool:
+    """Whether the case takes this combination on CPU: the stock pool's
+    kernel backend is CUDA-only, it refuses page_first with the direct
+    backend, and it has one copy path."""
+    if case.stock:
+        return (io_backend, path) == ("direct", "torch") and layout != "page_first"
+    return True
+
+
+def expected_pool_cls(case: FormatCase, device_pool):
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    if case.kind == "mla":
+        return get_mla_host_pool_cls(info, case.host_dtype)
+    return get_mha_host_pool_cls(info, case.host_dtype)
+
+
+def set_path(pool, path: str) -> None:
+    if path == "runs":
+        pool.use_run_copies = True
+    elif path.startswith("fused_"):
+        assert pool.host_format.fused_available(torch.device("cpu"))
+        pool.use_fused_kernels = True
+        pool.fused_host_access = path.removeprefix("fused_")
+    if hasattr(pool, "host_format"):
+        assert pool.transfer_path == ("torch" if path == "runs" else path)
+
+
+def controller_round_trip(
+    case: FormatCase,
+    geo,
+    *,
+    layout: str,
+    io_backend: str,
+    path: str = "torch",
+    seed: int = 0,
+):
+    """Device -> L2 (controller write) -> L1 eviction -> L2 -> L1 (controller
+    load), host slots scrambled first; checks every byte against the format's
+    reference."""
+    ps = geo.page_size
+    rig = make_rig(
+        geo,
+        device_tokens=max(96, 10 * ps),
+        host_tokens=max(96, 12 * ps),
+        layout=layout,
+        io_backend=io_backend,
+        host_dtype=case.host_dtype,
+    )
+    ctl, device_pool, pool = rig.controller, rig.device_pool, rig.host_pool
+    assert type(pool) is expected_pool_cls(case, device_pool)
+    assert isinstance(device_pool, MLATokenToKVPool) == (case.kind == "mla")
+    set_path(pool, path)
+    scrambled_host_free_list(pool, ps, seed)
+    free_before = pool.available_size()
+
+    dev = rig.allocator.alloc(37 if ps == 1 else 4 * ps)
+    spread(device_pool, dev, seed)
+    written = rows_at(device_pool, dev)
+    host_before = (
+        None if case.stock else {n: b.clone() for n, b in pool.host_records.items()}
+    )
+    host = ctl.write(dev, node_id=0)
+    assert host is not None, "host pool full"
+    finish_transfers(ctl)
+    assert len(torch.unique(host)) == len(dev)
+
+    if not case.stock:
+        # The host records are the reference encoding; other units keep their bytes.
+        units = host_units(pool, host)
+        names = [r.name for r in pool.host_format.records]
+        for layer, rows in enumerate(written):
+            want, _ = reference(pool, rows)
+            got = host_unit_records(pool, layer, units)
+            assert list(got) == names
+            for name in names:
+                assert torch.equal(
+                    got[name].view(torch.uint8), want[name].view(torch.uint8)
+                ), (name, layer)
+        for name, before in host_before.items():
+            after = pool.host_records[name]
+            axis = 1 if layout == "layer_first" else 0
+            kept = torch.ones(after.shape[axis], dtype=torch.bool)
+            kept[units] = False
+            pick = (slice(None), kept) if axis else (kept,)
+            assert torch.equal(bits(after[pick]), bits(before[pick])), name
+
+    for side in side_buffers(device_pool):
+        for layer in range(geo.layer_num):
+            side[layer].fill_(SENTINEL)
+    rig.allocator.free(dev)
+    # Load in another order than the backup's: the pages reversed.
+    order = torch.arange(len(host)).view(-1, ps).flip(0).flatten()
+    dev2 = ctl.load(host[order], node_id=0)
+    assert dev2 is not None, "device pool full"
+    ctl.start_loading()
+    finish_transfers(ctl)
+
+    restored = rows_at(device_pool, dev2)
+    untouched = torch.ones(side_buffers(device_pool)[0][0].shape[0], dtype=torch.bool)
+    untouched[dev2] = False
+    for layer, (rows, got) in enumerate(zip(written, restored)):
+        records, want = reference(pool, rows)
+        for g, w in zip(got, want):
+            assert torch.equal(bits(g), bits(w[order])), layer
+        if records is not None:
+            in_order = [g[torch.argsort(order)] for g in got]
+            bounds = error_bounds(pool, records, in_order)
+            for x, g, bound in zip(rows, in_order, bounds):
+                assert ((g.double() - x.double()).abs() <= bound.double()).all()
+        for side in side_buffers(device_pool):
+            assert (side[layer][untouched] == SENTINEL).all()
+    assert pool.available_size() == free_before - len(host)
+    return rig
+
+
+# --- every layout x io backend x page size x dtype, torch copies ---------------
+
+TORCH_GRID = [
+    (layout, io, ps, dtype, path)
+    for layout, io, ps in itertools.product(LAYOUTS, IO_BACKENDS, PAGE_SIZES)
+    for dtype, path in ((torch.bfloat16, "torch"), (torch.float16, "torch"))
+] + [
+    # The per-run copies CUDA uses, on the CPU pool.
+    (layout, io, ps, torch.bfloat16, "runs")
+    for layout, io, ps in itertools.product(LAYOUTS, IO_BACKENDS, (1, 16))
+]
+
+
+@pytest.mark.parametrize(
+    "case,layout,io_backend,page_size,dtype,path",
+    case_params(CASES, TORCH_GRID, lambda c, *row: accepted(c, *row[:2], row[-1])),
+    indirect=["case"],
+)
+def test_controller_round_trip(case, layout, io_backend, page_size, dtype, path):
+    controller_round_trip(
+        case,
+        case.geometry(page_size, dtype),
+        layout=layout,
+        io_backend=io_backend,
+        path=path,
+        seed=page_size,
+    )
+
+
+# --- fused kernels (Triton's interpreter on CPU); a small grid, it is slow -----
+
+FUSED_GRID = [
+    ("page_first", "direct", 16, "fused_direct"),
+    ("page_first_direct", "kernel", 4, "fused_staged"),
+    ("layer_first", "direct", 1, "fused_direct"),
+    ("layer_first", "kernel", 1, "fused_staged"),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "case,layout,io_backend,page_size,path",
+    case_params(FUSED_CASES, FUSED_GRID),
+    indirect=["case"],
+)
+def test_fused_round_trip(request, case, layout, io_backend, page_size, path):
+    if not case.toy:  # the toy's "kernels" are torch code
+        request.getfixturevalue("triton_interpreter")
+    controller_round_trip(
+        case,
+        case.geometry(page_size, layer_num=2),
+        layout=layout,
+        io_backend=io_backend,
+        path=path,
+        seed=3,
+    )
+
+
+# --- head geometries: TP-sliced head counts, the common dims, K != V ---------
+
+# Every geometry at page 16, a subset at 1 and 64 (direct io), and two heads
+# at the widths the 4-bit value groups and rotations split differently
+# (kernel io). INT8's full layout x page x geometry grid stays in
+# tests/test_int8_host_pool.py, next to the kernels' (KERNEL_POOL_CASES).
+GEOMETRY_GRID = (
+    [("page_first", 16, geometry, "direct") for geometry in GEOMETRIES]
+    + [
+        (layout, ps, geometry, "direct")
+        for layout, ps in (("layer_first", 1), ("page_first_direct", 64))
+        for geometry in GEOMETRIES[:3]
+    ]
+    + [
+        ("page_first", 16, (2, *dims), "kernel")
+        for dims in ((128, 128), (192, 128), (96, 96), (80, 80), (72, 72))
+    ]
+)
+
+
+@pytest.mark.parametrize(
+    "case,layout,page_size,geometry,io_backend",
+    case_params(MHA_CASES, GEOMETRY_GRID, lambda c, *row: not c.stock),
+    indirect=["case"],
+)
+def test_geometry_round_trip(case, layout, page_size, geometry, io_backend):
+    head_num, head_dim, v_head_dim = geometry
+    geo = Geometry(
+        layer_num=2,
+        head_num=head_num,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        page_size=page_size,
+    )
+    controller_round_trip(
+        case, geo, layout=layout, io_backend=io_backend, seed=head_num
+    )
+
+
+# --- L3: the controller's storage threads, file and a real Mooncake master -----
+
+L3_PAGES = {"mha": 4, "mla": 6}
+L3_GRID = [
+    ("file", "page_first_direct"),
+    ("file", "page_first"),
+    ("file", "layer_first"),
+    ("mooncake", "page_first_direct"),
+    ("mooncake", "page_first"),
+]
+
+
+def l3_geometry(case: FormatCase):
+    if case.kind == "mla":
+        return case.geometry(4, layer_num=3)
+    return case.geometry(16)
+
+
+def l3_tokens(case: FormatCase, first: int = 1000) -> list[int]:
+    n = L3_PAGES[case.kind] * l3_geometry(case).page_size
+    return list(range(first, first + n))
+
+
+def storage_config(request, backend: str, tmp_path):
+    if backend == "mooncake":
+        return request.getfixturevalue("mooncake_master").storage_config()
+    return h.file_storage_config(tmp_path)
+
+
+def make_l3(request, case, backend, config, layout, model_name=None):
+    l3 = h.make_l3_rig(
+        backend,
+        config,
+        host_dtype=case.host_dtype,
+        geo=l3_geometry(case),
+        layout=layout,
+        model_name=model_name or f"hiq/{request.node.name}",
+    )
+    request.getfixturevalue("l3_rigs").append(l3)
+    assert type(l3.controller.mem_pool_host) is expected_pool_cls(
+        case, l3.rig.device_pool
+    )
+    return l3
+
+
+def write_to_l3(l3, case, seed=0):
+    """KV for the case's tokens: device -> L2 -> L3, then evicted from L1 and
+    L2. Returns the rows written, [layer][side]."""
+    tokens = l3_tokens(case)
+    dev, host, hashes, stored = h.write_through(
+        l3, tokens, edit=lambda pool, idx: spread(pool, idx, seed)
+    )
+    assert stored == len(hashes) == L3_PAGES[case.kind]
+    written = rows_at(l3.rig.device_pool, dev)
+    h.evict_everywhere(l3, dev, host)
+    return written
+
+
+def fetch_and_check(l3, case, written):
+    """L3 -> L2 -> L1: bit for bit the reference restore of what was written."""
+    tokens = l3_tokens(case)
+    pf = h.prefetch(l3, tokens + [7])
+    assert pf.hit_tokens == pf.completed_tokens == len(tokens)
+    dev = h.load_to_device(l3, pf.host_indices)
+    pool = l3.controller.mem_pool_host
+    for layer, (rows, got) in enumerate(zip(written, rows_at(l3.rig.device_pool, dev))):
+        _, want = reference(pool, rows)
+        for g, w in zip(got, want):
+            assert torch.equal(bits(g), bits(w)), layer
+    h.evict_everywhere(l3, dev, pf.host_indices)
+
+
+@pytest.mark.parametrize(
+    "case,backend,layout",
+    # The L3 rigs use the direct io backend.
+    case_params(
+        CASES, L3_GRID, lambda c, b, layout: accepted(c, layout, "direct", "torch")
+    ),
+    indirect=["case"],
+)
+def test_l3_round_trip(request, tmp_path, case, backend, layout):
+    config = storage_config(request, backend, tmp_path)
+    l3 = make_l3(request, case, backend, config, layout)
+    pool, pages = l3.controller.mem_pool_host, L3_PAGES[case.kind]
+    page_tokens = l3.geo.page_size
+    page_bytes = pool.get_size_per_token() * page_tokens
+    # Encoded pages carry their seal (page_integrity) after the records.
+    seal = 0 if case.stock else SEAL_BYTES
+    if not case.stock:
+        assert pool.storage_page_bytes == page_bytes
+    if backend == "mooncake":
+        master = request.getfixturevalue("mooncake_master")
+        # MLA pages take the rank-replicated key path: one object per page.
+        objects = 1 if case.kind == "mla" else 2
+        assert l3.backend.is_mla_backend == (case.kind == "mla")
+        assert l3.controller.page_get_func == l3.controller._page_get_zero_copy
+        before = master.metrics()
+    written = write_to_l3(l3, case)
+    if backend == "file":
+        files = list(tmp_path.glob("*.bin"))
+        assert len(files) == pages  # one object per page
+        assert {f.stat().st_size for f in files} == {page_bytes + seal}
+    else:
+        after = master.metrics()
+        assert after["master_key_count"] - before["master_key_count"] == objects * pages
+        # What the store holds per token is what the host pool holds per token.
+        stored = after["master_allocated_bytes"] - before["master_allocated_bytes"]
+        assert stored == pages * (page_bytes + objects * seal)
+    fetch_and_check(l3, case, written)
+
+
+@pytest.mark.parametrize("backend", ["file", "mooncake"])
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+def test_l3_formats_never_read_each_others_pages(
+    request, tmp_path, toy_host_format, kind, backend
+):
+    """Every format's pages of the same tokens and model coexist in one store;
+    each pool hits only its own (the storage tag is in the key)."""
+    config = storage_config(request, backend, tmp_path)
+    name = f"hiq/{request.node.name}"
+    cases = format_cases(kinds=(kind,))
+    rigs = [
+        make_l3(request, c, backend, config, "page_first_direct", name) for c in cases
+    ]
+    tags = [
+        getattr(l3.controller.mem_pool_host, "storage_format_tag", "") for l3 in rigs
+    ]
+    assert len(set(tags)) == len(cases)
+    written = []
+    for seed, (c, l3) in enumerate(zip(cases, rigs)):
+        # Nothing of the formats stored before (different KV, same tokens).
+        assert h.prefetch(l3, l3_tokens(c) + [7]).hit_tokens == 0
+        written.append(write_to_l3(l3, c, seed=seed))
+    for c, l3, rows in zip(cases, rigs, written):
+        fetch_and_check(l3, c, rows)
