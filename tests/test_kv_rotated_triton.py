@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from tests.support.int4_reference import Host, assert_same_records
-from test_kv_int8_codec import assert_same_bits
+from tests.support.codec_inputs import assert_same_bits
 
 from sglang.kernels.ops.kvcache import kv_hadamard_triton as hr
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4

@@ -28,7 +28,7 @@ import logging
 
 import pytest
 import torch
-from test_hybrid_host_pools import (  # noqa: F401  (autouse fixtures)
+from tests.test_hybrid_host_pools import (  # noqa: F401  (autouse fixtures)
     DTYPE,
     HOST_DTYPES,
     _host_copies_on_cpu,
@@ -42,8 +42,9 @@ from test_hybrid_host_pools import (  # noqa: F401  (autouse fixtures)
     swa_rig,
     wipe_kv,
 )
-from test_hybrid_host_pools import model_dirs as hybrid_model_dirs  # noqa: F401
-from test_server_args import _DEEPSEEK_V2_MLA, _LLAMA
+from tests.test_hybrid_host_pools import model_dirs as hybrid_model_dirs  # noqa: F401
+from tests.support.server_args import DEEPSEEK_V2_MLA as _DEEPSEEK_V2_MLA
+from tests.support.server_args import LLAMA as _LLAMA
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
@@ -556,7 +557,7 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
     assert type(draft_host) is type(target_swa_host)
     assert type(draft_host) is expected_host_cls(host_dtype)
 
-    from test_hybrid_host_pools import alloc_swa_tokens
+    from tests.test_hybrid_host_pools import alloc_swa_tokens
 
     ctl, gen = rig.controller, torch.Generator().manual_seed(2)
     full = alloc_swa_tokens(rig.allocator, 32)
@@ -590,7 +591,7 @@ def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypa
     """Qwen3-Next NEXTN: the draft's full-attention layer packs after the
     target's in the (encoded) KV host pool; the draft shares the target's
     Mamba state, which stays SGLang's MambaPoolHost."""
-    import test_hybrid_host_pools as hybrid
+    from tests import test_hybrid_host_pools as hybrid
 
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 

@@ -9,18 +9,18 @@ KV the encoded pools never ran with."""
 from __future__ import annotations
 
 import pytest
-from test_hybrid_server_args import (  # noqa: F401  (autouse fixture)
+from tests.test_hybrid_server_args import (  # noqa: F401  (autouse fixture)
     GPT_OSS,
     QWEN3_NEXT,
     _mamba_state_snapshots_as_on_cuda,
 )
-from test_server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
-    _DEEPSEEK_V2_MLA,
-    _LLAMA,
-    _model_dir,
+from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
     _restore_environ,
     resolve,
 )
+from tests.support.server_args import DEEPSEEK_V2_MLA as _DEEPSEEK_V2_MLA
+from tests.support.server_args import LLAMA as _LLAMA
+from tests.support.server_args import model_dir as _model_dir
 
 from sglang.srt.mem_cache.pool_host.host_format import host_dtype_choices
 
