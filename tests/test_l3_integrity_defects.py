@@ -28,23 +28,10 @@ from sglang.srt.arg_groups import hicache_hook
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 from sglang.srt.server_args import ServerArgs
+from tests.support.server_args import LLAMA
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-}
+_LLAMA = LLAMA
 # DeepSeek-V2 shaped, with a kv_lora_rank the MLA int8 pool accepts.
 _DEEPSEEK_V2 = {
     **_LLAMA,

@@ -14,6 +14,7 @@ import os
 import pytest
 
 from tests.support.server import CPU_FLAGS, hicache_flags, run_cli
+from tests.support.server_args import DEEPSEEK_V2_MLA
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
@@ -21,32 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 # A DeepSeek-V2-style MLA config small enough to resolve without weights
 # (start-up rejects int4 from the config alone, before any weight loads).
-TINY_MLA = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "moe_intermediate_size": 32,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "num_hidden_layers": 2,
-    "vocab_size": 256,
-    "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6,
-    "torch_dtype": "bfloat16",
-    "hidden_act": "silu",
-    "rope_theta": 10000.0,
-    "kv_lora_rank": 128,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 2,
-    "moe_layer_freq": 1,
-}
+TINY_MLA = {**DEEPSEEK_V2_MLA, "kv_lora_rank": 128}
 
 
 def refused(args, model=None) -> str:
