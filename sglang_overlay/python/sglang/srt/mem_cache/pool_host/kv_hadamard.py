@@ -343,7 +343,6 @@ class RotatedHostFormatMixin:
 
     def _kernel_rotation(self, device) -> dict:
         """The kernels' rotation arguments for a transfer device."""
-        self._check_fused()
         cache = self.__dict__.setdefault("_signs_by_device", {})
         device = torch.device(device)
         if device not in cache:
@@ -353,42 +352,24 @@ class RotatedHostFormatMixin:
             "rotation_signs": cache[device],
         }
 
-    def encode_gather(
-        self,
-        tables,
-        device_indices,
-        out,
-        host_indices,
-        *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
-    ) -> None:
+    def encode_gather(self, tables, device_indices, out, host_indices, **counters):
         self._check_fused()
-        from sglang.kernels.ops.kvcache import kv_int4_triton
-
-        kv_int4_triton.encode_gather(
+        super().encode_gather(
             tables,
             device_indices,
             out,
             host_indices,
-            nonfinite_counter=nonfinite_counter,
-            scale_amax=scale_amax,
-            bad_index_counter=bad_index_counter,
+            **counters,
             **self._kernel_rotation(tables[0].device),
         )
 
-    def decode_scatter(
-        self, records, host_indices, dst, device_indices, *, bad_index_counter=None
-    ) -> None:
+    def decode_scatter(self, records, host_indices, dst, device_indices, **counters):
         self._check_fused()
-        from sglang.kernels.ops.kvcache import kv_int4_triton
-
-        kv_int4_triton.decode_scatter(
+        super().decode_scatter(
             records,
             host_indices,
             dst,
             device_indices,
-            bad_index_counter=bad_index_counter,
+            **counters,
             **self._kernel_rotation(dst[0].device),
         )
