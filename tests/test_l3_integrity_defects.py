@@ -28,28 +28,12 @@ from sglang.srt.arg_groups import hicache_hook
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 from sglang.srt.server_args import ServerArgs
-from tests.support.server_args import LLAMA
+from tests.support.server_args import DEEPSEEK_V2_MLA, LLAMA
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 _LLAMA = LLAMA
 # DeepSeek-V2 shaped, with a kv_lora_rank the MLA int8 pool accepts.
-_DEEPSEEK_V2 = {
-    **_LLAMA,
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "moe_intermediate_size": 32,
-    "num_key_value_heads": 4,
-    "kv_lora_rank": 128,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 2,
-    "moe_layer_freq": 1,
-}
+_DEEPSEEK_V2 = {**DEEPSEEK_V2_MLA, "kv_lora_rank": 128}
 
 
 @pytest.fixture(autouse=True)
