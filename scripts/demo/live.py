@@ -87,7 +87,7 @@ class LiveConfig:
     question_len: int = 32
     output_len: int = 8
     concurrency: int = 2  # bench_serving --max-concurrency
-    seeds: tuple = (42, 43, 44)
+    seeds: tuple = (42, 43)  # two paired seeds keep `make demo` under 15 min here
     device_tokens: int = 2048  # --max-total-tokens (L1)
     margin: float = 1.25  # anchor host tokens / working set
     gen_tokens: int = 16  # greedy tokens per reuse, scored for quality
