@@ -78,6 +78,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "none: WikiText-2 only" % len(texts.STDLIB_FILES),
     )
     p.add_argument(
+        "--doc-text",
+        choices=[*texts.DOC_TEXTS, "none"],
+        default="none",
+        help="third text, documentation read where it is installed "
+        "(python-docs: pydoc's topics of this interpreter)",
+    )
+    p.add_argument(
         "--model",
         default=None,
         help="a packaged model (%s; default %s), an HF causal LM directory/id "
@@ -194,6 +201,8 @@ def text_sources(args) -> dict[str, texts.TextSource]:
     sources = {"": texts.wikitext(args.text_file)}
     if args.code_text != "none":
         sources["_code"] = texts.CODE_TEXTS[args.code_text]()
+    if args.doc_text != "none":
+        sources["_docs"] = texts.DOC_TEXTS[args.doc_text]()
     return sources
 
 
