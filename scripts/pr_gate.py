@@ -1,25 +1,16 @@
 #!/usr/bin/env python3
 """SGLang's pre-commit hooks on the exported HiQCache pull requests.
 
-`make pr-check` runs this after `make pr`. For each PR in dist/pr/<n>-<name>/
-(in order), it applies the PR's patches with `git am` to a scratch clone of
-the pristine tree (build/sglang at tag hiq-baseline) on top of the PRs before
-it, then runs every hook of requirements/upstream-lint/pre-commit-config.yaml
-on the whole files that PR adds or changes, as `pre-commit run --files` would:
-a hook fails when it exits non-zero or when it rewrites a file (the fixers:
-isort, ruff --fix, ruff-format, trailing-whitespace, end-of-file-fixer).
-
-The hooks are the pinned tools of requirements/test-tools-lint.txt, run as
-`python -m <tool>` from this interpreter's path (`make pr-check` puts them in
-build/lint; the test venv has them too), plus our own implementation of two
-of upstream's local hooks: check-registered-tests (registry call, test
-taxonomy, dead TestCase classes) and check-no-bare-pytest-main.
+`make pr-check` runs this after `make pr`: each PR of dist/pr/ is `git am`ed
+onto a scratch clone of the pristine tree after the PRs before it, then
+every hook of requirements/upstream-lint/pre-commit-config.yaml runs on the
+files it adds or changes (a hook fails when it exits non-zero or rewrites a
+file), with the pinned tools of requirements/test-tools-lint.txt plus our
+implementation of upstream's local hooks check-registered-tests and
+check-no-bare-pytest-main.
 
   scripts/pr_gate.py                          # dist/pr against build/sglang
-  scripts/pr_gate.py --repo DIR --base REV    # a git tree's REV..HEAD changes
-
-Exit status 0 when every hook passes, 1 with one line per failure otherwise.
-"""
+  scripts/pr_gate.py --repo DIR --base REV    # a git tree's REV..HEAD changes"""
 
 from __future__ import annotations
 

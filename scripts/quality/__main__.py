@@ -1,26 +1,10 @@
 #!/usr/bin/env python3
-"""Quality of KV restored from the HiCache host (L2) pool: CPU mode.
+"""Quality of KV restored from the HiCache host (L2) pool: CPU mode (`make quality`).
 
-Prefills windows of WikiText-2 and of source code (the Python standard
-library installed with this interpreter) with a real model, moves each
-prefix's KV through SGLang's real HiCache write (device -> host) and load
-(host -> device) path, and scores the continuation from the restored KV. Arms
-on identical windows: exact (no offload), stock BF16 host pool (control: must
-be bit-identical to exact) and one per registered quantized host format
-(int8, k8v4, int4, ...). Writes <out-dir>/<name>.{md,json} and
-<name>_kl.png for WikiText-2, <name>_code.* for the code, and
-<name>_summary.md with both tables and the targets. Exits 2 if an arm's
-prefix did not come back from L2 (nothing to report), and with
---check-targets 1 if a quality target is missed.
-
-Run: make quality
-  or PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.quality \
-         --text-file ../shared/data/wikitext-2/test.txt --code-text python-stdlib
-MLA (DeepSeek-V2 architecture, RANDOM weights: not a quality figure, see
-scripts/quality/mla_random.py): python -m scripts.quality --mla-random
-The library is scripts/quality/harness.py; the server mode (GPU, two running
-servers) is scripts/quality/server.py.
-"""
+Writes <out-dir>/<name>.{md,json,_kl.png} for WikiText-2, <name>_code.* for
+the code text and <name>_summary.md; exits 2 if an arm's prefix did not come
+back from L2, 1 with --check-targets if a target is missed. `--mla-random`:
+a random-weight DeepSeek-V2 (scripts/quality/mla_random.py)."""
 
 from __future__ import annotations
 
