@@ -76,10 +76,6 @@ TARGET_BACKUP = 0.75
 TARGET_CODEC_BW = 0.60
 
 
-# --------------------------------------------------------------------------
-# timing
-
-
 class Clock:
     def __init__(self, device: str, slice_s: float = 2.0):
         self.cuda = device == "cuda"
@@ -123,10 +119,6 @@ class Clock:
                 fn()
         else:
             fn()
-
-
-# --------------------------------------------------------------------------
-# BF16 zero-copy copy kernel (baseline only)
 
 
 def _row_copy_src(
@@ -224,10 +216,6 @@ class StockTritonCopy:
                 table.base, table.offsets[layer : layer + 1], dev_idx,
                 table.stride[0], 0, len(dev_idx), self.E, 1, table.aligned,
             )  # fmt: skip
-
-
-# --------------------------------------------------------------------------
-# benchmark pieces
 
 
 def bandwidth(clock, device, dry) -> dict:

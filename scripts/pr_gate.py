@@ -95,10 +95,6 @@ class Result:
     failures: list[str] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------
-# set-up
-
-
 def read_pins(path: Path = LINT_PINS) -> dict[str, str]:
     pins = {}
     for line in path.read_text().splitlines():
@@ -167,10 +163,6 @@ def changed_files(repo: Path, base: str, head: str = "HEAD") -> list[str]:
     return sorted(line for line in out.splitlines() if line)
 
 
-# --------------------------------------------------------------------------
-# file selection (pre-commit's identify types, as far as these hooks need)
-
-
 def file_types(path: Path) -> set[str]:
     if path.is_symlink():
         return {"symlink"}
@@ -200,10 +192,6 @@ def select_files(repo: Path, files: list[str], config: dict, hook: dict) -> list
         and not any(p.search(f) for p in excludes)
         and wanted <= file_types(repo / f)
     ]
-
-
-# --------------------------------------------------------------------------
-# our implementation of upstream's local hooks
 
 
 def is_main_guard(node: ast.AST) -> bool:
@@ -369,10 +357,6 @@ LOCAL_HOOKS = {
     "check-registered-tests": check_registered_tests,
     "check-no-bare-pytest-main": check_no_bare_pytest_main,
 }
-
-
-# --------------------------------------------------------------------------
-# running the hooks
 
 
 def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> list[str]:

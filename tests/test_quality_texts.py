@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.common.cpu_sglang import install_cpu_standins
 from scripts.quality import harness as hq
 from scripts.quality import texts
 from tests.support.quality_inputs import TEXT_FILE
@@ -21,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def bundle():
     _require_inputs()
-    hq.install_cpu_runtime()
+    install_cpu_standins()
     return hq.load_model()
 
 

@@ -61,10 +61,6 @@ def setup():
     return h
 
 
-# ---------------------------------------------------------------------------
-# A) bytes per token in the store
-
-
 def bytes_per_token(h, args, workdir: Path) -> dict:
     from tests.support.hicache_harness import Geometry
 
@@ -107,10 +103,6 @@ def bytes_per_token(h, args, workdir: Path) -> dict:
         finally:
             master.stop()
     return out
-
-
-# ---------------------------------------------------------------------------
-# B) hit rate with small L2 + L3
 
 
 def make_requests(args) -> list[list[int]]:
@@ -251,9 +243,6 @@ def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -
         "store_keys_at_end": int(metrics["master_key_count"]),
         "store_evicted_keys": int(metrics.get("master_evicted_key_count", 0)),
     }
-
-
-# ---------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:

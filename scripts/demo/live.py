@@ -48,11 +48,6 @@ SERVER_INFO_KEYS = (
 )
 
 
-# --------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class LiveConfig:
     groups: int = 8  # --gsp-num-groups
@@ -172,11 +167,6 @@ def config_from_args(args) -> LiveConfig:
             )
         values["margin"] = args.live_margin
     return LiveConfig(**{**asdict(base), **values})
-
-
-# --------------------------------------------------------------------------
-# The workload as the server sees it, and the budget
-# --------------------------------------------------------------------------
 
 
 @dataclass
@@ -311,11 +301,6 @@ def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> B
             "reach the host tier; raise --live-groups or lower --live-device-tokens"
         )
     return budget
-
-
-# --------------------------------------------------------------------------
-# Measuring one arm
-# --------------------------------------------------------------------------
 
 
 def _host_gauges(m) -> dict:
@@ -547,11 +532,6 @@ def _bench_figures(result: dict) -> dict:
     }
 
 
-# --------------------------------------------------------------------------
-# Quality and agreement against the bf16 arm
-# --------------------------------------------------------------------------
-
-
 def quality(arm: ArmResult, base: ArmResult) -> dict:
     """Greedy agreement and scored quality of `arm` against the bf16 arm over
     every reused prompt (all seeds)."""
@@ -587,11 +567,6 @@ def quality(arm: ArmResult, base: ArmResult) -> dict:
         "max_abs_logprob_diff": max(diffs) if diffs else float("nan"),
         "prompts_loaded_back_from_host": host_scored,
     }
-
-
-# --------------------------------------------------------------------------
-# Driver and report
-# --------------------------------------------------------------------------
 
 
 def select_formats(formats, spec: Optional[str]):
@@ -860,11 +835,6 @@ def passed(res: LiveResult) -> bool:
         ok &= hits >= base_hits
     anchor = arm_totals(res.arm(ANCHOR_FORMAT))
     return ok and spread(anchor["reuse_host"])[0] > spread(base["reuse_host"])[0]
-
-
-# --------------------------------------------------------------------------
-# How part 1 and part 2 agree
-# --------------------------------------------------------------------------
 
 
 def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:

@@ -19,10 +19,6 @@ import torch
 
 from scripts.common.cpu_sglang import install_cpu_standins
 
-# --------------------------------------------------------------------------
-# Configuration and SGLang set-up on CPU
-# --------------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class ModelGeometry:
@@ -172,11 +168,6 @@ def _rss_shmem_bytes() -> int:
     return 0
 
 
-# --------------------------------------------------------------------------
-# Experiment A: same L2 token capacity -> host bytes
-# --------------------------------------------------------------------------
-
-
 @dataclass
 class PoolAllocation:
     label: str
@@ -264,11 +255,6 @@ def allocate_host_pool(
     del host_pool, device_pool
     gc.collect()
     return result
-
-
-# --------------------------------------------------------------------------
-# Experiment B, sizing: host budget -> token capacity (SGLang's own sizing)
-# --------------------------------------------------------------------------
 
 
 @dataclass

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Quality of KV restored from the HiCache host (L2) pool: CPU mode (`make quality`).
 
-Writes <out-dir>/<name>.{md,json,_kl.png} for WikiText-2, <name>_code.* for
-the code text and <name>_summary.md; exits 2 if an arm's prefix did not come
-back from L2, 1 with --check-targets if a target is missed. `--mla-random`:
-a random-weight DeepSeek-V2 (scripts/quality/mla_random.py)."""
+Writes <out-dir>/<name>.md, .json and _kl.png per text (<name> for WikiText-2,
+<name>_code and <name>_docs for the others) and <name>_summary.md; exits 2 if
+an arm's prefix did not come back from L2, 1 with --check-targets if a target
+is missed. `--mla-random`: a random-weight DeepSeek-V2 (mla_random.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from scripts.common.cpu_sglang import install_cpu_standins
 from scripts.quality import harness as hq
 from scripts.quality import texts
 
@@ -141,7 +142,7 @@ def main_mla_random(args, command: str) -> int:
     """--mla-random: the MLA restore path on a random-weight DeepSeek-V2."""
     from scripts.quality import mla_random
 
-    standins = hq.install_cpu_runtime()
+    standins = install_cpu_standins()
     if args.threads:
         import torch
 
@@ -202,7 +203,7 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    standins = hq.install_cpu_runtime()
+    standins = install_cpu_standins()
     import torch
 
     if args.threads:

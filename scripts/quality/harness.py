@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from scripts.common import plot
-from scripts.common.cpu_sglang import REPO_ROOT, install_cpu_standins
+from scripts.common.cpu_sglang import REPO_ROOT
 from scripts.overlay import read_lock
 from scripts.quality import texts
 from scripts.quality.texts import TextSource
@@ -141,15 +141,7 @@ class NoRestoreError(RestoreError):
 
 
 # ---------------------------------------------------------------------------
-# runtime: CPU stand-ins, model, text
-
-
-def install_cpu_runtime() -> list[str]:
-    """Install the CPU stand-ins (tests/support/standins.py) SGLang's HiCache code
-    needs to run its pools on the CPU; return their names for the report. Must
-    run before sglang is imported."""
-    # The pools live on the CPU even where CUDA exists: this is the CPU mode.
-    return install_cpu_standins()
+# runtime: model, text
 
 
 def smollm_gguf_path() -> Path:
@@ -317,7 +309,7 @@ class OffloadRig:
         tokens: int,
         io_backend: str = "direct",
     ):
-        # tests/ is on the path once install_cpu_runtime() has run.
+        # tests/ is on the path once install_cpu_standins() has run.
         from tests.support.hicache_harness import make_rig
 
         self.geo = geo
