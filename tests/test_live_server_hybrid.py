@@ -45,7 +45,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.hybrid_model import GPT_OSS_TINY, SLIDING_WINDOW, gpt_oss_tiny_dir
+from tests.support.hybrid_model import (GPT_OSS_TINY, SLIDING_WINDOW,
+                                        gpt_oss_tiny_dir)
 from tests.support.model import stdlib_prompts
 from tests.support.server import CPU_FLAGS, SPEC_ENV, LiveServer, hicache_flags
 from tests.test_live_server import agreeing_prefix, details, output_logprobs

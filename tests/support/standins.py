@@ -530,9 +530,7 @@ def _window_start(first_position: int, window) -> int:
 
 def _visible(key_positions, query_positions, window, causal=True):
     """[Tq, Tk] True where a query sees a key: causal, and inside its window."""
-    seen = torch.ones(
-        len(query_positions), len(key_positions), dtype=torch.bool
-    )
+    seen = torch.ones(len(query_positions), len(key_positions), dtype=torch.bool)
     if causal:
         seen &= key_positions[None, :] <= query_positions[:, None]
     if window is not None and window > 0:
