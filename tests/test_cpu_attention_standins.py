@@ -16,8 +16,7 @@ import types
 
 import pytest
 import torch
-from transformers.models.gpt_oss.modeling_gpt_oss import \
-    eager_attention_forward
+from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
 from tests.support.standins import decode_attention_cpu, extend_attention_cpu
 
