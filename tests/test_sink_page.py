@@ -1,0 +1,264 @@
+"""The attention-sink page (issue 22 item 2): inside the 4-bit host formats the
+page holding a sequence's token 0 is kept at 8 bits (pool_host/sink_page.py).
+
+Through SGLang's real MHA device pool, the dispatched host pool and
+HiCacheController (write -> wipe -> load): the sink page restores bit for bit
+as the int8 reference codec gives it, every other page as the pool's own
+4-bit reference; the 4-bit records (what L3 stores) are written for the sink
+page too. Expected values come from the reference codecs on the rows the
+test wrote.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.hicache_harness import (
+    Geometry,
+    fill_random,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
+from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
+from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV
+
+FORMATS = ("int4", "int4r", "k8v4", "k8v4r")
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+PAGE = 16
+
+
+def build(fmt, layout="page_first", sink_tokens=4 * PAGE, host_pages=16, **kw):
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
+    return make_rig(
+        geo,
+        device_tokens=16 * PAGE,
+        host_tokens=host_pages * PAGE,
+        layout=layout,
+        host_dtype=fmt,
+        sink_page_tokens=sink_tokens,
+        **kw,
+    )
+
+
+def backup(rig, tokens, seed, sink):
+    dev = rig.allocator.alloc(tokens)
+    written = fill_random(rig.device_pool, dev, seed)
+    host = rig.controller.write(dev, first_page_is_sink=sink)
+    assert host is not None
+    finish_transfers(rig.controller)
+    for layer in range(rig.device_pool.layer_num):
+        rig.device_pool.k_buffer[layer][dev] = 0
+        rig.device_pool.v_buffer[layer][dev] = 0
+    rig.allocator.free(dev)
+    return host, written
+
+
+def restore(rig, host):
+    dev = rig.controller.load(host)
+    rig.controller.start_loading()
+    finish_transfers(rig.controller)
+    return [
+        (rig.device_pool.k_buffer[layer][dev], rig.device_pool.v_buffer[layer][dev])
+        for layer in range(rig.device_pool.layer_num)
+    ]
+
+
+def reference(fmt, rows, unit_tokens):
+    """Restored rows (flat tokens) and records of reference format `fmt`."""
+    k, v = (x.view(-1, unit_tokens, *x.shape[1:]) for x in rows)
+    records = fmt.encode_reference([k, v])
+    k_hat, v_hat = fmt.decode_reference(records, k.dtype)
+    return (k_hat.flatten(0, 1), v_hat.flatten(0, 1)), records
+
+
+def bits(x):
+    return x.view(torch.int16)
+
+
+def assert_same(got, want):
+    assert torch.equal(bits(got), bits(want))
+
+
+def expect(pool, written, tokens, sink_tokens):
+    """Per layer: the reference restore of `tokens` (a slice of written
+    rows), the first `sink_tokens` of them from the int8 codec."""
+    fmt = pool.host_format
+    int8 = Int8HostFormat(fmt.dims, fmt.head_num, pool.page_size, fmt.device_dtype)
+    out = []
+    for k, v in written:
+        k, v = k[tokens], v[tokens]
+        (k4, v4), _ = reference(fmt, (k, v), fmt.unit_tokens)
+        if sink_tokens:
+            (k8, v8), _ = reference(int8, (k[:sink_tokens], v[:sink_tokens]), PAGE)
+            k4[:sink_tokens], v4[:sink_tokens] = k8, v8
+        out.append((k4, v4))
+    return out
+
+
+def host_records(pool, layer, host):
+    units = host if pool.layout == "layer_first" else host[::PAGE] // PAGE
+    return {
+        name: buf[layer, units] if pool.layout == "layer_first" else buf[units, layer]
+        for name, buf in pool.host_records.items()
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sink_page_restores_at_8_bits_the_rest_at_4(fmt, layout):
+    rig = build(fmt, layout)
+    pool = rig.host_pool
+    host, written = backup(rig, 3 * PAGE, seed=1, sink=True)
+    other_host, other_written = backup(rig, 2 * PAGE, seed=2, sink=False)
+    assert pool.sink_page_counts() == {"stored": 1, "slots": 4, "kept_4bit": 0}
+    for layer, (k, v) in enumerate(restore(rig, host)):
+        want_k, want_v = expect(pool, written, slice(None), PAGE)[layer]
+        assert_same(k, want_k)
+        assert_same(v, want_v)
+    for layer, (k, v) in enumerate(restore(rig, other_host)):
+        want_k, want_v = expect(pool, other_written, slice(None), 0)[layer]
+        assert_same(k, want_k)
+        assert_same(v, want_v)
+    # The 4-bit records (L3's page bytes) hold the sink page too.
+    for layer, (k, v) in enumerate(written):
+        _, records = reference(pool.host_format, (k, v), pool.host_format.unit_tokens)
+        stored = host_records(pool, layer, host)
+        for name, want in records.items():
+            assert torch.equal(stored[name].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ("int4r", "k8v4"))
+def test_a_load_mixing_sink_and_other_pages_splits_them(fmt):
+    """One load over two sequences' pages, sink pages in the middle."""
+    rig = build(fmt)
+    host_a, rows_a = backup(rig, 2 * PAGE, seed=3, sink=True)
+    host_b, rows_b = backup(rig, 2 * PAGE, seed=4, sink=True)
+    host = torch.cat([host_a[PAGE:], host_b, host_a[:PAGE]])
+    restored = restore(rig, host)
+    want_a = expect(rig.host_pool, rows_a, slice(None), PAGE)
+    want_b = expect(rig.host_pool, rows_b, slice(None), PAGE)
+    for layer, (k, v) in enumerate(restored):
+        a, b = want_a[layer], want_b[layer]
+        assert_same(k, torch.cat([a[0][PAGE:], b[0], a[0][:PAGE]]))
+        assert_same(v, torch.cat([a[1][PAGE:], b[1], a[1][:PAGE]]))
+
+
+def test_sink_off_keeps_every_page_4_bit_and_the_pools_bytes(monkeypatch):
+    monkeypatch.delenv(SINK_ENV, raising=False)
+    rig = build("int4", sink_tokens=None)
+    plain = build("int4", sink_tokens=0).host_pool
+    pool = rig.host_pool
+    assert pool.sink_pages is None and pool.sink_page_counts() is None
+    assert pool.size_per_token == plain.size_per_token
+    assert pool.size_per_token == allocated_bytes(pool) / pool.size
+    host, written = backup(rig, 2 * PAGE, seed=5, sink=True)
+    for layer, (k, v) in enumerate(restore(rig, host)):
+        want_k, want_v = expect(pool, written, slice(None), 0)[layer]
+        assert_same(k, want_k)
+        assert_same(v, want_v)
+
+
+def test_env_turns_it_on(monkeypatch):
+    monkeypatch.setenv(SINK_ENV, str(8 * PAGE))
+    pool = build("int4", sink_tokens=None).host_pool
+    assert pool.sink_page_counts()["slots"] == 2
+
+
+def test_full_store_keeps_the_page_4_bit_and_counts_it():
+    rig = build("int4", sink_tokens=16 * PAGE)
+    pool = rig.host_pool
+    host_a, rows_a = backup(rig, 2 * PAGE, seed=6, sink=True)
+    host_b, rows_b = backup(rig, 2 * PAGE, seed=7, sink=True)
+    assert pool.sink_page_counts() == {"stored": 1, "slots": 1, "kept_4bit": 1}
+    for host, rows, sink in ((host_a, rows_a, PAGE), (host_b, rows_b, 0)):
+        for layer, (k, v) in enumerate(restore(rig, host)):
+            want_k, want_v = expect(pool, rows, slice(None), sink)[layer]
+            assert_same(k, want_k)
+            assert_same(v, want_v)
+    # Freeing the first sequence's pages returns its slot; the next first page takes it.
+    rig.controller.evict_host(host_a)
+    assert pool.sink_page_counts()["stored"] == 0
+    host_c, rows_c = backup(rig, 2 * PAGE, seed=8, sink=True)
+    assert pool.sink_page_counts() == {"stored": 1, "slots": 1, "kept_4bit": 1}
+    for layer, (k, v) in enumerate(restore(rig, host_c)):
+        want_k, want_v = expect(pool, rows_c, slice(None), PAGE)[layer]
+        assert_same(k, want_k)
+        assert_same(v, want_v)
+
+
+def test_reused_host_page_is_not_a_sink_page_any_more():
+    """A freed sink page's host slots, reallocated to a non-first page, restore
+    at 4 bits (the flag is the page's, cleared on free)."""
+    rig = build("int4", host_pages=2)
+    host, _ = backup(rig, 2 * PAGE, seed=9, sink=True)
+    rig.controller.evict_host(host)
+    again, rows = backup(rig, 2 * PAGE, seed=10, sink=False)
+    assert sorted(again.tolist()) == sorted(host.tolist())
+    for layer, (k, v) in enumerate(restore(rig, again)):
+        want_k, want_v = expect(rig.host_pool, rows, slice(None), 0)[layer]
+        assert_same(k, want_k)
+        assert_same(v, want_v)
+
+
+@pytest.mark.parametrize(
+    "fmt, tokens, match",
+    [
+        ("int8", 64, "4-bit formats"),
+        ("int4", 8, "at least the page size"),
+    ],
+)
+def test_bad_settings_fail_at_start_up_naming_the_variable(fmt, tokens, match):
+    with pytest.raises(ValueError, match=f"{SINK_ENV}.*{match}|{match}.*{SINK_ENV}"):
+        build(fmt, sink_tokens=tokens)
+
+
+def test_fp8_device_kv_is_refused():
+    fp8 = torch.float8_e4m3fn
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=PAGE)
+    device_pool = make_device_pool(geo, 16 * PAGE)
+    with pytest.raises(ValueError, match=SINK_ENV):
+        make_host_pool(
+            device_pool,
+            host_tokens=16 * PAGE,
+            layout="page_first",
+            host_dtype="int4",
+            device_kv_dtype=fp8,
+            sink_page_tokens=64,
+        )
+
+
+# --- bytes per token -----------------------------------------------------------
+
+
+def allocated_bytes(pool) -> int:
+    tensors = list(pool.host_records.values())
+    if pool.sink_pages is not None:
+        tensors += list(pool.sink_pages.records.tensors.values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_bytes_per_token_at_qwen3_8b_geometry():
+    """int4 with the sink page, page 64, one side-store slot per 1k/4k/16k
+    host tokens: bytes per token from the allocated buffers, which the pool
+    reports (start-up log, metrics). Run with -s for the table."""
+    geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
+    device_pool = make_device_pool(geo, device_tokens=128)
+    bf16 = 36 * 8 * 128 * 2 * 2
+    print("\nsink slot per  B/token  tokens per host byte vs BF16")
+    for tokens in (0, 1024, 4096, 16384):
+        pool = make_host_pool(
+            device_pool,
+            host_tokens=16384,
+            layout="page_first",
+            host_dtype="int4",
+            sink_page_tokens=tokens,
+        )
+        per_token = allocated_bytes(pool) / pool.size
+        assert per_token == pool.size_per_token == pool.get_size_per_token()
+        print(f"{tokens or 'off':>13}  {per_token:>7}  {bf16 / per_token:.3f}x")
+        # int4's 1152 B per token and layer, plus one int8 page (2080 B per
+        # token and layer) per `tokens` host tokens.
+        assert per_token == 36 * (1152 + (2080 * 64 / tokens if tokens else 0))
