@@ -262,3 +262,118 @@ def test_bytes_per_token_at_qwen3_8b_geometry():
         # int4's 1152 B per token and layer, plus one int8 page (2080 B per
         # token and layer) per `tokens` host tokens.
         assert per_token == 36 * (1152 + (2080 * 64 / tokens if tokens else 0))
+
+
+# --- the radix cache says which page -----------------------------------------
+
+
+def radix_cache(monkeypatch, host_dtype, host_tokens=64 * PAGE):
+    """SGLang's UnifiedRadixCache + HiCache as the scheduler builds it
+    (registry.create_unified_radix_cache), page 16, write-through."""
+    from scripts.demo.pools import publish_server_args
+    from scripts.demo.replay import _TpWorkerStub
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.registry import (
+        TreeCacheBuildContext,
+        create_unified_radix_cache,
+    )
+
+    monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
+    device_tokens = 32 * PAGE
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
+    server_args = publish_server_args(
+        host_dtype,
+        page_size=PAGE,
+        hicache_ratio=host_tokens / device_tokens,
+        layout="page_first",
+        io_backend="direct",
+    )
+    device_pool = make_device_pool(geo, device_tokens)
+    allocator = PagedTokenToKVPoolAllocator(
+        device_tokens, PAGE, geo.dtype, "cpu", device_pool, need_sort=False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=4096, device="cpu", enable_memory_saver=False
+        ),
+        token_to_kv_pool_allocator=allocator,
+        page_size=PAGE,
+    )
+    ctx = TreeCacheBuildContext(
+        server_args=server_args,
+        params=params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=True,
+        disable_radix_cache=False,
+        tp_worker=_TpWorkerStub(),
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    cache = create_unified_radix_cache(ctx)
+    cache.write_through_threshold = 1
+    return cache, device_pool, allocator
+
+
+def insert(cache, allocator, device_pool, ids, seed):
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    slots = allocator.alloc(len(ids))
+    fill_random(device_pool, slots, seed)
+    cache.insert(
+        InsertParams(
+            key=RadixKey(array("q", ids)),
+            value=slots.to(torch.int64),
+            prev_prefix_len=0,
+            inserted_len=0,
+        )
+    )
+    cache.writing_check(write_back=True)
+    return slots
+
+
+def test_radix_cache_flags_the_first_page_of_each_root_child(monkeypatch):
+    """Three sequences: b shares a's first two pages, c starts elsewhere. The
+    radix cache backs up a (a root child), b's own tail (a child of a's node)
+    and c (a root child): only a's and c's first pages are flagged."""
+    cache, device_pool, allocator = radix_cache(monkeypatch, "int4r")
+    controller = cache.cache_controller
+    pool = controller.mem_pool_host.anchor_entry.host_pool
+    writes = []
+    real_write = controller.write
+
+    def write(device_indices, *args, first_page_is_sink=False, **kw):
+        host = real_write(
+            device_indices, *args, first_page_is_sink=first_page_is_sink, **kw
+        )
+        writes.append((device_indices.clone(), host.clone(), first_page_is_sink))
+        return host
+
+    monkeypatch.setattr(controller, "write", write)
+    a = list(range(1, 1 + 3 * PAGE))
+    b = a[: 2 * PAGE] + list(range(500, 500 + 2 * PAGE))
+    c = list(range(900, 900 + 2 * PAGE))
+    slots = [
+        insert(cache, allocator, device_pool, ids, seed)
+        for seed, ids in enumerate((a, b, c))
+    ]
+    assert [(len(dev), sink) for dev, _, sink in writes] == [
+        (3 * PAGE, True),
+        (2 * PAGE, False),
+        (2 * PAGE, True),
+    ]
+    assert torch.equal(writes[0][0], slots[0])
+    assert torch.equal(writes[1][0], slots[1][2 * PAGE :])
+    assert torch.equal(writes[2][0], slots[2])
+    flagged = (pool.sink_pages.slot_of_page >= 0).nonzero().flatten().tolist()
+    assert sorted(flagged) == sorted(int(h[0]) // PAGE for _, h, s in writes if s)
+    counts = pool.sink_page_counts()
+    assert (counts["stored"], counts["kept_4bit"]) == (2, 0)
