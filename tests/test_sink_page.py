@@ -130,6 +130,24 @@ def test_sink_page_restores_at_8_bits_the_rest_at_4(fmt, layout):
             assert torch.equal(stored[name].view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("access", ("direct", "staged"))
+@pytest.mark.parametrize("fmt", ("int4r", "k8v4"))
+def test_fused_path_moves_the_sink_page_with_the_int8_kernels(fmt, access):
+    """Under the Triton interpreter: the pool's fused 4-bit kernels and the
+    side store's int8 kernels give the torch path's (the reference's) bits."""
+    rig = build(fmt)
+    pool = rig.host_pool
+    pool.use_fused_kernels = True
+    pool.fused_host_access = access
+    host, written = backup(rig, 2 * PAGE, seed=11, sink=True)
+    assert pool.sink_pages.transfer.path == f"fused_{access}"
+    for layer, (k, v) in enumerate(restore(rig, host)):
+        want_k, want_v = expect(pool, written, slice(None), PAGE)[layer]
+        assert_same(k, want_k)
+        assert_same(v, want_v)
+
+
 @pytest.mark.parametrize("fmt", ("int4r", "k8v4"))
 def test_a_load_mixing_sink_and_other_pages_splits_them(fmt):
     """One load over two sequences' pages, sink pages in the middle."""
