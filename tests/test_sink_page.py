@@ -395,3 +395,50 @@ def test_radix_cache_flags_the_first_page_of_each_root_child(monkeypatch):
     assert sorted(flagged) == sorted(int(h[0]) // PAGE for _, h, s in writes if s)
     counts = pool.sink_page_counts()
     assert (counts["stored"], counts["kept_4bit"]) == (2, 0)
+
+
+# --- L3 -------------------------------------------------------------------------
+
+
+def test_l3_gets_the_4_bit_page_and_returns_it_4_bit(monkeypatch, tmp_path, l3_rigs):
+    """The file backend stores every page, the sink page included, as the
+    format's 4-bit page under its own tag; after L1 and L2 are emptied, the
+    page prefetched back into fresh host pages restores at 4 bits, bit for
+    bit, while from L2 it restored at 8."""
+    from tests.support.l3_harness import (
+        device_rows,
+        evict_everywhere,
+        file_storage_config,
+        load_to_device,
+        make_l3_rig,
+        prefetch,
+        write_through,
+    )
+
+    monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
+    l3 = make_l3_rig(
+        "file", file_storage_config(tmp_path), host_dtype="int4r", geo=geo,
+        layout="page_first", device_tokens=8 * PAGE, host_tokens=16 * PAGE,
+    )  # fmt: skip
+    l3_rigs.append(l3)
+    pool = l3.rig.host_pool
+    tokens = list(range(7, 7 + 3 * PAGE))
+    dev, host, _, stored = write_through(l3, tokens, seed=12, first_page_is_sink=True)
+    assert stored == 3 and pool.sink_page_counts()["stored"] == 1
+    rows = device_rows(l3.rig, dev)
+    written = list(zip(rows[: geo.layer_num], rows[geo.layer_num :]))
+    from_l2 = load_to_device(l3, host)
+    l1 = l3.rig.device_pool
+    for layer, (want_k, want_v) in enumerate(expect(pool, written, slice(None), PAGE)):
+        assert_same(l1.k_buffer[layer][from_l2], want_k)
+        assert_same(l1.v_buffer[layer][from_l2], want_v)
+    l3.rig.allocator.free(from_l2)
+    evict_everywhere(l3, dev, host)
+    assert pool.sink_page_counts()["stored"] == 0
+    fetched = prefetch(l3, tokens)
+    assert fetched.completed_tokens == 3 * PAGE
+    from_l3 = load_to_device(l3, fetched.host_indices)
+    for layer, (want_k, want_v) in enumerate(expect(pool, written, slice(None), 0)):
+        assert_same(l1.k_buffer[layer][from_l3], want_k)
+        assert_same(l1.v_buffer[layer][from_l3], want_v)
