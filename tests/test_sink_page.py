@@ -259,14 +259,14 @@ def allocated_bytes(pool) -> int:
 
 
 def test_bytes_per_token_at_qwen3_8b_geometry():
-    """int4 with the sink page, page 64, one side-store slot per 1k/4k/16k
+    """int4 with the sink page, page 64, one side-store slot per 1k/4k/8k/16k
     host tokens: bytes per token from the allocated buffers, which the pool
     reports (start-up log, metrics). Run with -s for the table."""
     geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
     device_pool = make_device_pool(geo, device_tokens=128)
     bf16 = 36 * 8 * 128 * 2 * 2
     print("\nsink slot per  B/token  tokens per host byte vs BF16")
-    for tokens in (0, 1024, 4096, 16384):
+    for tokens in (0, 1024, 4096, 8192, 16384):
         pool = make_host_pool(
             device_pool,
             host_tokens=16384,
