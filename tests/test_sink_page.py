@@ -82,20 +82,27 @@ def assert_same(got, want):
     assert torch.equal(bits(got), bits(want))
 
 
-def expect(pool, written, tokens, sink_tokens):
-    """Per layer: the reference restore of `tokens` (a slice of written
-    rows), the first `sink_tokens` of them from the int8 codec."""
+def expect(pool, written, sink_tokens):
+    """Per layer: the reference restore of the written rows, the first
+    `sink_tokens` of them from the int8 codec."""
     fmt = pool.host_format
     int8 = Int8HostFormat(fmt.dims, fmt.head_num, pool.page_size, fmt.device_dtype)
     out = []
     for k, v in written:
-        k, v = k[tokens], v[tokens]
         (k4, v4), _ = reference(fmt, (k, v), fmt.unit_tokens)
         if sink_tokens:
             (k8, v8), _ = reference(int8, (k[:sink_tokens], v[:sink_tokens]), PAGE)
             k4[:sink_tokens], v4[:sink_tokens] = k8, v8
         out.append((k4, v4))
     return out
+
+
+def assert_restores(rig, host, written, sink_tokens):
+    """host -> device through the controller gives expect()'s bits."""
+    want = expect(rig.host_pool, written, sink_tokens)
+    for (k, v), (want_k, want_v) in zip(restore(rig, host), want):
+        assert_same(k, want_k)
+        assert_same(v, want_v)
 
 
 def host_records(pool, layer, host):
@@ -114,14 +121,8 @@ def test_sink_page_restores_at_8_bits_the_rest_at_4(fmt, layout):
     host, written = backup(rig, 3 * PAGE, seed=1, sink=True)
     other_host, other_written = backup(rig, 2 * PAGE, seed=2, sink=False)
     assert pool.sink_page_counts() == {"stored": 1, "slots": 4, "kept_4bit": 0}
-    for layer, (k, v) in enumerate(restore(rig, host)):
-        want_k, want_v = expect(pool, written, slice(None), PAGE)[layer]
-        assert_same(k, want_k)
-        assert_same(v, want_v)
-    for layer, (k, v) in enumerate(restore(rig, other_host)):
-        want_k, want_v = expect(pool, other_written, slice(None), 0)[layer]
-        assert_same(k, want_k)
-        assert_same(v, want_v)
+    assert_restores(rig, host, written, PAGE)
+    assert_restores(rig, other_host, other_written, 0)
     # The 4-bit records (L3's page bytes) hold the sink page too.
     for layer, (k, v) in enumerate(written):
         _, records = reference(pool.host_format, (k, v), pool.host_format.unit_tokens)
@@ -142,10 +143,7 @@ def test_fused_path_moves_the_sink_page_with_the_int8_kernels(fmt, access):
     pool.fused_host_access = access
     host, written = backup(rig, 2 * PAGE, seed=11, sink=True)
     assert pool.sink_pages.transfer.path == f"fused_{access}"
-    for layer, (k, v) in enumerate(restore(rig, host)):
-        want_k, want_v = expect(pool, written, slice(None), PAGE)[layer]
-        assert_same(k, want_k)
-        assert_same(v, want_v)
+    assert_restores(rig, host, written, PAGE)
 
 
 @pytest.mark.parametrize("fmt", ("int4r", "k8v4"))
@@ -156,8 +154,8 @@ def test_a_load_mixing_sink_and_other_pages_splits_them(fmt):
     host_b, rows_b = backup(rig, 2 * PAGE, seed=4, sink=True)
     host = torch.cat([host_a[PAGE:], host_b, host_a[:PAGE]])
     restored = restore(rig, host)
-    want_a = expect(rig.host_pool, rows_a, slice(None), PAGE)
-    want_b = expect(rig.host_pool, rows_b, slice(None), PAGE)
+    want_a = expect(rig.host_pool, rows_a, PAGE)
+    want_b = expect(rig.host_pool, rows_b, PAGE)
     for layer, (k, v) in enumerate(restored):
         a, b = want_a[layer], want_b[layer]
         assert_same(k, torch.cat([a[0][PAGE:], b[0], a[0][:PAGE]]))
@@ -173,10 +171,7 @@ def test_sink_off_keeps_every_page_4_bit_and_the_pools_bytes(monkeypatch):
     assert pool.size_per_token == plain.size_per_token
     assert pool.size_per_token == allocated_bytes(pool) / pool.size
     host, written = backup(rig, 2 * PAGE, seed=5, sink=True)
-    for layer, (k, v) in enumerate(restore(rig, host)):
-        want_k, want_v = expect(pool, written, slice(None), 0)[layer]
-        assert_same(k, want_k)
-        assert_same(v, want_v)
+    assert_restores(rig, host, written, 0)
 
 
 def test_env_turns_it_on(monkeypatch):
@@ -192,19 +187,13 @@ def test_full_store_keeps_the_page_4_bit_and_counts_it():
     host_b, rows_b = backup(rig, 2 * PAGE, seed=7, sink=True)
     assert pool.sink_page_counts() == {"stored": 1, "slots": 1, "kept_4bit": 1}
     for host, rows, sink in ((host_a, rows_a, PAGE), (host_b, rows_b, 0)):
-        for layer, (k, v) in enumerate(restore(rig, host)):
-            want_k, want_v = expect(pool, rows, slice(None), sink)[layer]
-            assert_same(k, want_k)
-            assert_same(v, want_v)
+        assert_restores(rig, host, rows, sink)
     # Freeing the first sequence's pages returns its slot; the next first page takes it.
     rig.controller.evict_host(host_a)
     assert pool.sink_page_counts()["stored"] == 0
     host_c, rows_c = backup(rig, 2 * PAGE, seed=8, sink=True)
     assert pool.sink_page_counts() == {"stored": 1, "slots": 1, "kept_4bit": 1}
-    for layer, (k, v) in enumerate(restore(rig, host_c)):
-        want_k, want_v = expect(pool, rows_c, slice(None), PAGE)[layer]
-        assert_same(k, want_k)
-        assert_same(v, want_v)
+    assert_restores(rig, host_c, rows_c, PAGE)
 
 
 def test_reused_host_page_is_not_a_sink_page_any_more():
@@ -215,10 +204,7 @@ def test_reused_host_page_is_not_a_sink_page_any_more():
     rig.controller.evict_host(host)
     again, rows = backup(rig, 2 * PAGE, seed=10, sink=False)
     assert sorted(again.tolist()) == sorted(host.tolist())
-    for layer, (k, v) in enumerate(restore(rig, again)):
-        want_k, want_v = expect(rig.host_pool, rows, slice(None), 0)[layer]
-        assert_same(k, want_k)
-        assert_same(v, want_v)
+    assert_restores(rig, again, rows, 0)
 
 
 @pytest.mark.parametrize(
@@ -288,15 +274,9 @@ def test_bytes_per_token_at_qwen3_8b_geometry():
 def radix_cache(monkeypatch, host_dtype, host_tokens=64 * PAGE):
     """SGLang's UnifiedRadixCache + HiCache as the scheduler builds it
     (registry.create_unified_radix_cache), page 16, write-through."""
-    from scripts.demo.pools import publish_server_args
-    from scripts.demo.replay import _TpWorkerStub
+    from scripts.demo.pools import publish_server_args, unified_radix_cache
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.registry import (
-        TreeCacheBuildContext,
-        create_unified_radix_cache,
-    )
 
     monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
     device_tokens = 32 * PAGE
@@ -312,28 +292,10 @@ def radix_cache(monkeypatch, host_dtype, host_tokens=64 * PAGE):
     allocator = PagedTokenToKVPoolAllocator(
         device_tokens, PAGE, geo.dtype, "cpu", device_pool, need_sort=False
     )
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=ReqToTokenPool(
-            size=4, max_context_len=4096, device="cpu", enable_memory_saver=False
-        ),
-        token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
+    req_to_token = ReqToTokenPool(
+        size=4, max_context_len=4096, device="cpu", enable_memory_saver=False
     )
-    ctx = TreeCacheBuildContext(
-        server_args=server_args,
-        params=params,
-        is_hybrid_swa=False,
-        is_hybrid_ssm=False,
-        enable_hierarchical_cache=True,
-        disable_radix_cache=False,
-        tp_worker=_TpWorkerStub(),
-        model_config=None,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
-    )
-    cache = create_unified_radix_cache(ctx)
+    cache = unified_radix_cache(server_args, req_to_token, allocator, PAGE)
     cache.write_through_threshold = 1
     return cache, device_pool, allocator
 
@@ -430,7 +392,7 @@ def test_l3_gets_the_4_bit_page_and_returns_it_4_bit(monkeypatch, tmp_path, l3_r
     written = list(zip(rows[: geo.layer_num], rows[geo.layer_num :]))
     from_l2 = load_to_device(l3, host)
     l1 = l3.rig.device_pool
-    for layer, (want_k, want_v) in enumerate(expect(pool, written, slice(None), PAGE)):
+    for layer, (want_k, want_v) in enumerate(expect(pool, written, PAGE)):
         assert_same(l1.k_buffer[layer][from_l2], want_k)
         assert_same(l1.v_buffer[layer][from_l2], want_v)
     l3.rig.allocator.free(from_l2)
@@ -439,6 +401,6 @@ def test_l3_gets_the_4_bit_page_and_returns_it_4_bit(monkeypatch, tmp_path, l3_r
     fetched = prefetch(l3, tokens)
     assert fetched.completed_tokens == 3 * PAGE
     from_l3 = load_to_device(l3, fetched.host_indices)
-    for layer, (want_k, want_v) in enumerate(expect(pool, written, slice(None), 0)):
+    for layer, (want_k, want_v) in enumerate(expect(pool, written, 0)):
         assert_same(l1.k_buffer[layer][from_l3], want_k)
         assert_same(l1.v_buffer[layer][from_l3], want_v)

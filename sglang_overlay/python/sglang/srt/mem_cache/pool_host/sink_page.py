@@ -21,7 +21,6 @@ per token. A first page that finds the store full stays 4-bit and is counted
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 
