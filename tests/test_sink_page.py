@@ -404,3 +404,21 @@ def test_l3_gets_the_4_bit_page_and_returns_it_4_bit(monkeypatch, tmp_path, l3_r
     for layer, (want_k, want_v) in enumerate(expect(pool, written, 0)):
         assert_same(l1.k_buffer[layer][from_l3], want_k)
         assert_same(l1.v_buffer[layer][from_l3], want_v)
+
+
+def test_quality_harness_sink_arm_is_opt_in():
+    """The quality CLI's int4r_sink arm: int4r's pool with the side store,
+    selected only by --arms."""
+    from scripts.quality import harness as hq
+
+    default, _ = hq._selected_arms(hq.QualityConfig(text_file="unused"))
+    assert "int4r" in default and "int4r_sink" not in default
+    arms, offloaded = hq._selected_arms(
+        hq.QualityConfig(text_file="unused", arms=("int4r", "int4r_sink"))
+    )
+    assert arms == ("exact", "int4r", "int4r_sink")
+    plain, sink = offloaded
+    assert (sink.host_dtype, sink.page_size, sink.layout) == (
+        plain.host_dtype, plain.page_size, plain.layout,
+    )  # fmt: skip
+    assert (plain.sink_page_tokens, sink.sink_page_tokens) == (0, hq.SINK_PAGE_TOKENS)

@@ -169,15 +169,19 @@ def offload_arms(
             layouts.get(fmt.label, default),
             page_size or page,
         )
-    for name, base in SINK_ARMS.items():
-        if base in arms:
-            arms[name] = replace(
-                arms[base], name=name, sink_page_tokens=SINK_PAGE_TOKENS
-            )
     unknown = set(layouts) - set(arms)
     if unknown:
         raise ValueError(f"layout for unknown arms {sorted(unknown)}")
     return arms
+
+
+def sink_arms(arms: dict[str, Arm]) -> dict[str, Arm]:
+    """The opt-in arms: a format's arm with its first page at 8 bits."""
+    return {
+        name: replace(arms[base], name=name, sink_page_tokens=SINK_PAGE_TOKENS)
+        for name, base in SINK_ARMS.items()
+        if base in arms
+    }
 
 
 class RestoreError(RuntimeError):
@@ -690,8 +694,8 @@ def run_quality(
 
 def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
     """(every arm, exact first; the offloaded ones), after checking the config."""
-    known = offload_arms(cfg.page_size, cfg.layouts)
-    default = [a for a in known if a not in SINK_ARMS]
+    default = offload_arms(cfg.page_size, cfg.layouts)
+    known = {**default, **sink_arms(default)}
     arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *default)
     if "exact" not in arms:
         arms = ("exact", *arms)
