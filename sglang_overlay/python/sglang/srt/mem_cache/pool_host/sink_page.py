@@ -81,6 +81,13 @@ def sink_format(fmt, page_size: int):
     return Int8HostFormat(fmt.dims, fmt.head_num, page_size, fmt.device_dtype)
 
 
+def _upload(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Through pinned memory on CUDA: a pageable upload would wait for the stream.
+    if device.type == "cuda":
+        return indices.pin_memory().to(device, non_blocking=True)
+    return indices.to(device)
+
+
 class SinkPageStore:
     """The side store and the host-page -> slot map; it has what
     TorchTransfer / FusedTransfer read from a pool, for its own records."""
@@ -124,10 +131,6 @@ class SinkPageStore:
     @property
     def fused_host_access(self) -> str:
         return self._fused_access
-
-    @property
-    def use_fused_kernels(self) -> bool:
-        return self.transfer.path != "torch"
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.records.tensors.values())
@@ -195,9 +198,9 @@ class SinkPageStore:
             dev = device_indices.device
             split = (
                 host[rest],
-                device_indices[rest.to(dev)],
+                device_indices[_upload(rest, dev)],
                 slot[pos] * self.page_size + host[pos] % self.page_size,
-                device_indices[pos.to(dev)],
+                device_indices[_upload(pos, dev)],
             )
         # The originals stay referenced, so their ids stay unique while cached.
         self._split_cache = (key, (host_indices, device_indices), split)
