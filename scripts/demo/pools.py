@@ -102,6 +102,47 @@ def publish_server_args(
     return server_args
 
 
+class TpWorkerStub:
+    """registry.create_unified_radix_cache hands the layer-done counter to the
+    TP worker; on CPU nothing consumes it."""
+
+    hicache_layer_transfer_counter = None
+
+    def register_hicache_layer_transfer_counter(self, counter) -> None:
+        self.hicache_layer_transfer_counter = counter
+
+
+def unified_radix_cache(server_args, req_to_token_pool, allocator, page_size: int):
+    """UnifiedRadixCache + HiCache over an MHA device pool, as the scheduler
+    builds it (registry.create_unified_radix_cache)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.registry import (
+        TreeCacheBuildContext,
+        create_unified_radix_cache,
+    )
+
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token_pool,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+    )
+    ctx = TreeCacheBuildContext(
+        server_args=server_args,
+        params=params,
+        is_hybrid_swa=False,
+        is_hybrid_ssm=False,
+        enable_hierarchical_cache=True,
+        disable_radix_cache=False,
+        tp_worker=TpWorkerStub(),
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    return create_unified_radix_cache(ctx)
+
+
 def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
     setup_sglang()
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool

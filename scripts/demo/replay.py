@@ -23,6 +23,7 @@ from scripts.demo.pools import (
     make_device_pool,
     publish_server_args,
     setup_sglang,
+    unified_radix_cache,
 )
 from scripts.demo.workload import Request, warmup_request
 
@@ -69,16 +70,6 @@ class _ReqStub:
         self.mamba_host_hit_length = 0
         self.mamba_pool_idx = None
         self.kv = SimpleNamespace(mamba_pool_idx=None)
-
-
-class _TpWorkerStub:
-    """registry.create_unified_radix_cache hands the layer-done counter to the
-    TP worker; on CPU nothing consumes it."""
-
-    hicache_layer_transfer_counter = None
-
-    def register_hicache_layer_transfer_counter(self, counter) -> None:
-        self.hicache_layer_transfer_counter = counter
 
 
 @dataclass
@@ -209,12 +200,7 @@ class HiCacheReplay:
         """The device pool, allocator and request table, then the radix cache
         with HiCache as the scheduler builds it (registry)."""
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-        from sglang.srt.mem_cache.registry import (
-            TreeCacheBuildContext,
-            create_unified_radix_cache,
-        )
 
         l1_tokens, dtype = self.serving.l1_tokens, self.geometry.dtype
         self.device_pool = make_device_pool(self.geometry, l1_tokens)
@@ -227,26 +213,9 @@ class HiCacheReplay:
             device="cpu",
             enable_memory_saver=False,
         )
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=self.req_to_token,
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=1,
+        return unified_radix_cache(
+            self.server_args, self.req_to_token, self.allocator, page_size=1
         )
-        ctx = TreeCacheBuildContext(
-            server_args=self.server_args,
-            params=params,
-            is_hybrid_swa=False,
-            is_hybrid_ssm=False,
-            enable_hierarchical_cache=True,
-            disable_radix_cache=False,
-            tp_worker=_TpWorkerStub(),
-            model_config=None,
-            tp_size=1,
-            tp_rank=0,
-            tp_group=None,
-        )
-        return create_unified_radix_cache(ctx)
 
     def _check_host_pool(self, host_tokens: int) -> None:
         """The host pool is the one the --hicache-host-dtype dispatch picks,

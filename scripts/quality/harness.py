@@ -48,6 +48,10 @@ QUANTIZED_LAYOUT = "page_first"
 # (issue 13).
 ARM_PAGE_SIZE = {"auto": 1, "int8": 1}
 GROUPED_PAGE_SIZE = 64
+# Opt-in arms (--arms): the format with its first page at 8 bits
+# (SGLANG_HICACHE_SINK_PAGE_TOKENS; one window's prefix is in L2 at a time).
+SINK_ARMS = {"int4r_sink": "int4r"}
+SINK_PAGE_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class Arm:
     host_dtype: str  # --hicache-host-dtype, through get_mha_host_pool_cls
     layout: str
     page_size: int
+    sink_page_tokens: int = 0  # the sink page's side store; 0: off
 
 
 def offload_arms(
@@ -130,6 +135,15 @@ def offload_arms(
     if unknown:
         raise ValueError(f"layout for unknown arms {sorted(unknown)}")
     return arms
+
+
+def sink_arms(arms: dict[str, Arm]) -> dict[str, Arm]:
+    """The opt-in arms: a format's arm with its first page at 8 bits."""
+    return {
+        name: replace(arms[base], name=name, sink_page_tokens=SINK_PAGE_TOKENS)
+        for name, base in SINK_ARMS.items()
+        if base in arms
+    }
 
 
 class RestoreError(RuntimeError):
@@ -300,6 +314,7 @@ class OffloadRig:
         layout: str,
         tokens: int,
         io_backend: str = "direct",
+        sink_page_tokens: int = 0,
     ):
         # tests/ is on the path once install_cpu_standins() has run.
         from tests.support.hicache_harness import make_rig
@@ -316,6 +331,8 @@ class OffloadRig:
         extra = (
             {"device_kv_dtype": geo.dtype} if self.fp8 and host_dtype != "auto" else {}
         )
+        if host_dtype != "auto":
+            extra["sink_page_tokens"] = sink_page_tokens
         rig = make_rig(
             geo,
             device_tokens=device_tokens,
@@ -364,7 +381,8 @@ class OffloadRig:
         for layer, (k, v) in enumerate(kv):
             pool.k_buffer[layer][dev] = self._stored(k)
             pool.v_buffer[layer][dev] = self._stored(v)
-        host = ctl.write(dev)
+        # The prefix starts at the window's token 0: its first page is a sink page.
+        host = ctl.write(dev, first_page_is_sink=True)
         if host is None:
             raise RuntimeError(f"host pool cannot hold {n} tokens")
         written = drain(ctl.ack_write_queue)
@@ -626,8 +644,9 @@ def run_quality(
 
 def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
     """(every arm, exact first; the offloaded ones), after checking the config."""
-    known = offload_arms(cfg.page_size, cfg.layouts)
-    arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *known)
+    default = offload_arms(cfg.page_size, cfg.layouts)
+    known = {**default, **sink_arms(default)}
+    arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *default)
     if "exact" not in arms:
         arms = ("exact", *arms)
     unknown = set(arms) - {"exact", *known}
@@ -675,6 +694,7 @@ def _offload_rigs(cfg: QualityConfig, geo: KVGeometry, offloaded) -> dict:
             arm.host_dtype,
             arm.layout,
             cfg.prefix_len,
+            sink_page_tokens=arm.sink_page_tokens,
         )
         for arm in offloaded
     }

@@ -250,10 +250,10 @@ def device_rows(rig: HiCacheRig, indices: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-def write_through(l3: L3Rig, tokens: list[int], seed: int = 0, edit=None):
+def write_through(l3: L3Rig, tokens: list[int], seed: int = 0, edit=None, **write):
     """New KV for `tokens` on the device -> L2 -> L3 (edit(device_pool, dev)
-    may change it first). Returns (device indices, host indices, page hashes,
-    number of pages L3 accepted)."""
+    may change it first; `write`: HiCacheController.write keywords). Returns
+    (device indices, host indices, page hashes, number of pages L3 accepted)."""
     from tests.support.hicache_harness import fill_random
 
     ctl, rig = l3.controller, l3.rig
@@ -261,7 +261,7 @@ def write_through(l3: L3Rig, tokens: list[int], seed: int = 0, edit=None):
     fill_random(rig.device_pool, dev, seed=seed)
     if edit is not None:
         edit(rig.device_pool, dev)
-    host = ctl.write(dev, node_id=0)
+    host = ctl.write(dev, node_id=0, **write)
     assert host is not None, "host pool full"
     ctl.start_writing()
     finish_transfers(ctl)

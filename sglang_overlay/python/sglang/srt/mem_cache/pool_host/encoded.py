@@ -577,21 +577,21 @@ class EncodedHostPool:
     def host_records(self) -> dict[str, torch.Tensor]:
         return self.records.tensors
 
+    def _alloc_host(self, shape, dtype) -> torch.Tensor:
+        """One host tensor, allocated (and pinned) as the upstream pool's."""
+        alloc_func = ALLOC_MEMORY_FUNCS[self._transfer_device.type]
+        return alloc_func(shape, dtype=dtype, device=self.device,
+                          pin_memory=self.pin_memory, allocator=self.allocator)  # fmt: skip
+
     def init_kv_buffer(self):
         page_major = self.layout != "layer_first"
-        alloc_func = ALLOC_MEMORY_FUNCS[self._transfer_device.type]
-
-        def alloc(shape, dtype):
-            return alloc_func(shape, dtype=dtype, device=self.device,
-                              pin_memory=self.pin_memory, allocator=self.allocator)  # fmt: skip
-
         units = self.page_num if page_major else self.size
         self.records = HostRecords(
-            self.host_format, units, self.layer_num, page_major, alloc
+            self.host_format, units, self.layer_num, page_major, self._alloc_host
         )
         self.pages = L3PageCodec(
             self.host_format, self.records, self.page_size, self.layer_num,
-            self.layout, alloc,
+            self.layout, self._alloc_host,
         )  # fmt: skip
         # The controller's L3 seal hooks (patch: storage concern) are the codec's.
         self.storage_integrity = self.pages.stats
@@ -736,7 +736,10 @@ class EncodedHostPool:
             else (0, self.target_layer_num)
         )
         if first <= layer_id < end:
-            self.transfer.load(host_indices, device_indices, layer_id)
+            self._load_layer(host_indices, device_indices, layer_id)
+
+    def _load_layer(self, host_indices, device_indices, layer_id: int) -> None:
+        self.transfer.load(host_indices, device_indices, layer_id)
 
     @property
     def draft_layer_num(self) -> int:

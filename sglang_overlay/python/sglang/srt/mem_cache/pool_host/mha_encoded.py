@@ -18,9 +18,10 @@ from sglang.srt.mem_cache.pool_host.encoded import (
 )
 from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.sink_page import SinkPagePool
 
 
-class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
+class MHATokenToKVPoolEncodedHost(SinkPagePool, EncodedHostPool, MHATokenToKVPoolHost):
     """L3 storage moves pages in this encoded form: one object per page for
     generic backends (file), the format's zero-copy objects per page for
     zero-copy backends (mooncake)."""
@@ -53,6 +54,7 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
         pool_label: str = "kv",
         host_token_capacity: int | None = None,
         device_kv_dtype: torch.dtype | None = None,
+        sink_page_tokens: int | None = None,
     ):
         name = self.host_format_cls.name
         check_layout(name, layout)
@@ -63,6 +65,8 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
         self.host_format = self._format_for(
             buffer_info, page_size, layout, self.device_kv_dtype
         )
+        # sink_page_tokens: None reads SGLANG_HICACHE_SINK_PAGE_TOKENS (sink_page.py).
+        self.plan_sink_pages(page_size, sink_page_tokens)
         super().__init__(
             buffer_info,
             host_to_device_ratio,

@@ -1,0 +1,325 @@
+"""The attention-sink page of the 4-bit host formats: the page holding a
+sequence's token 0 kept at 8 bits (SGLANG_HICACHE_SINK_PAGE_TOKENS).
+
+The radix cache says which backed-up page is a sequence's first (the first
+page of a node whose parent is the root) through HiCacheController.write's
+``first_page_is_sink``; the pool calls ``mark_sink_page`` before that backup
+runs. A marked page gets a slot in an 8-bit side store: the int8 format's
+records (kv_int8_codec.Int8HostFormat, one unit per page, every layer), moved
+by the same TorchTransfer / FusedTransfer as the pool (the int8 kernels on
+CUDA) over the marked pages' tokens. The page is still encoded at 4 bits in
+the pool's own records, so L3 always receives (and returns) the format's
+4-bit page under its own tag; a restore from L2 decodes the marked tokens
+from the side store and every other token from the 4-bit records.
+
+The side store has one slot per ``sink_page_tokens`` host tokens (one per
+sequence of that length), allocated with the pool and counted in its bytes
+per token. A first page that finds the store full stays 4-bit and is counted
+(``sink_page_counts()["kept_4bit"]``); freeing a host page returns its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang.srt.environ import envs
+from sglang.srt.mem_cache.pool_host.encoded import (
+    STAGING_TOKENS,
+    HostKVCounters,
+    HostRecords,
+    StagingBuffers,
+    TorchTransfer,
+    UnitPlanner,
+)
+from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
+
+logger = logging.getLogger(__name__)
+
+SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
+
+
+def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
+    """Host tokens per side-store slot (0: off), from the pool's keyword or
+    SGLANG_HICACHE_SINK_PAGE_TOKENS; refuses what the format cannot keep."""
+    tokens = (
+        envs.SGLANG_HICACHE_SINK_PAGE_TOKENS.get() if requested is None else requested
+    )
+    if not tokens:
+        return 0
+    # Imported only when asked for: a format's codecs load only where selected.
+    from sglang.srt.mem_cache.pool_host.kv_int4_codec import (
+        Int4HostFormat,
+        K8V4HostFormat,
+    )
+
+    if not isinstance(fmt, (Int4HostFormat, K8V4HostFormat)):
+        raise ValueError(
+            f"{SINK_ENV} keeps the sink page at 8 bits inside the 4-bit formats "
+            f"(int4, k8v4 and their rotated forms); --hicache-host-dtype {fmt.name} "
+            f"has none. Unset {SINK_ENV} or pass a 4-bit --hicache-host-dtype."
+        )
+    if fmt.device_dtype in FP8_DEVICE_DTYPES:
+        raise ValueError(
+            f"{SINK_ENV}: the 8-bit sink page stores BF16/FP16 device KV, not "
+            f"{str(fmt.device_dtype).removeprefix('torch.')}. Unset {SINK_ENV} or "
+            "pass --kv-cache-dtype bf16."
+        )
+    if tokens < page_size:
+        raise ValueError(
+            f"{SINK_ENV}={tokens} must be at least the page size ({page_size}): "
+            "one side-store slot per that many host tokens, e.g. 4096."
+        )
+    return tokens
+
+
+def sink_format(fmt, page_size: int):
+    """The side store's format: int8, one unit per page of the pool's geometry."""
+    from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
+
+    return Int8HostFormat(fmt.dims, fmt.head_num, page_size, fmt.device_dtype)
+
+
+def _upload(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Through pinned memory on CUDA: a pageable upload would wait for the stream.
+    if device.type == "cuda":
+        return indices.pin_memory().to(device, non_blocking=True)
+    return indices.to(device)
+
+
+class SinkPageStore:
+    """The side store and the host-page -> slot map; it has what
+    TorchTransfer / FusedTransfer read from a pool, for its own records."""
+
+    def __init__(self, pool, tokens_per_slot: int):
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.layer_num = pool.layer_num
+        self.dtype = pool.dtype
+        self._transfer_device = pool._transfer_device
+        fmt = pool.host_format
+        self.host_format = sink_format(fmt, self.page_size)
+        self.slots = min(pool.page_num, max(1, -(-pool.size // tokens_per_slot)))
+        self.size = self.slots * self.page_size
+        self.records = HostRecords(
+            self.host_format, self.slots, self.layer_num, True, pool._alloc_host
+        )
+        staging_units = min(max(1, STAGING_TOKENS // self.page_size), self.slots)
+        dev = self._transfer_device
+        self.planner = UnitPlanner(
+            f"{fmt.name} sink page", self.size, self.page_size, staging_units, dev
+        )
+        self.staging = StagingBuffers(self.host_format, staging_units, self.dtype, dev)
+        # Kept apart from the pool's: the pool's count the 4-bit copy of every page.
+        self.counters = HostKVCounters(self.layer_num, 2, dev)
+        self.transfer = TorchTransfer(self)
+        self._fused_access = pool.fused_host_access
+        self._fused_ok = None
+        self._split_cache = None
+        self.kept_4bit = 0
+        self.clear()
+
+    def clear(self) -> None:
+        self.slot_of_page = torch.full((self.pool.page_num,), -1, dtype=torch.int64)
+        self.free_slots = list(range(self.slots - 1, -1, -1))
+        self._split_cache = None
+
+    def _device_buffers(self, side: int):
+        return self.pool._device_buffers(side)
+
+    @property
+    def fused_host_access(self) -> str:
+        return self._fused_access
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.records.tensors.values())
+
+    def counts(self) -> dict:
+        """Sink pages held at 8 bits now, slots, and first pages kept 4-bit
+        because the store was full."""
+        return {
+            "stored": self.slots - len(self.free_slots),
+            "slots": self.slots,
+            "kept_4bit": self.kept_4bit,
+        }
+
+    # -- which pages -------------------------------------------------------
+
+    def mark(self, host_indices: torch.Tensor) -> bool:
+        """Give the first page of host_indices a slot; False if it stays 4-bit."""
+        page = self.page_size
+        first = host_indices[:page].to("cpu", torch.int64)
+        if len(first) < page or int(first[0]) % page:
+            return False
+        if not torch.equal(first, torch.arange(int(first[0]), int(first[0]) + page)):
+            return False
+        unit = int(first[0]) // page
+        if self.slot_of_page[unit] >= 0:
+            return True
+        if not self.free_slots:
+            self.kept_4bit += 1
+            return False
+        self.slot_of_page[unit] = self.free_slots.pop()
+        self._split_cache = None
+        return True
+
+    def release(self, indices: torch.Tensor) -> None:
+        """Freed host tokens: their pages' slots go back to the store."""
+        if len(self.free_slots) == self.slots or not indices.numel():
+            return
+        units = torch.unique(indices.to("cpu", torch.int64) // self.page_size)
+        slots = self.slot_of_page[units]
+        held = slots >= 0
+        if bool(held.any()):
+            self.free_slots.extend(slots[held].tolist())
+            self.slot_of_page[units[held]] = -1
+            self._split_cache = None
+
+    def _split(self, host_indices, device_indices):
+        """(other host, other device, side-store host, sink device) indices
+        of a transfer, or None if it holds no marked page. Loads pass the same
+        tensors for every layer, so the last split is kept."""
+        if len(self.free_slots) == self.slots:
+            return None
+        key = (id(host_indices), host_indices._version,
+               id(device_indices), device_indices._version)  # fmt: skip
+        cache = self._split_cache
+        if cache is not None and cache[0] == key:
+            return cache[2]
+        host = host_indices.to("cpu", torch.int64)
+        self.pool.planner.check(host)
+        slot = self.slot_of_page[host // self.page_size]
+        sink = slot >= 0
+        split = None
+        if bool(sink.any()):
+            pos = sink.nonzero().squeeze(1)
+            rest = (~sink).nonzero().squeeze(1)
+            dev = device_indices.device
+            split = (
+                host[rest],
+                device_indices[_upload(rest, dev)],
+                slot[pos] * self.page_size + host[pos] % self.page_size,
+                device_indices[_upload(pos, dev)],
+            )
+        # The originals stay referenced, so their ids stay unique while cached.
+        self._split_cache = (key, (host_indices, device_indices), split)
+        return split
+
+    # -- transfers ---------------------------------------------------------
+
+    def _active_transfer(self):
+        """The pool's kind of transfer over the side store: the int8 fused
+        kernels where the pool runs fused ones, else the torch path."""
+        from sglang.srt.mem_cache.pool_host.encoded_fused import FusedTransfer
+
+        pool = self.pool
+        if self._fused_ok is None:
+            self._fused_ok = self.host_format.fused_available(self._transfer_device)
+        fused = pool.use_fused_kernels and self._fused_ok
+        if fused != isinstance(self.transfer, FusedTransfer):
+            self.transfer = FusedTransfer(self) if fused else TorchTransfer(self)
+        self._fused_access = pool.fused_host_access
+        return self.transfer
+
+    def backup(self, host_indices, device_indices) -> None:
+        """After the pool's 4-bit backup: the marked pages again, at 8 bits."""
+        split = self._split(host_indices, device_indices)
+        if split is not None:
+            self._active_transfer().backup(split[2], split[3])
+
+    def load(self, host_indices, device_indices, layer_id: int) -> None:
+        """One layer: marked tokens from the side store, the rest at 4 bits."""
+        split = self._split(host_indices, device_indices)
+        if split is None:
+            self.pool.transfer.load(host_indices, device_indices, layer_id)
+            return
+        rest_host, rest_device, sink_host, sink_device = split
+        if rest_host.numel():
+            self.pool.transfer.load(rest_host, rest_device, layer_id)
+        self._active_transfer().load(sink_host, sink_device, layer_id)
+
+
+class SinkPagePool:
+    """The MHA encoded pool's side of the sink page; listed before
+    EncodedHostPool. The pool calls plan_sink_pages before the upstream
+    constructor sizes it; sink_pages is None when the feature is off."""
+
+    sink_pages: SinkPageStore | None = None
+    _sink_tokens_per_slot = 0
+
+    def plan_sink_pages(self, page_size: int, requested: int | None) -> None:
+        self._sink_tokens_per_slot = sink_page_tokens(
+            self.host_format, page_size, requested
+        )
+        if self._sink_tokens_per_slot:
+            self._sink_slot_format = sink_format(self.host_format, page_size)
+
+    def get_size_per_token(self):
+        base = super().get_size_per_token()
+        if self.sink_pages is not None:
+            # What was allocated, so start-up log and metrics state real bytes.
+            per_token = (base * self.size + self.sink_pages.nbytes()) / self.size
+            return int(per_token) if per_token == int(per_token) else per_token
+        if self._sink_tokens_per_slot:
+            # Before allocation (HostKVCache sizes the pool by it): a slot's
+            # share of its sink_page_tokens host tokens.
+            slot = self._sink_slot_format.unit_bytes() * self.layer_num
+            return base + slot / self._sink_tokens_per_slot
+        return base
+
+    def _finish_setup(self) -> None:
+        if self._sink_tokens_per_slot:
+            self.sink_pages = SinkPageStore(self, self._sink_tokens_per_slot)
+            self.size_per_token = self.get_size_per_token()
+        super()._finish_setup()
+        if self.sink_pages is not None:
+            store = self.sink_pages
+            logger.info(
+                "HiCache %s sink page: the first page of each sequence at 8 bits "
+                "(int8 records) in %d slots, one per %d host tokens (%s=%d), "
+                "%.1f MB; L3 pages stay %s.",
+                self.pool_label,
+                store.slots,
+                self._sink_tokens_per_slot,
+                SINK_ENV,
+                self._sink_tokens_per_slot,
+                store.nbytes() / 1e6,
+                self.host_format.name,
+            )
+
+    def mark_sink_page(self, host_indices: torch.Tensor) -> None:
+        """HiCacheController.write(first_page_is_sink=True): host_indices'
+        first page holds a sequence's token 0."""
+        if self.sink_pages is not None:
+            with self.lock:
+                self.sink_pages.mark(host_indices)
+
+    def sink_page_counts(self) -> dict | None:
+        return None if self.sink_pages is None else self.sink_pages.counts()
+
+    def free(self, indices: torch.Tensor) -> int:
+        with self.lock:
+            if self.sink_pages is not None:
+                self.sink_pages.release(indices)
+            return super().free(indices)
+
+    def clear(self):
+        super().clear()
+        if self.sink_pages is not None:
+            self.sink_pages.clear()
+
+    def backup_from_device_all_layer(
+        self, device_pool, host_indices, device_indices, io_backend
+    ):
+        super().backup_from_device_all_layer(
+            device_pool, host_indices, device_indices, io_backend
+        )
+        if self.sink_pages is not None:
+            self.sink_pages.backup(host_indices, device_indices)
+
+    def _load_layer(self, host_indices, device_indices, layer_id: int) -> None:
+        if self.sink_pages is None:
+            super()._load_layer(host_indices, device_indices, layer_id)
+        else:
+            self.sink_pages.load(host_indices, device_indices, layer_id)

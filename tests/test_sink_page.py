@@ -1,0 +1,424 @@
+"""The attention-sink page (issue 22 item 2): inside the 4-bit host formats the
+page holding a sequence's token 0 is kept at 8 bits (pool_host/sink_page.py).
+
+Through SGLang's real MHA device pool, the dispatched host pool and
+HiCacheController (write -> wipe -> load): the sink page restores bit for bit
+as the int8 reference codec gives it, every other page as the pool's own
+4-bit reference; the 4-bit records (what L3 stores) are written for the sink
+page too. Expected values come from the reference codecs on the rows the
+test wrote.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.hicache_harness import (
+    Geometry,
+    fill_random,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
+from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
+from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV
+
+FORMATS = ("int4", "int4r", "k8v4", "k8v4r")
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+PAGE = 16
+
+
+def build(fmt, layout="page_first", sink_tokens=4 * PAGE, host_pages=16, **kw):
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
+    return make_rig(
+        geo,
+        device_tokens=16 * PAGE,
+        host_tokens=host_pages * PAGE,
+        layout=layout,
+        host_dtype=fmt,
+        sink_page_tokens=sink_tokens,
+        **kw,
+    )
+
+
+def backup(rig, tokens, seed, sink):
+    dev = rig.allocator.alloc(tokens)
+    written = fill_random(rig.device_pool, dev, seed)
+    host = rig.controller.write(dev, first_page_is_sink=sink)
+    assert host is not None
+    finish_transfers(rig.controller)
+    for layer in range(rig.device_pool.layer_num):
+        rig.device_pool.k_buffer[layer][dev] = 0
+        rig.device_pool.v_buffer[layer][dev] = 0
+    rig.allocator.free(dev)
+    return host, written
+
+
+def restore(rig, host):
+    dev = rig.controller.load(host)
+    rig.controller.start_loading()
+    finish_transfers(rig.controller)
+    return [
+        (rig.device_pool.k_buffer[layer][dev], rig.device_pool.v_buffer[layer][dev])
+        for layer in range(rig.device_pool.layer_num)
+    ]
+
+
+def reference(fmt, rows, unit_tokens):
+    """Restored rows (flat tokens) and records of reference format `fmt`."""
+    k, v = (x.view(-1, unit_tokens, *x.shape[1:]) for x in rows)
+    records = fmt.encode_reference([k, v])
+    k_hat, v_hat = fmt.decode_reference(records, k.dtype)
+    return (k_hat.flatten(0, 1), v_hat.flatten(0, 1)), records
+
+
+def bits(x):
+    return x.view(torch.int16)
+
+
+def assert_same(got, want):
+    assert torch.equal(bits(got), bits(want))
+
+
+def expect(pool, written, sink_tokens):
+    """Per layer: the reference restore of the written rows, the first
+    `sink_tokens` of them from the int8 codec."""
+    fmt = pool.host_format
+    int8 = Int8HostFormat(fmt.dims, fmt.head_num, pool.page_size, fmt.device_dtype)
+    out = []
+    for k, v in written:
+        (k4, v4), _ = reference(fmt, (k, v), fmt.unit_tokens)
+        if sink_tokens:
+            (k8, v8), _ = reference(int8, (k[:sink_tokens], v[:sink_tokens]), PAGE)
+            k4[:sink_tokens], v4[:sink_tokens] = k8, v8
+        out.append((k4, v4))
+    return out
+
+
+def assert_restores(rig, host, written, sink_tokens):
+    """host -> device through the controller gives expect()'s bits."""
+    want = expect(rig.host_pool, written, sink_tokens)
+    for (k, v), (want_k, want_v) in zip(restore(rig, host), want):
+        assert_same(k, want_k)
+        assert_same(v, want_v)
+
+
+def host_records(pool, layer, host):
+    units = host if pool.layout == "layer_first" else host[::PAGE] // PAGE
+    return {
+        name: buf[layer, units] if pool.layout == "layer_first" else buf[units, layer]
+        for name, buf in pool.host_records.items()
+    }
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sink_page_restores_at_8_bits_the_rest_at_4(fmt, layout):
+    rig = build(fmt, layout)
+    pool = rig.host_pool
+    host, written = backup(rig, 3 * PAGE, seed=1, sink=True)
+    other_host, other_written = backup(rig, 2 * PAGE, seed=2, sink=False)
+    assert pool.sink_page_counts() == {"stored": 1, "slots": 4, "kept_4bit": 0}
+    assert_restores(rig, host, written, PAGE)
+    assert_restores(rig, other_host, other_written, 0)
+    # The 4-bit records (L3's page bytes) hold the sink page too.
+    for layer, (k, v) in enumerate(written):
+        _, records = reference(pool.host_format, (k, v), pool.host_format.unit_tokens)
+        stored = host_records(pool, layer, host)
+        for name, want in records.items():
+            assert torch.equal(stored[name].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("access", ("direct", "staged"))
+@pytest.mark.parametrize("fmt", ("int4r", "k8v4"))
+def test_fused_path_moves_the_sink_page_with_the_int8_kernels(fmt, access):
+    """Under the Triton interpreter: the pool's fused 4-bit kernels and the
+    side store's int8 kernels give the torch path's (the reference's) bits."""
+    rig = build(fmt)
+    pool = rig.host_pool
+    pool.use_fused_kernels = True
+    pool.fused_host_access = access
+    host, written = backup(rig, 2 * PAGE, seed=11, sink=True)
+    assert pool.sink_pages.transfer.path == f"fused_{access}"
+    assert_restores(rig, host, written, PAGE)
+
+
+@pytest.mark.parametrize("fmt", ("int4r", "k8v4"))
+def test_a_load_mixing_sink_and_other_pages_splits_them(fmt):
+    """One load over two sequences' pages, sink pages in the middle."""
+    rig = build(fmt)
+    host_a, rows_a = backup(rig, 2 * PAGE, seed=3, sink=True)
+    host_b, rows_b = backup(rig, 2 * PAGE, seed=4, sink=True)
+    host = torch.cat([host_a[PAGE:], host_b, host_a[:PAGE]])
+    restored = restore(rig, host)
+    want_a = expect(rig.host_pool, rows_a, PAGE)
+    want_b = expect(rig.host_pool, rows_b, PAGE)
+    for layer, (k, v) in enumerate(restored):
+        a, b = want_a[layer], want_b[layer]
+        assert_same(k, torch.cat([a[0][PAGE:], b[0], a[0][:PAGE]]))
+        assert_same(v, torch.cat([a[1][PAGE:], b[1], a[1][:PAGE]]))
+
+
+def test_sink_off_keeps_every_page_4_bit_and_the_pools_bytes(monkeypatch):
+    monkeypatch.delenv(SINK_ENV, raising=False)
+    rig = build("int4", sink_tokens=None)
+    plain = build("int4", sink_tokens=0).host_pool
+    pool = rig.host_pool
+    assert pool.sink_pages is None and pool.sink_page_counts() is None
+    assert pool.size_per_token == plain.size_per_token
+    assert pool.size_per_token == allocated_bytes(pool) / pool.size
+    host, written = backup(rig, 2 * PAGE, seed=5, sink=True)
+    assert_restores(rig, host, written, 0)
+
+
+def test_env_turns_it_on(monkeypatch):
+    monkeypatch.setenv(SINK_ENV, str(8 * PAGE))
+    pool = build("int4", sink_tokens=None).host_pool
+    assert pool.sink_page_counts()["slots"] == 2
+
+
+def test_full_store_keeps_the_page_4_bit_and_counts_it():
+    rig = build("int4", sink_tokens=16 * PAGE)
+    pool = rig.host_pool
+    host_a, rows_a = backup(rig, 2 * PAGE, seed=6, sink=True)
+    host_b, rows_b = backup(rig, 2 * PAGE, seed=7, sink=True)
+    assert pool.sink_page_counts() == {"stored": 1, "slots": 1, "kept_4bit": 1}
+    for host, rows, sink in ((host_a, rows_a, PAGE), (host_b, rows_b, 0)):
+        assert_restores(rig, host, rows, sink)
+    # Freeing the first sequence's pages returns its slot; the next first page takes it.
+    rig.controller.evict_host(host_a)
+    assert pool.sink_page_counts()["stored"] == 0
+    host_c, rows_c = backup(rig, 2 * PAGE, seed=8, sink=True)
+    assert pool.sink_page_counts() == {"stored": 1, "slots": 1, "kept_4bit": 1}
+    assert_restores(rig, host_c, rows_c, PAGE)
+
+
+def test_reused_host_page_is_not_a_sink_page_any_more():
+    """A freed sink page's host slots, reallocated to a non-first page, restore
+    at 4 bits (the flag is the page's, cleared on free)."""
+    rig = build("int4", host_pages=2)
+    host, _ = backup(rig, 2 * PAGE, seed=9, sink=True)
+    rig.controller.evict_host(host)
+    again, rows = backup(rig, 2 * PAGE, seed=10, sink=False)
+    assert sorted(again.tolist()) == sorted(host.tolist())
+    assert_restores(rig, again, rows, 0)
+
+
+@pytest.mark.parametrize(
+    "fmt, tokens, match",
+    [
+        ("int8", 64, "4-bit formats"),
+        ("int4", 8, "at least the page size"),
+    ],
+)
+def test_bad_settings_fail_at_start_up_naming_the_variable(fmt, tokens, match):
+    with pytest.raises(ValueError, match=f"{SINK_ENV}.*{match}|{match}.*{SINK_ENV}"):
+        build(fmt, sink_tokens=tokens)
+
+
+def test_fp8_device_kv_is_refused():
+    fp8 = torch.float8_e4m3fn
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=PAGE)
+    device_pool = make_device_pool(geo, 16 * PAGE)
+    with pytest.raises(ValueError, match=SINK_ENV):
+        make_host_pool(
+            device_pool,
+            host_tokens=16 * PAGE,
+            layout="page_first",
+            host_dtype="int4",
+            device_kv_dtype=fp8,
+            sink_page_tokens=64,
+        )
+
+
+# --- bytes per token -----------------------------------------------------------
+
+
+def allocated_bytes(pool) -> int:
+    tensors = list(pool.host_records.values())
+    if pool.sink_pages is not None:
+        tensors += list(pool.sink_pages.records.tensors.values())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_bytes_per_token_at_qwen3_8b_geometry():
+    """int4 with the sink page, page 64, one side-store slot per 1k/4k/8k/16k
+    host tokens: bytes per token from the allocated buffers, which the pool
+    reports (start-up log, metrics). Run with -s for the table."""
+    geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
+    device_pool = make_device_pool(geo, device_tokens=128)
+    bf16 = 36 * 8 * 128 * 2 * 2
+    print("\nsink slot per  B/token  tokens per host byte vs BF16")
+    for tokens in (0, 1024, 4096, 8192, 16384):
+        pool = make_host_pool(
+            device_pool,
+            host_tokens=16384,
+            layout="page_first",
+            host_dtype="int4",
+            sink_page_tokens=tokens,
+        )
+        per_token = allocated_bytes(pool) / pool.size
+        assert per_token == pool.size_per_token == pool.get_size_per_token()
+        print(f"{tokens or 'off':>13}  {per_token:>7}  {bf16 / per_token:.3f}x")
+        # int4's 1152 B per token and layer, plus one int8 page (2080 B per
+        # token and layer) per `tokens` host tokens.
+        assert per_token == 36 * (1152 + (2080 * 64 / tokens if tokens else 0))
+
+
+# --- the radix cache says which page -----------------------------------------
+
+
+def radix_cache(monkeypatch, host_dtype, host_tokens=64 * PAGE):
+    """SGLang's UnifiedRadixCache + HiCache as the scheduler builds it
+    (registry.create_unified_radix_cache), page 16, write-through."""
+    from scripts.demo.pools import publish_server_args, unified_radix_cache
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
+    device_tokens = 32 * PAGE
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
+    server_args = publish_server_args(
+        host_dtype,
+        page_size=PAGE,
+        hicache_ratio=host_tokens / device_tokens,
+        layout="page_first",
+        io_backend="direct",
+    )
+    device_pool = make_device_pool(geo, device_tokens)
+    allocator = PagedTokenToKVPoolAllocator(
+        device_tokens, PAGE, geo.dtype, "cpu", device_pool, need_sort=False
+    )
+    req_to_token = ReqToTokenPool(
+        size=4, max_context_len=4096, device="cpu", enable_memory_saver=False
+    )
+    cache = unified_radix_cache(server_args, req_to_token, allocator, PAGE)
+    cache.write_through_threshold = 1
+    return cache, device_pool, allocator
+
+
+def insert(cache, allocator, device_pool, ids, seed):
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    slots = allocator.alloc(len(ids))
+    fill_random(device_pool, slots, seed)
+    cache.insert(
+        InsertParams(
+            key=RadixKey(array("q", ids)),
+            value=slots.to(torch.int64),
+            prev_prefix_len=0,
+            inserted_len=0,
+        )
+    )
+    cache.writing_check(write_back=True)
+    return slots
+
+
+def test_radix_cache_flags_the_first_page_of_each_root_child(monkeypatch):
+    """Three sequences: b shares a's first two pages, c starts elsewhere. The
+    radix cache backs up a (a root child), b's own tail (a child of a's node)
+    and c (a root child): only a's and c's first pages are flagged."""
+    cache, device_pool, allocator = radix_cache(monkeypatch, "int4r")
+    controller = cache.cache_controller
+    pool = controller.mem_pool_host.anchor_entry.host_pool
+    writes = []
+    real_write = controller.write
+
+    def write(device_indices, *args, first_page_is_sink=False, **kw):
+        host = real_write(
+            device_indices, *args, first_page_is_sink=first_page_is_sink, **kw
+        )
+        writes.append((device_indices.clone(), host.clone(), first_page_is_sink))
+        return host
+
+    monkeypatch.setattr(controller, "write", write)
+    a = list(range(1, 1 + 3 * PAGE))
+    b = a[: 2 * PAGE] + list(range(500, 500 + 2 * PAGE))
+    c = list(range(900, 900 + 2 * PAGE))
+    slots = [
+        insert(cache, allocator, device_pool, ids, seed)
+        for seed, ids in enumerate((a, b, c))
+    ]
+    assert [(len(dev), sink) for dev, _, sink in writes] == [
+        (3 * PAGE, True),
+        (2 * PAGE, False),
+        (2 * PAGE, True),
+    ]
+    assert torch.equal(writes[0][0], slots[0])
+    assert torch.equal(writes[1][0], slots[1][2 * PAGE :])
+    assert torch.equal(writes[2][0], slots[2])
+    flagged = (pool.sink_pages.slot_of_page >= 0).nonzero().flatten().tolist()
+    assert sorted(flagged) == sorted(int(h[0]) // PAGE for _, h, s in writes if s)
+    counts = pool.sink_page_counts()
+    assert (counts["stored"], counts["kept_4bit"]) == (2, 0)
+
+
+# --- L3 -------------------------------------------------------------------------
+
+
+def test_l3_gets_the_4_bit_page_and_returns_it_4_bit(monkeypatch, tmp_path, l3_rigs):
+    """The file backend stores every page, the sink page included, as the
+    format's 4-bit page under its own tag; after L1 and L2 are emptied, the
+    page prefetched back into fresh host pages restores at 4 bits, bit for
+    bit, while from L2 it restored at 8."""
+    from tests.support.l3_harness import (
+        device_rows,
+        evict_everywhere,
+        file_storage_config,
+        load_to_device,
+        make_l3_rig,
+        prefetch,
+        write_through,
+    )
+
+    monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
+    l3 = make_l3_rig(
+        "file", file_storage_config(tmp_path), host_dtype="int4r", geo=geo,
+        layout="page_first", device_tokens=8 * PAGE, host_tokens=16 * PAGE,
+    )  # fmt: skip
+    l3_rigs.append(l3)
+    pool = l3.rig.host_pool
+    tokens = list(range(7, 7 + 3 * PAGE))
+    dev, host, _, stored = write_through(l3, tokens, seed=12, first_page_is_sink=True)
+    assert stored == 3 and pool.sink_page_counts()["stored"] == 1
+    rows = device_rows(l3.rig, dev)
+    written = list(zip(rows[: geo.layer_num], rows[geo.layer_num :]))
+    from_l2 = load_to_device(l3, host)
+    l1 = l3.rig.device_pool
+    for layer, (want_k, want_v) in enumerate(expect(pool, written, PAGE)):
+        assert_same(l1.k_buffer[layer][from_l2], want_k)
+        assert_same(l1.v_buffer[layer][from_l2], want_v)
+    l3.rig.allocator.free(from_l2)
+    evict_everywhere(l3, dev, host)
+    assert pool.sink_page_counts()["stored"] == 0
+    fetched = prefetch(l3, tokens)
+    assert fetched.completed_tokens == 3 * PAGE
+    from_l3 = load_to_device(l3, fetched.host_indices)
+    for layer, (want_k, want_v) in enumerate(expect(pool, written, 0)):
+        assert_same(l1.k_buffer[layer][from_l3], want_k)
+        assert_same(l1.v_buffer[layer][from_l3], want_v)
+
+
+def test_quality_harness_sink_arm_is_opt_in():
+    """The quality CLI's int4r_sink arm: int4r's pool with the side store,
+    selected only by --arms."""
+    from scripts.quality import harness as hq
+
+    default, _ = hq._selected_arms(hq.QualityConfig(text_file="unused"))
+    assert "int4r" in default and "int4r_sink" not in default
+    arms, offloaded = hq._selected_arms(
+        hq.QualityConfig(text_file="unused", arms=("int4r", "int4r_sink"))
+    )
+    assert arms == ("exact", "int4r", "int4r_sink")
+    plain, sink = offloaded
+    assert (sink.host_dtype, sink.page_size, sink.layout) == (
+        plain.host_dtype, plain.page_size, plain.layout,
+    )  # fmt: skip
+    assert (plain.sink_page_tokens, sink.sink_page_tokens) == (0, hq.SINK_PAGE_TOKENS)
