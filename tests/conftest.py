@@ -54,35 +54,31 @@ def l3_rigs():
         l3.close()
 
 
-@pytest.fixture(scope="session")
-def mooncake_master(tmp_path_factory):
-    """One real mooncake_master on 127.0.0.1 for the session (tests keep their
-    keys apart by model name). Leases of 1 s let tests rewrite objects and the
-    store evict them, yet outlive a read on a busy machine."""
+def _mooncake_master(tmp_path_factory, lease_ms: int):
     from tests.support import l3_harness
 
     l3_harness.require_mooncake()
     master = l3_harness.MooncakeMaster(
         tmp_path_factory.mktemp("mooncake") / "master.log",
-        extra_args=("--default_kv_lease_ttl=1000",),
+        extra_args=(f"--default_kv_lease_ttl={lease_ms}",),
     ).start()
     yield master
     master.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory):
+    """One real mooncake_master on 127.0.0.1 for the session (tests keep their
+    keys apart by model name). Leases of 1 s let tests rewrite objects and the
+    store evict them, yet outlive a read on a busy machine."""
+    yield from _mooncake_master(tmp_path_factory, 1000)
 
 
 @pytest.fixture(scope="module")
 def short_lease_master(tmp_path_factory):
     """A real mooncake_master per module with 100 ms leases, for tests that
     rewrite or delete stored objects between a write and a read."""
-    from tests.support import l3_harness
-
-    l3_harness.require_mooncake()
-    master = l3_harness.MooncakeMaster(
-        tmp_path_factory.mktemp("mooncake") / "master.log",
-        extra_args=("--default_kv_lease_ttl=100",),
-    ).start()
-    yield master
-    master.stop()
+    yield from _mooncake_master(tmp_path_factory, 100)
 
 
 @pytest.fixture
