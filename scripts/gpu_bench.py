@@ -1,49 +1,11 @@
 #!/usr/bin/env python3
-"""GPU benchmark: the host pools of every registered host format (INT8,
-K8V4, INT4, ...: fused Triton and torch paths) against the stock BF16 host
-pool, side by side in one run, at Qwen3-8B geometry; and every format's
-kernels, MLA ones at DeepSeek geometry ("codec"). Formats come from the
-registry (`pool_host/host_format.py`, HOST_DTYPES): a new entry is measured
-without a change here.
+"""GPU benchmark: every registered host format's pools (fused and torch paths)
+against the stock BF16 host pool at Qwen3-8B geometry, and every format's
+kernels (MLA at DeepSeek geometry), each timed restore checked bit for bit
+against the format's reference codec.
 
-Measured, for 4k and 16k tokens (--tokens) and each (layout, page size) config:
-  restore  time per layer (host -> device, plus decode): all layers
-           restored back to back on one transfer stream, total / layers
-  backup   time of one all-layer backup (device -> host, plus encode)
-for these implementations (<fmt> = each registered format, pool from the
---hicache-host-dtype dispatch; fused variants only where the format's kernels
-are in this build, `fused_available`):
-  <fmt>_fused_direct  the pool's default on CUDA: one Triton launch per backup
-                      and per layer, reading/writing pinned host memory (UVA)
-  <fmt>_fused_staged  same kernels on device staging + per-run async copies
-  <fmt>_torch         the torch path (gather, codec ops, staging, copies)
-  bf16_stock_kernel   stock MHATokenToKVPoolHost, io_backend=kernel: SGLang's
-                      JIT HiCache kernels (or sgl_kernel where installed);
-                      with --stock-jit, where they load (nvcc + tvm-ffi: a
-                      compile of minutes, so not in the default short run)
-  bf16_triton_copy    stock host buffers, a Triton zero-copy gather/scatter
-                      copy with the same structure as the fused kernels
-                      (what io_backend=kernel does, for when its kernels are
-                      unavailable)
-  bf16_dma            stock layer_first buffers, one cudaMemcpyAsync per layer
-                      and K/V over contiguous ranges: the best case of
-                      io_backend=direct (layer_first config only)
-Host and device indices are contiguous ranges (the best case for BF16 DMA).
-Every timed restore is checked bit for bit against the format's reference
-encode + decode of the unit (page) the row belongs to.
-Also: device copy bandwidth (D2D copy_), pinned PCIe bandwidth, and each
-format's fused encode / decode throughput per model kind and unit size, with
-the records on the device and (CUDA) in pinned host memory, each run checked
-against the format's reference. INT8's targets (from its issue) are evaluated
-at the end, and "figures" sums up what the docs quote, per format.
-
-Sized for a short GPU slot: each measurement repeats until --iters or its
-share of the time budget is spent, sizes left when --budget-s runs out are
-marked skipped, and the JSON is rewritten after every size.
-
-Usage (scripts/gpu_check.sh bench runs it):
-  python3 scripts/gpu_bench.py --out results.json
-  python3 scripts/gpu_bench.py --dry-run --out x.json   # CPU, interpreter, tiny
+The variants and what each measures: docs/development.md ("GPU check").
+`scripts/gpu_check.sh bench` runs it; `--dry-run` runs it on CPU, interpreted.
 """
 
 from __future__ import annotations
@@ -114,10 +76,6 @@ TARGET_BACKUP = 0.75
 TARGET_CODEC_BW = 0.60
 
 
-# --------------------------------------------------------------------------
-# timing
-
-
 class Clock:
     def __init__(self, device: str, slice_s: float = 2.0):
         self.cuda = device == "cuda"
@@ -161,10 +119,6 @@ class Clock:
                 fn()
         else:
             fn()
-
-
-# --------------------------------------------------------------------------
-# BF16 zero-copy copy kernel (baseline only)
 
 
 def _row_copy_src(
@@ -262,10 +216,6 @@ class StockTritonCopy:
                 table.base, table.offsets[layer : layer + 1], dev_idx,
                 table.stride[0], 0, len(dev_idx), self.E, 1, table.aligned,
             )  # fmt: skip
-
-
-# --------------------------------------------------------------------------
-# benchmark pieces
 
 
 def bandwidth(clock, device, dry) -> dict:

@@ -77,10 +77,6 @@ class OverlayError(SystemExit):
         super().__init__(f"overlay: error: {message}")
 
 
-# --------------------------------------------------------------------------
-# small helpers
-
-
 def read_lock(path: Path = LOCK_FILE) -> dict[str, str]:
     values = {}
     for line in path.read_text().splitlines():
@@ -170,10 +166,6 @@ def patch_touched_files(patch: Path) -> list[tuple[str, bool]]:
     return [(path, creates) for path, creates in touched]
 
 
-# --------------------------------------------------------------------------
-# fetch
-
-
 def wheel_for_python(lock: dict[str, str], python_tag: str | None) -> tuple[str, str]:
     tag = python_tag or f"{sys.version_info.major}{sys.version_info.minor}"
     key = f"SGLANG_WHEEL_CP{tag}"
@@ -221,10 +213,6 @@ def fetch(python_tag: str | None = None) -> Path:
             got.replace(path)
     verify_sha(path, expected)
     return path
-
-
-# --------------------------------------------------------------------------
-# apply
 
 
 def _write_excludes(tree: Path) -> None:
@@ -391,10 +379,6 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
     return tree
 
 
-# --------------------------------------------------------------------------
-# check
-
-
 def check_series() -> list[str]:
     """Problems with patches/series versus the files in patches/."""
     problems = []
@@ -463,10 +447,6 @@ def check() -> None:
         f"overlay: {len(read_series())} patches apply cleanly to SGLang "
         f"{read_lock()['SGLANG_VERSION']}; {len(overlay_files())} overlay files"
     )
-
-
-# --------------------------------------------------------------------------
-# refresh
 
 
 def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
@@ -540,10 +520,6 @@ def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
     print(f"overlay: refreshed {len(names)} patches and {len(new_files)} overlay files")
 
 
-# --------------------------------------------------------------------------
-# wheel
-
-
 def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Path:
     lock = read_lock()
     apply(tree=tree)
@@ -585,10 +561,6 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
         raise OverlayError(f"wheel pack did not produce {built.name}:\n{out.stdout}{out.stderr}")
     print(f"overlay: built {built}")
     return built
-
-
-# --------------------------------------------------------------------------
-# pr
 
 
 PR_DECLARATION = ROOT / "docs" / "prs.toml"
@@ -863,10 +835,6 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
     return out_root
 
 
-# --------------------------------------------------------------------------
-# install (in place, for the Docker image)
-
-
 def install(target: Path) -> None:
     """Apply overlay + series to an installed sglang package under `target`.
 
@@ -938,9 +906,6 @@ def install(target: Path) -> None:
         f"overlay: installed {len(package_overlay_files())} overlay files and "
         f"{len(read_series())} patches into {package}"
     )
-
-
-# --------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> None:

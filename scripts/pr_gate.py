@@ -1,25 +1,16 @@
 #!/usr/bin/env python3
 """SGLang's pre-commit hooks on the exported HiQCache pull requests.
 
-`make pr-check` runs this after `make pr`. For each PR in dist/pr/<n>-<name>/
-(in order), it applies the PR's patches with `git am` to a scratch clone of
-the pristine tree (build/sglang at tag hiq-baseline) on top of the PRs before
-it, then runs every hook of requirements/upstream-lint/pre-commit-config.yaml
-on the whole files that PR adds or changes, as `pre-commit run --files` would:
-a hook fails when it exits non-zero or when it rewrites a file (the fixers:
-isort, ruff --fix, ruff-format, trailing-whitespace, end-of-file-fixer).
-
-The hooks are the pinned tools of requirements/test-tools-lint.txt, run as
-`python -m <tool>` from this interpreter's path (`make pr-check` puts them in
-build/lint; the test venv has them too), plus our own implementation of two
-of upstream's local hooks: check-registered-tests (registry call, test
-taxonomy, dead TestCase classes) and check-no-bare-pytest-main.
+`make pr-check` runs this after `make pr`: each PR of dist/pr/ is `git am`ed
+onto a scratch clone of the pristine tree after the PRs before it, then
+every hook of requirements/upstream-lint/pre-commit-config.yaml runs on the
+files it adds or changes (a hook fails when it exits non-zero or rewrites a
+file), with the pinned tools of requirements/test-tools-lint.txt plus our
+implementation of upstream's local hooks check-registered-tests and
+check-no-bare-pytest-main.
 
   scripts/pr_gate.py                          # dist/pr against build/sglang
-  scripts/pr_gate.py --repo DIR --base REV    # a git tree's REV..HEAD changes
-
-Exit status 0 when every hook passes, 1 with one line per failure otherwise.
-"""
+  scripts/pr_gate.py --repo DIR --base REV    # a git tree's REV..HEAD changes"""
 
 from __future__ import annotations
 
@@ -104,10 +95,6 @@ class Result:
     failures: list[str] = field(default_factory=list)
 
 
-# --------------------------------------------------------------------------
-# set-up
-
-
 def read_pins(path: Path = LINT_PINS) -> dict[str, str]:
     pins = {}
     for line in path.read_text().splitlines():
@@ -176,10 +163,6 @@ def changed_files(repo: Path, base: str, head: str = "HEAD") -> list[str]:
     return sorted(line for line in out.splitlines() if line)
 
 
-# --------------------------------------------------------------------------
-# file selection (pre-commit's identify types, as far as these hooks need)
-
-
 def file_types(path: Path) -> set[str]:
     if path.is_symlink():
         return {"symlink"}
@@ -209,10 +192,6 @@ def select_files(repo: Path, files: list[str], config: dict, hook: dict) -> list
         and not any(p.search(f) for p in excludes)
         and wanted <= file_types(repo / f)
     ]
-
-
-# --------------------------------------------------------------------------
-# our implementation of upstream's local hooks
 
 
 def is_main_guard(node: ast.AST) -> bool:
@@ -378,10 +357,6 @@ LOCAL_HOOKS = {
     "check-registered-tests": check_registered_tests,
     "check-no-bare-pytest-main": check_no_bare_pytest_main,
 }
-
-
-# --------------------------------------------------------------------------
-# running the hooks
 
 
 def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> list[str]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from scripts.common import plot
+from scripts.common.cpu_sglang import install_cpu_standins
 from scripts.quality import harness as hq
 from scripts.quality import texts
 from tests.support.quality_inputs import SMALL, TEXT_FILE
@@ -26,7 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def bundle():
     _require_inputs()
-    hq.install_cpu_runtime()
+    install_cpu_standins()
     return hq.load_model()
 
 

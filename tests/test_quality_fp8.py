@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from scripts.common.cpu_sglang import install_cpu_standins
 from scripts.quality import harness as hq
 from tests.support.quality_inputs import SMALL, TEXT_FILE
 from tests.support.quality_inputs import require_inputs as _require_inputs
@@ -18,7 +19,7 @@ from tests.support.quality_inputs import require_inputs as _require_inputs
 @pytest.fixture(scope="module")
 def bundle():
     _require_inputs()
-    hq.install_cpu_runtime()
+    install_cpu_standins()
     return hq.load_model()
 
 

@@ -1,25 +1,13 @@
 #!/usr/bin/env python3
 """CPU benchmark of every host (L2) format's torch path against a plain copy.
 
-1. Throughput of each registered quantized format (INT8, K8V4, INT4,
-   ...: scripts/common/host_formats.py) through its format object
-   (pool_host/host_format.py: `encode_into` / `decode_into`, the torch path
-   the host pool runs), at Qwen3-8B KV geometry (36 layers, 8 KV heads x 128
-   dims, bf16) and page size 64, against a plain BF16 gather + copy of the
-   same tokens, which is what the stock host pool does. Each op covers all
-   layers of the token set, one call per layer and K+V, as a backup or a
-   restore does; the gather variants include the index_select from (or
-   index_copy into) a device-pool stand-in.
-2. Bytes per token of every format, stock BF16 included, at page sizes 1,
-   16 and 64 (the format's own `bytes_per_token_for`).
-3. The measurement behind INT8's FP16 (not BF16) scales: relative error of
-   the same round-up format with either scale dtype, on gaussian and
-   heavy-tailed data.
+1. Each registered format's `encode_into` / `decode_into` (the host pools'
+   torch path) at Qwen3-8B geometry and page size 64, with and without the
+   device-pool gather/scatter, against the stock pool's BF16 gather + copy.
+2. Bytes per token of every format at page sizes 1, 16 and 64.
+3. INT8's FP16-vs-BF16 scale study: relative error of either scale dtype.
 
-Run: PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.codec
-(`make bench-codec`). Uses torch's default thread count; a few minutes.
-The fused Triton kernels are measured on a GPU by scripts/gpu_bench.py.
-"""
+`make bench-codec`; the fused kernels are timed by scripts/gpu_bench.py."""
 
 from __future__ import annotations
 

@@ -1,24 +1,8 @@
 #!/usr/bin/env python3
-"""Why int4/k8v4 encode an FP8 device KV cache by its values, not its bytes.
-
-An FP8 KV cache reaches the host pool as uint8 codes. Two ways to put a 4-bit
-copy of it on the host, both through kv_int4_codec's reference (same records,
-same bytes per token):
-
-- values: the FP8 values widened to fp32 (exact), encoded, decoded and
-  rounded back to the FP8 dtype (what the pools do);
-- bytes: the uint8 codes taken as numbers 0..255, encoded the same way,
-  decoded, rounded to the nearest code and reinterpreted as FP8.
-
-For each, on KV-like rows (gaussian with per-channel key outliers and an
-offset, as tests/test_fp8_host_pool.py writes) at page size 64: the relative
-RMS error of the restored values, the largest error relative to the row's
-largest value, and how many finite inputs come back non-finite (a byte code
-can land on an FP8 NaN/Inf pattern).
-
-Run: PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.fp8_values_vs_bytes
-(seconds; CPU). The table is in docs/fp8-device-kv.md.
-"""
+"""Why int4/k8v4 encode an FP8 device KV cache by its values, not its bytes:
+the restored error of both (values widened to fp32, or the uint8 codes as
+numbers) through kv_int4_codec's reference on KV-like rows, page size 64,
+and how many finite inputs come back non-finite. Table: docs/fp8-device-kv.md."""
 
 from __future__ import annotations
 

@@ -1,22 +1,10 @@
 #!/usr/bin/env python3
-"""CPU cost of sealing L3 pages (pool_host/page_integrity.py) next to the
-page I/O it guards.
-
-1. xxh3-64 throughput (the seal's hash) on one core, next to a plain memory
-   copy of the same bytes.
-2. Per page at Qwen3-8B geometry (36 layers, 8 KV heads x 128 dims, bf16,
-   page size 64) for each encoded host format: the page's bytes, the time to
-   seal one page (hash + seal) and to check it, and the `file` backend's page
-   I/O (write a page file, read it back) on this machine's temporary disk.
-3. With --mooncake: a put and a get of the int8 page through a real
-   mooncake_master (TCP, one client), with Mooncake's own opt-in object
-   CRC-64 off and on (MOONCAKE_STORE_CHECKSUM, read when the client starts,
-   so each setting runs in its own process).
-
-Run: PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.l3_integrity
-     [--mooncake]
-Prints a Markdown table; docs/l3-integrity.md keeps the figures measured.
-"""
+"""CPU cost of sealing L3 pages (pool_host/page_integrity.py) next to the page
+I/O it guards: xxh3-64 throughput against a memory copy; per encoded format at
+Qwen3-8B geometry, page size 64, the time to seal and check a page next to the
+`file` backend's page I/O; with --mooncake, a put and a get through a real
+mooncake_master with Mooncake's own CRC-64 off and on (one process each, as
+the client reads MOONCAKE_STORE_CHECKSUM at start). Figures: docs/l3-integrity.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""The host (L2) formats every CPU tool measures: one list, read from SGLang.
-
-`make quality`, `make demo` and `make bench-codec` iterate over
-`host_formats()`: the stock pool (`auto`) and every format in the patched
-tree's registry (`pool_host/host_format.py`, `HOST_DTYPES`). A format
-added there (one module and one registry line) therefore gets its quality
-arm, its demo row and curve and its codec benchmark row without a tool
-change. `host_dtype_choices()` is what the server's `--hicache-host-dtype`
-accepts; tests/test_replay.py checks that it covers the registry.
-"""
+"""The host (L2) formats every CPU tool measures: the stock pool (`auto`) and
+every format of the patched tree's registry (`pool_host/host_format.py`), so
+a registered format gets its quality arm, demo row and codec row unchanged."""
 
 from __future__ import annotations
 

@@ -233,49 +233,43 @@ def kl_histogram(
 def plot_l3(result, path: Path) -> None:
     """`make demo-l3`: Mooncake store bytes per token (left) and hit rate
     against the L3 budget (right), per format."""
-    W, H = 1200, 520
-    img = Image.new("RGB", (W, H), "white")
-    d = ImageDraw.Draw(img)
-    font = _fonts(15, 15)[0]
-    colors = {"bf16": "#4c72b0", "int8": "#dd8452"}
+    c = _Panels("INT8 vs BF16 pages in a Mooncake L3 store")
+    draw, small, top, bottom = c.draw, c.small, c.TOP, c.BOTTOM
+    colors = {"bf16": COLORS[0], "int8": COLORS[1]}
     a = result["bytes_per_token"]
-    left, right, top, bottom = 80, 500, 70, 440
-    top_value = max(r["bytes_per_token"] for r in a.values()) * 1.15
-    d.rectangle([left, top, right, bottom], outline="black")
-    d.text(((left + right) // 2, 30), "Mooncake store bytes per cached token",
-           fill="black", font=font, anchor="mt")  # fmt: skip
-    for i, (label, row) in enumerate(a.items()):
-        x0 = left + 60 + i * 180
-        y = bottom - (bottom - top) * row["bytes_per_token"] / top_value
-        d.rectangle([x0, y, x0 + 120, bottom], fill=colors[label])
-        d.text((x0 + 60, y - 6), f"{row['bytes_per_token']:,.0f} B", fill="black",
-               font=font, anchor="mb")  # fmt: skip
-        d.text((x0 + 60, bottom + 10), label, fill="black", font=font, anchor="mt")
+    top_value = max(r["bytes_per_token"] for r in a.values())
+    step = nice_step(top_value / 5)
+    y_max = step * math.ceil(top_value * 1.15 / step)
+    sy = lambda y: bottom - (bottom - top) * y / y_max  # noqa: E731
+    left, right = c.frame(0, sy, y_max, step, fmt="{:,.0f}")
+    c.ylabel("store bytes per cached token", left - 85)
+    slot = (right - left) / len(a)
+    for k, (label, row) in enumerate(a.items()):
+        x0, x1, v = (
+            left + slot * (k + 0.25),
+            left + slot * (k + 0.75),
+            row["bytes_per_token"],
+        )
+        draw.rectangle([x0, sy(v), x1, bottom], fill=colors[label])
+        draw.text(((x0 + x1) / 2, sy(v) - 4), f"{v:,.0f} B", fill="black", font=small, anchor="mb")  # fmt: skip
+        draw.text(((x0 + x1) / 2, bottom + 8), label, fill="black", font=c.font, anchor="mt")  # fmt: skip
     rows = result["hit_rate"]
     budgets = sorted({r["l3_bytes"] for r in rows})
-    left, right = 620, 1160
-    d.rectangle([left, top, right, bottom], outline="black")
-    d.text(((left + right) // 2, 30), "hit rate vs L3 budget (same bytes), small L2",
-           fill="black", font=font, anchor="mt")  # fmt: skip
-
-    def sx(i):
-        return left + 50 + (right - left - 100) * i / max(1, len(budgets) - 1)
-
-    def sy(v):
-        return bottom - (bottom - top) * v
-
-    for v in (0, 0.25, 0.5, 0.75, 1.0):
-        d.line([left, sy(v), right, sy(v)], fill="#e6e6e6")
-        d.text((left - 8, sy(v)), f"{100 * v:.0f}%", fill="black", font=font, anchor="rm")  # fmt: skip
-    d.line([left, sy(result["best"]), right, sy(result["best"])], fill="gray")
+    sy = lambda y: bottom - (bottom - top) * y  # noqa: E731
+    left, right = c.frame(1, sy, 1.0, 0.25, fmt="{:.0%}")
+    c.ylabel("hit rate, same L3 bytes, small L2", left - 75)
+    sx = lambda i: left + 50 + (right - left - 100) * i / max(1, len(budgets) - 1)  # noqa: E731
+    for x in range(int(left), int(right), 12):
+        draw.line(
+            [x, sy(result["best"]), x + 6, sy(result["best"])], fill="gray", width=2
+        )
     for i, b in enumerate(budgets):
-        d.text((sx(i), bottom + 10), f"{b / (1 << 20):g} MB", fill="black", font=font,
-               anchor="mt")  # fmt: skip
+        draw.text((sx(i), bottom + 8), f"L3 {b / (1 << 20):g} MB", fill="black", font=small, anchor="mt")  # fmt: skip
     for label, color in colors.items():
         pts = [(sx(budgets.index(r["l3_bytes"])), sy(r["hit_rate"]))
                for r in rows if r["format"] == label]  # fmt: skip
-        d.line(pts, fill=color, width=3)
+        draw.line(pts, fill=color, width=3)
         for x, y in pts:
-            d.ellipse([x - 5, y - 5, x + 5, y + 5], fill=color)
-        d.text((pts[-1][0] - 10, pts[-1][1] - 12), label, fill=color, font=font, anchor="rb")  # fmt: skip
-    img.save(path)
+            draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color)
+        draw.text((pts[-1][0] - 10, pts[-1][1] - 12), label, fill=color, font=c.font, anchor="rb")  # fmt: skip
+    c.img.save(path)

@@ -1,16 +1,12 @@
-"""One SGLang server process: start it, wait for /health, talk HTTP, read
-/metrics, stop its process group by pid.
-
-Standard library only: scripts/bench/server.py and scripts/quality/server.py
-run outside the SGLang environments they drive. tests/support/server.py
-(LiveServer, the CPU servers of the tests and `make demo`) builds on it.
+"""One SGLang server process: start it, wait for /health, talk HTTP, stop its
+process group by pid. tests/support/server.py (LiveServer, the CPU servers of
+the tests and `make demo`) builds on it; /metrics goes through tests/support/prom.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import signal
 import socket
@@ -54,38 +50,6 @@ def http(url: str, payload=None, timeout: float = 600.0):
     if "json" in ctype or body[:1] in "{[":
         return json.loads(body) if body.strip() else {}
     return body
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_prometheus(text: str) -> list[tuple[str, dict, float]]:
-    """Samples of a Prometheus text exposition: (name, labels, value)."""
-    samples = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line) if line and not line.startswith("#") else None
-        if not m:
-            continue
-        labels = {k: v.replace('\\"', '"') for k, v in _LABEL.findall(m.group(3) or "")}
-        try:
-            samples.append((m.group(1), labels, float(m.group(4))))
-        except ValueError:
-            continue
-    return samples
-
-
-def metric(samples, name: str, reduce: str = "sum", **labels) -> float | None:
-    """Reduce the samples of `name` whose labels include `labels`; None when
-    there is none. reduce="max" for values every TP rank reports alike."""
-    vals = [
-        v
-        for n, lab, v in samples
-        if n == name and all(lab.get(k) == w for k, w in labels.items())
-    ]
-    if not vals:
-        return None
-    return max(vals) if reduce == "max" else sum(vals)
 
 
 def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:

@@ -1,24 +1,12 @@
 #!/usr/bin/env python3
 """`make demo-l3`: INT8 host pages in a real Mooncake L3 store, on CPU.
 
-Starts a `mooncake_master` on 127.0.0.1 (free ports, stopped by its pid) and
-drives SGLang's real HiCacheController storage threads and MooncakeStore
-(zero-copy path) with the stock BF16 host pool and the INT8 host pool.
-
-A) Store bytes per cached token: pages of the same tokens written through at
-   the model geometry; bytes read from the master's `master_allocated_bytes`.
-B) Hit rate of a shared-prefix workload with a small L2 and an L3 store of
-   the same byte budget for both formats. Per request: the longest prefix
-   in L2 (an LRU of pages) is a hit; the next pages are prefetched from L3
-   through the controller (query + I/O threads); the rest is "computed"
-   (random KV), written to L2 and through to L3. The store's own capacity
-   and eviction decide what L3 keeps. Page-level policy of this script, not
-   SGLang's radix tree: it isolates what the L3 byte format changes.
-
-    PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo.l3
-
-Prints the tables and writes results/demo-l3.json and results/demo-l3.png.
-"""
+A mooncake_master on 127.0.0.1 and SGLang's real controller storage threads
+and MooncakeStore, with the stock BF16 and the INT8 host pool: A) store bytes
+per cached token (the master's `master_allocated_bytes`); B) the hit rate of
+a shared-prefix workload with a small L2 and an L3 of the same byte budget,
+under this script's page-level LRU policy (docs/results.md, "make demo-l3").
+Writes results/demo-l3.json and results/demo-l3.png."""
 
 from __future__ import annotations
 
@@ -73,10 +61,6 @@ def setup():
     return h
 
 
-# ---------------------------------------------------------------------------
-# A) bytes per token in the store
-
-
 def bytes_per_token(h, args, workdir: Path) -> dict:
     from tests.support.hicache_harness import Geometry
 
@@ -119,10 +103,6 @@ def bytes_per_token(h, args, workdir: Path) -> dict:
         finally:
             master.stop()
     return out
-
-
-# ---------------------------------------------------------------------------
-# B) hit rate with small L2 + L3
 
 
 def make_requests(args) -> list[list[int]]:
@@ -263,9 +243,6 @@ def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -
         "store_keys_at_end": int(metrics["master_key_count"]),
         "store_evicted_keys": int(metrics.get("master_evicted_key_count", 0)),
     }
-
-
-# ---------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:

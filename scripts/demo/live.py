@@ -1,33 +1,7 @@
-"""`make demo` part 1: the patched SGLang server, live on this CPU.
-
-One server per host format (the stock pool `auto`, labelled bf16, and every
-format of the registry, read through scripts/common/host_formats.py), all at
-ONE host byte budget. The budget is computed, not chosen by hand: from the
-workload's working set (distinct prompt-prefix tokens plus output tokens,
-tokenized as the server tokenizes them) and each format's bytes per token
-(read from the real host pool at the model's geometry), so that INT8's host
-tier holds the whole working set with a margin and BF16's cannot. Each
-format then gets the `--hicache-ratio` that buys that many bytes.
-
-Per server and dataset seed (paired: every arm sends the same requests):
-
-1. `/flush_cache`, then `python -m sglang.bench_serving --backend sglang
-   --dataset-name generated-shared-prefix --cache-report` (bench_serving's
-   own code, run in this process so its imports are paid once).
-2. Reuse: each group's last-sent prompt again, least recently used group
-   first, greedy, with `return_logprob`; its cached-token details say how
-   much came from device, host or storage.
-3. Scoring (quality, reported, not gated): the same prompt followed by the
-   bf16 arm's greedy tokens, with `logprob_start_len` at the prompt's end and
-   `top_logprobs_num=1`, right after the reuse loaded the prompt back: per
-   token, the arm's top-1 against bf16's token and |logprob difference|
-   against the bf16 arm's own scoring of the same tokens (same prefill path).
-
-/metrics is read before and after each phase: cached tokens by source,
-load-back tokens, host tokens and bytes. Figures for TTFT and throughput are
-CPU figures of a 135M model, reported with their spread over seeds and
-paired against bf16; counts are the result.
-"""
+"""`make demo` part 1: the patched SGLang server, live on this CPU, one server
+per host format at one computed host budget; bench_serving with paired seeds,
+then a reuse and a scoring phase against bf16 (docs/demo.md says what each
+phase measures and why)."""
 
 from __future__ import annotations
 
@@ -72,11 +46,6 @@ SERVER_INFO_KEYS = (
     "hicache_write_policy",
     "page_size",
 )
-
-
-# --------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -198,11 +167,6 @@ def config_from_args(args) -> LiveConfig:
             )
         values["margin"] = args.live_margin
     return LiveConfig(**{**asdict(base), **values})
-
-
-# --------------------------------------------------------------------------
-# The workload as the server sees it, and the budget
-# --------------------------------------------------------------------------
 
 
 @dataclass
@@ -337,11 +301,6 @@ def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> B
             "reach the host tier; raise --live-groups or lower --live-device-tokens"
         )
     return budget
-
-
-# --------------------------------------------------------------------------
-# Measuring one arm
-# --------------------------------------------------------------------------
 
 
 def _host_gauges(m) -> dict:
@@ -573,11 +532,6 @@ def _bench_figures(result: dict) -> dict:
     }
 
 
-# --------------------------------------------------------------------------
-# Quality and agreement against the bf16 arm
-# --------------------------------------------------------------------------
-
-
 def quality(arm: ArmResult, base: ArmResult) -> dict:
     """Greedy agreement and scored quality of `arm` against the bf16 arm over
     every reused prompt (all seeds)."""
@@ -613,11 +567,6 @@ def quality(arm: ArmResult, base: ArmResult) -> dict:
         "max_abs_logprob_diff": max(diffs) if diffs else float("nan"),
         "prompts_loaded_back_from_host": host_scored,
     }
-
-
-# --------------------------------------------------------------------------
-# Driver and report
-# --------------------------------------------------------------------------
 
 
 def select_formats(formats, spec: Optional[str]):
@@ -886,11 +835,6 @@ def passed(res: LiveResult) -> bool:
         ok &= hits >= base_hits
     anchor = arm_totals(res.arm(ANCHOR_FORMAT))
     return ok and spread(anchor["reuse_host"])[0] > spread(base["reuse_host"])[0]
-
-
-# --------------------------------------------------------------------------
-# How part 1 and part 2 agree
-# --------------------------------------------------------------------------
 
 
 def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:

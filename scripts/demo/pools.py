@@ -1,20 +1,7 @@
-"""SGLang's HiCache pools on CPU: set-up, experiment A and budget sizing.
-
-A. Same L2 token capacity -> host bytes. The real stock host pool and the
-   real host pool of every quantized format are built at the model geometry
-   with the same token capacity, and their bytes are read from the tensors
-   they allocated.
-B (sizing). Same host budget (`--hicache-size` GB) -> the token capacity
-   SGLang's own `build_kv_host_pool` gives each pool at the model geometry;
-   the replay (replay.py) then runs host pools of exactly those capacities.
-
-Pools are sized at a page size (the demo's default is 64): formats whose key
-scales are shared by the tokens of a page (INT4's per-channel keys) need
-whole pages, and their bytes per token depend on it.
-
-Only CPU stand-ins from tests/support/standins.py replace CUDA-only pieces
-(torchvision stub, a pure-torch transfer_kv_direct, no cudaHostRegister).
-"""
+"""SGLang's HiCache pools on CPU: experiment A (same tokens -> host bytes, read
+from the real pools' buffers) and B's sizing (same `--hicache-size` -> tokens,
+from SGLang's own `build_kv_host_pool`), at a page size (INT4's per-channel
+keys need whole pages)."""
 
 from __future__ import annotations
 
@@ -31,10 +18,6 @@ from typing import Iterator, Optional
 import torch
 
 from scripts.common.cpu_sglang import install_cpu_standins
-
-# --------------------------------------------------------------------------
-# Configuration and SGLang set-up on CPU
-# --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -185,11 +168,6 @@ def _rss_shmem_bytes() -> int:
     return 0
 
 
-# --------------------------------------------------------------------------
-# Experiment A: same L2 token capacity -> host bytes
-# --------------------------------------------------------------------------
-
-
 @dataclass
 class PoolAllocation:
     label: str
@@ -277,11 +255,6 @@ def allocate_host_pool(
     del host_pool, device_pool
     gc.collect()
     return result
-
-
-# --------------------------------------------------------------------------
-# Experiment B, sizing: host budget -> token capacity (SGLang's own sizing)
-# --------------------------------------------------------------------------
 
 
 @dataclass

@@ -1,24 +1,12 @@
 """Experiment B's replay: SGLang's own radix cache + HiCache, driven as the
 scheduler drives it, on CPU.
 
-A shared-prefix workload (workload.py: bench_serving's own requests, in its
-order) is replayed through SGLang's real `UnifiedRadixCache` + HiCache
-(device pool, host pool, cache controller, write-through, L1 and L2
-eviction, load-back) with host pools of exactly the token capacities a
-host budget buys (pools.py). Hit rates depend on token counts only, so the
-replay uses a tiny head geometry and stays small in memory; each quantized
-arm still runs the real host pool of its format, selected by
-`--hicache-host-dtype` through the same dispatch the server uses.
-
-What is modelled rather than run: the scheduler. SGLang's scheduler needs a
-model runner and a GPU, so `HiCacheReplay` makes the same cache calls, in
-the same order, as the scheduler's prefill admission (match_prefix ->
-init_load_back -> ready_to_load_host_cache), chunked-prefill stash,
-prefill result (checkpoint: insert the prompt) and request release (insert
-prompt + output, split at the prompt, unlock). The simplifications are
-listed in `MODEL_NOTES`; tests/test_replay.py checks the replay against
-SGLang's code on small cases.
-"""
+bench_serving's requests (workload.py) go through SGLang's real
+`UnifiedRadixCache` + HiCache with host pools of exactly the capacities a
+budget buys (pools.py), at a tiny head geometry (hit rates depend on token
+counts only). The scheduler is modelled: `HiCacheReplay` makes its cache
+calls in its order (`MODEL_NOTES`); tests/test_replay.py checks it against
+SGLang's code."""
 
 from __future__ import annotations
 

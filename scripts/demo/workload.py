@@ -1,19 +1,10 @@
 """The demo's requests: exactly those of SGLang's bench_serving.
 
-`python -m sglang.benchmark.serving --dataset-name generated-shared-prefix
---seed S` seeds Python's `random` and numpy with S, then draws every prompt
-with SGLang's own generator (`sample_generated_shared_prefix_requests`:
-random token ids per system prompt and question, then `random.shuffle`
-unless `--gsp-ordered`). `bench_serving_requests` runs that generator, seeded
-the same way, so the replay sees bench_serving's order and lengths. It asks
-for token ids (bench_serving's `--tokenize-prompt`); in text mode the same
-draws are decoded to text, so the order is the same (tests/test_workload.py
-checks it against a real tokenizer) and lengths differ only by
-re-tokenization.
-
-bench_serving's warm-up sends the first request of that order, with at most
-32 output tokens, alone, before the measured run (`warmup_request`).
-"""
+`bench_serving_requests` runs bench_serving's own generated-shared-prefix
+generator, seeded as `--seed S` seeds it, so the replay sees its order and
+lengths (token ids; text mode decodes the same draws, tests/test_workload.py
+checks the order). `warmup_request` is its warm-up: the first request, alone,
+at most 32 output tokens."""
 
 from __future__ import annotations
 

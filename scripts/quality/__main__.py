@@ -1,26 +1,10 @@
 #!/usr/bin/env python3
-"""Quality of KV restored from the HiCache host (L2) pool: CPU mode.
+"""Quality of KV restored from the HiCache host (L2) pool: CPU mode (`make quality`).
 
-Prefills windows of WikiText-2 and of source code (the Python standard
-library installed with this interpreter) with a real model, moves each
-prefix's KV through SGLang's real HiCache write (device -> host) and load
-(host -> device) path, and scores the continuation from the restored KV. Arms
-on identical windows: exact (no offload), stock BF16 host pool (control: must
-be bit-identical to exact) and one per registered quantized host format
-(int8, k8v4, int4, ...). Writes <out-dir>/<name>.{md,json} and
-<name>_kl.png for WikiText-2, <name>_code.* for the code, and
-<name>_summary.md with both tables and the targets. Exits 2 if an arm's
-prefix did not come back from L2 (nothing to report), and with
---check-targets 1 if a quality target is missed.
-
-Run: make quality
-  or PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.quality \
-         --text-file ../shared/data/wikitext-2/test.txt --code-text python-stdlib
-MLA (DeepSeek-V2 architecture, RANDOM weights: not a quality figure, see
-scripts/quality/mla_random.py): python -m scripts.quality --mla-random
-The library is scripts/quality/harness.py; the server mode (GPU, two running
-servers) is scripts/quality/server.py.
-"""
+Writes <out-dir>/<name>.md, .json and _kl.png per text (<name> for WikiText-2,
+<name>_code and <name>_docs for the others) and <name>_summary.md; exits 2 if
+an arm's prefix did not come back from L2, 1 with --check-targets if a target
+is missed. `--mla-random`: a random-weight DeepSeek-V2 (mla_random.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from scripts.common.cpu_sglang import install_cpu_standins
 from scripts.quality import harness as hq
 from scripts.quality import texts
 
@@ -76,6 +61,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="second text, source code read where it is installed "
         "(python-stdlib: %d modules of this interpreter's standard library); "
         "none: WikiText-2 only" % len(texts.STDLIB_FILES),
+    )
+    p.add_argument(
+        "--doc-text",
+        choices=[*texts.DOC_TEXTS, "none"],
+        default="none",
+        help="third text, documentation read where it is installed "
+        "(python-docs: pydoc's topics of this interpreter)",
     )
     p.add_argument(
         "--model",
@@ -150,7 +142,7 @@ def main_mla_random(args, command: str) -> int:
     """--mla-random: the MLA restore path on a random-weight DeepSeek-V2."""
     from scripts.quality import mla_random
 
-    standins = hq.install_cpu_runtime()
+    standins = install_cpu_standins()
     if args.threads:
         import torch
 
@@ -194,6 +186,8 @@ def text_sources(args) -> dict[str, texts.TextSource]:
     sources = {"": texts.wikitext(args.text_file)}
     if args.code_text != "none":
         sources["_code"] = texts.CODE_TEXTS[args.code_text]()
+    if args.doc_text != "none":
+        sources["_docs"] = texts.DOC_TEXTS[args.doc_text]()
     return sources
 
 
@@ -209,7 +203,7 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    standins = hq.install_cpu_runtime()
+    standins = install_cpu_standins()
     import torch
 
     if args.threads:

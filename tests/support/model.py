@@ -128,8 +128,8 @@ def _cached(target: Path, mark: str, build) -> Path:
     """target, built by build(tmp_folder) under a temporary name on first use."""
     if (target / DONE_MARK).is_file():
         return target
-    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=CACHE_ROOT))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     tmp.chmod(0o755)
     try:
         build(tmp)

@@ -45,8 +45,7 @@ Stable API:
   healthy; its message ends with the log tail.
 
 The process handling (start in its own session, wait for /health, stop the
-group by pid), ``free_port`` and the HTTP helper are scripts/common/server.py's,
-shared with the GPU scripts (scripts/bench/server.py, scripts/quality/server.py).
+group by pid), ``free_port`` and the HTTP helper are scripts/common/server.py's.
 """
 
 from __future__ import annotations

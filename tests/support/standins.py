@@ -488,16 +488,21 @@ def verify_tree_greedy_cpu(
 
 # -- the intel_amx attention backend's sgl_kernel CPU ops -----------------------
 # SGLang 0.5.23's only CPU attention backend with a speculative draft path is
-# intel_amx (torch_native has none: draft_utils.py refuses it), and it calls
-# torch.ops.sgl_kernel.{decode,extend}_attention_cpu (AMX kernels of the CPU
-# sgl-kernel build). These are plain float32 attention over the paged KV, bound
-# as attributes of torch.ops.sgl_kernel by the stand-in, never registered as ops
-# (so cpu_has_amx_support(), which asks for convert_weight_packed, stays False).
+# intel_amx (torch_native has none: draft_utils.py refuses it), and it is the
+# one gpt-oss selects on an AMX CPU (model_overrides/gpt_oss.py), since
+# torch_native takes neither attention sinks nor sliding-window KV pools'
+# indices. It calls torch.ops.sgl_kernel.{decode,extend}_attention_cpu (AMX
+# kernels of the CPU sgl-kernel build). These are plain float32 attention over
+# the paged KV, bound as attributes of torch.ops.sgl_kernel by the stand-in,
+# never registered as ops (so cpu_has_amx_support(), which asks for
+# convert_weight_packed, stays False).
 
 
-def _attend(q, keys, values, scaling, logit_cap, mask=None):
+def _attend(q, keys, values, scaling, logit_cap, mask=None, sinks=None):
     """softmax(q k^T * scaling) v for q [Tq, H, D] over keys [Tk, Hkv, D]
-    (grouped-query heads repeat), mask [Tq, Tk] True where visible."""
+    (grouped-query heads repeat), mask [Tq, Tk] True where visible; sinks [H]
+    is one extra logit per head in the softmax whose probability is dropped
+    (gpt-oss attention sinks, as transformers' eager_attention_forward)."""
     heads, kv_heads = q.shape[1], keys.shape[1]
     keys = keys.float().repeat_interleave(heads // kv_heads, dim=1)
     values = values.float().repeat_interleave(heads // kv_heads, dim=1)
@@ -506,14 +511,39 @@ def _attend(q, keys, values, scaling, logit_cap, mask=None):
         scores = logit_cap * torch.tanh(scores / logit_cap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+    if sinks is not None:
+        sink = sinks.float().view(heads, 1, 1).expand(heads, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values)
 
 
-def _check_attention_args(is_cross, window, sinks):
-    if is_cross or (window is not None and window > 0) or sinks is not None:
+def _window_start(first_position: int, window) -> int:
+    """The first key position a query at first_position sees: the kernels'
+    ``window`` is the layer's sliding_window_size + 1 keys, the query's own
+    included (0 for full-attention layers, whose sliding_window_size is -1)."""
+    if window is None or window <= 0:
+        return 0
+    return max(0, first_position - window + 1)
+
+
+def _visible(key_positions, query_positions, window, causal=True):
+    """[Tq, Tk] True where a query sees a key: causal, and inside its window."""
+    seen = torch.ones(len(query_positions), len(key_positions), dtype=torch.bool)
+    if causal:
+        seen &= key_positions[None, :] <= query_positions[:, None]
+    if window is not None and window > 0:
+        seen &= key_positions[None, :] > query_positions[:, None] - window
+    return seen
+
+
+def _check_attention_args(is_cross, window, tree_mask=None):
+    if is_cross or (window is not None and window > 0 and tree_mask is not None):
         raise NotImplementedError(
             "the pure-torch attention stand-in covers causal self-attention "
-            "without sliding window or sinks"
+            "(sliding windows and sinks included) and speculative tree masks "
+            "without a sliding window"
         )
 
 
@@ -540,17 +570,19 @@ def decode_attention_cpu(
 ):
     """Replaces sgl_kernel's decode_attention_cpu: writes the new token's k/v
     (when given) at cache_loc, then one query row per sequence over its
-    req_to_token row of seq_lens[b] slots."""
-    _check_attention_args(is_cross, window, sinks)
+    req_to_token row of seq_lens[b] slots, the last ``window`` of them on a
+    sliding-window layer (a SWA pool keeps only those; its earlier slots are
+    freed, so they are not read)."""
+    _check_attention_args(is_cross, window)
     if k is not None and v is not None:
         loc = cache_loc.to(torch.int64)
         k_buffer[loc] = k.view(-1, *k_buffer.shape[1:]).to(k_buffer.dtype)
         v_buffer[loc] = v.view(-1, *v_buffer.shape[1:]).to(v_buffer.dtype)
     for b, (r, n) in enumerate(zip(req_pool_indices.tolist(), seq_lens.tolist())):
-        slots = req_to_token[r, :n].to(torch.int64)
+        slots = req_to_token[r, _window_start(n - 1, window) : n].to(torch.int64)
         keys = k_buffer[slots].float() * k_scale
         values = v_buffer[slots].float() * v_scale
-        out = _attend(q[b : b + 1], keys, values, scaling, logit_cap)
+        out = _attend(q[b : b + 1], keys, values, scaling, logit_cap, sinks=sinks)
         o[b : b + 1] = out.to(o.dtype)
 
 
@@ -579,10 +611,12 @@ def extend_attention_cpu(
     is_causal,
 ):
     """Replaces sgl_kernel's extend_attention_cpu: each sequence's new rows
-    attend to its cached prefix (req_to_token) and causally to the new rows, or
-    through tree_mask (FULL_MASK layout: per request [extend, prefix + extend],
-    requests back to back) in a speculative verify."""
-    _check_attention_args(is_cross, window, sinks)
+    attend to its cached prefix (req_to_token) and causally to the new rows
+    (each row to its last ``window`` keys on a sliding-window layer, so only
+    prefix slots inside the first row's window are read), or through tree_mask
+    (FULL_MASK layout: per request [extend, prefix + extend], requests back to
+    back) in a speculative verify."""
+    _check_attention_args(is_cross, window, tree_mask)
     mask_offset = 0
     rows = zip(
         req_pool_indices.tolist(),
@@ -592,7 +626,8 @@ def extend_attention_cpu(
     )
     for r, total, ext, start in rows:
         prefix = total - ext
-        slots = req_to_token[r, :prefix].to(torch.int64)
+        lo = _window_start(prefix, window)
+        slots = req_to_token[r, lo:prefix].to(torch.int64)
         keys = torch.cat(
             [k_buffer[slots].float() * k_scale, k_extend[start : start + ext].float()]
         )
@@ -604,13 +639,18 @@ def extend_attention_cpu(
             mask = tree_mask.view(-1)[mask_offset : mask_offset + size].view(ext, total)
             mask = mask.to(torch.bool)
             mask_offset += size
-        elif is_causal:
-            col = torch.arange(total)
-            mask = col[None, :] <= (prefix + torch.arange(ext))[:, None]
         else:
-            mask = None
+            mask = _visible(
+                torch.arange(lo, total), prefix + torch.arange(ext), window, is_causal
+            )
         out = _attend(
-            q_extend[start : start + ext], keys, values, scaling, logit_cap, mask
+            q_extend[start : start + ext],
+            keys,
+            values,
+            scaling,
+            logit_cap,
+            mask,
+            sinks,
         )
         o_extend[start : start + ext] = out.to(o_extend.dtype)
 
