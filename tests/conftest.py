@@ -54,20 +54,112 @@ def l3_rigs():
         l3.close()
 
 
-@pytest.fixture(scope="session")
-def mooncake_master(tmp_path_factory):
-    """One real mooncake_master on 127.0.0.1 for the session (tests keep their
-    keys apart by model name). Leases of 1 s let tests rewrite objects and the
-    store evict them, yet outlive a read on a busy machine."""
+def _mooncake_master(tmp_path_factory, lease_ms: int):
     from tests.support import l3_harness
 
     l3_harness.require_mooncake()
     master = l3_harness.MooncakeMaster(
         tmp_path_factory.mktemp("mooncake") / "master.log",
-        extra_args=("--default_kv_lease_ttl=1000",),
+        extra_args=(f"--default_kv_lease_ttl={lease_ms}",),
     ).start()
     yield master
     master.stop()
+
+
+@pytest.fixture(scope="session")
+def mooncake_master(tmp_path_factory):
+    """One real mooncake_master on 127.0.0.1 for the session (tests keep their
+    keys apart by model name). Leases of 1 s let tests rewrite objects and the
+    store evict them, yet outlive a read on a busy machine."""
+    yield from _mooncake_master(tmp_path_factory, 1000)
+
+
+@pytest.fixture(scope="module")
+def short_lease_master(tmp_path_factory):
+    """A real mooncake_master per module with 100 ms leases, for tests that
+    rewrite or delete stored objects between a write and a read."""
+    yield from _mooncake_master(tmp_path_factory, 100)
+
+
+@pytest.fixture
+def host_ram_not_under_test():
+    """Tests whose pools are a few KiB opt in with usefixtures: the free-RAM
+    guard (pool_host/base.py) is not what they test, and this machine's RAM
+    is shared with other work."""
+    from sglang.srt.mem_cache.pool_host import base
+
+    with base.host_memory_budget_scope(1 << 40):
+        yield
+
+
+@pytest.fixture(scope="module")
+def hybrid_host_copies_on_cpu():
+    """CPU stand-ins for the CUDA copies of the stock MHA pool (`kernel`) and
+    of the Mamba state host pool, for the module that uses it."""
+    from sglang.srt.mem_cache.pool_host import mamba, mha
+    from tests.support import standins
+    from tests.support.hybrid_rigs import KERNEL_IO_OPS
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in KERNEL_IO_OPS:
+            patch.setattr(mha, name, getattr(standins, name), raising=False)
+        for name, standin in standins.mamba_standins().items():
+            patch.setattr(mamba, name, standin, raising=False)
+        yield
+
+
+@pytest.fixture
+def mamba_extra_buffer_on_cpu(monkeypatch):
+    """Linear-attention models default to the extra_buffer Mamba strategy,
+    which SGLang allows on CUDA/ROCm/NPU/XPU platforms but not on CPU."""
+    monkeypatch.setattr(
+        "sglang.srt.arg_groups.mamba_hook._platform_supports_mamba_cache_extra_buffer",
+        lambda: True,
+    )
+
+
+@pytest.fixture
+def hybrid_runtime_context(mamba_extra_buffer_on_cpu):
+    """Mamba extra buffers allowed on CPU; afterwards the radix caches the
+    test built (tests/support/hybrid_rigs.py) are released, their collectors
+    unregistered and the published server arguments reset."""
+    from prometheus_client import REGISTRY
+
+    from sglang.srt.runtime_context import reset_context
+    from tests.support.hybrid_rigs import _CACHES
+
+    registered_before = set(REGISTRY._collector_to_names)
+    yield
+    while _CACHES:
+        cache = _CACHES.pop()
+        # Stop the storage threads an L3-backed controller started.
+        if cache.cache_controller.enable_storage:
+            cache.cache_controller.detach_storage_backend()
+        cache.release_host_resources()
+    # The caches' and scheduler's collectors register process-wide.
+    for collector in set(REGISTRY._collector_to_names) - registered_before:
+        REGISTRY.unregister(collector)
+    reset_context()
+
+
+@pytest.fixture(scope="module")
+def hybrid_model_dirs(tmp_path_factory):
+    """Paths of the tiny gpt-oss, Qwen3-Next and Qwen3.5 configs (no weights)."""
+    import json
+
+    from tests.support.server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
+
+    root = tmp_path_factory.mktemp("hybrid_models")
+    paths = {}
+    for name, config in (
+        ("gpt_oss", GPT_OSS),
+        ("qwen3_next", QWEN3_NEXT),
+        ("qwen3_5", QWEN3_5),
+    ):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(config))
+        paths[name] = str(root / name)
+    return paths
 
 
 @pytest.fixture

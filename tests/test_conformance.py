@@ -3,13 +3,15 @@
 through the registry alone, and the stock pool as the control, through the
 real HiCacheController on CPU.
 
-Every layout, io backend, page size 1/16/64 and device dtype, the indexed and
-per-run torch copies, the fused kernels (under Triton's interpreter) where the
-format has them, head geometries, and L3 (SGLang's file backend and
-MooncakeStore against a real mooncake_master): the host records are
-bit for bit the format's `encode_reference` of what was written, the restored
-rows bit for bit its `decode_reference` and within its `error_bound`, and no
-other host unit or device slot changes.
+Each format takes every layout x io backend on the indexed and the per-run
+torch copies, the fused kernels (under Triton's interpreter) where it has
+them, head geometries, and L3 (SGLang's file backend and MooncakeStore
+against a real mooncake_master); page size 1/16/64 and device dtype vary over
+the rows as a covering design, every (page size, dtype) pair once per format
+(test_grids_cover_every_pair). The host records are bit for bit the format's
+`encode_reference` of what was written, the restored rows bit for bit its
+`decode_reference` and within its `error_bound`, and no other host unit or
+device slot changes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from tests.support import l3_harness as h
 from tests.support.conformance import (
+    DTYPES,
     GEOMETRIES,
     IO_BACKENDS,
     LAYOUTS,
@@ -184,23 +187,49 @@ def controller_round_trip(
     return rig
 
 
-# --- every layout x io backend x page size x dtype, torch copies ---------------
+# --- every layout x io backend, torch and per-run copies ----------------------
 
-TORCH_GRID = [
-    (layout, io, ps, dtype, path)
-    for layout, io, ps in itertools.product(LAYOUTS, IO_BACKENDS, PAGE_SIZES)
-    for dtype, path in ((torch.bfloat16, "torch"), (torch.float16, "torch"))
-] + [
-    # The per-run copies CUDA uses, on the CPU pool.
-    (layout, io, ps, torch.bfloat16, "runs")
-    for layout, io, ps in itertools.product(LAYOUTS, IO_BACKENDS, (1, 16))
+BF16, FP16 = torch.bfloat16, torch.float16
+# Each encoded format takes every layout x io backend on the torch path and on
+# the per-run copies CUDA uses (BF16 at page sizes 1 and 16, as on CUDA's
+# common pages); page size and dtype vary over the torch rows so that each
+# format meets every (page size, dtype), (io backend, dtype) and (layout,
+# dtype) pair once (test_grids_cover_every_pair).
+ENCODED_GRID = [
+    ("page_first", "direct", 16, BF16, "torch"),
+    ("page_first_direct", "direct", 1, FP16, "torch"),
+    ("layer_first", "direct", 64, FP16, "torch"),
+    ("page_first", "kernel", 16, FP16, "torch"),
+    ("page_first_direct", "kernel", 64, BF16, "torch"),
+    ("layer_first", "kernel", 1, BF16, "torch"),
+    ("page_first", "direct", 1, BF16, "runs"),
+    ("page_first_direct", "direct", 16, BF16, "runs"),
+    ("layer_first", "direct", 1, BF16, "runs"),
+    ("page_first", "kernel", 16, BF16, "runs"),
+    ("page_first_direct", "kernel", 1, BF16, "runs"),
+    ("layer_first", "kernel", 16, BF16, "runs"),
 ]
+# The stock pool takes the direct backend's torch copies outside page_first
+# (accepted): each of those layouts at every page size, both dtypes.
+STOCK_GRID = [
+    ("page_first_direct", "direct", 1, BF16, "torch"),
+    ("page_first_direct", "direct", 16, FP16, "torch"),
+    ("page_first_direct", "direct", 64, BF16, "torch"),
+    ("layer_first", "direct", 1, FP16, "torch"),
+    ("layer_first", "direct", 16, BF16, "torch"),
+    ("layer_first", "direct", 64, FP16, "torch"),
+]
+TORCH_PARAMS = case_params(
+    [c for c in CASES if not c.stock], ENCODED_GRID
+) + case_params([c for c in CASES if c.stock], STOCK_GRID)
+
+
+def grid_of(case: FormatCase) -> list:
+    return STOCK_GRID if case.stock else ENCODED_GRID
 
 
 @pytest.mark.parametrize(
-    "case,layout,io_backend,page_size,dtype,path",
-    case_params(CASES, TORCH_GRID, lambda c, *row: accepted(c, *row[:2], row[-1])),
-    indirect=["case"],
+    "case,layout,io_backend,page_size,dtype,path", TORCH_PARAMS, indirect=["case"]
 )
 def test_controller_round_trip(case, layout, io_backend, page_size, dtype, path):
     controller_round_trip(
@@ -244,22 +273,26 @@ def test_fused_round_trip(request, case, layout, io_backend, page_size, path):
 
 # --- head geometries: TP-sliced head counts, the common dims, K != V ---------
 
-# Every geometry at page 16, a subset at 1 and 64 (direct io), and two heads
-# at the widths the 4-bit value groups and rotations split differently
+# Every geometry once per format over the three layouts (direct io), and two
+# heads at the widths the 4-bit value groups and rotations split differently
 # (kernel io). INT8's full layout x page x geometry grid stays in
 # tests/test_int8_host_pool.py, next to the kernels' (KERNEL_POOL_CASES).
-GEOMETRY_GRID = (
-    [("page_first", 16, geometry, "direct") for geometry in GEOMETRIES]
-    + [
-        (layout, ps, geometry, "direct")
-        for layout, ps in (("layer_first", 1), ("page_first_direct", 64))
-        for geometry in GEOMETRIES[:3]
-    ]
-    + [
-        ("page_first", 16, (2, *dims), "kernel")
-        for dims in ((128, 128), (192, 128), (96, 96), (80, 80), (72, 72))
-    ]
-)
+# The widest heads at 4-token pages: 16 tokens moved instead of 37 or 64.
+GEOMETRY_LAYOUTS = {
+    (1, 64, 64): ("page_first_direct", 16),
+    (3, 64, 64): ("layer_first", 1),
+    (8, 128, 128): ("layer_first", 4),
+    (2, 96, 96): ("page_first_direct", 16),
+    (4, 256, 256): ("page_first_direct", 4),
+    (64, 128, 128): ("page_first", 4),
+    (4, 192, 128): ("page_first", 16),
+}
+GEOMETRY_GRID = [
+    (*GEOMETRY_LAYOUTS[geometry], geometry, "direct") for geometry in GEOMETRIES
+] + [
+    ("page_first", 16, (2, *dims), "kernel")
+    for dims in ((128, 128), (192, 128), (96, 96), (80, 80), (72, 72))
+]
 
 
 @pytest.mark.parametrize(
@@ -279,6 +312,45 @@ def test_geometry_round_trip(case, layout, page_size, geometry, io_backend):
     controller_round_trip(
         case, geo, layout=layout, io_backend=io_backend, seed=head_num
     )
+
+
+# --- what the thinned grids still cover -------------------------------------
+
+
+def pairs(rows, i: int, j: int) -> set:
+    return {(row[i], row[j]) for row in rows}
+
+
+@pytest.mark.parametrize("fmt_case", CASES, ids=[c.id for c in CASES])
+def test_grids_cover_every_pair(fmt_case):
+    """The covering design above, per format: every layout x io backend x copy
+    path it takes, every page size with every dtype, both fused accesses on
+    every layout and io backend, every layout and backend in L3, every head
+    geometry."""
+    rows = grid_of(fmt_case)
+    assert all(accepted(fmt_case, layout, io, path) for layout, io, *_, path in rows)
+    torch_rows = [row for row in rows if row[-1] == "torch"]
+    assert pairs(torch_rows, 2, 3) == set(itertools.product(PAGE_SIZES, DTYPES))
+    if fmt_case.stock:
+        layouts = {"page_first_direct", "layer_first"}
+        assert pairs(rows, 0, 2) == set(itertools.product(layouts, PAGE_SIZES))
+    else:
+        layouts = set(LAYOUTS)
+        paths = ("torch", "runs")
+        combos = {(layout, io, path) for layout, io, *_, path in rows}
+        assert combos == set(itertools.product(LAYOUTS, IO_BACKENDS, paths))
+        assert pairs(torch_rows, 1, 3) == set(itertools.product(IO_BACKENDS, DTYPES))
+        assert pairs(torch_rows, 0, 3) == set(itertools.product(LAYOUTS, DTYPES))
+    if fmt_case in FUSED_CASES:
+        assert {row[0] for row in FUSED_GRID} == set(LAYOUTS)
+        assert {row[1] for row in FUSED_GRID} == set(IO_BACKENDS)
+        assert {row[-1] for row in FUSED_GRID} == {"fused_direct", "fused_staged"}
+    l3 = [r for r in L3_GRID if accepted(fmt_case, r[1], "direct", "torch")]
+    assert {backend for backend, _ in l3} == {"file", "mooncake"}
+    assert {layout for _, layout in l3} == layouts
+    if fmt_case.kind == "mha" and not fmt_case.stock:
+        assert {row[2] for row in GEOMETRY_GRID} >= set(GEOMETRIES)
+        assert {row[0] for row in GEOMETRY_GRID} == set(LAYOUTS)
 
 
 # --- L3: the controller's storage threads, file and a real Mooncake master -----

@@ -19,6 +19,8 @@ from tests.support.server_args import (  # noqa: F401  (_restore_environ: autous
 
 from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES, host_dtype_choices
 
+pytestmark = pytest.mark.usefixtures("mamba_extra_buffer_on_cpu")
+
 ENCODED = tuple(name for name in host_dtype_choices() if name != "auto")
 # The other formats are refused for MLA models as such, before the model check.
 ENCODED_MLA = tuple(name for name, entry in HOST_DTYPES.items() if entry.mla_format)
@@ -55,16 +57,6 @@ KIMI_LINEAR = {
     "max_position_embeddings": 512,
     "torch_dtype": "bfloat16",
 }
-
-
-@pytest.fixture(autouse=True)
-def _mamba_state_snapshots_as_on_cuda(monkeypatch):
-    # Linear-attention models default to the extra_buffer Mamba strategy,
-    # which SGLang allows on CUDA/ROCm/NPU/XPU platforms but not on CPU.
-    monkeypatch.setattr(
-        "sglang.srt.arg_groups.mamba_hook._platform_supports_mamba_cache_extra_buffer",
-        lambda: True,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The INT8 host pools' Triton kernels (MHA and MLA) compile for every NVIDIA
-target we ship for (sm_80, sm_86, sm_89, sm_90), without a GPU: sm_86 and sm_90
-in make test, all four with HIQ_KERNEL_ARCHS=all (kernel_compile.ARCHS).
+target we ship for (sm_80, sm_86, sm_89, sm_90), without a GPU: sm_86 in
+make test, all four with HIQ_KERNEL_ARCHS=all (kernel_compile.ARCHS).
 
 Every specialisation the pool can launch over the test grid is compiled
 through the pool's real launch sites with the pinned Triton and its bundled
@@ -34,25 +34,39 @@ JOBS = max(1, min(len(ARCHS), os.cpu_count() or 1))
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-compile")
-    start = time.perf_counter()
-    results = compile_grid_in_workers(ARCHS, out, JOBS)
-    wall = time.perf_counter() - start
-    for arch, run in results.items():
-        print(
-            f"sm_{arch}: {len(run['specs'])} distinct specialisations from "
-            f"{run['launches']} launches in {run['seconds']} s "
-            f"({run['cpu_seconds']} CPU s)"
-        )
-    print(f"kernel compile check: {wall:.0f} s wall with {JOBS} worker(s)")
-    return results
+    """compiled(grid): the kernel_compile grid compiled for every ARCHS target
+    in JOBS workers, once per module."""
+    runs = {}
+
+    def compile_once(grid: str) -> dict:
+        if grid not in runs:
+            out = tmp_path_factory.mktemp(f"kernel-compile-{grid}")
+            start = time.perf_counter()
+            runs[grid] = compile_grid_in_workers(ARCHS, out, JOBS, grid=grid)
+            for arch, run in runs[grid].items():
+                print(
+                    f"{grid} sm_{arch}: {len(run['specs'])} distinct specialisations "
+                    f"from {run['launches']} launches in {run['seconds']} s "
+                    f"({run['cpu_seconds']} CPU s)"
+                )
+            wall = time.perf_counter() - start
+            print(f"{grid} compile check: {wall:.0f} s wall with {JOBS} worker(s)")
+        return runs[grid]
+
+    return compile_once
+
+
+def clean_specs(compiled, grid: str, arch: int) -> list[dict]:
+    """The grid's specialisations for sm_<arch>, none with a problem."""
+    specs = compiled(grid)[arch]["specs"]
+    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
+    assert not problems, "\n".join(problems)
+    return specs
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_pool_kernel_compiles_cleanly(compiled, arch):
-    specs = compiled[arch]["specs"]
-    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
-    assert not problems, "\n".join(problems)
+    specs = clean_specs(compiled, "int8", arch)
     # The grid reached both kernels for both device dtypes, every unit size
     # (page_size 1/16/64 and layer_first's 1) and the i64-stride pool.
     kinds = {
@@ -65,42 +79,12 @@ def test_every_pool_kernel_compiles_cleanly(compiled, arch):
     assert any("i64" in s["signature"].values() for s in specs if "encode" in s["name"])
 
 
-@pytest.fixture(scope="module")
-def compiled_mla(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-compile-mla")
-    start = time.perf_counter()
-    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="mla")
-    for arch, run in results.items():
-        print(
-            f"MLA sm_{arch}: {len(run['specs'])} distinct specialisations from "
-            f"{run['launches']} launches in {run['seconds']} s"
-        )
-    print(f"MLA kernel compile check: {time.perf_counter() - start:.0f} s wall")
-    return results
-
-
-@pytest.fixture(scope="module")
-def compiled_int4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-compile-int4")
-    start = time.perf_counter()
-    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="int4")
-    for arch, run in results.items():
-        print(
-            f"int4/k8v4 sm_{arch}: {len(run['specs'])} distinct specialisations "
-            f"from {run['launches']} launches in {run['seconds']} s"
-        )
-    print(f"int4 compile check: {time.perf_counter() - start:.0f} s wall")
-    return results
-
-
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_mla_kernel_compiles_cleanly(compiled_mla, arch):
+def test_every_mla_kernel_compiles_cleanly(compiled, arch):
     """kv_mla_int8_triton over the MLA grid (tests/support/kernel_compile.py
     mla_grid): the same checks as the MHA kernels, which it shares the
     arithmetic with."""
-    specs = compiled_mla[arch]["specs"]
-    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
-    assert not problems, "\n".join(problems)
+    specs = clean_specs(compiled, "mla", arch)
     assert {s["name"] for s in specs} == {
         "_mla_encode_kernel",
         "_mla_decode_kernel",
@@ -113,12 +97,10 @@ def test_every_mla_kernel_compiles_cleanly(compiled_mla, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_int4_kernel_compiles_cleanly(compiled_int4, arch):
+def test_every_int4_kernel_compiles_cleanly(compiled, arch):
     """The INT4 / K8V4 kernels (kv_int4_triton) over their grid: no spill,
     the IEEE arithmetic the format's bit-exactness rests on."""
-    specs = compiled_int4[arch]["specs"]
-    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
-    assert not problems, "\n".join(problems)
+    specs = clean_specs(compiled, "int4", arch)
     # Both kernels, both device dtypes, every key grouping (INT8 keys,
     # per-token, per-channel) and unit size.
     kinds = {
@@ -132,28 +114,12 @@ def test_every_int4_kernel_compiles_cleanly(compiled_int4, arch):
     assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
 
 
-@pytest.fixture(scope="module")
-def compiled_int4_rotated(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-compile-int4-rot")
-    start = time.perf_counter()
-    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="int4-rot")
-    for arch, run in results.items():
-        print(
-            f"int4r/k8v4r sm_{arch}: {len(run['specs'])} distinct specialisations "
-            f"from {run['launches']} launches in {run['seconds']} s"
-        )
-    print(f"rotated int4 compile check: {time.perf_counter() - start:.0f} s wall")
-    return results
-
-
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_rotated_int4_kernel_compiles_cleanly(compiled_int4_rotated, arch):
+def test_every_rotated_int4_kernel_compiles_cleanly(compiled, arch):
     """The rotated variants (K_ROT_B / V_ROT_B > 0: the butterfly inside the
     INT4 / K8V4 tiles) over kernel_compile.int4_rotated_grid: the same
     checks, for every key grouping, block size and unit size."""
-    specs = compiled_int4_rotated[arch]["specs"]
-    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
-    assert not problems, "\n".join(problems)
+    specs = clean_specs(compiled, "int4-rot", arch)
     kinds = {
         (
             "encode" in s["name"],

@@ -13,6 +13,12 @@ from hypothesis import strategies as st
 
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 from sglang.srt.mem_cache.pool_host import kv_int8_codec
+from tests.support.codec_inputs import (
+    UNIT_KINDS as KINDS,
+    assert_same_bits,
+    int_view,
+    make_units,
+)
 
 HEAD_DIMS = (64, 80, 96, 128, 256)  # groups of 64, whole head (80), 32, 64, 64
 DTYPES = (torch.bfloat16, torch.float16)
@@ -22,60 +28,11 @@ INF = float("inf")
 # Group magnitudes (log2) per input dtype: from subnormals to past the fp16
 # meta range (|lo| > 65504, or (hi - lo)/15 > 65504) for bf16.
 LOG2_RANGE = {torch.bfloat16: (-140, 22), torch.float16: (-27, 16)}
-KINDS = ("gauss", "heavy", "spike", "zero", "const", "outlier_channel", "shifted")
 
 FAST = settings(max_examples=40, deadline=None)
 
 
 # --- helpers ---------------------------------------------------------------
-
-
-def int_view(t: torch.Tensor) -> torch.Tensor:
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-    return t.view(ints[t.element_size()])
-
-
-def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
-    """Same dtype/shape, NaN at the same places, identical bits elsewhere."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    if a.dtype.is_floating_point:
-        nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-        assert torch.equal(nan_a, nan_b)
-        a, b = a.masked_fill(nan_a, 0), b.masked_fill(nan_b, 0)
-    assert torch.equal(int_view(a.contiguous()), int_view(b.contiguous()))
-
-
-def make_units(seed, shape, dtype, kinds, log2_mags) -> torch.Tensor:
-    """[n, T, H, D] rows (one per token and head) of the given kinds and
-    magnitudes, cycled over rows."""
-    g = torch.Generator().manual_seed(seed)
-    *lead, d = shape
-    n = math.prod(lead)
-    rows = torch.empty(n, d, dtype=torch.float64)
-    outlier_channels = torch.randperm(d, generator=g)[:3]
-    for i in range(n):
-        kind, mag = kinds[i % len(kinds)], 2.0 ** log2_mags[i % len(log2_mags)]
-        z = torch.randn(d, generator=g, dtype=torch.float64)
-        if kind == "gauss":
-            rows[i] = z * mag
-        elif kind == "heavy":  # z / sqrt(u): heavy tails
-            u = torch.rand(d, generator=g, dtype=torch.float64).clamp_min(1e-6)
-            rows[i] = z / u.sqrt() * mag
-        elif kind == "spike":  # one outlier element
-            rows[i] = z * mag * 1e-3
-            rows[i, int(torch.randint(d, (1,), generator=g))] = mag
-        elif kind == "zero":
-            rows[i] = 0.0
-        elif kind == "const":  # all-equal groups: m rounds, s hits its floor
-            rows[i] = mag * (1 + float(torch.rand((), generator=g)))
-        elif kind == "outlier_channel":  # fixed channels 30x larger (keys)
-            rows[i] = z * mag / 30
-            rows[i, outlier_channels] *= 30
-        elif kind == "shifted":  # far from zero: the zero point matters
-            rows[i] = mag + z * mag / 64
-        else:
-            raise AssertionError(kind)
-    return rows.reshape(shape).to(dtype)
 
 
 def grouped(x: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, int]:

@@ -16,12 +16,12 @@ import torch
 from tests.support import l3_harness as h
 from tests.support.hicache_harness import Geometry, MLAGeometry
 from sglang.srt.mem_cache.pool_host import page_integrity
-from sglang.srt.mem_cache.pool_host import base
 from sglang.srt.mem_cache.pool_host.page_integrity import (
     SEAL_BYTES,
     StoragePageRefused,
 )
 from tests.support import l3_faults as lf
+from tests.support.l3_faults import reference_restore
 
 GEO = Geometry(layer_num=3, head_num=2, head_dim=16, page_size=4)
 GEO_MLA = MLAGeometry(layer_num=2, page_size=4)
@@ -29,37 +29,12 @@ PAGES = 6
 TOKENS = list(range(7000, 7000 + PAGES * GEO.page_size))
 BAD = 3  # the page a test corrupts
 
-
-@pytest.fixture
-def rigs():
-    made = []
-    yield made
-    for l3 in made:
-        l3.close()
-
-
-@pytest.fixture(autouse=True)
-def _host_ram_not_under_test():
-    # The pools are a few KiB; the free-RAM guard (pool_host/base.py) is not
-    # what is tested here, and this machine's RAM is shared with other work.
-    with base.host_memory_budget_scope(1 << 40):
-        yield
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    h.require_mooncake()
-    m = h.MooncakeMaster(
-        tmp_path_factory.mktemp("mooncake") / "master.log",
-        extra_args=("--default_kv_lease_ttl=100",),
-    ).start()
-    yield m
-    m.stop()
+pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
 
 
 def make(request, tmp_path, backend, geo=GEO, host_dtype="int8"):
     if backend == "mooncake":
-        config = request.getfixturevalue("master").storage_config()
+        config = request.getfixturevalue("short_lease_master").storage_config()
     else:
         config = h.file_storage_config(tmp_path)
     return h.make_l3_rig(
@@ -69,21 +44,6 @@ def make(request, tmp_path, backend, geo=GEO, host_dtype="int8"):
         geo=geo,
         model_name=f"hiq/{request.node.name}",
     )
-
-
-def reference(pool, written):
-    """The format's reference decode of the rows written."""
-    fmt, layers = pool.host_format, pool.layer_num
-    out = list(written)
-    for layer in range(layers):
-        rows = [
-            written[s * layers + layer].unflatten(0, (-1, fmt.unit_tokens))
-            for s in range(len(fmt.sides))
-        ]
-        restored = fmt.decode_reference(fmt.encode_reference(rows), rows[0].dtype)
-        for s, r in enumerate(restored):
-            out[s * layers + layer] = r.flatten(0, 1)
-    return out
 
 
 def corrupt(l3, hashes, page, edit):
@@ -102,12 +62,12 @@ def flip_payload_byte(data: bytes) -> bytes:
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
 @pytest.mark.parametrize("fmt", ["int8", "mla-int8"])
 def test_page_with_a_wrong_checksum_never_reaches_l2(
-    tmp_path, rigs, request, backend, fmt
+    tmp_path, l3_rigs, request, backend, fmt
 ):
     geo = GEO_MLA if fmt == "mla-int8" else GEO
     tokens = list(range(7000, 7000 + PAGES * geo.page_size))
     l3 = make(request, tmp_path, backend, geo=geo)
-    rigs.append(l3)
+    l3_rigs.append(l3)
     ctl, pool = l3.controller, l3.controller.mem_pool_host
     dev, host, hashes, stored = h.write_through(l3, tokens)
     assert stored == PAGES
@@ -133,17 +93,17 @@ def test_page_with_a_wrong_checksum_never_reaches_l2(
     pf = h.Prefetch(hit, completed, slots[:completed])
     dev2 = h.load_to_device(l3, pf.host_indices)
     n = len(dev2)
-    for got, want in zip(h.device_rows(l3.rig, dev2), reference(pool, written)):
+    for got, want in zip(h.device_rows(l3.rig, dev2), reference_restore(pool, written)):
         assert torch.equal(got.view(torch.int16), want[:n].view(torch.int16))
 
 
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
 def test_each_reason_is_counted_and_logged_once(
-    tmp_path, rigs, request, backend, caplog, monkeypatch
+    tmp_path, l3_rigs, request, backend, caplog, monkeypatch
 ):
     monkeypatch.setattr(page_integrity, "_logged_reasons", set())
     l3 = make(request, tmp_path, backend)
-    rigs.append(l3)
+    l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
     dev, host, hashes, _ = h.write_through(l3, TOKENS)
     h.evict_everywhere(l3, dev, host)
@@ -177,9 +137,11 @@ def test_each_reason_is_counted_and_logged_once(
     ]
 
 
-def test_file_of_the_wrong_length_is_a_miss_for_that_page_only(tmp_path, rigs, request):
+def test_file_of_the_wrong_length_is_a_miss_for_that_page_only(
+    tmp_path, l3_rigs, request
+):
     l3 = make(request, tmp_path, "file")
-    rigs.append(l3)
+    l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
     dev, host, hashes, _ = h.write_through(l3, TOKENS)
     h.evict_everywhere(l3, dev, host)
@@ -193,9 +155,9 @@ def test_file_of_the_wrong_length_is_a_miss_for_that_page_only(tmp_path, rigs, r
     assert pool.storage_integrity.counts()["size"] == 3
 
 
-def test_flat_page_refusals_name_the_reason(tmp_path, rigs):
+def test_flat_page_refusals_name_the_reason(tmp_path, l3_rigs):
     l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path))
-    rigs.append(l3)
+    l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
     dev, host, _, _ = h.write_through(l3, TOKENS)
     page = pool.get_data_page(int(host[0]), key="page-a")
@@ -224,10 +186,10 @@ def _flipped(t: torch.Tensor, at: int) -> torch.Tensor:
     return out
 
 
-def test_sealed_pages_have_their_own_storage_tag(tmp_path, rigs):
+def test_sealed_pages_have_their_own_storage_tag(tmp_path, l3_rigs):
     """Pages written before sealing (unsealed tag) are a miss by key."""
     l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path))
-    rigs.append(l3)
+    l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
     base = pool.host_format.storage_format_tag
     assert pool.storage_format_tag == f"{base}-{page_integrity.SEAL_TAG}"
@@ -237,9 +199,11 @@ def test_sealed_pages_have_their_own_storage_tag(tmp_path, rigs):
 
 
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
-def test_nonfinite_scales_are_counted_on_the_way_in(tmp_path, rigs, request, backend):
+def test_nonfinite_scales_are_counted_on_the_way_in(
+    tmp_path, l3_rigs, request, backend
+):
     l3 = make(request, tmp_path, backend)
-    rigs.append(l3)
+    l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
 
     def poison(device_pool, dev):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shlex
 from pathlib import Path
@@ -17,7 +16,6 @@ import torch
 
 from tests.support.hicache_harness import Geometry, MLAGeometry, make_rig
 from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
-from sglang.srt.mem_cache.pool_host import base
 from sglang.srt.mem_cache.pool_host import mla as mla_host
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
@@ -28,21 +26,18 @@ from sglang.srt.arg_groups import hicache_hook
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 from sglang.srt.server_args import ServerArgs
-from tests.support.server_args import DEEPSEEK_V2_MLA, LLAMA
+from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
+    DEEPSEEK_V2_MLA,
+    LLAMA,
+    _restore_environ,
+)
+
+pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 _LLAMA = LLAMA
 # DeepSeek-V2 shaped, with a kv_lora_rank the MLA int8 pool accepts.
 _DEEPSEEK_V2 = {**DEEPSEEK_V2_MLA, "kv_lora_rank": 128}
-
-
-@pytest.fixture(autouse=True)
-def _restore_environ():
-    # Start-up resolution exports environment variables.
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 @pytest.fixture(scope="module")
@@ -82,14 +77,6 @@ def _device_kv_dtype(server_args: ServerArgs) -> torch.dtype:
         speculative_draft_attention_backend=None,
     )
     return dtype
-
-
-@pytest.fixture(autouse=True)
-def _host_ram_not_under_test():
-    # These pools are a few KiB; the free-RAM guard (pool_host/base.py) is not
-    # what is tested here, and the machine's RAM is shared with other work.
-    with base.host_memory_budget_scope(1 << 40):
-        yield
 
 
 def test_k8v4_pool_refuses_an_odd_key_dim_naming_the_flag():

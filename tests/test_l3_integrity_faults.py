@@ -24,42 +24,26 @@ import pytest
 import torch
 
 from tests.support import l3_harness as h
-from tests.support.hicache_harness import Geometry, MLAGeometry
-from sglang.srt.mem_cache.pool_host import base
-from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from tests.support import l3_faults as lf
+from tests.support.l3_faults import (
+    FORMATS,
+    check_restored_to_device,
+    device_snapshot,
+    page_bytes,
+    raw,
+    reference_restore,
+)
 
-GEO16 = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
-GEO_MLA = MLAGeometry(layer_num=2, page_size=4)
+pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
+
 PAGES = 6
-# (geometry, host dtype, format whose objects are planted under its keys)
-FORMATS = {
-    "int8": (GEO16, "int8", "k8v4"),
-    "int4": (GEO16, "int4", "int8"),
-    "k8v4": (GEO16, "k8v4", "int4"),
-    # The rotated formats store their base format's records: its pages are
-    # the same bytes, rotated otherwise, under the same key.
-    "int4r": (GEO16, "int4r", "int4"),
-    "k8v4r": (GEO16, "k8v4r", "k8v4"),
-    "mla-int8": (GEO_MLA, "int8", "auto"),
-}
 BACKENDS = ("file", "mooncake")
 KINDS = lf.FAULT_KINDS + ("delete",)
 # >= 1000 faults over the 12 (format, backend) pairs: 6 x (160 + 96) = 1536.
 # Mooncake faults cost more (each rewrite waits out the read lease).
 FAULTS = {"file": 160, "mooncake": 96}
 SCALE = float(os.environ.get("HIQ_L3_FAULTS_SCALE", "1"))
-# The refusal reasons each fault may produce (a seal byte's field decides).
-ANY_SEAL_FIELD = {"seal", "tag", "key", "size", "checksum"}
-EXPECTED = {
-    "flip_payload": {"checksum"},
-    "flip_scales": {"checksum"},
-    "flip_metadata": {"checksum"},
-    "flip_seal": ANY_SEAL_FIELD,
-    "zero": {"seal"},
-    "swap_pages": {"key"},
-    "delete": {"missing"},
-}
+EXPECTED = lf.SEAL_REFUSALS
 EXPECTED_BY_BACKEND = {
     "file": {
         "truncate": {"size"},
@@ -77,25 +61,6 @@ EXPECTED_BY_BACKEND = {
 }
 
 TALLY: dict = defaultdict(Counter)
-
-
-@pytest.fixture(autouse=True)
-def _host_ram_not_under_test():
-    # The pools are a few KiB; the free-RAM guard (pool_host/base.py) is not
-    # what is tested here, and this machine's RAM is shared with other work.
-    with base.host_memory_budget_scope(1 << 40):
-        yield
-
-
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    h.require_mooncake()
-    m = h.MooncakeMaster(
-        tmp_path_factory.mktemp("mooncake") / "master.log",
-        extra_args=("--default_kv_lease_ttl=100",),
-    ).start()
-    yield m
-    m.stop()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -128,49 +93,12 @@ def report():
     print("\nL3 fault injection:\n" + "\n".join(lines))
 
 
-def reference_restore(pool, written: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The format's reference decode of the rows written (device_rows order:
-    every layer of each side), page by page."""
-    fmt = pool.host_format
-    layers, sides = pool.layer_num, len(fmt.sides)
-    out = [None] * len(written)
-    for layer in range(layers):
-        rows = []
-        for side in range(sides):
-            x = written[side * layers + layer]
-            rows.append(
-                x.view(len(x) // fmt.unit_tokens, fmt.unit_tokens, *x.shape[1:])
-            )
-        restored = fmt.decode_reference(fmt.encode_reference(rows), x.dtype)
-        for side, r in enumerate(restored):
-            out[side * layers + layer] = r.reshape(written[side * layers + layer].shape)
-    return out
-
-
-def page_bytes(pool, host_indices: torch.Tensor, page: int) -> bytes:
-    flat = pool.get_data_page(int(host_indices[page * pool.page_size]))
-    return flat[:-SEAL_BYTES].numpy().tobytes()
-
-
-def raw(t: torch.Tensor) -> bytes:
-    # numpy copies: torch ops on many small tensors are slow on a busy CPU.
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-def device_snapshot(l3) -> list[bytes]:
-    pool = l3.rig.device_pool
-    bufs = getattr(pool, "kv_buffer", None)
-    if not isinstance(bufs, list):
-        bufs = list(pool.k_buffer) + list(pool.v_buffer)
-    return [raw(b) for b in bufs]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_random_faults_are_refused_or_restored_exactly(tmp_path, request, backend, fmt):
     geo, host_dtype, foreign_dtype = FORMATS[fmt]
     if backend == "mooncake":
-        config = request.getfixturevalue("master").storage_config()
+        config = request.getfixturevalue("short_lease_master").storage_config()
     else:
         config = h.file_storage_config(tmp_path)
     name = f"hiq/{request.node.name}"
@@ -294,12 +222,3 @@ def one_prefetch(l3, tokens, before_io, page, written_pages, allowed, kind):
         return "refused"
     finally:
         pool.free(host)
-
-
-def check_restored_to_device(l3, tokens, reference, pages):
-    pf = h.prefetch(l3, tokens + [7])
-    assert pf.completed_tokens == pages * l3.geo.page_size
-    dev = h.load_to_device(l3, pf.host_indices)
-    for got, want in zip(h.device_rows(l3.rig, dev), reference):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    h.evict_everywhere(l3, dev, pf.host_indices)

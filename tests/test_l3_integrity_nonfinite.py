@@ -21,11 +21,12 @@ from tests.support.hicache_harness import (
     make_host_pool,
 )
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-from sglang.srt.mem_cache.pool_host import base
 from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES, host_format_cls
 from sglang.srt.observability.metrics_collector import SchedulerMetricsCollector
 from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
 from sglang.srt.server_args import ServerArgs
+
+pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
 
 MHA_FORMATS = ("int8", "int4", "k8v4", "int4r", "k8v4r")
 # (host dtype, model kind); MLA models take int8 only.
@@ -34,14 +35,6 @@ FORMAT_IDS = [f"{kind}-{name}" for name, kind in FORMATS]
 # page_first with 16-token pages groups int4 keys per channel over the page;
 # layer_first encodes one token per unit (int4 keys per token).
 LAYOUTS = [("page_first", 16), ("layer_first", 1)]
-
-
-@pytest.fixture(autouse=True)
-def _host_ram_not_under_test():
-    # The pools are a few KiB; the free-RAM guard (pool_host/base.py) is not
-    # what is tested here, and this machine's RAM is shared with other work.
-    with base.host_memory_budget_scope(1 << 40):
-        yield
 
 
 def _geometry(kind: str, page_size: int):

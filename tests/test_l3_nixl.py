@@ -23,15 +23,15 @@ import torch
 
 from tests.support import l3_faults as lf
 from tests.support import l3_harness as h
-from tests.support.hicache_harness import Geometry, MLAGeometry
-from tests.test_l3_integrity_faults import (
-    ANY_SEAL_FIELD,
+from tests.support.l3_faults import (
+    FORMATS,
+    GEO16,
     check_restored_to_device,
     device_snapshot,
     page_bytes,
+    raw,
     reference_restore,
 )
-from sglang.srt.mem_cache.pool_host import base
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
 
@@ -47,20 +47,12 @@ def _nixl_unavailable_reason() -> str | None:
 
 
 REASON = _nixl_unavailable_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [
+    pytest.mark.skipif(REASON is not None, reason=REASON or ""),
+    pytest.mark.usefixtures("host_ram_not_under_test"),
+]
 
-GEO16 = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
-GEO_MLA = MLAGeometry(layer_num=2, page_size=4)
 PAGES = 4
-# (geometry, host dtype, format whose objects are planted under its keys)
-FORMATS = {
-    "int8": (GEO16, "int8", "k8v4"),
-    "int4": (GEO16, "int4", "int8"),
-    "k8v4": (GEO16, "k8v4", "int4"),
-    "int4r": (GEO16, "int4r", "int4"),
-    "k8v4r": (GEO16, "k8v4r", "k8v4"),
-    "mla-int8": (GEO_MLA, "int8", "auto"),
-}
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 # POSIX plugin, buffered I/O (tmp dirs may not take O_DIRECT), no cleaner thread.
 NIXL_CONFIG = {
@@ -73,25 +65,12 @@ FAULTS_PER_KIND = 2
 # A wrong-size object is a miss before it is read (HiCacheNixl._whole_pages);
 # the rest is the seal's (tests/test_l3_integrity_faults.py).
 EXPECTED = {
-    "flip_payload": {"checksum"},
-    "flip_scales": {"checksum"},
-    "flip_metadata": {"checksum"},
-    "flip_seal": ANY_SEAL_FIELD,
-    "zero": {"seal"},
-    "swap_pages": {"key"},
-    "delete": {"missing"},
+    **lf.SEAL_REFUSALS,
     "truncate": {"missing"},
     "extend": {"missing"},
     "foreign": {"missing", "tag"},
     "swap_parts": {"missing", "tag"},
 }
-
-
-@pytest.fixture(autouse=True)
-def _host_ram_not_under_test():
-    # The pools are a few KiB; the free-RAM guard is not what is tested here.
-    with base.host_memory_budget_scope(1 << 40):
-        yield
 
 
 TALLY: Counter = Counter()
@@ -114,15 +93,7 @@ def store(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.fixture
-def rigs():
-    made = []
-    yield made
-    for l3 in made:
-        l3.close()
-
-
-def make_rig(rigs, request, host_dtype, geo, layout):
+def make_rig(l3_rigs, request, host_dtype, geo, layout):
     l3 = h.make_l3_rig(
         "nixl",
         NIXL_CONFIG,
@@ -131,7 +102,7 @@ def make_rig(rigs, request, host_dtype, geo, layout):
         layout=layout,
         model_name=f"hiq/{request.node.name}",
     )
-    rigs.append(l3)
+    l3_rigs.append(l3)
     assert l3.backend.__class__.__name__ == "HiCacheNixl"
     return l3
 
@@ -166,9 +137,9 @@ ROUND_TRIPS = [("auto", "page_first_direct"), ("auto", "layer_first")] + [
 
 
 @pytest.mark.parametrize("fmt,layout", ROUND_TRIPS)
-def test_round_trip_is_the_reference_decode(store, rigs, request, fmt, layout):
+def test_round_trip_is_the_reference_decode(store, l3_rigs, request, fmt, layout):
     geo, host_dtype, _ = FORMATS.get(fmt, (GEO16, "auto", None))
-    l3 = make_rig(rigs, request, host_dtype, geo, layout)
+    l3 = make_rig(l3_rigs, request, host_dtype, geo, layout)
     assert l3.backend.is_zero_copy == (layout != "layer_first")
     round_trip(l3, tokens_for(geo), seed=3)
     pool = l3.controller.mem_pool_host
@@ -179,14 +150,16 @@ def test_round_trip_is_the_reference_decode(store, rigs, request, fmt, layout):
 
 
 @pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
-def test_default_direct_io_serves_sealed_pages_buffered(store, rigs, request, layout):
+def test_default_direct_io_serves_sealed_pages_buffered(
+    store, l3_rigs, request, layout
+):
     # SGLang's default is O_DIRECT; a sealed object is never whole OS pages.
     config = {k: v for k, v in NIXL_CONFIG.items() if k != "use_direct_io"}
     l3 = h.make_l3_rig(
         "nixl", config, host_dtype="int8", geo=GEO16, layout=layout,
         model_name=f"hiq/{request.node.name}",
     )  # fmt: skip
-    rigs.append(l3)
+    l3_rigs.append(l3)
     assert not l3.backend.file_manager.use_direct_io
     assert l3.backend.is_zero_copy == (layout != "layer_first")
     round_trip(l3, tokens_for(GEO16), seed=4)
@@ -194,9 +167,11 @@ def test_default_direct_io_serves_sealed_pages_buffered(store, rigs, request, la
 
 @pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
 @pytest.mark.parametrize("fmt", ["int8", "int4", "mla-int8"])
-def test_objects_are_the_l2_records_and_their_seal(store, rigs, request, fmt, layout):
+def test_objects_are_the_l2_records_and_their_seal(
+    store, l3_rigs, request, fmt, layout
+):
     geo, host_dtype, _ = FORMATS[fmt]
-    l3 = make_rig(rigs, request, host_dtype, geo, layout)
+    l3 = make_rig(l3_rigs, request, host_dtype, geo, layout)
     pool = l3.controller.mem_pool_host
     dev, host, hashes, stored = h.write_through(l3, tokens_for(geo), seed=5)
     assert stored == PAGES
@@ -224,9 +199,9 @@ def test_objects_are_the_l2_records_and_their_seal(store, rigs, request, fmt, la
 
 
 @pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
-def test_int8_and_int4_never_read_each_others_pages(store, rigs, request, layout):
-    int8 = make_rig(rigs, request, "int8", GEO16, layout)
-    int4 = make_rig(rigs, request, "int4", GEO16, layout)
+def test_int8_and_int4_never_read_each_others_pages(store, l3_rigs, request, layout):
+    int8 = make_rig(l3_rigs, request, "int8", GEO16, layout)
+    int4 = make_rig(l3_rigs, request, "int4", GEO16, layout)
     tokens = tokens_for(GEO16)
     int8_hashes, int8_expected = round_trip(int8, tokens, seed=1)
     # Same tokens, same model: the INT4 pool finds nothing of INT8's.
@@ -257,14 +232,14 @@ def test_int8_and_int4_never_read_each_others_pages(store, rigs, request, layout
 
 @pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_faults_are_refused_or_restored_exactly(store, rigs, request, fmt, layout):
+def test_faults_are_refused_or_restored_exactly(store, l3_rigs, request, fmt, layout):
     geo, host_dtype, foreign_dtype = FORMATS[fmt]
     tokens = tokens_for(geo)
-    foreign = make_rig(rigs, request, foreign_dtype, geo, layout)
+    foreign = make_rig(l3_rigs, request, foreign_dtype, geo, layout)
     fdev, fhost, _, stored = h.write_through(foreign, tokens, seed=7)
     assert stored == PAGES
     h.evict_everywhere(foreign, fdev, fhost)
-    l3 = make_rig(rigs, request, host_dtype, geo, layout)
+    l3 = make_rig(l3_rigs, request, host_dtype, geo, layout)
     pool = l3.controller.mem_pool_host
     dev, host, hashes, stored = h.write_through(l3, tokens, seed=3)
     assert stored == PAGES
@@ -315,10 +290,6 @@ def page_records(pool, index: int, records) -> list[bytes]:
     if pool.layout == "layer_first":
         return [raw(buf[:, index : index + ps]) for buf in records.values()]
     return [raw(buf[index // ps]) for buf in records.values()]
-
-
-def raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def one_prefetch(l3, tokens, before_io, page, written_pages, allowed, kind):

@@ -36,7 +36,10 @@ from tests.support.model import smollm2_dir, stdlib_prompts
 from tests.support.server import (
     CPU_FLAGS,
     LiveServer,
+    agreeing_prefix,
+    expected_bytes_per_token,
     hicache_flags,
+    output_logprobs,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -47,10 +50,6 @@ PROMPT_TOKENS = 1400
 PROMPTS = 5  # 7,000 tokens: past the 4,096-token L1, inside the 8,192 host
 NEW_TOKENS = 8
 TOP_LOGPROBS = 3
-# A top-1/top-2 logprob gap below this is a near-tie that a cached pass may
-# break the other way (its last prompt token is computed alone, not inside
-# the 1,400-row prefill); greedy tokens are compared up to the first such tie.
-TIE_NATS = 0.1
 # On these prompts at least this many leading greedy tokens agree.
 MIN_AGREED = 4
 # Largest |logprob| change of a generated token between the cold pass and a
@@ -62,21 +61,6 @@ ARMS = {
     "bf16": dict(host_dtype=None, via="launch_server"),
     "int8": dict(host_dtype="int8", via="hiqcache_serve"),
 }
-
-
-def model_geometry(model_dir: Path) -> tuple[int, int, int]:
-    config = json.loads((model_dir / "config.json").read_text())
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    return config["num_hidden_layers"], config["num_key_value_heads"], head_dim
-
-
-def expected_bytes_per_token(host_dtype: str | None, model_dir: Path) -> int:
-    layers, kv_heads, head_dim = model_geometry(model_dir)
-    if host_dtype is None:
-        return layers * 2 * kv_heads * head_dim * 2  # K and V rows in BF16
-    # INT8: one int8 per value plus one FP16 scale per head row, K and V.
-    return layers * 2 * kv_heads * (head_dim + 2)
 
 
 @pytest.fixture(scope="module")
@@ -131,10 +115,6 @@ def run_sequence(server: LiveServer, prompts: list[list[int]]) -> dict:
 
 def details(reply: dict) -> dict:
     return reply["meta_info"].get("cached_tokens_details") or {}
-
-
-def output_logprobs(reply: dict) -> list[float]:
-    return [entry[0] for entry in reply["meta_info"]["output_token_logprobs"]]
 
 
 def test_startup_names_host_format_and_bytes_per_token(arm, model_dir):
@@ -204,24 +184,6 @@ def test_metrics_agree_with_responses(arm):
         "sglang:prompt_tokens_total"
     )
     assert prompt == sum(r["meta_info"]["prompt_tokens"] for r in replies)
-
-
-def top2_gap(reply: dict, i: int) -> float:
-    tops = reply["meta_info"]["output_top_logprobs"][i]
-    return tops[0][0] - tops[1][0]
-
-
-def agreeing_prefix(ref: dict, other: dict) -> int:
-    """How many leading generated tokens two replies share; where they first
-    differ, one of them must have been at a near-tie (CPU arithmetic of a
-    cached and an uncached pass may round such a tie either way)."""
-    pairs = list(zip(ref["output_ids"], other["output_ids"]))
-    for i, (a, b) in enumerate(pairs):
-        if a != b:
-            gaps = (top2_gap(ref, i), top2_gap(other, i))
-            assert min(gaps) < TIE_NATS, f"token {i}: {a} != {b}, top-2 gaps {gaps}"
-            return i
-    return len(pairs)
 
 
 def test_greedy_output_after_load_back(arm):

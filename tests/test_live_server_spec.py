@@ -47,13 +47,11 @@ from tests.support.server import (
     CPU_FLAGS,
     SPEC_ENV,
     LiveServer,
-    hicache_flags,
-    spec_flags,
-)
-from tests.test_live_server import (
     agreeing_prefix,
     expected_bytes_per_token,
+    hicache_flags,
     output_logprobs,
+    spec_flags,
 )
 
 pytestmark = pytest.mark.skipif(

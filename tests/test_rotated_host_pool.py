@@ -1,15 +1,14 @@
 """The rotated host formats (int4r, k8v4r) through the real patched SGLang
 pools and controller on CPU.
 
-The format-independent checks are test_int4_host_pool's own tests, run here
-for the rotated formats with the expected records and rows taken from each
-format's reference encode/decode; what differs (start-up log, NaN spread,
+The format-independent checks are those test_int4_host_pool runs
+(tests/support/int4_pool_checks.py, expected records and rows from each
+format's reference encode/decode); what differs (start-up log, NaN spread,
 transfer path, capacity) is tested below.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import pytest
@@ -17,52 +16,24 @@ import torch
 
 from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import encoded_fused
-from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-from tests import test_int4_host_pool as int4_suite
-from tests.test_int4_host_pool import build, fill_spread, pages
+from tests.support.int4_pool_checks import (
+    allocated_bytes,
+    build,
+    check_controller_random_operations,
+    check_fused_path_writes_the_torch_paths_bytes,
+    fill_spread,
+    pages,
+)
 
 ROTATED = {"int4r": "int4", "k8v4r": "k8v4"}  # format -> base format
 POOL_CLS = {name: host_pool_cls(name) for name in ROTATED}
-LAYOUTS = int4_suite.LAYOUTS
 IO_BACKENDS = ("kernel", "direct")
 
 
-def _format_of(name, records):
-    """The format instance that wrote `records` ([units, *shape] each)."""
-    v = records["v"]
-    k_bytes = records["k"]
-    dk = k_bytes.shape[-1] * (2 if k_bytes.dtype == torch.uint8 else 1)
-    return host_format_cls(name)((dk, 2 * v.shape[-1]), v.shape[2], v.shape[1], None)
-
-
-def _encode(name):
-    def encode(k, v):
-        dims, heads, ut = (k.shape[-1], v.shape[-1]), k.shape[2], k.shape[1]
-        return host_format_cls(name)(dims, heads, ut, k.dtype).encode_reference((k, v))
-
-    return encode
-
-
-def _decode(name):
-    def decode(records, dtype):
-        return _format_of(name, records).decode_reference(records, dtype)
-
-    return decode
-
-
-@pytest.fixture(autouse=True)
-def rotated_in_the_int4_suite(monkeypatch):
-    """Give test_int4_host_pool's tables the rotated formats for one test."""
-    for name, base in ROTATED.items():
-        monkeypatch.setitem(int4_suite.POOL_CLS, name, POOL_CLS[name])
-        monkeypatch.setitem(int4_suite.ENCODE, name, _encode(name))
-        monkeypatch.setitem(int4_suite.DECODE, name, _decode(name))
-        monkeypatch.setitem(int4_suite.RECORDS, name, int4_suite.RECORDS[base])
-
-
-# --- test_int4_host_pool's checks, for the rotated formats -------------------
+# --- what differs from int4/k8v4 (the shared checks: test_int4_host_pool) ----
 
 
 def test_dispatch_by_host_dtype():
@@ -70,71 +41,6 @@ def test_dispatch_by_host_dtype():
     for name, cls in POOL_CLS.items():
         assert get_mha_host_pool_cls(info, name) is cls
         assert cls.host_format_cls.name == name
-
-
-@pytest.mark.parametrize("fmt", ROTATED)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_out_of_range_host_indices_rejected_and_nothing_moves(fmt, layout):
-    int4_suite.test_out_of_range_host_indices_rejected_and_nothing_moves(fmt, layout)
-
-
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,io_backend",
-    [
-        (fmt, layout, page_size, io)
-        for fmt in ROTATED
-        for (layout, page_size), io in zip(
-            (("page_first", 16), ("layer_first", 1), ("page_first_direct", 64)),
-            itertools.cycle(IO_BACKENDS),
-        )
-    ]
-    + [("int4r", "page_first", 16, "direct"), ("k8v4r", "layer_first", 2, "kernel")],
-)
-def test_controller_random_operations(fmt, layout, page_size, io_backend):
-    int4_suite.test_controller_random_operations(fmt, layout, page_size, io_backend)
-
-
-@pytest.mark.parametrize("fmt", ROTATED)
-@pytest.mark.parametrize(
-    "layout,page_size",
-    (("page_first", 16), ("page_first_direct", 64), ("layer_first", 16)),
-)
-def test_storage_pages_round_trip(fmt, layout, page_size):
-    int4_suite.test_storage_pages_round_trip(fmt, layout, page_size)
-
-
-@pytest.mark.parametrize("fmt", ROTATED)
-def test_zero_copy_page_buffers_cover_the_page(fmt):
-    # The suite's last check names int4's key grouping tag; int4r's carries it
-    # too, k8v4r's is checked in test_storage_tag_differs_from_the_base_format.
-    int4_suite.test_zero_copy_page_buffers_cover_the_page(
-        "k8v4" if fmt == "k8v4r" else fmt
-    )
-
-
-@pytest.mark.parametrize("fmt", ROTATED)
-@pytest.mark.parametrize(
-    "layout,page_size", (("page_first", 64), ("page_first", 16), ("layer_first", 64))
-)
-def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
-    int4_suite.test_auto_size_ratio_matches_the_pool(fmt, layout, page_size)
-
-
-def test_transfer_larger_than_staging_is_chunked(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import encoded
-
-    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
-    geo, device_pool, pool = build("int4r", "page_first", 16)
-    dev, host = pages([1, 2, 3, 4, 5], 16), pages([9, 3, 4, 0, 7], 16)
-    written = fill_spread(device_pool, dev, seed=5)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    new_dev = pages([10, 11, 12, 13, 14], 16)
-    for layer in range(geo.layer_num):
-        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-    for layer, (k_rows, v_rows) in enumerate(written):
-        k_want, v_want, _ = int4_suite.expected_restore("int4r", k_rows, v_rows, 16)
-        assert torch.equal(device_pool.k_buffer[layer][new_dev], k_want)
-        assert torch.equal(device_pool.v_buffer[layer][new_dev], v_want)
 
 
 # --- what differs from int4/k8v4 ---------------------------------------------
@@ -196,7 +102,9 @@ def test_fused_kernels_are_selected_where_the_base_kernels_run(fmt, monkeypatch)
     transfer = encoded_fused.select_transfer(pool)
     assert isinstance(transfer, encoded_fused.FusedTransfer)
     # Not pinned on this CPU pool: staged, the reason int4's pools give too.
-    assert pool.transfer_path_reason == "host memory not device-addressable (not pinned)"
+    assert (
+        pool.transfer_path_reason == "host memory not device-addressable (not pinned)"
+    )
 
     k8rv4r = K8V4RotKeysHostFormat((64, 64), 2, 16, torch.bfloat16)
     assert not k8rv4r.fused_available(torch.device("cuda"))
@@ -219,48 +127,10 @@ FUSED_CASES = [
 def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
     """Through the real pool: the fused kernels' host bytes, statistics and
     restored rows equal the torch path's, a NaN key spread over its block."""
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
-    pools = {}
-    for path in ("torch", "fused"):
-        pool = make_host_pool(
-            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt
-        )
-        if path == "fused":
-            pool.use_fused_kernels = True
-            pool.fused_host_access = access
-        pools[path] = pool
-    dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
-    fill_spread(device_pool, dev, seed=12)
-    device_pool.k_buffer[0][dev[1], 1, 3] = float("nan")
-    for pool in pools.values():
-        pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    torch_pool, fused_pool = pools["torch"], pools["fused"]
-    assert fused_pool.transfer_path == f"fused_{access}"
-    for name, buf in torch_pool.host_records.items():
-        assert torch.equal(
-            fused_pool.host_records[name].view(torch.uint8), buf.view(torch.uint8)
-        ), name
-    assert fused_pool.nonfinite_group_count() == torch_pool.nonfinite_group_count()
-    assert torch_pool.nonfinite_group_count() >= 1
-    assert torch.equal(
-        fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
+    torch_pool, _, restored = check_fused_path_writes_the_torch_paths_bytes(
+        fmt, layout, page_size, access
     )
-    restored = {}
-    for path, pool in pools.items():
-        new_dev = pages([8, 10, 9], page_size)
-        for layer in range(geo.layer_num):
-            device_pool.k_buffer[layer][new_dev] = 0
-            device_pool.v_buffer[layer][new_dev] = 0
-            pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-        restored[path] = [
-            b[new_dev].clone() for b in device_pool.k_buffer + device_pool.v_buffer
-        ]
-    for a, b in zip(restored["torch"], restored["fused"]):
-        assert torch.equal(torch.isnan(a), torch.isnan(b))
-        assert torch.equal(
-            a.nan_to_num(0).view(torch.int16), b.nan_to_num(0).view(torch.int16)
-        )
+    assert torch_pool.nonfinite_group_count() >= 1
     # Head dim 64 is one block: the NaN key's whole head row restores as NaN.
     assert torch.isnan(restored["fused"][0][1, 1]).all()
 
@@ -297,21 +167,10 @@ def test_self_check_passes_and_catches_wrong_signs(fmt, monkeypatch, caplog):
     "fmt,layout,page_size",
     [("int4r", "page_first", 16), ("k8v4r", "layer_first", 2)],
 )
-def test_controller_random_operations_on_the_fused_path(
-    fmt, layout, page_size, monkeypatch
-):
+def test_controller_random_operations_on_the_fused_path(fmt, layout, page_size):
     """HiCacheController's random writes, loads and evictions with the pool
     on the fused kernels: every restore equals the rotated reference."""
-    real_rig = int4_suite.make_rig
-
-    def fused_rig(*args, **kwargs):
-        rig = real_rig(*args, **kwargs)
-        rig.host_pool.use_fused_kernels = True
-        assert rig.host_pool.transfer_path == "fused_direct"
-        return rig
-
-    monkeypatch.setattr(int4_suite, "make_rig", fused_rig)
-    int4_suite.test_controller_random_operations(fmt, layout, page_size, "kernel")
+    check_controller_random_operations(fmt, layout, page_size, "kernel", fused=True)
 
 
 @pytest.mark.parametrize("fmt", ROTATED)
@@ -366,7 +225,7 @@ def test_capacity_unchanged_at_qwen3_8b_geometry():
             pool = make_host_pool(
                 device_pool, host_size_gb=0.02, layout="page_first", host_dtype=name
             )
-            nbytes = int4_suite.allocated_bytes(pool)
+            nbytes = allocated_bytes(pool)
             assert nbytes == pool.size * pool.get_size_per_token()
             per_token[name] = nbytes / pool.size
             ratio = 36 * 2 * 8 * 128 * 2 / per_token[name]

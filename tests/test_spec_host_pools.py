@@ -28,11 +28,11 @@ import logging
 
 import pytest
 import torch
-from tests.test_hybrid_host_pools import (  # noqa: F401  (autouse fixtures)
+from tests.support import hybrid_rigs as hybrid
+from tests.support.hybrid_rigs import (
     DTYPE,
     HOST_DTYPES,
-    _host_copies_on_cpu,
-    _runtime_context,
+    alloc_swa_tokens,
     bits,
     build_cache,
     expected_host_cls,
@@ -42,13 +42,18 @@ from tests.test_hybrid_host_pools import (  # noqa: F401  (autouse fixtures)
     swa_rig,
     wipe_kv,
 )
-from tests.test_hybrid_host_pools import model_dirs as hybrid_model_dirs  # noqa: F401
 from tests.support.server_args import DEEPSEEK_V2_MLA as _DEEPSEEK_V2_MLA
 from tests.support.server_args import LLAMA as _LLAMA
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+# The pools here are a few MB: sized against a fixed budget, not the free RAM
+# of a shared machine less SGLang's 10 GiB reserve.
+pytestmark = pytest.mark.usefixtures(
+    "hybrid_host_copies_on_cpu", "hybrid_runtime_context", "host_ram_not_under_test"
+)
 
 ENCODED = tuple(name for name in HOST_DTYPES if name != "auto")
 # Every (layout, page size, io backend) the encoded pools serve, with a page
@@ -80,18 +85,8 @@ TARGET_LAYERS = 2
 DEVICE_TOKENS = 256
 
 
-@pytest.fixture(autouse=True)
-def _host_memory_budget():
-    """The pools here are a few MB: size them against a fixed budget, not the
-    free RAM of a shared machine less SGLang's 10 GiB reserve."""
-    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
-
-    with host_memory_budget_scope(1 << 40):
-        yield
-
-
 @pytest.fixture(scope="module")
-def spec_models(tmp_path_factory, hybrid_model_dirs):  # noqa: F811
+def spec_models(tmp_path_factory, hybrid_model_dirs):
     root = tmp_path_factory.mktemp("spec_models")
     paths = dict(hybrid_model_dirs)
     for name, config in (("mha_mtp", MHA_MTP), ("deepseek", DEEPSEEK_MLA)):
@@ -557,8 +552,6 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
     assert type(draft_host) is type(target_swa_host)
     assert type(draft_host) is expected_host_cls(host_dtype)
 
-    from tests.test_hybrid_host_pools import alloc_swa_tokens
-
     ctl, gen = rig.controller, torch.Generator().manual_seed(2)
     full = alloc_swa_tokens(rig.allocator, 32)
     swa = rig.allocator.translate_loc_from_full_to_swa(full)
@@ -591,8 +584,6 @@ def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypa
     """Qwen3-Next NEXTN: the draft's full-attention layer packs after the
     target's in the (encoded) KV host pool; the draft shares the target's
     Mamba state, which stays SGLang's MambaPoolHost."""
-    from tests import test_hybrid_host_pools as hybrid
-
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
     drafts = []

@@ -9,12 +9,9 @@ KV the encoded pools never ran with."""
 from __future__ import annotations
 
 import pytest
-from tests.test_hybrid_server_args import (  # noqa: F401  (autouse fixture)
+from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
     GPT_OSS,
     QWEN3_NEXT,
-    _mamba_state_snapshots_as_on_cuda,
-)
-from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
     _restore_environ,
     resolve,
 )
@@ -23,6 +20,8 @@ from tests.support.server_args import LLAMA as _LLAMA
 from tests.support.server_args import model_dir as _model_dir
 
 from sglang.srt.mem_cache.pool_host.host_format import host_dtype_choices
+
+pytestmark = pytest.mark.usefixtures("mamba_extra_buffer_on_cpu")
 
 ENCODED = tuple(name for name in host_dtype_choices() if name != "auto")
 SPEC = dict(

@@ -65,6 +65,43 @@ def make_rows(
     return rows.reshape(shape).to(dtype)
 
 
+# make_units' kinds: make_rows' and the group-shaped ones of the 4-bit codecs.
+UNIT_KINDS = ("gauss", "heavy", "spike", "zero", "const", "outlier_channel", "shifted")
+
+
+def make_units(seed, shape, dtype, kinds, log2_mags) -> torch.Tensor:
+    """[n, T, H, D] rows (one per token and head) of the given kinds and
+    magnitudes, cycled over rows."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, d = shape
+    n = math.prod(lead)
+    rows = torch.empty(n, d, dtype=torch.float64)
+    outlier_channels = torch.randperm(d, generator=g)[:3]
+    for i in range(n):
+        kind, mag = kinds[i % len(kinds)], 2.0 ** log2_mags[i % len(log2_mags)]
+        z = torch.randn(d, generator=g, dtype=torch.float64)
+        if kind == "gauss":
+            rows[i] = z * mag
+        elif kind == "heavy":  # z / sqrt(u): heavy tails
+            u = torch.rand(d, generator=g, dtype=torch.float64).clamp_min(1e-6)
+            rows[i] = z / u.sqrt() * mag
+        elif kind == "spike":  # one outlier element
+            rows[i] = z * mag * 1e-3
+            rows[i, int(torch.randint(d, (1,), generator=g))] = mag
+        elif kind == "zero":
+            rows[i] = 0.0
+        elif kind == "const":  # all-equal groups: m rounds, s hits its floor
+            rows[i] = mag * (1 + float(torch.rand((), generator=g)))
+        elif kind == "outlier_channel":  # fixed channels 30x larger (keys)
+            rows[i] = z * mag / 30
+            rows[i, outlier_channels] *= 30
+        elif kind == "shifted":  # far from zero: the zero point matters
+            rows[i] = mag + z * mag / 64
+        else:
+            raise AssertionError(kind)
+    return rows.reshape(shape).to(dtype)
+
+
 def edge_inputs() -> list[torch.Tensor]:
     """Hand-picked rows that stress rounding, ranges and specials."""
     d = 64

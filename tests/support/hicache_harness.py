@@ -87,7 +87,7 @@ def make_device_pool(
 
 
 def make_host_pool(
-    device_pool: MHATokenToKVPool,
+    device_pool: MHATokenToKVPool | MLATokenToKVPool,
     *,
     host_tokens: int | None = None,
     host_size_gb: float = 0,
@@ -98,68 +98,32 @@ def make_host_pool(
     pin_memory: bool = False,
     **extra,
 ):
+    """The host pool over `device_pool` (MHA or MLA) as hybrid_pool_assembler's
+    build_kv_host_pool builds it."""
     info = device_pool.get_device_pool_infos()[0].buffer_info
     if isinstance(device_pool, MLATokenToKVPool):
-        return make_mla_host_pool(
-            device_pool,
-            info,
-            host_tokens=host_tokens,
-            host_size_gb=host_size_gb,
-            host_ratio=host_ratio,
-            layout=layout,
-            host_pool_cls=host_pool_cls,
-            host_dtype=host_dtype,
-            pin_memory=pin_memory,
-            **extra,
-        )
-    cls = host_pool_cls or get_mha_host_pool_cls(info, host_dtype)
-    with _rig_memory_budget():
-        return cls(
-            info,
-            host_ratio,
-            host_size_gb,
-            device_pool.page_size,
-            layout,
-            pin_memory=pin_memory,
-            device="cpu",
-            device_capacity_tokens=device_pool.size,
-            start_layer=device_pool.start_layer,
-            end_layer=device_pool.end_layer,
-            host_token_capacity=host_tokens,
-            **extra,
-        )
-
-
-def make_mla_host_pool(
-    device_pool: MLATokenToKVPool,
-    info,
-    *,
-    host_tokens: int | None,
-    host_size_gb: float,
-    host_ratio: float,
-    layout: str,
-    host_pool_cls=None,
-    host_dtype: str = "auto",
-    pin_memory: bool = False,
-    **extra,
-):
-    """The MLA host pool as hybrid_pool_assembler's build_kv_host_pool builds it."""
-    cls = host_pool_cls or get_mla_host_pool_cls(info, host_dtype)
-    with _rig_memory_budget():
-        return cls(
-            info,
-            host_ratio,
-            host_size_gb,
-            device_pool.page_size,
-            layout,
-            pin_memory=pin_memory,
-            device="cpu",
+        cls = host_pool_cls or get_mla_host_pool_cls(info, host_dtype)
+        kind_args = dict(
             override_kv_cache_dim=device_pool.kv_cache_dim,
+            target_layer_num=device_pool.layer_num,
+        )
+    else:
+        cls = host_pool_cls or get_mha_host_pool_cls(info, host_dtype)
+        kind_args = {}
+    with _rig_memory_budget():
+        return cls(
+            info,
+            host_ratio,
+            host_size_gb,
+            device_pool.page_size,
+            layout,
+            pin_memory=pin_memory,
+            device="cpu",
             device_capacity_tokens=device_pool.size,
             start_layer=device_pool.start_layer,
             end_layer=device_pool.end_layer,
-            target_layer_num=device_pool.layer_num,
             host_token_capacity=host_tokens,
+            **kind_args,
             **extra,
         )
 

@@ -14,8 +14,38 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
+from tests.support import l3_harness as h
+from tests.support.hicache_harness import Geometry, MLAGeometry
 from tests.support.l3_harness import prefetch_to_host
+
+GEO16 = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
+GEO_MLA = MLAGeometry(layer_num=2, page_size=4)
+# (geometry, host dtype, format whose objects are planted under its keys)
+FORMATS = {
+    "int8": (GEO16, "int8", "k8v4"),
+    "int4": (GEO16, "int4", "int8"),
+    "k8v4": (GEO16, "k8v4", "int4"),
+    # The rotated formats store their base format's records: its pages are
+    # the same bytes, rotated otherwise, under the same key.
+    "int4r": (GEO16, "int4r", "int4"),
+    "k8v4r": (GEO16, "k8v4r", "k8v4"),
+    "mla-int8": (GEO_MLA, "int8", "auto"),
+}
+# The refusal reasons each fault may produce (a seal byte's field decides).
+ANY_SEAL_FIELD = {"seal", "tag", "key", "size", "checksum"}
+# The reasons the seal gives on every backend; the size faults differ by backend.
+SEAL_REFUSALS = {
+    "flip_payload": {"checksum"},
+    "flip_scales": {"checksum"},
+    "flip_metadata": {"checksum"},
+    "flip_seal": ANY_SEAL_FIELD,
+    "zero": {"seal"},
+    "swap_pages": {"key"},
+    "delete": {"missing"},
+}
 
 # What a record's bytes are, for aiming byte flips.
 PAYLOAD, SCALES, METADATA, SEAL = "payload", "scales", "metadata", "seal"
@@ -231,3 +261,49 @@ def prefetch_all(l3, tokens, before_io=None):
     """(tokens hit, tokens delivered, the whole host allocation) of an L3 ->
     L2 prefetch, a miss included; the caller frees the allocation."""
     return prefetch_to_host(l3, tokens, before_io=before_io, stop_on_miss=False)
+
+
+def reference_restore(pool, written: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The format's reference decode of the rows written (device_rows order:
+    every layer of each side), page by page."""
+    fmt = pool.host_format
+    layers, sides = pool.layer_num, len(fmt.sides)
+    out = [None] * len(written)
+    for layer in range(layers):
+        rows = []
+        for side in range(sides):
+            x = written[side * layers + layer]
+            rows.append(
+                x.view(len(x) // fmt.unit_tokens, fmt.unit_tokens, *x.shape[1:])
+            )
+        restored = fmt.decode_reference(fmt.encode_reference(rows), x.dtype)
+        for side, r in enumerate(restored):
+            out[side * layers + layer] = r.reshape(written[side * layers + layer].shape)
+    return out
+
+
+def page_bytes(pool, host_indices: torch.Tensor, page: int) -> bytes:
+    flat = pool.get_data_page(int(host_indices[page * pool.page_size]))
+    return flat[:-SEAL_BYTES].numpy().tobytes()
+
+
+def raw(t: torch.Tensor) -> bytes:
+    # numpy copies: torch ops on many small tensors are slow on a busy CPU.
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def device_snapshot(l3) -> list[bytes]:
+    pool = l3.rig.device_pool
+    bufs = getattr(pool, "kv_buffer", None)
+    if not isinstance(bufs, list):
+        bufs = list(pool.k_buffer) + list(pool.v_buffer)
+    return [raw(b) for b in bufs]
+
+
+def check_restored_to_device(l3, tokens, reference, pages):
+    pf = h.prefetch(l3, tokens + [7])
+    assert pf.completed_tokens == pages * l3.geo.page_size
+    dev = h.load_to_device(l3, pf.host_indices)
+    for got, want in zip(h.device_rows(l3.rig, dev), reference):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    h.evict_everywhere(l3, dev, pf.host_indices)

@@ -110,7 +110,7 @@ class MooncakeMaster:
     metrics_port: int = field(default_factory=_free_port)
     process: subprocess.Popen | None = None
 
-    def start(self) -> "MooncakeMaster":
+    def start(self) -> MooncakeMaster:
         import mooncake
 
         binary = Path(mooncake.__file__).parent / "mooncake_master"

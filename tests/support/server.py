@@ -290,13 +290,13 @@ class LiveServer:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self) -> "LiveServer":
+    def start(self) -> LiveServer:
         model = self.model if self.model is not None else _default_model()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for old in (self.log_path, self.kernel_log_path):
@@ -394,3 +394,48 @@ class LiveServer:
             return []
         with open(self.kernel_log_path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
+
+
+# --- what a live server's replies must show -----------------------------------
+
+# A top-1/top-2 logprob gap below this is a near-tie that a cached pass may
+# break the other way (its last prompt token is computed alone, not inside
+# the prefill); greedy tokens are compared up to the first such tie.
+TIE_NATS = 0.1
+
+
+def model_geometry(model_dir: Path) -> tuple[int, int, int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    return config["num_hidden_layers"], config["num_key_value_heads"], head_dim
+
+
+def expected_bytes_per_token(host_dtype: str | None, model_dir: Path) -> int:
+    layers, kv_heads, head_dim = model_geometry(model_dir)
+    if host_dtype is None:
+        return layers * 2 * kv_heads * head_dim * 2  # K and V rows in BF16
+    # INT8: one int8 per value plus one FP16 scale per head row, K and V.
+    return layers * 2 * kv_heads * (head_dim + 2)
+
+
+def output_logprobs(reply: dict) -> list[float]:
+    return [entry[0] for entry in reply["meta_info"]["output_token_logprobs"]]
+
+
+def top2_gap(reply: dict, i: int) -> float:
+    tops = reply["meta_info"]["output_top_logprobs"][i]
+    return tops[0][0] - tops[1][0]
+
+
+def agreeing_prefix(ref: dict, other: dict) -> int:
+    """How many leading generated tokens two replies share; where they first
+    differ, one of them must have been at a near-tie (CPU arithmetic of a
+    cached and an uncached pass may round such a tie either way)."""
+    pairs = list(zip(ref["output_ids"], other["output_ids"]))
+    for i, (a, b) in enumerate(pairs):
+        if a != b:
+            gaps = (top2_gap(ref, i), top2_gap(other, i))
+            assert min(gaps) < TIE_NATS, f"token {i}: {a} != {b}, top-2 gaps {gaps}"
+            return i
+    return len(pairs)

@@ -68,14 +68,18 @@ def _refuse_layout_without_mamba_host_pool(server_args: Any) -> None:
     model_config = model_config_of(server_args)
     if not uses_ssm_state(model_config):
         return
-    arch = (model_config.hf_config.architectures or ["this model"])[0]
     raise ValueError(
         f"--hicache-mem-layout {cfg.hicache_mem_layout} is not supported for "
-        f"{arch}: its linear-attention/Mamba state host pool (MambaPoolHost) "
-        "stores states page first only. Use --hicache-mem-layout page_first "
-        "(with --hicache-io-backend kernel) or page_first_direct (with "
-        "--hicache-io-backend direct)."
+        f"{architecture(model_config)}: its linear-attention/Mamba state host "
+        "pool (MambaPoolHost) stores states page first only. Use "
+        "--hicache-mem-layout page_first (with --hicache-io-backend kernel) or "
+        "page_first_direct (with --hicache-io-backend direct)."
     )
+
+
+def architecture(model_config: Any) -> str:
+    """The model's architecture name, for refusals."""
+    return (model_config.hf_config.architectures or ["this model"])[0]
 
 
 def is_hybrid_model(model_config: Any) -> bool:
@@ -103,12 +107,12 @@ def _refuse_nixl_with_hybrid_model(server_args: Any) -> None:
     model_config = model_config_of(server_args)
     if cfg.hicache_storage_backend != "nixl" or not is_hybrid_model(model_config):
         return
-    arch = (model_config.hf_config.architectures or ["this model"])[0]
     raise ValueError(
         f"--hicache-host-dtype {cfg.hicache_host_dtype} with "
-        f"--hicache-storage-backend nixl does not support hybrid models ({arch}: "
-        "sliding-window or linear-attention layers). Use --hicache-storage-backend "
-        "file or mooncake, or --hicache-host-dtype auto."
+        "--hicache-storage-backend nixl does not support hybrid models "
+        f"({architecture(model_config)}: sliding-window or linear-attention "
+        "layers). Use --hicache-storage-backend file or mooncake, or "
+        "--hicache-host-dtype auto."
     )
 
 
@@ -128,7 +132,7 @@ def _refuse_unsupported_mla(server_args: Any) -> None:
     elif is_hybrid_model(model_config):
         unsupported = (
             "hybrid MLA models (sliding-window or linear-attention layers: "
-            f"{(hf_config.architectures or ['this model'])[0]})"
+            f"{architecture(model_config)})"
         )
     elif cfg.enable_hisparse:
         unsupported = "--enable-hisparse"
@@ -265,11 +269,11 @@ def _refuse_packed_mtp_draft_on_hybrid(server_args: Any, cfg: Any) -> None:
         is_draft_model=True,
     )
     if draft_config.num_nextn_predict_layers:
-        arch = (model_config.hf_config.architectures or ["this model"])[0]
         raise ValueError(
             f"--hicache-host-dtype {cfg.hicache_host_dtype} does not support "
             f"--speculative-algorithm {cfg.speculative_algorithm} with the MTP "
-            f"layers of the sliding-window model {arch} (num_nextn_predict_layers="
+            f"layers of the sliding-window model {architecture(model_config)} "
+            "(num_nextn_predict_layers="
             f"{draft_config.num_nextn_predict_layers}), whose draft KV packs into "
             "its full and SWA host pools: untested. Use --hicache-host-dtype auto, or "
             "a separate draft model (--speculative-algorithm EAGLE3 with "

@@ -530,9 +530,9 @@ class EncodedHostPool:
     device, pin_memory, allocator, pool_label and _transfer_device.
 
     The kind defines `_format_for` (its format's geometry) and
-    `_device_buffers(side)`, sets `self.host_format` before the upstream
-    constructor sizes the pool, calls `_build_transfer(device buffers)` from
-    the upstream's `_initialize_transfer_views` and `_finish_setup()` last.
+    `_device_buffers(side)`, checks what only it can in its constructor
+    before this one, and calls `_build_transfer(device buffers)` from the
+    upstream's `_initialize_transfer_views`.
     """
 
     host_format_cls: ClassVar[type[HostKVFormat]]
@@ -544,6 +544,38 @@ class EncodedHostPool:
     transfers_own_indices = True
     # Storage page objects carry seals bound to their key (page_integrity.py).
     seals_storage_pages = True
+
+    def __init__(
+        self,
+        buffer_info,
+        host_to_device_ratio: float,
+        host_size: int,
+        page_size: int,
+        layout: str,
+        *args,
+        device_dtype: torch.dtype,
+        **kwargs,
+    ):
+        check_layout(self.host_format_cls.name, layout)
+        # HostKVCache sizes the pool from get_size_per_token, which the format answers.
+        self.host_format = self._format_for(
+            buffer_info, page_size, layout, device_dtype
+        )
+        self._plan_side_stores(page_size)
+        super().__init__(
+            buffer_info,
+            host_to_device_ratio,
+            host_size,
+            page_size,
+            layout,
+            *args,
+            **kwargs,
+        )
+        self._finish_setup()
+
+    def _plan_side_stores(self, page_size: int) -> None:
+        """Stores beside the format's records (sink_page.py) size themselves
+        here, so that get_size_per_token counts them when the pool is sized."""
 
     @classmethod
     def host_bytes_per_device_byte(

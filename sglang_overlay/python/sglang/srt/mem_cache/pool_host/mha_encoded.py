@@ -13,7 +13,6 @@ from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 from sglang.srt.mem_cache.pool_host.encoded import (
     ENCODED_HOST_DEVICE_DTYPES,
     EncodedHostPool,
-    check_layout,
     unit_tokens_for,
 )
 from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
@@ -38,56 +37,24 @@ class MHATokenToKVPoolEncodedHost(SinkPagePool, EncodedHostPool, MHATokenToKVPoo
     def __init__(
         self,
         buffer_info: MHABufferInfo,
-        host_to_device_ratio: float,
-        host_size: int,
-        page_size: int,
-        layout: str,
-        pin_memory: bool = True,
-        device: str = "cpu",
-        allocator_type: str = "default",
-        *,
-        device_capacity_tokens: int,
-        start_layer: int,
-        end_layer: int,
-        draft_buffer_infos: Sequence[MHABufferInfo] = (),
+        *args,
         write_back_staging: tuple[torch.Tensor, torch.Tensor] | None = None,
-        pool_label: str = "kv",
-        host_token_capacity: int | None = None,
         device_kv_dtype: torch.dtype | None = None,
         sink_page_tokens: int | None = None,
+        **kwargs,
     ):
-        name = self.host_format_cls.name
-        check_layout(name, layout)
         # device_kv_dtype: the device pool's dtype; FP8 KV reaches the pool as
         # its uint8 storage dtype, so only the caller knows which FP8 it is.
         self.device_kv_dtype = self._check_device_dtype(buffer_info, device_kv_dtype)
-        # HostKVCache sizes the pool from get_size_per_token, which the format answers.
-        self.host_format = self._format_for(
-            buffer_info, page_size, layout, self.device_kv_dtype
-        )
         # sink_page_tokens: None reads SGLANG_HICACHE_SINK_PAGE_TOKENS (sink_page.py).
-        self.plan_sink_pages(page_size, sink_page_tokens)
+        self.sink_page_request = sink_page_tokens
+        # Packed MTP draft layers (draft_buffer_infos, one per draft pool) are
+        # encoded after the target's with the same format: the upstream pool
+        # checks their geometry and appends their device buffers. Records move
+        # through the pool's own staging, not the upstream write_back_staging.
         super().__init__(
-            buffer_info,
-            host_to_device_ratio,
-            host_size,
-            page_size,
-            layout,
-            pin_memory,
-            device,
-            allocator_type,
-            device_capacity_tokens=device_capacity_tokens,
-            start_layer=start_layer,
-            end_layer=end_layer,
-            # Packed MTP draft layers (one per draft pool) are encoded after
-            # the target's with the same format: the upstream pool checks
-            # their geometry and appends their device buffers.
-            draft_buffer_infos=draft_buffer_infos,
-            write_back_staging=None,
-            pool_label=pool_label,
-            host_token_capacity=host_token_capacity,
+            buffer_info, *args, device_dtype=self.device_kv_dtype, **kwargs
         )
-        self._finish_setup()
 
     @classmethod
     def _check_device_dtype(

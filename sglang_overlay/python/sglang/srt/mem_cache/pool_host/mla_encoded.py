@@ -14,7 +14,6 @@ from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
 from sglang.srt.mem_cache.pool_host.encoded import (
     ENCODED_HOST_DEVICE_DTYPES,
     EncodedHostPool,
-    check_layout,
     unit_tokens_for,
 )
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -36,63 +35,31 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
     def __init__(
         self,
         buffer_info: MLABufferInfo,
-        host_to_device_ratio: float,
-        host_size: int,
-        page_size: int,
-        layout: str,
-        pin_memory: bool = True,
-        device: str = "cpu",
-        allocator_type: str = "default",
+        *args,
         override_kv_cache_dim: int | None = None,
-        draft_buffer_infos: Sequence[MLABufferInfo] = (),
         dcp_size: int = 1,
-        dcp_rank: int = 0,
-        *,
-        device_capacity_tokens: int,
-        start_layer: int,
-        end_layer: int,
-        target_layer_num: int,
         layer_shard_enabled: bool = False,
-        pool_label: str = "kv",
-        host_token_capacity: int | None = None,
+        **kwargs,
     ):
-        name = self.host_format_cls.name
-        check_layout(name, layout)
         _refuse_unsupported(
-            name,
+            self.host_format_cls.name,
             buffer_info,
             override_kv_cache_dim,
             dcp_size,
             layer_shard_enabled,
         )
-        # HostKVCache sizes the pool from get_size_per_token, which the format answers.
-        self.host_format = self._format_for(
-            buffer_info, page_size, layout, buffer_info.dtype
-        )
+        # Packed NEXTN draft layers (draft_buffer_infos) are encoded after the
+        # target's with the same format; the upstream pool checks their row
+        # width and dtype.
         super().__init__(
             buffer_info,
-            host_to_device_ratio,
-            host_size,
-            page_size,
-            layout,
-            pin_memory,
-            device,
-            allocator_type,
-            override_kv_cache_dim,
-            # Packed NEXTN draft layers are encoded after the target's with the
-            # same format; the upstream pool checks their row width and dtype.
-            draft_buffer_infos,
-            dcp_size,
-            dcp_rank,
-            device_capacity_tokens=device_capacity_tokens,
-            start_layer=start_layer,
-            end_layer=end_layer,
-            target_layer_num=target_layer_num,
+            *args,
+            device_dtype=buffer_info.dtype,
+            override_kv_cache_dim=override_kv_cache_dim,
+            dcp_size=dcp_size,
             layer_shard_enabled=layer_shard_enabled,
-            pool_label=pool_label,
-            host_token_capacity=host_token_capacity,
+            **kwargs,
         )
-        self._finish_setup()
 
     def device_size_per_token(self) -> int:
         """Bytes per token of the same KV in the device dtype (what BF16 offload stores)."""

@@ -242,15 +242,17 @@ class SinkPageStore:
 
 class SinkPagePool:
     """The MHA encoded pool's side of the sink page; listed before
-    EncodedHostPool. The pool calls plan_sink_pages before the upstream
-    constructor sizes it; sink_pages is None when the feature is off."""
+    EncodedHostPool, whose constructor plans the side store once the format
+    is known and before the upstream constructor sizes the pool; sink_pages
+    is None when the feature is off."""
 
     sink_pages: SinkPageStore | None = None
+    sink_page_request: int | None = None
     _sink_tokens_per_slot = 0
 
-    def plan_sink_pages(self, page_size: int, requested: int | None) -> None:
+    def _plan_side_stores(self, page_size: int) -> None:
         self._sink_tokens_per_slot = sink_page_tokens(
-            self.host_format, page_size, requested
+            self.host_format, page_size, self.sink_page_request
         )
         if self._sink_tokens_per_slot:
             self._sink_slot_format = sink_format(self.host_format, page_size)

@@ -1,0 +1,425 @@
+"""Hybrid models' host tiers on CPU (tests/test_hybrid_host_pools.py,
+tests/test_spec_host_pools.py): server arguments resolved from tiny local
+configs and published as the scheduler publishes them, the radix cache built
+through SGLang's registry over real SWA / linear-attention device pools, and
+what a restore must give. The fixtures that go with it (hybrid_host_copies_on_cpu,
+hybrid_runtime_context, hybrid_model_dirs) are in tests/conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from tests.support.server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
+
+from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+from sglang.srt.mem_cache.pool_host.host_format import (
+    host_dtype_choices,
+    host_format_cls,
+    host_pool_cls,
+)
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+ENCODED = tuple(name for name in host_dtype_choices() if name != "auto")
+HOST_DTYPES = ("auto", *ENCODED)
+DTYPE = torch.bfloat16
+
+
+# The stock MHA pool's `kernel` io backend ops (sgl_kernel.kvcacheio).
+KERNEL_IO_OPS = (
+    "transfer_kv_per_layer",
+    "transfer_kv_all_layer",
+    "transfer_kv_per_layer_pf_lf",
+    "transfer_kv_all_layer_lf_pf",
+)
+
+
+# The radix caches built by the current test, released after it
+# (conftest.hybrid_runtime_context).
+_CACHES: list = []
+
+
+def publish_server_args(
+    model_path, host_dtype, layout, page_size, io_backend, metrics=False, l3=None
+):
+    """Resolve the server's arguments for the model and publish them for this
+    process, as the scheduler does (what get_memory() reads); with `l3` (the
+    storage backend's arguments, l3_args) the host tier has an L3."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    storage = {}
+    if l3 is not None:
+        storage = dict(l3)
+        # Prefetch whatever hits, and wait for it (no timeout on CPU).
+        extra = dict(storage.pop("extra_config", {}), prefetch_threshold=page_size)
+        storage.update(
+            hicache_storage_backend_extra_config=json.dumps(extra),
+            hicache_storage_prefetch_policy="wait_complete",
+        )
+    server_args = ServerArgs(
+        **storage,
+        model_path=model_path,
+        device="cpu",
+        skip_tokenizer_init=True,
+        page_size=page_size,
+        enable_hierarchical_cache=True,
+        enable_metrics=metrics,
+        hicache_ratio=2.0,
+        hicache_size=0,
+        hicache_io_backend=io_backend,
+        hicache_mem_layout=layout,
+        hicache_write_policy="write_through",
+        hicache_host_dtype=host_dtype,
+    )
+    server_args.resolve_once()
+    assert (server_args.hicache_mem_layout, server_args.page_size) == (
+        layout,
+        page_size,
+    )
+    reset_context()
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
+    return server_args
+
+
+class _TpWorker:
+    def register_hicache_layer_transfer_counter(self, counter) -> None:
+        pass
+
+
+def build_cache(server_args, params, *, swa: bool, ssm: bool):
+    """The radix cache with HiCache, as the scheduler builds it (registry)."""
+    from sglang.srt.mem_cache.registry import (
+        TreeCacheBuildContext,
+        create_unified_radix_cache,
+    )
+
+    ctx = TreeCacheBuildContext(
+        server_args=server_args,
+        params=params,
+        is_hybrid_swa=swa,
+        is_hybrid_ssm=ssm,
+        enable_hierarchical_cache=True,
+        disable_radix_cache=False,
+        tp_worker=_TpWorker(),
+        model_config=None,
+        tp_size=1,
+        tp_rank=0,
+        tp_group=None,
+    )
+    cache = create_unified_radix_cache(ctx)
+    for entry in cache.cache_controller.mem_pool_host.entries:
+        # Later page buffers (L3 prefetch) ask torch for pinned memory, which
+        # needs CUDA; the server's CPU stand-in (cpu_site) does the same.
+        entry.host_pool.pin_memory = False
+    _CACHES.append(cache)
+    return cache
+
+
+@dataclass
+class Rig:
+    host_dtype: str
+    cache: object
+    allocator: object
+    kv_pool: object  # the full-attention device pool
+    side_pool: object  # the SWA device pool or the Mamba state pool
+    side: PoolName
+
+    @property
+    def controller(self):
+        return self.cache.cache_controller
+
+    def host_pool(self, name: PoolName):
+        return self.controller.mem_pool_host.entry_map[name].host_pool
+
+    def finish(self) -> None:
+        """Complete queued transfers (CPU events finish at once) and log their
+        acks through the radix cache's own metric loggers."""
+        ctl = self.controller
+        for ack in ctl.ack_write_queue:
+            ack.finish_event.synchronize()
+            self.cache._log_write_ack_metrics(ack)
+        for ack in ctl.ack_load_queue:
+            ack.finish_event.synchronize()
+            self.cache._log_load_ack_metrics(ack)
+        ctl.ack_write_queue.clear()
+        ctl.ack_load_queue.clear()
+
+
+def swa_rig(
+    model_dirs, host_dtype, layout, page_size, io_backend, metrics=False, l3=None
+) -> Rig:
+    """gpt-oss shaped: layers 0, 2 sliding-window, 1, 3 full attention."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    server_args = publish_server_args(
+        model_dirs["gpt_oss"], host_dtype, layout, page_size, io_backend, metrics, l3
+    )
+    kv = SWAKVPool(
+        size=256,
+        size_swa=128,
+        page_size=page_size,
+        dtype=DTYPE,
+        head_num=GPT_OSS["num_key_value_heads"],
+        head_dim=GPT_OSS["head_dim"],
+        swa_attention_layer_ids=[0, 2],
+        full_attention_layer_ids=[1, 3],
+        device="cpu",
+        enable_alt_stream=False,
+    )
+    allocator = SWATokenToKVPoolAllocator(
+        256, 128, page_size, DTYPE, "cpu", kv, need_sort=False
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=512, device="cpu", enable_memory_saver=False
+        ),
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        sliding_window_size=GPT_OSS["sliding_window"],
+        enable_metrics=metrics,
+    )
+    cache = build_cache(server_args, params, swa=True, ssm=False)
+    return Rig(
+        host_dtype, cache, allocator, kv.full_kv_pool, kv.swa_kv_pool, PoolName.SWA
+    )
+
+
+def linear_attention_text_config(model: str):
+    """The model's text config as SGLang loads it (Qwen3.5's sits under its
+    vision-language wrapper)."""
+    from sglang.srt.configs import Qwen3NextConfig
+    from sglang.srt.configs.qwen3_5 import Qwen3_5MoeTextConfig
+
+    cls, fields = {
+        "qwen3_next": (Qwen3NextConfig, QWEN3_NEXT),
+        "qwen3_5": (Qwen3_5MoeTextConfig, QWEN3_5["text_config"]),
+    }[model]
+    return cls(**{k: v for k, v in fields.items() if k != "architectures"})
+
+
+def mamba_rig(
+    model_dirs,
+    host_dtype,
+    layout,
+    page_size,
+    io_backend,
+    metrics=False,
+    model="qwen3_next",
+    l3=None,
+) -> Rig:
+    """Qwen3-Next / Qwen3.5 shaped: GDN layers 0-2, full attention at layer 3."""
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import (
+        HybridLinearKVPool,
+        HybridReqToTokenPool,
+    )
+
+    server_args = publish_server_args(
+        model_dirs[model], host_dtype, layout, page_size, io_backend, metrics, l3
+    )
+    config = linear_attention_text_config(model)
+    assert config.full_attention_layer_ids == [3]
+    cache_params = config.mamba2_cache_params
+    req_to_token = HybridReqToTokenPool(
+        size=4,
+        mamba_size=8,
+        mamba_spec_state_size=4,
+        max_context_len=512,
+        device="cpu",
+        enable_memory_saver=False,
+        cache_params=cache_params,
+        mamba_layer_ids=cache_params.layers,
+        # What the server resolves for linear-attention models with HiCache.
+        enable_mamba_extra_buffer=True,
+        speculative_num_draft_tokens=None,
+    )
+    kv = HybridLinearKVPool(
+        size=256,
+        dtype=DTYPE,
+        page_size=page_size,
+        head_num=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        full_attention_layer_ids=config.full_attention_layer_ids,
+        device="cpu",
+        mamba_pool=req_to_token.mamba_pool,
+    )
+    if page_size == 1:
+        allocator = TokenToKVPoolAllocator(256, DTYPE, "cpu", kv, need_sort=False)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(
+            256, page_size, DTYPE, "cpu", kv, need_sort=False
+        )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        enable_mamba_extra_buffer=True,
+        enable_metrics=metrics,
+    )
+    cache = build_cache(server_args, params, swa=False, ssm=True)
+    return Rig(
+        host_dtype,
+        cache,
+        allocator,
+        kv.full_kv_pool,
+        req_to_token.mamba_pool,
+        PoolName.MAMBA,
+    )
+
+
+# -- what a restore must give ---------------------------------------------------
+
+
+def kv_restore(host_dtype, host_pool, k, v):
+    """Rows k, v ([tokens, heads, dim], in host-slot order) after a round trip
+    through the host: themselves for the stock pool, else the format's
+    reference encode + decode over the pool's units of tokens."""
+    if host_dtype == "auto":
+        return k, v
+    ut = host_pool.host_format.unit_tokens
+    fmt = host_format_cls(host_dtype, "mha")(
+        (k.shape[-1], v.shape[-1]), k.shape[1], ut, k.dtype
+    )
+    records = fmt.encode_reference([x.view(-1, ut, *x.shape[1:]) for x in (k, v)])
+    k_ref, v_ref = fmt.decode_reference(records, k.dtype)
+    return k_ref.reshape(k.shape), v_ref.reshape(v.shape)
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.uint8)
+
+
+def fill_kv(pool, indices, gen):
+    """Random K/V (a wide dynamic range per token) into every layer of a
+    device MHA pool; returns the rows per layer."""
+    written = []
+    for layer in range(pool.layer_num):
+        rows = []
+        for buffer in (pool.k_buffer[layer], pool.v_buffer[layer]):
+            x = torch.randn((len(indices), *buffer.shape[1:]), generator=gen)
+            x *= torch.logspace(-2, 2, len(indices)).view(-1, 1, 1)
+            buffer[indices] = x.to(buffer.dtype)
+            rows.append(buffer[indices].clone())
+        written.append(tuple(rows))
+    return written
+
+
+def wipe_kv(pool, indices):
+    for layer in range(pool.layer_num):
+        pool.k_buffer[layer][indices] = float("nan")
+        pool.v_buffer[layer][indices] = float("nan")
+
+
+def assert_kv_restored(rig, name, pool, indices, written):
+    host_pool = rig.host_pool(name)
+    for layer, (k, v) in enumerate(written):
+        k_ref, v_ref = kv_restore(rig.host_dtype, host_pool, k, v)
+        got_k, got_v = pool.k_buffer[layer][indices], pool.v_buffer[layer][indices]
+        assert torch.equal(bits(got_k), bits(k_ref)), (name, layer)
+        assert torch.equal(bits(got_v), bits(v_ref)), (name, layer)
+
+
+def mamba_state(pool, slots):
+    cache = pool.mamba_cache
+    return [t[:, slots].clone() for t in (cache.temporal, *cache.conv)]
+
+
+def fill_mamba(pool, slots, gen):
+    cache = pool.mamba_cache
+    for t in (cache.temporal, *cache.conv):
+        t[:, slots] = torch.randn(t[:, slots].shape, generator=gen).to(t.dtype)
+    return mamba_state(pool, slots)
+
+
+def wipe_mamba(pool, slots):
+    cache = pool.mamba_cache
+    for t in (cache.temporal, *cache.conv):
+        t[:, slots] = float("nan")
+
+
+# -- round trips ---------------------------------------------------------------
+
+
+def expected_host_cls(host_dtype):
+    return MHATokenToKVPoolHost if host_dtype == "auto" else host_pool_cls(host_dtype)
+
+
+def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
+    """Full-attention slots (with their SWA mapping) for one new request of
+    `tokens` tokens, as the scheduler allocates an extend."""
+    if allocator.page_size == 1:
+        return allocator.alloc(tokens)
+    zero, length = torch.tensor([0]), torch.tensor([tokens])
+    return allocator.alloc_extend(
+        zero, zero, length, length, torch.tensor([-1]), tokens
+    )
+
+
+def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
+    """Write `tokens` tokens of full and SWA KV through the controller, wipe the
+    device, load both back into fresh slots; returns the loaded tokens."""
+    ctl, gen = rig.controller, torch.Generator().manual_seed(seed)
+    full = alloc_swa_tokens(rig.allocator, tokens)
+    swa = rig.allocator.translate_loc_from_full_to_swa(full)
+    full_written = fill_kv(rig.kv_pool, full, gen)
+    swa_written = fill_kv(rig.side_pool, swa, gen)
+
+    backup = PoolTransfer(name=PoolName.SWA, device_indices=swa.to(torch.int64))
+    host = ctl.write(full, extra_pools=[backup])
+    assert host is not None and backup.host_indices is not None
+    rig.finish()
+    wipe_kv(rig.kv_pool, full)
+    wipe_kv(rig.side_pool, swa)
+    rig.allocator.free(full)
+
+    restore = PoolTransfer(name=PoolName.SWA, host_indices=backup.host_indices)
+    loaded = ctl.load(host, extra_pools=[restore])
+    assert loaded is not None and restore.device_indices is not None
+    ctl.start_loading()
+    rig.finish()
+    assert_kv_restored(rig, PoolName.KV, rig.kv_pool, loaded, full_written)
+    assert_kv_restored(
+        rig, PoolName.SWA, rig.side_pool, restore.device_indices, swa_written
+    )
+    return tokens
+
+
+def mamba_round_trip(rig: Rig, tokens: int, seed: int = 0):
+    """Write `tokens` tokens of full-attention KV and one request's Mamba
+    state through the controller, wipe the device, load both back; returns
+    the state as restored."""
+    ctl, gen = rig.controller, torch.Generator().manual_seed(seed)
+    mamba_allocator = rig.cache.cache_controller.mem_pool_host.entry_map[
+        PoolName.MAMBA
+    ].device_alloc_fn
+    full = rig.allocator.alloc(tokens)
+    slot = mamba_allocator(1)
+    written = fill_kv(rig.kv_pool, full, gen)
+    state = fill_mamba(rig.side_pool, slot, gen)
+
+    backup = PoolTransfer(name=PoolName.MAMBA, device_indices=slot)
+    host = ctl.write(full, extra_pools=[backup])
+    assert host is not None and backup.host_indices is not None
+    rig.finish()
+    wipe_kv(rig.kv_pool, full)
+    wipe_mamba(rig.side_pool, slot)
+    rig.allocator.free(full)
+
+    restore = PoolTransfer(name=PoolName.MAMBA, host_indices=backup.host_indices)
+    loaded = ctl.load(host, extra_pools=[restore])
+    assert loaded is not None and restore.device_indices is not None
+    ctl.start_loading()
+    rig.finish()
+    assert_kv_restored(rig, PoolName.KV, rig.kv_pool, loaded, written)
+    restored = mamba_state(rig.side_pool, restore.device_indices)
+    return state, restored

@@ -1,0 +1,329 @@
+"""Host-pool checks shared by the 4-bit formats and their rotated forms
+(tests/test_int4_host_pool.py: int4, k8v4; tests/test_rotated_host_pool.py:
+int4r, k8v4r), each run with a format name. Expected values come from the
+format's reference encode/decode on the rows the test wrote, grouped into
+host units (a page, or a token for layer_first) by the test itself."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, StoragePageRefused
+from tests.support.hicache_harness import (
+    Geometry,
+    fill_random,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
+from tests.support.int8_pool_checks import unit_tokens
+
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+# Each format's records in zero-copy object order: [k, k meta] [v, v meta].
+RECORDS = {
+    "int4": ("k", "k_meta", "v", "v_meta"),
+    "k8v4": ("k", "k_scale", "v", "v_meta"),
+    "int4r": ("k", "k_meta", "v", "v_meta"),
+    "k8v4r": ("k", "k_scale", "v", "v_meta"),
+}
+
+
+def expected_restore(fmt, k_rows, v_rows, ut):
+    """(k, v, records) of rows [tokens, H, D] written in host-unit order."""
+    dims, heads = (k_rows.shape[-1], v_rows.shape[-1]), k_rows.shape[1]
+    fmt_obj = host_format_cls(fmt)(dims, heads, ut, k_rows.dtype)
+    units = [x.view(x.shape[0] // ut, ut, *x.shape[1:]) for x in (k_rows, v_rows)]
+    records = fmt_obj.encode_reference(units)
+    k, v = fmt_obj.decode_reference(records, k_rows.dtype)
+    return k.flatten(0, 1), v.flatten(0, 1), records
+
+
+def pages(page_ids, page_size):
+    page_ids = torch.as_tensor(page_ids)
+    return (page_ids[:, None] * page_size + torch.arange(page_size)).flatten()
+
+
+def fill_spread(device_pool, indices, seed):
+    """Random K/V with a per-channel scale spread (key outliers sit in fixed
+    channels) and a far-from-zero offset on some heads."""
+    written = fill_random(device_pool, indices, seed)
+    for layer, (k_rows, v_rows) in enumerate(written):
+        gain = torch.ones(k_rows.shape[-1])
+        gain[::7] = 20.0
+        k_rows = (k_rows.float() * gain).to(k_rows.dtype)
+        v_rows = (v_rows.float() + 3.0).to(v_rows.dtype)
+        device_pool.k_buffer[layer][indices] = k_rows
+        device_pool.v_buffer[layer][indices] = v_rows
+        written[layer] = (k_rows, v_rows)
+    return written
+
+
+def build(fmt, layout, page_size, dtype=torch.bfloat16, head_dim=64, v_head_dim=None):
+    geo = Geometry(
+        layer_num=2,
+        head_num=2,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        dtype=dtype,
+        page_size=page_size,
+    )
+    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
+    pool = make_host_pool(
+        device_pool, host_tokens=16 * page_size, layout=layout, host_dtype=fmt
+    )
+    return geo, device_pool, pool
+
+
+def allocated_bytes(pool) -> int:
+    if hasattr(pool, "host_records"):
+        return sum(b.numel() * b.element_size() for b in pool.host_records.values())
+    return pool.kv_buffer.numel() * pool.kv_buffer.element_size()
+
+
+def assert_restores(device_pool, pool, fmt, host, new_dev, written, ut, layers):
+    """Load `host` into `new_dev` layer by layer: the reference restore."""
+    for layer in range(layers):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+    for layer, (k_rows, v_rows) in enumerate(written):
+        k_want, v_want, _ = expected_restore(fmt, k_rows, v_rows, ut)
+        assert torch.equal(device_pool.k_buffer[layer][new_dev], k_want)
+        assert torch.equal(device_pool.v_buffer[layer][new_dev], v_want)
+
+
+def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
+    from sglang.srt.mem_cache.pool_host import encoded
+
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
+    geo, device_pool, pool = build(fmt, "page_first", 16)
+    dev, host = pages([1, 2, 3, 4, 5], 16), pages([9, 3, 4, 0, 7], 16)
+    written = fill_spread(device_pool, dev, seed=5)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    new_dev = pages([10, 11, 12, 13, 14], 16)
+    assert_restores(device_pool, pool, fmt, host, new_dev, written, 16, geo.layer_num)
+
+
+def check_out_of_range_host_indices(fmt, layout):
+    """Out-of-range host indices are refused naming the flag; nothing moves."""
+    geo, device_pool, pool = build(fmt, layout, 16)
+    dev = pages([1], 16)
+    fill_spread(device_pool, dev, seed=1)
+    host_before = {n: b.clone() for n, b in pool.host_records.items()}
+    dev_before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
+    for bad in (pages([pool.size // 16], 16), pages([0], 16) - 16):
+        with pytest.raises(IndexError, match=f"--hicache-host-dtype {fmt}"):
+            pool.backup_from_device_all_layer(device_pool, bad, dev, "direct")
+        with pytest.raises(IndexError, match="out of range"):
+            pool.load_to_device_per_layer(device_pool, bad, dev, 0, "direct")
+    for name, before in host_before.items():
+        assert torch.equal(
+            pool.host_records[name].view(torch.uint8), before.view(torch.uint8)
+        )
+    for a, b in zip(dev_before, device_pool.k_buffer + device_pool.v_buffer):
+        assert torch.equal(a, b)
+
+
+def check_controller_random_operations(fmt, layout, page_size, io_backend, fused=False):
+    """The real controller's random writes, loads and evictions (on the fused
+    kernels with `fused`): every restore equals the reference."""
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
+    rig = make_rig(
+        geo,
+        device_tokens=32 * page_size,
+        host_tokens=48 * page_size,
+        layout=layout,
+        io_backend=io_backend,
+        host_dtype=fmt,
+    )
+    assert type(rig.host_pool) is host_pool_cls(fmt)
+    if fused:
+        rig.host_pool.use_fused_kernels = True
+        assert rig.host_pool.transfer_path == "fused_direct"
+    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
+    ut = unit_tokens(layout, page_size)
+    rng = random.Random(7 + page_size)
+    gen = torch.Generator().manual_seed(8)
+    backed_up, resident, ops = [], [], 0
+    for step in range(300):
+        op = rng.random()
+        if op < 0.4:
+            n = rng.randint(1, 3) * page_size
+            dev = alloc.alloc(n)
+            if dev is None:
+                continue
+            expected = []
+            for layer in range(geo.layer_num):
+                k = (
+                    torch.randn((n, 2, 64), generator=gen)
+                    * rng.choice((1e-3, 1.0, 50.0))
+                ).to(geo.dtype)
+                v = torch.randn((n, 2, 64), generator=gen).to(geo.dtype)
+                dev_pool.k_buffer[layer][dev] = k
+                dev_pool.v_buffer[layer][dev] = v
+                expected.append(expected_restore(fmt, k, v, ut)[:2])
+            host = ctl.write(dev)
+            finish_transfers(ctl)
+            for layer in range(geo.layer_num):
+                dev_pool.k_buffer[layer][dev] = float("nan")
+                dev_pool.v_buffer[layer][dev] = float("nan")
+            alloc.free(dev)
+            if host is not None:
+                backed_up.append((host, expected))
+            ops += 1
+        elif op < 0.75 and backed_up:
+            host, expected = rng.choice(backed_up)
+            dev = ctl.load(host)
+            if dev is None:
+                continue
+            ctl.start_loading()
+            finish_transfers(ctl)
+            for layer, (k, v) in enumerate(expected):
+                assert torch.equal(dev_pool.k_buffer[layer][dev], k), step
+                assert torch.equal(dev_pool.v_buffer[layer][dev], v), step
+            resident.append((dev, expected))
+            ops += 1
+        elif op < 0.9 and backed_up:
+            host, _ = backed_up.pop(rng.randrange(len(backed_up)))
+            ctl.evict_host(host)
+            ops += 1
+        elif resident:
+            dev, _ = resident.pop(rng.randrange(len(resident)))
+            alloc.free(dev)
+            ops += 1
+    assert ops > 150
+    for dev, expected in resident:
+        for layer, (k, v) in enumerate(expected):
+            assert torch.equal(dev_pool.k_buffer[layer][dev], k)
+            assert torch.equal(dev_pool.v_buffer[layer][dev], v)
+    held = sum(len(h) for h, _ in backed_up)
+    assert rig.host_pool.available_size() == rig.host_pool.size - held
+
+
+def check_storage_pages_round_trip(fmt, layout, page_size):
+    """A page read with get_data_page and written into another pool with
+    set_from_flat_data_page restores the same values; short pages are refused."""
+    geo, device_pool, pool = build(fmt, layout, page_size)
+    other = make_host_pool(
+        device_pool, host_tokens=16 * page_size, layout=layout, host_dtype=fmt
+    )
+    dev, host = pages([1, 2], page_size), pages([3, 5], page_size)
+    written = fill_spread(device_pool, dev, seed=4)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    flat = [pool.get_data_page(int(i)) for i in host[::page_size]]
+    per_token = pool.get_size_per_token()
+    for page in flat:
+        # The page's records, then its seal (page_integrity).
+        assert page.dtype == torch.uint8
+        assert page.numel() == per_token * page_size + SEAL_BYTES
+    target = pages([0, 7], page_size)
+    for index, page in zip(target[::page_size].tolist(), flat):
+        other.set_from_flat_data_page(index, page)
+    with pytest.raises(StoragePageRefused, match="size"):
+        other.set_from_flat_data_page(0, flat[0][:-1])
+    new_dev = pages([9, 10], page_size)
+    ut = unit_tokens(layout, page_size)
+    assert_restores(
+        device_pool, other, fmt, target, new_dev, written, ut, geo.layer_num
+    )
+
+
+def check_zero_copy_page_buffers_cover_the_page(fmt):
+    """get_page_buffer_meta: two objects per page ([k, k_meta], [v, v_meta]),
+    whose bytes, read from the pointers, are the page's records exactly once."""
+    _, device_pool, pool = build(fmt, "page_first", 16)
+    dev, host = pages([1, 2], 16), pages([4, 6], 16)
+    fill_spread(device_pool, dev, seed=3)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    ptrs, sizes = pool.get_page_buffer_meta(host)
+    assert pool.storage_buffers_per_object == 3  # two record pieces and a seal
+    assert len(ptrs) == len(sizes) == 2 * 2 * 3  # pages x objects x buffers
+    names = RECORDS[fmt]
+    for p, page in enumerate((4, 6)):
+        piece = slice(6 * p, 6 * p + 6)
+        got = [_bytes_at(ptr, size) for ptr, size in zip(ptrs[piece], sizes[piece])]
+        # object order: k, k_meta (k_scale), seal | v, v_meta, seal
+        records, seals = got[0:2] + got[3:5], (got[2], got[5])
+        want = [pool.host_records[n][page].reshape(-1).view(torch.uint8) for n in names]
+        for g, w in zip(records, want):
+            assert torch.equal(g, w)
+        assert all(len(seal) == SEAL_BYTES for seal in seals)
+        assert sum(sizes[piece]) == pool.get_size_per_token() * 16 + 2 * SEAL_BYTES
+    # 4-bit keys are grouped per channel over a 16-token page (the tag says so).
+    assert "kchannel" in pool.storage_format_tag or fmt.startswith("k8v4")
+
+
+def _bytes_at(ptr: int, size: int) -> torch.Tensor:
+    return torch.frombuffer(
+        (ctypes.c_uint8 * size).from_address(ptr), dtype=torch.uint8
+    ).clone()
+
+
+def check_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
+    """host_bytes_per_device_byte (what auto-sizing asks) agrees with what a
+    pool of that page size and layout allocates."""
+    geo = Geometry(layer_num=4, head_num=8, head_dim=128, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=2 * page_size)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    cls = get_mha_host_pool_cls(info, fmt)
+    pool = make_host_pool(
+        device_pool, host_tokens=4 * page_size, layout=layout, host_dtype=fmt
+    )
+    device_bytes = 4 * 8 * 256 * 2
+    assert cls.host_bytes_per_device_byte(info, page_size=page_size, layout=layout) == (
+        pytest.approx(pool.get_size_per_token() / device_bytes)
+    )
+
+
+def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
+    """Through the real pool, a NaN key included: the fused kernels' host
+    bytes, statistics and restored rows equal the torch path's. Returns
+    (torch pool, fused pool, restored rows per path)."""
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
+    pools = {}
+    for path in ("torch", "fused"):
+        pool = make_host_pool(
+            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt
+        )
+        assert pool.host_format.fused_available(torch.device("cpu"))
+        if path == "fused":
+            pool.use_fused_kernels = True
+            pool.fused_host_access = access
+        pools[path] = pool
+    dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
+    fill_spread(device_pool, dev, seed=12)
+    device_pool.k_buffer[0][dev[1], 1, 3] = float("nan")
+    for pool in pools.values():
+        pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    torch_pool, fused_pool = pools["torch"], pools["fused"]
+    assert fused_pool.transfer_path == f"fused_{access}"
+    for name, buf in torch_pool.host_records.items():
+        assert torch.equal(
+            fused_pool.host_records[name].view(torch.uint8), buf.view(torch.uint8)
+        ), name
+    assert fused_pool.nonfinite_group_count() == torch_pool.nonfinite_group_count()
+    assert torch.equal(
+        fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
+    )
+    restored = {}
+    for path, pool in pools.items():
+        new_dev = pages([8, 10, 9], page_size)
+        for layer in range(geo.layer_num):
+            device_pool.k_buffer[layer][new_dev] = 0
+            device_pool.v_buffer[layer][new_dev] = 0
+            pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+        restored[path] = [
+            b[new_dev].clone() for b in device_pool.k_buffer + device_pool.v_buffer
+        ]
+    for a, b in zip(restored["torch"], restored["fused"]):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        assert torch.equal(
+            a.nan_to_num(0).view(torch.int16), b.nan_to_num(0).view(torch.int16)
+        )
+    return torch_pool, fused_pool, restored
