@@ -26,6 +26,7 @@ from tests.support.kernel_compile import (
     ptx_problems,
 )
 
+from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
@@ -128,6 +129,39 @@ def test_every_int4_kernel_compiles_cleanly(compiled_int4, arch):
     modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
     assert kinds == {
         (e, b, m) for e in (True, False) for b in (True, False) for m in modes
+    }
+    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
+
+
+@pytest.fixture(scope="module")
+def compiled_int4_fp8(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernel-compile-int4-fp8")
+    start = time.perf_counter()
+    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="int4-fp8")
+    for arch, run in results.items():
+        print(
+            f"int4/k8v4 FP8 sm_{arch}: {len(run['specs'])} distinct "
+            f"specialisations from {run['launches']} launches in {run['seconds']} s"
+        )
+    print(f"FP8 int4 compile check: {time.perf_counter() - start:.0f} s wall")
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_fp8_int4_kernel_compiles_cleanly(compiled_int4_fp8, arch):
+    """The INT4 / K8V4 kernels on FP8 device KV (kernel_compile.int4_fp8_grid):
+    no spill, the IEEE arithmetic, NaN tests kept and no hardware FP8
+    conversion, for both FP8 dtypes and every key grouping."""
+    specs = compiled_int4_fp8[arch]["specs"]
+    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
+    assert not problems, "\n".join(problems)
+    kinds = {
+        ("encode" in s["name"], s["constexprs"]["FP8"], s["constexprs"]["KEY_MODE"])
+        for s in specs
+    }
+    modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
+    assert kinds == {
+        (e, f, m) for e in (True, False) for f in (hk.FP8_E4M3, hk.FP8_E5M2) for m in modes
     }
     assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
 

@@ -6,7 +6,8 @@ device rows -> 4-bit codes, or K8V4's int8 keys, + fp16 metadata at the host
 indices); decode_scatter restores one layer in one launch. Groups are coded
 asymmetrically (x^ = m + q * s, q in 0..15, two codes a byte), values per
 token, keys per token or per channel over a unit's tokens; bits match
-kv_int4_codec (docs/kernels.md).
+kv_int4_codec (docs/kernels.md). The device KV is bf16/fp16 or FP8 (E4M3FN,
+E5M2: bytes widened and rounded back by integer operations).
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ def _codes(x, s, m, bad):
 
 
 @triton.jit
-def _to_device_bits(y, IS_BF16: tl.constexpr):
-    """fp32 values -> 16-bit patterns of the device dtype, rounded once."""
-    if IS_BF16:
+def _to_device_bits(y, IS_BF16: tl.constexpr, FP8: tl.constexpr):
+    """fp32 values -> patterns of the device dtype (16-bit, or FP8 bytes),
+    rounded once."""
+    if FP8:
+        out = hk.fp32_to_fp8_bits(y, FP8)
+    elif IS_BF16:
         out = hk.bf16_rne_bits(y)
     else:
         # Test NaN first: min/max need not propagate it.
@@ -109,6 +113,7 @@ def _encode_groups(
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
     COUNT: tl.constexpr,
     AMAX: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
@@ -132,7 +137,7 @@ def _encode_groups(
     m3 = hmask[:, None, None] & inside
     src = layer_off + didx * dev_stride_token + head * dev_stride_head + grp * G
     bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
-    x = hk.to_fp32(bits, IS_BF16)
+    x = hk.to_fp32(bits, IS_BF16, FP8)
     if ROT_B:
         sign_off = (grp * G)[:, None, None] + c[None, :, :]
         x = hr.rotate(x, tl.load(sign_ptr + sign_off, mask=m3, other=0.0), ROT_B)
@@ -203,6 +208,7 @@ def _encode_channels(
     UT: tl.constexpr,
     UT_PAD: tl.constexpr,
     IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
     COUNT: tl.constexpr,
     AMAX: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
@@ -236,7 +242,7 @@ def _encode_channels(
     m3 = (tmask & run_ok)[:, None, None] & cmask[None, :, :]
     src = layer_off + didx * dev_stride_token + head * dev_stride_head
     bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
-    x = hk.to_fp32(bits, IS_BF16)
+    x = hk.to_fp32(bits, IS_BF16, FP8)
     if ROT_B:
         signs = tl.load(sign_ptr + c, mask=cmask, other=0.0)
         x = hr.rotate(x, signs[None, :, :], ROT_B)
@@ -294,6 +300,7 @@ def _decode_groups(
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
 ):
@@ -327,7 +334,7 @@ def _decode_groups(
     if ROT_B:
         signs = tl.load(sign_ptr + c, mask=lane[:, None] & (e < 2)[None, :], other=0.0)
         y = hr.unrotate(y, signs[None, :, :], ROT_B)
-    out = _to_device_bits(y, IS_BF16)
+    out = _to_device_bits(y, IS_BF16, FP8)
     y_row = didx * y_stride_token + head * y_stride_head
     tl.store(y_base + (y_row[:, None, None] + c[None, :, :]), out, mask=m3)
 
@@ -402,6 +409,7 @@ def _encode_kernel(
     V_COUNT_BAD_IDX: tl.constexpr,
     K_ROT_B: tl.constexpr = 0,
     V_ROT_B: tl.constexpr = 0,
+    FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs, layers)
     pid = tl.program_id(0)
@@ -421,6 +429,7 @@ def _encode_kernel(
                 layer, pid * K_BLOCK, n_tok * H, n_host, nonfinite_ptr,
                 amax_ptr + 2 * layer, bad_idx_ptr,
                 H, DK, DK_PAD, UT, K_BLOCK, IS_BF16, COUNT, AMAX, K_COUNT_BAD_IDX,
+                FP8,
             )  # fmt: skip
         elif KEY_MODE == 1:
             _encode_groups(
@@ -432,7 +441,7 @@ def _encode_kernel(
                 k_meta_stride_param,
                 layer, pid * K_BLOCK, n_tok * (H * (DK // GK)), n_host,
                 nonfinite_ptr, amax_ptr + 2 * layer, bad_idx_ptr, sign_ptr,
-                H, DK // GK, GK, GK2_PAD, UT, K_BLOCK, IS_BF16, COUNT, AMAX,
+                H, DK // GK, GK, GK2_PAD, UT, K_BLOCK, IS_BF16, FP8, COUNT, AMAX,
                 K_COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
         else:
@@ -444,7 +453,7 @@ def _encode_kernel(
                 k_meta_stride_head, k_meta_stride_group, k_meta_stride_param,
                 layer, pid, n_host, nonfinite_ptr, amax_ptr + 2 * layer,
                 bad_idx_ptr, sign_ptr,
-                H, DK, K_BLOCK, K_NCB, UT, UT_PAD, IS_BF16, COUNT, AMAX,
+                H, DK, K_BLOCK, K_NCB, UT, UT_PAD, IS_BF16, FP8, COUNT, AMAX,
                 K_COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
     else:
@@ -459,7 +468,7 @@ def _encode_kernel(
             v_meta_stride_head, v_meta_stride_group, v_meta_stride_param,
             layer, (pid - n_k_progs) * V_BLOCK_R, n_tok * (H * (DV // GV)), n_host,
             nonfinite_ptr, amax_ptr + 2 * layer + 1, bad_idx_ptr, sign_ptr,
-            H, DV // GV, GV, GV2_PAD, UT, V_BLOCK_R, IS_BF16, COUNT, AMAX,
+            H, DV // GV, GV, GV2_PAD, UT, V_BLOCK_R, IS_BF16, FP8, COUNT, AMAX,
             V_COUNT_BAD_IDX, V_ROT_B,
         )  # fmt: skip
 
@@ -517,6 +526,7 @@ def _decode_kernel(
     COUNT_BAD_IDX: tl.constexpr,
     K_ROT_B: tl.constexpr = 0,
     V_ROT_B: tl.constexpr = 0,
+    FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs,)
     pid = tl.program_id(0)
@@ -528,7 +538,7 @@ def _decode_kernel(
                 k_meta_stride_token, k_meta_stride_head, host_idx_ptr,
                 k_dst, k_dst_stride_token, k_dst_stride_head, dev_idx_ptr,
                 pid * K_BLOCK_R, n_tok * H, n_host, bad_idx_ptr,
-                H, DK, DK_PAD, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX,
+                H, DK, DK_PAD, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX, FP8,
             )  # fmt: skip
         else:
             _decode_groups(
@@ -538,7 +548,7 @@ def _decode_kernel(
                 k_meta_stride_param, host_idx_ptr,
                 k_dst, k_dst_stride_token, k_dst_stride_head, dev_idx_ptr,
                 pid * K_BLOCK_R, n_tok * H, n_host, bad_idx_ptr, sign_ptr,
-                H, DK, DK_PAD // 2, GK, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX,
+                H, DK, DK_PAD // 2, GK, UT, K_BLOCK_R, IS_BF16, FP8, COUNT_BAD_IDX,
                 K_ROT_B,
             )  # fmt: skip
     else:
@@ -548,7 +558,7 @@ def _decode_kernel(
             v_meta_stride_group, v_meta_stride_param, host_idx_ptr,
             v_dst, v_dst_stride_token, v_dst_stride_head, dev_idx_ptr,
             (pid - n_k_progs) * V_BLOCK_R, n_tok * H, n_host, bad_idx_ptr, sign_ptr,
-            H, DV, DV_PAD // 2, GV, UT, V_BLOCK_R, IS_BF16, False, V_ROT_B,
+            H, DV, DV_PAD // 2, GV, UT, V_BLOCK_R, IS_BF16, FP8, False, V_ROT_B,
         )  # fmt: skip
 
 
@@ -667,7 +677,7 @@ def _format_records(records, lead: int, head_num: int, dk: int, dv: int):
 def _check_tables(tables) -> tuple[DeviceLayerTable, DeviceLayerTable]:
     if len(tables) != 2:
         raise ValueError(f"expected the K and V layer tables, got {len(tables)}")
-    hk.check_kv_tables(*tables)
+    hk.check_kv_tables(*tables, fp8=True)
     return tables[0], tables[1]
 
 
@@ -698,7 +708,8 @@ def encode_gather(
     """Backup in one launch: encode the K/V rows tables[s][l][device_indices[i]]
     of every layer l into the records at host_indices[i].
 
-    tables = (k_table, v_table); out = the format's records as
+    tables = (k_table, v_table), bf16/fp16 or FP8 (float8 views: the FP8
+    values are encoded, widened exactly to fp32); out = the format's records as
     [units, L, *record.shape] views (any strides, last dim contiguous):
 
       int4   k uint8 [U, L, UT, H, Dk/2]
@@ -771,6 +782,7 @@ def encode_gather(
         scale_amax,
         bad_index_counter,
     )
+    args.update(hk.fp8_args(k_table.dtype))
     # Keys count bad indices unless values do (per-token keys: same tokens).
     count_bad = args.pop("COUNT_BAD_IDX")
     _encode_kernel[(n_k_progs + n_v_progs, layers)](
@@ -824,8 +836,9 @@ def decode_scatter(
 
     records: one layer's records as [units, *record.shape] views (as
     encode_gather's without the layer dim); dst: bf16/fp16 [size, H, D]
-    device layers, dim contiguous. fp16 output saturates at +-65504;
-    non-finite groups restore as NaN. A host index outside the records
+    device layers, dim contiguous, or FP8 (float8 views of SGLang's uint8
+    storage). fp16 and FP8 output saturate at the dtype's largest finite
+    value; non-finite groups restore as NaN. A host index outside the records
     restores nothing (the device rows keep their contents) and its token is
     counted in bad_index_counter if given. rotation_blocks / rotation_signs:
     as encode_gather's; the rows are unrotated after decoding.
@@ -838,7 +851,7 @@ def decode_scatter(
         return
     dev = k_dst.device
     hk.check_indices(device_indices, host_indices, n, dev)
-    hk.check_device_layers(k_dst, v_dst)
+    hk.check_device_layers(k_dst, v_dst, fp8=True)
     H = k_dst.shape[1]
     keys, values = _format_records(records, 2, H, k_dst.shape[2], v_dst.shape[2])
     units, ut = keys.codes.shape[:2]
@@ -854,6 +867,7 @@ def decode_scatter(
     args = hk.decode_args(
         {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
     )
+    args.update(hk.fp8_args(k_dst.dtype))
     _decode_kernel[(n_k_progs + triton.cdiv(n * H, v_block),)](
         sign_ptr=keys.codes if rotation_signs is None else rotation_signs,
         k_codes=keys.codes,
