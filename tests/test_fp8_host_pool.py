@@ -19,6 +19,8 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.support import l3_harness as h
 from tests.support.fp8_reference import (
@@ -524,10 +526,9 @@ def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access,
     assert all((b[untouched] == POISON).all() for b in restored_rows["fused"])
 
 
-def _truncating_fp8_bits(y, FP8):
+@triton.jit
+def _truncating_fp8_bits(y, FP8: tl.constexpr):
     """fp32 -> FP8 rounding toward zero: the bug the self-check must catch."""
-    import triton.language as tl
-
     u = y.to(tl.uint32, bitcast=True)
     mbits = 3 if FP8 == 1 else 2
     bias = 7 if FP8 == 1 else 15
@@ -547,8 +548,6 @@ def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
     reference (FP8 rows: subnormals, NaN, the largest value) and puts the
     borrowed bytes back; kernels that truncate instead of rounding fail it
     and the pool falls back to the torch path, saying why."""
-    import triton
-
     _, device_pool, pool = build(fmt, "page_first", 16, fp8)
     pool.use_fused_kernels = True
     before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
@@ -560,7 +559,7 @@ def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
     for name, buf in pool.host_records.items():
         assert same_bytes(buf, records[name]), name
 
-    monkeypatch.setattr(hk, "fp32_to_fp8_bits", triton.jit(_truncating_fp8_bits))
+    monkeypatch.setattr(hk, "fp32_to_fp8_bits", _truncating_fp8_bits)
     with caplog.at_level(logging.WARNING, logger="sglang"):
         assert encoded_fused.self_check(pool) is False
     assert pool.transfer_path == "torch"
