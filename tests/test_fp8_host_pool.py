@@ -508,7 +508,9 @@ def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access,
     expected_bad = 2 if fp8 == torch.float8_e5m2 else 1
     assert fused_pool.nonfinite_group_count() == expected_bad
     assert torch_pool.nonfinite_group_count() == expected_bad
-    assert torch.equal(fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer())
+    assert torch.equal(
+        fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
+    )
     restored_rows = {}
     new_dev = pages([8, 10, 9], page_size)
     for path, pool in pools.items():

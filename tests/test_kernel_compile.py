@@ -80,18 +80,23 @@ def compiled_mla(tmp_path_factory):
     return results
 
 
-@pytest.fixture(scope="module")
-def compiled_int4(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-compile-int4")
+def compile_grid(tmp_path_factory, grid: str, label: str) -> dict[int, dict]:
+    """compile_grid_in_workers for ARCHS, printing what each target compiled."""
+    out = tmp_path_factory.mktemp(f"kernel-compile-{grid}")
     start = time.perf_counter()
-    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="int4")
+    results = compile_grid_in_workers(ARCHS, out, JOBS, grid=grid)
     for arch, run in results.items():
         print(
-            f"int4/k8v4 sm_{arch}: {len(run['specs'])} distinct specialisations "
+            f"{label} sm_{arch}: {len(run['specs'])} distinct specialisations "
             f"from {run['launches']} launches in {run['seconds']} s"
         )
-    print(f"int4 compile check: {time.perf_counter() - start:.0f} s wall")
+    print(f"{label} compile check: {time.perf_counter() - start:.0f} s wall")
     return results
+
+
+@pytest.fixture(scope="module")
+def compiled_int4(tmp_path_factory):
+    return compile_grid(tmp_path_factory, "int4", "int4/k8v4")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -113,38 +118,35 @@ def test_every_mla_kernel_compiles_cleanly(compiled_mla, arch):
     assert any("i64" in s["signature"].values() for s in specs if "encode" in s["name"])
 
 
+def assert_int4_grid_clean(specs: list[dict], dtype_constexpr: str, values) -> None:
+    """No problem in any kv_int4_triton spec, and both kernels for every
+    device dtype (values of dtype_constexpr), key grouping (INT8 keys,
+    per-token, per-channel) and unit size."""
+    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
+    assert not problems, "\n".join(problems)
+    kinds = {
+        (
+            "encode" in s["name"],
+            s["constexprs"][dtype_constexpr],
+            s["constexprs"]["KEY_MODE"],
+        )
+        for s in specs
+    }
+    modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
+    assert kinds == {(e, v, m) for e in (True, False) for v in values for m in modes}
+    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_int4_kernel_compiles_cleanly(compiled_int4, arch):
     """The INT4 / K8V4 kernels (kv_int4_triton) over their grid: no spill,
     the IEEE arithmetic the format's bit-exactness rests on."""
-    specs = compiled_int4[arch]["specs"]
-    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
-    assert not problems, "\n".join(problems)
-    # Both kernels, both device dtypes, every key grouping (INT8 keys,
-    # per-token, per-channel) and unit size.
-    kinds = {
-        ("encode" in s["name"], s["constexprs"]["IS_BF16"], s["constexprs"]["KEY_MODE"])
-        for s in specs
-    }
-    modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
-    assert kinds == {
-        (e, b, m) for e in (True, False) for b in (True, False) for m in modes
-    }
-    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
+    assert_int4_grid_clean(compiled_int4[arch]["specs"], "IS_BF16", (True, False))
 
 
 @pytest.fixture(scope="module")
 def compiled_int4_fp8(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-compile-int4-fp8")
-    start = time.perf_counter()
-    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="int4-fp8")
-    for arch, run in results.items():
-        print(
-            f"int4/k8v4 FP8 sm_{arch}: {len(run['specs'])} distinct "
-            f"specialisations from {run['launches']} launches in {run['seconds']} s"
-        )
-    print(f"FP8 int4 compile check: {time.perf_counter() - start:.0f} s wall")
-    return results
+    return compile_grid(tmp_path_factory, "int4-fp8", "int4/k8v4 FP8")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -153,31 +155,12 @@ def test_every_fp8_int4_kernel_compiles_cleanly(compiled_int4_fp8, arch):
     no spill, the IEEE arithmetic, NaN tests kept and no hardware FP8
     conversion, for both FP8 dtypes and every key grouping."""
     specs = compiled_int4_fp8[arch]["specs"]
-    problems = [f"{s['describe']}: {p}" for s in specs for p in s["problems"]]
-    assert not problems, "\n".join(problems)
-    kinds = {
-        ("encode" in s["name"], s["constexprs"]["FP8"], s["constexprs"]["KEY_MODE"])
-        for s in specs
-    }
-    modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
-    assert kinds == {
-        (e, f, m) for e in (True, False) for f in (hk.FP8_E4M3, hk.FP8_E5M2) for m in modes
-    }
-    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
+    assert_int4_grid_clean(specs, "FP8", (hk.FP8_E4M3, hk.FP8_E5M2))
 
 
 @pytest.fixture(scope="module")
 def compiled_int4_rotated(tmp_path_factory):
-    out = tmp_path_factory.mktemp("kernel-compile-int4-rot")
-    start = time.perf_counter()
-    results = compile_grid_in_workers(ARCHS, out, JOBS, grid="int4-rot")
-    for arch, run in results.items():
-        print(
-            f"int4r/k8v4r sm_{arch}: {len(run['specs'])} distinct specialisations "
-            f"from {run['launches']} launches in {run['seconds']} s"
-        )
-    print(f"rotated int4 compile check: {time.perf_counter() - start:.0f} s wall")
-    return results
+    return compile_grid(tmp_path_factory, "int4-rot", "int4r/k8v4r")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

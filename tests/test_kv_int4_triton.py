@@ -271,7 +271,9 @@ def test_small_tiles_split_rows():
 @pytest.mark.usefixtures("big_tiles")
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("ut,layer_first", [(1, True), (4, False), (16, False), (64, False)])
+@pytest.mark.parametrize(
+    "ut,layer_first", [(1, True), (4, False), (16, False), (64, False)]
+)
 def test_fp8_round_trip(fmt, ut, layer_first, fp8):
     """FP8 rows (every finite byte, NaN, E5M2's Inf, values rounded to FP8)
     encode to the reference's records and restore to its FP8 bytes, every

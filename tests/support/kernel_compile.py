@@ -59,7 +59,9 @@ ARCHS = (
     else tuple(sorted({int(a) for a in _archs.split(",") if a.strip()}))
 )
 if not ARCHS or not set(ARCHS) <= set(SHIPPED_ARCHS):
-    raise ValueError(f"HIQ_KERNEL_ARCHS={_archs!r}: pass 'all' or some of {SHIPPED_ARCHS}")
+    raise ValueError(
+        f"HIQ_KERNEL_ARCHS={_archs!r}: pass 'all' or some of {SHIPPED_ARCHS}"
+    )
 
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _F32_DIV = re.compile(r"\b(div(?:\.[a-z0-9]+)*\.f32)\b")

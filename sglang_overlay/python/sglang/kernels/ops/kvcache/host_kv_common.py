@@ -58,7 +58,7 @@ def fp8_to_fp32(bits, MBITS: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.const
     """FP8 bytes (MBITS mantissa bits, exponent bias BIAS) -> exact fp32, by
     integer operations only (no fp8 type: sm_80/86 and the interpreter have
     none). HAS_INF: E5M2's all-ones exponent is Inf/NaN; E4M3FN has only NaN,
-    at magnitude 0x7F (docs/kernels.md#fp8-device-kv)."""
+    at magnitude 0x7F (docs/kernels.md#fp8-device-kv-int4-k8v4)."""
     b = bits.to(tl.uint32) & 0xFF
     mag = b & 0x7F
     e = mag >> MBITS
@@ -83,16 +83,23 @@ def fp32_to_fp8_bits(y, FP8: tl.constexpr):
     them: clamped to the largest finite value, rounded to nearest even
     (subnormals too), NaN -> 0x7F."""
     if FP8 == 1:
-        out = _fp32_to_fp8(y, 3, 7, 0x43E00000)  # 448
+        out = _fp32_to_fp8(y, 3, 7, 0x43E00000, 512.0)  # 448; 2**9
     else:
-        out = _fp32_to_fp8(y, 2, 15, 0x47600000)  # 57344
+        out = _fp32_to_fp8(y, 2, 15, 0x47600000, 65536.0)  # 57344; 2**16
     return out
 
 
 @triton.jit
-def _fp32_to_fp8(y, MBITS: tl.constexpr, BIAS: tl.constexpr, TOP_BITS: tl.constexpr):
-    """Integer round to nearest even of |y| (saturated at the fp32 bits
-    TOP_BITS of the largest finite value) into MBITS mantissa bits."""
+def _fp32_to_fp8(
+    y,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    TOP_BITS: tl.constexpr,
+    SUB_SCALE: tl.constexpr,
+):
+    """Round |y| (saturated at the fp32 bits TOP_BITS of the largest finite
+    value) to nearest even into MBITS mantissa bits; SUB_SCALE is one over
+    the smallest subnormal (docs/kernels.md#fp8-device-kv-int4-k8v4)."""
     # Test NaN first: the integer clamp below would saturate it.
     is_nan = y != y
     u = y.to(tl.uint32, bitcast=True)
@@ -101,16 +108,10 @@ def _fp32_to_fp8(y, MBITS: tl.constexpr, BIAS: tl.constexpr, TOP_BITS: tl.conste
     lsb = (a >> (23 - MBITS)) & 1
     normal = (a + ((1 << (22 - MBITS)) - 1) + lsb) >> (23 - MBITS)
     normal -= (127 - BIAS) << MBITS
-    # Subnormal: the 24-bit significand shifted down to units of the
-    # smallest subnormal, 2**(1 - BIAS - MBITS); >= 25 places leave 0.
-    exp = tl.maximum(a >> 23, 1)
-    sig = tl.where(a >= 0x800000, (a & 0x7FFFFF) | 0x800000, a)
-    sub_shift = tl.minimum((150 + 1 - BIAS - MBITS) - exp, 31)
-    q = sig >> sub_shift
-    rem = sig & ((1 << sub_shift) - 1)
-    half = 1 << (sub_shift - 1)
-    q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.uint32)
-    mag = tl.where(a < ((128 - BIAS) << 23), q, normal)
+    # Subnormal: |y| in units of the smallest subnormal (an exact power-of-two
+    # scaling), rounded half to even; reaching 2**MBITS is the smallest normal.
+    sub = rint(a.to(tl.float32, bitcast=True) * SUB_SCALE).to(tl.uint32)
+    mag = tl.where(a < ((128 - BIAS) << 23), sub, normal)
     out = mag | ((u >> 24) & 0x80)
     return tl.where(is_nan, 0x7F, out).to(tl.uint8)
 
@@ -508,9 +509,7 @@ def check_device_layers(
     (or FP8 float8 views, where the kernels write FP8)."""
     if k_dst.dtype not in _device_dtypes(fp8) or v_dst.dtype != k_dst.dtype:
         kinds = "bf16/fp16/FP8" if fp8 else "bf16/fp16"
-        raise TypeError(
-            f"device KV must be {kinds}, got {k_dst.dtype}/{v_dst.dtype}"
-        )
+        raise TypeError(f"device KV must be {kinds}, got {k_dst.dtype}/{v_dst.dtype}")
     for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
         if t.dim() != 3 or t.stride(2) != 1:
             raise ValueError(f"{name} must be [size, heads, dim], dim contiguous")
