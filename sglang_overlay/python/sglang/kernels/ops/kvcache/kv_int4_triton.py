@@ -28,10 +28,10 @@ __all__ = ["DeviceLayerTable", "available", "decode_scatter", "encode_gather"]
 ENCODE_TILE = 4096
 ENCODE_WARPS = 4
 DECODE_TILE = 8192
-# FP8 output's integer rounding spilled 8-16 B at 8192 on sm_86/90
-# (per-channel keys).
-FP8_DECODE_TILE = 4096
 DECODE_WARPS = 4
+# FP8 output's integer rounding spilled 8 B with 4 warps (per-channel keys,
+# sm_86 at 4096 elements, sm_90 at 8192); 8 warps halve the lanes per thread.
+FP8_DECODE_WARPS = 8
 
 # KEY_MODE constexpr values.
 KEYS_INT8 = 0  # k8v4: kv_int8_codec rows
@@ -694,6 +694,40 @@ def _check_rotation(keys: _Side, values: _Side, blocks, signs, device):
     return kb, vb
 
 
+def _records_args(keys: _Side, values: _Side, dims, rotation_signs) -> dict:
+    """Both kernels' record pointers and strides (dims: the codes' and the
+    metadata's dim names), and the sign pointer (the codes if unrotated)."""
+    code_dims, meta_dims = dims
+    return {
+        "sign_ptr": keys.codes if rotation_signs is None else rotation_signs,
+        "k_codes": keys.codes,
+        "k_meta": keys.meta,
+        "v_codes": values.codes,
+        "v_meta": values.meta,
+        **keys.stride_args("k", code_dims, meta_dims),
+        **values.stride_args("v", code_dims, meta_dims),
+    }
+
+
+def _geometry_args(keys: _Side, values: _Side, H, ut, rot_blocks, dtype) -> dict:
+    """The constexprs both kernels take: heads, widths, key mode, groups,
+    unit tokens, rotation blocks and the device dtype's FP8 kind."""
+    kb, vb = rot_blocks
+    return dict(
+        H=H,
+        DK=keys.dim,
+        DK_PAD=hk.pow2(keys.dim),
+        KEY_MODE=keys.mode,
+        GK=keys.group,
+        DV=values.dim,
+        GV=values.group,
+        UT=ut,
+        K_ROT_B=kb,
+        V_ROT_B=vb,
+        **hk.fp8_args(dtype),
+    )
+
+
 def encode_gather(
     tables: Sequence[DeviceLayerTable],
     device_indices: torch.Tensor,
@@ -785,38 +819,22 @@ def encode_gather(
         scale_amax,
         bad_index_counter,
     )
-    args.update(hk.fp8_args(k_table.dtype))
     # Keys count bad indices unless values do (per-token keys: same tokens).
     count_bad = args.pop("COUNT_BAD_IDX")
     _encode_kernel[(n_k_progs + n_v_progs, layers)](
-        sign_ptr=keys.codes if rotation_signs is None else rotation_signs,
-        k_codes=keys.codes,
-        k_meta=keys.meta,
-        v_codes=values.codes,
-        v_meta=values.meta,
+        **_records_args(keys, values, (_CODE_DIMS, _META_DIMS), rotation_signs),
+        **_geometry_args(keys, values, H, ut, (kb, vb), k_table.dtype),
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
-        **keys.stride_args("k", _CODE_DIMS, _META_DIMS),
-        **values.stride_args("v", _CODE_DIMS, _META_DIMS),
-        H=H,
-        DK=dk,
-        DK_PAD=hk.pow2(dk),
-        KEY_MODE=keys.mode,
-        GK=keys.group,
         GK2_PAD=hk.pow2(keys.group) // 2 if keys.group > 1 else 1,
         K_BLOCK=k_block,
         K_NCB=k_ncb,
-        DV=values.dim,
-        GV=values.group,
         GV2_PAD=hk.pow2(values.group) // 2,
         V_BLOCK_R=v_block,
-        UT=ut,
         UT_PAD=ut_pad,
         K_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_PER_TOKEN,
         V_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_INT8,
-        K_ROT_B=kb,
-        V_ROT_B=vb,
         num_warps=warps,
         **args,
     )
@@ -861,7 +879,7 @@ def decode_scatter(
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
     kb, vb = _check_rotation(keys, values, rotation_blocks, rotation_signs, dev)
 
-    tile = tile or (FP8_DECODE_TILE if k_dst.dtype in hk.FP8_DTYPES else DECODE_TILE)
+    tile = tile or DECODE_TILE
     dk, dv = keys.dim, values.dim
     k_block = hk.block_rows(tile, dk)
     v_block = hk.block_rows(tile, dv)
@@ -870,31 +888,17 @@ def decode_scatter(
     args = hk.decode_args(
         {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
     )
-    args.update(hk.fp8_args(k_dst.dtype))
+    dims = (layer_dims, (*layer_dims, "group", "param"))
     _decode_kernel[(n_k_progs + triton.cdiv(n * H, v_block),)](
-        sign_ptr=keys.codes if rotation_signs is None else rotation_signs,
-        k_codes=keys.codes,
-        k_meta=keys.meta,
-        v_codes=values.codes,
-        v_meta=values.meta,
+        **_records_args(keys, values, dims, rotation_signs),
+        **_geometry_args(keys, values, H, ut, (kb, vb), k_dst.dtype),
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
-        **keys.stride_args("k", layer_dims, (*layer_dims, "group", "param")),
-        **values.stride_args("v", layer_dims, (*layer_dims, "group", "param")),
-        H=H,
-        DK=dk,
-        DK_PAD=hk.pow2(dk),
-        KEY_MODE=keys.mode,
-        GK=keys.group,
         K_BLOCK_R=k_block,
-        DV=dv,
         DV_PAD=hk.pow2(dv),
-        GV=values.group,
         V_BLOCK_R=v_block,
-        UT=ut,
-        K_ROT_B=kb,
-        V_ROT_B=vb,
-        num_warps=num_warps or DECODE_WARPS,
+        num_warps=num_warps
+        or (FP8_DECODE_WARPS if k_dst.dtype in hk.FP8_DTYPES else DECODE_WARPS),
         **args,
     )
