@@ -713,19 +713,19 @@ def _geometry_args(keys: _Side, values: _Side, H, ut, rot_blocks, dtype) -> dict
     """The constexprs both kernels take: heads, widths, key mode, groups,
     unit tokens, rotation blocks and the device dtype's FP8 kind."""
     kb, vb = rot_blocks
-    return dict(
-        H=H,
-        DK=keys.dim,
-        DK_PAD=hk.pow2(keys.dim),
-        KEY_MODE=keys.mode,
-        GK=keys.group,
-        DV=values.dim,
-        GV=values.group,
-        UT=ut,
-        K_ROT_B=kb,
-        V_ROT_B=vb,
+    return {
+        "H": H,
+        "DK": keys.dim,
+        "DK_PAD": hk.pow2(keys.dim),
+        "KEY_MODE": keys.mode,
+        "GK": keys.group,
+        "DV": values.dim,
+        "GV": values.group,
+        "UT": ut,
+        "K_ROT_B": kb,
+        "V_ROT_B": vb,
         **hk.fp8_args(dtype),
-    )
+    }
 
 
 def encode_gather(
