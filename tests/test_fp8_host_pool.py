@@ -6,7 +6,9 @@ allocated buffers give against the stock FP8 host pool (1 byte per value).
 
 Expected values come from kv_int4_codec's reference functions applied to the
 FP8 rows the test wrote (their values, widened to fp32), decoded back to the
-same FP8 dtype; every comparison is on the bytes.
+same FP8 dtype; every comparison is on the bytes. The fused kernels (under
+Triton's interpreter) write the torch path's bytes, and the start-up
+self-check runs on FP8 pools.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ import random
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.support import l3_harness as h
+from tests.support.fp8_reference import (
+    FP8,
+    fp8_id,
+    nearest_even_fp8,
+    random_finite_fp8,
+)
 from tests.support.hicache_harness import (
     Geometry,
     finish_transfers,
@@ -26,6 +36,8 @@ from tests.support.hicache_harness import (
     make_host_pool,
     make_rig,
 )
+from sglang.kernels.ops.kvcache import host_kv_common as hk
+from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -36,16 +48,11 @@ from sglang.srt.mem_cache.pool_host.page_integrity import (
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 FORMATS = ("int4", "k8v4")
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 ENCODE = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
 DECODE = {"int4": codec.int4_decode_reference, "k8v4": codec.k8v4_decode_reference}
 # A byte that is NaN in both FP8 formats: what a wiped device row holds.
 POISON = 0xFF
-
-
-def fp8_id(dtype) -> str:
-    return str(dtype).removeprefix("torch.float8_")
 
 
 def unit_tokens(layout: str, page_size: int) -> int:
@@ -199,22 +206,13 @@ def test_restore_rounds_to_nearest_even_and_saturates(fmt, fp8):
     dev = pages([0, 1], 16)
     written = fill_fp8(device_pool, dev, fp8, seed=5)
     pool.backup_from_device_all_layer(device_pool, dev, dev, "direct")
-    grid = torch.arange(256, dtype=torch.uint8).view(fp8).double()
-    grid = torch.unique(grid[torch.isfinite(grid)])  # sorted, one zero
     for layer, (k, v) in enumerate(written):
         records = ENCODE[fmt](as_units(k, 16), as_units(v, 16))
         exact = DECODE[fmt](records, torch.float32)
         pool.load_to_device_per_layer(device_pool, dev, dev, layer, "direct")
         got = restored(device_pool, layer, dev, fp8)
         for x, g in zip(exact, got):
-            x = x.flatten(0, 1).double().clamp(grid[0], grid[-1])
-            hi = torch.searchsorted(grid, x).clamp(1, len(grid) - 1)
-            lo_v, hi_v = grid[hi - 1], grid[hi]
-            # Nearest grid value; a tie goes to the even code (last bit 0).
-            pick_hi = (hi_v - x) < (x - lo_v)
-            tie = (hi_v - x) == (x - lo_v)
-            hi_even = (hi_v.to(fp8).view(torch.uint8) & 1) == 0
-            want = torch.where(pick_hi | (tie & hi_even), hi_v, lo_v)
+            want = nearest_even_fp8(x.flatten(0, 1).double(), fp8)
             assert torch.equal(g.double(), want)
 
 
@@ -438,30 +436,137 @@ def test_uint8_storage_without_its_fp8_dtype_is_refused(fmt):
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
-@pytest.mark.parametrize("env", ["auto", "direct", "staged", "off"])
-def test_fp8_takes_the_torch_path_and_says_so(monkeypatch, caplog, env, fp8):
-    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", env)
+def test_fp8_path_is_chosen_as_for_bf16_and_logged(caplog, fp8):
+    """No FP8 exception: on the CPU the pool takes the torch path for the
+    reason every pool does, the log says so, and the fused kernels can be
+    switched on (the interpreter runs them here)."""
     with caplog.at_level(logging.INFO, logger="sglang"):
         _, device_pool, pool = build("int4", "page_first", 16, fp8)
     name = fp8_id(fp8)
     assert pool.transfer_path == "torch"
-    assert pool.transfer_path_reason.startswith(f"FP8 device KV (float8_{name})")
-    assert "INT4 host pool transfer path: torch (FP8 device KV" in caplog.text
+    assert pool.transfer_path_reason == "not CUDA (cpu)"
+    assert "INT4 host pool transfer path: torch (not CUDA (cpu))" in caplog.text
     assert (
         f"stores INT4 KV: {pool.get_size_per_token()} B/token (torch.float8_{name}: "
         f"{pool.device_size_per_token()} B/token)" in caplog.text
     )
-    with pytest.raises(ValueError, match="no fused kernels for FP8"):
-        pool.use_fused_kernels = True
+    pool.use_fused_kernels = True
+    assert pool.transfer_path == "fused_direct"
+
+
+def edge_fp8_rows(device_pool, indices, fp8, seed):
+    """fill_fp8's rows, every other token replaced by random finite FP8 bytes
+    (subnormals, +-0, the largest value), a NaN in K of layer 0 and (E5M2)
+    an Inf in V of the last layer."""
+    fill_fp8(device_pool, indices, fp8, seed)
+    gen = torch.Generator().manual_seed(seed)
+    odd = indices[1::2]
+    for buf in device_pool.k_buffer + device_pool.v_buffer:
+        rows = random_finite_fp8((len(odd), *buf.shape[1:]), fp8, gen)
+        buf[odd] = rows.view(torch.uint8)
+    device_pool.k_buffer[0][indices[2], 0, 7] = 0x7F  # NaN in both FP8s
+    if fp8 == torch.float8_e5m2:
+        device_pool.v_buffer[-1][indices[-1], 1, 0] = 0x7C  # +Inf
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize(
+    "fmt,layout,page_size,access",
+    [
+        (fmt, layout, page_size, ("direct", "staged")[i % 2])
+        for i, (fmt, layout, page_size) in enumerate(
+            itertools.product(FORMATS, LAYOUTS, (1, 16, 64))
+        )
+    ],
+)
+def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access, fp8):
+    """The fused kernels on FP8 device KV: host records, non-finite counts,
+    amax and restored FP8 bytes equal the torch path's, every layout and
+    page size, direct and staged host access."""
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
+    pools = {}
+    for path in ("torch", "fused"):
+        pool = make_host_pool(
+            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt,
+            device_kv_dtype=fp8,
+        )  # fmt: skip
+        if path == "fused":
+            pool.use_fused_kernels = True
+            pool.fused_host_access = access
+        pools[path] = pool
+    dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
+    edge_fp8_rows(device_pool, dev, fp8, seed=page_size)
+    for pool in pools.values():
+        pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    torch_pool, fused_pool = pools["torch"], pools["fused"]
+    assert fused_pool.transfer_path == f"fused_{access}"
+    for name, buf in torch_pool.host_records.items():
+        assert same_bytes(fused_pool.host_records[name], buf), name
+    expected_bad = 2 if fp8 == torch.float8_e5m2 else 1
+    assert fused_pool.nonfinite_group_count() == expected_bad
+    assert torch_pool.nonfinite_group_count() == expected_bad
+    assert torch.equal(
+        fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
+    )
+    restored_rows = {}
+    new_dev = pages([8, 10, 9], page_size)
+    for path, pool in pools.items():
+        for layer in range(geo.layer_num):
+            device_pool.k_buffer[layer].fill_(POISON)
+            device_pool.v_buffer[layer].fill_(POISON)
+            pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+        restored_rows[path] = [
+            b.clone() for b in device_pool.k_buffer + device_pool.v_buffer
+        ]
+    for a, b in zip(restored_rows["torch"], restored_rows["fused"]):
+        assert torch.equal(a, b)  # uint8 storage: the same FP8 bytes, NaN too
+    untouched = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
+    untouched[new_dev] = False
+    assert all((b[untouched] == POISON).all() for b in restored_rows["fused"])
+
+
+@triton.jit
+def _truncating_fp8_bits(y, FP8: tl.constexpr):
+    """fp32 -> FP8 rounding toward zero: the bug the self-check must catch."""
+    u = y.to(tl.uint32, bitcast=True)
+    mbits = 3 if FP8 == 1 else 2
+    bias = 7 if FP8 == 1 else 15
+    a = u & 0x7FFFFFFF
+    mag = (a >> (23 - mbits)) - ((127 - bias) << mbits)
+    return (mag | ((u >> 24) & 0x80)).to(tl.uint8)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
+    fmt, fp8, monkeypatch, caplog
+):
+    """The start-up self-check compares the fused FP8 path with the
+    reference (FP8 rows: subnormals, NaN, the largest value) and puts the
+    borrowed bytes back; kernels that truncate instead of rounding fail it
+    and the pool falls back to the torch path, saying why."""
+    _, device_pool, pool = build(fmt, "page_first", 16, fp8)
+    pool.use_fused_kernels = True
+    before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
+    records = {n: b.clone() for n, b in pool.host_records.items()}
+    assert encoded_fused.self_check(pool) is True
+    assert pool.transfer_path == "fused_direct"
+    for a, b in zip(before, device_pool.k_buffer + device_pool.v_buffer):
+        assert torch.equal(a, b)
+    for name, buf in pool.host_records.items():
+        assert same_bytes(buf, records[name]), name
+
+    monkeypatch.setattr(hk, "fp32_to_fp8_bits", _truncating_fp8_bits)
+    with caplog.at_level(logging.WARNING, logger="sglang"):
+        assert encoded_fused.self_check(pool) is False
     assert pool.transfer_path == "torch"
-    # Still moves bytes after the refused switch.
-    dev = pages([0], 16)
-    written = fill_fp8(device_pool, dev, fp8, seed=2)
-    pool.backup_from_device_all_layer(device_pool, dev, dev, "direct")
-    device_pool.k_buffer[0].fill_(POISON)
-    pool.load_to_device_per_layer(device_pool, dev, dev, 0, "direct")
-    k_want = expected_restore("int4", *written[0], 16)[0]
-    assert same_bytes(restored(device_pool, 0, dev, fp8)[0], k_want)
+    assert pool.transfer_path_reason.startswith("self-check failed: ")
+    assert "restore of" in pool.transfer_path_reason
 
 
 # --- capacity against the stock FP8 host pool ---------------------------------
@@ -579,4 +684,4 @@ def test_the_assembler_passes_the_fp8_dtype(host_dtype, fp8):
         assert type(pool) is MHATokenToKVPoolHost and pool.dtype == torch.uint8
         return
     assert type(pool) is host_pool_cls(host_dtype)
-    assert pool.device_kv_dtype == fp8 and pool.transfer_path == "torch"
+    assert pool.device_kv_dtype == fp8 and pool.transfer_path == "torch"  # CPU

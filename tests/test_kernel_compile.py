@@ -26,6 +26,7 @@ from tests.support.kernel_compile import (
     ptx_problems,
 )
 
+from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
@@ -96,22 +97,39 @@ def test_every_mla_kernel_compiles_cleanly(compiled, arch):
     assert any("i64" in s["signature"].values() for s in specs if "encode" in s["name"])
 
 
+def assert_int4_grid_clean(specs: list[dict], dtype_constexpr: str, values) -> None:
+    """Both kv_int4_triton kernels for every device dtype (values of
+    dtype_constexpr), key grouping (INT8 keys, per-token, per-channel) and
+    unit size."""
+    kinds = {
+        (
+            "encode" in s["name"],
+            s["constexprs"][dtype_constexpr],
+            s["constexprs"]["KEY_MODE"],
+        )
+        for s in specs
+    }
+    modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
+    assert kinds == {(e, v, m) for e in (True, False) for v in values for m in modes}
+    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_int4_kernel_compiles_cleanly(compiled, arch):
     """The INT4 / K8V4 kernels (kv_int4_triton) over their grid: no spill,
     the IEEE arithmetic the format's bit-exactness rests on."""
-    specs = clean_specs(compiled, "int4", arch)
-    # Both kernels, both device dtypes, every key grouping (INT8 keys,
-    # per-token, per-channel) and unit size.
-    kinds = {
-        ("encode" in s["name"], s["constexprs"]["IS_BF16"], s["constexprs"]["KEY_MODE"])
-        for s in specs
-    }
-    modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
-    assert kinds == {
-        (e, b, m) for e in (True, False) for b in (True, False) for m in modes
-    }
-    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
+    assert_int4_grid_clean(
+        clean_specs(compiled, "int4", arch), "IS_BF16", (True, False)
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_fp8_int4_kernel_compiles_cleanly(compiled, arch):
+    """The INT4 / K8V4 kernels on FP8 device KV (kernel_compile.int4_fp8_grid):
+    no spill, the IEEE arithmetic, NaN tests kept and no hardware FP8
+    conversion, for both FP8 dtypes and every key grouping."""
+    specs = clean_specs(compiled, "int4-fp8", arch)
+    assert_int4_grid_clean(specs, "FP8", (hk.FP8_E4M3, hk.FP8_E5M2))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -6,6 +6,10 @@ the kernels write), bf16 and fp16, page-major units of 1/4/16/64 tokens
 and layer_first-shaped views, shuffled and fragmented indices, NaN/Inf/huge/
 zero groups, out-of-range host indices (counted, not written), int32 and
 int64 indices, and the statistics (non-finite groups, amax per layer/side).
+FP8 device KV (E4M3FN, E5M2: float8 views of uint8 storage, as SGLang keeps
+it): the same round trips restoring the reference's FP8 bytes, and the
+fp32 -> FP8 rounding of every fp16 value as a decode's m or INT8 scale,
+against the torch path and an independent rounding over FP8's grid.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ from tests.support.int4_reference import (
     spec_records,
 )
 from tests.support.codec_inputs import assert_same_bits
+from tests.support.fp8_reference import (
+    FP8,
+    FP8_NAN_BYTE,
+    fp8_id,
+    nearest_even_fp8,
+    random_finite_fp8,
+)
 
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
@@ -60,10 +71,53 @@ def fill_rows(x: torch.Tensor, seed: int, special_rows: torch.Tensor | None):
 
 def assert_canonical_nan(t: torch.Tensor) -> None:
     """NaN groups restore as one NaN pattern per dtype (fp16 0x7E00, bf16
-    0x7FC0): torch's own arithmetic leaves the payload to the CPU's vector
-    unit, the kernels do not."""
+    0x7FC0, FP8 0x7F): torch's own arithmetic leaves the payload to the CPU's
+    vector unit, the kernels do not."""
+    if t.dtype in FP8:
+        nan = torch.isnan(t.float())
+        assert (t.view(torch.uint8)[nan] == FP8_NAN_BYTE).all()
+        return
     canonical = 0x7E00 if t.dtype == torch.float16 else 0x7FC0
     assert (raw(t)[torch.isnan(t)] == canonical).all()
+
+
+def device_layer(size, H, D, dtype, seed, special_rows):
+    """A device layer of fill_rows' rows; FP8 as SGLang holds it (its values
+    rounded to FP8, NaN/Inf kept), every other row uniformly random finite
+    FP8 bytes."""
+    if dtype not in FP8:
+        x = torch.empty(size, H, D, dtype=dtype)
+        fill_rows(x, seed, special_rows)
+        return x
+    x = torch.empty(size, H, D)
+    fill_rows(x, seed, special_rows)
+    x = x.to(dtype)
+    keep = torch.ones(size, dtype=torch.bool)
+    if special_rows is not None:
+        keep[special_rows] = False
+    odd = keep & (torch.arange(size) % 2 == 1)
+    gen = torch.Generator().manual_seed(seed)
+    x.view(torch.uint8)[odd] = random_finite_fp8(
+        (int(odd.sum()), H, D), dtype, gen
+    ).view(torch.uint8)
+    return x
+
+
+def sentinel_layer(size, H, D, dtype) -> torch.Tensor:
+    """A device layer of 7.0 (the restore must leave other slots alone)."""
+    return torch.full((size, H, D), 7.0).to(dtype)
+
+
+def assert_restored(got: torch.Tensor, want: torch.Tensor) -> None:
+    """assert_same_bits, FP8 included: the same NaN positions (a NaN's sign
+    is the CPU's business on the torch path), the same bytes elsewhere."""
+    if got.dtype not in FP8:
+        assert_same_bits(got, want)
+        return
+    assert want.dtype == got.dtype and want.shape == got.shape
+    nan = torch.isnan(got.float())
+    assert torch.equal(nan, torch.isnan(want.float()))
+    assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
 
 
 # --- kernel round trips ----------------------------------------------------------
@@ -86,13 +140,17 @@ def run_case(
     into shuffled device slots with decode_scatter and compare."""
     g = torch.Generator().manual_seed(seed)
     size = 2 * n_units * ut + 8
-    k_layers = [torch.empty(size, H, dk, dtype=dtype) for _ in range(layers)]
-    v_layers = [torch.empty(size, H, dv, dtype=dtype) for _ in range(layers)]
     n = n_units * ut
     dev = torch.randperm(size, generator=g)[:n]
-    for i, t in enumerate(k_layers + v_layers):
-        spots = dev[(torch.arange(8) * 7 + i) % n] if specials else None
-        fill_rows(t, seed * 31 + i, spots)
+    widths = [dk] * layers + [dv] * layers
+    rows = [
+        device_layer(
+            size, H, d, dtype, seed * 31 + i,
+            dev[(torch.arange(8) * 7 + i) % n] if specials else None,
+        )
+        for i, d in enumerate(widths)
+    ]  # fmt: skip
+    k_layers, v_layers = rows[:layers], rows[layers:]
     host_units = 2 * n_units + 1
     units = torch.randperm(host_units, generator=g)[:n_units]  # gaps, jumps
     host_idx = (units[:, None] * ut + torch.arange(ut)).flatten()
@@ -134,11 +192,12 @@ def run_case(
         assert want_bad > 0
 
     # Restore every layer into other slots, shuffled; untouched slots keep 7.
-    for out_dtype in DTYPES:
+    # FP8 records restore to that FP8 dtype, as the pools restore them.
+    for out_dtype in (dtype,) if dtype in FP8 else DTYPES:
         new_dev = torch.randperm(size, generator=g)[:n]
         for layer in range(layers):
-            k_dst = torch.full((size, H, dk), 7.0, dtype=out_dtype)
-            v_dst = torch.full((size, H, dv), 7.0, dtype=out_dtype)
+            k_dst = sentinel_layer(size, H, dk, out_dtype)
+            v_dst = sentinel_layer(size, H, dv, out_dtype)
             k4.decode_scatter(
                 host.layer(layer), host_idx.to(index_dtype), (k_dst, v_dst),
                 new_dev.to(index_dtype), bad_index_counter=bad_idx, tile=tile,
@@ -148,14 +207,15 @@ def run_case(
             }
             k_ref, v_ref = reference_decode(fmt, layer_records, out_dtype)
             rows = new_dev[order]
-            assert_same_bits(k_dst[rows], k_ref.reshape(n, H, dk))
-            assert_same_bits(v_dst[rows], v_ref.reshape(n, H, dv))
+            assert_restored(k_dst[rows], k_ref.reshape(n, H, dk))
+            assert_restored(v_dst[rows], v_ref.reshape(n, H, dv))
             if fmt == "int4":
                 assert_canonical_nan(k_dst)
             assert_canonical_nan(v_dst)
             untouched = torch.ones(size, dtype=torch.bool)
             untouched[new_dev] = False
-            assert (k_dst[untouched] == 7.0).all() and (v_dst[untouched] == 7.0).all()
+            for dst in (k_dst, v_dst):
+                assert (dst[untouched].float() == 7.0).all()
     assert int(bad_idx) == 0
     return host
 
@@ -203,6 +263,62 @@ def test_small_tiles_split_rows():
     """Small tiles: many programs, rows and channel blocks split differently."""
     run_case("int4", ut=16, n_units=2, layers=1, tile=256, seed=9)
     run_case("k8v4", ut=4, n_units=3, layers=1, tile=128, seed=9)
+
+
+# --- FP8 device KV ---------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("big_tiles")
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "ut,layer_first", [(1, True), (4, False), (16, False), (64, False)]
+)
+def test_fp8_round_trip(fmt, ut, layer_first, fp8):
+    """FP8 rows (every finite byte, NaN, E5M2's Inf, values rounded to FP8)
+    encode to the reference's records and restore to its FP8 bytes, every
+    key grouping and unit size, page-major and layer_first views."""
+    run_case(
+        fmt, ut=ut, dtype=fp8, layer_first=layer_first,
+        n_units=16 if ut == 1 else 3, seed=ut + 100 * layer_first,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+def test_fp8_restore_rounds_every_fp16_value(fp8):
+    """Every fp16 pattern as a value group's m and as an INT8 key scale, with
+    random codes and scales (2**-24: ties broken by one fp32 bit): the
+    kernels' integer fp32 -> FP8 conversion gives the torch path's bytes,
+    the nearest FP8 value (ties to even, saturated) of the exact fp32
+    decode, 0x7F for NaN, and never Inf (+-Inf saturates, as on the torch
+    path)."""
+    g = torch.Generator().manual_seed(23)
+    n, D = 1 << 16, 8
+    every = torch.arange(n, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    s = torch.where(
+        torch.arange(n) % 2 == 0,
+        torch.tensor(2.0**-24),
+        torch.rand(n, generator=g) * 2.0 ** torch.randint(-20, 4, (n,), generator=g),
+    ).half()
+    records = {
+        "k": torch.randint(-127, 128, (n, 1, 1, D), generator=g).to(torch.int8),
+        "k_scale": every.view(n, 1, 1).clone(),
+        "v": torch.randint(0, 256, (n, 1, 1, D // 2), generator=g).to(torch.uint8),
+        "v_meta": torch.stack((s, every), -1).view(n, 1, 1, 1, 2),
+    }
+    dst = [sentinel_layer(n, 1, D, fp8) for _ in range(2)]
+    idx = torch.arange(n)
+    k4.decode_scatter(records, idx, dst, idx)
+    exact = reference_decode("k8v4", records, torch.float32)
+    want = reference_decode("k8v4", records, fp8)
+    for got, x, ref in zip(dst, exact, want):
+        assert_restored(got, ref.view(n, 1, D))
+        assert_canonical_nan(got)
+        x = x.view(n, 1, D).double()
+        number = ~torch.isnan(x)  # +-Inf (from an Inf m or scale) saturates
+        assert torch.equal(torch.isnan(got.float()), ~number)
+        assert torch.isfinite(got.float()[number]).all()
+        assert torch.equal(got.double()[number], nearest_even_fp8(x[number], fp8))
 
 
 # --- chosen rows: ties, exact grids, special metadata ---------------------------

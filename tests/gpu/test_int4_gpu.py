@@ -27,6 +27,7 @@ pytestmark = [
 ]
 
 if DEVICE is not None:
+    from tests.support.fp8_reference import random_finite_fp8
     from tests.support.int4_reference import Host, reference_decode, reference_records
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
@@ -219,6 +220,43 @@ def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
                 untouched[new_dev] = False
                 assert (dst[0][untouched] == 7.0).all()
         assert int(bad_idx) == 0
+
+
+@pytest.mark.parametrize("fp8", (torch.float8_e4m3fn, torch.float8_e5m2), ids=str)
+@pytest.mark.parametrize("fmt,ut", [("int4", 64), ("int4", 1), ("k8v4", 16)])
+def test_fp8_kernels_bit_exact_against_cpu_reference(fmt, ut, fp8):
+    """FP8 device KV (float8 views of uint8 storage, every finite byte and a
+    NaN): pinned host records and the restored FP8 bytes equal the CPU
+    reference's, so the compiled integer conversions match torch's."""
+    H, dk, dv = 8, 128, 128
+    n_units = (256 if CUDA else 8) // ut or 1
+    n = n_units * ut
+    g = torch.Generator().manual_seed(ut)
+    k_cpu, v_cpu = (random_finite_fp8((n, H, d), fp8, g) for d in (dk, dv))
+    k_cpu.view(torch.uint8)[1, 0, 3] = 0x7F  # NaN in both FP8s
+    tables = tuple(
+        k4.DeviceLayerTable([t.view(torch.uint8).to(DEVICE).view(fp8)])
+        for t in (k_cpu, v_cpu)
+    )
+    host = to_host(Host(fmt, n_units, 1, ut, H, dk, dv), "host")
+    idx = torch.arange(n, device=DEVICE)
+    k4.encode_gather(tables, idx, host.all_layers(), idx)
+    sync()
+    records, bad, _ = reference_records(
+        fmt, k_cpu.view(n_units, ut, H, dk), v_cpu.view(n_units, ut, H, dv)
+    )
+    assert bad == 1
+    for name, rec in records.items():
+        assert same_bits(host.bufs[name][:, 0].cpu(), rec), name
+    dst = [
+        torch.zeros(n, H, d, dtype=torch.uint8, device=DEVICE).view(fp8)
+        for d in (dk, dv)
+    ]
+    k4.decode_scatter(host.layer(0), idx, dst, idx)
+    sync()
+    for got, want in zip(dst, reference_decode(fmt, records, fp8)):
+        want = want.reshape(got.shape).view(torch.uint8)
+        assert torch.equal(got.cpu().view(torch.uint8), want)
 
 
 def test_transfers_stay_on_the_callers_stream():

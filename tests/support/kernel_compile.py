@@ -21,7 +21,9 @@ What is checked on each compiled kernel (CompiledSpec.problems):
     decode to (same single rounding of the exact q * s); the only
     flush-to-zero instruction is libdevice's floor (`cvt.rmi.ftz.f32.f32`,
     harmless, docs/kernels.md); and the NaN tests (x != x) were
-    not folded away.
+    not folded away; FP8 kernels (FP8 constexpr) convert by integer
+    operations, with no hardware FP8 conversion (`cvt.*.e4m3x2`/`e5m2x2`,
+    absent before sm_89).
 Test-only: nothing here is part of the product.
 """
 
@@ -71,6 +73,7 @@ _RNE_F16_MUL = {"mul.f16", "mul.rn.f16", "mul.f16x2", "mul.rn.f16x2"}
 _FTZ = re.compile(r"\b([a-z]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*)\b")
 _NAN_TEST = re.compile(r"\b(setp\.(?:nan|neu|equ)\.f32|testp\.notanumber\.f32)\b")
 _ALLOWED_FTZ = {"cvt.rmi.ftz.f32.f32"}  # libdevice floor (enable_reflect_ftz)
+_FP8_CVT = re.compile(r"\b(cvt(?:\.[a-z0-9]+)*\.(?:e4m3|e5m2)x2(?:\.[a-z0-9]+)*)\b")
 
 
 class TargetOnlyDriver:
@@ -115,6 +118,10 @@ class CompiledSpec:
     def is_bf16(self) -> bool:
         return bool(self.constexprs.get("IS_BF16"))
 
+    @property
+    def fp8(self) -> int:
+        return int(self.constexprs.get("FP8", 0))
+
     def describe(self) -> str:
         types = ",".join(str(t) for t in self.signature.values() if t != "constexpr")
         consts = ",".join(f"{k}={v}" for k, v in self.constexprs.items())
@@ -126,7 +133,7 @@ class CompiledSpec:
 
     def problems(self) -> list[str]:
         return ptxas_problems(self.ptxas_log) + ptx_problems(
-            self.ptx, self.name, self.is_bf16
+            self.ptx, self.name, self.is_bf16, self.fp8
         )
 
 
@@ -138,8 +145,9 @@ def ptxas_problems(log: str) -> list[str]:
     return [f"register spills: {st} B stored, {ld} B loaded" for st, ld in spills]
 
 
-def ptx_problems(ptx: str, name: str, is_bf16: bool) -> list[str]:
-    """The PTX properties the codec's bit-exactness argument relies on."""
+def ptx_problems(ptx: str, name: str, is_bf16: bool, fp8: int = 0) -> list[str]:
+    """The PTX properties the codec's bit-exactness argument relies on
+    (fp8: the kernel's FP8 constexpr, 0 for 16-bit device KV)."""
     encode = "encode" in name
     problems = []
     divs = set(_F32_DIV.findall(ptx))
@@ -159,15 +167,18 @@ def ptx_problems(ptx: str, name: str, is_bf16: bool) -> list[str]:
         )
     if encode and not to_f16:
         problems.append("no fp32->fp16 scale conversion (cvt.rn.f16.f32)")
-    if not encode and not is_bf16 and not (to_f16 or f16_math):
+    if not encode and not is_bf16 and not fp8 and not (to_f16 or f16_math):
         problems.append(
             "fp16 decode neither converts (cvt.rn.f16.f32) nor multiplies in fp16"
         )
     ftz = set(_FTZ.findall(ptx)) - _ALLOWED_FTZ
     if ftz:
         problems.append(f"flush-to-zero instructions: {sorted(ftz)}")
-    if (encode or is_bf16) and not _NAN_TEST.search(ptx):
+    if (encode or is_bf16 or fp8) and not _NAN_TEST.search(ptx):
         problems.append("NaN test (x != x) folded away: no unordered fp32 compare")
+    fp8_cvt = set(_FP8_CVT.findall(ptx))
+    if fp8_cvt:
+        problems.append(f"hardware FP8 conversion (not on sm_80/86): {sorted(fp8_cvt)}")
     return problems
 
 
@@ -646,6 +657,22 @@ def int4_grid() -> list[Int4Case]:
     )
 
 
+def int4_fp8_grid() -> list[Int4Case]:
+    """FP8 device KV (the FP8 constexpr): each FP8 dtype with each key
+    grouping (per-channel, per-token, K8V4's INT8 keys) at Qwen3-8B's heads,
+    int32/int64 indices and the staged calls at page 64."""
+    e4m3, e5m2, qwen = torch.float8_e4m3fn, torch.float8_e5m2, (8, 128, 128)
+    both = ("int64", "int32")
+    return [
+        Int4Case("int4", 64, qwen, e4m3, index_kinds=both, staged=True),
+        Int4Case("int4", 1, qwen, e4m3, layer_first=True),
+        Int4Case("k8v4", 64, qwen, e4m3),
+        Int4Case("int4", 16, qwen, e5m2),
+        Int4Case("int4", 4, qwen, e5m2),
+        Int4Case("k8v4", 1, qwen, e5m2, layer_first=True),
+    ]
+
+
 def int4_rotated_grid() -> list[Int4Case]:
     """int4r / k8v4r (the rotation inside the same kernels): Qwen3-8B's heads
     (one 128-point block over two value groups), and head dims 96/80 (blocks
@@ -723,6 +750,7 @@ GRIDS = {
     "mla": lambda: [drive_mla(case) for case in mla_grid()],
     "int4": lambda: [drive_int4_case(case) for case in int4_grid()],
     "int4-rot": lambda: [drive_int4_case(case) for case in int4_rotated_grid()],
+    "int4-fp8": lambda: [drive_int4_case(case) for case in int4_fp8_grid()],
     "small": lambda: drive_pool(SMALL),
     "small-int4": lambda: drive_int4_case(SMALL_INT4),
     # Packed MTP drafts alone (both grids above include them).

@@ -12,6 +12,11 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 DEVICE_DTYPES = (torch.bfloat16, torch.float16)
+# FP8 device KV, passed as float8 views of the device pool's uint8 storage;
+# only kernels that take the FP8 constexpr (int4/k8v4) accept it.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# FP8 constexpr values: 0 means a 16-bit device dtype (IS_BF16 says which).
+FP8_NONE, FP8_E4M3, FP8_E5M2 = 0, 1, 2
 
 # Triton specializes pointers on 16-byte alignment; index, table and counter
 # pointers are only gathered from or hit by atomics, so they must pick no
@@ -34,13 +39,81 @@ def available(device: torch.device | str) -> bool:
 
 
 @triton.jit
-def to_fp32(bits, IS_BF16: tl.constexpr):
-    """16-bit patterns of bf16/fp16 values -> exact fp32 values."""
-    if IS_BF16:
+def to_fp32(bits, IS_BF16: tl.constexpr, FP8: tl.constexpr = 0):
+    """Device element patterns -> exact fp32 values: 16-bit bf16/fp16
+    patterns, or FP8 bytes (FP8 = 1: E4M3FN, 2: E5M2)."""
+    if FP8 == 1:
+        x = fp8_to_fp32(bits, 3, 7, False)
+    elif FP8 == 2:
+        x = fp8_to_fp32(bits, 2, 15, True)
+    elif IS_BF16:
         x = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         x = bits.to(tl.float16, bitcast=True).to(tl.float32)
     return x
+
+
+@triton.jit
+def fp8_to_fp32(bits, MBITS: tl.constexpr, BIAS: tl.constexpr, HAS_INF: tl.constexpr):
+    """FP8 bytes (MBITS mantissa bits, exponent bias BIAS) -> exact fp32, by
+    integer operations only (no fp8 type: sm_80/86 and the interpreter have
+    none). HAS_INF: E5M2's all-ones exponent is Inf/NaN; E4M3FN has only NaN,
+    at magnitude 0x7F (docs/kernels.md#fp8-device-kv-int4-k8v4)."""
+    b = bits.to(tl.uint32) & 0xFF
+    mag = b & 0x7F
+    e = mag >> MBITS
+    m = mag & ((1 << MBITS) - 1)
+    normal = ((e + (127 - BIAS)) << 23) | (m << (23 - MBITS))
+    # A subnormal m * 2**(1 - BIAS - MBITS), normalized: sh = floor(log2 m).
+    sh = (m >= 2).to(tl.uint32) + (m >= 4).to(tl.uint32)
+    sub = ((sh + (128 - BIAS - MBITS)) << 23) | ((m << (23 - sh)) & 0x7FFFFF)
+    u = tl.where(e == 0, tl.where(m == 0, 0, sub), normal)
+    if HAS_INF:
+        top = e == (0xFF >> (MBITS + 1))
+        u = tl.where(top, tl.where(m == 0, 0x7F800000, 0x7FC00000), u)
+    else:
+        u = tl.where(mag == 0x7F, 0x7FC00000, u)
+    u = u | ((b & 0x80) << 24)
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp32_to_fp8_bits(y, FP8: tl.constexpr):
+    """fp32 -> FP8 bytes (FP8 = 1: E4M3FN, 2: E5M2) as the torch path makes
+    them: clamped to the largest finite value, rounded to nearest even
+    (subnormals too), NaN -> 0x7F."""
+    if FP8 == 1:
+        out = _fp32_to_fp8(y, 3, 7, 0x43E00000, 512.0)  # 448; 2**9
+    else:
+        out = _fp32_to_fp8(y, 2, 15, 0x47600000, 65536.0)  # 57344; 2**16
+    return out
+
+
+@triton.jit
+def _fp32_to_fp8(
+    y,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    TOP_BITS: tl.constexpr,
+    SUB_SCALE: tl.constexpr,
+):
+    """Round |y| (saturated at the fp32 bits TOP_BITS of the largest finite
+    value) to nearest even into MBITS mantissa bits; SUB_SCALE is one over
+    the smallest subnormal (docs/kernels.md#fp8-device-kv-int4-k8v4)."""
+    # Test NaN first: the integer clamp below would saturate it.
+    is_nan = y != y
+    u = y.to(tl.uint32, bitcast=True)
+    a = tl.minimum(u & 0x7FFFFFFF, TOP_BITS)
+    # Normal: drop 23 - MBITS bits with the ties-to-even bias, then rebias.
+    lsb = (a >> (23 - MBITS)) & 1
+    normal = (a + ((1 << (22 - MBITS)) - 1) + lsb) >> (23 - MBITS)
+    normal -= (127 - BIAS) << MBITS
+    # Subnormal: |y| in units of the smallest subnormal (an exact power-of-two
+    # scaling), rounded half to even; reaching 2**MBITS is the smallest normal.
+    sub = rint(a.to(tl.float32, bitcast=True) * SUB_SCALE).to(tl.uint32)
+    mag = tl.where(a < ((128 - BIAS) << 23), sub, normal)
+    out = mag | ((u >> 24) & 0x80)
+    return tl.where(is_nan, 0x7F, out).to(tl.uint8)
 
 
 @triton.jit
@@ -152,6 +225,7 @@ def int8_encode_rows(
     COUNT: tl.constexpr,
     AMAX: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
+    FP8: tl.constexpr = 0,
 ):
     """BLOCK_R rows of D values -> int8 codes + one fp16 scale per row."""
     rmask, head, didx, hidx, hmask = row_slots(
@@ -164,7 +238,7 @@ def int8_encode_rows(
         count_flags(bad_idx_ptr, rmask & ~hmask & (head == 0) & (layer == 0))
     src = layer_off + didx * dev_stride_token + head * dev_stride_head
     x = to_fp32(
-        tl.load(x_base + (src[:, None] + d[None, :]), mask=m2, other=0), IS_BF16
+        tl.load(x_base + (src[:, None] + d[None, :]), mask=m2, other=0), IS_BF16, FP8
     )
 
     row_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
@@ -225,6 +299,7 @@ def int8_decode_rows(
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
+    FP8: tl.constexpr = 0,
 ):
     """BLOCK_R rows of int8 codes and scales -> device rows."""
     rmask, head, didx, hidx, hmask = row_slots(
@@ -240,7 +315,9 @@ def int8_decode_rows(
     q_row = unit * q_stride_unit + within * q_stride_token + head * q_stride_head
     q = tl.load(q_base + (q_row[:, None] + d[None, :]), mask=m2, other=0)
     y = q.to(tl.float32) * s.to(tl.float16, bitcast=True).to(tl.float32)[:, None]
-    if IS_BF16:
+    if FP8:
+        out = fp32_to_fp8_bits(y, FP8)
+    elif IS_BF16:
         out = bf16_rne_bits(y)
     else:
         # Saturate to fp16's max finite value; NaN rows stay NaN.
@@ -264,6 +341,23 @@ def block_rows(tile: int, width: int) -> int:
 
 def bits16(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
+
+
+def element_bits(t: torch.Tensor) -> torch.Tensor:
+    """Device KV as the kernels address it: 16-bit patterns, or FP8 bytes."""
+    return t.view(torch.uint8) if t.dtype in FP8_DTYPES else bits16(t)
+
+
+def fp8_kind(dtype: torch.dtype) -> int:
+    """The kernels' FP8 constexpr for a device dtype (FP8_NONE if 16-bit)."""
+    if dtype in FP8_DTYPES:
+        return FP8_E4M3 if dtype == torch.float8_e4m3fn else FP8_E5M2
+    return FP8_NONE
+
+
+def fp8_args(dtype: torch.dtype) -> dict:
+    """The FP8 constexpr of kernels that read FP8 device KV (int4/k8v4)."""
+    return {"FP8": fp8_kind(dtype)}
 
 
 def _or_dummy(t, dummy, view_dtype=None):
@@ -321,7 +415,7 @@ def decode_args(
     args.update(dev_idx_ptr=device_indices, host_idx_ptr=host_indices)
     args["IS_BF16"] = next(iter(dst.values())).dtype == torch.bfloat16
     for side, t in dst.items():
-        args[f"{side}_dst"] = bits16(t)
+        args[f"{side}_dst"] = element_bits(t)
         args[f"{side}_dst_stride_token"] = t.stride(0)
         args[f"{side}_dst_stride_head"] = t.stride(1)
     return args
@@ -339,15 +433,20 @@ class DeviceLayerTable:
     base tensor plus element offsets, so one launch reaches every layer.
 
     All layers share dtype, shape and strides ([size, heads, dim], dim
-    contiguous), as SGLang's device pools allocate them. Build it once per
-    pool: the offsets are copied to the layers' device synchronously."""
+    contiguous), as SGLang's device pools allocate them; FP8 KV comes as
+    float8 views of SGLang's uint8 storage (uint8 alone does not say which
+    FP8). Build it once per pool: the offsets are copied to the layers'
+    device synchronously."""
 
     def __init__(self, layers: Sequence[torch.Tensor]):
         if not layers:
             raise ValueError("DeviceLayerTable needs at least one layer")
         base = layers[0]
-        if base.dtype not in DEVICE_DTYPES:
-            raise TypeError(f"device KV must be bf16/fp16, got {base.dtype}")
+        if base.dtype not in DEVICE_DTYPES + FP8_DTYPES:
+            raise TypeError(
+                f"device KV must be bf16/fp16, or FP8 as a float8 view, got "
+                f"{base.dtype}"
+            )
         if base.dim() != 3 or base.stride(2) != 1:
             raise ValueError(
                 f"device KV layers must be [size, heads, dim] with dim "
@@ -364,13 +463,15 @@ class DeviceLayerTable:
                 raise ValueError("device KV layers are not element-aligned")
             offsets.append(delta // item)
         self.layers = tuple(layers)
-        self.base = bits16(base)
+        self.base = element_bits(base)
         self.dtype = base.dtype
         self.device = base.device
         self.shape = tuple(base.shape)
         self.stride = base.stride()
         # 16-element offsets let row loads stay vectorized (tl.multiple_of).
-        self.aligned = base.data_ptr() % 32 == 0 and all(o % 16 == 0 for o in offsets)
+        self.aligned = base.data_ptr() % (16 * item) == 0 and all(
+            o % 16 == 0 for o in offsets
+        )
         self.offsets = torch.tensor(offsets, dtype=torch.int64).to(base.device)
 
     def __len__(self) -> int:
@@ -385,17 +486,30 @@ class DeviceLayerTable:
         return sub
 
 
-def check_kv_tables(k_table: DeviceLayerTable, v_table: DeviceLayerTable) -> None:
+def _device_dtypes(fp8: bool) -> tuple[torch.dtype, ...]:
+    return DEVICE_DTYPES + FP8_DTYPES if fp8 else DEVICE_DTYPES
+
+
+def check_kv_tables(
+    k_table: DeviceLayerTable, v_table: DeviceLayerTable, fp8: bool = False
+) -> None:
+    """K and V tables of one pool; FP8 ones only for kernels that read FP8."""
     if len(k_table) != len(v_table):
         raise ValueError("K and V tables differ in layer count")
     if k_table.shape[1] != v_table.shape[1] or k_table.dtype != v_table.dtype:
         raise ValueError("K and V tables differ in head count or dtype")
+    if k_table.dtype not in _device_dtypes(fp8):
+        raise TypeError(f"device KV must be bf16/fp16, got {k_table.dtype}")
 
 
-def check_device_layers(k_dst: torch.Tensor, v_dst: torch.Tensor) -> None:
-    """The K and V device layers a restore writes: bf16/fp16 [size, H, dim]."""
-    if k_dst.dtype not in DEVICE_DTYPES or v_dst.dtype != k_dst.dtype:
-        raise TypeError(f"device KV must be bf16/fp16, got {k_dst.dtype}/{v_dst.dtype}")
+def check_device_layers(
+    k_dst: torch.Tensor, v_dst: torch.Tensor, fp8: bool = False
+) -> None:
+    """The K and V device layers a restore writes: bf16/fp16 [size, H, dim]
+    (or FP8 float8 views, where the kernels write FP8)."""
+    if k_dst.dtype not in _device_dtypes(fp8) or v_dst.dtype != k_dst.dtype:
+        kinds = "bf16/fp16/FP8" if fp8 else "bf16/fp16"
+        raise TypeError(f"device KV must be {kinds}, got {k_dst.dtype}/{v_dst.dtype}")
     for name, t in (("k_dst", k_dst), ("v_dst", v_dst)):
         if t.dim() != 3 or t.stride(2) != 1:
             raise ValueError(f"{name} must be [size, heads, dim], dim contiguous")

@@ -6,7 +6,8 @@ device rows -> 4-bit codes, or K8V4's int8 keys, + fp16 metadata at the host
 indices); decode_scatter restores one layer in one launch. Groups are coded
 asymmetrically (x^ = m + q * s, q in 0..15, two codes a byte), values per
 token, keys per token or per channel over a unit's tokens; bits match
-kv_int4_codec (docs/kernels.md).
+kv_int4_codec (docs/kernels.md). The device KV is bf16/fp16 or FP8 (E4M3FN,
+E5M2: bytes widened and rounded back by integer operations).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ ENCODE_TILE = 4096
 ENCODE_WARPS = 4
 DECODE_TILE = 8192
 DECODE_WARPS = 4
+# FP8 output's integer rounding spilled 8 B with 4 warps (per-channel keys,
+# sm_86 at 4096 elements, sm_90 at 8192); 8 warps halve the lanes per thread.
+FP8_DECODE_WARPS = 8
 
 # KEY_MODE constexpr values.
 KEYS_INT8 = 0  # k8v4: kv_int8_codec rows
@@ -61,9 +65,12 @@ def _codes(x, s, m, bad):
 
 
 @triton.jit
-def _to_device_bits(y, IS_BF16: tl.constexpr):
-    """fp32 values -> 16-bit patterns of the device dtype, rounded once."""
-    if IS_BF16:
+def _to_device_bits(y, IS_BF16: tl.constexpr, FP8: tl.constexpr):
+    """fp32 values -> patterns of the device dtype (16-bit, or FP8 bytes),
+    rounded once."""
+    if FP8:
+        out = hk.fp32_to_fp8_bits(y, FP8)
+    elif IS_BF16:
         out = hk.bf16_rne_bits(y)
     else:
         # Test NaN first: min/max need not propagate it.
@@ -109,6 +116,7 @@ def _encode_groups(
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
     COUNT: tl.constexpr,
     AMAX: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
@@ -132,7 +140,7 @@ def _encode_groups(
     m3 = hmask[:, None, None] & inside
     src = layer_off + didx * dev_stride_token + head * dev_stride_head + grp * G
     bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
-    x = hk.to_fp32(bits, IS_BF16)
+    x = hk.to_fp32(bits, IS_BF16, FP8)
     if ROT_B:
         sign_off = (grp * G)[:, None, None] + c[None, :, :]
         x = hr.rotate(x, tl.load(sign_ptr + sign_off, mask=m3, other=0.0), ROT_B)
@@ -203,6 +211,7 @@ def _encode_channels(
     UT: tl.constexpr,
     UT_PAD: tl.constexpr,
     IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
     COUNT: tl.constexpr,
     AMAX: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
@@ -236,7 +245,7 @@ def _encode_channels(
     m3 = (tmask & run_ok)[:, None, None] & cmask[None, :, :]
     src = layer_off + didx * dev_stride_token + head * dev_stride_head
     bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
-    x = hk.to_fp32(bits, IS_BF16)
+    x = hk.to_fp32(bits, IS_BF16, FP8)
     if ROT_B:
         signs = tl.load(sign_ptr + c, mask=cmask, other=0.0)
         x = hr.rotate(x, signs[None, :, :], ROT_B)
@@ -294,6 +303,7 @@ def _decode_groups(
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
+    FP8: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
 ):
@@ -327,7 +337,7 @@ def _decode_groups(
     if ROT_B:
         signs = tl.load(sign_ptr + c, mask=lane[:, None] & (e < 2)[None, :], other=0.0)
         y = hr.unrotate(y, signs[None, :, :], ROT_B)
-    out = _to_device_bits(y, IS_BF16)
+    out = _to_device_bits(y, IS_BF16, FP8)
     y_row = didx * y_stride_token + head * y_stride_head
     tl.store(y_base + (y_row[:, None, None] + c[None, :, :]), out, mask=m3)
 
@@ -402,6 +412,7 @@ def _encode_kernel(
     V_COUNT_BAD_IDX: tl.constexpr,
     K_ROT_B: tl.constexpr = 0,
     V_ROT_B: tl.constexpr = 0,
+    FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs, layers)
     pid = tl.program_id(0)
@@ -421,6 +432,7 @@ def _encode_kernel(
                 layer, pid * K_BLOCK, n_tok * H, n_host, nonfinite_ptr,
                 amax_ptr + 2 * layer, bad_idx_ptr,
                 H, DK, DK_PAD, UT, K_BLOCK, IS_BF16, COUNT, AMAX, K_COUNT_BAD_IDX,
+                FP8,
             )  # fmt: skip
         elif KEY_MODE == 1:
             _encode_groups(
@@ -432,7 +444,7 @@ def _encode_kernel(
                 k_meta_stride_param,
                 layer, pid * K_BLOCK, n_tok * (H * (DK // GK)), n_host,
                 nonfinite_ptr, amax_ptr + 2 * layer, bad_idx_ptr, sign_ptr,
-                H, DK // GK, GK, GK2_PAD, UT, K_BLOCK, IS_BF16, COUNT, AMAX,
+                H, DK // GK, GK, GK2_PAD, UT, K_BLOCK, IS_BF16, FP8, COUNT, AMAX,
                 K_COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
         else:
@@ -444,7 +456,7 @@ def _encode_kernel(
                 k_meta_stride_head, k_meta_stride_group, k_meta_stride_param,
                 layer, pid, n_host, nonfinite_ptr, amax_ptr + 2 * layer,
                 bad_idx_ptr, sign_ptr,
-                H, DK, K_BLOCK, K_NCB, UT, UT_PAD, IS_BF16, COUNT, AMAX,
+                H, DK, K_BLOCK, K_NCB, UT, UT_PAD, IS_BF16, FP8, COUNT, AMAX,
                 K_COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
     else:
@@ -459,7 +471,7 @@ def _encode_kernel(
             v_meta_stride_head, v_meta_stride_group, v_meta_stride_param,
             layer, (pid - n_k_progs) * V_BLOCK_R, n_tok * (H * (DV // GV)), n_host,
             nonfinite_ptr, amax_ptr + 2 * layer + 1, bad_idx_ptr, sign_ptr,
-            H, DV // GV, GV, GV2_PAD, UT, V_BLOCK_R, IS_BF16, COUNT, AMAX,
+            H, DV // GV, GV, GV2_PAD, UT, V_BLOCK_R, IS_BF16, FP8, COUNT, AMAX,
             V_COUNT_BAD_IDX, V_ROT_B,
         )  # fmt: skip
 
@@ -517,6 +529,7 @@ def _decode_kernel(
     COUNT_BAD_IDX: tl.constexpr,
     K_ROT_B: tl.constexpr = 0,
     V_ROT_B: tl.constexpr = 0,
+    FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs,)
     pid = tl.program_id(0)
@@ -528,7 +541,7 @@ def _decode_kernel(
                 k_meta_stride_token, k_meta_stride_head, host_idx_ptr,
                 k_dst, k_dst_stride_token, k_dst_stride_head, dev_idx_ptr,
                 pid * K_BLOCK_R, n_tok * H, n_host, bad_idx_ptr,
-                H, DK, DK_PAD, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX,
+                H, DK, DK_PAD, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX, FP8,
             )  # fmt: skip
         else:
             _decode_groups(
@@ -538,7 +551,7 @@ def _decode_kernel(
                 k_meta_stride_param, host_idx_ptr,
                 k_dst, k_dst_stride_token, k_dst_stride_head, dev_idx_ptr,
                 pid * K_BLOCK_R, n_tok * H, n_host, bad_idx_ptr, sign_ptr,
-                H, DK, DK_PAD // 2, GK, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX,
+                H, DK, DK_PAD // 2, GK, UT, K_BLOCK_R, IS_BF16, FP8, COUNT_BAD_IDX,
                 K_ROT_B,
             )  # fmt: skip
     else:
@@ -548,7 +561,7 @@ def _decode_kernel(
             v_meta_stride_group, v_meta_stride_param, host_idx_ptr,
             v_dst, v_dst_stride_token, v_dst_stride_head, dev_idx_ptr,
             (pid - n_k_progs) * V_BLOCK_R, n_tok * H, n_host, bad_idx_ptr, sign_ptr,
-            H, DV, DV_PAD // 2, GV, UT, V_BLOCK_R, IS_BF16, False, V_ROT_B,
+            H, DV, DV_PAD // 2, GV, UT, V_BLOCK_R, IS_BF16, FP8, False, V_ROT_B,
         )  # fmt: skip
 
 
@@ -667,7 +680,7 @@ def _format_records(records, lead: int, head_num: int, dk: int, dv: int):
 def _check_tables(tables) -> tuple[DeviceLayerTable, DeviceLayerTable]:
     if len(tables) != 2:
         raise ValueError(f"expected the K and V layer tables, got {len(tables)}")
-    hk.check_kv_tables(*tables)
+    hk.check_kv_tables(*tables, fp8=True)
     return tables[0], tables[1]
 
 
@@ -679,6 +692,40 @@ def _check_rotation(keys: _Side, values: _Side, blocks, signs, device):
     hr.check_rotation("k", keys.dim, kb, signs, device)
     hr.check_rotation("v", values.dim, vb, signs, device)
     return kb, vb
+
+
+def _records_args(keys: _Side, values: _Side, dims, rotation_signs) -> dict:
+    """Both kernels' record pointers and strides (dims: the codes' and the
+    metadata's dim names), and the sign pointer (the codes if unrotated)."""
+    code_dims, meta_dims = dims
+    return {
+        "sign_ptr": keys.codes if rotation_signs is None else rotation_signs,
+        "k_codes": keys.codes,
+        "k_meta": keys.meta,
+        "v_codes": values.codes,
+        "v_meta": values.meta,
+        **keys.stride_args("k", code_dims, meta_dims),
+        **values.stride_args("v", code_dims, meta_dims),
+    }
+
+
+def _geometry_args(keys: _Side, values: _Side, H, ut, rot_blocks, dtype) -> dict:
+    """The constexprs both kernels take: heads, widths, key mode, groups,
+    unit tokens, rotation blocks and the device dtype's FP8 kind."""
+    kb, vb = rot_blocks
+    return {
+        "H": H,
+        "DK": keys.dim,
+        "DK_PAD": hk.pow2(keys.dim),
+        "KEY_MODE": keys.mode,
+        "GK": keys.group,
+        "DV": values.dim,
+        "GV": values.group,
+        "UT": ut,
+        "K_ROT_B": kb,
+        "V_ROT_B": vb,
+        **hk.fp8_args(dtype),
+    }
 
 
 def encode_gather(
@@ -698,7 +745,8 @@ def encode_gather(
     """Backup in one launch: encode the K/V rows tables[s][l][device_indices[i]]
     of every layer l into the records at host_indices[i].
 
-    tables = (k_table, v_table); out = the format's records as
+    tables = (k_table, v_table), bf16/fp16 or FP8 (float8 views: the FP8
+    values are encoded, widened exactly to fp32); out = the format's records as
     [units, L, *record.shape] views (any strides, last dim contiguous):
 
       int4   k uint8 [U, L, UT, H, Dk/2]
@@ -774,34 +822,19 @@ def encode_gather(
     # Keys count bad indices unless values do (per-token keys: same tokens).
     count_bad = args.pop("COUNT_BAD_IDX")
     _encode_kernel[(n_k_progs + n_v_progs, layers)](
-        sign_ptr=keys.codes if rotation_signs is None else rotation_signs,
-        k_codes=keys.codes,
-        k_meta=keys.meta,
-        v_codes=values.codes,
-        v_meta=values.meta,
+        **_records_args(keys, values, (_CODE_DIMS, _META_DIMS), rotation_signs),
+        **_geometry_args(keys, values, H, ut, (kb, vb), k_table.dtype),
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
-        **keys.stride_args("k", _CODE_DIMS, _META_DIMS),
-        **values.stride_args("v", _CODE_DIMS, _META_DIMS),
-        H=H,
-        DK=dk,
-        DK_PAD=hk.pow2(dk),
-        KEY_MODE=keys.mode,
-        GK=keys.group,
         GK2_PAD=hk.pow2(keys.group) // 2 if keys.group > 1 else 1,
         K_BLOCK=k_block,
         K_NCB=k_ncb,
-        DV=values.dim,
-        GV=values.group,
         GV2_PAD=hk.pow2(values.group) // 2,
         V_BLOCK_R=v_block,
-        UT=ut,
         UT_PAD=ut_pad,
         K_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_PER_TOKEN,
         V_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_INT8,
-        K_ROT_B=kb,
-        V_ROT_B=vb,
         num_warps=warps,
         **args,
     )
@@ -824,8 +857,9 @@ def decode_scatter(
 
     records: one layer's records as [units, *record.shape] views (as
     encode_gather's without the layer dim); dst: bf16/fp16 [size, H, D]
-    device layers, dim contiguous. fp16 output saturates at +-65504;
-    non-finite groups restore as NaN. A host index outside the records
+    device layers, dim contiguous, or FP8 (float8 views of SGLang's uint8
+    storage). fp16 and FP8 output saturate at the dtype's largest finite
+    value; non-finite groups restore as NaN. A host index outside the records
     restores nothing (the device rows keep their contents) and its token is
     counted in bad_index_counter if given. rotation_blocks / rotation_signs:
     as encode_gather's; the rows are unrotated after decoding.
@@ -838,7 +872,7 @@ def decode_scatter(
         return
     dev = k_dst.device
     hk.check_indices(device_indices, host_indices, n, dev)
-    hk.check_device_layers(k_dst, v_dst)
+    hk.check_device_layers(k_dst, v_dst, fp8=True)
     H = k_dst.shape[1]
     keys, values = _format_records(records, 2, H, k_dst.shape[2], v_dst.shape[2])
     units, ut = keys.codes.shape[:2]
@@ -854,30 +888,17 @@ def decode_scatter(
     args = hk.decode_args(
         {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
     )
+    dims = (layer_dims, (*layer_dims, "group", "param"))
     _decode_kernel[(n_k_progs + triton.cdiv(n * H, v_block),)](
-        sign_ptr=keys.codes if rotation_signs is None else rotation_signs,
-        k_codes=keys.codes,
-        k_meta=keys.meta,
-        v_codes=values.codes,
-        v_meta=values.meta,
+        **_records_args(keys, values, dims, rotation_signs),
+        **_geometry_args(keys, values, H, ut, (kb, vb), k_dst.dtype),
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
-        **keys.stride_args("k", layer_dims, (*layer_dims, "group", "param")),
-        **values.stride_args("v", layer_dims, (*layer_dims, "group", "param")),
-        H=H,
-        DK=dk,
-        DK_PAD=hk.pow2(dk),
-        KEY_MODE=keys.mode,
-        GK=keys.group,
         K_BLOCK_R=k_block,
-        DV=dv,
         DV_PAD=hk.pow2(dv),
-        GV=values.group,
         V_BLOCK_R=v_block,
-        UT=ut,
-        K_ROT_B=kb,
-        V_ROT_B=vb,
-        num_warps=num_warps or DECODE_WARPS,
+        num_warps=num_warps
+        or (FP8_DECODE_WARPS if k_dst.dtype in hk.FP8_DTYPES else DECODE_WARPS),
         **args,
     )

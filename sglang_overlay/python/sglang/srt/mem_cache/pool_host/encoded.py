@@ -2,7 +2,7 @@
 kind shares.
 
 The device (L1) KV cache is BF16/FP16, or FP8 for formats with
-fp8_device_kv (the torch path only); a HostKVFormat (host_format.py) owns the
+fp8_device_kv; a HostKVFormat (host_format.py) owns the
 value math. A pool (mha_encoded.py, mla_encoded.py) is the upstream
 pool of its kind plus EncodedHostPool, which delegates to named
 collaborators: HostRecords (one host tensor per record), UnitPlanner (host

@@ -5,7 +5,9 @@ layer), restore one decode_scatter per layer. With pinned host memory the
 kernels address it directly ("direct", UVA); otherwise they run against
 device staging whose records move with async copies ("staged"). Both write
 the torch path's bytes. SGLANG_HICACHE_FUSED_TRANSFER picks the path: auto
-(fused on CUDA, direct when pinned), off (torch), direct or staged.
+(fused on CUDA, direct when pinned), off (torch), direct or staged. FP8 device
+KV (stored by SGLang as uint8) reaches the kernels as float8 views, so they
+know which FP8 the bytes are.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.pool_host.encoded import TorchTransfer, fetch, store
-from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,7 @@ def select_transfer(pool):
         access, why = "staged", "host memory not device-addressable (not pinned)"
     # On the CPU the kernels run only under the Triton interpreter, switched
     # on by setting use_fused_kernels.
-    fp8 = fp8_torch_only_reason(pool)
-    if fp8 is not None:
-        # Before the env check: FUSED_TRANSFER=direct/staged cannot force it.
-        use, why = False, fp8
-    elif mode == "off":
+    if mode == "off":
         use, why = False, f"{FUSED_ENV}=off"
     elif dev.type != "cuda":
         use, why = False, f"not CUDA ({dev.type})"
@@ -67,28 +64,18 @@ def select_transfer(pool):
     return FusedTransfer(pool) if use else TorchTransfer(pool)
 
 
-def fp8_torch_only_reason(pool) -> str | None:
-    """Why an FP8 device KV cache keeps the torch path, None for BF16/FP16."""
-    dtype = pool.host_format.device_dtype
-    if dtype not in FP8_DEVICE_DTYPES:
-        return None
-    name = str(dtype).removeprefix("torch.")
-    return f"FP8 device KV ({name}): no fused kernels for FP8 rows"
-
-
 def set_transfer_path(pool, use_fused: bool, access: str, reason: str) -> None:
     """The one place the path changes after construction, so its reason stays current."""
     if access not in FUSED_HOST_ACCESS:
         raise ValueError(f"fused_host_access must be direct or staged: {access!r}")
-    fp8 = fp8_torch_only_reason(pool)
-    if use_fused and fp8 is not None:
-        raise ValueError(
-            f"--hicache-host-dtype {pool.host_format.name}: {fp8}; the pool keeps "
-            "its torch path."
-        )
     pool._fused_access, pool.transfer_path_reason = access, reason
     if use_fused != isinstance(pool.transfer, FusedTransfer):
         pool.transfer = FusedTransfer(pool) if use_fused else TorchTransfer(pool)
+
+
+def element_view(pool, t: torch.Tensor) -> torch.Tensor:
+    """A device KV tensor in its element dtype (FP8 KV is stored as uint8)."""
+    return t.view(pool.host_format.device_dtype)
 
 
 class FusedTransfer:
@@ -110,7 +97,9 @@ class FusedTransfer:
 
             pool = self.pool
             self._tables = tuple(
-                DeviceLayerTable(pool._device_buffers(side))
+                DeviceLayerTable(
+                    [element_view(pool, t) for t in pool._device_buffers(side)]
+                )
                 for side in range(len(pool.host_format.sides))
             )
         return self._tables
@@ -213,7 +202,10 @@ class FusedTransfer:
     def load(self, host_indices, device_indices, layer_id: int) -> None:
         pool = self.pool
         fmt, records = pool.host_format, pool.records
-        dst = [pool._device_buffers(side)[layer_id] for side in range(len(fmt.sides))]
+        dst = [
+            element_view(pool, pool._device_buffers(side)[layer_id])
+            for side in range(len(fmt.sides))
+        ]
 
         def direct():
             host_idx, dev_idx = self._load_indices(host_indices, device_indices)
@@ -282,8 +274,9 @@ def _expect_same(step, name, layer, got, want) -> None:
     """Bit-for-bit comparison; NaN payloads don't count."""
     got, want = got.cpu(), want.cpu().reshape(got.shape)
     if got.is_floating_point():
-        bits = torch.int16 if got.element_size() == 2 else torch.int32
-        both_nan = torch.isnan(got) & torch.isnan(want)
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+        # Through fp32: FP8 has no isnan kernel.
+        both_nan = torch.isnan(got.float()) & torch.isnan(want.float())
         differ = (got.view(bits) != want.view(bits)) & ~both_nan
     else:
         differ = got != want
@@ -291,8 +284,8 @@ def _expect_same(step, name, layer, got, want) -> None:
         where = differ.nonzero()[0].tolist()
         raise RuntimeError(
             f"{step} of {name.upper()} layer {layer} differs from the torch "
-            f"reference at {where}: {got[tuple(where)].item()} != "
-            f"{want[tuple(where)].item()}"
+            f"reference at {where}: {got[tuple(where)].float().item()} != "
+            f"{want[tuple(where)].float().item()}"
         )
 
 
@@ -352,15 +345,17 @@ def _restore_state(pool, saved: dict) -> None:
 
 def _rows(pool, n_tokens: int, dim: int, seed: int) -> torch.Tensor:
     """Rows spanning many magnitudes, a half-integer tie, a NaN row and the
-    dtype's largest value (fp16: saturation; bf16: past the scale range)."""
+    dtype's largest value (fp16, FP8: saturation; bf16: past the scale
+    range), in the device's element dtype (FP8: subnormals too)."""
+    dtype = pool.host_format.device_dtype
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_tokens, pool.host_format.head_num, dim, generator=g)
     x *= torch.logspace(-6, 4, n_tokens, base=2.0)[:, None, None]
     if n_tokens >= _SELF_CHECK_TOKENS:
         x[0, 0, :2] = torch.tensor([127.0, 0.5])  # 0.5 / s=1: a tie to even
         x[1, 0, 0] = float("nan")
-        x[-1, -1, 0] = torch.finfo(pool.dtype).max
-    return x.to(pool.dtype)
+        x[-1, -1, 0] = torch.finfo(dtype).max
+    return x.to(dtype)
 
 
 def _run_self_check(pool, host, device) -> None:
@@ -384,7 +379,7 @@ def _run_self_check(pool, host, device) -> None:
         for layer in range(pool.layer_num):
             for side in sides:
                 buf = pool._device_buffers(side)[layer]
-                buf[device] = inputs[layer][side].to(buf.device)
+                buf[device] = inputs[layer][side].view(buf.dtype).to(buf.device)
         pool.backup_from_device_all_layer(None, host, device_indices, "kernel")
         # Records reach host memory asynchronously (kernel stores through
         # UVA, or non-blocking copies): wait before reading them.
@@ -400,7 +395,8 @@ def _run_self_check(pool, host, device) -> None:
                 None, host, device_indices, layer, "kernel",
                 is_draft=layer >= pool.target_layer_num,
             )  # fmt: skip
-            want = fmt.decode_reference(expected[layer], pool.dtype)
+            want = fmt.decode_reference(expected[layer], fmt.device_dtype)
             for side in sides:
-                restored = pool._device_buffers(side)[layer][device]
+                restored = element_view(pool, pool._device_buffers(side)[layer])
+                restored = restored[device]
                 _expect_same("restore", fmt.sides[side], layer, restored, want[side])

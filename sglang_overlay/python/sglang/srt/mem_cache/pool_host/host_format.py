@@ -227,9 +227,9 @@ class HostKVFormat:
         return importlib.import_module(self.kernel_module)
 
     def fused_available(self, device: torch.device) -> bool:
-        """Whether encode_gather/decode_scatter can run for this transfer device."""
-        # The kernels read 2-byte device rows only, so FP8 takes the torch path.
-        if self.kernel_module is None or self.device_dtype in FP8_DEVICE_DTYPES:
+        """Whether encode_gather/decode_scatter can run for this transfer device
+        (a format with fp8_device_kv and kernels has kernels that read FP8)."""
+        if self.kernel_module is None:
             return False
         try:
             kernels = self._kernels()

@@ -573,8 +573,8 @@ class _Int4ValuesHostFormat(HostKVFormat):
     sglang.kernels.ops.kvcache.kv_int4_triton, one zero-copy object per side."""
 
     sides = ("k", "v")
-    # FP8 values are exact in fp32 and restore rounded to the same FP8 dtype;
-    # the fused kernels read 2-byte rows only, so FP8 takes the torch path.
+    # FP8 values are exact in fp32 and restore rounded to the same FP8 dtype,
+    # on the torch path and in the fused kernels alike.
     fp8_device_kv = True
     kernel_module = "sglang.kernels.ops.kvcache.kv_int4_triton"
     _codec: ClassVar[_Codec]
