@@ -35,11 +35,14 @@ import pytest
 from tests.support.model import smollm2_dir, stdlib_prompts
 from tests.support.server import (
     CPU_FLAGS,
+    NEW_TOKENS,
     LiveServer,
     agreeing_prefix,
+    details,
     expected_bytes_per_token,
     hicache_flags,
     output_logprobs,
+    run_sequence,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -48,8 +51,6 @@ pytestmark = pytest.mark.skipif(
 
 PROMPT_TOKENS = 1400
 PROMPTS = 5  # 7,000 tokens: past the 4,096-token L1, inside the 8,192 host
-NEW_TOKENS = 8
-TOP_LOGPROBS = 3
 # On these prompts at least this many leading greedy tokens agree.
 MIN_AGREED = 4
 # Largest |logprob| change of a generated token between the cold pass and a
@@ -90,31 +91,6 @@ def arm(request, model_dir, prompts):
         replies = {k: v for k, v in seq.items() if not k.startswith("m")}
         (server.log_dir / "replies.json").write_text(json.dumps(replies, indent=1))
         yield name, spec, server, seq
-
-
-def run_sequence(server: LiveServer, prompts: list[list[int]]) -> dict:
-    def gen(ids):
-        return server.generate(
-            input_ids=ids,
-            max_new_tokens=NEW_TOKENS,
-            return_logprob=True,
-            top_logprobs_num=TOP_LOGPROBS,
-        )
-
-    a = prompts[0]
-    out = {"m0": server.metrics()}
-    out["first"] = gen(a)
-    out["repeat"] = gen(a)
-    out["m1"] = server.metrics()
-    out["others"] = [gen(p) for p in prompts[1:]]
-    out["m2"] = server.metrics()
-    out["reuse"] = gen(a)
-    out["m3"] = server.metrics()
-    return out
-
-
-def details(reply: dict) -> dict:
-    return reply["meta_info"].get("cached_tokens_details") or {}
 
 
 def test_startup_names_host_format_and_bytes_per_token(arm, model_dir):

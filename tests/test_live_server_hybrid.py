@@ -50,13 +50,15 @@ from tests.support.model import stdlib_prompts
 from tests.support.prom import diff
 from tests.support.server import (
     CPU_FLAGS,
+    NEW_TOKENS,
     SPEC_ENV,
     LiveServer,
     agreeing_prefix,
+    details,
     hicache_flags,
     output_logprobs,
+    run_sequence,
 )
-from tests.test_live_server import NEW_TOKENS, details, run_sequence
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"

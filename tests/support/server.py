@@ -439,3 +439,36 @@ def agreeing_prefix(ref: dict, other: dict) -> int:
             assert min(gaps) < TIE_NATS, f"token {i}: {a} != {b}, top-2 gaps {gaps}"
             return i
     return len(pairs)
+
+
+# Greedy tokens and top logprobs per request of run_sequence.
+NEW_TOKENS = 8
+TOP_LOGPROBS = 3
+
+
+def run_sequence(server: LiveServer, prompts: list[list[int]]) -> dict:
+    """A prompt, the same again (device hit), the others (L1 overflows), the
+    first once more (host hit), with /metrics between the steps."""
+
+    def gen(ids):
+        return server.generate(
+            input_ids=ids,
+            max_new_tokens=NEW_TOKENS,
+            return_logprob=True,
+            top_logprobs_num=TOP_LOGPROBS,
+        )
+
+    a = prompts[0]
+    out = {"m0": server.metrics()}
+    out["first"] = gen(a)
+    out["repeat"] = gen(a)
+    out["m1"] = server.metrics()
+    out["others"] = [gen(p) for p in prompts[1:]]
+    out["m2"] = server.metrics()
+    out["reuse"] = gen(a)
+    out["m3"] = server.metrics()
+    return out
+
+
+def details(reply: dict) -> dict:
+    return reply["meta_info"].get("cached_tokens_details") or {}
