@@ -162,6 +162,18 @@ def hybrid_model_dirs(tmp_path_factory):
     return paths
 
 
+@pytest.fixture(scope="session")
+def smollm2_bundle():
+    """The quality harness's SmolLM2-135M, loaded once for every quality test."""
+    from scripts.common.cpu_sglang import install_cpu_standins
+    from scripts.quality import harness as hq
+    from tests.support.quality_inputs import require_inputs
+
+    require_inputs()
+    install_cpu_standins()
+    return hq.load_model()
+
+
 @pytest.fixture
 def collectors():
     """SGLang's scheduler and radix-cache metrics collectors, built as a server

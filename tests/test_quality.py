@@ -15,20 +15,16 @@ import pytest
 import torch
 
 from scripts.common import plot
-from scripts.common.cpu_sglang import install_cpu_standins
 from scripts.quality import harness as hq
 from scripts.quality import texts
 from tests.support.quality_inputs import SMALL, TEXT_FILE
-from tests.support.quality_inputs import require_inputs as _require_inputs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def bundle():
-    _require_inputs()
-    install_cpu_standins()
-    return hq.load_model()
+def bundle(smollm2_bundle):
+    return smollm2_bundle
 
 
 @pytest.fixture(scope="module")

@@ -10,20 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from scripts.common.cpu_sglang import install_cpu_standins
 from scripts.quality import harness as hq
 from scripts.quality import texts
 from tests.support.quality_inputs import TEXT_FILE
-from tests.support.quality_inputs import require_inputs as _require_inputs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def bundle():
-    _require_inputs()
-    install_cpu_standins()
-    return hq.load_model()
+def bundle(smollm2_bundle):
+    return smollm2_bundle
 
 
 def test_doc_text_is_pydocs_topics_read_where_python_installs_them(bundle):
