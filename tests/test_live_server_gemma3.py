@@ -58,7 +58,15 @@ from pathlib import Path
 import pytest
 
 from tests.support.model import ModelUnavailable, gemma3_dir, stdlib_prompts
-from tests.support.server import CPU_FLAGS, LiveServer, hicache_flags, run_cli
+from tests.support.server import (
+    CPU_FLAGS,
+    LiveServer,
+    agreeing_prefix,
+    details,
+    hicache_flags,
+    output_logprobs,
+    run_cli,
+)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
@@ -70,9 +78,6 @@ PROMPT_TOKENS = 1400
 PROMPTS = 5  # 7,000 tokens: past the 4,096-token L1, inside the 8,192 host
 NEW_TOKENS = 8
 TOP_LOGPROBS = 3
-# See tests/test_live_server.py: a cached pass computes the last prompt token
-# alone, so it may break a near-tie (top-2 gap under TIE_NATS) the other way.
-TIE_NATS = 0.1
 MIN_AGREED = 4
 LOGPROB_TOL = {None: 0.05, "int8": 0.25, "int4": 1.0}
 
@@ -150,29 +155,6 @@ def arm(request, model_dir, prompts):
     (server.log_dir / "replies.json").write_text(json.dumps(replies, indent=1))
     _RESULTS[name] = seq
     return name, ARMS[name], seq
-
-
-def details(reply: dict) -> dict:
-    return reply["meta_info"].get("cached_tokens_details") or {}
-
-
-def output_logprobs(reply: dict) -> list[float]:
-    return [entry[0] for entry in reply["meta_info"]["output_token_logprobs"]]
-
-
-def top2_gap(reply: dict, i: int) -> float:
-    tops = reply["meta_info"]["output_top_logprobs"][i]
-    return tops[0][0] - tops[1][0]
-
-
-def agreeing_prefix(ref: dict, other: dict) -> int:
-    pairs = list(zip(ref["output_ids"], other["output_ids"]))
-    for i, (a, b) in enumerate(pairs):
-        if a != b:
-            gaps = (top2_gap(ref, i), top2_gap(other, i))
-            assert min(gaps) < TIE_NATS, f"token {i}: {a} != {b}, top-2 gaps {gaps}"
-            return i
-    return len(pairs)
 
 
 def bytes_per_token(host_dtype, model_dir: Path) -> int:
