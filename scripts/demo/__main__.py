@@ -2,31 +2,8 @@
 """`make demo`: same host memory, more reuse -- the patched SGLang server live
 on this CPU, then the same question at Qwen3-8B scale (no GPU needed).
 
-1) Live server (scripts/demo/live.py): the patched SGLang server started once
-   per host format (BF16, INT8, K8V4, INT4, ...) at ONE host byte budget
-   computed so that BF16's host tier overflows on bench_serving's
-   generated-shared-prefix workload and INT8's does not; bench_serving with
-   paired seeds plus a reuse phase; host tokens and bytes, prompt tokens
-   served from device/host/storage, load-back, TTFT and throughput (CPU
-   figures), greedy agreement and logprob quality against BF16.
-2) Qwen3-8B-scale replay, beyond what a CPU serves:
-   A) Same L2 token capacity -> host bytes the real stock host pool and the
-      pool of every registered quantized format allocate at the model
-      geometry, and bytes per token by page size.
-   B) Same host budget (`--hicache-size` GB) -> L2 tokens each pool holds and
-      the cache-hit rate of bench_serving's generated-shared-prefix workload
-      (its own requests, order and warm-up) replayed through SGLang's radix
-      cache + HiCache, over several dataset seeds (mean +- sd), plus a sweep
-      of budgets.
-   The same replay also runs part 1's requests at part 1's capacities, and
-   the demo prints how its hits agree with the live server's.
-
-Run from the repository root with the patched tree first on PYTHONPATH:
-
-    PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo
-
-It prints the tables and writes results/demo.json, results/demo.png and
-results/demo-live.png (--no-live / --no-replay run one part).
+Part 1 (live.py) and part 2's experiments A and B are described in docs/demo.md;
+it writes results/demo.json, results/demo.png and results/demo-live.png.
 """
 
 from __future__ import annotations
@@ -43,15 +20,23 @@ from scripts.common import plot
 from scripts.demo import live, pools, replay, workload
 from scripts.demo.report import pm, spread
 
-DEFAULT_SWEEP = (2, 4, 16)  # with the 8 GB budget: four budgets keep `make demo` under 15 min here
+DEFAULT_SWEEP = (
+    2,
+    4,
+    16,
+)  # with the 8 GB budget: four budgets keep `make demo` under 15 min here
 # The prototype's INT8 records (1,152 B per 1,024 payload bytes).
 PROTOTYPE_RATIO = 1.78
 # Capacity targets (tokens per host byte vs BF16) of the issues that set them.
 TARGET_RATIO = {"int8": 1.93, "int4": 3.5}
-# Page size of the pools: INT4's per-channel keys are grouped over the tokens
-# of a page and need whole pages (at least 16); 64 is the issue's size.
+# INT4's per-channel keys are grouped over a page; 64 is the issue's size.
 DEFAULT_PAGE_SIZE = 64
 PAGE_SIZE_TABLE = (1, 16, 64)
+WORKLOAD_FLAGS = {
+    "--groups": 32, "--prompts-per-group": 4, "--system-prompt-len": 2048,
+    "--question-len": 128, "--output-len": 256, "--concurrency": 8,
+    "--l1-tokens": 16_384,
+}  # fmt: skip
 
 
 def _gb(n: float) -> str:
@@ -73,81 +58,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m scripts.demo", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--tokens", type=int, default=54_254, help="A: L2 token capacity")
-    p.add_argument(
-        "--page-size",
-        type=int,
-        default=DEFAULT_PAGE_SIZE,
-        help="A, B: page size the pools are sized at (--page-size)",
-    )
-    p.add_argument(
-        "--budget", type=float, default=8, help="B: host budget in GB (--hicache-size)"
-    )
-    p.add_argument(
-        "--sweep",
-        type=_parse_budgets,
-        default=list(DEFAULT_SWEEP),
-        help="B: comma-separated host budgets in GB for the curve ('' to skip)",
-    )
-    p.add_argument(
-        "--seed",
-        type=int,
-        default=workload.BENCH_SERVING_SEED,
-        help="first dataset seed (bench_serving --seed; its default is 42)",
-    )
-    p.add_argument(
-        "--seeds", type=int, default=6, help="number of seeds: --seed, --seed+1, ..."
-    )
-    p.add_argument("--groups", type=int, default=32, help="--gsp-num-groups")
-    p.add_argument("--prompts-per-group", type=int, default=4)
-    p.add_argument("--system-prompt-len", type=int, default=2048)
-    p.add_argument("--question-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=256)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument(
-        "--l1-tokens", type=int, default=16_384, help="device (L1) KV tokens"
-    )
-    p.add_argument(
-        "--gpu-memory-gb",
-        type=float,
-        default=80,
-        help="GPU memory the server's default --chunked-prefill-size is read for "
-        "(80: 8192 tokens; 48: 4096)",
-    )
-    p.add_argument(
-        "--chunked-prefill-size",
-        type=int,
-        default=None,
-        help="override the server default; -1 disables chunked prefill",
-    )
-    p.add_argument(
-        "--disable-overlap-schedule",
-        action="store_true",
-        help="model the normal scheduler loop (no one-step result lag)",
-    )
-    p.add_argument(
-        "--warmup-requests", type=int, default=1, help="bench_serving's (default 1)"
-    )
-    p.add_argument(
-        "--flush-cache",
-        action="store_true",
-        help="flush the cache after the warm-up (bench_serving --flush-cache)",
-    )
-    p.add_argument(
-        "--no-output-insert",
-        action="store_true",
-        help="do not insert output tokens into the tree at finish",
-    )
-    p.add_argument(
-        "--no-commit",
-        action="store_true",
-        help="A: map the pools lazily instead of faulting their memory in",
-    )
-    p.add_argument(
-        "--no-live", action="store_true", help="skip part 1 (the live servers)"
-    )
-    p.add_argument("--no-replay", action="store_true", help="skip part 2 (the replay)")
+    p.add_argument("--page-size", type=int, default=DEFAULT_PAGE_SIZE)
+    p.add_argument("--budget", type=float, default=8, help="B: host GB")
+    p.add_argument("--sweep", type=_parse_budgets, default=list(DEFAULT_SWEEP))
+    p.add_argument("--seed", type=int, default=workload.BENCH_SERVING_SEED)
+    p.add_argument("--seeds", type=int, default=6, help="--seed, --seed+1, ...")
+    for flag, default in WORKLOAD_FLAGS.items():
+        p.add_argument(flag, type=int, default=default)
+    p.add_argument("--gpu-memory-gb", type=float, default=80)
+    p.add_argument("--chunked-prefill-size", type=int, default=None, help="-1: off")
+    p.add_argument("--disable-overlap-schedule", action="store_true")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--flush-cache", action="store_true")
+    p.add_argument("--no-commit", action="store_true", help="A: map pools lazily")
+    p.add_argument("--no-live", action="store_true")
+    p.add_argument("--no-replay", action="store_true")
     live.add_args(p)
-    p.add_argument("--out", type=Path, default=Path("results"), help="output directory")
+    p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--name", default="demo", help="basename of the .json/.png")
     return p.parse_args(argv)
 
@@ -161,7 +88,6 @@ def build_serving(args) -> replay.Serving:
         concurrency=args.concurrency,
         chunked_prefill_size=chunk if chunk > 0 else None,
         overlap_schedule=not args.disable_overlap_schedule,
-        insert_output=not args.no_output_insert,
         warmup_requests=args.warmup_requests,
         flush_cache=args.flush_cache,
     )
@@ -239,8 +165,7 @@ def run_experiment_a(args, formats, geometry) -> list[pools.PoolAllocation]:
 
 
 def bytes_by_page_size(formats, geometry) -> dict[str, dict[int, float]]:
-    """Host bytes per token of every format's real pool at page sizes 1, 16
-    and 64 (pools mapped lazily: only their buffer sizes are read)."""
+    """Host bytes per token of every format's real (lazily mapped) pool by page size."""
     table = {}
     for label, dt in formats:
         table[label] = {
@@ -315,7 +240,7 @@ def print_experiment_b(args, formats, geometry, workloads, serving, main_row, be
         f"{f' (default at {args.gpu_memory_gb:g} GB GPU)' if args.chunked_prefill_size is None else ''}, "
         f"overlap scheduler {'on' if serving.overlap_schedule else 'off'}, "
         f"--hicache-write-policy {serving.write_policy}, output tokens "
-        f"{'inserted' if serving.insert_output else 'not inserted'} at finish"
+        "inserted at finish"
     )
     g = pools.REPLAY_GEOMETRY
     print(
@@ -357,9 +282,7 @@ def print_sweep(sweep, formats) -> None:
 
 
 def print_checks(sweep, formats, main_row) -> bool:
-    """No quantized format holds fewer tokens or hits less than the stock
-    pool, seed by seed; prints the restore checks. Returns whether none was
-    ever worse."""
+    """Prints the restore checks; whether no format was ever worse than stock."""
     base_label = formats[0][0]
     never_worse = True
     for row in sweep:

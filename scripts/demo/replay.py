@@ -1,12 +1,5 @@
-"""Experiment B's replay: SGLang's own radix cache + HiCache, driven as the
-scheduler drives it, on CPU.
-
-bench_serving's requests (workload.py) go through SGLang's real
-`UnifiedRadixCache` + HiCache with host pools of exactly the capacities a
-budget buys (pools.py), at a tiny head geometry (hit rates depend on token
-counts only). The scheduler is modelled: `HiCacheReplay` makes its cache
-calls in its order (`MODEL_NOTES`); tests/test_replay.py checks it against
-SGLang's code."""
+"""Experiment B's replay: bench_serving's requests through SGLang's own radix cache
++ HiCache at a budget's exact host capacities, the scheduler modelled (MODEL_NOTES)."""
 
 from __future__ import annotations
 
@@ -50,12 +43,9 @@ class Serving:
     l1_tokens: int = 16_384  # --max-total-tokens
     concurrency: int = 8  # bench_serving --max-concurrency
     max_prefill_tokens: int = 16_384  # SGLang's default --max-prefill-tokens
-    # --chunked-prefill-size; None disables chunking. The demo passes the
-    # server's default for the chosen GPU memory (pools.server_chunked_prefill_size).
     chunked_prefill_size: Optional[int] = None
     overlap_schedule: bool = True  # SGLang's default (--disable-overlap-schedule)
     write_policy: str = "write_through"  # SGLang's default --hicache-write-policy
-    insert_output: bool = True  # finished requests insert prompt + output
     warmup_requests: int = 1  # bench_serving --warmup-requests
     flush_cache: bool = False  # bench_serving --flush-cache (after the warm-up)
 
@@ -151,9 +141,7 @@ class ReplayResult:
 
 
 class HiCacheReplay:
-    """SGLang's UnifiedRadixCache + HiCache with an L2 of exactly
-    `host_tokens` tokens, driven request by request as the scheduler drives
-    it (see MODEL_NOTES)."""
+    """SGLang's UnifiedRadixCache + HiCache with an L2 of exactly `host_tokens`."""
 
     def __init__(
         self,
@@ -177,10 +165,7 @@ class HiCacheReplay:
         self.verify = verify
         self.sanity_every = sanity_every
         self._sanity_calls = 0
-        # HostKVCache sizes a ratio pool as int(L1 * ratio) plus one padding
-        # page (page_size 1): this ratio gives exactly `host_tokens` slots,
-        # the token capacity the same budget buys at the model geometry.
-        # (host_tokens - 1) / 2^k is exact in binary floating point.
+        # int(L1 * ratio) plus one padding page is exactly `host_tokens` slots.
         ratio = (host_tokens - 1) / serving.l1_tokens
         self.server_args = publish_server_args(
             host_dtype,
@@ -197,8 +182,7 @@ class HiCacheReplay:
         self._reference_format = None  # built on the first restore check
 
     def _build_cache(self, max_context_len: int):
-        """The device pool, allocator and request table, then the radix cache
-        with HiCache as the scheduler builds it (registry)."""
+        """The device pool, allocator, request table and radix cache, as the scheduler builds them."""
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -218,8 +202,7 @@ class HiCacheReplay:
         )
 
     def _check_host_pool(self, host_tokens: int) -> None:
-        """The host pool is the one the --hicache-host-dtype dispatch picks,
-        with exactly `host_tokens` slots."""
+        """The --hicache-host-dtype dispatch's pool, with exactly `host_tokens` slots."""
         from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
         info = self.device_pool.get_device_pool_infos()[0].buffer_info
@@ -245,8 +228,7 @@ class HiCacheReplay:
         self._kv_table = torch.randn(shape, generator=gen).to(g.dtype)
 
     def _kv_rows(self, token_ids: torch.Tensor, positions: torch.Tensor):
-        """Per layer (K rows, V rows) for tokens at positions: a function of
-        (token id, position) only, so equal prefixes carry equal KV."""
+        """Per layer (K, V) rows from (token id, position) alone: equal prefixes, equal KV."""
         idx = (token_ids * 1_000_003 + positions * 7_919) % self._TABLE_ROWS
         return [(t[0][idx], t[1][idx]) for t in self._kv_table]
 
@@ -258,10 +240,7 @@ class HiCacheReplay:
             self.device_pool.v_buffer[layer][slots] = v
 
     def _expected_restore(self, k: torch.Tensor, v: torch.Tensor):
-        """What a restore of rows k, v ([tokens, heads, dim]) must give: the
-        rows themselves for the stock pool; for a quantized pool, its format's
-        reference encode + decode, one token per unit (layout layer_first, or
-        page size 1), which the pool's transfer path must match bit for bit."""
+        """What a restore of rows k, v must give: the format's reference round trip."""
         if self.host_dtype == "auto":
             return k, v
         if self._reference_format is None:
@@ -276,15 +255,8 @@ class HiCacheReplay:
     def _check_prefix(
         self, slots: torch.Tensor, seq: torch.Tensor, loaded: int = 0
     ) -> float:
-        """Compare device KV at `slots` with what was written for seq[:n].
-
-        Bit for bit, token by token: a token is either still the KV written
-        on the device or its round trip through L2, which for the stock pool
-        is the written KV and for a quantized pool its format's reference
-        encode + decode (README, "Host formats"); the last `loaded` tokens
-        were just loaded back, so they must be the round trip. Returns the
-        max error relative to the row's absolute maximum.
-        """
+        """Bit for bit, each token is the written KV or its L2 round trip (the last
+        `loaded` the round trip); the max error relative to the row's amax."""
         n = len(slots)
         rows = self._kv_rows(seq[:n], torch.arange(n))
         worst = 0.0
@@ -332,8 +304,7 @@ class HiCacheReplay:
         )
 
     def _checkpoint(self, run: _Running, ids: array, kv_len: int) -> None:
-        """UnifiedRadixCache.checkpoint_into_tree for a plain MHA request:
-        insert ids[:kv_len], adopt the tree's slots, move the lock."""
+        """UnifiedRadixCache.checkpoint_into_tree for a plain MHA request."""
         result = self._insert(ids[:kv_len], run.kv[:kv_len], run.protected)
         new_indices = self.cache.path_device_indices(result.last_device_node)
         assert len(new_indices) == kv_len, (len(new_indices), kv_len)
@@ -353,8 +324,7 @@ class HiCacheReplay:
     # -- the scheduler model ----------------------------------------------------
 
     def run(self, requests: Sequence[Request], seed: int = 0) -> ReplayResult:
-        """bench_serving against this server: the warm-up request(s) first,
-        then `requests`; only the measured requests count."""
+        """bench_serving against this server: warm-up first, then `requests` (counted)."""
         # The replay moves small tensors; intra-op threads only add overhead.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -376,8 +346,7 @@ class HiCacheReplay:
         self.allocator.clear()
 
     def _serve(self, requests: Sequence[Request], stats: _Stats) -> None:
-        """Serve `requests` to completion: scheduler steps as in
-        event_loop_overlap (or event_loop_normal without the overlap)."""
+        """Scheduler steps as in event_loop_overlap (event_loop_normal without it)."""
         self._waiting = list(requests)
         self._running: list[_Running] = []
         self._chunked: Optional[_Running] = None
@@ -416,8 +385,7 @@ class HiCacheReplay:
         ), "L1 tokens leaked"
 
     def _room(self, step: _Step) -> int:
-        """L1 tokens a new admission may still take: free + evictable, less
-        what running requests will decode and what this step reserved."""
+        """L1 tokens a new admission may take: free + evictable - reserved."""
         reserved_decode = sum(r.remaining for r in self._running)
         return (
             self.allocator.available_size()
@@ -427,16 +395,13 @@ class HiCacheReplay:
         )
 
     def _stash_chunked(self) -> None:
-        """get_next_batch_to_run: the chunked request's prefilled part goes
-        into the tree before the next chunk is scheduled."""
+        """get_next_batch_to_run: the chunked request's done part goes into the tree."""
         run = self._chunked
         if run is not None and run.prefilled > run.protected:
             self._checkpoint(run, run.request.prompt, run.prefilled)
 
     def _admit(self, stats: _Stats) -> _Step:
-        """PrefillAdder: the chunked request's next chunk first, then new
-        requests FCFS while concurrency, L1 room and the prefill budgets
-        allow."""
+        """PrefillAdder: the chunked request's next chunk, then new requests FCFS."""
         step = _Step(chunk_left=self.serving.chunked_prefill_size)
         in_flight = len(self._running) + (self._chunked is not None)
         if self._chunked is not None:
@@ -541,8 +506,7 @@ class HiCacheReplay:
         return True
 
     def _run_prefill(self, step: _Step, stats: _Stats) -> None:
-        """Host -> device loads for the batch, then its forward pass writes
-        the new tokens' KV."""
+        """Host -> device loads for the batch, then its forward pass's new KV."""
         self.cache.ready_to_load_host_cache()
         for run, start, extend, loaded in step.runs:
             seq = torch.tensor(run.request.prompt, dtype=torch.int64)
@@ -613,22 +577,12 @@ class HiCacheReplay:
         return torch.tensor(request.prompt + request.output, dtype=torch.int64)
 
     def _release(self, run: _Running) -> None:
-        """release_kv_cache(checkpoint=True): insert prompt + output (all but
-        the last output token, which has no KV), split the leaf at the prompt
-        so the output can be evicted alone, unlock."""
+        """release_kv_cache(checkpoint=True): insert prompt + output, split at the prompt."""
         req = run.request
         kv_len = len(run.kv)
-        if self.serving.insert_output:
-            ids = req.prompt + req.output[: kv_len - req.prompt_len]
-            self._checkpoint(run, ids, kv_len)
-            self._insert(
-                req.prompt,
-                run.kv[: req.prompt_len],
-                req.prompt_len,
-                priority=1,
-            )
-        else:
-            self.allocator.free(run.kv[run.protected :])
+        ids = req.prompt + req.output[: kv_len - req.prompt_len]
+        self._checkpoint(run, ids, kv_len)
+        self._insert(req.prompt, run.kv[: req.prompt_len], req.prompt_len, priority=1)
         self.cache.unlock(run.lock)
         run.lock = None
 
@@ -657,8 +611,7 @@ def replay(
     sanity_every: int = 0,
     **engine_options,
 ) -> ReplayResult:
-    """One bench_serving run of `requests` (warm-up included) against a
-    fresh cache with an L2 of `host_tokens` tokens."""
+    """One bench_serving run of `requests` against a fresh cache of `host_tokens` in L2."""
     engine = HiCacheReplay(
         host_dtype,
         host_tokens,
