@@ -1,11 +1,7 @@
 #!/usr/bin/env python3
 """Static checks of the Dockerfile against sglang.lock and scripts/overlay.py.
 
-Stdlib only (tests/test_pipeline.py runs it): the base image and its tag's
-version, `scripts/overlay.py install` run exactly once, every input overlay.py
-reads copied beside it, no ENTRYPOINT, an exec-form CMD on PATH from a
-COPY --chmod=755, and hadolint where one is found ($HADOLINT, PATH, or beside
-this Python)."""
+Stdlib only (tests/test_pipeline.py runs it); hadolint where one is found."""
 
 from __future__ import annotations
 

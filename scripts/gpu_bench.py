@@ -1,12 +1,6 @@
 #!/usr/bin/env python3
-"""GPU benchmark: every registered host format's pools (fused and torch paths)
-against the stock BF16 host pool at Qwen3-8B geometry, and every format's
-kernels (MLA at DeepSeek geometry), each timed restore checked bit for bit
-against the format's reference codec.
-
-The variants and what each measures: docs/development.md ("GPU check").
-`scripts/gpu_check.sh bench` runs it; `--dry-run` runs it on CPU, interpreted.
-"""
+"""GPU benchmark: every registered host format's pools and kernels against the
+stock BF16 host pool (docs/development.md, "GPU check")."""
 
 from __future__ import annotations
 
@@ -88,9 +82,7 @@ class Clock:
             torch.cuda.synchronize()
 
     def run(self, fn, iters: int, warmup: int = 1) -> dict:
-        """Milliseconds of fn() enqueued on a side stream (events), or wall
-        clock on CPU. Repeats up to iters times, fewer once the clock's time
-        slice is spent (at least once). Returns median/min."""
+        """Median / min ms of fn() (CUDA events on a side stream, else wall clock)."""
         for _ in range(warmup):
             self._call(fn)
             self.sync()
@@ -257,10 +249,7 @@ def _codec_geometry(kind, geo, dry):
 
 
 def _codec_run(clock, fmt, src, dst, L, tokens, where, iters) -> dict:
-    """One format's fused encode (all layers, one launch) and decode (one
-    launch per layer) with its records on the device or in pinned host memory
-    (UVA, the pools' direct path); the first units of the first and last layer
-    checked bit for bit against the format's reference encode and decode."""
+    """One format's fused encode and decode, checked against its reference codec."""
     device = src[0][0].device
     ut = fmt.unit_tokens
     records = {
@@ -309,10 +298,7 @@ def _codec_run(clock, fmt, src, dst, L, tokens, where, iters) -> dict:
 
 
 def codec_throughput(clock, device, geo, tokens, dry, copy_gbps, pcie_gbps) -> dict:
-    """Every registered format, per model kind it supports (MHA at Qwen3-8B
-    geometry, MLA at DeepSeek's) and unit size: fused encode / decode GB/s
-    (device KV bytes read or written plus record bytes) against the device
-    copy bandwidth (records on the device) or PCIe (pinned records, CUDA)."""
+    """Every registered format per model kind and unit: fused encode / decode GB/s."""
     out = {"tokens": tokens, "device_copy_GBps": copy_gbps, "pcie_GBps": pcie_gbps,
            "mla_geometry": MLA_GEOMETRY, "runs": [], "skipped": [], "failed_checks": []}  # fmt: skip
     places = ("device", "pinned") if clock.cuda else ("device",)
@@ -585,10 +571,7 @@ def _restored(dev_pool, rows):
 
 
 def _expected_restore(pool, dev_pool, rows):
-    """What a restore of those rows must produce, in _restored's order: the
-    pool's format's reference encode + decode (on the CPU) of the whole unit
-    each row belongs to (a page for page-major layouts: INT4's per-channel
-    key groups span it). The backup source starts at a page boundary."""
+    """A restore's expected rows: the reference round trip of each row's whole unit."""
     unit = pool.host_format.unit_tokens
     offset = (rows % unit).cpu()
     unit_rows = (rows - rows % unit)[:, None] + torch.arange(unit, device=rows.device)
@@ -684,9 +667,7 @@ def evaluate_targets(configs, codec_out) -> dict:
 
 
 def headline_figures(configs, codec_out, bw) -> dict:
-    """What the README quotes: per config and size, restore and backup ms per
-    layer of the default INT8 path and the best BF16 baseline, and the
-    codec's GB/s against the device copy's."""
+    """What the README quotes: INT8 and the best BF16 per config, and codec GB/s."""
     rows = []
     for cfg in configs:
         for row in cfg["sizes"]:

@@ -1,28 +1,7 @@
 #!/usr/bin/env python3
 """HiQCache overlay tool: the pinned SGLang tree, our patch series on top.
 
-Every Makefile target that touches SGLang sources goes through this one
-script, and so does the Docker image, so what CI tests is what users run.
-
-Layout of the inputs (all relative to the repository root):
-  sglang.lock       pinned SGLang version, wheel names and sha256 sums
-  sglang_overlay/   new files, mirroring upstream paths (python/sglang/...)
-  patches/series    order of patches/*.patch (git format-patch, edits to
-                    files that exist upstream, paths a/python/sglang/...)
-
-The patched checkout lives in build/sglang (git: tag hiq-baseline is the
-pristine upstream tree, tag hiq-overlay adds the overlay files, then one
-commit per patch).
-
-Commands:
-  fetch     download the pinned wheel into the cache and verify its sha256
-  apply     build/refresh build/sglang (SGLANG_SOURCE=wheel|git)
-  check     series and patches agree; every patch applies to the baseline
-  refresh   regenerate patches/ and sglang_overlay/ from build/sglang
-  wheel     patched wheel 0.5.23+hiq.N into dist/
-  pr        upstream PRs (docs/prs.toml): patches + description in dist/pr/<n>-<name>/
-  install   apply overlay + patches in place to an installed sglang (Docker)
-"""
+Every target and the Docker image go through it (docs/development.md)."""
 
 from __future__ import annotations
 
@@ -123,9 +102,7 @@ def read_series() -> list[str]:
 
 
 def package_overlay_files() -> list[Path]:
-    """Overlay files that belong to the installed package (python/sglang/...).
-
-    Upstream-style tests (test/...) ride in the tree and the PR, not in wheels."""
+    """Overlay files of the installed package; upstream-style tests are not."""
     return [rel for rel in overlay_files() if rel.parts[0] == "python"]
 
 
@@ -836,12 +813,7 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
 
 
 def install(target: Path) -> None:
-    """Apply overlay + series to an installed sglang package under `target`.
-
-    `target` is the directory that holds the `sglang/` package (site-packages,
-    or python/ of a source checkout). Patches use upstream paths
-    a/python/sglang/..., so they apply there with -p2.
-    """
+    """Apply overlay + series to an installed sglang package under `target` (-p2)."""
     lock = read_lock()
     package = target / "sglang"
     version_file = package / "version.py"

@@ -1,13 +1,5 @@
 #!/usr/bin/env python3
-"""SGLang's pre-commit hooks on the exported HiQCache pull requests.
-
-`make pr-check` runs this after `make pr`: each PR of dist/pr/ is `git am`ed
-onto a scratch clone of the pristine tree after the PRs before it, then
-every hook of requirements/upstream-lint/pre-commit-config.yaml runs on the
-files it adds or changes (a hook fails when it exits non-zero or rewrites a
-file), with the pinned tools of requirements/test-tools-lint.txt plus our
-implementation of upstream's local hooks check-registered-tests and
-check-no-bare-pytest-main.
+"""SGLang's pre-commit hooks on the exported HiQCache pull requests (`make pr-check`).
 
   scripts/pr_gate.py                          # dist/pr against build/sglang
   scripts/pr_gate.py --repo DIR --base REV    # a git tree's REV..HEAD changes"""
@@ -298,11 +290,7 @@ def is_dedicated_unit_suite(registry) -> bool:
 
 
 def taxonomy_errors(path: str, registries: list, lines: list[int], tree) -> list[str]:
-    """Where a registered test lives decides what it may register.
-
-    unit/: CPU suites (or a dedicated unit suite) within 60 s, never a server.
-    kernels/: under kernels/{ops,benchmark}/<group>/.
-    """
+    """Where a registered test lives decides what it may register."""
     parts = path.split("/")[2:]  # after test/registered/
     errors = []
     if parts[0] == "unit":

@@ -1,13 +1,6 @@
 #!/usr/bin/env python3
-"""CPU benchmark of every host (L2) format's torch path against a plain copy.
-
-1. Each registered format's `encode_into` / `decode_into` (the host pools'
-   torch path) at Qwen3-8B geometry and page size 64, with and without the
-   device-pool gather/scatter, against the stock pool's BF16 gather + copy.
-2. Bytes per token of every format at page sizes 1, 16 and 64.
-3. INT8's FP16-vs-BF16 scale study: relative error of either scale dtype.
-
-`make bench-codec`; the fused kernels are timed by scripts/gpu_bench.py."""
+"""CPU benchmark of every host (L2) format's torch path against a plain copy
+(`make bench-codec`; docs/results.md); the fused kernels: scripts/gpu_bench.py."""
 
 from __future__ import annotations
 
@@ -49,9 +42,7 @@ def make_format(cls, unit_tokens: int = PAGE_SIZE):
 
 
 def median_ms(ops: dict[str, object], reps: int) -> dict[str, tuple[float, float]]:
-    """(median, min) wall time in ms of each op. Reps are interleaved (A, B,
-    C, A, B, C, ...) so that load from elsewhere on the machine hits every op
-    alike and the ratios stay meaningful."""
+    """(median, min) ms of each op; reps interleave so load hits every op alike."""
     times: dict[str, list[float]] = {name: [] for name in ops}
     for rep in range(WARMUP + reps):
         for name, fn in ops.items():
@@ -65,9 +56,7 @@ def median_ms(ops: dict[str, object], reps: int) -> dict[str, tuple[float, float
 
 
 class DeviceStandIn:
-    """A device pool's K and V per layer with spare capacity, and the slots a
-    transfer of `tokens` tokens touches (random, as a write-back of scattered
-    KV slots would)."""
+    """A device pool's K and V per layer and random slots a transfer touches."""
 
     def __init__(self, tokens: int, gen: torch.Generator):
         capacity = 2 * tokens
@@ -91,9 +80,7 @@ def copy_op(dev: DeviceStandIn):
 
 
 def format_ops(name: str, fmt, dev: DeviceStandIn) -> tuple[dict, dict]:
-    """encode / decode of all layers through the format object, with and
-    without the device-side gather / scatter; and the tensors they read and
-    write (the last layer's restored rows stay in "restored")."""
+    """encode / decode of all layers, with and without the gather / scatter."""
     units = dev.tokens // PAGE_SIZE
     unit_shape = (units, PAGE_SIZE, HEADS, HEAD_DIM)
     records = {

@@ -1,8 +1,6 @@
 #!/usr/bin/env python3
-"""Why int4/k8v4 encode an FP8 device KV cache by its values, not its bytes:
-the restored error of both (values widened to fp32, or the uint8 codes as
-numbers) through kv_int4_codec's reference on KV-like rows, page size 64,
-and how many finite inputs come back non-finite. Table: docs/fp8-device-kv.md."""
+"""Why int4/k8v4 encode an FP8 device KV by its values, not its bytes: the
+restored error of both. Table: docs/fp8-device-kv.md."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
 #!/usr/bin/env python3
-"""CPU cost of sealing L3 pages (pool_host/page_integrity.py) next to the page
-I/O it guards: xxh3-64 throughput against a memory copy; per encoded format at
-Qwen3-8B geometry, page size 64, the time to seal and check a page next to the
-`file` backend's page I/O; with --mooncake, a put and a get through a real
-mooncake_master with Mooncake's own CRC-64 off and on (one process each, as
-the client reads MOONCAKE_STORE_CHECKSUM at start). Figures: docs/l3-integrity.md."""
+"""CPU cost of sealing L3 pages next to the page I/O it guards (--mooncake: a
+real mooncake_master, its CRC-64 off and on). Figures: docs/l3-integrity.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""SGLang's HiCache code on a CPU-only machine: the stand-ins it needs.
-
-The stand-ins live in tests/support/standins.py (never in the product); every CPU
-tool installs them through `install_cpu_standins` before importing sglang.
-"""
+"""SGLang's HiCache code on a CPU-only machine, with tests/support's stand-ins."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The host (L2) formats every CPU tool measures: the stock pool (`auto`) and
-every format of the patched tree's registry (`pool_host/host_format.py`), so
-a registered format gets its quality arm, demo row and codec row unchanged."""
+"""The host (L2) formats every CPU tool measures: the stock pool and the registry's."""
 
 from __future__ import annotations
 

@@ -169,9 +169,7 @@ def plot_bars(bars, parts, path: Path, title: str = "", ylabel: str = "",
 def kl_histogram(
     series: dict[str, list[float]], path, title: str = "", bins_per_decade: int = 5
 ) -> None:
-    """`make quality`: histogram of log10(KL) per arm. Tokens with KL == 0
-    (bit-identical distributions) can't sit on a log axis; the legend counts
-    them."""
+    """`make quality`: histogram of log10(KL) per arm; the legend counts KL == 0."""
     W, H = 960, 560
     left, right, top, bottom = 80, 30, 60, 80
     img = Image.new("RGB", (W, H), "white")

@@ -1,7 +1,5 @@
-"""One SGLang server process: start it, wait for /health, talk HTTP, stop its
-process group by pid. tests/support/server.py (LiveServer, the CPU servers of
-the tests and `make demo`) builds on it; /metrics goes through tests/support/prom.py.
-"""
+"""One SGLang server process: start, wait for /health, HTTP, stop by pid
+(tests/support/server.py's LiveServer builds on it)."""
 
 from __future__ import annotations
 

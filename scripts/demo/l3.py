@@ -1,12 +1,7 @@
 #!/usr/bin/env python3
 """`make demo-l3`: INT8 host pages in a real Mooncake L3 store, on CPU.
 
-A mooncake_master on 127.0.0.1 and SGLang's real controller storage threads
-and MooncakeStore, with the stock BF16 and the INT8 host pool: A) store bytes
-per cached token (the master's `master_allocated_bytes`); B) the hit rate of
-a shared-prefix workload with a small L2 and an L3 of the same byte budget,
-under this script's page-level LRU policy (docs/results.md, "make demo-l3").
-Writes results/demo-l3.json and results/demo-l3.png."""
+Store bytes per token and a shared-prefix hit rate (docs/results.md, "make demo-l3")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""`make demo` part 1: the patched SGLang server, live on this CPU, one server
-per host format at one computed host budget; bench_serving with paired seeds,
-then a reuse and a scoring phase against bf16 (docs/demo.md says what each
-phase measures and why)."""
+"""`make demo` part 1: the patched SGLang server live on this CPU per host format
+at one host budget (docs/demo.md)."""
 
 from __future__ import annotations
 
@@ -203,9 +201,7 @@ def reuse_order(prompts: Sequence[SentPrompt]) -> list[SentPrompt]:
 
 
 def working_set_tokens(prompts: Sequence[SentPrompt], gen_tokens: int) -> int:
-    """Tokens the cache holds if nothing is evicted: distinct prompt prefixes
-    (shared system prompts count once), every output (ignore_eos), the
-    warm-up's output, and the reuse phase's greedy and scored tokens."""
+    """Tokens the cache holds if nothing is evicted (shared prefixes count once)."""
     mod, base = (1 << 61) - 1, 1_000_003
     seen: set[int] = set()
     for p in prompts:
@@ -267,9 +263,7 @@ def bytes_per_token(formats, geometry) -> dict[str, float]:
 
 
 def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> Budget:
-    """One host byte budget for every arm: the anchor format holds the working
-    set times the margin; refuses a workload where BF16 would not overflow or
-    would get a host tier smaller than L1."""
+    """One host byte budget: the anchor holds the working set x margin."""
     anchor_bytes = math.ceil(config.margin * working_set * bpt[ANCHOR_FORMAT])
     arms = []
     for label, dt in formats:
@@ -821,9 +815,7 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
 
 
 def passed(res: LiveResult) -> bool:
-    """The demo's claim, from measured counts: on reuse, every quantized arm
-    serves at least as many prompt tokens from cache as bf16, and int8 serves
-    host hits where bf16 serves fewer."""
+    """On reuse every quantized arm hits at least bf16, and int8 has more host hits."""
     base = arm_totals(res.arm(STOCK_LABEL))
     base_hits = spread(
         [d + h for d, h in zip(base["reuse_device"], base["reuse_host"])]
@@ -838,9 +830,7 @@ def passed(res: LiveResult) -> bool:
 
 
 def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:
-    """Part 1's bench_serving requests as the replay's Request objects (the
-    server's token ids; outputs are random ids of the same length, since only
-    their count matters to the cache)."""
+    """Part 1's requests as the replay's (outputs: random ids)."""
     from array import array
 
     import numpy as np
@@ -864,9 +854,7 @@ def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:
 
 
 def replay_agreement(res: LiveResult) -> list[dict]:
-    """Part 2's replay model run on part 1's requests at part 1's host
-    capacities and server settings, next to what the live servers measured
-    (the bench_serving run of each seed)."""
+    """Part 2's replay on part 1's requests and capacities, next to the live counts."""
     from scripts.demo import replay
 
     rows = []

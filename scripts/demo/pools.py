@@ -1,7 +1,4 @@
-"""SGLang's HiCache pools on CPU: experiment A (same tokens -> host bytes, read
-from the real pools' buffers) and B's sizing (same `--hicache-size` -> tokens,
-from SGLang's own `build_kv_host_pool`), at a page size (INT4's per-channel
-keys need whole pages)."""
+"""SGLang's HiCache pools on CPU: experiment A's host bytes and B's sizing."""
 
 from __future__ import annotations
 
@@ -58,10 +55,7 @@ def setup_sglang(quiet: bool = True) -> None:
 
 
 def host_formats() -> list[tuple[str, str]]:
-    """(label, --hicache-host-dtype value) for the stock pool and every host
-    format of the patched tree's registry (the tools' one list,
-    scripts/common/host_formats.py). `auto` is the stock pool, labelled by
-    the device KV dtype, and comes first."""
+    """(label, --hicache-host-dtype) of the stock pool (first) and every format."""
     setup_sglang()
     from scripts.common.host_formats import host_formats as server_formats
 
@@ -172,12 +166,7 @@ def _lazy_alloc_mmap(dims: tuple, dtype: torch.dtype) -> torch.Tensor:
 
 @contextlib.contextmanager
 def lazy_host_allocation() -> Iterator[None]:
-    """Build host pools without committing their memory and without the
-    free-RAM check: for sizing pools larger than this machine's RAM.
-
-    Everything else (geometry, sizing, buffer shapes and dtypes) is the real
-    pool code; only SGLang's mmap allocator stops prefaulting.
-    """
+    """Host pools sized without committing memory or the free-RAM check."""
     setup_sglang()
     from sglang.srt.mem_cache.pool_host import common
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
@@ -233,12 +222,8 @@ def allocate_host_pool(
     commit: bool = True,
     label: Optional[str] = None,
 ) -> PoolAllocation:
-    """Build the real host pool for `host_dtype` holding `tokens` tokens at
-    `geometry` (the class comes from the assembler's own dispatch), read its
-    allocated bytes, then free it. With `commit`, the pool's memory is really
-    faulted in (SGLang's prefaulted mmap); when this machine lacks the free
-    RAM that SGLang's host-memory check demands, it falls back to a lazy
-    mapping and says so in `note`."""
+    """The real host pool's bytes for `tokens` tokens; committed, or lazy (`note`)
+    where free RAM is short of SGLang's check."""
     setup_sglang()
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
 
@@ -319,9 +304,7 @@ def capacity_at_budget(
     page_size: int = 1,
     label: Optional[str] = None,
 ) -> BudgetCapacity:
-    """Tokens the server's host pool holds for `--hicache-size budget_gb`:
-    builds it with SGLang's `build_kv_host_pool` (as the server does), with
-    the buffers mapped lazily so budgets beyond this machine's RAM work."""
+    """Tokens SGLang's `build_kv_host_pool` holds for `--hicache-size`."""
     setup_sglang()
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
         build_kv_host_pool,

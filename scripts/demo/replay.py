@@ -182,7 +182,8 @@ class HiCacheReplay:
         self._reference_format = None  # built on the first restore check
 
     def _build_cache(self, max_context_len: int):
-        """The device pool, allocator, request table and radix cache, as the scheduler builds them."""
+        """The device pool, allocator, request table and radix cache, as the scheduler
+        builds them."""
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
@@ -202,7 +203,7 @@ class HiCacheReplay:
         )
 
     def _check_host_pool(self, host_tokens: int) -> None:
-        """The --hicache-host-dtype dispatch's pool, with exactly `host_tokens` slots."""
+        """The --hicache-host-dtype dispatch's pool, with `host_tokens` slots."""
         from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
         info = self.device_pool.get_device_pool_infos()[0].buffer_info
@@ -228,7 +229,7 @@ class HiCacheReplay:
         self._kv_table = torch.randn(shape, generator=gen).to(g.dtype)
 
     def _kv_rows(self, token_ids: torch.Tensor, positions: torch.Tensor):
-        """Per layer (K, V) rows from (token id, position) alone: equal prefixes, equal KV."""
+        """Per layer (K, V) rows from (token id, position) alone."""
         idx = (token_ids * 1_000_003 + positions * 7_919) % self._TABLE_ROWS
         return [(t[0][idx], t[1][idx]) for t in self._kv_table]
 
@@ -324,7 +325,7 @@ class HiCacheReplay:
     # -- the scheduler model ----------------------------------------------------
 
     def run(self, requests: Sequence[Request], seed: int = 0) -> ReplayResult:
-        """bench_serving against this server: warm-up first, then `requests` (counted)."""
+        """bench_serving against this server: warm-up, then `requests`."""
         # The replay moves small tensors; intra-op threads only add overhead.
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
@@ -577,7 +578,7 @@ class HiCacheReplay:
         return torch.tensor(request.prompt + request.output, dtype=torch.int64)
 
     def _release(self, run: _Running) -> None:
-        """release_kv_cache(checkpoint=True): insert prompt + output, split at the prompt."""
+        """release_kv_cache(checkpoint=True): insert prompt + output."""
         req = run.request
         kv_len = len(run.kv)
         ids = req.prompt + req.output[: kv_len - req.prompt_len]
@@ -611,7 +612,7 @@ def replay(
     sanity_every: int = 0,
     **engine_options,
 ) -> ReplayResult:
-    """One bench_serving run of `requests` against a fresh cache of `host_tokens` in L2."""
+    """One bench_serving run of `requests` against a fresh cache."""
     engine = HiCacheReplay(
         host_dtype,
         host_tokens,

@@ -1,10 +1,5 @@
-"""The demo's requests: exactly those of SGLang's bench_serving.
-
-`bench_serving_requests` runs bench_serving's own generated-shared-prefix
-generator, seeded as `--seed S` seeds it, so the replay sees its order and
-lengths (token ids; text mode decodes the same draws, tests/test_workload.py
-checks the order). `warmup_request` is its warm-up: the first request, alone,
-at most 32 output tokens."""
+"""The demo's requests: exactly those of SGLang's bench_serving (its own generator,
+seeded as `--seed S` seeds it; tests/test_workload.py checks the order)."""
 
 from __future__ import annotations
 
@@ -88,9 +83,7 @@ class VocabOnlyTokenizer:
 
 
 def generator_module():
-    """sglang.benchmark.datasets.generated_shared_prefix, imported without
-    its package's __init__, which imports every dataset's dependencies (HF
-    `datasets` for MMMU, not installed here)."""
+    """generated_shared_prefix without its package's __init__ (it needs HF datasets)."""
     name = "sglang.benchmark.datasets"
     if name not in sys.modules:
         import sglang.benchmark
@@ -138,10 +131,7 @@ def sample_rows(workload: Workload, tokenizer, *, ordered: bool, input_ids: bool
 
 
 def sent_rows(workload: Workload, tokenizer, *, input_ids: bool) -> list[tuple]:
-    """(slot, row) for each request bench_serving sends, in order; the slot is
-    the row's place in the generator's unshuffled order. The draws before
-    the shuffle do not depend on `--gsp-ordered`, so the ordered run names
-    the slots."""
+    """(slot, row) per request sent, in order; the slot from the unshuffled order."""
     ordered = sample_rows(workload, tokenizer, ordered=True, input_ids=input_ids)
     sent = sample_rows(
         workload, tokenizer, ordered=workload.ordered, input_ids=input_ids
@@ -157,10 +147,7 @@ def sent_rows(workload: Workload, tokenizer, *, input_ids: bool) -> list[tuple]:
 
 
 def bench_serving_requests(workload: Workload) -> list[Request]:
-    """bench_serving's requests for `workload`, in the order it sends them.
-
-    Prompts are SGLang's own draws (token ids); outputs are token ids from a
-    separate generator, since only their count matters to the cache."""
+    """bench_serving's requests for `workload` in send order (outputs random ids)."""
     tokenizer = VocabOnlyTokenizer(workload.vocab_size)
     output_rng = np.random.default_rng(workload.seed)
     requests = []
@@ -191,10 +178,7 @@ def warmup_request(requests: Sequence[Request]) -> Request:
 
 
 def best_possible_hit_rate(requests: Sequence[Request]) -> float:
-    """Hit rate with an unbounded cache and no concurrency: each request
-    reuses the longest prefix (at most prompt length - 1) that an earlier
-    request's prompt + output began with. Prefixes are compared by a
-    polynomial hash of their tokens."""
+    """Hit rate with an unbounded cache and no concurrency (prefixes by hash)."""
     mod, base = (1 << 61) - 1, 1_000_003
 
     def prefix_hashes(ids) -> list[int]:

@@ -1,10 +1,7 @@
 #!/usr/bin/env python3
 """Quality of KV restored from the HiCache host (L2) pool: CPU mode (`make quality`).
 
-Writes <out-dir>/<name>.md, .json and _kl.png per text (<name> for WikiText-2,
-<name>_code and <name>_docs for the others) and <name>_summary.md; exits 2 if
-an arm's prefix did not come back from L2, 1 with --check-targets if a target
-is missed. `--mla-random`: a random-weight DeepSeek-V2 (mla_random.py)."""
+Exits 2 if a prefix did not come back from L2, 1 with --check-targets on a miss."""
 
 from __future__ import annotations
 

@@ -457,7 +457,7 @@ def make_cache(model, kvs, compute_dtype: torch.dtype):
 def score_and_generate(model, kvs, inputs: Sequence[int], greedy_tokens: int):
     """Per arm's KV: the logits of `inputs` and greedy tokens after inputs[0].
 
-    Arms are rows of one batch, so only their KV values differ (the control checks it)."""
+    Arms are rows of one batch, so only their KV values differ."""
     compute_dtype = next(model.parameters()).dtype
     cache = make_cache(model, kvs, compute_dtype)
     batch = len(kvs)

@@ -1,10 +1,5 @@
-"""MLA latent KV through the HiCache restore path, on a random-weight DeepSeek-V2.
-
-The library behind `python -m scripts.quality --mla-random`. Random weights,
-so not a quality figure: it shows how far the INT8 MLA host format moves the
-logits of transformers' DeepseekV2ForCausalLM when its prefix comes back from
-L2 through SGLang's MLA pools and controller, and that the stock BF16 host
-pool (the control) changes nothing (docs/results.md, "--mla-random")."""
+"""MLA latent KV through the HiCache restore path, on a random-weight DeepSeek-V2
+(not a quality figure; docs/results.md, "--mla-random")."""
 
 from __future__ import annotations
 
@@ -84,9 +79,7 @@ def build_model(cfg: MLARandomConfig):
 
 @torch.no_grad()
 def prefill_latent(model, ids: torch.Tensor, kv_dtype: torch.dtype) -> list:
-    """The prefix's MLA cache as SGLang's device rows: per layer
-    [tokens, 1, kv_lora_rank + rope] = [normalized latent | rotated RoPE],
-    rounded to the L1 dtype."""
+    """The prefix's MLA cache as SGLang's device rows, rounded to the L1 dtype."""
     cache = model(ids[None], use_cache=True).past_key_values
     return [
         torch.cat([layer.keys[0, 0], layer.values[0, 0]], dim=-1)[:, None].to(kv_dtype)

@@ -1,18 +1,5 @@
-"""The texts `make quality` scores: read in place, never copied into the repo.
-
-- `wikitext-2`: WikiText-2's test split, a file given by path (prose).
-- `python-stdlib`: source code, a fixed list of modules of the Python standard
-  library this interpreter ships (`sysconfig.get_paths()["stdlib"]`), read
-  from there. Code has other statistics than prose (indentation runs,
-  identifiers repeated across a file, long exact-match spans), so a format's
-  error shows differently on it. The files are present in CPython 3.10-3.13;
-  their bytes differ by Python version, so the report records the version and
-  each file's sha256.
-- `python-docs`: the Python language reference and library topics that
-  `pydoc` ships (`pydoc_data/topics.py`, reStructuredText-style prose with
-  grammar rules and code examples), read from the installed module: a third
-  kind of text that no format was tuned on.
-"""
+"""The texts `make quality` scores, read in place (docs/results.md): WikiText-2,
+stdlib source code and pydoc's topics."""
 
 from __future__ import annotations
 
