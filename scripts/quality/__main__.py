@@ -25,108 +25,51 @@ def _layouts(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _arm_list(text: str) -> tuple[str, ...]:
+    return tuple(a.strip() for a in text.split(",") if a.strip())
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m scripts.quality", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument(
-        "--text-file",
-        default=None,
-        help="WikiText-2 test split (read, never copied); required unless --mla-random",
-    )
+    p.add_argument("--text-file", default=None, help="WikiText-2's test split")
     p.add_argument(
         "--mla-random",
         action="store_true",
-        help="MLA latent KV of a random-weight DeepSeek-V2 (transformers) through "
-        "the MLA host pools instead of a real model on text; random weights are "
-        "not a quality figure. Uses --windows/--prefix-len/--score-len/--seed/"
-        "--kv-dtype/--page-size/--arms/--layout/--out-dir/--name",
+        help="MLA latent KV of a random-weight DeepSeek-V2 (not a quality figure)",
     )
+    p.add_argument("--mla-layers", type=int, default=3)
     p.add_argument(
-        "--mla-layers", type=int, default=3, help="--mla-random: decoder layers"
+        "--code-text", choices=[*texts.CODE_TEXTS, "none"], default="python-stdlib"
     )
-    p.add_argument(
-        "--mla-kv-lora-rank",
-        type=int,
-        default=512,
-        help="--mla-random: latent width (a multiple of 128; DeepSeek: 512)",
-    )
-    p.add_argument(
-        "--code-text",
-        choices=[*texts.CODE_TEXTS, "none"],
-        default="python-stdlib",
-        help="second text, source code read where it is installed "
-        "(python-stdlib: %d modules of this interpreter's standard library); "
-        "none: WikiText-2 only" % len(texts.STDLIB_FILES),
-    )
-    p.add_argument(
-        "--doc-text",
-        choices=[*texts.DOC_TEXTS, "none"],
-        default="none",
-        help="third text, documentation read where it is installed "
-        "(python-docs: pydoc's topics of this interpreter)",
-    )
+    p.add_argument("--doc-text", choices=[*texts.DOC_TEXTS, "none"], default="none")
     p.add_argument(
         "--model",
         default=None,
-        help="a packaged model (%s; default %s), an HF causal LM directory/id "
-        "or a .gguf file" % (", ".join(hq.PACKAGED_MODELS), hq.DEFAULT_MODEL),
+        help="%s, an HF causal LM or a .gguf file" % ", ".join(hq.PACKAGED_MODELS),
     )
-    p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
     p.add_argument("--windows", type=int, default=hq.TARGET_WINDOWS)
-    p.add_argument(
-        "--prefix-len",
-        type=int,
-        default=hq.TARGET_PREFIX,
-        help="tokens restored from L2",
-    )
-    p.add_argument(
-        "--score-len",
-        type=int,
-        default=hq.TARGET_SCORED,
-        help="tokens scored after the prefix",
-    )
+    p.add_argument("--prefix-len", type=int, default=hq.TARGET_PREFIX)
+    p.add_argument("--score-len", type=int, default=hq.TARGET_SCORED)
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="window sampling seed")
-    p.add_argument(
-        "--kv-dtype", choices=sorted(hq.KV_DTYPES), default="bf16", help="L1 KV dtype"
-    )
-    p.add_argument(
-        "--page-size",
-        type=int,
-        default=None,
-        help="page size of every arm (default: 1 for bf16 and int8, "
-        f"{hq.GROUPED_PAGE_SIZE} for the other formats)",
-    )
-    p.add_argument(
-        "--arms",
-        default=None,
-        help="comma list of arms (default: exact, bf16 and every quantized host "
-        "format of the host-format registry)",
-    )
-    p.add_argument(
-        "--layout",
-        action="append",
-        default=[],
-        metavar="ARM=LAYOUT",
-        help=f"host layout of an arm (default {hq.STOCK_LAYOUT} for bf16, "
-        f"{hq.QUANTIZED_LAYOUT} for the others)",
-    )
+    p.add_argument("--kv-dtype", choices=sorted(hq.KV_DTYPES), default="bf16")
+    p.add_argument("--page-size", type=int, default=None, help="every arm's")
+    p.add_argument("--arms", type=_arm_list, default=None, help="comma list")
+    p.add_argument("--layout", action="append", default=[], metavar="ARM=LAYOUT")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out-dir", default="results")
-    p.add_argument(
-        "--name",
-        default=None,
-        help="output file stem (default quality_cpu, or quality_mla_random)",
-    )
-    p.add_argument(
-        "--check-targets", action="store_true", help="exit 1 if a target is missed"
-    )
-    p.add_argument(
-        "--no-restore",
-        action="store_true",
-        help="skip the L2 load (debug): the run must refuse to report",
-    )
+    p.add_argument("--name", default=None, help="output file stem")
+    p.add_argument("--check-targets", action="store_true")
+    p.add_argument("--no-restore", action="store_true", help="must refuse to report")
     args = p.parse_args(argv)
     if args.text_file is None and not args.mla_random:
         p.error("--text-file is required (or pass --mla-random)")
@@ -140,25 +83,18 @@ def main_mla_random(args, command: str) -> int:
     from scripts.quality import mla_random
 
     standins = install_cpu_standins()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     defaults = mla_random.MLARandomConfig()
     layouts = {**defaults.layouts, **_layouts(args.layout)}
-    arms = defaults.arms
-    if args.arms:
-        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     cfg = mla_random.MLARandomConfig(
         layers=args.mla_layers,
-        kv_lora_rank=args.mla_kv_lora_rank,
         windows=args.windows,
         prefix_len=args.prefix_len,
         score_len=args.score_len,
         kv_dtype=args.kv_dtype,
         page_size=args.page_size or defaults.page_size,
         layouts=layouts,
-        arms=arms,
+        arms=args.arms or defaults.arms,
         seed=args.seed,
     )
     try:
@@ -201,20 +137,14 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     standins = install_cpu_standins()
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
     if bundle is None:
         print("loading model ...", flush=True)
-        bundle = hq.load_model(args.model, args.gguf_file)
+        bundle = hq.load_model(args.model)
         print(
             f"model: {bundle.info['model']} ({bundle.info['load_seconds']} s)",
             flush=True,
         )
-    arms = None
-    if args.arms:
-        arms = tuple(a.strip() for a in args.arms.split(",") if a.strip())
     reports, written = {}, []
     for suffix, source in text_sources(args).items():
         cfg = hq.QualityConfig(
@@ -226,7 +156,7 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
             seed=args.seed,
             kv_dtype=args.kv_dtype,
             page_size=args.page_size,
-            arms=arms,
+            arms=args.arms or None,
             layouts=layouts,
             restore=not args.no_restore,
         )
