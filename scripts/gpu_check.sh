@@ -1,31 +1,12 @@
 #!/usr/bin/env bash
-# HiQCache GPU check, sized for a short GPU slot (10 minutes per command, about
-# 15 in all, a bare CUDA machine with PyTorch + Triton and no network).
-#
-# Here (network):
-#   bash scripts/gpu_check.sh prepare
-#       stages build/gpu-carry/: wheels/ (the pinned cp312 sglang wheel and the
-#       small wheels listed in tests/gpu/carried_packages.txt, pins from
-#       requirements/) and edits/ (edits of build/sglang not yet refreshed).
-#       Carry that one folder (about 49 MiB with the working tree).
-# There (CUDA), two separate commands:
-#   bash scripts/gpu_check.sh tests --out DIR   # GPU tests, limit 420 s
-#   bash scripts/gpu_check.sh bench --out DIR   # INT8 vs BF16 benchmark, < 3 min
-# Here (CPU): bash scripts/gpu_check.sh --dry-run [tests|bench] --out DIR
-#   runs both phases (or one) end to end: kernels under TRITON_INTERPRET=1.
-#
-# The first phase builds build/gpu-site/ with ONE `pip install --no-index
-# --no-deps --target` (the sglang wheel plus whichever carried wheels this
-# Python lacks), then applies our series; the second reuses it. Each phase
-# writes its JSON as it goes, so a run cut at the limit still returns results:
-#   DIR/gpu_check.json  steps and verdicts;  DIR/gpu_tests.json  one record per
-#   test;  DIR/gpu_bench.json  benchmark;  DIR/*.log  full output per step.
-# Exit status: 0 only if every phase run passed.
-#
-# Options: --out DIR (default results/gpu-check)   --site DIR (default
-#   build/gpu-site)   --test-timeout S (420)   --bench-budget S (140)
-#   --bench-timeout S (240)   -- ARGS (to pytest for tests, gpu_bench.py for bench)
-# Env: PYTHON (default python3), HIQ_WHEEL_CACHE (where `make apply` keeps wheels).
+# HiQCache GPU check on a bare CUDA machine without network (docs/development.md,
+# "GPU check"):
+#   bash scripts/gpu_check.sh prepare                # here: stage build/gpu-carry/
+#   bash scripts/gpu_check.sh tests|bench --out DIR  # there, one phase per command
+#   bash scripts/gpu_check.sh --dry-run [tests|bench] --out DIR  # CPU, interpreted
+# Options: --out DIR (results/gpu-check)  --site DIR (build/gpu-site)
+#   --test-timeout S (420)  --bench-budget S (140)  --bench-timeout S (240)
+#   -- ARGS (to pytest for tests, gpu_bench.py for bench). Exit 0 only if all passed.
 
 set -uo pipefail
 
@@ -111,7 +92,7 @@ while [ $# -gt 0 ]; do
         --bench-budget) BENCH_BUDGET="$2"; shift ;;
         --bench-timeout) BENCH_TIMEOUT="$2"; shift ;;
         --) shift; EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift

@@ -1,28 +1,10 @@
 #!/usr/bin/env bash
 # Build the real Dockerfile with podman from a local CPU stand-in for
 # lmsysorg/sglang and run the live server in it through the image's default
-# command (opt-in; about 10 minutes cold, 3-5 warm; see docs/development.md).
+# command (opt-in, root, Debian; the steps: docs/development.md).
 #
 #   scripts/image_cpu_check.sh                      # build + run + check
-#   scripts/image_cpu_check.sh --base-version 0.5.22
-#       # a stand-in whose sglang is not sglang.lock's: the Dockerfile must refuse
-#       # it, so this exits non-zero with the build's error
-#
-# Steps (each cached under build/image-cpu/ or in podman's store):
-#  1. host set-up (root, Debian): podman, runc, debootstrap from apt;
-#     containers.conf without default ulimits (raising RLIMIT_NOFILE is not
-#     allowed in this sandbox). runc, not crun: crun refuses hybrid cgroups.
-#  2. a Debian bookworm minbase rootfs (python3 3.11, pip, patch) imported as
-#     localhost/hiq-cpu-rootfs:bookworm;
-#  3. the stand-in base (scripts/image_cpu/standin.Containerfile) tagged
-#     docker.io/lmsysorg/sglang:$STANDIN_TAG, so the Dockerfile's FROM resolves
-#     to it;
-#  4. `podman build --build-arg SGLANG_IMAGE_TAG=$STANDIN_TAG -f Dockerfile .`;
-#  5. `podman run ... IMAGE hiqcache-serve <CPU flags>` with MODEL set and the
-#     model folder mounted read-only, tests/support mounted for the CPU
-#     stand-ins; waits for /health, sends /generate twice with a long prompt,
-#     reads /metrics, saves everything under build/image-cpu/run/ and checks
-#     it. The container is removed by name on every exit.
+#   scripts/image_cpu_check.sh --base-version 0.5.22   # a wrong base: must fail
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
