@@ -103,15 +103,10 @@ _INT_FLAGS = (
 def add_args(p: argparse.ArgumentParser) -> None:
     d = LiveConfig()
     g = p.add_argument_group(
-        "part 1, live server (--live-*; unset flags take the defaults shown, "
-        "or --live-quick's)"
+        "part 1, live server (unset: the defaults or --live-quick's)"
     )
     g.add_argument(
-        "--live-formats",
-        default=None,
-        help="comma-separated labels of the arms (default: every registered "
-        "format; bf16 and int8 are always run: bf16 is the reference, int8 "
-        "sets the budget)",
+        "--live-formats", default=None, help="labels; bf16 and int8 always run"
     )
     for name in _INT_FLAGS:
         g.add_argument(
@@ -119,43 +114,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
             help=f"default {getattr(d, name)}",
         )  # fmt: skip
     g.add_argument(
-        "--live-seeds",
-        type=int,
-        default=None,
-        help=f"dataset seeds per arm: --seed, --seed+1, ... (paired across arms; "
-        f"default {len(d.seeds)})",
-    )
-    g.add_argument(
         "--live-margin", type=float, default=None,
         help=f"{ANCHOR_FORMAT} host tokens over the working set (default {d.margin})",
     )  # fmt: skip
-    g.add_argument(
-        "--live-quick",
-        action="store_true",
-        help="a tiny live workload (4 groups x 2 prompts of ~340 tokens, one "
-        "seed, L1 768 tokens) for tests and a first look",
-    )
-    g.add_argument(
-        "--live-log-dir",
-        type=Path,
-        default=None,
-        help="server logs (default: a temporary directory, kept and printed)",
-    )
+    g.add_argument("--live-quick", action="store_true", help="a tiny live workload")
+    g.add_argument("--live-log-dir", type=Path, default=None, help="server logs")
 
 
 def config_from_args(args) -> LiveConfig:
     base = QUICK if args.live_quick else LiveConfig()
     values = {}
-    for name in (*_INT_FLAGS, "seeds"):
+    for name in _INT_FLAGS:
         value = getattr(args, f"live_{name}")
         if value is not None and value < 1:
             flag = "--live-" + name.replace("_", "-")
             raise SystemExit(f"{flag} must be at least 1 (got {value})")
         if value is not None:
             values[name] = value
-    if "seeds" in values:
-        values["seeds"] = tuple(args.seed + i for i in range(values["seeds"]))
-    elif args.seed != base.seeds[0]:
+    if args.seed != base.seeds[0]:
         values["seeds"] = tuple(args.seed + i for i in range(len(base.seeds)))
     if args.live_margin is not None:
         if args.live_margin <= 1:
