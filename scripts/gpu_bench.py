@@ -68,6 +68,7 @@ from sglang.srt.mem_cache.pool_host.mha import (  # noqa: E402
 TARGET_RESTORE = 0.65
 TARGET_BACKUP = 0.75
 TARGET_CODEC_BW = 0.60
+CONFIGS = (("page_first", 64), ("layer_first", 1))  # (layout, page size)
 
 
 class Clock:
@@ -719,12 +720,6 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", default="4096,16384")
-    parser.add_argument("--configs", default="page_first:64,layer_first:1",
-                        help="layout:page_size,...")  # fmt: skip
-    parser.add_argument("--iters", type=int, default=5,
-                        help="repeats per measurement at most (fewer past its time slice)")  # fmt: skip
-    parser.add_argument("--slice-s", type=float, default=2.0,
-                        help="seconds one measurement may repeat for")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=140.0,
                         help="skip what is left after this many seconds")  # fmt: skip
     parser.add_argument("--stock-jit", action="store_true",
@@ -744,13 +739,9 @@ def main(argv=None) -> int:
     if args.dry_run:
         geo = dict(layer_num=2, head_num=2, head_dim=64, v_head_dim=64)
         token_counts = [64, 256]
-        args.iters = 1
-    configs = []
-    for item in args.configs.split(","):
-        layout, page = item.split(":")
-        configs.append((layout, int(page)))
-
-    clock = Clock(device, args.slice_s)
+    # Repeats per measurement at most (fewer past the clock's time slice).
+    args.iters = 1 if args.dry_run else 5
+    clock = Clock(device)
     result = {
         "env": env_summary(),
         "standins": STANDINS,
@@ -787,7 +778,7 @@ def main(argv=None) -> int:
         )  # fmt: skip
         save()
         result["configs"] = []
-        for layout, page in configs:
+        for layout, page in CONFIGS:
             if time.time() > deadline:
                 result["configs"].append({"layout": layout, "page_size": page,
                                           "skipped": "time budget"})  # fmt: skip
