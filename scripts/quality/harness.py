@@ -315,11 +315,7 @@ class OffloadRig:
             host_dtype=host_dtype,
             **extra,
         )
-        self.device_pool, self.allocator = rig.device_pool, rig.allocator
-        self.host_pool, self.controller = rig.host_pool, rig.controller
-        # A row the load path did not write stays visibly NaN.
-        for buf in (*self.device_pool.k_buffer, *self.device_pool.v_buffer):
-            buf.fill_(self._poison())
+        self._attach(rig, (rig.device_pool.k_buffer, rig.device_pool.v_buffer))
         self.describe = {
             "host_dtype": host_dtype,
             "host_pool": type(self.host_pool).__name__,
@@ -328,6 +324,15 @@ class OffloadRig:
             "page_size": page,
             "host_bytes_per_token": _whole(self.host_pool.get_size_per_token()),
         }
+
+    def _attach(self, rig, sides: tuple, first_page_is_sink: bool = True) -> None:
+        """The rig's pools; `sides` are the device buffers (per layer) a token spans."""
+        self.device_pool, self.allocator = rig.device_pool, rig.allocator
+        self.host_pool, self.controller = rig.host_pool, rig.controller
+        self.sides, self.first_page_is_sink = sides, first_page_is_sink
+        # A row the load path did not write stays visibly NaN.
+        for buf in (b for side in sides for b in side):
+            buf.fill_(self._poison())
 
     def _poison(self):
         return _FP8_POISON if self.fp8 else float("nan")
@@ -339,26 +344,27 @@ class OffloadRig:
         return rows.view(self.geo.dtype) if self.fp8 else rows
 
     def _evict(self, slots: torch.Tensor) -> None:
-        for buf in (*self.device_pool.k_buffer, *self.device_pool.v_buffer):
+        for buf in (b for side in self.sides for b in side):
             buf[slots] = self._poison()
         self.allocator.free(slots)
 
     def round_trip(
-        self, kv: Sequence[tuple[torch.Tensor, torch.Tensor]], restore: bool = True
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
-        """kv up to L2, evicted from L1, loaded back: the restored rows and counters."""
-        ctl, pool, alloc = self.controller, self.device_pool, self.allocator
+        self, kv: Sequence[tuple[torch.Tensor, ...]], restore: bool = True
+    ) -> tuple[list[tuple[torch.Tensor, ...]], dict]:
+        """kv (per layer, one row per side) up to L2, evicted from L1, loaded back:
+        the restored rows and counters."""
+        ctl, alloc = self.controller, self.allocator
         n = kv[0][0].shape[0]
         dev = alloc.alloc(n)
         if dev is None:
-            raise RuntimeError(f"device pool cannot hold {n} tokens")
-        for layer, (k, v) in enumerate(kv):
-            pool.k_buffer[layer][dev] = self._stored(k)
-            pool.v_buffer[layer][dev] = self._stored(v)
+            raise RestoreError(f"device pool cannot hold {n} tokens")
+        for layer, rows in enumerate(kv):
+            for side, x in zip(self.sides, rows):
+                side[layer][dev] = self._stored(x)
         # The prefix starts at the window's token 0: its first page is a sink page.
-        host = ctl.write(dev, first_page_is_sink=True)
+        host = ctl.write(dev, first_page_is_sink=self.first_page_is_sink)
         if host is None:
-            raise RuntimeError(f"host pool cannot hold {n} tokens")
+            raise RestoreError(f"host pool cannot hold {n} tokens")
         written = drain(ctl.ack_write_queue)
         self._evict(dev)
         loaded = 0
@@ -366,7 +372,7 @@ class OffloadRig:
         if restore:
             new_dev = ctl.load(host)
             if new_dev is None:
-                raise RuntimeError(f"device pool cannot take {n} restored tokens")
+                raise RestoreError(f"device pool cannot take {n} restored tokens")
             ctl.start_loading()
             loaded = drain(ctl.ack_load_queue)
             read_idx = new_dev
@@ -376,11 +382,12 @@ class OffloadRig:
         restored = []
         finite = torch.ones(n, dtype=torch.bool)
         for layer in range(len(kv)):
-            k = self._read(pool.k_buffer[layer][read_idx].clone())
-            v = self._read(pool.v_buffer[layer][read_idx].clone())
-            finite &= torch.isfinite(k.float()).flatten(1).all(1)
-            finite &= torch.isfinite(v.float()).flatten(1).all(1)
-            restored.append((k, v))
+            rows = tuple(
+                self._read(side[layer][read_idx].clone()) for side in self.sides
+            )
+            for x in rows:
+                finite &= torch.isfinite(x.float()).flatten(1).all(1)
+            restored.append(rows)
         restored_tokens = min(loaded, int(finite.sum()))
         if new_dev is not None:
             self._evict(new_dev)

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from scripts.quality.harness import RestoreError, compare_logits, drain, versions
+from scripts.quality.harness import OffloadRig, RestoreError, compare_logits, versions
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Offloaded arms: name -> (host dtype for get_mla_host_pool_cls, default layout).
@@ -102,7 +102,7 @@ def score_from_latent(model, rows: Sequence[torch.Tensor], suffix: torch.Tensor)
     return model(suffix[None], past_key_values=cache, use_cache=True).logits[0].float()
 
 
-class MLAOffloadRig:
+class MLAOffloadRig(OffloadRig):
     """SGLang's MLATokenToKVPool + the dispatched MLA host pool + the real
     HiCacheController (write_through, io backend direct), on CPU."""
 
@@ -112,13 +112,14 @@ class MLAOffloadRig:
 
         page = cfg.page_size
         device_tokens = -(-2 * cfg.prefix_len // page) * page
-        geo = MLAGeometry(
+        self.geo = geo = MLAGeometry(
             layer_num=cfg.layers,
             kv_lora_rank=cfg.kv_lora_rank,
             qk_rope_head_dim=cfg.qk_rope_head_dim,
             dtype=KV_DTYPES[cfg.kv_dtype],
             page_size=page,
         )
+        self.fp8 = False
         rig = make_rig(
             geo,
             device_tokens=device_tokens,
@@ -127,11 +128,7 @@ class MLAOffloadRig:
             io_backend="direct",
             host_dtype=host_dtype,
         )
-        self.device_pool, self.allocator = rig.device_pool, rig.allocator
-        self.host_pool, self.controller = rig.host_pool, rig.controller
-        # A row the load path did not write stays NaN and is caught below.
-        for buf in self.device_pool.kv_buffer:
-            buf.fill_(float("nan"))
+        self._attach(rig, (rig.device_pool.kv_buffer,), first_page_is_sink=False)
         self.describe = {
             "host_dtype": host_dtype,
             "host_pool": type(self.host_pool).__name__,
@@ -145,34 +142,12 @@ class MLAOffloadRig:
         }
 
     def round_trip(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Write rows to L2, evict them from L1, load them back; the restored
-        rows. Raises RestoreError unless every token came back finite."""
-        ctl, pool, alloc = self.controller, self.device_pool, self.allocator
-        n = rows[0].shape[0]
-        dev = alloc.alloc(n)
-        for layer, r in enumerate(rows):
-            pool.kv_buffer[layer][dev] = r
-        host = ctl.write(dev)
-        if host is None:
-            raise RestoreError(f"host pool cannot hold {n} tokens")
-        drain(ctl.ack_write_queue)
-        for layer in range(len(rows)):
-            pool.kv_buffer[layer][dev] = float("nan")
-        alloc.free(dev)
-        new_dev = ctl.load(host)
-        if new_dev is None:
-            raise RestoreError(f"device pool cannot take {n} restored tokens")
-        ctl.start_loading()
-        loaded = drain(ctl.ack_load_queue)
-        restored = [
-            pool.kv_buffer[layer][new_dev].clone() for layer in range(len(rows))
-        ]
+        """The restored rows; RestoreError unless every token came back finite."""
+        restored, stats = super().round_trip([(r,) for r in rows])
+        restored = [r for (r,) in restored]
+        n, loaded = rows[0].shape[0], stats["loaded_tokens"]
         # The source rows hold no NaN, so a NaN row here was not restored.
         finite = sum(int(torch.isfinite(r).all(-1).all(-1).sum()) for r in restored)
-        for layer in range(len(rows)):
-            pool.kv_buffer[layer][new_dev] = float("nan")
-        alloc.free(new_dev)
-        ctl.evict_host(host)
         if loaded != n or finite != n * len(rows):
             raise RestoreError(
                 f"{self.describe['host_pool']}: {loaded}/{n} tokens loaded, "
