@@ -178,13 +178,7 @@ def reuse_order(prompts: Sequence[SentPrompt]) -> list[SentPrompt]:
 
 def working_set_tokens(prompts: Sequence[SentPrompt], gen_tokens: int) -> int:
     """Tokens the cache holds if nothing is evicted (shared prefixes count once)."""
-    mod, base = (1 << 61) - 1, 1_000_003
-    seen: set[int] = set()
-    for p in prompts:
-        h = 0
-        for token in p.ids:
-            h = (h * base + token + 1) % mod
-            seen.add(h)
+    seen = {h for p in prompts for h in workload.prefix_hashes(p.ids)}
     outputs = sum(p.output_len for p in prompts)
     warmup = min(prompts[0].output_len, WARMUP_OUTPUT_CAP)
     reuse = 2 * (gen_tokens + 1) * len(reuse_order(prompts))
@@ -502,6 +496,12 @@ def _bench_figures(result: dict) -> dict:
     }
 
 
+def _common_prefix(a: list, b: list) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+    )
+
+
 def quality(arm: ArmResult, base: ArmResult) -> dict:
     """Greedy agreement and scored quality of `arm` against the bf16 arm over
     every reused prompt (all seeds)."""
@@ -514,15 +514,7 @@ def quality(arm: ArmResult, base: ArmResult) -> dict:
         for r, b in zip(run.reuse, ref.reuse):
             prompts += 1
             same += r.output_ids == b.output_ids
-            n = next(
-                (
-                    i
-                    for i, (x, y) in enumerate(zip(r.output_ids, b.output_ids))
-                    if x != y
-                ),
-                min(len(r.output_ids), len(b.output_ids)),
-            )
-            prefix.append(n)
+            prefix.append(_common_prefix(r.output_ids, b.output_ids))
             top1 += sum(t == y for t, y in zip(r.score_top1, b.score_ids))
             positions += len(b.score_ids)
             diffs += [abs(x - y) for x, y in zip(r.score_logprobs, b.score_logprobs)]

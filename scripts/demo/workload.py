@@ -177,17 +177,18 @@ def warmup_request(requests: Sequence[Request]) -> Request:
     )
 
 
-def best_possible_hit_rate(requests: Sequence[Request]) -> float:
-    """Hit rate with an unbounded cache and no concurrency (prefixes by hash)."""
+def prefix_hashes(ids) -> list[int]:
+    """A polynomial hash of every prefix of `ids`: equal prefixes, equal hashes."""
     mod, base = (1 << 61) - 1, 1_000_003
+    out, h = [], 0
+    for token in ids:
+        h = (h * base + token + 1) % mod
+        out.append(h)
+    return out
 
-    def prefix_hashes(ids) -> list[int]:
-        out, h = [], 0
-        for token in ids:
-            h = (h * base + token + 1) % mod
-            out.append(h)
-        return out
 
+def best_possible_hit_rate(requests: Sequence[Request]) -> float:
+    """Hit rate with an unbounded cache and no concurrency."""
     seen: set[int] = set()
     hits = total = 0
     for req in requests:
