@@ -52,6 +52,14 @@ class _Panels:
                            font=self.small, anchor="rm")  # fmt: skip
         return left, right
 
+    def scale(self, y_max: float):
+        """Panel y coordinate of a value on a 0..y_max axis."""
+        return lambda y: self.BOTTOM - (self.BOTTOM - self.TOP) * y / y_max
+
+    def dashed(self, left: float, right: float, y: float) -> None:
+        for x in range(int(left), int(right), 12):
+            self.draw.line([x, y, x + 6, y], fill="gray", width=2)
+
     def ylabel(self, text: str, x: int) -> None:
         top, bottom = self.TOP, self.BOTTOM
         label = Image.new("RGBA", (bottom - top, 22), (255, 255, 255, 0))
@@ -91,7 +99,7 @@ def plot_sweep(sweep, formats, best, budget, path: Path, title: str = "") -> Non
     ]  # fmt: skip
     top, bottom = c.TOP, c.BOTTOM
     for p, (ylabel, y_max, ys_list, hline) in enumerate(panels):
-        sy = lambda y: bottom - (bottom - top) * y / y_max  # noqa: E731
+        sy = c.scale(y_max)
         left, right = c.frame(p, sy, y_max, y_max / round(y_max / nice_step(y_max / 5)))
         sx = lambda x: left + (right - left) * x / x_max  # noqa: E731
         for x in xs:
@@ -105,8 +113,7 @@ def plot_sweep(sweep, formats, best, budget, path: Path, title: str = "") -> Non
             draw.line([bx, y, bx, y + 3], fill="gray")
         legend = [(s[0], s[1]) for s in series]
         if hline is not None:
-            for x in range(int(left), int(right), 12):
-                draw.line([x, sy(hline), x + 6, sy(hline)], fill="gray", width=2)
+            c.dashed(left, right, sy(hline))
             legend.append(("best possible", "gray"))
         for (_, color, *_), (ys, sds) in zip(series, ys_list):
             pts = [(sx(x), sy(y)) for x, y in zip(xs, ys)]
@@ -141,7 +148,7 @@ def plot_bars(bars, parts, path: Path, title: str = "", ylabel: str = "",
         step = nice_step(top_value / 5)
         # Headroom for the legend above the tallest bar.
         y_max = step * math.ceil(top_value * 1.3 / step)
-        sy = lambda y: bottom - (bottom - top) * y / y_max  # noqa: E731
+        sy = c.scale(y_max)
         left, right = c.frame(p, sy, y_max, step, fmt="{:,.0f}")
         slot = (right - left) / len(bars)
         for k, (name, stack) in enumerate(zip([b[0] for b in bars], stacks)):
@@ -232,13 +239,13 @@ def plot_l3(result, path: Path) -> None:
     """`make demo-l3`: Mooncake store bytes per token (left) and hit rate
     against the L3 budget (right), per format."""
     c = _Panels("INT8 vs BF16 pages in a Mooncake L3 store")
-    draw, small, top, bottom = c.draw, c.small, c.TOP, c.BOTTOM
+    draw, small, bottom = c.draw, c.small, c.BOTTOM
     colors = {"bf16": COLORS[0], "int8": COLORS[1]}
     a = result["bytes_per_token"]
     top_value = max(r["bytes_per_token"] for r in a.values())
     step = nice_step(top_value / 5)
     y_max = step * math.ceil(top_value * 1.15 / step)
-    sy = lambda y: bottom - (bottom - top) * y / y_max  # noqa: E731
+    sy = c.scale(y_max)
     left, right = c.frame(0, sy, y_max, step, fmt="{:,.0f}")
     c.ylabel("store bytes per cached token", left - 85)
     slot = (right - left) / len(a)
@@ -253,14 +260,11 @@ def plot_l3(result, path: Path) -> None:
         draw.text(((x0 + x1) / 2, bottom + 8), label, fill="black", font=c.font, anchor="mt")  # fmt: skip
     rows = result["hit_rate"]
     budgets = sorted({r["l3_bytes"] for r in rows})
-    sy = lambda y: bottom - (bottom - top) * y  # noqa: E731
+    sy = c.scale(1.0)
     left, right = c.frame(1, sy, 1.0, 0.25, fmt="{:.0%}")
     c.ylabel("hit rate, same L3 bytes, small L2", left - 75)
     sx = lambda i: left + 50 + (right - left - 100) * i / max(1, len(budgets) - 1)  # noqa: E731
-    for x in range(int(left), int(right), 12):
-        draw.line(
-            [x, sy(result["best"]), x + 6, sy(result["best"])], fill="gray", width=2
-        )
+    c.dashed(left, right, sy(result["best"]))
     for i, b in enumerate(budgets):
         draw.text((sx(i), bottom + 8), f"L3 {b / (1 << 20):g} MB", fill="black", font=small, anchor="mt")  # fmt: skip
     for label, color in colors.items():
