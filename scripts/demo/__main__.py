@@ -70,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true")
+    p.add_argument("--no-output-insert", action="store_true")
     p.add_argument("--no-commit", action="store_true", help="A: map pools lazily")
     p.add_argument("--no-live", action="store_true")
     p.add_argument("--no-replay", action="store_true")
@@ -88,6 +89,7 @@ def build_serving(args) -> replay.Serving:
         concurrency=args.concurrency,
         chunked_prefill_size=chunk if chunk > 0 else None,
         overlap_schedule=not args.disable_overlap_schedule,
+        insert_output=not args.no_output_insert,
         warmup_requests=args.warmup_requests,
         flush_cache=args.flush_cache,
     )
@@ -240,7 +242,7 @@ def print_experiment_b(args, formats, geometry, workloads, serving, main_row, be
         f"{f' (default at {args.gpu_memory_gb:g} GB GPU)' if args.chunked_prefill_size is None else ''}, "
         f"overlap scheduler {'on' if serving.overlap_schedule else 'off'}, "
         f"--hicache-write-policy {serving.write_policy}, output tokens "
-        "inserted at finish"
+        f"{'inserted' if serving.insert_output else 'not inserted'} at finish"
     )
     g = pools.REPLAY_GEOMETRY
     print(

@@ -46,6 +46,7 @@ class Serving:
     chunked_prefill_size: Optional[int] = None
     overlap_schedule: bool = True  # SGLang's default (--disable-overlap-schedule)
     write_policy: str = "write_through"  # SGLang's default --hicache-write-policy
+    insert_output: bool = True  # finished requests insert prompt + output
     warmup_requests: int = 1  # bench_serving --warmup-requests
     flush_cache: bool = False  # bench_serving --flush-cache (after the warm-up)
 
@@ -581,9 +582,14 @@ class HiCacheReplay:
         """release_kv_cache(checkpoint=True): insert prompt + output."""
         req = run.request
         kv_len = len(run.kv)
-        ids = req.prompt + req.output[: kv_len - req.prompt_len]
-        self._checkpoint(run, ids, kv_len)
-        self._insert(req.prompt, run.kv[: req.prompt_len], req.prompt_len, priority=1)
+        if self.serving.insert_output:
+            ids = req.prompt + req.output[: kv_len - req.prompt_len]
+            self._checkpoint(run, ids, kv_len)
+            self._insert(
+                req.prompt, run.kv[: req.prompt_len], req.prompt_len, priority=1
+            )
+        else:
+            self.allocator.free(run.kv[run.protected :])
         self.cache.unlock(run.lock)
         run.lock = None
 
