@@ -207,8 +207,7 @@ DEFAULT_MODEL = "smollm2-135m"
 class ModelBundle:
     model: object
     tokenizer: object
-    info: dict
-    bos_token_id: int | None = None  # each window starts with it when set
+    info: dict  # info["bos_token_id"]: each window starts with it when set
 
 
 def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelBundle:
@@ -256,7 +255,7 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
         "load_seconds": round(load_s, 1),
         "bos_token_id": bos,
     }
-    return ModelBundle(lm, tokenizer, info, bos)
+    return ModelBundle(lm, tokenizer, info)
 
 
 _TOKENIZED: dict = {}
@@ -619,7 +618,7 @@ def run_quality(
     ids, text_info = tokenize_text(tokenizer, cfg.text_file)
     window_len = cfg.prefix_len + cfg.score_len + 1
     starts = pick_windows(len(ids), window_len, cfg.windows, cfg.seed)
-    bos = bundle.bos_token_id
+    bos = bundle.info.get("bos_token_id")
     log(
         f"text: {text_info['tokens']} tokens; {len(starts)} windows of "
         f"{cfg.prefix_len} restored + {cfg.score_len} scored tokens (seed {cfg.seed})"
