@@ -286,6 +286,56 @@ def test_any_hf_causal_lm_directory(bundle, tmp_path):
     assert rep["arms"]["int8"]["restored_tokens"] == 32
 
 
+def test_windows_start_with_bos_where_served_prompts_do(bundle, tmp_path, monkeypatch):
+    """Gemma's served prompts start with BOS, so its windows must too; SmolLM2's
+    do not, so its windows are the text's tokens as they were."""
+    from dataclasses import replace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert hq.PACKAGED_MODELS["gemma3-270m"].prepend_bos
+    assert bundle.info["bos_token_id"] is None
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(bundle.tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    bundle.tokenizer.save_pretrained(tmp_path)
+    tiny = hq.load_model(str(tmp_path))
+    prefixes = []
+    prefill = hq.prefill_kv
+    monkeypatch.setattr(
+        hq,
+        "prefill_kv",
+        lambda m, ids, d: prefixes.append(list(ids)) or prefill(m, ids, d),
+    )
+    cfg = hq.QualityConfig(
+        text_file=str(TEXT_FILE),
+        windows=1,
+        prefix_len=32,
+        score_len=8,
+        greedy_tokens=0,
+        arms=("bf16",),
+    )
+    bos = 7
+    with_bos = replace(tiny, info={**tiny.info, "bos_token_id": bos})
+    reports = [hq.run_quality(cfg, b, log=lambda s: None) for b in (tiny, with_bos)]
+    ids, _ = hq.tokenize_text(tiny.tokenizer, str(TEXT_FILE))
+    start = reports[0]["windows"][0]
+    assert prefixes[0] == ids[start : start + 32]
+    assert prefixes[1] == [bos] + ids[start : start + 31]
+    assert reports[1]["arms"]["bf16"]["restored_tokens"] == 32
+    assert "BOS" in hq.markdown_report(reports[1])
+    assert "BOS" not in hq.markdown_report(reports[0])
+
+
 def test_sliding_window_model_keeps_every_token_of_the_prefix(bundle, tmp_path):
     """Gemma 3 mixes sliding-window and full layers. SGLang's full-size KV
     pool keeps every token of every layer, so the harness must too: a tiny

@@ -171,6 +171,8 @@ class PackagedModel:
     label: str
     package: str
     gguf_path: Callable[[], Path]
+    # Served prompts start with BOS where the chat template puts one (Gemma).
+    prepend_bos: bool = False
 
 
 # --model NAME: small causal LMs shipped as PyPI packages (no hub access).
@@ -178,7 +180,9 @@ PACKAGED_MODELS = {
     "smollm2-135m": PackagedModel(
         "SmolLM2-135M-Instruct", SMOLLM_PACKAGE, smollm_gguf_path
     ),
-    "gemma3-270m": PackagedModel("Gemma-3-270M", GEMMA_PACKAGE, gemma_gguf_path),
+    "gemma3-270m": PackagedModel(
+        "Gemma-3-270M", GEMMA_PACKAGE, gemma_gguf_path, prepend_bos=True
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -187,7 +191,7 @@ DEFAULT_MODEL = "smollm2-135m"
 class ModelBundle:
     model: object
     tokenizer: object
-    info: dict
+    info: dict  # info["bos_token_id"]: each window starts with it when set
 
 
 def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelBundle:
@@ -195,6 +199,7 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     packaged = PACKAGED_MODELS.get(model or DEFAULT_MODEL)
+    prepend_bos = packaged.prepend_bos if packaged else None
     if packaged is not None:
         gguf = packaged.gguf_path()
         model_dir, gguf_file = str(gguf.parent), gguf.name
@@ -214,6 +219,9 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
     lm = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     lm.eval()
     load_s = time.perf_counter() - start
+    if prepend_bos is None:
+        prepend_bos = bool(getattr(tokenizer, "add_bos_token", False))
+    bos = tokenizer.bos_token_id if prepend_bos else None
     weights = Path(model_dir) / gguf_file if gguf_file else None
     info = {
         "model": label,
@@ -225,6 +233,7 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
         "architecture": type(lm).__name__,
         "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "load_seconds": round(load_s, 1),
+        "bos_token_id": bos,
     }
     return ModelBundle(lm, tokenizer, info)
 
@@ -569,9 +578,11 @@ def run_quality(
     ids, text_info = tokenize_text(tokenizer, cfg.text_file)
     window_len = cfg.prefix_len + cfg.score_len + 1
     starts = pick_windows(len(ids), window_len, cfg.windows, cfg.seed)
+    bos = bundle.info.get("bos_token_id")
     log(
         f"text: {text_info['tokens']} tokens; {len(starts)} windows of "
         f"{cfg.prefix_len} restored + {cfg.score_len} scored tokens (seed {cfg.seed})"
+        + ("" if bos is None else f", each starting with BOS ({bos})")
     )
 
     rigs: dict[str, OffloadRig] = {}
@@ -580,6 +591,8 @@ def run_quality(
     for w, start in enumerate(starts):
         t_w = time.perf_counter()
         window = ids[start : start + window_len]
+        if bos is not None:
+            window = [bos] + window[:-1]
         kv = prefill_kv(model, window[: cfg.prefix_len], kv_dtype)
         if geo is None:
             geo = _kv_geometry(kv, kv_dtype)
@@ -922,7 +935,12 @@ def markdown_report(report: dict, command: str | None = None) -> str:
         f"sha256 {report['text']['sha256'][:12]})",
         f"- {len(report['windows'])} windows (seed {cfg['seed']}) of "
         f"{cfg['prefix_len']} prefix tokens restored from L2 + {cfg['score_len']} "
-        f"scored tokens; greedy generation of {cfg['greedy_tokens']} tokens per window",
+        f"scored tokens; greedy generation of {cfg['greedy_tokens']} tokens per window"
+        + (
+            ""
+            if report["model"].get("bos_token_id") is None
+            else "; each window starts with the BOS token, as served prompts do"
+        ),
         f"- sglang {report['versions']['sglang']} (patched tree, {report['versions']['hiq_local_version']}), "
         f"torch {report['versions']['torch']}, transformers {report['versions']['transformers']}; "
         f"{report['threads']} threads, {report['seconds']} s",
