@@ -1,12 +1,13 @@
-"""The attention-sink page (issue 22 item 2): inside the 4-bit host formats the
-page holding a sequence's token 0 is kept at 8 bits (pool_host/sink_page.py).
+"""The attention-sink page (issue 22 item 2): inside the 4-bit-key host
+formats the keys of the page holding a sequence's token 0 are kept at 8 bits
+(pool_host/sink_page.py).
 
 Through SGLang's real MHA device pool, the dispatched host pool and
-HiCacheController (write -> wipe -> load): the sink page restores bit for bit
-as the int8 reference codec gives it, every other page as the pool's own
-4-bit reference; the 4-bit records (what L3 stores) are written for the sink
-page too. Expected values come from the reference codecs on the rows the
-test wrote.
+HiCacheController (write -> wipe -> load): the sink page's keys restore bit
+for bit as the int8 reference codec gives them, its values and every other
+page as the pool's own 4-bit reference; the 4-bit records (what L3 stores)
+are written for the sink page too. Expected values come from the reference
+codecs on the rows the test wrote.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from tests.support.hicache_harness import (
 from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
 from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV
 
-FORMATS = ("int4", "int4r", "k8v4", "k8v4r")
+FORMATS = ("int4", "int4r")
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 PAGE = 16
 
@@ -83,16 +84,16 @@ def assert_same(got, want):
 
 
 def expect(pool, written, sink_tokens):
-    """Per layer: the reference restore of the written rows, the first
-    `sink_tokens` of them from the int8 codec."""
+    """Per layer: the reference restore of the written rows, the keys of the
+    first `sink_tokens` of them from the int8 codec."""
     fmt = pool.host_format
     int8 = Int8HostFormat(fmt.dims, fmt.head_num, pool.page_size, fmt.device_dtype)
     out = []
     for k, v in written:
         (k4, v4), _ = reference(fmt, (k, v), fmt.unit_tokens)
         if sink_tokens:
-            (k8, v8), _ = reference(int8, (k[:sink_tokens], v[:sink_tokens]), PAGE)
-            k4[:sink_tokens], v4[:sink_tokens] = k8, v8
+            (k8, _), _ = reference(int8, (k[:sink_tokens], v[:sink_tokens]), PAGE)
+            k4[:sink_tokens] = k8
         out.append((k4, v4))
     return out
 
@@ -115,7 +116,7 @@ def host_records(pool, layer, host):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_sink_page_restores_at_8_bits_the_rest_at_4(fmt, layout):
+def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
     rig = build(fmt, layout)
     pool = rig.host_pool
     host, written = backup(rig, 3 * PAGE, seed=1, sink=True)
@@ -133,20 +134,21 @@ def test_sink_page_restores_at_8_bits_the_rest_at_4(fmt, layout):
 
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("access", ("direct", "staged"))
-@pytest.mark.parametrize("fmt", ("int4r", "k8v4"))
-def test_fused_path_moves_the_sink_page_with_the_int8_kernels(fmt, access):
-    """Under the Triton interpreter: the pool's fused 4-bit kernels and the
-    side store's int8 kernels give the torch path's (the reference's) bits."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_path_moves_the_sink_page_keys_on_the_torch_path(fmt, access):
+    """Under the Triton interpreter: the pool's fused 4-bit kernels, then the
+    side store's keys on the torch path, give the reference's bits."""
     rig = build(fmt)
     pool = rig.host_pool
     pool.use_fused_kernels = True
     pool.fused_host_access = access
     host, written = backup(rig, 2 * PAGE, seed=11, sink=True)
-    assert pool.sink_pages.transfer.path == f"fused_{access}"
+    assert pool.transfer_path == f"fused_{access}"
+    assert pool.sink_pages.transfer.path == "torch"
     assert_restores(rig, host, written, PAGE)
 
 
-@pytest.mark.parametrize("fmt", ("int4r", "k8v4"))
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_a_load_mixing_sink_and_other_pages_splits_them(fmt):
     """One load over two sequences' pages, sink pages in the middle."""
     rig = build(fmt)
@@ -210,7 +212,9 @@ def test_reused_host_page_is_not_a_sink_page_any_more():
 @pytest.mark.parametrize(
     "fmt, tokens, match",
     [
-        ("int8", 64, "4-bit formats"),
+        ("int8", 64, "4-bit-key formats"),
+        ("k8v4", 64, "every key at 8 bits already"),
+        ("k8v4r", 64, "every key at 8 bits already"),
         ("int4", 8, "at least the page size"),
     ],
 )
@@ -263,9 +267,9 @@ def test_bytes_per_token_at_qwen3_8b_geometry():
         per_token = allocated_bytes(pool) / pool.size
         assert per_token == pool.size_per_token == pool.get_size_per_token()
         print(f"{tokens or 'off':>13}  {per_token:>7}  {bf16 / per_token:.3f}x")
-        # int4's 1152 B per token and layer, plus one int8 page (2080 B per
-        # token and layer) per `tokens` host tokens.
-        assert per_token == 36 * (1152 + (2080 * 64 / tokens if tokens else 0))
+        # int4's 1152 B per token and layer, plus one page of int8 keys
+        # (1040 B per token and layer) per `tokens` host tokens.
+        assert per_token == 36 * (1152 + (1040 * 64 / tokens if tokens else 0))
 
 
 # --- the radix cache says which page -----------------------------------------
@@ -274,9 +278,10 @@ def test_bytes_per_token_at_qwen3_8b_geometry():
 def radix_cache(monkeypatch, host_dtype, host_tokens=64 * PAGE):
     """SGLang's UnifiedRadixCache + HiCache as the scheduler builds it
     (registry.create_unified_radix_cache), page 16, write-through."""
-    from scripts.demo.pools import publish_server_args, unified_radix_cache
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from scripts.demo.pools import publish_server_args, unified_radix_cache
 
     monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
     device_tokens = 32 * PAGE

@@ -1,16 +1,16 @@
-"""The attention-sink page of the 4-bit host formats: the page holding a
-sequence's token 0 kept at 8 bits (SGLANG_HICACHE_SINK_PAGE_TOKENS).
+"""The attention-sink page of the 4-bit host formats: the keys of the page
+holding a sequence's token 0 kept at 8 bits (SGLANG_HICACHE_SINK_PAGE_TOKENS).
 
 The radix cache says which backed-up page is a sequence's first (the first
 page of a node whose parent is the root) through HiCacheController.write's
 ``first_page_is_sink``; the pool calls ``mark_sink_page`` before that backup
-runs. A marked page gets a slot in an 8-bit side store: the int8 format's
-records (kv_int8_codec.Int8HostFormat, one unit per page, every layer), moved
-by the same TorchTransfer / FusedTransfer as the pool (the int8 kernels on
-CUDA) over the marked pages' tokens. The page is still encoded at 4 bits in
-the pool's own records, so L3 always receives (and returns) the format's
-4-bit page under its own tag; a restore from L2 decodes the marked tokens
-from the side store and every other token from the 4-bit records.
+runs. A marked page gets a slot in a side store of its keys at 8 bits
+(Int8KeysFormat: the int8 codec's per-row keys and scales, one unit per page,
+every layer), since keys carry most of the 4-bit loss and per-channel key
+ranges break on the sink page. The page is still encoded at 4 bits in the
+pool's own records, so L3 always receives (and returns) the format's 4-bit
+page under its own tag; a restore from L2 decodes the whole page from the
+4-bit records, then its keys again from the side store over them.
 
 The side store has one slot per ``sink_page_tokens`` host tokens (one per
 sequence of that length), allocated with the pool and counted in its bytes
@@ -25,6 +25,7 @@ import logging
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8
 from sglang.srt.mem_cache.pool_host.encoded import (
     STAGING_TOKENS,
     HostKVCounters,
@@ -33,7 +34,12 @@ from sglang.srt.mem_cache.pool_host.encoded import (
     TorchTransfer,
     UnitPlanner,
 )
-from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
+from sglang.srt.mem_cache.pool_host.host_format import (
+    FP8_DEVICE_DTYPES,
+    EncodeStats,
+    HostKVFormat,
+    HostRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +60,17 @@ def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
         K8V4HostFormat,
     )
 
-    if not isinstance(fmt, (Int4HostFormat, K8V4HostFormat)):
+    if isinstance(fmt, K8V4HostFormat):
         raise ValueError(
-            f"{SINK_ENV} keeps the sink page at 8 bits inside the 4-bit formats "
-            f"(int4, k8v4 and their rotated forms); --hicache-host-dtype {fmt.name} "
-            f"has none. Unset {SINK_ENV} or pass a 4-bit --hicache-host-dtype."
+            f"{SINK_ENV} keeps the sink page's keys at 8 bits; --hicache-host-dtype "
+            f"{fmt.name} stores every key at 8 bits already. Unset {SINK_ENV} or "
+            "pass --hicache-host-dtype int4 or int4r."
+        )
+    if not isinstance(fmt, Int4HostFormat):
+        raise ValueError(
+            f"{SINK_ENV} keeps the sink page's keys at 8 bits inside the 4-bit-key "
+            f"formats (int4, int4r); --hicache-host-dtype {fmt.name} has none. "
+            f"Unset {SINK_ENV} or pass --hicache-host-dtype int4 or int4r."
         )
     if fmt.device_dtype in FP8_DEVICE_DTYPES:
         raise ValueError(
@@ -74,11 +86,50 @@ def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
     return tokens
 
 
-def sink_format(fmt, page_size: int):
-    """The side store's format: int8, one unit per page of the pool's geometry."""
-    from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
+class Int8KeysFormat(HostKVFormat):
+    """The side store's records: the int8 codec (kv_int8_codec) on the keys
+    alone. Records per unit and layer: "k" int8 [ut, H, Dk], "k_scale" fp16
+    [ut, H]: k8v4's key records, bit for bit."""
 
-    return Int8HostFormat(fmt.dims, fmt.head_num, page_size, fmt.device_dtype)
+    name = "int8-keys"
+    storage_format_tag = "int8keys-fp16scale-v1"
+    sides = ("k",)
+
+    def __init__(self, dims, head_num, unit_tokens, device_dtype):
+        super().__init__(dims, head_num, unit_tokens, device_dtype)
+        ut, heads = self.unit_tokens, self.head_num
+        self.records = (
+            HostRecord("k", (ut, heads, self.dims[0]), torch.int8),
+            HostRecord("k_scale", (ut, heads), int8.SCALE_DTYPE),
+        )
+
+    def encode_reference(self, rows):
+        q, scale = int8.quantize_reference(rows[0])
+        return {"k": q, "k_scale": scale}
+
+    def decode_reference(self, records, dtype):
+        return (int8.dequantize_reference(records["k"], records["k_scale"], dtype),)
+
+    def encode_into(self, rows, out) -> EncodeStats:
+        scale = out["k_scale"]
+        amax = int8.quantize_into(rows[0], out["k"], scale)
+        # Rows stored as NaN do not count towards the running amax.
+        amax = torch.where(torch.isfinite(scale), amax, 0.0).amax()
+        return EncodeStats(amax.view(1), int8.count_nonfinite_rows(scale))
+
+    def decode_into(self, records, out) -> None:
+        int8.dequantize_into(records["k"], records["k_scale"], out[0])
+
+    def error_bound(self, records, restored):
+        return (int8.error_bound(records["k_scale"], restored[0]),)
+
+    def zero_copy_objects(self):
+        return [[(r.name, 0, r.nbytes) for r in self.records]]
+
+
+def sink_format(fmt, page_size: int) -> Int8KeysFormat:
+    """The side store's format: one unit per page of the pool's key geometry."""
+    return Int8KeysFormat(fmt.dims[:1], fmt.head_num, page_size, fmt.device_dtype)
 
 
 def _upload(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -90,7 +141,11 @@ def _upload(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class SinkPageStore:
     """The side store and the host-page -> slot map; it has what
-    TorchTransfer / FusedTransfer read from a pool, for its own records."""
+    TorchTransfer reads from a pool, for its own records.
+
+    The keys move on the torch path on every transfer device: the int8 fused
+    kernels encode and decode K and V together (no keys-only launch without a
+    kernel change), and a sequence has one sink page of keys to move."""
 
     def __init__(self, pool, tokens_per_slot: int):
         self.pool = pool
@@ -112,10 +167,8 @@ class SinkPageStore:
         )
         self.staging = StagingBuffers(self.host_format, staging_units, self.dtype, dev)
         # Kept apart from the pool's: the pool's count the 4-bit copy of every page.
-        self.counters = HostKVCounters(self.layer_num, 2, dev)
+        self.counters = HostKVCounters(self.layer_num, 1, dev)
         self.transfer = TorchTransfer(self)
-        self._fused_access = pool.fused_host_access
-        self._fused_ok = None
         self._split_cache = None
         self.kept_4bit = 0
         self.clear()
@@ -127,10 +180,6 @@ class SinkPageStore:
 
     def _device_buffers(self, side: int):
         return self.pool._device_buffers(side)
-
-    @property
-    def fused_host_access(self) -> str:
-        return self._fused_access
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.records.tensors.values())
@@ -177,9 +226,9 @@ class SinkPageStore:
             self._split_cache = None
 
     def _split(self, host_indices, device_indices):
-        """(other host, other device, side-store host, sink device) indices
-        of a transfer, or None if it holds no marked page. Loads pass the same
-        tensors for every layer, so the last split is kept."""
+        """(side-store host, sink device) indices of a transfer's marked
+        tokens, or None if it holds none. Loads pass the same tensors for
+        every layer, so the last split is kept."""
         if len(self.free_slots) == self.slots:
             return None
         key = (id(host_indices), host_indices._version,
@@ -194,13 +243,9 @@ class SinkPageStore:
         split = None
         if bool(sink.any()):
             pos = sink.nonzero().squeeze(1)
-            rest = (~sink).nonzero().squeeze(1)
-            dev = device_indices.device
             split = (
-                host[rest],
-                device_indices[_upload(rest, dev)],
                 slot[pos] * self.page_size + host[pos] % self.page_size,
-                device_indices[_upload(pos, dev)],
+                device_indices[_upload(pos, device_indices.device)],
             )
         # The originals stay referenced, so their ids stay unique while cached.
         self._split_cache = (key, (host_indices, device_indices), split)
@@ -208,36 +253,18 @@ class SinkPageStore:
 
     # -- transfers ---------------------------------------------------------
 
-    def _active_transfer(self):
-        """The pool's kind of transfer over the side store: the int8 fused
-        kernels where the pool runs fused ones, else the torch path."""
-        from sglang.srt.mem_cache.pool_host.encoded_fused import FusedTransfer
-
-        pool = self.pool
-        if self._fused_ok is None:
-            self._fused_ok = self.host_format.fused_available(self._transfer_device)
-        fused = pool.use_fused_kernels and self._fused_ok
-        if fused != isinstance(self.transfer, FusedTransfer):
-            self.transfer = FusedTransfer(self) if fused else TorchTransfer(self)
-        self._fused_access = pool.fused_host_access
-        return self.transfer
-
     def backup(self, host_indices, device_indices) -> None:
-        """After the pool's 4-bit backup: the marked pages again, at 8 bits."""
+        """After the pool's 4-bit backup: the marked pages' keys, at 8 bits."""
         split = self._split(host_indices, device_indices)
         if split is not None:
-            self._active_transfer().backup(split[2], split[3])
+            self.transfer.backup(*split)
 
     def load(self, host_indices, device_indices, layer_id: int) -> None:
-        """One layer: marked tokens from the side store, the rest at 4 bits."""
+        """One layer, after the pool restored every token at 4 bits: the
+        marked tokens' keys again from the side store, on the same stream."""
         split = self._split(host_indices, device_indices)
-        if split is None:
-            self.pool.transfer.load(host_indices, device_indices, layer_id)
-            return
-        rest_host, rest_device, sink_host, sink_device = split
-        if rest_host.numel():
-            self.pool.transfer.load(rest_host, rest_device, layer_id)
-        self._active_transfer().load(sink_host, sink_device, layer_id)
+        if split is not None:
+            self.transfer.load(*split, layer_id)
 
 
 class SinkPagePool:
@@ -278,8 +305,8 @@ class SinkPagePool:
         if self.sink_pages is not None:
             store = self.sink_pages
             logger.info(
-                "HiCache %s sink page: the first page of each sequence at 8 bits "
-                "(int8 records) in %d slots, one per %d host tokens (%s=%d), "
+                "HiCache %s sink page: the keys of each sequence's first page at "
+                "8 bits (int8 records) in %d slots, one per %d host tokens (%s=%d), "
                 "%.1f MB; L3 pages stay %s.",
                 self.pool_label,
                 store.slots,
@@ -321,7 +348,6 @@ class SinkPagePool:
             self.sink_pages.backup(host_indices, device_indices)
 
     def _load_layer(self, host_indices, device_indices, layer_id: int) -> None:
-        if self.sink_pages is None:
-            super()._load_layer(host_indices, device_indices, layer_id)
-        else:
+        super()._load_layer(host_indices, device_indices, layer_id)
+        if self.sink_pages is not None:
             self.sink_pages.load(host_indices, device_indices, layer_id)
