@@ -1,5 +1,5 @@
 """INT8 host-pool checks shared by the torch-path and fused-kernel tests
-(tests/test_int8_host_pool.py, tests/test_kv_int8_triton.py): the pool, the
+(tests/test_int8_*.py, tests/test_kv_int8_triton.py): the pool, the
 documented record layouts read directly, and the unordered-slots round trip."""
 
 from __future__ import annotations
@@ -27,6 +27,17 @@ def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
     )
     pool.use_run_copies = use_run_copies
     return pool
+
+
+def int8_pools(geo: Geometry, device_tokens, host_tokens, layout, access=None):
+    """A CPU device pool and the INT8 host pool over it, on the torch path or,
+    with `access` (direct, staged), on the fused kernels."""
+    device_pool = make_device_pool(geo, device_tokens=device_tokens)
+    pool = int8_pool(device_pool, layout, host_tokens)
+    if access is not None:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = access
+    return device_pool, pool
 
 
 def unit_tokens(layout: str, page_size: int) -> int:
