@@ -16,25 +16,26 @@ import contextlib
 
 import pytest
 import torch
-from gpu_support import edge_rows, gpu_test_device, random_rows, same_bits
+from gpu_support import (
+    CUDA,
+    DELAY,
+    DEVICE,
+    DTYPES,
+    edge_rows,
+    gpu_test_marks,
+    random_rows,
+    same_bits,
+    sync,
+)
 
 
-DEVICE = gpu_test_device()
-CUDA = DEVICE == "cuda"
-pytestmark = [
-    pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"),
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-]
+pytestmark = gpu_test_marks()
 
 if DEVICE is not None:
     from tests.support.fp8_reference import random_finite_fp8
     from tests.support.int4_reference import Host, reference_decode, reference_records
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
-
-DTYPES = (torch.bfloat16, torch.float16)
-# GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s on current parts.
-DELAY = int(5e8)
 
 
 @pytest.fixture(autouse=True)
@@ -44,11 +45,6 @@ def big_tiles_when_interpreted(monkeypatch):
     if not CUDA:
         monkeypatch.setattr(k4, "ENCODE_TILE", 16384)
         monkeypatch.setattr(k4, "DECODE_TILE", 16384)
-
-
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
 
 
 def rows(seed: int, n: int, H: int, d: int, dtype) -> torch.Tensor:
