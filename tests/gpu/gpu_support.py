@@ -93,6 +93,15 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def big_tiles_when_interpreted(monkeypatch, kernels, tile: int) -> None:
+    """Dry run: fewer, larger programs in the kernel module `kernels` (the
+    interpreter's cost is per program; tile sizes do not change results, see
+    the module's CPU tests in tests/test_kv_*_triton.py)."""
+    if not CUDA:
+        monkeypatch.setattr(kernels, "ENCODE_TILE", tile)
+        monkeypatch.setattr(kernels, "DECODE_TILE", tile)
+
+
 # --------------------------------------------------------------------------
 # what the machine has
 

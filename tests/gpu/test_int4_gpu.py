@@ -21,6 +21,7 @@ from gpu_support import (
     DELAY,
     DEVICE,
     DTYPES,
+    big_tiles_when_interpreted,
     edge_rows,
     gpu_test_marks,
     random_rows,
@@ -39,12 +40,8 @@ if DEVICE is not None:
 
 
 @pytest.fixture(autouse=True)
-def big_tiles_when_interpreted(monkeypatch):
-    """Dry run: fewer, larger programs (tile sizes do not change results,
-    see tests/test_kv_int4_triton.py)."""
-    if not CUDA:
-        monkeypatch.setattr(k4, "ENCODE_TILE", 16384)
-        monkeypatch.setattr(k4, "DECODE_TILE", 16384)
+def big_tiles(monkeypatch):
+    big_tiles_when_interpreted(monkeypatch, k4, 16384)
 
 
 def rows(seed: int, n: int, H: int, d: int, dtype) -> torch.Tensor:

@@ -27,6 +27,7 @@ from gpu_support import (
     DELAY,
     DEVICE,
     DTYPES,
+    big_tiles_when_interpreted,
     destroy_host_pool,
     edge_rows,
     gpu_test_marks,
@@ -52,12 +53,8 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(autouse=True)
-def big_tiles_when_interpreted(monkeypatch):
-    """Dry run: fewer, larger programs (the interpreter's cost is per program;
-    tile sizes do not change results, see tests/test_kv_int8_triton.py)."""
-    if not CUDA:
-        monkeypatch.setattr(kt, "ENCODE_TILE", 65536)
-        monkeypatch.setattr(kt, "DECODE_TILE", 65536)
+def big_tiles(monkeypatch):
+    big_tiles_when_interpreted(monkeypatch, kt, 65536)
 
 
 def side_stream():

@@ -19,6 +19,7 @@ from gpu_support import (
     DELAY,
     DEVICE,
     DTYPES,
+    big_tiles_when_interpreted,
     destroy_host_pool,
     edge_rows,
     gpu_test_marks,
@@ -42,12 +43,8 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(autouse=True)
-def big_tiles_when_interpreted(monkeypatch):
-    """Dry run: fewer, larger programs (the interpreter's cost is per program;
-    tile sizes do not change results, see tests/test_kv_mla_int8_triton.py)."""
-    if not CUDA:
-        monkeypatch.setattr(mk, "ENCODE_TILE", 65536)
-        monkeypatch.setattr(mk, "DECODE_TILE", 65536)
+def big_tiles(monkeypatch):
+    big_tiles_when_interpreted(monkeypatch, mk, 65536)
 
 
 def mla_rows(dtype: torch.dtype, tokens: int, seed: int) -> torch.Tensor:
