@@ -97,6 +97,32 @@ def assert_restores(device_pool, pool, fmt, host, new_dev, written, ut, layers):
         assert torch.equal(device_pool.v_buffer[layer][new_dev], v_want)
 
 
+def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup):
+    """Back up a NaN key (layer 1, second token, head 1, channel 5) and an Inf
+    value (layer 0, last token, head 0, channel 40), call after_backup(pool),
+    restore into new slots; return (pool, restored layer-1 keys, restored
+    layer-0 values)."""
+    geo, device_pool, pool = build(fmt, layout, page_size)
+    dev, host = pages([1, 2], page_size), pages([3, 4], page_size)
+    fill_spread(device_pool, dev, seed=9)
+    device_pool.k_buffer[1][dev[1], 1, 5] = float("nan")
+    device_pool.v_buffer[0][dev[-1], 0, 40] = float("inf")
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    after_backup(pool)
+    new_dev = pages([6, 7], page_size)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+    return pool, device_pool.k_buffer[1][new_dev], device_pool.v_buffer[0][new_dev]
+
+
+def assert_finite_elsewhere(pool, k1, v0):
+    """Once the non-finite groups are zeroed: every other restored value and
+    the scale statistics are finite."""
+    assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
+    amax = pool.scale_amax_by_layer()
+    assert amax.shape == (2, 2) and torch.isfinite(amax).all() and (amax > 0).all()
+
+
 def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
     from sglang.srt.mem_cache.pool_host import encoded
 
