@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from sglang.srt.managers.cache_controller import HiCacheController
@@ -20,13 +19,6 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
-
-# For modules whose fused kernels run under Triton's interpreter on CPU
-# tensors: numpy warns about the lanes the kernels mask out.
-INTERPRETED_KERNELS = [
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    pytest.mark.usefixtures("triton_interpreter"),
-]
 
 
 @dataclass

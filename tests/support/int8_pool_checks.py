@@ -4,6 +4,7 @@ documented record layouts read directly, and the unordered-slots round trip."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
@@ -16,6 +17,13 @@ from tests.support.hicache_harness import (
 )
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")
+
+# For modules whose fused kernels run under Triton's interpreter on CPU
+# tensors: numpy warns about the lanes the kernels mask out.
+INTERPRETED_KERNELS = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
 
 
 def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
