@@ -18,6 +18,7 @@ from tests.support.server_args import (  # noqa: F401  (fixtures)
     FP8_KV_CHECKPOINTS,
     LLAMA,
     _restore_environ,
+    device_kv_refusal,
     from_argv,
     model_dir,
     resolve,
@@ -78,22 +79,7 @@ def test_int4_and_k8v4_accept_fp8_device_kv(
 def test_formats_without_fp8_are_refused_suggesting_int4(
     parser, host_dtype, kv_cache_dtype
 ):
-    args = from_argv(
-        parser,
-        "dummy",
-        "--enable-hierarchical-cache",
-        "--hicache-host-dtype",
-        host_dtype,
-        "--kv-cache-dtype",
-        kv_cache_dtype,
-    )
-    with pytest.raises(ValueError) as error:
-        args.resolve_once()
-    message = str(error.value)
-    assert (
-        f"--hicache-host-dtype {host_dtype} with --kv-cache-dtype {kv_cache_dtype}"
-        in message
-    )
+    message = device_kv_refusal(parser, host_dtype, kv_cache_dtype)
     assert "pass --hicache-host-dtype int4 or k8v4" in message
     assert "--hicache-host-dtype auto" in message
     # The suggestion is a real choice and gets the server past the check.

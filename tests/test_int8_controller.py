@@ -10,7 +10,12 @@ import random
 import pytest
 import torch
 
-from tests.support.hicache_harness import Geometry, finish_transfers, make_rig
+from tests.support.hicache_harness import (
+    Geometry,
+    finish_transfers,
+    make_rig,
+    random_controller_operations,
+)
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
@@ -42,68 +47,30 @@ def test_random_operations_against_reference(layout, page_size, io_backend):
         io_backend=io_backend,
         host_pool_cls=MHATokenToKVPoolINT8Host,
     )
-    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
-    rng = random.Random(1234 + page_size)
+    dev_pool = rig.device_pool
     gen = torch.Generator().manual_seed(5678)
-    backed_up = []  # (host_indices, [(k_expected, v_expected) per layer])
-    resident = []  # (device_indices, same expectations): restored, still on device
-    ops = 0
-    for step in range(2500):
-        op = rng.random()
-        if op < 0.4:  # new KV on device, written through to host
-            n = rng.randint(1, 6) * page_size
-            dev = alloc.alloc(n)
-            if dev is None:
-                continue
-            expected = []
-            for layer in range(geo.layer_num):
-                k = torch.randn((n, 2, 8), generator=gen).to(geo.dtype) * rng.choice(
-                    (1e-3, 1.0, 50.0)
-                )
-                v = torch.randn((n, 2, 8), generator=gen).to(geo.dtype)
-                dev_pool.k_buffer[layer][dev] = k
-                dev_pool.v_buffer[layer][dev] = v
-                expected.append((encoded(k), encoded(v)))
-            host = ctl.write(dev)
-            finish_transfers(ctl)
-            # L1 eviction right after the backup: the device copy is gone.
-            for layer in range(geo.layer_num):
-                dev_pool.k_buffer[layer][dev] = float("nan")
-                dev_pool.v_buffer[layer][dev] = float("nan")
-            alloc.free(dev)
-            if host is not None:
-                backed_up.append((host, expected))
-            ops += 1
-        elif op < 0.75 and backed_up:  # L2 hit: load back and verify
-            host, expected = rng.choice(backed_up)
-            dev = ctl.load(host)
-            if dev is None:
-                continue
-            ctl.start_loading()
-            finish_transfers(ctl)
-            for layer, (k, v) in enumerate(expected):
-                assert torch.equal(dev_pool.k_buffer[layer][dev], k), step
-                assert torch.equal(dev_pool.v_buffer[layer][dev], v), step
-            resident.append((dev, expected))
-            ops += 1
-        elif op < 0.9 and backed_up:  # L2 eviction
-            host, _ = backed_up.pop(rng.randrange(len(backed_up)))
-            ctl.evict_host(host)
-            ops += 1
-        elif resident:  # L1 eviction of restored KV
-            dev, _ = resident.pop(rng.randrange(len(resident)))
-            alloc.free(dev)
-            ops += 1
-        # No cross-slot leakage: everything still resident is intact.
-        if step % 100 == 0:
-            for dev, expected in resident:
-                for layer, (k, v) in enumerate(expected):
-                    assert torch.equal(dev_pool.k_buffer[layer][dev], k), step
-                    assert torch.equal(dev_pool.v_buffer[layer][dev], v), step
+
+    def write_rows(dev, rng):
+        expected = []
+        for layer in range(geo.layer_num):
+            k = torch.randn((len(dev), 2, 8), generator=gen).to(geo.dtype) * rng.choice(
+                (1e-3, 1.0, 50.0)
+            )
+            v = torch.randn((len(dev), 2, 8), generator=gen).to(geo.dtype)
+            dev_pool.k_buffer[layer][dev] = k
+            dev_pool.v_buffer[layer][dev] = v
+            expected.append((encoded(k), encoded(v)))
+        return expected
+
+    ops = random_controller_operations(
+        rig,
+        write_rows,
+        steps=2500,
+        rng=random.Random(1234 + page_size),
+        max_pages=6,
+        audit_every=100,
+    )
     assert ops > 1000
-    # Host bookkeeping agrees with the model.
-    held = sum(len(h) for h, _ in backed_up)
-    assert rig.host_pool.available_size() == rig.host_pool.size - held
 
 
 def test_transfer_metrics_count_encoded_bytes():

@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.hicache_harness import (
-    Geometry,
-    fill_random,
-    make_device_pool,
-    make_host_pool,
-)
+from tests.support.hicache_harness import Geometry, fill_random
+from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
-MHATokenToKVPoolINT8Host = host_pool_cls("int8")
-
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    pytest.mark.usefixtures("triton_interpreter"),
-]
+pytestmark = INTERPRETED_KERNELS
 
 # (use_fused_kernels, fused_host_access, use_run_copies)
 PATHS = {
@@ -39,15 +29,11 @@ PATHS = {
 
 
 def build(path: str, layout: str, page_size: int):
-    geo = Geometry(layer_num=2, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
-    pool = make_host_pool(
-        device_pool, host_tokens=8 * page_size, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
-    )  # fmt: skip
     fused, access, runs = PATHS[path]
-    pool.use_fused_kernels = fused
-    pool.fused_host_access = access
+    geo = Geometry(layer_num=2, page_size=page_size)
+    device_pool, pool = int8_pools(
+        geo, 16 * page_size, 8 * page_size, layout, access if fused else None
+    )
     pool.use_run_copies = runs
     # Real content on both sides, so a stray write would show.
     dev = torch.arange(page_size, 5 * page_size)

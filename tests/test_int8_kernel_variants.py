@@ -14,23 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.hicache_harness import (
-    Geometry,
-    fill_random,
-    make_device_pool,
-    make_host_pool,
-)
+from tests.support.hicache_harness import Geometry, fill_random
+from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
-MHATokenToKVPoolINT8Host = host_pool_cls("int8")
-
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    pytest.mark.usefixtures("triton_interpreter"),
-]
+pytestmark = INTERPRETED_KERNELS
 SPECIALIZE_OPTIONS = ("do_not_specialize", "do_not_specialize_on_alignment")
 
 
@@ -97,14 +87,8 @@ def test_no_new_kernel_variant_after_the_self_check(
     monkeypatch, layout, page_size, access
 ):
     geo = Geometry(layer_num=3, head_num=1, head_dim=16, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=40 * page_size)
+    device_pool, pool = int8_pools(geo, 40 * page_size, 80 * page_size, layout, access)
     fill_random(device_pool, torch.arange(40 * page_size), seed=2)
-    pool = make_host_pool(
-        device_pool, host_tokens=80 * page_size, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
-    )  # fmt: skip
-    pool.use_fused_kernels = True
-    pool.fused_host_access = access
     recorders = record_keys(monkeypatch)
     assert pool.self_check()
     warmed = {name: set(r.keys) for name, r in recorders.items()}
@@ -118,12 +102,7 @@ def test_the_key_sees_per_transfer_specialization(monkeypatch):
     """The same transfers through kernels built without the opt-outs give
     new keys: the recorder can tell (this test cannot pass vacuously)."""
     geo = Geometry(layer_num=2, head_num=1, head_dim=16, page_size=2)
-    device_pool = make_device_pool(geo, device_tokens=80)
-    pool = make_host_pool(
-        device_pool, host_tokens=160, layout="page_first",
-        host_pool_cls=MHATokenToKVPoolINT8Host,
-    )  # fmt: skip
-    pool.use_fused_kernels = True
+    device_pool, pool = int8_pools(geo, 80, 160, "page_first", "direct")
     recorders = record_keys(monkeypatch, honour_options=False)
     assert pool.self_check()
     warmed = len(recorders["encode"].keys)

@@ -8,20 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.hicache_harness import (
-    Geometry,
-    fill_random,
-    make_device_pool,
-    make_host_pool,
-)
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+from tests.support.hicache_harness import Geometry, fill_random
+from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 
-MHATokenToKVPoolINT8Host = host_pool_cls("int8")
-
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    pytest.mark.usefixtures("triton_interpreter"),
-]
+pytestmark = INTERPRETED_KERNELS
 
 
 def expected_amax(device_pool, dev, layer_num) -> torch.Tensor:
@@ -39,14 +29,7 @@ def expected_amax(device_pool, dev, layer_num) -> torch.Tensor:
 @pytest.mark.parametrize("layout,page_size", [("page_first", 2), ("layer_first", 1)])
 def test_scale_amax_tracks_finite_rows_per_layer(access, layout, page_size):
     geo = Geometry(layer_num=3, head_num=2, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
-    pool = make_host_pool(
-        device_pool, host_tokens=16 * page_size, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
-    )  # fmt: skip
-    if access is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = access
+    device_pool, pool = int8_pools(geo, 16 * page_size, 16 * page_size, layout, access)
     assert torch.equal(pool.scale_amax_by_layer(), torch.zeros(3, 2))
 
     dev = torch.arange(page_size, 5 * page_size)

@@ -15,22 +15,12 @@ import logging
 
 import pytest
 import torch
-from tests.support.hicache_harness import (
-    Geometry,
-    fill_random,
-    make_device_pool,
-    make_host_pool,
-)
+from tests.support.hicache_harness import Geometry, fill_random
+from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
-MHATokenToKVPoolINT8Host = host_pool_cls("int8")
-
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    pytest.mark.usefixtures("triton_interpreter"),
-]
+pytestmark = INTERPRETED_KERNELS
 LOGGER = "sglang.srt.mem_cache.pool_host"
 FUSED_LOGGER = "sglang.srt.mem_cache.pool_host.encoded_fused"
 
@@ -38,14 +28,7 @@ FUSED_LOGGER = "sglang.srt.mem_cache.pool_host.encoded_fused"
 def build(geo: Geometry, layout: str, access: str | None):
     """A CPU INT8 pool with some real content: 3 backed-up pages."""
     p = geo.page_size
-    device_pool = make_device_pool(geo, device_tokens=16 * p)
-    pool = make_host_pool(
-        device_pool, host_tokens=16 * p, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
-    )  # fmt: skip
-    if access is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = access
+    device_pool, pool = int8_pools(geo, 16 * p, 16 * p, layout, access)
     dev = torch.arange(p, 4 * p)
     fill_random(device_pool, dev, seed=3)
     device_pool.k_buffer[0][dev[1], 0, 0] = float("nan")  # a non-finite row
@@ -159,7 +142,9 @@ def test_self_check_fault_falls_back_to_torch(monkeypatch, caplog, inject, acces
     assert pool.transfer_path_reason.startswith("self-check failed: ")
     assert cause in pool.transfer_path_reason
     warnings = [
-        r for r in caplog.records if r.name == FUSED_LOGGER and r.levelno == logging.WARNING
+        r
+        for r in caplog.records
+        if r.name == FUSED_LOGGER and r.levelno == logging.WARNING
     ]
     assert len(warnings) == 1 and cause in warnings[0].getMessage()
     assert f"fused_{access}" in warnings[0].getMessage()

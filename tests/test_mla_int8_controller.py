@@ -11,7 +11,12 @@ import random
 import pytest
 import torch
 
-from tests.support.hicache_harness import MLAGeometry, finish_transfers, make_rig
+from tests.support.hicache_harness import (
+    MLAGeometry,
+    finish_transfers,
+    make_rig,
+    random_controller_operations,
+)
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
@@ -50,64 +55,31 @@ def test_random_operations_against_reference(layout, page_size, io_backend, dtyp
         host_dtype="int8",
     )
     assert type(rig.host_pool) is MLATokenToKVPoolINT8Host
-    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
-    rng = random.Random(4321 + page_size)
+    dev_pool = rig.device_pool
     gen = torch.Generator().manual_seed(8765)
     width = geo.kv_lora_rank + geo.qk_rope_head_dim
-    backed_up = []  # (host_indices, [expected rows per layer])
-    resident = []  # (device_indices, same): restored, still on device
-    ops = 0
-    for step in range(1500):
-        op = rng.random()
-        if op < 0.4:  # new KV on device, written through to host
-            n = rng.randint(1, 6) * page_size
-            dev = alloc.alloc(n)
-            if dev is None:
-                continue
-            expected = []
-            for layer in range(geo.layer_num):
-                rows = torch.randn((n, 1, width), generator=gen)
-                # Latent magnitudes differ per tile and per write.
-                rows[..., :128] *= rng.choice((1e-3, 1.0, 50.0))
-                rows = rows.to(dtype)
-                dev_pool.kv_buffer[layer][dev] = rows
-                expected.append(encoded(rows))
-            host = ctl.write(dev)
-            finish_transfers(ctl)
-            # L1 eviction right after the backup: the device copy is gone.
-            for layer in range(geo.layer_num):
-                dev_pool.kv_buffer[layer][dev] = float("nan")
-            alloc.free(dev)
-            if host is not None:
-                backed_up.append((host, expected))
-            ops += 1
-        elif op < 0.75 and backed_up:  # L2 hit: load back and verify
-            host, expected = rng.choice(backed_up)
-            dev = ctl.load(host)
-            if dev is None:
-                continue
-            ctl.start_loading()
-            finish_transfers(ctl)
-            for layer, rows in enumerate(expected):
-                assert same(dev_pool.kv_buffer[layer][dev], rows), step
-            resident.append((dev, expected))
-            ops += 1
-        elif op < 0.9 and backed_up:  # L2 eviction
-            host, _ = backed_up.pop(rng.randrange(len(backed_up)))
-            ctl.evict_host(host)
-            ops += 1
-        elif resident:  # L1 eviction of restored KV
-            dev, _ = resident.pop(rng.randrange(len(resident)))
-            alloc.free(dev)
-            ops += 1
-        # No cross-slot leakage: everything still resident is intact.
-        if step % 100 == 0:
-            for dev, expected in resident:
-                for layer, rows in enumerate(expected):
-                    assert same(dev_pool.kv_buffer[layer][dev], rows), step
+
+    def write_rows(dev, rng):
+        expected = []
+        for layer in range(geo.layer_num):
+            rows = torch.randn((len(dev), 1, width), generator=gen)
+            # Latent magnitudes differ per tile and per write.
+            rows[..., :128] *= rng.choice((1e-3, 1.0, 50.0))
+            rows = rows.to(dtype)
+            dev_pool.kv_buffer[layer][dev] = rows
+            expected.append((encoded(rows),))
+        return expected
+
+    ops = random_controller_operations(
+        rig,
+        write_rows,
+        steps=1500,
+        rng=random.Random(4321 + page_size),
+        max_pages=6,
+        same=same,
+        audit_every=100,
+    )
     assert ops > 600
-    held = sum(len(h) for h, _ in backed_up)
-    assert rig.host_pool.available_size() == rig.host_pool.size - held
 
 
 def test_transfer_byte_counters_count_encoded_bytes():

@@ -20,12 +20,12 @@ from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from tests.support.int4_pool_checks import (
+    assert_finite_elsewhere,
+    restore_nan_key_and_inf_value,
     allocated_bytes,
     build,
     check_controller_random_operations,
     check_fused_path_writes_the_torch_paths_bytes,
-    fill_spread,
-    pages,
 )
 
 ROTATED = {"int4r": "int4", "k8v4r": "k8v4"}  # format -> base format
@@ -179,28 +179,18 @@ def test_nonfinite_kv_restores_as_nan_over_its_block(fmt, layout, page_size):
     """A NaN key and an Inf value: every channel of their rotation block
     restores as NaN, the groups are counted, the amax stays finite, and the
     other heads and tokens restore finite."""
-    geo, device_pool, pool = build(fmt, layout, page_size)
-    dev, host = pages([1, 2], page_size), pages([3, 4], page_size)
-    fill_spread(device_pool, dev, seed=9)
-    k_tok, v_tok = dev[1], dev[-1]
-    device_pool.k_buffer[1][k_tok, 1, 5] = float("nan")
-    device_pool.v_buffer[0][v_tok, 0, 40] = float("inf")
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    assert pool.nonfinite_row_count() >= 2
-    new_dev = pages([6, 7], page_size)
-    for layer in range(geo.layer_num):
-        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-    k1 = device_pool.k_buffer[1][new_dev]
-    v0 = device_pool.v_buffer[0][new_dev]
+
+    def counted(pool):
+        assert pool.nonfinite_row_count() >= 2
+
+    pool, k1, v0 = restore_nan_key_and_inf_value(fmt, layout, page_size, counted)
     # head dim 64: one 64-point block per head
     assert torch.isnan(k1[1, 1]).all() and torch.isnan(v0[-1, 0]).all()
     per_channel_keys = fmt == "int4r" and page_size >= 16
     k_bad = (slice(0, page_size), 1) if per_channel_keys else (1, 1)
     k1[k_bad] = 0
     v0[-1, 0] = 0
-    assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
-    amax = pool.scale_amax_by_layer()
-    assert amax.shape == (2, 2) and torch.isfinite(amax).all() and (amax > 0).all()
+    assert_finite_elsewhere(pool, k1, v0)
 
 
 @pytest.mark.parametrize("fmt", ROTATED)

@@ -23,6 +23,7 @@ from tests.support.server_args import (  # noqa: F401  (fixtures)
     INT8_LAYOUTS,
     LLAMA,
     _restore_environ,
+    device_kv_refusal,
     from_argv,
     model_dir,
     resolve,
@@ -139,22 +140,7 @@ def test_host_pool_dispatch_receives_host_dtype(monkeypatch):
 @per_format
 @pytest.mark.parametrize("kv_cache_dtype", ["mxfp8", "nvfp4", "fp4_mx_block16"])
 def test_quantized_rejects_quantized_device_kv(parser, kv_cache_dtype, host_dtype):
-    server_args = from_argv(
-        parser,
-        "dummy",
-        "--enable-hierarchical-cache",
-        "--hicache-host-dtype",
-        host_dtype,
-        "--kv-cache-dtype",
-        kv_cache_dtype,
-    )
-    with pytest.raises(ValueError) as error:
-        server_args.resolve_once()
-    message = str(error.value)
-    assert (
-        f"--hicache-host-dtype {host_dtype} with --kv-cache-dtype {kv_cache_dtype}"
-        in message
-    )
+    message = device_kv_refusal(parser, host_dtype, kv_cache_dtype)
     assert "quantized host KV needs a BF16/FP16 device KV cache" in message
 
 

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-TESTS_DIR = Path(__file__).resolve().parents[2]  # the repository root, for tests.support
+# The repository root, for tests.support.
+TESTS_DIR = Path(__file__).resolve().parents[2]
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
@@ -65,6 +66,40 @@ def gpu_test_device() -> str | None:
     if forced:
         return forced
     return "cuda" if torch.cuda.is_available() else None
+
+
+DEVICE = gpu_test_device()
+CUDA = DEVICE == "cuda"
+DTYPES = (torch.bfloat16, torch.float16)
+# GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s on current parts.
+DELAY = int(5e8)
+
+
+def gpu_test_marks() -> list:
+    """Every GPU test module's pytestmark: skipped without a device; numpy
+    (the dry run's interpreter) warns about the lanes kernels mask out."""
+    import pytest
+
+    return [
+        pytest.mark.skipif(
+            DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"
+        ),
+        pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    ]
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def big_tiles_when_interpreted(monkeypatch, kernels, tile: int) -> None:
+    """Dry run: fewer, larger programs in the kernel module `kernels` (the
+    interpreter's cost is per program; tile sizes do not change results, see
+    the module's CPU tests in tests/test_kv_*_triton.py)."""
+    if not CUDA:
+        monkeypatch.setattr(kernels, "ENCODE_TILE", tile)
+        monkeypatch.setattr(kernels, "DECODE_TILE", tile)
 
 
 # --------------------------------------------------------------------------

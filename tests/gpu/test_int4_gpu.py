@@ -16,15 +16,21 @@ import contextlib
 
 import pytest
 import torch
-from gpu_support import edge_rows, gpu_test_device, random_rows, same_bits
+from gpu_support import (
+    CUDA,
+    DELAY,
+    DEVICE,
+    DTYPES,
+    big_tiles_when_interpreted,
+    edge_rows,
+    gpu_test_marks,
+    random_rows,
+    same_bits,
+    sync,
+)
 
 
-DEVICE = gpu_test_device()
-CUDA = DEVICE == "cuda"
-pytestmark = [
-    pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"),
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-]
+pytestmark = gpu_test_marks()
 
 if DEVICE is not None:
     from tests.support.fp8_reference import random_finite_fp8
@@ -32,23 +38,10 @@ if DEVICE is not None:
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 
-DTYPES = (torch.bfloat16, torch.float16)
-# GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s on current parts.
-DELAY = int(5e8)
-
 
 @pytest.fixture(autouse=True)
-def big_tiles_when_interpreted(monkeypatch):
-    """Dry run: fewer, larger programs (tile sizes do not change results,
-    see tests/test_kv_int4_triton.py)."""
-    if not CUDA:
-        monkeypatch.setattr(k4, "ENCODE_TILE", 16384)
-        monkeypatch.setattr(k4, "DECODE_TILE", 16384)
-
-
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
+def big_tiles(monkeypatch):
+    big_tiles_when_interpreted(monkeypatch, k4, 16384)
 
 
 def rows(seed: int, n: int, H: int, d: int, dtype) -> torch.Tensor:

@@ -23,22 +23,23 @@ import threading
 import pytest
 import torch
 from gpu_support import (
+    CUDA,
+    DELAY,
+    DEVICE,
+    DTYPES,
+    big_tiles_when_interpreted,
     destroy_host_pool,
     edge_rows,
-    gpu_test_device,
+    gpu_test_marks,
     make_device_pool,
     make_host_pool,
     pages_to_tokens,
     random_rows,
     same_bits,
+    sync,
 )
 
-DEVICE = gpu_test_device()
-CUDA = DEVICE == "cuda"
-pytestmark = [
-    pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"),
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-]
+pytestmark = gpu_test_marks()
 
 if DEVICE is not None:
     from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
@@ -47,25 +48,13 @@ if DEVICE is not None:
 
     MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
-DTYPES = (torch.bfloat16, torch.float16)
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 NAN, INF = float("nan"), float("inf")
-# GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s on current parts.
-DELAY = int(5e8)
 
 
 @pytest.fixture(autouse=True)
-def big_tiles_when_interpreted(monkeypatch):
-    """Dry run: fewer, larger programs (the interpreter's cost is per program;
-    tile sizes do not change results, see tests/test_kv_int8_triton.py)."""
-    if not CUDA:
-        monkeypatch.setattr(kt, "ENCODE_TILE", 65536)
-        monkeypatch.setattr(kt, "DECODE_TILE", 65536)
-
-
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
+def big_tiles(monkeypatch):
+    big_tiles_when_interpreted(monkeypatch, kt, 65536)
 
 
 def side_stream():
@@ -461,9 +450,7 @@ def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
         dev_pool.v_buffer[layer].fill_(7.0)
 
     if CUDA:
-        monkeypatch.setenv(
-            "SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES", str(DELAY // layers)
-        )
+        monkeypatch.setenv("SGLANG_TEST_HICACHE_H2D_DELAY_CYCLES", str(DELAY // layers))
     new_dev = ctl.load(host)
     assert new_dev is not None, "device pool too small for the load"
     producer = ctl.start_loading()

@@ -15,46 +15,36 @@ import contextlib
 import pytest
 import torch
 from gpu_support import (
+    CUDA,
+    DELAY,
+    DEVICE,
+    DTYPES,
+    big_tiles_when_interpreted,
     destroy_host_pool,
     edge_rows,
-    gpu_test_device,
+    gpu_test_marks,
     make_mla_device_pool,
     make_mla_host_pool,
     pages_to_tokens,
     random_rows,
     same_bits,
+    sync,
 )
 
-DEVICE = gpu_test_device()
-CUDA = DEVICE == "cuda"
-pytestmark = [
-    pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"),
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-]
+pytestmark = gpu_test_marks()
 
 if DEVICE is not None:
     from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
     from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
-DTYPES = (torch.bfloat16, torch.float16)
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 RANK, ROPE, TILE = 512, 64, 128
 NAN, INF = float("nan"), float("inf")
-DELAY = int(5e8)  # GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s
 
 
 @pytest.fixture(autouse=True)
-def big_tiles_when_interpreted(monkeypatch):
-    """Dry run: fewer, larger programs (the interpreter's cost is per program;
-    tile sizes do not change results, see tests/test_kv_mla_int8_triton.py)."""
-    if not CUDA:
-        monkeypatch.setattr(mk, "ENCODE_TILE", 65536)
-        monkeypatch.setattr(mk, "DECODE_TILE", 65536)
-
-
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
+def big_tiles(monkeypatch):
+    big_tiles_when_interpreted(monkeypatch, mk, 65536)
 
 
 def mla_rows(dtype: torch.dtype, tokens: int, seed: int) -> torch.Tensor:

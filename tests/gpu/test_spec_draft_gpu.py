@@ -14,26 +14,19 @@ from __future__ import annotations
 import pytest
 import torch
 from gpu_support import (
+    CUDA,
+    DEVICE,
     destroy_host_pool,
-    gpu_test_device,
+    gpu_test_marks,
     make_device_pool,
     make_mla_device_pool,
     pages_to_tokens,
     same_bits,
+    sync,
 )
 
-DEVICE = gpu_test_device()
-CUDA = DEVICE == "cuda"
-pytestmark = [
-    pytest.mark.skipif(DEVICE is None, reason="needs CUDA (or HIQ_GPU_TEST_DEVICE)"),
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-]
+pytestmark = gpu_test_marks()
 PAGE, PAGES, LAYERS = 16, 3, 2
-
-
-def sync():
-    if CUDA:
-        torch.cuda.synchronize()
 
 
 def packed_pool(kind: str, fused: bool):

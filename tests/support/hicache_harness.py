@@ -195,3 +195,86 @@ def finish_transfers(controller: HiCacheController) -> None:
         ack.finish_event.synchronize()
     controller.ack_write_queue.clear()
     controller.ack_load_queue.clear()
+
+
+def device_buffers(device_pool) -> list:
+    """The device pool's per-layer buffer lists: [k, v] for MHA, [kv] for MLA."""
+    if isinstance(device_pool, MLATokenToKVPool):
+        return [device_pool.kv_buffer]
+    return [device_pool.k_buffer, device_pool.v_buffer]
+
+
+def random_controller_operations(
+    rig: HiCacheRig,
+    write_rows,
+    *,
+    steps: int,
+    rng,
+    max_pages: int,
+    same=torch.equal,
+    audit_every: int = 0,
+) -> int:
+    """Drive the real controller through random writes (each evicted from L1
+    at once), loads, L2 and L1 evictions, checking every restore; return the
+    number of operations done.
+
+    `write_rows(dev, rng)` writes new rows at device indices `dev` and returns
+    the expected restored rows, per layer a tuple in device_buffers() order.
+    Every `audit_every` steps, and at the end, all restored rows still on the
+    device must be intact (no cross-slot leakage); at the end the host pool's
+    free space must match what the test holds there."""
+    ctl, alloc = rig.controller, rig.allocator
+    buffers = device_buffers(rig.device_pool)
+    page_size = rig.device_pool.page_size
+    backed_up = []  # (host_indices, expected rows)
+    resident = []  # (device_indices, expected rows): restored, still on device
+
+    def assert_restored(dev, expected, step):
+        for layer, rows in enumerate(expected):
+            for buffer, want in zip(buffers, rows, strict=True):
+                assert same(buffer[layer][dev], want), step
+
+    ops = 0
+    for step in range(steps):
+        op = rng.random()
+        if op < 0.4:  # new KV on device, written through to host
+            dev = alloc.alloc(rng.randint(1, max_pages) * page_size)
+            if dev is None:
+                continue
+            expected = write_rows(dev, rng)
+            host = ctl.write(dev)
+            finish_transfers(ctl)
+            # L1 eviction right after the backup: the device copy is gone.
+            for buffer in buffers:
+                for layer in buffer:
+                    layer[dev] = float("nan")
+            alloc.free(dev)
+            if host is not None:
+                backed_up.append((host, expected))
+            ops += 1
+        elif op < 0.75 and backed_up:  # L2 hit: load back and verify
+            host, expected = rng.choice(backed_up)
+            dev = ctl.load(host)
+            if dev is None:
+                continue
+            ctl.start_loading()
+            finish_transfers(ctl)
+            assert_restored(dev, expected, step)
+            resident.append((dev, expected))
+            ops += 1
+        elif op < 0.9 and backed_up:  # L2 eviction
+            host, _ = backed_up.pop(rng.randrange(len(backed_up)))
+            ctl.evict_host(host)
+            ops += 1
+        elif resident:  # L1 eviction of restored KV
+            dev, _ = resident.pop(rng.randrange(len(resident)))
+            alloc.free(dev)
+            ops += 1
+        if audit_every and step % audit_every == 0:
+            for dev, expected in resident:
+                assert_restored(dev, expected, step)
+    for dev, expected in resident:
+        assert_restored(dev, expected, "end")
+    held = sum(len(h) for h, _ in backed_up)
+    assert rig.host_pool.available_size() == rig.host_pool.size - held
+    return ops

@@ -18,10 +18,10 @@ from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, StoragePag
 from tests.support.hicache_harness import (
     Geometry,
     fill_random,
-    finish_transfers,
     make_device_pool,
     make_host_pool,
     make_rig,
+    random_controller_operations,
 )
 from tests.support.int8_pool_checks import unit_tokens
 
@@ -97,6 +97,32 @@ def assert_restores(device_pool, pool, fmt, host, new_dev, written, ut, layers):
         assert torch.equal(device_pool.v_buffer[layer][new_dev], v_want)
 
 
+def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup):
+    """Back up a NaN key (layer 1, second token, head 1, channel 5) and an Inf
+    value (layer 0, last token, head 0, channel 40), call after_backup(pool),
+    restore into new slots; return (pool, restored layer-1 keys, restored
+    layer-0 values)."""
+    geo, device_pool, pool = build(fmt, layout, page_size)
+    dev, host = pages([1, 2], page_size), pages([3, 4], page_size)
+    fill_spread(device_pool, dev, seed=9)
+    device_pool.k_buffer[1][dev[1], 1, 5] = float("nan")
+    device_pool.v_buffer[0][dev[-1], 0, 40] = float("inf")
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    after_backup(pool)
+    new_dev = pages([6, 7], page_size)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+    return pool, device_pool.k_buffer[1][new_dev], device_pool.v_buffer[0][new_dev]
+
+
+def assert_finite_elsewhere(pool, k1, v0):
+    """Once the non-finite groups are zeroed: every other restored value and
+    the scale statistics are finite."""
+    assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
+    amax = pool.scale_amax_by_layer()
+    assert amax.shape == (2, 2) and torch.isfinite(amax).all() and (amax > 0).all()
+
+
 def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
     from sglang.srt.mem_cache.pool_host import encoded
 
@@ -145,64 +171,27 @@ def check_controller_random_operations(fmt, layout, page_size, io_backend, fused
     if fused:
         rig.host_pool.use_fused_kernels = True
         assert rig.host_pool.transfer_path == "fused_direct"
-    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
+    dev_pool = rig.device_pool
     ut = unit_tokens(layout, page_size)
-    rng = random.Random(7 + page_size)
     gen = torch.Generator().manual_seed(8)
-    backed_up, resident, ops = [], [], 0
-    for step in range(300):
-        op = rng.random()
-        if op < 0.4:
-            n = rng.randint(1, 3) * page_size
-            dev = alloc.alloc(n)
-            if dev is None:
-                continue
-            expected = []
-            for layer in range(geo.layer_num):
-                k = (
-                    torch.randn((n, 2, 64), generator=gen)
-                    * rng.choice((1e-3, 1.0, 50.0))
-                ).to(geo.dtype)
-                v = torch.randn((n, 2, 64), generator=gen).to(geo.dtype)
-                dev_pool.k_buffer[layer][dev] = k
-                dev_pool.v_buffer[layer][dev] = v
-                expected.append(expected_restore(fmt, k, v, ut)[:2])
-            host = ctl.write(dev)
-            finish_transfers(ctl)
-            for layer in range(geo.layer_num):
-                dev_pool.k_buffer[layer][dev] = float("nan")
-                dev_pool.v_buffer[layer][dev] = float("nan")
-            alloc.free(dev)
-            if host is not None:
-                backed_up.append((host, expected))
-            ops += 1
-        elif op < 0.75 and backed_up:
-            host, expected = rng.choice(backed_up)
-            dev = ctl.load(host)
-            if dev is None:
-                continue
-            ctl.start_loading()
-            finish_transfers(ctl)
-            for layer, (k, v) in enumerate(expected):
-                assert torch.equal(dev_pool.k_buffer[layer][dev], k), step
-                assert torch.equal(dev_pool.v_buffer[layer][dev], v), step
-            resident.append((dev, expected))
-            ops += 1
-        elif op < 0.9 and backed_up:
-            host, _ = backed_up.pop(rng.randrange(len(backed_up)))
-            ctl.evict_host(host)
-            ops += 1
-        elif resident:
-            dev, _ = resident.pop(rng.randrange(len(resident)))
-            alloc.free(dev)
-            ops += 1
+
+    def write_rows(dev, rng):
+        expected = []
+        for layer in range(geo.layer_num):
+            k = (
+                torch.randn((len(dev), 2, 64), generator=gen)
+                * rng.choice((1e-3, 1.0, 50.0))
+            ).to(geo.dtype)
+            v = torch.randn((len(dev), 2, 64), generator=gen).to(geo.dtype)
+            dev_pool.k_buffer[layer][dev] = k
+            dev_pool.v_buffer[layer][dev] = v
+            expected.append(expected_restore(fmt, k, v, ut)[:2])
+        return expected
+
+    ops = random_controller_operations(
+        rig, write_rows, steps=300, rng=random.Random(7 + page_size), max_pages=3
+    )
     assert ops > 150
-    for dev, expected in resident:
-        for layer, (k, v) in enumerate(expected):
-            assert torch.equal(dev_pool.k_buffer[layer][dev], k)
-            assert torch.equal(dev_pool.v_buffer[layer][dev], v)
-    held = sum(len(h) for h, _ in backed_up)
-    assert rig.host_pool.available_size() == rig.host_pool.size - held
 
 
 def check_storage_pages_round_trip(fmt, layout, page_size):

@@ -1,9 +1,10 @@
 """INT8 host-pool checks shared by the torch-path and fused-kernel tests
-(tests/test_int8_host_pool.py, tests/test_kv_int8_triton.py): the pool, the
+(tests/test_int8_*.py, tests/test_kv_int8_triton.py): the pool, the
 documented record layouts read directly, and the unordered-slots round trip."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
@@ -17,6 +18,13 @@ from tests.support.hicache_harness import (
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
+# For modules whose fused kernels run under Triton's interpreter on CPU
+# tensors: numpy warns about the lanes the kernels mask out.
+INTERPRETED_KERNELS = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
+
 
 def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
     pool = make_host_pool(
@@ -27,6 +35,17 @@ def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
     )
     pool.use_run_copies = use_run_copies
     return pool
+
+
+def int8_pools(geo: Geometry, device_tokens, host_tokens, layout, access=None):
+    """A CPU device pool and the INT8 host pool over it, on the torch path or,
+    with `access` (direct, staged), on the fused kernels."""
+    device_pool = make_device_pool(geo, device_tokens=device_tokens)
+    pool = int8_pool(device_pool, layout, host_tokens)
+    if access is not None:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = access
+    return device_pool, pool
 
 
 def unit_tokens(layout: str, page_size: int) -> int:

@@ -91,6 +91,28 @@ def from_argv(parser, *argv: str) -> ServerArgs:
     return ServerArgs.from_cli_args(parser.parse_args(["--model-path", *argv]))
 
 
+def device_kv_refusal(parser, host_dtype: str, kv_cache_dtype: str) -> str:
+    """The start-up error for a host format the device KV dtype rules out; it
+    names both flags."""
+    server_args = from_argv(
+        parser,
+        "dummy",
+        "--enable-hierarchical-cache",
+        "--hicache-host-dtype",
+        host_dtype,
+        "--kv-cache-dtype",
+        kv_cache_dtype,
+    )
+    with pytest.raises(ValueError) as error:
+        server_args.resolve_once()
+    message = str(error.value)
+    assert (
+        f"--hicache-host-dtype {host_dtype} with --kv-cache-dtype {kv_cache_dtype}"
+        in message
+    )
+    return message
+
+
 def resolve(model_path: str = "dummy", **kwargs) -> ServerArgs:
     kwargs.setdefault("enable_hierarchical_cache", True)
     server_args = ServerArgs(
