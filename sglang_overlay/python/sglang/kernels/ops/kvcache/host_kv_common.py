@@ -22,11 +22,19 @@ FP8_NONE, FP8_E4M3, FP8_E5M2 = 0, 1, 2
 # divisible by 16); nor do the kernels' index, layer-offset and counter
 # pointers, which are only gathered from or hit by atomics (pointers are
 # specialized on 16-byte alignment): a serving pool would compile mid-flight.
-# Every kernel takes its indices as idx = (dev_idx_ptr, host_idx_ptr,
-# bad_idx_ptr), and encode kernels their statistics as stats =
-# (nonfinite_ptr, amax_ptr) and their layer tables as offs (one per side).
+# They stay separate arguments: a tuple's elements are specialized whatever
+# its do_not_specialize_on_alignment says (tests/test_int8_kernel_variants.py).
 SIZES = ["n_tok", "n_host", "n_k_progs"]
-BOOKKEEPING_POINTERS = ["offs", "idx", "stats"]
+BOOKKEEPING_POINTERS = [
+    "dev_idx_ptr",
+    "host_idx_ptr",
+    "bad_idx_ptr",
+    "nonfinite_ptr",
+    "amax_ptr",
+    "k_offs",
+    "v_offs",
+    "kv_offs",
+]
 
 
 def kernel_jit(unaligned: Sequence[str] = ()):
@@ -397,17 +405,15 @@ def encode_args(
     args = index_args(device_indices, host_indices, bad_index_counter, dummy)
     args.update(
         dev=tuple(t.base for t in tables.values()),
-        offs=tuple(t.offsets for t in tables.values()),
-        stats=(
-            _or_dummy(nonfinite_counter, dummy),
-            _or_dummy(scale_amax, dummy, torch.int32),
-        ),
+        nonfinite_ptr=_or_dummy(nonfinite_counter, dummy),
+        amax_ptr=_or_dummy(scale_amax, dummy, torch.int32),
         IS_BF16=first.dtype == torch.bfloat16,
         ALIGNED=all(t.aligned for t in tables.values()),
         COUNT=nonfinite_counter is not None,
         AMAX=scale_amax is not None,
     )
     for side, table in tables.items():
+        args[f"{side}_offs"] = table.offsets
         args[f"{side}_dev_stride_token"] = table.stride[0]
         args[f"{side}_dev_stride_head"] = table.stride[1]
     return args
@@ -436,9 +442,12 @@ def index_args(
     bad_index_counter: torch.Tensor | None,
     dummy: torch.Tensor,
 ) -> dict:
-    """idx and the COUNT_BAD_IDX flag, as every kernel takes them."""
+    """The index pointers and the COUNT_BAD_IDX flag, as every kernel takes
+    them (and passes them on to the device functions as idx)."""
     return dict(
-        idx=(device_indices, host_indices, _or_dummy(bad_index_counter, dummy)),
+        dev_idx_ptr=device_indices,
+        host_idx_ptr=host_indices,
+        bad_idx_ptr=_or_dummy(bad_index_counter, dummy),
         COUNT_BAD_IDX=bad_index_counter is not None,
     )
 

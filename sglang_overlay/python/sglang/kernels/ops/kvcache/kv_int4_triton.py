@@ -276,9 +276,13 @@ def _decode_groups(
 @hk.kernel_jit(unaligned=["sign_ptr"])
 def _encode_kernel(
     dev,
-    offs,
-    idx,
-    stats,
+    k_offs,
+    v_offs,
+    dev_idx_ptr,
+    host_idx_ptr,
+    bad_idx_ptr,
+    nonfinite_ptr,
+    amax_ptr,
     sign_ptr,
     k_codes,
     k_meta,
@@ -332,17 +336,18 @@ def _encode_kernel(
     FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs, layers)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     pid = tl.program_id(0)
     layer_idx = tl.program_id(1)
     layer = layer_idx.to(tl.int64)
     if pid < n_k_progs:
-        src = (dev[0], hk.layer_offset(offs[0], layer_idx, ALIGNED),
+        src = (dev[0], hk.layer_offset(k_offs, layer_idx, ALIGNED),
                k_dev_stride_token, k_dev_stride_head)  # fmt: skip
         q = (k_codes, k_codes_stride_unit, k_codes_stride_layer,
              k_codes_stride_token, k_codes_stride_head)  # fmt: skip
         meta = (k_meta, k_meta_stride_unit, k_meta_stride_layer, k_meta_stride_token,
                 k_meta_stride_head, k_meta_stride_group, k_meta_stride_param)  # fmt: skip
-        k_stats = (stats[0], stats[1] + 2 * layer)
+        k_stats = (nonfinite_ptr, amax_ptr + 2 * layer)
         if KEY_MODE == 0:
             hk.int8_encode_rows(
                 src, q, meta, idx, k_stats, (pid * K_BLOCK, n_tok * H, n_host),
@@ -364,13 +369,13 @@ def _encode_kernel(
             )  # fmt: skip
     else:
         _encode_groups(
-            (dev[1], hk.layer_offset(offs[1], layer_idx, ALIGNED),
+            (dev[1], hk.layer_offset(v_offs, layer_idx, ALIGNED),
              v_dev_stride_token, v_dev_stride_head),
             (v_codes, v_codes_stride_unit, v_codes_stride_layer,
              v_codes_stride_token, v_codes_stride_head),
             (v_meta, v_meta_stride_unit, v_meta_stride_layer, v_meta_stride_token,
              v_meta_stride_head, v_meta_stride_group, v_meta_stride_param),
-            idx, (stats[0], stats[1] + 2 * layer + 1),
+            idx, (nonfinite_ptr, amax_ptr + 2 * layer + 1),
             ((pid - n_k_progs) * V_BLOCK_R, n_tok * (H * (DV // GV)), n_host),
             layer, sign_ptr,
             H, DV // GV, GV, UT, V_BLOCK_R, IS_BF16, FP8, COUNT, AMAX,
@@ -384,7 +389,9 @@ def _decode_kernel(
     k_meta,
     v_codes,
     v_meta,
-    idx,
+    dev_idx_ptr,
+    host_idx_ptr,
+    bad_idx_ptr,
     dst,
     sign_ptr,
     n_tok,
@@ -427,6 +434,7 @@ def _decode_kernel(
 ):
     # grid: (key programs + value programs,); one layer's records (layer
     # stride 0)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     pid = tl.program_id(0)
     if pid < n_k_progs:
         q = (k_codes, k_codes_stride_unit, 0, k_codes_stride_token,

@@ -28,9 +28,13 @@ DECODE_WARPS = 4
 @hk.kernel_jit()
 def _encode_kernel(
     dev,
-    offs,
-    idx,
-    stats,
+    k_offs,
+    v_offs,
+    dev_idx_ptr,
+    host_idx_ptr,
+    bad_idx_ptr,
+    nonfinite_ptr,
+    amax_ptr,
     k_out,
     v_out,
     scale_out,
@@ -65,30 +69,31 @@ def _encode_kernel(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, layers, K|V)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     layer_idx = tl.program_id(1)
     layer = layer_idx.to(tl.int64)
     rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
     if tl.program_id(2) == 0:
         hk.int8_encode_rows(
-            (dev[0], hk.layer_offset(offs[0], layer_idx, ALIGNED),
+            (dev[0], hk.layer_offset(k_offs, layer_idx, ALIGNED),
              k_dev_stride_token, k_dev_stride_head),
             (k_out, k_out_stride_unit, k_out_stride_layer, k_out_stride_token,
              k_out_stride_head),
             (scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token,
              scale_stride_head),
-            idx, (stats[0], stats[1] + 2 * layer), rows, layer,
+            idx, (nonfinite_ptr, amax_ptr + 2 * layer), rows, layer,
             H, DK, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
         v_scale = scale_out + scale_stride_side
         hk.int8_encode_rows(
-            (dev[1], hk.layer_offset(offs[1], layer_idx, ALIGNED),
+            (dev[1], hk.layer_offset(v_offs, layer_idx, ALIGNED),
              v_dev_stride_token, v_dev_stride_head),
             (v_out, v_out_stride_unit, v_out_stride_layer, v_out_stride_token,
              v_out_stride_head),
             (v_scale, scale_stride_unit, scale_stride_layer, scale_stride_token,
              scale_stride_head),
-            idx, (stats[0], stats[1] + 2 * layer + 1), rows, layer,
+            idx, (nonfinite_ptr, amax_ptr + 2 * layer + 1), rows, layer,
             H, DV, UT, BLOCK_R, IS_BF16, COUNT, AMAX, False,
         )  # fmt: skip
 
@@ -98,7 +103,9 @@ def _decode_kernel(
     k_in,
     v_in,
     scale_in,
-    idx,
+    dev_idx_ptr,
+    host_idx_ptr,
+    bad_idx_ptr,
     dst,
     n_tok,
     n_host,
@@ -125,6 +132,7 @@ def _decode_kernel(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, K|V); one layer's records, so their layer stride is 0
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
     if tl.program_id(1) == 0:
         hk.int8_decode_rows(

@@ -44,9 +44,12 @@ def _rope_slots(tok0, n_tok, idx, n_host, BLOCK_T: tl.constexpr, UT: tl.constexp
 @hk.kernel_jit()
 def _mla_encode_kernel(
     dev,
-    offs,
-    idx,
-    stats,
+    kv_offs,
+    dev_idx_ptr,
+    host_idx_ptr,
+    bad_idx_ptr,
+    nonfinite_ptr,
+    amax_ptr,
     kv_out,
     scale_out,
     rope_out,
@@ -76,9 +79,10 @@ def _mla_encode_kernel(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, layers, latent|rope)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     layer_idx = tl.program_id(1)
     layer = layer_idx.to(tl.int64)
-    off = hk.layer_offset(offs[0], layer_idx, ALIGNED)
+    off = hk.layer_offset(kv_offs, layer_idx, ALIGNED)
     if tl.program_id(2) == 0:
         # Tiles as heads: "head" stride T in the device row and the record,
         # the scale's tile stride 1.
@@ -86,7 +90,7 @@ def _mla_encode_kernel(
             (dev[0], off, kv_dev_stride_token, T),
             (kv_out, kv_stride_unit, kv_stride_layer, kv_stride_token, T),
             (scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token, 1),
-            idx, (stats[0], stats[1] + layer),
+            idx, (nonfinite_ptr, amax_ptr + layer),
             (tl.program_id(0) * BLOCK_R, n_tok * NT, n_host), layer,
             NT, T, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
         )  # fmt: skip
@@ -107,7 +111,7 @@ def _mla_encode_kernel(
                 special = ((bits.to(tl.int32) & 0x7F80) == 0x7F80) & m2
             else:
                 special = ((bits.to(tl.int32) & 0x7C00) == 0x7C00) & m2
-            hk.count_flags(stats[0], tl.max(special.to(tl.int32), axis=1) > 0)
+            hk.count_flags(nonfinite_ptr, tl.max(special.to(tl.int32), axis=1) > 0)
 
 
 @hk.kernel_jit()
@@ -115,7 +119,9 @@ def _mla_decode_kernel(
     kv_in,
     scale_in,
     rope_in,
-    idx,
+    dev_idx_ptr,
+    host_idx_ptr,
+    bad_idx_ptr,
     dst,
     n_tok,
     n_host,
@@ -137,6 +143,7 @@ def _mla_decode_kernel(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, latent|rope); one layer's records (layer stride 0)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     if tl.program_id(1) == 0:
         hk.int8_decode_rows(
             (kv_in, kv_stride_unit, 0, kv_stride_token, T),
