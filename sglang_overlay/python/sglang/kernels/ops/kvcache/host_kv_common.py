@@ -1,6 +1,8 @@
 """Shared pieces of the host (L2) KV cache kernels: the device layer table, the
-argument checks and the INT8 row code that the INT8 format, K8V4 keys and MLA
-latent tiles all use. Why each step is bit-exact: docs/kernels.md."""
+argument checks, the kernels' prologue steps (index loads and checks, layer
+offsets, record offsets, counters) and the INT8 row code that the INT8 format,
+K8V4 keys and MLA latent tiles all use. Why each step is bit-exact:
+docs/kernels.md."""
 
 from __future__ import annotations
 
