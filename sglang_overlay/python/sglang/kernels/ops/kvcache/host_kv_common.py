@@ -1,6 +1,8 @@
 """Shared pieces of the host (L2) KV cache kernels: the device layer table, the
-argument checks and the INT8 row code that the INT8 format, K8V4 keys and MLA
-latent tiles all use. Why each step is bit-exact: docs/kernels.md."""
+argument checks, the kernels' prologue steps (index loads and checks, layer
+offsets, record offsets, counters) and the INT8 row code that the INT8 format,
+K8V4 keys and MLA latent tiles all use. Why each step is bit-exact:
+docs/kernels.md."""
 
 from __future__ import annotations
 
@@ -18,11 +20,32 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # FP8 constexpr values: 0 means a 16-bit device dtype (IS_BF16 says which).
 FP8_NONE, FP8_E4M3, FP8_E5M2 = 0, 1, 2
 
-# Triton specializes pointers on 16-byte alignment; index, table and counter
-# pointers are only gathered from or hit by atomics, so they must pick no
-# kernel variant (a serving pool would compile mid-flight).
-BOOKKEEPING_POINTERS = ["dev_idx_ptr", "host_idx_ptr", "bad_idx_ptr"]
-STATS_POINTERS = ["nonfinite_ptr", "amax_ptr"]
+# Per-transfer sizes pick no kernel variant (Triton specializes ints == 1 or
+# divisible by 16); nor do the kernels' index, layer-offset and counter
+# pointers, which are only gathered from or hit by atomics (pointers are
+# specialized on 16-byte alignment): a serving pool would compile mid-flight.
+# They stay separate arguments: a tuple's elements are specialized whatever
+# its do_not_specialize_on_alignment says (tests/test_int8_kernel_variants.py).
+SIZES = ["n_tok", "n_host", "n_k_progs"]
+BOOKKEEPING_POINTERS = [
+    "dev_idx_ptr",
+    "host_idx_ptr",
+    "bad_idx_ptr",
+    "nonfinite_ptr",
+    "amax_ptr",
+    "k_offs",
+    "v_offs",
+    "kv_offs",
+]
+
+
+def kernel_jit(unaligned: Sequence[str] = ()):
+    """triton.jit for a host-KV kernel: SIZES and BOOKKEEPING_POINTERS (plus
+    `unaligned`) are not specialized; names a kernel lacks are ignored."""
+    return triton.jit(
+        do_not_specialize=SIZES,
+        do_not_specialize_on_alignment=BOOKKEEPING_POINTERS + list(unaligned),
+    )
 
 
 def available(device: torch.device | str) -> bool:
@@ -158,10 +181,45 @@ def bf16_rne_bits(y):
 
 
 @triton.jit
-def host_rows(host_idx_ptr, tok, mask, n_host):
-    """The tokens' host indices and their in-range mask."""
-    hidx = tl.load(host_idx_ptr + tok, mask=mask, other=0).to(tl.int64)
-    return hidx, mask & (hidx >= 0) & (hidx < n_host)
+def layer_offset(offs_ptr, layer_idx, ALIGNED: tl.constexpr):
+    """A layer's element offset in its DeviceLayerTable (ALIGNED: all of them
+    are multiples of 16, so row loads stay vectorized)."""
+    off = tl.load(offs_ptr + layer_idx)
+    if ALIGNED:
+        off = tl.multiple_of(off, 16)
+    return off
+
+
+@triton.jit
+def token_slots(tok, mask, idx, n_host):
+    """The tokens' device index, host index and in-range mask (idx: the
+    transfer's (dev_idx_ptr, host_idx_ptr, bad_idx_ptr))."""
+    didx = tl.load(idx[0] + tok, mask=mask, other=0).to(tl.int64)
+    hidx = tl.load(idx[1] + tok, mask=mask, other=0).to(tl.int64)
+    return didx, hidx, mask & (hidx >= 0) & (hidx < n_host)
+
+
+@triton.jit
+def row_slots(
+    row0,
+    n_rows,
+    idx,
+    n_host,
+    once,
+    H: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    COUNT_BAD_IDX: tl.constexpr,
+):
+    """For BLOCK_R rows, H per token: the row in its token, device and host
+    index and the in-range mask; an out-of-range token is counted once, at
+    its first row where `once` holds."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    didx, hidx, hmask = token_slots(rows // H, rmask, idx, n_host)
+    head = (rows % H).to(tl.int64)
+    if COUNT_BAD_IDX:
+        count_flags(idx[2], rmask & ~hmask & (head == 0) & once)
+    return head, didx, hidx, hmask
 
 
 @triton.jit
@@ -172,53 +230,23 @@ def unit_slots(hidx, UT: tl.constexpr):
 
 
 @triton.jit
-def row_slots(
-    row0,
-    n_rows,
-    dev_idx_ptr,
-    host_idx_ptr,
-    n_host,
-    H: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """For BLOCK_R (token, head) rows: mask, head, device and host index, and
-    whether the host index is inside the records."""
-    rows = row0 + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    tok = rows // H
-    didx = tl.load(dev_idx_ptr + tok, mask=rmask, other=0).to(tl.int64)
-    hidx, hmask = host_rows(host_idx_ptr, tok, rmask, n_host)
-    return rmask, (rows % H).to(tl.int64), didx, hidx, hmask
+def record_offset(rec, unit, layer, within, head):
+    """Element offset of (unit, layer, token-in-unit, head) in a record view
+    rec = (pointer, unit, layer, token, head strides, ...)."""
+    return unit * rec[1] + layer * rec[2] + within * rec[3] + head * rec[4]
 
 
 @triton.jit
 def int8_encode_rows(
-    x_base,
-    layer_off,
-    dev_idx_ptr,
-    dev_stride_token,
-    dev_stride_head,
-    host_idx_ptr,
-    q_base,
-    q_stride_unit,
-    q_stride_layer,
-    q_stride_token,
-    q_stride_head,
-    s_base,
-    s_stride_unit,
-    s_stride_layer,
-    s_stride_token,
-    s_stride_head,
+    src,
+    q,
+    s,
+    idx,
+    stats,
+    rows,
     layer,
-    row0,
-    n_rows,
-    n_host,
-    nonfinite_ptr,
-    amax_ptr,
-    bad_idx_ptr,
     H: tl.constexpr,
     D: tl.constexpr,
-    D_PAD: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
@@ -227,94 +255,82 @@ def int8_encode_rows(
     COUNT_BAD_IDX: tl.constexpr,
     FP8: tl.constexpr = 0,
 ):
-    """BLOCK_R rows of D values -> int8 codes + one fp16 scale per row."""
-    rmask, head, didx, hidx, hmask = row_slots(
-        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R
+    """BLOCK_R rows of D values -> int8 codes + one fp16 scale per row.
+    src = (device pointer, layer offset, token and head strides); q, s: the
+    codes' and scales' records (record_offset); rows = (row0, n_rows,
+    n_host); stats = (nonfinite_ptr, amax_ptr)."""
+    D_PAD: tl.constexpr = pow2(D)
+    # Once per token: its first head, in layer 0.
+    head, didx, hidx, hmask = row_slots(
+        rows[0], rows[1], idx, rows[2], layer == 0, H, BLOCK_R, COUNT_BAD_IDX
     )
     d = tl.arange(0, D_PAD)
     m2 = hmask[:, None] & (d < D)[None, :]
-    if COUNT_BAD_IDX:
-        # Once per token: its first head, in layer 0.
-        count_flags(bad_idx_ptr, rmask & ~hmask & (head == 0) & (layer == 0))
-    src = layer_off + didx * dev_stride_token + head * dev_stride_head
+    x_row = src[1] + didx * src[2] + head * src[3]
     x = to_fp32(
-        tl.load(x_base + (src[:, None] + d[None, :]), mask=m2, other=0), IS_BF16, FP8
+        tl.load(src[0] + (x_row[:, None] + d[None, :]), mask=m2, other=0), IS_BF16, FP8
     )
 
     row_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
     amax_raw = tl.max(tl.abs(x), axis=1)
     s32 = tl.math.div_rn(tl.maximum(amax_raw, 1.1754943508222875e-38), 127.0)
-    s_bits, s = fp16_scale_up(s32)
-    bad = row_nan | (s != s) | (s > 65504.0)
+    s_bits, scale = fp16_scale_up(s32)
+    bad = row_nan | (scale != scale) | (scale > 65504.0)
     s_bits = tl.where(bad, 0x7E00, s_bits).to(tl.int16)  # torch's fp16 NaN
 
-    r = rint(tl.math.div_rn(x, s[:, None]))
+    r = rint(tl.math.div_rn(x, scale[:, None]))
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)
     r = tl.where(bad[:, None], 0.0, r)
 
     unit, within = unit_slots(hidx, UT)
-    q_row = (
-        unit * q_stride_unit
-        + layer * q_stride_layer
-        + within * q_stride_token
-        + head * q_stride_head
-    )
-    tl.store(q_base + (q_row[:, None] + d[None, :]), r.to(tl.int8), mask=m2)
-    s_off = (
-        unit * s_stride_unit
-        + layer * s_stride_layer
-        + within * s_stride_token
-        + head * s_stride_head
-    )
-    tl.store(s_base + s_off, s_bits, mask=hmask)
+    q_row = record_offset(q, unit, layer, within, head)
+    tl.store(q[0] + (q_row[:, None] + d[None, :]), r.to(tl.int8), mask=m2)
+    tl.store(s[0] + record_offset(s, unit, layer, within, head), s_bits, mask=hmask)
+    count_stats(stats, bad & hmask, tl.where(hmask & ~bad, amax_raw, 0.0), COUNT, AMAX)
+
+
+@triton.jit
+def count_stats(stats, bad, amax, COUNT: tl.constexpr, AMAX: tl.constexpr):
+    """Count the non-finite flags and raise the amax statistic, as enabled
+    (stats = (nonfinite_ptr, amax_ptr))."""
     if COUNT:
-        count_flags(nonfinite_ptr, bad & hmask)
+        count_flags(stats[0], bad)
     if AMAX:
-        raise_amax(amax_ptr, tl.where(hmask & ~bad, amax_raw, 0.0))
+        raise_amax(stats[1], amax)
 
 
 @triton.jit
 def int8_decode_rows(
-    q_base,
-    q_stride_unit,
-    q_stride_token,
-    q_stride_head,
-    s_base,
-    s_stride_unit,
-    s_stride_token,
-    s_stride_head,
-    host_idx_ptr,
-    y_base,
-    y_stride_token,
-    y_stride_head,
-    dev_idx_ptr,
-    row0,
-    n_rows,
-    n_host,
-    bad_idx_ptr,
+    q,
+    s,
+    dst,
+    idx,
+    rows,
     H: tl.constexpr,
     D: tl.constexpr,
-    D_PAD: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     FP8: tl.constexpr = 0,
 ):
-    """BLOCK_R rows of int8 codes and scales -> device rows."""
-    rmask, head, didx, hidx, hmask = row_slots(
-        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R
+    """BLOCK_R rows of int8 codes and scales -> device rows. q, s: one layer's
+    records (record_offset, layer stride 0); dst = (device pointer, token and
+    head strides); rows = (row0, n_rows, n_host)."""
+    D_PAD: tl.constexpr = pow2(D)
+    head, didx, hidx, hmask = row_slots(
+        rows[0], rows[1], idx, rows[2], True, H, BLOCK_R, COUNT_BAD_IDX
     )
     d = tl.arange(0, D_PAD)
     m2 = hmask[:, None] & (d < D)[None, :]
-    if COUNT_BAD_IDX:
-        count_flags(bad_idx_ptr, rmask & ~hmask & (head == 0))
     unit, within = unit_slots(hidx, UT)
-    s_off = unit * s_stride_unit + within * s_stride_token + head * s_stride_head
-    s = tl.load(s_base + s_off, mask=hmask, other=0)
-    q_row = unit * q_stride_unit + within * q_stride_token + head * q_stride_head
-    q = tl.load(q_base + (q_row[:, None] + d[None, :]), mask=m2, other=0)
-    y = q.to(tl.float32) * s.to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+    scale = tl.load(s[0] + record_offset(s, unit, 0, within, head), mask=hmask, other=0)
+    q_row = record_offset(q, unit, 0, within, head)
+    codes = tl.load(q[0] + (q_row[:, None] + d[None, :]), mask=m2, other=0)
+    y = (
+        codes.to(tl.float32)
+        * scale.to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+    )
     if FP8:
         out = fp32_to_fp8_bits(y, FP8)
     elif IS_BF16:
@@ -323,14 +339,17 @@ def int8_decode_rows(
         # Saturate to fp16's max finite value; NaN rows stay NaN.
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -65504.0), 65504.0))
         out = y.to(tl.float16).to(tl.int16, bitcast=True)
-    y_row = didx * y_stride_token + head * y_stride_head
-    tl.store(y_base + (y_row[:, None] + d[None, :]), out, mask=m2)
+    y_row = didx * dst[1] + head * dst[2]
+    tl.store(dst[0] + (y_row[:, None] + d[None, :]), out, mask=m2)
 
 
 # --- host-side helpers --------------------------------------------------------
 
 
+@triton.constexpr_function
 def pow2(n: int) -> int:
+    """The next power of two >= n (a tile's padded width), on the host and in
+    the kernels."""
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
@@ -384,19 +403,18 @@ def encode_args(
     """The arguments every encode kernel takes, by the kernels' names: each
     side's layer table, the indices and the statistics with their flags."""
     first = next(iter(tables.values()))
-    args = bad_index_args(bad_index_counter, first.offsets)
+    dummy = first.offsets
+    args = index_args(device_indices, host_indices, bad_index_counter, dummy)
     args.update(
-        dev_idx_ptr=device_indices,
-        host_idx_ptr=host_indices,
-        nonfinite_ptr=_or_dummy(nonfinite_counter, first.offsets),
-        amax_ptr=_or_dummy(scale_amax, first.offsets, torch.int32),
+        dev=tuple(t.base for t in tables.values()),
+        nonfinite_ptr=_or_dummy(nonfinite_counter, dummy),
+        amax_ptr=_or_dummy(scale_amax, dummy, torch.int32),
         IS_BF16=first.dtype == torch.bfloat16,
         ALIGNED=all(t.aligned for t in tables.values()),
         COUNT=nonfinite_counter is not None,
         AMAX=scale_amax is not None,
     )
     for side, table in tables.items():
-        args[f"{side}_base"] = table.base
         args[f"{side}_offs"] = table.offsets
         args[f"{side}_dev_stride_token"] = table.stride[0]
         args[f"{side}_dev_stride_head"] = table.stride[1]
@@ -410,19 +428,27 @@ def decode_args(
     bad_index_counter: torch.Tensor | None,
 ) -> dict:
     """The arguments every decode kernel takes: each side's device layer (as
-    16-bit patterns), the indices and the bad-index counter with its flag."""
-    args = bad_index_args(bad_index_counter, device_indices)
-    args.update(dev_idx_ptr=device_indices, host_idx_ptr=host_indices)
+    the element patterns, dst), the indices and the bad-index flag."""
+    args = index_args(device_indices, host_indices, bad_index_counter, device_indices)
+    args["dst"] = tuple(element_bits(t) for t in dst.values())
     args["IS_BF16"] = next(iter(dst.values())).dtype == torch.bfloat16
     for side, t in dst.items():
-        args[f"{side}_dst"] = element_bits(t)
         args[f"{side}_dst_stride_token"] = t.stride(0)
         args[f"{side}_dst_stride_head"] = t.stride(1)
     return args
 
 
-def bad_index_args(bad_index_counter: torch.Tensor | None, dummy) -> dict:
+def index_args(
+    device_indices: torch.Tensor,
+    host_indices: torch.Tensor,
+    bad_index_counter: torch.Tensor | None,
+    dummy: torch.Tensor,
+) -> dict:
+    """The index pointers and the COUNT_BAD_IDX flag, as every kernel takes
+    them (and passes them on to the device functions as idx)."""
     return dict(
+        dev_idx_ptr=device_indices,
+        host_idx_ptr=host_indices,
         bad_idx_ptr=_or_dummy(bad_index_counter, dummy),
         COUNT_BAD_IDX=bad_index_counter is not None,
     )

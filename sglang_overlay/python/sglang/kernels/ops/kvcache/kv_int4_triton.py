@@ -83,36 +83,17 @@ def _to_device_bits(y, IS_BF16: tl.constexpr, FP8: tl.constexpr):
 
 @triton.jit
 def _encode_groups(
-    x_base,
-    layer_off,
-    dev_idx_ptr,
-    dev_stride_token,
-    dev_stride_head,
-    host_idx_ptr,
-    q_base,
-    q_stride_unit,
-    q_stride_layer,
-    q_stride_token,
-    q_stride_head,
-    m_base,
-    m_stride_unit,
-    m_stride_layer,
-    m_stride_token,
-    m_stride_head,
-    m_stride_group,
-    m_stride_param,
+    src,
+    q,
+    meta,
+    idx,
+    stats,
+    rows,
     layer,
-    row0,
-    n_rows,
-    n_host,
-    nonfinite_ptr,
-    amax_ptr,
-    bad_idx_ptr,
     sign_ptr,
     H: tl.constexpr,
     NG: tl.constexpr,
     G: tl.constexpr,
-    G2_PAD: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
@@ -123,23 +104,24 @@ def _encode_groups(
     ROT_B: tl.constexpr,
 ):
     """Per-token groups: rows (token, head, group) of G channels; ROT_B > 0
-    rotates them first (a block spans ROT_B / G whole rows if ROT_B > G)."""
-    rmask, head_grp, didx, hidx, hmask = hk.row_slots(
-        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H * NG, BLOCK_R
+    rotates them first (a block spans ROT_B / G whole rows if ROT_B > G).
+    Arguments as hk.int8_encode_rows'; meta's strides go on with the group's
+    and the (s, m) parameter's."""
+    G2_PAD: tl.constexpr = hk.pow2(G) // 2
+    # Once per token: its first row, in layer 0.
+    head_grp, didx, hidx, hmask = hk.row_slots(
+        rows[0], rows[1], idx, rows[2], layer == 0, H * NG, BLOCK_R, COUNT_BAD_IDX
     )
     head = head_grp // NG
     grp = head_grp % NG
     j = tl.arange(0, G2_PAD)
     e = tl.arange(0, 2)
-    if COUNT_BAD_IDX:
-        # Once per token: its first row, in layer 0.
-        hk.count_flags(bad_idx_ptr, rmask & ~hmask & (head_grp == 0) & (layer == 0))
     lane = j < G // 2
     inside = lane[None, :, None] & (e < 2)[None, None, :]
     c = 2 * j[:, None] + e[None, :]
     m3 = hmask[:, None, None] & inside
-    src = layer_off + didx * dev_stride_token + head * dev_stride_head + grp * G
-    bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
+    x_row = src[1] + didx * src[2] + head * src[3] + grp * G
+    bits = tl.load(src[0] + (x_row[:, None, None] + c[None, :, :]), mask=m3, other=0)
     x = hk.to_fp32(bits, IS_BF16, FP8)
     if ROT_B:
         sign_off = (grp * G)[:, None, None] + c[None, :, :]
@@ -149,67 +131,35 @@ def _encode_groups(
     hi = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=2), axis=1)
     has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=2), axis=1) > 0
     s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan)
-    q = _codes(x, s[:, None, None], m[:, None, None], bad[:, None, None])
-    packed = tl.sum(q << (4 * e)[None, None, :], axis=2)
+    codes = _codes(x, s[:, None, None], m[:, None, None], bad[:, None, None])
+    packed = tl.sum(codes << (4 * e)[None, None, :], axis=2)
 
     unit, within = hk.unit_slots(hidx, UT)
-    q_row = (
-        unit * q_stride_unit
-        + layer * q_stride_layer
-        + within * q_stride_token
-        + head * q_stride_head
-        + grp * (G // 2)
-    )
+    q_row = hk.record_offset(q, unit, layer, within, head) + grp * (G // 2)
     qmask = hmask[:, None] & lane[None, :]
-    tl.store(q_base + (q_row[:, None] + j[None, :]), packed.to(tl.uint8), mask=qmask)
-    m_off = (
-        unit * m_stride_unit
-        + layer * m_stride_layer
-        + within * m_stride_token
-        + head * m_stride_head
-        + grp * m_stride_group
-    )
-    tl.store(m_base + m_off, s_bits, mask=hmask)
-    tl.store(m_base + m_off + m_stride_param, m_bits, mask=hmask)
-    if COUNT:
-        hk.count_flags(nonfinite_ptr, bad & hmask)
-    if AMAX:
-        amax = tl.maximum(tl.abs(lo), tl.abs(hi))
-        hk.raise_amax(amax_ptr, tl.where(hmask & ~bad, amax, 0.0))
+    tl.store(q[0] + (q_row[:, None] + j[None, :]), packed.to(tl.uint8), mask=qmask)
+    m_off = hk.record_offset(meta, unit, layer, within, head) + grp * meta[5]
+    tl.store(meta[0] + m_off, s_bits, mask=hmask)
+    tl.store(meta[0] + m_off + meta[6], m_bits, mask=hmask)
+    amax = tl.where(hmask & ~bad, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0)
+    hk.count_stats(stats, bad & hmask, amax, COUNT, AMAX)
 
 
 @triton.jit
 def _encode_channels(
-    x_base,
-    layer_off,
-    dev_idx_ptr,
-    dev_stride_token,
-    dev_stride_head,
-    host_idx_ptr,
-    q_base,
-    q_stride_unit,
-    q_stride_layer,
-    q_stride_token,
-    q_stride_head,
-    m_base,
-    m_stride_unit,
-    m_stride_layer,
-    m_stride_head,
-    m_stride_channel,
-    m_stride_param,
-    layer,
-    pid,
+    src,
+    q,
+    meta,
+    idx,
+    stats,
     n_host,
-    nonfinite_ptr,
-    amax_ptr,
-    bad_idx_ptr,
+    layer,
     sign_ptr,
     H: tl.constexpr,
     D: tl.constexpr,
     CB2: tl.constexpr,
     NCB: tl.constexpr,
     UT: tl.constexpr,
-    UT_PAD: tl.constexpr,
     IS_BF16: tl.constexpr,
     FP8: tl.constexpr,
     COUNT: tl.constexpr,
@@ -218,24 +168,24 @@ def _encode_channels(
     ROT_B: tl.constexpr,
 ):
     """Per-channel groups over one run of UT tokens (one host unit), for one
-    head and CB2 channel pairs (whole rotation blocks if ROT_B > 0)."""
+    head and CB2 channel pairs (whole rotation blocks if ROT_B > 0); the
+    program id picks them. meta has no token dim (stride 0); its group
+    stride is the channel's."""
+    UT_PAD: tl.constexpr = hk.pow2(UT)
+    pid = tl.program_id(0)
     run = pid // (H * NCB)
     head = ((pid // NCB) % H).to(tl.int64)
     cb = pid % NCB
     t = tl.arange(0, UT_PAD)
     tmask = t < UT
-    tok = run.to(tl.int64) * UT + t
-
-    didx = tl.load(dev_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    hidx = tl.load(host_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    first = tl.load(host_idx_ptr + run.to(tl.int64) * UT).to(tl.int64)
+    didx, hidx, in_range = hk.token_slots(run.to(tl.int64) * UT + t, tmask, idx, n_host)
+    first = tl.load(idx[1] + run.to(tl.int64) * UT).to(tl.int64)
     out_of_order = tl.max((tmask & (hidx != first + t)).to(tl.int32), axis=0)
     run_ok = (first >= 0) & (first < n_host) & (first % UT == 0) & (out_of_order == 0)
     if COUNT_BAD_IDX:
         # The out-of-range tokens are counted by the value programs.
-        in_range = tmask & (hidx >= 0) & (hidx < n_host)
         hk.count_flags(
-            bad_idx_ptr, in_range & ~run_ok & (head == 0) & (cb == 0) & (layer == 0)
+            idx[2], in_range & ~run_ok & (head == 0) & (cb == 0) & (layer == 0)
         )
     j = cb * CB2 + tl.arange(0, CB2)
     e = tl.arange(0, 2)
@@ -243,8 +193,8 @@ def _encode_channels(
     cmask = c < D
     tvalid = tmask[:, None, None] & (c >= 0)[None, :, :]
     m3 = (tmask & run_ok)[:, None, None] & cmask[None, :, :]
-    src = layer_off + didx * dev_stride_token + head * dev_stride_head
-    bits = tl.load(x_base + (src[:, None, None] + c[None, :, :]), mask=m3, other=0)
+    x_row = src[1] + didx * src[2] + head * src[3]
+    bits = tl.load(src[0] + (x_row[:, None, None] + c[None, :, :]), mask=m3, other=0)
     x = hk.to_fp32(bits, IS_BF16, FP8)
     if ROT_B:
         signs = tl.load(sign_ptr + c, mask=cmask, other=0.0)
@@ -254,51 +204,32 @@ def _encode_channels(
     hi = tl.max(tl.where(tvalid, x, float("-inf")), axis=0)
     has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
     s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan)
-    q = _codes(x, s[None, :, :], m[None, :, :], bad[None, :, :])
-    packed = tl.sum(q << (4 * e)[None, None, :], axis=2)
+    codes = _codes(x, s[None, :, :], m[None, :, :], bad[None, :, :])
+    packed = tl.sum(codes << (4 * e)[None, None, :], axis=2)
 
     unit = first // UT
-    q_row = unit * q_stride_unit + layer * q_stride_layer + t * q_stride_token
-    q_row += head * q_stride_head
+    q_row = hk.record_offset(q, unit, layer, t, head)
     qmask = (tmask & run_ok)[:, None] & (j < D // 2)[None, :]
-    tl.store(q_base + (q_row[:, None] + j[None, :]), packed.to(tl.uint8), mask=qmask)
-    m_off = unit * m_stride_unit + layer * m_stride_layer + head * m_stride_head
-    m_off += c * m_stride_channel
+    tl.store(q[0] + (q_row[:, None] + j[None, :]), packed.to(tl.uint8), mask=qmask)
+    m_off = hk.record_offset(meta, unit, layer, 0, head) + c * meta[5]
     wmask = cmask & run_ok
-    tl.store(m_base + m_off, s_bits, mask=wmask)
-    tl.store(m_base + m_off + m_stride_param, m_bits, mask=wmask)
-    if COUNT:
-        hk.count_flags(nonfinite_ptr, tl.sum((bad & wmask).to(tl.int64), axis=1))
-    if AMAX:
-        amax = tl.where(wmask & ~bad, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0)
-        hk.raise_amax(amax_ptr, tl.max(amax, axis=1))
+    tl.store(meta[0] + m_off, s_bits, mask=wmask)
+    tl.store(meta[0] + m_off + meta[6], m_bits, mask=wmask)
+    amax = tl.where(wmask & ~bad, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0)
+    n_bad = tl.sum((bad & wmask).to(tl.int64), axis=1)
+    hk.count_stats(stats, n_bad, tl.max(amax, axis=1), COUNT, AMAX)
 
 
 @triton.jit
 def _decode_groups(
-    q_base,
-    q_stride_unit,
-    q_stride_token,
-    q_stride_head,
-    m_base,
-    m_stride_unit,
-    m_stride_token,
-    m_stride_head,
-    m_stride_group,
-    m_stride_param,
-    host_idx_ptr,
-    y_base,
-    y_stride_token,
-    y_stride_head,
-    dev_idx_ptr,
-    row0,
-    n_rows,
-    n_host,
-    bad_idx_ptr,
+    q,
+    meta,
+    dst,
+    idx,
+    rows,
     sign_ptr,
     H: tl.constexpr,
     D: tl.constexpr,
-    D2_PAD: tl.constexpr,
     G: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -308,61 +239,55 @@ def _decode_groups(
     ROT_B: tl.constexpr,
 ):
     """Rows (token, head) of D channels; channel c's (s, m) sit at group
-    c // G (per-channel keys: G = 1 and no token stride)."""
-    rmask, head, didx, hidx, hmask = hk.row_slots(
-        row0, n_rows, dev_idx_ptr, host_idx_ptr, n_host, H, BLOCK_R
+    c // G (per-channel keys: G = 1 and no token stride). Arguments as
+    hk.int8_decode_rows'; meta's as _encode_groups'."""
+    D2_PAD: tl.constexpr = hk.pow2(D) // 2
+    head, didx, hidx, hmask = hk.row_slots(
+        rows[0], rows[1], idx, rows[2], True, H, BLOCK_R, COUNT_BAD_IDX
     )
     j = tl.arange(0, D2_PAD)
     e = tl.arange(0, 2)
-    if COUNT_BAD_IDX:
-        hk.count_flags(bad_idx_ptr, rmask & ~hmask & (head == 0))
     lane = j < D // 2
     unit, within = hk.unit_slots(hidx, UT)
-    q_row = unit * q_stride_unit + within * q_stride_token + head * q_stride_head
+    q_row = hk.record_offset(q, unit, 0, within, head)
     packed = tl.load(
-        q_base + (q_row[:, None] + j[None, :]),
+        q[0] + (q_row[:, None] + j[None, :]),
         mask=hmask[:, None] & lane[None, :],
         other=0,
     ).to(tl.int32)
-    q = (packed[:, :, None] >> (4 * e)[None, None, :]) & 15
+    codes = (packed[:, :, None] >> (4 * e)[None, None, :]) & 15
     c = 2 * j[:, None] + e[None, :]
     m3 = hmask[:, None, None] & (lane[:, None] & (e < 2)[None, :])[None, :, :]
-    m_row = unit * m_stride_unit + within * m_stride_token + head * m_stride_head
-    m_off = m_row[:, None, None] + ((c // G) * m_stride_group)[None, :, :]
-    s = tl.load(m_base + m_off, mask=m3, other=0)
-    m = tl.load(m_base + (m_off + m_stride_param), mask=m3, other=0)
+    m_row = hk.record_offset(meta, unit, 0, within, head)
+    m_off = m_row[:, None, None] + ((c // G) * meta[5])[None, :, :]
+    s = tl.load(meta[0] + m_off, mask=m3, other=0)
+    m = tl.load(meta[0] + (m_off + meta[6]), mask=m3, other=0)
     s = s.to(tl.float16, bitcast=True).to(tl.float32)
     m = m.to(tl.float16, bitcast=True).to(tl.float32)
-    y = m + q.to(tl.float32) * s
+    y = m + codes.to(tl.float32) * s
     if ROT_B:
         signs = tl.load(sign_ptr + c, mask=lane[:, None] & (e < 2)[None, :], other=0.0)
         y = hr.unrotate(y, signs[None, :, :], ROT_B)
     out = _to_device_bits(y, IS_BF16, FP8)
-    y_row = didx * y_stride_token + head * y_stride_head
-    tl.store(y_base + (y_row[:, None, None] + c[None, :, :]), out, mask=m3)
+    y_row = didx * dst[1] + head * dst[2]
+    tl.store(dst[0] + (y_row[:, None, None] + c[None, :, :]), out, mask=m3)
 
 
-@triton.jit(
-    do_not_specialize=["n_tok", "n_host", "n_k_progs"],
-    do_not_specialize_on_alignment=["k_offs", "v_offs", "sign_ptr"]
-    + hk.BOOKKEEPING_POINTERS
-    + hk.STATS_POINTERS,
-)
+@hk.kernel_jit(unaligned=["sign_ptr"])
 def _encode_kernel(
-    k_base,
-    v_base,
+    dev,
     k_offs,
     v_offs,
     dev_idx_ptr,
     host_idx_ptr,
+    bad_idx_ptr,
+    nonfinite_ptr,
+    amax_ptr,
+    sign_ptr,
     k_codes,
     k_meta,
     v_codes,
     v_meta,
-    nonfinite_ptr,
-    amax_ptr,
-    bad_idx_ptr,
-    sign_ptr,
     n_tok,
     n_host,
     n_k_progs,
@@ -392,18 +317,14 @@ def _encode_kernel(
     v_meta_stride_param,
     H: tl.constexpr,
     DK: tl.constexpr,
-    DK_PAD: tl.constexpr,
     KEY_MODE: tl.constexpr,
     GK: tl.constexpr,
-    GK2_PAD: tl.constexpr,
     K_BLOCK: tl.constexpr,
     K_NCB: tl.constexpr,
     DV: tl.constexpr,
     GV: tl.constexpr,
-    GV2_PAD: tl.constexpr,
     V_BLOCK_R: tl.constexpr,
     UT: tl.constexpr,
-    UT_PAD: tl.constexpr,
     IS_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
     COUNT: tl.constexpr,
@@ -415,81 +336,63 @@ def _encode_kernel(
     FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs, layers)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     pid = tl.program_id(0)
     layer_idx = tl.program_id(1)
     layer = layer_idx.to(tl.int64)
     if pid < n_k_progs:
-        off = tl.load(k_offs + layer_idx)
-        if ALIGNED:
-            off = tl.multiple_of(off, 16)
+        src = (dev[0], hk.layer_offset(k_offs, layer_idx, ALIGNED),
+               k_dev_stride_token, k_dev_stride_head)  # fmt: skip
+        q = (k_codes, k_codes_stride_unit, k_codes_stride_layer,
+             k_codes_stride_token, k_codes_stride_head)  # fmt: skip
+        meta = (k_meta, k_meta_stride_unit, k_meta_stride_layer, k_meta_stride_token,
+                k_meta_stride_head, k_meta_stride_group, k_meta_stride_param)  # fmt: skip
+        k_stats = (nonfinite_ptr, amax_ptr + 2 * layer)
         if KEY_MODE == 0:
             hk.int8_encode_rows(
-                k_base, off, dev_idx_ptr, k_dev_stride_token, k_dev_stride_head,
-                host_idx_ptr, k_codes, k_codes_stride_unit, k_codes_stride_layer,
-                k_codes_stride_token, k_codes_stride_head,
-                k_meta, k_meta_stride_unit, k_meta_stride_layer,
-                k_meta_stride_token, k_meta_stride_head,
-                layer, pid * K_BLOCK, n_tok * H, n_host, nonfinite_ptr,
-                amax_ptr + 2 * layer, bad_idx_ptr,
-                H, DK, DK_PAD, UT, K_BLOCK, IS_BF16, COUNT, AMAX, K_COUNT_BAD_IDX,
+                src, q, meta, idx, k_stats, (pid * K_BLOCK, n_tok * H, n_host),
+                layer, H, DK, UT, K_BLOCK, IS_BF16, COUNT, AMAX, K_COUNT_BAD_IDX,
                 FP8,
             )  # fmt: skip
         elif KEY_MODE == 1:
             _encode_groups(
-                k_base, off, dev_idx_ptr, k_dev_stride_token, k_dev_stride_head,
-                host_idx_ptr, k_codes, k_codes_stride_unit, k_codes_stride_layer,
-                k_codes_stride_token, k_codes_stride_head,
-                k_meta, k_meta_stride_unit, k_meta_stride_layer,
-                k_meta_stride_token, k_meta_stride_head, k_meta_stride_group,
-                k_meta_stride_param,
-                layer, pid * K_BLOCK, n_tok * (H * (DK // GK)), n_host,
-                nonfinite_ptr, amax_ptr + 2 * layer, bad_idx_ptr, sign_ptr,
-                H, DK // GK, GK, GK2_PAD, UT, K_BLOCK, IS_BF16, FP8, COUNT, AMAX,
+                src, q, meta, idx, k_stats,
+                (pid * K_BLOCK, n_tok * (H * (DK // GK)), n_host), layer, sign_ptr,
+                H, DK // GK, GK, UT, K_BLOCK, IS_BF16, FP8, COUNT, AMAX,
                 K_COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
         else:
             _encode_channels(
-                k_base, off, dev_idx_ptr, k_dev_stride_token, k_dev_stride_head,
-                host_idx_ptr, k_codes, k_codes_stride_unit, k_codes_stride_layer,
-                k_codes_stride_token, k_codes_stride_head,
-                k_meta, k_meta_stride_unit, k_meta_stride_layer,
-                k_meta_stride_head, k_meta_stride_group, k_meta_stride_param,
-                layer, pid, n_host, nonfinite_ptr, amax_ptr + 2 * layer,
-                bad_idx_ptr, sign_ptr,
-                H, DK, K_BLOCK, K_NCB, UT, UT_PAD, IS_BF16, FP8, COUNT, AMAX,
+                src, q, meta, idx, k_stats, n_host, layer, sign_ptr,
+                H, DK, K_BLOCK, K_NCB, UT, IS_BF16, FP8, COUNT, AMAX,
                 K_COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
     else:
-        off = tl.load(v_offs + layer_idx)
-        if ALIGNED:
-            off = tl.multiple_of(off, 16)
         _encode_groups(
-            v_base, off, dev_idx_ptr, v_dev_stride_token, v_dev_stride_head,
-            host_idx_ptr, v_codes, v_codes_stride_unit, v_codes_stride_layer,
-            v_codes_stride_token, v_codes_stride_head,
-            v_meta, v_meta_stride_unit, v_meta_stride_layer, v_meta_stride_token,
-            v_meta_stride_head, v_meta_stride_group, v_meta_stride_param,
-            layer, (pid - n_k_progs) * V_BLOCK_R, n_tok * (H * (DV // GV)), n_host,
-            nonfinite_ptr, amax_ptr + 2 * layer + 1, bad_idx_ptr, sign_ptr,
-            H, DV // GV, GV, GV2_PAD, UT, V_BLOCK_R, IS_BF16, FP8, COUNT, AMAX,
+            (dev[1], hk.layer_offset(v_offs, layer_idx, ALIGNED),
+             v_dev_stride_token, v_dev_stride_head),
+            (v_codes, v_codes_stride_unit, v_codes_stride_layer,
+             v_codes_stride_token, v_codes_stride_head),
+            (v_meta, v_meta_stride_unit, v_meta_stride_layer, v_meta_stride_token,
+             v_meta_stride_head, v_meta_stride_group, v_meta_stride_param),
+            idx, (nonfinite_ptr, amax_ptr + 2 * layer + 1),
+            ((pid - n_k_progs) * V_BLOCK_R, n_tok * (H * (DV // GV)), n_host),
+            layer, sign_ptr,
+            H, DV // GV, GV, UT, V_BLOCK_R, IS_BF16, FP8, COUNT, AMAX,
             V_COUNT_BAD_IDX, V_ROT_B,
         )  # fmt: skip
 
 
-@triton.jit(
-    do_not_specialize=["n_tok", "n_host", "n_k_progs"],
-    do_not_specialize_on_alignment=["sign_ptr"] + hk.BOOKKEEPING_POINTERS,
-)
+@hk.kernel_jit(unaligned=["sign_ptr"])
 def _decode_kernel(
     k_codes,
     k_meta,
     v_codes,
     v_meta,
-    host_idx_ptr,
-    k_dst,
-    v_dst,
     dev_idx_ptr,
+    host_idx_ptr,
     bad_idx_ptr,
+    dst,
     sign_ptr,
     n_tok,
     n_host,
@@ -516,12 +419,10 @@ def _decode_kernel(
     v_dst_stride_head,
     H: tl.constexpr,
     DK: tl.constexpr,
-    DK_PAD: tl.constexpr,
     KEY_MODE: tl.constexpr,
     GK: tl.constexpr,
     K_BLOCK_R: tl.constexpr,
     DV: tl.constexpr,
-    DV_PAD: tl.constexpr,
     GV: tl.constexpr,
     V_BLOCK_R: tl.constexpr,
     UT: tl.constexpr,
@@ -531,37 +432,36 @@ def _decode_kernel(
     V_ROT_B: tl.constexpr = 0,
     FP8: tl.constexpr = 0,
 ):
-    # grid: (key programs + value programs,)
+    # grid: (key programs + value programs,); one layer's records (layer
+    # stride 0)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     pid = tl.program_id(0)
     if pid < n_k_progs:
+        q = (k_codes, k_codes_stride_unit, 0, k_codes_stride_token,
+             k_codes_stride_head)  # fmt: skip
+        meta = (k_meta, k_meta_stride_unit, 0, k_meta_stride_token,
+                k_meta_stride_head, k_meta_stride_group, k_meta_stride_param)  # fmt: skip
+        y = (dst[0], k_dst_stride_token, k_dst_stride_head)
+        rows = (pid * K_BLOCK_R, n_tok * H, n_host)
         if KEY_MODE == 0:
             hk.int8_decode_rows(
-                k_codes, k_codes_stride_unit, k_codes_stride_token,
-                k_codes_stride_head, k_meta, k_meta_stride_unit,
-                k_meta_stride_token, k_meta_stride_head, host_idx_ptr,
-                k_dst, k_dst_stride_token, k_dst_stride_head, dev_idx_ptr,
-                pid * K_BLOCK_R, n_tok * H, n_host, bad_idx_ptr,
-                H, DK, DK_PAD, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX, FP8,
+                q, meta, y, idx, rows,
+                H, DK, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX, FP8,
             )  # fmt: skip
         else:
             _decode_groups(
-                k_codes, k_codes_stride_unit, k_codes_stride_token,
-                k_codes_stride_head, k_meta, k_meta_stride_unit,
-                k_meta_stride_token, k_meta_stride_head, k_meta_stride_group,
-                k_meta_stride_param, host_idx_ptr,
-                k_dst, k_dst_stride_token, k_dst_stride_head, dev_idx_ptr,
-                pid * K_BLOCK_R, n_tok * H, n_host, bad_idx_ptr, sign_ptr,
-                H, DK, DK_PAD // 2, GK, UT, K_BLOCK_R, IS_BF16, FP8, COUNT_BAD_IDX,
-                K_ROT_B,
+                q, meta, y, idx, rows, sign_ptr,
+                H, DK, GK, UT, K_BLOCK_R, IS_BF16, FP8, COUNT_BAD_IDX, K_ROT_B,
             )  # fmt: skip
     else:
         _decode_groups(
-            v_codes, v_codes_stride_unit, v_codes_stride_token, v_codes_stride_head,
-            v_meta, v_meta_stride_unit, v_meta_stride_token, v_meta_stride_head,
-            v_meta_stride_group, v_meta_stride_param, host_idx_ptr,
-            v_dst, v_dst_stride_token, v_dst_stride_head, dev_idx_ptr,
-            (pid - n_k_progs) * V_BLOCK_R, n_tok * H, n_host, bad_idx_ptr, sign_ptr,
-            H, DV, DV_PAD // 2, GV, UT, V_BLOCK_R, IS_BF16, FP8, False, V_ROT_B,
+            (v_codes, v_codes_stride_unit, 0, v_codes_stride_token,
+             v_codes_stride_head),
+            (v_meta, v_meta_stride_unit, 0, v_meta_stride_token,
+             v_meta_stride_head, v_meta_stride_group, v_meta_stride_param),
+            (dst[1], v_dst_stride_token, v_dst_stride_head),
+            idx, ((pid - n_k_progs) * V_BLOCK_R, n_tok * H, n_host), sign_ptr,
+            H, DV, GV, UT, V_BLOCK_R, IS_BF16, FP8, False, V_ROT_B,
         )  # fmt: skip
 
 
@@ -716,7 +616,6 @@ def _geometry_args(keys: _Side, values: _Side, H, ut, rot_blocks, dtype) -> dict
     return {
         "H": H,
         "DK": keys.dim,
-        "DK_PAD": hk.pow2(keys.dim),
         "KEY_MODE": keys.mode,
         "GK": keys.group,
         "DV": values.dim,
@@ -795,8 +694,7 @@ def encode_gather(
     warps = num_warps or ENCODE_WARPS
     dk = keys.dim
     if keys.mode == KEYS_PER_CHANNEL:
-        ut_pad = hk.pow2(ut)
-        pairs = max(1, min(hk.pow2(dk) // 2, hk.pow2(tile) // (2 * ut_pad)))
+        pairs = max(1, min(hk.pow2(dk) // 2, hk.pow2(tile) // (2 * hk.pow2(ut))))
         if kb > 2 * pairs:
             # A program rotates whole blocks: more lanes, as many per thread.
             warps = num_warps or ENCODE_WARPS * kb // (2 * pairs)
@@ -804,7 +702,7 @@ def encode_gather(
         k_ncb = triton.cdiv(dk // 2, pairs)
         k_block, n_k_progs = pairs, (n // ut) * H * k_ncb
     else:
-        ut_pad, k_ncb = 1, 1
+        k_ncb = 1
         k_width = dk if keys.mode == KEYS_INT8 else keys.group
         # A block wider than a group spans that many consecutive rows.
         k_block = max(hk.block_rows(tile, k_width), kb // k_width)
@@ -827,12 +725,9 @@ def encode_gather(
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
-        GK2_PAD=hk.pow2(keys.group) // 2 if keys.group > 1 else 1,
         K_BLOCK=k_block,
         K_NCB=k_ncb,
-        GV2_PAD=hk.pow2(values.group) // 2,
         V_BLOCK_R=v_block,
-        UT_PAD=ut_pad,
         K_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_PER_TOKEN,
         V_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_INT8,
         num_warps=warps,
@@ -896,7 +791,6 @@ def decode_scatter(
         n_host=units * ut,
         n_k_progs=n_k_progs,
         K_BLOCK_R=k_block,
-        DV_PAD=hk.pow2(dv),
         V_BLOCK_R=v_block,
         num_warps=num_warps
         or (FP8_DECODE_WARPS if k_dst.dtype in hk.FP8_DTYPES else DECODE_WARPS),

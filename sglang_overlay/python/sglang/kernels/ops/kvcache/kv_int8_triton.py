@@ -25,26 +25,20 @@ DECODE_TILE = 8192
 DECODE_WARPS = 4
 
 
-@triton.jit(
-    do_not_specialize=["n_rows", "n_host"],
-    do_not_specialize_on_alignment=["k_offs", "v_offs"]
-    + hk.BOOKKEEPING_POINTERS
-    + hk.STATS_POINTERS,
-)
+@hk.kernel_jit()
 def _encode_kernel(
-    k_base,
-    v_base,
+    dev,
     k_offs,
     v_offs,
     dev_idx_ptr,
     host_idx_ptr,
+    bad_idx_ptr,
+    nonfinite_ptr,
+    amax_ptr,
     k_out,
     v_out,
     scale_out,
-    nonfinite_ptr,
-    amax_ptr,
-    bad_idx_ptr,
-    n_rows,
+    n_tok,
     n_host,
     k_dev_stride_token,
     k_dev_stride_head,
@@ -65,9 +59,7 @@ def _encode_kernel(
     scale_stride_head,
     H: tl.constexpr,
     DK: tl.constexpr,
-    DK_PAD: tl.constexpr,
     DV: tl.constexpr,
-    DV_PAD: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
@@ -77,53 +69,45 @@ def _encode_kernel(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, layers, K|V)
-    row0 = tl.program_id(0) * BLOCK_R
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     layer_idx = tl.program_id(1)
     layer = layer_idx.to(tl.int64)
+    rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
     if tl.program_id(2) == 0:
-        off = tl.load(k_offs + layer_idx)
-        if ALIGNED:
-            off = tl.multiple_of(off, 16)
         hk.int8_encode_rows(
-            k_base, off, dev_idx_ptr, k_dev_stride_token, k_dev_stride_head,
-            host_idx_ptr, k_out, k_out_stride_unit, k_out_stride_layer,
-            k_out_stride_token, k_out_stride_head,
-            scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token,
-            scale_stride_head,
-            layer, row0, n_rows, n_host, nonfinite_ptr, amax_ptr + 2 * layer,
-            bad_idx_ptr,
-            H, DK, DK_PAD, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
+            (dev[0], hk.layer_offset(k_offs, layer_idx, ALIGNED),
+             k_dev_stride_token, k_dev_stride_head),
+            (k_out, k_out_stride_unit, k_out_stride_layer, k_out_stride_token,
+             k_out_stride_head),
+            (scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token,
+             scale_stride_head),
+            idx, (nonfinite_ptr, amax_ptr + 2 * layer), rows, layer,
+            H, DK, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
-        off = tl.load(v_offs + layer_idx)
-        if ALIGNED:
-            off = tl.multiple_of(off, 16)
+        v_scale = scale_out + scale_stride_side
         hk.int8_encode_rows(
-            v_base, off, dev_idx_ptr, v_dev_stride_token, v_dev_stride_head,
-            host_idx_ptr, v_out, v_out_stride_unit, v_out_stride_layer,
-            v_out_stride_token, v_out_stride_head,
-            scale_out + scale_stride_side, scale_stride_unit, scale_stride_layer,
-            scale_stride_token, scale_stride_head,
-            layer, row0, n_rows, n_host, nonfinite_ptr, amax_ptr + 2 * layer + 1,
-            bad_idx_ptr,
-            H, DV, DV_PAD, UT, BLOCK_R, IS_BF16, COUNT, AMAX, False,
+            (dev[1], hk.layer_offset(v_offs, layer_idx, ALIGNED),
+             v_dev_stride_token, v_dev_stride_head),
+            (v_out, v_out_stride_unit, v_out_stride_layer, v_out_stride_token,
+             v_out_stride_head),
+            (v_scale, scale_stride_unit, scale_stride_layer, scale_stride_token,
+             scale_stride_head),
+            idx, (nonfinite_ptr, amax_ptr + 2 * layer + 1), rows, layer,
+            H, DV, UT, BLOCK_R, IS_BF16, COUNT, AMAX, False,
         )  # fmt: skip
 
 
-@triton.jit(
-    do_not_specialize=["n_rows", "n_host"],
-    do_not_specialize_on_alignment=hk.BOOKKEEPING_POINTERS,
-)
+@hk.kernel_jit()
 def _decode_kernel(
     k_in,
     v_in,
     scale_in,
-    host_idx_ptr,
-    k_dst,
-    v_dst,
     dev_idx_ptr,
+    host_idx_ptr,
     bad_idx_ptr,
-    n_rows,
+    dst,
+    n_tok,
     n_host,
     k_in_stride_unit,
     k_in_stride_token,
@@ -141,46 +125,41 @@ def _decode_kernel(
     v_dst_stride_head,
     H: tl.constexpr,
     DK: tl.constexpr,
-    DK_PAD: tl.constexpr,
     DV: tl.constexpr,
-    DV_PAD: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
 ):
-    # grid: (row blocks, K|V)
-    row0 = tl.program_id(0) * BLOCK_R
+    # grid: (row blocks, K|V); one layer's records, so their layer stride is 0
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
+    rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
     if tl.program_id(1) == 0:
         hk.int8_decode_rows(
-            k_in, k_in_stride_unit, k_in_stride_token, k_in_stride_head,
-            scale_in, scale_stride_unit, scale_stride_token, scale_stride_head,
-            host_idx_ptr, k_dst, k_dst_stride_token, k_dst_stride_head,
-            dev_idx_ptr, row0, n_rows, n_host, bad_idx_ptr,
-            H, DK, DK_PAD, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
+            (k_in, k_in_stride_unit, 0, k_in_stride_token, k_in_stride_head),
+            (scale_in, scale_stride_unit, 0, scale_stride_token, scale_stride_head),
+            (dst[0], k_dst_stride_token, k_dst_stride_head),
+            idx, rows, H, DK, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
+        v_scale = scale_in + scale_stride_side
         hk.int8_decode_rows(
-            v_in, v_in_stride_unit, v_in_stride_token, v_in_stride_head,
-            scale_in + scale_stride_side, scale_stride_unit, scale_stride_token,
-            scale_stride_head,
-            host_idx_ptr, v_dst, v_dst_stride_token, v_dst_stride_head,
-            dev_idx_ptr, row0, n_rows, n_host, bad_idx_ptr,
-            H, DV, DV_PAD, UT, BLOCK_R, IS_BF16, False,
+            (v_in, v_in_stride_unit, 0, v_in_stride_token, v_in_stride_head),
+            (v_scale, scale_stride_unit, 0, scale_stride_token, scale_stride_head),
+            (dst[1], v_dst_stride_token, v_dst_stride_head),
+            idx, rows, H, DV, UT, BLOCK_R, IS_BF16, False,
         )  # fmt: skip
 
 
-def _shape_args(n_rows, units, heads_dims, unit_tokens, block_r) -> dict:
-    """Sizes and constexprs both kernels take: rows, host slots, H, Dk, Dv."""
+def _shape_args(n_tok, units, heads_dims, unit_tokens, block_r) -> dict:
+    """Sizes and constexprs both kernels take: tokens, host slots, H, Dk, Dv."""
     H, DK, DV = heads_dims
     return dict(
-        n_rows=n_rows,
+        n_tok=n_tok,
         n_host=units * unit_tokens,
         H=H,
         DK=DK,
-        DK_PAD=hk.pow2(DK),
         DV=DV,
-        DV_PAD=hk.pow2(DV),
         UT=unit_tokens,
         BLOCK_R=block_r,
     )
@@ -259,7 +238,6 @@ def encode_gather(
     hk.check_amax(scale_amax, layers, 2, dev)
 
     block_r = hk.block_rows(tile or ENCODE_TILE, max(DK, DV))
-    n_rows = n * H
     s16 = hk.bits16(scale_out)
     args = hk.encode_args(
         {"k": k_table, "v": v_table},
@@ -269,14 +247,14 @@ def encode_gather(
         scale_amax,
         bad_index_counter,
     )
-    _encode_kernel[(triton.cdiv(n_rows, block_r), layers, 2)](
+    _encode_kernel[(triton.cdiv(n * H, block_r), layers, 2)](
         k_out=k_out,
         v_out=v_out,
         scale_out=s16,
         **hk.stride_args("k_out", k_out, ("unit", "layer", "token", "head")),
         **hk.stride_args("v_out", v_out, ("unit", "layer", "token", "head")),
         **hk.stride_args("scale", s16, ("unit", "layer", "token", "side", "head")),
-        **_shape_args(n_rows, k_out.shape[0], (H, DK, DV), unit_tokens, block_r),
+        **_shape_args(n, k_out.shape[0], (H, DK, DV), unit_tokens, block_r),
         num_warps=num_warps or ENCODE_WARPS,
         **args,
     )
@@ -322,19 +300,18 @@ def decode_scatter(
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
     block_r = hk.block_rows(tile or DECODE_TILE, max(DK, DV))
-    n_rows = n * H
     s16 = hk.bits16(scale_in)
     args = hk.decode_args(
         {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
     )
-    _decode_kernel[(triton.cdiv(n_rows, block_r), 2)](
+    _decode_kernel[(triton.cdiv(n * H, block_r), 2)](
         k_in=k_in,
         v_in=v_in,
         scale_in=s16,
         **hk.stride_args("k_in", k_in, ("unit", "token", "head")),
         **hk.stride_args("v_in", v_in, ("unit", "token", "head")),
         **hk.stride_args("scale", s16, ("unit", "token", "side", "head")),
-        **_shape_args(n_rows, k_in.shape[0], (H, DK, DV), unit_tokens, block_r),
+        **_shape_args(n, k_in.shape[0], (H, DK, DV), unit_tokens, block_r),
         num_warps=num_warps or DECODE_WARPS,
         **args,
     )

@@ -33,41 +33,26 @@ DECODE_WARPS = 4
 
 
 @triton.jit
-def _rope_slots(
-    tok0,
-    n_tok,
-    n_host,
-    dev_idx_ptr,
-    host_idx_ptr,
-    BLOCK_T: tl.constexpr,
-    UT: tl.constexpr,
-):
+def _rope_slots(tok0, n_tok, idx, n_host, BLOCK_T: tl.constexpr, UT: tl.constexpr):
     """Device index, host unit, token-in-unit and mask of BLOCK_T tokens."""
     tok = tok0 + tl.arange(0, BLOCK_T)
-    tmask = tok < n_tok
-    didx = tl.load(dev_idx_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    hidx, hmask = hk.host_rows(host_idx_ptr, tok, tmask, n_host)
+    didx, hidx, hmask = hk.token_slots(tok, tok < n_tok, idx, n_host)
     unit, within = hk.unit_slots(hidx, UT)
     return didx, unit, within, hmask
 
 
-@triton.jit(
-    do_not_specialize=["n_tok", "n_host"],
-    do_not_specialize_on_alignment=["kv_offs"]
-    + hk.BOOKKEEPING_POINTERS
-    + hk.STATS_POINTERS,
-)
+@hk.kernel_jit()
 def _mla_encode_kernel(
-    kv_base,
+    dev,
     kv_offs,
     dev_idx_ptr,
     host_idx_ptr,
+    bad_idx_ptr,
+    nonfinite_ptr,
+    amax_ptr,
     kv_out,
     scale_out,
     rope_out,
-    nonfinite_ptr,
-    amax_ptr,
-    bad_idx_ptr,
     n_tok,
     n_host,
     kv_dev_stride_token,
@@ -83,9 +68,7 @@ def _mla_encode_kernel(
     rope_stride_token,
     NT: tl.constexpr,
     T: tl.constexpr,
-    T_PAD: tl.constexpr,
     P: tl.constexpr,
-    P_PAD: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
@@ -96,31 +79,29 @@ def _mla_encode_kernel(
     COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, layers, latent|rope)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     layer_idx = tl.program_id(1)
     layer = layer_idx.to(tl.int64)
-    off = tl.load(kv_offs + layer_idx)
-    if ALIGNED:
-        off = tl.multiple_of(off, 16)
+    off = hk.layer_offset(kv_offs, layer_idx, ALIGNED)
     if tl.program_id(2) == 0:
         # Tiles as heads: "head" stride T in the device row and the record,
         # the scale's tile stride 1.
         hk.int8_encode_rows(
-            kv_base, off, dev_idx_ptr, kv_dev_stride_token, T, host_idx_ptr,
-            kv_out, kv_stride_unit, kv_stride_layer, kv_stride_token, T,
-            scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token, 1,
-            layer, tl.program_id(0) * BLOCK_R, n_tok * NT, n_host,
-            nonfinite_ptr, amax_ptr + layer, bad_idx_ptr,
-            NT, T, T_PAD, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
+            (dev[0], off, kv_dev_stride_token, T),
+            (kv_out, kv_stride_unit, kv_stride_layer, kv_stride_token, T),
+            (scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token, 1),
+            idx, (nonfinite_ptr, amax_ptr + layer),
+            (tl.program_id(0) * BLOCK_R, n_tok * NT, n_host), layer,
+            NT, T, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
         didx, unit, within, hmask = _rope_slots(
-            tl.program_id(0) * BLOCK_T, n_tok, n_host, dev_idx_ptr, host_idx_ptr,
-            BLOCK_T, UT,
-        )  # fmt: skip
-        d = tl.arange(0, P_PAD)
+            tl.program_id(0) * BLOCK_T, n_tok, idx, n_host, BLOCK_T, UT
+        )
+        d = tl.arange(0, hk.pow2(P))
         m2 = hmask[:, None] & (d < P)[None, :]
         src = off + NT * T + didx * kv_dev_stride_token
-        bits = tl.load(kv_base + (src[:, None] + d[None, :]), mask=m2, other=0)
+        bits = tl.load(dev[0] + (src[:, None] + d[None, :]), mask=m2, other=0)
         dst = unit * rope_stride_unit + layer * rope_stride_layer
         dst += within * rope_stride_token
         tl.store(rope_out + (dst[:, None] + d[None, :]), bits, mask=m2)
@@ -133,18 +114,15 @@ def _mla_encode_kernel(
             hk.count_flags(nonfinite_ptr, tl.max(special.to(tl.int32), axis=1) > 0)
 
 
-@triton.jit(
-    do_not_specialize=["n_tok", "n_host"],
-    do_not_specialize_on_alignment=hk.BOOKKEEPING_POINTERS,
-)
+@hk.kernel_jit()
 def _mla_decode_kernel(
     kv_in,
     scale_in,
     rope_in,
-    host_idx_ptr,
-    kv_dst,
     dev_idx_ptr,
+    host_idx_ptr,
     bad_idx_ptr,
+    dst,
     n_tok,
     n_host,
     kv_stride_unit,
@@ -157,35 +135,33 @@ def _mla_decode_kernel(
     kv_dst_stride_head,
     NT: tl.constexpr,
     T: tl.constexpr,
-    T_PAD: tl.constexpr,
     P: tl.constexpr,
-    P_PAD: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_T: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
 ):
-    # grid: (row blocks, latent|rope)
+    # grid: (row blocks, latent|rope); one layer's records (layer stride 0)
+    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     if tl.program_id(1) == 0:
         hk.int8_decode_rows(
-            kv_in, kv_stride_unit, kv_stride_token, T,
-            scale_in, scale_stride_unit, scale_stride_token, 1, host_idx_ptr,
-            kv_dst, kv_dst_stride_token, T, dev_idx_ptr, tl.program_id(0) * BLOCK_R,
-            n_tok * NT, n_host, bad_idx_ptr,
-            NT, T, T_PAD, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
+            (kv_in, kv_stride_unit, 0, kv_stride_token, T),
+            (scale_in, scale_stride_unit, 0, scale_stride_token, 1),
+            (dst[0], kv_dst_stride_token, T),
+            idx, (tl.program_id(0) * BLOCK_R, n_tok * NT, n_host),
+            NT, T, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
         )  # fmt: skip
     else:
         didx, unit, within, hmask = _rope_slots(
-            tl.program_id(0) * BLOCK_T, n_tok, n_host, dev_idx_ptr, host_idx_ptr,
-            BLOCK_T, UT,
-        )  # fmt: skip
-        d = tl.arange(0, P_PAD)
+            tl.program_id(0) * BLOCK_T, n_tok, idx, n_host, BLOCK_T, UT
+        )
+        d = tl.arange(0, hk.pow2(P))
         m2 = hmask[:, None] & (d < P)[None, :]
         src = unit * rope_stride_unit + within * rope_stride_token
         bits = tl.load(rope_in + (src[:, None] + d[None, :]), mask=m2, other=0)
-        dst = NT * T + didx * kv_dst_stride_token
-        tl.store(kv_dst + (dst[:, None] + d[None, :]), bits, mask=m2)
+        row = NT * T + didx * kv_dst_stride_token
+        tl.store(dst[0] + (row[:, None] + d[None, :]), bits, mask=m2)
 
 
 def _record_geometry(records: Mapping[str, torch.Tensor], dims: int) -> SimpleNamespace:
@@ -246,9 +222,7 @@ def _tile_args(geo: SimpleNamespace, n: int, units: int, blocks) -> dict:
         n_host=units * geo.UT,
         NT=geo.NT,
         T=geo.T,
-        T_PAD=hk.pow2(geo.T),
         P=geo.P,
-        P_PAD=hk.pow2(geo.P),
         UT=geo.UT,
         BLOCK_R=block_r,
         BLOCK_T=block_t,
