@@ -253,9 +253,9 @@ def test_cli_writes_markdown_json_and_png(bundle, tmp_path):
     assert not (tmp_path / "none.json").exists()
 
 
-def test_any_hf_causal_lm_directory(bundle, tmp_path):
-    """--model takes a Hugging Face model directory; here a tiny random Llama
-    (GQA: 4 query heads, 2 KV heads) with page size 2."""
+def _tiny_llama(bundle, path):
+    """A tiny random Llama (GQA: 4 query heads, 2 KV heads) with SmolLM2's
+    tokenizer, saved as a Hugging Face model directory and loaded from it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -269,9 +269,15 @@ def test_any_hf_causal_lm_directory(bundle, tmp_path):
         head_dim=16,
         max_position_embeddings=512,
     )
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
-    bundle.tokenizer.save_pretrained(tmp_path)
-    tiny = hq.load_model(str(tmp_path))
+    LlamaForCausalLM(config).save_pretrained(path)
+    bundle.tokenizer.save_pretrained(path)
+    return hq.load_model(str(path))
+
+
+def test_any_hf_causal_lm_directory(bundle, tmp_path):
+    """--model takes a Hugging Face model directory; here a tiny random Llama
+    (GQA: 4 query heads, 2 KV heads) with page size 2."""
+    tiny = _tiny_llama(bundle, tmp_path)
     cfg = hq.QualityConfig(
         text_file=str(TEXT_FILE),
         windows=1,
@@ -291,24 +297,9 @@ def test_windows_start_with_bos_where_served_prompts_do(bundle, tmp_path, monkey
     do not, so its windows are the text's tokens as they were."""
     from dataclasses import replace
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     assert hq.PACKAGED_MODELS["gemma3-270m"].prepend_bos
     assert bundle.info["bos_token_id"] is None
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(bundle.tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
-    LlamaForCausalLM(config).save_pretrained(tmp_path)
-    bundle.tokenizer.save_pretrained(tmp_path)
-    tiny = hq.load_model(str(tmp_path))
+    tiny = _tiny_llama(bundle, tmp_path)
     prefixes = []
     prefill = hq.prefill_kv
     monkeypatch.setattr(
