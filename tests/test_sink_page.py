@@ -24,7 +24,8 @@ from tests.support.hicache_harness import (
     make_rig,
 )
 from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
-from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.mem_cache.pool_host.sink_page import L3_KEY_SUFFIX, SINK_ENV
 
 FORMATS = ("int4", "int4r")
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
@@ -367,48 +368,123 @@ def test_radix_cache_flags_the_first_page_of_each_root_child(monkeypatch):
 # --- L3 -------------------------------------------------------------------------
 
 
-def test_l3_gets_the_4_bit_page_and_returns_it_4_bit(monkeypatch, tmp_path, l3_rigs):
-    """The file backend stores every page, the sink page included, as the
-    format's 4-bit page under its own tag; after L1 and L2 are emptied, the
-    page prefetched back into fresh host pages restores at 4 bits, bit for
-    bit, while from L2 it restored at 8."""
-    from tests.support.l3_harness import (
-        device_rows,
-        evict_everywhere,
-        file_storage_config,
-        load_to_device,
-        make_l3_rig,
-        prefetch,
-        write_through,
-    )
+def l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=4 * PAGE):
+    from tests.support.l3_harness import file_storage_config, make_l3_rig
 
-    monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
+    monkeypatch.setenv(SINK_ENV, str(sink_tokens))
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
     l3 = make_l3_rig(
         "file", file_storage_config(tmp_path), host_dtype="int4r", geo=geo,
         layout="page_first", device_tokens=8 * PAGE, host_tokens=16 * PAGE,
     )  # fmt: skip
     l3_rigs.append(l3)
+    return l3
+
+
+def sink_objects(tmp_path) -> list:
+    return sorted(p for p in tmp_path.iterdir() if L3_KEY_SUFFIX in p.name)
+
+
+def write_sequence(l3, tokens, seed):
+    """tokens (a sequence from token 0) -> L2 -> L3, then dropped from L1 and
+    L2; returns what the device held, per layer (K, V)."""
+    from tests.support.l3_harness import device_rows, evict_everywhere, write_through
+
+    dev, host, _, stored = write_through(l3, tokens, seed=seed, first_page_is_sink=True)
+    assert stored == len(tokens) // PAGE
+    rows = device_rows(l3.rig, dev)
+    layers = l3.geo.layer_num
+    evict_everywhere(l3, dev, host)
+    return list(zip(rows[:layers], rows[layers:]))
+
+
+def assert_prefetch_restores(l3, tokens, written, sink_tokens):
+    """L3 -> fresh host pages -> L1 gives expect()'s bits for every page."""
+    from tests.support.l3_harness import load_to_device, prefetch
+
+    fetched = prefetch(l3, tokens)
+    assert fetched.completed_tokens == len(tokens)
+    dev = load_to_device(l3, fetched.host_indices)
+    l1 = l3.rig.device_pool
+    for layer, (want_k, want_v) in enumerate(
+        expect(l3.rig.host_pool, written, sink_tokens)
+    ):
+        assert_same(l1.k_buffer[layer][dev], want_k)
+        assert_same(l1.v_buffer[layer][dev], want_v)
+
+
+def test_l3_carries_the_sink_page_keys_at_8_bits(monkeypatch, tmp_path, l3_rigs):
+    """The file backend stores every page as the format's 4-bit page, plus
+    one object of the sink page's 8-bit keys; after L1 and L2 are emptied,
+    the prefetched sink page restores its keys at 8 bits (bit for bit the
+    int8 codec's), everything else at 4 bits."""
+    l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
     pool = l3.rig.host_pool
     tokens = list(range(7, 7 + 3 * PAGE))
-    dev, host, _, stored = write_through(l3, tokens, seed=12, first_page_is_sink=True)
-    assert stored == 3 and pool.sink_page_counts()["stored"] == 1
-    rows = device_rows(l3.rig, dev)
-    written = list(zip(rows[: geo.layer_num], rows[geo.layer_num :]))
-    from_l2 = load_to_device(l3, host)
-    l1 = l3.rig.device_pool
-    for layer, (want_k, want_v) in enumerate(expect(pool, written, PAGE)):
-        assert_same(l1.k_buffer[layer][from_l2], want_k)
-        assert_same(l1.v_buffer[layer][from_l2], want_v)
-    l3.rig.allocator.free(from_l2)
-    evict_everywhere(l3, dev, host)
+    written = write_sequence(l3, tokens, seed=12)
+    assert len(sink_objects(tmp_path)) == 1
     assert pool.sink_page_counts()["stored"] == 0
-    fetched = prefetch(l3, tokens)
-    assert fetched.completed_tokens == 3 * PAGE
-    from_l3 = load_to_device(l3, fetched.host_indices)
-    for layer, (want_k, want_v) in enumerate(expect(pool, written, 0)):
-        assert_same(l1.k_buffer[layer][from_l3], want_k)
-        assert_same(l1.v_buffer[layer][from_l3], want_v)
+    assert_prefetch_restores(l3, tokens, written, PAGE)
+    counts = pool.sink_page_counts()
+    assert counts["stored"] == 1 and counts["l3"]["restored"] == 1
+
+
+def _corrupt(tmp_path, objects):
+    data = bytearray(objects[0].read_bytes())
+    data[len(data) // 2] ^= 0x40
+    objects[0].write_bytes(bytes(data))
+
+
+def _delete(tmp_path, objects):
+    objects[0].unlink()
+
+
+def _other_page(tmp_path, objects):
+    # The first sequence's sink object under the second's key.
+    objects[0].write_bytes(objects[1].read_bytes())
+
+
+@pytest.mark.parametrize(
+    "fault, reason",
+    [(_corrupt, "checksum"), (_delete, "missing"), (_other_page, "key")],
+    ids=["corrupt", "delete", "other_page"],
+)
+def test_l3_sink_object_refused_restores_4_bit(
+    monkeypatch, tmp_path, l3_rigs, fault, reason
+):
+    """A sink object changed, deleted or taken from another sequence's page:
+    the page restores at 4 bits, bit for bit, counted by reason; no slot is
+    taken and the other pages are unchanged."""
+    l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
+    pool = l3.rig.host_pool
+    first = list(range(7, 7 + 2 * PAGE))
+    second = list(range(500, 500 + 2 * PAGE))
+    write_sequence(l3, first, seed=3)
+    written = write_sequence(l3, second, seed=4)
+    objects = sink_objects(tmp_path)
+    assert len(objects) == 2
+    # The second sequence's object first: the one whose page this test fetches.
+    key = get_storage_hash_str(second, None, page_size=PAGE)[0] + L3_KEY_SUFFIX
+    objects.sort(key=lambda p: not p.name.startswith(key))
+    assert objects[0].name.startswith(key)
+    fault(tmp_path, objects)
+    assert_prefetch_restores(l3, second, written, 0)
+    counts = pool.sink_page_counts()
+    assert counts["stored"] == 0
+    assert counts["l3"]["restored"] == 0
+    assert counts["l3"]["refused"][reason] == 1
+    assert sum(counts["l3"]["refused"].values()) == 1
+    assert pool.storage_integrity_counts()["verified"] == 2
+
+
+def test_l3_sink_off_writes_no_sink_objects(monkeypatch, tmp_path, l3_rigs):
+    """Sink off: only the 4-bit pages go to L3, and they come back 4-bit."""
+    l3 = l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=0)
+    tokens = list(range(7, 7 + 2 * PAGE))
+    written = write_sequence(l3, tokens, seed=5)
+    assert sink_objects(tmp_path) == []
+    assert len(list(tmp_path.iterdir())) == 2
+    assert_prefetch_restores(l3, tokens, written, 0)
 
 
 def test_quality_harness_sink_arm_is_opt_in():

@@ -26,10 +26,12 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8
+from sglang.srt.mem_cache.pool_host import page_integrity as integrity
 from sglang.srt.mem_cache.pool_host.encoded import (
     STAGING_TOKENS,
     HostKVCounters,
     HostRecords,
+    L3PageCodec,
     StagingBuffers,
     TorchTransfer,
     UnitPlanner,
@@ -44,6 +46,8 @@ from sglang.srt.mem_cache.pool_host.host_format import (
 logger = logging.getLogger(__name__)
 
 SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
+# The L3 object of a sink page's 8-bit keys: the page's storage key + this.
+L3_KEY_SUFFIX = "-sink8keys"
 
 
 def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
@@ -169,8 +173,18 @@ class SinkPageStore:
         # Kept apart from the pool's: the pool's count the 4-bit copy of every page.
         self.counters = HostKVCounters(self.layer_num, 1, dev)
         self.transfer = TorchTransfer(self)
+        # A slot in L3: the int8 keys' own tag, geometry and seal (page_first:
+        # one object per slot, every record in order), bound to its own key.
+        self.l3 = L3PageCodec(
+            self.host_format, self.records, self.page_size, self.layer_num,
+            "page_first", pool._alloc_host,
+        )  # fmt: skip
         self._split_cache = None
         self.kept_4bit = 0
+        # Sink pages prefetched from L3 with their 8-bit keys, and those that
+        # came back 4-bit because the store was full (refusals: self.l3.stats).
+        self.l3_restored = 0
+        self.l3_full = 0
         self.clear()
 
     def clear(self) -> None:
@@ -191,27 +205,45 @@ class SinkPageStore:
             "stored": self.slots - len(self.free_slots),
             "slots": self.slots,
             "kept_4bit": self.kept_4bit,
+            "l3": {
+                "restored": self.l3_restored,
+                "full": self.l3_full,
+                "refused": self.l3.stats.counts(),
+            },
         }
 
     # -- which pages -------------------------------------------------------
 
-    def mark(self, host_indices: torch.Tensor) -> bool:
-        """Give the first page of host_indices a slot; False if it stays 4-bit."""
+    def _first_unit(self, host_indices: torch.Tensor) -> int | None:
+        """The host page of host_indices' first page, if it is one whole page."""
         page = self.page_size
         first = host_indices[:page].to("cpu", torch.int64)
         if len(first) < page or int(first[0]) % page:
-            return False
+            return None
         if not torch.equal(first, torch.arange(int(first[0]), int(first[0]) + page)):
+            return None
+        return int(first[0]) // page
+
+    def mark(self, host_indices: torch.Tensor) -> bool:
+        """Give the first page of host_indices a slot; False if it stays 4-bit."""
+        unit = self._first_unit(host_indices)
+        if unit is None:
             return False
-        unit = int(first[0]) // page
         if self.slot_of_page[unit] >= 0:
             return True
-        if not self.free_slots:
+        slot = self._take_slot()
+        if slot is None:
             self.kept_4bit += 1
             return False
-        self.slot_of_page[unit] = self.free_slots.pop()
-        self._split_cache = None
+        self._assign(unit, slot)
         return True
+
+    def _take_slot(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def _assign(self, unit: int, slot: int) -> None:
+        self.slot_of_page[unit] = slot
+        self._split_cache = None
 
     def release(self, indices: torch.Tensor) -> None:
         """Freed host tokens: their pages' slots go back to the store."""
@@ -265,6 +297,55 @@ class SinkPageStore:
         split = self._split(host_indices, device_indices)
         if split is not None:
             self.transfer.load(*split, layer_id)
+
+    # -- L3 ------------------------------------------------------------------
+
+    def l3_objects(self, keys, host_indices) -> list[tuple[str, torch.Tensor]]:
+        """(key, sealed object) of the 8-bit keys of the marked pages among
+        these L3 pages (keys[i]: the page at host_indices[i * page_size])."""
+        if len(self.free_slots) == self.slots:
+            return []
+        pages = host_indices[:: self.page_size].to("cpu", torch.int64)
+        slots = self.slot_of_page[pages // self.page_size].tolist()
+        return [
+            (key + L3_KEY_SUFFIX, self.l3.read(slot * self.page_size, key + L3_KEY_SUFFIX))
+            for key, slot in zip(keys, slots)
+            if slot >= 0
+        ]
+
+    def l3_restore(self, backend, key: str, host_indices, lock) -> None:
+        """After the 4-bit page at host_indices was prefetched from L3 under
+        `key`: its 8-bit keys' object into a slot, else it stays 4-bit."""
+        unit = self._first_unit(host_indices)
+        if unit is None or self.slot_of_page[unit] >= 0:
+            return
+        if not self.free_slots:
+            self.l3_full += 1
+            return
+        side_key = key + L3_KEY_SUFFIX
+        dst = torch.empty(self.l3.page_bytes + integrity.SEAL_BYTES, dtype=torch.uint8)
+        try:
+            data = backend.batch_get([side_key], [dst])
+        except Exception:
+            # A failing store costs the sink page its 8 bits, never the page.
+            logger.warning("HiCache sink page: L3 get of %s failed", side_key, exc_info=True)
+            data = None
+        data = data[0] if data else None
+        if data is None:
+            self.l3.note_missing(side_key)
+            return
+        with lock:
+            slot = self._take_slot()
+            if slot is None:
+                self.l3_full += 1
+                return
+            try:
+                self.l3.write(slot * self.page_size, data, side_key)
+            except integrity.StoragePageRefused:
+                self.free_slots.append(slot)
+                return
+            self._assign(unit, slot)
+            self.l3_restored += 1
 
 
 class SinkPagePool:
@@ -323,6 +404,18 @@ class SinkPagePool:
         if self.sink_pages is not None:
             with self.lock:
                 self.sink_pages.mark(host_indices)
+
+    def storage_sink_objects(self, keys, host_indices) -> list:
+        """HiCacheController's L3 page set: the extra objects of sink pages."""
+        if self.sink_pages is None:
+            return []
+        with self.lock:
+            return self.sink_pages.l3_objects(keys, host_indices)
+
+    def restore_storage_sink_page(self, backend, key, host_indices) -> None:
+        """HiCacheController's L3 page get, for a chain starting at token 0."""
+        if self.sink_pages is not None:
+            self.sink_pages.l3_restore(backend, key, host_indices, self.lock)
 
     def sink_page_counts(self) -> dict | None:
         return None if self.sink_pages is None else self.sink_pages.counts()
