@@ -398,11 +398,24 @@ def write_sequence(l3, tokens, seed):
     return list(zip(rows[:layers], rows[layers:]))
 
 
-def assert_prefetch_restores(l3, tokens, written, sink_tokens):
+def record_gets(l3) -> list:
+    """The keys the controller asks the backend for, from now on."""
+    backend, keys = l3.backend, []
+    batch_get = backend.batch_get
+
+    def recording(batch_keys, *args, **kwargs):
+        keys.extend(batch_keys)
+        return batch_get(batch_keys, *args, **kwargs)
+
+    backend.batch_get = recording
+    return keys
+
+
+def assert_prefetch_restores(l3, tokens, written, sink_tokens, last_hash=None):
     """L3 -> fresh host pages -> L1 gives expect()'s bits for every page."""
     from tests.support.l3_harness import load_to_device, prefetch
 
-    fetched = prefetch(l3, tokens)
+    fetched = prefetch(l3, tokens, last_hash=last_hash)
     assert fetched.completed_tokens == len(tokens)
     dev = load_to_device(l3, fetched.host_indices)
     l1 = l3.rig.device_pool
@@ -424,9 +437,44 @@ def test_l3_carries_the_sink_page_keys_at_8_bits(monkeypatch, tmp_path, l3_rigs)
     written = write_sequence(l3, tokens, seed=12)
     assert len(sink_objects(tmp_path)) == 1
     assert pool.sink_page_counts()["stored"] == 0
+    gets = record_gets(l3)
     assert_prefetch_restores(l3, tokens, written, PAGE)
+    assert [k for k in gets if L3_KEY_SUFFIX in k] == [
+        get_storage_hash_str(tokens, None, page_size=PAGE)[0] + L3_KEY_SUFFIX
+    ]
     counts = pool.sink_page_counts()
     assert counts["stored"] == 1 and counts["l3"]["restored"] == 1
+
+
+def test_l3_chain_after_token_0_does_not_ask(monkeypatch, tmp_path, l3_rigs):
+    """A prefetch that continues a cached prefix (last_hash set) starts on a
+    later page: it asks for no sink object and restores at 4 bits."""
+    l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
+    tokens = list(range(7, 7 + 3 * PAGE))
+    written = write_sequence(l3, tokens, seed=6)
+    last_hash = get_storage_hash_str(tokens, None, page_size=PAGE)[0]
+    gets = record_gets(l3)
+    rest = [(k[PAGE:], v[PAGE:]) for k, v in written]
+    assert_prefetch_restores(l3, tokens[PAGE:], rest, 0, last_hash=last_hash)
+    assert gets and not [k for k in gets if L3_KEY_SUFFIX in k]
+    counts = l3.rig.host_pool.sink_page_counts()
+    assert counts["stored"] == 0 and sum(counts["l3"]["refused"].values()) == 0
+
+
+def test_l3_full_store_restores_4_bit_and_counts_it(monkeypatch, tmp_path, l3_rigs):
+    """One slot, held by the first sequence's prefetched sink page: the
+    second's comes back 4-bit, counted as full."""
+    l3 = l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=16 * PAGE)
+    pool = l3.rig.host_pool
+    assert pool.sink_page_counts()["slots"] == 1
+    first = list(range(7, 7 + 2 * PAGE))
+    second = list(range(500, 500 + 2 * PAGE))
+    written_first = write_sequence(l3, first, seed=7)
+    written_second = write_sequence(l3, second, seed=8)
+    assert_prefetch_restores(l3, first, written_first, PAGE)
+    assert_prefetch_restores(l3, second, written_second, 0)
+    counts = pool.sink_page_counts()
+    assert counts["l3"]["restored"] == 1 and counts["l3"]["full"] == 1
 
 
 def _corrupt(tmp_path, objects):
@@ -484,7 +532,9 @@ def test_l3_sink_off_writes_no_sink_objects(monkeypatch, tmp_path, l3_rigs):
     written = write_sequence(l3, tokens, seed=5)
     assert sink_objects(tmp_path) == []
     assert len(list(tmp_path.iterdir())) == 2
+    gets = record_gets(l3)
     assert_prefetch_restores(l3, tokens, written, 0)
+    assert gets == get_storage_hash_str(tokens, None, page_size=PAGE)
 
 
 def test_quality_harness_sink_arm_is_opt_in():

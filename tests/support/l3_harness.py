@@ -302,6 +302,7 @@ def prefetch_to_host(
     before_io=None,
     *,
     stop_on_miss: bool = True,
+    last_hash: str | None = None,
 ) -> tuple[int, int, torch.Tensor | None]:
     """L3 -> L2 through the controller's query and I/O threads, as
     UnifiedRadixCache drives them; before_io() runs between the hit query and
@@ -309,7 +310,7 @@ def prefetch_to_host(
     delivered, the whole host allocation: the caller frees it); a miss stops
     after the query unless stop_on_miss is False."""
     ctl = l3.controller
-    op = ctl.prefetch(request_id, tokens)
+    op = ctl.prefetch(request_id, tokens, last_hash)
     queried = ctl.prefetch_hit_queue.get(timeout=STORAGE_WAIT_S)
     assert queried is op
     hit = op.storage_hit_count
@@ -338,11 +339,18 @@ def prefetch_to_host(
 
 
 def prefetch(
-    l3: L3Rig, tokens: list[int], request_id: str = "r", before_io=None
+    l3: L3Rig,
+    tokens: list[int],
+    request_id: str = "r",
+    before_io=None,
+    last_hash: str | None = None,
 ) -> Prefetch:
     """prefetch_to_host, keeping what the cache keeps: only the delivered
-    prefix enters it, the rest of the host allocation goes back."""
-    hit, completed, host = prefetch_to_host(l3, tokens, request_id, before_io)
+    prefix enters it, the rest of the host allocation goes back; last_hash:
+    the page hash the tokens follow (None: they start the sequence)."""
+    hit, completed, host = prefetch_to_host(
+        l3, tokens, request_id, before_io, last_hash=last_hash
+    )
     if hit == 0:
         return Prefetch(0, 0, None)
     if completed < hit:
