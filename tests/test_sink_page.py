@@ -525,6 +525,25 @@ def test_l3_sink_object_refused_restores_4_bit(
     assert pool.storage_integrity_counts()["verified"] == 2
 
 
+def test_l3_failing_store_costs_only_the_8_bits(monkeypatch, tmp_path, l3_rigs):
+    """A backend whose get of the sink object raises: the page, already
+    verified, restores at 4 bits and the failure counts as missing."""
+    l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
+    tokens = list(range(7, 7 + 2 * PAGE))
+    written = write_sequence(l3, tokens, seed=9)
+    batch_get = l3.backend.batch_get
+
+    def failing(keys, *args, **kwargs):
+        if any(L3_KEY_SUFFIX in k for k in keys):
+            raise OSError("store unavailable")
+        return batch_get(keys, *args, **kwargs)
+
+    l3.backend.batch_get = failing
+    assert_prefetch_restores(l3, tokens, written, 0)
+    counts = l3.rig.host_pool.sink_page_counts()
+    assert counts["stored"] == 0 and counts["l3"]["refused"]["missing"] == 1
+
+
 def test_l3_sink_off_writes_no_sink_objects(monkeypatch, tmp_path, l3_rigs):
     """Sink off: only the 4-bit pages go to L3, and they come back 4-bit."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=0)
