@@ -308,7 +308,10 @@ class SinkPageStore:
         pages = host_indices[:: self.page_size].to("cpu", torch.int64)
         slots = self.slot_of_page[pages // self.page_size].tolist()
         return [
-            (key + L3_KEY_SUFFIX, self.l3.read(slot * self.page_size, key + L3_KEY_SUFFIX))
+            (
+                key + L3_KEY_SUFFIX,
+                self.l3.read(slot * self.page_size, key + L3_KEY_SUFFIX),
+            )
             for key, slot in zip(keys, slots)
             if slot >= 0
         ]
@@ -328,7 +331,9 @@ class SinkPageStore:
             data = backend.batch_get([side_key], [dst])
         except Exception:
             # A failing store costs the sink page its 8 bits, never the page.
-            logger.warning("HiCache sink page: L3 get of %s failed", side_key, exc_info=True)
+            logger.warning(
+                "HiCache sink page: L3 get of %s failed", side_key, exc_info=True
+            )
             data = None
         data = data[0] if data else None
         if data is None:
