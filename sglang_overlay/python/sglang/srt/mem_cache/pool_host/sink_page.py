@@ -10,7 +10,10 @@ every layer), since keys carry most of the 4-bit loss and per-channel key
 ranges break on the sink page. The page is still encoded at 4 bits in the
 pool's own records, so L3 always receives (and returns) the format's 4-bit
 page under its own tag; a restore from L2 decodes the whole page from the
-4-bit records, then its keys again from the side store over them.
+4-bit records, then its keys again from the side store over them. A marked
+page's slot goes to L3 as one more object under the page's key plus
+L3_KEY_SUFFIX, sealed as Int8KeysFormat and bound to that key; a prefetch
+from token 0 brings it back into a slot when it verifies and one is free.
 
 The side store has one slot per ``sink_page_tokens`` host tokens (one per
 sequence of that length), allocated with the pool and counted in its bytes
@@ -393,7 +396,8 @@ class SinkPagePool:
             logger.info(
                 "HiCache %s sink page: the keys of each sequence's first page at "
                 "8 bits (int8 records) in %d slots, one per %d host tokens (%s=%d), "
-                "%.1f MB; L3 pages stay %s.",
+                "%.1f MB; L3 pages stay %s (copy-mode backends such as file: plus one "
+                "int8-keys object per sink page).",
                 self.pool_label,
                 store.slots,
                 self._sink_tokens_per_slot,
