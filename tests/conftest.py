@@ -119,6 +119,16 @@ def mamba_extra_buffer_on_cpu(monkeypatch):
 
 
 @pytest.fixture
+def restore_environ():
+    """Start-up tests opt in: resolution exports environment variables
+    (handle_environment_variables)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
 def hybrid_runtime_context(mamba_extra_buffer_on_cpu):
     """Mamba extra buffers allowed on CPU; afterwards the radix caches the
     test built (tests/support/hybrid_rigs.py) are released, their collectors

@@ -13,16 +13,17 @@ import logging
 
 import pytest
 
-from tests.support.server_args import (  # noqa: F401  (fixtures)
+from tests.support.server_args import (
     DEEPSEEK_V2_MLA,
     FP8_KV_CHECKPOINTS,
     LLAMA,
-    _restore_environ,
     device_kv_refusal,
     from_argv,
     model_dir,
     resolve,
 )
+
+pytestmark = pytest.mark.usefixtures("restore_environ")
 
 FP8_KV = ("fp8_e4m3", "fp8_e5m2")
 ACCEPTED = ("int4", "k8v4")

@@ -8,18 +8,17 @@ instead of failing when the scheduler builds the pool."""
 from __future__ import annotations
 
 import pytest
-from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
+from tests.support.server_args import (
     GPT_OSS,
     QWEN3_5,
     QWEN3_NEXT,
     model_dir,
-    _restore_environ,
     resolve,
 )
 
 from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES, host_dtype_choices
 
-pytestmark = pytest.mark.usefixtures("mamba_extra_buffer_on_cpu")
+pytestmark = pytest.mark.usefixtures("mamba_extra_buffer_on_cpu", "restore_environ")
 
 ENCODED = tuple(name for name in host_dtype_choices() if name != "auto")
 # The other formats are refused for MLA models as such, before the model check.

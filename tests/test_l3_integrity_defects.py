@@ -26,13 +26,12 @@ from sglang.srt.arg_groups import hicache_hook
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 from sglang.srt.server_args import ServerArgs
-from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
+from tests.support.server_args import (
     DEEPSEEK_V2_MLA,
     LLAMA,
-    _restore_environ,
 )
 
-pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
+pytestmark = pytest.mark.usefixtures("host_ram_not_under_test", "restore_environ")
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 _LLAMA = LLAMA

@@ -10,16 +10,18 @@ from __future__ import annotations
 import logging
 
 import pytest
-from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
+from tests.support.server_args import (
     DEEPSEEK_V2_MLA,
+    DEEPSEEK_V3,
     INT8_IO_BACKENDS,
     INT8_LAYOUTS,
     model_dir,
-    _restore_environ,
     resolve,
 )
 
 from sglang.srt.arg_groups.overrides import resolution_result
+
+pytestmark = pytest.mark.usefixtures("restore_environ")
 
 # DeepSeek-V2's latent widths (kv_lora_rank 512, qk_rope_head_dim 64).
 _DEEPSEEK_MLA = dict(DEEPSEEK_V2_MLA, kv_lora_rank=512, qk_rope_head_dim=64)
@@ -81,9 +83,7 @@ def test_refuses_dsa_sparse_mla(tmp_path, monkeypatch):
     # SGLang's DSA resolution reads the GPU's compute capability; stand in an H100.
     monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
     config = dict(
-        _DEEPSEEK_MLA,
-        architectures=["DeepseekV3ForCausalLM"],
-        model_type="deepseek_v3",
+        DEEPSEEK_V3,
         q_lora_rank=16,
         index_topk=64,
         index_head_dim=32,

@@ -16,33 +16,23 @@ import pytest
 
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import ServerArgs
-from tests.support.server_args import (  # noqa: F401  (fixtures)
-    DEEPSEEK_V2_MLA,
+from tests.support.server_args import (
     FP8_KV_CHECKPOINTS,
     INT8_IO_BACKENDS,
     INT8_LAYOUTS,
     LLAMA,
-    _restore_environ,
     device_kv_refusal,
     from_argv,
     model_dir,
     resolve,
 )
 
+pytestmark = pytest.mark.usefixtures("restore_environ")
+
 
 # Every --hicache-host-dtype that encodes the host copy; each is validated alike.
 QUANTIZED = ("int8", "int4", "k8v4")
 per_format = pytest.mark.parametrize("host_dtype", QUANTIZED)
-
-
-
-
-
-
-
-
-
-
 
 
 # --------------------------------------------------------------------------
@@ -164,13 +154,23 @@ def test_quantized_rejects_quantized_draft_kv(host_dtype):
 
 
 @per_format
-@pytest.mark.parametrize("backend", ["hf3fs", "aibrix"])
-def test_quantized_rejects_storage_backend(backend, host_dtype):
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("hicache_storage_backend", "hf3fs"),
+        ("hicache_storage_backend", "aibrix"),
+        ("hicache_mem_layout", "page_head"),
+        ("hicache_mem_layout", "page_first_kv_split"),
+        ("hicache_mem_layout", "page_unified"),
+        ("hicache_io_backend", "kernel_ascend"),
+    ],
+)
+def test_quantized_rejects_what_the_pool_does_not_serve(field, value, host_dtype):
     with pytest.raises(ValueError) as error:
-        resolve(hicache_host_dtype=host_dtype, hicache_storage_backend=backend)
-    assert (
-        f"--hicache-host-dtype {host_dtype} does not support "
-        f"--hicache-storage-backend {backend}" in str(error.value)
+        resolve(hicache_host_dtype=host_dtype, **{field: value})
+    flag = "--" + field.replace("_", "-")
+    assert f"--hicache-host-dtype {host_dtype} does not support {flag} {value}" in str(
+        error.value
     )
 
 
@@ -194,27 +194,6 @@ def test_quantized_storage_needs_cache_memory_mode(host_dtype):
         )
     assert f"--hicache-host-dtype {host_dtype} with --hicache-storage-backend" in (
         str(error.value)
-    )
-
-
-@per_format
-@pytest.mark.parametrize("layout", ["page_head", "page_first_kv_split", "page_unified"])
-def test_quantized_rejects_mem_layout(layout, host_dtype):
-    with pytest.raises(ValueError) as error:
-        resolve(hicache_host_dtype=host_dtype, hicache_mem_layout=layout)
-    assert (
-        f"--hicache-host-dtype {host_dtype} does not support --hicache-mem-layout "
-        f"{layout}" in str(error.value)
-    )
-
-
-@per_format
-def test_quantized_rejects_io_backend(host_dtype):
-    with pytest.raises(ValueError) as error:
-        resolve(hicache_host_dtype=host_dtype, hicache_io_backend="kernel_ascend")
-    assert (
-        f"--hicache-host-dtype {host_dtype} does not support --hicache-io-backend "
-        "kernel_ascend" in str(error.value)
     )
 
 
@@ -328,10 +307,6 @@ def test_stock_pool_layout_io_rewrite_is_unchanged(models):
 # --------------------------------------------------------------------------
 # Start-up refusals that used to surface later (issue 11: D2, D3, D4)
 # --------------------------------------------------------------------------
-
-
-
-
 
 
 # int4 and k8v4 encode an FP8 device KV cache (tests/test_fp8_server_args.py).

@@ -42,7 +42,7 @@ from tests.support.hybrid_rigs import (
     swa_rig,
     wipe_kv,
 )
-from tests.support.server_args import DEEPSEEK_V2_MLA as _DEEPSEEK_V2_MLA
+from tests.support.server_args import DEEPSEEK_V3
 from tests.support.server_args import LLAMA as _LLAMA
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
@@ -72,14 +72,7 @@ STOCK_LAYOUTS = [
     ("page_first_direct", 4, "direct"),
     ("layer_first", 1, "direct"),
 ]
-DEEPSEEK_MLA = dict(
-    _DEEPSEEK_V2_MLA,
-    architectures=["DeepseekV3ForCausalLM"],
-    model_type="deepseek_v3",
-    kv_lora_rank=512,
-    qk_rope_head_dim=64,
-    num_nextn_predict_layers=1,
-)
+DEEPSEEK_MLA = dict(DEEPSEEK_V3, num_nextn_predict_layers=1)
 MHA_MTP = dict(_LLAMA, num_nextn_predict_layers=1)
 TARGET_LAYERS = 2
 DEVICE_TOKENS = 256

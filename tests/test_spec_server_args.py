@@ -9,32 +9,24 @@ KV the encoded pools never ran with."""
 from __future__ import annotations
 
 import pytest
-from tests.support.server_args import (  # noqa: F401  (_restore_environ: autouse fixture)
+from tests.support.server_args import (
     GPT_OSS,
     QWEN3_NEXT,
-    _restore_environ,
     resolve,
 )
-from tests.support.server_args import DEEPSEEK_V2_MLA as _DEEPSEEK_V2_MLA
+from tests.support.server_args import DEEPSEEK_V3
 from tests.support.server_args import LLAMA as _LLAMA
 from tests.support.server_args import model_dir as _model_dir
 
 from sglang.srt.mem_cache.pool_host.host_format import host_dtype_choices
 
-pytestmark = pytest.mark.usefixtures("mamba_extra_buffer_on_cpu")
+pytestmark = pytest.mark.usefixtures("mamba_extra_buffer_on_cpu", "restore_environ")
 
 ENCODED = tuple(name for name in host_dtype_choices() if name != "auto")
 SPEC = dict(
     speculative_num_steps=1,
     speculative_eagle_topk=1,
     speculative_num_draft_tokens=2,
-)
-DEEPSEEK_V3 = dict(
-    _DEEPSEEK_V2_MLA,
-    architectures=["DeepseekV3ForCausalLM"],
-    model_type="deepseek_v3",
-    kv_lora_rank=512,
-    qk_rope_head_dim=64,
 )
 
 

@@ -1,12 +1,11 @@
 """ServerArgs rigs: SGLang's own argument parser and resolution pipeline
-(``ServerArgs.resolve_once``) over tiny local HF configs (no weights), and the
-fixtures the start-up tests share (import them into the test module)."""
+(``ServerArgs.resolve_once``) over tiny local HF configs (no weights); the start-up
+tests restore the environment with the restore_environ fixture (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import pytest
 
@@ -57,6 +56,16 @@ DEEPSEEK_V2_MLA = {
 }
 
 
+# DeepSeek-V3 at DeepSeek-V2's latent widths (kv_lora_rank 512, qk_rope_head_dim 64).
+DEEPSEEK_V3 = dict(
+    DEEPSEEK_V2_MLA,
+    architectures=["DeepseekV3ForCausalLM"],
+    model_type="deepseek_v3",
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+)
+
+
 INT8_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 INT8_IO_BACKENDS = ("kernel", "direct")
 
@@ -69,15 +78,6 @@ def write_models(root) -> dict[str, str]:
         (root / name / "config.json").write_text(json.dumps(config))
         paths[name] = str(root / name)
     return paths
-
-
-@pytest.fixture(autouse=True)
-def _restore_environ():
-    # Resolution exports environment variables (handle_environment_variables).
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def cli_parser() -> argparse.ArgumentParser:
