@@ -35,6 +35,7 @@ from tests.support.hicache_harness import (
     make_device_pool,
     make_host_pool,
     make_rig,
+    paged_rig,
 )
 from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.srt.mem_cache.pool_host import encoded_fused
@@ -269,14 +270,8 @@ def test_nonfinite_fp8_restores_as_nan_and_is_counted(fmt, layout, page_size, fp
 )
 def test_controller_write_wipe_load(fmt, layout, page_size, io_backend, fp8):
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
-    rig = make_rig(
-        geo,
-        device_tokens=16 * page_size,
-        host_tokens=24 * page_size,
-        layout=layout,
-        io_backend=io_backend,
-        host_dtype=fmt,
-        device_kv_dtype=fp8,
+    rig = paged_rig(
+        geo, layout, io_backend, 16, 24, host_dtype=fmt, device_kv_dtype=fp8
     )
     assert type(rig.host_pool) is host_pool_cls(fmt)
     ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator

@@ -14,6 +14,7 @@ from tests.support.hicache_harness import (
     Geometry,
     finish_transfers,
     make_rig,
+    paged_rig,
     random_controller_operations,
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
@@ -39,13 +40,8 @@ def encoded(rows):
 )
 def test_random_operations_against_reference(layout, page_size, io_backend):
     geo = Geometry(layer_num=2, head_num=2, head_dim=8, page_size=page_size)
-    rig = make_rig(
-        geo,
-        device_tokens=64 * page_size,
-        host_tokens=96 * page_size,
-        layout=layout,
-        io_backend=io_backend,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+    rig = paged_rig(
+        geo, layout, io_backend, 64, 96, host_pool_cls=MHATokenToKVPoolINT8Host
     )
     dev_pool = rig.device_pool
     gen = torch.Generator().manual_seed(5678)

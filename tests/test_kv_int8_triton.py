@@ -19,10 +19,10 @@ import torch
 from tests.support.hicache_harness import (
     Geometry,
     fill_random,
-    finish_transfers,
     make_device_pool,
     make_host_pool,
-    make_rig,
+    paged_rig,
+    write_evict_load,
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
@@ -33,17 +33,15 @@ from tests.support.codec_inputs import (
     edge_inputs,
     make_rows,
 )
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from tests.support.conformance import DTYPES, KERNEL_POOL_CASES, LAYOUTS
-from tests.support.int8_pool_checks import check_unordered_round_trip
-
-MHATokenToKVPoolINT8Host = host_pool_cls("int8")
+from tests.support.int8_pool_checks import (
+    INTERPRETED_KERNELS,
+    MHATokenToKVPoolINT8Host,
+    check_unordered_round_trip,
+)
 
 # numpy warns about lanes the kernels mask out (NaN-row quotients, padding).
-pytestmark = [
-    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
-    pytest.mark.usefixtures("triton_interpreter"),
-]
+pytestmark = INTERPRETED_KERNELS
 NAN, INF = float("nan"), float("inf")
 
 
@@ -462,14 +460,13 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
     """The real HiCacheController drives the fused path: write-through, evict
     from L1, load back: the reference codec's values at the new slots."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=8, page_size=page_size)
-    rig = make_rig(
-        geo, device_tokens=32 * page_size, host_tokens=64 * page_size,
-        layout=layout, io_backend="kernel", host_pool_cls=MHATokenToKVPoolINT8Host,
-    )  # fmt: skip
+    rig = paged_rig(
+        geo, layout, "kernel", 32, 64, host_pool_cls=MHATokenToKVPoolINT8Host
+    )
     rig.host_pool.use_fused_kernels = True
-    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
+    dev_pool = rig.device_pool
     gen = torch.Generator().manual_seed(9)
-    dev = alloc.alloc(6 * page_size)
+    dev = rig.allocator.alloc(6 * page_size)
     expected = []
     for layer in range(geo.layer_num):
         k = (torch.randn((len(dev), 2, 8), generator=gen) * 3).to(geo.dtype)
@@ -482,12 +479,7 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
                 for t in (k, v)
             ]
         )
-    host = ctl.write(dev)
-    finish_transfers(ctl)
-    alloc.free(dev)
-    new_dev = ctl.load(host)
-    ctl.start_loading()
-    finish_transfers(ctl)
+    new_dev = write_evict_load(rig, dev)
     for layer, (k, v) in enumerate(expected):
         assert torch.equal(dev_pool.k_buffer[layer][new_dev], k)
         assert torch.equal(dev_pool.v_buffer[layer][new_dev], v)

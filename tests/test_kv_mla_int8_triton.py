@@ -17,12 +17,17 @@ import torch
 from tests.support.hicache_harness import (
     MLAGeometry,
     fill_random,
-    finish_transfers,
     make_device_pool,
     make_host_pool,
-    make_rig,
+    paged_rig,
+    write_evict_load,
 )
-from tests.support.codec_inputs import LOG2_RANGE, assert_same_bits, edge_inputs, make_rows
+from tests.support.codec_inputs import (
+    LOG2_RANGE,
+    assert_same_bits,
+    edge_inputs,
+    make_rows,
+)
 
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
@@ -499,20 +504,12 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
     """The real HiCacheController drives the fused path: write-through, evict
     from L1, load back: the codec's reference values at the new slots."""
     geo = MLAGeometry(layer_num=2, page_size=page_size)
-    rig = make_rig(
-        geo, device_tokens=32 * page_size, host_tokens=64 * page_size,
-        layout=layout, io_backend="kernel", host_dtype="int8",
-    )  # fmt: skip
+    rig = paged_rig(geo, layout, "kernel", 32, 64, host_dtype="int8")
     rig.host_pool.use_fused_kernels = True
-    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
-    dev = alloc.alloc(6 * page_size)
+    dev_pool = rig.device_pool
+    dev = rig.allocator.alloc(6 * page_size)
     written = fill_random(dev_pool, dev, seed=5)
-    host = ctl.write(dev)
-    finish_transfers(ctl)
-    alloc.free(dev)
-    new_dev = ctl.load(host)
-    ctl.start_loading()
-    finish_transfers(ctl)
+    new_dev = write_evict_load(rig, dev)
     for layer, rows in enumerate(written):
         assert torch.equal(dev_pool.kv_buffer[layer][new_dev], reference_rows(rows))
     assert rig.host_pool.transfer_path == "fused_direct"

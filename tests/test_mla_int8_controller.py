@@ -15,6 +15,7 @@ from tests.support.hicache_harness import (
     MLAGeometry,
     finish_transfers,
     make_rig,
+    paged_rig,
     random_controller_operations,
 )
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
@@ -46,14 +47,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 )
 def test_random_operations_against_reference(layout, page_size, io_backend, dtype):
     geo = MLAGeometry(layer_num=2, dtype=dtype, page_size=page_size)
-    rig = make_rig(
-        geo,
-        device_tokens=48 * page_size,
-        host_tokens=64 * page_size,
-        layout=layout,
-        io_backend=io_backend,
-        host_dtype="int8",
-    )
+    rig = paged_rig(geo, layout, io_backend, 48, 64, host_dtype="int8")
     assert type(rig.host_pool) is MLATokenToKVPoolINT8Host
     dev_pool = rig.device_pool
     gen = torch.Generator().manual_seed(8765)

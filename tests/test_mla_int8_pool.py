@@ -13,10 +13,10 @@ from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from tests.support.hicache_harness import (
     MLAGeometry,
     fill_random,
-    finish_transfers,
     make_device_pool,
     make_host_pool,
     make_rig,
+    write_evict_load,
 )
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import TILE, MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
@@ -49,27 +49,23 @@ def expected_restore(rows: torch.Tensor) -> torch.Tensor:
     return y.view_as(rows)
 
 
+def poison(pool, dev):
+    for layer in range(pool.layer_num):
+        pool.kv_buffer[layer][dev] = NAN
+
+
 def round_trip(rig, n_tokens: int, seed: int = 0, edit=None):
     """Device rows -> L2 (controller write) -> L1 eviction (poisoned) -> load.
-    Returns (written rows per layer, restored rows per layer, host indices)."""
-    ctl, pool = rig.controller, rig.device_pool
+    Returns (written rows per layer, restored rows per layer)."""
+    pool = rig.device_pool
     dev = rig.allocator.alloc(n_tokens)
     written = fill_random(pool, dev, seed=seed)
     if edit is not None:
         edit(pool, dev)
         written = [pool.kv_buffer[i][dev].clone() for i in range(pool.layer_num)]
-    host = ctl.write(dev)
-    assert host is not None
-    finish_transfers(ctl)
-    for layer in range(pool.layer_num):
-        pool.kv_buffer[layer][dev] = NAN
-    rig.allocator.free(dev)
-    dev2 = ctl.load(host)
-    assert dev2 is not None
-    ctl.start_loading()
-    finish_transfers(ctl)
+    dev2 = write_evict_load(rig, dev, evict=poison)
     restored = [pool.kv_buffer[i][dev2].clone() for i in range(pool.layer_num)]
-    return written, restored, host
+    return written, restored
 
 
 def test_capacity_from_allocated_buffers():
@@ -133,7 +129,7 @@ def test_nonfinite_policy_and_statistics(layout, page_size):
         device_pool.kv_buffer[2][dev[3], 0, 2 * TILE] = 1e7  # past fp16 scales
         device_pool.kv_buffer[2][dev[0], 0, 7] = -40.0
 
-    written, restored, _ = round_trip(rig, 4 * page_size, seed=3, edit=edit)
+    written, restored = round_trip(rig, 4 * page_size, seed=3, edit=edit)
     nan_tile = torch.isnan(restored[0][1, 0])
     assert nan_tile[TILE : 2 * TILE].all() and nan_tile.sum() == TILE
     assert restored[1][2, 0, LATENT + 1].item() == INF

@@ -61,28 +61,26 @@ def _rig_memory_budget():
 def make_device_pool(
     geo: Geometry | MLAGeometry, device_tokens: int, device: str = "cpu"
 ):
-    if isinstance(geo, MLAGeometry):
-        return MLATokenToKVPool(
-            size=device_tokens,
-            page_size=geo.page_size,
-            dtype=geo.dtype,
-            kv_lora_rank=geo.kv_lora_rank,
-            qk_rope_head_dim=geo.qk_rope_head_dim,
-            layer_num=geo.layer_num,
-            device=device,
-            enable_memory_saver=False,
-        )
-    return MHATokenToKVPool(
+    common = dict(
         size=device_tokens,
         page_size=geo.page_size,
         dtype=geo.dtype,
-        head_num=geo.head_num,
-        head_dim=geo.head_dim,
         layer_num=geo.layer_num,
         device=device,
         enable_memory_saver=False,
+    )
+    if isinstance(geo, MLAGeometry):
+        return MLATokenToKVPool(
+            kv_lora_rank=geo.kv_lora_rank,
+            qk_rope_head_dim=geo.qk_rope_head_dim,
+            **common,
+        )
+    return MHATokenToKVPool(
+        head_num=geo.head_num,
+        head_dim=geo.head_dim,
         v_head_dim=geo.v_head_dim,
         enable_alt_stream=False,
+        **common,
     )
 
 
@@ -166,6 +164,25 @@ def make_rig(
     return HiCacheRig(device_pool, allocator, host_pool, controller)
 
 
+def paged_rig(
+    geo: Geometry | MLAGeometry,
+    layout: str,
+    io_backend: str,
+    device_pages: int,
+    host_pages: int,
+    **host_pool,
+) -> HiCacheRig:
+    """make_rig with pools of whole pages, the controller's unit."""
+    return make_rig(
+        geo,
+        device_tokens=device_pages * geo.page_size,
+        host_tokens=host_pages * geo.page_size,
+        layout=layout,
+        io_backend=io_backend,
+        **host_pool,
+    )
+
+
 def fill_random(device_pool, indices: torch.Tensor, seed: int = 0):
     """Write random K/V (MLA: latent rows) into `indices` of every layer;
     return the written rows."""
@@ -195,6 +212,24 @@ def finish_transfers(controller: HiCacheController) -> None:
         ack.finish_event.synchronize()
     controller.ack_write_queue.clear()
     controller.ack_load_queue.clear()
+
+
+def write_evict_load(rig: HiCacheRig, dev: torch.Tensor, evict=None) -> torch.Tensor:
+    """Back `dev` up through the controller, free it from L1 (after
+    `evict(device_pool, dev)` where given) and load it back; return the
+    device indices it was loaded into."""
+    ctl = rig.controller
+    host = ctl.write(dev)
+    assert host is not None
+    finish_transfers(ctl)
+    if evict is not None:
+        evict(rig.device_pool, dev)
+    rig.allocator.free(dev)
+    new_dev = ctl.load(host)
+    assert new_dev is not None
+    ctl.start_loading()
+    finish_transfers(ctl)
+    return new_dev
 
 
 def device_buffers(device_pool) -> list:

@@ -20,7 +20,7 @@ from tests.support.hicache_harness import (
     fill_random,
     make_device_pool,
     make_host_pool,
-    make_rig,
+    paged_rig,
     random_controller_operations,
 )
 from tests.support.int8_pool_checks import unit_tokens
@@ -159,14 +159,7 @@ def check_controller_random_operations(fmt, layout, page_size, io_backend, fused
     """The real controller's random writes, loads and evictions (on the fused
     kernels with `fused`): every restore equals the reference."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
-    rig = make_rig(
-        geo,
-        device_tokens=32 * page_size,
-        host_tokens=48 * page_size,
-        layout=layout,
-        io_backend=io_backend,
-        host_dtype=fmt,
-    )
+    rig = paged_rig(geo, layout, io_backend, 32, 48, host_dtype=fmt)
     assert type(rig.host_pool) is host_pool_cls(fmt)
     if fused:
         rig.host_pool.use_fused_kernels = True
