@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from tests.support.l3_harness import MooncakeMaster, require_mooncake
-from tests.support.metrics import Scrape
+from tests.support.metrics import Scrape, scheduler_collector
 from tests.support.server_args import GPT_OSS
 from tests.support.hybrid_rigs import (
     ENCODED,
@@ -435,17 +435,6 @@ def test_linear_attention_l3_hit(
 
 
 # -- metrics -------------------------------------------------------------------
-
-
-def scheduler_collector(server_args):
-    from sglang.srt.observability.metrics_collector import SchedulerMetricsCollector
-
-    return SchedulerMetricsCollector.init_new(
-        server_args=server_args,
-        enable_priority_scheduling=False,
-        enable_lora=False,
-        enable_hierarchical_cache=True,
-    ).collector
 
 
 def collect(rig: Rig) -> Scrape:

@@ -5,7 +5,6 @@ and nothing leaks into other slots."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -59,12 +58,7 @@ def test_random_operations_against_reference(layout, page_size, io_backend):
         return expected
 
     ops = random_controller_operations(
-        rig,
-        write_rows,
-        steps=2500,
-        rng=random.Random(1234 + page_size),
-        max_pages=6,
-        audit_every=100,
+        rig, write_rows, steps=2500, seed=1234 + page_size
     )
     assert ops > 1000
 

@@ -14,14 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.hicache_harness import (
-    MLAGeometry,
-    fill_random,
-    make_device_pool,
-    make_host_pool,
-    paged_rig,
-    write_evict_load,
-)
+from tests.support import hicache_harness as hh
 from tests.support.codec_inputs import (
     LOG2_RANGE,
     assert_same_bits,
@@ -401,7 +394,7 @@ def big_tiles(monkeypatch):
 
 def poisoned_fill(device_pool, dev):
     """Random latent rows, a NaN tile, an Inf RoPE value, an over-range tile."""
-    fill_random(device_pool, dev, seed=device_pool.page_size)
+    hh.fill_random(device_pool, dev, seed=device_pool.page_size)
     device_pool.kv_buffer[0][dev[1], 0, 300] = NAN
     device_pool.kv_buffer[-1][dev[-1], 0, RANK + 3] = INF
     device_pool.kv_buffer[-1][dev[0], 0, :TILE] = 1e7  # past the fp16-scale guard
@@ -413,9 +406,9 @@ def pool_round_trip(layout, page_size, dtype, mode, layers=2):
     the fused kernels with that host access. Host pages out of order with a
     gap, shuffled device pages. Returns (host records, device buffers,
     non-finite count, amax by layer)."""
-    geo = MLAGeometry(layer_num=layers, dtype=dtype, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=8 * page_size)
-    pool = make_host_pool(
+    geo = hh.MLAGeometry(layer_num=layers, dtype=dtype, page_size=page_size)
+    device_pool = hh.make_device_pool(geo, device_tokens=8 * page_size)
+    pool = hh.make_host_pool(
         device_pool, host_tokens=8 * page_size, layout=layout, host_dtype="int8"
     )
     assert pool.use_fused_kernels is False  # CPU default: the torch path
@@ -483,9 +476,9 @@ def test_pool_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     """The pool's start-up self-check (what CUDA runs before serving) passes
     with these kernels, and falls back to the torch path when the restore
     is wrong."""
-    geo = MLAGeometry(layer_num=2, page_size=16)
-    device_pool = make_device_pool(geo, device_tokens=8 * 16)
-    pool = make_host_pool(device_pool, host_tokens=8 * 16, host_dtype="int8")
+    geo = hh.MLAGeometry(layer_num=2, page_size=16)
+    device_pool = hh.make_device_pool(geo, device_tokens=8 * 16)
+    pool = hh.make_host_pool(device_pool, host_tokens=8 * 16, host_dtype="int8")
     pool.use_fused_kernels = True
     assert pool.self_check() and pool.transfer_path == "fused_direct"
     real = mk.decode_scatter
@@ -503,13 +496,13 @@ def test_pool_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
 def test_controller_round_trip_with_fused_kernels(layout, page_size):
     """The real HiCacheController drives the fused path: write-through, evict
     from L1, load back: the codec's reference values at the new slots."""
-    geo = MLAGeometry(layer_num=2, page_size=page_size)
-    rig = paged_rig(geo, layout, "kernel", 32, 64, host_dtype="int8")
+    geo = hh.MLAGeometry(layer_num=2, page_size=page_size)
+    rig = hh.paged_rig(geo, layout, "kernel", 32, 64, host_dtype="int8")
     rig.host_pool.use_fused_kernels = True
     dev_pool = rig.device_pool
     dev = rig.allocator.alloc(6 * page_size)
-    written = fill_random(dev_pool, dev, seed=5)
-    new_dev = write_evict_load(rig, dev)
+    written = hh.fill_random(dev_pool, dev, seed=5)
+    new_dev = hh.write_evict_load(rig, dev)
     for layer, rows in enumerate(written):
         assert torch.equal(dev_pool.kv_buffer[layer][new_dev], reference_rows(rows))
     assert rig.host_pool.transfer_path == "fused_direct"

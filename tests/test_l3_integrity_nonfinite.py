@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prometheus_client import REGISTRY, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import l3_harness as h
+from tests.support.metrics import Scrape
 from tests.support.hicache_harness import (
     Geometry,
     MLAGeometry,
@@ -22,9 +21,6 @@ from tests.support.hicache_harness import (
 )
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES, host_format_cls
-from sglang.srt.observability.metrics_collector import SchedulerMetricsCollector
-from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
-from sglang.srt.server_args import ServerArgs
 
 pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
 
@@ -130,34 +126,11 @@ def test_torch_and_fused_paths_count_the_same_groups(name, kind, layout, page_si
     assert fused_pool.nonfinite_group_count() == stored
 
 
+@pytest.mark.usefixtures("collectors")
 def test_metric_help_states_the_unit_of_every_format():
     """The counter's help says what one group is for each format (the rotated
     ones count as their base format): rates compare only within one format."""
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        enable_hierarchical_cache=True,
-        enable_metrics=True,
-    )
-    before = set(REGISTRY._collector_to_names)
-    reset_context()
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
-    try:
-        SchedulerMetricsCollector.init_new(
-            server_args=server_args,
-            enable_priority_scheduling=False,
-            enable_lora=False,
-            enable_hierarchical_cache=True,
-        )
-        families = {
-            f.name: f
-            for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
-        }
-    finally:
-        for collector in set(REGISTRY._collector_to_names) - before:
-            REGISTRY.unregister(collector)
-        reset_context()
-    doc = families["sglang:hicache_host_nonfinite_groups"].documentation
+    doc = Scrape().families["sglang:hicache_host_nonfinite_groups"].documentation
     # One unit per codec family: int8 rows (k8v4 keys too), 4-bit groups
     # (int4, k8v4 values; the rotated formats alike), MLA tiles and RoPE rows.
     for unit in (

@@ -6,7 +6,6 @@ bookkeeping matches the model."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -65,13 +64,7 @@ def test_random_operations_against_reference(layout, page_size, io_backend, dtyp
         return expected
 
     ops = random_controller_operations(
-        rig,
-        write_rows,
-        steps=1500,
-        rng=random.Random(4321 + page_size),
-        max_pages=6,
-        same=same,
-        audit_every=100,
+        rig, write_rows, steps=1500, seed=4321 + page_size, same=same
     )
     assert ops > 600
 

@@ -7,6 +7,7 @@ needs CUDA.
 
 from __future__ import annotations
 
+import random
 import threading
 from dataclasses import dataclass
 
@@ -61,26 +62,27 @@ def _rig_memory_budget():
 def make_device_pool(
     geo: Geometry | MLAGeometry, device_tokens: int, device: str = "cpu"
 ):
-    common = dict(
+    if isinstance(geo, MLAGeometry):
+        cls = MLATokenToKVPool
+        kind_args = dict(
+            kv_lora_rank=geo.kv_lora_rank, qk_rope_head_dim=geo.qk_rope_head_dim
+        )
+    else:
+        cls = MHATokenToKVPool
+        kind_args = dict(
+            head_num=geo.head_num,
+            head_dim=geo.head_dim,
+            v_head_dim=geo.v_head_dim,
+            enable_alt_stream=False,
+        )
+    return cls(
         size=device_tokens,
         page_size=geo.page_size,
         dtype=geo.dtype,
         layer_num=geo.layer_num,
         device=device,
         enable_memory_saver=False,
-    )
-    if isinstance(geo, MLAGeometry):
-        return MLATokenToKVPool(
-            kv_lora_rank=geo.kv_lora_rank,
-            qk_rope_head_dim=geo.qk_rope_head_dim,
-            **common,
-        )
-    return MHATokenToKVPool(
-        head_num=geo.head_num,
-        head_dim=geo.head_dim,
-        v_head_dim=geo.v_head_dim,
-        enable_alt_stream=False,
-        **common,
+        **kind_args,
     )
 
 
@@ -244,21 +246,21 @@ def random_controller_operations(
     write_rows,
     *,
     steps: int,
-    rng,
-    max_pages: int,
+    seed: int,
+    max_pages: int = 6,
     same=torch.equal,
-    audit_every: int = 0,
+    audit_every: int = 100,
 ) -> int:
     """Drive the real controller through random writes (each evicted from L1
     at once), loads, L2 and L1 evictions, checking every restore; return the
-    number of operations done.
+    number of operations done, drawn from random.Random(seed).
 
     `write_rows(dev, rng)` writes new rows at device indices `dev` and returns
     the expected restored rows, per layer a tuple in device_buffers() order.
     Every `audit_every` steps, and at the end, all restored rows still on the
     device must be intact (no cross-slot leakage); at the end the host pool's
     free space must match what the test holds there."""
-    ctl, alloc = rig.controller, rig.allocator
+    ctl, alloc, rng = rig.controller, rig.allocator, random.Random(seed)
     buffers = device_buffers(rig.device_pool)
     page_size = rig.device_pool.page_size
     backed_up = []  # (host_indices, expected rows)

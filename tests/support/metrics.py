@@ -13,6 +13,16 @@ from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
 from sglang.srt.server_args import ServerArgs
 
 
+def scheduler_collector(server_args: ServerArgs):
+    """The scheduler's metrics collector, built the way the scheduler builds it."""
+    return SchedulerMetricsCollector.init_new(
+        server_args=server_args,
+        enable_priority_scheduling=False,
+        enable_lora=False,
+        enable_hierarchical_cache=True,
+    ).collector
+
+
 def scheduler_and_radix_collectors():
     """Yields (scheduler collector, radix-cache collector); unregisters them after."""
     server_args = ServerArgs(
@@ -25,12 +35,7 @@ def scheduler_and_radix_collectors():
     reset_context()
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
     # Built the way the scheduler and the radix cache build them.
-    scheduler = SchedulerMetricsCollector.init_new(
-        server_args=server_args,
-        enable_priority_scheduling=False,
-        enable_lora=False,
-        enable_hierarchical_cache=True,
-    ).collector
+    scheduler = scheduler_collector(server_args)
     radix = UnifiedRadixCache.__new__(UnifiedRadixCache)
     radix.init_metrics_collector()
     yield scheduler, radix
