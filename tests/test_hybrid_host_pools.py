@@ -284,29 +284,29 @@ def mooncake_master(tmp_path_factory):
     master.stop()
 
 
-def l3_args(request, backend: str, path) -> dict:
-    """The storage arguments of an L3 `backend`; each test its own model name,
-    so tests sharing one Mooncake store keep their keys apart."""
-    args = dict(hicache_storage_backend=backend, served_model_name=request.node.name)
-    if backend == "file":
-        return dict(args, file_storage_path=str(path))
-    master = request.getfixturevalue("mooncake_master")
-    return dict(args, extra_config=master.storage_config())
+@pytest.fixture
+def l3_args(request, tmp_path):
+    """The storage arguments of an L3 backend; each test (and each `run` in
+    it) its own model name, so tests sharing one Mooncake store keep their
+    keys apart."""
+
+    def storage_args(backend: str, run: str = "") -> dict:
+        name = f"{request.node.name}-{run}" if run else request.node.name
+        args = dict(hicache_storage_backend=backend, served_model_name=name)
+        if backend == "file":
+            return dict(args, file_storage_path=str(tmp_path / run))
+        master = request.getfixturevalue("mooncake_master")
+        return dict(args, extra_config=master.storage_config())
+
+    return storage_args
 
 
 @pytest.mark.parametrize("backend,layout,page_size,io_backend", L3_SWA_CASES)
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
 def test_sliding_window_l3_hit(
-    hybrid_model_dirs,
-    request,
-    tmp_path,
-    host_dtype,
-    backend,
-    layout,
-    page_size,
-    io_backend,
+    hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend
 ):
-    l3 = l3_args(request, backend, tmp_path)
+    l3 = l3_args(backend)
     rig = swa_rig(hybrid_model_dirs, host_dtype, layout, page_size, io_backend, l3=l3)
     assert rig.cache.enable_storage
     swa_host_hit(rig, from_l3=True)
@@ -409,19 +409,11 @@ def test_linear_attention_host_hit(
 @pytest.mark.parametrize("backend,layout,page_size,io_backend", L3_MAMBA_CASES)
 @pytest.mark.parametrize("host_dtype", ENCODED)
 def test_linear_attention_l3_hit(
-    hybrid_model_dirs,
-    request,
-    tmp_path,
-    host_dtype,
-    backend,
-    layout,
-    page_size,
-    io_backend,
+    hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend
 ):
     def rig(dtype):
-        l3 = l3_args(request, backend, tmp_path / dtype)
         # Distinct keys for the stock and the encoded run.
-        l3["served_model_name"] += f"-{dtype}"
+        l3 = l3_args(backend, run=dtype)
         return mamba_rig(hybrid_model_dirs, dtype, layout, page_size, io_backend, l3=l3)
 
     stock_state, stock_restored = mamba_host_hit(rig("auto"), from_l3=True)

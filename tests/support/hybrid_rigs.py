@@ -365,32 +365,38 @@ def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
     )
 
 
-def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
-    """Write `tokens` tokens of full and SWA KV through the controller, wipe the
-    device, load both back into fresh slots; returns the loaded tokens."""
-    ctl, gen = rig.controller, torch.Generator().manual_seed(seed)
-    full = alloc_swa_tokens(rig.allocator, tokens)
-    swa = rig.allocator.translate_loc_from_full_to_swa(full)
-    full_written = fill_kv(rig.kv_pool, full, gen)
-    swa_written = fill_kv(rig.side_pool, swa, gen)
-
-    backup = PoolTransfer(name=PoolName.SWA, device_indices=swa.to(torch.int64))
+def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
+    """Write `full` KV slots and the side pool's `side` slots (extra pool
+    `name`) through the controller, wipe both, free `full` and load both back
+    into fresh slots; returns (loaded KV slots, loaded side slots)."""
+    ctl = rig.controller
+    backup = PoolTransfer(name=name, device_indices=side)
     host = ctl.write(full, extra_pools=[backup])
     assert host is not None and backup.host_indices is not None
     rig.finish()
     wipe_kv(rig.kv_pool, full)
-    wipe_kv(rig.side_pool, swa)
+    wipe_side(rig.side_pool, side)
     rig.allocator.free(full)
 
-    restore = PoolTransfer(name=PoolName.SWA, host_indices=backup.host_indices)
+    restore = PoolTransfer(name=name, host_indices=backup.host_indices)
     loaded = ctl.load(host, extra_pools=[restore])
     assert loaded is not None and restore.device_indices is not None
     ctl.start_loading()
     rig.finish()
+    return loaded, restore.device_indices
+
+
+def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
+    """Write `tokens` tokens of full and SWA KV through the controller, wipe the
+    device, load both back into fresh slots; returns the loaded tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    full = alloc_swa_tokens(rig.allocator, tokens)
+    swa = rig.allocator.translate_loc_from_full_to_swa(full).to(torch.int64)
+    full_written = fill_kv(rig.kv_pool, full, gen)
+    swa_written = fill_kv(rig.side_pool, swa, gen)
+    loaded, swa_loaded = side_pool_round_trip(rig, full, PoolName.SWA, swa, wipe_kv)
     assert_kv_restored(rig, PoolName.KV, rig.kv_pool, loaded, full_written)
-    assert_kv_restored(
-        rig, PoolName.SWA, rig.side_pool, restore.device_indices, swa_written
-    )
+    assert_kv_restored(rig, PoolName.SWA, rig.side_pool, swa_loaded, swa_written)
     return tokens
 
 
@@ -398,7 +404,7 @@ def mamba_round_trip(rig: Rig, tokens: int, seed: int = 0):
     """Write `tokens` tokens of full-attention KV and one request's Mamba
     state through the controller, wipe the device, load both back; returns
     the state as restored."""
-    ctl, gen = rig.controller, torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
     mamba_allocator = rig.cache.cache_controller.mem_pool_host.entry_map[
         PoolName.MAMBA
     ].device_alloc_fn
@@ -406,20 +412,9 @@ def mamba_round_trip(rig: Rig, tokens: int, seed: int = 0):
     slot = mamba_allocator(1)
     written = fill_kv(rig.kv_pool, full, gen)
     state = fill_mamba(rig.side_pool, slot, gen)
-
-    backup = PoolTransfer(name=PoolName.MAMBA, device_indices=slot)
-    host = ctl.write(full, extra_pools=[backup])
-    assert host is not None and backup.host_indices is not None
-    rig.finish()
-    wipe_kv(rig.kv_pool, full)
-    wipe_mamba(rig.side_pool, slot)
-    rig.allocator.free(full)
-
-    restore = PoolTransfer(name=PoolName.MAMBA, host_indices=backup.host_indices)
-    loaded = ctl.load(host, extra_pools=[restore])
-    assert loaded is not None and restore.device_indices is not None
-    ctl.start_loading()
-    rig.finish()
+    loaded, slot_loaded = side_pool_round_trip(
+        rig, full, PoolName.MAMBA, slot, wipe_mamba
+    )
     assert_kv_restored(rig, PoolName.KV, rig.kv_pool, loaded, written)
-    restored = mamba_state(rig.side_pool, restore.device_indices)
+    restored = mamba_state(rig.side_pool, slot_loaded)
     return state, restored
