@@ -48,16 +48,40 @@ def model_name(request) -> str:
     return f"hiq/{request.node.name}"
 
 
+@pytest.fixture
+def mooncake_l3(mooncake_master, l3_rigs, request):
+    """make_l3_rig on the shared mooncake_master, this test's model name."""
+
+    def make(**kwargs):
+        l3 = h.make_l3_rig(
+            "mooncake",
+            mooncake_master.storage_config(),
+            model_name=model_name(request),
+            **kwargs,
+        )
+        l3_rigs.append(l3)
+        return l3
+
+    return make
+
+
+@pytest.fixture
+def file_l3(tmp_path, l3_rigs, request):
+    """make_l3_rig on the file backend under tmp_path, this test's model name."""
+    l3 = h.make_l3_rig(
+        "file", h.file_storage_config(tmp_path), model_name=model_name(request)
+    )
+    l3_rigs.append(l3)
+    return l3
+
+
 # ---------------------------------------------------------------------------
 # round trips
 
 
-def test_mooncake_objects_are_the_l2_records(mooncake_master, l3_rigs, request):
+def test_mooncake_objects_are_the_l2_records(mooncake_l3):
     """No re-encoding: each object is byte-for-byte the pool's page records."""
-    l3 = h.make_l3_rig(
-        "mooncake", mooncake_master.storage_config(), model_name=model_name(request)
-    )
-    l3_rigs.append(l3)
+    l3 = mooncake_l3()
     dev, host, hashes, stored = h.write_through(l3, TOKENS)
     pool, backend = l3.controller.mem_pool_host, l3.backend
     page = int(host[GEO.page_size]) // GEO.page_size
@@ -122,14 +146,8 @@ def check_partial_prefetch(l3, host_dtype, written, pf, good_pages):
 
 
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_mooncake_truncated_object_is_refused(mooncake_master, l3_rigs, request, host_dtype):
-    l3 = h.make_l3_rig(
-        "mooncake",
-        mooncake_master.storage_config(),
-        host_dtype=host_dtype,
-        model_name=model_name(request),
-    )
-    l3_rigs.append(l3)
+def test_mooncake_truncated_object_is_refused(mooncake_l3, host_dtype):
+    l3 = mooncake_l3(host_dtype=host_dtype)
     written, hashes = written_then_evicted(l3)
     store, key = l3.backend.store, mooncake_key(l3, hashes[3], "k")
     replace_object(store, key, bytes(store.get_size(key) - 16))
@@ -141,14 +159,8 @@ def test_mooncake_truncated_object_is_refused(mooncake_master, l3_rigs, request,
 
 
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_mooncake_object_missing_at_read_is_refused(mooncake_master, l3_rigs, request, host_dtype):
-    l3 = h.make_l3_rig(
-        "mooncake",
-        mooncake_master.storage_config(),
-        host_dtype=host_dtype,
-        model_name=model_name(request),
-    )
-    l3_rigs.append(l3)
+def test_mooncake_object_missing_at_read_is_refused(mooncake_l3, host_dtype):
+    l3 = mooncake_l3(host_dtype=host_dtype)
     written, hashes = written_then_evicted(l3)
     store, key = l3.backend.store, mooncake_key(l3, hashes[5], "v")
     pf = h.prefetch(l3, TOKENS + [7], before_io=lambda: replace_object(store, key, b""))
@@ -161,11 +173,8 @@ def file_page(tmp_path, l3, page_hash):
     return path
 
 
-def test_file_truncated_page_is_refused(tmp_path, l3_rigs, request):
-    l3 = h.make_l3_rig(
-        "file", h.file_storage_config(tmp_path), model_name=model_name(request)
-    )
-    l3_rigs.append(l3)
+def test_file_truncated_page_is_refused(tmp_path, file_l3):
+    l3 = file_l3
     written, hashes = written_then_evicted(l3)
     path = file_page(tmp_path, l3, hashes[3])
     path.write_bytes(path.read_bytes()[:-16])
@@ -176,11 +185,8 @@ def test_file_truncated_page_is_refused(tmp_path, l3_rigs, request):
     assert l3.controller.mem_pool_host.storage_integrity.counts()["size"] == 1
 
 
-def test_file_page_missing_at_read_is_refused(tmp_path, l3_rigs, request):
-    l3 = h.make_l3_rig(
-        "file", h.file_storage_config(tmp_path), model_name=model_name(request)
-    )
-    l3_rigs.append(l3)
+def test_file_page_missing_at_read_is_refused(tmp_path, file_l3):
+    l3 = file_l3
     written, hashes = written_then_evicted(l3)
     path = file_page(tmp_path, l3, hashes[5])
     pf = h.prefetch(l3, TOKENS + [7], before_io=path.unlink)
@@ -423,17 +429,10 @@ FOUR_BIT = ("int4", "k8v4")
 
 
 @pytest.mark.parametrize("host_dtype", FOUR_BIT)
-def test_4bit_mooncake_objects_are_the_l2_records(mooncake_master, l3_rigs, request, host_dtype):
+def test_4bit_mooncake_objects_are_the_l2_records(mooncake_l3, host_dtype):
     """Object _k is the page's key payload then its key metadata, _v the same
     for values: the L2 records, never re-encoded."""
-    l3 = h.make_l3_rig(
-        "mooncake",
-        mooncake_master.storage_config(),
-        host_dtype=host_dtype,
-        geo=GEO16,
-        model_name=model_name(request),
-    )
-    l3_rigs.append(l3)
+    l3 = mooncake_l3(host_dtype=host_dtype, geo=GEO16)
     dev, host, hashes, stored = h.write_through(l3, TOKENS16)
     pool, backend = l3.controller.mem_pool_host, l3.backend
     page = int(host[GEO16.page_size]) // GEO16.page_size
@@ -452,5 +451,3 @@ def test_4bit_mooncake_objects_are_the_l2_records(mooncake_master, l3_rigs, requ
     assert torch.equal(k_obj[:-SEAL_BYTES], torch.cat([record("k"), record(k_meta)]))
     assert torch.equal(v_obj[:-SEAL_BYTES], torch.cat([record("v"), record("v_meta")]))
     assert pool.storage_format_tag in key
-
-
