@@ -18,12 +18,7 @@ import types
 import pytest
 import torch
 
-from tests.support.hicache_harness import (
-    MLAGeometry,
-    fill_random,
-    make_device_pool,
-    make_host_pool,
-)
+from tests.support.hicache_harness import MLAGeometry, fill_random, paged_pools
 from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
@@ -99,12 +94,8 @@ def kernels(monkeypatch):
 
 def build(layout, page_size, dtype=torch.bfloat16, fused=None):
     geo = MLAGeometry(layer_num=3, dtype=dtype, page_size=page_size)
-    device_pool = make_device_pool(geo, 16 * page_size)
-    pool = make_host_pool(
-        device_pool,
-        host_tokens=8 * page_size,
-        layout=layout,
-        host_pool_cls=MLATokenToKVPoolINT8Host,
+    device_pool, pool = paged_pools(
+        geo, layout, 16, 8, host_pool_cls=MLATokenToKVPoolINT8Host
     )
     if fused is not None:
         pool.use_fused_kernels = True
@@ -124,7 +115,7 @@ def test_without_the_kernel_module_the_torch_path_serves(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("access", ["direct", "staged"])
-@pytest.mark.parametrize("layout,page_size", [(l, p) for l in LAYOUTS for p in (1, 4)])
+@pytest.mark.parametrize("layout,page_size", [(lay, p) for lay in LAYOUTS for p in (1, 4)])
 def test_fused_paths_write_the_torch_paths_bytes(
     kernels, layout, page_size, access, dtype
 ):

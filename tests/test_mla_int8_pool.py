@@ -16,6 +16,7 @@ from tests.support.hicache_harness import (
     make_device_pool,
     make_host_pool,
     make_rig,
+    paged_pools,
     write_evict_load,
 )
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import TILE, MLAInt8HostFormat
@@ -150,12 +151,8 @@ def test_nonfinite_policy_and_statistics(layout, page_size):
 @pytest.mark.parametrize("kind", ["negative", "past_end"])
 def test_out_of_range_host_indices_move_nothing(layout, page_size, kind):
     geo = MLAGeometry(layer_num=2, page_size=page_size)
-    device_pool = make_device_pool(geo, 16 * page_size)
-    pool = make_host_pool(
-        device_pool,
-        host_tokens=8 * page_size,
-        layout=layout,
-        host_pool_cls=MLATokenToKVPoolINT8Host,
+    device_pool, pool = paged_pools(
+        geo, layout, 16, 8, host_pool_cls=MLATokenToKVPoolINT8Host
     )
     dev = torch.arange(page_size, 5 * page_size)
     fill_random(device_pool, torch.arange(16 * page_size), seed=1)
@@ -188,10 +185,7 @@ def test_storage_page_bytes(layout, page_size):
     pieces (mooncake) hold the same bytes, records in order, and a page of
     the wrong size is refused before any byte lands."""
     geo = MLAGeometry(layer_num=3, page_size=page_size)
-    device_pool = make_device_pool(geo, 16 * page_size)
-    pool = make_host_pool(
-        device_pool, host_tokens=8 * page_size, layout=layout, host_dtype="int8"
-    )
+    device_pool, pool = paged_pools(geo, layout, 16, 8, host_dtype="int8")
     host = pool.alloc(2 * page_size)
     dev = torch.arange(page_size, 3 * page_size)
     fill_random(device_pool, dev, seed=2)

@@ -166,6 +166,21 @@ def make_rig(
     return HiCacheRig(device_pool, allocator, host_pool, controller)
 
 
+def paged_pools(
+    geo: Geometry | MLAGeometry,
+    layout: str,
+    device_pages: int,
+    host_pages: int,
+    **host_pool,
+):
+    """(device pool, host pool) of whole pages, without a controller."""
+    device_pool = make_device_pool(geo, device_pages * geo.page_size)
+    pool = make_host_pool(
+        device_pool, host_tokens=host_pages * geo.page_size, layout=layout, **host_pool
+    )
+    return device_pool, pool
+
+
 def paged_rig(
     geo: Geometry | MLAGeometry,
     layout: str,
