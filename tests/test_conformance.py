@@ -36,6 +36,7 @@ from tests.support.conformance import (
     bits,
     error_bounds,
     format_cases,
+    heads_geometry,
     host_unit_records,
     host_units,
     reference,
@@ -44,7 +45,7 @@ from tests.support.conformance import (
     side_buffers,
     spread,
 )
-from tests.support.hicache_harness import Geometry, finish_transfers, make_rig
+from tests.support.hicache_harness import finish_transfers, make_rig
 
 CASES = format_cases()
 MHA_CASES = format_cases(kinds=("mha",))
@@ -301,16 +302,9 @@ GEOMETRY_GRID = [
     indirect=["case"],
 )
 def test_geometry_round_trip(case, layout, page_size, geometry, io_backend):
-    head_num, head_dim, v_head_dim = geometry
-    geo = Geometry(
-        layer_num=2,
-        head_num=head_num,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-        page_size=page_size,
-    )
+    geo = heads_geometry(geometry, page_size)
     controller_round_trip(
-        case, geo, layout=layout, io_backend=io_backend, seed=head_num
+        case, geo, layout=layout, io_backend=io_backend, seed=geo.head_num
     )
 
 

@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.pool_host.mha import (
     MHATokenToKVPoolHost,
     get_mha_host_pool_cls,
 )
-from tests.support.conformance import GEOMETRIES, LAYOUTS
+from tests.support.conformance import GEOMETRIES, LAYOUTS, heads_geometry
 from tests.support.hicache_harness import (
     Geometry,
     fill_random,
@@ -77,14 +77,7 @@ def round_trip(geo, layout, use_run_copies, io_backend="direct", n_pages=3):
     ],
 )
 def test_backup_load_restores_reference_values(layout, page_size, geometry):
-    head_num, head_dim, v_head_dim = geometry
-    geo = Geometry(
-        layer_num=2,
-        head_num=head_num,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-        page_size=page_size,
-    )
+    geo = heads_geometry(geometry, page_size)
     device_pool, written, new_dev = round_trip(geo, layout, use_run_copies=False)
     untouched = torch.ones(device_pool.size + page_size, dtype=bool)
     untouched[new_dev] = False

@@ -33,7 +33,12 @@ from tests.support.codec_inputs import (
     edge_inputs,
     make_rows,
 )
-from tests.support.conformance import DTYPES, KERNEL_POOL_CASES, LAYOUTS
+from tests.support.conformance import (
+    DTYPES,
+    KERNEL_POOL_CASES,
+    LAYOUTS,
+    heads_geometry,
+)
 from tests.support.int8_pool_checks import (
     INTERPRETED_KERNELS,
     MHATokenToKVPoolINT8Host,
@@ -292,13 +297,9 @@ POOL_CASES = KERNEL_POOL_CASES  # the grid the compile check compiles
 @pytest.mark.usefixtures("big_tiles")
 @pytest.mark.parametrize("layout,page_size,geometry", POOL_CASES)
 def test_pool_fused_matches_torch_path(layout, page_size, geometry):
-    head_num, head_dim, v_head_dim = geometry
-    geo = Geometry(
-        layer_num=2, head_num=head_num, head_dim=head_dim,
-        v_head_dim=v_head_dim, page_size=page_size,
-    )  # fmt: skip
+    geo = heads_geometry(geometry, page_size)
     poison = geometry == (3, 64, 64)
-    n_pages = 2 if head_num * page_size >= 1024 else 3
+    n_pages = 2 if geo.head_num * page_size >= 1024 else 3
     ref = pool_round_trip(geo, layout, None, n_pages, poison=poison)
     if poison:
         assert ref[2] == 3  # the NaN row, the -Inf row, the 1e7 row

@@ -42,6 +42,21 @@ KERNEL_POOL_CASES = [
         GEOMETRIES if page_size == 16 else GEOMETRIES[:3] + GEOMETRIES[-1:]
     )
 ]
+
+
+def heads_geometry(geometry, page_size: int, layer_num: int = 2) -> Geometry:
+    """The two-layer Geometry of a (head_num, head_dim, v_head_dim) row of
+    GEOMETRIES."""
+    head_num, head_dim, v_head_dim = geometry
+    return Geometry(
+        layer_num=layer_num,
+        head_num=head_num,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        page_size=page_size,
+    )
+
+
 STOCK = "auto"
 TOY = toy.ENTRY.name
 
