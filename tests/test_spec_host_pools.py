@@ -42,6 +42,12 @@ from tests.support.hybrid_rigs import (
     swa_rig,
     wipe_kv,
 )
+from tests.support.hicache_harness import (
+    Geometry,
+    MLAGeometry,
+    make_device_pool,
+    make_host_pool,
+)
 from tests.support.server_args import DEEPSEEK_V3
 from tests.support.server_args import LLAMA as _LLAMA
 
@@ -90,34 +96,19 @@ def spec_models(tmp_path_factory, hybrid_model_dirs):
 
 
 def mha_pool(layers: int, page_size: int, head_num=2, head_dim=16):
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
-    return MHATokenToKVPool(
-        size=DEVICE_TOKENS,
-        page_size=page_size,
-        dtype=DTYPE,
-        head_num=head_num,
-        head_dim=head_dim,
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
-    )
+    geo = Geometry(layers, head_num, head_dim, dtype=DTYPE, page_size=page_size)
+    return make_device_pool(geo, DEVICE_TOKENS)
 
 
 def mla_pool(layers: int, page_size: int):
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-
-    return MLATokenToKVPool(
-        size=DEVICE_TOKENS,
-        page_size=page_size,
+    geo = MLAGeometry(
+        layers,
+        DEEPSEEK_MLA["kv_lora_rank"],
+        DEEPSEEK_MLA["qk_rope_head_dim"],
         dtype=DTYPE,
-        kv_lora_rank=DEEPSEEK_MLA["kv_lora_rank"],
-        qk_rope_head_dim=DEEPSEEK_MLA["qk_rope_head_dim"],
-        layer_num=layers,
-        device="cpu",
-        enable_memory_saver=False,
+        page_size=page_size,
     )
+    return make_device_pool(geo, DEVICE_TOKENS)
 
 
 class FlatRig:
@@ -632,12 +623,6 @@ def test_packed_mtp_with_fp8_device_kv(host_dtype):
     uint8); its layer restores exactly what a target layer holding the same
     rows restores (test_fp8_host_pool checks target layers against the
     reference codec)."""
-    from tests.support.hicache_harness import (
-        Geometry,
-        make_device_pool,
-        make_host_pool,
-    )
-
     fp8, page_size = torch.float8_e4m3fn, 16
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
     target = make_device_pool(geo, 4 * page_size)
