@@ -151,7 +151,7 @@ def run_faults(l3, foreign, tokens, rng, backend):
                 {},
                 (lambda p=part, hh=hashes[page]: objects.write(hh, p, None)),
             )
-            undo = {(hashes[page], part): objects.read(hashes[page], part)}
+            deleted = [(hashes[page], part)]
         else:
             writes = lf.make_fault(
                 kind, rng, objects, layouts, hashes, page, foreign_objects
@@ -159,15 +159,11 @@ def run_faults(l3, foreign, tokens, rng, backend):
             if writes is None:  # e.g. no metadata record, or one object per page
                 kinds.remove(kind)
                 continue
-            before_io = None
-            undo = {key: objects.read(*key) for key in writes}
-        for (hh, part), data in writes.items():
-            objects.write(hh, part, data)
-        outcome = one_prefetch(
-            l3, tokens, before_io, page, written_pages, expected[kind], kind
-        )
-        for (hh, part), data in undo.items():
-            objects.write(hh, part, data)
+            before_io, deleted = None, []
+        with lf.faulted(objects, writes, deleted):
+            outcome = one_prefetch(
+                l3, tokens, before_io, page, written_pages, expected[kind], kind
+            )
         TALLY[kind]["tried"] += 1
         TALLY[kind][outcome] += 1
         done += 1

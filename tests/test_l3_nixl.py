@@ -254,11 +254,10 @@ def test_faults_are_refused_or_restored_exactly(store, l3_rigs, request, fmt, la
     outcomes = {}
     for kind in KINDS * FAULTS_PER_KIND:
         page = rng.randrange(PAGES)
-        before_io = None
+        before_io, deleted = None, []
         if kind == "delete":
             part = rng.choice(objects.parts())
-            writes = {}
-            undo = {(hashes[page], part): objects.read(hashes[page], part)}
+            writes, deleted = {}, [(hashes[page], part)]
             before_io = lambda p=part, hh=hashes[page]: objects.write(hh, p, None)  # noqa: E731
         else:
             writes = lf.make_fault(
@@ -266,14 +265,10 @@ def test_faults_are_refused_or_restored_exactly(store, l3_rigs, request, fmt, la
             )
             if writes is None:  # e.g. no metadata record, or one object per page
                 continue
-            undo = {key: objects.read(*key) for key in writes}
-        for (hh, part), data in writes.items():
-            objects.write(hh, part, data)
-        outcome = one_prefetch(
-            l3, tokens, before_io, page, written_pages, EXPECTED[kind], kind
-        )
-        for (hh, part), data in undo.items():
-            objects.write(hh, part, data)
+        with lf.faulted(objects, writes, deleted):
+            outcome = one_prefetch(
+                l3, tokens, before_io, page, written_pages, EXPECTED[kind], kind
+            )
         outcomes.setdefault(kind, []).append(outcome)
         TALLY.update(["tried", outcome])
     # Every fault here changes the page's bytes, so each one is refused.

@@ -11,6 +11,7 @@ store between write and read and undone afterwards.
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -255,6 +256,21 @@ def make_fault(
     if kind == "foreign":
         return {(h, part): foreign.read(h, part)}
     raise ValueError(kind)
+
+
+@contextmanager
+def faulted(objects, writes: dict, also_restore=()):
+    """The store with the fault's `writes` ({(hash, part): bytes}) applied;
+    afterwards every object written, and those in `also_restore` (a delete's
+    part), holds its bytes from before."""
+    undo = {key: objects.read(*key) for key in (*also_restore, *writes)}
+    for (hh, part), data in writes.items():
+        objects.write(hh, part, data)
+    try:
+        yield
+    finally:
+        for (hh, part), data in undo.items():
+            objects.write(hh, part, data)
 
 
 def prefetch_all(l3, tokens, before_io=None):
