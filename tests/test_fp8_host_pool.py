@@ -31,6 +31,7 @@ from tests.support.fp8_reference import (
 )
 from tests.support.hicache_harness import (
     Geometry,
+    assert_self_check_falls_back,
     finish_transfers,
     make_device_pool,
     make_host_pool,
@@ -557,11 +558,7 @@ def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
         assert same_bytes(buf, records[name]), name
 
     monkeypatch.setattr(hk, "fp32_to_fp8_bits", _truncating_fp8_bits)
-    with caplog.at_level(logging.WARNING, logger="sglang"):
-        assert encoded_fused.self_check(pool) is False
-    assert pool.transfer_path == "torch"
-    assert pool.transfer_path_reason.startswith("self-check failed: ")
-    assert "restore of" in pool.transfer_path_reason
+    assert_self_check_falls_back(pool, caplog, "restore of")
 
 
 # --- capacity against the stock FP8 host pool ---------------------------------

@@ -20,8 +20,8 @@ from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
     restore_nan_key_and_inf_value,
     LAYOUTS,
-    allocated_bytes,
     build,
+    bytes_per_token_at_qwen3_8b,
     check_auto_size_ratio_matches_the_pool,
     check_controller_random_operations,
     check_fused_path_writes_the_torch_paths_bytes,
@@ -189,25 +189,15 @@ def test_capacity_table_at_qwen3_8b_geometry():
     """Host tokens per allocated host byte against BF16, through the real
     dispatch, at Qwen3-8B geometry (36 layers, 8 KV heads, head dim 128).
     Run with -s to see the table (README, Capacity)."""
-    budget_gb = 0.02
     rows, ratio = [], {}
     for page_size in (1, 16, 64):
-        geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=page_size)
-        device_pool = make_device_pool(geo, device_tokens=2 * page_size)
-        per_byte = {}
-        for host_dtype in ("auto", "int8", "k8v4", "int4"):
-            pool = make_host_pool(
-                device_pool,
-                host_size_gb=budget_gb,
-                layout="page_first",
-                host_dtype=host_dtype,
-            )
-            nbytes = allocated_bytes(pool)
-            assert nbytes == pool.size * pool.get_size_per_token()
-            per_byte[host_dtype] = pool.size / nbytes
-            rows.append((page_size, host_dtype, nbytes / pool.size / 36))
+        per_token = bytes_per_token_at_qwen3_8b(
+            ("auto", "int8", "k8v4", "int4"), page_size
+        )
+        for host_dtype, nbytes in per_token.items():
+            rows.append((page_size, host_dtype, nbytes / 36))
         for host_dtype in ("int8", "k8v4", "int4"):
-            ratio[host_dtype, page_size] = per_byte[host_dtype] / per_byte["auto"]
+            ratio[host_dtype, page_size] = per_token["auto"] / per_token[host_dtype]
     print("\npage  format  B/token/layer  tokens per host byte vs BF16")
     for page_size, host_dtype, per_token in rows:
         name = "bf16" if host_dtype == "auto" else host_dtype

@@ -102,27 +102,32 @@ def inject_exception(monkeypatch):
     return "RuntimeError: injected launch failure"
 
 
-def inject_wrong_record_byte(monkeypatch):
-    real = kt.encode_gather
+def run_then(monkeypatch, kernel: str, corrupt) -> None:
+    """Replace the kernel by itself followed by corrupt(*its arguments)."""
+    real = getattr(kt, kernel)
 
-    def corrupting(k_tab, v_tab, dev_idx, k_out, v_out, s_out, host_idx, **kw):
-        real(k_tab, v_tab, dev_idx, k_out, v_out, s_out, host_idx, **kw)
+    def corrupting(*args, **kw):
+        real(*args, **kw)
+        corrupt(*args, **kw)
+
+    monkeypatch.setattr(kt, kernel, corrupting)
+
+
+def inject_wrong_record_byte(monkeypatch):
+    def corrupt(k_tab, v_tab, dev_idx, k_out, v_out, s_out, host_idx, **kw):
         ut = kw["unit_tokens"]
         first = int(host_idx[0])  # the last layer's V, first token written
         flip_one_byte(v_out, (first // ut, -1, first % ut, 0, 3))
 
-    monkeypatch.setattr(kt, "encode_gather", corrupting)
+    run_then(monkeypatch, "encode_gather", corrupt)
     return "backup of V layer"
 
 
 def inject_wrong_restored_byte(monkeypatch):
-    real = kt.decode_scatter
-
-    def corrupting(k_in, v_in, s_in, host_idx, k_dst, v_dst, dev_idx, **kw):
-        real(k_in, v_in, s_in, host_idx, k_dst, v_dst, dev_idx, **kw)
+    def corrupt(k_in, v_in, s_in, host_idx, k_dst, v_dst, dev_idx, **kw):
         flip_one_byte(k_dst, (int(dev_idx[-1]), 0, 5))
 
-    monkeypatch.setattr(kt, "decode_scatter", corrupting)
+    run_then(monkeypatch, "decode_scatter", corrupt)
     return "restore of K layer 0"
 
 

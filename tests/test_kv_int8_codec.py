@@ -28,6 +28,18 @@ INF = float("inf")
 FAST = settings(max_examples=40, deadline=None)
 
 
+def given_rows(dtypes=DTYPES, **strategies):
+    """@FAST @given a seed, a head dim `d`, a `dtype` and `strategies`."""
+    return lambda test: FAST(
+        given(
+            seed=st.integers(0, 2**31 - 1),
+            d=st.sampled_from(HEAD_DIMS),
+            dtype=st.sampled_from(dtypes),
+            **strategies,
+        )(test)
+    )
+
+
 # --- helpers ---------------------------------------------------------------
 
 
@@ -94,12 +106,8 @@ def check_encoding(x: torch.Tensor, out_dtype: torch.dtype) -> None:
 lead_shapes = st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple)
 
 
-@FAST
-@given(
-    seed=st.integers(0, 2**31 - 1),
+@given_rows(
     lead=lead_shapes,
-    d=st.sampled_from(HEAD_DIMS),
-    dtype=st.sampled_from(DTYPES),
     out_dtype=st.sampled_from((None, torch.float32)),
     kinds=st.lists(
         st.sampled_from(("gauss", "heavy", "spike", "zero")), min_size=1, max_size=4
@@ -113,12 +121,8 @@ def test_bound_and_format_hold(seed, lead, d, dtype, out_dtype, kinds, mag_frac)
     check_encoding(x, out_dtype or dtype)
 
 
-@FAST
-@given(
-    seed=st.integers(0, 2**31 - 1),
+@given_rows(
     rows=st.integers(1, 12),
-    d=st.sampled_from(HEAD_DIMS),
-    dtype=st.sampled_from(DTYPES),
     log2_s=st.integers(-24, 8),
     mantissa=st.sampled_from((1.0, 1.25, 1.5, 1.75)),
 )
@@ -143,12 +147,8 @@ def test_exact_grid_restores_exactly(seed, rows, d, dtype, log2_s, mantissa):
     check_encoding(x, dtype)
 
 
-@FAST
-@given(
-    seed=st.integers(0, 2**31 - 1),
+@given_rows(
     rows=st.integers(1, 16),
-    d=st.sampled_from(HEAD_DIMS),
-    dtype=st.sampled_from(DTYPES),
     bad=st.lists(
         st.tuples(
             st.integers(0, 15), st.integers(0, 255), st.sampled_from((NAN, INF, -INF))
@@ -303,11 +303,8 @@ def test_count_nonfinite_rows_is_a_lazy_int64_tensor():
 # --- fast path: strided inputs, output views, determinism ------------------
 
 
-@FAST
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    d=st.sampled_from(HEAD_DIMS),
-    dtype=st.sampled_from(DTYPES + (torch.float32,)),
+@given_rows(
+    dtypes=DTYPES + (torch.float32,),
     layout=st.sampled_from(("gather", "transpose", "stride", "slice")),
 )
 def test_fast_path_views_match_reference(seed, d, dtype, layout):

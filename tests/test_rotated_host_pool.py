@@ -14,7 +14,11 @@ import logging
 import pytest
 import torch
 
-from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
+from tests.support.hicache_harness import (
+    Geometry,
+    assert_self_check_falls_back,
+    make_device_pool,
+)
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
@@ -22,8 +26,8 @@ from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
     restore_nan_key_and_inf_value,
-    allocated_bytes,
     build,
+    bytes_per_token_at_qwen3_8b,
     check_controller_random_operations,
     check_fused_path_writes_the_torch_paths_bytes,
 )
@@ -154,11 +158,7 @@ def test_self_check_passes_and_catches_wrong_signs(fmt, monkeypatch, caplog):
         return {**args, "rotation_signs": -args["rotation_signs"]}
 
     monkeypatch.setattr(fmt_obj, "_kernel_rotation", flipped)
-    with caplog.at_level(logging.WARNING, logger="sglang"):
-        assert encoded_fused.self_check(pool) is False
-    assert pool.transfer_path == "torch"
-    assert pool.transfer_path_reason.startswith("self-check failed: ")
-    assert "differs from the torch reference" in pool.transfer_path_reason
+    assert_self_check_falls_back(pool, caplog, "differs from the torch reference")
 
 
 @pytest.mark.usefixtures("triton_interpreter")
@@ -208,18 +208,12 @@ def test_capacity_unchanged_at_qwen3_8b_geometry():
     1). Run with -s for the table (docs/quality-rotated.md)."""
     print("\npage  format  B/token  tokens per host byte vs BF16")
     for page_size in (1, 16, 64):
-        geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=page_size)
-        device_pool = make_device_pool(geo, device_tokens=2 * page_size)
-        per_token = {}
-        for name in ("k8v4", "k8v4r", "int4", "int4r"):
-            pool = make_host_pool(
-                device_pool, host_size_gb=0.02, layout="page_first", host_dtype=name
-            )
-            nbytes = allocated_bytes(pool)
-            assert nbytes == pool.size * pool.get_size_per_token()
-            per_token[name] = nbytes / pool.size
-            ratio = 36 * 2 * 8 * 128 * 2 / per_token[name]
-            print(f"{page_size:>4}  {name:<6}  {per_token[name]:>7.0f}  {ratio:.3f}x")
+        per_token = bytes_per_token_at_qwen3_8b(
+            ("k8v4", "k8v4r", "int4", "int4r"), page_size
+        )
+        for name, nbytes in per_token.items():
+            ratio = 36 * 2 * 8 * 128 * 2 / nbytes
+            print(f"{page_size:>4}  {name:<6}  {nbytes:>7.0f}  {ratio:.3f}x")
         assert per_token["int4r"] == per_token["int4"]
         assert per_token["k8v4r"] == per_token["k8v4"]
         if page_size == 64:

@@ -249,6 +249,20 @@ def write_evict_load(rig: HiCacheRig, dev: torch.Tensor, evict=None) -> torch.Te
     return new_dev
 
 
+def assert_self_check_falls_back(pool, caplog, cause: str) -> None:
+    """The start-up self-check of the pool's fused path fails on `cause`: the
+    pool serves on the torch path and says why."""
+    import logging
+
+    from sglang.srt.mem_cache.pool_host import encoded_fused
+
+    with caplog.at_level(logging.WARNING, logger="sglang"):
+        assert encoded_fused.self_check(pool) is False
+    assert pool.transfer_path == "torch"
+    assert pool.transfer_path_reason.startswith("self-check failed: ")
+    assert cause in pool.transfer_path_reason
+
+
 def device_buffers(device_pool) -> list:
     """The device pool's per-layer buffer lists: [k, v] for MHA, [kv] for MLA."""
     if isinstance(device_pool, MLATokenToKVPool):

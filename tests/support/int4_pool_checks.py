@@ -86,6 +86,23 @@ def allocated_bytes(pool) -> int:
     return pool.kv_buffer.numel() * pool.kv_buffer.element_size()
 
 
+def bytes_per_token_at_qwen3_8b(formats, page_size: int) -> dict:
+    """Allocated host bytes per token of each format's page_first pool at
+    Qwen3-8B geometry (36 layers, 8 KV heads, head dim 128), through the real
+    dispatch; each pool's buffers are what get_size_per_token says."""
+    geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=2 * page_size)
+    per_token = {}
+    for name in formats:
+        pool = make_host_pool(
+            device_pool, host_size_gb=0.02, layout="page_first", host_dtype=name
+        )
+        nbytes = allocated_bytes(pool)
+        assert nbytes == pool.size * pool.get_size_per_token()
+        per_token[name] = nbytes / pool.size
+    return per_token
+
+
 def assert_restores(device_pool, pool, fmt, host, new_dev, written, ut, layers):
     """Load `host` into `new_dev` layer by layer: the reference restore."""
     for layer in range(layers):
