@@ -48,9 +48,9 @@ from sglang.srt.mem_cache.pool_host.page_integrity import (
     StoragePageRefused,
 )
 from sglang.srt.mem_cache.utils import get_storage_hash_str
+from tests.support.conformance import LAYOUTS
 
 FORMATS = ("int4", "k8v4")
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 ENCODE = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
 DECODE = {"int4": codec.int4_decode_reference, "k8v4": codec.k8v4_decode_reference}
 # A byte that is NaN in both FP8 formats: what a wiped device row holds.

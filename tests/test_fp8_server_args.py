@@ -13,15 +13,7 @@ import logging
 
 import pytest
 
-from tests.support.server_args import (
-    DEEPSEEK_V2_MLA,
-    FP8_KV_CHECKPOINTS,
-    LLAMA,
-    device_kv_refusal,
-    from_argv,
-    model_dir,
-    resolve,
-)
+from tests.support import server_args as sa
 
 pytestmark = pytest.mark.usefixtures("restore_environ")
 
@@ -38,7 +30,7 @@ LAYOUT_IO = (
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return model_dir(tmp_path_factory.mktemp("models"), "llama", LLAMA)
+    return sa.model_dir(tmp_path_factory.mktemp("models"), "llama", sa.LLAMA)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FP8_KV)
@@ -49,7 +41,7 @@ def llama(tmp_path_factory):
 def test_int4_and_k8v4_accept_fp8_device_kv(
     parser, llama, caplog, host_dtype, layout, io_backend, kv_cache_dtype
 ):
-    args = from_argv(
+    args = sa.from_argv(
         parser,
         llama,
         "--device",
@@ -80,43 +72,43 @@ def test_int4_and_k8v4_accept_fp8_device_kv(
 def test_formats_without_fp8_are_refused_suggesting_int4(
     parser, host_dtype, kv_cache_dtype
 ):
-    message = device_kv_refusal(parser, host_dtype, kv_cache_dtype)
+    message = sa.device_kv_refusal(parser, host_dtype, kv_cache_dtype)
     assert "pass --hicache-host-dtype int4 or k8v4" in message
     assert "--hicache-host-dtype auto" in message
     # The suggestion is a real choice and gets the server past the check.
-    resolve(hicache_host_dtype="int4", kv_cache_dtype=kv_cache_dtype)
+    sa.resolve(hicache_host_dtype="int4", kv_cache_dtype=kv_cache_dtype)
 
 
 @pytest.mark.parametrize("host_dtype", ACCEPTED)
-@pytest.mark.parametrize("checkpoint", sorted(FP8_KV_CHECKPOINTS))
+@pytest.mark.parametrize("checkpoint", sorted(sa.FP8_KV_CHECKPOINTS))
 def test_fp8_kv_checkpoint_with_auto_is_accepted(tmp_path, host_dtype, checkpoint):
     """auto makes the device KV FP8 E4M3 (configure_kv_cache_dtype); the
     checkpoint's k/v scales stay with the device pool."""
-    quant_config, files = FP8_KV_CHECKPOINTS[checkpoint]
-    config = dict(LLAMA)
+    quant_config, files = sa.FP8_KV_CHECKPOINTS[checkpoint]
+    config = dict(sa.LLAMA)
     if quant_config is not None:
         config["quantization_config"] = quant_config
-    path = model_dir(tmp_path, checkpoint, config, **files)
-    resolve(path, hicache_host_dtype=host_dtype)
+    path = sa.model_dir(tmp_path, checkpoint, config, **files)
+    sa.resolve(path, hicache_host_dtype=host_dtype)
 
 
-@pytest.mark.parametrize("checkpoint", sorted(FP8_KV_CHECKPOINTS))
+@pytest.mark.parametrize("checkpoint", sorted(sa.FP8_KV_CHECKPOINTS))
 def test_fp8_kv_checkpoint_refusal_names_int4(tmp_path, checkpoint):
-    quant_config, files = FP8_KV_CHECKPOINTS[checkpoint]
-    config = dict(LLAMA)
+    quant_config, files = sa.FP8_KV_CHECKPOINTS[checkpoint]
+    config = dict(sa.LLAMA)
     if quant_config is not None:
         config["quantization_config"] = quant_config
-    path = model_dir(tmp_path, checkpoint, config, **files)
+    path = sa.model_dir(tmp_path, checkpoint, config, **files)
     with pytest.raises(ValueError) as error:
-        resolve(path, hicache_host_dtype="int8")
+        sa.resolve(path, hicache_host_dtype="int8")
     assert "--hicache-host-dtype int4 or k8v4, which encode FP8 KV" in str(error.value)
 
 
 @pytest.mark.parametrize("host_dtype", ACCEPTED)
 def test_fp8_with_an_mla_model_is_refused(tmp_path, host_dtype):
-    path = model_dir(tmp_path, "mla", DEEPSEEK_V2_MLA)
+    path = sa.model_dir(tmp_path, "mla", sa.DEEPSEEK_V2_MLA)
     with pytest.raises(ValueError, match="does not support MLA models"):
-        resolve(path, hicache_host_dtype=host_dtype, kv_cache_dtype="fp8_e4m3")
+        sa.resolve(path, hicache_host_dtype=host_dtype, kv_cache_dtype="fp8_e4m3")
 
 
 @pytest.mark.parametrize("host_dtype", ACCEPTED)
@@ -125,7 +117,7 @@ def test_fp8_draft_kv_stays_refused(host_dtype):
         ValueError,
         match=f"--hicache-host-dtype {host_dtype} with --speculative-draft-kv",
     ):
-        resolve(
+        sa.resolve(
             hicache_host_dtype=host_dtype,
             kv_cache_dtype="fp8_e4m3",
             speculative_draft_kv_cache_dtype="fp8_e4m3",

@@ -24,10 +24,10 @@ from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
 from tests.support import copy_format as toy
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from tests.support.conformance import LAYOUTS
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 PATHS = ("torch", "fused_direct", "fused_staged")
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
+from tests.support.conformance import LAYOUTS
 from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
     restore_nan_key_and_inf_value,
-    LAYOUTS,
     build,
     bytes_per_token_at_qwen3_8b,
     check_auto_size_ratio_matches_the_pool,

@@ -33,6 +33,7 @@ from tests.support.l3_faults import (
     reference_restore,
 )
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
+from tests.support.conformance import LAYOUTS
 
 
 def _nixl_unavailable_reason() -> str | None:
@@ -53,7 +54,6 @@ pytestmark = [
 ]
 
 PAGES = 4
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 # POSIX plugin, buffered I/O (tmp dirs may not take O_DIRECT), no cleaner thread.
 NIXL_CONFIG = {
     "plugin": {"posix": {"active": True}},

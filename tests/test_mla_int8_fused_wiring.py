@@ -22,10 +22,9 @@ from tests.support.hicache_harness import MLAGeometry, fill_random, paged_pools
 from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+from tests.support.conformance import LAYOUTS
 
 MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
-
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 
 
 def _format_of(out, dtype, dim):
@@ -115,7 +114,9 @@ def test_without_the_kernel_module_the_torch_path_serves(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("access", ["direct", "staged"])
-@pytest.mark.parametrize("layout,page_size", [(lay, p) for lay in LAYOUTS for p in (1, 4)])
+@pytest.mark.parametrize(
+    "layout,page_size", [(lay, p) for lay in LAYOUTS for p in (1, 4)]
+)
 def test_fused_paths_write_the_torch_paths_bytes(
     kernels, layout, page_size, access, dtype
 ):

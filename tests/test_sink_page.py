@@ -26,9 +26,9 @@ from tests.support.hicache_harness import (
 from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.mem_cache.pool_host.sink_page import L3_KEY_SUFFIX, SINK_ENV
+from tests.support.conformance import LAYOUTS
 
 FORMATS = ("int4", "int4r")
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 PAGE = 16
 
 

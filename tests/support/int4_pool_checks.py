@@ -24,7 +24,6 @@ from tests.support.hicache_harness import (
 )
 from tests.support.int8_pool_checks import unit_tokens
 
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 # Each format's records in zero-copy object order: [k, k meta] [v, v meta].
 RECORDS = {
     "int4": ("k", "k_meta", "v", "v_meta"),
