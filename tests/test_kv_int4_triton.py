@@ -174,16 +174,9 @@ def run_case(
     dev_sorted = dev[order]
     slots = host_idx[order].view(n_units, ut)
     sorted_units = slots[:, 0] // ut
-    want_bad, want_amax = 0, torch.zeros(layers, 2)
-    want_views = want.all_layers()
-    for layer in range(layers):
-        k = k_layers[layer][dev_sorted].view(n_units, ut, H, dk)
-        v = v_layers[layer][dev_sorted].view(n_units, ut, H, dv)
-        records, bad, stats = reference_records(fmt, k, v)
-        want_bad += bad
-        want_amax[layer] = torch.tensor(stats)
-        for name, rec in records.items():
-            want_views[name][sorted_units, layer] = rec
+    want_bad, want_amax = want.fill_reference(
+        k_layers, v_layers, dev_sorted, sorted_units
+    )
     assert_same_records(host, want)
     assert int(counter) == want_bad
     assert int(bad_idx) == 0

@@ -20,20 +20,15 @@ from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost, get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
-from tests.support.hicache_harness import (
-    Geometry,
-    MLAGeometry,
-    make_device_pool,
-    make_host_pool,
-)
+from tests.support import hicache_harness as hh
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 built = []
-for geo in (Geometry(), MLAGeometry(layer_num=2)):
-    device_pool = make_device_pool(geo, 64)
+for geo in (hh.Geometry(), hh.MLAGeometry(layer_num=2)):
+    device_pool = hh.make_device_pool(geo, 64)
     with host_memory_budget_scope(1 << 40):  # a few kB; other processes' use aside
-        pool = make_host_pool(device_pool, host_tokens=128, host_dtype="auto")
+        pool = hh.make_host_pool(device_pool, host_tokens=128, host_dtype="auto")
     built.append(type(pool).__name__)
-info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
+info = hh.make_device_pool(hh.Geometry(), 16).get_device_pool_infos()[0].buffer_info
 assert get_mha_host_pool_cls(info, "auto") is MHATokenToKVPoolHost
 print(json.dumps({"built": built, "modules": sorted(sys.modules)}))
 """

@@ -166,15 +166,7 @@ def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
     tables = (k4.DeviceLayerTable(k_dev), k4.DeviceLayerTable(v_dev))
 
     want = Host(fmt, host_units, layers, ut, H, dk, dv)
-    want_views, want_bad, want_amax = want.all_layers(), 0, torch.zeros(layers, 2)
-    for layer in range(layers):
-        k = k_cpu[layer][dev].view(n_units, ut, H, dk)
-        v = v_cpu[layer][dev].view(n_units, ut, H, dv)
-        records, bad, stats = reference_records(fmt, k, v)
-        want_bad += bad
-        want_amax[layer] = torch.tensor(stats)
-        for name, rec in records.items():
-            want_views[name][units, layer] = rec
+    want_bad, want_amax = want.fill_reference(k_cpu, v_cpu, dev, units)
     assert want_bad > 0  # the edge rows reached the kernels
 
     for where in ("device", "host") if CUDA else ("host",):

@@ -174,6 +174,22 @@ class Host:
             for n, b in self.bufs.items()
         }
 
+    def fill_reference(self, k_layers, v_layers, dev, units):
+        """Write the reference records of rows `dev` of every layer, unit by
+        unit, at host `units`; return (non-finite groups, amax [L, (K, V)])."""
+        n_units, ut = len(units), self.ut
+        views, bad_total = self.all_layers(), 0
+        amax = torch.zeros(len(k_layers), 2)
+        for layer, (k_rows, v_rows) in enumerate(zip(k_layers, v_layers)):
+            k = k_rows[dev].view(n_units, ut, *k_rows.shape[1:])
+            v = v_rows[dev].view(n_units, ut, *v_rows.shape[1:])
+            records, bad, stats = reference_records(self.fmt, k, v)
+            bad_total += bad
+            amax[layer] = torch.tensor(stats)
+            for name, rec in records.items():
+                views[name][units, layer] = rec
+        return bad_total, amax
+
     def clone(self):
         other = object.__new__(Host)
         other.__dict__.update(self.__dict__)
