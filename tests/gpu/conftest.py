@@ -21,7 +21,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from gpu_support import gpu_test_device, install_gpu_standins  # noqa: E402
+from gpu_support import (  # noqa: E402
+    gpu_test_device,
+    gpu_test_marks,
+    install_gpu_standins,
+)
 
 STANDINS = install_gpu_standins() if gpu_test_device() else {}
 
@@ -54,6 +58,13 @@ def write_report(status: str, exit_status: int | None = None) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_text(json.dumps(report, indent=1))
     tmp.replace(path)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HERE in item.path.parents:
+            for mark in gpu_test_marks():
+                item.add_marker(mark)
 
 
 def pytest_sessionstart(session):

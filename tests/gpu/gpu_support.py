@@ -76,8 +76,9 @@ DELAY = int(5e8)
 
 
 def gpu_test_marks() -> list:
-    """Every GPU test module's pytestmark: skipped without a device; numpy
-    (the dry run's interpreter) warns about the lanes kernels mask out."""
+    """The marks of every GPU test (tests/gpu/conftest.py): skipped without a
+    device; numpy (the dry run's interpreter) warns about the lanes kernels
+    mask out."""
     import pytest
 
     return [

@@ -23,14 +23,11 @@ from gpu_support import (
     DTYPES,
     big_tiles_when_interpreted,
     edge_rows,
-    gpu_test_marks,
     random_rows,
     same_bits,
     sync,
 )
 
-
-pytestmark = gpu_test_marks()
 
 if DEVICE is not None:
     from tests.support.fp8_reference import random_finite_fp8

@@ -30,7 +30,6 @@ from gpu_support import (
     big_tiles_when_interpreted,
     destroy_host_pool,
     edge_rows,
-    gpu_test_marks,
     make_device_pool,
     make_host_pool,
     pages_to_tokens,
@@ -38,8 +37,6 @@ from gpu_support import (
     same_bits,
     sync,
 )
-
-pytestmark = gpu_test_marks()
 
 if DEVICE is not None:
     from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
@@ -323,6 +320,20 @@ def test_nonfinite_rows_restore_as_nan_and_are_counted(layout):
 QWEN_PAGES = 32 if CUDA else 4  # pages per transfer (the interpreter is slow)
 
 
+def write_qwen_rows(dev_pool, dev, layers, seed):
+    """Random BF16 K/V [8 heads, dim 128] at `dev` of every layer; returns the
+    reference codec's restore of each layer's (k, v)."""
+    g = torch.Generator().manual_seed(seed)
+    expected = []
+    for layer in range(layers):
+        k = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
+        v = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
+        dev_pool.k_buffer[layer][dev] = k.to(DEVICE)
+        dev_pool.v_buffer[layer][dev] = v.to(DEVICE)
+        expected.append((reference_restore(k), reference_restore(v)))
+    return expected
+
+
 def qwen_like_pool(layout="page_first", page=16, layers=4, pages=QWEN_PAGES):
     """A device pool with `pages` pages of KV written, and an INT8 host pool
     with room for two transfers of them (a warm-up and the one under test)."""
@@ -332,14 +343,7 @@ def qwen_like_pool(layout="page_first", page=16, layers=4, pages=QWEN_PAGES):
     )  # fmt: skip
     pool = int8_pool(dev_pool, layout, host_tokens=(2 * pages + 1) * page)
     dev = pages_to_tokens(torch.arange(1, pages + 1), page).to(DEVICE)
-    g = torch.Generator().manual_seed(0)
-    written = []
-    for layer in range(layers):
-        k = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
-        v = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
-        dev_pool.k_buffer[layer][dev] = k.to(DEVICE)
-        dev_pool.v_buffer[layer][dev] = v.to(DEVICE)
-        written.append((reference_restore(k), reference_restore(v)))
+    written = write_qwen_rows(dev_pool, dev, layers, seed=0)
     sync()
     return dev_pool, pool, dev, written
 
@@ -423,14 +427,7 @@ def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
         write_policy="write_through", io_backend="kernel",
     )  # fmt: skip
     dev = allocator.alloc(tokens)
-    g = torch.Generator().manual_seed(1)
-    expected = []
-    for layer in range(layers):
-        k = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
-        v = torch.randn(len(dev), 8, 128, generator=g).to(torch.bfloat16)
-        dev_pool.k_buffer[layer][dev] = k.to(DEVICE)
-        dev_pool.v_buffer[layer][dev] = v.to(DEVICE)
-        expected.append((reference_restore(k), reference_restore(v)))
+    expected = write_qwen_rows(dev_pool, dev, layers, seed=1)
     host = ctl.write(dev)
     assert host is not None, "host pool too small for the write"
     for ack in ctl.ack_write_queue:

@@ -22,7 +22,6 @@ from gpu_support import (
     big_tiles_when_interpreted,
     destroy_host_pool,
     edge_rows,
-    gpu_test_marks,
     make_mla_device_pool,
     make_mla_host_pool,
     pages_to_tokens,
@@ -30,8 +29,6 @@ from gpu_support import (
     same_bits,
     sync,
 )
-
-pytestmark = gpu_test_marks()
 
 if DEVICE is not None:
     from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk

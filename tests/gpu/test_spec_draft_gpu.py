@@ -17,7 +17,6 @@ from gpu_support import (
     CUDA,
     DEVICE,
     destroy_host_pool,
-    gpu_test_marks,
     make_device_pool,
     make_mla_device_pool,
     pages_to_tokens,
@@ -25,7 +24,6 @@ from gpu_support import (
     sync,
 )
 
-pytestmark = gpu_test_marks()
 PAGE, PAGES, LAYERS = 16, 3, 2
 
 
