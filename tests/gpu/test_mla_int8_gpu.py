@@ -14,23 +14,9 @@ import contextlib
 
 import pytest
 import torch
-from gpu_support import (
-    CUDA,
-    DELAY,
-    DEVICE,
-    DTYPES,
-    big_tiles_when_interpreted,
-    destroy_host_pool,
-    edge_rows,
-    make_mla_device_pool,
-    make_mla_host_pool,
-    pages_to_tokens,
-    random_rows,
-    same_bits,
-    sync,
-)
+import gpu_support as gs
 
-if DEVICE is not None:
+if gs.DEVICE is not None:
     from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
     from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
@@ -41,7 +27,7 @@ NAN, INF = float("nan"), float("inf")
 
 @pytest.fixture(autouse=True)
 def big_tiles(monkeypatch):
-    big_tiles_when_interpreted(monkeypatch, mk, 65536)
+    gs.big_tiles_when_interpreted(monkeypatch, mk, 65536)
 
 
 def mla_rows(dtype: torch.dtype, tokens: int, seed: int) -> torch.Tensor:
@@ -49,10 +35,10 @@ def mla_rows(dtype: torch.dtype, tokens: int, seed: int) -> torch.Tensor:
     past the scale guard) and random tiles across magnitudes; RoPE random
     with one NaN and one Inf row."""
     tiles = torch.cat(
-        [edge_rows(dtype, TILE), random_rows(seed, tokens * 4, TILE, dtype)]
+        [gs.edge_rows(dtype, TILE), gs.random_rows(seed, tokens * 4, TILE, dtype)]
     )
     latent = tiles[: tokens * 4].reshape(tokens, 1, RANK)
-    rope = random_rows(seed + 1, tokens, ROPE, dtype).reshape(tokens, 1, ROPE)
+    rope = gs.random_rows(seed + 1, tokens, ROPE, dtype).reshape(tokens, 1, ROPE)
     rope[1, 0, 0], rope[2, 0, 5] = NAN, -INF
     return torch.cat([latent, rope], dim=-1)
 
@@ -77,42 +63,42 @@ def records_on(where: str, n: int, layers: int, dtype) -> dict[str, torch.Tensor
     for name, (dt, width) in shapes.items():
         t = torch.full((n, layers, 1, 1, width), 3, dtype=dt)
         out[name] = (
-            t.to(DEVICE) if where == "device" else (t.pin_memory() if CUDA else t)
+            t.to(gs.DEVICE) if where == "device" else (t.pin_memory() if gs.CUDA else t)
         )
     return out
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", gs.DTYPES)
 def test_mla_kernels_bit_exact_against_cpu_reference(dtype, record_property):
     """Encode into device memory and into pinned host memory (UVA), decode
     back: the CPU codec's bytes and bits, counters included."""
-    n = 8192 if CUDA else 48
+    n = 8192 if gs.CUDA else 48
     rows = mla_rows(dtype, n, seed=n)
     ref_records, ref_rows, ref_stats = reference(rows)
-    table = mk.DeviceLayerTable([rows.to(DEVICE)])
-    idx = torch.arange(n, device=DEVICE)
-    for where in ("device", "host") if CUDA else ("host",):
+    table = mk.DeviceLayerTable([rows.to(gs.DEVICE)])
+    idx = torch.arange(n, device=gs.DEVICE)
+    for where in ("device", "host") if gs.CUDA else ("host",):
         out = records_on(where, n, 1, dtype)
-        nonfinite = torch.zeros((), dtype=torch.int64, device=DEVICE)
-        amax = torch.zeros(1, 1, device=DEVICE)
+        nonfinite = torch.zeros((), dtype=torch.int64, device=gs.DEVICE)
+        amax = torch.zeros(1, 1, device=gs.DEVICE)
         mk.encode_gather(
             [table], idx, out, idx, nonfinite_counter=nonfinite, scale_amax=amax
         )
-        sync()
+        gs.sync()
         for name, expected in ref_records.items():
-            assert same_bits(out[name][:, 0, 0].cpu().view(torch.int8),
+            assert gs.same_bits(out[name][:, 0, 0].cpu().view(torch.int8),
                              expected.view(torch.int8)), (where, name)  # fmt: skip
         assert int(nonfinite) == int(ref_stats.nonfinite)
         assert torch.equal(amax.cpu()[0], ref_stats.amax)
 
         size = 2 * n + 5
         slots = torch.randperm(size, generator=torch.Generator().manual_seed(1))[:n]
-        dst = torch.full((size, 1, RANK + ROPE), -7.0, dtype=dtype, device=DEVICE)
+        dst = torch.full((size, 1, RANK + ROPE), -7.0, dtype=dtype, device=gs.DEVICE)
         mk.decode_scatter(
-            {k: v[:, 0] for k, v in out.items()}, idx, [dst], slots.to(DEVICE)
+            {k: v[:, 0] for k, v in out.items()}, idx, [dst], slots.to(gs.DEVICE)
         )
-        sync()
-        assert same_bits(dst.cpu()[slots], ref_rows), where
+        gs.sync()
+        assert gs.same_bits(dst.cpu()[slots], ref_rows), where
         untouched = torch.ones(size, dtype=torch.bool)
         untouched[slots] = False
         assert (dst.cpu()[untouched] == -7.0).all()
@@ -126,71 +112,76 @@ def test_mla_kernels_on_the_pools_pinned_records(layout, page):
     own (pinned) record tensors: one encode launch for all layers, one decode
     per layer, host pages out of order; bytes and bits as the CPU codec."""
     layers, pages = 3, 4
-    dev_pool = make_mla_device_pool(
-        layer_num=layers, page_size=page, tokens=12 * page, device=DEVICE
+    dev_pool = gs.make_mla_device_pool(
+        layer_num=layers, page_size=page, tokens=12 * page, device=gs.DEVICE
     )
-    pool = make_mla_host_pool(
-        dev_pool, layout=layout, host_tokens=12 * page, pin_memory=CUDA
+    pool = gs.make_mla_host_pool(
+        dev_pool, layout=layout, host_tokens=12 * page, pin_memory=gs.CUDA
     )
     g = torch.Generator().manual_seed(page)
-    dev = pages_to_tokens(torch.randperm(pages, generator=g) + 1, page)
+    dev = gs.pages_to_tokens(torch.randperm(pages, generator=g) + 1, page)
     rows = [mla_rows(torch.bfloat16, len(dev), seed=layer) for layer in range(layers)]
     for layer, r in enumerate(rows):
-        dev_pool.kv_buffer[layer][dev.to(DEVICE)] = r.to(DEVICE)
-    host = pages_to_tokens(torch.tensor([5, 2, 3, 9]), page)  # backward jump, gap
+        dev_pool.kv_buffer[layer][dev.to(gs.DEVICE)] = r.to(gs.DEVICE)
+    host = gs.pages_to_tokens(torch.tensor([5, 2, 3, 9]), page)  # backward jump, gap
     views = {
         name: t.transpose(0, 1) if layout == "layer_first" else t
         for name, t in pool.host_records.items()
     }
     unit_tokens = 1 if layout == "layer_first" else page
     mk.encode_gather(
-        [mk.DeviceLayerTable(dev_pool.kv_buffer)], dev.to(DEVICE), views,
-        host.to(DEVICE),
+        [mk.DeviceLayerTable(dev_pool.kv_buffer)], dev.to(gs.DEVICE), views,
+        host.to(gs.DEVICE),
     )  # fmt: skip
-    sync()
-    new_dev = pages_to_tokens(torch.randperm(pages, generator=g) + 6, page)
+    gs.sync()
+    new_dev = gs.pages_to_tokens(torch.randperm(pages, generator=g) + 6, page)
     for layer, r in enumerate(rows):
         ref_records, ref_rows, _ = reference(r)
         unit, within = host // unit_tokens, host % unit_tokens
         for name, expected in ref_records.items():
             got = views[name][unit, layer, within]
-            assert same_bits(got.view(torch.int8), expected.view(torch.int8)), name
+            assert gs.same_bits(got.view(torch.int8), expected.view(torch.int8)), name
         dev_pool.kv_buffer[layer].fill_(7.0)
         records = {
             name: (t[:, layer] if layout != "layer_first" else t[layer])
             for name, t in pool.host_records.items()
         }
         mk.decode_scatter(
-            records, host.to(DEVICE), [dev_pool.kv_buffer[layer]], new_dev.to(DEVICE)
+            records,
+            host.to(gs.DEVICE),
+            [dev_pool.kv_buffer[layer]],
+            new_dev.to(gs.DEVICE),
         )
-        sync()
-        assert same_bits(dev_pool.kv_buffer[layer][new_dev.to(DEVICE)].cpu(), ref_rows)
-    destroy_host_pool(pool)
+        gs.sync()
+        assert gs.same_bits(
+            dev_pool.kv_buffer[layer][new_dev.to(gs.DEVICE)].cpu(), ref_rows
+        )
+    gs.destroy_host_pool(pool)
 
 
 def test_mla_kernels_run_on_the_callers_stream():
     """A backup and a restore queued behind a stall on a side stream: not done
     before the stall ends (nothing ran on another stream), right after it. On
     CPU (dry run) they run at once; the results are checked the same way."""
-    n = 4096 if CUDA else 64
+    n = 4096 if gs.CUDA else 64
     rows = mla_rows(torch.bfloat16, n, seed=3)
     _, ref_rows, _ = reference(rows)
-    src = rows.to(DEVICE)
+    src = rows.to(gs.DEVICE)
     out = records_on("host", n, 1, torch.bfloat16)
     dst = torch.zeros_like(src)
-    idx = torch.arange(n, device=DEVICE)
-    stream = torch.cuda.Stream() if CUDA else None
-    if CUDA:
+    idx = torch.arange(n, device=gs.DEVICE)
+    stream = torch.cuda.Stream() if gs.CUDA else None
+    if gs.CUDA:
         stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream) if CUDA else contextlib.nullcontext():
-        if CUDA:
-            torch.cuda._sleep(DELAY)
+    with torch.cuda.stream(stream) if gs.CUDA else contextlib.nullcontext():
+        if gs.CUDA:
+            torch.cuda._sleep(gs.DELAY)
         mk.encode_gather([mk.DeviceLayerTable([src])], idx, out, idx)
         mk.decode_scatter({k: v[:, 0] for k, v in out.items()}, idx, [dst], idx)
-        done = torch.cuda.Event() if CUDA else None
-        if CUDA:
+        done = torch.cuda.Event() if gs.CUDA else None
+        if gs.CUDA:
             done.record()
-    if CUDA:
+    if gs.CUDA:
         assert not done.query()
         done.synchronize()
-    assert same_bits(dst.cpu(), ref_rows)
+    assert gs.same_bits(dst.cpu(), ref_rows)
