@@ -203,12 +203,9 @@ ENCODED_GRID = [
     ("page_first", "kernel", 16, FP16, "torch"),
     ("page_first_direct", "kernel", 64, BF16, "torch"),
     ("layer_first", "kernel", 1, BF16, "torch"),
-    ("page_first", "direct", 1, BF16, "runs"),
-    ("page_first_direct", "direct", 16, BF16, "runs"),
-    ("layer_first", "direct", 1, BF16, "runs"),
-    ("page_first", "kernel", 16, BF16, "runs"),
-    ("page_first_direct", "kernel", 1, BF16, "runs"),
-    ("layer_first", "kernel", 16, BF16, "runs"),
+] + [
+    (layout, io_backend, (1, 16)[i % 2], BF16, "runs")
+    for i, (io_backend, layout) in enumerate(itertools.product(IO_BACKENDS, LAYOUTS))
 ]
 # The stock pool takes the direct backend's torch copies outside page_first
 # (accepted): each of those layouts at every page size, the dtypes taking
