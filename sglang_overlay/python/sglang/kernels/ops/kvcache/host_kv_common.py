@@ -191,6 +191,20 @@ def layer_offset(offs_ptr, layer_idx, ALIGNED: tl.constexpr):
 
 
 @triton.jit
+def device_rows(dev, offs_ptr, layer, ALIGNED: tl.constexpr):
+    """A side's device rows in one layer as the row code takes them (src):
+    dev = (base pointer, token stride, head stride), plus the layer offset."""
+    return (dev[0], layer_offset(offs_ptr, layer, ALIGNED), dev[1], dev[2])
+
+
+@triton.jit
+def side_record(rec, side):
+    """One side (K = 0, V = 1) of a record view with both: rec = (pointer,
+    unit, layer, token, head strides, side stride)."""
+    return (rec[0] + side * rec[5], rec[1], rec[2], rec[3], rec[4])
+
+
+@triton.jit
 def token_slots(tok, mask, idx, n_host):
     """The tokens' device index, host index and in-range mask (idx: the
     transfer's (dev_idx_ptr, host_idx_ptr, bad_idx_ptr))."""
@@ -250,8 +264,7 @@ def int8_encode_rows(
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
-    COUNT: tl.constexpr,
-    AMAX: tl.constexpr,
+    STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     FP8: tl.constexpr = 0,
 ):
@@ -286,16 +299,16 @@ def int8_encode_rows(
     q_row = record_offset(q, unit, layer, within, head)
     tl.store(q[0] + (q_row[:, None] + d[None, :]), r.to(tl.int8), mask=m2)
     tl.store(s[0] + record_offset(s, unit, layer, within, head), s_bits, mask=hmask)
-    count_stats(stats, bad & hmask, tl.where(hmask & ~bad, amax_raw, 0.0), COUNT, AMAX)
+    count_stats(stats, bad & hmask, tl.where(hmask & ~bad, amax_raw, 0.0), STATS)
 
 
 @triton.jit
-def count_stats(stats, bad, amax, COUNT: tl.constexpr, AMAX: tl.constexpr):
-    """Count the non-finite flags and raise the amax statistic, as enabled
-    (stats = (nonfinite_ptr, amax_ptr))."""
-    if COUNT:
+def count_stats(stats, bad, amax, STATS: tl.constexpr):
+    """Count the non-finite flags and raise the amax statistic, as STATS
+    enables them (stats = (nonfinite_ptr, amax_ptr), STATS their flags)."""
+    if STATS[0]:
         count_flags(stats[0], bad)
-    if AMAX:
+    if STATS[1]:
         raise_amax(stats[1], amax)
 
 
@@ -387,9 +400,19 @@ def _or_dummy(t, dummy, view_dtype=None):
     return t if view_dtype is None else t.view(view_dtype)
 
 
-def stride_args(name: str, t: torch.Tensor, dims: Sequence[str]) -> dict[str, int]:
-    """{name}_stride_{dim} kernel arguments of t's leading dims."""
-    return {f"{name}_stride_{dim}": t.stride(i) for i, dim in enumerate(dims)}
+RECORD_DIMS = ("unit", "layer", "token", "head")
+
+
+def record_arg(
+    t: torch.Tensor, dims: Sequence[str], strides: Sequence[int] | None = None
+) -> tuple:
+    """A record view as the kernels take it: (t, its unit, layer, token and
+    head strides, then those of its other dims in order), dims naming t's
+    leading strides (or `strides`); a dim it lacks has stride 0, as one
+    layer's view has in its layer dim."""
+    named = dict(zip(dims, t.stride() if strides is None else strides))
+    rest = [named[d] for d in dims if d not in RECORD_DIMS]
+    return (t, *(named.get(d, 0) for d in RECORD_DIMS), *rest)
 
 
 def encode_args(
@@ -401,23 +424,21 @@ def encode_args(
     bad_index_counter: torch.Tensor | None,
 ) -> dict:
     """The arguments every encode kernel takes, by the kernels' names: each
-    side's layer table, the indices and the statistics with their flags."""
+    side's device rows (dev, per side (base, token stride, head stride)) and
+    layer offsets, the indices and the statistics with their flags."""
     first = next(iter(tables.values()))
     dummy = first.offsets
     args = index_args(device_indices, host_indices, bad_index_counter, dummy)
     args.update(
-        dev=tuple(t.base for t in tables.values()),
+        dev=tuple((t.base, *t.stride[:2]) for t in tables.values()),
         nonfinite_ptr=_or_dummy(nonfinite_counter, dummy),
         amax_ptr=_or_dummy(scale_amax, dummy, torch.int32),
         IS_BF16=first.dtype == torch.bfloat16,
         ALIGNED=all(t.aligned for t in tables.values()),
-        COUNT=nonfinite_counter is not None,
-        AMAX=scale_amax is not None,
+        STATS=(nonfinite_counter is not None, scale_amax is not None),
     )
     for side, table in tables.items():
         args[f"{side}_offs"] = table.offsets
-        args[f"{side}_dev_stride_token"] = table.stride[0]
-        args[f"{side}_dev_stride_head"] = table.stride[1]
     return args
 
 
@@ -427,14 +448,12 @@ def decode_args(
     host_indices: torch.Tensor,
     bad_index_counter: torch.Tensor | None,
 ) -> dict:
-    """The arguments every decode kernel takes: each side's device layer (as
-    the element patterns, dst), the indices and the bad-index flag."""
+    """The arguments every decode kernel takes: each side's device layer (dst,
+    per side (element patterns, token stride, head stride)), the indices and
+    the bad-index flag."""
     args = index_args(device_indices, host_indices, bad_index_counter, device_indices)
-    args["dst"] = tuple(element_bits(t) for t in dst.values())
+    args["dst"] = tuple((element_bits(t), *t.stride()[:2]) for t in dst.values())
     args["IS_BF16"] = next(iter(dst.values())).dtype == torch.bfloat16
-    for side, t in dst.items():
-        args[f"{side}_dst_stride_token"] = t.stride(0)
-        args[f"{side}_dst_stride_head"] = t.stride(1)
     return args
 
 

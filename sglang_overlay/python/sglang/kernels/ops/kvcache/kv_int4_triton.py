@@ -98,8 +98,7 @@ def _encode_groups(
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
     FP8: tl.constexpr,
-    COUNT: tl.constexpr,
-    AMAX: tl.constexpr,
+    STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
 ):
@@ -142,7 +141,7 @@ def _encode_groups(
     tl.store(meta[0] + m_off, s_bits, mask=hmask)
     tl.store(meta[0] + m_off + meta[6], m_bits, mask=hmask)
     amax = tl.where(hmask & ~bad, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0)
-    hk.count_stats(stats, bad & hmask, amax, COUNT, AMAX)
+    hk.count_stats(stats, bad & hmask, amax, STATS)
 
 
 @triton.jit
@@ -162,8 +161,7 @@ def _encode_channels(
     UT: tl.constexpr,
     IS_BF16: tl.constexpr,
     FP8: tl.constexpr,
-    COUNT: tl.constexpr,
-    AMAX: tl.constexpr,
+    STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
 ):
@@ -217,7 +215,7 @@ def _encode_channels(
     tl.store(meta[0] + m_off + meta[6], m_bits, mask=wmask)
     amax = tl.where(wmask & ~bad, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0)
     n_bad = tl.sum((bad & wmask).to(tl.int64), axis=1)
-    hk.count_stats(stats, n_bad, tl.max(amax, axis=1), COUNT, AMAX)
+    hk.count_stats(stats, n_bad, tl.max(amax, axis=1), STATS)
 
 
 @triton.jit
@@ -284,111 +282,62 @@ def _encode_kernel(
     nonfinite_ptr,
     amax_ptr,
     sign_ptr,
-    k_codes,
-    k_meta,
-    v_codes,
-    v_meta,
+    codes,  # per side: (codes, unit, layer, token, head strides)
+    meta,  # per side: (metadata, unit, layer, token, head, group, param strides)
     n_tok,
     n_host,
     n_k_progs,
-    k_dev_stride_token,
-    k_dev_stride_head,
-    v_dev_stride_token,
-    v_dev_stride_head,
-    k_codes_stride_unit,
-    k_codes_stride_layer,
-    k_codes_stride_token,
-    k_codes_stride_head,
-    k_meta_stride_unit,
-    k_meta_stride_layer,
-    k_meta_stride_token,
-    k_meta_stride_head,
-    k_meta_stride_group,
-    k_meta_stride_param,
-    v_codes_stride_unit,
-    v_codes_stride_layer,
-    v_codes_stride_token,
-    v_codes_stride_head,
-    v_meta_stride_unit,
-    v_meta_stride_layer,
-    v_meta_stride_token,
-    v_meta_stride_head,
-    v_meta_stride_group,
-    v_meta_stride_param,
     H: tl.constexpr,
-    DK: tl.constexpr,
+    D: tl.constexpr,  # per side, as G, BLOCKS, COUNT_BAD_IDX and ROT_B
     KEY_MODE: tl.constexpr,
-    GK: tl.constexpr,
-    K_BLOCK: tl.constexpr,
+    G: tl.constexpr,
+    BLOCKS: tl.constexpr,  # keys: rows, or channel pairs if per channel
     K_NCB: tl.constexpr,
-    DV: tl.constexpr,
-    GV: tl.constexpr,
-    V_BLOCK_R: tl.constexpr,
     UT: tl.constexpr,
     IS_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
-    COUNT: tl.constexpr,
-    AMAX: tl.constexpr,
-    K_COUNT_BAD_IDX: tl.constexpr,
-    V_COUNT_BAD_IDX: tl.constexpr,
-    K_ROT_B: tl.constexpr = 0,
-    V_ROT_B: tl.constexpr = 0,
+    STATS: tl.constexpr,
+    COUNT_BAD_IDX: tl.constexpr,
+    ROT_B: tl.constexpr = (0, 0),
     FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs, layers)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     pid = tl.program_id(0)
-    layer_idx = tl.program_id(1)
-    layer = layer_idx.to(tl.int64)
-    if pid < n_k_progs:
-        src = (dev[0], hk.layer_offset(k_offs, layer_idx, ALIGNED),
-               k_dev_stride_token, k_dev_stride_head)  # fmt: skip
-        q = (k_codes, k_codes_stride_unit, k_codes_stride_layer,
-             k_codes_stride_token, k_codes_stride_head)  # fmt: skip
-        meta = (k_meta, k_meta_stride_unit, k_meta_stride_layer, k_meta_stride_token,
-                k_meta_stride_head, k_meta_stride_group, k_meta_stride_param)  # fmt: skip
-        k_stats = (nonfinite_ptr, amax_ptr + 2 * layer)
-        if KEY_MODE == 0:
-            hk.int8_encode_rows(
-                src, q, meta, idx, k_stats, (pid * K_BLOCK, n_tok * H, n_host),
-                layer, H, DK, UT, K_BLOCK, IS_BF16, COUNT, AMAX, K_COUNT_BAD_IDX,
-                FP8,
-            )  # fmt: skip
-        elif KEY_MODE == 1:
-            _encode_groups(
-                src, q, meta, idx, k_stats,
-                (pid * K_BLOCK, n_tok * (H * (DK // GK)), n_host), layer, sign_ptr,
-                H, DK // GK, GK, UT, K_BLOCK, IS_BF16, FP8, COUNT, AMAX,
-                K_COUNT_BAD_IDX, K_ROT_B,
-            )  # fmt: skip
-        else:
-            _encode_channels(
-                src, q, meta, idx, k_stats, n_host, layer, sign_ptr,
-                H, DK, K_BLOCK, K_NCB, UT, IS_BF16, FP8, COUNT, AMAX,
-                K_COUNT_BAD_IDX, K_ROT_B,
-            )  # fmt: skip
-    else:
-        _encode_groups(
-            (dev[1], hk.layer_offset(v_offs, layer_idx, ALIGNED),
-             v_dev_stride_token, v_dev_stride_head),
-            (v_codes, v_codes_stride_unit, v_codes_stride_layer,
-             v_codes_stride_token, v_codes_stride_head),
-            (v_meta, v_meta_stride_unit, v_meta_stride_layer, v_meta_stride_token,
-             v_meta_stride_head, v_meta_stride_group, v_meta_stride_param),
-            idx, (nonfinite_ptr, amax_ptr + 2 * layer + 1),
-            ((pid - n_k_progs) * V_BLOCK_R, n_tok * (H * (DV // GV)), n_host),
-            layer, sign_ptr,
-            H, DV // GV, GV, UT, V_BLOCK_R, IS_BF16, FP8, COUNT, AMAX,
-            V_COUNT_BAD_IDX, V_ROT_B,
-        )  # fmt: skip
+    layer = tl.program_id(1).to(tl.int64)
+    offs = (k_offs, v_offs)
+    prog_side = (pid >= n_k_progs).to(tl.int32)
+    for side in tl.static_range(2):
+        if prog_side == side:
+            src = hk.device_rows(dev[side], offs[side], layer, ALIGNED)
+            stats = (nonfinite_ptr, amax_ptr + 2 * layer + side)
+            row0 = (pid - side * n_k_progs) * BLOCKS[side]
+            if side == 0 and KEY_MODE == 0:
+                hk.int8_encode_rows(
+                    src, codes[0], meta[0], idx, stats, (row0, n_tok * H, n_host),
+                    layer, H, D[0], UT, BLOCKS[0], IS_BF16, STATS,
+                    COUNT_BAD_IDX[0], FP8,
+                )  # fmt: skip
+            elif side == 0 and KEY_MODE == 2:
+                _encode_channels(
+                    src, codes[0], meta[0], idx, stats, n_host, layer, sign_ptr,
+                    H, D[0], BLOCKS[0], K_NCB, UT, IS_BF16, FP8, STATS,
+                    COUNT_BAD_IDX[0], ROT_B[0],
+                )  # fmt: skip
+            else:
+                groups = D[side] // G[side]
+                _encode_groups(
+                    src, codes[side], meta[side], idx, stats,
+                    (row0, n_tok * (H * groups), n_host), layer, sign_ptr,
+                    H, groups, G[side], UT, BLOCKS[side], IS_BF16, FP8, STATS,
+                    COUNT_BAD_IDX[side], ROT_B[side],
+                )  # fmt: skip
 
 
 @hk.kernel_jit(unaligned=["sign_ptr"])
 def _decode_kernel(
-    k_codes,
-    k_meta,
-    v_codes,
-    v_meta,
+    codes,  # per side: (codes, unit, 0, token, head strides)
+    meta,  # per side: (metadata, unit, 0, token, head, group, param strides)
     dev_idx_ptr,
     host_idx_ptr,
     bad_idx_ptr,
@@ -397,72 +346,36 @@ def _decode_kernel(
     n_tok,
     n_host,
     n_k_progs,
-    k_codes_stride_unit,
-    k_codes_stride_token,
-    k_codes_stride_head,
-    k_meta_stride_unit,
-    k_meta_stride_token,
-    k_meta_stride_head,
-    k_meta_stride_group,
-    k_meta_stride_param,
-    v_codes_stride_unit,
-    v_codes_stride_token,
-    v_codes_stride_head,
-    v_meta_stride_unit,
-    v_meta_stride_token,
-    v_meta_stride_head,
-    v_meta_stride_group,
-    v_meta_stride_param,
-    k_dst_stride_token,
-    k_dst_stride_head,
-    v_dst_stride_token,
-    v_dst_stride_head,
     H: tl.constexpr,
-    DK: tl.constexpr,
+    D: tl.constexpr,  # per side, as G, BLOCKS and ROT_B
     KEY_MODE: tl.constexpr,
-    GK: tl.constexpr,
-    K_BLOCK_R: tl.constexpr,
-    DV: tl.constexpr,
-    GV: tl.constexpr,
-    V_BLOCK_R: tl.constexpr,
+    G: tl.constexpr,
+    BLOCKS: tl.constexpr,
     UT: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
-    K_ROT_B: tl.constexpr = 0,
-    V_ROT_B: tl.constexpr = 0,
+    ROT_B: tl.constexpr = (0, 0),
     FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs,); one layer's records (layer
-    # stride 0)
+    # stride 0); the keys count bad indices
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     pid = tl.program_id(0)
-    if pid < n_k_progs:
-        q = (k_codes, k_codes_stride_unit, 0, k_codes_stride_token,
-             k_codes_stride_head)  # fmt: skip
-        meta = (k_meta, k_meta_stride_unit, 0, k_meta_stride_token,
-                k_meta_stride_head, k_meta_stride_group, k_meta_stride_param)  # fmt: skip
-        y = (dst[0], k_dst_stride_token, k_dst_stride_head)
-        rows = (pid * K_BLOCK_R, n_tok * H, n_host)
-        if KEY_MODE == 0:
-            hk.int8_decode_rows(
-                q, meta, y, idx, rows,
-                H, DK, UT, K_BLOCK_R, IS_BF16, COUNT_BAD_IDX, FP8,
-            )  # fmt: skip
-        else:
-            _decode_groups(
-                q, meta, y, idx, rows, sign_ptr,
-                H, DK, GK, UT, K_BLOCK_R, IS_BF16, FP8, COUNT_BAD_IDX, K_ROT_B,
-            )  # fmt: skip
-    else:
-        _decode_groups(
-            (v_codes, v_codes_stride_unit, 0, v_codes_stride_token,
-             v_codes_stride_head),
-            (v_meta, v_meta_stride_unit, 0, v_meta_stride_token,
-             v_meta_stride_head, v_meta_stride_group, v_meta_stride_param),
-            (dst[1], v_dst_stride_token, v_dst_stride_head),
-            idx, ((pid - n_k_progs) * V_BLOCK_R, n_tok * H, n_host), sign_ptr,
-            H, DV, GV, UT, V_BLOCK_R, IS_BF16, FP8, False, V_ROT_B,
-        )  # fmt: skip
+    prog_side = (pid >= n_k_progs).to(tl.int32)
+    for side in tl.static_range(2):
+        if prog_side == side:
+            rows = ((pid - side * n_k_progs) * BLOCKS[side], n_tok * H, n_host)
+            if side == 0 and KEY_MODE == 0:
+                hk.int8_decode_rows(
+                    codes[0], meta[0], dst[0], idx, rows,
+                    H, D[0], UT, BLOCKS[0], IS_BF16, COUNT_BAD_IDX, FP8,
+                )  # fmt: skip
+            else:
+                _decode_groups(
+                    codes[side], meta[side], dst[side], idx, rows, sign_ptr,
+                    H, D[side], G[side], UT, BLOCKS[side], IS_BF16, FP8,
+                    COUNT_BAD_IDX and side == 0, ROT_B[side],
+                )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------
@@ -486,14 +399,13 @@ class _Side:
     code_strides: tuple[int, ...]  # unit, [layer,] token, head
     meta_strides: tuple[int, ...]  # unit, [layer,] token, head, group, s|m
 
-    def stride_args(self, side: str, code_dims, meta_dims) -> dict[str, int]:
-        """The kernel's stride arguments for this side, by dim name."""
-        codes = zip(code_dims, self.code_strides, strict=True)
-        meta = zip(meta_dims, self.meta_strides, strict=True)
-        return {
-            **{f"{side}_codes_stride_{d}": s for d, s in codes},
-            **{f"{side}_meta_stride_{d}": s for d, s in meta},
-        }
+    def records(self, code_dims, meta_dims) -> tuple[tuple, tuple]:
+        """This side's codes and metadata as the kernels take them
+        (hk.record_arg), the strides named by dim."""
+        return (
+            hk.record_arg(self.codes, code_dims, self.code_strides),
+            hk.record_arg(self.meta, meta_dims, self.meta_strides),
+        )
 
 
 def _fail(name: str, t: torch.Tensor, expected: str) -> None:
@@ -597,32 +509,24 @@ def _check_rotation(keys: _Side, values: _Side, blocks, signs, device):
 def _records_args(keys: _Side, values: _Side, dims, rotation_signs) -> dict:
     """Both kernels' record pointers and strides (dims: the codes' and the
     metadata's dim names), and the sign pointer (the codes if unrotated)."""
-    code_dims, meta_dims = dims
+    (k_codes, k_meta), (v_codes, v_meta) = (s.records(*dims) for s in (keys, values))
     return {
         "sign_ptr": keys.codes if rotation_signs is None else rotation_signs,
-        "k_codes": keys.codes,
-        "k_meta": keys.meta,
-        "v_codes": values.codes,
-        "v_meta": values.meta,
-        **keys.stride_args("k", code_dims, meta_dims),
-        **values.stride_args("v", code_dims, meta_dims),
+        "codes": (k_codes, v_codes),
+        "meta": (k_meta, v_meta),
     }
 
 
 def _geometry_args(keys: _Side, values: _Side, H, ut, rot_blocks, dtype) -> dict:
     """The constexprs both kernels take: heads, widths, key mode, groups,
     unit tokens, rotation blocks and the device dtype's FP8 kind."""
-    kb, vb = rot_blocks
     return {
         "H": H,
-        "DK": keys.dim,
+        "D": (keys.dim, values.dim),
         "KEY_MODE": keys.mode,
-        "GK": keys.group,
-        "DV": values.dim,
-        "GV": values.group,
+        "G": (keys.group, values.group),
         "UT": ut,
-        "K_ROT_B": kb,
-        "V_ROT_B": vb,
+        "ROT_B": rot_blocks,
         **hk.fp8_args(dtype),
     }
 
@@ -725,11 +629,12 @@ def encode_gather(
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
-        K_BLOCK=k_block,
+        BLOCKS=(k_block, v_block),
         K_NCB=k_ncb,
-        V_BLOCK_R=v_block,
-        K_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_PER_TOKEN,
-        V_COUNT_BAD_IDX=count_bad and keys.mode != KEYS_INT8,
+        COUNT_BAD_IDX=(
+            count_bad and keys.mode != KEYS_PER_TOKEN,
+            count_bad and keys.mode != KEYS_INT8,
+        ),
         num_warps=warps,
         **args,
     )
@@ -790,8 +695,7 @@ def decode_scatter(
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
-        K_BLOCK_R=k_block,
-        V_BLOCK_R=v_block,
+        BLOCKS=(k_block, v_block),
         num_warps=num_warps
         or (FP8_DECODE_WARPS if k_dst.dtype in hk.FP8_DTYPES else DECODE_WARPS),
         **args,

@@ -35,131 +35,93 @@ def _encode_kernel(
     bad_idx_ptr,
     nonfinite_ptr,
     amax_ptr,
-    k_out,
-    v_out,
-    scale_out,
+    out,  # per side: (codes, unit, layer, token, head strides)
+    scale_out,  # (scales, unit, layer, token, head, side strides)
     n_tok,
     n_host,
-    k_dev_stride_token,
-    k_dev_stride_head,
-    v_dev_stride_token,
-    v_dev_stride_head,
-    k_out_stride_unit,
-    k_out_stride_layer,
-    k_out_stride_token,
-    k_out_stride_head,
-    v_out_stride_unit,
-    v_out_stride_layer,
-    v_out_stride_token,
-    v_out_stride_head,
-    scale_stride_unit,
-    scale_stride_layer,
-    scale_stride_token,
-    scale_stride_side,
-    scale_stride_head,
     H: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
+    D: tl.constexpr,  # per side
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
-    COUNT: tl.constexpr,
-    AMAX: tl.constexpr,
+    STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
 ):
-    # grid: (row blocks, layers, K|V)
+    # grid: (row blocks, layers, K|V); the keys count bad indices
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
-    layer_idx = tl.program_id(1)
-    layer = layer_idx.to(tl.int64)
+    layer = tl.program_id(1).to(tl.int64)
     rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
-    if tl.program_id(2) == 0:
-        hk.int8_encode_rows(
-            (dev[0], hk.layer_offset(k_offs, layer_idx, ALIGNED),
-             k_dev_stride_token, k_dev_stride_head),
-            (k_out, k_out_stride_unit, k_out_stride_layer, k_out_stride_token,
-             k_out_stride_head),
-            (scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token,
-             scale_stride_head),
-            idx, (nonfinite_ptr, amax_ptr + 2 * layer), rows, layer,
-            H, DK, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
-        )  # fmt: skip
-    else:
-        v_scale = scale_out + scale_stride_side
-        hk.int8_encode_rows(
-            (dev[1], hk.layer_offset(v_offs, layer_idx, ALIGNED),
-             v_dev_stride_token, v_dev_stride_head),
-            (v_out, v_out_stride_unit, v_out_stride_layer, v_out_stride_token,
-             v_out_stride_head),
-            (v_scale, scale_stride_unit, scale_stride_layer, scale_stride_token,
-             scale_stride_head),
-            idx, (nonfinite_ptr, amax_ptr + 2 * layer + 1), rows, layer,
-            H, DV, UT, BLOCK_R, IS_BF16, COUNT, AMAX, False,
-        )  # fmt: skip
+    offs = (k_offs, v_offs)
+    for side in tl.static_range(2):
+        if tl.program_id(2) == side:
+            hk.int8_encode_rows(
+                hk.device_rows(dev[side], offs[side], layer, ALIGNED),
+                out[side],
+                hk.side_record(scale_out, side),
+                idx,
+                (nonfinite_ptr, amax_ptr + 2 * layer + side),
+                rows,
+                layer,
+                H,
+                D[side],
+                UT,
+                BLOCK_R,
+                IS_BF16,
+                STATS,
+                COUNT_BAD_IDX and side == 0,
+            )
 
 
 @hk.kernel_jit()
 def _decode_kernel(
-    k_in,
-    v_in,
-    scale_in,
+    records,  # per side: (codes, unit, layer, token, head strides)
+    scale_in,  # (scales, unit, layer, token, head, side strides)
     dev_idx_ptr,
     host_idx_ptr,
     bad_idx_ptr,
     dst,
     n_tok,
     n_host,
-    k_in_stride_unit,
-    k_in_stride_token,
-    k_in_stride_head,
-    v_in_stride_unit,
-    v_in_stride_token,
-    v_in_stride_head,
-    scale_stride_unit,
-    scale_stride_token,
-    scale_stride_side,
-    scale_stride_head,
-    k_dst_stride_token,
-    k_dst_stride_head,
-    v_dst_stride_token,
-    v_dst_stride_head,
     H: tl.constexpr,
-    DK: tl.constexpr,
-    DV: tl.constexpr,
+    D: tl.constexpr,
     UT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
 ):
-    # grid: (row blocks, K|V); one layer's records, so their layer stride is 0
+    # grid: (row blocks, K|V); one layer's records (layer stride 0)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
-    if tl.program_id(1) == 0:
-        hk.int8_decode_rows(
-            (k_in, k_in_stride_unit, 0, k_in_stride_token, k_in_stride_head),
-            (scale_in, scale_stride_unit, 0, scale_stride_token, scale_stride_head),
-            (dst[0], k_dst_stride_token, k_dst_stride_head),
-            idx, rows, H, DK, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
-        )  # fmt: skip
-    else:
-        v_scale = scale_in + scale_stride_side
-        hk.int8_decode_rows(
-            (v_in, v_in_stride_unit, 0, v_in_stride_token, v_in_stride_head),
-            (v_scale, scale_stride_unit, 0, scale_stride_token, scale_stride_head),
-            (dst[1], v_dst_stride_token, v_dst_stride_head),
-            idx, rows, H, DV, UT, BLOCK_R, IS_BF16, False,
-        )  # fmt: skip
+    for side in tl.static_range(2):
+        if tl.program_id(1) == side:
+            hk.int8_decode_rows(
+                records[side],
+                hk.side_record(scale_in, side),
+                dst[side],
+                idx,
+                rows,
+                H,
+                D[side],
+                UT,
+                BLOCK_R,
+                IS_BF16,
+                COUNT_BAD_IDX and side == 0,
+            )
+
+
+# One layer's record views: no layer dim (stride 0 in the kernels' records).
+_LAYER_DIMS = ("unit", "token", "head")
 
 
 def _shape_args(n_tok, units, heads_dims, unit_tokens, block_r) -> dict:
-    """Sizes and constexprs both kernels take: tokens, host slots, H, Dk, Dv."""
+    """Sizes and constexprs both kernels take: tokens, host slots, H, (Dk, Dv)."""
     H, DK, DV = heads_dims
     return dict(
         n_tok=n_tok,
         n_host=units * unit_tokens,
         H=H,
-        DK=DK,
-        DV=DV,
+        D=(DK, DV),
         UT=unit_tokens,
         BLOCK_R=block_r,
     )
@@ -248,12 +210,8 @@ def encode_gather(
         bad_index_counter,
     )
     _encode_kernel[(triton.cdiv(n * H, block_r), layers, 2)](
-        k_out=k_out,
-        v_out=v_out,
-        scale_out=s16,
-        **hk.stride_args("k_out", k_out, ("unit", "layer", "token", "head")),
-        **hk.stride_args("v_out", v_out, ("unit", "layer", "token", "head")),
-        **hk.stride_args("scale", s16, ("unit", "layer", "token", "side", "head")),
+        out=tuple(hk.record_arg(t, hk.RECORD_DIMS) for t in (k_out, v_out)),
+        scale_out=hk.record_arg(s16, ("unit", "layer", "token", "side", "head")),
         **_shape_args(n, k_out.shape[0], (H, DK, DV), unit_tokens, block_r),
         num_warps=num_warps or ENCODE_WARPS,
         **args,
@@ -305,12 +263,8 @@ def decode_scatter(
         {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
     )
     _decode_kernel[(triton.cdiv(n * H, block_r), 2)](
-        k_in=k_in,
-        v_in=v_in,
-        scale_in=s16,
-        **hk.stride_args("k_in", k_in, ("unit", "token", "head")),
-        **hk.stride_args("v_in", v_in, ("unit", "token", "head")),
-        **hk.stride_args("scale", s16, ("unit", "token", "side", "head")),
+        records=tuple(hk.record_arg(t, _LAYER_DIMS) for t in (k_in, v_in)),
+        scale_in=hk.record_arg(s16, ("unit", "token", "side", "head")),
         **_shape_args(n, k_in.shape[0], (H, DK, DV), unit_tokens, block_r),
         num_warps=num_warps or DECODE_WARPS,
         **args,

@@ -33,12 +33,16 @@ DECODE_WARPS = 4
 
 
 @triton.jit
-def _rope_slots(tok0, n_tok, idx, n_host, BLOCK_T: tl.constexpr, UT: tl.constexpr):
-    """Device index, host unit, token-in-unit and mask of BLOCK_T tokens."""
-    tok = tok0 + tl.arange(0, BLOCK_T)
+def _rope_slots(
+    n_tok, idx, n_host, BLOCK_T: tl.constexpr, UT: tl.constexpr, P: tl.constexpr
+):
+    """This program's BLOCK_T tokens: device index, host unit, token-in-unit,
+    the RoPE lanes (P wide, padded) and their mask."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     didx, hidx, hmask = hk.token_slots(tok, tok < n_tok, idx, n_host)
     unit, within = hk.unit_slots(hidx, UT)
-    return didx, unit, within, hmask
+    d = tl.arange(0, hk.pow2(P))
+    return didx, unit, within, d, hmask[:, None] & (d < P)[None, :]
 
 
 @hk.kernel_jit()
@@ -50,62 +54,50 @@ def _mla_encode_kernel(
     bad_idx_ptr,
     nonfinite_ptr,
     amax_ptr,
-    kv_out,
-    scale_out,
-    rope_out,
+    out,  # kv, scale, rope records: (pointer, unit, layer, token strides, 0)
     n_tok,
     n_host,
-    kv_dev_stride_token,
-    kv_dev_stride_head,
-    kv_stride_unit,
-    kv_stride_layer,
-    kv_stride_token,
-    scale_stride_unit,
-    scale_stride_layer,
-    scale_stride_token,
-    rope_stride_unit,
-    rope_stride_layer,
-    rope_stride_token,
     NT: tl.constexpr,
     T: tl.constexpr,
     P: tl.constexpr,
     UT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCKS: tl.constexpr,  # (BLOCK_R tiles, BLOCK_T tokens) per program
     IS_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
-    COUNT: tl.constexpr,
-    AMAX: tl.constexpr,
+    STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, layers, latent|rope)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
-    layer_idx = tl.program_id(1)
-    layer = layer_idx.to(tl.int64)
-    off = hk.layer_offset(kv_offs, layer_idx, ALIGNED)
+    layer = tl.program_id(1).to(tl.int64)
+    src = hk.device_rows(dev[0], kv_offs, layer, ALIGNED)
+    kv, scale, rope = out[0], out[1], out[2]
     if tl.program_id(2) == 0:
         # Tiles as heads: "head" stride T in the device row and the record,
         # the scale's tile stride 1.
         hk.int8_encode_rows(
-            (dev[0], off, kv_dev_stride_token, T),
-            (kv_out, kv_stride_unit, kv_stride_layer, kv_stride_token, T),
-            (scale_out, scale_stride_unit, scale_stride_layer, scale_stride_token, 1),
-            idx, (nonfinite_ptr, amax_ptr + layer),
-            (tl.program_id(0) * BLOCK_R, n_tok * NT, n_host), layer,
-            NT, T, UT, BLOCK_R, IS_BF16, COUNT, AMAX, COUNT_BAD_IDX,
-        )  # fmt: skip
-    else:
-        didx, unit, within, hmask = _rope_slots(
-            tl.program_id(0) * BLOCK_T, n_tok, idx, n_host, BLOCK_T, UT
+            (src[0], src[1], src[2], T),
+            (kv[0], kv[1], kv[2], kv[3], T),
+            (scale[0], scale[1], scale[2], scale[3], 1),
+            idx,
+            (nonfinite_ptr, amax_ptr + layer),
+            (tl.program_id(0) * BLOCKS[0], n_tok * NT, n_host),
+            layer,
+            NT,
+            T,
+            UT,
+            BLOCKS[0],
+            IS_BF16,
+            STATS,
+            COUNT_BAD_IDX,
         )
-        d = tl.arange(0, hk.pow2(P))
-        m2 = hmask[:, None] & (d < P)[None, :]
-        src = off + NT * T + didx * kv_dev_stride_token
-        bits = tl.load(dev[0] + (src[:, None] + d[None, :]), mask=m2, other=0)
-        dst = unit * rope_stride_unit + layer * rope_stride_layer
-        dst += within * rope_stride_token
-        tl.store(rope_out + (dst[:, None] + d[None, :]), bits, mask=m2)
-        if COUNT:
+    else:
+        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, BLOCKS[1], UT, P)
+        row = src[1] + NT * T + didx * src[2]
+        bits = tl.load(src[0] + (row[:, None] + d[None, :]), mask=m2, other=0)
+        dst = hk.record_offset(rope, unit, layer, within, 0)
+        tl.store(rope[0] + (dst[:, None] + d[None, :]), bits, mask=m2)
+        if STATS[0]:
             # A RoPE row holding NaN/Inf (all exponent bits set) counts once.
             if IS_BF16:
                 special = ((bits.to(tl.int32) & 0x7F80) == 0x7F80) & m2
@@ -116,52 +108,45 @@ def _mla_encode_kernel(
 
 @hk.kernel_jit()
 def _mla_decode_kernel(
-    kv_in,
-    scale_in,
-    rope_in,
+    records,  # kv, scale, rope: (pointer, unit, 0, token strides, 0)
     dev_idx_ptr,
     host_idx_ptr,
     bad_idx_ptr,
     dst,
     n_tok,
     n_host,
-    kv_stride_unit,
-    kv_stride_token,
-    scale_stride_unit,
-    scale_stride_token,
-    rope_stride_unit,
-    rope_stride_token,
-    kv_dst_stride_token,
-    kv_dst_stride_head,
     NT: tl.constexpr,
     T: tl.constexpr,
     P: tl.constexpr,
     UT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    BLOCKS: tl.constexpr,
     IS_BF16: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, latent|rope); one layer's records (layer stride 0)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
+    kv, scale, rope = records[0], records[1], records[2]
+    y = dst[0]
     if tl.program_id(1) == 0:
         hk.int8_decode_rows(
-            (kv_in, kv_stride_unit, 0, kv_stride_token, T),
-            (scale_in, scale_stride_unit, 0, scale_stride_token, 1),
-            (dst[0], kv_dst_stride_token, T),
-            idx, (tl.program_id(0) * BLOCK_R, n_tok * NT, n_host),
-            NT, T, UT, BLOCK_R, IS_BF16, COUNT_BAD_IDX,
-        )  # fmt: skip
-    else:
-        didx, unit, within, hmask = _rope_slots(
-            tl.program_id(0) * BLOCK_T, n_tok, idx, n_host, BLOCK_T, UT
+            (kv[0], kv[1], 0, kv[3], T),
+            (scale[0], scale[1], 0, scale[3], 1),
+            (y[0], y[1], T),
+            idx,
+            (tl.program_id(0) * BLOCKS[0], n_tok * NT, n_host),
+            NT,
+            T,
+            UT,
+            BLOCKS[0],
+            IS_BF16,
+            COUNT_BAD_IDX,
         )
-        d = tl.arange(0, hk.pow2(P))
-        m2 = hmask[:, None] & (d < P)[None, :]
-        src = unit * rope_stride_unit + within * rope_stride_token
-        bits = tl.load(rope_in + (src[:, None] + d[None, :]), mask=m2, other=0)
-        row = NT * T + didx * kv_dst_stride_token
-        tl.store(dst[0] + (row[:, None] + d[None, :]), bits, mask=m2)
+    else:
+        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, BLOCKS[1], UT, P)
+        src = hk.record_offset(rope, unit, 0, within, 0)
+        bits = tl.load(rope[0] + (src[:, None] + d[None, :]), mask=m2, other=0)
+        row = NT * T + didx * y[1]
+        tl.store(y[0] + (row[:, None] + d[None, :]), bits, mask=m2)
 
 
 def _record_geometry(records: Mapping[str, torch.Tensor], dims: int) -> SimpleNamespace:
@@ -216,7 +201,6 @@ def _blocks(tile: int, geo: SimpleNamespace) -> tuple[int, int]:
 
 def _tile_args(geo: SimpleNamespace, n: int, units: int, blocks) -> dict:
     """Sizes and constexprs both kernels take (tiles, RoPE width, blocks)."""
-    block_r, block_t = blocks
     return dict(
         n_tok=n,
         n_host=units * geo.UT,
@@ -224,8 +208,7 @@ def _tile_args(geo: SimpleNamespace, n: int, units: int, blocks) -> dict:
         T=geo.T,
         P=geo.P,
         UT=geo.UT,
-        BLOCK_R=block_r,
-        BLOCK_T=block_t,
+        BLOCKS=blocks,
     )
 
 
@@ -278,8 +261,8 @@ def encode_gather(
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
     hk.check_amax(scale_amax, layers, 1, dev)
 
-    block_r, block_t = _blocks(tile or ENCODE_TILE, geo)
-    kv, s16, rope = out["kv"], hk.bits16(out["scale"]), hk.bits16(out["rope"])
+    blocks = _blocks(tile or ENCODE_TILE, geo)
+    views = (out["kv"], hk.bits16(out["scale"]), hk.bits16(out["rope"]))
     args = hk.encode_args(
         {"kv": table},
         device_indices,
@@ -288,14 +271,10 @@ def encode_gather(
         scale_amax,
         bad_index_counter,
     )
-    _mla_encode_kernel[(triton.cdiv(n * geo.NT, block_r), layers, 2)](
-        kv_out=kv,
-        scale_out=s16,
-        rope_out=rope,
-        **hk.stride_args("kv", kv, ("unit", "layer", "token")),
-        **hk.stride_args("scale", s16, ("unit", "layer", "token")),
-        **hk.stride_args("rope", rope, ("unit", "layer", "token")),
-        **_tile_args(geo, n, kv.shape[0], (block_r, block_t)),
+    _mla_encode_kernel[(triton.cdiv(n * geo.NT, blocks[0]), layers, 2)](
+        # [..., token, 1, n]: no head dim (the kernel puts in the tile's).
+        out=tuple(hk.record_arg(t, ("unit", "layer", "token")) for t in views),
+        **_tile_args(geo, n, views[0].shape[0], blocks),
         num_warps=num_warps or ENCODE_WARPS,
         **args,
     )
@@ -339,21 +318,12 @@ def decode_scatter(
     hk.check_indices(device_indices, host_indices, n, dev)
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
-    block_r, block_t = _blocks(tile or DECODE_TILE, geo)
-    kv, s16, rope = (
-        records["kv"],
-        hk.bits16(records["scale"]),
-        hk.bits16(records["rope"]),
-    )
+    blocks = _blocks(tile or DECODE_TILE, geo)
+    views = (records["kv"], hk.bits16(records["scale"]), hk.bits16(records["rope"]))
     args = hk.decode_args({"kv": y}, device_indices, host_indices, bad_index_counter)
-    _mla_decode_kernel[(triton.cdiv(n * geo.NT, block_r), 2)](
-        kv_in=kv,
-        scale_in=s16,
-        rope_in=rope,
-        **hk.stride_args("kv", kv, ("unit", "token")),
-        **hk.stride_args("scale", s16, ("unit", "token")),
-        **hk.stride_args("rope", rope, ("unit", "token")),
-        **_tile_args(geo, n, kv.shape[0], (block_r, block_t)),
+    _mla_decode_kernel[(triton.cdiv(n * geo.NT, blocks[0]), 2)](
+        records=tuple(hk.record_arg(t, ("unit", "token")) for t in views),
+        **_tile_args(geo, n, views[0].shape[0], blocks),
         num_warps=num_warps or DECODE_WARPS,
         **args,
     )
