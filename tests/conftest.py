@@ -44,6 +44,24 @@ def toy_host_format():
     del hf.HOST_DTYPES[toy.ENTRY.name]
 
 
+@pytest.fixture(scope="module")
+def model_dir():
+    """The live-server modules' model, SmolLM2-135M-Instruct (a module may
+    override it)."""
+    from tests.support.model import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="module")
+def prompts(request, model_dir) -> list[list[int]]:
+    """The module's PROMPTS prompts of PROMPT_TOKENS tokens each."""
+    from tests.support.model import stdlib_prompts
+
+    module = request.module
+    return stdlib_prompts(model_dir, module.PROMPTS, module.PROMPT_TOKENS)
+
+
 @pytest.fixture
 def l3_rigs():
     """L3 rigs a test makes (append them); their storage backends are detached

@@ -52,32 +52,32 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.model import ModelUnavailable, gemma3_dir, stdlib_prompts
+from tests.support.model import ModelUnavailable, gemma3_dir
 from tests.support.server import (
     CPU_FLAGS,
+    LIVE_ONLY,
+    NEW_TOKENS,
     LiveServer,
     agreeing_prefix,
     details,
     hicache_flags,
+    host_hit_after_overflow,
     output_logprobs,
     run_cli,
+    run_sequence,
+    to_stderr,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
-)
+pytestmark = LIVE_ONLY
 FULL = os.environ.get("HIQ_LIVE_HYBRID_FULL") == "1"
 full_only = pytest.mark.skipif(not FULL, reason="HIQ_LIVE_HYBRID_FULL=1")
 
 PROMPT_TOKENS = 1400
 PROMPTS = 5  # 7,000 tokens: past the 4,096-token L1, inside the 8,192 host
-NEW_TOKENS = 8
-TOP_LOGPROBS = 3
 MIN_AGREED = 4
 LOGPROB_TOL = {None: 0.05, "int8": 0.25, "int4": 1.0}
 
@@ -91,10 +91,6 @@ if FULL:
 ARM_FLAGS = {"int4": ["--page-size", "64"]}
 
 
-def progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     try:
@@ -103,39 +99,12 @@ def model_dir() -> Path:
         pytest.skip(str(e))
 
 
-@pytest.fixture(scope="module")
-def prompts(model_dir) -> list[list[int]]:
-    return stdlib_prompts(model_dir, PROMPTS, PROMPT_TOKENS)
-
-
-def gen(server: LiveServer, ids) -> dict:
-    return server.generate(
-        input_ids=ids,
-        max_new_tokens=NEW_TOKENS,
-        return_logprob=True,
-        top_logprobs_num=TOP_LOGPROBS,
-    )
-
-
-def run_sequence(server: LiveServer, prompts) -> dict:
-    a = prompts[0]
-    out = {"m0": server.metrics()}
-    out["first"] = gen(server, a)
-    out["repeat"] = gen(server, a)
-    out["m1"] = server.metrics()
-    out["others"] = [gen(server, p) for p in prompts[1:]]
-    out["m2"] = server.metrics()
-    out["reuse"] = gen(server, a)
-    out["m3"] = server.metrics()
-    return out
-
-
 def start(name: str, host_dtype, model_dir: Path, extra=()) -> LiveServer:
     return LiveServer(
         [*CPU_FLAGS, *hicache_flags(host_dtype), *extra],
         name=name,
         model=model_dir,
-        progress=progress,
+        progress=to_stderr,
     )
 
 
@@ -151,8 +120,7 @@ def arm(request, model_dir, prompts):
         seq = run_sequence(server, prompts)
         seq["log"] = server.log_text()
         seq["kernel_calls"] = server.kernel_calls()
-    replies = {k: v for k, v in seq.items() if not k.startswith("m") and k != "log"}
-    (server.log_dir / "replies.json").write_text(json.dumps(replies, indent=1))
+    server.save_replies(seq)
     _RESULTS[name] = seq
     return name, ARMS[name], seq
 
@@ -200,17 +168,8 @@ def test_repeated_long_prompt_is_a_device_hit(arm):
 
 def test_reuse_after_l1_overflow_is_a_host_hit_with_load_back(arm):
     _, _, seq = arm
-    m1, m2, m3 = seq["m1"], seq["m2"], seq["m3"]
-    assert m2.value("sglang:evicted_tokens_total") > m1.value(
-        "sglang:evicted_tokens_total"
-    ), "four more prompts did not overflow L1"
-    reuse = details(seq["reuse"])
-    host = reuse.get("host", 0)
-    assert host >= PROMPT_TOKENS // 2, f"reuse not served from host: {reuse}"
-    loaded = m3.value("sglang:load_back_tokens_total") - m2.value(
-        "sglang:load_back_tokens_total"
-    )
-    assert loaded >= host
+    m2, m3 = seq["m2"], seq["m3"]
+    host = host_hit_after_overflow(seq, PROMPT_TOKENS)
     counted = m3.value("sglang:cached_tokens_total", cache_source="host") - m2.value(
         "sglang:cached_tokens_total", cache_source="host"
     )

@@ -37,7 +37,6 @@ here). HIQ_LIVE_SERVER=0 skips everything.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -50,6 +49,7 @@ from tests.support.model import stdlib_prompts
 from tests.support.prom import diff
 from tests.support.server import (
     CPU_FLAGS,
+    LIVE_ONLY,
     NEW_TOKENS,
     SPEC_ENV,
     LiveServer,
@@ -58,11 +58,10 @@ from tests.support.server import (
     hicache_flags,
     output_logprobs,
     run_sequence,
+    to_stderr,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
-)
+pytestmark = LIVE_ONLY
 FULL = os.environ.get("HIQ_LIVE_HYBRID_FULL") == "1"
 
 PROMPT_TOKENS = 600
@@ -85,10 +84,6 @@ ATTENTION_OPS = {"decode_attention_cpu", "extend_attention_cpu"}
 
 ARMS = {"bf16": None} if FULL else {}
 ARMS["int8"] = "int8"
-
-
-def progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def server_args(host_dtype: str | None) -> list[str]:
@@ -114,13 +109,12 @@ def arm(request, hybrid_model):
         name=f"live-hybrid-{name}",
         model=model_dir,
         env=SPEC_ENV,
-        progress=progress,
+        progress=to_stderr,
     ) as server:
         seq = run_sequence(server, prompts)
         seq["log"] = server.log_text()
         seq["kernel_calls"] = server.kernel_calls()
-    replies = {k: seq[k] for k in ("first", "repeat", "others", "reuse")}
-    (server.log_dir / "replies.json").write_text(json.dumps(replies, indent=1))
+    server.save_replies(seq)
     return name, ARMS[name], seq
 
 

@@ -18,7 +18,6 @@ re-download), so their own ``sglang`` shadows the test venv's stock copy.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -27,7 +26,14 @@ from pathlib import Path
 import pytest
 
 from tests.support.model import smollm2_dir, stdlib_prompts
-from tests.support.server import CPU_FLAGS, LOG_ROOT, LiveServer, cpu_env, hicache_flags
+from tests.support.server import (
+    CPU_FLAGS,
+    LiveServer,
+    cpu_env,
+    fresh_dir,
+    hicache_flags,
+    to_stderr,
+)
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_INSTALL") != "1", reason="HIQ_LIVE_INSTALL=1"
@@ -98,7 +104,7 @@ def serve_int8(python: Path, site: Path, name: str) -> dict:
         model=model,
         python=str(python),
         sglang_path=None,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        progress=to_stderr,
     )
     with server:
         first = server.generate(input_ids=prompts[0], max_new_tokens=4)
@@ -112,14 +118,6 @@ def serve_int8(python: Path, site: Path, name: str) -> dict:
     assert (reuse["meta_info"].get("cached_tokens_details") or {}).get("host", 0) > 0
     assert reuse["output_ids"] == first["output_ids"]
     return info
-
-
-def fresh_dir(name: str) -> Path:
-    # build/, not pytest's tmp: concurrent pytest runs prune old basetemps.
-    root = LOG_ROOT / name
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    return root
 
 
 def test_wheel_over_stock_install_serves_int8():

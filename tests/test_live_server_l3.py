@@ -27,36 +27,31 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.support.l3_harness import terminate
 from tests.support.model import smollm2_dir, stdlib_prompts
 from tests.support.server import (
     CPU_FLAGS,
-    LOG_ROOT,
+    LIVE_ONLY,
     LiveServer,
+    fresh_dir,
     free_port,
     hicache_flags,
+    to_stderr,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
-)
+pytestmark = LIVE_ONLY
 
 PAGE = 64
 PROMPT_TOKENS = 1400
 STORED = PROMPT_TOKENS // PAGE * PAGE  # storage keeps whole pages only
 NEW_TOKENS = 6
 BACKUP_WAIT_S = 300.0
-
-
-def progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def l3_server(name, host_dtype, backend, extra_config, log_dir) -> LiveServer:
@@ -78,7 +73,7 @@ def l3_server(name, host_dtype, backend, extra_config, log_dir) -> LiveServer:
         ],
     )
     return LiveServer(
-        [*CPU_FLAGS, *flags], name=name, log_dir=log_dir, progress=progress
+        [*CPU_FLAGS, *flags], name=name, log_dir=log_dir, progress=to_stderr
     )
 
 
@@ -117,14 +112,6 @@ def run_restart(
         out["other_metrics"] = s.metrics()
         out["other_log"] = s.log_text()
     return out
-
-
-def fresh_dir(name: str) -> Path:
-    # build/, not pytest's tmp: concurrent pytest runs prune old basetemps.
-    root = LOG_ROOT / name
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(parents=True)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -226,13 +213,7 @@ class SegmentOwner:
         raise RuntimeError(f"mooncake_client mounted no segment: {self.log_path}")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()  # its own pid, never a name
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        terminate(self.process)
 
 
 @pytest.fixture(scope="module")

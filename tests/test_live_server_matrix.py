@@ -31,7 +31,7 @@ import sys
 import pytest
 
 from tests.support.model import smollm2_dir, stdlib_prompts
-from tests.support.server import CPU_FLAGS, LiveServer, hicache_flags
+from tests.support.server import CPU_FLAGS, LiveServer, hicache_flags, to_stderr
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_MATRIX") != "1", reason="HIQ_LIVE_MATRIX=1"
@@ -65,7 +65,7 @@ def test_pair_serves_host_hits_with_first_pass_tokens(host_dtype, layout, io_bac
         [*CPU_FLAGS, *flags],
         name=name,
         model=model,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        progress=to_stderr,
     )
     with server:
         info = server.metrics().samples("sglang:hicache_host_info")[0][0]

@@ -34,35 +34,32 @@ Set HIQ_LIVE_SERVER=0 to skip (a server start costs 1-4 min here).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.support.model import smollm2_dir, stdlib_prompts
 from tests.support.server import (
     CPU_FLAGS,
+    LIVE_ONLY,
     SPEC_ENV,
     LiveServer,
     agreeing_prefix,
     expected_bytes_per_token,
     hicache_flags,
     output_logprobs,
+    run_sequence,
     spec_flags,
+    to_stderr,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
-)
+pytestmark = LIVE_ONLY
 
 PROMPT_TOKENS = 700
 PROMPTS = 5  # 3,500 tokens: past the 2,048-token L1, inside the 4,096 host
 L1_TOKENS = 2048
 NEW_TOKENS = 12
-TOP_LOGPROBS = 3
 DRAFT_TOKENS = 3  # --speculative-num-draft-tokens: the most one verify accepts
 # At least this many leading greedy tokens agree: prompt A's fourth generated
 # token is an exact top-2 tie (measured: both -1.76), which any cached pass
@@ -102,16 +99,6 @@ SPEC_OPS = {
 _REUSE: dict[str, dict] = {}
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    return smollm2_dir()
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir) -> list[list[int]]:
-    return stdlib_prompts(model_dir, PROMPTS, PROMPT_TOKENS)
-
-
 @pytest.fixture(scope="module", params=list(ARMS))
 def arm(request, model_dir, prompts):
     name = request.param
@@ -127,33 +114,14 @@ def arm(request, model_dir, prompts):
         name=f"live-spec-{name}",
         model=model_dir,
         env=SPEC_ENV,
-        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        progress=to_stderr,
     )
     with server:
-        seq = run_sequence(server, prompts)
-        replies = {k: v for k, v in seq.items() if not k.startswith("m")}
-        (server.log_dir / "replies.json").write_text(json.dumps(replies, indent=1))
+        seq = run_sequence(server, prompts, new_tokens=NEW_TOKENS, repeat=False)
+        server.save_replies(seq)
         _REUSE[name] = seq["reuse"]
         print_acceptance(name, seq)
         yield name, host_dtype, server, seq
-
-
-def run_sequence(server: LiveServer, prompts: list[list[int]]) -> dict:
-    def gen(ids):
-        return server.generate(
-            input_ids=ids,
-            max_new_tokens=NEW_TOKENS,
-            return_logprob=True,
-            top_logprobs_num=TOP_LOGPROBS,
-        )
-
-    a = prompts[0]
-    out = {"first": gen(a)}
-    out["others"] = [gen(p) for p in prompts[1:]]
-    out["m2"] = server.metrics()
-    out["reuse"] = gen(a)
-    out["m3"] = server.metrics()
-    return out
 
 
 def accept_length(reply: dict) -> float:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.support.hicache_harness import MLAGeometry, fill_random, paged_pools
+from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
@@ -158,7 +159,7 @@ def test_self_check_passes_and_puts_everything_back(kernels, access):
     before = [t.clone() for t in pool.kv_buffer] + [
         t.clone() for t in device_pool.kv_buffer
     ]
-    assert pool.self_check()
+    assert encoded_fused.self_check(pool)
     assert pool.transfer_path == f"fused_{access}"
     for a, b in zip(before, list(pool.kv_buffer) + list(device_pool.kv_buffer)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
@@ -175,6 +176,6 @@ def test_self_check_catches_kernels_that_differ(kernels, monkeypatch):
 
     monkeypatch.setattr(kernels, "decode_scatter", lossy_decode)
     _, pool = build("page_first", 4, fused="direct")
-    assert not pool.self_check()
+    assert not encoded_fused.self_check(pool)
     assert pool.transfer_path == "torch"
     assert "self-check failed" in pool.transfer_path_reason

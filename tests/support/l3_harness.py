@@ -99,6 +99,19 @@ def require_mooncake() -> None:
     pytest.skip(reason)
 
 
+def terminate(process: subprocess.Popen | None) -> None:
+    """Stops a helper process by its own pid (never by name), killing it if
+    SIGTERM does not end it within 10 s."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
 @dataclass
 class MooncakeMaster:
     """A mooncake_master process with its built-in HTTP metadata server."""
@@ -147,13 +160,7 @@ class MooncakeMaster:
         raise RuntimeError("mooncake_master did not come up")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()  # its own pid, never a name
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        terminate(self.process)
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
+
+import pytest
 
 from scripts.common.server import (  # noqa: F401 (ServerStartError, free_port: API)
     ServerProcess,
@@ -79,10 +82,31 @@ PATCHED_PYTHON = (
 )
 SERVE_SCRIPT = REPO_ROOT / "scripts" / "hiqcache_serve.sh"
 KERNEL_LOG_ENV = "HIQ_SGL_KERNEL_LOG"
+# pytestmark of every live-server module: each server start costs 40-120 s here.
+LIVE_ONLY = pytest.mark.skipif(
+    os.environ.get("HIQ_LIVE_SERVER") == "0", reason="HIQ_LIVE_SERVER=0"
+)
+
+
+def to_stderr(line: str) -> None:
+    """A LiveServer progress sink that pytest -s shows as the server starts."""
+    print(line, file=sys.stderr, flush=True)
+
+
 # HIQ_LIVE_LOG_ROOT separates concurrent runs (same server names, same files).
 LOG_ROOT = Path(
     os.environ.get("HIQ_LIVE_LOG_ROOT") or REPO_ROOT / "build" / "live-logs"
 ).resolve()
+
+
+def fresh_dir(name: str) -> Path:
+    """An empty log folder under build/ (pytest's tmp: concurrent runs prune
+    old basetemps)."""
+    root = LOG_ROOT / name
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return root
+
 
 # Why each flag: --device cpu plus SGLANG_USE_CPU_ENGINE=1 (else is_cpu() is
 # False and rotary imports vllm); torch_native attention (the x86 default is
@@ -395,6 +419,13 @@ class LiveServer:
         with open(self.kernel_log_path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
 
+    def save_replies(self, seq: dict) -> None:
+        """run_sequence's replies beside the server log, for a failure's post-mortem."""
+        replies = {
+            k: seq[k] for k in ("first", "repeat", "others", "reuse") if k in seq
+        }
+        (self.log_dir / "replies.json").write_text(json.dumps(replies, indent=1))
+
 
 # --- what a live server's replies must show -----------------------------------
 
@@ -446,14 +477,20 @@ NEW_TOKENS = 8
 TOP_LOGPROBS = 3
 
 
-def run_sequence(server: LiveServer, prompts: list[list[int]]) -> dict:
-    """A prompt, the same again (device hit), the others (L1 overflows), the
-    first once more (host hit), with /metrics between the steps."""
+def run_sequence(
+    server: LiveServer,
+    prompts: list[list[int]],
+    *,
+    new_tokens: int = NEW_TOKENS,
+    repeat: bool = True,
+) -> dict:
+    """A prompt, the same again (device hit; skipped if not repeat), the others
+    (L1 overflows), the first once more (host hit), with /metrics between."""
 
     def gen(ids):
         return server.generate(
             input_ids=ids,
-            max_new_tokens=NEW_TOKENS,
+            max_new_tokens=new_tokens,
             return_logprob=True,
             top_logprobs_num=TOP_LOGPROBS,
         )
@@ -461,8 +498,9 @@ def run_sequence(server: LiveServer, prompts: list[list[int]]) -> dict:
     a = prompts[0]
     out = {"m0": server.metrics()}
     out["first"] = gen(a)
-    out["repeat"] = gen(a)
-    out["m1"] = server.metrics()
+    if repeat:
+        out["repeat"] = gen(a)
+        out["m1"] = server.metrics()
     out["others"] = [gen(p) for p in prompts[1:]]
     out["m2"] = server.metrics()
     out["reuse"] = gen(a)
@@ -472,3 +510,16 @@ def run_sequence(server: LiveServer, prompts: list[list[int]]) -> dict:
 
 def details(reply: dict) -> dict:
     return reply["meta_info"].get("cached_tokens_details") or {}
+
+
+def host_hit_after_overflow(seq: dict, prompt_tokens: int) -> int:
+    """Checks that run_sequence's other prompts overflowed L1 and the reuse
+    came at least half from the host tier, loaded back; its host tokens."""
+    m1, m2, m3 = seq["m1"], seq["m2"], seq["m3"]
+    evicted = prom.diff(m2, m1, "sglang:evicted_tokens_total")
+    assert evicted > 0, "the other prompts did not overflow L1"
+    reuse = details(seq["reuse"])
+    host = reuse.get("host", 0)
+    assert host >= prompt_tokens // 2, f"reuse not served from host: {reuse}"
+    assert prom.diff(m3, m2, "sglang:load_back_tokens_total") >= host
+    return host

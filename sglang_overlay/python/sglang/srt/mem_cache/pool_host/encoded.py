@@ -523,6 +523,23 @@ class L3PageCodec:
         }
 
 
+def _bytes_per_token(fmt: HostKVFormat, layers: int):
+    total = fmt.unit_bytes() * layers
+    ut = fmt.unit_tokens
+    return total // ut if total % ut == 0 else total / ut
+
+
+def _describe_draft_bytes(pool) -> str:
+    # Packed MTP draft layers are stored after the target's.
+    draft = pool.layer_num - pool.target_layer_num
+    if not draft:
+        return ""
+    return (
+        f", {pool.target_layer_num} target + {draft} packed draft layers "
+        f"({pool.size_per_token_without_draft()} B/token without the draft)"
+    )
+
+
 class EncodedHostPool:
     """The encoded half of a host pool; listed before the upstream pool of
     its kind (MHATokenToKVPoolHost, MLATokenToKVPoolHost), which supplies
@@ -588,9 +605,7 @@ class EncodedHostPool:
         return fmt.bytes_per_token() / device
 
     def get_size_per_token(self):
-        total = self.host_format.unit_bytes() * self.layer_num
-        ut = self.host_format.unit_tokens
-        return total // ut if total % ut == 0 else total / ut
+        return _bytes_per_token(self.host_format, self.layer_num)
 
     @property
     def host_format_name(self) -> str:
@@ -605,10 +620,6 @@ class EncodedHostPool:
         # Sealed pages are a new byte format: unsealed ones miss by key.
         return self.pages.tag
 
-    @property
-    def host_records(self) -> dict[str, torch.Tensor]:
-        return self.records.tensors
-
     def _alloc_host(self, shape, dtype) -> torch.Tensor:
         """One host tensor, allocated (and pinned) as the upstream pool's."""
         alloc_func = ALLOC_MEMORY_FUNCS[self._transfer_device.type]
@@ -621,6 +632,7 @@ class EncodedHostPool:
         self.records = HostRecords(
             self.host_format, units, self.layer_num, page_major, self._alloc_host
         )
+        self.host_records = self.records.tensors
         self.pages = L3PageCodec(
             self.host_format, self.records, self.page_size, self.layer_num,
             self.layout, self._alloc_host,
@@ -688,7 +700,7 @@ class EncodedHostPool:
             self.device_size_per_token(),
             self.device_size_per_token() / self.get_size_per_token(),
             self.layout,
-            self._describe_draft_bytes(),
+            _describe_draft_bytes(self),
         )
         if self._transfer_device.type == "cuda" and self.use_fused_kernels:
             encoded_fused.self_check(self)
@@ -744,12 +756,6 @@ class EncodedHostPool:
     def use_run_copies(self, on: bool) -> None:
         self.planner.use_runs = bool(on)
 
-    def self_check(self) -> bool:
-        """encoded_fused.self_check: the fused path against the reference."""
-        from sglang.srt.mem_cache.pool_host import encoded_fused
-
-        return encoded_fused.self_check(self)
-
     def backup_from_device_all_layer(
         self, device_pool, host_indices, device_indices, io_backend
     ):
@@ -773,25 +779,9 @@ class EncodedHostPool:
     def _load_layer(self, host_indices, device_indices, layer_id: int) -> None:
         self.transfer.load(host_indices, device_indices, layer_id)
 
-    @property
-    def draft_layer_num(self) -> int:
-        """Packed MTP draft layers stored after the target's."""
-        return self.layer_num - self.target_layer_num
-
     def size_per_token_without_draft(self):
         """Host bytes per token of the target layers alone."""
-        total = self.host_format.unit_bytes() * self.target_layer_num
-        ut = self.host_format.unit_tokens
-        return total // ut if total % ut == 0 else total / ut
-
-    def _describe_draft_bytes(self) -> str:
-        if not self.draft_layer_num:
-            return ""
-        return (
-            f", {self.target_layer_num} target + {self.draft_layer_num} packed "
-            f"draft layers ({self.size_per_token_without_draft()} B/token "
-            "without the draft)"
-        )
+        return _bytes_per_token(self.host_format, self.target_layer_num)
 
     # -- L3 storage pages: storage_format_tag names the byte format in every
     # storage key, so pages of another host format miss.
