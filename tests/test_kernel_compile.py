@@ -23,6 +23,7 @@ from tests.support.kernel_compile import (
     TRANSFER_PAGES,
     compile_for_targets,
     compile_grid_in_workers,
+    compile_grids_in_workers,
     ptx_problems,
 )
 
@@ -30,28 +31,42 @@ from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
-JOBS = max(1, min(len(ARCHS), os.cpu_count() or 1))
+JOBS = max(1, os.cpu_count() or 1)
+# The grid each compile test reads; the fixture compiles those selected at once.
+TEST_GRIDS = {
+    "test_every_pool_kernel_compiles_cleanly": "int8",
+    "test_every_mla_kernel_compiles_cleanly": "mla",
+    "test_every_int4_kernel_compiles_cleanly": "int4",
+    "test_every_fp8_int4_kernel_compiles_cleanly": "int4-fp8",
+    "test_every_rotated_int4_kernel_compiles_cleanly": "int4-rot",
+}
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory):
-    """compiled(grid): the kernel_compile grid compiled for every ARCHS target
-    in JOBS workers, once per module."""
+def compiled(request, tmp_path_factory):
+    """compiled(grid): the kernel_compile grid compiled for every ARCHS target.
+    The first call compiles every grid the selected tests read, in JOBS
+    workers side by side (one worker keeps one core busy)."""
     runs = {}
 
     def compile_once(grid: str) -> dict:
         if grid not in runs:
-            out = tmp_path_factory.mktemp(f"kernel-compile-{grid}")
+            selected = {
+                TEST_GRIDS.get(item.originalname) for item in request.session.items
+            }
+            grids = sorted((selected - {None} - set(runs)) | {grid})
             start = time.perf_counter()
-            runs[grid] = compile_grid_in_workers(ARCHS, out, JOBS, grid=grid)
-            for arch, run in runs[grid].items():
-                print(
-                    f"{grid} sm_{arch}: {len(run['specs'])} distinct specialisations "
-                    f"from {run['launches']} launches in {run['seconds']} s "
-                    f"({run['cpu_seconds']} CPU s)"
-                )
+            out = tmp_path_factory.mktemp("kernel-compile")
+            runs.update(compile_grids_in_workers(grids, ARCHS, out, JOBS))
+            for name in grids:
+                for arch, run in runs[name].items():
+                    print(
+                        f"{name} sm_{arch}: {len(run['specs'])} distinct specialisations "
+                        f"from {run['launches']} launches in {run['seconds']} s "
+                        f"({run['cpu_seconds']} CPU s)"
+                    )
             wall = time.perf_counter() - start
-            print(f"{grid} compile check: {wall:.0f} s wall with {JOBS} worker(s)")
+            print(f"{grids} compile check: {wall:.0f} s wall with {JOBS} worker(s)")
         return runs[grid]
 
     return compile_once

@@ -846,6 +846,28 @@ def compile_grid_in_workers(
     return results
 
 
+def compile_grids_in_workers(
+    grids, archs, out_root, jobs: int
+) -> dict[str, dict[int, dict]]:
+    """compile_grid_in_workers for several grids at once: one worker process
+    per grid and target, at most `jobs` running (one compiles on one core)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(grid_arch):
+        grid, arch = grid_arch
+        out = Path(out_root, grid)
+        out.mkdir(parents=True, exist_ok=True)
+        return compile_grid_in_workers((arch,), out, 1, grid=grid)[arch]
+
+    work = [(grid, arch) for grid in grids for arch in archs]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        runs = list(pool.map(one, work))
+    results: dict[str, dict[int, dict]] = {grid: {} for grid in grids}
+    for (grid, arch), run in zip(work, runs):
+        results[grid][arch] = run
+    return results
+
+
 if __name__ == "__main__":
     import sys
 
