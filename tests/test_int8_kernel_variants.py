@@ -17,6 +17,7 @@ import torch
 from tests.support.hicache_harness import Geometry, fill_random
 from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+from sglang.srt.mem_cache.pool_host import encoded_fused
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
@@ -90,7 +91,7 @@ def test_no_new_kernel_variant_after_the_self_check(
     device_pool, pool = int8_pools(geo, 40 * page_size, 80 * page_size, layout, access)
     fill_random(device_pool, torch.arange(40 * page_size), seed=2)
     recorders = record_keys(monkeypatch)
-    assert pool.self_check()
+    assert encoded_fused.self_check(pool)
     warmed = {name: set(r.keys) for name, r in recorders.items()}
     assert all(warmed.values())
     serve(pool, device_pool, SIZES)
@@ -104,7 +105,7 @@ def test_the_key_sees_per_transfer_specialization(monkeypatch):
     geo = Geometry(layer_num=2, head_num=1, head_dim=16, page_size=2)
     device_pool, pool = int8_pools(geo, 80, 160, "page_first", "direct")
     recorders = record_keys(monkeypatch, honour_options=False)
-    assert pool.self_check()
+    assert encoded_fused.self_check(pool)
     warmed = len(recorders["encode"].keys)
     serve(pool, device_pool, SIZES)
     assert len(recorders["encode"].keys) > warmed

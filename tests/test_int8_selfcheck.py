@@ -1,9 +1,9 @@
-"""Start-up self-check of the INT8 host pool (MHATokenToKVPoolINT8Host.self_check)
-and its transfer-path reporting, run on CPU pools with the fused kernels under
-the Triton interpreter (TRITON_INTERPRET=1).
+"""Start-up self-check of the INT8 host pool (encoded_fused.self_check) and
+its transfer-path reporting, run on CPU pools with the fused kernels under the
+Triton interpreter (TRITON_INTERPRET=1).
 
-The constructor calls self_check() when the transfer device is CUDA and the
-fused path is selected (tests/gpu/ covers that on a GPU); here the same method
+The constructor runs the self-check when the transfer device is CUDA and the
+fused path is selected (tests/gpu/ covers that on a GPU); here the same function
 is called on a CPU pool with the fused path switched on. Faults are injected
 into the real kernel wrappers: an exception in a launch, a wrong byte in the
 host records, a wrong byte in the restored rows.
@@ -17,6 +17,7 @@ import pytest
 import torch
 from tests.support.hicache_harness import Geometry, fill_random
 from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
+from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
@@ -74,7 +75,7 @@ def test_self_check_passes_and_leaves_the_pool_as_it_was(
     geo = Geometry(layer_num=2, page_size=page_size, dtype=dtype)
     device_pool, pool = build(geo, layout, access)
     before = snapshot(device_pool, pool)
-    assert pool.self_check() is True
+    assert encoded_fused.self_check(pool) is True
     assert pool.transfer_path == f"fused_{access}"
     assert_unchanged(before, snapshot(device_pool, pool))
 
@@ -86,7 +87,7 @@ def test_torch_path_needs_no_self_check(monkeypatch):
         raise AssertionError("the torch path must not launch kernels")
 
     monkeypatch.setattr(kt, "encode_gather", fail)
-    assert pool.self_check() is True and pool.transfer_path == "torch"
+    assert encoded_fused.self_check(pool) is True and pool.transfer_path == "torch"
 
 
 def flip_one_byte(t: torch.Tensor, index) -> None:
@@ -142,7 +143,7 @@ def test_self_check_fault_falls_back_to_torch(monkeypatch, caplog, inject, acces
     before = snapshot(device_pool, pool)
     cause = inject(monkeypatch)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert pool.self_check() is False
+        assert encoded_fused.self_check(pool) is False
     assert pool.transfer_path == "torch" and not pool.use_fused_kernels
     assert pool.transfer_path_reason.startswith("self-check failed: ")
     assert cause in pool.transfer_path_reason

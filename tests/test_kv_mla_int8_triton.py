@@ -23,6 +23,7 @@ from tests.support.codec_inputs import (
 )
 
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
+from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -480,14 +481,14 @@ def test_pool_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     device_pool = hh.make_device_pool(geo, device_tokens=8 * 16)
     pool = hh.make_host_pool(device_pool, host_tokens=8 * 16, host_dtype="int8")
     pool.use_fused_kernels = True
-    assert pool.self_check() and pool.transfer_path == "fused_direct"
+    assert encoded_fused.self_check(pool) and pool.transfer_path == "fused_direct"
     real = mk.decode_scatter
 
     def reversed_slots(records, host, dst, dev, **kw):
         real(records, host, dst, dev.flip(0), **kw)  # in range, wrong rows
 
     monkeypatch.setattr(mk, "decode_scatter", reversed_slots)
-    assert not pool.self_check()
+    assert not encoded_fused.self_check(pool)
     assert pool.transfer_path == "torch" and "self-check" in pool.transfer_path_reason
 
 

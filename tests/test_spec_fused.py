@@ -18,6 +18,7 @@ from tests.support.hicache_harness import (
     make_host_pool,
 )
 
+from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
 pytestmark = [
@@ -147,5 +148,5 @@ def test_start_up_self_check_covers_the_draft_layers(geo, host_dtype):
     """The start-up self-check (run on CUDA before the first transfer) restores
     every layer, the drafts with is_draft, so the fused path stays selected."""
     _, _, pool = packed_pool(geo, host_dtype, "page_first", 1, "direct")
-    assert pool.self_check()
+    assert encoded_fused.self_check(pool)
     assert pool.transfer_path == "fused_direct"
