@@ -114,7 +114,8 @@ class Clock:
             fn()
 
 
-def _row_copy_src(
+@triton.jit
+def _row_copy_kernel(
     src,
     src_offs,
     src_idx,
@@ -149,18 +150,12 @@ def _row_copy_src(
     tl.store(dst + (do + di * dst_s_tok)[:, None] + e[None, :], vals, mask=m)
 
 
-_ROW_COPY = None
-
-
 def row_copy(src, src_offs, src_idx, src_s_tok, src_s_layer, dst, dst_offs, dst_idx,
              dst_s_tok, dst_s_layer, n_tok, E, layers, aligned):  # fmt: skip
-    global _ROW_COPY
-    if _ROW_COPY is None:
-        _ROW_COPY = triton.jit(_row_copy_src)
     block_e = min(1024, triton.next_power_of_2(E))
     block_t = max(1, 8192 // block_e)
     grid = (triton.cdiv(n_tok, block_t), triton.cdiv(E, block_e), layers)
-    _ROW_COPY[grid](
+    _row_copy_kernel[grid](
         src, src_offs, src_idx, src_s_tok, src_s_layer,
         dst, dst_offs, dst_idx, dst_s_tok, dst_s_layer, n_tok,
         E=E, BLOCK_T=block_t, BLOCK_E=block_e, ALIGNED=aligned, num_warps=4,
@@ -324,9 +319,15 @@ def codec_throughput(clock, device, geo, tokens, dry, copy_gbps, pcie_gbps) -> d
                     continue
                 for where in places:
                     try:
-                        run = _codec_run(clock, fmt, src, dst, L, tokens, where, 1 if dry else 3)
-                    except Exception as e:  # record and go on: one format must not sink the run
-                        out["failed_checks"].append(f"{what}/{where}: {type(e).__name__}: {e}"[:500])
+                        run = _codec_run(
+                            clock, fmt, src, dst, L, tokens, where, 1 if dry else 3
+                        )
+                    except (
+                        Exception
+                    ) as e:  # record and go on: one format must not sink the run
+                        out["failed_checks"].append(
+                            f"{what}/{where}: {type(e).__name__}: {e}"[:500]
+                        )
                         traceback.print_exc()
                         continue
                     run["kind"] = kind
@@ -358,8 +359,11 @@ def build_config(device, geo, layout, page, max_tokens, pin, stock_jit):
     info = dev_pool.get_device_pool_infos()[0].buffer_info
     quantized = {
         name: make_host_pool(
-            dev_pool, cls=get_mha_host_pool_cls(info, name), layout=layout,
-            host_tokens=max_tokens + page, pin_memory=pin,
+            dev_pool,
+            cls=get_mha_host_pool_cls(info, name),
+            layout=layout,
+            host_tokens=max_tokens + page,
+            pin_memory=pin,
         )  # fmt: skip
         for name in HOST_DTYPES
     }
@@ -379,181 +383,212 @@ def bench_config(
 ):
     """Measure one (layout, page) config; its record is appended to sink at
     once and save() is called after every size, so a cut run keeps them."""
-    dry, pin = args.dry_run, device == "cuda"
-    L = geo["layer_num"]
+    max_n = max(token_counts)
     dev_pool, quantized, stock, stock_init_s = build_config(
-        device, geo, layout, page, max(token_counts), pin, args.stock_jit
+        device, geo, layout, page, max_n, device == "cuda", args.stock_jit
     )
-    stock_sgl = STANDINS.get("sgl_kernel") == "real"
-    stock_kernel_ok = bool(getattr(stock, "can_use_jit", False)) or stock_sgl
-    out = {
-        "layout": layout,
-        "page_size": page,
-        "stock_pool_init_s": round(stock_init_s, 2),
-        "bf16_stock_kernel_available": stock_kernel_ok,
-        "bf16_stock_kernel_impl": (
-            "jit" if getattr(stock, "can_use_jit", False)
-            else "sgl_kernel" if stock_sgl else None
-        ),  # fmt: skip
-        **{f"{name}_bytes_per_token": pool.get_size_per_token()
-           for name, pool in quantized.items()},  # fmt: skip
-        "host_pool_classes": {n: type(p).__name__ for n, p in quantized.items()},
-        "bf16_bytes_per_token": stock.get_size_per_token(),
-        "sizes": [],
-    }
+    out = _config_record(layout, page, stock, quantized, stock_init_s)
     sink.append(out)
     copier = StockTritonCopy(stock, device)
-    max_n = max(token_counts)
     for n in token_counts:
         if time.time() > deadline:
             out["sizes"].append({"tokens": n, "skipped": "time budget"})
             continue
-        # Contiguous device slots (whole pages) and host slots.
-        src = torch.arange(page, page + n, device=device)
-        dst = src + max_n
-        q_host = torch.arange(0, n)  # CPU, as the controller hands them over
-        stock_host_cpu = torch.arange(0, n)
-        stock_host_dev = stock_host_cpu.to(device)
-        iters = args.iters if n <= 16384 else max(1, args.iters - 1)
-        slow_iters = 1 if (n >= 16384 or dry) else 2
-        row = {"tokens": n, "restore_ms_per_layer": {}, "backup_ms": {}, "errors": {}}
-        checks = row["checks"] = {}
-        probe = _probe_rows(n, page, device)
-
-        def timed(name, restore, backup, it=iters, warmup=1):
-            """Backup (source range) first, then restore (destination range)."""
-            try:
-                b = clock.run(backup, iters=it, warmup=warmup)
-                row["backup_ms"][name] = b["ms"]
-                r = clock.run(
-                    lambda: [restore(l) for l in range(L)], iters=it, warmup=warmup
-                )
-                row["restore_ms_per_layer"][name] = r["ms"] / L
-                return True
-            except (
-                Exception
-            ) as e:  # record and go on: one variant must not sink the run
-                row["errors"][name] = f"{type(e).__name__}: {e}"[:500]
-                traceback.print_exc()
-                return False
-
-        # --- every quantized format
+        run = SizeRun(clock, dev_pool, page, max_n, n, args)
         for fmt_name, pool in quantized.items():
-            expected = _expected_restore(pool, dev_pool, probe)
-            fused_ok = pool.host_format.fused_available(torch.device(device))
-            records = {}
-            for suffix, fused, access in (
-                ("fused_direct", True, "direct"),
-                ("fused_staged", True, "staged"),
-                ("torch", False, None),
-            ):
-                name = f"{fmt_name}_{suffix}"
-                if fused and not fused_ok:
-                    row["errors"][name] = "no fused kernels for this format in this build"
-                    continue
-                pool.use_fused_kernels = fused
-                if access:
-                    pool.fused_host_access = access
-                _clear_rows(dev_pool, dst[probe - page])
-                ok = timed(
-                    name,
-                    lambda l: pool.load_to_device_per_layer(dev_pool, q_host, dst, l, "kernel"),
-                    lambda: pool.backup_from_device_all_layer(dev_pool, q_host, src, "kernel"),
-                    it=iters if fused else slow_iters,
-                    warmup=1 if fused or n < 16384 else 0,
-                )  # fmt: skip
-                clock.sync()
-                if access == "direct" and pool.fused_host_access != "direct":
-                    row["errors"][name] = (
-                        "fell back to staged: host memory not device-accessible"
-                    )
-                if ok:
-                    records[name] = _host_sample(pool, n)
-                    got = _restored(dev_pool, probe + max_n)
-                    checks[f"{name}_restores_reference"] = all(
-                        same_bits(a, b) for a, b in zip(got, expected)
-                    )
-            names = list(records)
-            checks[f"{fmt_name}_host_records_identical"] = all(
-                all(same_bits(a, b) for a, b in zip(records[names[0]], records[k]))
-                for k in names[1:]
-            )
-
-        # --- BF16
-        source = _restored(dev_pool, probe)
-        if stock_kernel_ok:
-            write_back_cpu = layout == "page_first" and getattr(
-                stock, "can_use_write_back_jit", False
-            )
-            _clear_rows(dev_pool, dst[probe - page])
-            if timed(
-                "bf16_stock_kernel",
-                lambda l: stock.load_to_device_per_layer(dev_pool, stock_host_dev, dst, l, "kernel"),
-                lambda: stock.backup_from_device_all_layer(
-                    dev_pool, stock_host_cpu if write_back_cpu else stock_host_dev,
-                    src, "kernel"),
-            ):  # fmt: skip
-                clock.sync()
-                checks["bf16_stock_kernel_exact"] = _same(
-                    _restored(dev_pool, probe + max_n), source
-                )
-        _clear_rows(dev_pool, dst[probe - page])
-        if timed(
-            "bf16_triton_copy",
-            lambda l: copier.restore_layer(stock_host_dev, dst, l),
-            lambda: copier.backup(stock_host_dev, src),
-        ):
-            clock.sync()
-            checks["bf16_triton_copy_exact"] = _same(
-                _restored(dev_pool, probe + max_n), source
-            )
-        if layout == "layer_first":
-            s0, d0 = page, page + max_n
-            kb, vb = stock.k_buffer, stock.v_buffer
-
-            def dma_restore(l):
-                dev_pool.k_buffer[l][d0 : d0 + n].copy_(kb[l][:n], non_blocking=True)
-                dev_pool.v_buffer[l][d0 : d0 + n].copy_(vb[l][:n], non_blocking=True)
-
-            def dma_backup():
-                for l in range(L):
-                    kb[l][:n].copy_(
-                        dev_pool.k_buffer[l][s0 : s0 + n], non_blocking=True
-                    )
-                    vb[l][:n].copy_(
-                        dev_pool.v_buffer[l][s0 : s0 + n], non_blocking=True
-                    )
-
-            _clear_rows(dev_pool, dst[probe - page])
-            if timed("bf16_dma", dma_restore, dma_backup):
-                clock.sync()
-                checks["bf16_dma_exact"] = _same(
-                    _restored(dev_pool, probe + max_n), source
-                )
-        clock.sync()
-
-        per_layer_bytes = {
-            name: n * pool.get_size_per_token() / L for name, pool in quantized.items()
-        }
-        per_layer_bytes["bf16"] = n * stock.get_size_per_token() / L
-        row["restore_GBps"] = {
-            k: per_layer_bytes[k.split("_")[0]] / v / 1e6
-            for k, v in row["restore_ms_per_layer"].items()
-        }
-        row["backup_ms_per_layer"] = {k: v / L for k, v in row["backup_ms"].items()}
-        out["sizes"].append(row)
+            _time_format(run, fmt_name, pool)
+        _time_bf16(run, stock, copier, out["bf16_stock_kernel_available"])
+        _rates(run.row, quantized, stock)
+        out["sizes"].append(run.row)
         save()
-        print(f"[bench] {layout}/{page} {n:6d} tokens: restore ms/layer "
-              f"{ {k: round(v, 4) for k, v in row['restore_ms_per_layer'].items()} } "
-              f"backup ms { {k: round(v, 3) for k, v in row['backup_ms'].items()} }",
-              flush=True)  # fmt: skip
-    for pool in quantized.values():
+        print(
+            f"[bench] {layout}/{page} {n:6d} tokens: restore ms/layer "
+            f"{ {k: round(v, 4) for k, v in run.row['restore_ms_per_layer'].items()} } "
+            f"backup ms { {k: round(v, 3) for k, v in run.row['backup_ms'].items()} }",
+            flush=True,
+        )
+    for pool in (*quantized.values(), stock):
         destroy_host_pool(pool)
-    destroy_host_pool(stock)
     del dev_pool, quantized, stock, copier
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _config_record(layout, page, stock, quantized, stock_init_s) -> dict:
+    stock_jit = bool(getattr(stock, "can_use_jit", False))
+    stock_sgl = STANDINS.get("sgl_kernel") == "real"
+    return {
+        "layout": layout,
+        "page_size": page,
+        "stock_pool_init_s": round(stock_init_s, 2),
+        "bf16_stock_kernel_available": stock_jit or stock_sgl,
+        "bf16_stock_kernel_impl": (
+            "jit" if stock_jit else "sgl_kernel" if stock_sgl else None
+        ),
+        **{
+            f"{name}_bytes_per_token": pool.get_size_per_token()
+            for name, pool in quantized.items()
+        },
+        "host_pool_classes": {n: type(p).__name__ for n, p in quantized.items()},
+        "bf16_bytes_per_token": stock.get_size_per_token(),
+        "sizes": [],
+    }
+
+
+class SizeRun:
+    """One token count of one config: its slots, timings and checks (row)."""
+
+    def __init__(self, clock, dev_pool, page, max_n, n, args):
+        self.clock, self.dev_pool, self.n = clock, dev_pool, n
+        device = dev_pool.k_buffer[0].device
+        # Contiguous device slots (whole pages): [page, page + n) is the backup
+        # source, the same range shifted by max_n the restore destination.
+        self.src = torch.arange(page, page + n, device=device)
+        self.dst = self.src + max_n
+        self.host = torch.arange(0, n)  # CPU, as the controller hands them over
+        self.host_dev = self.host.to(device)
+        self.probe = _probe_rows(n, page, device)
+        self.dst_probe = self.probe + max_n
+        self.iters = args.iters if n <= 16384 else max(1, args.iters - 1)
+        self.slow_iters = 1 if (n >= 16384 or args.dry_run) else 2
+        self.row = {
+            "tokens": n,
+            "restore_ms_per_layer": {},
+            "backup_ms": {},
+            "errors": {},
+            "checks": {},
+        }
+
+    def measure(self, name, check, expected, restore, backup, it=None, warmup=1):
+        """Time backup (source range), then restore of every layer (destination
+        range); if both ran, checks[check] says whether the restored probe
+        rows are expected's. Returns whether both ran."""
+        row, L, it = self.row, self.dev_pool.layer_num, it or self.iters
+        _clear_rows(self.dev_pool, self.dst_probe)
+        try:
+            row["backup_ms"][name] = self.clock.run(backup, iters=it, warmup=warmup)[
+                "ms"
+            ]
+            r = self.clock.run(
+                lambda: [restore(l) for l in range(L)], iters=it, warmup=warmup
+            )
+        except Exception as e:  # record and go on: one variant must not sink the run
+            row["errors"][name] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc()
+            return False
+        row["restore_ms_per_layer"][name] = r["ms"] / L
+        self.clock.sync()
+        row["checks"][check] = _same(_restored(self.dev_pool, self.dst_probe), expected)
+        return True
+
+
+# (variant suffix, fused kernels, fused host access) of each format's paths.
+FORMAT_PATHS = (
+    ("fused_direct", True, "direct"),
+    ("fused_staged", True, "staged"),
+    ("torch", False, None),
+)
+
+
+def _time_format(run, fmt_name, pool):
+    """A format's paths, each restore checked against the reference codec and
+    the host records compared across the paths."""
+    dev, host = run.dev_pool, run.host
+    expected = _expected_restore(pool, dev, run.probe)
+    fused_ok = pool.host_format.fused_available(run.src.device)
+    records = {}
+    for suffix, fused, access in FORMAT_PATHS:
+        name = f"{fmt_name}_{suffix}"
+        if fused and not fused_ok:
+            run.row["errors"][name] = "no fused kernels for this format in this build"
+            continue
+        pool.use_fused_kernels = fused
+        if access:
+            pool.fused_host_access = access
+        ok = run.measure(
+            name,
+            f"{name}_restores_reference",
+            expected,
+            lambda l: pool.load_to_device_per_layer(dev, host, run.dst, l, "kernel"),
+            lambda: pool.backup_from_device_all_layer(dev, host, run.src, "kernel"),
+            it=run.iters if fused else run.slow_iters,
+            warmup=1 if fused or run.n < 16384 else 0,
+        )
+        if access == "direct" and pool.fused_host_access != "direct":
+            run.row["errors"][name] = (
+                "fell back to staged: host memory not device-accessible"
+            )
+        if ok:
+            records[name] = _host_sample(pool, run.n)
+    names = list(records)
+    run.row["checks"][f"{fmt_name}_host_records_identical"] = all(
+        _same(records[names[0]], records[k]) for k in names[1:]
+    )
+
+
+def _time_bf16(run, stock, copier, stock_kernel_ok):
+    """The BF16 baselines: the stock pool's kernel path where it loaded, the
+    Triton copy, and on layer_first one DMA per layer and side."""
+    dev, host_dev = run.dev_pool, run.host_dev
+    source = _restored(dev, run.probe)
+    if stock_kernel_ok:
+        write_back_cpu = stock.layout == "page_first" and getattr(
+            stock, "can_use_write_back_jit", False
+        )
+        run.measure(
+            "bf16_stock_kernel",
+            "bf16_stock_kernel_exact",
+            source,
+            lambda l: stock.load_to_device_per_layer(
+                dev, host_dev, run.dst, l, "kernel"
+            ),
+            lambda: stock.backup_from_device_all_layer(
+                dev, run.host if write_back_cpu else host_dev, run.src, "kernel"
+            ),
+        )
+    run.measure(
+        "bf16_triton_copy",
+        "bf16_triton_copy_exact",
+        source,
+        lambda l: copier.restore_layer(host_dev, run.dst, l),
+        lambda: copier.backup(host_dev, run.src),
+    )
+    if stock.layout == "layer_first":
+        run.measure("bf16_dma", "bf16_dma_exact", source, *_dma(run, stock))
+    run.clock.sync()
+
+
+def _dma(run, stock):
+    """Restore and backup as cudaMemcpyAsync over contiguous ranges."""
+    n, s0, d0 = run.n, int(run.src[0]), int(run.dst[0])
+    sides = (
+        (run.dev_pool.k_buffer, stock.k_buffer),
+        (run.dev_pool.v_buffer, stock.v_buffer),
+    )
+
+    def restore(l):
+        for dev, host in sides:
+            dev[l][d0 : d0 + n].copy_(host[l][:n], non_blocking=True)
+
+    def backup():
+        for l in range(run.dev_pool.layer_num):
+            for dev, host in sides:
+                host[l][:n].copy_(dev[l][s0 : s0 + n], non_blocking=True)
+
+    return restore, backup
+
+
+def _rates(row, quantized, stock):
+    """Restore GB/s and backup ms per layer from the row's timings."""
+    L, n = stock.layer_num, row["tokens"]
+    per_layer = {name: n * p.get_size_per_token() / L for name, p in quantized.items()}
+    per_layer["bf16"] = n * stock.get_size_per_token() / L
+    row["restore_GBps"] = {
+        k: per_layer[k.split("_")[0]] / v / 1e6
+        for k, v in row["restore_ms_per_layer"].items()
+    }
+    row["backup_ms_per_layer"] = {k: v / L for k, v in row["backup_ms"].items()}
 
 
 def _probe_rows(n, page, device):
@@ -607,58 +642,76 @@ def _host_sample(pool, n):
         torch.cat([units[:4], units[-4:], units[:: max(1, len(units) // 16)]])
     )
     return [
-        (b[pick] if pool.records.page_major else b[:, pick]).clone() for b in pool.kv_buffer
+        (b[pick] if pool.records.page_major else b[:, pick]).clone()
+        for b in pool.kv_buffer
     ]
 
 
-def evaluate_targets(configs, codec_out) -> dict:
-    restore, backup = [], []
+def _measured_sizes(configs):
+    """(config label, row) of every measured size."""
     for cfg in configs:
         for row in cfg["sizes"]:
-            if "skipped" in row or row["tokens"] < 4096:
-                continue
-            bf16 = {
-                k: v
-                for k, v in row["restore_ms_per_layer"].items()
-                if k.startswith("bf16")
-            }
-            bf16_b = {k: v for k, v in row["backup_ms"].items() if k.startswith("bf16")}
-            for metric, table, ref, limit, sink in (
-                ("restore", row["restore_ms_per_layer"], bf16, TARGET_RESTORE, restore),
-                ("backup", row["backup_ms"], bf16_b, TARGET_BACKUP, backup),
-            ):
-                if not ref:
+            if "skipped" not in row:
+                yield f"{cfg['layout']}/p{cfg['page_size']}", row
+
+
+def _bf16(table) -> tuple[dict, str | None]:
+    """A timing table's BF16 baselines and the fastest of them."""
+    bf16 = {k: v for k, v in table.items() if k.startswith("bf16")}
+    return bf16, (min(bf16, key=bf16.get) if bf16 else None)
+
+
+def evaluate_targets(configs, codec_out) -> dict:
+    found = {"restore": [], "backup": []}
+    limits = {"restore": TARGET_RESTORE, "backup": TARGET_BACKUP}
+    for config, row in _measured_sizes(configs):
+        if row["tokens"] < 4096:
+            continue
+        for metric, table in (
+            ("restore", row["restore_ms_per_layer"]),
+            ("backup", row["backup_ms"]),
+        ):
+            ref, best_bf16 = _bf16(table)
+            for variant in ("int8_fused_direct", "int8_fused_staged"):
+                if best_bf16 is None or variant not in table:
                     continue
-                best_bf16 = min(ref, key=ref.get)
-                for variant in ("int8_fused_direct", "int8_fused_staged"):
-                    if variant not in table:
-                        continue
-                    ratio = table[variant] / ref[best_bf16]
-                    sink.append({
-                        "config": f"{cfg['layout']}/p{cfg['page_size']}",
-                        "tokens": row["tokens"], "int8": variant,
-                        "int8_ms": table[variant], "bf16_best": best_bf16,
-                        "bf16_ms": ref[best_bf16], "ratio": ratio,
-                        "ratios_vs_each_bf16": {k: table[variant] / v for k, v in ref.items()},
-                        "pass": ratio <= limit,
-                    })  # fmt: skip
+                ratio = table[variant] / ref[best_bf16]
+                found[metric].append(
+                    {
+                        "config": config,
+                        "tokens": row["tokens"],
+                        "int8": variant,
+                        "int8_ms": table[variant],
+                        "bf16_best": best_bf16,
+                        "bf16_ms": ref[best_bf16],
+                        "ratio": ratio,
+                        "ratios_vs_each_bf16": {
+                            k: table[variant] / v for k, v in ref.items()
+                        },
+                        "pass": ratio <= limits[metric],
+                    }
+                )
     int8 = _codec_row(codec_out, "int8")
     copy = codec_out.get("device_copy_GBps")
-    enc = int8["encode_GBps"] / copy if int8 and copy else None
-    dec = int8["decode_GBps"] / copy if int8 and copy else None
+    enc, dec = (
+        int8[f"{k}_GBps"] / copy if int8 and copy else None
+        for k in ("encode", "decode")
+    )
 
     def verdict(rows, variant):
         sel = [r["pass"] for r in rows if r["int8"] == variant]
         return all(sel) if sel else None
 
+    summary = {
+        f"{metric}_{label}_pass": verdict(found[metric], f"int8_fused_{variant}")
+        for metric in found
+        for label, variant in (("default_direct", "direct"), ("staged", "staged"))
+    }
     return {
-        "restore_le_%.2f_of_bf16" % TARGET_RESTORE: restore,
-        "backup_le_%.2f_of_bf16" % TARGET_BACKUP: backup,
+        "restore_le_%.2f_of_bf16" % TARGET_RESTORE: found["restore"],
+        "backup_le_%.2f_of_bf16" % TARGET_BACKUP: found["backup"],
         "summary": {
-            "restore_default_direct_pass": verdict(restore, "int8_fused_direct"),
-            "restore_staged_pass": verdict(restore, "int8_fused_staged"),
-            "backup_default_direct_pass": verdict(backup, "int8_fused_direct"),
-            "backup_staged_pass": verdict(backup, "int8_fused_staged"),
+            **summary,
             "encode_fraction_of_copy_bw": enc,
             "decode_fraction_of_copy_bw": dec,
             "encode_pass": None if enc is None else enc >= TARGET_CODEC_BW,
@@ -670,35 +723,30 @@ def evaluate_targets(configs, codec_out) -> dict:
 def headline_figures(configs, codec_out, bw) -> dict:
     """What the README quotes: INT8 and the best BF16 per config, and codec GB/s."""
     rows = []
-    for cfg in configs:
-        for row in cfg["sizes"]:
-            if "skipped" in row:
-                continue
-            entry = {"config": f"{cfg['layout']}/p{cfg['page_size']}",
-                     "tokens": row["tokens"]}  # fmt: skip
-            for metric, table in (
-                ("restore", row["restore_ms_per_layer"]),
-                ("backup", row["backup_ms_per_layer"]),
-            ):
-                bf16 = {k: v for k, v in table.items() if k.startswith("bf16")}
-                int8 = table.get("int8_fused_direct")
-                best = min(bf16, key=bf16.get) if bf16 else None
-                entry[f"{metric}_ms_per_layer_int8"] = int8
-                entry[f"{metric}_ms_per_layer_bf16"] = bf16.get(best)
-                entry[f"{metric}_bf16_baseline"] = best
-                entry[f"{metric}_int8_over_bf16"] = (
-                    int8 / bf16[best] if int8 is not None and best else None
-                )
-                # Every format's variants, for the per-format table.
-                entry[f"{metric}_ms_per_layer_by_format"] = {
-                    name: {
-                        k.removeprefix(name + "_"): v
-                        for k, v in table.items()
-                        if k.startswith(name + "_")
-                    }
-                    for name in HOST_DTYPES
+    for config, row in _measured_sizes(configs):
+        entry = {"config": config, "tokens": row["tokens"]}
+        for metric, table in (
+            ("restore", row["restore_ms_per_layer"]),
+            ("backup", row["backup_ms_per_layer"]),
+        ):
+            bf16, best = _bf16(table)
+            int8 = table.get("int8_fused_direct")
+            entry[f"{metric}_ms_per_layer_int8"] = int8
+            entry[f"{metric}_ms_per_layer_bf16"] = bf16.get(best)
+            entry[f"{metric}_bf16_baseline"] = best
+            entry[f"{metric}_int8_over_bf16"] = (
+                int8 / bf16[best] if int8 is not None and best else None
+            )
+            # Every format's variants, for the per-format table.
+            entry[f"{metric}_ms_per_layer_by_format"] = {
+                name: {
+                    k.removeprefix(name + "_"): v
+                    for k, v in table.items()
+                    if k.startswith(name + "_")
                 }
-            rows.append(entry)
+                for name in HOST_DTYPES
+            }
+        rows.append(entry)
     return {
         "transfers": rows,
         # Per format, model kind, unit and where the records live.
@@ -710,9 +758,7 @@ def headline_figures(configs, codec_out, bw) -> dict:
         },
         "codec_encode_GBps": _codec_row(codec_out, "int8").get("encode_GBps"),
         "codec_decode_GBps": _codec_row(codec_out, "int8").get("decode_GBps"),
-        "device_copy_GBps": bw.get("device_copy_GBps"),
-        "h2d_GBps": bw.get("h2d_GBps"),
-        "d2h_GBps": bw.get("d2h_GBps"),
+        **{k: bw.get(k) for k in ("device_copy_GBps", "h2d_GBps", "d2h_GBps")},
     }
 
 
