@@ -14,7 +14,7 @@ from scripts.common.host_formats import host_formats
 
 @pytest.fixture(scope="module")
 def result():
-    return codec.main(["--tokens", "64", "--reps", "1", "--skip-scale-study"])
+    return codec.main(["--tokens", "64", "--reps", "1"])
 
 
 def test_one_row_per_format_next_to_the_copy(result, capsys):

@@ -21,7 +21,6 @@ PAGE_SIZES = (1, 16, 64)
 TOKEN_COUNTS = (1024, 4096)
 WARMUP, REPS = 1, 5
 COPY = "bf16 gather + copy (stock host pool)"
-SHORT = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 def format_classes() -> dict[str, type]:
@@ -190,64 +189,6 @@ def bytes_per_token(classes) -> dict:
     return table
 
 
-def quantize_with_scale_dtype(
-    x: torch.Tensor, scale_dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """INT8's format with a choice of scale dtype (same round-up rule)."""
-    xf = x.to(torch.float32)
-    s32 = xf.abs().amax(dim=-1).clamp_min(torch.finfo(torch.float32).tiny) / 127
-    s = s32.to(scale_dtype)
-    next_up = (s.view(torch.int16) + 1).view(scale_dtype)
-    s = torch.where(s.to(torch.float32) < s32, next_up, s)
-    q = torch.round(xf / s.to(torch.float32).unsqueeze(-1)).clamp(-127, 127)
-    return q.to(torch.int8), s
-
-
-def scale_dtype_errors() -> None:
-    from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-
-    rows = 65536
-    gen = torch.Generator().manual_seed(1)
-    data = {
-        "gaussian": torch.randn(rows, HEAD_DIM, generator=gen),
-        # Student-t, 3 dof: z / sqrt(chi2_3 / 3)
-        "student-t(3)": torch.randn(rows, HEAD_DIM, generator=gen)
-        / (torch.randn(rows, HEAD_DIM, 3, generator=gen).square().mean(-1).sqrt()),
-    }
-    print(
-        f"== INT8 scale dtype: error of the same round-up format, {rows} bf16 rows x "
-        f"{HEAD_DIM} =="
-    )
-    print("rel = ||x - x^|| / ||x|| per row; step = max|x - x^| / (amax/127)")
-    header = (
-        f"{'data':<13} {'scale':<5} {'out':<5} {'mean rel':>10} {'max rel':>10} "
-        f"{'mean s/(amax/127)-1':>20} {'max step':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for name, x32 in data.items():
-        x = x32.to(torch.bfloat16)
-        xd = x.double()
-        amax = xd.abs().amax(-1)
-        for scale_dtype in (torch.float16, torch.bfloat16):
-            q, s = quantize_with_scale_dtype(x, scale_dtype)
-            if scale_dtype == codec.SCALE_DTYPE:  # it is the codec's format
-                rq, rs = codec.quantize_reference(x)
-                assert torch.equal(q, rq) and torch.equal(s, rs)
-            excess = (s.double() / (amax / 127) - 1).mean().item()
-            for out in (torch.bfloat16, torch.float32):
-                xh = (q.to(torch.float32) * s.to(torch.float32).unsqueeze(-1)).to(out)
-                err = (xd - xh.double()).abs()
-                rel = err.norm(dim=-1) / xd.norm(dim=-1)
-                step = (err.amax(-1) / (amax / 127)).max().item()
-                print(
-                    f"{name:<13} {SHORT[scale_dtype]:<5} {SHORT[out]:<5} "
-                    f"{rel.mean().item():>10.3e} {rel.max().item():>10.3e} "
-                    f"{excess:>20.2e} {step:>9.4f}"
-                )
-    print()
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m scripts.bench.codec", description=__doc__.split("\n\n")[0]
@@ -258,9 +199,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma list of token counts (multiples of the page size 64)",
     )
     p.add_argument("--reps", type=int, default=REPS)
-    p.add_argument(
-        "--skip-scale-study", action="store_true", help="skip section 3 (INT8 scales)"
-    )
     return p.parse_args(argv)
 
 
@@ -275,8 +213,6 @@ def main(argv=None) -> dict:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     start = time.perf_counter()
     result = {"bytes_per_token": bytes_per_token(classes)}
-    if not args.skip_scale_study:
-        scale_dtype_errors()
     result["throughput"] = bench_throughput(classes, token_counts, args.reps)
     print(
         f"total {time.perf_counter() - start:.1f} s; load average "
