@@ -21,7 +21,7 @@ import torch
 
 from scripts.common import plot
 from scripts.common.cpu_sglang import REPO_ROOT
-from scripts.overlay import read_lock
+from scripts.overlay import read_lock, sha256_of
 from scripts.quality import texts
 from scripts.quality.texts import TextSource
 
@@ -227,9 +227,7 @@ def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelB
         "model": label,
         "path": model_dir,
         "gguf_file": gguf_file,
-        "weights_sha256": texts.sha256(weights)
-        if weights and weights.is_file()
-        else None,
+        "weights_sha256": sha256_of(weights) if weights and weights.is_file() else None,
         "architecture": type(lm).__name__,
         "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "load_seconds": round(load_s, 1),
