@@ -104,7 +104,9 @@ def main_mla_random(args, command: str) -> int:
     except hq.RestoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    paths = mla_random.write_outputs(report, args.out_dir, args.name, command)
+    paths = hq.write_json_and_markdown(
+        report, args.out_dir, args.name, command, mla_random.markdown_report
+    )
     print()
     print(mla_random.markdown_report(report, command))
     print("wrote " + ", ".join(paths.values()))
