@@ -6,6 +6,7 @@ Exits 2 if a prefix did not come back from L2, 1 with --check-targets on a miss.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -25,15 +26,8 @@ def _layouts(items: list[str]) -> dict[str, str]:
     return out
 
 
-def _arm_list(text: str) -> tuple[str, ...]:
-    return tuple(a.strip() for a in text.split(",") if a.strip())
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+def _arm_list(text: str) -> tuple[str, ...] | None:
+    return tuple(a.strip() for a in text.split(",") if a.strip()) or None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,7 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="MLA latent KV of a random-weight DeepSeek-V2 (not a quality figure)",
     )
-    p.add_argument("--mla-layers", type=int, default=3)
+    p.add_argument(
+        "--mla-layers", dest="layers", type=int, default=3, metavar="MLA_LAYERS"
+    )
     p.add_argument(
         "--code-text", choices=[*texts.CODE_TEXTS, "none"], default="python-stdlib"
     )
@@ -78,35 +74,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _log(line: str) -> None:
+    print(line, flush=True)
+
+
+def _start(args) -> list[str]:
+    """The CPU stand-ins (their names) and torch's thread count."""
+    standins = install_cpu_standins()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return standins
+
+
+def _config(cls, args, **override):
+    """A `cls` config of the options named as its fields, unset ones at defaults."""
+    given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
+    return cls(**{**{k: v for k, v in given.items() if v is not None}, **override})
+
+
 def main_mla_random(args, command: str) -> int:
     """--mla-random: the MLA restore path on a random-weight DeepSeek-V2."""
     from scripts.quality import mla_random
 
-    standins = install_cpu_standins()
-    _set_threads(args.threads)
-    defaults = mla_random.MLARandomConfig()
-    layouts = {**defaults.layouts, **_layouts(args.layout)}
-    cfg = mla_random.MLARandomConfig(
-        layers=args.mla_layers,
-        windows=args.windows,
-        prefix_len=args.prefix_len,
-        score_len=args.score_len,
-        kv_dtype=args.kv_dtype,
-        page_size=args.page_size or defaults.page_size,
-        layouts=layouts,
-        arms=args.arms or defaults.arms,
-        seed=args.seed,
-    )
+    standins = _start(args)
+    layouts = {**mla_random.MLARandomConfig().layouts, **_layouts(args.layout)}
+    cfg = _config(mla_random.MLARandomConfig, args, layouts=layouts)
     try:
-        report = mla_random.run_mla_random(
-            cfg, standins, log=lambda s: print(s, flush=True)
-        )
+        report = mla_random.run_mla_random(cfg, standins, log=_log)
     except hq.RestoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    paths = mla_random.write_outputs(report, args.out_dir, args.name, command)
-    print()
-    print(mla_random.markdown_report(report, command))
+    paths = hq.write_json_and_markdown(
+        report, args.out_dir, args.name, command, mla_random.markdown_report
+    )
+    print(f"\n{mla_random.markdown_report(report, command)}")
     print("wrote " + ", ".join(paths.values()))
     if report["control_bit_identical"] is False:
         print("error: the stock BF16 control differs from exact", file=sys.stderr)
@@ -136,47 +139,30 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
     except argparse.ArgumentTypeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    standins = install_cpu_standins()
-    _set_threads(args.threads)
+    standins = _start(args)
     if bundle is None:
-        print("loading model ...", flush=True)
+        _log("loading model ...")
         bundle = hq.load_model(args.model)
-        print(
-            f"model: {bundle.info['model']} ({bundle.info['load_seconds']} s)",
-            flush=True,
-        )
+        _log(f"model: {bundle.info['model']} ({bundle.info['load_seconds']} s)")
     reports, written = {}, []
     for suffix, source in text_sources(args).items():
-        cfg = hq.QualityConfig(
-            text_file=source,
-            windows=args.windows,
-            prefix_len=args.prefix_len,
-            score_len=args.score_len,
-            greedy_tokens=args.greedy_tokens,
-            seed=args.seed,
-            kv_dtype=args.kv_dtype,
-            page_size=args.page_size,
-            arms=args.arms or None,
-            layouts=layouts,
-            restore=not args.no_restore,
+        restore = not args.no_restore
+        cfg = _config(
+            hq.QualityConfig, args, text_file=source, layouts=layouts, restore=restore
         )
-        print(f"== {source.name} ({source.kind})", flush=True)
+        _log(f"== {source.name} ({source.kind})")
         try:
-            report = hq.run_quality(
-                cfg, bundle, standins, log=lambda s: print(s, flush=True)
-            )
+            report = hq.run_quality(cfg, bundle, standins, log=_log)
         except (hq.RestoreError, ValueError, FileNotFoundError) as exc:
             print(f"error: {source.name}: {exc}", file=sys.stderr)
             return 2
         paths = hq.write_outputs(report, args.out_dir, args.name + suffix, command)
-        print()
-        print(hq.markdown_report(report, command))
+        print(f"\n{hq.markdown_report(report, command)}")
         reports[source.name] = report
         written += paths.values()
-    summary = hq.summary_markdown(reports)
     summary_path = Path(args.out_dir) / f"{args.name}_summary.md"
-    summary_path.write_text(summary)
-    print(summary)
+    summary_path.write_text(hq.summary_markdown(reports))
+    print(summary_path.read_text())
     print("wrote " + ", ".join([*written, str(summary_path)]))
     missed = [name for name, r in reports.items() if not hq.targets_met(r)]
     if args.check_targets and missed:

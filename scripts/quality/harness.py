@@ -3,6 +3,7 @@ pools and HiCacheController, on a real model (docs/results.md, "make quality")."
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import importlib.util
@@ -21,7 +22,7 @@ import torch
 
 from scripts.common import plot
 from scripts.common.cpu_sglang import REPO_ROOT
-from scripts.overlay import read_lock
+from scripts.overlay import read_lock, sha256_of
 from scripts.quality import texts
 from scripts.quality.texts import TextSource
 
@@ -53,6 +54,24 @@ class Target:
     # the same run (checked only where that format is an arm too).
     kl_rel: tuple[str, float] | None = None
 
+    def checks(self, s: dict, summary: dict) -> list[tuple[str, str, bool]]:
+        """(report key, summary label, met) of each target for arm figures `s`."""
+        ppl = self.ppl_rel_delta
+        ok = abs(s["ppl_rel_delta"]) <= ppl
+        out = [(f"ppl_rel_delta_le_{ppl:g}", f"PPL delta <= {100 * ppl:g}%", ok)]
+        if self.top1 is not None:
+            ok = s["top1_agree"] >= self.top1
+            out.append((f"top1_ge_{self.top1:g}", f"top-1 >= {100 * self.top1:g}%", ok))
+        if self.kl_rel is not None:
+            dtype, factor = self.kl_rel
+            ref = next(
+                (a for a, r in summary.items() if r.get("host_dtype") == dtype), None
+            )
+            if ref is not None:
+                ok = s["kl_mean"] <= factor * summary[ref]["kl_mean"]
+                out.append((f"kl_le_{factor:g}x_{ref}", f"KL <= {factor:g}x {ref}", ok))
+        return out
+
 
 TARGETS = {
     "int8": Target(ppl_rel_delta=0.001, top1=0.995),
@@ -62,17 +81,6 @@ TARGETS = {
     "int4r": Target(ppl_rel_delta=0.01, top1=0.97, kl_rel=("int4", 0.6)),
     "k8v4r": Target(ppl_rel_delta=0.003, top1=0.985),
 }
-
-
-def _kl_reference(target: Target, summary: dict) -> tuple[str, float] | None:
-    """(arm, its mean KL) that target.kl_rel compares with, if it ran."""
-    if target.kl_rel is None:
-        return None
-    for arm, s in summary.items():
-        if s.get("host_dtype") == target.kl_rel[0]:
-            return arm, s["kl_mean"]
-    return None
-
 
 TARGET_WINDOWS = 32
 TARGET_PREFIX = 1024
@@ -112,26 +120,13 @@ def offload_arms(
     arms = {}
     for fmt in host_formats(stock_label=CONTROL_ARM):
         default = STOCK_LAYOUT if fmt.stock else QUANTIZED_LAYOUT
-        page = ARM_PAGE_SIZE.get(fmt.host_dtype, GROUPED_PAGE_SIZE)
-        arms[fmt.label] = Arm(
-            fmt.label,
-            fmt.host_dtype,
-            layouts.get(fmt.label, default),
-            page_size or page,
-        )
+        page = page_size or ARM_PAGE_SIZE.get(fmt.host_dtype, GROUPED_PAGE_SIZE)
+        layout = layouts.get(fmt.label, default)
+        arms[fmt.label] = Arm(fmt.label, fmt.host_dtype, layout, page)
     unknown = set(layouts) - set(arms)
     if unknown:
         raise ValueError(f"layout for unknown arms {sorted(unknown)}")
     return arms
-
-
-def sink_arms(arms: dict[str, Arm]) -> dict[str, Arm]:
-    """The opt-in arms: a format's arm with its first page at 8 bits."""
-    return {
-        name: replace(arms[base], name=name, sink_page_tokens=SINK_PAGE_TOKENS)
-        for name, base in SINK_ARMS.items()
-        if base in arms
-    }
 
 
 class RestoreError(RuntimeError):
@@ -194,51 +189,40 @@ class ModelBundle:
     info: dict  # info["bos_token_id"]: each window starts with it when set
 
 
-def load_model(model: str | None = None, gguf_file: str | None = None) -> ModelBundle:
+def load_model(model: str | None = None) -> ModelBundle:
     """A PACKAGED_MODELS name, a .gguf path or a Hugging Face directory / id, on CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     packaged = PACKAGED_MODELS.get(model or DEFAULT_MODEL)
-    prepend_bos = packaged.prepend_bos if packaged else None
+    model_dir, gguf_file, label = model, None, model
     if packaged is not None:
         gguf = packaged.gguf_path()
         model_dir, gguf_file = str(gguf.parent), gguf.name
-        label = (
-            f"{packaged.label} ({packaged.package} "
-            f"{_version(packaged.package)}, {gguf.name})"
-        )
+        version = _version(packaged.package)
+        label = f"{packaged.label} ({packaged.package} {version}, {gguf.name})"
     elif model.endswith(".gguf") and Path(model).is_file():
         model_dir, gguf_file = str(Path(model).parent), Path(model).name
-        label = model
-    else:
-        model_dir = model
-        label = model if gguf_file is None else f"{model} ({gguf_file})"
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
-    lm = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    lm.eval()
+    lm = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
     load_s = time.perf_counter() - start
-    if prepend_bos is None:
-        prepend_bos = bool(getattr(tokenizer, "add_bos_token", False))
-    bos = tokenizer.bos_token_id if prepend_bos else None
+    if packaged is not None:
+        prepend_bos = packaged.prepend_bos
+    else:
+        prepend_bos = getattr(tokenizer, "add_bos_token", False)
     weights = Path(model_dir) / gguf_file if gguf_file else None
     info = {
         "model": label,
         "path": model_dir,
         "gguf_file": gguf_file,
-        "weights_sha256": texts.sha256(weights)
-        if weights and weights.is_file()
-        else None,
+        "weights_sha256": sha256_of(weights) if weights and weights.is_file() else None,
         "architecture": type(lm).__name__,
         "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "load_seconds": round(load_s, 1),
-        "bos_token_id": bos,
+        "bos_token_id": tokenizer.bos_token_id if prepend_bos else None,
     }
     return ModelBundle(lm, tokenizer, info)
-
-
-_TOKENIZED: dict = {}
 
 
 def pick_windows(n_tokens: int, window_len: int, count: int, seed: int) -> list[int]:
@@ -258,164 +242,106 @@ def tokenize_text(
 ) -> tuple[list[int], dict]:
     """Token ids of the text (a path is WikiText-2) and its origin, memoized."""
     source = text if isinstance(text, TextSource) else texts.wikitext(text)
-    stats = tuple((str(p.resolve()), *_mtime_size(p)) for p in source.paths)
-    key = (id(tokenizer), source.name, stats)
-    if key not in _TOKENIZED:
-        _TOKENIZED.clear()  # one text at a time is plenty
-        # The entry holds the tokenizer, so its id can't be reused meanwhile.
-        _TOKENIZED[key] = (tokenizer, *_tokenize_text(tokenizer, source))
-    _, ids, info = _TOKENIZED[key]
+    stats = tuple(
+        (p.resolve(), p.stat().st_mtime_ns, p.stat().st_size) for p in source.paths
+    )
+    ids, info = _tokenized(tokenizer, source, stats)
     return ids, dict(info)
 
 
-def _mtime_size(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_mtime_ns, st.st_size
-
-
-def _tokenize_text(tokenizer, source: TextSource) -> tuple[list[int], dict]:
-    text = source.read()
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return ids, {**source.describe(), "chars": len(text), "tokens": len(ids)}
-
-
-@dataclass
-class KVGeometry:
-    layer_num: int
-    head_num: int
-    head_dim: int
-    v_head_dim: int
-    dtype: torch.dtype
-    page_size: int = 1
+@functools.lru_cache(maxsize=1)  # one text at a time is plenty
+def _tokenized(tokenizer, source: TextSource, stats: tuple) -> tuple[list[int], dict]:
+    whole = source.read()
+    ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
+    return ids, {**source.describe(), "chars": len(whole), "tokens": len(ids)}
 
 
 class OffloadRig:
     """One device pool + host pool + HiCacheController, SGLang's own classes on CPU."""
 
-    def __init__(
-        self,
-        geo: KVGeometry,
-        host_dtype: str,
-        layout: str,
-        tokens: int,
-        io_backend: str = "direct",
-        sink_page_tokens: int = 0,
-    ):
+    def __init__(self, geo, host_dtype: str, layout: str, tokens: int, **host_extra):
         # tests/ is on the path once install_cpu_standins() has run.
-        from tests.support.hicache_harness import make_rig
+        from tests.support.hicache_harness import device_buffers, make_rig
 
-        self.geo = geo
-        page = geo.page_size
         # The evicted copy's slots may not be reused at once: room for two prefixes.
-        device_tokens = -(-2 * tokens // page) * page
-        self.fp8 = geo.dtype in FP8_KV_DTYPES
-        # An encoded pool is told which FP8 its uint8 device rows hold.
-        extra = (
-            {"device_kv_dtype": geo.dtype} if self.fp8 and host_dtype != "auto" else {}
-        )
-        if host_dtype != "auto":
-            extra["sink_page_tokens"] = sink_page_tokens
+        device_tokens = -(-2 * tokens // geo.page_size) * geo.page_size
         rig = make_rig(
             geo,
             device_tokens=device_tokens,
             host_tokens=2 * device_tokens,
             layout=layout,
-            io_backend=io_backend,
             host_dtype=host_dtype,
-            **extra,
+            **host_extra,
         )
-        self._attach(rig, (rig.device_pool.k_buffer, rig.device_pool.v_buffer))
+        self.geo, self.fp8 = geo, geo.dtype in FP8_KV_DTYPES
+        self.allocator, self.host_pool = rig.allocator, rig.host_pool
+        self.controller, self.sides = rig.controller, device_buffers(rig.device_pool)
+        # A row the load path did not write stays visibly NaN.
+        for buf in (b for side in self.sides for b in side):
+            buf.fill_(_FP8_POISON if self.fp8 else float("nan"))
         self.describe = {
             "host_dtype": host_dtype,
             "host_pool": type(self.host_pool).__name__,
             "layout": layout,
-            "io_backend": io_backend,
-            "page_size": page,
+            "io_backend": "direct",
+            "page_size": geo.page_size,
             "host_bytes_per_token": _whole(self.host_pool.get_size_per_token()),
         }
 
-    def _attach(self, rig, sides: tuple, first_page_is_sink: bool = True) -> None:
-        """The rig's pools; `sides` are the device buffers (per layer) a token spans."""
-        self.device_pool, self.allocator = rig.device_pool, rig.allocator
-        self.host_pool, self.controller = rig.host_pool, rig.controller
-        self.sides, self.first_page_is_sink = sides, first_page_is_sink
-        # A row the load path did not write stays visibly NaN.
-        for buf in (b for side in sides for b in side):
-            buf.fill_(self._poison())
-
-    def _poison(self):
-        return _FP8_POISON if self.fp8 else float("nan")
-
-    def _stored(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.view(torch.uint8) if self.fp8 else rows
-
-    def _read(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows.view(self.geo.dtype) if self.fp8 else rows
-
     def _evict(self, slots: torch.Tensor) -> None:
         for buf in (b for side in self.sides for b in side):
-            buf[slots] = self._poison()
+            buf[slots] = _FP8_POISON if self.fp8 else float("nan")
         self.allocator.free(slots)
 
     def round_trip(
-        self, kv: Sequence[tuple[torch.Tensor, ...]], restore: bool = True
+        self,
+        kv: Sequence[tuple[torch.Tensor, ...]],
+        restore: bool = True,
+        first_page_is_sink: bool = True,
     ) -> tuple[list[tuple[torch.Tensor, ...]], dict]:
         """kv (per layer, one row per side) up to L2, evicted from L1, loaded back:
         the restored rows and counters."""
-        ctl, alloc = self.controller, self.allocator
-        n = kv[0][0].shape[0]
-        dev = alloc.alloc(n)
+        ctl, n = self.controller, kv[0][0].shape[0]
+        dev = self.allocator.alloc(n)
         if dev is None:
             raise RestoreError(f"device pool cannot hold {n} tokens")
         for layer, rows in enumerate(kv):
             for side, x in zip(self.sides, rows):
-                side[layer][dev] = self._stored(x)
+                side[layer][dev] = x.view(torch.uint8) if self.fp8 else x
         # The prefix starts at the window's token 0: its first page is a sink page.
-        host = ctl.write(dev, first_page_is_sink=self.first_page_is_sink)
+        host = ctl.write(dev, first_page_is_sink=first_page_is_sink)
         if host is None:
             raise RestoreError(f"host pool cannot hold {n} tokens")
         written = drain(ctl.ack_write_queue)
         self._evict(dev)
-        loaded = 0
-        new_dev = None
+        loaded, read_idx = 0, dev  # without restore: the evicted slots as they are
         if restore:
-            new_dev = ctl.load(host)
-            if new_dev is None:
+            read_idx = ctl.load(host)
+            if read_idx is None:
                 raise RestoreError(f"device pool cannot take {n} restored tokens")
             ctl.start_loading()
             loaded = drain(ctl.ack_load_queue)
-            read_idx = new_dev
-        else:
-            # Read the evicted slots as they are: nothing restored them.
-            read_idx = dev
-        restored = []
+        restored = [
+            tuple(side[layer][read_idx].clone() for side in self.sides)
+            for layer in range(len(kv))
+        ]
+        if self.fp8:
+            restored = [tuple(x.view(self.geo.dtype) for x in r) for r in restored]
         finite = torch.ones(n, dtype=torch.bool)
-        for layer in range(len(kv)):
-            rows = tuple(
-                self._read(side[layer][read_idx].clone()) for side in self.sides
-            )
-            for x in rows:
-                finite &= torch.isfinite(x.float()).flatten(1).all(1)
-            restored.append(rows)
-        restored_tokens = min(loaded, int(finite.sum()))
-        if new_dev is not None:
-            self._evict(new_dev)
+        for x in (x for rows in restored for x in rows):
+            finite &= torch.isfinite(x.float()).flatten(1).all(1)
+        if restore:
+            self._evict(read_idx)
         ctl.evict_host(host)
-        stats = {
-            "tokens": n,
-            "written_tokens": written,
-            "loaded_tokens": loaded,
-            "restored_tokens": restored_tokens,
-        }
-        return restored, stats
+        stats = {"tokens": n, "written_tokens": written, "loaded_tokens": loaded}
+        return restored, {**stats, "restored_tokens": min(loaded, int(finite.sum()))}
 
 
 def drain(queue) -> int:
     """Wait for a controller's acknowledged transfers; the tokens they covered."""
-    tokens = 0
     for ack in queue:
         ack.finish_event.synchronize()
-        tokens += ack.num_tokens
+    tokens = sum(ack.num_tokens for ack in queue)
     queue.clear()
     return tokens
 
@@ -431,42 +357,20 @@ def prefill_kv(model, ids: Sequence[int], kv_dtype: torch.dtype):
     No model config: sliding-window layers keep every token, as SGLang's pool does."""
     from transformers import DynamicCache
 
-    out = model(
-        torch.tensor([list(ids)]), past_key_values=DynamicCache(), use_cache=True
-    )
-    cache = out.past_key_values
+    ids = torch.tensor([list(ids)])
+    cache = model(ids, past_key_values=DynamicCache(), use_cache=True).past_key_values
     kinds = {type(layer).__name__ for layer in cache.layers}
     if kinds != {"DynamicLayer"}:
         raise NotImplementedError(
             f"only full-attention KV caches are supported, got layers {sorted(kinds)}"
         )
-    kv = []
-    for layer in cache.layers:
-        k, v = layer.keys, layer.values  # [1, heads, tokens, dim], post-RoPE
-        kv.append(
-            (
-                k[0].transpose(0, 1).to(kv_dtype).contiguous(),
-                v[0].transpose(0, 1).to(kv_dtype).contiguous(),
-            )
+    # keys and values are [1, heads, tokens, dim], post-RoPE.
+    return [
+        tuple(
+            x[0].transpose(0, 1).to(kv_dtype).contiguous() for x in (c.keys, c.values)
         )
-    return kv
-
-
-def make_cache(model, kvs, compute_dtype: torch.dtype):
-    """A DynamicCache holding one batch row per prefix KV in `kvs`."""
-    from transformers import DynamicCache
-
-    data = []
-    for layer in range(len(kvs[0])):
-        data.append(
-            tuple(
-                torch.stack([kv[layer][i].transpose(0, 1) for kv in kvs]).to(
-                    compute_dtype
-                )
-                for i in (0, 1)
-            )
-        )
-    return DynamicCache(ddp_cache_data=data)
+        for c in cache.layers
+    ]
 
 
 @torch.no_grad()
@@ -474,78 +378,83 @@ def score_and_generate(model, kvs, inputs: Sequence[int], greedy_tokens: int):
     """Per arm's KV: the logits of `inputs` and greedy tokens after inputs[0].
 
     Arms are rows of one batch, so only their KV values differ."""
-    compute_dtype = next(model.parameters()).dtype
-    cache = make_cache(model, kvs, compute_dtype)
-    batch = len(kvs)
+    from transformers import DynamicCache
+
+    dtype = next(model.parameters()).dtype
+    data = [
+        tuple(
+            torch.stack([kv[layer][i].transpose(0, 1) for kv in kvs]).to(dtype)
+            for i in (0, 1)
+        )
+        for layer in range(len(kvs[0]))
+    ]
+    batch = torch.tensor([list(inputs)] * len(kvs))
     out = model(
-        torch.tensor([list(inputs)] * batch), past_key_values=cache, use_cache=True
+        batch, past_key_values=DynamicCache(ddp_cache_data=data), use_cache=True
     )
     logits = out.logits.float()
-    generated = [[] for _ in range(batch)]
+    steps = []
     if greedy_tokens > 0:
         cache = out.past_key_values
         if len(inputs) > 1:
             cache.crop(-(len(inputs) - 1))  # keep prefix + inputs[0]
-        tokens = logits[:, 0].argmax(-1)
-        for step in range(greedy_tokens):
-            for row in range(batch):
-                generated[row].append(int(tokens[row]))
-            if step == greedy_tokens - 1:
-                break
-            nxt = model(tokens[:, None], past_key_values=cache, use_cache=True)
+        steps.append(logits[:, 0].argmax(-1))
+        for _ in range(greedy_tokens - 1):
+            nxt = model(steps[-1][:, None], past_key_values=cache, use_cache=True)
             cache = nxt.past_key_values
-            tokens = nxt.logits[:, -1].argmax(-1)
-    return [(logits[row], generated[row]) for row in range(batch)]
+            steps.append(nxt.logits[:, -1].argmax(-1))
+    return [(logits[row], [int(t[row]) for t in steps]) for row in range(len(kvs))]
 
 
 def compare_logits(
     ref: torch.Tensor, arm: torch.Tensor, targets: torch.Tensor, chunk: int = 64
 ) -> dict:
     """Per-position KL(ref || arm), top-1 match and target log-probs (fp64)."""
-    kl, top1, lp_ref, lp_arm, margin = [], [], [], [], []
+    parts = {k: [] for k in ("kl", "top1", "lp_ref", "lp_arm", "flip_margin")}
     for s in range(0, ref.shape[0], chunk):
         a = torch.log_softmax(ref[s : s + chunk].double(), dim=-1)
         b = torch.log_softmax(arm[s : s + chunk].double(), dim=-1)
-        kl.append((a.exp() * (a - b)).sum(-1).clamp_min(0))
         top_ref = ref[s : s + chunk].argmax(-1, keepdim=True)
         top_arm = arm[s : s + chunk].argmax(-1, keepdim=True)
-        top1.append((top_ref == top_arm).squeeze(-1))
-        # How close to a tie a top-1 flip is (0 where they agree).
-        margin.append((a.gather(-1, top_ref) - a.gather(-1, top_arm)).squeeze(-1))
         t = targets[s : s + chunk].unsqueeze(-1)
-        lp_ref.append(a.gather(-1, t).squeeze(-1))
-        lp_arm.append(b.gather(-1, t).squeeze(-1))
-    return {
-        "kl": torch.cat(kl),
-        "top1": torch.cat(top1),
-        "lp_ref": torch.cat(lp_ref),
-        "lp_arm": torch.cat(lp_arm),
-        "flip_margin": torch.cat(margin),
-    }
+        parts["kl"].append((a.exp() * (a - b)).sum(-1).clamp_min(0))
+        parts["top1"].append((top_ref == top_arm).squeeze(-1))
+        parts["lp_ref"].append(a.gather(-1, t).squeeze(-1))
+        parts["lp_arm"].append(b.gather(-1, t).squeeze(-1))
+        # How close to a tie a top-1 flip is (0 where they agree).
+        margin = a.gather(-1, top_ref) - a.gather(-1, top_arm)
+        parts["flip_margin"].append(margin.squeeze(-1))
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+def _kv_pairs(a, b):
+    return ((x0, x1) for l0, l1 in zip(a, b) for x0, x1 in zip(l0, l1))
+
+
+def squared_error(pairs, num: float = 0.0, den: float = 0.0) -> tuple[float, float]:
+    """num + sum (x1 - x0)^2 and den + sum x0^2 over the (x0, x1) pairs, in fp64."""
+    for x0, x1 in pairs:
+        x0, x1 = x0.double(), x1.double()
+        num += float(((x1 - x0) ** 2).sum())
+        den += float((x0**2).sum())
+    return num, den
 
 
 def kv_relative_error(ref, restored) -> float:
     """||restored - ref|| / ||ref|| over all layers, K and V (fp64)."""
-    num = den = 0.0
-    for (k0, v0), (k1, v1) in zip(ref, restored):
-        for x0, x1 in ((k0, k1), (v0, v1)):
-            x0, x1 = x0.double(), x1.double()
-            num += float(((x1 - x0) ** 2).sum())
-            den += float((x0**2).sum())
+    num, den = squared_error(_kv_pairs(ref, restored))
     return math.sqrt(num / den) if den else 0.0
 
 
 def _kv_equal(a, b) -> bool:
     # Bytes, so FP8 rows (no torch.equal kernel on CPU) compare too.
     return all(
-        x0.dtype == x1.dtype and torch.equal(_bytes(x0), _bytes(x1))
-        for (k0, v0), (k1, v1) in zip(a, b)
-        for x0, x1 in ((k0, k1), (v0, v1))
+        x0.dtype == x1.dtype
+        and torch.equal(
+            x0.contiguous().view(torch.uint8), x1.contiguous().view(torch.uint8)
+        )
+        for x0, x1 in _kv_pairs(a, b)
     )
-
-
-def _bytes(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.uint8)
 
 
 @dataclass
@@ -572,10 +481,8 @@ def run_quality(
     """Every arm on the same windows: the report; RestoreError if L2 lost a prefix."""
     arms, offloaded = _selected_arms(cfg)
     kv_dtype = KV_DTYPES[cfg.kv_dtype]
-    model, tokenizer = bundle.model, bundle.tokenizer
     t_start = time.perf_counter()
-
-    ids, text_info = tokenize_text(tokenizer, cfg.text_file)
+    ids, text_info = tokenize_text(bundle.tokenizer, cfg.text_file)
     window_len = cfg.prefix_len + cfg.score_len + 1
     starts = pick_windows(len(ids), window_len, cfg.windows, cfg.seed)
     bos = bundle.info.get("bos_token_id")
@@ -584,41 +491,42 @@ def run_quality(
         f"{cfg.prefix_len} restored + {cfg.score_len} scored tokens (seed {cfg.seed})"
         + ("" if bos is None else f", each starting with BOS ({bos})")
     )
-
-    rigs: dict[str, OffloadRig] = {}
-    geo = None
-    per_arm = {a: _new_accumulator() for a in arms}
+    rigs, geo = {}, None
+    # Per arm: each window's scored figures, its report row, L2 token counts.
+    per_arm = {
+        a: dict(scored=[], windows=[], restored=0, loaded=0, written=0) for a in arms
+    }
     for w, start in enumerate(starts):
         t_w = time.perf_counter()
         window = ids[start : start + window_len]
         if bos is not None:
             window = [bos] + window[:-1]
-        kv = prefill_kv(model, window[: cfg.prefix_len], kv_dtype)
+        kv = prefill_kv(bundle.model, window[: cfg.prefix_len], kv_dtype)
         if geo is None:
             geo = _kv_geometry(kv, kv_dtype)
-            rigs = _offload_rigs(cfg, geo, offloaded)
-        restored_kv = _round_trip(cfg, rigs, kv, per_arm, w, start)
-        line = _score_window(
-            cfg, model, arms, window, kv, restored_kv, per_arm, w, start
+            rigs = {arm.name: _offload_rig(cfg, geo, arm) for arm in offloaded}
+        restored_kv = _round_trip(
+            cfg, rigs, kv, per_arm, f"window {w} (token offset {start})"
         )
-        log(
-            f"window {w + 1}/{len(starts)} @ {start}: "
-            + ", ".join(line)
-            + f" ({time.perf_counter() - t_w:.1f}s)"
-        )
-
-    total_restored = sum(per_arm[a.name]["restored"] for a in offloaded)
-    if total_restored == 0:  # unreachable unless windows == 0
+        line = _score_window(cfg, bundle.model, window, restored_kv, per_arm, w, start)
+        took = time.perf_counter() - t_w
+        log(f"window {w + 1}/{len(starts)} @ {start}: {', '.join(line)} ({took:.1f}s)")
+    if sum(per_arm[a.name]["restored"] for a in offloaded) == 0:  # windows == 0
         raise NoRestoreError("no token was restored from L2; refusing to report")
     return _report(
-        cfg, bundle, arms, rigs, geo, per_arm, starts, text_info, standins, t_start
+        cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_start
     )
 
 
 def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
     """(every arm, exact first; the offloaded ones), after checking the config."""
     default = offload_arms(cfg.page_size, cfg.layouts)
-    known = {**default, **sink_arms(default)}
+    known = dict(default)
+    for name, base in SINK_ARMS.items():
+        if base in default:
+            known[name] = replace(
+                default[base], name=name, sink_page_tokens=SINK_PAGE_TOKENS
+            )
     arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *default)
     if "exact" not in arms:
         arms = ("exact", *arms)
@@ -639,54 +547,36 @@ def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
     return arms, offloaded
 
 
-def _new_accumulator() -> dict:
-    lists = ("nll", "kl", "top1", "dlp", "flip_margin", "greedy_match")
-    acc = {key: [] for key in lists}
-    acc.update(greedy_prefix=[], kv_rel_err=[], windows=[])
-    acc.update(restored=0, loaded=0, written=0)
-    return acc
+def _kv_geometry(kv, kv_dtype):
+    from tests.support.hicache_harness import Geometry
+
+    k0, v0 = kv[0]  # [tokens, heads, dim]
+    return Geometry(len(kv), k0.shape[1], k0.shape[2], v0.shape[2], kv_dtype)
 
 
-def _kv_geometry(kv, kv_dtype) -> KVGeometry:
-    """The model's KV geometry, read from its first prefill."""
-    k0, v0 = kv[0]
-    return KVGeometry(
-        layer_num=len(kv),
-        head_num=k0.shape[1],
-        head_dim=k0.shape[2],
-        v_head_dim=v0.shape[2],
-        dtype=kv_dtype,
-    )
+def _offload_rig(cfg: QualityConfig, geo, arm: Arm) -> OffloadRig:
+    extra = {}
+    if arm.host_dtype != "auto":
+        extra["sink_page_tokens"] = arm.sink_page_tokens
+        if geo.dtype in FP8_KV_DTYPES:
+            # An encoded pool is told which FP8 its uint8 device rows hold.
+            extra["device_kv_dtype"] = geo.dtype
+    geo = replace(geo, page_size=arm.page_size)
+    return OffloadRig(geo, arm.host_dtype, arm.layout, cfg.prefix_len, **extra)
 
 
-def _offload_rigs(cfg: QualityConfig, geo: KVGeometry, offloaded) -> dict:
-    """One device pool + host pool + controller per arm, at the arm's page size."""
-    return {
-        arm.name: OffloadRig(
-            replace(geo, page_size=arm.page_size),
-            arm.host_dtype,
-            arm.layout,
-            cfg.prefix_len,
-            sink_page_tokens=arm.sink_page_tokens,
-        )
-        for arm in offloaded
-    }
-
-
-def _round_trip(cfg: QualityConfig, rigs, kv, per_arm, w: int, start: int) -> dict:
+def _round_trip(cfg: QualityConfig, rigs, kv, per_arm, where: str) -> dict:
     """Each offloaded arm's prefix KV after L2 and back, refused if incomplete."""
     restored_kv = {"exact": kv}
     for a, rig in rigs.items():
         restored_kv[a], stats = rig.round_trip(kv, restore=cfg.restore)
-        acc = per_arm[a]
-        acc["restored"] += stats["restored_tokens"]
-        acc["loaded"] += stats["loaded_tokens"]
-        acc["written"] += stats["written_tokens"]
+        for key in ("restored", "loaded", "written"):
+            per_arm[a][key] += stats[f"{key}_tokens"]
         if stats["restored_tokens"] != cfg.prefix_len:
             total = sum(per_arm[x]["restored"] for x in rigs)
             cls = NoRestoreError if total == 0 else RestoreError
             raise cls(
-                f"arm {a!r}, window {w} (token offset {start}): "
+                f"arm {a!r}, {where}: "
                 f"{stats['restored_tokens']} of {cfg.prefix_len} prefix tokens "
                 f"restored from L2 (written {stats['written_tokens']}, "
                 f"load acknowledged {stats['loaded_tokens']}); refusing to report"
@@ -694,65 +584,63 @@ def _round_trip(cfg: QualityConfig, rigs, kv, per_arm, w: int, start: int) -> di
     return restored_kv
 
 
-def _score_window(cfg, model, arms, window, kv, restored_kv, per_arm, w, start):
+def _score_window(cfg, model, window, restored_kv, per_arm, w, start) -> list[str]:
     """Score every arm as rows of one batch into its accumulator; the log line."""
+    arms, kv = list(per_arm), restored_kv["exact"]
     inputs = window[cfg.prefix_len : cfg.prefix_len + cfg.score_len]
     targets = torch.tensor(window[cfg.prefix_len + 1 :])
-    rows = score_and_generate(
-        model, [restored_kv[a] for a in arms], inputs, cfg.greedy_tokens
-    )
-    results = dict(zip(arms, rows))
+    kvs = [restored_kv[a] for a in arms]
+    results = dict(zip(arms, score_and_generate(model, kvs, inputs, cfg.greedy_tokens)))
     ref_logits, ref_gen = results["exact"]
     line = []
-    for a in arms:
-        logits, gen = results[a]
+    for a, (logits, gen) in results.items():
         cmp = compare_logits(ref_logits, logits, targets)
-        acc = per_arm[a]
-        nll = -cmp["lp_arm"]
-        acc["nll"].append(nll)
-        acc["kl"].append(cmp["kl"])
-        acc["top1"].append(cmp["top1"])
-        acc["dlp"].append((cmp["lp_arm"] - cmp["lp_ref"]).abs())
-        acc["flip_margin"].append(cmp["flip_margin"])
         match = [x == y for x, y in zip(gen, ref_gen)]
-        acc["greedy_match"].extend(match)
-        first_diff = match.index(False) if False in match else len(match)
-        acc["greedy_prefix"].append(first_diff)
-        acc["kv_rel_err"].append(kv_relative_error(kv, restored_kv[a]))
+        cmp.update(
+            nll=-cmp["lp_arm"],
+            dlp=(cmp["lp_arm"] - cmp["lp_ref"]).abs(),
+            greedy_match=match,
+            greedy_prefix=match.index(False) if False in match else len(match),
+            kv_rel_err=kv_relative_error(kv, restored_kv[a]),
+        )
+        per_arm[a]["scored"].append(cmp)
         win = {
             "window": w,
             "start": start,
-            "ppl": math.exp(float(nll.mean())),
+            "ppl": math.exp(float(cmp["nll"].mean())),
             "kl_mean": float(cmp["kl"].mean()),
             "top1": float(cmp["top1"].float().mean()),
-            "greedy_agree": sum(match) / len(match) if match else None,
+            "greedy_agree": _mean(match),
         }
         if a != "exact":
             win["logits_identical"] = bool(torch.equal(logits, ref_logits))
             win["kv_identical"] = _kv_equal(kv, restored_kv[a])
-        acc["windows"].append(win)
+        per_arm[a]["windows"].append(win)
         line.append(f"{a} ppl {win['ppl']:.3f}")
     return line
 
 
-def _report(
-    cfg, bundle, arms, rigs, geo, per_arm, starts, text_info, standins, t_start
-):
-    kv_dtype = KV_DTYPES[cfg.kv_dtype]
-    summary = {a: _summarize(per_arm[a], a == "exact") for a in arms}
-    ppl_exact = summary["exact"]["ppl"]
-    for a in arms:
-        summary[a]["ppl_rel_delta"] = summary[a]["ppl"] / ppl_exact - 1
-        if a in rigs:
-            summary[a].update(rigs[a].describe)
-    window_len = cfg.prefix_len + cfg.score_len + 1
+def _cat(scored: list[dict], key: str) -> torch.Tensor:
+    return torch.cat([c[key] for c in scored])
+
+
+def _mean(xs: list) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _report(cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_start):
+    summary = {a: _summarize(acc, a == "exact") for a, acc in per_arm.items()}
+    for a, s in summary.items():
+        s["ppl_rel_delta"] = s["ppl"] / summary["exact"]["ppl"] - 1
+        s.update(rigs[a].describe if a in rigs else {})
+    kv_bytes = geo.head_num * (geo.head_dim + geo.v_head_dim) * geo.dtype.itemsize
     return {
         "kind": "hiqcache-quality-cpu",
         "config": {
             **asdict(cfg),
             "text_file": text_info["path"],
-            "arms": list(arms),
-            "window_len": window_len,
+            "arms": list(per_arm),
+            "window_len": cfg.prefix_len + cfg.score_len + 1,
         },
         "windows": starts,
         "text": text_info,
@@ -764,18 +652,17 @@ def _report(
             "v_head_dim": geo.v_head_dim,
             "kv_dtype": cfg.kv_dtype,
             "page_sizes": {a: r.geo.page_size for a, r in rigs.items()},
-            "bf16_bytes_per_token": geo.layer_num
-            * geo.head_num
-            * (geo.head_dim + geo.v_head_dim)
-            * kv_dtype.itemsize,
+            "bf16_bytes_per_token": geo.layer_num * kv_bytes,
         },
         "arms": summary,
         "control": _control_verdict(per_arm, summary),
         "targets": _targets(cfg, summary, len(starts)),
         "kl_per_token": {
-            a: torch.cat(per_arm[a]["kl"]).tolist() for a in arms if a != "exact"
+            a: _cat(acc["scored"], "kl").tolist()
+            for a, acc in per_arm.items()
+            if a != "exact"
         },
-        "per_window": {a: per_arm[a]["windows"] for a in arms},
+        "per_window": {a: acc["windows"] for a, acc in per_arm.items()},
         "harness": (
             "prefix KV rounded to the L1 dtype in every arm; offloaded arms go "
             "device pool -> HiCacheController.write -> host pool -> NaN-wipe + free "
@@ -790,11 +677,10 @@ def _report(
 
 
 def _summarize(acc: dict, is_exact: bool) -> dict:
-    nll = torch.cat(acc["nll"])
-    kl = torch.cat(acc["kl"])
-    top1 = torch.cat(acc["top1"])
-    dlp = torch.cat(acc["dlp"])
-    out = {
+    scored = acc["scored"]
+    nll, kl, top1, dlp = (_cat(scored, k) for k in ("nll", "kl", "top1", "dlp"))
+    greedy = [m for c in scored for m in c["greedy_match"]]
+    return {
         "scored_tokens": int(nll.numel()),
         "ppl": math.exp(float(nll.mean())),
         "kl_mean": float(kl.mean()),
@@ -802,42 +688,32 @@ def _summarize(acc: dict, is_exact: bool) -> dict:
         "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() else 0.0,
         "top1_agree": float(top1.float().mean()),
         "top1_flips": int((~top1).sum()),
-        "top1_flip_max_margin": float(torch.cat(acc["flip_margin"]).max()),
+        "top1_flip_max_margin": float(_cat(scored, "flip_margin").max()),
         "max_abs_dlogprob": float(dlp.max()),
         "mean_abs_dlogprob": float(dlp.mean()),
-        "greedy_tokens": len(acc["greedy_match"]),
-        "greedy_agree": (
-            sum(acc["greedy_match"]) / len(acc["greedy_match"])
-            if acc["greedy_match"]
-            else None
-        ),
+        "greedy_tokens": len(greedy),
+        "greedy_agree": _mean(greedy),
         "greedy_identical_windows": sum(
             1 for w in acc["windows"] if w["greedy_agree"] == 1.0
         ),
-        "greedy_mean_common_prefix": (
-            sum(acc["greedy_prefix"]) / len(acc["greedy_prefix"])
-            if acc["greedy_prefix"]
-            else None
-        ),
-        "kv_rel_err": max(acc["kv_rel_err"]) if acc["kv_rel_err"] else 0.0,
+        "greedy_mean_common_prefix": _mean([c["greedy_prefix"] for c in scored]),
+        "kv_rel_err": max((c["kv_rel_err"] for c in scored), default=0.0),
         "restored_tokens": 0 if is_exact else acc["restored"],
         "written_tokens": 0 if is_exact else acc["written"],
         "load_acked_tokens": 0 if is_exact else acc["loaded"],
     }
-    return out
 
 
 def _control_verdict(per_arm: dict, summary: dict) -> dict | None:
     if CONTROL_ARM not in per_arm:
         return None
     wins = per_arm[CONTROL_ARM]["windows"]
-    s = summary[CONTROL_ARM]
     return {
         "arm": CONTROL_ARM,
         "kv_bit_identical": all(w["kv_identical"] for w in wins),
         "logits_bit_identical": all(w["logits_identical"] for w in wins),
-        "greedy_identical": s["greedy_agree"] in (None, 1.0),
-        "restored_tokens": s["restored_tokens"],
+        "greedy_identical": summary[CONTROL_ARM]["greedy_agree"] in (None, 1.0),
+        "restored_tokens": summary[CONTROL_ARM]["restored_tokens"],
     }
 
 
@@ -858,17 +734,8 @@ def _targets(cfg: QualityConfig, summary: dict, windows: int) -> dict:
         )
     for a, s in summary.items():
         target = TARGETS.get(s.get("host_dtype"))
-        if target is None:
-            continue
-        out[f"{a}_ppl_rel_delta_le_{target.ppl_rel_delta:g}"] = (
-            abs(s["ppl_rel_delta"]) <= target.ppl_rel_delta
-        )
-        if target.top1 is not None:
-            out[f"{a}_top1_ge_{target.top1:g}"] = s["top1_agree"] >= target.top1
-        ref = _kl_reference(target, summary)
-        if ref is not None:
-            factor = target.kl_rel[1]
-            out[f"{a}_kl_le_{factor:g}x_{ref[0]}"] = s["kl_mean"] <= factor * ref[1]
+        for key, _, ok in target.checks(s, summary) if target else ():
+            out[f"{a}_{key}"] = ok
     return out
 
 
@@ -898,21 +765,19 @@ def versions() -> dict:
 
     lock_file = REPO_ROOT / "sglang.lock"
     lock = read_lock(lock_file) if lock_file.is_file() else {}
-    tree = Path(sglang.__file__).resolve().parent.parent.parent
+    package = Path(sglang.__file__).resolve().parent
     status = _git("status", "--porcelain", cwd=REPO_ROOT)
+    libraries = ("transformers", "gguf", "accelerate", "numpy", "tokenizers")
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
-        **{
-            name: _version(name)
-            for name in ("transformers", "gguf", "accelerate", "numpy", "tokenizers")
-        },
+        **{name: _version(name) for name in libraries},
         "sglang": getattr(sglang, "__version__", None),
         "sglang_pinned": lock.get("SGLANG_VERSION"),
         "hiq_local_version": lock.get("HIQ_LOCAL_VERSION"),
-        "sglang_from": str(Path(sglang.__file__).resolve().parent),
-        "patched_tree_head": _git("rev-parse", "HEAD", cwd=tree),
+        "sglang_from": str(package),
+        "patched_tree_head": _git("rev-parse", "HEAD", cwd=package.parent.parent),
         "hiqcache_head": _git("rev-parse", "HEAD", cwd=REPO_ROOT),
         "hiqcache_dirty": bool(status) if status is not None else None,
     }
@@ -923,34 +788,33 @@ def _pct(x: float | None, digits: int = 2) -> str:
 
 
 def markdown_report(report: dict, command: str | None = None) -> str:
-    cfg = report["config"]
-    geo = report["kv_geometry"]
+    cfg, geo, model = report["config"], report["kv_geometry"], report["model"]
+    text, v = report["text"], report["versions"]
+    bos = model.get("bos_token_id") is not None
     lines = [
         "# HiQCache restored-KV quality (CPU, real L2 restore path)",
         "",
-        f"- model: {report['model']['model']} ({report['model']['architecture']}, "
-        f"compute {report['model']['compute_dtype']}); KV {geo['layers']} layers x "
+        f"- model: {model['model']} ({model['architecture']}, "
+        f"compute {model['compute_dtype']}); KV {geo['layers']} layers x "
         f"{geo['kv_heads']} KV heads x {geo['head_dim']} dims, L1 dtype {geo['kv_dtype']}",
-        f"- text: {_text_label(report['text'])} ({report['text']['tokens']} tokens, "
-        f"sha256 {report['text']['sha256'][:12]})",
+        f"- text: {_text_label(text)} ({text['tokens']} tokens, "
+        f"sha256 {text['sha256'][:12]})",
         f"- {len(report['windows'])} windows (seed {cfg['seed']}) of "
         f"{cfg['prefix_len']} prefix tokens restored from L2 + {cfg['score_len']} "
         f"scored tokens; greedy generation of {cfg['greedy_tokens']} tokens per window"
         + (
-            ""
-            if report["model"].get("bos_token_id") is None
-            else "; each window starts with the BOS token, as served prompts do"
+            "; each window starts with the BOS token, as served prompts do"
+            if bos
+            else ""
         ),
-        f"- sglang {report['versions']['sglang']} (patched tree, {report['versions']['hiq_local_version']}), "
-        f"torch {report['versions']['torch']}, transformers {report['versions']['transformers']}; "
+        f"- sglang {v['sglang']} (patched tree, {v['hiq_local_version']}), "
+        f"torch {v['torch']}, transformers {v['transformers']}; "
         f"{report['threads']} threads, {report['seconds']} s",
+        f"- path: {report['harness']}",
     ]
-    lines.append(f"- path: {report['harness']}")
     if report["cpu_standins"]:
-        lines.append(
-            "- CPU stand-ins (tests/support/standins.py): "
-            + "; ".join(report["cpu_standins"])
-        )
+        standins = "; ".join(report["cpu_standins"])
+        lines.append(f"- CPU stand-ins (tests/support/standins.py): {standins}")
     if command:
         lines.append(f"- command: `{command}`")
     lines += [
@@ -960,34 +824,22 @@ def markdown_report(report: dict, command: str | None = None) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in report["arms"].items():
-        pool = (
-            f"{s['host_pool']} ({s['layout']})"
-            if "host_pool" in s
-            else "none (no offload)"
-        )
+        pool = f"{s['host_pool']} ({s['layout']})" if "host_pool" in s else None
         bpt = s.get("host_bytes_per_token", geo["bf16_bytes_per_token"])
         lines.append(
-            f"| {name} | {pool} | {s.get('page_size', '-')} | {bpt:g} | "
-            f"{s['restored_tokens']} | {s['ppl']:.4f} | "
+            f"| {name} | {pool or 'none (no offload)'} | {s.get('page_size', '-')} "
+            f"| {bpt:g} | {s['restored_tokens']} | {s['ppl']:.4f} | "
             f"{100 * s['ppl_rel_delta']:+.4f}% | {s['kl_mean']:.3e} | {s['kl_max']:.3e} | "
             f"{_pct(s['top1_agree'])} | {s['max_abs_dlogprob']:.3e} | "
             f"{_pct(s['greedy_agree'])} | {s['kv_rel_err']:.2e} |"
         )
     lines.append("")
-    for name, s in report["arms"].items():
-        if name == "exact":
-            continue
-        lines.append(
-            f"- {name}: {s['top1_flips']} top-1 flips in {s['scored_tokens']} scored "
-            f"tokens (largest exact-model log-prob gap at a flip: "
-            f"{s['top1_flip_max_margin']:.3f} nats); greedy output identical in "
-            f"{s['greedy_identical_windows']} of {len(report['windows'])} windows, "
-            f"first divergence after {s['greedy_mean_common_prefix']:.1f} tokens on average; "
-            f"KL p99 {s['kl_p99']:.2e}"
-        )
+    arms = report["arms"].items()
+    lines += [_flips_line(n, s, report) for n, s in arms if n != "exact"]
     lines += ["", "Targets:", ""]
-    for key, ok in report["targets"].items():
-        lines.append(f"- {key}: {'PASS' if ok else 'FAIL'}")
+    lines += [
+        f"- {k}: {'PASS' if ok else 'FAIL'}" for k, ok in report["targets"].items()
+    ]
     control = report.get("control")
     if control:
         lines += [
@@ -996,8 +848,18 @@ def markdown_report(report: dict, command: str | None = None) -> str:
             f"{control['kv_bit_identical']}; logits bit-identical: "
             f"{control['logits_bit_identical']}.",
         ]
-    lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + [""])
+
+
+def _flips_line(name: str, s: dict, report: dict) -> str:
+    return (
+        f"- {name}: {s['top1_flips']} top-1 flips in {s['scored_tokens']} scored "
+        f"tokens (largest exact-model log-prob gap at a flip: "
+        f"{s['top1_flip_max_margin']:.3f} nats); greedy output identical in "
+        f"{s['greedy_identical_windows']} of {len(report['windows'])} windows, "
+        f"first divergence after {s['greedy_mean_common_prefix']:.1f} tokens on average; "
+        f"KL p99 {s['kl_p99']:.2e}"
+    )
 
 
 def _text_label(text: dict) -> str:
@@ -1013,21 +875,8 @@ def _target_cells(target: Target | None, s: dict, summary: dict) -> str:
     """The format's targets with pass/miss, from the measured figures."""
     if target is None:
         return "-"
-    cells = []
-    ok = abs(s["ppl_rel_delta"]) <= target.ppl_rel_delta
-    cells.append(
-        f"PPL delta <= {100 * target.ppl_rel_delta:g}%: {'pass' if ok else 'MISS'}"
-    )
-    if target.top1 is not None:
-        ok = s["top1_agree"] >= target.top1
-        cells.append(f"top-1 >= {100 * target.top1:g}%: {'pass' if ok else 'MISS'}")
-    ref = _kl_reference(target, summary)
-    if ref is not None:
-        ok = s["kl_mean"] <= target.kl_rel[1] * ref[1]
-        cells.append(
-            f"KL <= {target.kl_rel[1]:g}x {ref[0]}: {'pass' if ok else 'MISS'}"
-        )
-    return "; ".join(cells)
+    checks = target.checks(s, summary)
+    return "; ".join(f"{label}: {'pass' if ok else 'MISS'}" for _, label, ok in checks)
 
 
 def summary_markdown(reports: dict[str, dict]) -> str:
@@ -1050,22 +899,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
             "| top-1 agree | mean KL | max KL | targets |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
-        bf16_bpt = report["kv_geometry"]["bf16_bytes_per_token"]
-        for name, s in report["arms"].items():
-            if name == "exact":
-                lines.append(
-                    f"| exact | none (no offload) | - | - | - | {s['ppl']:.4f} "
-                    "| - | - | - | - | - |"
-                )
-                continue
-            bpt = s["host_bytes_per_token"]
-            lines.append(
-                f"| {name} | {s['host_pool']} ({s['layout']}) | {s['page_size']} "
-                f"| {bpt:,} | {bf16_bpt / bpt:.3f}x | {s['ppl']:.4f} "
-                f"| {100 * s['ppl_rel_delta']:+.4f}% | {_pct(s['top1_agree'])} "
-                f"| {s['kl_mean']:.2e} | {s['kl_max']:.2e} "
-                f"| {_target_cells(TARGETS.get(s['host_dtype']), s, report['arms'])} |"
-            )
+        lines += [_summary_row(name, s, report) for name, s in report["arms"].items()]
         control = report.get("control")
         if control:
             same = control["kv_bit_identical"] and control["logits_bit_identical"]
@@ -1074,30 +908,47 @@ def summary_markdown(reports: dict[str, dict]) -> str:
                 f"Control `{control['arm']}` bit-identical to exact (KV and "
                 f"logits): {'yes' if same else 'NO'}."
             )
-    lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + [""])
+
+
+def _summary_row(name: str, s: dict, report: dict) -> str:
+    if name == "exact":
+        return f"| exact | none (no offload) | - | - | - | {s['ppl']:.4f} | - | - | - | - | - |"
+    bpt, bf16_bpt = (
+        s["host_bytes_per_token"],
+        report["kv_geometry"]["bf16_bytes_per_token"],
+    )
+    targets = _target_cells(TARGETS.get(s["host_dtype"]), s, report["arms"])
+    return (
+        f"| {name} | {s['host_pool']} ({s['layout']}) | {s['page_size']} "
+        f"| {bpt:,} | {bf16_bpt / bpt:.3f}x | {s['ppl']:.4f} "
+        f"| {100 * s['ppl_rel_delta']:+.4f}% | {_pct(s['top1_agree'])} "
+        f"| {s['kl_mean']:.2e} | {s['kl_max']:.2e} | {targets} |"
+    )
+
+
+def write_json_and_markdown(
+    report: dict, out_dir, name: str, command, markdown
+) -> dict:
+    """{name}.json (the report and command) and {name}.md (`markdown(report, command)`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
+    paths["json"].write_text(
+        json.dumps({**report, "command": command}, indent=1) + "\n"
+    )
+    paths["md"].write_text(markdown(report, command))
+    return {k: str(v) for k, v in paths.items()}
 
 
 def write_outputs(
     report: dict, out_dir: str | os.PathLike, name: str, command: str | None = None
 ) -> dict:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "json": out / f"{name}.json",
-        "md": out / f"{name}.md",
-        "png": out / f"{name}_kl.png",
-    }
-    paths["json"].write_text(
-        json.dumps({**report, "command": command}, indent=1) + "\n"
+    paths = write_json_and_markdown(report, out_dir, name, command, markdown_report)
+    paths["png"] = str(Path(out_dir) / f"{name}_kl.png")
+    title = (
+        f"per-token KL(exact || arm), {report['model']['model']}, "
+        f"{len(report['windows'])} windows x {report['config']['score_len']} tokens"
     )
-    paths["md"].write_text(markdown_report(report, command))
-    plot.kl_histogram(
-        report["kl_per_token"],
-        paths["png"],
-        title=(
-            f"per-token KL(exact || arm), {report['model']['model']}, "
-            f"{len(report['windows'])} windows x {report['config']['score_len']} tokens"
-        ),
-    )
-    return {k: str(v) for k, v in paths.items()}
+    plot.kl_histogram(report["kl_per_token"], paths["png"], title=title)
+    return paths

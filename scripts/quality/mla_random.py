@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
-from scripts.quality.harness import OffloadRig, RestoreError, compare_logits, versions
+from scripts.quality import harness as hq
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Offloaded arms: name -> (host dtype for get_mla_host_pool_cls, default layout).
@@ -49,8 +46,8 @@ class MLARandomConfig:
 
 
 def build_model(cfg: MLARandomConfig):
-    """transformers' DeepseekV2ForCausalLM from a config, random weights
-    (seeded), fp32, eval mode. One dense layer first, MoE after, as DeepSeek."""
+    """transformers' DeepseekV2ForCausalLM, seeded random fp32 weights; one dense
+    layer first, MoE after, as DeepSeek."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     config = DeepseekV2Config(
@@ -89,8 +86,8 @@ def prefill_latent(model, ids: torch.Tensor, kv_dtype: torch.dtype) -> list:
 
 @torch.no_grad()
 def score_from_latent(model, rows: Sequence[torch.Tensor], suffix: torch.Tensor):
-    """Logits [len(suffix), vocab] of the continuation, attending to the
-    prefix cache given as device rows (widened to the model's dtype)."""
+    """Logits [len(suffix), vocab] of the continuation after the prefix's device
+    rows (widened to the model's dtype)."""
     from transformers import DynamicCache
 
     rank = model.config.kv_lora_rank
@@ -102,54 +99,37 @@ def score_from_latent(model, rows: Sequence[torch.Tensor], suffix: torch.Tensor)
     return model(suffix[None], past_key_values=cache, use_cache=True).logits[0].float()
 
 
-class MLAOffloadRig(OffloadRig):
+class MLAOffloadRig(hq.OffloadRig):
     """SGLang's MLATokenToKVPool + the dispatched MLA host pool + the real
     HiCacheController (write_through, io backend direct), on CPU."""
 
     def __init__(self, cfg: MLARandomConfig, host_dtype: str, layout: str):
-        # tests/ is on the path once the CPU stand-ins are installed.
-        from tests.support.hicache_harness import MLAGeometry, make_rig
+        from tests.support.hicache_harness import MLAGeometry
 
-        page = cfg.page_size
-        device_tokens = -(-2 * cfg.prefix_len // page) * page
-        self.geo = geo = MLAGeometry(
+        geo = MLAGeometry(
             layer_num=cfg.layers,
             kv_lora_rank=cfg.kv_lora_rank,
             qk_rope_head_dim=cfg.qk_rope_head_dim,
             dtype=KV_DTYPES[cfg.kv_dtype],
-            page_size=page,
+            page_size=cfg.page_size,
         )
-        self.fp8 = False
-        rig = make_rig(
-            geo,
-            device_tokens=device_tokens,
-            host_tokens=2 * device_tokens,
-            layout=layout,
-            io_backend="direct",
-            host_dtype=host_dtype,
+        super().__init__(geo, host_dtype, layout, cfg.prefix_len)
+        width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        self.describe["device_bytes_per_token"] = (
+            cfg.layers * width * geo.dtype.itemsize
         )
-        self._attach(rig, (rig.device_pool.kv_buffer,), first_page_is_sink=False)
-        self.describe = {
-            "host_dtype": host_dtype,
-            "host_pool": type(self.host_pool).__name__,
-            "layout": layout,
-            "io_backend": "direct",
-            "page_size": page,
-            "host_bytes_per_token": int(self.host_pool.get_size_per_token()),
-            "device_bytes_per_token": cfg.layers
-            * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-            * geo.dtype.itemsize,
-        }
 
     def round_trip(self, rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The restored rows; RestoreError unless every token came back finite."""
-        restored, stats = super().round_trip([(r,) for r in rows])
+        restored, stats = super().round_trip(
+            [(r,) for r in rows], first_page_is_sink=False
+        )
         restored = [r for (r,) in restored]
         n, loaded = rows[0].shape[0], stats["loaded_tokens"]
         # The source rows hold no NaN, so a NaN row here was not restored.
         finite = sum(int(torch.isfinite(r).all(-1).all(-1).sum()) for r in restored)
         if loaded != n or finite != n * len(rows):
-            raise RestoreError(
+            raise hq.RestoreError(
                 f"{self.describe['host_pool']}: {loaded}/{n} tokens loaded, "
                 f"{finite}/{n * len(rows)} rows finite after the load"
             )
@@ -167,76 +147,54 @@ def run_mla_random(
     unknown = set(cfg.arms) - set(ALL_ARMS)
     if unknown:
         raise ValueError(f"unknown arms {sorted(unknown)}; choose from {ALL_ARMS}")
-    kv_dtype = KV_DTYPES[cfg.kv_dtype]
     model = build_model(cfg)
     rigs = {
         arm: MLAOffloadRig(cfg, OFFLOAD_ARMS[arm][0], cfg.layouts[arm])
-        for arm in arms
-        if arm != "exact"
+        for arm in arms[1:]
     }
     gen = torch.Generator().manual_seed(cfg.seed)
     acc = {
         arm: {"abs_err": [], "kl": [], "top1": [], "latent": [0.0, 0.0]} for arm in arms
     }
-    rope_exact = True
-    ref_logits = []
+    rope_exact, ref_logits, rank = True, [], cfg.kv_lora_rank
     for w in range(cfg.windows):
-        ids = torch.randint(
-            cfg.vocab_size, (cfg.prefix_len + cfg.score_len,), generator=gen
-        )
-        prefix, suffix = ids[: cfg.prefix_len], ids[cfg.prefix_len :]
-        rows = prefill_latent(model, prefix, kv_dtype)
+        n = cfg.prefix_len + cfg.score_len
+        ids = torch.randint(cfg.vocab_size, (n,), generator=gen)
+        suffix = ids[cfg.prefix_len :]
+        rows = prefill_latent(model, ids[: cfg.prefix_len], KV_DTYPES[cfg.kv_dtype])
         ref = score_from_latent(model, rows, suffix)
         ref_logits.append(ref.flatten())
         line = []
         for arm in arms:
-            restored = rows if arm == "exact" else rigs[arm].round_trip(rows)
-            logits = (
-                ref if arm == "exact" else score_from_latent(model, restored, suffix)
-            )
-            cmp = compare_logits(ref, logits, suffix)
+            restored = rigs[arm].round_trip(rows) if arm in rigs else rows
+            logits = score_from_latent(model, restored, suffix) if arm in rigs else ref
+            cmp = hq.compare_logits(ref, logits, suffix)
             a = acc[arm]
             a["abs_err"].append((logits - ref).abs().flatten())
             a["kl"].append(cmp["kl"])
             a["top1"].append(cmp["top1"])
-            for r0, r1 in zip(rows, restored):
-                latent0 = r0[..., : cfg.kv_lora_rank].double()
-                latent1 = r1[..., : cfg.kv_lora_rank].double()
-                a["latent"][0] += float(((latent1 - latent0) ** 2).sum())
-                a["latent"][1] += float((latent0**2).sum())
-                rope_exact &= torch.equal(
-                    r0[..., cfg.kv_lora_rank :].view(torch.int16),
-                    r1[..., cfg.kv_lora_rank :].view(torch.int16),
-                )
+            pairs = list(zip(rows, restored))
+            a["latent"] = hq.squared_error(
+                ((r0[..., :rank], r1[..., :rank]) for r0, r1 in pairs), *a["latent"]
+            )
+            rope_exact &= all(
+                _same_bits(r0[..., rank:], r1[..., rank:]) for r0, r1 in pairs
+            )
             line.append(
                 f"{arm}: max|dlogit| {float(a['abs_err'][-1].max()):.3g}, "
                 f"top-1 {float(cmp['top1'].double().mean()):.4f}"
             )
         log(f"window {w + 1}/{cfg.windows}: " + ", ".join(line))
     logit_std = float(torch.cat(ref_logits).double().std())
-    return _report(
-        cfg, model, arms, rigs, acc, rope_exact, logit_std, standins, t_start
-    )
+    return _report(cfg, model, acc, rigs, rope_exact, logit_std, standins, t_start)
 
 
-def _report(
-    cfg, model, arms, rigs, acc, rope_exact, logit_std, standins, t_start
-) -> dict:
-    summary = {}
-    for arm in arms:
-        a = acc[arm]
-        err = torch.cat(a["abs_err"]).double()
-        kl = torch.cat(a["kl"])
-        num, den = a["latent"]
-        summary[arm] = {
-            "max_abs_logit_err": float(err.max()),
-            "mean_abs_logit_err": float(err.mean()),
-            "top1_agreement": float(torch.cat(a["top1"]).double().mean()),
-            "mean_kl": float(kl.mean()),
-            "max_kl": float(kl.max()),
-            "latent_rel_err": math.sqrt(num / den) if den else 0.0,
-            "scored_tokens": int(kl.numel()),
-        }
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _report(cfg, model, acc, rigs, rope_exact, logit_std, standins, t_start) -> dict:
+    summary = {arm: _summarize(a) for arm, a in acc.items()}
     control = summary.get(CONTROL_ARM)
     return {
         "kind": "mla_random",
@@ -262,25 +220,39 @@ def _report(
             " + free -> HiCacheController.load/start_loading -> MLATokenToKVPool"
         ),
         "cpu_standins": standins or [],
-        "versions": versions(),
+        "versions": hq.versions(),
         "seconds": round(time.perf_counter() - t_start, 1),
     }
 
 
+def _summarize(a: dict) -> dict:
+    err, kl = torch.cat(a["abs_err"]).double(), torch.cat(a["kl"])
+    num, den = a["latent"]
+    return {
+        "max_abs_logit_err": float(err.max()),
+        "mean_abs_logit_err": float(err.mean()),
+        "top1_agreement": float(torch.cat(a["top1"]).double().mean()),
+        "mean_kl": float(kl.mean()),
+        "max_kl": float(kl.max()),
+        "latent_rel_err": math.sqrt(num / den) if den else 0.0,
+        "scored_tokens": int(kl.numel()),
+    }
+
+
 def markdown_report(report: dict, command: str | None = None) -> str:
-    cfg = report["config"]
+    cfg, model = report["config"], report["model"]
     lines = [
         "# MLA latent KV restored from L2: random-weight DeepSeek-V2 (CPU)",
         "",
         f"**{report['caveat'][0].upper()}{report['caveat'][1:]}.**",
         "",
-        f"Model: {report['model']['class']}, {report['model']['parameters']:,} "
+        f"Model: {model['class']}, {model['parameters']:,} "
         f"random parameters (seed {cfg['seed']}), {cfg['layers']} layers, "
         f"kv_lora_rank {cfg['kv_lora_rank']}, qk_rope_head_dim "
-        f"{cfg['qk_rope_head_dim']}, computed in {report['model']['compute_dtype']}; "
+        f"{cfg['qk_rope_head_dim']}, computed in {model['compute_dtype']}; "
         f"L1 KV {cfg['kv_dtype']}. {cfg['windows']} windows of random tokens: "
         f"{cfg['prefix_len']} restored + {cfg['score_len']} scored. Exact logits "
-        f"have std {report['model']['exact_logit_std']:.3g} (scale for the errors).",
+        f"have std {model['exact_logit_std']:.3g} (scale for the errors).",
         "",
         f"Restore path: {report['restore_path']}.",
         "",
@@ -290,13 +262,10 @@ def markdown_report(report: dict, command: str | None = None) -> str:
     ]
     for arm, s in report["arms"].items():
         rig = report["rigs"].get(arm)
-        pool = rig["host_pool"] if rig else "-"
-        layout = rig["layout"] if rig else "-"
-        size = (
-            f"{rig['host_bytes_per_token']} / {rig['device_bytes_per_token']}"
-            if rig
-            else "-"
-        )
+        pool, layout, size = "-", "-", "-"
+        if rig:
+            pool, layout = rig["host_pool"], rig["layout"]
+            size = f"{rig['host_bytes_per_token']} / {rig['device_bytes_per_token']}"
         lines.append(
             f"| {arm} | {pool} | {layout} | {size} | {s['max_abs_logit_err']:.3g} "
             f"| {s['mean_abs_logit_err']:.3g} | {100 * s['top1_agreement']:.2f} % "
@@ -313,14 +282,3 @@ def markdown_report(report: dict, command: str | None = None) -> str:
     if command:
         lines += ["", f"Command: `python {command}`"]
     return "\n".join(lines) + "\n"
-
-
-def write_outputs(report: dict, out_dir, name: str, command: str | None = None) -> dict:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-    paths["json"].write_text(
-        json.dumps({**report, "command": command}, indent=1) + "\n"
-    )
-    paths["md"].write_text(markdown_report(report, command))
-    return {k: os.fspath(v) for k, v in paths.items()}

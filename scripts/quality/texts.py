@@ -10,6 +10,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from scripts.overlay import sha256_of
+
 # Large, pure-Python modules (about 300k tokens in all with SmolLM2's
 # tokenizer): room for 32 windows of 1,537 tokens with most inside one file.
 STDLIB_FILES = (
@@ -40,11 +42,14 @@ class TextSource:
         missing = [str(p) for p in self.paths if not p.is_file()]
         if missing:
             raise FileNotFoundError(f"{self.name}: missing {', '.join(missing)}")
-        return FILE_SEPARATOR.join(p.read_text(encoding="utf-8") for p in self.paths)
+        return FILE_SEPARATOR.join(self.parts())
+
+    def parts(self) -> list[str]:
+        return [p.read_text(encoding="utf-8") for p in self.paths]
 
     def describe(self) -> dict:
         """Where the text came from, for the report (paths and checksums)."""
-        files = [{"path": str(p), "sha256": sha256(p)} for p in self.paths]
+        files = [{"path": str(p), "sha256": sha256_of(p)} for p in self.paths]
         whole = hashlib.sha256("".join(f["sha256"] for f in files).encode())
         info = {"name": self.name, "kind": self.kind, "sha256": whole.hexdigest()}
         if len(files) == 1:
@@ -71,18 +76,15 @@ def python_stdlib(
 class PythonDocs(TextSource):
     """The topic texts of `pydoc_data/topics.py`, in the module's order."""
 
-    def read(self) -> str:
-        (path,) = self.paths
-        if not path.is_file():
-            raise FileNotFoundError(f"{self.name}: missing {path}")
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+    def parts(self) -> list[str]:
+        tree = ast.parse(self.paths[0].read_text(encoding="utf-8"))
         topics = next(
             ast.literal_eval(node.value)
             for node in tree.body
             if isinstance(node, ast.Assign)
             and getattr(node.targets[0], "id", None) == "topics"
         )
-        return FILE_SEPARATOR.join(topics.values())
+        return list(topics.values())
 
 
 def python_docs(root: str | Path | None = None) -> TextSource:
@@ -93,11 +95,3 @@ def python_docs(root: str | Path | None = None) -> TextSource:
 
 CODE_TEXTS = {"python-stdlib": python_stdlib}
 DOC_TEXTS = {"python-docs": python_docs}
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
