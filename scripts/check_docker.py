@@ -16,8 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overlay import read_lock  # noqa: E402
+from scripts.overlay import read_lock
 
 IMAGE_ARG = "SGLANG_IMAGE_TAG"
 BASE_IMAGE = "lmsysorg/sglang"

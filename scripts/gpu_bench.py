@@ -18,11 +18,8 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("HIQ_GPU_TEST_DEVICE", "cpu")
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-
 import torch  # noqa: E402
-from gpu_support import (  # noqa: E402
+from tests.support.gpu import (  # noqa: E402
     QWEN3_8B,
     MissingPackage,
     destroy_host_pool,

@@ -223,7 +223,7 @@ EOF
 run_tests() {
     local args=(--json "$OUT/gpu_tests.json")
     [ "$DRY" = 1 ] && args+=(--dry-run)
-    timeout "$TEST_TIMEOUT" "$PY" tests/gpu/run_gpu_tests.py "${args[@]}" "${EXTRA[@]}" \
+    timeout "$TEST_TIMEOUT" "$PY" -m tests.gpu.run_gpu_tests "${args[@]}" "${EXTRA[@]}" \
         > "$OUT/gpu_tests.log" 2>&1
     local rc=$?
     tail -15 "$OUT/gpu_tests.log" >&2
@@ -238,7 +238,7 @@ run_tests() {
 run_bench() {
     local args=(--out "$OUT/gpu_bench.json" --budget-s "$BENCH_BUDGET")
     [ "$DRY" = 1 ] && args+=(--dry-run)
-    timeout "$BENCH_TIMEOUT" "$PY" scripts/gpu_bench.py "${args[@]}" "${EXTRA[@]}" \
+    timeout "$BENCH_TIMEOUT" "$PY" -m scripts.gpu_bench "${args[@]}" "${EXTRA[@]}" \
         > "$OUT/gpu_bench.log" 2>&1
     local rc=$?
     tail -25 "$OUT/gpu_bench.log" >&2

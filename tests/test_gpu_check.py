@@ -14,10 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests" / "gpu"))
-
-import gpu_support  # noqa: E402
-from run_gpu_tests import verdict  # noqa: E402
+from tests.gpu.run_gpu_tests import verdict
+from tests.support import gpu as gpu_support
 
 
 def gpu_check(*args: str, site: Path, out: Path, env_extra=None, timeout=900):

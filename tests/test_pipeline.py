@@ -748,7 +748,8 @@ def test_install_refuses_a_patch_that_only_applies_with_fuzz(patched, tmp_path):
 
 def run_check_docker(root: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "check_docker.py"), "--root", str(root)],
+        [sys.executable, "-m", "scripts.check_docker", "--root", str(root)],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,

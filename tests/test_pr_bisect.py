@@ -17,7 +17,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TREE = REPO / "build" / "sglang"
-RUNNER = REPO / "tests" / "upstream_unit_runner.py"
 IDENTITY = {
     "GIT_AUTHOR_NAME": "Bisect Test",
     "GIT_AUTHOR_EMAIL": "bisect@localhost",
@@ -58,7 +57,8 @@ def test_each_pr_applies_alone_on_the_pin_and_passes_its_unit_tests(tmp_path):
         tests = [work / p for p in added if p.startswith("test/registered/")]
         assert tests, f"{pr_dir.name}: the PRs so far add no unit test"
         proc = subprocess.run(
-            [sys.executable, str(RUNNER), *map(str, tests)],
-            capture_output=True, text=True, env={**os.environ, "HIQ_SGLANG_TREE": str(work)},
+            [sys.executable, "-m", "tests.upstream_unit_runner", *map(str, tests)],
+            cwd=REPO, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(work / "python"), "HIQ_SGLANG_TREE": str(work)},
         )  # fmt: skip
         assert proc.returncode == 0, f"{pr_dir.name}:\n{proc.stdout}\n{proc.stderr[-4000:]}"

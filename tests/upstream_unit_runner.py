@@ -1,21 +1,18 @@
 """Run upstream-style unit test files against one SGLang tree on CPU, with the
 stand-ins of tests/support/standins.py (used by test_pr_bisect.py in a subprocess).
 
-    HIQ_SGLANG_TREE=<tree> python tests/upstream_unit_runner.py <test files...>
+    HIQ_SGLANG_TREE=<tree> PYTHONPATH=<tree>/python \
+        python -m tests.upstream_unit_runner <test files...>
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 import unittest
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(os.environ["HIQ_SGLANG_TREE"]) / "python"))
-
-from tests.support.standins import install_sglang_standins, install_torchvision_stub  # noqa: E402
+from tests.support.standins import install_sglang_standins, install_torchvision_stub
 
 install_torchvision_stub()
 install_sglang_standins()

@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from gpu_support import (  # noqa: E402
+from tests.support.gpu import (
     gpu_test_device,
     gpu_test_marks,
     install_gpu_standins,

@@ -1,7 +1,7 @@
 """Tests phase of scripts/gpu_check.sh: checks, then pytest on tests/gpu, in one
 process (one import of sglang, which is slow on the GPU machine).
 
-    python tests/gpu/run_gpu_tests.py --json OUT.json [--dry-run] [pytest args]
+    python -m tests.gpu.run_gpu_tests --json OUT.json [--dry-run] [pytest args]
 
 Exit 0 only if tests ran and passed: no CUDA device (without --dry-run), a
 missing package, no test passing, or a skipped test on CUDA (nothing here is
@@ -45,14 +45,13 @@ def main(argv: list[str]) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     os.environ["HIQ_GPU_TEST_JSON"] = str(args.json)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(HERE))
 
     def give_up(reason: str) -> int:
         args.json.write_text(json.dumps({"verdict": f"failed: {reason}"}, indent=1))
         print(f"gpu-check tests: FAILED: {reason}", file=sys.stderr)
         return 2
 
-    import gpu_support
+    from tests.support import gpu as gpu_support
 
     missing = gpu_support.missing_packages()
     if missing:

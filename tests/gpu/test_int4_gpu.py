@@ -16,7 +16,7 @@ import contextlib
 
 import pytest
 import torch
-from gpu_support import (
+from tests.support.gpu import (
     CUDA,
     DELAY,
     DEVICE,

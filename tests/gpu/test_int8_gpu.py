@@ -22,7 +22,7 @@ import threading
 
 import pytest
 import torch
-from gpu_support import (
+from tests.support.gpu import (
     CUDA,
     DELAY,
     DEVICE,

@@ -14,7 +14,7 @@ import contextlib
 
 import pytest
 import torch
-import gpu_support as gs
+from tests.support import gpu as gs
 
 if gs.DEVICE is not None:
     from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk

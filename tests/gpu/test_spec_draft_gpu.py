@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_support import (
+from tests.support.gpu import (
     CUDA,
     DEVICE,
     destroy_host_pool,

@@ -1,4 +1,5 @@
-"""Shared by tests/gpu/ and scripts/gpu_bench.py: stand-ins for what a bare
+"""Shared by tests/gpu/ and scripts/gpu_bench.py (imported from the repository
+root, as tests.support.gpu): stand-ins for what a bare
 CUDA machine lacks, and builders for real SGLang pools on a chosen device.
 
 A bare CUDA machine (PyTorch + Triton, sglang installed --no-deps) lacks
@@ -31,13 +32,8 @@ from pathlib import Path
 
 import torch
 
-# The repository root, for tests.support.
-TESTS_DIR = Path(__file__).resolve().parents[2]
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
-
 QWEN3_8B = dict(layer_num=36, head_num=8, head_dim=128, v_head_dim=128)
-CARRIED_PACKAGES = Path(__file__).resolve().with_name("carried_packages.txt")
+CARRIED_PACKAGES = Path(__file__).resolve().parents[1] / "gpu" / "carried_packages.txt"
 # What the machine must provide itself (too large to carry).
 PROVIDED_PACKAGES = {"torch": "torch", "triton": "triton", "numpy": "numpy"}
 # The modules the GPU check exercises, imported once by each phase.
