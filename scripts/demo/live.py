@@ -12,38 +12,33 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from statistics import fmean
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from scripts.demo import workload
-from scripts.demo.report import spread
+from scripts.demo.report import pm
 
 # The format whose host tier must hold the working set, and the stock arm.
 ANCHOR_FORMAT = "int8"
 STOCK_LABEL = "bf16"
-# bench_serving's warm-up: its first request, at most 32 output tokens.
-WARMUP_OUTPUT_CAP = workload.WARMUP_OUTPUT_CAP
 
 M_CACHED = "sglang:cached_tokens_total"
-M_PROMPT = "sglang:prompt_tokens_total"
 M_LOAD_BACK = "sglang:load_back_tokens_total"
-M_EVICTED = "sglang:evicted_tokens_total"
-M_BACKUP = "sglang:hicache_backup_tokens_total"
-M_HOST_TOTAL_TOKENS = "sglang:hicache_host_total_tokens"
-M_HOST_USED_TOKENS = "sglang:hicache_host_used_tokens"
-M_HOST_USED_BYTES = "sglang:hicache_host_used_bytes"
-M_HOST_BPT = "sglang:hicache_host_bytes_per_token"
+# SeedRun's counter deltas: key -> /metrics counter.
+COUNTERS = {
+    "prompt_tokens": "sglang:prompt_tokens_total",
+    "load_back_tokens": M_LOAD_BACK,
+    "evicted_tokens": "sglang:evicted_tokens_total",
+    "backup_tokens": "sglang:hicache_backup_tokens_total",
+}
 SOURCES = ("device", "host", "storage")
+# The /server_info fields the replay needs.
 SERVER_INFO_KEYS = (
-    "max_total_num_tokens",
-    "chunked_prefill_size",
-    "max_prefill_tokens",
-    "disable_overlap_schedule",
-    "hicache_ratio",
-    "hicache_host_dtype",
-    "hicache_write_policy",
-    "page_size",
-)
+    "max_total_num_tokens chunked_prefill_size max_prefill_tokens "
+    "disable_overlap_schedule hicache_ratio hicache_host_dtype "
+    "hicache_write_policy page_size"
+).split()
 
 
 @dataclass(frozen=True)
@@ -60,14 +55,8 @@ class LiveConfig:
     gen_tokens: int = 16  # greedy tokens per reuse, scored for quality
 
     def workload(self, seed: int) -> workload.Workload:
-        return workload.Workload(
-            num_groups=self.groups,
-            prompts_per_group=self.prompts_per_group,
-            system_prompt_len=self.system_prompt_len,
-            question_len=self.question_len,
-            output_len=self.output_len,
-            seed=seed,
-        )
+        sizes = self.system_prompt_len, self.question_len, self.output_len
+        return workload.Workload(self.groups, self.prompts_per_group, *sizes, seed)
 
     def bench_serving_args(self, seed: int, model: Path, port: int, out: Path):
         return [
@@ -180,7 +169,7 @@ def working_set_tokens(prompts: Sequence[SentPrompt], gen_tokens: int) -> int:
     """Tokens the cache holds if nothing is evicted (shared prefixes count once)."""
     seen = {h for p in prompts for h in workload.prefix_hashes(p.ids)}
     outputs = sum(p.output_len for p in prompts)
-    warmup = min(prompts[0].output_len, WARMUP_OUTPUT_CAP)
+    warmup = min(prompts[0].output_len, workload.WARMUP_OUTPUT_CAP)
     reuse = 2 * (gen_tokens + 1) * len(reuse_order(prompts))
     return len(seen) + outputs + warmup + reuse
 
@@ -237,8 +226,7 @@ def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> B
     anchor_bytes = math.ceil(config.margin * working_set * bpt[ANCHOR_FORMAT])
     arms = []
     for label, dt in formats:
-        tokens = anchor_bytes // bpt[label]
-        tokens = int(tokens)
+        tokens = int(anchor_bytes // bpt[label])
         # int(device * ratio) is what SGLang allocates: the half token keeps
         # the float product above the integer.
         ratio = (tokens + 0.5) / config.device_tokens
@@ -268,14 +256,15 @@ def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> B
 
 
 def _host_gauges(m) -> dict:
+    gauge = lambda key: m.value(f"sglang:hicache_host_{key}")  # noqa: E731
+    total, bpt = gauge("total_tokens"), gauge("bytes_per_token")
     # The host tier's size in bytes is not exported: it is tokens x bytes/token.
-    total_tokens, bytes_per_token = m.value(M_HOST_TOTAL_TOKENS), m.value(M_HOST_BPT)
     return {
-        "total_tokens": total_tokens,
-        "total_bytes": total_tokens * bytes_per_token,
-        "used_tokens": m.value(M_HOST_USED_TOKENS),
-        "used_bytes": m.value(M_HOST_USED_BYTES),
-        "bytes_per_token": bytes_per_token,
+        "total_tokens": total,
+        "total_bytes": total * bpt,
+        "used_tokens": gauge("used_tokens"),
+        "used_bytes": gauge("used_bytes"),
+        "bytes_per_token": bpt,
     }
 
 
@@ -285,11 +274,7 @@ def _counter_deltas(after, before) -> dict:
     out = {
         f"cached_{s}": diff(after, before, M_CACHED, cache_source=s) for s in SOURCES
     }
-    out["prompt_tokens"] = diff(after, before, M_PROMPT)
-    out["load_back_tokens"] = diff(after, before, M_LOAD_BACK)
-    out["evicted_tokens"] = diff(after, before, M_EVICTED)
-    out["backup_tokens"] = diff(after, before, M_BACKUP)
-    return out
+    return out | {key: diff(after, before, name) for key, name in COUNTERS.items()}
 
 
 def _details(meta: dict) -> dict:
@@ -356,22 +341,13 @@ class SeedRun:
 
 
 def reuse_phase(server, prompts, gen_tokens: int, reference=None) -> list[Reuse]:
+    greedy = {"temperature": 0.0, "max_new_tokens": gen_tokens, "ignore_eos": True}
+    details = {"return_logprob": True, "return_cached_tokens_details": True}
     out = []
     for i, p in enumerate(reuse_order(prompts)):
         t0 = time.perf_counter()
-        r = server.post(
-            "/generate",
-            {
-                "text": p.text,
-                "sampling_params": {
-                    "temperature": 0.0,
-                    "max_new_tokens": gen_tokens,
-                    "ignore_eos": True,
-                },
-                "return_logprob": True,
-                "return_cached_tokens_details": True,
-            },
-        )
+        payload = {"text": p.text, "sampling_params": greedy, **details}
+        r = server.post("/generate", payload)
         meta = r["meta_info"]
         ttft = meta.get("first_token_latency", time.perf_counter() - t0)
         ids = r.get("output_ids") or [x[1] for x in meta["output_token_logprobs"]]
@@ -382,10 +358,9 @@ def reuse_phase(server, prompts, gen_tokens: int, reference=None) -> list[Reuse]
             {
                 "input_ids": p.ids + list(ref_ids),
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": 1},
-                "return_logprob": True,
                 "logprob_start_len": len(p.ids) - 1,
                 "top_logprobs_num": 1,
-                "return_cached_tokens_details": True,
+                **details,
             },
         )
         sm = score["meta_info"]
@@ -522,10 +497,10 @@ def quality(arm: ArmResult, base: ArmResult) -> dict:
     return {
         "prompts": prompts,
         "greedy_identical": same,
-        "greedy_common_prefix_mean": spread(prefix)[0] if prefix else 0.0,
+        "greedy_common_prefix_mean": fmean(prefix) if prefix else 0.0,
         "top1_agreement": top1 / positions if positions else float("nan"),
         "positions": positions,
-        "mean_abs_logprob_diff": spread(diffs)[0] if diffs else float("nan"),
+        "mean_abs_logprob_diff": fmean(diffs) if diffs else float("nan"),
         "max_abs_logprob_diff": max(diffs) if diffs else float("nan"),
         "prompts_loaded_back_from_host": host_scored,
     }
@@ -642,36 +617,23 @@ def arm_totals(arm: ArmResult) -> dict:
     def per_seed(fn):
         return [fn(run) for run in arm.seeds]
 
-    return {
+    t = {
         "bench_prompt": per_seed(lambda r: r.bench["prompt_tokens"]),
-        "bench_device": per_seed(lambda r: r.bench["cached"]["device"]),
-        "bench_host": per_seed(lambda r: r.bench["cached"]["host"]),
-        "bench_storage": per_seed(lambda r: r.bench["cached"]["storage"]),
         "bench_load_back": per_seed(lambda r: r.bench_counts["load_back_tokens"]),
         "reuse_prompt": per_seed(lambda r: sum(x.prompt_tokens for x in r.reuse)),
-        "reuse_device": per_seed(lambda r: sum(x.cached["device"] for x in r.reuse)),
-        "reuse_host": per_seed(lambda r: sum(x.cached["host"] for x in r.reuse)),
-        "reuse_storage": per_seed(lambda r: sum(x.cached["storage"] for x in r.reuse)),
         "reuse_load_back": per_seed(lambda r: r.reuse_counts["load_back_tokens"]),
-        "metrics_host": per_seed(
-            lambda r: r.bench_counts["cached_host"] + r.reuse_counts["cached_host"]
-        ),
         "ttft_ms": per_seed(lambda r: r.bench["mean_ttft_ms"]),
-        "reuse_ttft_ms": per_seed(
-            lambda r: 1000 * spread([x.ttft_s for x in r.reuse])[0]
-        ),
+        "reuse_ttft_ms": per_seed(lambda r: 1000 * fmean([x.ttft_s for x in r.reuse])),
         "out_tps": per_seed(lambda r: r.bench["output_throughput"]),
     }
+    for s in SOURCES:  # per_seed runs at once, so `s` is this iteration's
+        t[f"bench_{s}"] = per_seed(lambda r: r.bench["cached"][s])
+        t[f"reuse_{s}"] = per_seed(lambda r: sum(x.cached[s] for x in r.reuse))
+    return t
 
 
 def _m(values, digits=0) -> str:
-    mean = spread(values)[0]
-    return f"{mean:,.{digits}f}"
-
-
-def _pm(values, digits=0) -> str:
-    mean, sd = spread(values)
-    return f"{mean:,.{digits}f} +- {sd:,.{digits}f}"
+    return f"{fmean(values):,.{digits}f}"
 
 
 def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
@@ -703,8 +665,7 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         f"{'host':>6} {'stor.':>5} {'loaded':>7}"
     )
     for arm in res.arms:
-        t = arm_totals(arm)
-        h = arm.host_start
+        t, h = arm_totals(arm), arm.host_start
         say(
             f"   {arm.label:<7} {arm.sizing.hicache_ratio:>7.3f} "
             f"{h['total_tokens']:>11,.0f} {h['total_bytes'] / 1e6:>8.1f} "
@@ -736,7 +697,7 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         def paired(key):
             if arm.label == STOCK_LABEL:
                 return "-"
-            return _pm([x - y for x, y in zip(t[key], base_t[key])])
+            return pm([x - y for x, y in zip(t[key], base_t[key])], 1, 0)
 
         q = res.quality.get(arm.label)
         qcells = (
@@ -746,9 +707,9 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
             else f"{'reference':>13} {'':>7} {'':>7}"
         )
         say(
-            f"   {arm.label:<7} {_pm(t['ttft_ms']):>18} {paired('ttft_ms'):>16} "
-            f"{_pm(t['reuse_ttft_ms']):>18} {paired('reuse_ttft_ms'):>16} "
-            f"{_pm(t['out_tps'], 1):>14} | {qcells}"
+            f"   {arm.label:<7} {pm(t['ttft_ms'], 1, 0):>18} {paired('ttft_ms'):>16} "
+            f"{pm(t['reuse_ttft_ms'], 1, 0):>18} {paired('reuse_ttft_ms'):>16} "
+            f"{pm(t['out_tps'], 1, 1):>14} | {qcells}"
         )
     say(
         f"   quality (reported, not gated): the first {c.gen_tokens} tokens after a "
@@ -784,17 +745,14 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
 
 def passed(res: LiveResult) -> bool:
     """On reuse every quantized arm hits at least bf16, and int8 has more host hits."""
+
+    def hits(t):
+        return fmean([d + h for d, h in zip(t["reuse_device"], t["reuse_host"])])
+
     base = arm_totals(res.arm(STOCK_LABEL))
-    base_hits = spread(
-        [d + h for d, h in zip(base["reuse_device"], base["reuse_host"])]
-    )[0]
-    ok = True
-    for arm in res.arms:
-        t = arm_totals(arm)
-        hits = spread([d + h for d, h in zip(t["reuse_device"], t["reuse_host"])])[0]
-        ok &= hits >= base_hits
     anchor = arm_totals(res.arm(ANCHOR_FORMAT))
-    return ok and spread(anchor["reuse_host"])[0] > spread(base["reuse_host"])[0]
+    more_host = fmean(anchor["reuse_host"]) > fmean(base["reuse_host"])
+    return more_host and all(hits(arm_totals(a)) >= hits(base) for a in res.arms)
 
 
 def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:
@@ -886,8 +844,8 @@ def print_agreement(rows: list[dict], say: Callable[[str], None] = print) -> Non
             for a, b, p in zip(r["replay_l1"], r["replay_l2"], r["replay_prompt"])
         ]
         say(
-            f"   {r['label']:<7} {100 * spread(live_hit)[0]:>10.1f} "
-            f"{100 * spread(rep_hit)[0]:>7.1f} | {_m(r['live_device']):>11} "
+            f"   {r['label']:<7} {100 * fmean(live_hit):>10.1f} "
+            f"{100 * fmean(rep_hit):>7.1f} | {_m(r['live_device']):>11} "
             f"{_m(r['replay_l1']):>9} | {_m(r['live_host']):>9} {_m(r['replay_l2']):>9}"
         )
 
@@ -924,8 +882,8 @@ def plot(res: LiveResult, path: Path) -> None:
     bars = []
     for arm in res.arms:
         t = arm_totals(arm)
-        dev, host = spread(t["reuse_device"])[0], spread(t["reuse_host"])[0]
-        total = spread(t["reuse_prompt"])[0]
+        dev, host = fmean(t["reuse_device"]), fmean(t["reuse_host"])
+        total = fmean(t["reuse_prompt"])
         bars.append(
             (
                 arm.label,

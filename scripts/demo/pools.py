@@ -198,6 +198,22 @@ def _rss_shmem_bytes() -> int:
     return 0
 
 
+def _measured(host_pool, host_dtype: str, label, page_size: int) -> dict:
+    """The fields PoolAllocation and BudgetCapacity share; destroys the pool."""
+    fields = dict(
+        label=label or host_dtype,
+        host_dtype=host_dtype,
+        pool_class=type(host_pool).__name__,
+        page_size=page_size,
+        tokens=host_pool.size,
+        bytes=host_buffer_bytes(host_pool),
+        bytes_per_token=host_pool.get_size_per_token(),
+    )
+    host_pool.destroy()
+    gc.collect()
+    return fields
+
+
 @dataclass
 class PoolAllocation:
     label: str
@@ -235,15 +251,8 @@ def allocate_host_pool(
     kwargs.pop("write_back_staging", None)
 
     def build():
-        return cls(
-            info,
-            2.0,
-            0,
-            device_pool.page_size,
-            layout,
-            host_token_capacity=tokens,
-            **kwargs,
-        )
+        args = (info, 2.0, 0, device_pool.page_size, layout)
+        return cls(*args, host_token_capacity=tokens, **kwargs)
 
     note = ""
     committed = commit
@@ -265,22 +274,10 @@ def allocate_host_pool(
         with lazy_host_allocation():
             host_pool = build()
     resident = _rss_shmem_bytes() - rss_before if committed else 0
-    result = PoolAllocation(
-        label=label or host_dtype,
-        host_dtype=host_dtype,
-        pool_class=type(host_pool).__name__,
-        page_size=page_size,
-        tokens=host_pool.size,
-        bytes=host_buffer_bytes(host_pool),
-        bytes_per_token=host_pool.get_size_per_token(),
-        committed=committed,
-        resident_bytes=resident,
-        note=note,
+    fields = _measured(host_pool, host_dtype, label, page_size)
+    return PoolAllocation(
+        **fields, committed=committed, resident_bytes=resident, note=note
     )
-    host_pool.destroy()
-    del host_pool, device_pool
-    gc.collect()
-    return result
 
 
 @dataclass
@@ -316,26 +313,13 @@ def capacity_at_budget(
     device_pool = make_device_pool(geometry, max(64, page_size), page_size)
     with lazy_host_allocation():
         host_pool = build_kv_host_pool(kv_pool=device_pool, page_size=page_size)
-    result = BudgetCapacity(
-        label=label or host_dtype,
-        host_dtype=host_dtype,
-        budget_gb=budget_gb,
-        pool_class=type(host_pool).__name__,
-        page_size=page_size,
-        tokens=host_pool.size,
-        bytes=host_buffer_bytes(host_pool),
-        bytes_per_token=host_pool.get_size_per_token(),
-    )
-    host_pool.destroy()
-    del host_pool, device_pool
-    gc.collect()
-    return result
+    fields = _measured(host_pool, host_dtype, label, page_size)
+    return BudgetCapacity(**fields, budget_gb=budget_gb)
 
 
-# SGLang 0.5.23's default --chunked-prefill-size by GPU memory (GiB upper
-# bound, tokens), from arg_groups/memory_hook.handle_gpu_memory_settings; the
-# rule itself needs a model config and a device to run, so the demo reads this
-# copy and tests/test_replay.py checks it against the rule's source.
+# SGLang's default --chunked-prefill-size by GPU memory (GiB bound, tokens):
+# memory_hook's rule needs a model and a device, so this is a copy that
+# tests/test_replay.py checks against the rule's source.
 SERVER_CHUNKED_PREFILL_DEFAULTS = (
     (20, 2048),
     (35, 4096),
