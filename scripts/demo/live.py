@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from statistics import fmean
 from pathlib import Path
@@ -91,12 +92,8 @@ _INT_FLAGS = (
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = LiveConfig()
-    g = p.add_argument_group(
-        "part 1, live server (unset: the defaults or --live-quick's)"
-    )
-    g.add_argument(
-        "--live-formats", default=None, help="labels; bf16 and int8 always run"
-    )
+    g = p.add_argument_group("part 1, live server (unset: defaults or --live-quick's)")
+    g.add_argument("--live-formats", help="labels; bf16 and int8 always run")
     for name in _INT_FLAGS:
         g.add_argument(
             "--live-" + name.replace("_", "-"), type=int, default=None,
@@ -107,19 +104,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help=f"{ANCHOR_FORMAT} host tokens over the working set (default {d.margin})",
     )  # fmt: skip
     g.add_argument("--live-quick", action="store_true", help="a tiny live workload")
-    g.add_argument("--live-log-dir", type=Path, default=None, help="server logs")
+    g.add_argument("--live-log-dir", type=Path, help="server logs")
 
 
 def config_from_args(args) -> LiveConfig:
     base = QUICK if args.live_quick else LiveConfig()
     values = {}
     for name in _INT_FLAGS:
-        value = getattr(args, f"live_{name}")
+        values[name] = value = getattr(args, f"live_{name}")
         if value is not None and value < 1:
             flag = "--live-" + name.replace("_", "-")
             raise SystemExit(f"{flag} must be at least 1 (got {value})")
-        if value is not None:
-            values[name] = value
     if args.seed != base.seeds[0]:
         values["seeds"] = tuple(args.seed + i for i in range(len(base.seeds)))
     if args.live_margin is not None:
@@ -129,7 +124,8 @@ def config_from_args(args) -> LiveConfig:
                 f"whole working set (got {args.live_margin}; pass e.g. 1.25)"
             )
         values["margin"] = args.live_margin
-    return LiveConfig(**{**asdict(base), **values})
+    set_values = {k: v for k, v in values.items() if v is not None}
+    return LiveConfig(**{**asdict(base), **set_values})
 
 
 @dataclass
@@ -762,21 +758,29 @@ def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    groups_seen: dict[int, int] = {}
+    sent = Counter()  # prompts sent so far per group
     out = []
     for i, p in enumerate(prompts):
-        slot = groups_seen.setdefault(p.group, 0)
-        groups_seen[p.group] += 1
-        out.append(
-            workload.Request(
-                rid=i,
-                group=p.group,
-                slot=p.group * 1000 + slot,
-                prompt=array("q", p.ids),
-                output=array("q", rng.integers(0, 49_152, p.output_len).tolist()),
-            )
-        )
+        output = array("q", rng.integers(0, 49_152, p.output_len).tolist())
+        slot = p.group * 1000 + sent[p.group]
+        sent[p.group] += 1
+        out.append(workload.Request(i, p.group, slot, array("q", p.ids), output))
     return out
+
+
+def replay_serving(res: LiveResult, info: dict):
+    """The replay's Serving for a live arm's /server_info."""
+    from scripts.demo import replay
+
+    chunk = info.get("chunked_prefill_size")
+    return replay.Serving(
+        l1_tokens=int(info.get("max_total_num_tokens") or res.config.device_tokens),
+        concurrency=res.config.concurrency,
+        max_prefill_tokens=int(info.get("max_prefill_tokens") or 16_384),
+        chunked_prefill_size=chunk if chunk and chunk > 0 else None,
+        overlap_schedule=not info.get("disable_overlap_schedule", False),
+        write_policy=info.get("hicache_write_policy") or "write_through",
+    )
 
 
 def replay_agreement(res: LiveResult) -> list[dict]:
@@ -785,31 +789,20 @@ def replay_agreement(res: LiveResult) -> list[dict]:
 
     rows = []
     for arm in res.arms:
-        info = arm.server_info
-        chunk = info.get("chunked_prefill_size")
-        serving = replay.Serving(
-            l1_tokens=int(info.get("max_total_num_tokens") or res.config.device_tokens),
-            concurrency=res.config.concurrency,
-            max_prefill_tokens=int(info.get("max_prefill_tokens") or 16_384),
-            chunked_prefill_size=chunk if chunk and chunk > 0 else None,
-            overlap_schedule=not info.get("disable_overlap_schedule", False),
-            write_policy=info.get("hicache_write_policy") or "write_through",
-        )
-        replayed, live_l1, live_l2, prompt = [], [], [], []
-        for run in arm.seeds:
-            reqs = replay_requests(res.prompts[run.seed], run.seed)
-            r = replay.replay(
+        serving = replay_serving(res, arm.server_info)
+        host_tokens = int(arm.host_start["total_tokens"]) or arm.sizing.host_tokens
+        replayed = [
+            replay.replay(
                 arm.host_dtype,
-                int(arm.host_start["total_tokens"]) or arm.sizing.host_tokens,
-                reqs,
+                host_tokens,
+                replay_requests(res.prompts[run.seed], run.seed),
                 serving,
                 seed=run.seed,
                 label=arm.label,
             )
-            replayed.append(r)
-            live_l1.append(run.bench["cached"]["device"])
-            live_l2.append(run.bench["cached"]["host"])
-            prompt.append(run.bench["prompt_tokens"])
+            for run in arm.seeds
+        ]
+        bench = [run.bench for run in arm.seeds]
         rows.append(
             {
                 "label": arm.label,
@@ -817,12 +810,17 @@ def replay_agreement(res: LiveResult) -> list[dict]:
                 "replay_l1": [r.l1_hit_tokens for r in replayed],
                 "replay_l2": [r.l2_hit_tokens for r in replayed],
                 "replay_prompt": [r.prompt_tokens for r in replayed],
-                "live_device": live_l1,
-                "live_host": live_l2,
-                "live_prompt": prompt,
+                "live_device": [b["cached"]["device"] for b in bench],
+                "live_host": [b["cached"]["host"] for b in bench],
+                "live_prompt": [b["prompt_tokens"] for b in bench],
             }
         )
     return rows
+
+
+def _hit_pct(row: dict, l1: str, l2: str, prompt: str) -> float:
+    """Mean over seeds of (l1 + l2) / prompt tokens, in %."""
+    return 100 * fmean((a + b) / p for a, b, p in zip(row[l1], row[l2], row[prompt]))
 
 
 def print_agreement(rows: list[dict], say: Callable[[str], None] = print) -> None:
@@ -835,18 +833,12 @@ def print_agreement(rows: list[dict], say: Callable[[str], None] = print) -> Non
         f"{'replay L1':>9} | {'host live':>9} {'replay L2':>9}"
     )
     for r in rows:
-        live_hit = [
-            (d + h) / p
-            for d, h, p in zip(r["live_device"], r["live_host"], r["live_prompt"])
-        ]
-        rep_hit = [
-            (a + b) / p
-            for a, b, p in zip(r["replay_l1"], r["replay_l2"], r["replay_prompt"])
-        ]
+        live_hit = _hit_pct(r, "live_device", "live_host", "live_prompt")
+        rep_hit = _hit_pct(r, "replay_l1", "replay_l2", "replay_prompt")
         say(
-            f"   {r['label']:<7} {100 * fmean(live_hit):>10.1f} "
-            f"{100 * fmean(rep_hit):>7.1f} | {_m(r['live_device']):>11} "
-            f"{_m(r['replay_l1']):>9} | {_m(r['live_host']):>9} {_m(r['replay_l2']):>9}"
+            f"   {r['label']:<7} {live_hit:>10.1f} {rep_hit:>7.1f} | "
+            f"{_m(r['live_device']):>11} {_m(r['replay_l1']):>9} | "
+            f"{_m(r['live_host']):>9} {_m(r['replay_l2']):>9}"
         )
 
 
@@ -881,16 +873,10 @@ def plot(res: LiveResult, path: Path) -> None:
 
     bars = []
     for arm in res.arms:
-        t = arm_totals(arm)
-        dev, host = fmean(t["reuse_device"]), fmean(t["reuse_host"])
-        total = fmean(t["reuse_prompt"])
-        bars.append(
-            (
-                arm.label,
-                [dev, host, max(0.0, total - dev - host)],
-                arm.host_start["total_tokens"],
-            )
-        )
+        t = {k: fmean(v) for k, v in arm_totals(arm).items()}
+        dev, host, total = t["reuse_device"], t["reuse_host"], t["reuse_prompt"]
+        parts = [dev, host, max(0.0, total - dev - host)]
+        bars.append((arm.label, parts, arm.host_start["total_tokens"]))
     c = res.config
     plot.plot_bars(
         bars,
