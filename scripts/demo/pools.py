@@ -38,7 +38,7 @@ REPLAY_GEOMETRY = ModelGeometry("replay", layer_num=2, head_num=1, head_dim=16)
 _SETUP_DONE = False
 
 
-def setup_sglang(quiet: bool = True) -> None:
+def setup_sglang() -> None:
     """Install the CPU stand-ins (tests/support/standins.py) before sglang imports."""
     global _SETUP_DONE
     if _SETUP_DONE:
@@ -47,10 +47,9 @@ def setup_sglang(quiet: bool = True) -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     install_cpu_standins()
-    if quiet:
-        # Startup chatter a real server prints once (e.g. "host pool smaller
-        # than the device pool" for the smallest budgets, CPU event timing).
-        logging.getLogger("sglang").setLevel(logging.ERROR)
+    # Startup chatter a real server prints once (e.g. "host pool smaller
+    # than the device pool" for the smallest budgets, CPU event timing).
+    logging.getLogger("sglang").setLevel(logging.ERROR)
     _SETUP_DONE = True
 
 
@@ -139,19 +138,13 @@ def unified_radix_cache(server_args, req_to_token_pool, allocator, page_size: in
 
 def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
     setup_sglang()
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from tests.support.hicache_harness import Geometry, make_device_pool
 
-    return MHATokenToKVPool(
-        size=tokens,
-        page_size=page_size,
-        dtype=geometry.dtype,
-        head_num=geometry.head_num,
-        head_dim=geometry.head_dim,
-        layer_num=geometry.layer_num,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
+    g = geometry
+    geo = Geometry(
+        g.layer_num, g.head_num, g.head_dim, dtype=g.dtype, page_size=page_size
     )
+    return make_device_pool(geo, tokens)
 
 
 def _lazy_alloc_mmap(dims: tuple, dtype: torch.dtype) -> torch.Tensor:
