@@ -33,14 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per-group", type=int, default=4, help="B: requests per group")
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--question-len", type=int, default=128)
-    p.add_argument(
-        "--b-layers", type=int, default=2, help="B: layers (head_dim as in A)"
-    )
+    p.add_argument("--b-layers", type=int, default=2, help="B: layers (A's head_dim)")
     p.add_argument("--b-kv-heads", type=int, default=2)
     p.add_argument("--l2-mb", type=float, default=8, help="B: L2 budget, MB")
-    p.add_argument(
-        "--l3-mb", default="32,64,96", help="B: L3 store budgets, MB (comma list)"
-    )
+    p.add_argument("--l3-mb", default="32,64,96", help="B: L3 store budgets, MB, a,b")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "results")
     return p.parse_args(argv)
@@ -59,12 +55,7 @@ def setup():
 def bytes_per_token(h, args, workdir: Path) -> dict:
     from tests.support.hicache_harness import Geometry
 
-    geo = Geometry(
-        layer_num=args.layers,
-        head_num=args.kv_heads,
-        head_dim=args.head_dim,
-        page_size=args.page_size,
-    )
+    geo = Geometry(args.layers, args.kv_heads, args.head_dim, page_size=args.page_size)
     tokens = list(range(args.tokens))
     out = {}
     for label, host_dtype in FORMATS:
@@ -102,14 +93,11 @@ def bytes_per_token(h, args, workdir: Path) -> dict:
 
 def make_requests(args) -> list[list[int]]:
     rng = random.Random(args.seed)
-    vocab = 50_000
+    tokens = lambda n: [rng.randrange(50_000) for _ in range(n)]  # noqa: E731
     requests = []
-    for g in range(args.groups):
-        prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
-        for _ in range(args.per_group):
-            requests.append(
-                prefix + [rng.randrange(vocab) for _ in range(args.question_len)]
-            )
+    for _ in range(args.groups):
+        prefix = tokens(args.prefix_len)
+        requests += [prefix + tokens(args.question_len) for _ in range(args.per_group)]
     rng.shuffle(requests)
     return requests
 
@@ -142,12 +130,7 @@ def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     ps = args.page_size
-    geo = Geometry(
-        layer_num=args.b_layers,
-        head_num=args.b_kv_heads,
-        head_dim=args.head_dim,
-        page_size=ps,
-    )
+    geo = Geometry(args.b_layers, args.b_kv_heads, args.head_dim, page_size=ps)
     longest = max(len(r) for r in requests)
     master = h.MooncakeMaster(
         workdir / f"b-{host_dtype}-{l3_bytes}.log",
@@ -267,12 +250,11 @@ def main(argv=None) -> int:
 
         requests = make_requests(args)
         budgets = [int(float(x) * MB) for x in args.l3_mb.split(",") if x.strip()]
-        b = []
-        for budget in budgets:
-            for label, host_dtype in FORMATS:
-                row = hit_rate(h, args, host_dtype, budget, requests, workdir)
-                row["format"] = label
-                b.append(row)
+        b = [
+            hit_rate(h, args, host_dtype, budget, requests, workdir) | {"format": label}
+            for budget in budgets
+            for label, host_dtype in FORMATS
+        ]
         unique = args.groups * args.prefix_len + len(requests) * args.question_len
         best = 1 - unique / sum(
             len(r) // args.page_size * args.page_size for r in requests
