@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from statistics import fmean
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -84,10 +84,7 @@ QUICK = LiveConfig(
 )
 
 
-_INT_FLAGS = (
-    "groups", "prompts_per_group", "system_prompt_len", "question_len",
-    "output_len", "concurrency", "device_tokens", "gen_tokens",
-)  # fmt: skip
+_INT_FLAGS = [f.name for f in fields(LiveConfig) if f.type == "int"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -193,15 +190,11 @@ class Budget:
 def model_geometry(model_dir: Path):
     """The model's KV geometry from its config.json (TP=1)."""
     from scripts.demo.pools import ModelGeometry
+    from tests.support.server import model_geometry as kv_geometry
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    return ModelGeometry(
-        name=cfg.get("_name_or_path") or model_dir.name,
-        layer_num=cfg["num_hidden_layers"],
-        head_num=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-    )
+    name = cfg.get("_name_or_path") or model_dir.name
+    return ModelGeometry(name, *kv_geometry(model_dir))
 
 
 def bytes_per_token(formats, geometry) -> dict[str, float]:
@@ -476,29 +469,26 @@ def _common_prefix(a: list, b: list) -> int:
 def quality(arm: ArmResult, base: ArmResult) -> dict:
     """Greedy agreement and scored quality of `arm` against the bf16 arm over
     every reused prompt (all seeds)."""
-    same = prompts = 0
-    prefix = []
-    top1 = positions = 0
-    diffs = []
-    host_scored = 0
-    for run, ref in zip(arm.seeds, base.seeds):
-        for r, b in zip(run.reuse, ref.reuse):
-            prompts += 1
-            same += r.output_ids == b.output_ids
-            prefix.append(_common_prefix(r.output_ids, b.output_ids))
-            top1 += sum(t == y for t, y in zip(r.score_top1, b.score_ids))
-            positions += len(b.score_ids)
-            diffs += [abs(x - y) for x, y in zip(r.score_logprobs, b.score_logprobs)]
-            host_scored += r.cached["host"] > 0
+    pairs = [
+        (r, b)
+        for run, ref in zip(arm.seeds, base.seeds)
+        for r, b in zip(run.reuse, ref.reuse)
+    ]
+    prefix = [_common_prefix(r.output_ids, b.output_ids) for r, b in pairs]
+    top1 = sum(t == y for r, b in pairs for t, y in zip(r.score_top1, b.score_ids))
+    positions = sum(len(b.score_ids) for _, b in pairs)
+    diffs = [
+        abs(x - y) for r, b in pairs for x, y in zip(r.score_logprobs, b.score_logprobs)
+    ]
     return {
-        "prompts": prompts,
-        "greedy_identical": same,
+        "prompts": len(pairs),
+        "greedy_identical": sum(r.output_ids == b.output_ids for r, b in pairs),
         "greedy_common_prefix_mean": fmean(prefix) if prefix else 0.0,
         "top1_agreement": top1 / positions if positions else float("nan"),
         "positions": positions,
         "mean_abs_logprob_diff": fmean(diffs) if diffs else float("nan"),
         "max_abs_logprob_diff": max(diffs) if diffs else float("nan"),
-        "prompts_loaded_back_from_host": host_scored,
+        "prompts_loaded_back_from_host": sum(r.cached["host"] > 0 for r, _ in pairs),
     }
 
 

@@ -12,7 +12,6 @@ import torch
 
 from scripts.demo.pools import (
     REPLAY_GEOMETRY,
-    ModelGeometry,
     make_device_pool,
     publish_server_args,
     setup_sglang,
@@ -152,11 +151,8 @@ class HiCacheReplay:
         host_tokens: int,
         serving: Serving = Serving(),
         *,
-        geometry: ModelGeometry = REPLAY_GEOMETRY,
         label: Optional[str] = None,
-        verify: bool = True,
         sanity_every: int = 0,
-        max_context_len: int = 1 << 16,
         layout: str = "layer_first",  # CPU: the stock pool's `direct` io layout
         io_backend: str = "direct",
     ):
@@ -164,8 +160,7 @@ class HiCacheReplay:
         self.label = label or host_dtype
         self.host_dtype = host_dtype
         self.serving = serving
-        self.geometry = geometry
-        self.verify = verify
+        self.geometry = REPLAY_GEOMETRY
         self.sanity_every = sanity_every
         self._sanity_calls = 0
         # int(L1 * ratio) plus one padding page is exactly `host_tokens` slots.
@@ -177,14 +172,14 @@ class HiCacheReplay:
             io_backend=io_backend,
             write_policy=serving.write_policy,
         )
-        self.cache = self._build_cache(max_context_len)
+        self.cache = self._build_cache()
         controller = self.cache.cache_controller
         self.host_pool = controller.mem_pool_host.anchor_entry.host_pool
         self._check_host_pool(host_tokens)
         self._init_kv_tables()
         self._reference_format = None  # built on the first restore check
 
-    def _build_cache(self, max_context_len: int):
+    def _build_cache(self):
         """The device pool, allocator, request table and radix cache, as the scheduler
         builds them."""
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -197,7 +192,7 @@ class HiCacheReplay:
         )
         self.req_to_token = ReqToTokenPool(
             size=self.serving.concurrency + 1,
-            max_context_len=max_context_len,
+            max_context_len=1 << 16,
             device="cpu",
             enable_memory_saver=False,
         )
@@ -273,10 +268,7 @@ class HiCacheReplay:
                 got = buf[slots]
                 round_trip = (got == expected).flatten(1).all(1)
                 kept = (got == written).flatten(1).all(1)
-                ok = bool((round_trip | kept).all()) and bool(
-                    round_trip[n - loaded :].all()
-                )
-                if not ok:
+                if not ((round_trip | kept).all() and round_trip[n - loaded :].all()):
                     err = (got.float() - expected.float()).abs().max()
                     raise AssertionError(
                         f"{self.label}: restored KV differs from what was written "
@@ -527,7 +519,7 @@ class HiCacheReplay:
 
     def _verify_prefix(self, run: _Running, seq, loaded: int, stats: _Stats) -> None:
         """A newly admitted request's cached prefix, against what was written."""
-        if self.verify and run.protected:
+        if run.protected:
             err = self._check_prefix(run.kv[: run.protected], seq, loaded)
             stats.max_restore_error = max(stats.max_restore_error, err)
             stats.verified_tokens += run.protected
