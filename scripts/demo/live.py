@@ -624,7 +624,6 @@ def _m(values, digits=0) -> str:
 
 def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
     c, b = res.config, res.budget
-    seeds = list(c.seeds)
     say(
         f"1) Live patched SGLang server on CPU ({res.model}, "
         f"{res.geometry['layer_num']} layers x {res.geometry['head_num']} KV heads x "
@@ -635,7 +634,7 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         f"   workload: bench_serving generated-shared-prefix, {c.groups} groups x "
         f"{c.prompts_per_group} prompts, system prompt {c.system_prompt_len} + "
         f"question {c.question_len} tokens, output {c.output_len}, concurrency "
-        f"{c.concurrency}, seeds {', '.join(map(str, seeds))} (same requests per "
+        f"{c.concurrency}, seeds {', '.join(map(str, c.seeds))} (same requests per "
         f"arm); then reuse: each group's last prompt again, least recently used "
         f"first, {c.gen_tokens} greedy tokens"
     )
@@ -705,11 +704,9 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
     )
     for arm in res.arms:
         for run in arm.seeds:
-            c_b, c_r = run.bench_counts, run.reuse_counts
-            resp = run.bench["cached"]["host"] + sum(
-                x.cached["host"] + x.score_cached["host"] for x in run.reuse
-            )
-            met = c_b["cached_host"] + c_r["cached_host"]
+            reuse = sum(x.cached["host"] + x.score_cached["host"] for x in run.reuse)
+            resp = run.bench["cached"]["host"] + reuse
+            met = run.bench_counts["cached_host"] + run.reuse_counts["cached_host"]
             if resp != met:
                 say(
                     f"   WARNING {arm.label} seed {run.seed}: host-served tokens "
