@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 
 from scripts.common import plot
@@ -63,13 +64,10 @@ def bytes_per_token(h, args, workdir: Path) -> dict:
         try:
             per_token = geo.layer_num * geo.head_num * geo.head_dim * 4
             segment = max(64 * MB, 2 * args.tokens * per_token)
+            config = master.storage_config(segment_bytes=segment)
+            sizes = dict(device_tokens=args.tokens, host_tokens=args.tokens)
             l3 = h.make_l3_rig(
-                "mooncake",
-                master.storage_config(segment_bytes=segment),
-                host_dtype=host_dtype,
-                geo=geo,
-                device_tokens=args.tokens,
-                host_tokens=args.tokens,
+                "mooncake", config, host_dtype=host_dtype, geo=geo, **sizes
             )
             before = master.metrics()
             _, _, hashes, stored = h.write_through(l3, tokens)
@@ -125,8 +123,48 @@ class PageLRU:
             self.pages[page_hash] = host[i * page_size : (i + 1) * page_size]
 
 
+def fetch_from_l3(h, ctl, l2: PageLRU, rid, tokens, hashes, first: int, ps: int) -> int:
+    """L3 -> L2 for the pages after the first `first`; the tokens delivered."""
+    last_hash = hashes[first - 1] if first else None
+    op = ctl.prefetch(rid, tokens[first * ps :] + [0], last_hash=last_hash)
+    queried = ctl.prefetch_hit_queue.get(timeout=h.STORAGE_WAIT_S)
+    assert queried is op
+    if not op.storage_hit_count:
+        return 0
+    l2.make_room(op.storage_hit_count)
+    host = ctl.mem_pool_host.alloc(op.storage_hit_count)
+    op.host_indices = host
+    ctl.prefetch_buffer.put(op)
+    done = 0
+    while True:
+        ack = ctl.ack_prefetch_queue.get(timeout=h.STORAGE_WAIT_S)
+        if ack.completed_tokens is not None:
+            done = ack.completed_tokens
+        if ack.completed_req:
+            break
+    ctl.mem_pool_host.free(host[done:])
+    l2.add(hashes[first : first + done // ps], host[:done], ps)
+    return done
+
+
+def write_new(h, l3, l2: PageLRU, tokens, hashes, seed: int) -> None:
+    """New KV for `tokens` (pages `hashes`): device -> L2 -> L3."""
+    from tests.support.hicache_harness import fill_random, finish_transfers
+
+    ctl, rig = l3.controller, l3.rig
+    dev = rig.allocator.alloc(len(tokens))
+    fill_random(rig.device_pool, dev, seed=seed)
+    l2.make_room(len(tokens))
+    host = ctl.write(dev, node_id=0)
+    finish_transfers(ctl)
+    l2.add(hashes, host, l3.geo.page_size)
+    ctl.write_storage(host, tokens, hash_value=hashes)
+    ctl.ack_backup_queue.get(timeout=h.STORAGE_WAIT_S)
+    rig.allocator.free(dev)
+
+
 def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -> dict:
-    from tests.support.hicache_harness import Geometry, fill_random, finish_transfers
+    from tests.support.hicache_harness import Geometry
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     ps = args.page_size
@@ -137,75 +175,36 @@ def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -
         extra_args=("--default_kv_lease_ttl=50",),
     ).start()
     try:
-        probe = h.make_l3_rig(
-            "file",
-            h.file_storage_config(workdir / "probe"),
-            host_dtype=host_dtype,
-            geo=geo,
-            device_tokens=ps,
-            host_tokens=ps,
-        )
+        make_rig = partial(h.make_l3_rig, host_dtype=host_dtype, geo=geo)
+        store = h.file_storage_config(workdir / "probe")
+        probe = make_rig("file", store, device_tokens=ps, host_tokens=ps)
         per_token = probe.controller.mem_pool_host.get_size_per_token()
         probe.close()
         l2_tokens = int(args.l2_mb * MB / per_token) // ps * ps
-        l3 = h.make_l3_rig(
+        l3 = make_rig(
             "mooncake",
             master.storage_config(segment_bytes=l3_bytes),
-            host_dtype=host_dtype,
-            geo=geo,
             device_tokens=longest + ps,
             host_tokens=max(l2_tokens, longest + ps),
             model_name="hiq/demo-l3",
         )
-        ctl, rig = l3.controller, l3.rig
-        l2 = PageLRU(ctl.mem_pool_host)
+        ctl, l2 = l3.controller, PageLRU(l3.controller.mem_pool_host)
         prompt = l2_hit = l3_hit = 0
         for n, tokens in enumerate(requests):
-            usable = len(tokens) // ps * ps
-            tokens = tokens[:usable]
+            tokens = tokens[: len(tokens) // ps * ps]
             hashes = get_storage_hash_str(tokens, None, page_size=ps)
-            prompt += usable
+            prompt += len(tokens)
             first = 0
             while first < len(hashes) and l2.touch(hashes[first]):
                 first += 1
             l2_hit += first * ps
-            start = first
+            done = 0
             if first < len(hashes):
-                op = ctl.prefetch(
-                    f"q{n}",
-                    tokens[first * ps :] + [0],
-                    last_hash=hashes[first - 1] if first else None,
-                )
-                queried = ctl.prefetch_hit_queue.get(timeout=h.STORAGE_WAIT_S)
-                assert queried is op
-                if op.storage_hit_count:
-                    l2.make_room(op.storage_hit_count)
-                    host = ctl.mem_pool_host.alloc(op.storage_hit_count)
-                    op.host_indices = host
-                    ctl.prefetch_buffer.put(op)
-                    done = 0
-                    while True:
-                        ack = ctl.ack_prefetch_queue.get(timeout=h.STORAGE_WAIT_S)
-                        if ack.completed_tokens is not None:
-                            done = ack.completed_tokens
-                        if ack.completed_req:
-                            break
-                    ctl.mem_pool_host.free(host[done:])
-                    got = done // ps
-                    l2.add(hashes[first : first + got], host[:done], ps)
-                    l3_hit += done
-                    start = first + got
+                done = fetch_from_l3(h, ctl, l2, f"q{n}", tokens, hashes, first, ps)
+            l3_hit += done
+            start = first + done // ps
             if start < len(hashes):
-                new = tokens[start * ps :]
-                dev = rig.allocator.alloc(len(new))
-                fill_random(rig.device_pool, dev, seed=n)
-                l2.make_room(len(new))
-                host = ctl.write(dev, node_id=0)
-                finish_transfers(ctl)
-                l2.add(hashes[start:], host, ps)
-                ctl.write_storage(host, new, hash_value=hashes[start:])
-                ctl.ack_backup_queue.get(timeout=h.STORAGE_WAIT_S)
-                rig.allocator.free(dev)
+                write_new(h, l3, l2, tokens[start * ps :], hashes[start:], seed=n)
         metrics = master.metrics()
         l3.close()
     finally:
