@@ -20,11 +20,8 @@ from scripts.common import plot
 from scripts.demo import live, pools, replay, workload
 from scripts.demo.report import pm, spread
 
-DEFAULT_SWEEP = (
-    2,
-    4,
-    16,
-)  # with the 8 GB budget: four budgets keep `make demo` under 15 min here
+# With the 8 GB budget, four budgets keep `make demo` under 15 min here.
+DEFAULT_SWEEP = (2, 4, 16)
 # The prototype's INT8 records (1,152 B per 1,024 payload bytes).
 PROTOTYPE_RATIO = 1.78
 # Capacity targets (tokens per host byte vs BF16) of the issues that set them.
@@ -44,13 +41,8 @@ def _gb(n: float) -> str:
 
 
 def _parse_budgets(text: str) -> list[float]:
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if part:
-            value = float(part)
-            values.append(int(value) if value.is_integer() else value)
-    return values
+    values = [float(part) for part in text.split(",") if part.strip()]
+    return [int(v) if v.is_integer() else v for v in values]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,13 +88,9 @@ def build_serving(args) -> replay.Serving:
 
 
 def build_workloads(args) -> list[workload.Workload]:
+    a = args
     base = workload.Workload(
-        num_groups=args.groups,
-        prompts_per_group=args.prompts_per_group,
-        system_prompt_len=args.system_prompt_len,
-        question_len=args.question_len,
-        output_len=args.output_len,
-        seed=args.seed,
+        a.groups, a.prompts_per_group, a.system_prompt_len, a.question_len, a.output_len
     )
     return [base.with_seed(args.seed + i) for i in range(args.seeds)]
 
@@ -133,15 +121,9 @@ def _bpt(x: float) -> str:
 
 
 def run_experiment_a(args, formats, geometry) -> list[pools.PoolAllocation]:
+    kw = dict(page_size=args.page_size, commit=not args.no_commit)
     alloc = [
-        pools.allocate_host_pool(
-            dt,
-            args.tokens,
-            geometry,
-            page_size=args.page_size,
-            commit=not args.no_commit,
-            label=label,
-        )
+        pools.allocate_host_pool(dt, args.tokens, geometry, label=label, **kw)
         for label, dt in formats
     ]
     base = alloc[0]
@@ -168,14 +150,15 @@ def run_experiment_a(args, formats, geometry) -> list[pools.PoolAllocation]:
 
 def bytes_by_page_size(formats, geometry) -> dict[str, dict[int, float]]:
     """Host bytes per token of every format's real (lazily mapped) pool by page size."""
-    table = {}
-    for label, dt in formats:
-        table[label] = {
+    table = {
+        label: {
             page: pools.allocate_host_pool(
                 dt, 4096, geometry, page_size=page, commit=False, label=label
             ).bytes_per_token
             for page in PAGE_SIZE_TABLE
         }
+        for label, dt in formats
+    }
     base = table[formats[0][0]]
     print(
         "   host bytes per token by page size (tokens per host byte vs "
@@ -296,15 +279,11 @@ def print_checks(sweep, formats, main_row) -> bool:
     print("   restored KV checked against what was written, at every admission:")
     for label, dt in formats:
         results = main_row["formats"][label]["replays"]
-        kind = (
-            "bit-exact"
-            if dt == "auto"
-            else f"bit-exact to the {label} reference encode/decode"
-        )
+        exact = "" if dt == "auto" else f" to the {label} reference encode/decode"
         print(
             f"     {label}: {sum(r.verified_tokens for r in results):,} prefix tokens "
             f"({sum(r.verified_restored_tokens for r in results):,} loaded back from "
-            f"L2) over all seeds, {kind}, max error "
+            f"L2) over all seeds, bit-exact{exact}, max error "
             f"{100 * max(r.max_restore_error for r in results):.2f}% of row amax"
         )
     notes = textwrap.wrap(
@@ -348,96 +327,21 @@ def print_summary(args, formats, alloc, main_row) -> dict:
     return summary
 
 
-def write_outputs(args, argv, geometry, formats, alloc, by_page, workloads, serving,
-                  sweep, best, summary, never_worse, seconds, live_result=None) -> Path:  # fmt: skip
-    import sglang
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{args.name}.json"
-    data = {
-        "command": " ".join(
-            [
-                "PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo",
-                *(sys.argv[1:] if argv is None else argv),
-            ]
-        ),
-        "sglang_version": sglang.__version__,
-        "geometry": vars(geometry) | {"dtype": str(geometry.dtype)},
-        "formats": [{"label": lb, "hicache_host_dtype": dt} for lb, dt in formats],
-        "page_size": args.page_size,
-        "experiment_a": [vars(a) for a in alloc],
-        "bytes_per_token_by_page_size": by_page,
-        "experiment_b": {
-            "budget_gb": args.budget,
-            "workloads": [
-                vars(w) | {"bench_serving_args": w.bench_serving_args()}
-                for w in workloads
-            ],
-            "serving": vars(serving),
-            "best_possible_hit_rate": best,
-            "replay_model": replay.MODEL_NOTES,
-            "sweep": [
-                {
-                    "budget_gb": row["budget_gb"],
-                    "formats": {
-                        label: {
-                            "capacity": vars(v["capacity"]),
-                            "replays": [r.to_json() for r in v["replays"]],
-                        }
-                        for label, v in row["formats"].items()
-                    },
-                }
-                for row in sweep
-            ],
-        },
-        "summary": summary,
-        "never_worse": never_worse,
-        "seconds": seconds,
+def _sweep_json(row) -> dict:
+    cells = {
+        label: {
+            "capacity": vars(v["capacity"]),
+            "replays": [r.to_json() for r in v["replays"]],
+        }
+        for label, v in row["formats"].items()
     }
-    if live_result is not None:
-        data = {"live": live_result.to_json(), **data}
-    json_path.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    return json_path
+    return {"budget_gb": row["budget_gb"], "formats": cells}
 
 
-def run_live(args, formats) -> live.LiveResult:
-    config = live.config_from_args(args)
-    arms = live.select_formats(formats, args.live_formats)
-    result = live.run(config, arms, log_dir=args.live_log_dir)
-    live.print_report(result)
-    return result
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
-    pools.setup_sglang()
-    geometry = pools.QWEN3_8B
-    formats = pools.host_formats()
-    serving = build_serving(args)
-    workloads = build_workloads(args)
-    print_header(geometry, formats)
-
-    live_result = None
-    if not args.no_live:
-        live_result = run_live(args, formats)
-        agreement = live.replay_agreement(live_result)
-        live.print_agreement(agreement)
-        live_result.agreement = agreement
-        png = args.out / f"{args.name}-live.png"
-        args.out.mkdir(parents=True, exist_ok=True)
-        live.plot(live_result, png)
-        print(f"wrote {png}")
-        print()
-    if args.no_replay:
-        if live_result is None:
-            raise SystemExit("--no-live with --no-replay leaves nothing to run")
-        json_path = args.out / f"{args.name}.json"
-        json_path.write_text(
-            json.dumps({"live": live_result.to_json()}, indent=1, default=str) + "\n"
-        )
-        print(f"wrote {json_path}; total {time.perf_counter() - t_start:.0f}s")
-        return 0 if live.passed(live_result) else 1
+def run_part2(args, argv, geometry, formats, serving, workloads) -> tuple[dict, dict]:
+    """Experiments A and B: their tables and demo.png; demo.json's part 2, and
+    the summary part 1 is compared with."""
+    import sglang
 
     print(f"2) {geometry.name} scale: the real pools and radix cache, replayed")
     t0 = time.perf_counter()
@@ -458,36 +362,103 @@ def main(argv=None) -> int:
         f"lower hit rate than {formats[0][0]} at any budget and seed: "
         f"{'yes' if never_worse else 'NO'}"
     )
-    if live_result is not None:
-        live.print_scale_agreement(live_result, summary)
-
-    seconds = {"experiment_a": t_a, "experiment_b": t_b}
-    if live_result is not None:
-        seconds["live"] = live_result.seconds
-    seconds["total"] = time.perf_counter() - t_start
-    json_path = write_outputs(
-        args, argv, geometry, formats, alloc, by_page, workloads, serving,
-        sweep, best, summary, never_worse, seconds, live_result,
-    )  # fmt: skip
-    png_path = args.out / f"{args.name}.png"
     w = workloads[0]
     plot.plot_sweep(
         sweep,
         formats,
         spread(best)[0],
         args.budget,
-        png_path,
+        args.out / f"{args.name}.png",
         title=f"{geometry.name}: {w.num_requests} shared-prefix requests, "
         f"concurrency {serving.concurrency}, L1 {serving.l1_tokens:,} tokens, "
         f"{len(workloads)} seeds",
     )
+    argv = sys.argv[1:] if argv is None else argv
+    python = "PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.demo"
+    data = {
+        "command": " ".join([python, *argv]),
+        "sglang_version": sglang.__version__,
+        "geometry": vars(geometry) | {"dtype": str(geometry.dtype)},
+        "formats": [{"label": lb, "hicache_host_dtype": dt} for lb, dt in formats],
+        "page_size": args.page_size,
+        "experiment_a": [vars(a) for a in alloc],
+        "bytes_per_token_by_page_size": by_page,
+        "experiment_b": {
+            "budget_gb": args.budget,
+            "workloads": [
+                vars(w) | {"bench_serving_args": w.bench_serving_args()}
+                for w in workloads
+            ],
+            "serving": vars(serving),
+            "best_possible_hit_rate": best,
+            "replay_model": replay.MODEL_NOTES,
+            "sweep": [_sweep_json(row) for row in sweep],
+        },
+        "summary": summary,
+        "never_worse": never_worse,
+        "seconds": {"experiment_a": t_a, "experiment_b": t_b},
+    }
+    return data, summary
+
+
+def write_json(args, data: dict) -> Path:
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.name}.json"
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return path
+
+
+def run_live(args, formats) -> live.LiveResult:
+    config = live.config_from_args(args)
+    arms = live.select_formats(formats, args.live_formats)
+    result = live.run(config, arms, log_dir=args.live_log_dir)
+    live.print_report(result)
+    result.agreement = live.replay_agreement(result)
+    live.print_agreement(result.agreement)
+    png = args.out / f"{args.name}-live.png"
+    args.out.mkdir(parents=True, exist_ok=True)
+    live.plot(result, png)
+    print(f"wrote {png}")
+    print()
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    pools.setup_sglang()
+    geometry = pools.QWEN3_8B
+    formats = pools.host_formats()
+    serving = build_serving(args)
+    workloads = build_workloads(args)
+    print_header(geometry, formats)
+
+    live_result = None if args.no_live else run_live(args, formats)
+    data = {} if live_result is None else {"live": live_result.to_json()}
+    ok = live_result is None or live.passed(live_result)
+    if args.no_replay:
+        if live_result is None:
+            raise SystemExit("--no-live with --no-replay leaves nothing to run")
+        json_path = write_json(args, data)
+        print(f"wrote {json_path}; total {time.perf_counter() - t_start:.0f}s")
+        return 0 if ok else 1
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    part2, summary = run_part2(args, argv, geometry, formats, serving, workloads)
+    data |= part2
+    seconds = data["seconds"]
+    if live_result is not None:
+        live.print_scale_agreement(live_result, summary)
+        seconds["live"] = live_result.seconds
+    seconds["total"] = time.perf_counter() - t_start
+    json_path = write_json(args, data)
     live_time = f"live {live_result.seconds:.0f}s, " if live_result else ""
     print(
-        f"wrote {json_path} and {png_path}; time: {live_time}A {t_a:.0f}s, "
-        f"B {t_b:.0f}s, total {time.perf_counter() - t_start:.0f}s"
+        f"wrote {json_path} and {args.out / f'{args.name}.png'}; time: {live_time}"
+        f"A {seconds['experiment_a']:.0f}s, B {seconds['experiment_b']:.0f}s, "
+        f"total {time.perf_counter() - t_start:.0f}s"
     )
-    ok = never_worse and (live_result is None or live.passed(live_result))
-    return 0 if ok else 1
+    return 0 if ok and data["never_worse"] else 1
 
 
 if __name__ == "__main__":

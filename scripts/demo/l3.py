@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 
 from scripts.common import plot
@@ -33,14 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--per-group", type=int, default=4, help="B: requests per group")
     p.add_argument("--prefix-len", type=int, default=2048)
     p.add_argument("--question-len", type=int, default=128)
-    p.add_argument(
-        "--b-layers", type=int, default=2, help="B: layers (head_dim as in A)"
-    )
+    p.add_argument("--b-layers", type=int, default=2, help="B: layers (A's head_dim)")
     p.add_argument("--b-kv-heads", type=int, default=2)
     p.add_argument("--l2-mb", type=float, default=8, help="B: L2 budget, MB")
-    p.add_argument(
-        "--l3-mb", default="32,64,96", help="B: L3 store budgets, MB (comma list)"
-    )
+    p.add_argument("--l3-mb", default="32,64,96", help="B: L3 store budgets, MB, a,b")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "results")
     return p.parse_args(argv)
@@ -59,12 +56,7 @@ def setup():
 def bytes_per_token(h, args, workdir: Path) -> dict:
     from tests.support.hicache_harness import Geometry
 
-    geo = Geometry(
-        layer_num=args.layers,
-        head_num=args.kv_heads,
-        head_dim=args.head_dim,
-        page_size=args.page_size,
-    )
+    geo = Geometry(args.layers, args.kv_heads, args.head_dim, page_size=args.page_size)
     tokens = list(range(args.tokens))
     out = {}
     for label, host_dtype in FORMATS:
@@ -72,13 +64,10 @@ def bytes_per_token(h, args, workdir: Path) -> dict:
         try:
             per_token = geo.layer_num * geo.head_num * geo.head_dim * 4
             segment = max(64 * MB, 2 * args.tokens * per_token)
+            config = master.storage_config(segment_bytes=segment)
+            sizes = dict(device_tokens=args.tokens, host_tokens=args.tokens)
             l3 = h.make_l3_rig(
-                "mooncake",
-                master.storage_config(segment_bytes=segment),
-                host_dtype=host_dtype,
-                geo=geo,
-                device_tokens=args.tokens,
-                host_tokens=args.tokens,
+                "mooncake", config, host_dtype=host_dtype, geo=geo, **sizes
             )
             before = master.metrics()
             _, _, hashes, stored = h.write_through(l3, tokens)
@@ -102,14 +91,11 @@ def bytes_per_token(h, args, workdir: Path) -> dict:
 
 def make_requests(args) -> list[list[int]]:
     rng = random.Random(args.seed)
-    vocab = 50_000
+    tokens = lambda n: [rng.randrange(50_000) for _ in range(n)]  # noqa: E731
     requests = []
-    for g in range(args.groups):
-        prefix = [rng.randrange(vocab) for _ in range(args.prefix_len)]
-        for _ in range(args.per_group):
-            requests.append(
-                prefix + [rng.randrange(vocab) for _ in range(args.question_len)]
-            )
+    for _ in range(args.groups):
+        prefix = tokens(args.prefix_len)
+        requests += [prefix + tokens(args.question_len) for _ in range(args.per_group)]
     rng.shuffle(requests)
     return requests
 
@@ -137,92 +123,88 @@ class PageLRU:
             self.pages[page_hash] = host[i * page_size : (i + 1) * page_size]
 
 
+def fetch_from_l3(h, ctl, l2: PageLRU, rid, tokens, hashes, first: int, ps: int) -> int:
+    """L3 -> L2 for the pages after the first `first`; the tokens delivered."""
+    last_hash = hashes[first - 1] if first else None
+    op = ctl.prefetch(rid, tokens[first * ps :] + [0], last_hash=last_hash)
+    queried = ctl.prefetch_hit_queue.get(timeout=h.STORAGE_WAIT_S)
+    assert queried is op
+    if not op.storage_hit_count:
+        return 0
+    l2.make_room(op.storage_hit_count)
+    host = ctl.mem_pool_host.alloc(op.storage_hit_count)
+    op.host_indices = host
+    ctl.prefetch_buffer.put(op)
+    done = 0
+    while True:
+        ack = ctl.ack_prefetch_queue.get(timeout=h.STORAGE_WAIT_S)
+        if ack.completed_tokens is not None:
+            done = ack.completed_tokens
+        if ack.completed_req:
+            break
+    ctl.mem_pool_host.free(host[done:])
+    l2.add(hashes[first : first + done // ps], host[:done], ps)
+    return done
+
+
+def write_new(h, l3, l2: PageLRU, tokens, hashes, seed: int) -> None:
+    """New KV for `tokens` (pages `hashes`): device -> L2 -> L3."""
+    from tests.support.hicache_harness import fill_random, finish_transfers
+
+    ctl, rig = l3.controller, l3.rig
+    dev = rig.allocator.alloc(len(tokens))
+    fill_random(rig.device_pool, dev, seed=seed)
+    l2.make_room(len(tokens))
+    host = ctl.write(dev, node_id=0)
+    finish_transfers(ctl)
+    l2.add(hashes, host, l3.geo.page_size)
+    ctl.write_storage(host, tokens, hash_value=hashes)
+    ctl.ack_backup_queue.get(timeout=h.STORAGE_WAIT_S)
+    rig.allocator.free(dev)
+
+
 def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -> dict:
-    from tests.support.hicache_harness import Geometry, fill_random, finish_transfers
+    from tests.support.hicache_harness import Geometry
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     ps = args.page_size
-    geo = Geometry(
-        layer_num=args.b_layers,
-        head_num=args.b_kv_heads,
-        head_dim=args.head_dim,
-        page_size=ps,
-    )
+    geo = Geometry(args.b_layers, args.b_kv_heads, args.head_dim, page_size=ps)
     longest = max(len(r) for r in requests)
     master = h.MooncakeMaster(
         workdir / f"b-{host_dtype}-{l3_bytes}.log",
         extra_args=("--default_kv_lease_ttl=50",),
     ).start()
     try:
-        probe = h.make_l3_rig(
-            "file",
-            h.file_storage_config(workdir / "probe"),
-            host_dtype=host_dtype,
-            geo=geo,
-            device_tokens=ps,
-            host_tokens=ps,
-        )
+        make_rig = partial(h.make_l3_rig, host_dtype=host_dtype, geo=geo)
+        store = h.file_storage_config(workdir / "probe")
+        probe = make_rig("file", store, device_tokens=ps, host_tokens=ps)
         per_token = probe.controller.mem_pool_host.get_size_per_token()
         probe.close()
         l2_tokens = int(args.l2_mb * MB / per_token) // ps * ps
-        l3 = h.make_l3_rig(
+        l3 = make_rig(
             "mooncake",
             master.storage_config(segment_bytes=l3_bytes),
-            host_dtype=host_dtype,
-            geo=geo,
             device_tokens=longest + ps,
             host_tokens=max(l2_tokens, longest + ps),
             model_name="hiq/demo-l3",
         )
-        ctl, rig = l3.controller, l3.rig
-        l2 = PageLRU(ctl.mem_pool_host)
+        ctl, l2 = l3.controller, PageLRU(l3.controller.mem_pool_host)
         prompt = l2_hit = l3_hit = 0
         for n, tokens in enumerate(requests):
-            usable = len(tokens) // ps * ps
-            tokens = tokens[:usable]
+            tokens = tokens[: len(tokens) // ps * ps]
             hashes = get_storage_hash_str(tokens, None, page_size=ps)
-            prompt += usable
+            prompt += len(tokens)
             first = 0
             while first < len(hashes) and l2.touch(hashes[first]):
                 first += 1
             l2_hit += first * ps
-            start = first
+            done = 0
             if first < len(hashes):
-                op = ctl.prefetch(
-                    f"q{n}",
-                    tokens[first * ps :] + [0],
-                    last_hash=hashes[first - 1] if first else None,
-                )
-                queried = ctl.prefetch_hit_queue.get(timeout=h.STORAGE_WAIT_S)
-                assert queried is op
-                if op.storage_hit_count:
-                    l2.make_room(op.storage_hit_count)
-                    host = ctl.mem_pool_host.alloc(op.storage_hit_count)
-                    op.host_indices = host
-                    ctl.prefetch_buffer.put(op)
-                    done = 0
-                    while True:
-                        ack = ctl.ack_prefetch_queue.get(timeout=h.STORAGE_WAIT_S)
-                        if ack.completed_tokens is not None:
-                            done = ack.completed_tokens
-                        if ack.completed_req:
-                            break
-                    ctl.mem_pool_host.free(host[done:])
-                    got = done // ps
-                    l2.add(hashes[first : first + got], host[:done], ps)
-                    l3_hit += done
-                    start = first + got
+                done = fetch_from_l3(h, ctl, l2, f"q{n}", tokens, hashes, first, ps)
+            l3_hit += done
+            start = first + done // ps
             if start < len(hashes):
-                new = tokens[start * ps :]
-                dev = rig.allocator.alloc(len(new))
-                fill_random(rig.device_pool, dev, seed=n)
-                l2.make_room(len(new))
-                host = ctl.write(dev, node_id=0)
-                finish_transfers(ctl)
-                l2.add(hashes[start:], host, ps)
-                ctl.write_storage(host, new, hash_value=hashes[start:])
-                ctl.ack_backup_queue.get(timeout=h.STORAGE_WAIT_S)
-                rig.allocator.free(dev)
+                write_new(h, l3, l2, tokens[start * ps :], hashes[start:], seed=n)
         metrics = master.metrics()
         l3.close()
     finally:
@@ -267,12 +249,11 @@ def main(argv=None) -> int:
 
         requests = make_requests(args)
         budgets = [int(float(x) * MB) for x in args.l3_mb.split(",") if x.strip()]
-        b = []
-        for budget in budgets:
-            for label, host_dtype in FORMATS:
-                row = hit_rate(h, args, host_dtype, budget, requests, workdir)
-                row["format"] = label
-                b.append(row)
+        b = [
+            hit_rate(h, args, host_dtype, budget, requests, workdir) | {"format": label}
+            for budget in budgets
+            for label, host_dtype in FORMATS
+        ]
         unique = args.groups * args.prefix_len + len(requests) * args.question_len
         best = 1 - unique / sum(
             len(r) // args.page_size * args.page_size for r in requests

@@ -11,39 +11,35 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from statistics import fmean
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from scripts.demo import workload
-from scripts.demo.report import spread
+from scripts.demo.report import pm
 
 # The format whose host tier must hold the working set, and the stock arm.
 ANCHOR_FORMAT = "int8"
 STOCK_LABEL = "bf16"
-# bench_serving's warm-up: its first request, at most 32 output tokens.
-WARMUP_OUTPUT_CAP = workload.WARMUP_OUTPUT_CAP
 
 M_CACHED = "sglang:cached_tokens_total"
-M_PROMPT = "sglang:prompt_tokens_total"
 M_LOAD_BACK = "sglang:load_back_tokens_total"
-M_EVICTED = "sglang:evicted_tokens_total"
-M_BACKUP = "sglang:hicache_backup_tokens_total"
-M_HOST_TOTAL_TOKENS = "sglang:hicache_host_total_tokens"
-M_HOST_USED_TOKENS = "sglang:hicache_host_used_tokens"
-M_HOST_USED_BYTES = "sglang:hicache_host_used_bytes"
-M_HOST_BPT = "sglang:hicache_host_bytes_per_token"
+# SeedRun's counter deltas: key -> /metrics counter.
+COUNTERS = {
+    "prompt_tokens": "sglang:prompt_tokens_total",
+    "load_back_tokens": M_LOAD_BACK,
+    "evicted_tokens": "sglang:evicted_tokens_total",
+    "backup_tokens": "sglang:hicache_backup_tokens_total",
+}
 SOURCES = ("device", "host", "storage")
+# The /server_info fields the replay needs.
 SERVER_INFO_KEYS = (
-    "max_total_num_tokens",
-    "chunked_prefill_size",
-    "max_prefill_tokens",
-    "disable_overlap_schedule",
-    "hicache_ratio",
-    "hicache_host_dtype",
-    "hicache_write_policy",
-    "page_size",
-)
+    "max_total_num_tokens chunked_prefill_size max_prefill_tokens "
+    "disable_overlap_schedule hicache_ratio hicache_host_dtype "
+    "hicache_write_policy page_size"
+).split()
 
 
 @dataclass(frozen=True)
@@ -60,14 +56,8 @@ class LiveConfig:
     gen_tokens: int = 16  # greedy tokens per reuse, scored for quality
 
     def workload(self, seed: int) -> workload.Workload:
-        return workload.Workload(
-            num_groups=self.groups,
-            prompts_per_group=self.prompts_per_group,
-            system_prompt_len=self.system_prompt_len,
-            question_len=self.question_len,
-            output_len=self.output_len,
-            seed=seed,
-        )
+        sizes = self.system_prompt_len, self.question_len, self.output_len
+        return workload.Workload(self.groups, self.prompts_per_group, *sizes, seed)
 
     def bench_serving_args(self, seed: int, model: Path, port: int, out: Path):
         return [
@@ -94,20 +84,13 @@ QUICK = LiveConfig(
 )
 
 
-_INT_FLAGS = (
-    "groups", "prompts_per_group", "system_prompt_len", "question_len",
-    "output_len", "concurrency", "device_tokens", "gen_tokens",
-)  # fmt: skip
+_INT_FLAGS = [f.name for f in fields(LiveConfig) if f.type == "int"]
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = LiveConfig()
-    g = p.add_argument_group(
-        "part 1, live server (unset: the defaults or --live-quick's)"
-    )
-    g.add_argument(
-        "--live-formats", default=None, help="labels; bf16 and int8 always run"
-    )
+    g = p.add_argument_group("part 1, live server (unset: defaults or --live-quick's)")
+    g.add_argument("--live-formats", help="labels; bf16 and int8 always run")
     for name in _INT_FLAGS:
         g.add_argument(
             "--live-" + name.replace("_", "-"), type=int, default=None,
@@ -118,19 +101,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help=f"{ANCHOR_FORMAT} host tokens over the working set (default {d.margin})",
     )  # fmt: skip
     g.add_argument("--live-quick", action="store_true", help="a tiny live workload")
-    g.add_argument("--live-log-dir", type=Path, default=None, help="server logs")
+    g.add_argument("--live-log-dir", type=Path, help="server logs")
 
 
 def config_from_args(args) -> LiveConfig:
     base = QUICK if args.live_quick else LiveConfig()
     values = {}
     for name in _INT_FLAGS:
-        value = getattr(args, f"live_{name}")
+        values[name] = value = getattr(args, f"live_{name}")
         if value is not None and value < 1:
             flag = "--live-" + name.replace("_", "-")
             raise SystemExit(f"{flag} must be at least 1 (got {value})")
-        if value is not None:
-            values[name] = value
     if args.seed != base.seeds[0]:
         values["seeds"] = tuple(args.seed + i for i in range(len(base.seeds)))
     if args.live_margin is not None:
@@ -140,7 +121,8 @@ def config_from_args(args) -> LiveConfig:
                 f"whole working set (got {args.live_margin}; pass e.g. 1.25)"
             )
         values["margin"] = args.live_margin
-    return LiveConfig(**{**asdict(base), **values})
+    set_values = {k: v for k, v in values.items() if v is not None}
+    return LiveConfig(**{**asdict(base), **set_values})
 
 
 @dataclass
@@ -180,7 +162,7 @@ def working_set_tokens(prompts: Sequence[SentPrompt], gen_tokens: int) -> int:
     """Tokens the cache holds if nothing is evicted (shared prefixes count once)."""
     seen = {h for p in prompts for h in workload.prefix_hashes(p.ids)}
     outputs = sum(p.output_len for p in prompts)
-    warmup = min(prompts[0].output_len, WARMUP_OUTPUT_CAP)
+    warmup = min(prompts[0].output_len, workload.WARMUP_OUTPUT_CAP)
     reuse = 2 * (gen_tokens + 1) * len(reuse_order(prompts))
     return len(seen) + outputs + warmup + reuse
 
@@ -208,15 +190,11 @@ class Budget:
 def model_geometry(model_dir: Path):
     """The model's KV geometry from its config.json (TP=1)."""
     from scripts.demo.pools import ModelGeometry
+    from tests.support.server import model_geometry as kv_geometry
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    return ModelGeometry(
-        name=cfg.get("_name_or_path") or model_dir.name,
-        layer_num=cfg["num_hidden_layers"],
-        head_num=cfg.get("num_key_value_heads", heads),
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-    )
+    name = cfg.get("_name_or_path") or model_dir.name
+    return ModelGeometry(name, *kv_geometry(model_dir))
 
 
 def bytes_per_token(formats, geometry) -> dict[str, float]:
@@ -237,8 +215,7 @@ def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> B
     anchor_bytes = math.ceil(config.margin * working_set * bpt[ANCHOR_FORMAT])
     arms = []
     for label, dt in formats:
-        tokens = anchor_bytes // bpt[label]
-        tokens = int(tokens)
+        tokens = int(anchor_bytes // bpt[label])
         # int(device * ratio) is what SGLang allocates: the half token keeps
         # the float product above the integer.
         ratio = (tokens + 0.5) / config.device_tokens
@@ -268,14 +245,15 @@ def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> B
 
 
 def _host_gauges(m) -> dict:
+    gauge = lambda key: m.value(f"sglang:hicache_host_{key}")  # noqa: E731
+    total, bpt = gauge("total_tokens"), gauge("bytes_per_token")
     # The host tier's size in bytes is not exported: it is tokens x bytes/token.
-    total_tokens, bytes_per_token = m.value(M_HOST_TOTAL_TOKENS), m.value(M_HOST_BPT)
     return {
-        "total_tokens": total_tokens,
-        "total_bytes": total_tokens * bytes_per_token,
-        "used_tokens": m.value(M_HOST_USED_TOKENS),
-        "used_bytes": m.value(M_HOST_USED_BYTES),
-        "bytes_per_token": bytes_per_token,
+        "total_tokens": total,
+        "total_bytes": total * bpt,
+        "used_tokens": gauge("used_tokens"),
+        "used_bytes": gauge("used_bytes"),
+        "bytes_per_token": bpt,
     }
 
 
@@ -285,11 +263,7 @@ def _counter_deltas(after, before) -> dict:
     out = {
         f"cached_{s}": diff(after, before, M_CACHED, cache_source=s) for s in SOURCES
     }
-    out["prompt_tokens"] = diff(after, before, M_PROMPT)
-    out["load_back_tokens"] = diff(after, before, M_LOAD_BACK)
-    out["evicted_tokens"] = diff(after, before, M_EVICTED)
-    out["backup_tokens"] = diff(after, before, M_BACKUP)
-    return out
+    return out | {key: diff(after, before, name) for key, name in COUNTERS.items()}
 
 
 def _details(meta: dict) -> dict:
@@ -356,22 +330,13 @@ class SeedRun:
 
 
 def reuse_phase(server, prompts, gen_tokens: int, reference=None) -> list[Reuse]:
+    greedy = {"temperature": 0.0, "max_new_tokens": gen_tokens, "ignore_eos": True}
+    details = {"return_logprob": True, "return_cached_tokens_details": True}
     out = []
     for i, p in enumerate(reuse_order(prompts)):
         t0 = time.perf_counter()
-        r = server.post(
-            "/generate",
-            {
-                "text": p.text,
-                "sampling_params": {
-                    "temperature": 0.0,
-                    "max_new_tokens": gen_tokens,
-                    "ignore_eos": True,
-                },
-                "return_logprob": True,
-                "return_cached_tokens_details": True,
-            },
-        )
+        payload = {"text": p.text, "sampling_params": greedy, **details}
+        r = server.post("/generate", payload)
         meta = r["meta_info"]
         ttft = meta.get("first_token_latency", time.perf_counter() - t0)
         ids = r.get("output_ids") or [x[1] for x in meta["output_token_logprobs"]]
@@ -382,10 +347,9 @@ def reuse_phase(server, prompts, gen_tokens: int, reference=None) -> list[Reuse]
             {
                 "input_ids": p.ids + list(ref_ids),
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": 1},
-                "return_logprob": True,
                 "logprob_start_len": len(p.ids) - 1,
                 "top_logprobs_num": 1,
-                "return_cached_tokens_details": True,
+                **details,
             },
         )
         sm = score["meta_info"]
@@ -505,29 +469,26 @@ def _common_prefix(a: list, b: list) -> int:
 def quality(arm: ArmResult, base: ArmResult) -> dict:
     """Greedy agreement and scored quality of `arm` against the bf16 arm over
     every reused prompt (all seeds)."""
-    same = prompts = 0
-    prefix = []
-    top1 = positions = 0
-    diffs = []
-    host_scored = 0
-    for run, ref in zip(arm.seeds, base.seeds):
-        for r, b in zip(run.reuse, ref.reuse):
-            prompts += 1
-            same += r.output_ids == b.output_ids
-            prefix.append(_common_prefix(r.output_ids, b.output_ids))
-            top1 += sum(t == y for t, y in zip(r.score_top1, b.score_ids))
-            positions += len(b.score_ids)
-            diffs += [abs(x - y) for x, y in zip(r.score_logprobs, b.score_logprobs)]
-            host_scored += r.cached["host"] > 0
+    pairs = [
+        (r, b)
+        for run, ref in zip(arm.seeds, base.seeds)
+        for r, b in zip(run.reuse, ref.reuse)
+    ]
+    prefix = [_common_prefix(r.output_ids, b.output_ids) for r, b in pairs]
+    top1 = sum(t == y for r, b in pairs for t, y in zip(r.score_top1, b.score_ids))
+    positions = sum(len(b.score_ids) for _, b in pairs)
+    diffs = [
+        abs(x - y) for r, b in pairs for x, y in zip(r.score_logprobs, b.score_logprobs)
+    ]
     return {
-        "prompts": prompts,
-        "greedy_identical": same,
-        "greedy_common_prefix_mean": spread(prefix)[0] if prefix else 0.0,
+        "prompts": len(pairs),
+        "greedy_identical": sum(r.output_ids == b.output_ids for r, b in pairs),
+        "greedy_common_prefix_mean": fmean(prefix) if prefix else 0.0,
         "top1_agreement": top1 / positions if positions else float("nan"),
         "positions": positions,
-        "mean_abs_logprob_diff": spread(diffs)[0] if diffs else float("nan"),
+        "mean_abs_logprob_diff": fmean(diffs) if diffs else float("nan"),
         "max_abs_logprob_diff": max(diffs) if diffs else float("nan"),
-        "prompts_loaded_back_from_host": host_scored,
+        "prompts_loaded_back_from_host": sum(r.cached["host"] > 0 for r, _ in pairs),
     }
 
 
@@ -642,41 +603,27 @@ def arm_totals(arm: ArmResult) -> dict:
     def per_seed(fn):
         return [fn(run) for run in arm.seeds]
 
-    return {
+    t = {
         "bench_prompt": per_seed(lambda r: r.bench["prompt_tokens"]),
-        "bench_device": per_seed(lambda r: r.bench["cached"]["device"]),
-        "bench_host": per_seed(lambda r: r.bench["cached"]["host"]),
-        "bench_storage": per_seed(lambda r: r.bench["cached"]["storage"]),
         "bench_load_back": per_seed(lambda r: r.bench_counts["load_back_tokens"]),
         "reuse_prompt": per_seed(lambda r: sum(x.prompt_tokens for x in r.reuse)),
-        "reuse_device": per_seed(lambda r: sum(x.cached["device"] for x in r.reuse)),
-        "reuse_host": per_seed(lambda r: sum(x.cached["host"] for x in r.reuse)),
-        "reuse_storage": per_seed(lambda r: sum(x.cached["storage"] for x in r.reuse)),
         "reuse_load_back": per_seed(lambda r: r.reuse_counts["load_back_tokens"]),
-        "metrics_host": per_seed(
-            lambda r: r.bench_counts["cached_host"] + r.reuse_counts["cached_host"]
-        ),
         "ttft_ms": per_seed(lambda r: r.bench["mean_ttft_ms"]),
-        "reuse_ttft_ms": per_seed(
-            lambda r: 1000 * spread([x.ttft_s for x in r.reuse])[0]
-        ),
+        "reuse_ttft_ms": per_seed(lambda r: 1000 * fmean([x.ttft_s for x in r.reuse])),
         "out_tps": per_seed(lambda r: r.bench["output_throughput"]),
     }
+    for s in SOURCES:  # per_seed runs at once, so `s` is this iteration's
+        t[f"bench_{s}"] = per_seed(lambda r: r.bench["cached"][s])
+        t[f"reuse_{s}"] = per_seed(lambda r: sum(x.cached[s] for x in r.reuse))
+    return t
 
 
 def _m(values, digits=0) -> str:
-    mean = spread(values)[0]
-    return f"{mean:,.{digits}f}"
-
-
-def _pm(values, digits=0) -> str:
-    mean, sd = spread(values)
-    return f"{mean:,.{digits}f} +- {sd:,.{digits}f}"
+    return f"{fmean(values):,.{digits}f}"
 
 
 def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
     c, b = res.config, res.budget
-    seeds = list(c.seeds)
     say(
         f"1) Live patched SGLang server on CPU ({res.model}, "
         f"{res.geometry['layer_num']} layers x {res.geometry['head_num']} KV heads x "
@@ -687,7 +634,7 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         f"   workload: bench_serving generated-shared-prefix, {c.groups} groups x "
         f"{c.prompts_per_group} prompts, system prompt {c.system_prompt_len} + "
         f"question {c.question_len} tokens, output {c.output_len}, concurrency "
-        f"{c.concurrency}, seeds {', '.join(map(str, seeds))} (same requests per "
+        f"{c.concurrency}, seeds {', '.join(map(str, c.seeds))} (same requests per "
         f"arm); then reuse: each group's last prompt again, least recently used "
         f"first, {c.gen_tokens} greedy tokens"
     )
@@ -703,8 +650,7 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         f"{'host':>6} {'stor.':>5} {'loaded':>7}"
     )
     for arm in res.arms:
-        t = arm_totals(arm)
-        h = arm.host_start
+        t, h = arm_totals(arm), arm.host_start
         say(
             f"   {arm.label:<7} {arm.sizing.hicache_ratio:>7.3f} "
             f"{h['total_tokens']:>11,.0f} {h['total_bytes'] / 1e6:>8.1f} "
@@ -736,7 +682,7 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         def paired(key):
             if arm.label == STOCK_LABEL:
                 return "-"
-            return _pm([x - y for x, y in zip(t[key], base_t[key])])
+            return pm([x - y for x, y in zip(t[key], base_t[key])], 1, 0)
 
         q = res.quality.get(arm.label)
         qcells = (
@@ -746,9 +692,9 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
             else f"{'reference':>13} {'':>7} {'':>7}"
         )
         say(
-            f"   {arm.label:<7} {_pm(t['ttft_ms']):>18} {paired('ttft_ms'):>16} "
-            f"{_pm(t['reuse_ttft_ms']):>18} {paired('reuse_ttft_ms'):>16} "
-            f"{_pm(t['out_tps'], 1):>14} | {qcells}"
+            f"   {arm.label:<7} {pm(t['ttft_ms'], 1, 0):>18} {paired('ttft_ms'):>16} "
+            f"{pm(t['reuse_ttft_ms'], 1, 0):>18} {paired('reuse_ttft_ms'):>16} "
+            f"{pm(t['out_tps'], 1, 1):>14} | {qcells}"
         )
     say(
         f"   quality (reported, not gated): the first {c.gen_tokens} tokens after a "
@@ -758,11 +704,9 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
     )
     for arm in res.arms:
         for run in arm.seeds:
-            c_b, c_r = run.bench_counts, run.reuse_counts
-            resp = run.bench["cached"]["host"] + sum(
-                x.cached["host"] + x.score_cached["host"] for x in run.reuse
-            )
-            met = c_b["cached_host"] + c_r["cached_host"]
+            reuse = sum(x.cached["host"] + x.score_cached["host"] for x in run.reuse)
+            resp = run.bench["cached"]["host"] + reuse
+            met = run.bench_counts["cached_host"] + run.reuse_counts["cached_host"]
             if resp != met:
                 say(
                     f"   WARNING {arm.label} seed {run.seed}: host-served tokens "
@@ -784,17 +728,14 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
 
 def passed(res: LiveResult) -> bool:
     """On reuse every quantized arm hits at least bf16, and int8 has more host hits."""
+
+    def hits(t):
+        return fmean([d + h for d, h in zip(t["reuse_device"], t["reuse_host"])])
+
     base = arm_totals(res.arm(STOCK_LABEL))
-    base_hits = spread(
-        [d + h for d, h in zip(base["reuse_device"], base["reuse_host"])]
-    )[0]
-    ok = True
-    for arm in res.arms:
-        t = arm_totals(arm)
-        hits = spread([d + h for d, h in zip(t["reuse_device"], t["reuse_host"])])[0]
-        ok &= hits >= base_hits
     anchor = arm_totals(res.arm(ANCHOR_FORMAT))
-    return ok and spread(anchor["reuse_host"])[0] > spread(base["reuse_host"])[0]
+    more_host = fmean(anchor["reuse_host"]) > fmean(base["reuse_host"])
+    return more_host and all(hits(arm_totals(a)) >= hits(base) for a in res.arms)
 
 
 def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:
@@ -804,21 +745,29 @@ def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    groups_seen: dict[int, int] = {}
+    sent = Counter()  # prompts sent so far per group
     out = []
     for i, p in enumerate(prompts):
-        slot = groups_seen.setdefault(p.group, 0)
-        groups_seen[p.group] += 1
-        out.append(
-            workload.Request(
-                rid=i,
-                group=p.group,
-                slot=p.group * 1000 + slot,
-                prompt=array("q", p.ids),
-                output=array("q", rng.integers(0, 49_152, p.output_len).tolist()),
-            )
-        )
+        output = array("q", rng.integers(0, 49_152, p.output_len).tolist())
+        slot = p.group * 1000 + sent[p.group]
+        sent[p.group] += 1
+        out.append(workload.Request(i, p.group, slot, array("q", p.ids), output))
     return out
+
+
+def replay_serving(res: LiveResult, info: dict):
+    """The replay's Serving for a live arm's /server_info."""
+    from scripts.demo import replay
+
+    chunk = info.get("chunked_prefill_size")
+    return replay.Serving(
+        l1_tokens=int(info.get("max_total_num_tokens") or res.config.device_tokens),
+        concurrency=res.config.concurrency,
+        max_prefill_tokens=int(info.get("max_prefill_tokens") or 16_384),
+        chunked_prefill_size=chunk if chunk and chunk > 0 else None,
+        overlap_schedule=not info.get("disable_overlap_schedule", False),
+        write_policy=info.get("hicache_write_policy") or "write_through",
+    )
 
 
 def replay_agreement(res: LiveResult) -> list[dict]:
@@ -827,31 +776,20 @@ def replay_agreement(res: LiveResult) -> list[dict]:
 
     rows = []
     for arm in res.arms:
-        info = arm.server_info
-        chunk = info.get("chunked_prefill_size")
-        serving = replay.Serving(
-            l1_tokens=int(info.get("max_total_num_tokens") or res.config.device_tokens),
-            concurrency=res.config.concurrency,
-            max_prefill_tokens=int(info.get("max_prefill_tokens") or 16_384),
-            chunked_prefill_size=chunk if chunk and chunk > 0 else None,
-            overlap_schedule=not info.get("disable_overlap_schedule", False),
-            write_policy=info.get("hicache_write_policy") or "write_through",
-        )
-        replayed, live_l1, live_l2, prompt = [], [], [], []
-        for run in arm.seeds:
-            reqs = replay_requests(res.prompts[run.seed], run.seed)
-            r = replay.replay(
+        serving = replay_serving(res, arm.server_info)
+        host_tokens = int(arm.host_start["total_tokens"]) or arm.sizing.host_tokens
+        replayed = [
+            replay.replay(
                 arm.host_dtype,
-                int(arm.host_start["total_tokens"]) or arm.sizing.host_tokens,
-                reqs,
+                host_tokens,
+                replay_requests(res.prompts[run.seed], run.seed),
                 serving,
                 seed=run.seed,
                 label=arm.label,
             )
-            replayed.append(r)
-            live_l1.append(run.bench["cached"]["device"])
-            live_l2.append(run.bench["cached"]["host"])
-            prompt.append(run.bench["prompt_tokens"])
+            for run in arm.seeds
+        ]
+        bench = [run.bench for run in arm.seeds]
         rows.append(
             {
                 "label": arm.label,
@@ -859,12 +797,17 @@ def replay_agreement(res: LiveResult) -> list[dict]:
                 "replay_l1": [r.l1_hit_tokens for r in replayed],
                 "replay_l2": [r.l2_hit_tokens for r in replayed],
                 "replay_prompt": [r.prompt_tokens for r in replayed],
-                "live_device": live_l1,
-                "live_host": live_l2,
-                "live_prompt": prompt,
+                "live_device": [b["cached"]["device"] for b in bench],
+                "live_host": [b["cached"]["host"] for b in bench],
+                "live_prompt": [b["prompt_tokens"] for b in bench],
             }
         )
     return rows
+
+
+def _hit_pct(row: dict, l1: str, l2: str, prompt: str) -> float:
+    """Mean over seeds of (l1 + l2) / prompt tokens, in %."""
+    return 100 * fmean((a + b) / p for a, b, p in zip(row[l1], row[l2], row[prompt]))
 
 
 def print_agreement(rows: list[dict], say: Callable[[str], None] = print) -> None:
@@ -877,18 +820,12 @@ def print_agreement(rows: list[dict], say: Callable[[str], None] = print) -> Non
         f"{'replay L1':>9} | {'host live':>9} {'replay L2':>9}"
     )
     for r in rows:
-        live_hit = [
-            (d + h) / p
-            for d, h, p in zip(r["live_device"], r["live_host"], r["live_prompt"])
-        ]
-        rep_hit = [
-            (a + b) / p
-            for a, b, p in zip(r["replay_l1"], r["replay_l2"], r["replay_prompt"])
-        ]
+        live_hit = _hit_pct(r, "live_device", "live_host", "live_prompt")
+        rep_hit = _hit_pct(r, "replay_l1", "replay_l2", "replay_prompt")
         say(
-            f"   {r['label']:<7} {100 * spread(live_hit)[0]:>10.1f} "
-            f"{100 * spread(rep_hit)[0]:>7.1f} | {_m(r['live_device']):>11} "
-            f"{_m(r['replay_l1']):>9} | {_m(r['live_host']):>9} {_m(r['replay_l2']):>9}"
+            f"   {r['label']:<7} {live_hit:>10.1f} {rep_hit:>7.1f} | "
+            f"{_m(r['live_device']):>11} {_m(r['replay_l1']):>9} | "
+            f"{_m(r['live_host']):>9} {_m(r['replay_l2']):>9}"
         )
 
 
@@ -923,16 +860,10 @@ def plot(res: LiveResult, path: Path) -> None:
 
     bars = []
     for arm in res.arms:
-        t = arm_totals(arm)
-        dev, host = spread(t["reuse_device"])[0], spread(t["reuse_host"])[0]
-        total = spread(t["reuse_prompt"])[0]
-        bars.append(
-            (
-                arm.label,
-                [dev, host, max(0.0, total - dev - host)],
-                arm.host_start["total_tokens"],
-            )
-        )
+        t = {k: fmean(v) for k, v in arm_totals(arm).items()}
+        dev, host, total = t["reuse_device"], t["reuse_host"], t["reuse_prompt"]
+        parts = [dev, host, max(0.0, total - dev - host)]
+        bars.append((arm.label, parts, arm.host_start["total_tokens"]))
     c = res.config
     plot.plot_bars(
         bars,

@@ -38,7 +38,7 @@ REPLAY_GEOMETRY = ModelGeometry("replay", layer_num=2, head_num=1, head_dim=16)
 _SETUP_DONE = False
 
 
-def setup_sglang(quiet: bool = True) -> None:
+def setup_sglang() -> None:
     """Install the CPU stand-ins (tests/support/standins.py) before sglang imports."""
     global _SETUP_DONE
     if _SETUP_DONE:
@@ -47,10 +47,9 @@ def setup_sglang(quiet: bool = True) -> None:
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     install_cpu_standins()
-    if quiet:
-        # Startup chatter a real server prints once (e.g. "host pool smaller
-        # than the device pool" for the smallest budgets, CPU event timing).
-        logging.getLogger("sglang").setLevel(logging.ERROR)
+    # Startup chatter a real server prints once (e.g. "host pool smaller
+    # than the device pool" for the smallest budgets, CPU event timing).
+    logging.getLogger("sglang").setLevel(logging.ERROR)
     _SETUP_DONE = True
 
 
@@ -139,19 +138,13 @@ def unified_radix_cache(server_args, req_to_token_pool, allocator, page_size: in
 
 def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
     setup_sglang()
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from tests.support.hicache_harness import Geometry, make_device_pool
 
-    return MHATokenToKVPool(
-        size=tokens,
-        page_size=page_size,
-        dtype=geometry.dtype,
-        head_num=geometry.head_num,
-        head_dim=geometry.head_dim,
-        layer_num=geometry.layer_num,
-        device="cpu",
-        enable_memory_saver=False,
-        enable_alt_stream=False,
+    g = geometry
+    geo = Geometry(
+        g.layer_num, g.head_num, g.head_dim, dtype=g.dtype, page_size=page_size
     )
+    return make_device_pool(geo, tokens)
 
 
 def _lazy_alloc_mmap(dims: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -198,6 +191,22 @@ def _rss_shmem_bytes() -> int:
     return 0
 
 
+def _measured(host_pool, host_dtype: str, label, page_size: int) -> dict:
+    """The fields PoolAllocation and BudgetCapacity share; destroys the pool."""
+    fields = dict(
+        label=label or host_dtype,
+        host_dtype=host_dtype,
+        pool_class=type(host_pool).__name__,
+        page_size=page_size,
+        tokens=host_pool.size,
+        bytes=host_buffer_bytes(host_pool),
+        bytes_per_token=host_pool.get_size_per_token(),
+    )
+    host_pool.destroy()
+    gc.collect()
+    return fields
+
+
 @dataclass
 class PoolAllocation:
     label: str
@@ -235,15 +244,8 @@ def allocate_host_pool(
     kwargs.pop("write_back_staging", None)
 
     def build():
-        return cls(
-            info,
-            2.0,
-            0,
-            device_pool.page_size,
-            layout,
-            host_token_capacity=tokens,
-            **kwargs,
-        )
+        args = (info, 2.0, 0, device_pool.page_size, layout)
+        return cls(*args, host_token_capacity=tokens, **kwargs)
 
     note = ""
     committed = commit
@@ -265,22 +267,10 @@ def allocate_host_pool(
         with lazy_host_allocation():
             host_pool = build()
     resident = _rss_shmem_bytes() - rss_before if committed else 0
-    result = PoolAllocation(
-        label=label or host_dtype,
-        host_dtype=host_dtype,
-        pool_class=type(host_pool).__name__,
-        page_size=page_size,
-        tokens=host_pool.size,
-        bytes=host_buffer_bytes(host_pool),
-        bytes_per_token=host_pool.get_size_per_token(),
-        committed=committed,
-        resident_bytes=resident,
-        note=note,
+    fields = _measured(host_pool, host_dtype, label, page_size)
+    return PoolAllocation(
+        **fields, committed=committed, resident_bytes=resident, note=note
     )
-    host_pool.destroy()
-    del host_pool, device_pool
-    gc.collect()
-    return result
 
 
 @dataclass
@@ -316,26 +306,13 @@ def capacity_at_budget(
     device_pool = make_device_pool(geometry, max(64, page_size), page_size)
     with lazy_host_allocation():
         host_pool = build_kv_host_pool(kv_pool=device_pool, page_size=page_size)
-    result = BudgetCapacity(
-        label=label or host_dtype,
-        host_dtype=host_dtype,
-        budget_gb=budget_gb,
-        pool_class=type(host_pool).__name__,
-        page_size=page_size,
-        tokens=host_pool.size,
-        bytes=host_buffer_bytes(host_pool),
-        bytes_per_token=host_pool.get_size_per_token(),
-    )
-    host_pool.destroy()
-    del host_pool, device_pool
-    gc.collect()
-    return result
+    fields = _measured(host_pool, host_dtype, label, page_size)
+    return BudgetCapacity(**fields, budget_gb=budget_gb)
 
 
-# SGLang 0.5.23's default --chunked-prefill-size by GPU memory (GiB upper
-# bound, tokens), from arg_groups/memory_hook.handle_gpu_memory_settings; the
-# rule itself needs a model config and a device to run, so the demo reads this
-# copy and tests/test_replay.py checks it against the rule's source.
+# SGLang's default --chunked-prefill-size by GPU memory (GiB bound, tokens):
+# memory_hook's rule needs a model and a device, so this is a copy that
+# tests/test_replay.py checks against the rule's source.
 SERVER_CHUNKED_PREFILL_DEFAULTS = (
     (20, 2048),
     (35, 4096),

@@ -12,7 +12,6 @@ import torch
 
 from scripts.demo.pools import (
     REPLAY_GEOMETRY,
-    ModelGeometry,
     make_device_pool,
     publish_server_args,
     setup_sglang,
@@ -90,16 +89,18 @@ class _Step:
 
 @dataclass
 class _Stats:
-    l1: int = 0
-    l2: int = 0
-    l2_skipped: int = 0
+    """ReplayResult's counts, named as there."""
+
+    l1_hit_tokens: int = 0
+    l2_hit_tokens: int = 0
+    l2_hit_skipped_tokens: int = 0
     steps: int = 0
-    batches: int = 0
+    prefill_batches: int = 0
     max_in_flight: int = 0
-    peak_host: int = 0
-    verified: int = 0
-    verified_restored: int = 0
-    err: float = 0.0
+    peak_host_used: int = 0
+    verified_tokens: int = 0
+    verified_restored_tokens: int = 0
+    max_restore_error: float = 0.0
     per_request: list = field(default_factory=list)
 
 
@@ -150,11 +151,8 @@ class HiCacheReplay:
         host_tokens: int,
         serving: Serving = Serving(),
         *,
-        geometry: ModelGeometry = REPLAY_GEOMETRY,
         label: Optional[str] = None,
-        verify: bool = True,
         sanity_every: int = 0,
-        max_context_len: int = 1 << 16,
         layout: str = "layer_first",  # CPU: the stock pool's `direct` io layout
         io_backend: str = "direct",
     ):
@@ -162,8 +160,7 @@ class HiCacheReplay:
         self.label = label or host_dtype
         self.host_dtype = host_dtype
         self.serving = serving
-        self.geometry = geometry
-        self.verify = verify
+        self.geometry = REPLAY_GEOMETRY
         self.sanity_every = sanity_every
         self._sanity_calls = 0
         # int(L1 * ratio) plus one padding page is exactly `host_tokens` slots.
@@ -175,14 +172,14 @@ class HiCacheReplay:
             io_backend=io_backend,
             write_policy=serving.write_policy,
         )
-        self.cache = self._build_cache(max_context_len)
+        self.cache = self._build_cache()
         controller = self.cache.cache_controller
         self.host_pool = controller.mem_pool_host.anchor_entry.host_pool
         self._check_host_pool(host_tokens)
         self._init_kv_tables()
         self._reference_format = None  # built on the first restore check
 
-    def _build_cache(self, max_context_len: int):
+    def _build_cache(self):
         """The device pool, allocator, request table and radix cache, as the scheduler
         builds them."""
         from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
@@ -195,7 +192,7 @@ class HiCacheReplay:
         )
         self.req_to_token = ReqToTokenPool(
             size=self.serving.concurrency + 1,
-            max_context_len=max_context_len,
+            max_context_len=1 << 16,
             device="cpu",
             enable_memory_saver=False,
         )
@@ -271,10 +268,7 @@ class HiCacheReplay:
                 got = buf[slots]
                 round_trip = (got == expected).flatten(1).all(1)
                 kept = (got == written).flatten(1).all(1)
-                ok = bool((round_trip | kept).all()) and bool(
-                    round_trip[n - loaded :].all()
-                )
-                if not ok:
+                if not ((round_trip | kept).all() and round_trip[n - loaded :].all()):
                     err = (got.float() - expected.float()).abs().max()
                     raise AssertionError(
                         f"{self.label}: restored KV differs from what was written "
@@ -357,8 +351,9 @@ class HiCacheReplay:
         while self._waiting or self._running or self._chunked or self._unprocessed:
             self.cache.check_hicache_events()
             self._maybe_sanity()
-            stats.peak_host = max(
-                stats.peak_host, self.host_pool.size - self.host_pool.available_size()
+            stats.peak_host_used = max(
+                stats.peak_host_used,
+                self.host_pool.size - self.host_pool.available_size(),
             )
             self._stash_chunked()
             step = self._admit(stats)
@@ -478,7 +473,7 @@ class HiCacheReplay:
                     f"{self.label}: load-back of {host_len} tokens refused"
                 )
             if loaded == 0:
-                stats.l2_skipped += host_len
+                stats.l2_hit_skipped_tokens += host_len
             cache.unlock(lock)
             lock = cache.lock(last_node)
         prefix = device_len + loaded
@@ -502,8 +497,8 @@ class HiCacheReplay:
             self._chunked = run
         else:
             step.done.append(run)
-        stats.l1 += device_len
-        stats.l2 += loaded
+        stats.l1_hit_tokens += device_len
+        stats.l2_hit_tokens += loaded
         stats.per_request.append((req.rid, device_len, loaded))
         return True
 
@@ -518,17 +513,17 @@ class HiCacheReplay:
         for run in step.done:
             self._running.append(run)
         stats.steps += 1
-        stats.batches += 1
+        stats.prefill_batches += 1
         in_flight = len(self._running) + (self._chunked is not None)
         stats.max_in_flight = max(stats.max_in_flight, in_flight)
 
     def _verify_prefix(self, run: _Running, seq, loaded: int, stats: _Stats) -> None:
         """A newly admitted request's cached prefix, against what was written."""
-        if self.verify and run.protected:
+        if run.protected:
             err = self._check_prefix(run.kv[: run.protected], seq, loaded)
-            stats.err = max(stats.err, err)
-            stats.verified += run.protected
-            stats.verified_restored += loaded
+            stats.max_restore_error = max(stats.max_restore_error, err)
+            stats.verified_tokens += run.protected
+            stats.verified_restored_tokens += loaded
 
     def _process_prefill_results(self, runs: list[_Running]) -> None:
         """process_batch_result_prefill: checkpoint each complete prompt."""
@@ -542,7 +537,8 @@ class HiCacheReplay:
                 slots = self._alloc(steps)
                 start = len(run.kv)
                 run.kv = torch.cat([run.kv, slots.to(torch.int64)])
-                self._write_kv(slots, self._full_ids(run.request), start)
+                full = run.request.prompt + run.request.output
+                self._write_kv(slots, torch.tensor(full, dtype=torch.int64), start)
             run.remaining -= steps
         stats.steps += steps
         finished = [r for r in self._running if r.remaining == 0]
@@ -560,23 +556,9 @@ class HiCacheReplay:
             l1_tokens=self.serving.l1_tokens,
             requests=len(requests),
             prompt_tokens=sum(r.prompt_len for r in requests),
-            l1_hit_tokens=stats.l1,
-            l2_hit_tokens=stats.l2,
-            l2_hit_skipped_tokens=stats.l2_skipped,
-            steps=stats.steps,
-            prefill_batches=stats.batches,
-            max_in_flight=stats.max_in_flight,
-            peak_host_used=stats.peak_host,
-            verified_tokens=stats.verified,
-            verified_restored_tokens=stats.verified_restored,
-            max_restore_error=stats.err,
             seed=seed,
-            per_request=stats.per_request,
+            **vars(stats),
         )
-
-    @staticmethod
-    def _full_ids(request: Request) -> torch.Tensor:
-        return torch.tensor(request.prompt + request.output, dtype=torch.int64)
 
     def _release(self, run: _Running) -> None:
         """release_kv_cache(checkpoint=True): insert prompt + output."""
@@ -613,21 +595,10 @@ def replay(
     serving: Serving = Serving(),
     *,
     seed: int = 0,
-    label: Optional[str] = None,
-    verify: bool = True,
-    sanity_every: int = 0,
     **engine_options,
 ) -> ReplayResult:
     """One bench_serving run of `requests` against a fresh cache."""
-    engine = HiCacheReplay(
-        host_dtype,
-        host_tokens,
-        serving,
-        label=label,
-        verify=verify,
-        sanity_every=sanity_every,
-        **engine_options,
-    )
+    engine = HiCacheReplay(host_dtype, host_tokens, serving, **engine_options)
     try:
         return engine.run(requests, seed=seed)
     finally:

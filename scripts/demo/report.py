@@ -13,6 +13,6 @@ def spread(values: Sequence[float]) -> tuple[float, float]:
 
 
 def pm(values: Sequence[float], scale: float = 100, digits: int = 1) -> str:
-    """mean +- sd of `values` (times `scale`) as text."""
+    """mean +- sd of `values` (times `scale`) as text, thousands separated."""
     mean, sd = spread(values)
-    return f"{scale * mean:.{digits}f} +- {scale * sd:.{digits}f}"
+    return f"{scale * mean:,.{digits}f} +- {scale * sd:,.{digits}f}"

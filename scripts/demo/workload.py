@@ -113,9 +113,11 @@ def sample_rows(workload: Workload, tokenizer, *, ordered: bool, input_ids: bool
     module = generator_module()
     random.seed(workload.seed)
     np.random.seed(workload.seed)
-    with _private_generator_cache(module), contextlib.redirect_stdout(
-        io.StringIO()
-    ), contextlib.redirect_stderr(io.StringIO()):
+    with (
+        _private_generator_cache(module),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
         return module.sample_generated_shared_prefix_requests(
             num_groups=workload.num_groups,
             prompts_per_group=workload.prompts_per_group,
