@@ -33,7 +33,7 @@ DIST_DIR = ROOT / "dist"
 
 BASELINE_TAG = "hiq-baseline"
 OVERLAY_TAG = "hiq-overlay"
-STATE_FILE = "hiq-state.json"  # inside the tree's .git directory
+STATE_FILE = Path(".git", "hiq-state.json")  # relative to the tree
 # Fixed identity and dates keep the build tree's commits reproducible.
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "HiQCache",
@@ -45,9 +45,10 @@ FIXED_DATE = "2026-01-01T00:00:00+00:00"
 FIXED_DATES = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
 # Subject of the commit that adds sglang_overlay/ (first commit of `make pr`).
 OVERLAY_SUBJECT = "HiCache: add the quantized host KV pool modules and their unit tests"
-# Compiled extensions and caches ride along in the tree (so it imports) but
-# are not sources: upstream's repository has none of them.
+# Compiled extensions and caches ride along in the tree (so it imports) but are no sources.
 TREE_EXCLUDES = ("*.so", "__pycache__/", "*.pyc", ".pytest_cache/")
+# Patches as `make refresh` and `make pr` write them: no hashes or version that would churn.
+FORMAT_PATCH = ("format-patch", "-q", "--zero-commit", "--no-signature")
 
 
 class OverlayError(SystemExit):
@@ -70,16 +71,13 @@ def read_lines(path: Path) -> list[str]:
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+def run(cmd: list[str], cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """`cmd` with its output captured as text, `env` on top of this environment."""
-    return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, **env})
 
 
 def git(tree: Path, *args: str, check: bool = True, env_extra=None, error=OverlayError) -> str:
@@ -91,11 +89,6 @@ def git(tree: Path, *args: str, check: bool = True, env_extra=None, error=Overla
 
 def read_series() -> list[str]:
     return read_lines(SERIES_FILE) if SERIES_FILE.exists() else []
-
-
-def package_overlay_files() -> list[Path]:
-    """Overlay files of the installed package; upstream-style tests are not."""
-    return [rel for rel in overlay_files() if rel.parts[0] == "python"]
 
 
 def overlay_files() -> list[Path]:
@@ -214,14 +207,6 @@ def _baseline_from_git(tree: Path, lock: dict[str, str]) -> None:
     git(tree, "tag", BASELINE_TAG)
 
 
-def _state_path(tree: Path) -> Path:
-    return tree / ".git" / STATE_FILE
-
-
-def _tree_is_clean(tree: Path) -> bool:
-    return git(tree, "status", "--porcelain").strip() == ""
-
-
 def _failing_file(output: str) -> str:
     for pattern in (
         r"error: patch failed: (\S+?):\d+",
@@ -237,24 +222,20 @@ def _failing_file(output: str) -> str:
 
 def _copy_overlay(tree: Path) -> list[str]:
     baseline = set(git(tree, "ls-tree", "-r", "--name-only", BASELINE_TAG).split())
-    copied = []
-    for rel in overlay_files():
-        rel_str = rel.as_posix()
-        if rel_str in baseline:
+    copied = [rel.as_posix() for rel in overlay_files()]
+    for rel in copied:
+        if rel in baseline:
             raise OverlayError(
-                f"sglang_overlay/{rel_str} exists upstream: edits to upstream "
+                f"sglang_overlay/{rel} exists upstream: edits to upstream "
                 "files belong in patches/ (make refresh puts them there)"
             )
-        dst = tree / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(OVERLAY_DIR / rel, dst)
-        copied.append(rel_str)
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(OVERLAY_DIR / rel, tree / rel)
     return copied
 
 
 def _apply_series(tree: Path) -> None:
-    series = read_series()
-    for name in series:
+    for name in read_series():
         patch = PATCH_DIR / name
         if not patch.exists():
             raise OverlayError(f"patches/series lists {name}, which does not exist")
@@ -280,11 +261,11 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
     if tree.exists():
         if not (tree / ".git").exists() or not git(tree, "tag", "-l", BASELINE_TAG).strip():
             raise OverlayError(f"{tree} exists but is not a tree made by this tool; remove it")
-        state_path = _state_path(tree)
+        state_path = tree / STATE_FILE
         state = json.loads(state_path.read_text()) if state_path.exists() else {}
         head = git(tree, "rev-parse", "HEAD").strip()
         expected_head = state.get("head") or git(tree, "rev-parse", BASELINE_TAG).strip()
-        edited = head != expected_head or not _tree_is_clean(tree)
+        edited = head != expected_head or git(tree, "status", "--porcelain").strip() != ""
         if edited and not force:
             raise OverlayError(
                 f"{tree} has edits that are not in patches/ or sglang_overlay/: "
@@ -321,7 +302,7 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
         git(tree, "clean", "-q", "-fd", check=False)
         raise
     state = {"inputs": digest, "head": git(tree, "rev-parse", "HEAD").strip(), "source": source}
-    _state_path(tree).write_text(json.dumps(state, indent=1))
+    (tree / STATE_FILE).write_text(json.dumps(state, indent=1))
     print(
         f"overlay: {tree} = SGLang {lock['SGLANG_VERSION']} ({source}) + "
         f"{len(copied)} overlay files + {len(read_series())} patches"
@@ -388,13 +369,10 @@ def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
     baseline_files = set(git(tree, "ls-tree", "-r", "--name-only", BASELINE_TAG).split())
     patch_commits = git(tree, "rev-list", f"{OVERLAY_TAG}..HEAD").split()
 
-    if not _tree_is_clean(tree):
+    if git(tree, "status", "--porcelain").strip():  # uncommitted edits
         git(tree, "add", "-A")
-        pending_upstream = [
-            path
-            for path in git(tree, "diff", "--cached", "--name-only", "HEAD").split()
-            if path in baseline_files
-        ]
+        staged = git(tree, "diff", "--cached", "--name-only", "HEAD").split()
+        pending_upstream = baseline_files.intersection(staged)
         if message:
             git(tree, "commit", "-q", "-m", message)
         elif pending_upstream and not patch_commits:
@@ -416,14 +394,12 @@ def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
     new_files = sorted(head_files - baseline_files)
     if OVERLAY_DIR.exists():
         shutil.rmtree(OVERLAY_DIR)
+    show = ["git", "-C", str(tree), "show"]
     for rel in new_files:
         dst = OVERLAY_DIR / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(
-            subprocess.run(
-                ["git", "-C", str(tree), "show", f"HEAD:{rel}"], capture_output=True, check=True
-            ).stdout
-        )
+        blob = subprocess.run([*show, f"HEAD:{rel}"], capture_output=True, check=True).stdout
+        dst.write_bytes(blob)
 
     # Patches: commits after the overlay tag, restricted to upstream files.
     PATCH_DIR.mkdir(exist_ok=True)
@@ -431,11 +407,8 @@ def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
         old.unlink()
     excludes = [f":(exclude){rel}" for rel in new_files]
     if git(tree, "rev-list", f"{OVERLAY_TAG}..HEAD").split():
-        git(
-            tree, "format-patch", "-q", "--zero-commit", "--no-signature",
-            "--no-stat", "-o", str(PATCH_DIR), f"{OVERLAY_TAG}..HEAD",
-            "--", ".", *excludes,
-        )  # fmt: skip
+        patches = f"{OVERLAY_TAG}..HEAD"
+        git(tree, *FORMAT_PATCH, "--no-stat", "-o", str(PATCH_DIR), patches, "--", ".", *excludes)
     names = sorted(p.name for p in PATCH_DIR.glob("*.patch"))
     SERIES_FILE.write_text(
         "# Applied in this order by scripts/overlay.py; regenerated by `make refresh`.\n"
@@ -457,7 +430,8 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
     lock = read_lock()
     apply(tree=tree)
     pinned = fetch(python_tag)
-    version = f"{lock['SGLANG_VERSION']}+{lock['HIQ_LOCAL_VERSION']}"
+    pin = lock["SGLANG_VERSION"]
+    version = f"{pin}+{lock['HIQ_LOCAL_VERSION']}"
     changed = git(tree, "diff", "--name-status", "--no-renames", BASELINE_TAG, "HEAD")
     DIST_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -465,7 +439,7 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
             [sys.executable, "-m", "wheel", "unpack", "-d", tmp, str(pinned)], check=True,
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        unpacked = Path(tmp) / f"sglang-{lock['SGLANG_VERSION']}"
+        unpacked = Path(tmp) / f"sglang-{pin}"
         for line in changed.splitlines():
             status, path = line.split("\t")
             if not path.startswith("python/"):
@@ -476,7 +450,7 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
             else:
                 (unpacked / inner).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(tree / path, unpacked / inner)
-        old_info = unpacked / f"sglang-{lock['SGLANG_VERSION']}.dist-info"
+        old_info = unpacked / f"sglang-{pin}.dist-info"
         metadata = old_info / "METADATA"
         metadata.write_text(
             re.sub(r"(?m)^Version: .*$", f"Version: {version}", metadata.read_text(), count=1)
@@ -487,9 +461,7 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
             [sys.executable, "-m", "wheel", "pack", "-d", str(DIST_DIR), str(renamed)],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
-    built = DIST_DIR / pinned.name.replace(
-        f"sglang-{lock['SGLANG_VERSION']}-", f"sglang-{version}-"
-    )
+    built = DIST_DIR / pinned.name.replace(f"sglang-{pin}-", f"sglang-{version}-")
     if not built.exists():
         raise OverlayError(f"wheel pack did not produce {built.name}:\n{out.stdout}{out.stderr}")
     print(f"overlay: built {built}")
@@ -498,8 +470,7 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
 
 PR_DECLARATION = ROOT / "docs" / "prs.toml"
 PR_DESCRIPTION_SOURCE = ROOT / "docs" / "PR_DESCRIPTION.md"
-# Upstream's pull request template, in its order; the description source must
-# carry each one.
+# Upstream's pull request template, in its order; the description source must carry each one.
 PR_TEMPLATE_SECTIONS = (
     "Motivation",
     "Modifications",
@@ -539,16 +510,15 @@ def _matches(path: str, patterns: list[str]) -> bool:
 
 def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
     """The PRs of docs/prs.toml; every patch and overlay file in exactly one."""
+    shown = path.relative_to(ROOT)
     if not path.exists():
-        raise OverlayError(
-            f"{path.relative_to(ROOT)} is missing: it declares what `make pr` exports"
-        )
+        raise OverlayError(f"{shown} is missing: it declares what `make pr` exports")
     try:
         entries = tomllib.loads(path.read_text()).get("pr", [])
     except tomllib.TOMLDecodeError as error:
-        raise OverlayError(f"{path.relative_to(ROOT)}: {error}") from None
+        raise OverlayError(f"{shown}: {error}") from None
     if not entries:
-        raise OverlayError(f"{path.relative_to(ROOT)} declares no [[pr]]")
+        raise OverlayError(f"{shown} declares no [[pr]]")
     series = read_series()
     overlay = [rel.as_posix() for rel in overlay_files()]
     prs, problems = [], []
@@ -584,9 +554,7 @@ def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
         if any(rel.parts[0] == "test" for rel in pr.overlay) and not pr.tests_subject:
             problems.append(f"PR {pr.name} adds overlay tests but declares no tests_subject")
     if problems:
-        raise OverlayError(
-            f"{path.relative_to(ROOT)} does not match the series:\n  " + "\n  ".join(problems)
-        )
+        raise OverlayError(f"{shown} does not match the series:\n  " + "\n  ".join(problems))
     return prs
 
 
@@ -612,9 +580,7 @@ def export_identity() -> dict[str, str]:
 def _upstream_subject(message: str) -> str:
     """`HiCache: do x` (our series) as upstream's `[HiCache] Do x`."""
     subject, _, rest = message.partition("\n")
-    match = re.match(r"HiCache: (.)(.*)", subject)
-    if match:
-        subject = f"[HiCache] {match.group(1).upper()}{match.group(2)}"
+    subject = re.sub(r"^HiCache: (.)", lambda m: f"[HiCache] {m.group(1).upper()}", subject)
     return subject + ("\n" + rest if rest else "\n")
 
 
@@ -632,7 +598,8 @@ def _commit_files(work: Path, files: list[Path], subject: str, body: str, identi
 
 def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
     """The PR's new modules, patches, then tests, so each commit passes the tests it carries."""
-    author = f"{identity['GIT_AUTHOR_NAME']} <{identity['GIT_AUTHOR_EMAIL']}>"
+    author = f"--author={identity['GIT_AUTHOR_NAME']} <{identity['GIT_AUTHOR_EMAIL']}>"
+    date = f"--date={identity['GIT_AUTHOR_DATE']}"
     modules = [rel for rel in pr.overlay if rel.parts[0] != "test"]
     _commit_files(work, modules, pr.overlay_subject, pr.overlay_body, identity)
     for name in pr.patches:
@@ -646,10 +613,7 @@ def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
                 f"{(proc.stdout + proc.stderr).strip()}"
             )
         message = _upstream_subject(git(work, "log", "-1", "--format=%B"))
-        git(
-            work, "commit", "-q", "--amend", "-m", message, f"--author={author}",
-            f"--date={identity['GIT_AUTHOR_DATE']}", env_extra=identity,
-        )  # fmt: skip
+        git(work, "commit", "-q", "--amend", "-m", message, author, date, env_extra=identity)
     tests = [rel for rel in pr.overlay if rel.parts[0] == "test"]
     _commit_files(work, tests, pr.tests_subject, pr.tests_body, identity)
 
@@ -675,7 +639,7 @@ def _upstream_edits(work: Path, base: str, pr: PullRequest) -> str:
     return table + "\n".join(rows)
 
 
-def render_description(pr: PullRequest, values: dict[str, str], source: Path) -> str:
+def render_description(pr: PullRequest, values: dict, source: Path = PR_DESCRIPTION_SOURCE) -> str:
     """The PR's description from the one source: shared text, its own blocks, values."""
     text = source.read_text()
     text = re.sub(r"\A<!--.*?-->\n+", "", text, flags=re.S)  # the source's own notes
@@ -700,8 +664,7 @@ def render_description(pr: PullRequest, values: dict[str, str], source: Path) ->
 
 
 def export_pr(tree: Path = DEFAULT_TREE) -> Path:
-    """Each PR of docs/prs.toml as commits on v<pin> + the PRs before it, with its
-    description, in dist/pr/<number>-<name>/."""
+    """Each PR of docs/prs.toml, on v<pin> + the PRs before it, in dist/pr/<number>-<name>/."""
     lock = read_lock()
     apply(tree=tree)
     prs = read_pr_declaration()
@@ -719,10 +682,7 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
             start = git(work, "rev-parse", "HEAD").strip()
             _commit_pr(work, pr, identity)
             out_dir = out_root / pr.dir_name
-            git(
-                work, "format-patch", "-q", "--zero-commit", "--no-signature",
-                "-o", str(out_dir), f"{start}..HEAD",
-            )  # fmt: skip
+            git(work, *FORMAT_PATCH, "-o", str(out_dir), f"{start}..HEAD")
             added = _numstat(work, start, "A")
             new_files = "\n".join(f"- `{path}` ({lines} lines)" for lines, _, path in added)
             values = {
@@ -733,9 +693,7 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
                 "upstream_edits": _upstream_edits(work, start, pr),
                 "diffstat": git(work, "diff", "--stat", start, "HEAD").rstrip(),
             }
-            (out_dir / "PR_DESCRIPTION.md").write_text(
-                render_description(pr, values, PR_DESCRIPTION_SOURCE)
-            )
+            (out_dir / "PR_DESCRIPTION.md").write_text(render_description(pr, values))
             bases.append(f"PR {pr.dir_name}")
             count = len(list(out_dir.glob("*.patch")))
             print(f"overlay: exported PR {pr.dir_name}: {count} commits and PR_DESCRIPTION.md")
@@ -771,17 +729,17 @@ def install(target: Path) -> None:
             print(f"overlay: {package} already carries this series")
             return
         raise OverlayError(f"{package} carries another HiQCache series; reinstall sglang first")
-    for rel in package_overlay_files():
-        dst = target / rel.relative_to("python")
+    package_files = [rel for rel in overlay_files() if rel.parts[0] == "python"]  # not test/
+    placed = {target / rel.relative_to("python"): rel for rel in package_files}
+    for dst in placed:
         if dst.exists():
             raise OverlayError(f"{dst} already exists; refusing to overwrite it")
     with tempfile.TemporaryDirectory() as tmp:
         # Dry-run the whole series on a copy of the touched files.
         touched = series_touched_files()
         for path in touched:
-            src = target / path.removeprefix("python/")
             (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, Path(tmp) / path)
+            shutil.copy2(target / path.removeprefix("python/"), Path(tmp) / path)
         # --fuzz=0: a hunk whose context differs from the pin is a different SGLang, as for git am.
         options = ["-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "-r", "-"]
         for name in read_series():
@@ -793,13 +751,12 @@ def install(target: Path) -> None:
                 )
         for path in touched:
             shutil.copy2(Path(tmp) / path, target / path.removeprefix("python/"))
-    for rel in package_overlay_files():
-        dst = target / rel.relative_to("python")
+    for dst, rel in placed.items():
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(OVERLAY_DIR / rel, dst)
     marker.write_text(digest + "\n")
     print(
-        f"overlay: installed {len(package_overlay_files())} overlay files and "
+        f"overlay: installed {len(placed)} overlay files and "
         f"{len(read_series())} patches into {package}"
     )
 

@@ -26,9 +26,9 @@ from scripts.overlay import BASELINE_TAG, DEFAULT_TREE, DIST_DIR, ROOT, read_lin
 UPSTREAM_LINT = ROOT / "requirements" / "upstream-lint"
 HOOK_CONFIG = UPSTREAM_LINT / "pre-commit-config.yaml"
 LINT_PINS = ROOT / "requirements" / "test-tools-lint.txt"
-# Config files an SGLang checkout has at its root; written into the scratch
-# tree when the source (the PyPI wheel) does not carry them.
+# Config files at an SGLang checkout's root, for a scratch tree from the wheel that lacks them.
 ROOT_CONFIGS = (".isort.cfg", ".codespellrc")
+KERNEL_TEST_DIRS = "test/registered/kernels/{ops,benchmark}/<group>/"
 
 
 class GateError(Exception):
@@ -47,8 +47,7 @@ class Hook:
     entry_args: tuple[str, ...] = ()
 
 
-# The hook definitions of each upstream repository (their .pre-commit-hooks.yaml
-# at the pinned revs), keyed by hook id.
+# Each upstream repository's hook definitions (.pre-commit-hooks.yaml at the pinned revs).
 HOOKS = {
     "check-symlinks": Hook("pre_commit_hooks.check_symlinks", ("symlink",)),
     "trailing-whitespace": Hook("pre_commit_hooks.trailing_whitespace_fixer", ("text",)),
@@ -113,10 +112,10 @@ def load_hook_config(path: Path = HOOK_CONFIG) -> dict:
     from ruamel.yaml import YAML
 
     config = YAML(typ="safe").load(path.read_text())
-    for repo in config["repos"]:
-        for hook in repo["hooks"]:
-            if hook["id"] not in HOOKS:
-                raise GateError(f"{path.name} names hook {hook['id']!r}, unknown to the gate")
+    hook_ids = [hook["id"] for repo in config["repos"] for hook in repo["hooks"]]
+    unknown = [hook_id for hook_id in hook_ids if hook_id not in HOOKS]
+    if unknown:
+        raise GateError(f"{path.name} names hook {unknown[0]!r}, unknown to the gate")
     return config
 
 
@@ -152,8 +151,7 @@ def file_types(path: Path) -> set[str]:
 
 
 def select_files(repo: Path, files: list[str], config: dict, hook: dict) -> list[str]:
-    hook_def = HOOKS[hook["id"]]
-    wanted = set(hook.get("types", hook_def.types))
+    wanted = set(hook.get("types", HOOKS[hook["id"]].types))
     include = re.compile(hook.get("files", ""))
     excludes = [re.compile(p) for p in (config.get("exclude"), hook.get("exclude")) if p]
     return [
@@ -215,8 +213,7 @@ def registry_call_lines(tree: ast.Module, names: set[str]) -> list[int]:
         for stmt in tree.body
         if isinstance(stmt, ast.Expr)
         and isinstance(stmt.value, ast.Call)
-        and isinstance(stmt.value.func, ast.Name)
-        and stmt.value.func.id in names
+        and ast.unparse(stmt.value.func) in names  # a plain name, not x.name
     ]
 
 
@@ -225,10 +222,7 @@ def calls_named(tree: ast.AST, name: str) -> list[int]:
         node.lineno
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
-        and (
-            (isinstance(node.func, ast.Name) and node.func.id == name)
-            or (isinstance(node.func, ast.Attribute) and node.func.attr == name)
-        )
+        and name in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
     ]
 
 
@@ -246,22 +240,17 @@ def main_runs_tests(tree: ast.Module) -> bool:
     return any("unittest.main" in body or "pytest.main" in body for body in bodies)
 
 
-def is_dedicated_unit_suite(registry) -> bool:
-    """A suite whose name marks it as a unit-test suite (a `unit` word in it)."""
-    return "unit" in (registry.effective_suite or "").split("-")
-
-
 def taxonomy_errors(path: str, registries: list, lines: list[int], tree) -> list[str]:
     """Where a registered test lives decides what it may register."""
     parts = path.split("/")[2:]  # after test/registered/
     errors = []
     if parts[0] == "unit":
         for registry, line in zip(registries, lines):
-            if registry.backend.name != "CPU" and not is_dedicated_unit_suite(registry):
+            suite = registry.effective_suite  # a dedicated unit suite has a `unit` word in it
+            if registry.backend.name != "CPU" and "unit" not in (suite or "").split("-"):
                 errors.append(
                     f"{path}:{line}: unit tests may register only CPU or dedicated unit "
-                    f"suites, not {registry.backend.name} "
-                    f"suite {registry.effective_suite!r} (GPU tests go under "
+                    f"suites, not {registry.backend.name} suite {suite!r} (GPU tests go under "
                     "test/registered/kernels/ or a topic directory)"
                 )
             if registry.est_time > 60:
@@ -270,9 +259,7 @@ def taxonomy_errors(path: str, registries: list, lines: list[int], tree) -> list
             errors.append(f"{path}:{line}: unit tests may not launch a server")
     elif parts[0] in ("kernel", "kernels"):
         if not (parts[0] == "kernels" and len(parts) >= 4 and parts[1] in ("ops", "benchmark")):
-            errors.append(
-                f"{path}: kernel tests live under test/registered/kernels/{{ops,benchmark}}/<group>/"
-            )
+            errors.append(f"{path}: kernel tests live under {KERNEL_TEST_DIRS}")
     return errors
 
 
@@ -308,13 +295,7 @@ def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> lis
     """Run one tool hook on `files`; failures as lines. Rewritten files are put back."""
     before = {f: (repo / f).read_bytes() for f in files}
     hook = HOOKS[hook_id]
-    proc = subprocess.run(
-        [sys.executable, "-m", hook.module, *hook.entry_args, *args, *files],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        env=tool_env(),
-    )
+    proc = run_module(repo, [hook.module, *hook.entry_args, *args, *files])
     rewritten = [f for f in files if (repo / f).read_bytes() != before[f]]
     failures = []
     if rewritten:
@@ -332,19 +313,16 @@ def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> lis
 
 def ruff_findings(repo: Path, args: list[str], files: list[str]) -> str:
     """What the ruff hook fixed, as rule, file and line (its --fix run says only how many)."""
-    listing = subprocess.run(
-        [sys.executable, "-m", "ruff", *HOOKS["ruff"].entry_args, "--output-format=concise",
-         *[a for a in args if a != "--fix"], *files],
-        cwd=repo, capture_output=True, text=True, env=tool_env(),
-    )  # fmt: skip
-    return listing.stdout.strip()
+    options = [*HOOKS["ruff"].entry_args, "--output-format=concise"]
+    options += [a for a in args if a != "--fix"]
+    return run_module(repo, ["ruff", *options, *files]).stdout.strip()
 
 
-def tool_env() -> dict[str, str]:
-    """This environment with PYTHONPATH made absolute: the hooks run in the scratch tree."""
+def run_module(repo: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m <args>` in the scratch tree, with PYTHONPATH made absolute for it."""
     entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     absolute = os.pathsep.join(str(Path(e).resolve()) for e in entries if e)
-    return {**os.environ, "PYTHONPATH": absolute}
+    return overlay.run([sys.executable, "-m", *args], cwd=repo, PYTHONPATH=absolute)
 
 
 def indent(text: str, limit: int = 60) -> str:
