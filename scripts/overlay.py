@@ -45,7 +45,7 @@ FIXED_DATE = "2026-01-01T00:00:00+00:00"
 FIXED_DATES = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
 # Subject of the commit that adds sglang_overlay/ (first commit of `make pr`).
 OVERLAY_SUBJECT = "HiCache: add the quantized host KV pool modules and their unit tests"
-# Compiled extensions and caches ride along in the tree (so it imports) but are no sources.
+# Compiled extensions and caches ride along in the tree (so it imports) but are not sources.
 TREE_EXCLUDES = ("*.so", "__pycache__/", "*.pyc", ".pytest_cache/")
 # Patches as `make refresh` and `make pr` write them: no hashes or version that would churn.
 FORMAT_PATCH = ("format-patch", "-q", "--zero-commit", "--no-signature")
@@ -202,7 +202,7 @@ def _baseline_from_git(tree: Path, lock: dict[str, str]) -> None:
     tag, url = lock["SGLANG_GIT_TAG"], lock["SGLANG_GIT_URL"]
     proc = run(["git", "clone", "-q", "--depth", "1", "--branch", tag, url, str(tree)])
     if proc.returncode != 0:
-        raise OverlayError(f"git clone of {lock['SGLANG_GIT_TAG']} failed:\n{proc.stderr}")
+        raise OverlayError(f"git clone of {tag} failed:\n{proc.stderr}")
     _write_excludes(tree)
     git(tree, "tag", BASELINE_TAG)
 

@@ -292,7 +292,7 @@ LOCAL_HOOKS = {
 
 
 def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> list[str]:
-    """Run one tool hook on `files`; failures as lines. Rewritten files are put back."""
+    """One tool hook on `files`, failures as lines; files it rewrites are restored for the next."""
     before = {f: (repo / f).read_bytes() for f in files}
     hook = HOOKS[hook_id]
     proc = run_module(repo, [hook.module, *hook.entry_args, *args, *files])
