@@ -92,7 +92,7 @@ $(LINT_DIR)/.stamp: requirements/test-tools-lint.txt
 	touch $@
 
 pr-check: pr $(LINT_DIR)/.stamp
-	PYTHONPATH=$(CURDIR)/$(LINT_DIR) $(PYTHON) scripts/pr_gate.py
+	PYTHONPATH=$(CURDIR)/$(LINT_DIR) $(PYTHON) -m scripts.pr_gate
 
 test: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest $(PYTEST_ARGS) tests

@@ -33,7 +33,7 @@ DIST_DIR = ROOT / "dist"
 
 BASELINE_TAG = "hiq-baseline"
 OVERLAY_TAG = "hiq-overlay"
-STATE_FILE = "hiq-state.json"  # inside the tree's .git directory
+STATE_FILE = Path(".git", "hiq-state.json")  # relative to the tree
 # Fixed identity and dates keep the build tree's commits reproducible.
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "HiQCache",
@@ -42,11 +42,13 @@ GIT_IDENTITY = {
     "GIT_COMMITTER_EMAIL": "hiqcache@localhost",
 }
 FIXED_DATE = "2026-01-01T00:00:00+00:00"
+FIXED_DATES = {"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE}
 # Subject of the commit that adds sglang_overlay/ (first commit of `make pr`).
 OVERLAY_SUBJECT = "HiCache: add the quantized host KV pool modules and their unit tests"
-# Compiled extensions and caches ride along in the tree (so it imports) but
-# are not sources: upstream's repository has none of them.
+# Compiled extensions and caches ride along in the tree (so it imports) but are not sources.
 TREE_EXCLUDES = ("*.so", "__pycache__/", "*.pyc", ".pytest_cache/")
+# Patches as `make refresh` and `make pr` write them: no hashes or version that would churn.
+FORMAT_PATCH = ("format-patch", "-q", "--zero-commit", "--no-signature")
 
 
 class OverlayError(SystemExit):
@@ -57,53 +59,36 @@ class OverlayError(SystemExit):
 
 
 def read_lock(path: Path = LOCK_FILE) -> dict[str, str]:
-    values = {}
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, _, value = line.partition("=")
-        values[key.strip()] = value.strip()
-    return values
+    lines = (line.strip() for line in path.read_text().splitlines())
+    pairs = (line.partition("=") for line in lines if line and not line.startswith("#"))
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def read_lines(path: Path) -> list[str]:
+    """The non-blank lines of `path`, `#` comments removed."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
 
 
 def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def git(tree: Path, *args: str, check: bool = True, env_extra=None) -> str:
-    env = {**os.environ, **GIT_IDENTITY, **(env_extra or {})}
-    proc = subprocess.run(
-        ["git", "-C", str(tree), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+def run(cmd: list[str], cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """`cmd` with its output captured as text, `env` on top of this environment."""
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env={**os.environ, **env})
+
+
+def git(tree: Path, *args: str, check: bool = True, env_extra=None, error=OverlayError) -> str:
+    proc = run(["git", "-C", str(tree), *args], **{**GIT_IDENTITY, **(env_extra or {})})
     if check and proc.returncode != 0:
-        raise OverlayError(
-            f"git {' '.join(args)} failed in {tree}:\n{proc.stdout}{proc.stderr}"
-        )
+        raise error(f"git {' '.join(args)} failed in {tree}:\n{proc.stdout}{proc.stderr}")
     return proc.stdout
 
 
 def read_series() -> list[str]:
-    if not SERIES_FILE.exists():
-        return []
-    names = []
-    for line in SERIES_FILE.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            names.append(line)
-    return names
-
-
-def package_overlay_files() -> list[Path]:
-    """Overlay files of the installed package; upstream-style tests are not."""
-    return [rel for rel in overlay_files() if rel.parts[0] == "python"]
+    return read_lines(SERIES_FILE) if SERIES_FILE.exists() else []
 
 
 def overlay_files() -> list[Path]:
@@ -132,15 +117,17 @@ def inputs_digest(source: str) -> str:
 def patch_touched_files(patch: Path) -> list[tuple[str, bool]]:
     """(upstream path, creates_file) for each file a git patch touches."""
     touched = []
-    current = None
     for line in patch.read_text(errors="replace").splitlines():
-        match = re.match(r"^diff --git a/(\S+) b/(\S+)$", line)
-        if match:
-            current = [match.group(1), False]
-            touched.append(current)
-        elif current is not None and line.startswith("new file mode"):
-            current[1] = True
-    return [(path, creates) for path, creates in touched]
+        if match := re.match(r"^diff --git a/(\S+) b/(\S+)$", line):
+            touched.append((match.group(1), False))
+        elif touched and line.startswith("new file mode"):
+            touched[-1] = (touched[-1][0], True)
+    return touched
+
+
+def series_touched_files() -> set[str]:
+    """Every upstream path a patch of the series touches."""
+    return {path for name in read_series() for path, _ in patch_touched_files(PATCH_DIR / name)}
 
 
 def wheel_for_python(lock: dict[str, str], python_tag: str | None) -> tuple[str, str]:
@@ -180,12 +167,10 @@ def fetch(python_tag: str | None = None) -> Path:
                 "--implementation", "cp", "--platform", platform,
                 "--dest", tmp, f"sglang=={lock['SGLANG_VERSION']}",
             ]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = run(cmd)
             got = Path(tmp) / name
             if proc.returncode != 0 or not got.exists():
-                raise OverlayError(
-                    f"could not download {name}:\n{proc.stdout}{proc.stderr}"
-                )
+                raise OverlayError(f"could not download {name}:\n{proc.stdout}{proc.stderr}")
             verify_sha(got, expected)
             got.replace(path)
     verify_sha(path, expected)
@@ -207,35 +192,19 @@ def _baseline_from_wheel(tree: Path, wheel: Path, lock: dict[str, str]) -> None:
     git(tree, "init", "-q", "-b", "main")
     _write_excludes(tree)
     git(tree, "add", "-A")
-    git(
-        tree,
-        "commit", "-q", "-m",
-        f"SGLang {lock['SGLANG_VERSION']} python tree from {wheel.name}\n\n"
-        f"sha256 {sha256_of(wheel)}",
-        env_extra={"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE},
-    )  # fmt: skip
+    message = f"SGLang {lock['SGLANG_VERSION']} python tree from {wheel.name}\n\n"
+    git(tree, "commit", "-q", "-m", f"{message}sha256 {sha256_of(wheel)}", env_extra=FIXED_DATES)
     git(tree, "tag", BASELINE_TAG)
 
 
 def _baseline_from_git(tree: Path, lock: dict[str, str]) -> None:
     # For users with GitHub access; the patches use the same upstream paths.
-    proc = subprocess.run(
-        ["git", "clone", "-q", "--depth", "1", "--branch", lock["SGLANG_GIT_TAG"],
-         lock["SGLANG_GIT_URL"], str(tree)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    tag, url = lock["SGLANG_GIT_TAG"], lock["SGLANG_GIT_URL"]
+    proc = run(["git", "clone", "-q", "--depth", "1", "--branch", tag, url, str(tree)])
     if proc.returncode != 0:
-        raise OverlayError(f"git clone of {lock['SGLANG_GIT_TAG']} failed:\n{proc.stderr}")
+        raise OverlayError(f"git clone of {tag} failed:\n{proc.stderr}")
     _write_excludes(tree)
     git(tree, "tag", BASELINE_TAG)
-
-
-def _state_path(tree: Path) -> Path:
-    return tree / ".git" / STATE_FILE
-
-
-def _tree_is_clean(tree: Path) -> bool:
-    return git(tree, "status", "--porcelain").strip() == ""
 
 
 def _failing_file(output: str) -> str:
@@ -253,32 +222,25 @@ def _failing_file(output: str) -> str:
 
 def _copy_overlay(tree: Path) -> list[str]:
     baseline = set(git(tree, "ls-tree", "-r", "--name-only", BASELINE_TAG).split())
-    copied = []
-    for rel in overlay_files():
-        rel_str = rel.as_posix()
-        if rel_str in baseline:
+    copied = [rel.as_posix() for rel in overlay_files()]
+    for rel in copied:
+        if rel in baseline:
             raise OverlayError(
-                f"sglang_overlay/{rel_str} exists upstream: edits to upstream "
+                f"sglang_overlay/{rel} exists upstream: edits to upstream "
                 "files belong in patches/ (make refresh puts them there)"
             )
-        dst = tree / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(OVERLAY_DIR / rel, dst)
-        copied.append(rel_str)
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(OVERLAY_DIR / rel, tree / rel)
     return copied
 
 
 def _apply_series(tree: Path) -> None:
-    series = read_series()
-    for name in series:
+    for name in read_series():
         patch = PATCH_DIR / name
         if not patch.exists():
             raise OverlayError(f"patches/series lists {name}, which does not exist")
-        proc = subprocess.run(
-            ["git", "-C", str(tree), "am", "-q", "--keep-cr",
-             "--committer-date-is-author-date", str(patch)],
-            capture_output=True, text=True, env={**os.environ, **GIT_IDENTITY},
-        )  # fmt: skip
+        am = ["am", "-q", "--keep-cr", "--committer-date-is-author-date", str(patch)]
+        proc = run(["git", "-C", str(tree), *am], **GIT_IDENTITY)
         if proc.returncode != 0:
             output = proc.stdout + proc.stderr
             git(tree, "am", "--abort", check=False)
@@ -299,11 +261,11 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
     if tree.exists():
         if not (tree / ".git").exists() or not git(tree, "tag", "-l", BASELINE_TAG).strip():
             raise OverlayError(f"{tree} exists but is not a tree made by this tool; remove it")
-        state_path = _state_path(tree)
+        state_path = tree / STATE_FILE
         state = json.loads(state_path.read_text()) if state_path.exists() else {}
         head = git(tree, "rev-parse", "HEAD").strip()
         expected_head = state.get("head") or git(tree, "rev-parse", BASELINE_TAG).strip()
-        edited = head != expected_head or not _tree_is_clean(tree)
+        edited = head != expected_head or git(tree, "status", "--porcelain").strip() != ""
         if edited and not force:
             raise OverlayError(
                 f"{tree} has edits that are not in patches/ or sglang_overlay/: "
@@ -319,8 +281,7 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
         git(tree, "reset", "-q", "--hard", BASELINE_TAG)
         git(tree, "clean", "-q", "-fd")
         state_path.unlink(missing_ok=True)
-        for tag in (OVERLAY_TAG,):
-            git(tree, "tag", "-d", tag, check=False)
+        git(tree, "tag", "-d", OVERLAY_TAG, check=False)
     else:
         tree.parent.mkdir(parents=True, exist_ok=True)
         if source == "wheel":
@@ -332,10 +293,7 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
         copied = _copy_overlay(tree)
         if copied:
             git(tree, "add", "--", *copied)
-            git(
-                tree, "commit", "-q", "-m", OVERLAY_SUBJECT,
-                env_extra={"GIT_AUTHOR_DATE": FIXED_DATE, "GIT_COMMITTER_DATE": FIXED_DATE},
-            )  # fmt: skip
+            git(tree, "commit", "-q", "-m", OVERLAY_SUBJECT, env_extra=FIXED_DATES)
         git(tree, "tag", "-f", OVERLAY_TAG)
         _apply_series(tree)
     except OverlayError:
@@ -343,12 +301,8 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
         git(tree, "reset", "-q", "--hard", BASELINE_TAG, check=False)
         git(tree, "clean", "-q", "-fd", check=False)
         raise
-    state = {
-        "inputs": digest,
-        "head": git(tree, "rev-parse", "HEAD").strip(),
-        "source": source,
-    }
-    _state_path(tree).write_text(json.dumps(state, indent=1))
+    state = {"inputs": digest, "head": git(tree, "rev-parse", "HEAD").strip(), "source": source}
+    (tree / STATE_FILE).write_text(json.dumps(state, indent=1))
     print(
         f"overlay: {tree} = SGLang {lock['SGLANG_VERSION']} ({source}) + "
         f"{len(copied)} overlay files + {len(read_series())} patches"
@@ -356,65 +310,48 @@ def apply(source: str | None = None, tree: Path = DEFAULT_TREE, force: bool = Fa
     return tree
 
 
-def check_series() -> list[str]:
-    """Problems with patches/series versus the files in patches/."""
-    problems = []
+def check_series() -> None:
+    """Refuse a patches/series that disagrees with the files in patches/."""
     series = read_series()
     on_disk = sorted(p.name for p in PATCH_DIR.glob("*.patch"))
-    seen = set()
-    for name in series:
-        if name in seen:
+    problems = []
+    for index, name in enumerate(series):
+        if name in series[:index]:
             problems.append(f"patches/series lists {name} twice")
-        seen.add(name)
         if name not in on_disk:
             problems.append(f"patches/series lists {name}, which does not exist")
-    for name in on_disk:
-        if name not in seen:
-            problems.append(f"patches/{name} is not listed in patches/series")
-    for name in series:
-        if name not in on_disk:
-            continue
+    problems += [f"patches/{n} is not listed in patches/series" for n in on_disk if n not in series]
+    for name in (n for n in series if n in on_disk):
         for path, creates in patch_touched_files(PATCH_DIR / name):
             if not path.startswith("python/sglang/"):
                 problems.append(f"{name} touches {path}, outside python/sglang/")
             if creates:
-                problems.append(
-                    f"{name} creates {path}: new files belong in sglang_overlay/"
-                )
-    return problems
+                problems.append(f"{name} creates {path}: new files belong in sglang_overlay/")
+    if problems:
+        raise OverlayError("patch series is inconsistent:\n  " + "\n  ".join(problems))
 
 
 def check() -> None:
-    problems = check_series()
-    if problems:
-        raise OverlayError("patch series is inconsistent:\n  " + "\n  ".join(problems))
-    wheel = fetch()
-    with zipfile.ZipFile(wheel) as zf:
-        upstream = {
-            "python/" + n for n in zf.namelist() if n.startswith("sglang/")
-        }
+    check_series()
+    with zipfile.ZipFile(fetch()) as zf:
+        upstream = {"python/" + n for n in zf.namelist() if n.startswith("sglang/")}
         for rel in overlay_files():
             if rel.as_posix() in upstream:
                 raise OverlayError(
                     f"sglang_overlay/{rel.as_posix()} exists upstream: "
                     "edits to upstream files belong in patches/"
                 )
-        touched = {
-            path for name in read_series() for path, _ in patch_touched_files(PATCH_DIR / name)
-        }
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             git(work, "init", "-q")
-            for path in sorted(touched):
+            for path in sorted(series_touched_files()):
                 if path not in upstream:
                     raise OverlayError(f"a patch edits {path}, which SGLang does not have")
                 (work / path).parent.mkdir(parents=True, exist_ok=True)
                 (work / path).write_bytes(zf.read(path.removeprefix("python/")))
             for name in read_series():
-                proc = subprocess.run(
-                    ["git", "-C", tmp, "apply", "--whitespace=nowarn", str(PATCH_DIR / name)],
-                    capture_output=True, text=True,
-                )  # fmt: skip
+                patch = str(PATCH_DIR / name)
+                proc = run(["git", "-C", tmp, "apply", "--whitespace=nowarn", patch])
                 if proc.returncode != 0:
                     raise OverlayError(
                         f"patch {name} does not apply: failing file "
@@ -432,13 +369,10 @@ def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
     baseline_files = set(git(tree, "ls-tree", "-r", "--name-only", BASELINE_TAG).split())
     patch_commits = git(tree, "rev-list", f"{OVERLAY_TAG}..HEAD").split()
 
-    if not _tree_is_clean(tree):
+    if git(tree, "status", "--porcelain").strip():  # uncommitted edits
         git(tree, "add", "-A")
-        pending_upstream = [
-            path
-            for path in git(tree, "diff", "--cached", "--name-only", "HEAD").split()
-            if path in baseline_files
-        ]
+        staged = git(tree, "diff", "--cached", "--name-only", "HEAD").split()
+        pending_upstream = baseline_files.intersection(staged)
         if message:
             git(tree, "commit", "-q", "-m", message)
         elif pending_upstream and not patch_commits:
@@ -460,14 +394,12 @@ def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
     new_files = sorted(head_files - baseline_files)
     if OVERLAY_DIR.exists():
         shutil.rmtree(OVERLAY_DIR)
+    show = ["git", "-C", str(tree), "show"]
     for rel in new_files:
         dst = OVERLAY_DIR / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.write_bytes(
-            subprocess.run(
-                ["git", "-C", str(tree), "show", f"HEAD:{rel}"], capture_output=True, check=True
-            ).stdout
-        )
+        blob = subprocess.run([*show, f"HEAD:{rel}"], capture_output=True, check=True).stdout
+        dst.write_bytes(blob)
 
     # Patches: commits after the overlay tag, restricted to upstream files.
     PATCH_DIR.mkdir(exist_ok=True)
@@ -475,11 +407,8 @@ def refresh(tree: Path = DEFAULT_TREE, message: str | None = None) -> None:
         old.unlink()
     excludes = [f":(exclude){rel}" for rel in new_files]
     if git(tree, "rev-list", f"{OVERLAY_TAG}..HEAD").split():
-        git(
-            tree, "format-patch", "-q", "--zero-commit", "--no-signature",
-            "--no-stat", "-o", str(PATCH_DIR), f"{OVERLAY_TAG}..HEAD",
-            "--", ".", *excludes,
-        )  # fmt: skip
+        patches = f"{OVERLAY_TAG}..HEAD"
+        git(tree, *FORMAT_PATCH, "--no-stat", "-o", str(PATCH_DIR), patches, "--", ".", *excludes)
     names = sorted(p.name for p in PATCH_DIR.glob("*.patch"))
     SERIES_FILE.write_text(
         "# Applied in this order by scripts/overlay.py; regenerated by `make refresh`.\n"
@@ -501,7 +430,8 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
     lock = read_lock()
     apply(tree=tree)
     pinned = fetch(python_tag)
-    version = f"{lock['SGLANG_VERSION']}+{lock['HIQ_LOCAL_VERSION']}"
+    pin = lock["SGLANG_VERSION"]
+    version = f"{pin}+{lock['HIQ_LOCAL_VERSION']}"
     changed = git(tree, "diff", "--name-status", "--no-renames", BASELINE_TAG, "HEAD")
     DIST_DIR.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -509,7 +439,7 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
             [sys.executable, "-m", "wheel", "unpack", "-d", tmp, str(pinned)], check=True,
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
-        unpacked = Path(tmp) / f"sglang-{lock['SGLANG_VERSION']}"
+        unpacked = Path(tmp) / f"sglang-{pin}"
         for line in changed.splitlines():
             status, path = line.split("\t")
             if not path.startswith("python/"):
@@ -520,7 +450,7 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
             else:
                 (unpacked / inner).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(tree / path, unpacked / inner)
-        old_info = unpacked / f"sglang-{lock['SGLANG_VERSION']}.dist-info"
+        old_info = unpacked / f"sglang-{pin}.dist-info"
         metadata = old_info / "METADATA"
         metadata.write_text(
             re.sub(r"(?m)^Version: .*$", f"Version: {version}", metadata.read_text(), count=1)
@@ -531,9 +461,7 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
             [sys.executable, "-m", "wheel", "pack", "-d", str(DIST_DIR), str(renamed)],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
-    built = DIST_DIR / pinned.name.replace(
-        f"sglang-{lock['SGLANG_VERSION']}-", f"sglang-{version}-"
-    )
+    built = DIST_DIR / pinned.name.replace(f"sglang-{pin}-", f"sglang-{version}-")
     if not built.exists():
         raise OverlayError(f"wheel pack did not produce {built.name}:\n{out.stdout}{out.stderr}")
     print(f"overlay: built {built}")
@@ -542,8 +470,7 @@ def build_wheel(tree: Path = DEFAULT_TREE, python_tag: str | None = None) -> Pat
 
 PR_DECLARATION = ROOT / "docs" / "prs.toml"
 PR_DESCRIPTION_SOURCE = ROOT / "docs" / "PR_DESCRIPTION.md"
-# Upstream's pull request template, in its order; the description source must
-# carry each one.
+# Upstream's pull request template, in its order; the description source must carry each one.
 PR_TEMPLATE_SECTIONS = (
     "Motivation",
     "Modifications",
@@ -554,6 +481,9 @@ PR_TEMPLATE_SECTIONS = (
 PR_BLOCK = re.compile(r"<!-- pr: ([a-z0-9,\s-]+) -->\n(.*?)<!-- /pr -->\n?", re.S)
 PR_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 NOT_JUSTIFIED = "**not justified yet**: add a line to docs/prs.toml"
+# Keys of a [[pr]] entry: the required ones, then the texts that default to "".
+PR_REQUIRED = ("number", "name", "title", "patches", "overlay")
+PR_TEXTS = ("overlay_subject", "overlay_body", "tests_subject", "tests_body")
 
 
 @dataclass
@@ -580,21 +510,20 @@ def _matches(path: str, patterns: list[str]) -> bool:
 
 def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
     """The PRs of docs/prs.toml; every patch and overlay file in exactly one."""
+    shown = path.relative_to(ROOT)
     if not path.exists():
-        raise OverlayError(
-            f"{path.relative_to(ROOT)} is missing: it declares what `make pr` exports"
-        )
+        raise OverlayError(f"{shown} is missing: it declares what `make pr` exports")
     try:
         entries = tomllib.loads(path.read_text()).get("pr", [])
     except tomllib.TOMLDecodeError as error:
-        raise OverlayError(f"{path.relative_to(ROOT)}: {error}") from None
+        raise OverlayError(f"{shown}: {error}") from None
     if not entries:
-        raise OverlayError(f"{path.relative_to(ROOT)} declares no [[pr]]")
+        raise OverlayError(f"{shown} declares no [[pr]]")
     series = read_series()
     overlay = [rel.as_posix() for rel in overlay_files()]
     prs, problems = [], []
     for index, entry in enumerate(entries, start=1):
-        missing = [k for k in ("number", "name", "title", "patches", "overlay") if k not in entry]
+        missing = [k for k in PR_REQUIRED if k not in entry]
         if missing:
             raise OverlayError(f"[[pr]] number {index} lacks {', '.join(missing)}")
         if entry["number"] != index:
@@ -603,13 +532,8 @@ def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
             problems.append(f"PR name {entry['name']!r}: use lower-case letters, digits and '-'")
         prs.append(
             PullRequest(
-                number=entry["number"],
-                name=entry["name"],
-                title=entry["title"],
-                overlay_subject=entry.get("overlay_subject", ""),
-                overlay_body=entry.get("overlay_body", ""),
-                tests_subject=entry.get("tests_subject", ""),
-                tests_body=entry.get("tests_body", ""),
+                **{key: entry[key] for key in ("number", "name", "title")},
+                **{key: entry.get(key, "") for key in PR_TEXTS},
                 patches=[n for n in series if _matches(n, entry["patches"])],
                 overlay=[Path(p) for p in overlay if _matches(p, entry["overlay"])],
                 justify=dict(entry.get("justify", {})),
@@ -630,9 +554,7 @@ def read_pr_declaration(path: Path = PR_DECLARATION) -> list[PullRequest]:
         if any(rel.parts[0] == "test" for rel in pr.overlay) and not pr.tests_subject:
             problems.append(f"PR {pr.name} adds overlay tests but declares no tests_subject")
     if problems:
-        raise OverlayError(
-            f"{path.relative_to(ROOT)} does not match the series:\n  " + "\n  ".join(problems)
-        )
+        raise OverlayError(f"{shown} does not match the series:\n  " + "\n  ".join(problems))
     return prs
 
 
@@ -640,10 +562,7 @@ def export_identity() -> dict[str, str]:
     """Author and committer of the exported commits: GIT_AUTHOR_* or git config, now."""
 
     def config(key: str) -> str:
-        proc = subprocess.run(
-            ["git", "-C", str(ROOT), "config", key], capture_output=True, text=True
-        )
-        return proc.stdout.strip()
+        return git(ROOT, "config", key, check=False).strip()
 
     name = os.environ.get("GIT_AUTHOR_NAME") or config("user.name")
     email = os.environ.get("GIT_AUTHOR_EMAIL") or config("user.email")
@@ -653,48 +572,39 @@ def export_identity() -> dict[str, str]:
             "user.email, or GIT_AUTHOR_NAME and GIT_AUTHOR_EMAIL"
         )
     date = os.environ.get("GIT_AUTHOR_DATE") or time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    return {
-        "GIT_AUTHOR_NAME": name,
-        "GIT_AUTHOR_EMAIL": email,
-        "GIT_AUTHOR_DATE": date,
-        "GIT_COMMITTER_NAME": os.environ.get("GIT_COMMITTER_NAME") or name,
-        "GIT_COMMITTER_EMAIL": os.environ.get("GIT_COMMITTER_EMAIL") or email,
-        "GIT_COMMITTER_DATE": os.environ.get("GIT_COMMITTER_DATE") or date,
-    }
+    author = {"GIT_AUTHOR_NAME": name, "GIT_AUTHOR_EMAIL": email, "GIT_AUTHOR_DATE": date}
+    committer = {key.replace("AUTHOR", "COMMITTER"): value for key, value in author.items()}
+    return author | {key: os.environ.get(key) or value for key, value in committer.items()}
 
 
 def _upstream_subject(message: str) -> str:
     """`HiCache: do x` (our series) as upstream's `[HiCache] Do x`."""
     subject, _, rest = message.partition("\n")
-    match = re.match(r"HiCache: (.)(.*)", subject)
-    if match:
-        subject = f"[HiCache] {match.group(1).upper()}{match.group(2)}"
+    subject = re.sub(r"^HiCache: (.)", lambda m: f"[HiCache] {m.group(1).upper()}", subject)
     return subject + ("\n" + rest if rest else "\n")
 
 
-def _commit_files(work: Path, files: list[Path], message: str, identity: dict[str, str]) -> None:
+def _commit_files(work: Path, files: list[Path], subject: str, body: str, identity) -> None:
+    """One commit of overlay `files` (none: no commit), the message `subject` and `body`."""
+    if not files:
+        return
     for rel in files:
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(OVERLAY_DIR / rel, work / rel)
     git(work, "add", "--", *[rel.as_posix() for rel in files])
+    message = subject + (f"\n\n{body.strip()}\n" if body.strip() else "")
     git(work, "commit", "-q", "-m", message, env_extra=identity)
 
 
 def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
-    """The PR's commits on top of `work`'s HEAD: its new modules, its patches, then
-    its tests, so that every commit builds and passes the tests it carries."""
-    author = f"{identity['GIT_AUTHOR_NAME']} <{identity['GIT_AUTHOR_EMAIL']}>"
+    """The PR's new modules, patches, then tests, so each commit passes the tests it carries."""
+    author = f"--author={identity['GIT_AUTHOR_NAME']} <{identity['GIT_AUTHOR_EMAIL']}>"
+    date = f"--date={identity['GIT_AUTHOR_DATE']}"
     modules = [rel for rel in pr.overlay if rel.parts[0] != "test"]
-    tests = [rel for rel in pr.overlay if rel.parts[0] == "test"]
-    if modules:
-        body = pr.overlay_body.strip()
-        message = pr.overlay_subject + (f"\n\n{body}\n" if body else "")
-        _commit_files(work, modules, message, identity)
+    _commit_files(work, modules, pr.overlay_subject, pr.overlay_body, identity)
     for name in pr.patches:
-        proc = subprocess.run(
-            ["git", "-C", str(work), "am", "-q", "--keep-cr", str(PATCH_DIR / name)],
-            capture_output=True, text=True, env={**os.environ, **identity},
-        )  # fmt: skip
+        patch = str(PATCH_DIR / name)
+        proc = run(["git", "-C", str(work), "am", "-q", "--keep-cr", patch], **identity)
         if proc.returncode != 0:
             raise OverlayError(
                 f"PR {pr.dir_name}: patch {name} does not apply on "
@@ -703,34 +613,33 @@ def _commit_pr(work: Path, pr: PullRequest, identity: dict[str, str]) -> None:
                 f"{(proc.stdout + proc.stderr).strip()}"
             )
         message = _upstream_subject(git(work, "log", "-1", "--format=%B"))
-        git(
-            work, "commit", "-q", "--amend", "-m", message, f"--author={author}",
-            f"--date={identity['GIT_AUTHOR_DATE']}", env_extra=identity,
-        )  # fmt: skip
-    if tests:
-        body = pr.tests_body.strip()
-        message = pr.tests_subject + (f"\n\n{body}\n" if body else "")
-        _commit_files(work, tests, message, identity)
+        git(work, "commit", "-q", "--amend", "-m", message, author, date, env_extra=identity)
+    tests = [rel for rel in pr.overlay if rel.parts[0] == "test"]
+    _commit_files(work, tests, pr.tests_subject, pr.tests_body, identity)
 
 
-def _upstream_edits(work: Path, base: str, pr: PullRequest) -> tuple[str, list[str]]:
-    """Markdown table of the existing upstream files the PR edits, and the unjustified ones."""
-    numstat = git(work, "diff", "--numstat", "--diff-filter=M", base, "HEAD")
-    rows, unjustified = [], []
-    for line in numstat.splitlines():
-        added, removed, path = line.split("\t")
+def _numstat(work: Path, base: str, diff_filter: str) -> list[list[str]]:
+    """(added, removed, path) of each file base..HEAD adds (A) or modifies (M)."""
+    numstat = git(work, "diff", "--numstat", f"--diff-filter={diff_filter}", base, "HEAD")
+    return [line.split("\t") for line in numstat.splitlines()]
+
+
+def _upstream_edits(work: Path, base: str, pr: PullRequest) -> str:
+    """Markdown table of the existing upstream files the PR edits; warns of unjustified ones."""
+    rows = []
+    for added, removed, path in _numstat(work, base, "M"):
         why = pr.justify.get(path)
         if why is None:
-            unjustified.append(path)
+            print(f"overlay: warning: PR {pr.dir_name} edits {path}; docs/prs.toml says not why")
         cell = (why or NOT_JUSTIFIED).replace("|", "\\|")
         rows.append(f"| `{path}` | +{added} / -{removed} | {cell} |")
     if not rows:
-        return "None: this PR only adds files.", unjustified
+        return "None: this PR only adds files."
     table = "| existing upstream file | lines | why it is edited |\n|---|---:|---|\n"
-    return table + "\n".join(rows), unjustified
+    return table + "\n".join(rows)
 
 
-def render_description(pr: PullRequest, values: dict[str, str], source: Path) -> str:
+def render_description(pr: PullRequest, values: dict, source: Path = PR_DESCRIPTION_SOURCE) -> str:
     """The PR's description from the one source: shared text, its own blocks, values."""
     text = source.read_text()
     text = re.sub(r"\A<!--.*?-->\n+", "", text, flags=re.S)  # the source's own notes
@@ -755,8 +664,7 @@ def render_description(pr: PullRequest, values: dict[str, str], source: Path) ->
 
 
 def export_pr(tree: Path = DEFAULT_TREE) -> Path:
-    """Each PR of docs/prs.toml as commits on v<pin> + the PRs before it, with its
-    description, in dist/pr/<number>-<name>/."""
+    """Each PR of docs/prs.toml, on v<pin> + the PRs before it, in dist/pr/<number>-<name>/."""
     lock = read_lock()
     apply(tree=tree)
     prs = read_pr_declaration()
@@ -774,32 +682,18 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
             start = git(work, "rev-parse", "HEAD").strip()
             _commit_pr(work, pr, identity)
             out_dir = out_root / pr.dir_name
-            git(
-                work, "format-patch", "-q", "--zero-commit", "--no-signature",
-                "-o", str(out_dir), f"{start}..HEAD",
-            )  # fmt: skip
-            edits, unjustified = _upstream_edits(work, start, pr)
-            for path in unjustified:
-                print(
-                    f"overlay: warning: PR {pr.dir_name} edits {path}; "
-                    "docs/prs.toml says not why"
-                )
-            added = git(work, "diff", "--numstat", "--diff-filter=A", start, "HEAD")
+            git(work, *FORMAT_PATCH, "-o", str(out_dir), f"{start}..HEAD")
+            added = _numstat(work, start, "A")
+            new_files = "\n".join(f"- `{path}` ({lines} lines)" for lines, _, path in added)
             values = {
                 "title": pr.title,
                 "base": " + ".join(bases),
                 "commits": git(work, "log", "--reverse", "--format=- %s", f"{start}..HEAD").strip(),
-                "new_files": "\n".join(
-                    f"- `{path}` ({added_lines} lines)"
-                    for added_lines, _, path in (l.split("\t") for l in added.splitlines())
-                )
-                or "None.",
-                "upstream_edits": edits,
+                "new_files": new_files or "None.",
+                "upstream_edits": _upstream_edits(work, start, pr),
                 "diffstat": git(work, "diff", "--stat", start, "HEAD").rstrip(),
             }
-            (out_dir / "PR_DESCRIPTION.md").write_text(
-                render_description(pr, values, PR_DESCRIPTION_SOURCE)
-            )
+            (out_dir / "PR_DESCRIPTION.md").write_text(render_description(pr, values))
             bases.append(f"PR {pr.dir_name}")
             count = len(list(out_dir.glob("*.patch")))
             print(f"overlay: exported PR {pr.dir_name}: {count} commits and PR_DESCRIPTION.md")
@@ -819,23 +713,15 @@ def install(target: Path) -> None:
     version_file = package / "version.py"
     if not version_file.exists():
         raise OverlayError(f"no sglang package under {target}")
-    # Releases keep the literal in _version.py (written by setuptools-scm at
-    # build time, editable installs too); version.py only imports it and has
-    # an indented "0.0.0.dev0" fallback, which the ^ anchor skips.
-    installed = "unknown"
-    for candidate in (package / "_version.py", version_file):
-        text = candidate.read_text() if candidate.exists() else ""
-        match = re.search(r"(?m)^__version__\s*=\s*(?:\w+\s*=\s*)*['\"]([^'\"]+)", text)
-        if match:
-            installed = match.group(1)
-            break
+    # The literal is in _version.py (setuptools-scm); the ^ skips version.py's indented fallback.
+    texts = (p.read_text() for p in (package / "_version.py", version_file) if p.exists())
+    found = (re.search(r"(?m)^__version__\s*=\s*(?:\w+\s*=\s*)*['\"]([^'\"]+)", t) for t in texts)
+    installed = next((match.group(1) for match in found if match), "unknown")
     if installed != lock["SGLANG_VERSION"]:
         raise OverlayError(
             f"installed sglang is {installed}, the patches are for {lock['SGLANG_VERSION']}"
         )
-    problems = check_series()
-    if problems:
-        raise OverlayError("patch series is inconsistent:\n  " + "\n  ".join(problems))
+    check_series()
     marker = package / ".hiqcache-applied"
     digest = inputs_digest("install")
     if marker.exists():
@@ -843,25 +729,21 @@ def install(target: Path) -> None:
             print(f"overlay: {package} already carries this series")
             return
         raise OverlayError(f"{package} carries another HiQCache series; reinstall sglang first")
-    for rel in package_overlay_files():
-        dst = target / rel.relative_to("python")
+    package_files = [rel for rel in overlay_files() if rel.parts[0] == "python"]  # not test/
+    placed = {target / rel.relative_to("python"): rel for rel in package_files}
+    for dst in placed:
         if dst.exists():
             raise OverlayError(f"{dst} already exists; refusing to overwrite it")
     with tempfile.TemporaryDirectory() as tmp:
         # Dry-run the whole series on a copy of the touched files.
-        touched = {p for n in read_series() for p, _ in patch_touched_files(PATCH_DIR / n)}
+        touched = series_touched_files()
         for path in touched:
-            src = target / path.removeprefix("python/")
             (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, Path(tmp) / path)
+            shutil.copy2(target / path.removeprefix("python/"), Path(tmp) / path)
+        # --fuzz=0: a hunk whose context differs from the pin is a different SGLang, as for git am.
+        options = ["-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "-r", "-"]
         for name in read_series():
-            # --fuzz=0: a hunk whose context differs from the pinned sources is a
-            # different SGLang, refused as CI's `git am` would refuse it.
-            proc = subprocess.run(
-                ["patch", "-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch",
-                 "-r", "-", "-d", tmp, "-i", str(PATCH_DIR / name)],
-                capture_output=True, text=True,
-            )  # fmt: skip
+            proc = run(["patch", *options, "-d", tmp, "-i", str(PATCH_DIR / name)])
             if proc.returncode != 0:
                 raise OverlayError(
                     f"patch {name} does not apply exactly (no fuzz) to {target}; "
@@ -869,13 +751,12 @@ def install(target: Path) -> None:
                 )
         for path in touched:
             shutil.copy2(Path(tmp) / path, target / path.removeprefix("python/"))
-    for rel in package_overlay_files():
-        dst = target / rel.relative_to("python")
+    for dst, rel in placed.items():
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(OVERLAY_DIR / rel, dst)
     marker.write_text(digest + "\n")
     print(
-        f"overlay: installed {len(package_overlay_files())} overlay files and "
+        f"overlay: installed {len(placed)} overlay files and "
         f"{len(read_series())} patches into {package}"
     )
 
@@ -883,39 +764,26 @@ def install(target: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("fetch")
-    p.add_argument("--python-tag", help="e.g. 312; default: the running Python")
-    p = sub.add_parser("apply")
-    p.add_argument("--source", choices=("wheel", "git"))
-    p.add_argument("--tree", type=Path, default=DEFAULT_TREE)
-    p.add_argument("--force", action="store_true", default=os.environ.get("FORCE") == "1")
-    sub.add_parser("check")
-    p = sub.add_parser("refresh")
-    p.add_argument("--tree", type=Path, default=DEFAULT_TREE)
-    p.add_argument("--message", "-m", default=os.environ.get("MSG") or None)
-    p = sub.add_parser("wheel")
-    p.add_argument("--tree", type=Path, default=DEFAULT_TREE)
-    p.add_argument("--python-tag")
-    p = sub.add_parser("pr")
-    p.add_argument("--tree", type=Path, default=DEFAULT_TREE)
-    p = sub.add_parser("install")
-    p.add_argument("--target", type=Path, required=True)
+    commands = {
+        "fetch": lambda args: print(fetch(args.python_tag)),
+        "apply": lambda args: apply(args.source, args.tree, args.force),
+        "check": lambda args: check(),
+        "refresh": lambda args: refresh(args.tree, args.message),
+        "wheel": lambda args: build_wheel(args.tree, args.python_tag),
+        "pr": lambda args: export_pr(args.tree),
+        "install": lambda args: install(args.target),
+    }
+    p = {name: sub.add_parser(name) for name in commands}
+    p["fetch"].add_argument("--python-tag", help="e.g. 312; default: the running Python")
+    p["apply"].add_argument("--source", choices=("wheel", "git"))
+    for name in ("apply", "refresh", "wheel", "pr"):
+        p[name].add_argument("--tree", type=Path, default=DEFAULT_TREE)
+    p["apply"].add_argument("--force", action="store_true", default=os.environ.get("FORCE") == "1")
+    p["refresh"].add_argument("--message", "-m", default=os.environ.get("MSG") or None)
+    p["wheel"].add_argument("--python-tag")
+    p["install"].add_argument("--target", type=Path, required=True)
     args = parser.parse_args(argv)
-
-    if args.command == "fetch":
-        print(fetch(args.python_tag))
-    elif args.command == "apply":
-        apply(args.source, args.tree, args.force)
-    elif args.command == "check":
-        check()
-    elif args.command == "refresh":
-        refresh(args.tree, args.message)
-    elif args.command == "wheel":
-        build_wheel(args.tree, args.python_tag)
-    elif args.command == "pr":
-        export_pr(args.tree)
-    elif args.command == "install":
-        install(args.target)
+    commands[args.command](args)
 
 
 if __name__ == "__main__":

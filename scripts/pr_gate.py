@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """SGLang's pre-commit hooks on the exported HiQCache pull requests (`make pr-check`).
 
-  scripts/pr_gate.py                          # dist/pr against build/sglang
-  scripts/pr_gate.py --repo DIR --base REV    # a git tree's REV..HEAD changes"""
+  python -m scripts.pr_gate                        # dist/pr against build/sglang
+  python -m scripts.pr_gate --repo DIR --base REV  # a git tree's REV..HEAD changes"""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -19,24 +20,22 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from scripts import overlay
+from scripts.overlay import BASELINE_TAG, DEFAULT_TREE, DIST_DIR, ROOT, read_lines
+
 UPSTREAM_LINT = ROOT / "requirements" / "upstream-lint"
 HOOK_CONFIG = UPSTREAM_LINT / "pre-commit-config.yaml"
 LINT_PINS = ROOT / "requirements" / "test-tools-lint.txt"
-# Config files an SGLang checkout has at its root; written into the scratch
-# tree when the source (the PyPI wheel) does not carry them.
+# Config files at an SGLang checkout's root, for a scratch tree from the wheel that lacks them.
 ROOT_CONFIGS = (".isort.cfg", ".codespellrc")
-BASELINE_TAG = "hiq-baseline"
-GIT_IDENTITY = {
-    "GIT_AUTHOR_NAME": "HiQCache gate",
-    "GIT_AUTHOR_EMAIL": "gate@localhost",
-    "GIT_COMMITTER_NAME": "HiQCache gate",
-    "GIT_COMMITTER_EMAIL": "gate@localhost",
-}
+KERNEL_TEST_DIRS = "test/registered/kernels/{ops,benchmark}/<group>/"
 
 
 class GateError(Exception):
     """A setup problem, not a hook failure: one clear message, exit status 2."""
+
+
+git = functools.partial(overlay.git, error=GateError)
 
 
 @dataclass(frozen=True)
@@ -48,8 +47,7 @@ class Hook:
     entry_args: tuple[str, ...] = ()
 
 
-# The hook definitions of each upstream repository (their .pre-commit-hooks.yaml
-# at the pinned revs), keyed by hook id.
+# Each upstream repository's hook definitions (.pre-commit-hooks.yaml at the pinned revs).
 HOOKS = {
     "check-symlinks": Hook("pre_commit_hooks.check_symlinks", ("symlink",)),
     "trailing-whitespace": Hook("pre_commit_hooks.trailing_whitespace_fixer", ("text",)),
@@ -57,8 +55,7 @@ HOOKS = {
     "check-yaml": Hook("pre_commit_hooks.check_yaml", ("yaml",)),
     "check-toml": Hook("pre_commit_hooks.check_toml", ("toml",)),
     "check-ast": Hook("pre_commit_hooks.check_ast", ("python",)),
-    # Without a git index every exported file counts as added, so the size
-    # limit applies to all of them (pre-commit only sees staged additions).
+    # Without a git index every exported file counts as added, so the size limit applies to all.
     "check-added-large-files": Hook(
         "pre_commit_hooks.check_added_large_files", ("file",), ("--enforce-all",)
     ),
@@ -88,13 +85,8 @@ class Result:
 
 
 def read_pins(path: Path = LINT_PINS) -> dict[str, str]:
-    pins = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            name, _, version = line.partition("==")
-            pins[name.strip()] = version.strip()
-    return pins
+    pins = (line.partition("==") for line in read_lines(path))
+    return {name.strip(): version.strip() for name, _, version in pins}
 
 
 def check_tool_versions() -> None:
@@ -120,23 +112,11 @@ def load_hook_config(path: Path = HOOK_CONFIG) -> dict:
     from ruamel.yaml import YAML
 
     config = YAML(typ="safe").load(path.read_text())
-    for repo in config["repos"]:
-        for hook in repo["hooks"]:
-            if hook["id"] not in HOOKS:
-                raise GateError(f"{path.name} names hook {hook['id']!r}, unknown to the gate")
+    hook_ids = [hook["id"] for repo in config["repos"] for hook in repo["hooks"]]
+    unknown = [hook_id for hook_id in hook_ids if hook_id not in HOOKS]
+    if unknown:
+        raise GateError(f"{path.name} names hook {unknown[0]!r}, unknown to the gate")
     return config
-
-
-def git(repo: Path, *args: str) -> str:
-    proc = subprocess.run(
-        ["git", "-C", str(repo), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **GIT_IDENTITY},
-    )
-    if proc.returncode != 0:
-        raise GateError(f"git {' '.join(args)} failed in {repo}:\n{proc.stdout}{proc.stderr}")
-    return proc.stdout
 
 
 def scratch_clone(source: Path, rev: str, dest: Path) -> Path:
@@ -149,32 +129,29 @@ def scratch_clone(source: Path, rev: str, dest: Path) -> Path:
     return dest
 
 
-def changed_files(repo: Path, base: str, head: str = "HEAD") -> list[str]:
-    """Files added, copied, modified or renamed by base..head (deletions need no check)."""
-    out = git(repo, "diff", "--name-only", "--no-renames", "--diff-filter=ACMR", base, head)
+def changed_files(repo: Path, base: str) -> list[str]:
+    """Files added, copied, modified or renamed by base..HEAD (deletions need no check)."""
+    out = git(repo, "diff", "--name-only", "--no-renames", "--diff-filter=ACMR", base, "HEAD")
     return sorted(line for line in out.splitlines() if line)
+
+
+SUFFIX_TYPES = {".py": "python", ".pyi": "python", ".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}
 
 
 def file_types(path: Path) -> set[str]:
     if path.is_symlink():
         return {"symlink"}
-    types = {"file"}
     head = path.read_bytes()[:8192]
+    types = {"file", SUFFIX_TYPES.get(path.suffix, "file")}
     if b"\0" not in head:
         types.add("text")
-    suffix = path.suffix
-    if suffix in (".py", ".pyi") or re.match(rb"#![^\n]*python", head):
+    if re.match(rb"#![^\n]*python", head):
         types.add("python")
-    if suffix in (".yaml", ".yml"):
-        types.add("yaml")
-    if suffix == ".toml":
-        types.add("toml")
     return types
 
 
 def select_files(repo: Path, files: list[str], config: dict, hook: dict) -> list[str]:
-    hook_def = HOOKS[hook["id"]]
-    wanted = set(hook.get("types", hook_def.types))
+    wanted = set(hook.get("types", HOOKS[hook["id"]].types))
     include = re.compile(hook.get("files", ""))
     excludes = [re.compile(p) for p in (config.get("exclude"), hook.get("exclude")) if p]
     return [
@@ -188,9 +165,7 @@ def select_files(repo: Path, files: list[str], config: dict, hook: dict) -> list
 
 def is_main_guard(node: ast.AST) -> bool:
     """`if __name__ == "__main__":`, either side of the comparison."""
-    if not (isinstance(node, ast.Compare) and len(node.ops) == 1):
-        return False
-    if not isinstance(node.ops[0], ast.Eq):
+    if not isinstance(node, ast.Compare) or [type(op) for op in node.ops] != [ast.Eq]:
         return False
     sides = [node.left, *node.comparators]
     return any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides) and any(
@@ -198,41 +173,28 @@ def is_main_guard(node: ast.AST) -> bool:
     )
 
 
-def main_blocks(tree: ast.Module) -> list[ast.If]:
-    return [s for s in tree.body if isinstance(s, ast.If) and is_main_guard(s.test)]
-
-
-def bare_pytest_main_lines(tree: ast.Module) -> list[int]:
-    """`pytest.main(...)` as a statement of an __main__ block: its exit code is lost,
-    so a failing file would report success to CI."""
-    lines = []
-    for block in (n for n in ast.walk(tree) if isinstance(n, ast.If) and is_main_guard(n.test)):
-        for stmt in block.body:
-            call = stmt.value if isinstance(stmt, ast.Expr) else None
-            if (
-                isinstance(call, ast.Call)
-                and isinstance(call.func, ast.Attribute)
-                and call.func.attr == "main"
-                and isinstance(call.func.value, ast.Name)
-                and call.func.value.id == "pytest"
-            ):
-                lines.append(stmt.lineno)
-    return lines
+def parsed(repo: Path, files: list[str]):
+    """(file, module) for each file that parses; check-ast reports the others."""
+    for f in files:
+        try:
+            yield f, ast.parse((repo / f).read_text(), filename=f)
+        except SyntaxError:
+            pass
 
 
 def check_no_bare_pytest_main(repo: Path, files: list[str]) -> list[str]:
-    failures = []
-    for f in files:
-        try:
-            tree = ast.parse((repo / f).read_text(), filename=f)
-        except SyntaxError:
-            continue  # check-ast reports it
-        for line in bare_pytest_main_lines(tree):
-            failures.append(
-                f"{f}:{line}: pytest.main(...) in an __main__ block must propagate "
-                "its exit code with sys.exit(...)"
-            )
-    return failures
+    """`pytest.main(...)` as a statement of an __main__ block loses its exit code."""
+    return [
+        f"{f}:{stmt.lineno}: pytest.main(...) in an __main__ block must propagate "
+        "its exit code with sys.exit(...)"
+        for f, tree in parsed(repo, files)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and is_main_guard(block.test)
+        for stmt in block.body
+        if isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and ast.unparse(stmt.value.func) == "pytest.main"
+    ]
 
 
 def load_ci_register(repo: Path):
@@ -251,8 +213,7 @@ def registry_call_lines(tree: ast.Module, names: set[str]) -> list[int]:
         for stmt in tree.body
         if isinstance(stmt, ast.Expr)
         and isinstance(stmt.value, ast.Call)
-        and isinstance(stmt.value.func, ast.Name)
-        and stmt.value.func.id in names
+        and ast.unparse(stmt.value.func) in names  # a plain name, not x.name
     ]
 
 
@@ -261,10 +222,7 @@ def calls_named(tree: ast.AST, name: str) -> list[int]:
         node.lineno
         for node in ast.walk(tree)
         if isinstance(node, ast.Call)
-        and (
-            (isinstance(node.func, ast.Name) and node.func.id == name)
-            or (isinstance(node.func, ast.Attribute) and node.func.attr == name)
-        )
+        and name in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
     ]
 
 
@@ -277,16 +235,9 @@ def defines_testcase(tree: ast.AST) -> bool:
 
 
 def main_runs_tests(tree: ast.Module) -> bool:
-    for block in main_blocks(tree):
-        body = ast.unparse(ast.Module(body=block.body, type_ignores=[]))
-        if "unittest.main" in body or "pytest.main" in body:
-            return True
-    return False
-
-
-def is_dedicated_unit_suite(registry) -> bool:
-    """A suite whose name marks it as a unit-test suite (a `unit` word in it)."""
-    return "unit" in (registry.effective_suite or "").split("-")
+    blocks = [s for s in tree.body if isinstance(s, ast.If) and is_main_guard(s.test)]
+    bodies = [ast.unparse(ast.Module(body=block.body, type_ignores=[])) for block in blocks]
+    return any("unittest.main" in body or "pytest.main" in body for body in bodies)
 
 
 def taxonomy_errors(path: str, registries: list, lines: list[int], tree) -> list[str]:
@@ -295,11 +246,11 @@ def taxonomy_errors(path: str, registries: list, lines: list[int], tree) -> list
     errors = []
     if parts[0] == "unit":
         for registry, line in zip(registries, lines):
-            if registry.backend.name != "CPU" and not is_dedicated_unit_suite(registry):
+            suite = registry.effective_suite  # a dedicated unit suite has a `unit` word in it
+            if registry.backend.name != "CPU" and "unit" not in (suite or "").split("-"):
                 errors.append(
                     f"{path}:{line}: unit tests may register only CPU or dedicated unit "
-                    f"suites, not {registry.backend.name} "
-                    f"suite {registry.effective_suite!r} (GPU tests go under "
+                    f"suites, not {registry.backend.name} suite {suite!r} (GPU tests go under "
                     "test/registered/kernels/ or a topic directory)"
                 )
             if registry.est_time > 60:
@@ -308,9 +259,7 @@ def taxonomy_errors(path: str, registries: list, lines: list[int], tree) -> list
             errors.append(f"{path}:{line}: unit tests may not launch a server")
     elif parts[0] in ("kernel", "kernels"):
         if not (parts[0] == "kernels" and len(parts) >= 4 and parts[1] in ("ops", "benchmark")):
-            errors.append(
-                f"{path}: kernel tests live under test/registered/kernels/{{ops,benchmark}}/<group>/"
-            )
+            errors.append(f"{path}: kernel tests live under {KERNEL_TEST_DIRS}")
     return errors
 
 
@@ -318,14 +267,9 @@ def check_registered_tests(repo: Path, files: list[str]) -> list[str]:
     ci_register = load_ci_register(repo)
     names = set(ci_register.REGISTER_MAPPING)
     failures = []
-    for f in files:
-        if os.path.basename(f) in ("conftest.py", "__init__.py"):
-            continue
-        try:
-            tree = ast.parse((repo / f).read_text(), filename=f)
-            registries, _ = ci_register.ut_parse_one_file(str(repo / f))
-        except SyntaxError:
-            continue  # check-ast reports it
+    tests = [f for f in files if os.path.basename(f) not in ("conftest.py", "__init__.py")]
+    for f, tree in parsed(repo, tests):
+        registries, _ = ci_register.ut_parse_one_file(str(repo / f))
         if not registries:
             failures.append(
                 f"{f}: missing CI registry call (register_cpu_ci, register_cuda_ci, ...); "
@@ -348,17 +292,10 @@ LOCAL_HOOKS = {
 
 
 def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> list[str]:
-    """Run one tool hook on `files`; failures as lines. Rewritten files are put back,
-    so each hook judges the exported content."""
+    """One tool hook on `files`, failures as lines; files it rewrites are restored for the next."""
     before = {f: (repo / f).read_bytes() for f in files}
     hook = HOOKS[hook_id]
-    proc = subprocess.run(
-        [sys.executable, "-m", hook.module, *hook.entry_args, *args, *files],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        env=tool_env(),
-    )
+    proc = run_module(repo, [hook.module, *hook.entry_args, *args, *files])
     rewritten = [f for f in files if (repo / f).read_bytes() != before[f]]
     failures = []
     if rewritten:
@@ -376,19 +313,16 @@ def run_tool(repo: Path, hook_id: str, args: list[str], files: list[str]) -> lis
 
 def ruff_findings(repo: Path, args: list[str], files: list[str]) -> str:
     """What the ruff hook fixed, as rule, file and line (its --fix run says only how many)."""
-    listing = subprocess.run(
-        [sys.executable, "-m", "ruff", *HOOKS["ruff"].entry_args, "--output-format=concise",
-         *[a for a in args if a != "--fix"], *files],
-        cwd=repo, capture_output=True, text=True, env=tool_env(),
-    )  # fmt: skip
-    return listing.stdout.strip()
+    options = [*HOOKS["ruff"].entry_args, "--output-format=concise"]
+    options += [a for a in args if a != "--fix"]
+    return run_module(repo, ["ruff", *options, *files]).stdout.strip()
 
 
-def tool_env() -> dict[str, str]:
-    """This environment with PYTHONPATH made absolute: the hooks run in the scratch tree."""
+def run_module(repo: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m <args>` in the scratch tree, with PYTHONPATH made absolute for it."""
     entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     absolute = os.pathsep.join(str(Path(e).resolve()) for e in entries if e)
-    return {**os.environ, "PYTHONPATH": absolute}
+    return overlay.run([sys.executable, "-m", *args], cwd=repo, PYTHONPATH=absolute)
 
 
 def indent(text: str, limit: int = 60) -> str:
@@ -398,8 +332,7 @@ def indent(text: str, limit: int = 60) -> str:
     return "\n".join("    " + line for line in lines)
 
 
-def run_hooks(repo: Path, files: list[str], config: dict | None = None) -> list[Result]:
-    config = config or load_hook_config()
+def run_hooks(repo: Path, files: list[str], config: dict) -> list[Result]:
     results = []
     for repo_entry in config["repos"]:
         for hook in repo_entry["hooks"]:
@@ -414,27 +347,24 @@ def run_hooks(repo: Path, files: list[str], config: dict | None = None) -> list[
     return results
 
 
-def report(title: str, files: list[str], results: list[Result]) -> bool:
-    failed = [r for r in results if r.failures]
+def check_range(title: str, work: Path, base: str, config: dict) -> bool:
+    """The hooks on the files base..HEAD changes; prints the report, True if all passed."""
+    files = changed_files(work, base)
+    results = run_hooks(work, files, config)
     print(f"== {title}: {len(files)} changed files")
     for r in results:
-        status = (
-            "Failed" if r.failures else ("Passed" if r.files else "(no files to check) Skipped")
-        )
+        status = "Failed" if r.failures else "Passed" if r.files else "(no files to check) Skipped"
         print(f"{r.hook:.<48}{status}")
         for failure in r.failures:
             print(f"  {failure}")
-    return not failed
+    return not any(r.failures for r in results)
 
 
-def check_repo(repo: Path, base: str, head: str = "HEAD") -> bool:
-    """The hooks on base..head of a git tree, run in a scratch clone."""
-    check_tool_versions()
-    config = load_hook_config()
+def check_repo(repo: Path, base: str, config: dict) -> bool:
+    """The hooks on base..HEAD of a git tree, run in a scratch clone."""
     with tempfile.TemporaryDirectory() as tmp:
-        work = scratch_clone(repo, git(repo, "rev-parse", head).strip(), Path(tmp) / "tree")
-        files = changed_files(work, base)
-        return report(f"{repo} {base}..{head}", files, run_hooks(work, files, config))
+        work = scratch_clone(repo, git(repo, "rev-parse", "HEAD").strip(), Path(tmp) / "tree")
+        return check_range(f"{repo} {base}..HEAD", work, base, config)
 
 
 def exported_prs(pr_root: Path) -> list[Path]:
@@ -444,10 +374,8 @@ def exported_prs(pr_root: Path) -> list[Path]:
     return sorted(dirs, key=lambda d: int(d.name.split("-", 1)[0]))
 
 
-def check_exported(pr_root: Path, tree: Path) -> bool:
+def check_exported(pr_root: Path, tree: Path, config: dict) -> bool:
     """Each exported PR applied with `git am` in order on the pristine tree."""
-    check_tool_versions()
-    config = load_hook_config()
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         work = scratch_clone(tree, BASELINE_TAG, Path(tmp) / "tree")
@@ -457,8 +385,7 @@ def check_exported(pr_root: Path, tree: Path) -> bool:
             if not patches:
                 raise GateError(f"{pr_dir} holds no patches")
             git(work, "am", "-q", "--keep-cr", *patches)
-            files = changed_files(work, base)
-            ok &= report(f"PR {pr_dir.name}", files, run_hooks(work, files, config))
+            ok &= check_range(f"PR {pr_dir.name}", work, base, config)
     return ok
 
 
@@ -472,19 +399,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pr-dir", type=Path, default=ROOT / "dist" / "pr")
-    parser.add_argument("--tree", type=Path, default=ROOT / "build" / "sglang")
+    parser.add_argument("--pr-dir", type=Path, default=DIST_DIR / "pr")
+    parser.add_argument("--tree", type=Path, default=DEFAULT_TREE)
     parser.add_argument("--repo", type=Path, help="check REV..HEAD of this git tree instead")
     parser.add_argument("--base", help="with --repo: the revision the changes start from")
     args = parser.parse_args(argv)
+    if args.repo is not None and not args.base:
+        parser.error("--repo needs --base")
+    if args.repo is None and not (args.tree / ".git").exists():
+        raise GateError(f"{args.tree} is not an applied tree: run `make apply` first")
+    check_tool_versions()
+    config = load_hook_config()
     if args.repo is not None:
-        if not args.base:
-            parser.error("--repo needs --base")
-        ok = check_repo(args.repo, args.base)
+        ok = check_repo(args.repo, args.base, config)
     else:
-        if not (args.tree / ".git").exists():
-            raise GateError(f"{args.tree} is not an applied tree: run `make apply` first")
-        ok = check_exported(args.pr_dir, args.tree)
+        ok = check_exported(args.pr_dir, args.tree, config)
     print("pr_gate: all hooks passed" if ok else "pr_gate: some hooks failed (see above)")
     return 0 if ok else 1
 

@@ -19,7 +19,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TREE = REPO / "build" / "sglang"
-GATE = REPO / "scripts" / "pr_gate.py"
 CI_REGISTER = "python/sglang/test/ci/ci_register.py"
 GIT_ENV = {
     "GIT_AUTHOR_NAME": "Gate Test",
@@ -115,7 +114,11 @@ def make_repo(root: Path, ci_register: str, files: dict[str, str]) -> Path:
 
 def run_gate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(GATE), *args], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "scripts.pr_gate", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
