@@ -18,7 +18,7 @@ from pathlib import Path
 
 from scripts.common import plot
 from scripts.demo import live, pools, replay, workload
-from scripts.demo.report import pm, spread
+from scripts.demo.report import pm, spread, table
 
 # With the 8 GB budget, four budgets keep `make demo` under 15 min here.
 DEFAULT_SWEEP = (2, 4, 16)
@@ -150,7 +150,7 @@ def run_experiment_a(args, formats, geometry) -> list[pools.PoolAllocation]:
 
 def bytes_by_page_size(formats, geometry) -> dict[str, dict[int, float]]:
     """Host bytes per token of every format's real (lazily mapped) pool by page size."""
-    table = {
+    by_page = {
         label: {
             page: pools.allocate_host_pool(
                 dt, 4096, geometry, page_size=page, commit=False, label=label
@@ -159,22 +159,21 @@ def bytes_by_page_size(formats, geometry) -> dict[str, dict[int, float]]:
         }
         for label, dt in formats
     }
-    base = table[formats[0][0]]
+    base = by_page[formats[0][0]]
     print(
         "   host bytes per token by page size (tokens per host byte vs "
         f"{formats[0][0]} in brackets)"
     )
-    print(
-        f"   {'format':<7}"
-        + "".join(f" {'page ' + str(p):>18}" for p in PAGE_SIZE_TABLE)
+    table(
+        "   {:<7}" + " {:>18}" * len(PAGE_SIZE_TABLE),
+        ";".join(["format"] + [f"page {p}" for p in PAGE_SIZE_TABLE]),
+        [
+            [label] + [f"{_bpt(x):>9} ({base[p] / x:.3f}x)" for p, x in row.items()]
+            for label, row in by_page.items()
+        ],
     )
-    for label, row in table.items():
-        cells = "".join(
-            f" {_bpt(row[p]):>9} ({base[p] / row[p]:.3f}x)" for p in PAGE_SIZE_TABLE
-        )
-        print(f"   {label:<7}{cells}")
     print()
-    return table
+    return by_page
 
 
 def run_experiment_b(args, formats, geometry, workloads, serving) -> list[dict]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from scripts.common import plot
 from scripts.common.cpu_sglang import REPO_ROOT as ROOT
 from scripts.common.cpu_sglang import install_cpu_standins
+from scripts.demo.report import table
 
 FORMATS = (("bf16", "auto"), ("int8", "int8"))
 MB = 1 << 20
@@ -236,14 +237,12 @@ def main(argv=None) -> int:
             f"(Qwen3-8B), {args.tokens} tokens, page {args.page_size}; "
             "read from mooncake_master's master_allocated_bytes"
         )
-        print(
-            f"{'format':8}{'objects':>9}{'store bytes':>14}{'B/token':>10}{'host B/token':>14}"
+        keys = ("objects", "store_bytes", "bytes_per_token", "host_bytes_per_token")
+        table(
+            "{:8}{:>9}{:>14,}{:>10,.0f}{:>14,}",
+            "format;objects;store bytes;B/token;host B/token",
+            [(label, *(row[k] for k in keys)) for label, row in a.items()],
         )
-        for label, row in a.items():
-            print(
-                f"{label:8}{row['objects']:>9}{row['store_bytes']:>14,}"
-                f"{row['bytes_per_token']:>10,.0f}{row['host_bytes_per_token']:>14,}"
-            )
         ratio = a["bf16"]["bytes_per_token"] / a["int8"]["bytes_per_token"]
         print(f"BF16 / INT8 store bytes per token: {ratio:.3f}x\n")
 
@@ -265,15 +264,16 @@ def main(argv=None) -> int:
             f"geometry {args.b_layers} layers x {args.b_kv_heads} KV heads x "
             f"head_dim {args.head_dim}; best possible {100 * best:.1f}%"
         )
-        print(
-            f"{'L3 MB':>6} {'format':7}{'L2 tok':>8}{'L2 hit':>9}{'L3 hit':>9}{'hit rate':>10}{'evicted':>9}"
+        keys = ("l2_tokens", "l2_hit_tokens", "l3_hit_tokens")
+        table(
+            "{:>6g} {:7}{:>8,}{:>9,}{:>9,}{:>10}{:>9,}",
+            "L3 MB;format;L2 tok;L2 hit;L3 hit;hit rate;evicted",
+            [
+                (r["l3_bytes"] / MB, r["format"], *(r[k] for k in keys))
+                + (f"{100 * r['hit_rate']:.1f}%", r["store_evicted_keys"])
+                for r in b
+            ],
         )
-        for row in b:
-            print(
-                f"{row['l3_bytes'] / MB:>6g} {row['format']:7}{row['l2_tokens']:>8,}"
-                f"{row['l2_hit_tokens']:>9,}{row['l3_hit_tokens']:>9,}"
-                f"{100 * row['hit_rate']:>9.1f}%{row['store_evicted_keys']:>9,}"
-            )
         result = {
             "bytes_per_token": a,
             "ratio": ratio,

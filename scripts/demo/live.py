@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from scripts.demo import workload
-from scripts.demo.report import pm
+from scripts.demo.report import pm, table
 
 # The format whose host tier must hold the working set, and the stock arm.
 ANCHOR_FORMAT = "int8"
@@ -34,6 +34,7 @@ COUNTERS = {
     "backup_tokens": "sglang:hicache_backup_tokens_total",
 }
 SOURCES = ("device", "host", "storage")
+PHASE_COLUMNS = ("prompt", *SOURCES, "load_back")  # print_report's, per phase
 # The /server_info fields the replay needs.
 SERVER_INFO_KEYS = (
     "max_total_num_tokens chunked_prefill_size max_prefill_tokens "
@@ -643,24 +644,20 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         f"tokens) x {c.margin}; L1 (--max-total-tokens) {c.device_tokens:,}; "
         "--hicache-mem-layout layer_first, --hicache-io-backend direct"
     )
-    say(
-        f"   {'format':<7} {'ratio':>7} {'host tokens':>11} {'host MB':>8} "
-        f"{'B/token':>7} | {'bench: prompt':>13} {'device':>7} {'host':>6} "
-        f"{'stor.':>5} {'loaded':>7} | {'reuse: prompt':>13} {'device':>7} "
-        f"{'host':>6} {'stor.':>5} {'loaded':>7}"
-    )
+    rows = []
     for arm in res.arms:
         t, h = arm_totals(arm), arm.host_start
-        say(
-            f"   {arm.label:<7} {arm.sizing.hicache_ratio:>7.3f} "
-            f"{h['total_tokens']:>11,.0f} {h['total_bytes'] / 1e6:>8.1f} "
-            f"{h['bytes_per_token']:>7,.0f} | {_m(t['bench_prompt']):>13} "
-            f"{_m(t['bench_device']):>7} {_m(t['bench_host']):>6} "
-            f"{_m(t['bench_storage']):>5} {_m(t['bench_load_back']):>7} | "
-            f"{_m(t['reuse_prompt']):>13} {_m(t['reuse_device']):>7} "
-            f"{_m(t['reuse_host']):>6} {_m(t['reuse_storage']):>5} "
-            f"{_m(t['reuse_load_back']):>7}"
-        )
+        host = h["total_tokens"], h["total_bytes"] / 1e6, h["bytes_per_token"]
+        counts = [_m(t[f"{p}_{k}"]) for p in ("bench", "reuse") for k in PHASE_COLUMNS]
+        rows.append((arm.label, arm.sizing.hicache_ratio, *host, *counts))
+    table(
+        "   {:<7} {:>7.3f} {:>11,.0f} {:>8.1f} {:>7,.0f}"
+        + " | {:>13} {:>7} {:>6} {:>5} {:>7}" * 2,
+        "format;ratio;host tokens;host MB;B/token;bench: prompt;device;host;stor.;"
+        "loaded;reuse: prompt;device;host;stor.;loaded",
+        rows,
+        say,
+    )
     say(
         "   (host tokens/MB/B per token from /metrics at start-up; prompt tokens "
         "served from device/host/storage from the responses' cached_tokens_details, "
@@ -671,31 +668,27 @@ def print_report(res: LiveResult, say: Callable[[str], None] = print) -> None:
         "   CPU figures (2-core VM, 135M model; noisy): mean +- sd over seeds, "
         f"paired differences vs {STOCK_LABEL}"
     )
-    say(
-        f"   {'format':<7} {'bench TTFT ms':>18} {'vs bf16':>16} "
-        f"{'reuse TTFT ms':>18} {'vs bf16':>16} {'out tok/s':>14} | "
-        f"{'greedy = bf16':>13} {'top-1':>7} {'|dlogp|':>7}"
-    )
+    rows = []
     for arm in res.arms:
-        t = arm_totals(arm)
-
-        def paired(key):
-            if arm.label == STOCK_LABEL:
-                return "-"
-            return pm([x - y for x, y in zip(t[key], base_t[key])], 1, 0)
-
-        q = res.quality.get(arm.label)
-        qcells = (
-            f"{q['greedy_identical']:>6}/{q['prompts']:<6} "
-            f"{100 * q['top1_agreement']:>6.1f}% {q['mean_abs_logprob_diff']:>7.4f}"
-            if q
-            else f"{'reference':>13} {'':>7} {'':>7}"
-        )
-        say(
-            f"   {arm.label:<7} {pm(t['ttft_ms'], 1, 0):>18} {paired('ttft_ms'):>16} "
-            f"{pm(t['reuse_ttft_ms'], 1, 0):>18} {paired('reuse_ttft_ms'):>16} "
-            f"{pm(t['out_tps'], 1, 1):>14} | {qcells}"
-        )
+        t, q = arm_totals(arm), res.quality.get(arm.label)
+        row = [arm.label]
+        for key in ("ttft_ms", "reuse_ttft_ms"):
+            gaps = pm([x - y for x, y in zip(t[key], base_t[key])], 1, 0)
+            row += [pm(t[key], 1, 0), "-" if arm.label == STOCK_LABEL else gaps]
+        row.append(pm(t["out_tps"], 1, 1))
+        if q:
+            greedy = f"{q['greedy_identical']:>6}/{q['prompts']:<6}"
+            top1, dlogp = q["top1_agreement"], q["mean_abs_logprob_diff"]
+            rows.append(row + [greedy, f"{100 * top1:.1f}%", f"{dlogp:.4f}"])
+        else:
+            rows.append(row + ["reference", "", ""])
+    table(
+        "   {:<7} {:>18} {:>16} {:>18} {:>16} {:>14} | {:>13} {:>7} {:>7}",
+        "format;bench TTFT ms;vs bf16;reuse TTFT ms;vs bf16;out tok/s;greedy = bf16;"
+        "top-1;|dlogp|",
+        rows,
+        say,
+    )
     say(
         f"   quality (reported, not gated): the first {c.gen_tokens} tokens after a "
         "host load-back, scored with return_logprob against bf16's greedy tokens "
@@ -815,18 +808,21 @@ def print_agreement(rows: list[dict], say: Callable[[str], None] = print) -> Non
         "   replay model (part 2's engine) on part 1's requests at part 1's host "
         "capacities vs the live servers (bench_serving run; mean per seed):"
     )
-    say(
-        f"   {'format':<7} {'hit % live':>10} {'replay':>7} | {'device live':>11} "
-        f"{'replay L1':>9} | {'host live':>9} {'replay L2':>9}"
-    )
-    for r in rows:
-        live_hit = _hit_pct(r, "live_device", "live_host", "live_prompt")
-        rep_hit = _hit_pct(r, "replay_l1", "replay_l2", "replay_prompt")
-        say(
-            f"   {r['label']:<7} {live_hit:>10.1f} {rep_hit:>7.1f} | "
-            f"{_m(r['live_device']):>11} {_m(r['replay_l1']):>9} | "
-            f"{_m(r['live_host']):>9} {_m(r['replay_l2']):>9}"
+    rows = [
+        (
+            r["label"],
+            _hit_pct(r, "live_device", "live_host", "live_prompt"),
+            _hit_pct(r, "replay_l1", "replay_l2", "replay_prompt"),
+            *(_m(r[k]) for k in ("live_device", "replay_l1", "live_host", "replay_l2")),
         )
+        for r in rows
+    ]
+    table(
+        "   {:<7} {:>10.1f} {:>7.1f} | {:>11} {:>9} | {:>9} {:>9}",
+        "format;hit % live;replay;device live;replay L1;host live;replay L2",
+        rows,
+        say,
+    )
 
 
 def print_scale_agreement(res: LiveResult, summary: dict, say=print) -> None:

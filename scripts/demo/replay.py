@@ -88,42 +88,27 @@ class _Step:
 
 
 @dataclass
-class _Stats:
-    """ReplayResult's counts, named as there."""
+class ReplayResult:
+    """One run's counts (its engine adds them up as it runs)."""
 
+    label: str = ""
+    host_dtype: str = ""
+    host_pool_class: str = ""
+    host_tokens: int = 0
+    l1_tokens: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
     l1_hit_tokens: int = 0
-    l2_hit_tokens: int = 0
-    l2_hit_skipped_tokens: int = 0
+    l2_hit_tokens: int = 0  # loaded back from the host pool
+    l2_hit_skipped_tokens: int = 0  # host hits under load_back_threshold
     steps: int = 0
     prefill_batches: int = 0
     max_in_flight: int = 0
     peak_host_used: int = 0
     verified_tokens: int = 0
     verified_restored_tokens: int = 0
-    max_restore_error: float = 0.0
-    per_request: list = field(default_factory=list)
-
-
-@dataclass
-class ReplayResult:
-    label: str
-    host_dtype: str
-    host_pool_class: str
-    host_tokens: int
-    l1_tokens: int
-    requests: int
-    prompt_tokens: int
-    l1_hit_tokens: int
-    l2_hit_tokens: int  # loaded back from the host pool
-    l2_hit_skipped_tokens: int  # host hits under load_back_threshold
-    steps: int
-    prefill_batches: int
-    max_in_flight: int
-    peak_host_used: int
-    verified_tokens: int
-    verified_restored_tokens: int
-    max_restore_error: float  # max |restored - written| / row amax
-    seed: int
+    max_restore_error: float = 0.0  # max |restored - written| / row amax
+    seed: int = 0
     per_request: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
 
     @property
@@ -326,12 +311,21 @@ class HiCacheReplay:
         torch.set_num_threads(1)
         try:
             for _ in range(self.serving.warmup_requests if requests else 0):
-                self._serve([warmup_request(requests)], _Stats())
+                self._serve([warmup_request(requests)], ReplayResult())
             if self.serving.flush_cache:
                 self.flush_cache()
-            stats = _Stats()
+            stats = ReplayResult(
+                self.label,
+                self.host_dtype,
+                type(self.host_pool).__name__,
+                self.host_pool.size,
+                self.serving.l1_tokens,
+                len(requests),
+                sum(r.prompt_len for r in requests),
+                seed=seed,
+            )
             self._serve(requests, stats)
-            return self._result(requests, stats, seed)
+            return stats
         finally:
             torch.set_num_threads(threads)
 
@@ -341,7 +335,7 @@ class HiCacheReplay:
         self.req_to_token.clear()
         self.allocator.clear()
 
-    def _serve(self, requests: Sequence[Request], stats: _Stats) -> None:
+    def _serve(self, requests: Sequence[Request], stats: ReplayResult) -> None:
         """Scheduler steps as in event_loop_overlap (event_loop_normal without it)."""
         self._waiting = list(requests)
         self._running: list[_Running] = []
@@ -351,10 +345,8 @@ class HiCacheReplay:
         while self._waiting or self._running or self._chunked or self._unprocessed:
             self.cache.check_hicache_events()
             self._maybe_sanity()
-            stats.peak_host_used = max(
-                stats.peak_host_used,
-                self.host_pool.size - self.host_pool.available_size(),
-            )
+            used = self.host_pool.size - self.host_pool.available_size()
+            stats.peak_host_used = max(stats.peak_host_used, used)
             self._stash_chunked()
             step = self._admit(stats)
             # The last step's prefill results come after this step's admission.
@@ -397,7 +389,7 @@ class HiCacheReplay:
         if run is not None and run.prefilled > run.protected:
             self._checkpoint(run, run.request.prompt, run.prefilled)
 
-    def _admit(self, stats: _Stats) -> _Step:
+    def _admit(self, stats: ReplayResult) -> _Step:
         """PrefillAdder: the chunked request's next chunk, then new requests FCFS."""
         step = _Step(chunk_left=self.serving.chunked_prefill_size)
         in_flight = len(self._running) + (self._chunked is not None)
@@ -426,19 +418,21 @@ class HiCacheReplay:
         if need > self._room(step):
             return
         run.kv = torch.cat([run.kv, self._alloc(extend).to(torch.int64)])
-        self._charge(step, run, start, extend, need, loaded=None)
-        if not cut:
-            self._chunked = None
-            step.done.append(run)
+        self._chunked = None
+        self._charge(step, run, start, extend, need, None, cut)
 
-    def _charge(self, step: _Step, run: _Running, start, extend, need, loaded):
+    def _charge(self, step: _Step, run: _Running, start, extend, need, loaded, cut):
         step.runs.append((run, start, extend, loaded))
         step.new_tokens += extend
         step.reserved += need
         if step.chunk_left is not None:
             step.chunk_left -= extend
+        if cut:  # the rest is next step's chunk
+            self._chunked = run
+        else:
+            step.done.append(run)
 
-    def _admit_one(self, req: Request, step: _Step, stats: _Stats) -> bool:
+    def _admit_one(self, req: Request, step: _Step, stats: ReplayResult) -> bool:
         """match_prefix -> budget checks -> init_load_back -> allocate."""
         from sglang.srt.mem_cache.base_prefix_cache import (
             InitLoadBackParams,
@@ -484,25 +478,14 @@ class HiCacheReplay:
         kv = torch.cat(
             [prefix_slots.to(torch.int64), self._alloc(extend).to(torch.int64)]
         )
-        run = _Running(
-            request=req,
-            lock=lock,
-            last_node=last_node,
-            kv=kv,
-            protected=prefix,
-            remaining=len(req.output) - 1,
-        )
-        self._charge(step, run, prefix, extend, need, loaded=loaded)
-        if cut:
-            self._chunked = run
-        else:
-            step.done.append(run)
+        run = _Running(req, lock, last_node, kv, prefix, len(req.output) - 1)
+        self._charge(step, run, prefix, extend, need, loaded, cut)
         stats.l1_hit_tokens += device_len
         stats.l2_hit_tokens += loaded
         stats.per_request.append((req.rid, device_len, loaded))
         return True
 
-    def _run_prefill(self, step: _Step, stats: _Stats) -> None:
+    def _run_prefill(self, step: _Step, stats: ReplayResult) -> None:
         """Host -> device loads for the batch, then its forward pass's new KV."""
         self.cache.ready_to_load_host_cache()
         for run, start, extend, loaded in step.runs:
@@ -510,14 +493,15 @@ class HiCacheReplay:
             if loaded is not None:
                 self._verify_prefix(run, seq, loaded, stats)
             self._write_kv(run.kv[start : start + extend], seq, start)
-        for run in step.done:
-            self._running.append(run)
+        self._running += step.done
         stats.steps += 1
         stats.prefill_batches += 1
         in_flight = len(self._running) + (self._chunked is not None)
         stats.max_in_flight = max(stats.max_in_flight, in_flight)
 
-    def _verify_prefix(self, run: _Running, seq, loaded: int, stats: _Stats) -> None:
+    def _verify_prefix(
+        self, run: _Running, seq, loaded: int, stats: ReplayResult
+    ) -> None:
         """A newly admitted request's cached prefix, against what was written."""
         if run.protected:
             err = self._check_prefix(run.kv[: run.protected], seq, loaded)
@@ -530,7 +514,7 @@ class HiCacheReplay:
         for run in runs:
             self._checkpoint(run, run.request.prompt, run.request.prompt_len)
 
-    def _decode_until_a_request_finishes(self, stats: _Stats) -> None:
+    def _decode_until_a_request_finishes(self, stats: ReplayResult) -> None:
         steps = min(r.remaining for r in self._running)
         for run in self._running:
             if steps:
@@ -546,19 +530,6 @@ class HiCacheReplay:
         for run in finished:
             self._release(run)
         self.cache.flush_pending_backups()
-
-    def _result(self, requests, stats: _Stats, seed: int) -> ReplayResult:
-        return ReplayResult(
-            label=self.label,
-            host_dtype=self.host_dtype,
-            host_pool_class=type(self.host_pool).__name__,
-            host_tokens=self.host_pool.size,
-            l1_tokens=self.serving.l1_tokens,
-            requests=len(requests),
-            prompt_tokens=sum(r.prompt_len for r in requests),
-            seed=seed,
-            **vars(stats),
-        )
 
     def _release(self, run: _Running) -> None:
         """release_kv_cache(checkpoint=True): insert prompt + output."""

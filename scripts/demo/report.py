@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import statistics
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 
 def spread(values: Sequence[float]) -> tuple[float, float]:
@@ -16,3 +17,13 @@ def pm(values: Sequence[float], scale: float = 100, digits: int = 1) -> str:
     """mean +- sd of `values` (times `scale`) as text, thousands separated."""
     mean, sd = spread(values)
     return f"{scale * mean:,.{digits}f} +- {scale * sd:,.{digits}f}"
+
+
+def table(template: str, headers: str, rows: Iterable[Sequence], say: Callable = print):
+    """Says a header line, then one line per row of values: `template` has a
+    `{:spec}` per column, and each of the ;-separated `headers` takes its column's
+    alignment and width."""
+    head = re.sub(r"\{:([<>^]?\d*)[^}]*\}", r"{:\1}", template)
+    say(head.format(*headers.split(";")))
+    for row in rows:
+        say(template.format(*row))
