@@ -79,10 +79,6 @@ class ServerProcess:
         self.log_path, self.env, self.cwd = Path(log_path), env, cwd
         self.proc: subprocess.Popen | None = None
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
     def start(self) -> None:
         with open(self.log_path, "w", encoding="utf-8") as log:
             log.write("$ " + shlex.join(self.argv) + "\n")
@@ -125,11 +121,9 @@ class ServerProcess:
             kill_group(self.proc, grace)
             self.proc.wait()
 
-    def log_text(self) -> str:
-        return self.log_path.read_text(encoding="utf-8", errors="replace")
-
     def log_tail(self, lines: int = 40) -> str:
         try:
-            return "\n".join(self.log_text().splitlines()[-lines:])
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+            return "\n".join(text.splitlines()[-lines:])
         except FileNotFoundError:
             return ""
