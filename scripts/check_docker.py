@@ -51,9 +51,8 @@ def overlay_inputs(overlay_py: Path) -> dict[str, str]:
     inputs = {OVERLAY_SCRIPT: "file"}
     for match in re.finditer(r'(?:(\w+)\s*=\s*)?ROOT\s*/\s*"([^"]+)"', text):
         name, rel = match.group(1) or "", match.group(2)
-        if rel in NOT_NEEDED_IN_IMAGE:
-            continue
-        inputs[rel] = "dir" if name.endswith("_DIR") else "file"
+        if rel not in NOT_NEEDED_IN_IMAGE:
+            inputs[rel] = "dir" if name.endswith("_DIR") else "file"
     return inputs
 
 
@@ -66,8 +65,7 @@ def copy_destinations(instrs: list[tuple[str, str]]) -> list[tuple[str, str]]:
         words = json.loads(rest) if rest.startswith("[") else shlex.split(rest)
         if any(w.startswith("--from") for w in words):
             continue
-        words = [w for w in words if not w.startswith("--")]
-        *sources, dest = words
+        *sources, dest = [w for w in words if not w.startswith("--")]
         pairs += [(src, dest) for src in sources]
     return pairs
 
@@ -81,9 +79,7 @@ def landing_place(rel: str, kind: str, pairs: list[tuple[str, str]]) -> str | No
         if src_clean == rel or fnmatch.fnmatchcase(rel, src_clean):
             if kind == "dir":  # a directory source copies its contents into dest
                 return dest.rstrip("/")
-            if dest.endswith("/"):
-                return f"{dest}{Path(rel).name}"
-            return dest
+            return f"{dest}{Path(rel).name}" if dest.endswith("/") else dest
         if kind == "file" and (src_clean and rel.startswith(src_clean + "/")):
             # a directory above the file was copied
             return f"{dest.rstrip('/')}/{rel[len(src_clean) + 1 :]}"
