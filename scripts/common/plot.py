@@ -192,14 +192,12 @@ def kl_histogram(
     hi = math.ceil(math.log10(max(positive))) if positive else 0
     lo, hi = max(lo, -12), max(hi, lo + 1)
     nb = (hi - lo) * bins_per_decade
-    counts = {}
+    counts = {name: [0] * nb for name in series}
     for name, vals in series.items():
-        c = [0] * nb
         for x in vals:
             if x > 0:
                 b = int((math.log10(x) - lo) * bins_per_decade)
-                c[min(max(b, 0), nb - 1)] += 1
-        counts[name] = c
+                counts[name][min(max(b, 0), nb - 1)] += 1
     ymax = int(max([max(c) for c in counts.values() if c] + [1]))
     pw, ph = W - left - right, H - top - bottom
     text((left, 15), title, font)
