@@ -15,12 +15,8 @@ COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
 KL_COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]  # fmt: skip
 
 
-def _fonts(size: int, small: int):
-    try:
-        return ImageFont.load_default(size=size), ImageFont.load_default(size=small)
-    except TypeError:  # Pillow < 10.1
-        font = ImageFont.load_default()
-        return font, font
+def _fonts(size: int, small: int):  # sized default fonts: Pillow >= 10.1 (pinned 13)
+    return ImageFont.load_default(size=size), ImageFont.load_default(size=small)
 
 
 def nice_step(raw: float, multiples=(1, 2, 2.5, 5, 10)) -> float:
