@@ -130,8 +130,7 @@ def bench_throughput(classes, token_counts, reps) -> dict:
         f"{'tokens':>6}  {'op':<36} {'median ms':>9} {'GB/s':>6} {'x copy':>6}"
         f" {'min ms':>8} {'x copy':>6}"
     )
-    print(header)
-    print("-" * len(header))
+    print(header, "-" * len(header), sep="\n")
     gen = torch.Generator().manual_seed(0)
     out = {}
     for tokens in token_counts:
@@ -151,8 +150,7 @@ def bench_throughput(classes, token_counts, reps) -> dict:
                 f"{med / copy_med:>6.2f} {low:>8.1f} {low / copy_min:>6.2f}"
             )
         out[tokens] = results
-    print("GB/s: bf16 bytes of the token set's K and V (2*L*tokens*H*D*2) / median.")
-    print()
+    print("GB/s: bf16 bytes of the token set's K and V (2*L*tokens*H*D*2) / median.\n")
     return out
 
 

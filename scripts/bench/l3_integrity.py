@@ -59,7 +59,7 @@ def mooncake_rows(nbytes: int, repeat: int) -> None:
             cfg = master.storage_config()
             print("\n| Mooncake put/get, int8 page | put µs | get µs |")
             print("|---|---:|---:|")
-            for checksum in ("0", "1"):
+            for checksum, label in (("0", "CRC-64 off"), ("1", "CRC-64 on")):
                 out = subprocess.run(
                     [sys.executable, "-m", "scripts.bench.l3_integrity",
                      "--mooncake-worker", cfg["metadata_server"],
@@ -67,7 +67,6 @@ def mooncake_rows(nbytes: int, repeat: int) -> None:
                     env={**os.environ, "MOONCAKE_STORE_CHECKSUM": checksum},
                     capture_output=True, text=True, check=True,
                 ).stdout.split()  # fmt: skip
-                label = "CRC-64 on" if checksum == "1" else "CRC-64 off"
                 setting = f"MOONCAKE_STORE_CHECKSUM={checksum} ({label})"
                 print(f"| {setting} | {out[-2]} | {out[-1]} |")
         finally:
