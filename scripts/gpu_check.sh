@@ -109,13 +109,11 @@ step() {  # name status detail: recorded in gpu_check.json at once
     "$PY" - "$SUMMARY" "$1" "$2" "${3:-}" "$DRY" <<'EOF'
 import json, sys, time
 from pathlib import Path
-path, name, status, detail, dry = sys.argv[1:]
-path = Path(path)
+path, name, status, detail, dry = Path(sys.argv[1]), *sys.argv[2:]
 data = json.loads(path.read_text()) if path.exists() else {}
 data["dry_run"] = dry == "1"
-data.setdefault("steps", []).append(
-    {"step": name, "status": status, "detail": detail, "at": time.strftime("%H:%M:%S")}
-)
+step = {"step": name, "status": status, "detail": detail, "at": time.strftime("%H:%M:%S")}
+data.setdefault("steps", []).append(step)
 path.write_text(json.dumps(data, indent=1))
 EOF
 }
@@ -220,31 +218,21 @@ EOF
 
 # ---------------------------------------------------------------- phases
 
-run_tests() {
-    local args=(--json "$OUT/gpu_tests.json")
-    [ "$DRY" = 1 ] && args+=(--dry-run)
-    timeout "$TEST_TIMEOUT" "$PY" -m tests.gpu.run_gpu_tests "${args[@]}" "${EXTRA[@]}" \
-        > "$OUT/gpu_tests.log" 2>&1
-    local rc=$?
-    tail -15 "$OUT/gpu_tests.log" >&2
-    local verdict
-    verdict="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("verdict", "cut short"))' \
-        "$OUT/gpu_tests.json" 2>/dev/null || echo "no report")"
-    [ $rc = 124 ] && verdict="failed: timed out after ${TEST_TIMEOUT}s (partial results in gpu_tests.json)"
-    step tests "$([ $rc = 0 ] && echo ok || echo failed)" "$verdict"
-    return $rc
-}
-
-run_bench() {
-    local args=(--out "$OUT/gpu_bench.json" --budget-s "$BENCH_BUDGET")
-    [ "$DRY" = 1 ] && args+=(--dry-run)
-    timeout "$BENCH_TIMEOUT" "$PY" -m scripts.gpu_bench "${args[@]}" "${EXTRA[@]}" \
-        > "$OUT/gpu_bench.log" 2>&1
-    local rc=$?
-    tail -25 "$OUT/gpu_bench.log" >&2
-    local detail=""
-    [ $rc = 124 ] && detail="timed out after ${BENCH_TIMEOUT}s (partial results in gpu_bench.json)"
-    step bench "$([ $rc = 0 ] && echo ok || echo failed)" "$detail"
+run_phase() {  # phase timeout tail-lines module args...: its log is $OUT/gpu_<phase>.log
+    local phase="$1" limit="$2" lines="$3" rc detail=""
+    shift 3
+    [ "$DRY" = 1 ] && set -- "$@" --dry-run
+    timeout "$limit" "$PY" -m "$@" "${EXTRA[@]}" > "$OUT/gpu_$phase.log" 2>&1
+    rc=$?
+    tail -"$lines" "$OUT/gpu_$phase.log" >&2
+    if [ "$phase" = tests ]; then
+        detail="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("verdict", "cut short"))' \
+            "$OUT/gpu_tests.json" 2>/dev/null || echo "no report")"
+        [ $rc = 124 ] && detail="failed: timed out after ${limit}s (partial results in gpu_tests.json)"
+    else
+        [ $rc = 124 ] && detail="timed out after ${limit}s (partial results in gpu_bench.json)"
+    fi
+    step "$phase" "$([ $rc = 0 ] && echo ok || echo failed)" "$detail"
     return $rc
 }
 
@@ -258,8 +246,10 @@ fi
 FAILED=0
 for phase in "${PHASES[@]}"; do
     case "$phase" in
-        tests) run_tests || FAILED=1 ;;
-        bench) run_bench || FAILED=1 ;;
+        tests) run_phase tests "$TEST_TIMEOUT" 15 tests.gpu.run_gpu_tests \
+            --json "$OUT/gpu_tests.json" || FAILED=1 ;;
+        bench) run_phase bench "$BENCH_TIMEOUT" 25 scripts.gpu_bench \
+            --out "$OUT/gpu_bench.json" --budget-s "$BENCH_BUDGET" || FAILED=1 ;;
     esac
 done
 log "done in $(( $(date +%s) - START )) s; results in $OUT"

@@ -10,11 +10,14 @@ set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$REPO"
 
+step() { echo "image_cpu_check: $*" >&2; }
+die() { step "$1"; exit "${2:-1}"; }  # message [status, default 1]
+
 BASE_VERSION=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --base-version) BASE_VERSION="${2:?--base-version needs a version, e.g. 0.5.22}"; shift 2 ;;
-        *) echo "image_cpu_check: unknown argument $1 (pass --base-version X or nothing)" >&2; exit 2 ;;
+        *) die "unknown argument $1 (pass --base-version X or nothing)" 2 ;;
     esac
 done
 
@@ -37,15 +40,11 @@ mkdir -p "$CACHE"
 T0=$SECONDS
 T_LAST=$SECONDS
 declare -a TIMINGS=()
-step() { echo "image_cpu_check: $*" >&2; }
 # Seconds each step took (not since the start).
 mark() { TIMINGS+=("$1=$((SECONDS - T_LAST))"); T_LAST=$SECONDS; }
 
 # 1. Host set-up (idempotent).
-if [[ $EUID -ne 0 ]]; then
-    echo "image_cpu_check: run as root (debootstrap, apt-get and /etc/containers need it)" >&2
-    exit 2
-fi
+[[ $EUID -eq 0 ]] || die "run as root (debootstrap, apt-get and /etc/containers need it)" 2
 need=()
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
@@ -57,9 +56,7 @@ fi
 CONF=/etc/containers/containers.conf
 if ! grep -qs '^default_ulimits *= *\[\]' "$CONF"; then
     if [[ -s "$CONF" ]]; then
-        echo "image_cpu_check: $CONF exists without 'default_ulimits = []';" \
-            "add it under [containers] (podman cannot raise RLIMIT_NOFILE here)" >&2
-        exit 2
+        die "$CONF exists without 'default_ulimits = []'; add it under [containers] (podman cannot raise RLIMIT_NOFILE here)" 2
     fi
     step "writing $CONF: [containers] default_ulimits = []"
     mkdir -p /etc/containers
@@ -99,8 +96,7 @@ if [[ ! -e "$CTX/deps/.complete" ]]; then
         && "$VPY" -m pip download --no-deps --only-binary=:all: -d "$CTX/deps" \
             -r "$CACHE/standin-requirements.txt"; } >"$CACHE/pip-download.log" 2>&1 \
         || { grep -v '^WARNING: Location' "$CACHE/pip-download.log" | tail -20 >&2; exit 1; }
-    # The Containerfile COPYs this list: podman's layer cache keys a RUN on its
-    # text only, not on what a bind mount holds.
+    # The Containerfile COPYs this list: podman's layer cache keys a RUN on its text, not its mounts.
     (cd "$CTX/deps" && sha256sum -- *.whl) >"$CTX/deps/SHA256SUMS"
     touch "$CTX/deps/.complete"
 fi
@@ -124,15 +120,11 @@ if ! "${PODMAN[@]}" build --format docker --pull=never --layers \
     --build-arg SGLANG_IMAGE_TAG="$STANDIN_TAG" -t "$PRODUCT_IMAGE" -f Dockerfile . \
     >"$CACHE/image-build.log" 2>&1; then
     tail -30 "$CACHE/image-build.log" >&2
-    echo "image_cpu_check: podman build of Dockerfile failed (log: $CACHE/image-build.log)" >&2
-    exit 1
+    die "podman build of Dockerfile failed (log: $CACHE/image-build.log)"
 fi
 mark image_s
-if [[ -n "$BASE_VERSION" ]]; then
-    echo "image_cpu_check: the Dockerfile built from a base claiming sglang $BASE_VERSION" \
-        "(sglang.lock pins $PIN); it should have refused" >&2
-    exit 1
-fi
+[[ -z "$BASE_VERSION" ]] \
+    || die "the Dockerfile built from a base claiming sglang $BASE_VERSION (sglang.lock pins $PIN); it should have refused"
 
 # 5. Run the image's default command with the CPU flags the live tests use.
 model="$(cd "$REPO" && PYTHONPATH="$REPO" "$VPY" -c \
@@ -210,12 +202,9 @@ prompt = " ".join(f"Line {i}: the cache keeps page {i * 7 % 101} on the host." f
 
 
 def generate() -> dict:
-    body = json.dumps(
-        {"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-    ).encode()
-    req = urllib.request.Request(
-        base + "/generate", body, {"Content-Type": "application/json"}
-    )
+    body = {"text": prompt, "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    headers = {"Content-Type": "application/json"}
+    req = urllib.request.Request(base + "/generate", json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
 
@@ -245,6 +234,6 @@ mark run_s
 cleanup
 trap - EXIT
 grep -q "HiCache kv host format: int8" "$RUN_DIR/server.log" \
-    || { echo "image_cpu_check: start-up log names no int8 host format" >&2; exit 1; }
+    || die "start-up log names no int8 host format"
 printf '%s\n' "${TIMINGS[@]}" >"$RUN_DIR/timings.txt"
 step "OK in $((SECONDS - T0)) s (${TIMINGS[*]}); results in $RUN_DIR"

@@ -29,11 +29,8 @@ def format_classes() -> dict[str, type]:
     install_cpu_standins()
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
-    return {
-        f.host_dtype: host_format_cls(f.host_dtype)
-        for f in host_formats()
-        if not f.stock
-    }
+    quantized = [f.host_dtype for f in host_formats() if not f.stock]
+    return {name: host_format_cls(name) for name in quantized}
 
 
 def make_format(cls, unit_tokens: int = PAGE_SIZE):
@@ -49,9 +46,7 @@ def median_ms(ops: dict[str, object], reps: int) -> dict[str, tuple[float, float
             fn()
             if rep >= WARMUP:
                 times[name].append(time.perf_counter() - start)
-    return {
-        name: (statistics.median(t) * 1e3, min(t) * 1e3) for name, t in times.items()
-    }
+    return {n: (statistics.median(t) * 1e3, min(t) * 1e3) for n, t in times.items()}
 
 
 class DeviceStandIn:
@@ -90,6 +85,8 @@ def format_ops(name: str, fmt, dev: DeviceStandIn) -> tuple[dict, dict]:
     gathered = dev.kv[:, :, dev.idx].contiguous()
     staging = [torch.empty(unit_shape, dtype=DEVICE_DTYPE) for _ in range(2)]
     restored = [torch.empty(unit_shape, dtype=DEVICE_DTYPE) for _ in range(2)]
+    staging_rows = [t.view(-1, HEADS, HEAD_DIM) for t in staging]
+    restored_rows = [t.view(-1, HEADS, HEAD_DIM) for t in restored]
     scatter_into = dev.kv.clone()
 
     def encode():
@@ -100,12 +97,7 @@ def format_ops(name: str, fmt, dev: DeviceStandIn) -> tuple[dict, dict]:
     def gather_encode():
         for layer in range(LAYERS):
             for kv in range(2):
-                torch.index_select(
-                    dev.kv[kv, layer],
-                    0,
-                    dev.idx,
-                    out=staging[kv].view(-1, HEADS, HEAD_DIM),
-                )
+                torch.index_select(dev.kv[kv, layer], 0, dev.idx, out=staging_rows[kv])
             fmt.encode_into(staging, per_layer[layer])
 
     def decode():
@@ -116,9 +108,7 @@ def format_ops(name: str, fmt, dev: DeviceStandIn) -> tuple[dict, dict]:
         for layer in range(LAYERS):
             fmt.decode_into(per_layer[layer], restored)
             for kv in range(2):
-                scatter_into[kv, layer].index_copy_(
-                    0, dev.idx, restored[kv].view(-1, HEADS, HEAD_DIM)
-                )
+                scatter_into[kv, layer].index_copy_(0, dev.idx, restored_rows[kv])
 
     encode()  # records hold real codes before the first decode is timed
     ops = {
@@ -140,8 +130,7 @@ def bench_throughput(classes, token_counts, reps) -> dict:
         f"{'tokens':>6}  {'op':<36} {'median ms':>9} {'GB/s':>6} {'x copy':>6}"
         f" {'min ms':>8} {'x copy':>6}"
     )
-    print(header)
-    print("-" * len(header))
+    print(header, "-" * len(header), sep="\n")
     gen = torch.Generator().manual_seed(0)
     out = {}
     for tokens in token_counts:
@@ -161,8 +150,7 @@ def bench_throughput(classes, token_counts, reps) -> dict:
                 f"{med / copy_med:>6.2f} {low:>8.1f} {low / copy_min:>6.2f}"
             )
         out[tokens] = results
-    print("GB/s: bf16 bytes of the token set's K and V (2*L*tokens*H*D*2) / median.")
-    print()
+    print("GB/s: bf16 bytes of the token set's K and V (2*L*tokens*H*D*2) / median.\n")
     return out
 
 
@@ -176,11 +164,10 @@ def bytes_per_token(classes) -> dict:
     print(f"{'bf16':<7}" + "".join(f" {stock:>11,} (1.000x)" for _ in PAGE_SIZES))
     table = {}
     for name, cls in classes.items():
-        row = {
+        row = table[name] = {
             p: LAYERS * cls.bytes_per_token_for((HEAD_DIM, HEAD_DIM), HEADS, p)
             for p in PAGE_SIZES
         }
-        table[name] = row
         print(
             f"{name:<7}"
             + "".join(f" {row[p]:>11,.0f} ({stock / row[p]:.3f}x)" for p in PAGE_SIZES)
@@ -189,7 +176,7 @@ def bytes_per_token(classes) -> dict:
     return table
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(
         prog="python -m scripts.bench.codec", description=__doc__.split("\n\n")[0]
     )
@@ -199,11 +186,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma list of token counts (multiples of the page size 64)",
     )
     p.add_argument("--reps", type=int, default=REPS)
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+    args = p.parse_args(argv)
     token_counts = [int(t) for t in args.tokens.split(",") if t.strip()]
     bad = [t for t in token_counts if t <= 0 or t % PAGE_SIZE]
     if bad:

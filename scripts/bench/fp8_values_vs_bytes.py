@@ -23,24 +23,21 @@ def kv_rows(fp8: torch.dtype, keys: bool, gen: torch.Generator) -> torch.Tensor:
     return x.clamp(-top, top).to(fp8)
 
 
-def _codec():
+def _reference(fmt: str):
+    """The torch reference (encode, decode) of int4 or k8v4."""
     install_cpu_standins()
-    from sglang.srt.mem_cache.pool_host import kv_int4_codec
+    from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 
-    return kv_int4_codec
+    return (getattr(codec, f"{fmt}_{op}_reference") for op in ("encode", "decode"))
 
 
 def by_values(fmt: str, k: torch.Tensor, v: torch.Tensor):
-    codec = _codec()
-    encode = getattr(codec, f"{fmt}_encode_reference")
-    decode = getattr(codec, f"{fmt}_decode_reference")
+    encode, decode = _reference(fmt)
     return decode(encode(k, v), k.dtype)
 
 
 def by_bytes(fmt: str, k: torch.Tensor, v: torch.Tensor):
-    codec = _codec()
-    encode = getattr(codec, f"{fmt}_encode_reference")
-    decode = getattr(codec, f"{fmt}_decode_reference")
+    encode, decode = _reference(fmt)
     codes = [t.view(torch.uint8).to(torch.float32) for t in (k, v)]
     restored = decode(encode(*codes), torch.float32)
     return tuple(

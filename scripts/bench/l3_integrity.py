@@ -59,7 +59,7 @@ def mooncake_rows(nbytes: int, repeat: int) -> None:
             cfg = master.storage_config()
             print("\n| Mooncake put/get, int8 page | put µs | get µs |")
             print("|---|---:|---:|")
-            for checksum in ("0", "1"):
+            for checksum, label in (("0", "CRC-64 off"), ("1", "CRC-64 on")):
                 out = subprocess.run(
                     [sys.executable, "-m", "scripts.bench.l3_integrity",
                      "--mooncake-worker", cfg["metadata_server"],
@@ -67,7 +67,6 @@ def mooncake_rows(nbytes: int, repeat: int) -> None:
                     env={**os.environ, "MOONCAKE_STORE_CHECKSUM": checksum},
                     capture_output=True, text=True, check=True,
                 ).stdout.split()  # fmt: skip
-                label = "CRC-64 on" if checksum == "1" else "CRC-64 off"
                 setting = f"MOONCAKE_STORE_CHECKSUM={checksum} ({label})"
                 print(f"| {setting} | {out[-2]} | {out[-1]} |")
         finally:
@@ -94,9 +93,8 @@ def main() -> None:
     import torch
     import xxhash
 
-    from scripts.common.host_formats import host_formats
+    from scripts.bench.codec import LAYERS, format_classes, make_format
     from sglang.srt.mem_cache.pool_host import page_integrity as pi
-    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
     from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
     buf = np.random.default_rng(0).integers(0, 256, args.mib << 20, dtype=np.uint8)
@@ -109,26 +107,13 @@ def main() -> None:
         f"({args.mib} MiB, one core, best of {args.repeat})\n"
     )
 
-    layers, heads, dim = 36, 8, 128
     cases = [
-        (
-            fmt.host_dtype,
-            layers,
-            host_format_cls(fmt.host_dtype)(
-                (dim, dim), heads, args.page_size, torch.bfloat16
-            ),
-        )
-        for fmt in host_formats()
-        if not fmt.stock
+        (name, LAYERS, make_format(cls, args.page_size))
+        for name, cls in format_classes().items()
     ]
     # MLA at DeepSeek-V3 geometry (61 layers, latent 512 + RoPE 64).
-    cases.append(
-        (
-            "mla-int8 (DeepSeek-V3)",
-            61,
-            MLAInt8HostFormat((576,), 1, args.page_size, torch.bfloat16),
-        )
-    )
+    mla = MLAInt8HostFormat((576,), 1, args.page_size, torch.bfloat16)
+    cases.append(("mla-int8 (DeepSeek-V3)", 61, mla))
     print(
         "| format | page bytes | seal µs | check µs | file write µs | file read µs | seal+check / file I/O |"
     )
@@ -137,12 +122,11 @@ def main() -> None:
         for name, n_layers, f in cases:
             nbytes = f.unit_bytes() * n_layers
             page = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8)
-            stats = pi.PageIntegrityStats()
-            sealer = pi.PageSealer(f"{name}|bench", (nbytes,), stats)
+            sealer = pi.PageSealer(f"{name}|bench", (nbytes,), pi.PageIntegrityStats())
             seal = sealer.seal(0, "key", [page])
-            t_seal = best(lambda: sealer.seal(0, "key", [page]), args.repeat * 5)
+            t_seal = best(lambda: sealer.seal(0, "key", [page]), 5 * args.repeat)
             t_check = best(
-                lambda: sealer.check(0, "key", [page], seal), args.repeat * 5
+                lambda: sealer.check(0, "key", [page], seal), 5 * args.repeat
             )
             path = os.path.join(tmp, "page.bin")
             sealed = np.concatenate([page, np.frombuffer(seal, np.uint8)])

@@ -4,6 +4,7 @@ histogram), drawn with Pillow (pinned in requirements/cpu-test.txt)."""
 from __future__ import annotations
 
 import math
+from itertools import cycle
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
@@ -14,18 +15,20 @@ COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
 KL_COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14)]  # fmt: skip
 
 
-def _fonts(size: int, small: int):
-    try:
-        return ImageFont.load_default(size=size), ImageFont.load_default(size=small)
-    except TypeError:  # Pillow < 10.1
-        font = ImageFont.load_default()
-        return font, font
+def _fonts(size: int, small: int):  # sized default fonts: Pillow >= 10.1 (pinned 13)
+    return ImageFont.load_default(size=size), ImageFont.load_default(size=small)
 
 
 def nice_step(raw: float, multiples=(1, 2, 2.5, 5, 10)) -> float:
     """The smallest of `multiples` times a power of ten that is at least `raw`."""
     power = 10 ** math.floor(math.log10(raw))
     return next(m * power for m in multiples if m * power >= raw)
+
+
+def _axis(top_value: float, headroom: float) -> tuple[float, float]:
+    """(grid step, axis top) for values up to top_value, with headroom above."""
+    step = nice_step(top_value / 5)
+    return step, step * math.ceil(top_value * headroom / step)
 
 
 class _Panels:
@@ -38,7 +41,13 @@ class _Panels:
         self.img = Image.new("RGB", (self.W, self.H), "white")
         self.draw = ImageDraw.Draw(self.img)
         self.font, self.small = _fonts(15, 13)
-        self.draw.text((self.W // 2, 14), title, fill="black", font=self.font, anchor="mt")  # fmt: skip
+        self.text((self.W // 2, 14), title, "mt", self.font)
+
+    def text(self, xy, text: str, anchor: str, font=None, fill="black") -> None:
+        self.draw.text(xy, text, fill=fill, font=font or self.small, anchor=anchor)
+
+    def tick_label(self, x: float, text: str, font=None) -> None:
+        self.text((x, self.BOTTOM + 8), text, "mt", font)
 
     def frame(self, p: int, sy, y_max: float, step: float, fmt: str = "{:.0f}"):
         """Panel p's box and horizontal grid; returns its (left, right)."""
@@ -48,8 +57,7 @@ class _Panels:
         for i in range(round(y_max / step) + 1):
             y = i * step
             self.draw.line([left, sy(y), right, sy(y)], fill="#e6e6e6")
-            self.draw.text((left - 8, sy(y)), fmt.format(y), fill="black",
-                           font=self.small, anchor="rm")  # fmt: skip
+            self.text((left - 8, sy(y)), fmt.format(y), "rm")
         return left, right
 
     def scale(self, y_max: float):
@@ -60,62 +68,71 @@ class _Panels:
         for x in range(int(left), int(right), 12):
             self.draw.line([x, y, x + 6, y], fill="gray", width=2)
 
+    def bars(self, p: int, names, stacks, colors, headroom, margin, unit=""):
+        """Panel p: one bar per name, its stack of values in its `colors`, the
+        total above it; returns the panel's (left, right)."""
+        step, y_max = _axis(max(sum(s) for s in stacks) or 1.0, headroom)
+        sy = self.scale(y_max)
+        left, right = self.frame(p, sy, y_max, step, fmt="{:,.0f}")
+        slot, draw = (right - left) / len(names), self.draw
+        for k, (name, stack, bar_colors) in enumerate(zip(names, stacks, colors)):
+            x0, x1 = left + slot * (k + margin), left + slot * (k + (1 - margin))
+            base = 0.0
+            for value, color in zip(stack, bar_colors):
+                if value > 0:
+                    draw.rectangle([x0, sy(base + value), x1, sy(base)], fill=color)
+                base += value
+            self.tick_label((x0 + x1) / 2, name, self.font)
+            self.text(((x0 + x1) / 2, sy(base) - 4), f"{base:,.0f}{unit}", "mb")
+        return left, right
+
     def ylabel(self, text: str, x: int) -> None:
-        top, bottom = self.TOP, self.BOTTOM
-        label = Image.new("RGBA", (bottom - top, 22), (255, 255, 255, 0))
-        ImageDraw.Draw(label).text(((bottom - top) // 2, 11), text, fill="black",
-                                   font=self.font, anchor="mm")  # fmt: skip
+        h = self.BOTTOM - self.TOP
+        label = Image.new("RGBA", (h, 22), (255, 255, 255, 0))
+        draw = ImageDraw.Draw(label)
+        draw.text((h // 2, 11), text, fill="black", font=self.font, anchor="mm")
         label = label.rotate(90, expand=True)
-        self.img.paste(label, (x, top), label)
-
-
-def _series(sweep, formats):
-    """Per format: (label, color, hit-rate means, hit-rate sds, L2 kilotokens)."""
-    xs = [row["budget_gb"] for row in sweep]
-    out = []
-    for i, (label, _) in enumerate(formats):
-        spreads = [spread(row["formats"][label]["hit_rates"]) for row in sweep]
-        hits = [100 * m for m, _ in spreads]
-        sds = [100 * sd for _, sd in spreads]
-        toks = [row["formats"][label]["capacity"].tokens / 1000 for row in sweep]
-        out.append((label, COLORS[i % len(COLORS)], hits, sds, toks))
-    return xs, out
+        self.img.paste(label, (x, self.TOP), label)
 
 
 def plot_sweep(sweep, formats, best, budget, path: Path, title: str = "") -> None:
     """`make demo` part 2: hit rate (left) and L2 capacity (right) against the
     host budget, one line per format, the spread over seeds as error bars."""
     c = _Panels(title)
-    draw, small = c.draw, c.small
-    xs, series = _series(sweep, formats)
+    draw, top, bottom = c.draw, c.TOP, c.BOTTOM
+    xs = [row["budget_gb"] for row in sweep]
     x_max = max(xs) * 1.04
-    top_tokens = max(max(s[4]) for s in series)
-    step = nice_step(top_tokens / 5)
+    labels = [label for label, _ in formats]
+    colors = [COLORS[i % len(COLORS)] for i in range(len(labels))]
+    hits, kilotokens = [], []  # per format: (values, sds)
+    for label in labels:
+        cells = [row["formats"][label] for row in sweep]
+        spreads = [spread(cell["hit_rates"]) for cell in cells]
+        hits.append(([100 * m for m, _ in spreads], [100 * sd for _, sd in spreads]))
+        tokens = [cell["capacity"].tokens / 1000 for cell in cells]
+        kilotokens.append((tokens, [0.0] * len(xs)))
+    _, kilo_max = _axis(max(max(ys) for ys, _ in kilotokens), 1.02)
     panels = [
-        ("cache-hit rate, % of prompt tokens (mean +- sd)", 100.0,
-         [(s[2], s[3]) for s in series], 100 * best),
-        ("L2 capacity, thousand tokens", step * math.ceil(top_tokens * 1.02 / step),
-         [(s[4], [0.0] * len(xs)) for s in series], None),
-    ]  # fmt: skip
-    top, bottom = c.TOP, c.BOTTOM
+        ("cache-hit rate, % of prompt tokens (mean +- sd)", 100.0, hits, 100 * best),
+        ("L2 capacity, thousand tokens", kilo_max, kilotokens, None),
+    ]
     for p, (ylabel, y_max, ys_list, hline) in enumerate(panels):
         sy = c.scale(y_max)
         left, right = c.frame(p, sy, y_max, y_max / round(y_max / nice_step(y_max / 5)))
         sx = lambda x: left + (right - left) * x / x_max  # noqa: E731
         for x in xs:
             draw.line([sx(x), bottom, sx(x), bottom + 5], fill="black")
-            draw.text((sx(x), bottom + 8), f"{x:g}", fill="black", font=small, anchor="mt")  # fmt: skip
-        draw.text(((left + right) // 2, bottom + 30), "host budget, GB (--hicache-size)",
-                  fill="black", font=c.font, anchor="mt")  # fmt: skip
+            c.tick_label(sx(x), f"{x:g}")
+        xlabel = "host budget, GB (--hicache-size)"
+        c.text(((left + right) // 2, bottom + 30), xlabel, "mt", c.font)
         c.ylabel(ylabel, left - 75)
-        bx = sx(budget)
         for y in range(top, bottom, 8):
-            draw.line([bx, y, bx, y + 3], fill="gray")
-        legend = [(s[0], s[1]) for s in series]
+            draw.line([sx(budget), y, sx(budget), y + 3], fill="gray")
+        legend = list(zip(labels, colors))
         if hline is not None:
             c.dashed(left, right, sy(hline))
             legend.append(("best possible", "gray"))
-        for (_, color, *_), (ys, sds) in zip(series, ys_list):
+        for color, (ys, sds) in zip(colors, ys_list):
             pts = [(sx(x), sy(y)) for x, y in zip(xs, ys)]
             draw.line(pts, fill=color, width=3)
             for (x, y), value, sd in zip(pts, ys, sds):
@@ -123,12 +140,12 @@ def plot_sweep(sweep, formats, best, budget, path: Path, title: str = "") -> Non
                 if sd > 0:  # the spread over seeds
                     lo, hi = sy(value - sd), sy(value + sd)
                     draw.line([x, lo, x, hi], fill=color, width=2)
-                    draw.line([x - 5, lo, x + 5, lo], fill=color, width=2)
-                    draw.line([x - 5, hi, x + 5, hi], fill=color, width=2)
+                    for end in (lo, hi):
+                        draw.line([x - 5, end, x + 5, end], fill=color, width=2)
         for i, (label, color) in enumerate(legend):
             ly = top + 12 + 20 * i
             draw.line([left + 12, ly, left + 36, ly], fill=color, width=3)
-            draw.text((left + 42, ly), label, fill="black", font=small, anchor="lm")
+            c.text((left + 42, ly), label, "lm")
     c.img.save(path)
 
 
@@ -137,39 +154,19 @@ def plot_bars(bars, parts, path: Path, title: str = "", ylabel: str = "",
     """Two panels per arm: a stacked bar of `parts` (left) and one value
     (right). `bars` is [(label, [part values], right value)]."""
     c = _Panels(title)
-    draw, small = c.draw, c.small
-    top, bottom = c.TOP, c.BOTTOM
-    panels = [
-        (ylabel, [b[1] for b in bars], True),
-        (right_label, [[b[2]] for b in bars], False),
-    ]
-    for p, (label, stacks, legend) in enumerate(panels):
-        top_value = max(sum(s) for s in stacks) or 1.0
-        step = nice_step(top_value / 5)
-        # Headroom for the legend above the tallest bar.
-        y_max = step * math.ceil(top_value * 1.3 / step)
-        sy = c.scale(y_max)
-        left, right = c.frame(p, sy, y_max, step, fmt="{:,.0f}")
-        slot = (right - left) / len(bars)
-        for k, (name, stack) in enumerate(zip([b[0] for b in bars], stacks)):
-            x0, x1 = left + slot * (k + 0.2), left + slot * (k + 0.8)
-            base = 0.0
-            for i, value in enumerate(stack):
-                color = COLORS[i % len(COLORS)] if legend else "#8c8c8c"
-                if value > 0:
-                    draw.rectangle([x0, sy(base + value), x1, sy(base)], fill=color)
-                base += value
-            draw.text(((x0 + x1) / 2, bottom + 8), name, fill="black", font=c.font, anchor="mt")  # fmt: skip
-            draw.text(((x0 + x1) / 2, sy(base) - 4), f"{base:,.0f}", fill="black",
-                      font=small, anchor="mb")  # fmt: skip
-        c.ylabel(label, left - 80)
-        if legend:
-            # Right-aligned, above the bars' value labels.
-            lx = right - 210
-            for i, name in enumerate(parts):
-                ly = top + 12 + 20 * i
-                draw.rectangle([lx, ly - 6, lx + 18, ly + 6], fill=COLORS[i])
-                draw.text((lx + 26, ly), name, fill="black", font=small, anchor="lm")
+    names = [b[0] for b in bars]
+    part_colors = [cycle(COLORS) for _ in bars]
+    # Headroom for the legend above the tallest bar.
+    left, right = c.bars(0, names, [b[1] for b in bars], part_colors, 1.3, 0.2)
+    c.ylabel(ylabel, left - 80)
+    lx = right - 210  # right-aligned, above the bars' value labels
+    for i, name in enumerate(parts):
+        ly = c.TOP + 12 + 20 * i
+        c.draw.rectangle([lx, ly - 6, lx + 18, ly + 6], fill=COLORS[i])
+        c.text((lx + 26, ly), name, "lm")
+    gray = [["#8c8c8c"]] * len(bars)
+    left, _ = c.bars(1, names, [[b[2]] for b in bars], gray, 1.3, 0.2)
+    c.ylabel(right_label, left - 80)
     c.img.save(path)
 
 
@@ -182,37 +179,39 @@ def kl_histogram(
     img = Image.new("RGB", (W, H), "white")
     d = ImageDraw.Draw(img)
     font, small = _fonts(14, 12)
+
+    def text(xy, s: str, f=small) -> None:
+        d.text(xy, s, fill="black", font=f)
+
     positive = [x for v in series.values() for x in v if x > 0]
     lo = math.floor(math.log10(min(positive))) if positive else -8
     hi = math.ceil(math.log10(max(positive))) if positive else 0
     lo, hi = max(lo, -12), max(hi, lo + 1)
     nb = (hi - lo) * bins_per_decade
-    counts = {}
+    counts = {name: [0] * nb for name in series}
     for name, vals in series.items():
-        c = [0] * nb
         for x in vals:
             if x > 0:
                 b = int((math.log10(x) - lo) * bins_per_decade)
-                c[min(max(b, 0), nb - 1)] += 1
-        counts[name] = c
+                counts[name][min(max(b, 0), nb - 1)] += 1
     ymax = int(max([max(c) for c in counts.values() if c] + [1]))
     pw, ph = W - left - right, H - top - bottom
-    d.text((left, 15), title, fill="black", font=font)
+    text((left, 15), title, font)
     d.line([(left, top), (left, top + ph), (left + pw, top + ph)], fill="black")
     for dec in range(lo, hi + 1):
         x = left + pw * (dec - lo) / (hi - lo)
         d.line([(x, top + ph), (x, top + ph + 5)], fill="black")
-        d.text((x - 14, top + ph + 8), f"1e{dec}", fill="black", font=small)
-    d.text((left + pw // 2 - 120, H - 30), "KL divergence per scored token (log scale)",
-           fill="black", font=font)  # fmt: skip
+        text((x - 14, top + ph + 8), f"1e{dec}")
+    xlabel = "KL divergence per scored token (log scale)"
+    text((left + pw // 2 - 120, H - 30), xlabel, font)
     # Whole "nice" steps (1, 2, 5 x 10^k) on the count axis, at most ~5 ticks.
     step = int(nice_step(ymax / 4, (1, 2, 5, 10))) if ymax >= 4 else 1
     ymax = step * math.ceil(ymax / step)
     for v in range(0, ymax + 1, step):
         y = top + ph - ph * v / ymax
         d.line([(left - 5, y), (left, y)], fill="black")
-        d.text((8, y - 7), f"{v}", fill="black", font=small)
-    d.text((8, top - 25), "tokens", fill="black", font=font)
+        text((8, y - 7), f"{v}")
+    text((8, top - 25), "tokens", font)
     n = max(len(counts), 1)
     bw = pw / nb
     for i, (name, c) in enumerate(counts.items()):
@@ -231,7 +230,7 @@ def kl_histogram(
             label += f", median {pos[len(pos) // 2]:.2e}, max {pos[-1]:.2e}"
         ly = top + 10 + 20 * i
         d.rectangle([left + 20, ly, left + 32, ly + 12], fill=color)
-        d.text((left + 40, ly - 2), label, fill="black", font=small)
+        text((left + 40, ly - 2), label)
     img.save(path)
 
 
@@ -239,25 +238,12 @@ def plot_l3(result, path: Path) -> None:
     """`make demo-l3`: Mooncake store bytes per token (left) and hit rate
     against the L3 budget (right), per format."""
     c = _Panels("INT8 vs BF16 pages in a Mooncake L3 store")
-    draw, small, bottom = c.draw, c.small, c.BOTTOM
+    draw, bottom = c.draw, c.BOTTOM
     colors = {"bf16": COLORS[0], "int8": COLORS[1]}
     a = result["bytes_per_token"]
-    top_value = max(r["bytes_per_token"] for r in a.values())
-    step = nice_step(top_value / 5)
-    y_max = step * math.ceil(top_value * 1.15 / step)
-    sy = c.scale(y_max)
-    left, right = c.frame(0, sy, y_max, step, fmt="{:,.0f}")
+    stacks = [[row["bytes_per_token"]] for row in a.values()]
+    left, _ = c.bars(0, list(a), stacks, [[colors[n]] for n in a], 1.15, 0.25, " B")
     c.ylabel("store bytes per cached token", left - 85)
-    slot = (right - left) / len(a)
-    for k, (label, row) in enumerate(a.items()):
-        x0, x1, v = (
-            left + slot * (k + 0.25),
-            left + slot * (k + 0.75),
-            row["bytes_per_token"],
-        )
-        draw.rectangle([x0, sy(v), x1, bottom], fill=colors[label])
-        draw.text(((x0 + x1) / 2, sy(v) - 4), f"{v:,.0f} B", fill="black", font=small, anchor="mb")  # fmt: skip
-        draw.text(((x0 + x1) / 2, bottom + 8), label, fill="black", font=c.font, anchor="mt")  # fmt: skip
     rows = result["hit_rate"]
     budgets = sorted({r["l3_bytes"] for r in rows})
     sy = c.scale(1.0)
@@ -266,12 +252,12 @@ def plot_l3(result, path: Path) -> None:
     sx = lambda i: left + 50 + (right - left - 100) * i / max(1, len(budgets) - 1)  # noqa: E731
     c.dashed(left, right, sy(result["best"]))
     for i, b in enumerate(budgets):
-        draw.text((sx(i), bottom + 8), f"L3 {b / (1 << 20):g} MB", fill="black", font=small, anchor="mt")  # fmt: skip
+        c.tick_label(sx(i), f"L3 {b / (1 << 20):g} MB")
     for label, color in colors.items():
         pts = [(sx(budgets.index(r["l3_bytes"])), sy(r["hit_rate"]))
                for r in rows if r["format"] == label]  # fmt: skip
         draw.line(pts, fill=color, width=3)
         for x, y in pts:
             draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=color)
-        draw.text((pts[-1][0] - 10, pts[-1][1] - 12), label, fill=color, font=c.font, anchor="rb")  # fmt: skip
+        c.text((pts[-1][0] - 10, pts[-1][1] - 12), label, "rb", c.font, color)
     c.img.save(path)

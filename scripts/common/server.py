@@ -35,10 +35,9 @@ def http(url: str, payload=None, timeout: float = 600.0):
     """GET (payload None) or POST JSON; the parsed JSON reply, or its text."""
     data = None if payload is None else json.dumps(payload).encode()
     headers = {"Content-Type": "application/json"} if data else {}
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
-        with urllib.request.urlopen(
-            urllib.request.Request(url, data=data, headers=headers), timeout=timeout
-        ) as resp:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read().decode("utf-8", "replace")
             ctype = resp.headers.get("Content-Type", "")
     except urllib.error.HTTPError as exc:
@@ -79,10 +78,6 @@ class ServerProcess:
         self.log_path, self.env, self.cwd = Path(log_path), env, cwd
         self.proc: subprocess.Popen | None = None
 
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
     def start(self) -> None:
         with open(self.log_path, "w", encoding="utf-8") as log:
             log.write("$ " + shlex.join(self.argv) + "\n")
@@ -99,9 +94,8 @@ class ServerProcess:
         next_note = start + 15
         while True:
             if self.proc.poll() is not None:
-                raise ServerStartError(
-                    f"{self.name} exited with {self.proc.returncode} before it "
-                    f"was healthy; log {self.log_path}:\n{self.log_tail()}"
+                raise self._start_error(
+                    f"exited with {self.proc.returncode} before it was healthy"
                 )
             try:
                 with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
@@ -111,25 +105,24 @@ class ServerProcess:
                 pass
             now = time.monotonic()
             if now - start > timeout:
-                raise ServerStartError(
-                    f"{self.name} not healthy after {timeout:.0f} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
+                raise self._start_error(f"not healthy after {timeout:.0f} s")
             if progress is not None and now >= next_note:
                 progress(f"[{self.name}] {now - start:.0f} s: {self.log_tail(1).strip()[:120]}")  # fmt: skip
                 next_note = now + 15
             time.sleep(1.0)
+
+    def _start_error(self, what: str) -> ServerStartError:
+        tail = self.log_tail()
+        return ServerStartError(f"{self.name} {what}; log {self.log_path}:\n{tail}")
 
     def stop(self, grace: float = 20.0) -> None:
         if self.proc is not None:
             kill_group(self.proc, grace)
             self.proc.wait()
 
-    def log_text(self) -> str:
-        return self.log_path.read_text(encoding="utf-8", errors="replace")
-
     def log_tail(self, lines: int = 40) -> str:
         try:
-            return "\n".join(self.log_text().splitlines()[-lines:])
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+            return "\n".join(text.splitlines()[-lines:])
         except FileNotFoundError:
             return ""
