@@ -102,29 +102,33 @@ def make_units(seed, shape, dtype, kinds, log2_mags) -> torch.Tensor:
     return rows.reshape(shape).to(dtype)
 
 
+def special_rows(dtype: torch.dtype, d: int = 64) -> list[torch.Tensor]:
+    """Hand-picked fp32 rows for dtype that stress rounding, ranges and specials."""
+    info = torch.finfo(dtype)
+    return [
+        torch.zeros(d),
+        -torch.zeros(d),
+        torch.full((d,), float(info.smallest_normal)),
+        torch.full((d,), float(info.smallest_normal) / 8),  # subnormal input
+        torch.linspace(-1, 1, d),
+        torch.arange(d) - (d / 2 - 0.5),  # half-integer quotients
+        torch.full((d,), float(info.max)),
+        torch.full((d,), -float(info.max)),
+        torch.full((d,), 127 * FP16_MAX),  # the guard boundary, fp32 only exact
+        torch.full((d,), 1e7),
+        torch.full((d,), 3e38),
+        torch.tensor([NAN] + [1.0] * (d - 1)),
+        torch.tensor([INF] + [1.0] * (d - 1)),
+        torch.tensor([1.0] * (d - 1) + [-INF]),
+        torch.tensor([1e-3] * (d - 1) + [1e3]),
+    ]
+
+
 def edge_inputs() -> list[torch.Tensor]:
     """Hand-picked rows that stress rounding, ranges and specials."""
-    d = 64
     out = []
     for dtype in DTYPES + (torch.float32,):
-        info = torch.finfo(dtype)
-        rows = [
-            torch.zeros(d),
-            -torch.zeros(d),
-            torch.full((d,), float(info.smallest_normal)),
-            torch.full((d,), float(info.smallest_normal) / 8),  # subnormal input
-            torch.linspace(-1, 1, d),
-            torch.arange(d) - 31.5,  # half-integer quotients
-            torch.full((d,), float(info.max)),
-            torch.full((d,), -float(info.max)),
-            torch.full((d,), 127 * FP16_MAX),  # the guard boundary, fp32 only exact
-            torch.full((d,), 1e7),
-            torch.full((d,), 3e38),
-            torch.tensor([NAN] + [1.0] * (d - 1)),
-            torch.tensor([INF] + [1.0] * (d - 1)),
-            torch.tensor([1.0] * (d - 1) + [-INF]),
-            torch.tensor([1e-3] * (d - 1) + [1e3]),
-        ]
+        rows = special_rows(dtype)
         out.append(torch.stack(rows).to(dtype))
     # fp32 scale boundary: exactly 127*65504 is finite, the next float isn't.
     edge = torch.tensor([127 * FP16_MAX, 127 * 65520.0], dtype=torch.float32)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from tests.support.codec_inputs import special_rows
+
 QWEN3_8B = dict(layer_num=36, head_num=8, head_dim=128, v_head_dim=128)
 CARRIED_PACKAGES = Path(__file__).resolve().parents[1] / "gpu" / "carried_packages.txt"
 # What the machine must provide itself (too large to carry).
@@ -312,28 +314,8 @@ def pages_to_tokens(pages: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def edge_rows(dtype: torch.dtype, d: int = 64) -> torch.Tensor:
-    """Hand-picked rows (as in tests/test_kv_int8_codec.py's edge_inputs):
-    zeros, -0, smallest normal, subnormal, half-integer quotients, dtype max,
-    past the fp16-scale guard, NaN/Inf, spikes; plus exact .5 ties."""
-    info = torch.finfo(dtype)
-    nan, inf = float("nan"), float("inf")
-    rows = [
-        torch.zeros(d),
-        -torch.zeros(d),
-        torch.full((d,), float(info.smallest_normal)),
-        torch.full((d,), float(info.smallest_normal) / 8),
-        torch.linspace(-1, 1, d),
-        torch.arange(d) - (d / 2 - 0.5),
-        torch.full((d,), float(info.max)),
-        torch.full((d,), -float(info.max)),
-        torch.full((d,), 127 * 65504.0),
-        torch.full((d,), 1e7),
-        torch.full((d,), 3e38),
-        torch.tensor([nan] + [1.0] * (d - 1)),
-        torch.tensor([inf] + [1.0] * (d - 1)),
-        torch.tensor([1.0] * (d - 1) + [-inf]),
-        torch.tensor([1e-3] * (d - 1) + [1e3]),
-    ]
+    """codec_inputs.special_rows plus exact .5 ties."""
+    rows = special_rows(dtype, d)
     for log2_s in (-24, -14, -3, 0, 5):
         k = torch.arange(-(d - 1) // 2, d // 2, dtype=torch.float64)[: d - 1] + 0.5
         rows.append(torch.cat([torch.tensor([127.0]), k]) * 2.0**log2_s)
