@@ -10,6 +10,9 @@ TREE := build/sglang
 PATCHED_PATH := $(CURDIR)/$(TREE)/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?= --durations=25
+# pytest-xdist workers, one file per worker at a time (module-scoped servers
+# start once); 0 runs in one process.
+PYTEST_WORKERS ?= 2
 SGLANG_IMAGE_TAG ?= v0.5.23-cu130
 IMAGE ?= hiqcache/sglang:0.5.23-hiq
 # WikiText-2 test split, read in place (never copied into the repo).
@@ -95,7 +98,7 @@ pr-check: pr $(LINT_DIR)/.stamp
 	PYTHONPATH=$(CURDIR)/$(LINT_DIR) $(PYTHON) -m scripts.pr_gate
 
 test: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest $(PYTEST_ARGS) tests
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
 # Same host memory, more reuse: part 1 starts the patched server once per host
 # format on CPU (SmolLM2-135M, bench_serving), part 2 replays experiments A and B
