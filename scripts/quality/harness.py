@@ -439,14 +439,14 @@ def kv_relative_error(ref, restored) -> float:
     return math.sqrt(num / den) if den else 0.0
 
 
-def _kv_equal(a, b) -> bool:
+def same_bytes(pairs) -> bool:
     # Bytes, so FP8 rows (no torch.equal kernel on CPU) compare too.
     return all(
         x0.dtype == x1.dtype
         and torch.equal(
             x0.contiguous().view(torch.uint8), x1.contiguous().view(torch.uint8)
         )
-        for x0, x1 in _kv_pairs(a, b)
+        for x0, x1 in pairs
     )
 
 
@@ -607,7 +607,7 @@ def _score_window(cfg, model, window, restored_kv, per_arm, w, start) -> list[st
         }
         if a != "exact":
             win["logits_identical"] = bool(torch.equal(logits, ref_logits))
-            win["kv_identical"] = _kv_equal(kv, restored_kv[a])
+            win["kv_identical"] = same_bytes(_kv_pairs(kv, restored_kv[a]))
         per_arm[a]["windows"].append(win)
         line.append(f"{a} ppl {win['ppl']:.3f}")
     return line
