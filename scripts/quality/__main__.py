@@ -78,28 +78,17 @@ def _log(line: str) -> None:
     print(line, flush=True)
 
 
-def _start(args) -> list[str]:
-    """The CPU stand-ins (their names) and torch's thread count."""
-    standins = install_cpu_standins()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    return standins
-
-
 def _config(cls, args, **override):
     """A `cls` config of the options named as its fields, unset ones at defaults."""
     given = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(cls)}
     return cls(**{**{k: v for k, v in given.items() if v is not None}, **override})
 
 
-def main_mla_random(args, command: str) -> int:
+def main_mla_random(args, command: str, layouts: dict, standins: list[str]) -> int:
     """--mla-random: the MLA restore path on a random-weight DeepSeek-V2."""
     from scripts.quality import mla_random
 
-    standins = _start(args)
-    layouts = {**mla_random.MLARandomConfig().layouts, **_layouts(args.layout)}
+    layouts = {**mla_random.MLARandomConfig().layouts, **layouts}
     cfg = _config(mla_random.MLARandomConfig, args, layouts=layouts)
     try:
         report = mla_random.run_mla_random(cfg, standins, log=_log)
@@ -132,14 +121,18 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
     command = "-m scripts.quality " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
-    if args.mla_random:
-        return main_mla_random(args, command)
     try:
         layouts = _layouts(args.layout)
     except argparse.ArgumentTypeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    standins = _start(args)
+    standins = install_cpu_standins()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.mla_random:
+        return main_mla_random(args, command, layouts, standins)
     if bundle is None:
         _log("loading model ...")
         bundle = hq.load_model(args.model)

@@ -12,7 +12,6 @@ import math
 import os
 import platform
 import random
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from scripts.common import plot
 from scripts.common.cpu_sglang import REPO_ROOT
-from scripts.overlay import read_lock, sha256_of
+from scripts.overlay import OverlayError, git, read_lock, sha256_of
 from scripts.quality import texts
 from scripts.quality.texts import TextSource
 
@@ -194,15 +193,15 @@ def load_model(model: str | None = None) -> ModelBundle:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     packaged = PACKAGED_MODELS.get(model or DEFAULT_MODEL)
-    model_dir, gguf_file, label = model, None, model
+    weights, label = None, model  # weights: the .gguf file, where one is loaded
     if packaged is not None:
-        gguf = packaged.gguf_path()
-        model_dir, gguf_file = str(gguf.parent), gguf.name
+        weights = packaged.gguf_path()
         version = _version(packaged.package)
-        label = f"{packaged.label} ({packaged.package} {version}, {gguf.name})"
+        label = f"{packaged.label} ({packaged.package} {version}, {weights.name})"
     elif model.endswith(".gguf") and Path(model).is_file():
-        model_dir, gguf_file = str(Path(model).parent), Path(model).name
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        weights = Path(model)
+    model_dir = str(weights.parent) if weights else model
+    kwargs = {"gguf_file": weights.name} if weights else {}
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, **kwargs)
     lm = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
@@ -211,12 +210,11 @@ def load_model(model: str | None = None) -> ModelBundle:
         prepend_bos = packaged.prepend_bos
     else:
         prepend_bos = getattr(tokenizer, "add_bos_token", False)
-    weights = Path(model_dir) / gguf_file if gguf_file else None
     info = {
         "model": label,
         "path": model_dir,
-        "gguf_file": gguf_file,
-        "weights_sha256": sha256_of(weights) if weights and weights.is_file() else None,
+        "gguf_file": kwargs.get("gguf_file"),
+        "weights_sha256": sha256_of(weights) if weights else None,
         "architecture": type(lm).__name__,
         "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "load_seconds": round(load_s, 1),
@@ -301,6 +299,8 @@ class OffloadRig:
     ) -> tuple[list[tuple[torch.Tensor, ...]], dict]:
         """kv (per layer, one row per side) up to L2, evicted from L1, loaded back:
         the restored rows and counters."""
+        from tests.support.hicache_harness import finish_transfers
+
         ctl, n = self.controller, kv[0][0].shape[0]
         dev = self.allocator.alloc(n)
         if dev is None:
@@ -312,7 +312,8 @@ class OffloadRig:
         host = ctl.write(dev, first_page_is_sink=first_page_is_sink)
         if host is None:
             raise RestoreError(f"host pool cannot hold {n} tokens")
-        written = drain(ctl.ack_write_queue)
+        written = sum(ack.num_tokens for ack in ctl.ack_write_queue)
+        finish_transfers(ctl)
         self._evict(dev)
         loaded, read_idx = 0, dev  # without restore: the evicted slots as they are
         if restore:
@@ -320,7 +321,8 @@ class OffloadRig:
             if read_idx is None:
                 raise RestoreError(f"device pool cannot take {n} restored tokens")
             ctl.start_loading()
-            loaded = drain(ctl.ack_load_queue)
+            loaded = sum(ack.num_tokens for ack in ctl.ack_load_queue)
+            finish_transfers(ctl)
         restored = [
             tuple(side[layer][read_idx].clone() for side in self.sides)
             for layer in range(len(kv))
@@ -335,15 +337,6 @@ class OffloadRig:
         ctl.evict_host(host)
         stats = {"tokens": n, "written_tokens": written, "loaded_tokens": loaded}
         return restored, {**stats, "restored_tokens": min(loaded, int(finite.sum()))}
-
-
-def drain(queue) -> int:
-    """Wait for a controller's acknowledged transfers; the tokens they covered."""
-    for ack in queue:
-        ack.finish_event.synchronize()
-    tokens = sum(ack.num_tokens for ack in queue)
-    queue.clear()
-    return tokens
 
 
 def _whole(x: float) -> float | int:
@@ -446,14 +439,14 @@ def kv_relative_error(ref, restored) -> float:
     return math.sqrt(num / den) if den else 0.0
 
 
-def _kv_equal(a, b) -> bool:
+def same_bytes(pairs) -> bool:
     # Bytes, so FP8 rows (no torch.equal kernel on CPU) compare too.
     return all(
         x0.dtype == x1.dtype
         and torch.equal(
             x0.contiguous().view(torch.uint8), x1.contiguous().view(torch.uint8)
         )
-        for x0, x1 in _kv_pairs(a, b)
+        for x0, x1 in pairs
     )
 
 
@@ -614,7 +607,7 @@ def _score_window(cfg, model, window, restored_kv, per_arm, w, start) -> list[st
         }
         if a != "exact":
             win["logits_identical"] = bool(torch.equal(logits, ref_logits))
-            win["kv_identical"] = _kv_equal(kv, restored_kv[a])
+            win["kv_identical"] = same_bytes(_kv_pairs(kv, restored_kv[a]))
         per_arm[a]["windows"].append(win)
         line.append(f"{a} ppl {win['ppl']:.3f}")
     return line
@@ -629,7 +622,7 @@ def _mean(xs: list) -> float | None:
 
 
 def _report(cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_start):
-    summary = {a: _summarize(acc, a == "exact") for a, acc in per_arm.items()}
+    summary = {a: _summarize(acc) for a, acc in per_arm.items()}
     for a, s in summary.items():
         s["ppl_rel_delta"] = s["ppl"] / summary["exact"]["ppl"] - 1
         s.update(rigs[a].describe if a in rigs else {})
@@ -676,7 +669,7 @@ def _report(cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_star
     }
 
 
-def _summarize(acc: dict, is_exact: bool) -> dict:
+def _summarize(acc: dict) -> dict:
     scored = acc["scored"]
     nll, kl, top1, dlp = (_cat(scored, k) for k in ("nll", "kl", "top1", "dlp"))
     greedy = [m for c in scored for m in c["greedy_match"]]
@@ -698,9 +691,10 @@ def _summarize(acc: dict, is_exact: bool) -> dict:
         ),
         "greedy_mean_common_prefix": _mean([c["greedy_prefix"] for c in scored]),
         "kv_rel_err": max((c["kv_rel_err"] for c in scored), default=0.0),
-        "restored_tokens": 0 if is_exact else acc["restored"],
-        "written_tokens": 0 if is_exact else acc["written"],
-        "load_acked_tokens": 0 if is_exact else acc["loaded"],
+        # exact has no rig: its counts stay 0.
+        "restored_tokens": acc["restored"],
+        "written_tokens": acc["written"],
+        "load_acked_tokens": acc["loaded"],
     }
 
 
@@ -752,12 +746,9 @@ def _version(dist: str) -> str | None:
 
 def _git(*args: str, cwd: Path) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
+        return git(cwd, *args).strip()
+    except (OSError, OverlayError):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def versions() -> dict:
@@ -790,7 +781,8 @@ def _pct(x: float | None, digits: int = 2) -> str:
 def markdown_report(report: dict, command: str | None = None) -> str:
     cfg, geo, model = report["config"], report["kv_geometry"], report["model"]
     text, v = report["text"], report["versions"]
-    bos = model.get("bos_token_id") is not None
+    bos = "; each window starts with the BOS token, as served prompts do"
+    bos = bos if model.get("bos_token_id") is not None else ""
     lines = [
         "# HiQCache restored-KV quality (CPU, real L2 restore path)",
         "",
@@ -802,11 +794,7 @@ def markdown_report(report: dict, command: str | None = None) -> str:
         f"- {len(report['windows'])} windows (seed {cfg['seed']}) of "
         f"{cfg['prefix_len']} prefix tokens restored from L2 + {cfg['score_len']} "
         f"scored tokens; greedy generation of {cfg['greedy_tokens']} tokens per window"
-        + (
-            "; each window starts with the BOS token, as served prompts do"
-            if bos
-            else ""
-        ),
+        + bos,
         f"- sglang {v['sglang']} (patched tree, {v['hiq_local_version']}), "
         f"torch {v['torch']}, transformers {v['transformers']}; "
         f"{report['threads']} threads, {report['seconds']} s",
@@ -914,10 +902,8 @@ def summary_markdown(reports: dict[str, dict]) -> str:
 def _summary_row(name: str, s: dict, report: dict) -> str:
     if name == "exact":
         return f"| exact | none (no offload) | - | - | - | {s['ppl']:.4f} | - | - | - | - | - |"
-    bpt, bf16_bpt = (
-        s["host_bytes_per_token"],
-        report["kv_geometry"]["bf16_bytes_per_token"],
-    )
+    bpt = s["host_bytes_per_token"]
+    bf16_bpt = report["kv_geometry"]["bf16_bytes_per_token"]
     targets = _target_cells(TARGETS.get(s["host_dtype"]), s, report["arms"])
     return (
         f"| {name} | {s['host_pool']} ({s['layout']}) | {s['page_size']} "

@@ -16,7 +16,6 @@ KV_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Offloaded arms: name -> (host dtype for get_mla_host_pool_cls, default layout).
 OFFLOAD_ARMS = {"bf16": ("auto", "layer_first"), "int8": ("int8", "page_first")}
 ALL_ARMS = ("exact", *OFFLOAD_ARMS)
-CONTROL_ARM = "bf16"
 
 
 @dataclass
@@ -124,16 +123,14 @@ class MLAOffloadRig(hq.OffloadRig):
         restored, stats = super().round_trip(
             [(r,) for r in rows], first_page_is_sink=False
         )
-        restored = [r for (r,) in restored]
         n, loaded = rows[0].shape[0], stats["loaded_tokens"]
         # The source rows hold no NaN, so a NaN row here was not restored.
-        finite = sum(int(torch.isfinite(r).all(-1).all(-1).sum()) for r in restored)
-        if loaded != n or finite != n * len(rows):
+        if stats["restored_tokens"] != n:
             raise hq.RestoreError(
                 f"{self.describe['host_pool']}: {loaded}/{n} tokens loaded, "
-                f"{finite}/{n * len(rows)} rows finite after the load"
+                f"{stats['restored_tokens']}/{n} tokens' rows finite after the load"
             )
-        return restored
+        return [r for (r,) in restored]
 
 
 def run_mla_random(
@@ -153,9 +150,8 @@ def run_mla_random(
         for arm in arms[1:]
     }
     gen = torch.Generator().manual_seed(cfg.seed)
-    acc = {
-        arm: {"abs_err": [], "kl": [], "top1": [], "latent": [0.0, 0.0]} for arm in arms
-    }
+    # Per arm: each window's compare_logits figures, the latent's squared error.
+    scored, latent = {arm: [] for arm in arms}, dict.fromkeys(arms, (0.0, 0.0))
     rope_exact, ref_logits, rank = True, [], cfg.kv_lora_rank
     for w in range(cfg.windows):
         n = cfg.prefix_len + cfg.score_len
@@ -169,33 +165,27 @@ def run_mla_random(
             restored = rigs[arm].round_trip(rows) if arm in rigs else rows
             logits = score_from_latent(model, restored, suffix) if arm in rigs else ref
             cmp = hq.compare_logits(ref, logits, suffix)
-            a = acc[arm]
-            a["abs_err"].append((logits - ref).abs().flatten())
-            a["kl"].append(cmp["kl"])
-            a["top1"].append(cmp["top1"])
+            cmp["abs_err"] = (logits - ref).abs().flatten()
+            scored[arm].append(cmp)
             pairs = list(zip(rows, restored))
-            a["latent"] = hq.squared_error(
-                ((r0[..., :rank], r1[..., :rank]) for r0, r1 in pairs), *a["latent"]
+            latent[arm] = hq.squared_error(
+                ((r0[..., :rank], r1[..., :rank]) for r0, r1 in pairs), *latent[arm]
             )
-            rope_exact &= all(
-                _same_bits(r0[..., rank:], r1[..., rank:]) for r0, r1 in pairs
+            rope_exact &= hq.same_bytes(
+                (r0[..., rank:], r1[..., rank:]) for r0, r1 in pairs
             )
             line.append(
-                f"{arm}: max|dlogit| {float(a['abs_err'][-1].max()):.3g}, "
+                f"{arm}: max|dlogit| {float(cmp['abs_err'].max()):.3g}, "
                 f"top-1 {float(cmp['top1'].double().mean()):.4f}"
             )
         log(f"window {w + 1}/{cfg.windows}: " + ", ".join(line))
     logit_std = float(torch.cat(ref_logits).double().std())
-    return _report(cfg, model, acc, rigs, rope_exact, logit_std, standins, t_start)
+    summary = {arm: _summarize(scored[arm], latent[arm]) for arm in arms}
+    return _report(cfg, model, summary, rigs, rope_exact, logit_std, standins, t_start)
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
-def _report(cfg, model, acc, rigs, rope_exact, logit_std, standins, t_start) -> dict:
-    summary = {arm: _summarize(a) for arm, a in acc.items()}
-    control = summary.get(CONTROL_ARM)
+def _report(cfg, model, summary, rigs, rope_exact, logit_std, standins, t_start):
+    control = summary.get(hq.CONTROL_ARM)
     return {
         "kind": "mla_random",
         "caveat": (
@@ -225,13 +215,13 @@ def _report(cfg, model, acc, rigs, rope_exact, logit_std, standins, t_start) -> 
     }
 
 
-def _summarize(a: dict) -> dict:
-    err, kl = torch.cat(a["abs_err"]).double(), torch.cat(a["kl"])
-    num, den = a["latent"]
+def _summarize(scored: list[dict], latent: tuple[float, float]) -> dict:
+    err, kl = hq._cat(scored, "abs_err").double(), hq._cat(scored, "kl")
+    num, den = latent
     return {
         "max_abs_logit_err": float(err.max()),
         "mean_abs_logit_err": float(err.mean()),
-        "top1_agreement": float(torch.cat(a["top1"]).double().mean()),
+        "top1_agreement": float(hq._cat(scored, "top1").double().mean()),
         "mean_kl": float(kl.mean()),
         "max_kl": float(kl.max()),
         "latent_rel_err": math.sqrt(num / den) if den else 0.0,
