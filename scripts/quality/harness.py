@@ -613,7 +613,7 @@ def _score_window(cfg, model, window, restored_kv, per_arm, w, start) -> list[st
     return line
 
 
-def _cat(scored: list[dict], key: str) -> torch.Tensor:
+def cat_scored(scored: list[dict], key: str) -> torch.Tensor:
     return torch.cat([c[key] for c in scored])
 
 
@@ -651,7 +651,7 @@ def _report(cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_star
         "control": _control_verdict(per_arm, summary),
         "targets": _targets(cfg, summary, len(starts)),
         "kl_per_token": {
-            a: _cat(acc["scored"], "kl").tolist()
+            a: cat_scored(acc["scored"], "kl").tolist()
             for a, acc in per_arm.items()
             if a != "exact"
         },
@@ -671,7 +671,7 @@ def _report(cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_star
 
 def _summarize(acc: dict) -> dict:
     scored = acc["scored"]
-    nll, kl, top1, dlp = (_cat(scored, k) for k in ("nll", "kl", "top1", "dlp"))
+    nll, kl, top1, dlp = (cat_scored(scored, k) for k in ("nll", "kl", "top1", "dlp"))
     greedy = [m for c in scored for m in c["greedy_match"]]
     return {
         "scored_tokens": int(nll.numel()),
@@ -681,7 +681,7 @@ def _summarize(acc: dict) -> dict:
         "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() else 0.0,
         "top1_agree": float(top1.float().mean()),
         "top1_flips": int((~top1).sum()),
-        "top1_flip_max_margin": float(_cat(scored, "flip_margin").max()),
+        "top1_flip_max_margin": float(cat_scored(scored, "flip_margin").max()),
         "max_abs_dlogprob": float(dlp.max()),
         "mean_abs_dlogprob": float(dlp.mean()),
         "greedy_tokens": len(greedy),

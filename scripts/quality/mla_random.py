@@ -125,7 +125,7 @@ class MLAOffloadRig(hq.OffloadRig):
         )
         n, loaded = rows[0].shape[0], stats["loaded_tokens"]
         # The source rows hold no NaN, so a NaN row here was not restored.
-        if stats["restored_tokens"] != n:
+        if loaded != n or stats["restored_tokens"] != n:
             raise hq.RestoreError(
                 f"{self.describe['host_pool']}: {loaded}/{n} tokens loaded, "
                 f"{stats['restored_tokens']}/{n} tokens' rows finite after the load"
@@ -216,12 +216,12 @@ def _report(cfg, model, summary, rigs, rope_exact, logit_std, standins, t_start)
 
 
 def _summarize(scored: list[dict], latent: tuple[float, float]) -> dict:
-    err, kl = hq._cat(scored, "abs_err").double(), hq._cat(scored, "kl")
+    err, kl = hq.cat_scored(scored, "abs_err").double(), hq.cat_scored(scored, "kl")
     num, den = latent
     return {
         "max_abs_logit_err": float(err.max()),
         "mean_abs_logit_err": float(err.mean()),
-        "top1_agreement": float(hq._cat(scored, "top1").double().mean()),
+        "top1_agreement": float(hq.cat_scored(scored, "top1").double().mean()),
         "mean_kl": float(kl.mean()),
         "max_kl": float(kl.max()),
         "latent_rel_err": math.sqrt(num / den) if den else 0.0,
