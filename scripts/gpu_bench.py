@@ -172,10 +172,7 @@ class StockTritonCopy:
         self.zero = torch.zeros(stock.layer_num, dtype=torch.int64, device=device)
         self.E = stock.head_num * stock.head_dim
         assert stock.head_dim == stock.v_head_dim
-        self.hosts = [
-            stock.k_buffer.view(torch.int16),
-            stock.v_buffer.view(torch.int16),
-        ]
+        self.hosts = [b.view(torch.int16) for b in (stock.k_buffer, stock.v_buffer)]
         tok, self.layer_dim = HOST_DIMS[stock.layout]
         self.s_tok, self.s_layer = map(self.hosts[0].stride, (tok, self.layer_dim))
 
@@ -269,13 +266,10 @@ def _codec_run(clock, fmt, src, dst, L, tokens, where, iters) -> dict:
         rows = [s[layer][: units * ut].cpu().view(units, ut, *s[layer].shape[1:]) for s in src]  # fmt: skip
         want = fmt.encode_reference(rows)
         got = [d[layer][: units * ut].cpu().view_as(r) for d, r in zip(dst, rows)]
-        run["checks"]["records_match_reference"] &= all(
-            same_bits(records[n][:units, layer].cpu(), want[n]) for n in want
-        )
+        recs = [records[n][:units, layer].cpu() for n in want]
+        run["checks"]["records_match_reference"] &= _same(recs, want.values())
         ref = fmt.decode_reference(want, rows[0].dtype)
-        run["checks"]["restore_matches_reference"] &= all(
-            same_bits(a, b) for a, b in zip(got, ref)
-        )
+        run["checks"]["restore_matches_reference"] &= _same(got, ref)
     del records
     return run
 
@@ -330,41 +324,33 @@ def _codec_row(codec, name, kind="mha", unit=1, where="device"):
                  r["records"]) == (name, kind, unit, where)), {})  # fmt: skip
 
 
-def build_config(device, geo, layout, page, max_tokens, pin, stock_jit):
-    # Device slots: [page, page + max) is the backup source, the next max
-    # tokens the restore destination, so restores never overwrite the data.
-    dev_pool = make_device_pool(
-        layer_num=geo["layer_num"], head_num=geo["head_num"],
-        head_dim=geo["head_dim"], page_size=page,
-        tokens=2 * max_tokens + page, device=device,
-    )  # fmt: skip
-    g = torch.Generator(device=device).manual_seed(0)
-    for buf in dev_pool.k_buffer + dev_pool.v_buffer:
-        buf.normal_(generator=g)
-    info = dev_pool.get_device_pool_infos()[0].buffer_info
-    host = dict(layout=layout, host_tokens=max_tokens + page, pin_memory=pin)
-    quantized = {
-        name: make_host_pool(dev_pool, cls=get_mha_host_pool_cls(info, name), **host)
-        for name in HOST_DTYPES
-    }
-    if not stock_jit:
-        stock_mha.can_use_hicache_jit_kernel = lambda **kwargs: False
-    t0 = time.time()
-    stock = make_host_pool(dev_pool, cls=MHATokenToKVPoolHost, **host)
-    stock_init_s = time.time() - t0
-    return dev_pool, quantized, stock, stock_init_s
-
-
 def bench_config(
     clock, device, geo, layout, page, token_counts, args, deadline, sink, save
 ):
     """Measure one (layout, page) config; its record is appended to sink at
     once and save() is called after every size, so a cut run keeps them."""
     max_n = max(token_counts)
-    dev_pool, quantized, stock, stock_init_s = build_config(
-        device, geo, layout, page, max_n, device == "cuda", args.stock_jit
-    )
-    out = _config_record(layout, page, stock, quantized, stock_init_s)
+    # Device slots: [page, page + max_n) is the backup source, the next max_n
+    # tokens the restore destination, so restores never overwrite the data.
+    dev_pool = make_device_pool(
+        layer_num=geo["layer_num"], head_num=geo["head_num"],
+        head_dim=geo["head_dim"], page_size=page,
+        tokens=2 * max_n + page, device=device,
+    )  # fmt: skip
+    g = torch.Generator(device=device).manual_seed(0)
+    for buf in dev_pool.k_buffer + dev_pool.v_buffer:
+        buf.normal_(generator=g)
+    info = dev_pool.get_device_pool_infos()[0].buffer_info
+    host = dict(layout=layout, host_tokens=max_n + page, pin_memory=device == "cuda")
+    quantized = {
+        name: make_host_pool(dev_pool, cls=get_mha_host_pool_cls(info, name), **host)
+        for name in HOST_DTYPES
+    }
+    if not args.stock_jit:
+        stock_mha.can_use_hicache_jit_kernel = lambda **kwargs: False
+    t0 = time.time()
+    stock = make_host_pool(dev_pool, cls=MHATokenToKVPoolHost, **host)
+    out = _config_record(layout, page, stock, quantized, time.time() - t0)
     sink.append(out)
     copier = StockTritonCopy(stock, device)
     for n in token_counts:
@@ -461,14 +447,14 @@ FORMAT_PATHS = (
 def _time_format(run, fmt_name, pool):
     """A format's paths, each restore checked against the reference codec and
     the host records compared across the paths."""
-    dev, host = run.dev_pool, run.host
+    dev, host, errors = run.dev_pool, run.host, run.row["errors"]
     expected = _expected_restore(pool, dev, run.probe)
     fused_ok = pool.host_format.fused_available(run.src.device)
     records = {}
     for suffix, fused, access in FORMAT_PATHS:
         name = f"{fmt_name}_{suffix}"
         if fused and not fused_ok:
-            run.row["errors"][name] = "no fused kernels for this format in this build"
+            errors[name] = "no fused kernels for this format in this build"
             continue
         pool.use_fused_kernels = fused
         if access:
@@ -483,9 +469,7 @@ def _time_format(run, fmt_name, pool):
             warmup=1 if fused or run.n < 16384 else 0,
         )
         if access == "direct" and pool.fused_host_access != "direct":
-            run.row["errors"][name] = (
-                "fell back to staged: host memory not device-accessible"
-            )
+            errors[name] = "fell back to staged: host memory not device-accessible"
         if ok:
             records[name] = _host_sample(pool, run.n)
     names = list(records)
@@ -666,8 +650,7 @@ def evaluate_targets(configs, codec_out) -> dict:
         for label, variant in (("default_direct", "direct"), ("staged", "staged"))
     }
     return {
-        "restore_le_%.2f_of_bf16" % TARGET_RESTORE: found["restore"],
-        "backup_le_%.2f_of_bf16" % TARGET_BACKUP: found["backup"],
+        **{f"{m}_le_{limits[m]:.2f}_of_bf16": rows for m, rows in found.items()},
         "summary": {
             **summary,
             "encode_fraction_of_copy_bw": enc,
@@ -769,12 +752,10 @@ def main(argv=None) -> int:
         args.out.write_text(json.dumps(result, indent=1, default=str))
 
     try:
-        result["bandwidth"] = bandwidth(clock, device, args.dry_run)
+        bw = result["bandwidth"] = bandwidth(clock, device, args.dry_run)
         save()
-        copy_gbps = result["bandwidth"]["device_copy_GBps"]
-        pcie = min(
-            result["bandwidth"].get(k, copy_gbps) for k in ("h2d_GBps", "d2h_GBps")
-        )
+        copy_gbps = bw["device_copy_GBps"]
+        pcie = min(bw.get(k, copy_gbps) for k in ("h2d_GBps", "d2h_GBps"))
         result["codec"] = codec_throughput(
             clock, device, geo, 128 if args.dry_run else 16384, args.dry_run,
             copy_gbps, pcie,
@@ -791,9 +772,7 @@ def main(argv=None) -> int:
             save()
         measured = [c for c in result["configs"] if "sizes" in c]
         result["targets"] = evaluate_targets(measured, result["codec"])
-        result["figures"] = headline_figures(
-            measured, result["codec"], result["bandwidth"]
-        )
+        result["figures"] = headline_figures(measured, result["codec"], bw)
     except Exception as e:
         result["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"[-4000:]
         save()
