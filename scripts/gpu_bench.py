@@ -187,9 +187,9 @@ class StockTritonCopy:
     def restore_layer(self, host_idx, dev_idx, layer):
         for table, host in zip(self.tables, self.hosts):
             row_copy(
-                host.select(self.layer_dim, layer), self.zero[:1], host_idx, self.s_tok, 0,
-                table.base, table.offsets[layer : layer + 1], dev_idx,
-                table.stride[0], 0, len(dev_idx), self.E, 1, table.aligned,
+                host.select(self.layer_dim, layer), self.zero[:1], host_idx,
+                self.s_tok, 0, table.base, table.offsets[layer : layer + 1],
+                dev_idx, table.stride[0], 0, len(dev_idx), self.E, 1, table.aligned,
             )  # fmt: skip
 
 
@@ -611,10 +611,8 @@ def evaluate_targets(configs, codec_out) -> dict:
     for config, row in _measured_sizes(configs):
         if row["tokens"] < 4096:
             continue
-        for metric, table in (
-            ("restore", row["restore_ms_per_layer"]),
-            ("backup", row["backup_ms"]),
-        ):
+        tables = {"restore": row["restore_ms_per_layer"], "backup": row["backup_ms"]}
+        for metric, table in tables.items():
             ref, best_bf16 = _bf16(table)
             for variant in ("int8_fused_direct", "int8_fused_staged"):
                 if best_bf16 is None or variant not in table:
