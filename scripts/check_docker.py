@@ -30,17 +30,13 @@ PATH_DIRS = ("/usr/local/bin", "/usr/bin")
 
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined, comments dropped."""
-    lines, pending = [], ""
+    text = ""  # one instruction per line, the last one unended if it continues
     for raw in dockerfile.read_text().splitlines():
         line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        lines.append(pending + line)
-        pending = ""
-    lines += [pending.strip()] if pending else []
+        if line and not line.startswith("#"):
+            text += line[:-1] + " " if line.endswith("\\") else line + "\n"
+    *lines, last = text.split("\n")
+    lines += [last.strip()] if last else []
     split = (line.partition(" ") for line in lines)
     return [(keyword.upper(), rest.strip()) for keyword, _, rest in split]
 

@@ -225,13 +225,10 @@ run_phase() {  # phase timeout tail-lines module args...: its log is $OUT/gpu_<p
     timeout "$limit" "$PY" -m "$@" "${EXTRA[@]}" > "$OUT/gpu_$phase.log" 2>&1
     rc=$?
     tail -"$lines" "$OUT/gpu_$phase.log" >&2
-    if [ "$phase" = tests ]; then
-        detail="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("verdict", "cut short"))' \
-            "$OUT/gpu_tests.json" 2>/dev/null || echo "no report")"
-        [ $rc = 124 ] && detail="failed: timed out after ${limit}s (partial results in gpu_tests.json)"
-    else
-        [ $rc = 124 ] && detail="timed out after ${limit}s (partial results in gpu_bench.json)"
-    fi
+    [ "$phase" = tests ] && detail="$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("verdict", "cut short"))' \
+        "$OUT/gpu_tests.json" 2>/dev/null || echo "no report")"
+    # Only the tests phase has a verdict, and its timeout is a "failed: " one.
+    [ $rc = 124 ] && detail="${detail:+failed: }timed out after ${limit}s (partial results in gpu_$phase.json)"
     step "$phase" "$([ $rc = 0 ] && echo ok || echo failed)" "$detail"
     return $rc
 }
