@@ -62,7 +62,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-overlap-schedule", action="store_true")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true")
-    p.add_argument("--no-output-insert", action="store_true")
     p.add_argument("--no-commit", action="store_true", help="A: map pools lazily")
     p.add_argument("--no-live", action="store_true")
     p.add_argument("--no-replay", action="store_true")
@@ -81,18 +80,9 @@ def build_serving(args) -> replay.Serving:
         concurrency=args.concurrency,
         chunked_prefill_size=chunk if chunk > 0 else None,
         overlap_schedule=not args.disable_overlap_schedule,
-        insert_output=not args.no_output_insert,
         warmup_requests=args.warmup_requests,
         flush_cache=args.flush_cache,
     )
-
-
-def build_workloads(args) -> list[workload.Workload]:
-    a = args
-    base = workload.Workload(
-        a.groups, a.prompts_per_group, a.system_prompt_len, a.question_len, a.output_len
-    )
-    return [base.with_seed(args.seed + i) for i in range(args.seeds)]
 
 
 def print_header(geometry, formats) -> None:
@@ -337,11 +327,15 @@ def _sweep_json(row) -> dict:
     return {"budget_gb": row["budget_gb"], "formats": cells}
 
 
-def run_part2(args, argv, geometry, formats, serving, workloads) -> tuple[dict, dict]:
-    """Experiments A and B: their tables and demo.png; demo.json's part 2, and
-    the summary part 1 is compared with."""
+def run_part2(args, argv, geometry, formats) -> dict:
+    """Experiments A and B: their tables and demo.png; demo.json's part 2."""
     import sglang
 
+    a, serving = args, build_serving(args)
+    base = workload.Workload(
+        a.groups, a.prompts_per_group, a.system_prompt_len, a.question_len, a.output_len
+    )
+    workloads = [base.with_seed(args.seed + i) for i in range(args.seeds)]
     print(f"2) {geometry.name} scale: the real pools and radix cache, replayed")
     t0 = time.perf_counter()
     alloc = run_experiment_a(args, formats, geometry)
@@ -397,11 +391,10 @@ def run_part2(args, argv, geometry, formats, serving, workloads) -> tuple[dict, 
         "never_worse": never_worse,
         "seconds": {"experiment_a": t_a, "experiment_b": t_b},
     }
-    return data, summary
+    return data
 
 
 def write_json(args, data: dict) -> Path:
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.name}.json"
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     return path
@@ -415,7 +408,6 @@ def run_live(args, formats) -> live.LiveResult:
     result.agreement = live.replay_agreement(result)
     live.print_agreement(result.agreement)
     png = args.out / f"{args.name}-live.png"
-    args.out.mkdir(parents=True, exist_ok=True)
     live.plot(result, png)
     print(f"wrote {png}")
     print()
@@ -428,26 +420,23 @@ def main(argv=None) -> int:
     pools.setup_sglang()
     geometry = pools.QWEN3_8B
     formats = pools.host_formats()
-    serving = build_serving(args)
-    workloads = build_workloads(args)
     print_header(geometry, formats)
+    if args.no_live and args.no_replay:
+        raise SystemExit("--no-live with --no-replay leaves nothing to run")
+    args.out.mkdir(parents=True, exist_ok=True)
 
     live_result = None if args.no_live else run_live(args, formats)
     data = {} if live_result is None else {"live": live_result.to_json()}
     ok = live_result is None or live.passed(live_result)
     if args.no_replay:
-        if live_result is None:
-            raise SystemExit("--no-live with --no-replay leaves nothing to run")
         json_path = write_json(args, data)
         print(f"wrote {json_path}; total {time.perf_counter() - t_start:.0f}s")
         return 0 if ok else 1
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    part2, summary = run_part2(args, argv, geometry, formats, serving, workloads)
-    data |= part2
+    data |= run_part2(args, argv, geometry, formats)
     seconds = data["seconds"]
     if live_result is not None:
-        live.print_scale_agreement(live_result, summary)
+        live.print_scale_agreement(live_result, data["summary"])
         seconds["live"] = live_result.seconds
     seconds["total"] = time.perf_counter() - t_start
     json_path = write_json(args, data)

@@ -48,8 +48,7 @@ def setup():
     install_cpu_standins()
     from tests.support import l3_harness as h
 
-    reason = h.mooncake_unavailable_reason()
-    if reason:
+    if reason := h.mooncake_unavailable_reason():
         sys.exit(f"demo-l3 needs the Mooncake store: {reason}")
     return h
 
@@ -61,8 +60,7 @@ def bytes_per_token(h, args, workdir: Path) -> dict:
     tokens = list(range(args.tokens))
     out = {}
     for label, host_dtype in FORMATS:
-        master = h.MooncakeMaster(workdir / f"a-{label}.log").start()
-        try:
+        with h.MooncakeMaster(workdir / f"a-{label}.log") as master:
             per_token = geo.layer_num * geo.head_num * geo.head_dim * 4
             segment = max(64 * MB, 2 * args.tokens * per_token)
             config = master.storage_config(segment_bytes=segment)
@@ -85,8 +83,6 @@ def bytes_per_token(h, args, workdir: Path) -> dict:
                 "host_bytes_per_token": l3.controller.mem_pool_host.get_size_per_token(),
             }
             l3.close()
-        finally:
-            master.stop()
     return out
 
 
@@ -171,11 +167,10 @@ def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -
     ps = args.page_size
     geo = Geometry(args.b_layers, args.b_kv_heads, args.head_dim, page_size=ps)
     longest = max(len(r) for r in requests)
-    master = h.MooncakeMaster(
+    with h.MooncakeMaster(
         workdir / f"b-{host_dtype}-{l3_bytes}.log",
         extra_args=("--default_kv_lease_ttl=50",),
-    ).start()
-    try:
+    ) as master:
         make_rig = partial(h.make_l3_rig, host_dtype=host_dtype, geo=geo)
         store = h.file_storage_config(workdir / "probe")
         probe = make_rig("file", store, device_tokens=ps, host_tokens=ps)
@@ -208,8 +203,6 @@ def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -
                 write_new(h, l3, l2, tokens[start * ps :], hashes[start:], seed=n)
         metrics = master.metrics()
         l3.close()
-    finally:
-        master.stop()
     return {
         "host_dtype": host_dtype,
         "l3_bytes": l3_bytes,

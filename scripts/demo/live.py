@@ -4,7 +4,6 @@ at one host budget (docs/demo.md)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -12,10 +11,11 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from statistics import fmean
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+from unittest import mock
 
 from scripts.demo import workload
 from scripts.demo.report import pm, table
@@ -115,15 +115,13 @@ def config_from_args(args) -> LiveConfig:
             raise SystemExit(f"{flag} must be at least 1 (got {value})")
     if args.seed != base.seeds[0]:
         values["seeds"] = tuple(args.seed + i for i in range(len(base.seeds)))
-    if args.live_margin is not None:
-        if args.live_margin <= 1:
-            raise SystemExit(
-                "--live-margin must be above 1: the int8 host tier must hold the "
-                f"whole working set (got {args.live_margin}; pass e.g. 1.25)"
-            )
-        values["margin"] = args.live_margin
-    set_values = {k: v for k, v in values.items() if v is not None}
-    return LiveConfig(**{**asdict(base), **set_values})
+    if args.live_margin is not None and args.live_margin <= 1:
+        raise SystemExit(
+            "--live-margin must be above 1: the int8 host tier must hold the "
+            f"whole working set (got {args.live_margin}; pass e.g. 1.25)"
+        )
+    values["margin"] = args.live_margin
+    return replace(base, **{k: v for k, v in values.items() if v is not None})
 
 
 @dataclass
@@ -153,9 +151,7 @@ def sent_prompts(config: LiveConfig, seed: int, tokenizer) -> list[SentPrompt]:
 def reuse_order(prompts: Sequence[SentPrompt]) -> list[SentPrompt]:
     """Each group's last-sent prompt, least recently used group first (the
     order in which an LRU cache lost them)."""
-    last = {}
-    for i, p in enumerate(prompts):
-        last[p.group] = (i, p)
+    last = {p.group: (i, p) for i, p in enumerate(prompts)}
     return [p for _, p in sorted(last.values(), key=lambda x: x[0])]
 
 
@@ -186,29 +182,6 @@ class Budget:
 
     def arm(self, label: str) -> ArmSizing:
         return next(a for a in self.arms if a.label == label)
-
-
-def model_geometry(model_dir: Path):
-    """The model's KV geometry from its config.json (TP=1)."""
-    from scripts.demo.pools import ModelGeometry
-    from tests.support.server import model_geometry as kv_geometry
-
-    cfg = json.loads((model_dir / "config.json").read_text())
-    name = cfg.get("_name_or_path") or model_dir.name
-    return ModelGeometry(name, *kv_geometry(model_dir))
-
-
-def bytes_per_token(formats, geometry) -> dict[str, float]:
-    """Each format's host bytes per token at the servers' layout (layer_first,
-    page size 1), from the real pool the --hicache-host-dtype dispatch builds."""
-    from scripts.demo import pools
-
-    return {
-        label: pools.allocate_host_pool(
-            dt, 64, geometry, layout="layer_first", page_size=1, commit=False
-        ).bytes_per_token
-        for label, dt in formats
-    }
 
 
 def choose_budget(formats, bpt: dict, working_set: int, config: LiveConfig) -> Budget:
@@ -289,19 +262,11 @@ def import_bench_serving():
 def run_bench_serving(argv: list[str], out: Path, log) -> dict:
     """bench_serving's CLI, in this process; its result line from --output-file."""
     bench = import_bench_serving()
-    module = workload.generator_module()
-    saved = sys.argv
-    sys.argv = ["python -m sglang.bench_serving", *argv]
-    try:
-        # Its generator pickles prompts under ~/.cache; keep runs self-contained.
-        with (
-            workload._private_generator_cache(module),
-            contextlib.redirect_stdout(log),
-            contextlib.redirect_stderr(log),
-        ):
-            bench.cli_main()
-    finally:
-        sys.argv = saved
+    argv = ["python -m sglang.bench_serving", *argv]
+    # Its generator pickles prompts under ~/.cache; keep runs self-contained.
+    generator = workload.private_generator(workload.generator_module(), log)
+    with mock.patch.object(sys, "argv", argv), generator:
+        bench.cli_main()
     return json.loads(out.read_text().splitlines()[-1])
 
 
@@ -377,19 +342,13 @@ class ArmResult:
     kernel_calls: list
 
 
-def server_args_for(sizing: ArmSizing, config: LiveConfig) -> list[str]:
-    from tests.support.server import CPU_FLAGS, hicache_flags
-
-    flags = list(CPU_FLAGS)
-    flags[flags.index("--max-total-tokens") + 1] = str(config.device_tokens)
-    host_dtype = None if sizing.host_dtype == "auto" else sizing.host_dtype
-    return flags + hicache_flags(host_dtype, ratio=round(sizing.hicache_ratio, 6))
-
-
 def run_arm(sizing, config, prompts_by_seed, model, log_dir, reference, say) -> ArmResult:  # fmt: skip
-    from tests.support.server import LiveServer
+    from tests.support.server import CPU_FLAGS, LiveServer, hicache_flags
 
-    args = server_args_for(sizing, config)
+    args = list(CPU_FLAGS)
+    args[args.index("--max-total-tokens") + 1] = str(config.device_tokens)
+    host_dtype = None if sizing.host_dtype == "auto" else sizing.host_dtype
+    args += hicache_flags(host_dtype, ratio=round(sizing.hicache_ratio, 6))
     bench_log = open(log_dir / f"{sizing.label}.bench_serving.log", "w")
     with LiveServer(args, name=sizing.label, model=model, log_dir=log_dir, progress=say) as s:  # fmt: skip
         host_start = _host_gauges(s.metrics())
@@ -461,12 +420,6 @@ def _bench_figures(result: dict) -> dict:
     }
 
 
-def _common_prefix(a: list, b: list) -> int:
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
-    )
-
-
 def quality(arm: ArmResult, base: ArmResult) -> dict:
     """Greedy agreement and scored quality of `arm` against the bf16 arm over
     every reused prompt (all seeds)."""
@@ -475,7 +428,7 @@ def quality(arm: ArmResult, base: ArmResult) -> dict:
         for run, ref in zip(arm.seeds, base.seeds)
         for r, b in zip(run.reuse, ref.reuse)
     ]
-    prefix = [_common_prefix(r.output_ids, b.output_ids) for r, b in pairs]
+    prefix = [len(os.path.commonprefix([r.output_ids, b.output_ids])) for r, b in pairs]
     top1 = sum(t == y for r, b in pairs for t, y in zip(r.score_top1, b.score_ids))
     positions = sum(len(b.score_ids) for _, b in pairs)
     diffs = [
@@ -498,8 +451,7 @@ def select_formats(formats, spec: Optional[str]):
         return list(formats)
     labels = {x.strip() for x in spec.split(",") if x.strip()}
     known = {label for label, _ in formats}
-    unknown = labels - known
-    if unknown:
+    if unknown := labels - known:
         raise SystemExit(
             f"--live-formats: unknown {sorted(unknown)}; pass labels from "
             f"{', '.join(sorted(known))}"
@@ -535,9 +487,7 @@ class LiveResult:
 
 def _uptime() -> str:
     try:
-        return "load average " + ", ".join(
-            Path("/proc/loadavg").read_text().split()[:3]
-        )
+        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "load average unknown"
 
@@ -546,7 +496,9 @@ def run(config: LiveConfig, formats, *, log_dir: Optional[Path] = None,
         say: Callable[[str], None] = print) -> LiveResult:  # fmt: skip
     from transformers import AutoTokenizer
 
+    from scripts.demo import pools
     from tests.support.model import MODEL_LABEL, smollm2_dir
+    from tests.support.server import model_geometry as kv_geometry
 
     t_start = time.perf_counter()
     uptime_before = _uptime()
@@ -558,8 +510,16 @@ def run(config: LiveConfig, formats, *, log_dir: Optional[Path] = None,
     working_set = max(
         working_set_tokens(p, config.gen_tokens) for p in prompts.values()
     )
-    geometry = model_geometry(model)
-    bpt = bytes_per_token(formats, geometry)
+    # The model's KV geometry (TP=1), and each format's host bytes per token at
+    # the servers' layout from the real pool the --hicache-host-dtype dispatch builds.
+    name = json.loads((model / "config.json").read_text()).get("_name_or_path")
+    geometry = pools.ModelGeometry(name or model.name, *kv_geometry(model))
+    bpt = {
+        label: pools.allocate_host_pool(
+            dt, 64, geometry, layout="layer_first", page_size=1, commit=False
+        ).bytes_per_token
+        for label, dt in formats
+    }
     budget = choose_budget(formats, bpt, working_set, config)
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="hiq-demo-live-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -733,34 +693,12 @@ def passed(res: LiveResult) -> bool:
 
 def replay_requests(prompts: Sequence[SentPrompt], seed: int) -> list:
     """Part 1's requests as the replay's (outputs: random ids)."""
-    from array import array
-
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
     sent = Counter()  # prompts sent so far per group
-    out = []
-    for i, p in enumerate(prompts):
-        output = array("q", rng.integers(0, 49_152, p.output_len).tolist())
-        slot = p.group * 1000 + sent[p.group]
+    rows = []
+    for p in prompts:
+        rows.append((p.group, p.group * 1000 + sent[p.group], p.ids, p.output_len))
         sent[p.group] += 1
-        out.append(workload.Request(i, p.group, slot, array("q", p.ids), output))
-    return out
-
-
-def replay_serving(res: LiveResult, info: dict):
-    """The replay's Serving for a live arm's /server_info."""
-    from scripts.demo import replay
-
-    chunk = info.get("chunked_prefill_size")
-    return replay.Serving(
-        l1_tokens=int(info.get("max_total_num_tokens") or res.config.device_tokens),
-        concurrency=res.config.concurrency,
-        max_prefill_tokens=int(info.get("max_prefill_tokens") or 16_384),
-        chunked_prefill_size=chunk if chunk and chunk > 0 else None,
-        overlap_schedule=not info.get("disable_overlap_schedule", False),
-        write_policy=info.get("hicache_write_policy") or "write_through",
-    )
+    return workload.with_outputs(rows, seed, 49_152)
 
 
 def replay_agreement(res: LiveResult) -> list[dict]:
@@ -769,19 +707,21 @@ def replay_agreement(res: LiveResult) -> list[dict]:
 
     rows = []
     for arm in res.arms:
-        serving = replay_serving(res, arm.server_info)
+        info, chunk = arm.server_info, arm.server_info.get("chunked_prefill_size")
+        serving = replay.Serving(  # as the live arm's /server_info says it served
+            l1_tokens=int(info.get("max_total_num_tokens") or res.config.device_tokens),
+            concurrency=res.config.concurrency,
+            max_prefill_tokens=int(info.get("max_prefill_tokens") or 16_384),
+            chunked_prefill_size=chunk if chunk and chunk > 0 else None,
+            overlap_schedule=not info.get("disable_overlap_schedule", False),
+            write_policy=info.get("hicache_write_policy") or "write_through",
+        )
         host_tokens = int(arm.host_start["total_tokens"]) or arm.sizing.host_tokens
-        replayed = [
-            replay.replay(
-                arm.host_dtype,
-                host_tokens,
-                replay_requests(res.prompts[run.seed], run.seed),
-                serving,
-                seed=run.seed,
-                label=arm.label,
-            )
-            for run in arm.seeds
-        ]
+        replayed = []
+        for run in arm.seeds:
+            requests = replay_requests(res.prompts[run.seed], run.seed)
+            args = arm.host_dtype, host_tokens, requests, serving
+            replayed.append(replay.replay(*args, seed=run.seed, label=arm.label))
         bench = [run.bench for run in arm.seeds]
         rows.append(
             {

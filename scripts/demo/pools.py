@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -10,7 +11,9 @@ import mmap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator, Optional
+from unittest import mock
 
 import torch
 
@@ -35,14 +38,11 @@ class ModelGeometry:
 QWEN3_8B = ModelGeometry("Qwen3-8B (TP=1)", layer_num=36, head_num=8, head_dim=128)
 # Hit rates depend only on token counts; the replay's KV rows are this small.
 REPLAY_GEOMETRY = ModelGeometry("replay", layer_num=2, head_num=1, head_dim=16)
-_SETUP_DONE = False
 
 
+@functools.cache
 def setup_sglang() -> None:
     """Install the CPU stand-ins (tests/support/standins.py) before sglang imports."""
-    global _SETUP_DONE
-    if _SETUP_DONE:
-        return
     # Startup chatter of optional GPU dependencies, not about the cache.
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -50,7 +50,6 @@ def setup_sglang() -> None:
     # Startup chatter a real server prints once (e.g. "host pool smaller
     # than the device pool" for the smallest budgets, CPU event timing).
     logging.getLogger("sglang").setLevel(logging.ERROR)
-    _SETUP_DONE = True
 
 
 def host_formats() -> list[tuple[str, str]]:
@@ -95,16 +94,6 @@ def publish_server_args(
     return server_args
 
 
-class TpWorkerStub:
-    """registry.create_unified_radix_cache hands the layer-done counter to the
-    TP worker; on CPU nothing consumes it."""
-
-    hicache_layer_transfer_counter = None
-
-    def register_hicache_layer_transfer_counter(self, counter) -> None:
-        self.hicache_layer_transfer_counter = counter
-
-
 def unified_radix_cache(server_args, req_to_token_pool, allocator, page_size: int):
     """UnifiedRadixCache + HiCache over an MHA device pool, as the scheduler
     builds it (registry.create_unified_radix_cache)."""
@@ -127,7 +116,10 @@ def unified_radix_cache(server_args, req_to_token_pool, allocator, page_size: in
         is_hybrid_ssm=False,
         enable_hierarchical_cache=True,
         disable_radix_cache=False,
-        tp_worker=TpWorkerStub(),
+        # The registry hands it the layer-done counter; nothing on CPU reads it.
+        tp_worker=SimpleNamespace(
+            register_hicache_layer_transfer_counter=lambda c: None
+        ),
         model_config=None,
         tp_size=1,
         tp_rank=0,
@@ -164,21 +156,11 @@ def lazy_host_allocation() -> Iterator[None]:
     from sglang.srt.mem_cache.pool_host import common
     from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 
-    saved = common.alloc_mmap
-    common.alloc_mmap = _lazy_alloc_mmap
-    try:
-        with host_memory_budget_scope(1 << 62):
-            yield
-    finally:
-        common.alloc_mmap = saved
-
-
-def host_buffer_bytes(host_pool) -> int:
-    """Bytes of the tensors a host pool allocated for its KV (kv_buffer)."""
-    buffers = host_pool.kv_buffer
-    if isinstance(buffers, torch.Tensor):
-        buffers = [buffers]
-    return sum(t.untyped_storage().nbytes() for t in buffers)
+    with (
+        mock.patch.object(common, "alloc_mmap", _lazy_alloc_mmap),
+        host_memory_budget_scope(1 << 62),
+    ):
+        yield
 
 
 def _rss_shmem_bytes() -> int:
@@ -193,13 +175,15 @@ def _rss_shmem_bytes() -> int:
 
 def _measured(host_pool, host_dtype: str, label, page_size: int) -> dict:
     """The fields PoolAllocation and BudgetCapacity share; destroys the pool."""
+    buffers = host_pool.kv_buffer  # its KV tensors: one, or a list
+    buffers = [buffers] if isinstance(buffers, torch.Tensor) else buffers
     fields = dict(
         label=label or host_dtype,
         host_dtype=host_dtype,
         pool_class=type(host_pool).__name__,
         page_size=page_size,
         tokens=host_pool.size,
-        bytes=host_buffer_bytes(host_pool),
+        bytes=sum(t.untyped_storage().nbytes() for t in buffers),
         bytes_per_token=host_pool.get_size_per_token(),
     )
     host_pool.destroy()
@@ -242,10 +226,8 @@ def allocate_host_pool(
     # Host pools hold whole pages.
     tokens = -(-tokens // page_size) * page_size
     kwargs.pop("write_back_staging", None)
-
-    def build():
-        args = (info, 2.0, 0, device_pool.page_size, layout)
-        return cls(*args, host_token_capacity=tokens, **kwargs)
+    args = (info, 2.0, 0, device_pool.page_size, layout)
+    build = functools.partial(cls, *args, host_token_capacity=tokens, **kwargs)
 
     note = ""
     committed = commit

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -375,13 +376,8 @@ class HiCacheReplay:
 
     def _room(self, step: _Step) -> int:
         """L1 tokens a new admission may take: free + evictable - reserved."""
-        reserved_decode = sum(r.remaining for r in self._running)
-        return (
-            self.allocator.available_size()
-            + self.cache.evictable_size()
-            - reserved_decode
-            - step.reserved
-        )
+        free = self.allocator.available_size() + self.cache.evictable_size()
+        return free - sum(r.remaining for r in self._running) - step.reserved
 
     def _stash_chunked(self) -> None:
         """get_next_batch_to_run: the chunked request's done part goes into the tree."""
@@ -490,24 +486,17 @@ class HiCacheReplay:
         self.cache.ready_to_load_host_cache()
         for run, start, extend, loaded in step.runs:
             seq = torch.tensor(run.request.prompt, dtype=torch.int64)
-            if loaded is not None:
-                self._verify_prefix(run, seq, loaded, stats)
+            if loaded is not None and run.protected:  # its cached prefix, checked
+                err = self._check_prefix(run.kv[: run.protected], seq, loaded)
+                stats.max_restore_error = max(stats.max_restore_error, err)
+                stats.verified_tokens += run.protected
+                stats.verified_restored_tokens += loaded
             self._write_kv(run.kv[start : start + extend], seq, start)
         self._running += step.done
         stats.steps += 1
         stats.prefill_batches += 1
         in_flight = len(self._running) + (self._chunked is not None)
         stats.max_in_flight = max(stats.max_in_flight, in_flight)
-
-    def _verify_prefix(
-        self, run: _Running, seq, loaded: int, stats: ReplayResult
-    ) -> None:
-        """A newly admitted request's cached prefix, against what was written."""
-        if run.protected:
-            err = self._check_prefix(run.kv[: run.protected], seq, loaded)
-            stats.max_restore_error = max(stats.max_restore_error, err)
-            stats.verified_tokens += run.protected
-            stats.verified_restored_tokens += loaded
 
     def _process_prefill_results(self, runs: list[_Running]) -> None:
         """process_batch_result_prefill: checkpoint each complete prompt."""
@@ -552,10 +541,8 @@ class HiCacheReplay:
             self.cache.sanity_check()
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # teardown only
             self.cache.release_host_resources()
-        except Exception:  # noqa: BLE001 - teardown only
-            pass
         self.cache = None
 
 

@@ -4,6 +4,7 @@ seeded as `--seed S` seeds it; tests/test_workload.py checks the order)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import random
@@ -11,7 +12,7 @@ import sys
 import tempfile
 import types
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -95,11 +96,16 @@ def generator_module():
 
 
 @contextlib.contextmanager
-def _private_generator_cache(module) -> Iterator[None]:
+def private_generator(module, log=None) -> Iterator[None]:
     """The generator pickles its output under ~/.cache/sglang; keep that
-    cache in a temporary directory so runs leave nothing behind."""
-    saved = module.get_gen_prefix_cache_path
-    with tempfile.TemporaryDirectory() as tmp:
+    cache in a temporary directory so runs leave nothing behind, and what it
+    prints in `log` (dropped without one)."""
+    saved, log = module.get_gen_prefix_cache_path, log or io.StringIO()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        contextlib.redirect_stdout(log),
+        contextlib.redirect_stderr(log),
+    ):
         module.get_gen_prefix_cache_path = lambda *a, **k: Path(tmp) / "gsp.pkl"
         try:
             yield
@@ -113,11 +119,7 @@ def sample_rows(workload: Workload, tokenizer, *, ordered: bool, input_ids: bool
     module = generator_module()
     random.seed(workload.seed)
     np.random.seed(workload.seed)
-    with (
-        _private_generator_cache(module),
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-    ):
+    with private_generator(module):
         return module.sample_generated_shared_prefix_requests(
             num_groups=workload.num_groups,
             prompts_per_group=workload.prompts_per_group,
@@ -134,10 +136,8 @@ def sample_rows(workload: Workload, tokenizer, *, ordered: bool, input_ids: bool
 
 def sent_rows(workload: Workload, tokenizer, *, input_ids: bool) -> list[tuple]:
     """(slot, row) per request sent, in order; the slot from the unshuffled order."""
-    ordered = sample_rows(workload, tokenizer, ordered=True, input_ids=input_ids)
-    sent = sample_rows(
-        workload, tokenizer, ordered=workload.ordered, input_ids=input_ids
-    )
+    sample = functools.partial(sample_rows, workload, tokenizer, input_ids=input_ids)
+    ordered, sent = sample(ordered=True), sample(ordered=workload.ordered)
 
     def key(row):
         return tuple(row.prompt) if input_ids else row.prompt
@@ -150,33 +150,26 @@ def sent_rows(workload: Workload, tokenizer, *, input_ids: bool) -> list[tuple]:
 
 def bench_serving_requests(workload: Workload) -> list[Request]:
     """bench_serving's requests for `workload` in send order (outputs random ids)."""
-    tokenizer = VocabOnlyTokenizer(workload.vocab_size)
-    output_rng = np.random.default_rng(workload.seed)
+    rows = sent_rows(workload, VocabOnlyTokenizer(workload.vocab_size), input_ids=True)
+    per_group = workload.prompts_per_group
+    rows = [(slot // per_group, slot, r.prompt, r.output_len) for slot, r in rows]
+    return with_outputs(rows, workload.seed, workload.vocab_size)
+
+
+def with_outputs(rows, seed: int, vocab_size: int) -> list[Request]:
+    """Requests from (group, slot, prompt ids, output length) rows in send
+    order, each output drawn in turn from one generator seeded with `seed`."""
+    rng = np.random.default_rng(seed)
     requests = []
-    for slot, row in sent_rows(workload, tokenizer, input_ids=True):
-        output = output_rng.integers(0, workload.vocab_size, row.output_len)
-        requests.append(
-            Request(
-                rid=len(requests),
-                group=slot // workload.prompts_per_group,
-                slot=slot,
-                prompt=array("q", row.prompt),
-                output=array("q", output.tolist()),
-            )
-        )
+    for rid, (group, slot, ids, n) in enumerate(rows):
+        output = rng.integers(0, vocab_size, n).tolist()
+        requests.append(Request(rid, group, slot, array("q", ids), array("q", output)))
     return requests
 
 
 def warmup_request(requests: Sequence[Request]) -> Request:
     """bench_serving's warm-up: its first request, output capped at 32."""
-    first = requests[0]
-    return Request(
-        rid=-1,
-        group=first.group,
-        slot=first.slot,
-        prompt=first.prompt,
-        output=first.output[: min(len(first.output), WARMUP_OUTPUT_CAP)],
-    )
+    return replace(requests[0], rid=-1, output=requests[0].output[:WARMUP_OUTPUT_CAP])
 
 
 def prefix_hashes(ids) -> list[int]:

@@ -159,6 +159,12 @@ class MooncakeMaster:
         self.stop()
         raise RuntimeError("mooncake_master did not come up")
 
+    def __enter__(self) -> MooncakeMaster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
     def stop(self) -> None:
         terminate(self.process)
         if getattr(self, "_log", None) is not None:
