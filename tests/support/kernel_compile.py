@@ -231,6 +231,17 @@ def _record_instead_of_launch(launches: dict, counter: list):
     return getitem
 
 
+def _named_constexprs(arg_names, constants) -> dict:
+    """The kernel's constexprs by name; a kernel's Geometry tuple by its
+    fields' names (the checks read IS_BF16, UT, ... whichever way it comes)."""
+    named = {}
+    for path, value in constants.items():
+        if len(path) == 1:
+            fields = value._asdict() if hasattr(value, "_asdict") else None
+            named.update(fields or {arg_names[path[0]]: value})
+    return named
+
+
 def _compile(launch: _Launch, arch: int) -> CompiledSpec:
     log = io.StringIO()
     # knobs.nvidia.dump_ptxas_log makes make_cubin print ptxas -v.
@@ -243,11 +254,7 @@ def _compile(launch: _Launch, arch: int) -> CompiledSpec:
         name=kernel.name,
         hash=kernel.hash,
         signature=dict(kernel.src.signature),
-        constexprs={
-            launch.fn.arg_names[path[0]]: value
-            for path, value in kernel.src.constants.items()
-            if len(path) == 1
-        },
+        constexprs=_named_constexprs(launch.fn.arg_names, kernel.src.constants),
         ptx=kernel.asm["ptx"],
         ptxas_log=log.getvalue(),
     )

@@ -387,11 +387,6 @@ def fp8_kind(dtype: torch.dtype) -> int:
     return FP8_NONE
 
 
-def fp8_args(dtype: torch.dtype) -> dict:
-    """The FP8 constexpr of kernels that read FP8 device KV (int4/k8v4)."""
-    return {"FP8": fp8_kind(dtype)}
-
-
 def _or_dummy(t, dummy, view_dtype=None):
     """The pointer argument for an optional tensor; a constexpr flag tells the
     kernel whether to touch it."""
@@ -425,7 +420,8 @@ def encode_args(
 ) -> dict:
     """The arguments every encode kernel takes, by the kernels' names: each
     side's device rows (dev, per side (base, token stride, head stride)) and
-    layer offsets, the indices and the statistics with their flags."""
+    layer offsets, the indices and the statistics with their flags (the
+    dtype's and the bad-index flag: kernel_flags)."""
     first = next(iter(tables.values()))
     dummy = first.offsets
     args = index_args(device_indices, host_indices, bad_index_counter, dummy)
@@ -433,7 +429,6 @@ def encode_args(
         dev=tuple((t.base, *t.stride[:2]) for t in tables.values()),
         nonfinite_ptr=_or_dummy(nonfinite_counter, dummy),
         amax_ptr=_or_dummy(scale_amax, dummy, torch.int32),
-        IS_BF16=first.dtype == torch.bfloat16,
         ALIGNED=all(t.aligned for t in tables.values()),
         STATS=(nonfinite_counter is not None, scale_amax is not None),
     )
@@ -449,11 +444,9 @@ def decode_args(
     bad_index_counter: torch.Tensor | None,
 ) -> dict:
     """The arguments every decode kernel takes: each side's device layer (dst,
-    per side (element patterns, token stride, head stride)), the indices and
-    the bad-index flag."""
+    per side (element patterns, token stride, head stride)) and the indices."""
     args = index_args(device_indices, host_indices, bad_index_counter, device_indices)
     args["dst"] = tuple((element_bits(t), *t.stride()[:2]) for t in dst.values())
-    args["IS_BF16"] = next(iter(dst.values())).dtype == torch.bfloat16
     return args
 
 
@@ -463,14 +456,18 @@ def index_args(
     bad_index_counter: torch.Tensor | None,
     dummy: torch.Tensor,
 ) -> dict:
-    """The index pointers and the COUNT_BAD_IDX flag, as every kernel takes
-    them (and passes them on to the device functions as idx)."""
+    """The index pointers, as every kernel takes them (and passes them on to
+    the device functions as idx)."""
     return dict(
         dev_idx_ptr=device_indices,
         host_idx_ptr=host_indices,
         bad_idx_ptr=_or_dummy(bad_index_counter, dummy),
-        COUNT_BAD_IDX=bad_index_counter is not None,
     )
+
+
+def kernel_flags(dtype: torch.dtype, bad_index_counter) -> tuple[bool, bool]:
+    """(IS_BF16, COUNT_BAD_IDX): the device dtype's and the bad-index flag."""
+    return dtype == torch.bfloat16, bad_index_counter is not None
 
 
 class DeviceLayerTable:

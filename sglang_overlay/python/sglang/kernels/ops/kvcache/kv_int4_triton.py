@@ -13,7 +13,7 @@ E5M2: bytes widened and rounded back by integer operations).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 import triton
@@ -37,6 +37,19 @@ FP8_DECODE_WARPS = 8
 KEYS_INT8 = 0  # k8v4: kv_int8_codec rows
 KEYS_PER_TOKEN = 1  # int4, channel groups per token and head
 KEYS_PER_CHANNEL = 2  # int4, one group per channel over a unit's tokens
+
+
+class Geometry(NamedTuple):
+    """The constexprs both kernels take, as one tuple."""
+
+    H: int
+    D: tuple[int, int]  # per side (K, V), as G, ROT_B, BLOCKS and COUNT_BAD_IDX
+    KEY_MODE: int
+    G: tuple[int, int]
+    UT: int
+    IS_BF16: bool
+    ROT_B: tuple[int, int]  # 0: not rotated
+    FP8: int  # hk.FP8_NONE: 16-bit device KV
 
 
 @triton.jit
@@ -287,19 +300,12 @@ def _encode_kernel(
     n_tok,
     n_host,
     n_k_progs,
-    H: tl.constexpr,
-    D: tl.constexpr,  # per side, as G, BLOCKS, COUNT_BAD_IDX and ROT_B
-    KEY_MODE: tl.constexpr,
-    G: tl.constexpr,
-    BLOCKS: tl.constexpr,  # keys: rows, or channel pairs if per channel
+    GEO: tl.constexpr,  # Geometry
+    BLOCKS: tl.constexpr,  # per side; keys: rows, or channel pairs if per channel
     K_NCB: tl.constexpr,
-    UT: tl.constexpr,
-    IS_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
     STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
-    ROT_B: tl.constexpr = (0, 0),
-    FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs, layers)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
@@ -312,25 +318,26 @@ def _encode_kernel(
             src = hk.device_rows(dev[side], offs[side], layer, ALIGNED)
             stats = (nonfinite_ptr, amax_ptr + 2 * layer + side)
             row0 = (pid - side * n_k_progs) * BLOCKS[side]
-            if side == 0 and KEY_MODE == 0:
+            if side == 0 and GEO.KEY_MODE == 0:
                 hk.int8_encode_rows(
-                    src, codes[0], meta[0], idx, stats, (row0, n_tok * H, n_host),
-                    layer, H, D[0], UT, BLOCKS[0], IS_BF16, STATS,
-                    COUNT_BAD_IDX[0], FP8,
+                    src, codes[0], meta[0], idx, stats, (row0, n_tok * GEO.H, n_host),
+                    layer, GEO.H, GEO.D[0], GEO.UT, BLOCKS[0], GEO.IS_BF16,
+                    STATS, COUNT_BAD_IDX[0], GEO.FP8,
                 )  # fmt: skip
-            elif side == 0 and KEY_MODE == 2:
+            elif side == 0 and GEO.KEY_MODE == 2:
                 _encode_channels(
                     src, codes[0], meta[0], idx, stats, n_host, layer, sign_ptr,
-                    H, D[0], BLOCKS[0], K_NCB, UT, IS_BF16, FP8, STATS,
-                    COUNT_BAD_IDX[0], ROT_B[0],
+                    GEO.H, GEO.D[0], BLOCKS[0], K_NCB, GEO.UT, GEO.IS_BF16,
+                    GEO.FP8, STATS, COUNT_BAD_IDX[0], GEO.ROT_B[0],
                 )  # fmt: skip
             else:
-                groups = D[side] // G[side]
+                groups = GEO.D[side] // GEO.G[side]
                 _encode_groups(
                     src, codes[side], meta[side], idx, stats,
-                    (row0, n_tok * (H * groups), n_host), layer, sign_ptr,
-                    H, groups, G[side], UT, BLOCKS[side], IS_BF16, FP8, STATS,
-                    COUNT_BAD_IDX[side], ROT_B[side],
+                    (row0, n_tok * (GEO.H * groups), n_host), layer, sign_ptr,
+                    GEO.H, groups, GEO.G[side], GEO.UT, BLOCKS[side],
+                    GEO.IS_BF16, GEO.FP8, STATS, COUNT_BAD_IDX[side],
+                    GEO.ROT_B[side],
                 )  # fmt: skip
 
 
@@ -346,16 +353,9 @@ def _decode_kernel(
     n_tok,
     n_host,
     n_k_progs,
-    H: tl.constexpr,
-    D: tl.constexpr,  # per side, as G, BLOCKS and ROT_B
-    KEY_MODE: tl.constexpr,
-    G: tl.constexpr,
-    BLOCKS: tl.constexpr,
-    UT: tl.constexpr,
-    IS_BF16: tl.constexpr,
+    GEO: tl.constexpr,  # Geometry
+    BLOCKS: tl.constexpr,  # per side
     COUNT_BAD_IDX: tl.constexpr,
-    ROT_B: tl.constexpr = (0, 0),
-    FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs,); one layer's records (layer
     # stride 0); the keys count bad indices
@@ -364,17 +364,19 @@ def _decode_kernel(
     prog_side = (pid >= n_k_progs).to(tl.int32)
     for side in tl.static_range(2):
         if prog_side == side:
-            rows = ((pid - side * n_k_progs) * BLOCKS[side], n_tok * H, n_host)
-            if side == 0 and KEY_MODE == 0:
+            rows = ((pid - side * n_k_progs) * BLOCKS[side], n_tok * GEO.H, n_host)
+            if side == 0 and GEO.KEY_MODE == 0:
                 hk.int8_decode_rows(
                     codes[0], meta[0], dst[0], idx, rows,
-                    H, D[0], UT, BLOCKS[0], IS_BF16, COUNT_BAD_IDX, FP8,
+                    GEO.H, GEO.D[0], GEO.UT, BLOCKS[0], GEO.IS_BF16,
+                    COUNT_BAD_IDX, GEO.FP8,
                 )  # fmt: skip
             else:
                 _decode_groups(
                     codes[side], meta[side], dst[side], idx, rows, sign_ptr,
-                    H, D[side], G[side], UT, BLOCKS[side], IS_BF16, FP8,
-                    COUNT_BAD_IDX and side == 0, ROT_B[side],
+                    GEO.H, GEO.D[side], GEO.G[side], GEO.UT, BLOCKS[side],
+                    GEO.IS_BF16, GEO.FP8, COUNT_BAD_IDX and side == 0,
+                    GEO.ROT_B[side],
                 )  # fmt: skip
 
 
@@ -518,16 +520,14 @@ def _records_args(keys: _Side, values: _Side, dims, rotation_signs) -> dict:
 
 
 def _geometry_args(keys: _Side, values: _Side, H, ut, rot_blocks, dtype) -> dict:
-    """The constexprs both kernels take: heads, widths, key mode, groups,
-    unit tokens, rotation blocks and the device dtype's FP8 kind."""
+    """The Geometry both kernels take: heads, widths, key mode, groups, unit
+    tokens, the device dtype (bf16, FP8 kind) and the rotation blocks."""
+    dims, groups = (keys.dim, values.dim), (keys.group, values.group)
+    is_bf16 = dtype == torch.bfloat16
     return {
-        "H": H,
-        "D": (keys.dim, values.dim),
-        "KEY_MODE": keys.mode,
-        "G": (keys.group, values.group),
-        "UT": ut,
-        "ROT_B": rot_blocks,
-        **hk.fp8_args(dtype),
+        "GEO": Geometry(
+            H, dims, keys.mode, groups, ut, is_bf16, rot_blocks, hk.fp8_kind(dtype)
+        )
     }
 
 
@@ -622,7 +622,7 @@ def encode_gather(
         bad_index_counter,
     )
     # Keys count bad indices unless values do (per-token keys: same tokens).
-    count_bad = args.pop("COUNT_BAD_IDX")
+    count_bad = bad_index_counter is not None
     _encode_kernel[(n_k_progs + n_v_progs, layers)](
         **_records_args(keys, values, (_CODE_DIMS, _META_DIMS), rotation_signs),
         **_geometry_args(keys, values, H, ut, (kb, vb), k_table.dtype),
@@ -696,6 +696,7 @@ def decode_scatter(
         n_host=units * ut,
         n_k_progs=n_k_progs,
         BLOCKS=(k_block, v_block),
+        COUNT_BAD_IDX=bad_index_counter is not None,
         num_warps=num_warps
         or (FP8_DECODE_WARPS if k_dst.dtype in hk.FP8_DTYPES else DECODE_WARPS),
         **args,

@@ -9,6 +9,8 @@ stream, never synchronize with the host, and match kv_int8_codec bit for bit
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,17 @@ DECODE_TILE = 8192
 DECODE_WARPS = 4
 
 
+class Geometry(NamedTuple):
+    """The constexprs both kernels take, as one tuple."""
+
+    H: int
+    D: tuple[int, int]  # per side
+    UT: int
+    BLOCK_R: int
+    IS_BF16: bool
+    COUNT_BAD_IDX: bool  # the keys count bad indices
+
+
 @hk.kernel_jit()
 def _encode_kernel(
     dev,
@@ -39,19 +52,14 @@ def _encode_kernel(
     scale_out,  # (scales, unit, layer, token, head, side strides)
     n_tok,
     n_host,
-    H: tl.constexpr,
-    D: tl.constexpr,  # per side
-    UT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    IS_BF16: tl.constexpr,
+    GEO: tl.constexpr,  # Geometry
     ALIGNED: tl.constexpr,
     STATS: tl.constexpr,
-    COUNT_BAD_IDX: tl.constexpr,
 ):
-    # grid: (row blocks, layers, K|V); the keys count bad indices
+    # grid: (row blocks, layers, K|V)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
     layer = tl.program_id(1).to(tl.int64)
-    rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
+    rows = (tl.program_id(0) * GEO.BLOCK_R, n_tok * GEO.H, n_host)
     offs = (k_offs, v_offs)
     for side in tl.static_range(2):
         if tl.program_id(2) == side:
@@ -63,13 +71,13 @@ def _encode_kernel(
                 (nonfinite_ptr, amax_ptr + 2 * layer + side),
                 rows,
                 layer,
-                H,
-                D[side],
-                UT,
-                BLOCK_R,
-                IS_BF16,
+                GEO.H,
+                GEO.D[side],
+                GEO.UT,
+                GEO.BLOCK_R,
+                GEO.IS_BF16,
                 STATS,
-                COUNT_BAD_IDX and side == 0,
+                GEO.COUNT_BAD_IDX and side == 0,
             )
 
 
@@ -83,16 +91,11 @@ def _decode_kernel(
     dst,
     n_tok,
     n_host,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    UT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    COUNT_BAD_IDX: tl.constexpr,
+    GEO: tl.constexpr,  # Geometry
 ):
     # grid: (row blocks, K|V); one layer's records (layer stride 0)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
-    rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
+    rows = (tl.program_id(0) * GEO.BLOCK_R, n_tok * GEO.H, n_host)
     for side in tl.static_range(2):
         if tl.program_id(1) == side:
             hk.int8_decode_rows(
@@ -101,12 +104,12 @@ def _decode_kernel(
                 dst[side],
                 idx,
                 rows,
-                H,
-                D[side],
-                UT,
-                BLOCK_R,
-                IS_BF16,
-                COUNT_BAD_IDX and side == 0,
+                GEO.H,
+                GEO.D[side],
+                GEO.UT,
+                GEO.BLOCK_R,
+                GEO.IS_BF16,
+                GEO.COUNT_BAD_IDX and side == 0,
             )
 
 
@@ -114,16 +117,14 @@ def _decode_kernel(
 _LAYER_DIMS = ("unit", "token", "head")
 
 
-def _shape_args(n_tok, units, heads_dims, unit_tokens, block_r) -> dict:
-    """Sizes and constexprs both kernels take: tokens, host slots, H, (Dk, Dv)."""
+def _shape_args(n_tok, units, heads_dims, unit_tokens, block_r, flags) -> dict:
+    """Sizes and the Geometry both kernels take: tokens, host slots, shape and
+    flags = (IS_BF16, COUNT_BAD_IDX)."""
     H, DK, DV = heads_dims
     return dict(
         n_tok=n_tok,
         n_host=units * unit_tokens,
-        H=H,
-        D=(DK, DV),
-        UT=unit_tokens,
-        BLOCK_R=block_r,
+        GEO=Geometry(H, (DK, DV), unit_tokens, block_r, *flags),
     )
 
 
@@ -200,6 +201,7 @@ def encode_gather(
     hk.check_amax(scale_amax, layers, 2, dev)
 
     block_r = hk.block_rows(tile or ENCODE_TILE, max(DK, DV))
+    flags = hk.kernel_flags(k_table.dtype, bad_index_counter)
     s16 = hk.bits16(scale_out)
     args = hk.encode_args(
         {"k": k_table, "v": v_table},
@@ -212,7 +214,7 @@ def encode_gather(
     _encode_kernel[(triton.cdiv(n * H, block_r), layers, 2)](
         out=tuple(hk.record_arg(t, hk.RECORD_DIMS) for t in (k_out, v_out)),
         scale_out=hk.record_arg(s16, ("unit", "layer", "token", "side", "head")),
-        **_shape_args(n, k_out.shape[0], (H, DK, DV), unit_tokens, block_r),
+        **_shape_args(n, k_out.shape[0], (H, DK, DV), unit_tokens, block_r, flags),
         num_warps=num_warps or ENCODE_WARPS,
         **args,
     )
@@ -258,6 +260,7 @@ def decode_scatter(
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
     block_r = hk.block_rows(tile or DECODE_TILE, max(DK, DV))
+    flags = hk.kernel_flags(k_dst.dtype, bad_index_counter)
     s16 = hk.bits16(scale_in)
     args = hk.decode_args(
         {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
@@ -265,7 +268,7 @@ def decode_scatter(
     _decode_kernel[(triton.cdiv(n * H, block_r), 2)](
         records=tuple(hk.record_arg(t, _LAYER_DIMS) for t in (k_in, v_in)),
         scale_in=hk.record_arg(s16, ("unit", "token", "side", "head")),
-        **_shape_args(n, k_in.shape[0], (H, DK, DV), unit_tokens, block_r),
+        **_shape_args(n, k_in.shape[0], (H, DK, DV), unit_tokens, block_r, flags),
         num_warps=num_warps or DECODE_WARPS,
         **args,
     )

@@ -11,7 +11,7 @@ backup (all layers); decode_scatter: one launch per layer.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 import triton
@@ -32,17 +32,27 @@ DECODE_TILE = 8192
 DECODE_WARPS = 4
 
 
+class Geometry(NamedTuple):
+    """The constexprs both kernels take, as one tuple."""
+
+    NT: int  # latent tiles of T values
+    T: int
+    P: int  # RoPE width
+    UT: int
+    BLOCKS: tuple[int, int]  # (BLOCK_R tiles, BLOCK_T tokens) per program
+    IS_BF16: bool
+    COUNT_BAD_IDX: bool
+
+
 @triton.jit
-def _rope_slots(
-    n_tok, idx, n_host, BLOCK_T: tl.constexpr, UT: tl.constexpr, P: tl.constexpr
-):
-    """This program's BLOCK_T tokens: device index, host unit, token-in-unit,
-    the RoPE lanes (P wide, padded) and their mask."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _rope_slots(n_tok, idx, n_host, GEO: tl.constexpr):
+    """This program's BLOCK_T tokens (GEO.BLOCKS[1]): device index, host unit,
+    token-in-unit, the RoPE lanes (P wide, padded) and their mask."""
+    tok = tl.program_id(0) * GEO.BLOCKS[1] + tl.arange(0, GEO.BLOCKS[1])
     didx, hidx, hmask = hk.token_slots(tok, tok < n_tok, idx, n_host)
-    unit, within = hk.unit_slots(hidx, UT)
-    d = tl.arange(0, hk.pow2(P))
-    return didx, unit, within, d, hmask[:, None] & (d < P)[None, :]
+    unit, within = hk.unit_slots(hidx, GEO.UT)
+    d = tl.arange(0, hk.pow2(GEO.P))
+    return didx, unit, within, d, hmask[:, None] & (d < GEO.P)[None, :]
 
 
 @hk.kernel_jit()
@@ -57,15 +67,9 @@ def _mla_encode_kernel(
     out,  # kv, scale, rope records: (pointer, unit, layer, token strides, 0)
     n_tok,
     n_host,
-    NT: tl.constexpr,
-    T: tl.constexpr,
-    P: tl.constexpr,
-    UT: tl.constexpr,
-    BLOCKS: tl.constexpr,  # (BLOCK_R tiles, BLOCK_T tokens) per program
-    IS_BF16: tl.constexpr,
+    GEO: tl.constexpr,  # Geometry
     ALIGNED: tl.constexpr,
     STATS: tl.constexpr,
-    COUNT_BAD_IDX: tl.constexpr,
 ):
     # grid: (row blocks, layers, latent|rope)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
@@ -76,30 +80,30 @@ def _mla_encode_kernel(
         # Tiles as heads: "head" stride T in the device row and the record,
         # the scale's tile stride 1.
         hk.int8_encode_rows(
-            (src[0], src[1], src[2], T),
-            (kv[0], kv[1], kv[2], kv[3], T),
+            (src[0], src[1], src[2], GEO.T),
+            (kv[0], kv[1], kv[2], kv[3], GEO.T),
             (scale[0], scale[1], scale[2], scale[3], 1),
             idx,
             (nonfinite_ptr, amax_ptr + layer),
-            (tl.program_id(0) * BLOCKS[0], n_tok * NT, n_host),
+            (tl.program_id(0) * GEO.BLOCKS[0], n_tok * GEO.NT, n_host),
             layer,
-            NT,
-            T,
-            UT,
-            BLOCKS[0],
-            IS_BF16,
+            GEO.NT,
+            GEO.T,
+            GEO.UT,
+            GEO.BLOCKS[0],
+            GEO.IS_BF16,
             STATS,
-            COUNT_BAD_IDX,
+            GEO.COUNT_BAD_IDX,
         )
     else:
-        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, BLOCKS[1], UT, P)
-        row = src[1] + NT * T + didx * src[2]
+        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, GEO)
+        row = src[1] + GEO.NT * GEO.T + didx * src[2]
         bits = tl.load(src[0] + (row[:, None] + d[None, :]), mask=m2, other=0)
         dst = hk.record_offset(rope, unit, layer, within, 0)
         tl.store(rope[0] + (dst[:, None] + d[None, :]), bits, mask=m2)
         if STATS[0]:
             # A RoPE row holding NaN/Inf (all exponent bits set) counts once.
-            if IS_BF16:
+            if GEO.IS_BF16:
                 special = ((bits.to(tl.int32) & 0x7F80) == 0x7F80) & m2
             else:
                 special = ((bits.to(tl.int32) & 0x7C00) == 0x7C00) & m2
@@ -115,13 +119,7 @@ def _mla_decode_kernel(
     dst,
     n_tok,
     n_host,
-    NT: tl.constexpr,
-    T: tl.constexpr,
-    P: tl.constexpr,
-    UT: tl.constexpr,
-    BLOCKS: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    COUNT_BAD_IDX: tl.constexpr,
+    GEO: tl.constexpr,  # Geometry
 ):
     # grid: (row blocks, latent|rope); one layer's records (layer stride 0)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
@@ -129,23 +127,23 @@ def _mla_decode_kernel(
     y = dst[0]
     if tl.program_id(1) == 0:
         hk.int8_decode_rows(
-            (kv[0], kv[1], 0, kv[3], T),
+            (kv[0], kv[1], 0, kv[3], GEO.T),
             (scale[0], scale[1], 0, scale[3], 1),
-            (y[0], y[1], T),
+            (y[0], y[1], GEO.T),
             idx,
-            (tl.program_id(0) * BLOCKS[0], n_tok * NT, n_host),
-            NT,
-            T,
-            UT,
-            BLOCKS[0],
-            IS_BF16,
-            COUNT_BAD_IDX,
+            (tl.program_id(0) * GEO.BLOCKS[0], n_tok * GEO.NT, n_host),
+            GEO.NT,
+            GEO.T,
+            GEO.UT,
+            GEO.BLOCKS[0],
+            GEO.IS_BF16,
+            GEO.COUNT_BAD_IDX,
         )
     else:
-        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, BLOCKS[1], UT, P)
+        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, GEO)
         src = hk.record_offset(rope, unit, 0, within, 0)
         bits = tl.load(rope[0] + (src[:, None] + d[None, :]), mask=m2, other=0)
-        row = NT * T + didx * y[1]
+        row = GEO.NT * GEO.T + didx * y[1]
         tl.store(y[0] + (row[:, None] + d[None, :]), bits, mask=m2)
 
 
@@ -199,16 +197,13 @@ def _blocks(tile: int, geo: SimpleNamespace) -> tuple[int, int]:
     return block_r, hk.pow2(triton.cdiv(block_r, geo.NT))
 
 
-def _tile_args(geo: SimpleNamespace, n: int, units: int, blocks) -> dict:
-    """Sizes and constexprs both kernels take (tiles, RoPE width, blocks)."""
+def _tile_args(geo: SimpleNamespace, n: int, units: int, blocks, flags) -> dict:
+    """Sizes and the Geometry both kernels take (tiles, RoPE width, blocks and
+    flags = (IS_BF16, COUNT_BAD_IDX))."""
     return dict(
         n_tok=n,
         n_host=units * geo.UT,
-        NT=geo.NT,
-        T=geo.T,
-        P=geo.P,
-        UT=geo.UT,
-        BLOCKS=blocks,
+        GEO=Geometry(geo.NT, geo.T, geo.P, geo.UT, blocks, *flags),
     )
 
 
@@ -262,6 +257,7 @@ def encode_gather(
     hk.check_amax(scale_amax, layers, 1, dev)
 
     blocks = _blocks(tile or ENCODE_TILE, geo)
+    flags = hk.kernel_flags(table.dtype, bad_index_counter)
     views = (out["kv"], hk.bits16(out["scale"]), hk.bits16(out["rope"]))
     args = hk.encode_args(
         {"kv": table},
@@ -274,7 +270,7 @@ def encode_gather(
     _mla_encode_kernel[(triton.cdiv(n * geo.NT, blocks[0]), layers, 2)](
         # [..., token, 1, n]: no head dim (the kernel puts in the tile's).
         out=tuple(hk.record_arg(t, ("unit", "layer", "token")) for t in views),
-        **_tile_args(geo, n, views[0].shape[0], blocks),
+        **_tile_args(geo, n, views[0].shape[0], blocks, flags),
         num_warps=num_warps or ENCODE_WARPS,
         **args,
     )
@@ -319,11 +315,12 @@ def decode_scatter(
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
     blocks = _blocks(tile or DECODE_TILE, geo)
+    flags = hk.kernel_flags(y.dtype, bad_index_counter)
     views = (records["kv"], hk.bits16(records["scale"]), hk.bits16(records["rope"]))
     args = hk.decode_args({"kv": y}, device_indices, host_indices, bad_index_counter)
     _mla_decode_kernel[(triton.cdiv(n * geo.NT, blocks[0]), 2)](
         records=tuple(hk.record_arg(t, ("unit", "token")) for t in views),
-        **_tile_args(geo, n, views[0].shape[0], blocks),
+        **_tile_args(geo, n, views[0].shape[0], blocks, flags),
         num_warps=num_warps or DECODE_WARPS,
         **args,
     )
