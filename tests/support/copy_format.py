@@ -80,10 +80,9 @@ class CopyHostFormat(HostKVFormat):
         out,
         host_indices,
         *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
+        counters=None,
     ):
+        amax = None if counters is None else counters.amax
         ut = self.unit_tokens
         units = host_indices.view(-1, ut)[:, 0].long() // ut
         for layer in range(len(tables[0])):
@@ -94,11 +93,9 @@ class CopyHostFormat(HostKVFormat):
             encoded = self.encode_reference(rows)
             for name, value in encoded.items():
                 out[name][units, layer] = value
-            if scale_amax is not None:
+            if amax is not None:
                 torch.maximum(
-                    scale_amax[layer],
-                    encoded["unit_amax"].amax(dim=0),
-                    out=scale_amax[layer],
+                    amax[layer], encoded["unit_amax"].amax(dim=0), out=amax[layer]
                 )
 
     def decode_scatter(

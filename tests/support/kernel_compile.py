@@ -588,6 +588,7 @@ def drive_int4_case(case: Int4Case) -> None:
     from tests.support.int4_reference import Host
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+    from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
     H, dk, dv = case.geometry
@@ -615,8 +616,8 @@ def drive_int4_case(case: Int4Case) -> None:
         for kind in case.index_kinds:
             dev = _device_indices(rows, kind)
             k4.encode_gather(
-                tables, dev, host.all_layers(), host_idx, nonfinite_counter=counter,
-                scale_amax=amax, bad_index_counter=bad, **rotation,
+                tables, dev, host.all_layers(), host_idx,
+                counters=KVCounters(counter, amax, bad), **rotation,
             )  # fmt: skip
             for layer in range(layers):
                 dst = (k_layers[layer], v_layers[layer])
@@ -628,7 +629,7 @@ def drive_int4_case(case: Int4Case) -> None:
                 one_layer = {n: t[:, :1] for n, t in host.all_layers().items()}
                 k4.encode_gather(
                     tuple(t.select(0) for t in tables), dev, one_layer, host_idx,
-                    nonfinite_counter=counter, scale_amax=amax[:1], **rotation,
+                    counters=KVCounters(counter, amax[:1]), **rotation,
                 )  # fmt: skip
                 k4.decode_scatter(host.layer(0), host_idx, dst, dev, **rotation)
 

@@ -6,7 +6,7 @@ docs/kernels.md."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -410,13 +410,35 @@ def record_arg(
     return (t, *(named.get(d, 0) for d in RECORD_DIMS), *rest)
 
 
+class KVCounters(NamedTuple):
+    """The statistics an encode_gather updates, each None if not kept: the
+    groups stored as non-finite (0-dim int64), the amax per layer and side
+    (fp32 [layers, sides]) and the tokens skipped for an out-of-range host
+    index (0-dim int64). The pool's HostKVCounters, with the same fields,
+    may stand in for it."""
+
+    nonfinite: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+    bad_indices: torch.Tensor | None = None
+
+
+def check_counters(counters, layers: int, sides: int, device) -> KVCounters:
+    """counters (a KVCounters, an object with its fields, or None: none),
+    checked for a launch over `layers` layers of `sides` sides."""
+    if counters is None:
+        return KVCounters()
+    counters = KVCounters(counters.nonfinite, counters.amax, counters.bad_indices)
+    check_counter("counters.nonfinite", counters.nonfinite, device)
+    check_counter("counters.bad_indices", counters.bad_indices, device)
+    check_amax(counters.amax, layers, sides, device)
+    return counters
+
+
 def encode_args(
     tables: dict[str, DeviceLayerTable],
     device_indices: torch.Tensor,
     host_indices: torch.Tensor,
-    nonfinite_counter: torch.Tensor | None,
-    scale_amax: torch.Tensor | None,
-    bad_index_counter: torch.Tensor | None,
+    counters: KVCounters,
 ) -> dict:
     """The arguments every encode kernel takes, by the kernels' names: each
     side's device rows (dev, per side (base, token stride, head stride)) and
@@ -424,13 +446,13 @@ def encode_args(
     dtype's and the bad-index flag: kernel_flags)."""
     first = next(iter(tables.values()))
     dummy = first.offsets
-    args = index_args(device_indices, host_indices, bad_index_counter, dummy)
+    args = index_args(device_indices, host_indices, counters.bad_indices, dummy)
     args.update(
         dev=tuple((t.base, *t.stride[:2]) for t in tables.values()),
-        nonfinite_ptr=_or_dummy(nonfinite_counter, dummy),
-        amax_ptr=_or_dummy(scale_amax, dummy, torch.int32),
+        nonfinite_ptr=_or_dummy(counters.nonfinite, dummy),
+        amax_ptr=_or_dummy(counters.amax, dummy, torch.int32),
         ALIGNED=all(t.aligned for t in tables.values()),
-        STATS=(nonfinite_counter is not None, scale_amax is not None),
+        STATS=(counters.nonfinite is not None, counters.amax is not None),
     )
     for side, table in tables.items():
         args[f"{side}_offs"] = table.offsets
@@ -579,17 +601,15 @@ def check_counter(name: str, t: torch.Tensor | None, device) -> None:
         raise ValueError(f"{name} must be a 0-dim int64 tensor on {device}")
 
 
-def check_amax(
-    scale_amax: torch.Tensor | None, layers: int, sides: int, device
-) -> None:
-    """scale_amax, if given: contiguous fp32 [layers, sides] on the device."""
-    if scale_amax is not None and (
-        scale_amax.dtype != torch.float32
-        or tuple(scale_amax.shape) != (layers, sides)
-        or not scale_amax.is_contiguous()
-        or scale_amax.device != device
+def check_amax(amax: torch.Tensor | None, layers: int, sides: int, device) -> None:
+    """amax, if given: contiguous fp32 [layers, sides] on the device."""
+    if amax is not None and (
+        amax.dtype != torch.float32
+        or tuple(amax.shape) != (layers, sides)
+        or not amax.is_contiguous()
+        or amax.device != device
     ):
         raise ValueError(
-            f"scale_amax must be contiguous float32 [{layers}, {sides}] on {device}, "
-            f"got {scale_amax.dtype} {tuple(scale_amax.shape)} on {scale_amax.device}"
+            f"counters.amax must be contiguous float32 [{layers}, {sides}] on "
+            f"{device}, got {amax.dtype} {tuple(amax.shape)} on {amax.device}"
         )

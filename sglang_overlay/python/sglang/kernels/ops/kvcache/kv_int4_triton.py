@@ -537,9 +537,7 @@ def encode_gather(
     out: Mapping[str, torch.Tensor],
     host_indices: torch.Tensor,
     *,
-    nonfinite_counter: torch.Tensor | None = None,
-    scale_amax: torch.Tensor | None = None,
-    bad_index_counter: torch.Tensor | None = None,
+    counters: hk.KVCounters | None = None,
     rotation_blocks: tuple[int, int] = (0, 0),
     rotation_signs: torch.Tensor | None = None,
     tile: int | None = None,
@@ -562,11 +560,11 @@ def encode_gather(
     views. Per-channel keys need whole units: the transfer's tokens
     [j * UT, (j + 1) * UT) go to one host unit in order (as HiCache moves
     pages); a run that isn't writes no keys, and its in-range tokens are
-    counted in bad_index_counter with those of out-of-range host indices.
-    Groups stored as non-finite are added to nonfinite_counter (0-dim
-    int64); scale_amax (fp32 [L, 2]: K, V) is raised to the largest
-    max(|lo|, |hi|) of the finite groups. Device indices are not
-    range-checked.
+    counted in counters.bad_indices with those of out-of-range host
+    indices (counters: hk.KVCounters, each field optional). Groups stored as
+    non-finite are added to counters.nonfinite; counters.amax (fp32 [L, 2]:
+    K, V) is raised to the largest max(|lo|, |hi|) of the finite groups.
+    Device indices are not range-checked.
 
     rotation_blocks (K, V; 0: not rotated) rotate each head row in blocks of
     that many channels before it is coded (int4r, k8v4r: kv_hadamard's
@@ -589,9 +587,7 @@ def encode_gather(
             f"per-channel keys encode whole units: {n} tokens is not a "
             f"multiple of unit_tokens={ut}"
         )
-    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
-    hk.check_counter("bad_index_counter", bad_index_counter, dev)
-    hk.check_amax(scale_amax, layers, 2, dev)
+    counters = hk.check_counters(counters, layers, 2, dev)
     kb, vb = _check_rotation(keys, values, rotation_blocks, rotation_signs, dev)
 
     tile = tile or ENCODE_TILE
@@ -614,15 +610,10 @@ def encode_gather(
     v_block = max(hk.block_rows(tile, values.group), vb // values.group)
     n_v_progs = triton.cdiv(n * H * (values.dim // values.group), v_block)
     args = hk.encode_args(
-        {"k": k_table, "v": v_table},
-        device_indices,
-        host_indices,
-        nonfinite_counter,
-        scale_amax,
-        bad_index_counter,
+        {"k": k_table, "v": v_table}, device_indices, host_indices, counters
     )
     # Keys count bad indices unless values do (per-token keys: same tokens).
-    count_bad = bad_index_counter is not None
+    count_bad = counters.bad_indices is not None
     _encode_kernel[(n_k_progs + n_v_progs, layers)](
         **_records_args(keys, values, (_CODE_DIMS, _META_DIMS), rotation_signs),
         **_geometry_args(keys, values, H, ut, (kb, vb), k_table.dtype),

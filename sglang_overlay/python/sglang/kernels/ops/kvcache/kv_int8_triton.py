@@ -164,9 +164,7 @@ def encode_gather(
     host_indices: torch.Tensor,
     *,
     unit_tokens: int,
-    nonfinite_counter: torch.Tensor | None = None,
-    scale_amax: torch.Tensor | None = None,
-    bad_index_counter: torch.Tensor | None = None,
+    counters: hk.KVCounters | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -179,11 +177,12 @@ def encode_gather(
       scale_out fp16 [units, L, unit_tokens, 2, H]   (K scales at [..., 0, :])
 
     with unit = host_indices[i] // unit_tokens (pinned host memory reached
-    through UVA, or device staging). Rows stored as non-finite are added to
-    nonfinite_counter (0-dim int64); scale_amax (fp32 [L, 2]) is raised to
-    the largest amax of each layer's finite K and V rows. A host index
-    outside [0, units * unit_tokens) writes nothing and its token is counted
-    once in bad_index_counter. Device indices are not range-checked.
+    through UVA, or device staging). counters (hk.KVCounters, each field
+    optional): rows stored as non-finite are added to counters.nonfinite;
+    counters.amax (fp32 [L, 2]) is raised to the largest amax of each
+    layer's finite K and V rows. A host index outside [0, units *
+    unit_tokens) writes nothing and its token is counted once in
+    counters.bad_indices. Device indices are not range-checked.
     """
     hk.check_kv_tables(k_table, v_table)
     n = int(device_indices.numel())
@@ -196,20 +195,13 @@ def encode_gather(
     _check_records("v_out", v_out, 5, torch.int8, H, DV)
     _check_records("scale_out", scale_out, 5, torch.float16, H)
     _check_unit_dims((k_out, v_out, scale_out), (layers, unit_tokens), scale_out)
-    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
-    hk.check_counter("bad_index_counter", bad_index_counter, dev)
-    hk.check_amax(scale_amax, layers, 2, dev)
+    counters = hk.check_counters(counters, layers, 2, dev)
 
     block_r = hk.block_rows(tile or ENCODE_TILE, max(DK, DV))
-    flags = hk.kernel_flags(k_table.dtype, bad_index_counter)
+    flags = hk.kernel_flags(k_table.dtype, counters.bad_indices)
     s16 = hk.bits16(scale_out)
     args = hk.encode_args(
-        {"k": k_table, "v": v_table},
-        device_indices,
-        host_indices,
-        nonfinite_counter,
-        scale_amax,
-        bad_index_counter,
+        {"k": k_table, "v": v_table}, device_indices, host_indices, counters
     )
     _encode_kernel[(triton.cdiv(n * H, block_r), layers, 2)](
         out=tuple(hk.record_arg(t, hk.RECORD_DIMS) for t in (k_out, v_out)),

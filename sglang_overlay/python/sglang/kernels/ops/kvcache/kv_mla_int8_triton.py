@@ -213,9 +213,7 @@ def encode_gather(
     out: Mapping[str, torch.Tensor],
     host_indices: torch.Tensor,
     *,
-    nonfinite_counter: torch.Tensor | None = None,
-    scale_amax: torch.Tensor | None = None,
-    bad_index_counter: torch.Tensor | None = None,
+    counters: hk.KVCounters | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
@@ -228,12 +226,12 @@ def encode_gather(
       out["rope"]   16-bit [units, L, unit_tokens, 1, rope_dim]
 
     (any strides, last dim contiguous; unit = host_index // unit_tokens).
-    Latent tiles stored non-finite and RoPE rows holding NaN/Inf are added
-    to nonfinite_counter (0-dim int64), as the codec's encode_into counts
-    them; scale_amax (fp32 [L, 1]) is raised to each layer's largest finite
-    tile amax. A host index outside [0, units * unit_tokens) writes nothing
-    and its token is counted once in bad_index_counter. Device indices are
-    not range-checked.
+    counters (hk.KVCounters, each field optional): latent tiles stored
+    non-finite and RoPE rows holding NaN/Inf are added to counters.nonfinite,
+    as the codec's encode_into counts them; counters.amax (fp32 [L, 1]) is
+    raised to each layer's largest finite tile amax. A host index outside
+    [0, units * unit_tokens) writes nothing and its token is counted once in
+    counters.bad_indices. Device indices are not range-checked.
     """
     if len(tables) != 1:
         raise ValueError(f"MLA encodes one side ('kv'), got {len(tables)} tables")
@@ -252,21 +250,12 @@ def encode_gather(
         return
     dev = table.device
     hk.check_indices(device_indices, host_indices, n, dev)
-    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
-    hk.check_counter("bad_index_counter", bad_index_counter, dev)
-    hk.check_amax(scale_amax, layers, 1, dev)
+    counters = hk.check_counters(counters, layers, 1, dev)
 
     blocks = _blocks(tile or ENCODE_TILE, geo)
-    flags = hk.kernel_flags(table.dtype, bad_index_counter)
+    flags = hk.kernel_flags(table.dtype, counters.bad_indices)
     views = (out["kv"], hk.bits16(out["scale"]), hk.bits16(out["rope"]))
-    args = hk.encode_args(
-        {"kv": table},
-        device_indices,
-        host_indices,
-        nonfinite_counter,
-        scale_amax,
-        bad_index_counter,
-    )
+    args = hk.encode_args({"kv": table}, device_indices, host_indices, counters)
     _mla_encode_kernel[(triton.cdiv(n * geo.NT, blocks[0]), layers, 2)](
         # [..., token, 1, n]: no head dim (the kernel puts in the tile's).
         out=tuple(hk.record_arg(t, ("unit", "layer", "token")) for t in views),

@@ -145,6 +145,8 @@ class FusedTransfer:
             return False
 
     def backup(self, host_indices, device_indices) -> None:
+        from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
+
         pool, tables = self.pool, self.tables()
         fmt, records, counters = pool.host_format, pool.records, pool.counters
         names = list(records.tensors)
@@ -156,9 +158,7 @@ class FusedTransfer:
                 self._on_device(device_indices),
                 {name: records.all_layers(name) for name in names},
                 self._on_device(host_indices),
-                nonfinite_counter=counters.nonfinite,
-                scale_amax=counters.amax,
-                bad_index_counter=counters.bad_indices,
+                counters=counters,
             )
 
         if self._direct(direct):
@@ -172,8 +172,9 @@ class FusedTransfer:
                     dev_rows,
                     out,
                     stage["positions"][: len(dev_rows)],
-                    nonfinite_counter=counters.nonfinite,
-                    scale_amax=counters.amax[layer_id : layer_id + 1],
+                    counters=KVCounters(
+                        counters.nonfinite, counters.amax[layer_id : layer_id + 1]
+                    ),
                 )
                 for name in names:
                     store(
