@@ -534,7 +534,7 @@ def test_bad_arguments_fail_before_launch():
         bad_meta = dict(out, k_meta=out["k_meta"][..., 0])
         k4.encode_gather(tables, idx[:16], bad_meta, idx[:16])
     with pytest.raises(ValueError, match="layers"):
-        k4.encode_gather(tuple(t.select(0) for t in tables), idx[:16], out, idx[:16])
+        k4.encode_gather(tables, idx[:16], out, idx[:16], first_layer=1)
     with pytest.raises(TypeError, match="int32/int64"):
         k4.encode_gather(tables, idx[:16].float(), out, idx[:16])
     with pytest.raises(ValueError, match="counters.amax"):

@@ -48,6 +48,7 @@ def encode_gather(
     host_indices,
     *,
     counters=None,
+    first_layer=0,
 ):
     nonfinite, amax, bad = (
         (None, None, None)
@@ -58,7 +59,8 @@ def encode_gather(
     dim = table.shape[-1]
     fmt, ut = _format_of(out, table.dtype, dim)
     units, ok = _units(host_indices, ut, out["kv"].shape[0], bad)
-    for layer, device_layer in enumerate(table.layers):
+    for layer in range(out["kv"].shape[1]):
+        device_layer = table.layers[first_layer + layer]
         rows = device_layer[device_indices.long()].view(-1, ut, 1, dim)[ok]
         encoded = fmt.encode_reference([rows])
         for name, value in encoded.items():
@@ -69,7 +71,8 @@ def encode_gather(
         if nonfinite is not None:
             nonfinite += stats.nonfinite
         if amax is not None:
-            torch.maximum(amax[layer], stats.amax, out=amax[layer])
+            slot = amax[first_layer + layer]
+            torch.maximum(slot, stats.amax, out=slot)
 
 
 def decode_scatter(

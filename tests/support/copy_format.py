@@ -81,13 +81,15 @@ class CopyHostFormat(HostKVFormat):
         host_indices,
         *,
         counters=None,
+        first_layer=0,
     ):
         amax = None if counters is None else counters.amax
         ut = self.unit_tokens
         units = host_indices.view(-1, ut)[:, 0].long() // ut
-        for layer in range(len(tables[0])):
+        for layer in range(next(iter(out.values())).shape[1]):
+            src = first_layer + layer
             rows = [
-                t.layers[layer][device_indices.long()].view(-1, ut, *t.shape[1:])
+                t.layers[src][device_indices.long()].view(-1, ut, *t.shape[1:])
                 for t in tables
             ]
             encoded = self.encode_reference(rows)
@@ -95,7 +97,7 @@ class CopyHostFormat(HostKVFormat):
                 out[name][units, layer] = value
             if amax is not None:
                 torch.maximum(
-                    amax[layer], encoded["unit_amax"].amax(dim=0), out=amax[layer]
+                    amax[src], encoded["unit_amax"].amax(dim=0), out=amax[src]
                 )
 
     def decode_scatter(

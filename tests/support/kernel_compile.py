@@ -628,8 +628,9 @@ def drive_int4_case(case: Int4Case) -> None:
             if case.staged:
                 one_layer = {n: t[:, :1] for n, t in host.all_layers().items()}
                 k4.encode_gather(
-                    tuple(t.select(0) for t in tables), dev, one_layer, host_idx,
-                    counters=KVCounters(counter, amax[:1]), **rotation,
+                    tables, dev, one_layer, host_idx,
+                    counters=KVCounters(counter, amax), first_layer=layers - 1,
+                    **rotation,
                 )  # fmt: skip
                 k4.decode_scatter(host.layer(0), host_idx, dst, dev, **rotation)
 

@@ -286,20 +286,17 @@ def _decode_groups(
 
 @hk.kernel_jit(unaligned=["sign_ptr"])
 def _encode_kernel(
-    dev,
-    k_offs,
-    v_offs,
+    dev,  # per side: (base, token stride, head stride, layer offsets)
     dev_idx_ptr,
     host_idx_ptr,
-    bad_idx_ptr,
-    nonfinite_ptr,
-    amax_ptr,
+    counters,  # (nonfinite, amax [table layers, 2], bad indices)
     sign_ptr,
     codes,  # per side: (codes, unit, layer, token, head strides)
     meta,  # per side: (metadata, unit, layer, token, head, group, param strides)
     n_tok,
     n_host,
     n_k_progs,
+    first_layer,  # the tables' layer of record layer 0
     GEO: tl.constexpr,  # Geometry
     BLOCKS: tl.constexpr,  # per side; keys: rows, or channel pairs if per channel
     K_NCB: tl.constexpr,
@@ -307,16 +304,16 @@ def _encode_kernel(
     STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
 ):
-    # grid: (key programs + value programs, layers)
-    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
+    # grid: (key programs + value programs, record layers)
+    idx = (dev_idx_ptr, host_idx_ptr, counters[2])
     pid = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
-    offs = (k_offs, v_offs)
+    table_layer = first_layer + layer
     prog_side = (pid >= n_k_progs).to(tl.int32)
     for side in tl.static_range(2):
         if prog_side == side:
-            src = hk.device_rows(dev[side], offs[side], layer, ALIGNED)
-            stats = (nonfinite_ptr, amax_ptr + 2 * layer + side)
+            src = hk.device_rows(dev[side], table_layer, ALIGNED)
+            stats = hk.layer_stats(counters, 2 * table_layer + side)
             row0 = (pid - side * n_k_progs) * BLOCKS[side]
             if side == 0 and GEO.KEY_MODE == 0:
                 hk.int8_encode_rows(
@@ -538,13 +535,15 @@ def encode_gather(
     host_indices: torch.Tensor,
     *,
     counters: hk.KVCounters | None = None,
+    first_layer: int = 0,
     rotation_blocks: tuple[int, int] = (0, 0),
     rotation_signs: torch.Tensor | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Backup in one launch: encode the K/V rows tables[s][l][device_indices[i]]
-    of every layer l into the records at host_indices[i].
+    """Backup in one launch: encode the K/V rows
+    tables[s][first_layer + l][device_indices[i]] of every layer l of the
+    records into the records at host_indices[i].
 
     tables = (k_table, v_table), bf16/fp16 or FP8 (float8 views: the FP8
     values are encoded, widened exactly to fp32); out = the format's records as
@@ -580,8 +579,7 @@ def encode_gather(
     layers, H = len(k_table), k_table.shape[1]
     keys, values = _format_records(out, 3, H, k_table.shape[2], v_table.shape[2])
     units, rec_layers, ut = keys.codes.shape[:3]
-    if rec_layers != layers:
-        raise ValueError(f"records hold {rec_layers} layers, the tables {layers}")
+    hk.check_layer_range(first_layer, rec_layers, layers)
     if keys.mode == KEYS_PER_CHANNEL and n % ut:
         raise ValueError(
             f"per-channel keys encode whole units: {n} tokens is not a "
@@ -614,12 +612,13 @@ def encode_gather(
     )
     # Keys count bad indices unless values do (per-token keys: same tokens).
     count_bad = counters.bad_indices is not None
-    _encode_kernel[(n_k_progs + n_v_progs, layers)](
+    _encode_kernel[(n_k_progs + n_v_progs, rec_layers)](
         **_records_args(keys, values, (_CODE_DIMS, _META_DIMS), rotation_signs),
         **_geometry_args(keys, values, H, ut, (kb, vb), k_table.dtype),
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
+        first_layer=first_layer,
         BLOCKS=(k_block, v_block),
         K_NCB=k_ncb,
         COUNT_BAD_IDX=(

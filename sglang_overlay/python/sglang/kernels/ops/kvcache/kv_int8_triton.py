@@ -40,35 +40,32 @@ class Geometry(NamedTuple):
 
 @hk.kernel_jit()
 def _encode_kernel(
-    dev,
-    k_offs,
-    v_offs,
+    dev,  # per side: (base, token stride, head stride, layer offsets)
     dev_idx_ptr,
     host_idx_ptr,
-    bad_idx_ptr,
-    nonfinite_ptr,
-    amax_ptr,
+    counters,  # (nonfinite, amax [table layers, 2], bad indices)
     out,  # per side: (codes, unit, layer, token, head strides)
     scale_out,  # (scales, unit, layer, token, head, side strides)
     n_tok,
     n_host,
+    first_layer,  # the tables' layer of record layer 0
     GEO: tl.constexpr,  # Geometry
     ALIGNED: tl.constexpr,
     STATS: tl.constexpr,
 ):
-    # grid: (row blocks, layers, K|V)
-    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
+    # grid: (row blocks, record layers, K|V)
+    idx = (dev_idx_ptr, host_idx_ptr, counters[2])
     layer = tl.program_id(1).to(tl.int64)
+    table_layer = first_layer + layer
     rows = (tl.program_id(0) * GEO.BLOCK_R, n_tok * GEO.H, n_host)
-    offs = (k_offs, v_offs)
     for side in tl.static_range(2):
         if tl.program_id(2) == side:
             hk.int8_encode_rows(
-                hk.device_rows(dev[side], offs[side], layer, ALIGNED),
+                hk.device_rows(dev[side], table_layer, ALIGNED),
                 out[side],
                 hk.side_record(scale_out, side),
                 idx,
-                (nonfinite_ptr, amax_ptr + 2 * layer + side),
+                hk.layer_stats(counters, 2 * table_layer + side),
                 rows,
                 layer,
                 GEO.H,
@@ -165,12 +162,13 @@ def encode_gather(
     *,
     unit_tokens: int,
     counters: hk.KVCounters | None = None,
+    first_layer: int = 0,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Backup in one launch: for every layer l of the tables and token i,
-    quantize the K/V rows table[l][device_indices[i]] into the records at
-    host_indices[i]:
+    """Backup in one launch: for every layer l of the records and token i,
+    quantize the K/V rows table[first_layer + l][device_indices[i]] into the
+    records at host_indices[i]:
 
       k_out     int8 [units, L, unit_tokens, H, Dk]  (any strides, dim contiguous)
       v_out     int8 [units, L, unit_tokens, H, Dv]
@@ -194,7 +192,9 @@ def encode_gather(
     _check_records("k_out", k_out, 5, torch.int8, H, DK)
     _check_records("v_out", v_out, 5, torch.int8, H, DV)
     _check_records("scale_out", scale_out, 5, torch.float16, H)
-    _check_unit_dims((k_out, v_out, scale_out), (layers, unit_tokens), scale_out)
+    rec_layers = k_out.shape[1]
+    hk.check_layer_range(first_layer, rec_layers, layers)
+    _check_unit_dims((k_out, v_out, scale_out), (rec_layers, unit_tokens), scale_out)
     counters = hk.check_counters(counters, layers, 2, dev)
 
     block_r = hk.block_rows(tile or ENCODE_TILE, max(DK, DV))
@@ -203,10 +203,11 @@ def encode_gather(
     args = hk.encode_args(
         {"k": k_table, "v": v_table}, device_indices, host_indices, counters
     )
-    _encode_kernel[(triton.cdiv(n * H, block_r), layers, 2)](
+    _encode_kernel[(triton.cdiv(n * H, block_r), rec_layers, 2)](
         out=tuple(hk.record_arg(t, hk.RECORD_DIMS) for t in (k_out, v_out)),
         scale_out=hk.record_arg(s16, ("unit", "layer", "token", "side", "head")),
         **_shape_args(n, k_out.shape[0], (H, DK, DV), unit_tokens, block_r, flags),
+        first_layer=first_layer,
         num_warps=num_warps or ENCODE_WARPS,
         **args,
     )

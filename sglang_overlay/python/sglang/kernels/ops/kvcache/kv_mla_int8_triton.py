@@ -57,24 +57,22 @@ def _rope_slots(n_tok, idx, n_host, GEO: tl.constexpr):
 
 @hk.kernel_jit()
 def _mla_encode_kernel(
-    dev,
-    kv_offs,
+    dev,  # kv: ((base, token stride, head stride, layer offsets),)
     dev_idx_ptr,
     host_idx_ptr,
-    bad_idx_ptr,
-    nonfinite_ptr,
-    amax_ptr,
+    counters,  # (nonfinite, amax [table layers, 1], bad indices)
     out,  # kv, scale, rope records: (pointer, unit, layer, token strides, 0)
     n_tok,
     n_host,
+    first_layer,  # the table's layer of record layer 0
     GEO: tl.constexpr,  # Geometry
     ALIGNED: tl.constexpr,
     STATS: tl.constexpr,
 ):
-    # grid: (row blocks, layers, latent|rope)
-    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
+    # grid: (row blocks, record layers, latent|rope)
+    idx = (dev_idx_ptr, host_idx_ptr, counters[2])
     layer = tl.program_id(1).to(tl.int64)
-    src = hk.device_rows(dev[0], kv_offs, layer, ALIGNED)
+    src = hk.device_rows(dev[0], first_layer + layer, ALIGNED)
     kv, scale, rope = out[0], out[1], out[2]
     if tl.program_id(2) == 0:
         # Tiles as heads: "head" stride T in the device row and the record,
@@ -84,7 +82,7 @@ def _mla_encode_kernel(
             (kv[0], kv[1], kv[2], kv[3], GEO.T),
             (scale[0], scale[1], scale[2], scale[3], 1),
             idx,
-            (nonfinite_ptr, amax_ptr + layer),
+            hk.layer_stats(counters, first_layer + layer),
             (tl.program_id(0) * GEO.BLOCKS[0], n_tok * GEO.NT, n_host),
             layer,
             GEO.NT,
@@ -107,7 +105,7 @@ def _mla_encode_kernel(
                 special = ((bits.to(tl.int32) & 0x7F80) == 0x7F80) & m2
             else:
                 special = ((bits.to(tl.int32) & 0x7C00) == 0x7C00) & m2
-            hk.count_flags(nonfinite_ptr, tl.max(special.to(tl.int32), axis=1) > 0)
+            hk.count_flags(counters[0], tl.max(special.to(tl.int32), axis=1) > 0)
 
 
 @hk.kernel_jit()
@@ -214,12 +212,13 @@ def encode_gather(
     host_indices: torch.Tensor,
     *,
     counters: hk.KVCounters | None = None,
+    first_layer: int = 0,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Backup in one launch: for every layer l and token i, encode the device
-    row tables[0][l][device_indices[i]] ([kv_lora_rank | rope], bf16/fp16)
-    into the records at host_indices[i]:
+    """Backup in one launch: for every layer l of the records and token i,
+    encode the device row tables[0][first_layer + l][device_indices[i]]
+    ([kv_lora_rank | rope], bf16/fp16) into the records at host_indices[i]:
 
       out["kv"]     int8 [units, L, unit_tokens, 1, kv_lora_rank]
       out["scale"]  fp16 [units, L, unit_tokens, 1, kv_lora_rank / T]
@@ -238,7 +237,8 @@ def encode_gather(
     (table,) = tables
     geo = _record_geometry(out, 5)
     _check_device_row(geo, table.shape, table.dtype, out["rope"].dtype)
-    layers = len(table)
+    layers = out["kv"].shape[1]
+    hk.check_layer_range(first_layer, layers, len(table))
     for name in RECORD_NAMES:
         if out[name].shape[1] != layers:
             raise ValueError(
@@ -250,7 +250,7 @@ def encode_gather(
         return
     dev = table.device
     hk.check_indices(device_indices, host_indices, n, dev)
-    counters = hk.check_counters(counters, layers, 1, dev)
+    counters = hk.check_counters(counters, len(table), 1, dev)
 
     blocks = _blocks(tile or ENCODE_TILE, geo)
     flags = hk.kernel_flags(table.dtype, counters.bad_indices)
@@ -260,6 +260,7 @@ def encode_gather(
         # [..., token, 1, n]: no head dim (the kernel puts in the tile's).
         out=tuple(hk.record_arg(t, ("unit", "layer", "token")) for t in views),
         **_tile_args(geo, n, views[0].shape[0], blocks, flags),
+        first_layer=first_layer,
         num_warps=num_warps or ENCODE_WARPS,
         **args,
     )

@@ -164,17 +164,19 @@ class FusedTransfer:
         if self._direct(direct):
             return
         stage = pool.staging["d2h"]
+        # Whole tensors (the kernels' counters tuple); staging positions are
+        # always in range, so no bad-index count.
+        staged_counters = KVCounters(counters.nonfinite, counters.amax)
         for units, runs, dev_rows in pool.planner.chunks(host_indices, device_indices):
             out = {n: stage["records"][n][: len(units)].unsqueeze(1) for n in names}
             for layer_id in range(pool.layer_num):
                 fmt.encode_gather(
-                    [table.select(layer_id) for table in tables],
+                    tables,
                     dev_rows,
                     out,
                     stage["positions"][: len(dev_rows)],
-                    counters=KVCounters(
-                        counters.nonfinite, counters.amax[layer_id : layer_id + 1]
-                    ),
+                    counters=staged_counters,
+                    first_layer=layer_id,
                 )
                 for name in names:
                     store(
