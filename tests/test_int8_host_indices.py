@@ -16,6 +16,7 @@ from tests.support.hicache_harness import Geometry, fill_random
 from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 
 pytestmark = INTERPRETED_KERNELS
 
@@ -102,7 +103,7 @@ def test_encode_skips_and_counts_out_of_range_host_rows():
     amax = torch.zeros((L, 2), dtype=torch.float32)
     kt.encode_gather(
         table, table, dev, k, v, s, host, unit_tokens=UT,
-        bad_index_counter=bad, scale_amax=amax,
+        counters=KVCounters(amax=amax, bad_indices=bad),
     )  # fmt: skip
     assert int(bad) == 3
     good = torch.tensor([0, 2, 5])

@@ -16,7 +16,10 @@ import pytest
 import torch
 from tests.support.hicache_harness import Geometry, fill_random
 from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
+from sglang.kernels.ops.kvcache import host_kv_common as hk
+from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -109,3 +112,133 @@ def test_the_key_sees_per_transfer_specialization(monkeypatch):
     warmed = len(recorders["encode"].keys)
     serve(pool, device_pool, SIZES)
     assert len(recorders["encode"].keys) > warmed
+
+
+# --- the encode kernels' tuples (dev with its layer offsets, counters) --------
+# They hold whole tensors only, so what a transfer varies (index slices at any
+# offset, sizes, the staged path's first_layer) picks no new variant in any of
+# the three kernel modules.
+
+ENCODE_KERNELS = {
+    "int8": (kt, "_encode_kernel"),
+    "int4": (k4, "_encode_kernel"),
+    "mla": (mk, "_mla_encode_kernel"),
+}
+LAYERS, UNITS = 3, 40
+
+
+def _layers(n_layers, width, heads=1):
+    g = torch.Generator().manual_seed(width)
+    return [
+        torch.randn(UNITS, heads, width, generator=g).to(torch.bfloat16)
+        for _ in range(n_layers)
+    ]
+
+
+def _int8_launch(tables, records_layers):
+    k, v = tables
+    out = [
+        torch.zeros(UNITS, records_layers, 1, 1, 16, dtype=torch.int8) for _ in range(2)
+    ]
+    scale = torch.zeros(UNITS, records_layers, 1, 2, 1, dtype=torch.float16)
+
+    def launch(dev, host, counters, first_layer):
+        kt.encode_gather(
+            k, v, dev, *out, scale, host, unit_tokens=1, counters=counters,
+            first_layer=first_layer,
+        )  # fmt: skip
+
+    return launch
+
+
+def _int4_launch(tables, records_layers):
+    out = {
+        "k": torch.zeros(UNITS, records_layers, 1, 1, 8, dtype=torch.uint8),
+        "k_meta": torch.zeros(UNITS, records_layers, 1, 1, 2, 2, dtype=torch.float16),
+        "v": torch.zeros(UNITS, records_layers, 1, 1, 8, dtype=torch.uint8),
+        "v_meta": torch.zeros(UNITS, records_layers, 1, 1, 2, 2, dtype=torch.float16),
+    }
+
+    def launch(dev, host, counters, first_layer):
+        k4.encode_gather(
+            tables, dev, out, host, counters=counters, first_layer=first_layer
+        )
+
+    return launch
+
+
+def _mla_launch(tables, records_layers):
+    shape = (UNITS, records_layers, 1, 1)
+    out = {
+        "kv": torch.zeros(*shape, 32, dtype=torch.int8),
+        "scale": torch.zeros(*shape, 2, dtype=torch.float16),
+        "rope": torch.zeros(*shape, 16, dtype=torch.bfloat16),
+    }
+
+    def launch(dev, host, counters, first_layer):
+        mk.encode_gather(
+            tables[:1], dev, out, host, counters=counters, first_layer=first_layer
+        )
+
+    return launch
+
+
+LAUNCHES = {"int8": _int8_launch, "int4": _int4_launch, "mla": _mla_launch}
+WIDTHS = {"int8": 16, "int4": 16, "mla": 48}
+
+
+def encode_recorder(monkeypatch, name, honour_options=True):
+    module, attr = ENCODE_KERNELS[name]
+    recorder = KeyRecorder(getattr(module, attr), honour_options)
+    monkeypatch.setattr(module, attr, recorder)
+    return recorder
+
+
+def drive_encodes(name, sides=2):
+    """Backups of every layer at once and, as the staged path makes them, one
+    layer at a time from every first_layer (whole counters, one-layer
+    records), with index slices at odd offsets and of varied sizes."""
+    tables = tuple(hk.DeviceLayerTable(_layers(LAYERS, WIDTHS[name])) for _ in range(2))
+    counters = hk.KVCounters(
+        torch.zeros((), dtype=torch.int64),
+        torch.zeros(LAYERS, 1 if name == "mla" else 2),
+        torch.zeros((), dtype=torch.int64),
+    )
+    all_layers = LAUNCHES[name](tables, LAYERS)
+    one_layer = LAUNCHES[name](tables, 1)
+    pool = torch.arange(UNITS)
+    for i, n in enumerate((1, 2, 3, 16, 5, 17)):
+        # Slices at 0, 8, 16, ... bytes: every other one off 16-byte alignment.
+        dev, host = pool[i : i + n], pool.flip(0)[i : i + n]
+        all_layers(dev, host, counters, 0)
+        for first_layer in range(LAYERS):
+            one_layer(dev, host, counters._replace(bad_indices=None), first_layer)
+
+
+@pytest.mark.parametrize("name", sorted(ENCODE_KERNELS))
+def test_no_encode_variant_from_index_slices_sizes_or_first_layer(monkeypatch, name):
+    recorder = encode_recorder(monkeypatch, name)
+    drive_encodes(name)
+    # One key with the bad-index counter (all layers), one without (staged).
+    assert len(recorder.keys) == 2, recorder.keys
+
+
+@pytest.mark.parametrize("name", sorted(ENCODE_KERNELS))
+def test_a_sliced_tuple_element_would_be_a_new_variant(monkeypatch, name):
+    """A layer-offsets slice in the dev tuple gives a new key (the recorder
+    sees tuple elements' alignment), and sliced counters are refused."""
+    recorder = encode_recorder(monkeypatch, name)
+    tables = tuple(
+        hk.DeviceLayerTable(_layers(LAYERS + 1, WIDTHS[name])) for _ in range(2)
+    )
+    launch = LAUNCHES[name](tables, LAYERS)
+    idx = torch.arange(4)
+    launch(idx, idx, None, 0)
+    for table in tables:
+        table.offsets = table.offsets[1:]  # 8 bytes in: not 16-byte aligned
+        table.layers = table.layers[1:]
+    launch(idx, idx, None, 0)
+    assert len(recorder.keys) == 2
+    sliced = torch.zeros(2, dtype=torch.int64)[1]
+    with pytest.raises(ValueError, match="whole tensor"):
+        launch(idx, idx, hk.KVCounters(nonfinite=sliced), 0)

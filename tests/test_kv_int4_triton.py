@@ -37,6 +37,7 @@ from tests.support.fp8_reference import (
 )
 
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -165,8 +166,7 @@ def run_case(
     k4.encode_gather(
         (k4.DeviceLayerTable(k_layers), k4.DeviceLayerTable(v_layers)),
         dev.to(index_dtype), host.all_layers(), host_idx.to(index_dtype),
-        nonfinite_counter=counter, scale_amax=amax, bad_index_counter=bad_idx,
-        tile=tile,
+        counters=KVCounters(counter, amax, bad_idx), tile=tile,
     )  # fmt: skip
 
     # Expected: the reference per unit of the transfer's rows.
@@ -328,7 +328,7 @@ def encode_rows(fmt, k, v, ut):
     idx = torch.arange(n)
     k4.encode_gather(
         (k4.DeviceLayerTable([k]), k4.DeviceLayerTable([v])), idx,
-        host.all_layers(), idx, nonfinite_counter=counter,
+        host.all_layers(), idx, counters=KVCounters(nonfinite=counter),
     )  # fmt: skip
     want, bad, _ = reference_records(
         fmt, k.view(units, ut, H, dk), v.view(units, ut, H, -1)
@@ -390,7 +390,7 @@ def test_all_groups_non_finite(fmt):
     table = k4.DeviceLayerTable([x])
     k4.encode_gather(
         (table, table), idx, host.all_layers(), idx,
-        nonfinite_counter=counter, scale_amax=amax,
+        counters=KVCounters(counter, amax),
     )  # fmt: skip
     rec = host.layer(0)
     groups = {"int4": 2 * 64 + 16 * 2, "k8v4": 16 * 2 + 16 * 2}[fmt]
@@ -451,7 +451,7 @@ def test_out_of_range_host_indices_are_counted_not_written(fmt, ut, index_dtype)
     bad = torch.zeros((), dtype=torch.int64)
     k4.encode_gather(
         tables, torch.arange(2 * ut).to(index_dtype), host.all_layers(),
-        host_idx.to(index_dtype), bad_index_counter=bad,
+        host_idx.to(index_dtype), counters=KVCounters(bad_indices=bad),
     )  # fmt: skip
     per_channel = fmt == "int4" and ut >= K_CHANNEL_MIN_TOKENS
     # Per-channel keys: unit 1's run is broken, so none of its tokens is
@@ -496,8 +496,9 @@ def test_per_channel_run_out_of_order_writes_no_keys():
     host_idx = torch.cat([torch.arange(16), torch.arange(16, 32).flip(0)])
     bad = torch.zeros((), dtype=torch.int64)
     k4.encode_gather(
-        tables, torch.arange(32), host.all_layers(), host_idx, bad_index_counter=bad
-    )
+        tables, torch.arange(32), host.all_layers(), host_idx,
+        counters=KVCounters(bad_indices=bad),
+    )  # fmt: skip
     assert int(bad) == 16
     assert torch.equal(host.bufs["k"][1], before.bufs["k"][1])
     assert not torch.equal(host.bufs["k"][0], before.bufs["k"][0])
@@ -506,15 +507,16 @@ def test_per_channel_run_out_of_order_writes_no_keys():
     swapped = torch.arange(16, 32)
     swapped[[1, 2]] = swapped[[2, 1]]
     k4.encode_gather(
-        tables, torch.arange(16), host.all_layers(), swapped, bad_index_counter=bad
-    )
+        tables, torch.arange(16), host.all_layers(), swapped,
+        counters=KVCounters(bad_indices=bad),
+    )  # fmt: skip
     assert int(bad) == 16
     assert torch.equal(host.bufs["k"][1], before.bufs["k"][1])
     # A run that starts mid-unit: also refused.
     bad.zero_()
     k4.encode_gather(
         tables, torch.arange(16), host.all_layers(), torch.arange(8, 24),
-        bad_index_counter=bad,
+        counters=KVCounters(bad_indices=bad),
     )  # fmt: skip
     assert int(bad) == 16
 
@@ -532,11 +534,14 @@ def test_bad_arguments_fail_before_launch():
         bad_meta = dict(out, k_meta=out["k_meta"][..., 0])
         k4.encode_gather(tables, idx[:16], bad_meta, idx[:16])
     with pytest.raises(ValueError, match="layers"):
-        k4.encode_gather(tuple(t.select(0) for t in tables), idx[:16], out, idx[:16])
+        k4.encode_gather(tables, idx[:16], out, idx[:16], first_layer=1)
     with pytest.raises(TypeError, match="int32/int64"):
         k4.encode_gather(tables, idx[:16].float(), out, idx[:16])
-    with pytest.raises(ValueError, match="scale_amax"):
-        k4.encode_gather(tables, idx[:16], out, idx[:16], scale_amax=torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="counters.amax"):
+        k4.encode_gather(
+            tables, idx[:16], out, idx[:16],
+            counters=KVCounters(amax=torch.zeros(3, 2)),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="even head dim"):
         odd = torch.zeros(16, 2, 63, dtype=torch.bfloat16)
         k4.decode_scatter(host.layer(0), idx[:16], (odd, odd), idx[:16])

@@ -26,6 +26,7 @@ from tests.support.hicache_harness import (
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import encoded, encoded_fused
 from tests.support.codec_inputs import (
     LOG2_RANGE,
@@ -66,7 +67,7 @@ def fused_encode(x: torch.Tensor, tile: int | None = None):
     idx = torch.arange(n)
     kt.encode_gather(
         table, table, idx, q, qv, scale, idx, unit_tokens=1,
-        nonfinite_counter=counter, tile=tile,
+        counters=KVCounters(nonfinite=counter), tile=tile,
     )  # fmt: skip
     assert torch.equal(q, qv)
     assert_same_bits(scale[..., 0, :], scale[..., 1, :])
@@ -204,7 +205,7 @@ def test_encode_gathers_layers_and_strided_records():
     kt.encode_gather(
         kt.DeviceLayerTable(k_layers), kt.DeviceLayerTable(v_layers), dev,
         k_host.transpose(0, 1), v_host, s_host, host, unit_tokens=UT,
-        nonfinite_counter=counter,
+        counters=KVCounters(nonfinite=counter),
     )  # fmt: skip
     assert int(counter) == 1
     unit, within = host // UT, host % UT

@@ -23,6 +23,7 @@ from tests.support.codec_inputs import (
 )
 
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
+from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
@@ -102,9 +103,11 @@ def encode(
     }
     mk.encode_gather(
         [mk.DeviceLayerTable(layers)], dev, views, host,
-        nonfinite_counter=stats["nonfinite"] if counters else None,
-        scale_amax=stats["amax"] if amax else None,
-        bad_index_counter=stats["bad_index"] if counters else None,
+        counters=KVCounters(
+            stats["nonfinite"] if counters else None,
+            stats["amax"] if amax else None,
+            stats["bad_index"] if counters else None,
+        ),
         tile=tile,
     )  # fmt: skip
     return stats
@@ -363,8 +366,11 @@ def test_bad_arguments_raise_and_write_nothing():
         (dict(views=views_with(kv=base["kv"][..., :256])), "device MLA KV"),
         (dict(views=views_with(rope=base["rope"][:, :1])), "record rope"),
         (dict(views={k: v for k, v in base.items() if k != "rope"}), "missing"),
-        (dict(scale_amax=torch.zeros(2, 2)), "scale_amax"),
-        (dict(nonfinite_counter=torch.zeros(1, dtype=torch.int64)), "nonfinite"),
+        (dict(counters=KVCounters(amax=torch.zeros(2, 2))), "counters.amax"),
+        (
+            dict(counters=KVCounters(torch.zeros(1, dtype=torch.int64))),
+            "counters.nonfinite",
+        ),
     ]
     for kwargs, match in cases:
         views = kwargs.pop("views", base)

@@ -20,6 +20,7 @@ from tests.support.codec_inputs import assert_same_bits
 
 from sglang.kernels.ops.kvcache import kv_hadamard_triton as hr
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import kv_hadamard
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
@@ -132,7 +133,7 @@ def run_case(
     k4.encode_gather(
         (k4.DeviceLayerTable(k_layers), k4.DeviceLayerTable(v_layers)),
         dev.to(index_dtype), host.all_layers(), host_idx.to(index_dtype),
-        nonfinite_counter=counter, scale_amax=amax, tile=tile, **rotation,
+        counters=KVCounters(counter, amax), tile=tile, **rotation,
     )  # fmt: skip
 
     want_views, want_bad, want_amax = want.all_layers(), 0, torch.zeros(layers, 2)

@@ -47,15 +47,20 @@ def encode_gather(
     out,
     host_indices,
     *,
-    nonfinite_counter=None,
-    scale_amax=None,
-    bad_index_counter=None,
+    counters=None,
+    first_layer=0,
 ):
+    nonfinite, amax, bad = (
+        (None, None, None)
+        if counters is None
+        else (counters.nonfinite, counters.amax, counters.bad_indices)
+    )
     (table,) = tables
     dim = table.shape[-1]
     fmt, ut = _format_of(out, table.dtype, dim)
-    units, ok = _units(host_indices, ut, out["kv"].shape[0], bad_index_counter)
-    for layer, device_layer in enumerate(table.layers):
+    units, ok = _units(host_indices, ut, out["kv"].shape[0], bad)
+    for layer in range(out["kv"].shape[1]):
+        device_layer = table.layers[first_layer + layer]
         rows = device_layer[device_indices.long()].view(-1, ut, 1, dim)[ok]
         encoded = fmt.encode_reference([rows])
         for name, value in encoded.items():
@@ -63,10 +68,11 @@ def encode_gather(
         stats = fmt.encode_into(
             [rows], {n: torch.empty_like(v) for n, v in encoded.items()}
         )
-        if nonfinite_counter is not None:
-            nonfinite_counter += stats.nonfinite
-        if scale_amax is not None:
-            torch.maximum(scale_amax[layer], stats.amax, out=scale_amax[layer])
+        if nonfinite is not None:
+            nonfinite += stats.nonfinite
+        if amax is not None:
+            slot = amax[first_layer + layer]
+            torch.maximum(slot, stats.amax, out=slot)
 
 
 def decode_scatter(

@@ -34,6 +34,7 @@ if DEVICE is not None:
     from tests.support.int4_reference import Host, reference_decode, reference_records
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+    from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +114,7 @@ def test_rotated_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtyp
     counter = torch.zeros((), dtype=torch.int64, device=DEVICE)
     k4.encode_gather(
         tables, dev.to(DEVICE), host.all_layers(), host_idx.to(DEVICE),
-        nonfinite_counter=counter, **rotation,
+        counters=KVCounters(nonfinite=counter), **rotation,
     )  # fmt: skip
     sync()
     k = k_cpu[dev].view(n_units, ut, H, dk)
@@ -173,7 +174,7 @@ def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
         amax = torch.zeros(layers, 2, device=DEVICE)
         k4.encode_gather(
             tables, dev.to(DEVICE), host.all_layers(), host_idx.to(DEVICE),
-            nonfinite_counter=counter, scale_amax=amax, bad_index_counter=bad_idx,
+            counters=KVCounters(counter, amax, bad_idx),
         )  # fmt: skip
         sync()
         for name in want.bufs:

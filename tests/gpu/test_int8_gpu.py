@@ -41,6 +41,7 @@ from tests.support.gpu import (
 if DEVICE is not None:
     from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
     from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+    from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
     from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
     MHATokenToKVPoolINT8Host = host_pool_cls("int8")
@@ -176,8 +177,9 @@ def test_kernels_bit_exact_against_cpu_reference(dtype, d, record_property):
         s = s.to(DEVICE) if where == "device" else (s.pin_memory() if CUDA else s)
         counter = torch.zeros((), dtype=torch.int64, device=DEVICE)
         kt.encode_gather(
-            table, table, idx, q, qv, s, idx, unit_tokens=1, nonfinite_counter=counter
-        )
+            table, table, idx, q, qv, s, idx, unit_tokens=1,
+            counters=KVCounters(nonfinite=counter),
+        )  # fmt: skip
         sync()
         assert same_bits(q.view(tokens, H, d), q_ref), where
         assert same_bits(qv.view(tokens, H, d), q_ref), where

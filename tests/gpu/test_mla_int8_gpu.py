@@ -18,6 +18,7 @@ from tests.support import gpu as gs
 
 if gs.DEVICE is not None:
     from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
+    from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
     from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
@@ -81,9 +82,7 @@ def test_mla_kernels_bit_exact_against_cpu_reference(dtype, record_property):
         out = records_on(where, n, 1, dtype)
         nonfinite = torch.zeros((), dtype=torch.int64, device=gs.DEVICE)
         amax = torch.zeros(1, 1, device=gs.DEVICE)
-        mk.encode_gather(
-            [table], idx, out, idx, nonfinite_counter=nonfinite, scale_amax=amax
-        )
+        mk.encode_gather([table], idx, out, idx, counters=KVCounters(nonfinite, amax))
         gs.sync()
         for name, expected in ref_records.items():
             assert gs.same_bits(out[name][:, 0, 0].cpu().view(torch.int8),

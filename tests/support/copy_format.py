@@ -80,25 +80,24 @@ class CopyHostFormat(HostKVFormat):
         out,
         host_indices,
         *,
-        nonfinite_counter=None,
-        scale_amax=None,
-        bad_index_counter=None,
+        counters=None,
+        first_layer=0,
     ):
+        amax = None if counters is None else counters.amax
         ut = self.unit_tokens
         units = host_indices.view(-1, ut)[:, 0].long() // ut
-        for layer in range(len(tables[0])):
+        for layer in range(next(iter(out.values())).shape[1]):
+            src = first_layer + layer
             rows = [
-                t.layers[layer][device_indices.long()].view(-1, ut, *t.shape[1:])
+                t.layers[src][device_indices.long()].view(-1, ut, *t.shape[1:])
                 for t in tables
             ]
             encoded = self.encode_reference(rows)
             for name, value in encoded.items():
                 out[name][units, layer] = value
-            if scale_amax is not None:
+            if amax is not None:
                 torch.maximum(
-                    scale_amax[layer],
-                    encoded["unit_amax"].amax(dim=0),
-                    out=scale_amax[layer],
+                    amax[src], encoded["unit_amax"].amax(dim=0), out=amax[src]
                 )
 
     def decode_scatter(

@@ -231,6 +231,17 @@ def _record_instead_of_launch(launches: dict, counter: list):
     return getitem
 
 
+def _named_constexprs(arg_names, constants) -> dict:
+    """The kernel's constexprs by name; a kernel's Geometry tuple by its
+    fields' names (the checks read IS_BF16, UT, ... whichever way it comes)."""
+    named = {}
+    for path, value in constants.items():
+        if len(path) == 1:
+            fields = value._asdict() if hasattr(value, "_asdict") else None
+            named.update(fields or {arg_names[path[0]]: value})
+    return named
+
+
 def _compile(launch: _Launch, arch: int) -> CompiledSpec:
     log = io.StringIO()
     # knobs.nvidia.dump_ptxas_log makes make_cubin print ptxas -v.
@@ -243,11 +254,7 @@ def _compile(launch: _Launch, arch: int) -> CompiledSpec:
         name=kernel.name,
         hash=kernel.hash,
         signature=dict(kernel.src.signature),
-        constexprs={
-            launch.fn.arg_names[path[0]]: value
-            for path, value in kernel.src.constants.items()
-            if len(path) == 1
-        },
+        constexprs=_named_constexprs(launch.fn.arg_names, kernel.src.constants),
         ptx=kernel.asm["ptx"],
         ptxas_log=log.getvalue(),
     )
@@ -581,6 +588,7 @@ def drive_int4_case(case: Int4Case) -> None:
     from tests.support.int4_reference import Host
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+    from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
     H, dk, dv = case.geometry
@@ -608,8 +616,8 @@ def drive_int4_case(case: Int4Case) -> None:
         for kind in case.index_kinds:
             dev = _device_indices(rows, kind)
             k4.encode_gather(
-                tables, dev, host.all_layers(), host_idx, nonfinite_counter=counter,
-                scale_amax=amax, bad_index_counter=bad, **rotation,
+                tables, dev, host.all_layers(), host_idx,
+                counters=KVCounters(counter, amax, bad), **rotation,
             )  # fmt: skip
             for layer in range(layers):
                 dst = (k_layers[layer], v_layers[layer])
@@ -620,8 +628,9 @@ def drive_int4_case(case: Int4Case) -> None:
             if case.staged:
                 one_layer = {n: t[:, :1] for n, t in host.all_layers().items()}
                 k4.encode_gather(
-                    tuple(t.select(0) for t in tables), dev, one_layer, host_idx,
-                    nonfinite_counter=counter, scale_amax=amax[:1], **rotation,
+                    tables, dev, one_layer, host_idx,
+                    counters=KVCounters(counter, amax), first_layer=layers - 1,
+                    **rotation,
                 )  # fmt: skip
                 k4.decode_scatter(host.layer(0), host_idx, dst, dev, **rotation)
 

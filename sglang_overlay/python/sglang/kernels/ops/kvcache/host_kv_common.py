@@ -6,7 +6,7 @@ docs/kernels.md."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import triton
@@ -21,22 +21,14 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_NONE, FP8_E4M3, FP8_E5M2 = 0, 1, 2
 
 # Per-transfer sizes pick no kernel variant (Triton specializes ints == 1 or
-# divisible by 16); nor do the kernels' index, layer-offset and counter
-# pointers, which are only gathered from or hit by atomics (pointers are
-# specialized on 16-byte alignment): a serving pool would compile mid-flight.
-# They stay separate arguments: a tuple's elements are specialized whatever
-# its do_not_specialize_on_alignment says (tests/test_int8_kernel_variants.py).
-SIZES = ["n_tok", "n_host", "n_k_progs"]
-BOOKKEEPING_POINTERS = [
-    "dev_idx_ptr",
-    "host_idx_ptr",
-    "bad_idx_ptr",
-    "nonfinite_ptr",
-    "amax_ptr",
-    "k_offs",
-    "v_offs",
-    "kv_offs",
-]
+# divisible by 16); nor do the index pointers, slices at any offset (pointers
+# are specialized on 16-byte alignment): a serving pool would compile
+# mid-flight. They stay separate arguments: a tuple's elements are specialized
+# whatever its do_not_specialize_on_alignment says. The encode kernels' layer
+# offsets and counters are tuple elements, so they must be whole (aligned)
+# tensors: check_counters refuses others (tests/test_int8_kernel_variants.py).
+SIZES = ["n_tok", "n_host", "n_k_progs", "first_layer"]
+BOOKKEEPING_POINTERS = ["dev_idx_ptr", "host_idx_ptr", "bad_idx_ptr"]
 
 
 def kernel_jit(unaligned: Sequence[str] = ()):
@@ -191,10 +183,17 @@ def layer_offset(offs_ptr, layer_idx, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def device_rows(dev, offs_ptr, layer, ALIGNED: tl.constexpr):
+def device_rows(dev, layer, ALIGNED: tl.constexpr):
     """A side's device rows in one layer as the row code takes them (src):
-    dev = (base pointer, token stride, head stride), plus the layer offset."""
-    return (dev[0], layer_offset(offs_ptr, layer, ALIGNED), dev[1], dev[2])
+    dev = (base pointer, token stride, head stride, layer offsets)."""
+    return (dev[0], layer_offset(dev[3], layer, ALIGNED), dev[1], dev[2])
+
+
+@triton.jit
+def layer_stats(counters, slot):
+    """The stats of one (layer, side) amax slot: counters = (nonfinite, amax,
+    bad indices) -> (nonfinite_ptr, amax_ptr)."""
+    return (counters[0], counters[1] + slot)
 
 
 @triton.jit
@@ -387,11 +386,6 @@ def fp8_kind(dtype: torch.dtype) -> int:
     return FP8_NONE
 
 
-def fp8_args(dtype: torch.dtype) -> dict:
-    """The FP8 constexpr of kernels that read FP8 device KV (int4/k8v4)."""
-    return {"FP8": fp8_kind(dtype)}
-
-
 def _or_dummy(t, dummy, view_dtype=None):
     """The pointer argument for an optional tensor; a constexpr flag tells the
     kernel whether to touch it."""
@@ -415,31 +409,70 @@ def record_arg(
     return (t, *(named.get(d, 0) for d in RECORD_DIMS), *rest)
 
 
+class KVCounters(NamedTuple):
+    """The statistics an encode_gather updates, each None if not kept: the
+    groups stored as non-finite (0-dim int64), the amax per layer and side
+    (fp32 [layers, sides]) and the tokens skipped for an out-of-range host
+    index (0-dim int64). The pool's HostKVCounters, with the same fields,
+    may stand in for it."""
+
+    nonfinite: torch.Tensor | None = None
+    amax: torch.Tensor | None = None
+    bad_indices: torch.Tensor | None = None
+
+
+def check_counters(counters, layers: int, sides: int, device) -> KVCounters:
+    """counters (a KVCounters, an object with its fields, or None: none),
+    checked for tables of `layers` layers of `sides` sides. The kernels take
+    them as one tuple, so each must start 16-byte aligned (a whole tensor)."""
+    if counters is None:
+        return KVCounters()
+    counters = KVCounters(counters.nonfinite, counters.amax, counters.bad_indices)
+    check_counter("counters.nonfinite", counters.nonfinite, device)
+    check_counter("counters.bad_indices", counters.bad_indices, device)
+    check_amax(counters.amax, layers, sides, device)
+    for name, t in zip(KVCounters._fields, counters):
+        if t is not None and t.data_ptr() % 16:
+            raise ValueError(
+                f"counters.{name} must be a whole tensor (16-byte aligned), "
+                "not a slice: the kernels would compile a variant for it"
+            )
+    return counters
+
+
+def check_layer_range(first_layer: int, record_layers: int, layers: int) -> None:
+    """Records of record_layers layers from table layer first_layer on."""
+    if not 0 <= first_layer <= layers - record_layers:
+        raise ValueError(
+            f"records hold {record_layers} layers from layer {first_layer}, "
+            f"the tables {layers}"
+        )
+
+
 def encode_args(
     tables: dict[str, DeviceLayerTable],
     device_indices: torch.Tensor,
     host_indices: torch.Tensor,
-    nonfinite_counter: torch.Tensor | None,
-    scale_amax: torch.Tensor | None,
-    bad_index_counter: torch.Tensor | None,
+    counters: KVCounters,
 ) -> dict:
     """The arguments every encode kernel takes, by the kernels' names: each
-    side's device rows (dev, per side (base, token stride, head stride)) and
-    layer offsets, the indices and the statistics with their flags."""
-    first = next(iter(tables.values()))
-    dummy = first.offsets
-    args = index_args(device_indices, host_indices, bad_index_counter, dummy)
-    args.update(
-        dev=tuple((t.base, *t.stride[:2]) for t in tables.values()),
-        nonfinite_ptr=_or_dummy(nonfinite_counter, dummy),
-        amax_ptr=_or_dummy(scale_amax, dummy, torch.int32),
-        IS_BF16=first.dtype == torch.bfloat16,
+    side's device rows (dev, per side (base, token stride, head stride, layer
+    offsets)), the indices, the counters (nonfinite, amax as int32, bad
+    indices: whole tensors, a dummy for each not kept) and the statistics'
+    flags (the dtype's and the bad-index flag: kernel_flags)."""
+    dummy = next(iter(tables.values())).offsets
+    return dict(
+        dev=tuple((t.base, *t.stride[:2], t.offsets) for t in tables.values()),
+        dev_idx_ptr=device_indices,
+        host_idx_ptr=host_indices,
+        counters=(
+            _or_dummy(counters.nonfinite, dummy),
+            _or_dummy(counters.amax, dummy, torch.int32),
+            _or_dummy(counters.bad_indices, dummy),
+        ),
         ALIGNED=all(t.aligned for t in tables.values()),
-        STATS=(nonfinite_counter is not None, scale_amax is not None),
+        STATS=(counters.nonfinite is not None, counters.amax is not None),
     )
-    for side, table in tables.items():
-        args[f"{side}_offs"] = table.offsets
-    return args
 
 
 def decode_args(
@@ -449,28 +482,19 @@ def decode_args(
     bad_index_counter: torch.Tensor | None,
 ) -> dict:
     """The arguments every decode kernel takes: each side's device layer (dst,
-    per side (element patterns, token stride, head stride)), the indices and
-    the bad-index flag."""
-    args = index_args(device_indices, host_indices, bad_index_counter, device_indices)
-    args["dst"] = tuple((element_bits(t), *t.stride()[:2]) for t in dst.values())
-    args["IS_BF16"] = next(iter(dst.values())).dtype == torch.bfloat16
-    return args
-
-
-def index_args(
-    device_indices: torch.Tensor,
-    host_indices: torch.Tensor,
-    bad_index_counter: torch.Tensor | None,
-    dummy: torch.Tensor,
-) -> dict:
-    """The index pointers and the COUNT_BAD_IDX flag, as every kernel takes
-    them (and passes them on to the device functions as idx)."""
+    per side (element patterns, token stride, head stride)) and the index
+    pointers (passed on to the device functions as idx)."""
     return dict(
+        dst=tuple((element_bits(t), *t.stride()[:2]) for t in dst.values()),
         dev_idx_ptr=device_indices,
         host_idx_ptr=host_indices,
-        bad_idx_ptr=_or_dummy(bad_index_counter, dummy),
-        COUNT_BAD_IDX=bad_index_counter is not None,
+        bad_idx_ptr=_or_dummy(bad_index_counter, device_indices),
     )
+
+
+def kernel_flags(dtype: torch.dtype, bad_index_counter) -> tuple[bool, bool]:
+    """(IS_BF16, COUNT_BAD_IDX): the device dtype's and the bad-index flag."""
+    return dtype == torch.bfloat16, bad_index_counter is not None
 
 
 class DeviceLayerTable:
@@ -521,14 +545,6 @@ class DeviceLayerTable:
 
     def __len__(self) -> int:
         return len(self.layers)
-
-    def select(self, first: int, count: int = 1) -> DeviceLayerTable:
-        """The table of layers [first, first + count), sharing this one's memory."""
-        sub = object.__new__(DeviceLayerTable)
-        sub.__dict__.update(self.__dict__)
-        sub.layers = self.layers[first : first + count]
-        sub.offsets = self.offsets[first : first + count]
-        return sub
 
 
 def _device_dtypes(fp8: bool) -> tuple[torch.dtype, ...]:
@@ -582,17 +598,15 @@ def check_counter(name: str, t: torch.Tensor | None, device) -> None:
         raise ValueError(f"{name} must be a 0-dim int64 tensor on {device}")
 
 
-def check_amax(
-    scale_amax: torch.Tensor | None, layers: int, sides: int, device
-) -> None:
-    """scale_amax, if given: contiguous fp32 [layers, sides] on the device."""
-    if scale_amax is not None and (
-        scale_amax.dtype != torch.float32
-        or tuple(scale_amax.shape) != (layers, sides)
-        or not scale_amax.is_contiguous()
-        or scale_amax.device != device
+def check_amax(amax: torch.Tensor | None, layers: int, sides: int, device) -> None:
+    """amax, if given: contiguous fp32 [layers, sides] on the device."""
+    if amax is not None and (
+        amax.dtype != torch.float32
+        or tuple(amax.shape) != (layers, sides)
+        or not amax.is_contiguous()
+        or amax.device != device
     ):
         raise ValueError(
-            f"scale_amax must be contiguous float32 [{layers}, {sides}] on {device}, "
-            f"got {scale_amax.dtype} {tuple(scale_amax.shape)} on {scale_amax.device}"
+            f"counters.amax must be contiguous float32 [{layers}, {sides}] on "
+            f"{device}, got {amax.dtype} {tuple(amax.shape)} on {amax.device}"
         )

@@ -13,7 +13,7 @@ E5M2: bytes widened and rounded back by integer operations).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 import triton
@@ -37,6 +37,19 @@ FP8_DECODE_WARPS = 8
 KEYS_INT8 = 0  # k8v4: kv_int8_codec rows
 KEYS_PER_TOKEN = 1  # int4, channel groups per token and head
 KEYS_PER_CHANNEL = 2  # int4, one group per channel over a unit's tokens
+
+
+class Geometry(NamedTuple):
+    """The constexprs both kernels take, as one tuple."""
+
+    H: int
+    D: tuple[int, int]  # per side (K, V), as G, ROT_B, BLOCKS and COUNT_BAD_IDX
+    KEY_MODE: int
+    G: tuple[int, int]
+    UT: int
+    IS_BF16: bool
+    ROT_B: tuple[int, int]  # 0: not rotated
+    FP8: int  # hk.FP8_NONE: 16-bit device KV
 
 
 @triton.jit
@@ -273,64 +286,55 @@ def _decode_groups(
 
 @hk.kernel_jit(unaligned=["sign_ptr"])
 def _encode_kernel(
-    dev,
-    k_offs,
-    v_offs,
+    dev,  # per side: (base, token stride, head stride, layer offsets)
     dev_idx_ptr,
     host_idx_ptr,
-    bad_idx_ptr,
-    nonfinite_ptr,
-    amax_ptr,
+    counters,  # (nonfinite, amax [table layers, 2], bad indices)
     sign_ptr,
     codes,  # per side: (codes, unit, layer, token, head strides)
     meta,  # per side: (metadata, unit, layer, token, head, group, param strides)
     n_tok,
     n_host,
     n_k_progs,
-    H: tl.constexpr,
-    D: tl.constexpr,  # per side, as G, BLOCKS, COUNT_BAD_IDX and ROT_B
-    KEY_MODE: tl.constexpr,
-    G: tl.constexpr,
-    BLOCKS: tl.constexpr,  # keys: rows, or channel pairs if per channel
+    first_layer,  # the tables' layer of record layer 0
+    GEO: tl.constexpr,  # Geometry
+    BLOCKS: tl.constexpr,  # per side; keys: rows, or channel pairs if per channel
     K_NCB: tl.constexpr,
-    UT: tl.constexpr,
-    IS_BF16: tl.constexpr,
     ALIGNED: tl.constexpr,
     STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
-    ROT_B: tl.constexpr = (0, 0),
-    FP8: tl.constexpr = 0,
 ):
-    # grid: (key programs + value programs, layers)
-    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
+    # grid: (key programs + value programs, record layers)
+    idx = (dev_idx_ptr, host_idx_ptr, counters[2])
     pid = tl.program_id(0)
     layer = tl.program_id(1).to(tl.int64)
-    offs = (k_offs, v_offs)
+    table_layer = first_layer + layer
     prog_side = (pid >= n_k_progs).to(tl.int32)
     for side in tl.static_range(2):
         if prog_side == side:
-            src = hk.device_rows(dev[side], offs[side], layer, ALIGNED)
-            stats = (nonfinite_ptr, amax_ptr + 2 * layer + side)
+            src = hk.device_rows(dev[side], table_layer, ALIGNED)
+            stats = hk.layer_stats(counters, 2 * table_layer + side)
             row0 = (pid - side * n_k_progs) * BLOCKS[side]
-            if side == 0 and KEY_MODE == 0:
+            if side == 0 and GEO.KEY_MODE == 0:
                 hk.int8_encode_rows(
-                    src, codes[0], meta[0], idx, stats, (row0, n_tok * H, n_host),
-                    layer, H, D[0], UT, BLOCKS[0], IS_BF16, STATS,
-                    COUNT_BAD_IDX[0], FP8,
+                    src, codes[0], meta[0], idx, stats, (row0, n_tok * GEO.H, n_host),
+                    layer, GEO.H, GEO.D[0], GEO.UT, BLOCKS[0], GEO.IS_BF16,
+                    STATS, COUNT_BAD_IDX[0], GEO.FP8,
                 )  # fmt: skip
-            elif side == 0 and KEY_MODE == 2:
+            elif side == 0 and GEO.KEY_MODE == 2:
                 _encode_channels(
                     src, codes[0], meta[0], idx, stats, n_host, layer, sign_ptr,
-                    H, D[0], BLOCKS[0], K_NCB, UT, IS_BF16, FP8, STATS,
-                    COUNT_BAD_IDX[0], ROT_B[0],
+                    GEO.H, GEO.D[0], BLOCKS[0], K_NCB, GEO.UT, GEO.IS_BF16,
+                    GEO.FP8, STATS, COUNT_BAD_IDX[0], GEO.ROT_B[0],
                 )  # fmt: skip
             else:
-                groups = D[side] // G[side]
+                groups = GEO.D[side] // GEO.G[side]
                 _encode_groups(
                     src, codes[side], meta[side], idx, stats,
-                    (row0, n_tok * (H * groups), n_host), layer, sign_ptr,
-                    H, groups, G[side], UT, BLOCKS[side], IS_BF16, FP8, STATS,
-                    COUNT_BAD_IDX[side], ROT_B[side],
+                    (row0, n_tok * (GEO.H * groups), n_host), layer, sign_ptr,
+                    GEO.H, groups, GEO.G[side], GEO.UT, BLOCKS[side],
+                    GEO.IS_BF16, GEO.FP8, STATS, COUNT_BAD_IDX[side],
+                    GEO.ROT_B[side],
                 )  # fmt: skip
 
 
@@ -346,16 +350,9 @@ def _decode_kernel(
     n_tok,
     n_host,
     n_k_progs,
-    H: tl.constexpr,
-    D: tl.constexpr,  # per side, as G, BLOCKS and ROT_B
-    KEY_MODE: tl.constexpr,
-    G: tl.constexpr,
-    BLOCKS: tl.constexpr,
-    UT: tl.constexpr,
-    IS_BF16: tl.constexpr,
+    GEO: tl.constexpr,  # Geometry
+    BLOCKS: tl.constexpr,  # per side
     COUNT_BAD_IDX: tl.constexpr,
-    ROT_B: tl.constexpr = (0, 0),
-    FP8: tl.constexpr = 0,
 ):
     # grid: (key programs + value programs,); one layer's records (layer
     # stride 0); the keys count bad indices
@@ -364,17 +361,19 @@ def _decode_kernel(
     prog_side = (pid >= n_k_progs).to(tl.int32)
     for side in tl.static_range(2):
         if prog_side == side:
-            rows = ((pid - side * n_k_progs) * BLOCKS[side], n_tok * H, n_host)
-            if side == 0 and KEY_MODE == 0:
+            rows = ((pid - side * n_k_progs) * BLOCKS[side], n_tok * GEO.H, n_host)
+            if side == 0 and GEO.KEY_MODE == 0:
                 hk.int8_decode_rows(
                     codes[0], meta[0], dst[0], idx, rows,
-                    H, D[0], UT, BLOCKS[0], IS_BF16, COUNT_BAD_IDX, FP8,
+                    GEO.H, GEO.D[0], GEO.UT, BLOCKS[0], GEO.IS_BF16,
+                    COUNT_BAD_IDX, GEO.FP8,
                 )  # fmt: skip
             else:
                 _decode_groups(
                     codes[side], meta[side], dst[side], idx, rows, sign_ptr,
-                    H, D[side], G[side], UT, BLOCKS[side], IS_BF16, FP8,
-                    COUNT_BAD_IDX and side == 0, ROT_B[side],
+                    GEO.H, GEO.D[side], GEO.G[side], GEO.UT, BLOCKS[side],
+                    GEO.IS_BF16, GEO.FP8, COUNT_BAD_IDX and side == 0,
+                    GEO.ROT_B[side],
                 )  # fmt: skip
 
 
@@ -518,16 +517,14 @@ def _records_args(keys: _Side, values: _Side, dims, rotation_signs) -> dict:
 
 
 def _geometry_args(keys: _Side, values: _Side, H, ut, rot_blocks, dtype) -> dict:
-    """The constexprs both kernels take: heads, widths, key mode, groups,
-    unit tokens, rotation blocks and the device dtype's FP8 kind."""
+    """The Geometry both kernels take: heads, widths, key mode, groups, unit
+    tokens, the device dtype (bf16, FP8 kind) and the rotation blocks."""
+    dims, groups = (keys.dim, values.dim), (keys.group, values.group)
+    is_bf16 = dtype == torch.bfloat16
     return {
-        "H": H,
-        "D": (keys.dim, values.dim),
-        "KEY_MODE": keys.mode,
-        "G": (keys.group, values.group),
-        "UT": ut,
-        "ROT_B": rot_blocks,
-        **hk.fp8_args(dtype),
+        "GEO": Geometry(
+            H, dims, keys.mode, groups, ut, is_bf16, rot_blocks, hk.fp8_kind(dtype)
+        )
     }
 
 
@@ -537,16 +534,16 @@ def encode_gather(
     out: Mapping[str, torch.Tensor],
     host_indices: torch.Tensor,
     *,
-    nonfinite_counter: torch.Tensor | None = None,
-    scale_amax: torch.Tensor | None = None,
-    bad_index_counter: torch.Tensor | None = None,
+    counters: hk.KVCounters | None = None,
+    first_layer: int = 0,
     rotation_blocks: tuple[int, int] = (0, 0),
     rotation_signs: torch.Tensor | None = None,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Backup in one launch: encode the K/V rows tables[s][l][device_indices[i]]
-    of every layer l into the records at host_indices[i].
+    """Backup in one launch: encode the K/V rows
+    tables[s][first_layer + l][device_indices[i]] of every layer l of the
+    records into the records at host_indices[i].
 
     tables = (k_table, v_table), bf16/fp16 or FP8 (float8 views: the FP8
     values are encoded, widened exactly to fp32); out = the format's records as
@@ -562,11 +559,11 @@ def encode_gather(
     views. Per-channel keys need whole units: the transfer's tokens
     [j * UT, (j + 1) * UT) go to one host unit in order (as HiCache moves
     pages); a run that isn't writes no keys, and its in-range tokens are
-    counted in bad_index_counter with those of out-of-range host indices.
-    Groups stored as non-finite are added to nonfinite_counter (0-dim
-    int64); scale_amax (fp32 [L, 2]: K, V) is raised to the largest
-    max(|lo|, |hi|) of the finite groups. Device indices are not
-    range-checked.
+    counted in counters.bad_indices with those of out-of-range host
+    indices (counters: hk.KVCounters, each field optional). Groups stored as
+    non-finite are added to counters.nonfinite; counters.amax (fp32 [L, 2]:
+    K, V) is raised to the largest max(|lo|, |hi|) of the finite groups.
+    Device indices are not range-checked.
 
     rotation_blocks (K, V; 0: not rotated) rotate each head row in blocks of
     that many channels before it is coded (int4r, k8v4r: kv_hadamard's
@@ -582,16 +579,13 @@ def encode_gather(
     layers, H = len(k_table), k_table.shape[1]
     keys, values = _format_records(out, 3, H, k_table.shape[2], v_table.shape[2])
     units, rec_layers, ut = keys.codes.shape[:3]
-    if rec_layers != layers:
-        raise ValueError(f"records hold {rec_layers} layers, the tables {layers}")
+    hk.check_layer_range(first_layer, rec_layers, layers)
     if keys.mode == KEYS_PER_CHANNEL and n % ut:
         raise ValueError(
             f"per-channel keys encode whole units: {n} tokens is not a "
             f"multiple of unit_tokens={ut}"
         )
-    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
-    hk.check_counter("bad_index_counter", bad_index_counter, dev)
-    hk.check_amax(scale_amax, layers, 2, dev)
+    counters = hk.check_counters(counters, layers, 2, dev)
     kb, vb = _check_rotation(keys, values, rotation_blocks, rotation_signs, dev)
 
     tile = tile or ENCODE_TILE
@@ -614,21 +608,17 @@ def encode_gather(
     v_block = max(hk.block_rows(tile, values.group), vb // values.group)
     n_v_progs = triton.cdiv(n * H * (values.dim // values.group), v_block)
     args = hk.encode_args(
-        {"k": k_table, "v": v_table},
-        device_indices,
-        host_indices,
-        nonfinite_counter,
-        scale_amax,
-        bad_index_counter,
+        {"k": k_table, "v": v_table}, device_indices, host_indices, counters
     )
     # Keys count bad indices unless values do (per-token keys: same tokens).
-    count_bad = args.pop("COUNT_BAD_IDX")
-    _encode_kernel[(n_k_progs + n_v_progs, layers)](
+    count_bad = counters.bad_indices is not None
+    _encode_kernel[(n_k_progs + n_v_progs, rec_layers)](
         **_records_args(keys, values, (_CODE_DIMS, _META_DIMS), rotation_signs),
         **_geometry_args(keys, values, H, ut, (kb, vb), k_table.dtype),
         n_tok=n,
         n_host=units * ut,
         n_k_progs=n_k_progs,
+        first_layer=first_layer,
         BLOCKS=(k_block, v_block),
         K_NCB=k_ncb,
         COUNT_BAD_IDX=(
@@ -696,6 +686,7 @@ def decode_scatter(
         n_host=units * ut,
         n_k_progs=n_k_progs,
         BLOCKS=(k_block, v_block),
+        COUNT_BAD_IDX=bad_index_counter is not None,
         num_warps=num_warps
         or (FP8_DECODE_WARPS if k_dst.dtype in hk.FP8_DTYPES else DECODE_WARPS),
         **args,

@@ -9,6 +9,8 @@ stream, never synchronize with the host, and match kv_int8_codec bit for bit
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -25,51 +27,54 @@ DECODE_TILE = 8192
 DECODE_WARPS = 4
 
 
+class Geometry(NamedTuple):
+    """The constexprs both kernels take, as one tuple."""
+
+    H: int
+    D: tuple[int, int]  # per side
+    UT: int
+    BLOCK_R: int
+    IS_BF16: bool
+    COUNT_BAD_IDX: bool  # the keys count bad indices
+
+
 @hk.kernel_jit()
 def _encode_kernel(
-    dev,
-    k_offs,
-    v_offs,
+    dev,  # per side: (base, token stride, head stride, layer offsets)
     dev_idx_ptr,
     host_idx_ptr,
-    bad_idx_ptr,
-    nonfinite_ptr,
-    amax_ptr,
+    counters,  # (nonfinite, amax [table layers, 2], bad indices)
     out,  # per side: (codes, unit, layer, token, head strides)
     scale_out,  # (scales, unit, layer, token, head, side strides)
     n_tok,
     n_host,
-    H: tl.constexpr,
-    D: tl.constexpr,  # per side
-    UT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    IS_BF16: tl.constexpr,
+    first_layer,  # the tables' layer of record layer 0
+    GEO: tl.constexpr,  # Geometry
     ALIGNED: tl.constexpr,
     STATS: tl.constexpr,
-    COUNT_BAD_IDX: tl.constexpr,
 ):
-    # grid: (row blocks, layers, K|V); the keys count bad indices
-    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
+    # grid: (row blocks, record layers, K|V)
+    idx = (dev_idx_ptr, host_idx_ptr, counters[2])
     layer = tl.program_id(1).to(tl.int64)
-    rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
-    offs = (k_offs, v_offs)
+    table_layer = first_layer + layer
+    rows = (tl.program_id(0) * GEO.BLOCK_R, n_tok * GEO.H, n_host)
     for side in tl.static_range(2):
         if tl.program_id(2) == side:
             hk.int8_encode_rows(
-                hk.device_rows(dev[side], offs[side], layer, ALIGNED),
+                hk.device_rows(dev[side], table_layer, ALIGNED),
                 out[side],
                 hk.side_record(scale_out, side),
                 idx,
-                (nonfinite_ptr, amax_ptr + 2 * layer + side),
+                hk.layer_stats(counters, 2 * table_layer + side),
                 rows,
                 layer,
-                H,
-                D[side],
-                UT,
-                BLOCK_R,
-                IS_BF16,
+                GEO.H,
+                GEO.D[side],
+                GEO.UT,
+                GEO.BLOCK_R,
+                GEO.IS_BF16,
                 STATS,
-                COUNT_BAD_IDX and side == 0,
+                GEO.COUNT_BAD_IDX and side == 0,
             )
 
 
@@ -83,16 +88,11 @@ def _decode_kernel(
     dst,
     n_tok,
     n_host,
-    H: tl.constexpr,
-    D: tl.constexpr,
-    UT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    COUNT_BAD_IDX: tl.constexpr,
+    GEO: tl.constexpr,  # Geometry
 ):
     # grid: (row blocks, K|V); one layer's records (layer stride 0)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
-    rows = (tl.program_id(0) * BLOCK_R, n_tok * H, n_host)
+    rows = (tl.program_id(0) * GEO.BLOCK_R, n_tok * GEO.H, n_host)
     for side in tl.static_range(2):
         if tl.program_id(1) == side:
             hk.int8_decode_rows(
@@ -101,12 +101,12 @@ def _decode_kernel(
                 dst[side],
                 idx,
                 rows,
-                H,
-                D[side],
-                UT,
-                BLOCK_R,
-                IS_BF16,
-                COUNT_BAD_IDX and side == 0,
+                GEO.H,
+                GEO.D[side],
+                GEO.UT,
+                GEO.BLOCK_R,
+                GEO.IS_BF16,
+                GEO.COUNT_BAD_IDX and side == 0,
             )
 
 
@@ -114,16 +114,14 @@ def _decode_kernel(
 _LAYER_DIMS = ("unit", "token", "head")
 
 
-def _shape_args(n_tok, units, heads_dims, unit_tokens, block_r) -> dict:
-    """Sizes and constexprs both kernels take: tokens, host slots, H, (Dk, Dv)."""
+def _shape_args(n_tok, units, heads_dims, unit_tokens, block_r, flags) -> dict:
+    """Sizes and the Geometry both kernels take: tokens, host slots, shape and
+    flags = (IS_BF16, COUNT_BAD_IDX)."""
     H, DK, DV = heads_dims
     return dict(
         n_tok=n_tok,
         n_host=units * unit_tokens,
-        H=H,
-        D=(DK, DV),
-        UT=unit_tokens,
-        BLOCK_R=block_r,
+        GEO=Geometry(H, (DK, DV), unit_tokens, block_r, *flags),
     )
 
 
@@ -163,26 +161,26 @@ def encode_gather(
     host_indices: torch.Tensor,
     *,
     unit_tokens: int,
-    nonfinite_counter: torch.Tensor | None = None,
-    scale_amax: torch.Tensor | None = None,
-    bad_index_counter: torch.Tensor | None = None,
+    counters: hk.KVCounters | None = None,
+    first_layer: int = 0,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Backup in one launch: for every layer l of the tables and token i,
-    quantize the K/V rows table[l][device_indices[i]] into the records at
-    host_indices[i]:
+    """Backup in one launch: for every layer l of the records and token i,
+    quantize the K/V rows table[first_layer + l][device_indices[i]] into the
+    records at host_indices[i]:
 
       k_out     int8 [units, L, unit_tokens, H, Dk]  (any strides, dim contiguous)
       v_out     int8 [units, L, unit_tokens, H, Dv]
       scale_out fp16 [units, L, unit_tokens, 2, H]   (K scales at [..., 0, :])
 
     with unit = host_indices[i] // unit_tokens (pinned host memory reached
-    through UVA, or device staging). Rows stored as non-finite are added to
-    nonfinite_counter (0-dim int64); scale_amax (fp32 [L, 2]) is raised to
-    the largest amax of each layer's finite K and V rows. A host index
-    outside [0, units * unit_tokens) writes nothing and its token is counted
-    once in bad_index_counter. Device indices are not range-checked.
+    through UVA, or device staging). counters (hk.KVCounters, each field
+    optional): rows stored as non-finite are added to counters.nonfinite;
+    counters.amax (fp32 [L, 2]) is raised to the largest amax of each
+    layer's finite K and V rows. A host index outside [0, units *
+    unit_tokens) writes nothing and its token is counted once in
+    counters.bad_indices. Device indices are not range-checked.
     """
     hk.check_kv_tables(k_table, v_table)
     n = int(device_indices.numel())
@@ -194,25 +192,22 @@ def encode_gather(
     _check_records("k_out", k_out, 5, torch.int8, H, DK)
     _check_records("v_out", v_out, 5, torch.int8, H, DV)
     _check_records("scale_out", scale_out, 5, torch.float16, H)
-    _check_unit_dims((k_out, v_out, scale_out), (layers, unit_tokens), scale_out)
-    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
-    hk.check_counter("bad_index_counter", bad_index_counter, dev)
-    hk.check_amax(scale_amax, layers, 2, dev)
+    rec_layers = k_out.shape[1]
+    hk.check_layer_range(first_layer, rec_layers, layers)
+    _check_unit_dims((k_out, v_out, scale_out), (rec_layers, unit_tokens), scale_out)
+    counters = hk.check_counters(counters, layers, 2, dev)
 
     block_r = hk.block_rows(tile or ENCODE_TILE, max(DK, DV))
+    flags = hk.kernel_flags(k_table.dtype, counters.bad_indices)
     s16 = hk.bits16(scale_out)
     args = hk.encode_args(
-        {"k": k_table, "v": v_table},
-        device_indices,
-        host_indices,
-        nonfinite_counter,
-        scale_amax,
-        bad_index_counter,
+        {"k": k_table, "v": v_table}, device_indices, host_indices, counters
     )
-    _encode_kernel[(triton.cdiv(n * H, block_r), layers, 2)](
+    _encode_kernel[(triton.cdiv(n * H, block_r), rec_layers, 2)](
         out=tuple(hk.record_arg(t, hk.RECORD_DIMS) for t in (k_out, v_out)),
         scale_out=hk.record_arg(s16, ("unit", "layer", "token", "side", "head")),
-        **_shape_args(n, k_out.shape[0], (H, DK, DV), unit_tokens, block_r),
+        **_shape_args(n, k_out.shape[0], (H, DK, DV), unit_tokens, block_r, flags),
+        first_layer=first_layer,
         num_warps=num_warps or ENCODE_WARPS,
         **args,
     )
@@ -258,6 +253,7 @@ def decode_scatter(
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
     block_r = hk.block_rows(tile or DECODE_TILE, max(DK, DV))
+    flags = hk.kernel_flags(k_dst.dtype, bad_index_counter)
     s16 = hk.bits16(scale_in)
     args = hk.decode_args(
         {"k": k_dst, "v": v_dst}, device_indices, host_indices, bad_index_counter
@@ -265,7 +261,7 @@ def decode_scatter(
     _decode_kernel[(triton.cdiv(n * H, block_r), 2)](
         records=tuple(hk.record_arg(t, _LAYER_DIMS) for t in (k_in, v_in)),
         scale_in=hk.record_arg(s16, ("unit", "token", "side", "head")),
-        **_shape_args(n, k_in.shape[0], (H, DK, DV), unit_tokens, block_r),
+        **_shape_args(n, k_in.shape[0], (H, DK, DV), unit_tokens, block_r, flags),
         num_warps=num_warps or DECODE_WARPS,
         **args,
     )

@@ -11,7 +11,7 @@ backup (all layers); decode_scatter: one launch per layer.
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import torch
 import triton
@@ -32,78 +32,80 @@ DECODE_TILE = 8192
 DECODE_WARPS = 4
 
 
+class Geometry(NamedTuple):
+    """The constexprs both kernels take, as one tuple."""
+
+    NT: int  # latent tiles of T values
+    T: int
+    P: int  # RoPE width
+    UT: int
+    BLOCKS: tuple[int, int]  # (BLOCK_R tiles, BLOCK_T tokens) per program
+    IS_BF16: bool
+    COUNT_BAD_IDX: bool
+
+
 @triton.jit
-def _rope_slots(
-    n_tok, idx, n_host, BLOCK_T: tl.constexpr, UT: tl.constexpr, P: tl.constexpr
-):
-    """This program's BLOCK_T tokens: device index, host unit, token-in-unit,
-    the RoPE lanes (P wide, padded) and their mask."""
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _rope_slots(n_tok, idx, n_host, GEO: tl.constexpr):
+    """This program's BLOCK_T tokens (GEO.BLOCKS[1]): device index, host unit,
+    token-in-unit, the RoPE lanes (P wide, padded) and their mask."""
+    tok = tl.program_id(0) * GEO.BLOCKS[1] + tl.arange(0, GEO.BLOCKS[1])
     didx, hidx, hmask = hk.token_slots(tok, tok < n_tok, idx, n_host)
-    unit, within = hk.unit_slots(hidx, UT)
-    d = tl.arange(0, hk.pow2(P))
-    return didx, unit, within, d, hmask[:, None] & (d < P)[None, :]
+    unit, within = hk.unit_slots(hidx, GEO.UT)
+    d = tl.arange(0, hk.pow2(GEO.P))
+    return didx, unit, within, d, hmask[:, None] & (d < GEO.P)[None, :]
 
 
 @hk.kernel_jit()
 def _mla_encode_kernel(
-    dev,
-    kv_offs,
+    dev,  # kv: ((base, token stride, head stride, layer offsets),)
     dev_idx_ptr,
     host_idx_ptr,
-    bad_idx_ptr,
-    nonfinite_ptr,
-    amax_ptr,
+    counters,  # (nonfinite, amax [table layers, 1], bad indices)
     out,  # kv, scale, rope records: (pointer, unit, layer, token strides, 0)
     n_tok,
     n_host,
-    NT: tl.constexpr,
-    T: tl.constexpr,
-    P: tl.constexpr,
-    UT: tl.constexpr,
-    BLOCKS: tl.constexpr,  # (BLOCK_R tiles, BLOCK_T tokens) per program
-    IS_BF16: tl.constexpr,
+    first_layer,  # the table's layer of record layer 0
+    GEO: tl.constexpr,  # Geometry
     ALIGNED: tl.constexpr,
     STATS: tl.constexpr,
-    COUNT_BAD_IDX: tl.constexpr,
 ):
-    # grid: (row blocks, layers, latent|rope)
-    idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
+    # grid: (row blocks, record layers, latent|rope)
+    idx = (dev_idx_ptr, host_idx_ptr, counters[2])
     layer = tl.program_id(1).to(tl.int64)
-    src = hk.device_rows(dev[0], kv_offs, layer, ALIGNED)
+    src = hk.device_rows(dev[0], first_layer + layer, ALIGNED)
     kv, scale, rope = out[0], out[1], out[2]
     if tl.program_id(2) == 0:
         # Tiles as heads: "head" stride T in the device row and the record,
         # the scale's tile stride 1.
         hk.int8_encode_rows(
-            (src[0], src[1], src[2], T),
-            (kv[0], kv[1], kv[2], kv[3], T),
+            (src[0], src[1], src[2], GEO.T),
+            (kv[0], kv[1], kv[2], kv[3], GEO.T),
             (scale[0], scale[1], scale[2], scale[3], 1),
             idx,
-            (nonfinite_ptr, amax_ptr + layer),
-            (tl.program_id(0) * BLOCKS[0], n_tok * NT, n_host),
+            hk.layer_stats(counters, first_layer + layer),
+            (tl.program_id(0) * GEO.BLOCKS[0], n_tok * GEO.NT, n_host),
             layer,
-            NT,
-            T,
-            UT,
-            BLOCKS[0],
-            IS_BF16,
+            GEO.NT,
+            GEO.T,
+            GEO.UT,
+            GEO.BLOCKS[0],
+            GEO.IS_BF16,
             STATS,
-            COUNT_BAD_IDX,
+            GEO.COUNT_BAD_IDX,
         )
     else:
-        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, BLOCKS[1], UT, P)
-        row = src[1] + NT * T + didx * src[2]
+        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, GEO)
+        row = src[1] + GEO.NT * GEO.T + didx * src[2]
         bits = tl.load(src[0] + (row[:, None] + d[None, :]), mask=m2, other=0)
         dst = hk.record_offset(rope, unit, layer, within, 0)
         tl.store(rope[0] + (dst[:, None] + d[None, :]), bits, mask=m2)
         if STATS[0]:
             # A RoPE row holding NaN/Inf (all exponent bits set) counts once.
-            if IS_BF16:
+            if GEO.IS_BF16:
                 special = ((bits.to(tl.int32) & 0x7F80) == 0x7F80) & m2
             else:
                 special = ((bits.to(tl.int32) & 0x7C00) == 0x7C00) & m2
-            hk.count_flags(nonfinite_ptr, tl.max(special.to(tl.int32), axis=1) > 0)
+            hk.count_flags(counters[0], tl.max(special.to(tl.int32), axis=1) > 0)
 
 
 @hk.kernel_jit()
@@ -115,13 +117,7 @@ def _mla_decode_kernel(
     dst,
     n_tok,
     n_host,
-    NT: tl.constexpr,
-    T: tl.constexpr,
-    P: tl.constexpr,
-    UT: tl.constexpr,
-    BLOCKS: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    COUNT_BAD_IDX: tl.constexpr,
+    GEO: tl.constexpr,  # Geometry
 ):
     # grid: (row blocks, latent|rope); one layer's records (layer stride 0)
     idx = (dev_idx_ptr, host_idx_ptr, bad_idx_ptr)
@@ -129,23 +125,23 @@ def _mla_decode_kernel(
     y = dst[0]
     if tl.program_id(1) == 0:
         hk.int8_decode_rows(
-            (kv[0], kv[1], 0, kv[3], T),
+            (kv[0], kv[1], 0, kv[3], GEO.T),
             (scale[0], scale[1], 0, scale[3], 1),
-            (y[0], y[1], T),
+            (y[0], y[1], GEO.T),
             idx,
-            (tl.program_id(0) * BLOCKS[0], n_tok * NT, n_host),
-            NT,
-            T,
-            UT,
-            BLOCKS[0],
-            IS_BF16,
-            COUNT_BAD_IDX,
+            (tl.program_id(0) * GEO.BLOCKS[0], n_tok * GEO.NT, n_host),
+            GEO.NT,
+            GEO.T,
+            GEO.UT,
+            GEO.BLOCKS[0],
+            GEO.IS_BF16,
+            GEO.COUNT_BAD_IDX,
         )
     else:
-        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, BLOCKS[1], UT, P)
+        didx, unit, within, d, m2 = _rope_slots(n_tok, idx, n_host, GEO)
         src = hk.record_offset(rope, unit, 0, within, 0)
         bits = tl.load(rope[0] + (src[:, None] + d[None, :]), mask=m2, other=0)
-        row = NT * T + didx * y[1]
+        row = GEO.NT * GEO.T + didx * y[1]
         tl.store(y[0] + (row[:, None] + d[None, :]), bits, mask=m2)
 
 
@@ -199,16 +195,13 @@ def _blocks(tile: int, geo: SimpleNamespace) -> tuple[int, int]:
     return block_r, hk.pow2(triton.cdiv(block_r, geo.NT))
 
 
-def _tile_args(geo: SimpleNamespace, n: int, units: int, blocks) -> dict:
-    """Sizes and constexprs both kernels take (tiles, RoPE width, blocks)."""
+def _tile_args(geo: SimpleNamespace, n: int, units: int, blocks, flags) -> dict:
+    """Sizes and the Geometry both kernels take (tiles, RoPE width, blocks and
+    flags = (IS_BF16, COUNT_BAD_IDX))."""
     return dict(
         n_tok=n,
         n_host=units * geo.UT,
-        NT=geo.NT,
-        T=geo.T,
-        P=geo.P,
-        UT=geo.UT,
-        BLOCKS=blocks,
+        GEO=Geometry(geo.NT, geo.T, geo.P, geo.UT, blocks, *flags),
     )
 
 
@@ -218,34 +211,34 @@ def encode_gather(
     out: Mapping[str, torch.Tensor],
     host_indices: torch.Tensor,
     *,
-    nonfinite_counter: torch.Tensor | None = None,
-    scale_amax: torch.Tensor | None = None,
-    bad_index_counter: torch.Tensor | None = None,
+    counters: hk.KVCounters | None = None,
+    first_layer: int = 0,
     tile: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Backup in one launch: for every layer l and token i, encode the device
-    row tables[0][l][device_indices[i]] ([kv_lora_rank | rope], bf16/fp16)
-    into the records at host_indices[i]:
+    """Backup in one launch: for every layer l of the records and token i,
+    encode the device row tables[0][first_layer + l][device_indices[i]]
+    ([kv_lora_rank | rope], bf16/fp16) into the records at host_indices[i]:
 
       out["kv"]     int8 [units, L, unit_tokens, 1, kv_lora_rank]
       out["scale"]  fp16 [units, L, unit_tokens, 1, kv_lora_rank / T]
       out["rope"]   16-bit [units, L, unit_tokens, 1, rope_dim]
 
     (any strides, last dim contiguous; unit = host_index // unit_tokens).
-    Latent tiles stored non-finite and RoPE rows holding NaN/Inf are added
-    to nonfinite_counter (0-dim int64), as the codec's encode_into counts
-    them; scale_amax (fp32 [L, 1]) is raised to each layer's largest finite
-    tile amax. A host index outside [0, units * unit_tokens) writes nothing
-    and its token is counted once in bad_index_counter. Device indices are
-    not range-checked.
+    counters (hk.KVCounters, each field optional): latent tiles stored
+    non-finite and RoPE rows holding NaN/Inf are added to counters.nonfinite,
+    as the codec's encode_into counts them; counters.amax (fp32 [L, 1]) is
+    raised to each layer's largest finite tile amax. A host index outside
+    [0, units * unit_tokens) writes nothing and its token is counted once in
+    counters.bad_indices. Device indices are not range-checked.
     """
     if len(tables) != 1:
         raise ValueError(f"MLA encodes one side ('kv'), got {len(tables)} tables")
     (table,) = tables
     geo = _record_geometry(out, 5)
     _check_device_row(geo, table.shape, table.dtype, out["rope"].dtype)
-    layers = len(table)
+    layers = out["kv"].shape[1]
+    hk.check_layer_range(first_layer, layers, len(table))
     for name in RECORD_NAMES:
         if out[name].shape[1] != layers:
             raise ValueError(
@@ -257,24 +250,17 @@ def encode_gather(
         return
     dev = table.device
     hk.check_indices(device_indices, host_indices, n, dev)
-    hk.check_counter("nonfinite_counter", nonfinite_counter, dev)
-    hk.check_counter("bad_index_counter", bad_index_counter, dev)
-    hk.check_amax(scale_amax, layers, 1, dev)
+    counters = hk.check_counters(counters, len(table), 1, dev)
 
     blocks = _blocks(tile or ENCODE_TILE, geo)
+    flags = hk.kernel_flags(table.dtype, counters.bad_indices)
     views = (out["kv"], hk.bits16(out["scale"]), hk.bits16(out["rope"]))
-    args = hk.encode_args(
-        {"kv": table},
-        device_indices,
-        host_indices,
-        nonfinite_counter,
-        scale_amax,
-        bad_index_counter,
-    )
+    args = hk.encode_args({"kv": table}, device_indices, host_indices, counters)
     _mla_encode_kernel[(triton.cdiv(n * geo.NT, blocks[0]), layers, 2)](
         # [..., token, 1, n]: no head dim (the kernel puts in the tile's).
         out=tuple(hk.record_arg(t, ("unit", "layer", "token")) for t in views),
-        **_tile_args(geo, n, views[0].shape[0], blocks),
+        **_tile_args(geo, n, views[0].shape[0], blocks, flags),
+        first_layer=first_layer,
         num_warps=num_warps or ENCODE_WARPS,
         **args,
     )
@@ -319,11 +305,12 @@ def decode_scatter(
     hk.check_counter("bad_index_counter", bad_index_counter, dev)
 
     blocks = _blocks(tile or DECODE_TILE, geo)
+    flags = hk.kernel_flags(y.dtype, bad_index_counter)
     views = (records["kv"], hk.bits16(records["scale"]), hk.bits16(records["rope"]))
     args = hk.decode_args({"kv": y}, device_indices, host_indices, bad_index_counter)
     _mla_decode_kernel[(triton.cdiv(n * geo.NT, blocks[0]), 2)](
         records=tuple(hk.record_arg(t, ("unit", "token")) for t in views),
-        **_tile_args(geo, n, views[0].shape[0], blocks),
+        **_tile_args(geo, n, views[0].shape[0], blocks, flags),
         num_warps=num_warps or DECODE_WARPS,
         **args,
     )

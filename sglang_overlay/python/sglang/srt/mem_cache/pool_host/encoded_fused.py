@@ -145,6 +145,8 @@ class FusedTransfer:
             return False
 
     def backup(self, host_indices, device_indices) -> None:
+        from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
+
         pool, tables = self.pool, self.tables()
         fmt, records, counters = pool.host_format, pool.records, pool.counters
         names = list(records.tensors)
@@ -156,24 +158,25 @@ class FusedTransfer:
                 self._on_device(device_indices),
                 {name: records.all_layers(name) for name in names},
                 self._on_device(host_indices),
-                nonfinite_counter=counters.nonfinite,
-                scale_amax=counters.amax,
-                bad_index_counter=counters.bad_indices,
+                counters=counters,
             )
 
         if self._direct(direct):
             return
         stage = pool.staging["d2h"]
+        # Whole tensors (the kernels' counters tuple); staging positions are
+        # always in range, so no bad-index count.
+        staged_counters = KVCounters(counters.nonfinite, counters.amax)
         for units, runs, dev_rows in pool.planner.chunks(host_indices, device_indices):
             out = {n: stage["records"][n][: len(units)].unsqueeze(1) for n in names}
             for layer_id in range(pool.layer_num):
                 fmt.encode_gather(
-                    [table.select(layer_id) for table in tables],
+                    tables,
                     dev_rows,
                     out,
                     stage["positions"][: len(dev_rows)],
-                    nonfinite_counter=counters.nonfinite,
-                    scale_amax=counters.amax[layer_id : layer_id + 1],
+                    counters=staged_counters,
+                    first_layer=layer_id,
                 )
                 for name in names:
                     store(

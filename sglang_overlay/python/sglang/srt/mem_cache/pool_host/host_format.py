@@ -238,17 +238,18 @@ class HostKVFormat:
             return False
         return kernels.available(device)
 
-    def encode_gather(self, tables, device_indices, out, host_indices, **counters):
+    def encode_gather(self, tables, device_indices, out, host_indices, **options):
         """Backup in one launch: tables[i] (a DeviceLayerTable of sides[i], all
         layers) rows device_indices -> records at host_indices.
 
-        out[name] is a [unit, layer, *shape] view. counters (each optional):
-        nonfinite_counter and bad_index_counter (0-dim int64; a host index
-        outside the records is skipped and counted) and scale_amax (fp32
-        [layers, len(sides)]).
+        out[name] is a [unit, layer, *shape] view. options: counters, the
+        statistics to update (host_kv_common.KVCounters, or the pool's
+        HostKVCounters): nonfinite and bad_indices (0-dim int64; a host index
+        outside the records is skipped and counted) and amax (fp32 [layers,
+        len(sides)]), each optional.
         """
         self._kernels().encode_gather(
-            tables, device_indices, out, host_indices, **counters
+            tables, device_indices, out, host_indices, **options
         )
 
     def decode_scatter(self, records, host_indices, dst, device_indices, **counters):

@@ -352,14 +352,14 @@ class RotatedHostFormatMixin:
             "rotation_signs": cache[device],
         }
 
-    def encode_gather(self, tables, device_indices, out, host_indices, **counters):
+    def encode_gather(self, tables, device_indices, out, host_indices, **options):
         self._check_fused()
         super().encode_gather(
             tables,
             device_indices,
             out,
             host_indices,
-            **counters,
+            **options,
             **self._kernel_rotation(tables[0].device),
         )
 

@@ -249,7 +249,7 @@ class Int8HostFormat(HostKVFormat):
             for i in range(len(self.sides))
         )
 
-    def encode_gather(self, tables, device_indices, out, host_indices, **counters):
+    def encode_gather(self, tables, device_indices, out, host_indices, **options):
         # kv_int8_triton takes each side's table and record by name.
         self._kernels().encode_gather(
             tables[0],
@@ -260,7 +260,7 @@ class Int8HostFormat(HostKVFormat):
             out["scale"],
             host_indices,
             unit_tokens=self.unit_tokens,
-            **counters,
+            **options,
         )
 
     def decode_scatter(self, records, host_indices, dst, device_indices, **counters):

@@ -15,6 +15,7 @@ import unittest
 import torch
 
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 from sglang.test.ci.ci_register import register_cpu_ci, register_cuda_ci
 from sglang.test.test_utils import CustomTestCase
@@ -80,7 +81,7 @@ class TestKVInt4Triton(CustomTestCase):
                     count = torch.zeros((), dtype=torch.int64, device=DEVICE)
                     k4.encode_gather(
                         tables, torch.arange(n, device=DEVICE), out,
-                        host.to(DEVICE), nonfinite_counter=count,
+                        host.to(DEVICE), counters=KVCounters(nonfinite=count),
                     )  # fmt: skip
                     expected_bad = 0
                     for layer in range(layers):

@@ -14,6 +14,7 @@ import unittest
 import torch
 
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
@@ -62,7 +63,8 @@ class TestKVInt8Triton(CustomTestCase):
             count = torch.zeros((), dtype=torch.int64, device=DEVICE)
             idx = torch.arange(n, device=DEVICE)
             kt.encode_gather(table, table, idx, q, q.clone(), s, idx,
-                             unit_tokens=1, nonfinite_counter=count)  # fmt: skip
+                             unit_tokens=1,
+                             counters=KVCounters(nonfinite=count))  # fmt: skip
             q_ref, s_ref = codec.quantize_reference(x)
             self.assertSameBits(q.view(n, H, D), q_ref)
             self.assertSameBits(s[:, 0, 0, 0], s_ref)

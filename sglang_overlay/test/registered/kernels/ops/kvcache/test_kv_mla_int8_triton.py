@@ -15,6 +15,7 @@ import unittest
 import torch
 
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
+from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
@@ -66,7 +67,9 @@ class TestKVMLAInt8Triton(CustomTestCase):
             count = torch.zeros((), dtype=torch.int64, device=DEVICE)
             idx = torch.arange(n, device=DEVICE)
             table = mk.DeviceLayerTable([x.to(DEVICE)])
-            mk.encode_gather([table], idx, out, idx, nonfinite_counter=count)
+            mk.encode_gather(
+                [table], idx, out, idx, counters=KVCounters(nonfinite=count)
+            )
             ref = fmt.encode_reference([x[:, None]])
             for name, want in ref.items():
                 self.assertSameBits(out[name][:, 0], want)
