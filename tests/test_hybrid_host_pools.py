@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tests.support.hicache_harness import LoadBackReq
 from tests.support.l3_harness import MooncakeMaster, require_mooncake
 from tests.support.metrics import Scrape, scheduler_collector
 from tests.support.server_args import GPT_OSS
@@ -120,19 +121,6 @@ def test_linear_attention_round_trip(
 
 
 # -- host hits through the radix cache ----------------------------------------
-
-
-class _Req:
-    """The attributes of a scheduler Req that init_load_back reads."""
-
-    def __init__(self, rid: str, last_node):
-        self.rid = rid
-        self.last_node = last_node
-        self.swa_host_hit_length = 0
-        self.mamba_host_hit_length = 0
-        self.mamba_pool_idx = None
-        self.session = None
-        self.kv = SimpleNamespace(mamba_pool_idx=None)
 
 
 def radix_key(ids):
@@ -233,7 +221,7 @@ def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = Fals
         InitLoadBackParams(
             best_match_node=match.best_match_node,
             host_hit_length=match.host_hit_length,
-            req=_Req("r0", match.last_device_node),
+            req=LoadBackReq("r0", match.last_device_node),
         )
     )
     assert loaded == tokens
@@ -349,7 +337,7 @@ def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = Fa
     if from_l3:
         reload_from_l3(rig, ids, query)
 
-    req = _Req("r0", None)
+    req = LoadBackReq("r0", None)
     req.kv = SimpleNamespace(
         mamba_pool_idx=None,
         holds_mamba=False,

@@ -22,6 +22,8 @@ from tests.support.hicache_harness import (
     make_device_pool,
     make_host_pool,
     make_rig,
+    mha_radix_cache,
+    publish_server_args,
 )
 from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
 from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -285,11 +287,6 @@ def test_bytes_per_token_at_qwen3_8b_geometry():
 def radix_cache(monkeypatch, host_dtype, host_tokens=64 * PAGE):
     """SGLang's UnifiedRadixCache + HiCache as the scheduler builds it
     (registry.create_unified_radix_cache), page 16, write-through."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-    from scripts.demo.pools import publish_server_args, unified_radix_cache
-
     monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
     device_tokens = 32 * PAGE
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
@@ -301,13 +298,9 @@ def radix_cache(monkeypatch, host_dtype, host_tokens=64 * PAGE):
         io_backend="direct",
     )
     device_pool = make_device_pool(geo, device_tokens)
-    allocator = PagedTokenToKVPoolAllocator(
-        device_tokens, PAGE, geo.dtype, "cpu", device_pool, need_sort=False
+    cache, allocator, _ = mha_radix_cache(
+        server_args, device_pool, requests=4, max_context_len=4096
     )
-    req_to_token = ReqToTokenPool(
-        size=4, max_context_len=4096, device="cpu", enable_memory_saver=False
-    )
-    cache = unified_radix_cache(server_args, req_to_token, allocator, PAGE)
     cache.write_through_threshold = 1
     return cache, device_pool, allocator
 

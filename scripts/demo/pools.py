@@ -11,7 +11,6 @@ import mmap
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterator, Optional
 from unittest import mock
 
@@ -60,74 +59,6 @@ def host_formats() -> list[tuple[str, str]]:
     return [(f.label, f.host_dtype) for f in server_formats()]
 
 
-def publish_server_args(
-    host_dtype: str,
-    *,
-    page_size: int = 1,
-    hicache_size: float = 0,
-    hicache_ratio: Optional[float] = None,
-    layout: str = "page_first",
-    io_backend: str = "direct",
-    write_policy: str = "write_through",
-):
-    """Build ServerArgs as the server would and publish its config namespaces
-    (what get_memory() / get_serving() read) for this process."""
-    setup_sglang()
-    from sglang.srt.runtime_context import publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        page_size=page_size,
-        enable_hierarchical_cache=True,
-        hicache_ratio=hicache_ratio,
-        hicache_size=hicache_size,
-        hicache_io_backend=io_backend,
-        hicache_mem_layout=layout,
-        hicache_write_policy=write_policy,
-        hicache_host_memory_mode="cache",
-        hicache_host_dtype=host_dtype,
-    )
-    reset_context()
-    publish(server_args, role="scheduler")
-    return server_args
-
-
-def unified_radix_cache(server_args, req_to_token_pool, allocator, page_size: int):
-    """UnifiedRadixCache + HiCache over an MHA device pool, as the scheduler
-    builds it (registry.create_unified_radix_cache)."""
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.registry import (
-        TreeCacheBuildContext,
-        create_unified_radix_cache,
-    )
-
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool_allocator=allocator,
-        page_size=page_size,
-    )
-    ctx = TreeCacheBuildContext(
-        server_args=server_args,
-        params=params,
-        is_hybrid_swa=False,
-        is_hybrid_ssm=False,
-        enable_hierarchical_cache=True,
-        disable_radix_cache=False,
-        # The registry hands it the layer-done counter; nothing on CPU reads it.
-        tp_worker=SimpleNamespace(
-            register_hicache_layer_transfer_counter=lambda c: None
-        ),
-        model_config=None,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
-    )
-    return create_unified_radix_cache(ctx)
-
-
 def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
     setup_sglang()
     from tests.support.hicache_harness import Geometry, make_device_pool
@@ -137,6 +68,14 @@ def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
         g.layer_num, g.head_num, g.head_dim, dtype=g.dtype, page_size=page_size
     )
     return make_device_pool(geo, tokens)
+
+
+def _published_device_pool(host_dtype, geometry, page_size: int, **server_fields):
+    """Publish the server's arguments, then a small device pool to size host pools on."""
+    from tests.support.hicache_harness import publish_server_args
+
+    publish_server_args(host_dtype, page_size=page_size, **server_fields)
+    return make_device_pool(geometry, max(64, page_size), page_size)
 
 
 def _lazy_alloc_mmap(dims: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -220,8 +159,7 @@ def allocate_host_pool(
     setup_sglang()
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
 
-    publish_server_args(host_dtype, layout=layout, page_size=page_size)
-    device_pool = make_device_pool(geometry, max(64, page_size), page_size)
+    device_pool = _published_device_pool(host_dtype, geometry, page_size, layout=layout)
     cls, info, kwargs = _mha_host_inputs(device_pool)
     # Host pools hold whole pages.
     tokens = -(-tokens // page_size) * page_size
@@ -282,10 +220,9 @@ def capacity_at_budget(
         build_kv_host_pool,
     )
 
-    publish_server_args(
-        host_dtype, hicache_size=budget_gb, layout=layout, page_size=page_size
+    device_pool = _published_device_pool(
+        host_dtype, geometry, page_size, layout=layout, hicache_size=budget_gb
     )
-    device_pool = make_device_pool(geometry, max(64, page_size), page_size)
     with lazy_host_allocation():
         host_pool = build_kv_host_pool(kv_pool=device_pool, page_size=page_size)
     fields = _measured(host_pool, host_dtype, label, page_size)

@@ -6,18 +6,11 @@ from __future__ import annotations
 import contextlib
 from array import array
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Optional, Sequence
 
 import torch
 
-from scripts.demo.pools import (
-    REPLAY_GEOMETRY,
-    make_device_pool,
-    publish_server_args,
-    setup_sglang,
-    unified_radix_cache,
-)
+from scripts.demo.pools import REPLAY_GEOMETRY, make_device_pool, setup_sglang
 from scripts.demo.workload import Request, warmup_request
 
 # What the replay models instead of running (printed with every result).
@@ -49,18 +42,6 @@ class Serving:
     insert_output: bool = True  # finished requests insert prompt + output
     warmup_requests: int = 1  # bench_serving --warmup-requests
     flush_cache: bool = False  # bench_serving --flush-cache (after the warm-up)
-
-
-class _ReqStub:
-    """The attributes of a scheduler Req that init_load_back reads."""
-
-    def __init__(self, rid: str, last_node):
-        self.rid = rid
-        self.last_node = last_node
-        self.swa_host_hit_length = 0
-        self.mamba_host_hit_length = 0
-        self.mamba_pool_idx = None
-        self.kv = SimpleNamespace(mamba_pool_idx=None)
 
 
 @dataclass
@@ -143,6 +124,8 @@ class HiCacheReplay:
         io_backend: str = "direct",
     ):
         setup_sglang()
+        from tests.support.hicache_harness import mha_radix_cache, publish_server_args
+
         self.label = label or host_dtype
         self.host_dtype = host_dtype
         self.serving = serving
@@ -156,35 +139,22 @@ class HiCacheReplay:
             hicache_ratio=ratio,
             layout=layout,
             io_backend=io_backend,
-            write_policy=serving.write_policy,
+            hicache_write_policy=serving.write_policy,
         )
-        self.cache = self._build_cache()
+        # The device pool, allocator, request table and radix cache, as the
+        # scheduler builds them.
+        self.device_pool = make_device_pool(self.geometry, serving.l1_tokens)
+        self.cache, self.allocator, self.req_to_token = mha_radix_cache(
+            self.server_args,
+            self.device_pool,
+            requests=serving.concurrency + 1,
+            max_context_len=1 << 16,
+        )
         controller = self.cache.cache_controller
         self.host_pool = controller.mem_pool_host.anchor_entry.host_pool
         self._check_host_pool(host_tokens)
         self._init_kv_tables()
         self._reference_format = None  # built on the first restore check
-
-    def _build_cache(self):
-        """The device pool, allocator, request table and radix cache, as the scheduler
-        builds them."""
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-        l1_tokens, dtype = self.serving.l1_tokens, self.geometry.dtype
-        self.device_pool = make_device_pool(self.geometry, l1_tokens)
-        self.allocator = TokenToKVPoolAllocator(
-            l1_tokens, dtype, "cpu", self.device_pool, need_sort=False
-        )
-        self.req_to_token = ReqToTokenPool(
-            size=self.serving.concurrency + 1,
-            max_context_len=1 << 16,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-        return unified_radix_cache(
-            self.server_args, self.req_to_token, self.allocator, page_size=1
-        )
 
     def _check_host_pool(self, host_tokens: int) -> None:
         """The --hicache-host-dtype dispatch's pool, with `host_tokens` slots."""
@@ -430,6 +400,7 @@ class HiCacheReplay:
 
     def _admit_one(self, req: Request, step: _Step, stats: ReplayResult) -> bool:
         """match_prefix -> budget checks -> init_load_back -> allocate."""
+        from tests.support.hicache_harness import LoadBackReq
         from sglang.srt.mem_cache.base_prefix_cache import (
             InitLoadBackParams,
             MatchPrefixParams,
@@ -455,7 +426,7 @@ class HiCacheReplay:
                 InitLoadBackParams(
                     best_match_node=match.best_match_node,
                     host_hit_length=host_len,
-                    req=_ReqStub(str(req.rid), last_node),
+                    req=LoadBackReq(str(req.rid), last_node),
                 )
             )
             if loaded == 0 and host_len >= cache.load_back_threshold:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -128,6 +129,16 @@ def make_host_pool(
         )
 
 
+def make_allocator(device_pool):
+    """The device pool's token allocator (paged above page size 1)."""
+    size, page, dtype = device_pool.size, device_pool.page_size, device_pool.dtype
+    if page == 1:
+        return TokenToKVPoolAllocator(size, dtype, "cpu", device_pool, need_sort=False)
+    return PagedTokenToKVPoolAllocator(
+        size, page, dtype, "cpu", device_pool, need_sort=False
+    )
+
+
 def make_rig(
     geo: Geometry | MLAGeometry,
     *,
@@ -139,14 +150,7 @@ def make_rig(
     **host_extra,
 ) -> HiCacheRig:
     device_pool = make_device_pool(geo, device_tokens)
-    if geo.page_size == 1:
-        allocator = TokenToKVPoolAllocator(
-            device_tokens, geo.dtype, "cpu", device_pool, need_sort=False
-        )
-    else:
-        allocator = PagedTokenToKVPoolAllocator(
-            device_tokens, geo.page_size, geo.dtype, "cpu", device_pool, need_sort=False
-        )
+    allocator = make_allocator(device_pool)
     host_pool = make_host_pool(
         device_pool,
         host_tokens=host_tokens,
@@ -164,6 +168,106 @@ def make_rig(
         io_backend=io_backend,
     )
     return HiCacheRig(device_pool, allocator, host_pool, controller)
+
+
+def publish_server_args(
+    host_dtype: str,
+    *,
+    page_size: int = 1,
+    layout: str = "page_first",
+    io_backend: str = "direct",
+    **fields,
+):
+    """ServerArgs for HiCache on CPU (`fields`: more of its fields), published
+    for this process as the scheduler publishes them (what get_memory() /
+    get_serving() read)."""
+    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path="dummy",
+        device="cpu",
+        page_size=page_size,
+        enable_hierarchical_cache=True,
+        hicache_io_backend=io_backend,
+        hicache_mem_layout=layout,
+        hicache_host_dtype=host_dtype,
+        **fields,
+    )
+    reset_context()
+    publish(server_args, role="scheduler")
+    return server_args
+
+
+class _TpWorker:
+    def register_hicache_layer_transfer_counter(self, counter) -> None:
+        pass  # the registry hands it the layer-done counter; nothing on CPU reads it
+
+
+# The rest of what a single-rank scheduler with HiCache gives the registry.
+_SCHEDULER_CONTEXT = {
+    "enable_hierarchical_cache": True,
+    "disable_radix_cache": False,
+    "tp_worker": _TpWorker(),
+    "model_config": None,
+    "tp_size": 1,
+    "tp_rank": 0,
+    "tp_group": None,
+}
+
+
+def build_radix_cache(server_args, params, *, swa: bool = False, ssm: bool = False):
+    """The radix cache with HiCache, as the scheduler builds it
+    (registry.create_unified_radix_cache)."""
+    from sglang.srt.mem_cache.registry import (
+        TreeCacheBuildContext,
+        create_unified_radix_cache,
+    )
+
+    ctx = TreeCacheBuildContext(
+        server_args=server_args,
+        params=params,
+        is_hybrid_swa=swa,
+        is_hybrid_ssm=ssm,
+        **_SCHEDULER_CONTEXT,
+    )
+    return create_unified_radix_cache(ctx)
+
+
+def mha_radix_cache(server_args, device_pool, *, requests: int, max_context_len: int):
+    """UnifiedRadixCache + HiCache over an MHA device pool, with the allocator
+    and request table the scheduler gives it: (cache, allocator, req_to_token)."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    allocator = make_allocator(device_pool)
+    req_to_token = ReqToTokenPool(
+        size=requests,
+        max_context_len=max_context_len,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=req_to_token,
+        token_to_kv_pool_allocator=allocator,
+        page_size=device_pool.page_size,
+    )
+    cache = build_radix_cache(server_args, params)
+    return cache, allocator, req_to_token
+
+
+class LoadBackReq:
+    """The attributes of a scheduler Req that init_load_back reads."""
+
+    def __init__(self, rid: str, last_node):
+        self.rid = rid
+        self.last_node = last_node
+        self.swa_host_hit_length = 0
+        self.mamba_host_hit_length = 0
+        self.mamba_pool_idx = None
+        self.session = None
+        self.kv = SimpleNamespace(mamba_pool_idx=None)
 
 
 def paged_pools(

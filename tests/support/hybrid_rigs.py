@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 
 import torch
+from tests.support.hicache_harness import build_radix_cache, make_allocator
 from tests.support.server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
@@ -84,32 +85,9 @@ def publish_server_args(
     return server_args
 
 
-class _TpWorker:
-    def register_hicache_layer_transfer_counter(self, counter) -> None:
-        pass
-
-
 def build_cache(server_args, params, *, swa: bool, ssm: bool):
     """The radix cache with HiCache, as the scheduler builds it (registry)."""
-    from sglang.srt.mem_cache.registry import (
-        TreeCacheBuildContext,
-        create_unified_radix_cache,
-    )
-
-    ctx = TreeCacheBuildContext(
-        server_args=server_args,
-        params=params,
-        is_hybrid_swa=swa,
-        is_hybrid_ssm=ssm,
-        enable_hierarchical_cache=True,
-        disable_radix_cache=False,
-        tp_worker=_TpWorker(),
-        model_config=None,
-        tp_size=1,
-        tp_rank=0,
-        tp_group=None,
-    )
-    cache = create_unified_radix_cache(ctx)
+    cache = build_radix_cache(server_args, params, swa=swa, ssm=ssm)
     for entry in cache.cache_controller.mem_pool_host.entries:
         # Later page buffers (L3 prefetch) ask torch for pinned memory, which
         # needs CUDA; the server's CPU stand-in (cpu_site) does the same.
@@ -215,8 +193,6 @@ def mamba_rig(
     l3=None,
 ) -> Rig:
     """Qwen3-Next / Qwen3.5 shaped: GDN layers 0-2, full attention at layer 3."""
-    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import (
         HybridLinearKVPool,
@@ -252,12 +228,7 @@ def mamba_rig(
         device="cpu",
         mamba_pool=req_to_token.mamba_pool,
     )
-    if page_size == 1:
-        allocator = TokenToKVPoolAllocator(256, DTYPE, "cpu", kv, need_sort=False)
-    else:
-        allocator = PagedTokenToKVPoolAllocator(
-            256, page_size, DTYPE, "cpu", kv, need_sort=False
-        )
+    allocator = make_allocator(kv)
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=req_to_token,

@@ -29,6 +29,7 @@ from tests.support.hicache_harness import (
     MLAGeometry,
     finish_transfers,
     make_rig,
+    publish_server_args,
 )
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.utils import get_storage_hash_str
@@ -40,20 +41,7 @@ MODEL_NAME = "hiq/tiny-test-model"
 
 def publish_runtime(page_size: int, layout: str, host_dtype: str) -> None:
     """Publish the config namespaces attach_storage_backend reads (parallel)."""
-    from sglang.srt.runtime_context import publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        page_size=page_size,
-        enable_hierarchical_cache=True,
-        hicache_mem_layout=layout,
-        hicache_io_backend="direct",
-        hicache_host_dtype=host_dtype,
-    )
-    reset_context()
-    publish(server_args, role="scheduler")
+    publish_server_args(host_dtype, page_size=page_size, layout=layout)
     # A single-rank process: the ranks the process groups would stamp.
     from sglang.srt.runtime_context import get_parallel
 

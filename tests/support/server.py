@@ -45,7 +45,7 @@ Stable API:
   healthy; its message ends with the log tail.
 
 The process handling (start in its own session, wait for /health, stop the
-group by pid), ``free_port`` and the HTTP helper are scripts/common/server.py's.
+group by pid), ``free_port`` and the HTTP helper are in server_process.py.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 
 import pytest
 
-from scripts.common.server import (  # noqa: F401 (ServerStartError, free_port: API)
+from tests.support.server_process import (  # noqa: F401 (ServerStartError, free_port: API)
     ServerProcess,
     ServerStartError,
     free_port,
