@@ -208,7 +208,6 @@ def bandwidth(clock, device, dry) -> dict:
             t = clock.run(lambda: dst.copy_(src, non_blocking=True), 5)
             out[key] = n / t["ms"] / 1e6
         del h, d
-    del a, b
     return out
 
 
@@ -270,7 +269,6 @@ def _codec_run(clock, fmt, src, dst, L, tokens, where, iters) -> dict:
         run["checks"]["records_match_reference"] &= _same(recs, want.values())
         ref = fmt.decode_reference(want, rows[0].dtype)
         run["checks"]["restore_matches_reference"] &= _same(got, ref)
-    del records
     return run
 
 

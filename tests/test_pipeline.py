@@ -421,7 +421,7 @@ def test_check_passes_on_a_consistent_series(patched, tmp_path):
     assert f"{n_overlay} overlay files" in out
 
 
-NEW_FILE_PATCH = f"""\
+NEW_FILE_PATCH = """\
 From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
 From: Pipeline Test <pipeline@localhost>
 Date: Thu, 1 Jan 2026 00:00:00 +0000

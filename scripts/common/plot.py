@@ -238,7 +238,7 @@ def plot_l3(result, path: Path) -> None:
     """`make demo-l3`: Mooncake store bytes per token (left) and hit rate
     against the L3 budget (right), per format."""
     c = _Panels("INT8 vs BF16 pages in a Mooncake L3 store")
-    draw, bottom = c.draw, c.BOTTOM
+    draw = c.draw
     colors = {"bf16": COLORS[0], "int8": COLORS[1]}
     a = result["bytes_per_token"]
     stacks = [[row["bytes_per_token"]] for row in a.values()]
