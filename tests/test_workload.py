@@ -12,6 +12,7 @@ for two seeds.
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,18 @@ def _bench_serving_text_rows(workload, tokenizer, ordered):
         seed=workload.seed,
         ordered=ordered,
     )
+
+
+def test_sampling_leaves_the_real_datasets_package_importable(monkeypatch):
+    # A stand-in package left in sys.modules broke bench_serving's import of
+    # the real one later in the same process (tests/test_upstream_unit.py).
+    for key in [k for k in sys.modules if k.split(".")[:3] == wl.DATASETS.split(".")]:
+        monkeypatch.delitem(sys.modules, key)
+    assert wl.bench_serving_requests(SMALL)
+    assert wl.DATASETS not in sys.modules
+    from sglang.benchmark.datasets import DatasetRow
+
+    assert DatasetRow.__module__ == f"{wl.DATASETS}.common"
 
 
 def test_default_seed_and_seeding_are_bench_servings():

@@ -247,13 +247,7 @@ def _details(meta: dict) -> dict:
 
 def import_bench_serving():
     """sglang.benchmark.serving, with the real datasets package under it."""
-    name = "sglang.benchmark.datasets"
-    package = sys.modules.get(name)
-    if package is not None and not hasattr(package, "get_dataset"):
-        # workload.generator_module's package without its __init__ (for the
-        # replay alone); bench_serving imports the real one.
-        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
-            del sys.modules[key]
+    workload.drop_stand_in_datasets()
     from sglang.benchmark import serving
 
     return serving

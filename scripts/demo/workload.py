@@ -83,16 +83,27 @@ class VocabOnlyTokenizer:
         return self._vocab
 
 
+DATASETS = "sglang.benchmark.datasets"
+
+
 def generator_module():
     """generated_shared_prefix without its package's __init__ (it needs HF datasets)."""
-    name = "sglang.benchmark.datasets"
-    if name not in sys.modules:
+    if DATASETS not in sys.modules:
         import sglang.benchmark
 
-        package = types.ModuleType(name)
+        package = types.ModuleType(DATASETS)
         package.__path__ = [str(Path(sglang.benchmark.__file__).parent / "datasets")]
-        sys.modules[name] = package
-    return importlib.import_module(f"{name}.generated_shared_prefix")
+        sys.modules[DATASETS] = package
+    return importlib.import_module(f"{DATASETS}.generated_shared_prefix")
+
+
+def drop_stand_in_datasets() -> None:
+    """Forget generator_module's stand-in package, so that a later import of
+    sglang.benchmark.datasets (bench_serving's) gets the real one."""
+    package = sys.modules.get(DATASETS)
+    if package is not None and not hasattr(package, "get_dataset"):
+        for key in [k for k in sys.modules if k.split(".")[:3] == DATASETS.split(".")]:
+            del sys.modules[key]
 
 
 @contextlib.contextmanager
@@ -111,6 +122,7 @@ def private_generator(module, log=None) -> Iterator[None]:
             yield
         finally:
             module.get_gen_prefix_cache_path = saved
+            drop_stand_in_datasets()
 
 
 def sample_rows(workload: Workload, tokenizer, *, ordered: bool, input_ids: bool):
