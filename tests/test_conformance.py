@@ -23,7 +23,7 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from tests.support import l3_harness as h
 from tests.support.conformance import (
@@ -85,7 +85,7 @@ def accepted(case: FormatCase, layout: str, io_backend: str, path: str) -> bool:
 def expected_pool_cls(case: FormatCase, device_pool):
     info = device_pool.get_device_pool_infos()[0].buffer_info
     if case.kind == "mla":
-        return get_mla_host_pool_cls(info, case.host_dtype)
+        return get_mla_host_pool_cls(case.host_dtype)
     return get_mha_host_pool_cls(info, case.host_dtype)
 
 

@@ -21,7 +21,6 @@ from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.encoded_fused import FusedTransfer
 from sglang.srt.mem_cache.pool_host.mla_encoded import _refuse_unsupported
-from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
 from sglang.srt.arg_groups import hicache_hook
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
@@ -145,8 +144,6 @@ def test_mla_host_pool_class_refuses_4bit_formats(host_dtype):
     get_mla_host_pool_cls) call these directly, after no start-up validation
     (mutant: they silently got the BF16 MLA pool)."""
     match = f"--hicache-host-dtype {host_dtype}"
-    with pytest.raises(NotImplementedError, match=match):
-        get_mla_host_pool_cls(None, host_dtype=host_dtype)
     with pytest.raises(NotImplementedError, match=match):
         mla_host.get_mla_host_pool_cls(host_dtype)
     with pytest.raises(NotImplementedError, match=match):

@@ -18,8 +18,7 @@ standins.install_sglang_standins()
 from sglang.srt.mem_cache import hicache_auto_size
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost, get_mha_host_pool_cls
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost, get_mla_host_pool_cls
 from tests.support import hicache_harness as hh
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 built = []

@@ -1,4 +1,4 @@
-"""The MLA INT8 host pool (pool_host/mla_int8.py) at DeepSeek geometry on CPU:
+"""The MLA INT8 host pool (pool_host/mla_encoded.py with the int8 MLA format) at DeepSeek geometry on CPU:
 SGLang's real MLATokenToKVPool, the real MLA host pools and the real
 HiCacheController. Write -> L1 eviction -> load round trips on every layout,
 page size and io backend, BF16 and FP16; capacity from the allocated buffers;
@@ -22,7 +22,7 @@ from tests.support.hicache_harness import (
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import TILE, MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
-from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 
 MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
@@ -100,10 +100,8 @@ def test_capacity_from_allocated_buffers():
 
 
 def test_dispatch_by_host_dtype():
-    device_pool = make_device_pool(MLAGeometry(layer_num=1), 16)
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    assert get_mla_host_pool_cls(info, "int8") is MLATokenToKVPoolINT8Host
-    assert get_mla_host_pool_cls(info, "auto") is MLATokenToKVPoolHost
+    assert get_mla_host_pool_cls("int8") is MLATokenToKVPoolINT8Host
+    assert get_mla_host_pool_cls("auto") is MLATokenToKVPoolHost
 
 
 @pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])

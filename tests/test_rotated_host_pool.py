@@ -181,7 +181,7 @@ def test_nonfinite_kv_restores_as_nan_over_its_block(fmt, layout, page_size):
     other heads and tokens restore finite."""
 
     def counted(pool):
-        assert pool.nonfinite_row_count() >= 2
+        assert pool.nonfinite_group_count() >= 2
 
     pool, k1, v0 = restore_nan_key_and_inf_value(fmt, layout, page_size, counted)
     # head dim 64: one 64-point block per head

@@ -20,7 +20,7 @@ from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 
 
 @dataclass
@@ -103,7 +103,7 @@ def make_host_pool(
     build_kv_host_pool builds it."""
     info = device_pool.get_device_pool_infos()[0].buffer_info
     if isinstance(device_pool, MLATokenToKVPool):
-        cls = host_pool_cls or get_mla_host_pool_cls(info, host_dtype)
+        cls = host_pool_cls or get_mla_host_pool_cls(host_dtype)
         kind_args = dict(
             override_kv_cache_dim=device_pool.kv_cache_dim,
             target_layer_num=device_pool.layer_num,

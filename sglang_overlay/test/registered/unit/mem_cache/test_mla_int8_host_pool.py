@@ -15,7 +15,7 @@ import torch
 
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
-from sglang.srt.mem_cache.pool_host.mla_int8 import get_mla_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -41,7 +41,7 @@ def _device_pool(page_size, layers=2, dtype=torch.bfloat16):
 
 def _host_pool(device_pool, layout, host_tokens):
     info = device_pool.get_device_pool_infos()[0].buffer_info
-    cls = get_mla_host_pool_cls(info, host_dtype="int8")
+    cls = get_mla_host_pool_cls("int8")
     return cls(
         info,
         2.0,

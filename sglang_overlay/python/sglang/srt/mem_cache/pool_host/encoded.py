@@ -612,9 +612,6 @@ class EncodedHostPool:
         """The --hicache-host-dtype value (the metrics' host_dtype label)."""
         return self.host_format.name
 
-    # Deprecated: the metrics reporter's name until it reads host_format_name.
-    host_dtype = host_format_name
-
     @property
     def storage_format_tag(self) -> str:
         # Sealed pages are a new byte format: unsealed ones miss by key.
@@ -673,8 +670,6 @@ class EncodedHostPool:
         self.counters = HostKVCounters(self.layer_num, len(fmt.sides), dev)
         # The statistics the metrics reporter reads (each syncs the device).
         self.nonfinite_group_count = self.counters.nonfinite_groups
-        # Deprecated: the metrics reporter's name until it reads nonfinite_group_count.
-        self.nonfinite_row_count = self.counters.nonfinite_groups
         self.scale_amax_by_layer = self.counters.amax_by_layer
         self.invalid_host_index_count = self.counters.invalid_host_indices
         self.transfer = encoded_fused.select_transfer(self)

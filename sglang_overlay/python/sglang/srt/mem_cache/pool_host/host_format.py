@@ -378,11 +378,6 @@ def fp8_host_dtypes() -> list[str]:
     return [name for name in HOST_DTYPES if host_format_cls(name, "mha").fp8_device_kv]
 
 
-def host_format_names() -> tuple[str, ...]:
-    """Deprecated: HOST_DTYPES' names (scripts still call it)."""
-    return tuple(HOST_DTYPES)
-
-
 _CODECS = "sglang.srt.mem_cache.pool_host"
 register_host_dtype(
     HostDtype(
