@@ -2,7 +2,8 @@
 encoded host pools built on it.
 
 A toy lossless format (tests/support/copy_format.py), registered through the
-registry alone, goes through the real dispatch, auto-sizing, the generic MHA
+registry alone, goes through SGLang's flag and start-up validation, the real
+dispatch, auto-sizing, the generic MHA
 pool (torch path, and the fused paths with a torch stand-in for kernels) in
 every layout, the L3 page methods and the tools' format list: adding a
 format is one module and one entry. The INT8 pool's host bytes are checked against the
@@ -375,3 +376,69 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
             s[7].data_ptr() + half,
             seals[7, 1].data_ptr(),
         ]
+
+
+TOY_FLAG_PROBE = """
+import json, logging, sys
+from tests.support import standins
+standins.install_torchvision_stub()
+standins.install_sglang_standins()
+from sglang.srt.mem_cache.pool_host import host_format as hf
+from tests.support import copy_format as toy
+hf.register_host_dtype(toy.ENTRY)  # before the flag is declared, as a registry entry
+from tests.support.server_args import DEEPSEEK_V2_MLA, LLAMA, cli_parser, from_argv, model_dir
+from scripts.common.host_formats import host_dtype_choices
+import pathlib, tempfile
+root = pathlib.Path(tempfile.mkdtemp())
+records = []
+logging.getLogger().addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
+logging.getLogger().setLevel(logging.INFO)
+parser = cli_parser()
+(action,) = [a for a in parser._actions if "--hicache-host-dtype" in a.option_strings]
+out = {"choices": list(action.choices), "help": action.help, "tools": host_dtype_choices()}
+for name, config in (("mha", LLAMA), ("mla", DEEPSEEK_V2_MLA)):
+    args = from_argv(parser, model_dir(root, name, config), "--enable-hierarchical-cache",
+                     "--hicache-host-dtype", "copy", "--device", "cpu", "--skip-tokenizer-init")
+    try:
+        args.resolve_once()
+        out[name] = "ok"
+    except ValueError as e:
+        out[name] = str(e)
+out["log"] = [m for m in records if m.startswith("HiCache host KV dtype")]
+print(json.dumps(out))
+"""
+
+
+def test_toy_format_passes_the_flag_and_start_up_validation():
+    """Registered before the server args load, as an entry in host_format.py
+    is, the toy is a CLI choice with its help, passes start-up validation for
+    an MHA model, is refused for MLA naming the flag, and is in the tools'
+    parser-read list (mutant: a hard-coded choices list fails here)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.support.standins import REPO_ROOT
+
+    run = subprocess.run(
+        [sys.executable, "-c", TOY_FLAG_PROBE],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    # This process registered the toy too (pytestmark), last.
+    assert probe["choices"] == hf.host_dtype_choices()
+    assert probe["choices"][-1] == "copy"
+    assert "'copy' stores lossless toy format (tests)" in probe["help"]
+    assert probe["tools"][-1] == "copy"
+    assert probe["mha"] == "ok"
+    assert probe["log"] and probe["log"][0].startswith(
+        "HiCache host KV dtype: copy for MHA models (lossless toy format (tests)"
+    )
+    assert probe["mla"].startswith(
+        "--hicache-host-dtype copy does not support MLA models"
+    )
+    assert "--hicache-host-dtype int8 or auto" in probe["mla"]
