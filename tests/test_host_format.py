@@ -3,11 +3,11 @@ encoded host pools built on it.
 
 A toy lossless format (tests/support/copy_format.py), registered through the
 registry alone, goes through SGLang's flag and start-up validation, the real
-dispatch, auto-sizing, the generic MHA
-pool (torch path, and the fused paths with a torch stand-in for kernels) in
-every layout, the L3 page methods and the tools' format list: adding a
-format is one module and one entry. The INT8 pool's host bytes are checked against the
-layout the pre-refactor pool wrote, rebuilt from the reference codec.
+dispatch, auto-sizing, the generic MHA pool (torch path, and the fused paths
+with a torch stand-in for kernels) in every layout, the L3 page methods and the
+tools' format list: adding a format is one module and one entry. The INT8
+pool's host bytes are checked against the layout the pre-refactor pool wrote,
+rebuilt from the reference codec.
 """
 
 from __future__ import annotations
