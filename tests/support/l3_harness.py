@@ -33,6 +33,7 @@ from tests.support.hicache_harness import (
 )
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.utils import get_storage_hash_str
+from tests.support.server_process import die_with_parent
 
 # Every wait on a storage thread is bounded, so a fault can only fail a test.
 STORAGE_WAIT_S = 20.0
@@ -131,6 +132,7 @@ class MooncakeMaster:
             ],
             stdout=self._log,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + STORAGE_WAIT_S
         while time.monotonic() < deadline:

@@ -67,6 +67,7 @@ import pytest
 from tests.support.server_process import (  # noqa: F401 (ServerStartError, free_port: API)
     ServerProcess,
     ServerStartError,
+    die_with_parent,
     free_port,
     http,
     kill_group,
@@ -258,6 +259,7 @@ def run_cli(
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         try:
             out, _ = proc.communicate(timeout=timeout)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shlex
@@ -49,6 +50,17 @@ def http(url: str, payload=None, timeout: float = 600.0):
     return body
 
 
+def die_with_parent() -> None:
+    """Popen's preexec_fn: SIGKILL the child when the process that started it
+    dies, so a killed pytest leaves no server behind (SGLang ties its own
+    scheduler and detokenizer to the server the same way)."""
+    parent = os.getppid()
+    if ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL) != 0:
+        os._exit(127)  # PR_SET_PDEATHSIG failed: never run untied
+    if os.getppid() != parent:
+        os._exit(127)  # the parent died before the tie
+
+
 def kill_group(proc: subprocess.Popen, grace: float = 20.0) -> None:
     """SIGTERM then SIGKILL the server's process group (it was started as a
     session leader, so the group is its own, never the caller's)."""
@@ -85,6 +97,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 self.argv, env=self.env, cwd=self.cwd, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent,
             )  # fmt: skip
 
     def wait_healthy(self, timeout: float, progress: Callable[[str], None] | None = None,
