@@ -26,8 +26,8 @@ from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from tests.support import l3_harness as h
+from tests.support.codec_inputs import DTYPES
 from tests.support.conformance import (
-    DTYPES,
     GEOMETRIES,
     IO_BACKENDS,
     LAYOUTS,

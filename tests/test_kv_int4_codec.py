@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 from sglang.srt.mem_cache.pool_host import kv_int8_codec
 from tests.support.codec_inputs import (
+    DTYPES,
     UNIT_KINDS as KINDS,
     assert_same_bits,
     int_view,
@@ -21,7 +22,6 @@ from tests.support.codec_inputs import (
 )
 
 HEAD_DIMS = (64, 80, 96, 128, 256)  # groups of 64, whole head (80), 32, 64, 64
-DTYPES = (torch.bfloat16, torch.float16)
 FP16_MAX = 65504.0
 NAN = float("nan")
 INF = float("inf")

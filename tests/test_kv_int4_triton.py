@@ -27,7 +27,7 @@ from tests.support.int4_reference import (
     spec_decode,
     spec_records,
 )
-from tests.support.codec_inputs import assert_same_bits
+from tests.support.codec_inputs import DTYPES, assert_same_bits
 from tests.support.fp8_reference import (
     FP8,
     FP8_NAN_BYTE,
@@ -40,7 +40,6 @@ from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 
-DTYPES = (torch.bfloat16, torch.float16)
 NAN, INF = float("nan"), float("inf")
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),

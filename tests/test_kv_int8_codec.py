@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from tests.support.codec_inputs import (
+    DTYPES,
     LOG2_RANGE,
     assert_same_bits,
     edge_inputs,
@@ -20,7 +21,6 @@ from tests.support.codec_inputs import (
 )
 
 HEAD_DIMS = (64, 96, 128, 256)
-DTYPES = (torch.bfloat16, torch.float16)
 FP16_MAX = 65504.0
 NAN = float("nan")
 INF = float("inf")

@@ -29,13 +29,13 @@ from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import encoded, encoded_fused
 from tests.support.codec_inputs import (
+    DTYPES,
     LOG2_RANGE,
     assert_same_bits,
     edge_inputs,
     make_rows,
 )
 from tests.support.conformance import (
-    DTYPES,
     KERNEL_POOL_CASES,
     LAYOUTS,
     heads_geometry,

@@ -16,6 +16,7 @@ import pytest
 import torch
 from tests.support import hicache_harness as hh
 from tests.support.codec_inputs import (
+    DTYPES,
     LOG2_RANGE,
     assert_same_bits,
     edge_inputs,
@@ -27,7 +28,6 @@ from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
-DTYPES = (torch.bfloat16, torch.float16)
 # DeepSeek V2/V3, Kimi K2: kv_lora_rank 512, qk_rope_head_dim 64, tiles of 128.
 RANK, ROPE, TILE = 512, 64, 128
 NAN, INF = float("nan"), float("inf")

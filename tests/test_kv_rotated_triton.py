@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from tests.support.int4_reference import Host, assert_same_records
-from tests.support.codec_inputs import assert_same_bits
+from tests.support.codec_inputs import DTYPES, assert_same_bits
 
 from sglang.kernels.ops.kvcache import kv_hadamard_triton as hr
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
@@ -24,7 +24,6 @@ from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import kv_hadamard
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
-DTYPES = (torch.bfloat16, torch.float16)
 BASE = {"int4r": "int4", "k8v4r": "k8v4"}
 NAN, INF = float("nan"), float("inf")
 pytestmark = [

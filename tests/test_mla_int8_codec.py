@@ -14,9 +14,9 @@ from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import (
     TILE,
     MLAInt8HostFormat,
 )
+from tests.support.codec_inputs import DTYPES
 
 LATENT, ROPE = 512, 64  # DeepSeek V2/V3, Kimi K2
-DTYPES = (torch.bfloat16, torch.float16)
 NAN, INF = float("nan"), float("inf")
 FAST = settings(max_examples=25, deadline=None)
 

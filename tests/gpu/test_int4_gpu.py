@@ -16,11 +16,11 @@ import contextlib
 
 import pytest
 import torch
+from tests.support.codec_inputs import DTYPES
 from tests.support.gpu import (
     CUDA,
     DELAY,
     DEVICE,
-    DTYPES,
     big_tiles_when_interpreted,
     edge_rows,
     random_rows,

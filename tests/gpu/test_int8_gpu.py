@@ -22,11 +22,12 @@ import threading
 
 import pytest
 import torch
+from tests.support.codec_inputs import DTYPES
 from tests.support.gpu import (
     CUDA,
     DELAY,
     DEVICE,
-    DTYPES,
+    LAYOUTS,
     big_tiles_when_interpreted,
     destroy_host_pool,
     edge_rows,
@@ -46,7 +47,6 @@ if DEVICE is not None:
 
     MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 NAN, INF = float("nan"), float("inf")
 
 

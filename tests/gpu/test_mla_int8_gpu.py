@@ -15,13 +15,13 @@ import contextlib
 import pytest
 import torch
 from tests.support import gpu as gs
+from tests.support.codec_inputs import DTYPES
 
 if gs.DEVICE is not None:
     from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
     from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
     from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 RANK, ROPE, TILE = 512, 64, 128
 NAN, INF = float("nan"), float("inf")
 
@@ -69,7 +69,7 @@ def records_on(where: str, n: int, layers: int, dtype) -> dict[str, torch.Tensor
     return out
 
 
-@pytest.mark.parametrize("dtype", gs.DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_mla_kernels_bit_exact_against_cpu_reference(dtype, record_property):
     """Encode into device memory and into pinned host memory (UVA), decode
     back: the CPU codec's bytes and bits, counters included."""
@@ -104,7 +104,7 @@ def test_mla_kernels_bit_exact_against_cpu_reference(dtype, record_property):
     record_property("tokens", n)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", gs.LAYOUTS)
 @pytest.mark.parametrize("page", (1, 16, 64))
 def test_mla_kernels_on_the_pools_pinned_records(layout, page):
     """SGLang's MLA device pool on this device and the MLA INT8 host pool's

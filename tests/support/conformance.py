@@ -22,7 +22,6 @@ from tests.support.hicache_harness import Geometry, MLAGeometry
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 IO_BACKENDS = ("direct", "kernel")
 PAGE_SIZES = (1, 16, 64)
-DTYPES = (torch.bfloat16, torch.float16)
 # (head_num, head_dim, v_head_dim): TP-sliced head counts, the common dims, K != V.
 GEOMETRIES = [
     (1, 64, 64),

@@ -34,6 +34,9 @@ import torch
 
 from tests.support.codec_inputs import special_rows
 
+# The host layouts the GPU tests cover (tests/support/conformance.py's, kept
+# here: the GPU phase imports no SGLang module before its stand-ins).
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 QWEN3_8B = dict(layer_num=36, head_num=8, head_dim=128, v_head_dim=128)
 CARRIED_PACKAGES = Path(__file__).resolve().parents[1] / "gpu" / "carried_packages.txt"
 # What the machine must provide itself (too large to carry).
@@ -68,7 +71,6 @@ def gpu_test_device() -> str | None:
 
 DEVICE = gpu_test_device()
 CUDA = DEVICE == "cuda"
-DTYPES = (torch.bfloat16, torch.float16)
 # GPU clock cycles for torch.cuda._sleep: ~0.25-0.5 s on current parts.
 DELAY = int(5e8)
 

@@ -43,8 +43,8 @@ from tests.support.hicache_harness import (  # noqa: E402
     make_device_pool,
     make_host_pool,
 )
+from tests.support.conformance import LAYOUTS  # noqa: E402
 
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PAGE_SIZES = (1, 16)
 # name -> (kind, geometry kwargs)

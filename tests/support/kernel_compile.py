@@ -447,7 +447,8 @@ def pool_grid() -> list[PoolCase]:
     every geometry at page size 16, a subset at 1 and 64) for both device
     dtypes and both host-access modes; every device index kind on the
     odd-head geometry; and pools whose host buffers exceed 2**31 elements."""
-    from tests.support.conformance import DTYPES, KERNEL_POOL_CASES as POOL_CASES
+    from tests.support.codec_inputs import DTYPES
+    from tests.support.conformance import KERNEL_POOL_CASES as POOL_CASES
     from tests.support.conformance import LAYOUTS
 
     cases = [
@@ -526,7 +527,7 @@ def mla_grid() -> list[MLACase]:
     """DeepSeek geometry: every layout, page size 1/16/64, both device dtypes
     and both host-access modes; every device index kind at page 16; a smaller
     latent; host records past 2**31 elements (direct access)."""
-    from tests.support.conformance import DTYPES
+    from tests.support.codec_inputs import DTYPES
 
     cases = [
         MLACase(layout, page_size, dtype, access)
