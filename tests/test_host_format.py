@@ -26,6 +26,7 @@ from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_poo
 from tests.support import copy_format as toy
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from tests.support.conformance import LAYOUTS
+from tests.support.standins import run_fresh
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
@@ -380,9 +381,6 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
 
 TOY_FLAG_PROBE = """
 import json, logging, sys
-from tests.support import standins
-standins.install_torchvision_stub()
-standins.install_sglang_standins()
 from sglang.srt.mem_cache.pool_host import host_format as hf
 from tests.support import copy_format as toy
 hf.register_host_dtype(toy.ENTRY)  # before the flag is declared, as a registry entry
@@ -414,21 +412,7 @@ def test_toy_format_passes_the_flag_and_start_up_validation():
     is, the toy is a CLI choice with its help, passes start-up validation for
     an MHA model, is refused for MLA naming the flag, and is in the tools'
     parser-read list (mutant: a hard-coded choices list fails here)."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.support.standins import REPO_ROOT
-
-    run = subprocess.run(
-        [sys.executable, "-c", TOY_FLAG_PROBE],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    probe = run_fresh(TOY_FLAG_PROBE)
     # This process registered the toy too (pytestmark), last.
     assert probe["choices"] == hf.host_dtype_choices()
     assert probe["choices"][-1] == "copy"

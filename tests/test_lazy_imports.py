@@ -4,17 +4,10 @@ importing every upstream module the series edits to dispatch host pools."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from tests.support.standins import REPO_ROOT
+from tests.support.standins import run_fresh
 
 PROBE = """
 import json, sys
-from tests.support import standins
-standins.install_torchvision_stub()
-standins.install_sglang_standins()
 from sglang.srt.mem_cache import hicache_auto_size
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost, get_mha_host_pool_cls
@@ -42,15 +35,7 @@ OURS = (
 
 
 def test_stock_pools_import_none_of_our_codecs_or_kernels():
-    run = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    probe = json.loads(run.stdout.strip().splitlines()[-1])
+    probe = run_fresh(PROBE)
     assert probe["built"] == ["MHATokenToKVPoolHost", "MLATokenToKVPoolHost"]
     loaded = [m for m in probe["modules"] if m.startswith(OURS)]
     assert loaded == []

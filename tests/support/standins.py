@@ -7,7 +7,9 @@ exactly one thing a CPU-only machine lacks and says which.
 from __future__ import annotations
 
 import importlib.machinery
+import json
 import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -56,6 +58,25 @@ def install_torchvision_stub() -> None:
         parent, _, child = name.rpartition(".")
         setattr(sys.modules[parent], child, sys.modules[name])
     sys.modules["torchvision"].__version__ = "0.0.0-stub"
+
+
+def run_fresh(code: str, timeout: float = 600) -> dict:
+    """Run `code` in a fresh interpreter at the repo root, after the CPU
+    stand-ins, and return the JSON its last output line prints."""
+    prologue = (
+        "from tests.support import standins\n"
+        "standins.install_torchvision_stub()\n"
+        "standins.install_sglang_standins()\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", prologue + code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
