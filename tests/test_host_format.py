@@ -380,28 +380,31 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
 
 
 TOY_FLAG_PROBE = """
-import json, logging, sys
+import json, logging, pathlib, tempfile
 from sglang.srt.mem_cache.pool_host import host_format as hf
 from tests.support import copy_format as toy
 hf.register_host_dtype(toy.ENTRY)  # before the flag is declared, as a registry entry
 from tests.support.server_args import DEEPSEEK_V2_MLA, LLAMA, cli_parser, from_argv, model_dir
 from scripts.common.host_formats import host_dtype_choices
-import pathlib, tempfile
-root = pathlib.Path(tempfile.mkdtemp())
 records = []
-logging.getLogger().addHandler(type("H", (logging.Handler,), {"emit": lambda s, r: records.append(r.getMessage())})())
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logging.getLogger().addHandler(Keep())
 logging.getLogger().setLevel(logging.INFO)
 parser = cli_parser()
 (action,) = [a for a in parser._actions if "--hicache-host-dtype" in a.option_strings]
 out = {"choices": list(action.choices), "help": action.help, "tools": host_dtype_choices()}
-for name, config in (("mha", LLAMA), ("mla", DEEPSEEK_V2_MLA)):
-    args = from_argv(parser, model_dir(root, name, config), "--enable-hierarchical-cache",
-                     "--hicache-host-dtype", "copy", "--device", "cpu", "--skip-tokenizer-init")
-    try:
-        args.resolve_once()
-        out[name] = "ok"
-    except ValueError as e:
-        out[name] = str(e)
+with tempfile.TemporaryDirectory() as tmp:
+    for name, config in (("mha", LLAMA), ("mla", DEEPSEEK_V2_MLA)):
+        path = model_dir(pathlib.Path(tmp), name, config)
+        args = from_argv(parser, path, "--enable-hierarchical-cache", "--hicache-host-dtype",
+                         "copy", "--device", "cpu", "--skip-tokenizer-init")
+        try:
+            args.resolve_once()
+            out[name] = "ok"
+        except ValueError as e:
+            out[name] = str(e)
 out["log"] = [m for m in records if m.startswith("HiCache host KV dtype")]
 print(json.dumps(out))
 """
