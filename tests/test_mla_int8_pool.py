@@ -1,8 +1,9 @@
-"""The MLA INT8 host pool (pool_host/mla_encoded.py with the int8 MLA format) at DeepSeek geometry on CPU:
-SGLang's real MLATokenToKVPool, the real MLA host pools and the real
-HiCacheController. Write -> L1 eviction -> load round trips on every layout,
-page size and io backend, BF16 and FP16; capacity from the allocated buffers;
-NaN policy and host-tier statistics; bad indices; L2 page bytes; fail-fast."""
+"""The MLA INT8 host pool (pool_host/mla_encoded.py, int8 MLA format) at
+DeepSeek geometry on CPU: SGLang's real MLATokenToKVPool, the real MLA host
+pools and the real HiCacheController. Write -> L1 eviction -> load round trips
+on every layout, page size and io backend, BF16 and FP16; capacity from the
+allocated buffers; NaN policy and host-tier statistics; bad indices; L2 page
+bytes; fail-fast."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from tests.support.hicache_harness import (
     write_evict_load,
 )
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import TILE, MLAInt8HostFormat
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import (
+    MLATokenToKVPoolHost,
+    get_mla_host_pool_cls,
+)
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
-from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 
 MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 

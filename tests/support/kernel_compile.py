@@ -448,8 +448,7 @@ def pool_grid() -> list[PoolCase]:
     dtypes and both host-access modes; every device index kind on the
     odd-head geometry; and pools whose host buffers exceed 2**31 elements."""
     from tests.support.codec_inputs import DTYPES
-    from tests.support.conformance import KERNEL_POOL_CASES as POOL_CASES
-    from tests.support.conformance import LAYOUTS
+    from tests.support.conformance import KERNEL_POOL_CASES as POOL_CASES, LAYOUTS
 
     cases = [
         PoolCase(layout, page_size, geometry, dtype, access)
