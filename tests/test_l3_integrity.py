@@ -9,6 +9,7 @@ with non-finite scales are counted on the way in.
 from __future__ import annotations
 
 import logging
+import struct
 
 import pytest
 import torch
@@ -217,3 +218,41 @@ def test_nonfinite_scales_are_counted_on_the_way_in(
     stats = pool.storage_integrity_counts()
     assert stats["nonfinite_pages_loaded"] == 1
     assert stats["verified"] == PAGES
+
+
+def _with_seal_field(page: torch.Tensor, payload: int, offset: int, fmt: str, value):
+    """`page` with one seal field (at `offset` in the seal) re-packed to `value`."""
+    out = page.clone()
+    raw = bytearray(out.numpy().tobytes())
+    struct.pack_into(fmt, raw, payload + offset, value)
+    return torch.frombuffer(raw, dtype=torch.uint8).clone()
+
+
+@pytest.mark.parametrize(
+    "reason, offset, fmt, delta",
+    [
+        # Only the stated payload length is wrong; the object length is right.
+        ("size", 24, "<Q", 1),
+        # Only the seal version is wrong; magic and every other field are right.
+        ("seal", 4, "<H", 1),
+    ],
+)
+def test_each_seal_field_is_checked_alone(
+    tmp_path, l3_rigs, reason, offset, fmt, delta
+):
+    l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path))
+    l3_rigs.append(l3)
+    pool = l3.controller.mem_pool_host
+    _, host, _, _ = h.write_through(l3, TOKENS)
+    page = pool.get_data_page(int(host[0]), key="page-a")
+    payload = pool.storage_page_bytes
+    (value,) = struct.unpack_from(fmt, page.numpy().tobytes(), payload + offset)
+    bad = _with_seal_field(page, payload, offset, fmt, value + delta)
+    assert bad.numel() == page.numel() and not torch.equal(bad, page)
+    free = int(pool.alloc(GEO.page_size)[0])
+    before = [b.clone() for b in pool.kv_buffer]
+    with pytest.raises(StoragePageRefused, match=reason) as err:
+        pool.set_from_flat_data_page(free, bad, key="page-a")
+    assert err.value.reason.value == reason
+    assert pool.storage_integrity.counts()[reason] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, pool.kv_buffer))
