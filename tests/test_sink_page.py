@@ -218,6 +218,36 @@ def test_reused_host_page_is_not_a_sink_page_any_more():
     assert_restores(rig, again, rows, 0)
 
 
+def test_free_clears_the_mark_of_a_page_whose_slot_is_reused():
+    """A freed sink page's mark goes with its slot: with the one slot taken by
+    the next first page, a non-first page on the freed host page restores at
+    4 bits, and the new first page's keys at 8 (every allocation order)."""
+    rig = build("int4", sink_tokens=16 * PAGE, host_pages=4)
+    pool = rig.host_pool
+    host_a, _ = backup(rig, 2 * PAGE, seed=12, sink=True)
+    rig.controller.evict_host(host_a)
+    assert bool((pool.sink_pages.slot_of_page < 0).all())
+    host_b, rows_b = backup(rig, 2 * PAGE, seed=13, sink=True)
+    host_c, rows_c = backup(rig, 2 * PAGE, seed=14, sink=False)
+    # The pool is full: host_a's pages went to b or c.
+    assert sorted(torch.cat([host_b, host_c]).tolist()) == list(range(4 * PAGE))
+    assert l2_counts(pool) == {"stored": 1, "slots": 1, "kept_4bit": 0}
+    assert_restores(rig, host_b, rows_b, PAGE)
+    assert_restores(rig, host_c, rows_c, 0)
+
+
+def test_marking_a_page_twice_takes_one_slot():
+    rig = build("int4", sink_tokens=8 * PAGE)
+    pool = rig.host_pool
+    host, rows = backup(rig, 2 * PAGE, seed=15, sink=True)
+    pool.mark_sink_page(host)
+    assert l2_counts(pool) == {"stored": 1, "slots": 2, "kept_4bit": 0}
+    assert_restores(rig, host, rows, PAGE)
+    # Freeing the page returns every slot it held: none leaks.
+    rig.controller.evict_host(host)
+    assert l2_counts(pool) == {"stored": 0, "slots": 2, "kept_4bit": 0}
+
+
 @pytest.mark.parametrize(
     "fmt, tokens, match",
     [
