@@ -101,23 +101,25 @@ def test_accepts_packed_mtp_draft_on_linear_attention_hybrid(models, host_dtype)
     )
 
 
-def test_refuses_packed_mtp_draft_on_sliding_window_hybrid(models):
+@pytest.mark.parametrize("algorithm", ["NEXTN", "EAGLE"])
+def test_refuses_packed_mtp_draft_on_sliding_window_hybrid(models, algorithm):
     with pytest.raises(ValueError) as error:
         resolve(
             models["gpt_oss_mtp"],
             hicache_host_dtype="int8",
-            speculative_algorithm="NEXTN",
+            speculative_algorithm=algorithm,
             **SPEC,
         )
     message = str(error.value)
-    assert "--hicache-host-dtype int8 does not support --speculative-algorithm" in (
-        message
+    assert (
+        f"--hicache-host-dtype int8 does not support --speculative-algorithm "
+        f"{algorithm} with the MTP layers" in message
     )
     assert "GptOssForCausalLM" in message and "num_nextn_predict_layers=1" in message
     assert "Use --hicache-host-dtype auto" in message
     assert "--speculative-draft-model-path" in message
     # The stock pool packs it as upstream does.
-    resolve(models["gpt_oss_mtp"], speculative_algorithm="NEXTN", **SPEC)
+    resolve(models["gpt_oss_mtp"], speculative_algorithm=algorithm, **SPEC)
 
 
 def test_auto_keeps_upstream_behaviour_with_packed_mtp_drafts(models):
