@@ -101,6 +101,23 @@ def test_sliding_window_model_takes_every_encoded_format(models, host_dtype, lay
     assert server_args.hicache_mem_layout == layout
 
 
+@pytest.mark.parametrize(
+    "host_dtype, swa_dims",
+    [("int4", (15, 16)), ("k8v4", (16, 15)), ("int4r", (15, 15))],
+)
+def test_sliding_window_pool_dims_are_checked_at_startup(
+    tmp_path, host_dtype, swa_dims
+):
+    """The SWA pool's own head dims (swa_head_dim, swa_v_head_dim) are
+    encoded too: an odd one is refused at start-up, not at the first backup."""
+    config = dict(GPT_OSS, swa_head_dim=swa_dims[0], swa_v_head_dim=swa_dims[1])
+    model = model_dir(tmp_path, "gpt_oss_swa_dims", config)
+    with pytest.raises(ValueError, match=f"--hicache-host-dtype {host_dtype} ") as e:
+        resolve(model, hicache_host_dtype=host_dtype)
+    assert f"{swa_dims}" in str(e.value)
+    resolve(model, hicache_host_dtype="int8")  # what the message suggests starts
+
+
 @pytest.mark.parametrize("model", ["gpt_oss", "qwen3_next"])
 def test_hybrid_model_with_nixl_storage_names_both_flags(models, model):
     # NIXL's hybrid side-pool path has not run with encoded KV pages.
