@@ -5,7 +5,8 @@ real HiCacheController on CPU.
 
 Each format takes every layout x io backend on the indexed and the per-run
 torch copies, the fused kernels (under Triton's interpreter) where it has
-them, head geometries, and L3 (SGLang's file backend and MooncakeStore
+them, host indices with gaps, backward jumps and repeats on every path, head
+geometries, and L3 (SGLang's file backend and MooncakeStore
 against a real mooncake_master); page size 1/16/64 and device dtype vary over
 the rows as a covering design, every (page size, dtype) pair once per format
 (test_grids_cover_every_pair). The host records are bit for bit the format's
@@ -44,6 +45,7 @@ from tests.support.conformance import (
     scrambled_host_free_list,
     side_buffers,
     spread,
+    unit_tokens,
 )
 from tests.support.hicache_harness import finish_transfers, make_rig
 
@@ -266,6 +268,115 @@ def test_fused_round_trip(request, case, layout, io_backend, page_size, path):
         path=path,
         seed=3,
     )
+
+
+# --- host index orders: runs, gaps, backward jumps, repeats -------------------
+
+# Host units of a backup (a run, a backward jump, a gap, a descending step) and
+# of a load (an adjacent and a distant repeat, an ascending gap, a run, a
+# backward jump), as eviction order and shared prefixes hand them to a pool:
+# merged into one contiguous copy, any of them would move wrong rows silently.
+BACKUP_UNITS = [5, 6, 2, 9, 3]
+LOAD_UNITS = [9, 9, 2, 5, 6, 3, 2]
+# Every transfer path: (use_fused_kernels, fused_host_access, use_run_copies);
+# CUDA's torch path and staged kernels copy per run, CPU's index once.
+INDEX_PATHS = {
+    "torch": (False, "direct", False),
+    "runs": (False, "direct", True),
+    "fused_direct": (True, "direct", False),
+    "fused_staged": (True, "staged", False),
+    "fused_staged_runs": (True, "staged", True),
+}
+INDEX_GRID = list(itertools.product(LAYOUTS, INDEX_PATHS))
+
+
+def unit_tokens_of(units: list[int], ut: int) -> torch.Tensor:
+    return (torch.tensor(units)[:, None] * ut + torch.arange(ut)).flatten()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "case,layout,path",
+    case_params(
+        [c for c in CASES if not c.stock],
+        INDEX_GRID,
+        lambda c, layout, path: c in FUSED_CASES or not INDEX_PATHS[path][0],
+    ),
+    indirect=["case"],
+)
+def test_host_index_orders(request, case, layout, path):
+    """Pool backup and per-layer load at BACKUP_UNITS then LOAD_UNITS: the
+    host records are the reference encoding at exactly those units, each
+    loaded token is the reference restore of its unit's rows, and nothing
+    else changes on either side."""
+    fused, access, runs = INDEX_PATHS[path]
+    if fused and not case.toy:  # the toy's "kernels" are torch code
+        request.getfixturevalue("triton_interpreter")
+    geo = case.geometry(4)
+    rig = make_rig(
+        geo, device_tokens=64, host_tokens=80, layout=layout, host_dtype=case.host_dtype
+    )
+    device_pool, pool = rig.device_pool, rig.host_pool
+    if fused:
+        pool.use_fused_kernels = True
+        pool.fused_host_access = access
+    pool.use_run_copies = runs
+    assert pool.transfer_path == (f"fused_{access}" if fused else "torch")
+    ut = unit_tokens(pool)
+    host = unit_tokens_of(BACKUP_UNITS, ut)
+    dev = torch.arange(4, 4 + len(host))
+    spread(device_pool, dev, seed=5)
+    written = rows_at(device_pool, dev)
+    host_before = {n: b.clone() for n, b in pool.host_records.items()}
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+
+    units = torch.tensor(BACKUP_UNITS)
+    for layer, rows in enumerate(written):
+        want, _ = reference(pool, rows)
+        got = host_unit_records(pool, layer, units)
+        for name, w in want.items():
+            assert torch.equal(bits(got[name]), bits(w)), (name, layer)
+    axis = 1 if layout == "layer_first" else 0
+    for name, before in host_before.items():
+        kept = torch.ones(before.shape[axis], dtype=torch.bool)
+        kept[units] = False
+        pick = (slice(None), kept) if axis else (kept,)
+        assert torch.equal(bits(pool.host_records[name][pick]), bits(before[pick]))
+
+    load = unit_tokens_of(LOAD_UNITS, ut)
+    dev2 = torch.arange(28, 28 + len(load))
+    for side in side_buffers(device_pool):
+        for layer in range(geo.layer_num):
+            side[layer].fill_(SENTINEL)
+    for layer in range(geo.layer_num):
+        pool.load_to_device_per_layer(device_pool, load, dev2, layer, "direct")
+    # Each loaded token's position among the backed-up ones.
+    pick = unit_tokens_of([BACKUP_UNITS.index(u) for u in LOAD_UNITS], ut)
+    untouched = torch.ones(side_buffers(device_pool)[0][0].shape[0], dtype=torch.bool)
+    untouched[dev2] = False
+    for layer, rows in enumerate(written):
+        _, want = reference(pool, rows)
+        for side, w in zip(side_buffers(device_pool), want):
+            assert torch.equal(bits(side[layer][dev2]), bits(w[pick])), layer
+            assert (side[layer][untouched] == SENTINEL).all()
+
+
+def test_unit_planner_runs_split_at_every_break():
+    from sglang.srt.mem_cache.pool_host.encoded import UnitPlanner
+
+    runs = UnitPlanner.runs
+    assert runs([]) == []
+    assert runs([4]) == [(0, 4, 1)]
+    assert runs([5, 6, 7]) == [(0, 5, 3)]
+    # A backward jump, a gap, a repeat, a descending step: each starts a run.
+    assert runs([5, 6, 2, 9, 9, 4, 3, 4]) == [
+        (0, 5, 2),
+        (2, 2, 1),
+        (3, 9, 1),
+        (4, 9, 1),
+        (5, 4, 1),
+        (6, 3, 2),
+    ]
 
 
 # --- head geometries: TP-sliced head counts, the common dims, K != V ---------
