@@ -6,6 +6,8 @@ stated error bound, the non-power-of-two fallback and the NaN/Inf policy."""
 from __future__ import annotations
 
 
+import hashlib
+
 import pytest
 import torch
 
@@ -65,6 +67,19 @@ def test_signs_are_a_fixed_function_of_the_channel():
     assert 0.35 < (s < 0).float().mean().item() < 0.65
     assert torch.equal(kh.rotation_signs(64), s[:64])
     assert torch.equal(kh.rotation_signs(96), kh.rotation_signs(96))
+
+
+# sha256 of rotation_signs(1024) as fp32 bytes. The signs are part of every
+# stored int4r/k8v4r page: changing them needs new storage_format_tags (and new
+# hash grid entries, tests/support/hash_grid.py), not a new value here.
+SIGNS_SHA256 = "f97c4de6c96b61a9c2f934d8b4563caf1cc6878dcf677c42a4b19b63c8c01a09"
+
+
+def test_sign_vector_is_pinned():
+    signs = kh.rotation_signs(1024)
+    digest = hashlib.sha256(signs.numpy().tobytes()).hexdigest()
+    assert digest == SIGNS_SHA256, (kh.ROTATION_SEED, digest)
+    assert kh.ROTATION_SEED == 0x48695143
 
 
 @pytest.mark.parametrize(

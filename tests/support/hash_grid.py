@@ -11,6 +11,10 @@ kernels under the Triton interpreter, direct and staged).
 
     python -m tests.support.hash_grid --write tests/hash_grid_reference.json
     python -m tests.support.hash_grid --check tests/hash_grid_reference.json
+    python -m tests.support.hash_grid --add tests/hash_grid_reference.json
+
+--add records only the cases the file lacks (a new format or geometry) and
+keeps every recorded hash as it is.
 
 Runs as its own process: TRITON_INTERPRET must be set before triton loads.
 """
@@ -58,6 +62,11 @@ GEOMETRIES = {
     "mla_l1r256p32": ("mla", dict(layer_num=1, kv_lora_rank=256, qk_rope_head_dim=32)),
 }
 FORMATS = {"mha": ("int8", "int4", "k8v4"), "mla": ("int8",)}
+# The rotated formats (their base format's bytes after a Hadamard rotation
+# with a fixed sign vector, kv_hadamard.py): every geometry, layout, dtype and
+# path at one page size, their base formats covering the page sizes.
+ROTATED_FORMATS = {"mha": ("int4r", "k8v4r"), "mla": ()}
+ROTATED_PAGE_SIZES = (16,)
 PATHS = ("torch", "torch_runs", "fused_direct", "fused_staged")
 # Host pages written (out of order: a backward jump and a gap) and the device
 # pages they come from and are restored into.
@@ -67,10 +76,14 @@ PAGES = 12
 
 def cases(paths=PATHS):
     for geo_name, (kind, _) in GEOMETRIES.items():
-        for fmt, layout, dtype, page_size, path in itertools.product(
-            FORMATS[kind], LAYOUTS, DTYPES, PAGE_SIZES, paths
+        for formats, page_sizes in (
+            (FORMATS[kind], PAGE_SIZES),
+            (ROTATED_FORMATS[kind], ROTATED_PAGE_SIZES),
         ):
-            yield f"{kind}/{fmt}/{geo_name}/{layout}/{dtype}/p{page_size}/{path}"
+            for fmt, layout, dtype, page_size, path in itertools.product(
+                formats, LAYOUTS, DTYPES, page_sizes, paths
+            ):
+                yield f"{kind}/{fmt}/{geo_name}/{layout}/{dtype}/p{page_size}/{path}"
 
 
 def _token_ids(pages, page_size):
@@ -229,14 +242,31 @@ def main(argv=None) -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", help="write the grid's hashes to this JSON file")
     group.add_argument("--check", help="compare the grid's hashes with this JSON file")
+    group.add_argument(
+        "--add", help="record the cases this JSON file lacks, keeping the others"
+    )
     parser.add_argument("--match", default="", help="only cases containing this")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     start = time.monotonic()
     # Pools here are a few MB; other processes' use must not fail the check.
+    recorded = {}
+    if args.add:
+        with open(args.add) as f:
+            recorded = json.load(f)
     with base.host_memory_budget_scope(1 << 40):
-        got = {key: run_case(key) for key in cases() if args.match in key}
+        got = {
+            key: run_case(key)
+            for key in cases()
+            if args.match in key and key not in recorded
+        }
     took = time.monotonic() - start
+    if args.add:
+        with open(args.add, "w") as f:
+            json.dump({**recorded, **got}, f, indent=1, sort_keys=True)
+            f.write("\n")
+        print(f"added {len(got)} case hashes to {args.add} in {took:.0f} s")
+        return 0
     if args.write:
         with open(args.write, "w") as f:
             json.dump(got, f, indent=1, sort_keys=True)
