@@ -15,7 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support.hicache_harness import Geometry, make_rig
+from tests.support.hicache_harness import (
+    Geometry,
+    MLAGeometry,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
 from tests.support.metrics import Scrape
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
@@ -141,6 +147,38 @@ def test_host_tier_metrics_after_real_transfers(collectors, host_dtype):
 
     encodes = host_dtype == "int8"
     assert bool(scrape.all("sglang:hicache_host_nonfinite_groups_total")) == encodes
+
+
+def test_host_used_bytes_count_physical_rows_under_dcp(collectors):
+    """Decode context parallelism (--dcp-size 2): upstream's stock MLA host
+    pool counts logical slots (logical_size = size * dcp_size, dcp_size of them
+    per physical row), so the used bytes are this rank's rows in use."""
+    scheduler_collector, _ = collectors
+    dcp = 2
+    device_pool = make_device_pool(MLAGeometry(layer_num=2, page_size=4), 64)
+    pool = make_host_pool(device_pool, host_tokens=32, dcp_size=dcp)
+    assert (pool.dcp_size, pool.size, pool.logical_size) == (dcp, 32, 64)
+    reporter = SchedulerMetricsReporter.__new__(SchedulerMetricsReporter)
+    tree_cache = SimpleNamespace(token_to_kv_pool_host=pool, cache_controller=None)
+    reporter.scheduler = SimpleNamespace(
+        enable_hierarchical_cache=True, tree_cache=tree_cache
+    )
+    reporter.stats = SchedulerStats()
+    host = pool.alloc(24)
+    rows = len(torch.unique(host // dcp))
+    assert rows == 12
+    reporter._log_hicache_stats()
+    scheduler_collector.log_stats(reporter.stats)
+    scrape = Scrape()
+    assert scrape.value("sglang:hicache_host_used_tokens") == 24
+    used = scrape.value("sglang:hicache_host_used_bytes")
+    assert used == rows * pool.size_per_token
+    # Every slot in use: the bytes of the whole host buffer, not dcp_size times it.
+    pool.alloc(pool.available_size())
+    reporter._log_hicache_stats()
+    scheduler_collector.log_stats(reporter.stats)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in [pool.kv_buffer])
+    assert Scrape().value("sglang:hicache_host_used_bytes") == buffer_bytes
 
 
 def test_int8_nonfinite_groups(collectors):
