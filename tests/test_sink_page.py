@@ -236,6 +236,18 @@ def test_free_clears_the_mark_of_a_page_whose_slot_is_reused():
     assert_restores(rig, host_c, rows_c, 0)
 
 
+def test_pool_clear_returns_every_slot_and_mark():
+    """A cache reset clears the pool: no sink page outlives it."""
+    rig = build("int4", sink_tokens=16 * PAGE, host_pages=2)
+    pool = rig.host_pool
+    backup(rig, 2 * PAGE, seed=16, sink=True)
+    pool.clear()
+    assert l2_counts(pool) == {"stored": 0, "slots": 1, "kept_4bit": 0}
+    assert bool((pool.sink_pages.slot_of_page < 0).all())
+    host, rows = backup(rig, 2 * PAGE, seed=17, sink=False)
+    assert_restores(rig, host, rows, 0)
+
+
 def test_marking_a_page_twice_takes_one_slot():
     rig = build("int4", sink_tokens=8 * PAGE)
     pool = rig.host_pool
