@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "hiqcache_serve.sh"
 
 LAUNCH = ["-m", "sglang.launch_server"]
-DEFAULTS = ["--host", "0.0.0.0", "--port", "30000", "--enable-hierarchical-cache"]
+HICACHE = ["--enable-hierarchical-cache", "--hicache-host-dtype", "int8"]
+DEFAULTS = ["--host", "0.0.0.0", "--port", "30000", *HICACHE]
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$ARGV_FILE"
@@ -86,6 +87,7 @@ def test_arguments_pass_through_and_win(bin_dir):
         "--host", "0.0.0.0",
         "--enable-hierarchical-cache",
     ]  # fmt: skip
+    assert "host KV dtype" not in proc.stderr  # nothing added, nothing said
 
 
 def test_equals_forms_and_the_model_alias_count_as_given(bin_dir):
@@ -103,7 +105,28 @@ def test_equals_forms_and_the_model_alias_count_as_given(bin_dir):
         "--host=127.0.0.1",
         "--port=1",
         "--enable-hierarchical-cache",
+        "--hicache-host-dtype",
+        "int8",
     ]
+
+
+def test_host_dtype_defaults_to_int8_and_follows_host_dtype_env(bin_dir):
+    proc, argv = serve(bin_dir, MODEL="m")
+    assert argv[-2:] == ["--hicache-host-dtype", "int8"]
+    assert "hiqcache-serve: host KV dtype int8 (HOST_DTYPE, default int8" in proc.stderr
+    for dtype in ("k8v4", "auto"):
+        proc, argv = serve(bin_dir, MODEL="m", HOST_DTYPE=dtype)
+        assert proc.returncode == 0, proc.stderr
+        assert argv == [*LAUNCH, "--model-path", "m", *DEFAULTS[:-1], dtype]
+        assert f"host KV dtype {dtype} (HOST_DTYPE" in proc.stderr
+
+
+def test_given_host_dtype_is_not_duplicated(bin_dir):
+    for given in (["--hicache-host-dtype", "int4"], ["--hicache-host-dtype=int4"]):
+        proc, argv = serve(bin_dir, *given, MODEL="m", HOST_DTYPE="k8v4")
+        assert proc.returncode == 0, proc.stderr
+        assert argv == [*LAUNCH, "--model-path", "m", *given, *DEFAULTS[:-2]]
+        assert "host KV dtype" not in proc.stderr
 
 
 def test_no_model_fails_naming_what_to_set(bin_dir):
