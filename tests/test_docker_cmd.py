@@ -4,7 +4,9 @@ The Dockerfile keeps the base image's ENTRYPOINT, which runs whatever command
 it is given (NVIDIA's entrypoint ends in `exec "$@"`), and its default CMD is
 scripts/hiqcache_serve.sh installed as hiqcache-serve. These tests run that
 script under bash with a fake python3 on PATH that records its argv, and run
-the Dockerfile's CMD the way the entrypoint would.
+the Dockerfile's CMD the way the entrypoint would. The last ones run `make
+image` without a Docker daemon and scripts/image_cpu_check.sh up to its
+prerequisites, with fake docker and apt-get that only record their calls.
 """
 
 from __future__ import annotations
@@ -176,3 +178,91 @@ def test_user_commands_replace_the_cmd(bin_dir):
 
 def test_script_is_executable_in_the_repository():
     assert os.access(SCRIPT, os.X_OK)
+
+
+# An absolute interpreter: the tests' PATH holds only the listed tools.
+FAKE_TOOL = """#!/bin/bash
+echo "${0##*/} $*" >> "$CALLS"
+echo "Cannot connect to the Docker daemon at unix:///var/run/docker.sock." >&2
+exit 1
+"""
+
+
+def fake_bin(path: Path, fakes: tuple[str, ...], real: tuple[str, ...]) -> Path:
+    """A PATH folder: `fakes` record their calls and fail, `real` link to the host's."""
+    path.mkdir()
+    for name in fakes:
+        (path / name).write_text(FAKE_TOOL)
+        (path / name).chmod(0o755)
+    for name in real:
+        (path / name).symlink_to(shutil.which(name))
+    return path
+
+
+@pytest.mark.parametrize("docker", ["no daemon", "not installed"])
+def test_make_image_without_a_daemon_names_the_ways_without_one(tmp_path, docker):
+    calls = tmp_path / "calls"
+    bin_dir = fake_bin(tmp_path / "bin", ("docker",) if docker == "no daemon" else (), ())
+    proc = subprocess.run(
+        [shutil.which("make"), "--no-print-directory", "image"],
+        cwd=REPO,
+        env={"PATH": str(bin_dir), "CALLS": str(calls)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    message = proc.stderr.splitlines()[0]
+    assert message.startswith("make image: no Docker daemon answers (docker info failed)")
+    assert "'make wheel'" in message and "podman build --format docker" in message
+    assert "Cannot connect" not in proc.stderr  # Docker's own error stays out
+    expected = ["docker info"] if docker == "no daemon" else []
+    assert (calls.read_text().splitlines() if calls.exists() else []) == expected
+
+
+IMAGE_CHECK = REPO / "scripts" / "image_cpu_check.sh"
+# What image_cpu_check.sh runs before its prerequisites are met; podman, runc
+# and debootstrap are absent, so a host set-up would call the fake apt-get.
+IMAGE_CHECK_TOOLS = ("bash", "dirname", "sed", "mkdir", "awk", "tail", "readlink")
+
+
+def image_check(root: Path, *args: str):
+    calls = root / "calls"
+    bin_dir = fake_bin(root / "bin", ("apt-get",), IMAGE_CHECK_TOOLS)
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / IMAGE_CHECK.name), *args],
+        env={"PATH": str(bin_dir), "CALLS": str(calls)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return proc, calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.fixture
+def image_check_root(tmp_path):
+    """A repository without a test venv, holding the script and sglang.lock."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy2(IMAGE_CHECK, root / "scripts")
+    shutil.copy2(REPO / "sglang.lock", root)
+    return root
+
+
+def test_image_cpu_check_help_says_what_it_needs_and_changes(image_check_root):
+    proc, calls = image_check(image_check_root, "--help")
+    assert (proc.returncode, calls) == (0, []), proc.stderr
+    for words in ("--base-version 0.5.22", "make venv", "root", "apt-get installs podman",
+                  "/etc/containers/containers.conf"):  # fmt: skip
+        assert words in proc.stdout.replace("\n", " "), words
+    assert not proc.stdout.startswith("#!")
+
+
+def test_image_cpu_check_checks_the_venv_before_installing(image_check_root):
+    proc, calls = image_check(image_check_root)
+    assert proc.returncode == 2
+    venv = image_check_root / ".venv" / "bin" / "python"
+    assert proc.stderr.strip() == (
+        f"image_cpu_check: no test venv at {venv}: run 'make venv' first"
+    )
+    assert calls == []  # apt-get never ran

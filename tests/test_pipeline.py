@@ -761,6 +761,15 @@ def test_dockerfile_matches_the_lock_and_overlay_script():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def docker_root(root: Path) -> Path:
+    """What scripts/check_docker.py reads, copied from this checkout."""
+    (root / "scripts").mkdir(parents=True)
+    for rel in ("sglang.lock", "Dockerfile", ".dockerignore", "scripts/overlay.py",
+                "scripts/hiqcache_serve.sh"):  # fmt: skip
+        shutil.copy2(REPO / rel, root / rel)
+    return root
+
+
 @pytest.mark.parametrize(
     "old, new, expected",
     [
@@ -776,19 +785,40 @@ def test_dockerfile_matches_the_lock_and_overlay_script():
     ],
 )
 def test_docker_check_catches_drift(tmp_path, old, new, expected):
-    root = tmp_path / "repo"
-    (root / "scripts").mkdir(parents=True)
-    shutil.copy2(REPO / "sglang.lock", root)
-    shutil.copy2(REPO / "scripts" / "overlay.py", root / "scripts")
-    shutil.copy2(REPO / "scripts" / "hiqcache_serve.sh", root / "scripts")
+    root = docker_root(tmp_path / "repo")
     dockerfile = (REPO / "Dockerfile").read_text()
-    (root / "Dockerfile").write_text(dockerfile)
     assert run_check_docker(root).returncode == 0  # the copy passes as it is
     assert old in dockerfile
     (root / "Dockerfile").write_text(dockerfile.replace(old, new, 1))
     proc = run_check_docker(root)
     assert proc.returncode != 0
     assert expected in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        ("\n.venv\n", "\n", ".dockerignore must exclude .venv"),
+        ("\nbuild\n", "\nbuild/sglang\n", ".dockerignore must exclude build"),
+        ("\n.git\n", "\n.git\npatches/\n",
+         "the Dockerfile COPYs patches/, but .dockerignore excludes patches"),
+        ("\n.git\n", "\n.git\nscripts/*.sh\n",
+         "excludes scripts/hiqcache_serve.sh"),
+        ("\n.git\n", "\n.git\nscripts\n!scripts/overlay.py\n",
+         "excludes scripts/hiqcache_serve.sh"),
+    ],
+)  # fmt: skip
+def test_docker_check_keeps_the_context_small_and_complete(tmp_path, old, new, expected):
+    root = docker_root(tmp_path / "repo")
+    ignore = root / ".dockerignore"
+    assert run_check_docker(root).returncode == 0  # the copy passes as it is
+    assert old in ignore.read_text()
+    ignore.write_text(ignore.read_text().replace(old, new, 1))
+    proc = run_check_docker(root)
+    assert proc.returncode != 0
+    assert expected in proc.stderr
+    ignore.unlink()
+    assert ".dockerignore is missing" in run_check_docker(root).stderr
 
 
 def test_make_wheel_builds_the_image_tag_without_the_test_venv():
