@@ -189,18 +189,20 @@ ensure_site() {
     step install ok "one pip call: $names"
 
     if ! command -v patch >/dev/null 2>&1; then
-        # overlay.py install runs `patch -p1 --batch --forward -d DIR -i FILE`;
+        # overlay.py install runs `patch -p1 --batch --forward [-R] -d DIR -i FILE`;
         # git apply does the same outside a repository.
         command -v git >/dev/null 2>&1 || die "neither patch nor git is installed"
         mkdir -p "$SITE/.bin"
         cat > "$SITE/.bin/patch" <<'EOF'
 #!/usr/bin/env bash
-dir=. file= strip=1
+dir=. file= strip=1 reverse=
 while [ $# -gt 0 ]; do
-    case "$1" in -d) dir="$2"; shift ;; -i) file="$2"; shift ;; -p*) strip="${1#-p}" ;; esac
+    case "$1" in
+        -d) dir="$2"; shift ;; -i) file="$2"; shift ;; -p*) strip="${1#-p}" ;; -R) reverse=-R ;;
+    esac
     shift
 done
-cd "$dir" && exec git apply -p"$strip" "$file"
+cd "$dir" && exec git apply $reverse -p"$strip" "$file"
 EOF
         chmod +x "$SITE/.bin/patch"
         export PATH="$SITE/.bin:$PATH"

@@ -202,7 +202,9 @@ def fake_bin(path: Path, fakes: tuple[str, ...], real: tuple[str, ...]) -> Path:
 @pytest.mark.parametrize("docker", ["no daemon", "not installed"])
 def test_make_image_without_a_daemon_names_the_ways_without_one(tmp_path, docker):
     calls = tmp_path / "calls"
-    bin_dir = fake_bin(tmp_path / "bin", ("docker",) if docker == "no daemon" else (), ())
+    bin_dir = fake_bin(
+        tmp_path / "bin", ("docker",) if docker == "no daemon" else (), ()
+    )
     proc = subprocess.run(
         [shutil.which("make"), "--no-print-directory", "image"],
         cwd=REPO,
@@ -213,7 +215,9 @@ def test_make_image_without_a_daemon_names_the_ways_without_one(tmp_path, docker
     )
     assert proc.returncode != 0
     message = proc.stderr.splitlines()[0]
-    assert message.startswith("make image: no Docker daemon answers (docker info failed)")
+    assert message.startswith(
+        "make image: no Docker daemon answers (docker info failed)"
+    )
     assert "'make wheel'" in message and "podman build --format docker" in message
     assert "Cannot connect" not in proc.stderr  # Docker's own error stays out
     expected = ["docker info"] if docker == "no daemon" else []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import py_compile
 import re
 import shutil
 import subprocess
@@ -679,6 +680,93 @@ def test_install_patches_a_stock_package_in_place_once(patched, tmp_path):
     before = {p: p.read_bytes() for p in target.rglob("*") if p.is_file()}
     assert "already carries this series" in overlay(project, "install", "--target", str(target))
     assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
+
+
+def test_install_and_uninstall_have_their_own_help():
+    helps = {
+        "install": "patch an installed SGLang in place",
+        "uninstall": "undo install: the stock files back",
+    }
+    for command, words in helps.items():
+        out = overlay(REPO, command, "--help")
+        assert f"usage: overlay.py {command} [-h] --target TARGET" in out
+        assert words in out and "the folder holding the sglang package" in out
+
+
+def package_state(site: Path) -> dict[str, str | None]:
+    """Every path under `site`: the sha256 of a file, None for a folder."""
+    return {
+        p.relative_to(site).as_posix(): (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        )
+        for p in site.rglob("*")
+    }
+
+
+def test_install_repatches_after_a_reinstall_and_uninstall_restores_stock(
+    patched, tmp_path
+):
+    """install judges the package by its files, not its marker, and uninstall
+    takes back every byte, on the whole stock package from the pinned wheel."""
+    project = copy_project(patched.path, tmp_path / "project", tree=False)
+    site = tmp_path / "site"
+
+    def reinstall_stock():
+        # As `pip install --force-reinstall`: the wheel's files written over the
+        # package; files the wheel does not have (overlay files, marker) stay.
+        with zipfile.ZipFile(WHEEL_CACHE / WHEEL_NAME) as zf:
+            for member in zf.infolist():
+                if member.filename.startswith("sglang/") and not member.is_dir():
+                    zf.extract(member, site)
+
+    def assert_patched():
+        for rel in touched:
+            expected = (patched.tree / "python" / rel).read_bytes()
+            assert (site / rel).read_bytes() == expected, rel
+        for rel, data in added.items():
+            assert (site / rel).read_bytes() == data, rel
+
+    reinstall_stock()
+    stock = package_state(site)
+    touched = [rel.removeprefix("python/") for rel in touched_files(project)]
+    added = {
+        rel.removeprefix("python/"): data
+        for rel, data in overlay_files(project).items()
+        if rel.startswith("python/")
+    }
+    marker = site / "sglang" / ".hiqcache-applied"
+
+    overlay(project, "install", "--target", str(site))
+    assert_patched()
+    # The server imported an overlay module: its bytecode is ours to remove too.
+    module = next(rel for rel in added if rel.endswith(".py"))
+    py_compile.compile(str(site / module), doraise=True)
+
+    reinstall_stock()
+    assert all(package_state(site)[rel] == stock[rel] for rel in touched)
+    assert marker.exists() and all((site / rel).exists() for rel in added)
+    out = overlay(project, "install", "--target", str(site))
+    assert "already carries" not in out and f"{len(series(project))} patches" in out
+    assert_patched()
+    out = overlay(project, "install", "--target", str(site))
+    assert f"already carries this series ({len(touched)} patched files" in out
+
+    # Edited by hand: uninstall cannot tell what stock was, and changes nothing.
+    edited = site / touched[0]
+    edited.write_bytes(edited.read_bytes() + b"# edited\n")
+    before = package_state(site)
+    out = overlay(project, "uninstall", "--target", str(site), ok=False)
+    assert f"pip install --force-reinstall --no-deps sglang=={VERSION}, then" in out
+    assert package_state(site) == before
+    edited.write_bytes(edited.read_bytes().removesuffix(b"# edited\n"))
+
+    out = overlay(project, "uninstall", "--target", str(site))
+    restored = f"{len(touched)} patched files restored to stock, {len(added)} overlay"
+    assert restored in out
+    assert package_state(site) == stock  # every path and byte as the wheel left them
+    out = overlay(project, "uninstall", "--target", str(site))
+    assert "is stock SGLang; nothing to uninstall" in out
+    assert package_state(site) == stock
 
 
 def test_install_refuses_another_sglang_version(patched, tmp_path):
