@@ -788,7 +788,7 @@ def _series_state(target: Path) -> tuple[str, dict, dict, str]:
     # Taken back and applied again, the files must come out byte for byte.
     if stock is not None and _patch_series(stock)[0] == current:
         return "patched", stock, current, ""
-    return "neither", {}, {}, f"{failed} to {target}:\n{output}"
+    return "neither", {}, {}, f"{failed} to {target}\n{output}"
 
 
 def _overlay_destinations(target: Path) -> dict[Path, Path]:
