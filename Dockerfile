@@ -31,7 +31,8 @@ RUN if ! command -v patch >/dev/null; then \
 
 # The base image's entrypoint stays (NVIDIA's hooks; it runs any command), so
 # the image starts the way lmsysorg/sglang does:
-#   docker run --gpus all -e MODEL=<path or HF id> IMAGE     (this CMD: HiCache on)
+#   docker run --gpus all -e MODEL=<path or HF id> IMAGE     (this CMD: HiCache on, INT8 host)
+#   docker run --gpus all -e MODEL=<m> -e HOST_DTYPE=k8v4 IMAGE  (another host format)
 #   docker run --gpus all IMAGE hiqcache-serve --model-path <m> --hicache-host-dtype int8
 #   docker run --gpus all IMAGE python3 -m sglang.launch_server --model-path <m> ...
 #   docker run -it IMAGE bash

@@ -140,7 +140,12 @@ quality-gemma: venv apply $(QUALITY_MODELS)/.stamp
 		--model gemma3-270m --text-file $(TEXT_FILE) --code-text $(CODE_TEXT) \
 		--doc-text $(DOC_TEXT) $(GEMMA_QUALITY_ARGS) $(QUALITY_ARGS)
 
+# No daemon: one message naming the ways that need none, not Docker's own error.
 image:
+	@docker info >/dev/null 2>&1 || { echo "make image: no Docker daemon answers" \
+		"(docker info failed). Start one, or build without it: 'make wheel' (patched" \
+		"wheels in dist/), or podman build --format docker --build-arg" \
+		"SGLANG_IMAGE_TAG=$(SGLANG_IMAGE_TAG) -t $(IMAGE) ." >&2; exit 1; }
 	docker build --build-arg SGLANG_IMAGE_TAG=$(SGLANG_IMAGE_TAG) -t $(IMAGE) .
 
 clean:

@@ -26,6 +26,8 @@ OVERLAY_SCRIPT = "scripts/overlay.py"
 NOT_NEEDED_IN_IMAGE = {"build", "dist", "docs"}
 # Where the default command is installed: on PATH in the official image.
 PATH_DIRS = ("/usr/local/bin", "/usr/bin")
+# What the build context must leave out: the test venv alone is gigabytes.
+MUST_IGNORE = (".git", ".venv", "build", "dist")
 
 
 def instructions(dockerfile: Path) -> list[tuple[str, str]]:
@@ -101,6 +103,7 @@ def check(root: Path) -> list[str]:
         *check_inputs(inputs, pairs, script_at, image_root),
         *check_install(instrs, image_root),
         *check_start_command(root, instrs),
+        *check_dockerignore(root, pairs),
     ]
 
 
@@ -196,6 +199,39 @@ def check_start_command(root: Path, instrs: list[tuple[str, str]]):
             yield f"COPY of {dest} must set --chmod=755 (CMD executes it)"
         return
     yield f"CMD runs {cmd[0]!r}, which no COPY installs into {', '.join(PATH_DIRS)}"
+
+
+def ignored(rel: str, patterns: list[str]) -> bool:
+    """.dockerignore's rule: the last pattern matching `rel` or a folder above it wins."""
+    parts = rel.split("/")
+    excluded = False
+    for pattern in patterns:
+        bare = pattern.removeprefix("!").strip("/")
+        prefixes = ("/".join(parts[:n]) for n in range(1, len(parts) + 1))
+        if any(fnmatch.fnmatchcase(prefix, bare) for prefix in prefixes):
+            excluded = not pattern.startswith("!")
+    return excluded
+
+
+def check_dockerignore(root: Path, pairs: list[tuple[str, str]]):
+    """The context leaves out the heavy folders and keeps every COPY source."""
+    path = root / ".dockerignore"
+    if not path.exists():
+        yield ".dockerignore is missing: the build context would carry .venv and build/"
+        return
+    lines = (line.strip() for line in path.read_text().splitlines())
+    patterns = [line for line in lines if line and not line.startswith("#")]
+    for rel in MUST_IGNORE:
+        if not ignored(rel, patterns):
+            yield f".dockerignore must exclude {rel} (it would enter the build context)"
+    for src, _ in pairs:
+        sources = sorted(root.glob(src.rstrip("/"))) or [root / src.rstrip("/")]
+        files = [f for s in sources for f in (s.rglob("*") if s.is_dir() else [s])]
+        for file in [*sources, *files]:
+            rel = file.relative_to(root).as_posix()
+            if "__pycache__" not in rel and ignored(rel, patterns):
+                yield f"the Dockerfile COPYs {src}, but .dockerignore excludes {rel}"
+                break
 
 
 def run_hadolint(dockerfile: Path) -> list[str]:

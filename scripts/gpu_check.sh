@@ -7,12 +7,15 @@
 # Options: --out DIR (results/gpu-check)  --site DIR (build/gpu-site)
 #   --test-timeout S (420)  --bench-budget S (140)  --bench-timeout S (240)
 #   -- ARGS (to pytest for tests, gpu_bench.py for bench). Exit 0 only if all passed.
+# Python: $PYTHON, else the repository's .venv/bin/python, else python3.
 
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+# The test venv has torch and Triton on CPU; a GPU machine's python3 has its own.
 PY="${PYTHON:-python3}"
+[ -z "${PYTHON:-}" ] && [ -x "$ROOT/.venv/bin/python" ] && PY="$ROOT/.venv/bin/python"
 SGLANG_VERSION="$(sed -n 's/^SGLANG_VERSION=//p' sglang.lock)"
 CARRY="build/gpu-carry"
 PACKAGES="tests/gpu/carried_packages.txt"
@@ -92,7 +95,7 @@ while [ $# -gt 0 ]; do
         --bench-budget) BENCH_BUDGET="$2"; shift ;;
         --bench-timeout) BENCH_TIMEOUT="$2"; shift ;;
         --) shift; EXTRA=("$@"); break ;;
-        -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
         *) die "unknown argument $1 (see --help)" ;;
     esac
     shift
@@ -189,18 +192,20 @@ ensure_site() {
     step install ok "one pip call: $names"
 
     if ! command -v patch >/dev/null 2>&1; then
-        # overlay.py install runs `patch -p1 --batch --forward -d DIR -i FILE`;
+        # overlay.py install runs `patch -p1 --batch --forward [-R] -d DIR -i FILE`;
         # git apply does the same outside a repository.
         command -v git >/dev/null 2>&1 || die "neither patch nor git is installed"
         mkdir -p "$SITE/.bin"
         cat > "$SITE/.bin/patch" <<'EOF'
 #!/usr/bin/env bash
-dir=. file= strip=1
+dir=. file= strip=1 reverse=
 while [ $# -gt 0 ]; do
-    case "$1" in -d) dir="$2"; shift ;; -i) file="$2"; shift ;; -p*) strip="${1#-p}" ;; esac
+    case "$1" in
+        -d) dir="$2"; shift ;; -i) file="$2"; shift ;; -p*) strip="${1#-p}" ;; -R) reverse=-R ;;
+    esac
     shift
 done
-cd "$dir" && exec git apply -p"$strip" "$file"
+cd "$dir" && exec git apply $reverse -p"$strip" "$file"
 EOF
         chmod +x "$SITE/.bin/patch"
         export PATH="$SITE/.bin:$PATH"
@@ -232,6 +237,13 @@ run_phase() {  # phase timeout tail-lines module args...: its log is $OUT/gpu_<p
     step "$phase" "$([ $rc = 0 ] && echo ok || echo failed)" "$detail"
     return $rc
 }
+
+# Both phases import torch and Triton: without them, one line, not two tracebacks.
+missing="$("$PY" -c 'import importlib.util as u
+print(", ".join(m for m in ("torch", "triton") if u.find_spec(m) is None))' 2>/dev/null)" \
+    || die "no Python at $PY: pass PYTHON=/path/to/python (one with PyTorch and Triton)"
+[ -z "$missing" ] || die "$PY has no $missing: pass PYTHON=/path/to/python with" \
+    "PyTorch and Triton (on CPU the test venv: make venv, then PYTHON=.venv/bin/python)"
 
 START=$(date +%s)
 ensure_site

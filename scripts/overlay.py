@@ -706,58 +706,205 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
     return out_root
 
 
-def install(target: Path) -> None:
-    """Apply overlay + series to an installed sglang package under `target` (-p2)."""
+# In the installed package: {"series": inputs digest, "files": [overlay files]}.
+INSTALL_MARKER = ".hiqcache-applied"
+
+
+def _installed_package(target: Path) -> Path:
+    """target/sglang, refused unless it is the pinned version."""
     lock = read_lock()
     package = target / "sglang"
     version_file = package / "version.py"
     if not version_file.exists():
         raise OverlayError(f"no sglang package under {target}")
     # The literal is in _version.py (setuptools-scm); the ^ skips version.py's indented fallback.
-    texts = (p.read_text() for p in (package / "_version.py", version_file) if p.exists())
-    found = (re.search(r"(?m)^__version__\s*=\s*(?:\w+\s*=\s*)*['\"]([^'\"]+)", t) for t in texts)
+    texts = (
+        p.read_text() for p in (package / "_version.py", version_file) if p.exists()
+    )
+    found = (
+        re.search(r"(?m)^__version__\s*=\s*(?:\w+\s*=\s*)*['\"]([^'\"]+)", t)
+        for t in texts
+    )
     installed = next((match.group(1) for match in found if match), "unknown")
     if installed != lock["SGLANG_VERSION"]:
         raise OverlayError(
             f"installed sglang is {installed}, the patches are for {lock['SGLANG_VERSION']}"
         )
-    check_series()
-    marker = package / ".hiqcache-applied"
-    digest = inputs_digest("install")
-    if marker.exists():
-        if marker.read_text().strip() == digest:
-            print(f"overlay: {package} already carries this series")
-            return
-        raise OverlayError(f"{package} carries another HiQCache series; reinstall sglang first")
-    package_files = [rel for rel in overlay_files() if rel.parts[0] == "python"]  # not test/
-    placed = {target / rel.relative_to("python"): rel for rel in package_files}
-    for dst in placed:
-        if dst.exists():
-            raise OverlayError(f"{dst} already exists; refusing to overwrite it")
+    return package
+
+
+def _read_marker(marker: Path) -> dict | None:
+    if not marker.exists():
+        return None
+    text = marker.read_text().strip()
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError:
+        record = None
+    # A marker from before the file list was recorded holds the digest alone.
+    return record if isinstance(record, dict) else {"series": text, "files": []}
+
+
+def _patch_series(
+    files: dict[str, bytes], reverse: bool = False
+) -> tuple[dict | None, str, str]:
+    """`files` ({upstream path: bytes}) after the whole series, or with `reverse`
+    before it; (None, which patch failed and its output) where one does not apply."""
+    # --fuzz=0: context other than the pin's is another SGLang (as for git am).
+    options = [
+        "-p1",
+        "--batch",
+        "--forward",
+        "--fuzz=0",
+        "--no-backup-if-mismatch",
+        "-r",
+        "-",
+    ]
+    names = read_series()
     with tempfile.TemporaryDirectory() as tmp:
-        # Dry-run the whole series on a copy of the touched files.
-        touched = series_touched_files()
-        for path in touched:
+        for path, data in files.items():
             (Path(tmp) / path).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(target / path.removeprefix("python/"), Path(tmp) / path)
-        # --fuzz=0: a hunk whose context differs from the pin is a different SGLang, as for git am.
-        options = ["-p1", "--batch", "--forward", "--fuzz=0", "--no-backup-if-mismatch", "-r", "-"]
-        for name in read_series():
-            proc = run(["patch", *options, "-d", tmp, "-i", str(PATCH_DIR / name)])
+            (Path(tmp) / path).write_bytes(data)
+        for name in reversed(names) if reverse else names:
+            cmd = ["patch", *options, *(["-R"] if reverse else []), "-d", tmp]
+            proc = run([*cmd, "-i", str(PATCH_DIR / name)])
             if proc.returncode != 0:
-                raise OverlayError(
-                    f"patch {name} does not apply exactly (no fuzz) to {target}; "
-                    f"nothing was installed:\n{(proc.stdout + proc.stderr).strip()}"
-                )
-        for path in touched:
-            shutil.copy2(Path(tmp) / path, target / path.removeprefix("python/"))
-    for dst, rel in placed.items():
+                output = (proc.stdout + proc.stderr).strip()
+                return None, f"patch {name} does not apply exactly (no fuzz)", output
+        return {path: (Path(tmp) / path).read_bytes() for path in files}, "", ""
+
+
+def _series_state(target: Path) -> tuple[str, dict, dict, str]:
+    """("stock" | "patched" | "neither", stock bytes, patched bytes, why) of the
+    files the series touches under `target`, judged by their content."""
+    current = {
+        path: (target / path.removeprefix("python/")).read_bytes()
+        for path in sorted(series_touched_files())
+    }
+    patched, failed, output = _patch_series(current)
+    if patched is not None:
+        return "stock", current, patched, ""
+    stock = _patch_series(current, reverse=True)[0]
+    # Taken back and applied again, the files must come out byte for byte.
+    if stock is not None and _patch_series(stock)[0] == current:
+        return "patched", stock, current, ""
+    return "neither", {}, {}, f"{failed} to {target}\n{output}"
+
+
+def _overlay_destinations(target: Path) -> dict[Path, Path]:
+    """{installed path: overlay source} of the package's overlay files (not test/)."""
+    package_files = [rel for rel in overlay_files() if rel.parts[0] == "python"]
+    return {
+        target / rel.relative_to("python"): OVERLAY_DIR / rel for rel in package_files
+    }
+
+
+def _remove_overlay_files(package: Path, paths: set[Path]) -> int:
+    """Remove `paths`, their bytecode and the folders that leaves empty."""
+    removed = 0
+    for path in sorted(paths):
+        if path.is_file():
+            path.unlink()
+            removed += 1
+        for pyc in path.parent.glob(f"__pycache__/{path.stem}.*.pyc"):
+            pyc.unlink()
+        for folder in (path.parent / "__pycache__", *path.parents):
+            if folder == package or package not in folder.parents:
+                break
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
+    return removed
+
+
+def install(target: Path) -> None:
+    """Apply overlay + series to an installed sglang package under `target` (-p2)."""
+    package = _installed_package(target)
+    check_series()
+    marker = package / INSTALL_MARKER
+    record = _read_marker(marker)
+    placed = _overlay_destinations(target)
+    files = sorted(dst.relative_to(target).as_posix() for dst in placed)
+    new_record = {"series": inputs_digest("install"), "files": files}
+    state, _, patched, why = _series_state(target)
+    if state == "patched" and all(_same_bytes(dst, src) for dst, src in placed.items()):
+        if record != new_record:  # the content is this series'; so is the marker now
+            stale = {target / rel for rel in record["files"]} if record else set()
+            _remove_overlay_files(package, stale - set(placed))
+            marker.write_text(json.dumps(new_record, indent=1) + "\n")
+        print(
+            f"overlay: {package} already carries this series "
+            f"({len(patched)} patched files and {len(placed)} overlay files verified)"
+        )
+        return
+    if state == "patched":
+        raise OverlayError(
+            f"{package} has this series' patches but not its overlay files: run "
+            f"`overlay.py uninstall --target {target}`, then install again"
+        )
+    if state == "neither":
+        version = read_lock()["SGLANG_VERSION"]
+        another = (
+            f" ({package} carries another HiQCache series: pip install "
+            f"--force-reinstall --no-deps sglang=={version} first)"
+        )
+        head, _, output = why.partition("\n")
+        raise OverlayError(
+            f"{head}; nothing was installed{another if record else ''}:\n{output}"
+        )
+    # Stock files: a fresh package, or one reinstalled over an earlier install,
+    # whose overlay files are left behind and ours to replace.
+    ours = (
+        ({target / rel for rel in record["files"]} | set(placed)) if record else set()
+    )
+    for dst in placed:
+        if dst.exists() and dst not in ours:
+            raise OverlayError(f"{dst} already exists; refusing to overwrite it")
+    for path, data in patched.items():
+        (target / path.removeprefix("python/")).write_bytes(data)
+    for dst, src in placed.items():
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(OVERLAY_DIR / rel, dst)
-    marker.write_text(digest + "\n")
+        shutil.copy2(src, dst)
+    _remove_overlay_files(package, ours - set(placed))  # an earlier series' own files
+    marker.write_text(json.dumps(new_record, indent=1) + "\n")
     print(
         f"overlay: installed {len(placed)} overlay files and "
         f"{len(read_series())} patches into {package}"
+    )
+
+
+def _same_bytes(path: Path, source: Path) -> bool:
+    return path.is_file() and path.read_bytes() == source.read_bytes()
+
+
+def uninstall(target: Path) -> None:
+    """Undo `install`: the stock files back, every overlay file and the marker gone."""
+    package = _installed_package(target)
+    check_series()
+    marker = package / INSTALL_MARKER
+    record = _read_marker(marker)
+    state, stock, _, _ = _series_state(target)
+    if state == "neither":
+        version = read_lock()["SGLANG_VERSION"]
+        raise OverlayError(
+            f"the files this series patches in {package} are neither stock SGLang "
+            f"{version} nor patched by it (another series, or edited); nothing was "
+            f"changed: pip install --force-reinstall --no-deps sglang=={version}, then "
+            "uninstall again to remove the overlay files"
+        )
+    if state == "patched":
+        for path, data in stock.items():
+            (target / path.removeprefix("python/")).write_bytes(data)
+    ours = set(_overlay_destinations(target))
+    ours |= {target / rel for rel in record["files"]} if record else set()
+    removed = _remove_overlay_files(package, ours)
+    marker.unlink(missing_ok=True)
+    if state == "stock" and not removed and record is None:
+        print(f"overlay: {package} is stock SGLang; nothing to uninstall")
+        return
+    restored = len(stock) if state == "patched" else 0
+    print(
+        f"overlay: uninstalled from {package}: {restored} patched files restored "
+        f"to stock, {removed} overlay files removed"
     )
 
 
@@ -772,8 +919,23 @@ def main(argv: list[str] | None = None) -> None:
         "wheel": lambda args: build_wheel(args.tree, args.python_tag),
         "pr": lambda args: export_pr(args.tree),
         "install": lambda args: install(args.target),
+        "uninstall": lambda args: uninstall(args.target),
     }
-    p = {name: sub.add_parser(name) for name in commands}
+    helps = {
+        "fetch": "download the pinned SGLang wheel (sha256 checked); print its path",
+        "apply": "build the tree: pinned SGLang + sglang_overlay/ + patches/",
+        "check": "patches/series and patches/ agree and every patch applies to the pin",
+        "refresh": "regenerate patches/ and sglang_overlay/ from the tree's commits",
+        "wheel": "build the patched wheel sglang-<pin>+hiq.N into dist/",
+        "pr": "export the series as upstream PRs into dist/pr/",
+        "install": "patch an installed SGLang in place (checked by content; again "
+        "after pip reinstalls it)",
+        "uninstall": "undo install: the stock files back, every overlay file removed",
+    }
+    p = {
+        name: sub.add_parser(name, help=helps[name], description=helps[name])
+        for name in commands
+    }
     p["fetch"].add_argument("--python-tag", help="e.g. 312; default: the running Python")
     p["apply"].add_argument("--source", choices=("wheel", "git"))
     for name in ("apply", "refresh", "wheel", "pr"):
@@ -781,7 +943,11 @@ def main(argv: list[str] | None = None) -> None:
     p["apply"].add_argument("--force", action="store_true", default=os.environ.get("FORCE") == "1")
     p["refresh"].add_argument("--message", "-m", default=os.environ.get("MSG") or None)
     p["wheel"].add_argument("--python-tag")
-    p["install"].add_argument("--target", type=Path, required=True)
+    for name in ("install", "uninstall"):
+        p[name].add_argument(
+            "--target", type=Path, required=True,
+            help="the folder holding the sglang package (its site-packages)",
+        )  # fmt: skip
     args = parser.parse_args(argv)
     commands[args.command](args)
 

@@ -4,7 +4,9 @@ The Dockerfile keeps the base image's ENTRYPOINT, which runs whatever command
 it is given (NVIDIA's entrypoint ends in `exec "$@"`), and its default CMD is
 scripts/hiqcache_serve.sh installed as hiqcache-serve. These tests run that
 script under bash with a fake python3 on PATH that records its argv, and run
-the Dockerfile's CMD the way the entrypoint would.
+the Dockerfile's CMD the way the entrypoint would. The last ones run `make
+image` without a Docker daemon and scripts/image_cpu_check.sh up to its
+prerequisites, with fake docker and apt-get that only record their calls.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "hiqcache_serve.sh"
 
 LAUNCH = ["-m", "sglang.launch_server"]
-DEFAULTS = ["--host", "0.0.0.0", "--port", "30000", "--enable-hierarchical-cache"]
+HICACHE = ["--enable-hierarchical-cache", "--hicache-host-dtype", "int8"]
+DEFAULTS = ["--host", "0.0.0.0", "--port", "30000", *HICACHE]
 
 FAKE_PYTHON = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$ARGV_FILE"
@@ -86,6 +89,7 @@ def test_arguments_pass_through_and_win(bin_dir):
         "--host", "0.0.0.0",
         "--enable-hierarchical-cache",
     ]  # fmt: skip
+    assert "host KV dtype" not in proc.stderr  # nothing added, nothing said
 
 
 def test_equals_forms_and_the_model_alias_count_as_given(bin_dir):
@@ -103,7 +107,28 @@ def test_equals_forms_and_the_model_alias_count_as_given(bin_dir):
         "--host=127.0.0.1",
         "--port=1",
         "--enable-hierarchical-cache",
+        "--hicache-host-dtype",
+        "int8",
     ]
+
+
+def test_host_dtype_defaults_to_int8_and_follows_host_dtype_env(bin_dir):
+    proc, argv = serve(bin_dir, MODEL="m")
+    assert argv[-2:] == ["--hicache-host-dtype", "int8"]
+    assert "hiqcache-serve: host KV dtype int8 (HOST_DTYPE, default int8" in proc.stderr
+    for dtype in ("k8v4", "auto"):
+        proc, argv = serve(bin_dir, MODEL="m", HOST_DTYPE=dtype)
+        assert proc.returncode == 0, proc.stderr
+        assert argv == [*LAUNCH, "--model-path", "m", *DEFAULTS[:-1], dtype]
+        assert f"host KV dtype {dtype} (HOST_DTYPE" in proc.stderr
+
+
+def test_given_host_dtype_is_not_duplicated(bin_dir):
+    for given in (["--hicache-host-dtype", "int4"], ["--hicache-host-dtype=int4"]):
+        proc, argv = serve(bin_dir, *given, MODEL="m", HOST_DTYPE="k8v4")
+        assert proc.returncode == 0, proc.stderr
+        assert argv == [*LAUNCH, "--model-path", "m", *given, *DEFAULTS[:-2]]
+        assert "host KV dtype" not in proc.stderr
 
 
 def test_no_model_fails_naming_what_to_set(bin_dir):
@@ -153,3 +178,95 @@ def test_user_commands_replace_the_cmd(bin_dir):
 
 def test_script_is_executable_in_the_repository():
     assert os.access(SCRIPT, os.X_OK)
+
+
+# An absolute interpreter: the tests' PATH holds only the listed tools.
+FAKE_TOOL = """#!/bin/bash
+echo "${0##*/} $*" >> "$CALLS"
+echo "Cannot connect to the Docker daemon at unix:///var/run/docker.sock." >&2
+exit 1
+"""
+
+
+def fake_bin(path: Path, fakes: tuple[str, ...], real: tuple[str, ...]) -> Path:
+    """A PATH folder: `fakes` record their calls and fail, `real` link to the host's."""
+    path.mkdir()
+    for name in fakes:
+        (path / name).write_text(FAKE_TOOL)
+        (path / name).chmod(0o755)
+    for name in real:
+        (path / name).symlink_to(shutil.which(name))
+    return path
+
+
+@pytest.mark.parametrize("docker", ["no daemon", "not installed"])
+def test_make_image_without_a_daemon_names_the_ways_without_one(tmp_path, docker):
+    calls = tmp_path / "calls"
+    bin_dir = fake_bin(
+        tmp_path / "bin", ("docker",) if docker == "no daemon" else (), ()
+    )
+    proc = subprocess.run(
+        [shutil.which("make"), "--no-print-directory", "image"],
+        cwd=REPO,
+        env={"PATH": str(bin_dir), "CALLS": str(calls)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    message = proc.stderr.splitlines()[0]
+    assert message.startswith(
+        "make image: no Docker daemon answers (docker info failed)"
+    )
+    assert "'make wheel'" in message and "podman build --format docker" in message
+    assert "Cannot connect" not in proc.stderr  # Docker's own error stays out
+    expected = ["docker info"] if docker == "no daemon" else []
+    assert (calls.read_text().splitlines() if calls.exists() else []) == expected
+
+
+IMAGE_CHECK = REPO / "scripts" / "image_cpu_check.sh"
+# What image_cpu_check.sh runs before its prerequisites are met; podman, runc
+# and debootstrap are absent, so a host set-up would call the fake apt-get.
+IMAGE_CHECK_TOOLS = ("bash", "dirname", "sed", "mkdir", "awk", "tail", "readlink")
+
+
+def image_check(root: Path, *args: str):
+    calls = root / "calls"
+    bin_dir = fake_bin(root / "bin", ("apt-get",), IMAGE_CHECK_TOOLS)
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / IMAGE_CHECK.name), *args],
+        env={"PATH": str(bin_dir), "CALLS": str(calls)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return proc, calls.read_text().splitlines() if calls.exists() else []
+
+
+@pytest.fixture
+def image_check_root(tmp_path):
+    """A repository without a test venv, holding the script and sglang.lock."""
+    root = tmp_path / "repo"
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy2(IMAGE_CHECK, root / "scripts")
+    shutil.copy2(REPO / "sglang.lock", root)
+    return root
+
+
+def test_image_cpu_check_help_says_what_it_needs_and_changes(image_check_root):
+    proc, calls = image_check(image_check_root, "--help")
+    assert (proc.returncode, calls) == (0, []), proc.stderr
+    for words in ("--base-version 0.5.22", "make venv", "root", "apt-get installs podman",
+                  "/etc/containers/containers.conf"):  # fmt: skip
+        assert words in proc.stdout.replace("\n", " "), words
+    assert not proc.stdout.startswith("#!")
+
+
+def test_image_cpu_check_checks_the_venv_before_installing(image_check_root):
+    proc, calls = image_check(image_check_root)
+    assert proc.returncode == 2
+    venv = image_check_root / ".venv" / "bin" / "python"
+    assert proc.stderr.strip() == (
+        f"image_cpu_check: no test venv at {venv}: run 'make venv' first"
+    )
+    assert calls == []  # apt-get never ran

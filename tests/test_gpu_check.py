@@ -1,12 +1,14 @@
 """scripts/gpu_check.sh on CPU: --dry-run runs both phases end to end (every
 test of tests/gpu/ (INT8 MHA, INT4/K8V4 and MLA), kernels interpreted; the
 benchmark at tiny sizes), and the tests phase fails, naming the cause in one
-line, when there is no CUDA device or a package is missing."""
+line, when there is no CUDA device, a package is missing, or the Python has no
+torch (without PYTHON the script takes the checkout's .venv)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+from scripts.overlay import read_lock
 from tests.gpu.run_gpu_tests import verdict
 from tests.support import gpu as gpu_support
 
@@ -136,6 +139,81 @@ def test_missing_package_is_named_in_one_line(site, tmp_path):
         lines = [l for l in text.splitlines() if "missing package" in l]
         assert len(lines) == 1 and "orjson (module orjson" in lines[0], text[-2000:]
         assert "Traceback" not in text and "imports ok" not in text
+
+
+RECORDING_PYTHON = """#!/bin/bash
+echo "$0" >> "$CALLS"
+{run}
+"""
+
+
+def bare_checkout(root: Path, venv_python: str | None) -> Path:
+    """The script and sglang.lock alone; `venv_python` is .venv/bin/python's body."""
+    (root / "scripts").mkdir(parents=True)
+    shutil.copy2(REPO / "scripts" / "gpu_check.sh", root / "scripts")
+    shutil.copy2(REPO / "sglang.lock", root)
+    if venv_python is not None:
+        python = root / ".venv" / "bin" / "python"
+        python.parent.mkdir(parents=True)
+        python.write_text(RECORDING_PYTHON.format(run=venv_python))
+        python.chmod(0o755)
+    return root
+
+
+def bare_gpu_check(root: Path, python3: str, *args: str, **env: str):
+    """gpu_check.sh of `root` with no PYTHON, a python3 on PATH running `python3`."""
+    bin_dir = root / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(RECORDING_PYTHON.format(run=python3))
+    (bin_dir / "python3").chmod(0o755)
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "tests", "--out", str(root / "out"), *args],
+        cwd=root,
+        env={
+            "PATH": f"{bin_dir}:/usr/bin:/bin",
+            "CALLS": str(root / "calls"),
+            "HIQ_WHEEL_CACHE": str(root / "no-wheels"),
+            **env,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    calls = root / "calls"
+    return proc, calls.read_text().split() if calls.exists() else []
+
+
+def test_default_python_is_the_checkouts_venv(tmp_path):
+    root = bare_checkout(tmp_path / "repo", f'exec "{sys.executable}" "$@"')
+    proc, calls = bare_gpu_check(root, "exit 1")
+    # Past the torch check with the venv's Python, on to the missing wheel.
+    assert proc.returncode == 2
+    version = read_lock(REPO / "sglang.lock")["SGLANG_VERSION"]
+    assert f"error: no sglang {version} wheel for cp" in proc.stderr, proc.stderr
+    assert set(calls) == {str(root / ".venv" / "bin" / "python")}
+
+
+def test_python_without_torch_fails_in_one_line(tmp_path):
+    root = bare_checkout(tmp_path / "repo", None)
+    # The test venv's interpreter without its site-packages: no torch, no triton.
+    proc, calls = bare_gpu_check(root, f'exec "{sys.executable}" -S "$@"')
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "[gpu-check] error: python3 has no torch, triton: pass PYTHON=/path/to/python"
+        " with PyTorch and Triton (on CPU the test venv: make venv, then"
+        " PYTHON=.venv/bin/python)"
+    ]
+    assert set(calls) == {str(root / "bin" / "python3")}
+    assert not (root / "out" / "gpu_check.json").exists()  # no step ran
+
+    proc, _ = bare_gpu_check(
+        bare_checkout(tmp_path / "other", None), "exit 1", PYTHON="/no/python"
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "[gpu-check] error: no Python at /no/python: pass PYTHON=/path/to/python"
+        " (one with PyTorch and Triton)"
+    ]
 
 
 def test_missing_packages_found_without_importing(monkeypatch, tmp_path):

@@ -8,7 +8,8 @@ from that venv only (build/sglang is not on its path):
 - ``wheel``: ``make wheel``'s patched wheel installed ``--no-deps`` over the
   stock one (pip replaces 0.5.23 by 0.5.23+hiq.N);
 - ``overlay``: ``scripts/overlay.py install --target <site-packages>``, the
-  Dockerfile's command (site-packages layout).
+  Dockerfile's command (site-packages layout), again after ``pip install
+  --force-reinstall``, and ``uninstall`` after serving.
 
 The venvs borrow torch and the other dependencies from the test venv through
 a ``.pth`` line placed after their own site-packages once pip is done (no
@@ -17,6 +18,7 @@ re-download), so their own ``sglang`` shadows the test venv's stock copy.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -135,9 +137,32 @@ def test_wheel_over_stock_install_serves_int8():
     serve_int8(python, site, "install-wheel-int8")
 
 
+def package_state(site: Path) -> dict[str, str | None]:
+    """Every path under site/sglang: a file's sha256 (bytecode: None), a folder None."""
+    return {
+        p.relative_to(site).as_posix(): (
+            hashlib.sha256(p.read_bytes()).hexdigest()
+            if p.is_file() and p.suffix != ".pyc"
+            else None
+        )
+        for p in (site / "sglang").rglob("*")
+    }
+
+
 def test_overlay_install_in_place_serves_int8():
     python, site = fresh_stock_venv(fresh_dir("install-overlay"))
-    run(sys.executable, "scripts/overlay.py", "install", "--target", site)
+    stock = package_state(site)
+    overlay = (sys.executable, "scripts/overlay.py")
+    run(*overlay, "install", "--target", site)
+    # pip's reinstall writes the stock files back and leaves the overlay files
+    # and the marker: install must see that and patch again.
+    pip(python, "--force-reinstall", stock_wheel())
+    assert "already carries" not in run(*overlay, "install", "--target", site)
     borrow_test_venv(site)
     assert (site / "sglang" / ".hiqcache-applied").is_file()
     serve_int8(python, site, "install-overlay-int8")
+    # Undone after serving: pip's files as pip wrote them (sources; the server
+    # recompiled bytecode), no overlay file, module bytecode or marker left.
+    out = run(*overlay, "uninstall", "--target", site)
+    assert "patched files restored to stock" in out
+    assert package_state(site) == stock

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import py_compile
 import re
 import shutil
 import subprocess
@@ -681,6 +682,93 @@ def test_install_patches_a_stock_package_in_place_once(patched, tmp_path):
     assert {p: p.read_bytes() for p in target.rglob("*") if p.is_file()} == before
 
 
+def test_install_and_uninstall_have_their_own_help():
+    helps = {
+        "install": "patch an installed SGLang in place",
+        "uninstall": "undo install: the stock files back",
+    }
+    for command, words in helps.items():
+        out = overlay(REPO, command, "--help")
+        assert f"usage: overlay.py {command} [-h] --target TARGET" in out
+        assert words in out and "the folder holding the sglang package" in out
+
+
+def package_state(site: Path) -> dict[str, str | None]:
+    """Every path under `site`: the sha256 of a file, None for a folder."""
+    return {
+        p.relative_to(site).as_posix(): (
+            hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else None
+        )
+        for p in site.rglob("*")
+    }
+
+
+def test_install_repatches_after_a_reinstall_and_uninstall_restores_stock(
+    patched, tmp_path
+):
+    """install judges the package by its files, not its marker, and uninstall
+    takes back every byte, on the whole stock package from the pinned wheel."""
+    project = copy_project(patched.path, tmp_path / "project", tree=False)
+    site = tmp_path / "site"
+
+    def reinstall_stock():
+        # As `pip install --force-reinstall`: the wheel's files written over the
+        # package; files the wheel does not have (overlay files, marker) stay.
+        with zipfile.ZipFile(WHEEL_CACHE / WHEEL_NAME) as zf:
+            for member in zf.infolist():
+                if member.filename.startswith("sglang/") and not member.is_dir():
+                    zf.extract(member, site)
+
+    def assert_patched():
+        for rel in touched:
+            expected = (patched.tree / "python" / rel).read_bytes()
+            assert (site / rel).read_bytes() == expected, rel
+        for rel, data in added.items():
+            assert (site / rel).read_bytes() == data, rel
+
+    reinstall_stock()
+    stock = package_state(site)
+    touched = [rel.removeprefix("python/") for rel in touched_files(project)]
+    added = {
+        rel.removeprefix("python/"): data
+        for rel, data in overlay_files(project).items()
+        if rel.startswith("python/")
+    }
+    marker = site / "sglang" / ".hiqcache-applied"
+
+    overlay(project, "install", "--target", str(site))
+    assert_patched()
+    # The server imported an overlay module: its bytecode is ours to remove too.
+    module = next(rel for rel in added if rel.endswith(".py"))
+    py_compile.compile(str(site / module), doraise=True)
+
+    reinstall_stock()
+    assert all(package_state(site)[rel] == stock[rel] for rel in touched)
+    assert marker.exists() and all((site / rel).exists() for rel in added)
+    out = overlay(project, "install", "--target", str(site))
+    assert "already carries" not in out and f"{len(series(project))} patches" in out
+    assert_patched()
+    out = overlay(project, "install", "--target", str(site))
+    assert f"already carries this series ({len(touched)} patched files" in out
+
+    # Edited by hand: uninstall cannot tell what stock was, and changes nothing.
+    edited = site / touched[0]
+    edited.write_bytes(edited.read_bytes() + b"# edited\n")
+    before = package_state(site)
+    out = overlay(project, "uninstall", "--target", str(site), ok=False)
+    assert f"pip install --force-reinstall --no-deps sglang=={VERSION}, then" in out
+    assert package_state(site) == before
+    edited.write_bytes(edited.read_bytes().removesuffix(b"# edited\n"))
+
+    out = overlay(project, "uninstall", "--target", str(site))
+    restored = f"{len(touched)} patched files restored to stock, {len(added)} overlay"
+    assert restored in out
+    assert package_state(site) == stock  # every path and byte as the wheel left them
+    out = overlay(project, "uninstall", "--target", str(site))
+    assert "is stock SGLang; nothing to uninstall" in out
+    assert package_state(site) == stock
+
+
 def test_install_refuses_another_sglang_version(patched, tmp_path):
     project = copy_project(patched.path, tmp_path / "project", tree=False)
     target = stock_package(project, tmp_path / "site", version="0.5.22")
@@ -761,6 +849,15 @@ def test_dockerfile_matches_the_lock_and_overlay_script():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def docker_root(root: Path) -> Path:
+    """What scripts/check_docker.py reads, copied from this checkout."""
+    (root / "scripts").mkdir(parents=True)
+    for rel in ("sglang.lock", "Dockerfile", ".dockerignore", "scripts/overlay.py",
+                "scripts/hiqcache_serve.sh"):  # fmt: skip
+        shutil.copy2(REPO / rel, root / rel)
+    return root
+
+
 @pytest.mark.parametrize(
     "old, new, expected",
     [
@@ -776,19 +873,40 @@ def test_dockerfile_matches_the_lock_and_overlay_script():
     ],
 )
 def test_docker_check_catches_drift(tmp_path, old, new, expected):
-    root = tmp_path / "repo"
-    (root / "scripts").mkdir(parents=True)
-    shutil.copy2(REPO / "sglang.lock", root)
-    shutil.copy2(REPO / "scripts" / "overlay.py", root / "scripts")
-    shutil.copy2(REPO / "scripts" / "hiqcache_serve.sh", root / "scripts")
+    root = docker_root(tmp_path / "repo")
     dockerfile = (REPO / "Dockerfile").read_text()
-    (root / "Dockerfile").write_text(dockerfile)
     assert run_check_docker(root).returncode == 0  # the copy passes as it is
     assert old in dockerfile
     (root / "Dockerfile").write_text(dockerfile.replace(old, new, 1))
     proc = run_check_docker(root)
     assert proc.returncode != 0
     assert expected in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "old, new, expected",
+    [
+        ("\n.venv\n", "\n", ".dockerignore must exclude .venv"),
+        ("\nbuild\n", "\nbuild/sglang\n", ".dockerignore must exclude build"),
+        ("\n.git\n", "\n.git\npatches/\n",
+         "the Dockerfile COPYs patches/, but .dockerignore excludes patches"),
+        ("\n.git\n", "\n.git\nscripts/*.sh\n",
+         "excludes scripts/hiqcache_serve.sh"),
+        ("\n.git\n", "\n.git\nscripts\n!scripts/overlay.py\n",
+         "excludes scripts/hiqcache_serve.sh"),
+    ],
+)  # fmt: skip
+def test_docker_check_keeps_the_context_small_and_complete(tmp_path, old, new, expected):
+    root = docker_root(tmp_path / "repo")
+    ignore = root / ".dockerignore"
+    assert run_check_docker(root).returncode == 0  # the copy passes as it is
+    assert old in ignore.read_text()
+    ignore.write_text(ignore.read_text().replace(old, new, 1))
+    proc = run_check_docker(root)
+    assert proc.returncode != 0
+    assert expected in proc.stderr
+    ignore.unlink()
+    assert ".dockerignore is missing" in run_check_docker(root).stderr
 
 
 def test_make_wheel_builds_the_image_tag_without_the_test_venv():
