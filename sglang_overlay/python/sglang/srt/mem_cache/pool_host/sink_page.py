@@ -53,6 +53,15 @@ SINK_ENV = host_env.SINK_ENV
 L3_KEY_SUFFIX = "-sink8keys"
 
 
+def readable_bytes(n: int) -> str:
+    """n bytes in the largest decimal unit that keeps a whole number before the
+    point: 17.8 KB, 9.6 MB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
     """Host tokens per side-store slot (0: off), from the pool's keyword or
     SGLANG_HICACHE_SINK_PAGE_TOKENS; refuses what the format cannot keep."""
@@ -403,14 +412,14 @@ class SinkPagePool:
             logger.info(
                 "HiCache %s sink page: the keys of each sequence's first page at "
                 "8 bits (int8 records) in %d slots, one per %d host tokens (%s=%d), "
-                "%.1f MB; L3 pages stay %s (copy-mode backends such as file: plus one "
+                "%s; L3 pages stay %s (copy-mode backends such as file: plus one "
                 "int8-keys object per sink page).",
                 self.pool_label,
                 store.slots,
                 self._sink_tokens_per_slot,
                 SINK_ENV,
                 self._sink_tokens_per_slot,
-                store.nbytes() / 1e6,
+                readable_bytes(store.nbytes()),
                 self.host_format.name,
             )
 
