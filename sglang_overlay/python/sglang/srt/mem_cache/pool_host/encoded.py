@@ -681,6 +681,10 @@ class EncodedHostPool:
             # transfer streams touch it.
             torch.cuda.current_stream(dev).synchronize()
 
+    def log_host_bytes_per_token(self) -> None:
+        # _finish_setup states them, once the side stores count in the bytes.
+        pass
+
     def _finish_setup(self) -> None:
         from sglang.srt.mem_cache.pool_host import encoded_fused
 
