@@ -200,8 +200,10 @@ class SinkPageStore:
         )  # fmt: skip
         self._split_cache = None
         self.kept_4bit = 0
-        # Sink pages prefetched from L3 with their 8-bit keys, and those that
-        # came back 4-bit because the store was full (refusals: self.l3.stats).
+        # Sink objects handed to L3 with their pages, sink pages prefetched
+        # from L3 with their 8-bit keys, and those that came back 4-bit
+        # because the store was full (refusals: self.l3.stats).
+        self.l3_stored = 0
         self.l3_restored = 0
         self.l3_full = 0
         self.clear()
@@ -225,6 +227,7 @@ class SinkPageStore:
             "slots": self.slots,
             "kept_4bit": self.kept_4bit,
             "l3": {
+                "stored": self.l3_stored,
                 "restored": self.l3_restored,
                 "full": self.l3_full,
                 "refused": self.l3.stats.counts(),
@@ -326,7 +329,7 @@ class SinkPageStore:
             return []
         pages = host_indices[:: self.page_size].to("cpu", torch.int64)
         slots = self.slot_of_page[pages // self.page_size].tolist()
-        return [
+        objects = [
             (
                 key + L3_KEY_SUFFIX,
                 self.l3.read(slot * self.page_size, key + L3_KEY_SUFFIX),
@@ -334,6 +337,8 @@ class SinkPageStore:
             for key, slot in zip(keys, slots)
             if slot >= 0
         ]
+        self.l3_stored += len(objects)
+        return objects
 
     def l3_restore(self, backend, key: str, host_indices, lock) -> None:
         """After the 4-bit page at host_indices was prefetched from L3 under
