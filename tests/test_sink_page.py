@@ -193,6 +193,14 @@ def test_env_turns_it_on(monkeypatch):
     assert pool.sink_page_counts()["slots"] == 2
 
 
+@pytest.mark.parametrize("value", ["abc", "-64"])
+def test_pool_refuses_a_malformed_env_value(monkeypatch, value):
+    # Envs' reader turned "abc" into 0 (off) with a Python warning.
+    monkeypatch.setenv(SINK_ENV, value)
+    with pytest.raises(ValueError, match=f"{SINK_ENV}='{value}' is not a number"):
+        build("int4", sink_tokens=None)
+
+
 def test_full_store_keeps_the_page_4_bit_and_counts_it():
     rig = build("int4", sink_tokens=16 * PAGE)
     pool = rig.host_pool
