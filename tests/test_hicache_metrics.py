@@ -18,6 +18,7 @@ import torch
 from tests.support.hicache_harness import (
     Geometry,
     MLAGeometry,
+    finish_transfers,
     make_device_pool,
     make_host_pool,
     make_rig,
@@ -34,6 +35,25 @@ from sglang.srt.observability.metrics_collector import (
 GEO = Geometry(layer_num=3, head_num=2, head_dim=16, dtype=torch.bfloat16)
 
 
+def make_reporter(pool, controller) -> SchedulerMetricsReporter:
+    """The scheduler's metrics reporter over this host pool and controller."""
+    tree_cache = SimpleNamespace(
+        token_to_kv_pool_host=pool, cache_controller=controller
+    )
+    reporter = SchedulerMetricsReporter.__new__(SchedulerMetricsReporter)
+    reporter.scheduler = SimpleNamespace(
+        enable_hierarchical_cache=True, tree_cache=tree_cache
+    )
+    reporter.stats = SchedulerStats()
+    return reporter
+
+
+def scrape(reporter, scheduler_collector) -> Scrape:
+    reporter._log_hicache_stats()
+    scheduler_collector.log_stats(reporter.stats)
+    return Scrape()
+
+
 class TierRig:
     """A HiCache rig plus the real reporter/ack-logging code that feeds metrics."""
 
@@ -48,14 +68,7 @@ class TierRig:
             host_dtype=host_dtype,
         )
         self.pool = self.rig.host_pool
-        tree_cache = SimpleNamespace(
-            token_to_kv_pool_host=self.pool, cache_controller=self.rig.controller
-        )
-        self.reporter = SchedulerMetricsReporter.__new__(SchedulerMetricsReporter)
-        self.reporter.scheduler = SimpleNamespace(
-            enable_hierarchical_cache=True, tree_cache=tree_cache
-        )
-        self.reporter.stats = SchedulerStats()
+        self.reporter = make_reporter(self.pool, self.rig.controller)
         self.gen = torch.Generator().manual_seed(0)
         self.written = []  # per layer: K rows, V rows (device dtype)
 
@@ -93,9 +106,7 @@ class TierRig:
         self.rig.allocator.free(device_indices)
 
     def collect(self) -> Scrape:
-        self.reporter._log_hicache_stats()
-        self.scheduler_collector.log_stats(self.reporter.stats)
-        return Scrape()
+        return scrape(self.reporter, self.scheduler_collector)
 
 
 def layer_bytes(dims_itemsize: int, scale_bytes: int = 0) -> int:
@@ -246,3 +257,149 @@ def test_l3_pages_refused_by_reason(collectors):
     for _ in range(2):  # a second read with nothing new does not count twice
         scrape = tier.collect()
         assert {s.labels["reason"]: s.value for s in scrape.all(name)} == want
+
+
+# --- the sink page's side store (SGLANG_HICACHE_SINK_PAGE_TOKENS) ---------------
+
+SINK = [
+    "sglang:hicache_sink_page_slots_used",
+    "sglang:hicache_sink_page_slots",
+    "sglang:hicache_sink_page_kept_4bit_total",
+    "sglang:hicache_sink_page_l3_stored_total",
+    "sglang:hicache_sink_page_l3_restored_total",
+    "sglang:hicache_sink_page_l3_refused_total",
+]
+SINK_PAGE = 16
+
+
+def sink_values(scrape: Scrape) -> dict:
+    """Every sink-page series: name (and its label) -> value."""
+    values = {}
+    for name in SINK:
+        for s in scrape.all(name):
+            label = s.labels.get("at") or s.labels.get("reason")
+            values[f"{name}{{{label}}}" if label else name] = s.value
+    return values
+
+
+def sink_l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens: int):
+    from sglang.srt.mem_cache.pool_host.host_env import SINK_ENV
+    from tests.support.l3_harness import file_storage_config, make_l3_rig
+
+    monkeypatch.setenv(SINK_ENV, str(sink_tokens))
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=SINK_PAGE)
+    l3 = make_l3_rig(
+        "file", file_storage_config(tmp_path), host_dtype="int4r", geo=geo,
+        layout="page_first", device_tokens=8 * SINK_PAGE,
+        host_tokens=16 * SINK_PAGE,
+    )  # fmt: skip
+    l3_rigs.append(l3)
+    return l3
+
+
+def to_l3_and_back_out(l3, tokens, seed):
+    """A sequence from token 0: device -> L2 (its first page marked) -> L3,
+    then dropped from L1 and L2."""
+    from tests.support.l3_harness import evict_everywhere, write_through
+
+    dev, host, _, _ = write_through(l3, tokens, seed=seed, first_page_is_sink=True)
+    evict_everywhere(l3, dev, host)
+
+
+def prefetched(l3, tokens):
+    from tests.support.l3_harness import load_to_device, prefetch
+
+    fetched = prefetch(l3, tokens)
+    assert fetched.completed_tokens == len(tokens)
+    load_to_device(l3, fetched.host_indices)
+
+
+def test_sink_page_series_follow_the_store_and_l3(
+    collectors, monkeypatch, tmp_path, l3_rigs
+):
+    """Through the real controller and file L3: slots in use, sink objects
+    stored, restored and refused (by reason), as the pool counts them."""
+    from sglang.srt.mem_cache.pool_host.sink_page import L3_KEY_SUFFIX
+
+    scheduler_collector, _ = collectors
+    l3 = sink_l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=4 * SINK_PAGE)
+    reporter = make_reporter(l3.rig.host_pool, l3.controller)
+    slots = l3.rig.host_pool.sink_page_counts()["slots"]
+    assert slots == 4
+    refused_zero = {
+        f"sglang:hicache_sink_page_l3_refused_total{{{r.value}}}": 0 for r in Refusal
+    }
+    base = {
+        "sglang:hicache_sink_page_slots": slots,
+        "sglang:hicache_sink_page_kept_4bit_total{backup}": 0,
+        "sglang:hicache_sink_page_kept_4bit_total{prefetch}": 0,
+        **refused_zero,
+    }
+    assert sink_values(scrape(reporter, scheduler_collector)) == base | {
+        "sglang:hicache_sink_page_slots_used": 0,
+        "sglang:hicache_sink_page_l3_stored_total": 0,
+        "sglang:hicache_sink_page_l3_restored_total": 0,
+    }
+
+    first = list(range(7, 7 + 2 * SINK_PAGE))
+    second = list(range(500, 500 + 2 * SINK_PAGE))
+    to_l3_and_back_out(l3, first, seed=1)
+    to_l3_and_back_out(l3, second, seed=2)
+    objects = sorted(p for p in tmp_path.iterdir() if L3_KEY_SUFFIX in p.name)
+    assert len(objects) == 2
+    assert sink_values(scrape(reporter, scheduler_collector)) == base | {
+        "sglang:hicache_sink_page_slots_used": 0,
+        "sglang:hicache_sink_page_l3_stored_total": 2,
+        "sglang:hicache_sink_page_l3_restored_total": 0,
+    }
+
+    # The second sequence's object no longer verifies: it restores at 4 bits.
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    key = get_storage_hash_str(second, None, page_size=SINK_PAGE)[0]
+    (bad,) = [p for p in objects if p.name.startswith(key + L3_KEY_SUFFIX)]
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    bad.write_bytes(bytes(data))
+    prefetched(l3, first)
+    prefetched(l3, second)
+    counts = l3.rig.host_pool.sink_page_counts()
+    assert counts["stored"] == 1 and counts["l3"]["restored"] == 1
+    want = base | {
+        "sglang:hicache_sink_page_slots_used": 1,
+        "sglang:hicache_sink_page_l3_stored_total": 2,
+        "sglang:hicache_sink_page_l3_restored_total": 1,
+        "sglang:hicache_sink_page_l3_refused_total{checksum}": 1,
+    }
+    for _ in range(2):  # a second read with nothing new does not count twice
+        assert sink_values(scrape(reporter, scheduler_collector)) == want
+
+
+def test_sink_page_kept_4bit_when_every_slot_is_taken(collectors):
+    """One slot: the second sequence's first page stays 4-bit, and says so."""
+    scheduler_collector, _ = collectors
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=SINK_PAGE)
+    rig = make_rig(
+        geo, device_tokens=16 * SINK_PAGE, host_tokens=16 * SINK_PAGE,
+        layout="page_first", host_dtype="int4", sink_page_tokens=16 * SINK_PAGE,
+    )  # fmt: skip
+    reporter = make_reporter(rig.host_pool, rig.controller)
+    for _ in range(2):
+        dev = rig.allocator.alloc(2 * SINK_PAGE)
+        rig.controller.write(dev, first_page_is_sink=True)
+        finish_transfers(rig.controller)
+        rig.allocator.free(dev)
+    values = sink_values(scrape(reporter, scheduler_collector))
+    assert values["sglang:hicache_sink_page_slots"] == 1
+    assert values["sglang:hicache_sink_page_slots_used"] == 1
+    assert values["sglang:hicache_sink_page_kept_4bit_total{backup}"] == 1
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "int4", "int8"])
+def test_pools_without_a_sink_page_export_no_sink_series(
+    collectors, monkeypatch, host_dtype
+):
+    monkeypatch.delenv("SGLANG_HICACHE_SINK_PAGE_TOKENS", raising=False)
+    tier = TierRig(host_dtype, collectors)
+    tier.backup(4)
+    assert sink_values(tier.collect()) == {}

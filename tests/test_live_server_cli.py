@@ -55,3 +55,16 @@ def test_int4_with_an_mla_model_names_the_flag_and_int8(tmp_path):
     out = refused(hicache_flags("int4"), model=tmp_path)
     assert "--hicache-host-dtype int4 does not support MLA models" in out
     assert "--hicache-host-dtype int8 or auto" in out
+
+
+def test_sink_page_with_a_format_without_4bit_keys_fails_before_the_model():
+    # The pool refused it only when the scheduler built it, after the weights.
+    result = run_cli(
+        [*CPU_FLAGS, *hicache_flags("k8v4")],
+        env={"SGLANG_HICACHE_SINK_PAGE_TOKENS": "4096"},
+        timeout=300,
+    )
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "Load weight begin" not in result.stdout, result.stdout[-3000:]
+    assert "SGLANG_HICACHE_SINK_PAGE_TOKENS keeps the sink page's keys" in result.stdout
+    assert "pass --hicache-host-dtype int4 or int4r" in result.stdout

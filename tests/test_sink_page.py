@@ -12,6 +12,8 @@ codecs on the rows the test wrote.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -189,6 +191,14 @@ def test_env_turns_it_on(monkeypatch):
     monkeypatch.setenv(SINK_ENV, str(8 * PAGE))
     pool = build("int4", sink_tokens=None).host_pool
     assert pool.sink_page_counts()["slots"] == 2
+
+
+@pytest.mark.parametrize("value", ["abc", "-64"])
+def test_pool_refuses_a_malformed_env_value(monkeypatch, value):
+    # Envs' reader turned "abc" into 0 (off) with a Python warning.
+    monkeypatch.setenv(SINK_ENV, value)
+    with pytest.raises(ValueError, match=f"{SINK_ENV}='{value}' is not a number"):
+        build("int4", sink_tokens=None)
 
 
 def test_full_store_keeps_the_page_4_bit_and_counts_it():
@@ -613,3 +623,38 @@ def test_quality_harness_sink_arm_is_opt_in():
         plain.host_dtype, plain.page_size, plain.layout,
     )  # fmt: skip
     assert (plain.sink_page_tokens, sink.sink_page_tokens) == (0, hq.SINK_PAGE_TOKENS)
+
+
+# --- start-up log ------------------------------------------------------------
+
+
+def test_start_up_lines_round_bytes_per_token_and_size_the_store(caplog):
+    """The side store's share makes the pool's bytes per token fractional: the
+    line states it rounded; the store's size is in a unit that shows it."""
+    with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.pool_host"):
+        # 3 slots of 16.5 B per host token each.
+        pool = build("int4", sink_tokens=6 * PAGE).host_pool
+    lines = [r.getMessage() for r in caplog.records]
+    exact = pool.get_size_per_token()
+    assert exact != int(exact)  # what the line printed as 6482.139255702281
+    (stores,) = [line for line in lines if "host pool stores INT4 KV" in line]
+    assert f"stores INT4 KV: {round(exact)} B/token (torch.bfloat16: " in stores
+    (sink,) = [line for line in lines if "sink page:" in line]
+    store = pool.sink_pages.nbytes()
+    assert 1e3 <= store < 1e6  # printed as 0.0 MB
+    assert f"{SINK_ENV}=96), {store / 1e3:.1f} KB; L3 pages stay int4" in sink
+
+
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (17_800, "17.8 KB"),
+        (9_600_000, "9.6 MB"),
+        (2_500_000_000, "2.5 GB"),
+        (512, "512 B"),
+    ],
+)
+def test_readable_bytes(n, text):
+    from sglang.srt.mem_cache.pool_host.sink_page import readable_bytes
+
+    assert readable_bytes(n) == text

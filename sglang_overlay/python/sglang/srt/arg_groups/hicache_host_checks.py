@@ -3,13 +3,16 @@
 
 hicache_hook runs them once the model config is known and the layout resolved:
 check_model_for_host_kv for every --hicache-host-dtype, auto included, and
-check_model_for_encoded_host_kv for the encoded ones. Each refusal names the
-flag and what to pass instead.
+check_model_for_encoded_host_kv for the encoded ones, each with the encoded
+pools' SGLANG_HICACHE_* variables (pool_host/host_env.py), which the pools
+would otherwise refuse only once the scheduler builds them, or ignore. Each
+refusal names the flag or variable and what to pass instead.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any
 
@@ -25,6 +28,8 @@ _FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
 # What MambaPoolHost takes once hybrid_pool_assembler has rewritten
 # page_first_kv_split to page_first_direct for the state pool.
 _MAMBA_HOST_MEM_LAYOUTS = ("page_first", "page_first_direct", "page_first_kv_split")
+
+logger = logging.getLogger(__name__)
 
 
 def check_device_kv_dtype(cfg: Any, flag: str, plain: tuple, needs: str) -> None:
@@ -53,6 +58,68 @@ def check_device_kv_dtype(cfg: Any, flag: str, plain: tuple, needs: str) -> None
 
 def check_model_for_host_kv(server_args: Any) -> None:
     _refuse_layout_without_mamba_host_pool(server_args)
+    if resolving_view(server_args).hicache_host_dtype == "auto":
+        _check_env_with_stock_pool()
+
+
+def _check_env_with_stock_pool() -> None:
+    """The variables of the encoded pools on a stock (auto) host pool: bad
+    values are refused as they would be with an encoded pool; the sink page
+    does nothing there, so it is refused; the transfer path only warns, as a
+    deployment may set it for every server."""
+    from sglang.srt.mem_cache.pool_host import host_env
+
+    mode = host_env.fused_transfer_mode()
+    if host_env.sink_page_tokens():
+        raise ValueError(
+            f"{host_env.SINK_ENV} keeps the sink page's keys at 8 bits inside "
+            "--hicache-host-dtype int4 or int4r; --hicache-host-dtype auto stores "
+            f"the device KV as it is. Pass --hicache-host-dtype int4 or int4r, or "
+            f"unset {host_env.SINK_ENV}."
+        )
+    if mode != "auto":
+        logger.warning(
+            f"{host_env.FUSED_ENV}={mode} has no effect with --hicache-host-dtype "
+            "auto: only the encoded host pools (--hicache-host-dtype int8, int4, "
+            "...) have a fused transfer path."
+        )
+
+
+def _check_env_with_encoded_pool(server_args: Any) -> None:
+    """What the encoded pool would refuse of its variables once built, or
+    ignore (the MLA pool has no sink page)."""
+    from sglang.srt.mem_cache.pool_host import host_env
+
+    host_env.fused_transfer_mode()
+    tokens = host_env.sink_page_tokens()
+    if not tokens:
+        return
+    cfg = resolving_view(server_args)
+    sink_env, model_config = host_env.SINK_ENV, model_config_of(server_args)
+    if use_mla_backend(server_args):
+        raise ValueError(
+            f"{sink_env}: the MLA host pool (--hicache-host-dtype "
+            f"{cfg.hicache_host_dtype}, {architecture(model_config)}) has no "
+            "sink page; it is kept by the MHA 4-bit formats (int4, int4r). Unset "
+            f"{sink_env}."
+        )
+    from sglang.srt.mem_cache.pool_host import sink_page
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+
+    fmt_cls = host_format_cls(cfg.hicache_host_dtype, "mha")
+    sink_page.check_sink_page_format(fmt_cls, cfg.hicache_host_dtype)
+    fp8_kv = cfg.kv_cache_dtype in _FP8_KV_CACHE_DTYPES or (
+        cfg.kv_cache_dtype == "auto"
+        and checkpoint_kv_cache_quant_algo(model_config) == "FP8"
+    )
+    if fp8_kv:
+        declared = " (the checkpoint declares FP8 KV)" * (cfg.kv_cache_dtype == "auto")
+        raise ValueError(
+            f"{sink_env}: the 8-bit sink page stores BF16/FP16 device KV, not the "
+            f"FP8 KV of --kv-cache-dtype {cfg.kv_cache_dtype}{declared}. Unset "
+            f"{sink_env} or pass --kv-cache-dtype bf16."
+        )
+    sink_page.check_sink_page_size(tokens, cfg.page_size or 1)
 
 
 def _refuse_layout_without_mamba_host_pool(server_args: Any) -> None:
@@ -98,6 +165,7 @@ def check_model_for_encoded_host_kv(server_args: Any) -> None:
     _refuse_checkpoint_fp8_kv(server_args)
     _refuse_untested_speculative_draft(server_args)
     _refuse_nixl_with_hybrid_model(server_args)
+    _check_env_with_encoded_pool(server_args)
 
 
 def _refuse_nixl_with_hybrid_model(server_args: Any) -> None:

@@ -681,16 +681,21 @@ class EncodedHostPool:
             # transfer streams touch it.
             torch.cuda.current_stream(dev).synchronize()
 
+    def log_host_bytes_per_token(self) -> None:
+        # _finish_setup states them, once the side stores count in the bytes.
+        pass
+
     def _finish_setup(self) -> None:
         from sglang.srt.mem_cache.pool_host import encoded_fused
 
         logger.info(
-            "HiCache %s %shost pool stores %s KV: %s B/token (%s: %d B/token), "
+            "HiCache %s %shost pool stores %s KV: %d B/token (%s: %d B/token), "
             "%.2fx tokens per host byte, layout=%s%s.",
             self.pool_label,
             self.log_kind,
             self.host_format.name.upper(),
-            self.get_size_per_token(),
+            # A side store's share makes it fractional; the ratio keeps it exact.
+            round(self.get_size_per_token()),
             self.host_format.device_dtype,
             self.device_size_per_token(),
             self.device_size_per_token() / self.get_size_per_token(),

@@ -16,27 +16,17 @@ import logging
 
 import torch
 
-from sglang.srt.environ import envs
 from sglang.srt.mem_cache.pool_host.encoded import TorchTransfer, fetch, store
+from sglang.srt.mem_cache.pool_host.host_env import FUSED_ENV, fused_transfer_mode
 
 logger = logging.getLogger(__name__)
 
 FUSED_HOST_ACCESS = ("direct", "staged")
 TRANSFER_PATHS = ("fused_direct", "fused_staged", "torch")
-FUSED_ENV = "SGLANG_HICACHE_FUSED_TRANSFER"
 # Self-check size: at least 2 host units (a backward jump) and 4 tokens (one
 # row per special case); the borrowed bytes are put back afterwards.
 _SELF_CHECK_UNITS = 2
 _SELF_CHECK_TOKENS = 4
-
-
-def fused_transfer_mode() -> str:
-    mode = envs.SGLANG_HICACHE_FUSED_TRANSFER.get().strip().lower() or "auto"
-    if mode not in ("auto", "off", *FUSED_HOST_ACCESS):
-        raise ValueError(
-            f"{FUSED_ENV} must be auto, off, direct or staged; got {mode!r}"
-        )
-    return mode
 
 
 def select_transfer(pool):

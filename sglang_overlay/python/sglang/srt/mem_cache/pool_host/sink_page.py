@@ -27,7 +27,7 @@ import logging
 
 import torch
 
-from sglang.srt.environ import envs
+from sglang.srt.mem_cache.pool_host import host_env
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8
 from sglang.srt.mem_cache.pool_host import page_integrity as integrity
 from sglang.srt.mem_cache.pool_host.encoded import (
@@ -48,49 +48,65 @@ from sglang.srt.mem_cache.pool_host.host_format import (
 
 logger = logging.getLogger(__name__)
 
-SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
+SINK_ENV = host_env.SINK_ENV
 # The L3 object of a sink page's 8-bit keys: the page's storage key + this.
 L3_KEY_SUFFIX = "-sink8keys"
+
+
+def readable_bytes(n: int) -> str:
+    """n bytes in the largest decimal unit that keeps a whole number before the
+    point: 17.8 KB, 9.6 MB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
     """Host tokens per side-store slot (0: off), from the pool's keyword or
     SGLANG_HICACHE_SINK_PAGE_TOKENS; refuses what the format cannot keep."""
-    tokens = (
-        envs.SGLANG_HICACHE_SINK_PAGE_TOKENS.get() if requested is None else requested
-    )
+    tokens = host_env.sink_page_tokens() if requested is None else requested
     if not tokens:
         return 0
-    # Imported only when asked for: a format's codecs load only where selected.
-    from sglang.srt.mem_cache.pool_host.kv_int4_codec import (
-        Int4HostFormat,
-        K8V4HostFormat,
-    )
-
-    if isinstance(fmt, K8V4HostFormat):
-        raise ValueError(
-            f"{SINK_ENV} keeps the sink page's keys at 8 bits; --hicache-host-dtype "
-            f"{fmt.name} stores every key at 8 bits already. Unset {SINK_ENV} or "
-            "pass --hicache-host-dtype int4 or int4r."
-        )
-    if not isinstance(fmt, Int4HostFormat):
-        raise ValueError(
-            f"{SINK_ENV} keeps the sink page's keys at 8 bits inside the 4-bit-key "
-            f"formats (int4, int4r); --hicache-host-dtype {fmt.name} has none. "
-            f"Unset {SINK_ENV} or pass --hicache-host-dtype int4 or int4r."
-        )
+    check_sink_page_format(type(fmt), fmt.name)
     if fmt.device_dtype in FP8_DEVICE_DTYPES:
         raise ValueError(
             f"{SINK_ENV}: the 8-bit sink page stores BF16/FP16 device KV, not "
             f"{str(fmt.device_dtype).removeprefix('torch.')}. Unset {SINK_ENV} or "
             "pass --kv-cache-dtype bf16."
         )
+    check_sink_page_size(tokens, page_size)
+    return tokens
+
+
+def check_sink_page_format(fmt_cls, name: str) -> None:
+    """Refuses a host format without 4-bit keys (start-up and pool alike)."""
+    # Imported only when asked for: a format's codecs load only where selected.
+    from sglang.srt.mem_cache.pool_host.kv_int4_codec import (
+        Int4HostFormat,
+        K8V4HostFormat,
+    )
+
+    if issubclass(fmt_cls, K8V4HostFormat):
+        raise ValueError(
+            f"{SINK_ENV} keeps the sink page's keys at 8 bits; --hicache-host-dtype "
+            f"{name} stores every key at 8 bits already. Unset {SINK_ENV} or "
+            "pass --hicache-host-dtype int4 or int4r."
+        )
+    if not issubclass(fmt_cls, Int4HostFormat):
+        raise ValueError(
+            f"{SINK_ENV} keeps the sink page's keys at 8 bits inside the 4-bit-key "
+            f"formats (int4, int4r); --hicache-host-dtype {name} has none. "
+            f"Unset {SINK_ENV} or pass --hicache-host-dtype int4 or int4r."
+        )
+
+
+def check_sink_page_size(tokens: int, page_size: int) -> None:
     if tokens < page_size:
         raise ValueError(
             f"{SINK_ENV}={tokens} must be at least the page size ({page_size}): "
             "one side-store slot per that many host tokens, e.g. 4096."
         )
-    return tokens
 
 
 class Int8KeysFormat(HostKVFormat):
@@ -184,8 +200,10 @@ class SinkPageStore:
         )  # fmt: skip
         self._split_cache = None
         self.kept_4bit = 0
-        # Sink pages prefetched from L3 with their 8-bit keys, and those that
-        # came back 4-bit because the store was full (refusals: self.l3.stats).
+        # Sink objects handed to L3 with their pages, sink pages prefetched
+        # from L3 with their 8-bit keys, and those that came back 4-bit
+        # because the store was full (refusals: self.l3.stats).
+        self.l3_stored = 0
         self.l3_restored = 0
         self.l3_full = 0
         self.clear()
@@ -209,6 +227,7 @@ class SinkPageStore:
             "slots": self.slots,
             "kept_4bit": self.kept_4bit,
             "l3": {
+                "stored": self.l3_stored,
                 "restored": self.l3_restored,
                 "full": self.l3_full,
                 "refused": self.l3.stats.counts(),
@@ -310,7 +329,7 @@ class SinkPageStore:
             return []
         pages = host_indices[:: self.page_size].to("cpu", torch.int64)
         slots = self.slot_of_page[pages // self.page_size].tolist()
-        return [
+        objects = [
             (
                 key + L3_KEY_SUFFIX,
                 self.l3.read(slot * self.page_size, key + L3_KEY_SUFFIX),
@@ -318,6 +337,8 @@ class SinkPageStore:
             for key, slot in zip(keys, slots)
             if slot >= 0
         ]
+        self.l3_stored += len(objects)
+        return objects
 
     def l3_restore(self, backend, key: str, host_indices, lock) -> None:
         """After the 4-bit page at host_indices was prefetched from L3 under
@@ -396,14 +417,14 @@ class SinkPagePool:
             logger.info(
                 "HiCache %s sink page: the keys of each sequence's first page at "
                 "8 bits (int8 records) in %d slots, one per %d host tokens (%s=%d), "
-                "%.1f MB; L3 pages stay %s (copy-mode backends such as file: plus one "
+                "%s; L3 pages stay %s (copy-mode backends such as file: plus one "
                 "int8-keys object per sink page).",
                 self.pool_label,
                 store.slots,
                 self._sink_tokens_per_slot,
                 SINK_ENV,
                 self._sink_tokens_per_slot,
-                store.nbytes() / 1e6,
+                readable_bytes(store.nbytes()),
                 self.host_format.name,
             )
 

@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The environment variables of the encoded host (L2) KV pools, read strictly.
+
+Envs (environ.py) declares them; its readers turn a malformed value into the
+default with a Python warning, which would switch the feature off unseen. The
+start-up checks (arg_groups/hicache_host_checks.py) and the pools read them
+here instead, so a bad value is refused naming the variable. No torch: the
+start-up checks import this for every --hicache-host-dtype, auto included.
+"""
+
+from __future__ import annotations
+
+import os
+
+FUSED_ENV = "SGLANG_HICACHE_FUSED_TRANSFER"
+FUSED_MODES = ("auto", "off", "direct", "staged")
+SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
+# Every SGLANG_HICACHE_* variable the encoded pools read (docs/supported.md).
+HOST_POOL_ENVS = (FUSED_ENV, SINK_ENV)
+
+
+def fused_transfer_mode() -> str:
+    """SGLANG_HICACHE_FUSED_TRANSFER: auto (unset or empty), off, direct or staged."""
+    raw = os.environ.get(FUSED_ENV, "")
+    mode = raw.strip().lower() or "auto"
+    if mode not in FUSED_MODES:
+        raise ValueError(
+            f"{FUSED_ENV}={raw!r} is not a transfer path; pass auto (fused "
+            "kernels on CUDA, the default), off (torch path), direct or staged, "
+            "or unset it."
+        )
+    return mode
+
+
+def sink_page_tokens() -> int:
+    """SGLANG_HICACHE_SINK_PAGE_TOKENS: host tokens per 8-bit sink-page slot;
+    0 (unset or empty) is off."""
+    raw = os.environ.get(SINK_ENV, "")
+    try:
+        tokens = int(raw.strip() or 0)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(
+            f"{SINK_ENV}={raw!r} is not a number of host tokens; pass 0 (off) or "
+            "the host tokens per 8-bit sink-page slot, at least --page-size "
+            "(e.g. 4096), or unset it."
+        )
+    return tokens
+
+
+def is_set(name: str) -> bool:
+    """Whether the variable asks for anything (set and not empty)."""
+    return bool(os.environ.get(name, "").strip())
