@@ -128,21 +128,19 @@ def restore_and_check(l3, tokens, reference):
     h.evict_everywhere(l3, dev, pf.host_indices)
 
 
-@pytest.mark.parametrize("fault", ["flip", "extend"])
-@pytest.mark.parametrize("backend_id", list(BACKENDS))
-def test_refused_page_is_replaced_at_the_next_write(
-    tmp_path, l3_rigs, request, backend_id, fault
-):
-    l3 = make(request, tmp_path, backend_id, l3_rigs)
-    ctl, pool, ps = l3.controller, l3.controller.mem_pool_host, GEO.page_size
-    dev, host, hashes, stored = h.write_through(l3, TOKENS, seed=0)
+def check_replaced(l3, backend_id, fault):
+    """Corrupt page BAD, read it (refused, counted), write the recomputed
+    pages back, read again: a hit, bit-identical to what was written."""
+    ctl, pool, ps = l3.controller, l3.controller.mem_pool_host, l3.geo.page_size
+    tokens = TOKENS[: PAGES * ps]
+    dev, host, hashes, stored = h.write_through(l3, tokens, seed=0)
     assert stored == PAGES
     first = h.device_rows(l3.rig, dev)
     h.evict_everywhere(l3, dev, host)
     corrupt(l3, hashes[BAD], fault)
 
     # Refused and counted: the pages before it are the hit.
-    pf = h.prefetch(l3, TOKENS + [7])
+    pf = h.prefetch(l3, tokens + [7])
     assert pf.completed_tokens == BAD * ps
     pool.free(pf.host_indices)
     refused = pool.storage_integrity_counts()["refused"]
@@ -151,7 +149,7 @@ def test_refused_page_is_replaced_at_the_next_write(
 
     # The recomputed pages' write-back replaces the refused page and the
     # unverified ones after it.
-    dev2, host2, second, stored = write_back(l3, TOKENS, hashes, BAD, seed=1)
+    dev2, host2, second, stored = write_back(l3, tokens, hashes, BAD, seed=1)
     assert stored == PAGES - BAD
     counts = pool.storage_integrity_counts()
     assert counts["replaced"] == PAGES - BAD
@@ -160,8 +158,26 @@ def test_refused_page_is_replaced_at_the_next_write(
 
     # Now a hit, bit-identical to the reference decode of what was written.
     written = [torch.cat([a[: BAD * ps], b]) for a, b in zip(first, second)]
-    restore_and_check(l3, TOKENS, reference_restore(pool, written))
+    restore_and_check(l3, tokens, reference_restore(pool, written))
     assert pool.storage_integrity_counts()["refused"] == refused  # none new
+
+
+@pytest.mark.parametrize("fault", ["flip", "extend"])
+@pytest.mark.parametrize("backend_id", list(BACKENDS))
+def test_refused_page_is_replaced_at_the_next_write(
+    tmp_path, l3_rigs, request, backend_id, fault
+):
+    l3 = make(request, tmp_path, backend_id, l3_rigs)
+    check_replaced(l3, backend_id, fault)
+
+
+@pytest.mark.parametrize("backend_id", ["file", "mooncake", "nixl"])
+def test_refused_mla_page_is_replaced_at_the_next_write(
+    tmp_path, l3_rigs, request, backend_id
+):
+    # One object per page on every backend (MLA: `_k` only).
+    l3 = make(request, tmp_path, backend_id, l3_rigs, geo=lf.GEO_MLA)
+    check_replaced(l3, backend_id, "extend")
 
 
 @pytest.mark.parametrize("change", ["device_dtype", "layers"])
