@@ -236,3 +236,40 @@ def test_zero_copy_slots_after_a_refused_page_are_zeroed(
         assert bool(buf[pages[:BAD]].any()), name  # the hit, restored
         assert not buf[pages[BAD:]].any(), name
     pool.free(slots)
+
+
+def test_remembered_keys_are_bounded_oldest_first(
+    tmp_path, l3_rigs, request, monkeypatch
+):
+    from sglang.srt.managers import cache_controller
+
+    monkeypatch.setattr(cache_controller, "STORAGE_KEYS_TO_REPLACE_MAX", 3)
+    l3 = make(request, tmp_path, "file", l3_rigs)
+    dev, host, hashes, _ = h.write_through(l3, TOKENS, seed=0)
+    h.evict_everywhere(l3, dev, host)
+    corrupt(l3, hashes[BAD], "flip")
+    pf = h.prefetch(l3, TOKENS + [7])
+    l3.controller.mem_pool_host.free(pf.host_indices)
+    assert list(l3.controller.storage_keys_to_replace) == hashes[-3:]
+
+
+def test_stock_pool_remembers_no_keys(tmp_path, l3_rigs, request):
+    """The stock BF16 pool keeps upstream's path: a page it cannot use (here
+    a file of another size) is a miss, and its next write skips the key."""
+    backend, layout = BACKENDS["file"]
+    l3 = h.make_l3_rig(
+        backend,
+        h.file_storage_config(tmp_path),
+        host_dtype="auto",
+        geo=GEO,
+        layout=layout,
+        model_name=f"hiq/{request.node.name}",
+    )
+    l3_rigs.append(l3)
+    dev, host, hashes, _ = h.write_through(l3, TOKENS, seed=0)
+    h.evict_everywhere(l3, dev, host)
+    corrupt(l3, hashes[BAD], "extend")
+    pf = h.prefetch(l3, TOKENS + [7])
+    assert pf.completed_tokens == BAD * GEO.page_size
+    l3.controller.mem_pool_host.free(pf.host_indices)
+    assert l3.controller.storage_keys_to_replace == {}
