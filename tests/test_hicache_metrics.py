@@ -403,3 +403,21 @@ def test_pools_without_a_sink_page_export_no_sink_series(
     tier = TierRig(host_dtype, collectors)
     tier.backup(4)
     assert sink_values(tier.collect()) == {}
+def test_l3_pages_replaced_is_exported(collectors):
+    """Pages the controller replaced in L3 after a prefetch could not use them
+    (tests/test_l3_integrity_replace.py) are one counter; pools that do not
+    seal export no series."""
+    name = "sglang:hicache_l3_pages_replaced_total"
+    stock = TierRig("auto", collectors)
+    stock.backup(4)
+    assert stock.collect().all(name) == []
+
+    tier = TierRig("int8", collectors)
+    tier.backup(8)
+    assert tier.collect().value(name) == 0
+    # What HiCacheController._page_backup reports after a replacing write.
+    tier.pool.note_storage_pages_replaced(3)
+    assert tier.collect().value(name) == 3
+    assert tier.collect().value(name) == 3  # nothing new: not counted twice
+    tier.pool.note_storage_pages_replaced(2)
+    assert tier.collect().value(name) == 5

@@ -474,8 +474,9 @@ class L3PageCodec:
 
     def verify_pages(self, keys, host_indices, results) -> list[bool]:
         """Check the pages a zero-copy get delivered, in order, up to the first
-        missing or refused one (a prefetch is a prefix); that page's host rows
-        are zeroed, since a failed get may have filled part of it."""
+        missing or refused one (a prefetch is a prefix). That page's host rows
+        and those of the pages after it are zeroed: a failed get may have
+        filled part of it, and the batch get filled the later ones unchecked."""
         if self.seals is None:
             # layer_first: copy-mode backends checked each flat page in write().
             return results
@@ -492,8 +493,9 @@ class L3PageCodec:
                     break
             if reason is not None:
                 self.stats.note_refused(reason, f"{self.tag}: key {key}")
-                for buf in self.records.tensors.values():
-                    buf[page].zero_()
+                unused = torch.tensor(pages[i:]) // self.page_size
+                for buf in (*self.records.tensors.values(), self.seals):
+                    buf[unused] = 0
                 break
             self.stats.note_verified()
             self._note_loaded(index)
@@ -515,10 +517,12 @@ class L3PageCodec:
             self.stats.note_nonfinite_loaded()
 
     def counts(self) -> dict:
-        """Refused pages by reason, pages verified and non-finite pages loaded."""
+        """Refused pages by reason, pages verified, pages replaced in storage
+        and non-finite pages loaded."""
         return {
             "refused": self.stats.counts(),
             "verified": self.stats.pages_verified,
+            "replaced": self.stats.pages_replaced,
             "nonfinite_pages_loaded": self.stats.nonfinite_pages_loaded,
         }
 
@@ -639,6 +643,7 @@ class EncodedHostPool:
         self.seal_storage_pages = self.pages.seal_pages
         self.verify_storage_pages = self.pages.verify_pages
         self.note_storage_page_missing = self.pages.note_missing
+        self.note_storage_pages_replaced = self.pages.stats.note_replaced
         self.storage_integrity_counts = self.pages.counts
         # The storage interface of HostKVCache, answered by the codec too.
         self.storage_buffers_per_object = self.pages.buffers_per_object

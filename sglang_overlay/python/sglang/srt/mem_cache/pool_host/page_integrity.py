@@ -102,6 +102,8 @@ class PageIntegrityStats:
         # hold NaN/Inf; unit: pages, the same for every format.
         self.nonfinite_pages_loaded = 0
         self.pages_verified = 0
+        # Stored pages a write replaced after a prefetch could not use them.
+        self.pages_replaced = 0
 
     def refuse(self, reason: Refusal, detail: str) -> None:
         """Count and log a refusal, then raise StoragePageRefused."""
@@ -125,6 +127,10 @@ class PageIntegrityStats:
     def note_verified(self) -> None:
         with self._lock:
             self.pages_verified += 1
+
+    def note_replaced(self, pages: int) -> None:
+        with self._lock:
+            self.pages_replaced += pages
 
     def note_nonfinite_loaded(self, pages: int = 1) -> None:
         with self._lock:
