@@ -28,17 +28,20 @@ from collections import deque
 
 import torch
 
+from sglang.srt.environ import envs
+
 VERIFY_ENV = "SGLANG_HICACHE_VERIFY_SAMPLE_RATE"
-DEFAULT_SAMPLE_RATE = 0.001
 # Samples kept for the reporter; without one (no --enable-metrics) the oldest go.
 MAX_PENDING = 1024
 
 
 def verify_sample_rate() -> float:
     """SGLANG_HICACHE_VERIFY_SAMPLE_RATE as a fraction of pages in [0, 1]."""
+    default = envs.SGLANG_HICACHE_VERIFY_SAMPLE_RATE.default
+    # Parsed here, not by EnvFloat.get(), which warns and falls back on a typo.
     raw = os.environ.get(VERIFY_ENV)
     if raw is None or not raw.strip():
-        return DEFAULT_SAMPLE_RATE
+        return default
     try:
         rate = float(raw)
     except ValueError:
@@ -46,7 +49,7 @@ def verify_sample_rate() -> float:
     if not 0.0 <= rate <= 1.0:
         raise ValueError(
             f"{VERIFY_ENV}={raw!r} must be a fraction of backed-up pages between "
-            f"0 and 1, e.g. {DEFAULT_SAMPLE_RATE} (the default) or 0 to turn the "
+            f"0 and 1, e.g. {default} (the default) or 0 to turn the "
             "sampled restore check off."
         )
     return rate
