@@ -127,8 +127,12 @@ class BackupVerifier:
             layers = pool._device_buffers(side)[: pool.layer_num]
             x = torch.stack([layer.index_select(0, device_indices) for layer in layers])
             x = x.view(fmt.device_dtype)
-            rows.append(x.reshape(pool.layer_num * n_units, fmt.unit_tokens, *x.shape[2:]))
-            restored.append(torch.empty(rows[-1].shape, dtype=torch.float32, device=dev))
+            rows.append(
+                x.reshape(pool.layer_num * n_units, fmt.unit_tokens, *x.shape[2:])
+            )
+            restored.append(
+                torch.empty(rows[-1].shape, dtype=torch.float32, device=dev)
+            )
         fmt.decode_into(records, restored)
         self._enqueue(relative_error(fmt, rows, restored))
         self.pages_checked += 1
