@@ -76,4 +76,6 @@ def test_operations_doc_names_exported_metrics():
     section = doc[doc.index("\n## Metrics\n") :]
     section = section[: section.index("\n## ", 1)]
     missing = undefined_metrics(section.replace("{used,total}", "used"))
-    assert not missing, f"docs/operations.md names metrics the collector does not define: {missing}"
+    assert not missing, (
+        f"docs/operations.md names metrics the collector does not define: {missing}"
+    )

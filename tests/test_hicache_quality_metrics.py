@@ -175,6 +175,28 @@ def test_sampled_error_within_bound_every_format(
     assert all(threshold / 20 < e <= threshold for e in errors), errors
 
 
+@pytest.mark.parametrize(
+    "host_dtype,fp8", [("int4", torch.float8_e4m3fn), ("k8v4", torch.float8_e5m2)]
+)
+def test_sampled_error_within_bound_fp8_device_kv(verify_rate, host_dtype, fp8):
+    verify_rate("1")
+    geo = dataclasses.replace(PAGED, dtype=fp8)
+    rig = make_rig(geo, device_tokens=64, host_tokens=128, layout="page_first",
+                   host_dtype=host_dtype, device_kv_dtype=fp8)  # fmt: skip
+    dev = rig.allocator.alloc(2 * geo.page_size)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(geo.layer_num):
+        for buf in (rig.device_pool.k_buffer, rig.device_pool.v_buffer):
+            rows = torch.randn((len(dev), geo.head_num, geo.head_dim), generator=gen)
+            buf[layer][dev] = rows.to(fp8).view(torch.uint8)
+    rig.controller.write(dev)
+    finish_transfers(rig.controller)
+    errors = rig.host_pool.backup_verify_errors()
+    threshold = host_format_cls(host_dtype).relative_error_threshold
+    assert len(errors) == 2
+    assert all(threshold / 20 < e <= threshold for e in errors), errors
+
+
 def test_sampled_error_within_bound_mla(verify_rate):
     verify_rate("1")
     geo = MLAGeometry(layer_num=2, kv_lora_rank=256, qk_rope_head_dim=64, page_size=4)
