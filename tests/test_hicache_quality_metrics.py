@@ -275,6 +275,44 @@ def test_page_holding_nan_is_left_to_the_nonfinite_counter(verify_rate):
     assert 0 < error <= 0.004
 
 
+class Event:
+    """A CUDA event as drain() sees it: query() says whether it completed."""
+
+    def __init__(self, done: bool):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_drain_takes_completed_samples_in_order_without_waiting(verify_rate):
+    verify_rate("1")
+    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
+                   host_dtype="int8")  # fmt: skip
+    verifier = rig.host_pool.backup_verifier
+    late = Event(False)
+    verifier._pending.extend(
+        [(torch.tensor(1.0), Event(True)), (torch.tensor(2.0), late)]
+        + [(torch.tensor(3.0), Event(True))]
+    )
+    # The second sample's copy is still in flight: it and the ones after wait.
+    assert verifier.drain() == [1.0]
+    assert verifier.drain() == []
+    late.done = True
+    assert verifier.drain() == [2.0, 3.0]
+
+
+def test_unread_samples_are_capped(verify_rate, monkeypatch):
+    verify_rate("1")
+    monkeypatch.setattr(backup_verify, "MAX_PENDING", 4)
+    rig = make_rig(PAGED, device_tokens=128, host_tokens=256, layout="page_first",
+                   host_dtype="int8")  # fmt: skip
+    backup_pages(rig, pages=6)
+    verifier = rig.host_pool.backup_verifier
+    assert (verifier.pages_checked, verifier.samples_dropped) == (6, 2)
+    assert len(verifier.drain()) == 4
+
+
 # --- the rate ------------------------------------------------------------------
 
 

@@ -100,6 +100,7 @@ class BackupVerifier:
         # Pages of later backups to pass before the next sampled one.
         self._gap = self._next_gap()
         self._pending: deque = deque()
+        self._host_slots: torch.Tensor | None = None
         self.pages_checked = 0
         self.samples_dropped = 0
 
@@ -172,14 +173,18 @@ class BackupVerifier:
 
     def _enqueue(self, value: torch.Tensor) -> None:
         if value.is_cuda:
-            host = torch.empty((), dtype=torch.float32, pin_memory=True)
-            host.copy_(value, non_blocking=True)
+            if self._host_slots is None:
+                # One pinned ring, allocated once: a slot per pending sample.
+                self._host_slots = torch.empty(MAX_PENDING, pin_memory=True)
+            slot = self._host_slots[self.pages_checked % MAX_PENDING]
+            slot.copy_(value, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((host, event))
+            self._pending.append((slot, event))
         else:
             self._pending.append((value, None))
         if len(self._pending) > MAX_PENDING:
+            # Its slot is the one just written.
             self._pending.popleft()
             self.samples_dropped += 1
 
