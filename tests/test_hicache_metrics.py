@@ -10,10 +10,7 @@ scheduler around the reporter is a stand-in: it needs a GPU model runner.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-import torch
 
 from tests.support.hicache_harness import (
     Geometry,
@@ -23,7 +20,8 @@ from tests.support.hicache_harness import (
     make_host_pool,
     make_rig,
 )
-from tests.support.metrics import Scrape
+from tests.support.metrics import TIER_GEO as GEO
+from tests.support.metrics import Scrape, TierRig, make_reporter, scrape
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )
@@ -32,81 +30,6 @@ from sglang.srt.observability.metrics_collector import (
     SchedulerStats,
 )
 
-GEO = Geometry(layer_num=3, head_num=2, head_dim=16, dtype=torch.bfloat16)
-
-
-def make_reporter(pool, controller) -> SchedulerMetricsReporter:
-    """The scheduler's metrics reporter over this host pool and controller."""
-    tree_cache = SimpleNamespace(
-        token_to_kv_pool_host=pool, cache_controller=controller
-    )
-    reporter = SchedulerMetricsReporter.__new__(SchedulerMetricsReporter)
-    reporter.scheduler = SimpleNamespace(
-        enable_hierarchical_cache=True, tree_cache=tree_cache
-    )
-    reporter.stats = SchedulerStats()
-    return reporter
-
-
-def scrape(reporter, scheduler_collector) -> Scrape:
-    reporter._log_hicache_stats()
-    scheduler_collector.log_stats(reporter.stats)
-    return Scrape()
-
-
-class TierRig:
-    """A HiCache rig plus the real reporter/ack-logging code that feeds metrics."""
-
-    def __init__(self, host_dtype: str, collectors, layout: str = "layer_first"):
-        self.scheduler_collector, self.radix = collectors
-        self.rig = make_rig(
-            GEO,
-            device_tokens=64,
-            host_tokens=128,
-            layout=layout,
-            io_backend="direct",
-            host_dtype=host_dtype,
-        )
-        self.pool = self.rig.host_pool
-        self.reporter = make_reporter(self.pool, self.rig.controller)
-        self.gen = torch.Generator().manual_seed(0)
-        self.written = []  # per layer: K rows, V rows (device dtype)
-
-    def backup(self, n: int, nan_rows: int = 0) -> torch.Tensor:
-        """n new tokens on the device (the first nan_rows K rows hold a NaN),
-        written through to the host; returns the host indices."""
-        ctl, device_pool = self.rig.controller, self.rig.device_pool
-        device_indices = self.rig.allocator.alloc(n)
-        batch = []
-        for layer in range(GEO.layer_num):
-            k = torch.randn((n, GEO.head_num, GEO.head_dim), generator=self.gen)
-            v = torch.randn((n, GEO.head_num, GEO.head_dim), generator=self.gen)
-            k, v = (k * (layer + 1)).to(GEO.dtype), (v * 0.5).to(GEO.dtype)
-            k[:nan_rows, 0, 0] = float("nan")
-            device_pool.k_buffer[layer][device_indices] = k
-            device_pool.v_buffer[layer][device_indices] = v
-            batch.append((k, v))
-        self.written.append(batch)
-        host_indices = ctl.write(device_indices)
-        for ack in ctl.ack_write_queue:
-            ack.finish_event.synchronize()
-            self.radix._log_write_ack_metrics(ack)
-        ctl.ack_write_queue.clear()
-        self.rig.allocator.free(device_indices)
-        return host_indices
-
-    def load(self, host_indices: torch.Tensor) -> None:
-        ctl = self.rig.controller
-        device_indices = ctl.load(host_indices)
-        ctl.start_loading()
-        for ack in ctl.ack_load_queue:
-            ack.finish_event.synchronize()
-            self.radix._log_load_ack_metrics(ack)
-        ctl.ack_load_queue.clear()
-        self.rig.allocator.free(device_indices)
-
-    def collect(self) -> Scrape:
-        return scrape(self.reporter, self.scheduler_collector)
 
 
 def layer_bytes(dims_itemsize: int, scale_bytes: int = 0) -> int:

@@ -24,6 +24,7 @@ Set HIQ_LIVE_SERVER=0 to skip (each server start costs 40-120 s here).
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -54,9 +55,11 @@ MIN_AGREED = 4
 BF16_LOGPROB_TOL = 0.05
 INT8_LOGPROB_TOL = 0.25
 
+# The INT8 arm decodes every backed-up page again (the sampled restore check).
+VERIFY_EVERY_PAGE = {"SGLANG_HICACHE_VERIFY_SAMPLE_RATE": "1"}
 ARMS = {
-    "bf16": dict(host_dtype=None, via="launch_server"),
-    "int8": dict(host_dtype="int8", via="hiqcache_serve"),
+    "bf16": dict(host_dtype=None, via="launch_server", env=None),
+    "int8": dict(host_dtype="int8", via="hiqcache_serve", env=VERIFY_EVERY_PAGE),
 }
 
 
@@ -69,6 +72,7 @@ def arm(request, model_dir, prompts):
         name=f"live-{name}",
         via=spec["via"],
         model=model_dir,
+        env=spec["env"],
         progress=to_stderr,
     )
     with server:
@@ -100,6 +104,27 @@ def test_startup_names_host_format_and_bytes_per_token(arm, model_dir):
     else:
         # The stock pool logs no format line; /metrics names it (above).
         assert "host format" not in log
+
+
+def test_host_kv_quality_metrics(arm, model_dir):
+    """The per-layer scale amax and the restore check's histogram, read from
+    the live server's /metrics after the sequence's backups."""
+    _, spec, _, seq = arm
+    metrics = seq["m3"]
+    amax = metrics.samples("sglang:hicache_host_scale_amax")
+    errors = "sglang:hicache_host_verify_relative_error"
+    if spec["host_dtype"] is None:
+        assert amax == [] and not metrics.has(f"{errors}_count")
+        return
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    assert {(s["layer"], s["kv"]) for s, _ in amax} == {
+        (str(layer), kv) for layer in range(layers) for kv in "kv"
+    }
+    assert all(0 < value < 1e4 for _, value in amax), amax
+    checked = metrics.value(f"{errors}_count", format="int8")
+    assert checked > 0
+    # Every page restored within INT8's threshold.
+    assert metrics.value(f"{errors}_bucket", format="int8", le="0.004") == checked
 
 
 def test_repeated_long_prompt_is_a_device_hit(arm):

@@ -2,7 +2,7 @@
 
 Read from build/sglang, where `make apply` commits one patch per commit after
 the overlay tag: no patch edits or removes a line an earlier patch added, the
-series stays within thirteen patches plus the Mooncake short-read fix, and the
+series stays within fourteen patches plus the Mooncake short-read fix, and the
 upstream files with a line budget stay within it.
 """
 
@@ -62,14 +62,14 @@ def test_no_patch_edits_a_line_an_earlier_patch_added(patch_commits):
         earlier.add(git("rev-parse", commit).strip())
 
 
-def test_at_most_thirteen_patches_plus_the_mooncake_fix(patch_commits):
+def test_at_most_fourteen_patches_plus_the_mooncake_fix(patch_commits):
     # Ten concerns, plus the stock pools' start-up bytes line (0012), the
-    # sink-page metrics (0013) and the replacement of refused L3 pages (0014),
-    # each its own PR.
+    # sink-page metrics (0013), the replacement of refused L3 pages (0014) and
+    # the KV quality metrics (0015), each its own PR.
     subjects = [git("log", "-1", "--format=%s", c).strip() for c in patch_commits]
     fix = [s for s in subjects if "fills less than the page buffer" in s]
     assert len(fix) == 1
-    assert len(subjects) - len(fix) <= 13, subjects
+    assert len(subjects) - len(fix) <= 14, subjects
 
 
 def added_lines(path: str) -> int:
@@ -81,6 +81,7 @@ def test_hook_and_collector_stay_within_their_budget(patch_commits):
     # hicache_hook imports the format names from the registry; the collector
     # keeps what an operator reads (83 host-tier lines + 12 for the L3
     # refused-pages counter, issue 21, + 56 for the sink page's side store, + 9
-    # for the replaced-pages counter).
+    # for the replaced-pages counter, + 43 for the per-layer scale amax and the
+    # sampled restore-error histogram).
     assert 0 < added_lines(HOOK) <= 120
-    assert 0 < added_lines(COLLECTOR) <= 160
+    assert 0 < added_lines(COLLECTOR) <= 203

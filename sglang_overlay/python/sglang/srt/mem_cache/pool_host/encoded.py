@@ -658,7 +658,7 @@ class EncodedHostPool:
     def _build_transfer(self, device_buffers: Sequence[torch.Tensor]) -> None:
         """Planner, staging, counters and the transfer strategy, in place of
         the upstream movers (they copy raw rows; records move through ours)."""
-        from sglang.srt.mem_cache.pool_host import encoded_fused
+        from sglang.srt.mem_cache.pool_host import backup_verify, encoded_fused
 
         self.can_use_jit = False
         self.can_use_write_back_jit = False
@@ -677,6 +677,8 @@ class EncodedHostPool:
         self.nonfinite_group_count = self.counters.nonfinite_groups
         self.scale_amax_by_layer = self.counters.amax_by_layer
         self.invalid_host_index_count = self.counters.invalid_host_indices
+        # Sampled restore check of backed-up pages (backup_verify.py); None: off.
+        self.backup_verifier = backup_verify.make_verifier(self)
         self.transfer = encoded_fused.select_transfer(self)
         if self.transfer.path != "fused_direct":
             # Allocated up front where the path uses them (direct needs none).
@@ -766,6 +768,19 @@ class EncodedHostPool:
     ):
         check_io_backend(self.host_format.name, io_backend)
         self.transfer.backup(host_indices, device_indices)
+        if self.backup_verifier is not None:
+            self.backup_verifier.after_backup(host_indices, device_indices)
+
+    def scale_amax_sides(self) -> tuple[str, ...]:
+        """The side names of scale_amax_by_layer's columns (the metrics' kv label)."""
+        return self.host_format.sides
+
+    def backup_verify_errors(self) -> list[float]:
+        """Relative errors of the sampled backed-up pages checked since the last
+        call (backup_verify.py); never waits for the device."""
+        if self.backup_verifier is None:
+            return []
+        return self.backup_verifier.drain()
 
     def load_to_device_per_layer(
         self, device_pool, host_indices, device_indices, layer_id, io_backend, *, is_draft: bool = False

@@ -129,6 +129,10 @@ class HostKVFormat:
     # The module of its fused Triton kernels (encode_gather/decode_scatter and
     # available), imported on first use; None: torch path only.
     kernel_module: ClassVar[str | None] = None
+    # Upper bound on a backed-up page's relative restore error, max |x - x^| /
+    # max |x| in fp32 (backup_verify.py), derived from error_bound() in
+    # docs/operations.md; the HiCacheHostKVRestoreError alert reads it.
+    relative_error_threshold: ClassVar[float | None] = None
 
     def __init__(
         self,
