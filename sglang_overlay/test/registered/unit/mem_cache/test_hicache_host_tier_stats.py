@@ -2,17 +2,14 @@
 
 SchedulerMetricsReporter._read_hicache_host_tier reads the host pool's format,
 bytes and (for encoded pools) non-finite groups; the controller's ack counts
-the same traffic in the device dtype; _read_hicache_host_quality reads an
-encoded pool's per-layer scale amax and its sampled restore errors. All are
-checked against the pools after a real backup.
+the same traffic in the device dtype. Both are checked against the pools after
+a real backup.
 
     python -m pytest test/registered/unit/mem_cache/test_hicache_host_tier_stats.py -v
 """
 
-import os
 import unittest
 from types import SimpleNamespace
-from unittest import mock
 
 import torch
 
@@ -86,11 +83,6 @@ def _read_tier(host_pool):
     return reporter._read_hicache_host_tier(host_pool, used_tokens=TOKENS)
 
 
-def _read_quality(host_pool):
-    reporter = SchedulerMetricsReporter.__new__(SchedulerMetricsReporter)
-    return reporter._read_hicache_host_quality(host_pool)
-
-
 def _logical_bytes(host_pool, num_tokens):
     controller = SimpleNamespace(_kv_host_pool=lambda: host_pool)
     op = SimpleNamespace(device_indices=torch.arange(num_tokens))
@@ -141,29 +133,6 @@ class TestHiCacheHostTierStats(CustomTestCase):
             device_pool, host_indices, device_indices[:1], "direct"
         )
         self.assertEqual(_read_tier(host_pool).nonfinite_groups, LAYERS)
-
-    def test_quality_stats_of_stock_and_int8_pools(self):
-        device_pool, host_pool = _pools("auto")
-        _backup(device_pool, host_pool)
-        self.assertIsNone(_read_quality(host_pool))
-
-        # Every backed-up page (one token at page size 1) decoded again.
-        with mock.patch.dict(os.environ, {"SGLANG_HICACHE_VERIFY_SAMPLE_RATE": "1"}):
-            device_pool, host_pool = _pools("int8")
-        _backup(device_pool, host_pool)
-        quality = _read_quality(host_pool)
-        self.assertEqual(quality.host_dtype, "int8")
-        # The largest |x| per layer: K's last row value, V's half of it (exact).
-        top = (TOKENS * HEADS * DIM - 1) / 64
-        k_amax = [top * (layer + 1) for layer in range(LAYERS)]
-        self.assertEqual(
-            quality.scale_amax, {"k": k_amax, "v": [a / 2 for a in k_amax]}
-        )
-        self.assertEqual(len(quality.verify_errors), TOKENS)
-        for error in quality.verify_errors:
-            self.assertTrue(0 < error <= 0.004, error)
-        # Each sample is read once.
-        self.assertEqual(_read_quality(host_pool).verify_errors, [])
 
 
 if __name__ == "__main__":
