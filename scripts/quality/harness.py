@@ -557,6 +557,8 @@ def run_quality(
 ) -> dict:
     """Every arm on the same windows: the report; RestoreError if L2 lost a prefix."""
     arms, offloaded = _selected_arms(cfg)
+    # The fp32 reference always runs next to exact: every arm is scored against both.
+    arms = (*REFERENCES, *(a for a in arms if a not in REFERENCES))
     kv_dtype = KV_DTYPES[cfg.kv_dtype]
     t_start = time.perf_counter()
     ids, text_info = tokenize_text(bundle.tokenizer, cfg.text_file)
@@ -613,13 +615,13 @@ def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
             known[name] = replace(
                 default[base], name=name, sink_page_tokens=SINK_PAGE_TOKENS
             )
-    arms = tuple(cfg.arms) if cfg.arms is not None else tuple(default)
-    # The references always run, first: every arm is scored against both.
-    arms = (*REFERENCES, *(a for a in arms if a not in REFERENCES))
-    unknown = set(arms) - {*REFERENCES, *known}
+    arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *default)
+    if "exact" not in arms:
+        arms = ("exact", *arms)
+    unknown = set(arms) - {"exact", *known}
     if unknown:
         raise ValueError(
-            f"unknown arms {sorted(unknown)}; choose from {(*REFERENCES, *known)}"
+            f"unknown arms {sorted(unknown)}; choose from {('exact', *known)}"
         )
     offloaded = [known[a] for a in arms if a in known]
     if not offloaded:
