@@ -1053,20 +1053,21 @@ def _target_cells(
     return f"recommended {role}: {cells}" if role else cells
 
 
-def cell_verdicts(reports: dict[str, dict]) -> list[tuple[str, list[str]]]:
-    """Per model x text cell: (cell name, the targets it missed)."""
+def cell_verdicts(reports: dict[str, dict]) -> list[tuple[str, int, list[str]]]:
+    """Per model x text cell: (cell name, targets checked, the ones missed)."""
     out = []
     for text, report in reports.items():
         model = report["model"]["model"].split(" (")[0]
         missed = [k for k, ok in report["targets"].items() if not ok]
-        out.append((f"{model} x {text}", missed))
+        out.append((f"{model} x {text}", len(report["targets"]), missed))
     return out
 
 
 def verdict_lines(reports: dict[str, dict]) -> list[str]:
     return [
-        f"- {cell}: " + (f"MISSED {', '.join(missed)}" if missed else "met")
-        for cell, missed in cell_verdicts(reports)
+        f"- {cell}: "
+        + (f"MISSED {len(missed)} of {n}: {', '.join(missed)}" if missed else "met")
+        for cell, n, missed in cell_verdicts(reports)
     ]
 
 
@@ -1091,7 +1092,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
             "",
             f"| arm | host pool | page | B/token | vs bf16 | PPL | PPL delta "
             f"| top-1 vs {e} | mean KL vs {e} | top-1 vs {f} | mean KL vs {f} "
-            "| max KL vs {e} | targets |",
+            f"| max KL vs {e} | targets |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         lines += [_summary_row(name, s, report) for name, s in report["arms"].items()]
