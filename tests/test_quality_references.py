@@ -216,6 +216,20 @@ def test_recommended_table_drives_the_targets(monkeypatch):
     assert cell.startswith("recommended 4-bit: ")
 
 
+def test_a_recommended_format_not_run_is_a_miss(monkeypatch):
+    summary = {"int8": _arm("int8")}
+    got = hq._targets(hq.QualityConfig(text_file="unused"), summary, windows=1)
+    assert got["recommended_8-bit_int8_ran"] is True
+    assert got["recommended_4-bit_int4r_ran"] is False
+    # An opt-in arm (the sink page) named there runs by default.
+    cfg = hq.QualityConfig(text_file="unused")
+    assert "int4r_sink" not in hq._selected_arms(cfg)[0]
+    monkeypatch.setitem(hq.RECOMMENDED, "4-bit", "int4r_sink")
+    arms, offloaded = hq._selected_arms(cfg)
+    assert arms[-1] == "int4r_sink" and offloaded[-1].sink_page_tokens > 0
+    assert arms.count("int4r_sink") == 1
+
+
 @pytest.mark.parametrize("capacity,met", ((3.4, True), (3.39, False)))
 def test_recommended_4_bit_capacity(capacity, met):
     summary = {"int4r": _arm("int4r", capacity=capacity)}
@@ -271,6 +285,7 @@ def test_check_targets_exit_status_per_cell(bundle, tmp_path, monkeypatch, capsy
     monkeypatch.setattr(hq, "TARGET_SCORED", 32)
     loose = hq.Target(ppl_rel_delta=0.5, top1=0.5)
     monkeypatch.setitem(hq.RECOMMENDED_TARGETS, "8-bit", loose)
+    monkeypatch.setattr(hq, "RECOMMENDED", {"8-bit": "int8"})  # int4r not run
     assert quality.main(_cli(tmp_path, "--name", "met"), bundle=bundle) == 0
     out = capsys.readouterr().out
     assert "- SmolLM2-135M-Instruct x wikitext-2: met" in out
@@ -282,11 +297,11 @@ def test_check_targets_exit_status_per_cell(bundle, tmp_path, monkeypatch, capsy
     monkeypatch.setitem(hq.RECOMMENDED_TARGETS, "8-bit", hq.Target(capacity=100))
     assert quality.main(_cli(tmp_path, "--name", "miss"), bundle=bundle) == 1
     out = capsys.readouterr().out
-    assert "- SmolLM2-135M-Instruct x wikitext-2: MISSED 1 of 3: int8_capacity" in out
+    assert "- SmolLM2-135M-Instruct x wikitext-2: MISSED 1 of 4: int8_capacity" in out
     # Without --check-targets the verdict is printed all the same, exit 0.
     argv = [a for a in _cli(tmp_path, "--name", "m2") if a != "--check-targets"]
     assert quality.main(argv, bundle=bundle) == 0
-    assert "MISSED 1 of 3: int8_capacity_ge_100x" in capsys.readouterr().out
+    assert "MISSED 1 of 4: int8_capacity_ge_100x" in capsys.readouterr().out
 
 
 def test_long_preset_is_one_2048_token_window():

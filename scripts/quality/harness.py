@@ -615,7 +615,10 @@ def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
             known[name] = replace(
                 default[base], name=name, sink_page_tokens=SINK_PAGE_TOKENS
             )
-    arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *default)
+    # An opt-in arm that RECOMMENDED names runs by default too.
+    picks = [*default, *(a for a in RECOMMENDED.values() if a in known)]
+    picks = tuple(dict.fromkeys(picks))
+    arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *picks)
     if "exact" not in arms:
         arms = ("exact", *arms)
     unknown = set(arms) - {"exact", *known}
@@ -836,6 +839,9 @@ def _targets(cfg: QualityConfig, summary: dict, windows: int) -> dict:
             and c["top1_agree"] == 1.0
             and c["greedy_agree"] in (None, 1.0)
         )
+    # A recommended format this run did not measure cannot have met its targets.
+    for role, arm in RECOMMENDED.items():
+        out[f"recommended_{role}_{arm}_ran"] = arm in summary
     for a, s in summary.items():
         if a in REFERENCES:
             continue
