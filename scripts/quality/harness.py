@@ -431,7 +431,8 @@ def score_and_generate(model, kvs, inputs: Sequence[int], greedy_tokens: int):
     dtype = next(model.parameters()).dtype
     data = [
         tuple(
-            torch.stack([kv[layer][i].transpose(0, 1) for kv in kvs]).to(dtype)
+            # Each row cast alone: the fp32 reference batches with FP8 rows.
+            torch.stack([kv[layer][i].transpose(0, 1).to(dtype) for kv in kvs])
             for i in (0, 1)
         )
         for layer in range(len(kvs[0]))
