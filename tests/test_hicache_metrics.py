@@ -10,7 +10,10 @@ scheduler around the reporter is a stand-in: it needs a GPU model runner.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from tests.support.hicache_harness import (
     Geometry,
@@ -29,7 +32,6 @@ from sglang.srt.mem_cache.pool_host.page_integrity import Refusal, StoragePageRe
 from sglang.srt.observability.metrics_collector import (
     SchedulerStats,
 )
-
 
 
 def layer_bytes(dims_itemsize: int, scale_bytes: int = 0) -> int:
@@ -326,6 +328,8 @@ def test_pools_without_a_sink_page_export_no_sink_series(
     tier = TierRig(host_dtype, collectors)
     tier.backup(4)
     assert sink_values(tier.collect()) == {}
+
+
 def test_l3_pages_replaced_is_exported(collectors):
     """Pages the controller replaced in L3 after a prefetch could not use them
     (tests/test_l3_integrity_replace.py) are one counter; pools that do not
