@@ -173,16 +173,19 @@ def _rows_view(name, t, dtype, lead: int, heads: int, dim: int, width: int):
     return hk.record_arg(t, (*_LEAD_DIMS[lead], "head"), (*t.stride()[:lead], row))
 
 
-def _scales_view(name, t, lead: int, lead_shape, per_row: int):
-    """hk.record_arg of fp16 scales [*lead_shape, per_row] (or [*lead_shape]
-    if per_row is 1) as int16 patterns, one scale per row of codes."""
-    shape = tuple(lead_shape) + ((per_row,) if per_row > 1 else ())
-    if t.dtype != torch.float16 or tuple(t.shape) != shape:
-        _fail(name, t, f"float16 {shape}")
+def _scales_view(name, t, lead: int, shape, per_head: int | None = None):
+    """hk.record_arg of fp16 scales of `shape` as int16 patterns, one scale
+    per row of codes: [*lead, heads] (one per head), or [*lead, heads,
+    per_head] (one per key group, per_head contiguous to a head)."""
+    if t.dtype != torch.float16 or tuple(t.shape) != tuple(shape):
+        _fail(name, t, f"float16 {tuple(shape)}")
     bits = t.view(torch.int16)
-    if per_row > 1 and (bits.stride(-1) != 1 or bits.stride(-2) != per_row):
-        _fail(name, t, f"rows of {per_row} contiguous scales")
-    row = 1 if per_row > 1 else bits.stride(-1)
+    if per_head is None:
+        row = bits.stride(-1)
+    elif bits.stride(-1) == 1 and (per_head == 1 or bits.stride(-2) == per_head):
+        row = 1
+    else:
+        _fail(name, t, f"rows of {per_head} contiguous scales")
     return hk.record_arg(
         bits, (*_LEAD_DIMS[lead], "head"), (*bits.stride()[:lead], row)
     )
@@ -202,7 +205,7 @@ def _sides(records, lead: int, heads: int, dk: int, dv: int) -> tuple[_Side, _Si
         dv,
         dv,
         _rows_view("v", v, torch.int8, lead, heads, dv, dv),
-        _scales_view("v_scale", records["v_scale"], lead, v.shape[:-1], 1),
+        _scales_view("v_scale", records["v_scale"], lead, v.shape[:-1]),
     )
     k = records["k"]
     if "k_meta" in records:
@@ -226,12 +229,13 @@ def _sides(records, lead: int, heads: int, dk: int, dv: int) -> tuple[_Side, _Si
         keys = _Side(KEYS_PER_CHANNEL, dk, dk, codes, meta_arg)
     else:
         scale = records["k_scale"]
-        groups = scale.shape[-1] if scale.dim() == lead + 2 else 1
-        if dk % groups:
-            _fail("k_scale", scale, f"groups dividing the head dim {dk}")
+        groups = scale.shape[-1] if scale.dim() == lead + 2 else 0
+        if groups == 0 or dk % groups:
+            _fail("k_scale", scale, f"[..., {heads}, groups dividing {dk}]")
         width = dk // groups
         codes = _rows_view("k", k, torch.int8, lead, heads, dk, width)
-        meta_arg = _scales_view("k_scale", scale, lead, k.shape[:-1], groups)
+        shape = (*k.shape[:-1], groups)
+        meta_arg = _scales_view("k_scale", scale, lead, shape, groups)
         keys = _Side(KEYS_PER_TOKEN, dk, width, codes, meta_arg)
     if k.shape[:lead] != v.shape[:lead]:
         raise ValueError(

@@ -191,8 +191,7 @@ class Int8ChannelHostFormat(HostKVFormat):
     name = "int8c"
     storage_format_tag = "int8c-v1"
     sides = ("k", "v")
-    # The fused kernels' module; None until they exist (torch path only).
-    kernel_module = None
+    kernel_module = "sglang.kernels.ops.kvcache.kv_int8c_triton"
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
