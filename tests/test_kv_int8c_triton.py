@@ -53,8 +53,7 @@ def _device_layers(seed, size, heads, dim, dtype, specials: bool):
 
 def _host(fmt, units: int) -> dict[str, torch.Tensor]:
     return {
-        r.name: torch.zeros(units, LAYERS, *r.shape, dtype=r.dtype)
-        for r in fmt.records
+        r.name: torch.zeros(units, LAYERS, *r.shape, dtype=r.dtype) for r in fmt.records
     }
 
 
@@ -109,7 +108,9 @@ def test_backup_and_restore_match_the_reference(ut, heads, dk, dv, dtype):
         dst = (torch.zeros_like(k_layers[0]), torch.zeros_like(v_layers[0]))
         records = {n: t[:, layer] for n, t in out.items()}
         fmt.decode_scatter(records, host, dst, dev)
-        want = fmt.decode_reference({n: t[host_units] for n, t in records.items()}, dtype)
+        want = fmt.decode_reference(
+            {n: t[host_units] for n, t in records.items()}, dtype
+        )
         for got, exp in zip(dst, want):
             assert_same_bits(got[dev], exp.reshape(len(dev), *exp.shape[2:]))
 
