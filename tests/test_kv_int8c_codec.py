@@ -319,3 +319,35 @@ def test_qk_normed_small_channels_keep_their_precision():
     )
     assert (frac_int8 > 0.1).all()
     assert (frac_int8c <= 1 / 255 + 2.0**-7).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("unit_tokens", [1, 64])
+def test_cuda_fast_path_matches_cpu_reference(unit_tokens):
+    """The torch path on the GPU writes the CPU reference's bytes and restores
+    its bits, without a host sync."""
+    for dtype in DTYPES:
+        fmt = make_format(unit_tokens, (128, 96), heads=4, dtype=dtype)
+        k, v = (
+            make_units(
+                seed, (3, unit_tokens, 4, d), dtype, list(UNIT_KINDS), [-3, 0, 5]
+            )
+            for seed, d in ((1, 128), (2, 96))
+        )
+        k[1, 0, 2, 7] = NAN
+        ref = fmt.encode_reference([k, v])
+        out = {
+            r.name: torch.empty((3, *r.shape), dtype=r.dtype, device="cuda")
+            for r in fmt.records
+        }
+        restored = [torch.empty(x.shape, dtype=dtype, device="cuda") for x in (k, v)]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fmt.encode_into([k.cuda(), v.cuda()], out)
+            fmt.decode_into(out, restored)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for name in ref:
+            assert_same_bits(out[name].cpu(), ref[name])
+        for got, want in zip(restored, fmt.decode_reference(ref, dtype)):
+            assert_same_bits(got.cpu(), want)
