@@ -11,6 +11,10 @@ from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host import kv_int8_codec
 from sglang.srt.mem_cache.pool_host import kv_int8c_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import half_ulp
+from tests.support.int4_pool_checks import (
+    bytes_per_token_at_qwen3_8b,
+    check_auto_size_ratio_matches_the_pool,
+)
 from tests.support.codec_inputs import DTYPES, UNIT_KINDS, assert_same_bits, make_units
 
 NAN, INF = float("nan"), float("inf")
@@ -94,6 +98,17 @@ def test_records_per_key_mode(unit_tokens, per_channel):
         for name, offset, nbytes in obj:
             assert offset == 0 and nbytes == fmt.record(name).nbytes
     assert fmt.kernel_module is None and not fmt.fused_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("page_size", [1, 64])
+def test_pool_capacity_at_qwen3_8b_geometry(page_size):
+    """The real dispatch's page_first pool allocates 266 B per token, head and
+    layer (1.925x BF16's tokens per host byte), and auto-sizing asks the same."""
+    per_token = bytes_per_token_at_qwen3_8b(("auto", "int8c"), page_size)
+    assert per_token["int8c"] == 266 * 8 * 36
+    assert per_token["auto"] / per_token["int8c"] >= 1.90
+    for layout in ("page_first", "layer_first"):
+        check_auto_size_ratio_matches_the_pool("int8c", layout, page_size)
 
 
 def test_key_groups_of_a_head_dim_not_divisible_by_32():
@@ -304,3 +319,35 @@ def test_qk_normed_small_channels_keep_their_precision():
     )
     assert (frac_int8 > 0.1).all()
     assert (frac_int8c <= 1 / 255 + 2.0**-7).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("unit_tokens", [1, 64])
+def test_cuda_fast_path_matches_cpu_reference(unit_tokens):
+    """The torch path on the GPU writes the CPU reference's bytes and restores
+    its bits, without a host sync."""
+    for dtype in DTYPES:
+        fmt = make_format(unit_tokens, (128, 96), heads=4, dtype=dtype)
+        k, v = (
+            make_units(
+                seed, (3, unit_tokens, 4, d), dtype, list(UNIT_KINDS), [-3, 0, 5]
+            )
+            for seed, d in ((1, 128), (2, 96))
+        )
+        k[1, 0, 2, 7] = NAN
+        ref = fmt.encode_reference([k, v])
+        out = {
+            r.name: torch.empty((3, *r.shape), dtype=r.dtype, device="cuda")
+            for r in fmt.records
+        }
+        restored = [torch.empty(x.shape, dtype=dtype, device="cuda") for x in (k, v)]
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fmt.encode_into([k.cuda(), v.cuda()], out)
+            fmt.decode_into(out, restored)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for name in ref:
+            assert_same_bits(out[name].cpu(), ref[name])
+        for got, want in zip(restored, fmt.decode_reference(ref, dtype)):
+            assert_same_bits(got.cpu(), want)

@@ -222,6 +222,7 @@ def test_reused_host_page_is_not_a_sink_page_any_more():
     "fmt, tokens, match",
     [
         ("int8", 64, "4-bit-key formats"),
+        ("int8c", 64, "4-bit-key formats"),
         ("k8v4", 64, "every key at 8 bits already"),
         ("k8v4r", 64, "every key at 8 bits already"),
         ("int4", 8, "at least the page size"),

@@ -65,12 +65,25 @@ HOST_PAGES, DEVICE_PAGES, RESTORE_PAGES = [5, 2, 9], [4, 1, 6], [0, 7, 3]
 PAGES = 12
 
 
+# int8c at pages of 1 (keys per token) and 64 (per channel), torch paths.
+INT8C_PAGE_SIZES = (1, 64)
+INT8C_PATHS = ("torch", "torch_runs")
+
+
 def cases(paths=PATHS):
     for geo_name, (kind, _) in GEOMETRIES.items():
         for fmt, layout, dtype, page_size, path in itertools.product(
             FORMATS[kind], LAYOUTS, DTYPES, PAGE_SIZES, paths
         ):
             yield f"{kind}/{fmt}/{geo_name}/{layout}/{dtype}/p{page_size}/{path}"
+    for geo_name, (kind, _) in GEOMETRIES.items():
+        if kind != "mha":
+            continue
+        for layout, dtype, page_size, path in itertools.product(
+            LAYOUTS, DTYPES, INT8C_PAGE_SIZES, INT8C_PATHS
+        ):
+            if path in paths:
+                yield f"mha/int8c/{geo_name}/{layout}/{dtype}/p{page_size}/{path}"
 
 
 def _token_ids(pages, page_size):
