@@ -31,6 +31,7 @@ from tests.support.codec_inputs import DTYPES
 from tests.support.conformance import (
     GEOMETRIES,
     IO_BACKENDS,
+    L3_PAGE_SIZES,
     LAYOUTS,
     PAGE_SIZES,
     FormatCase,
@@ -449,6 +450,15 @@ def test_grids_cover_every_pair(fmt_case):
     l3 = [r for r in L3_GRID if accepted(fmt_case, r[1], "direct", "torch")]
     assert {backend for backend, _ in l3} == {"file", "mooncake"}
     assert {layout for _, layout in l3} == layouts
+    if not fmt_case.stock:
+        # Every key grouping (storage tag) on the torch rows and in L3.
+        tags = {
+            fmt_case.storage_tag(layout, ps)
+            for layout, ps in itertools.product(LAYOUTS, PAGE_SIZES)
+        }
+        assert {fmt_case.storage_tag(r[0], r[2]) for r in torch_rows} == tags
+        l3_page = l3_geometry(fmt_case).page_size
+        assert {fmt_case.storage_tag(layout, l3_page) for _, layout in l3} == tags
     if fmt_case.kind == "mha" and not fmt_case.stock:
         assert {row[2] for row in GEOMETRY_GRID} >= set(GEOMETRIES)
         assert {row[0] for row in GEOMETRY_GRID} == set(LAYOUTS)
@@ -469,7 +479,7 @@ L3_GRID = [
 def l3_geometry(case: FormatCase):
     if case.kind == "mla":
         return case.geometry(4, layer_num=3)
-    return case.geometry(16)
+    return case.geometry(L3_PAGE_SIZES.get(case.host_dtype, 16))
 
 
 def l3_tokens(case: FormatCase, first: int = 1000) -> list[int]:
@@ -490,6 +500,9 @@ def make_l3(request, case, backend, config, layout, model_name=None):
         host_dtype=case.host_dtype,
         geo=l3_geometry(case),
         layout=layout,
+        # Room for L3_PAGES pages and the prefetch at 64-token pages.
+        device_tokens=max(256, 8 * l3_geometry(case).page_size),
+        host_tokens=max(512, 16 * l3_geometry(case).page_size),
         model_name=model_name or f"hiq/{request.node.name}",
     )
     request.getfixturevalue("l3_rigs").append(l3)

@@ -405,7 +405,7 @@ def test_pages_of_one_fp8_dtype_are_refused_by_the_other(fmt):
 # --- what is refused, and the start-up log -----------------------------------
 
 
-@pytest.mark.parametrize("host_dtype", ["int8", "int4r", "k8v4r"])
+@pytest.mark.parametrize("host_dtype", ["int8", "int8c", "int4r", "k8v4r"])
 def test_formats_without_fp8_refuse_it_naming_int4(host_dtype):
     geo = Geometry(dtype=torch.float8_e4m3fn, page_size=16, head_dim=64)
     device_pool = make_device_pool(geo, 64)

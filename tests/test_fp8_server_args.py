@@ -1,6 +1,6 @@
 """Start-up with an FP8 device KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2,
-or an FP8-KV checkpoint with auto): int4 and k8v4 are accepted, int8 and the
-rotated formats are refused naming the flags and suggesting int4/k8v4.
+or an FP8-KV checkpoint with auto): int4 and k8v4 are accepted, int8, int8c
+and the rotated formats are refused naming the flags and suggesting int4/k8v4.
 
 SGLang's own argument parser and resolution pipeline (ServerArgs.resolve_once)
 over a tiny local Llama config (no weights), as tests/test_server_args.py.
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("restore_environ")
 
 FP8_KV = ("fp8_e4m3", "fp8_e5m2")
 ACCEPTED = ("int4", "k8v4")
-REFUSED = ("int8", "int4r", "k8v4r")
+REFUSED = ("int8", "int8c", "int4r", "k8v4r")
 LAYOUT_IO = (
     ("page_first", "kernel"),
     ("page_first_direct", "direct"),

@@ -39,6 +39,7 @@ TEST_GRIDS = {
     "test_every_int4_kernel_compiles_cleanly": "int4",
     "test_every_fp8_int4_kernel_compiles_cleanly": "int4-fp8",
     "test_every_rotated_int4_kernel_compiles_cleanly": "int4-rot",
+    "test_every_int8c_kernel_compiles_cleanly": "int8c",
 }
 
 
@@ -188,6 +189,28 @@ def test_every_rotated_int4_kernel_compiles_cleanly(compiled, arch):
     }
     assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
     assert {s["constexprs"]["IS_BF16"] for s in specs} == {True, False}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_int8c_kernel_compiles_cleanly(compiled, arch):
+    """int8c's kernels (kv_int8c_triton: INT8 rows and kv_int4_triton's channel
+    groups at 8 bits) over kernel_compile.int8c_grid: no spill, the IEEE
+    arithmetic, both key modes, both device dtypes, every unit size."""
+    from sglang.kernels.ops.kvcache import kv_int8c_triton as k8c
+
+    specs = clean_specs(compiled, "int8c", arch)
+    kinds = {
+        (
+            "encode" in s["name"],
+            s["constexprs"]["KEY_MODE"],
+            s["constexprs"]["IS_BF16"],
+        )
+        for s in specs
+    }
+    modes = (k8c.KEYS_PER_TOKEN, k8c.KEYS_PER_CHANNEL)
+    both = (True, False)
+    assert kinds == {(e, m, b) for e in both for m in modes for b in both}
+    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64, 128}
 
 
 # --- the check fails on broken kernels ---------------------------------------

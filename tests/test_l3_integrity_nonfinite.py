@@ -24,7 +24,7 @@ from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES, host_format_
 
 pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
 
-MHA_FORMATS = ("int8", "int4", "k8v4", "int4r", "k8v4r")
+MHA_FORMATS = ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c")
 # (host dtype, model kind); MLA models take int8 only.
 FORMATS = [(name, "mha") for name in MHA_FORMATS] + [("int8", "mla")]
 FORMAT_IDS = [f"{kind}-{name}" for name, kind in FORMATS]
@@ -113,9 +113,9 @@ def test_torch_and_fused_paths_count_the_same_groups(name, kind, layout, page_si
     assert stored > 0
     assert torch_pool.nonfinite_group_count() == stored
     if not torch_pool.host_format.fused_available(torch.device("cpu")):
-        # The rotated formats have no fused kernels: the torch path serves
-        # them on every device, so there is no second count to compare.
-        assert name.endswith("r"), name
+        # The rotated formats have no fused kernels, nor int8c yet: the torch
+        # path serves them on every device, so there is no second count.
+        assert name.endswith("r") or name == "int8c", name
         return
     fused_pool = _backed_up_pool(name, kind, layout, page_size, "fused")
     assert fused_pool.transfer_path == "fused_direct"
@@ -132,16 +132,20 @@ def test_metric_help_states_the_unit_of_every_format():
     ones count as their base format): rates compare only within one format."""
     doc = Scrape().families["sglang:hicache_host_nonfinite_groups"].documentation
     # One unit per codec family: int8 rows (k8v4 keys too), 4-bit groups
-    # (int4, k8v4 values; the rotated formats alike), MLA tiles and RoPE rows.
+    # (int4, k8v4 values; the rotated formats alike), int8c key groups, MLA
+    # tiles and RoPE rows.
     for unit in (
         "int8/k8v4-key head row",
         "4-bit channel group",
+        "int8c key channel or 32-channel key group",
         "MLA tile",
         "RoPE row",
     ):
         assert unit in doc, unit
     codecs = {getattr(host_format_cls(n), "base_name", n) for n in HOST_DTYPES}
-    assert codecs == {"int8", "int4", "k8v4"}, "a new format needs its unit in the help"
+    assert codecs == {"int8", "int4", "k8v4", "int8c"}, (
+        "a new format needs its unit in the help"
+    )
 
 
 # --- load side: pages restored from L3 holding non-finite scales ------------

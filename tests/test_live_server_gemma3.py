@@ -35,7 +35,7 @@ near-tie, logprobs within the arm's tolerance (as tests/test_live_server.py).
 (``make quality-gemma`` installs it into build/quality-models; otherwise
 the module skips and names the command) (one server start: 11 min 50 s measured here
 at a load average of about 20, the start alone 296 s).
-HIQ_LIVE_HYBRID_FULL=1 adds the BF16 (stock pool) and INT4 arms and
+HIQ_LIVE_HYBRID_FULL=1 adds the BF16 (stock pool), INT4 and int8c arms and
 compares INT8's and INT4's reuse with BF16's; and it starts an FP8 device
 pool (``--kv-cache-dtype fp8_e4m3``) with an INT4 host copy, which does not
 run on this CPU: our check accepts it, then SGLang's pool set-up
@@ -79,16 +79,21 @@ full_only = pytest.mark.skipif(not FULL, reason="HIQ_LIVE_HYBRID_FULL=1")
 PROMPT_TOKENS = 1400
 PROMPTS = 5  # 7,000 tokens: past the 4,096-token L1, inside the 8,192 host
 MIN_AGREED = 4
-LOGPROB_TOL = {None: 0.05, "int8": 0.25, "int4": 1.0}
+LOGPROB_TOL = {None: 0.05, "int8": 0.25, "int4": 1.0, "int8c": 0.25}
 
 ARMS = {"int8": "int8"}
 if FULL:
-    ARMS.update({"bf16": None, "int4": "int4"})
+    ARMS.update({"bf16": None, "int4": "int4", "int8c": "int8c"})
 # With page size 1 the INT4 reuse flipped prompt A's third greedy token (cold
 # top-2 gap 2.3 nats); with 64-token pages (1,344 tokens from host, the last 56
 # recomputed) all 8 agreed. Keys stay per token in both (layer_first logs
 # int4-fp16meta-v1-ktoken), so the INT4 arm states the page size it passes at.
-ARM_FLAGS = {"int4": ["--page-size", "64"]}
+# int8c, the format for QK-normed keys (Gemma 3's), groups keys per channel
+# over page-major units of 64 tokens: the arm runs page_first_direct.
+ARM_FLAGS = {
+    "int4": ["--page-size", "64"],
+    "int8c": ["--page-size", "64", "--hicache-mem-layout", "page_first_direct"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +138,10 @@ def bytes_per_token(host_dtype, model_dir: Path) -> int:
         return rows * head_dim * 2  # BF16
     if host_dtype == "int8":
         return rows * (head_dim + 2)  # one FP16 scale per head row
+    if host_dtype == "int8c":
+        # Per key head: int8 key and value rows, the value's FP16 scale and
+        # the (s, m) of each key channel per 64-token page.
+        return rows // 2 * (2 * head_dim + 2 + head_dim * 4 // 64)
     return None  # int4: its layout is the pool's business; the log says it
 
 
@@ -157,6 +166,8 @@ def test_startup_log_and_metrics_name_the_host_format(arm, model_dir):
         assert 0 < got < bytes_per_token("int8", model_dir)
     if host_dtype is not None:
         assert f"stores {host_dtype.upper()} KV: {int(got)} B/token" in log
+    if host_dtype == "int8c":
+        assert "keys per channel over 64-token pages" in log
 
 
 def test_repeated_long_prompt_is_a_device_hit(arm):

@@ -71,6 +71,7 @@ def test_one_arm_per_registered_host_format():
     )
     assert arms["bf16"].host_dtype == "auto" and arms["bf16"].page_size == 1
     assert arms["int8"].page_size == 1  # the README's INT8 figures
+    assert arms["int8c"].page_size == 64  # keys per channel, not per token
     for arm in arms.values():
         if arm.host_dtype not in ("auto", "int8"):
             assert arm.page_size == hq.GROUPED_PAGE_SIZE, arm

@@ -274,6 +274,7 @@ def test_marking_a_page_twice_takes_one_slot():
     "fmt, tokens, match",
     [
         ("int8", 64, "4-bit-key formats"),
+        ("int8c", 64, "4-bit-key formats"),
         ("k8v4", 64, "every key at 8 bits already"),
         ("k8v4r", 64, "every key at 8 bits already"),
         ("int4", 8, "at least the page size"),

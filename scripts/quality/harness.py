@@ -40,8 +40,9 @@ REFERENCES = (REFERENCE_ARM, FP32_ARM)
 # The stock pool's `direct` io backend has no page_first.
 STOCK_LAYOUT = "layer_first"
 QUANTIZED_LAYOUT = "page_first"
-# INT8 keeps its published page size 1; the rest use INT4's key group (issue 13).
-ARM_PAGE_SIZE = {"auto": 1, "int8": 1}
+# INT8 keeps its published page size 1; the rest use INT4's key group (issue 13);
+# int8c's keys go per channel from 64-token pages.
+ARM_PAGE_SIZE = {"auto": 1, "int8": 1, "int8c": 64}
 GROUPED_PAGE_SIZE = 64
 # Opt-in arms (--arms): the format with its first page at 8 bits.
 SINK_ARMS = {"int4r_sink": "int4r"}

@@ -56,6 +56,10 @@ def heads_geometry(geometry, page_size: int, layer_num: int = 2) -> Geometry:
     )
 
 
+# A format's L3 page size where 16 would leave a key grouping out: int8c's keys
+# go per channel from 64-token units (layer_first's token units stay per token).
+L3_PAGE_SIZES = {"int8c": 64}
+
 STOCK = "auto"
 TOY = toy.ENTRY.name
 
@@ -82,18 +86,27 @@ class FormatCase:
             return toy.CopyHostFormat
         return hf.host_format_cls(self.host_dtype, self.kind)
 
+    def host_format(self, page_size: int = 16, layout: str = "page_first"):
+        """The format instance of the case's pool at this page size and layout."""
+        geo = self.geometry(page_size)
+        if self.kind == "mla":
+            dims, heads = (geo.kv_lora_rank + geo.qk_rope_head_dim,), 1
+        else:
+            dims, heads = (geo.head_dim, geo.v_head_dim), geo.head_num
+        ut = 1 if layout == "layer_first" else page_size
+        return self.format_cls()(dims, heads, ut, geo.dtype)
+
     def has_fused_kernels(self) -> bool:
         """Whether the format's fused kernels run on CPU tensors here (under
         Triton's interpreter, tests/conftest.py)."""
         if self.stock:
             return False
-        geo = self.geometry(16)
-        if self.kind == "mla":
-            dims, heads = (geo.kv_lora_rank + geo.qk_rope_head_dim,), 1
-        else:
-            dims, heads = (geo.head_dim, geo.v_head_dim), geo.head_num
-        fmt = self.format_cls()(dims, heads, geo.page_size, geo.dtype)
-        return fmt.fused_available(torch.device("cpu"))
+        return self.host_format().fused_available(torch.device("cpu"))
+
+    def storage_tag(self, layout: str, page_size: int) -> str:
+        """The pool's L3 storage tag: int4 and int8c tag their key grouping,
+        per channel on page-major units of enough tokens, else per token."""
+        return self.host_format(page_size, layout).storage_format_tag
 
     def geometry(self, page_size: int, dtype=torch.bfloat16, layer_num: int = 2):
         if self.kind == "mla":

@@ -74,11 +74,17 @@ HOST_PAGES, DEVICE_PAGES, RESTORE_PAGES = [5, 2, 9], [4, 1, 6], [0, 7, 3]
 PAGES = 12
 
 
+# int8c at pages of 1 (keys per token) and 64 (per channel).
+INT8C_FORMATS = {"mha": ("int8c",), "mla": ()}
+INT8C_PAGE_SIZES = (1, 64)
+
+
 def cases(paths=PATHS):
     for geo_name, (kind, _) in GEOMETRIES.items():
         for formats, page_sizes in (
             (FORMATS[kind], PAGE_SIZES),
             (ROTATED_FORMATS[kind], ROTATED_PAGE_SIZES),
+            (INT8C_FORMATS[kind], INT8C_PAGE_SIZES),
         ):
             for fmt, layout, dtype, page_size, path in itertools.product(
                 formats, LAYOUTS, DTYPES, page_sizes, paths

@@ -690,6 +690,75 @@ def int4_rotated_grid() -> list[Int4Case]:
     return int4_family_grid("int4r", "k8v4r", (torch.float16,), extra)
 
 
+def drive_format_case(case: Int4Case) -> None:
+    """A format's own encode_gather / decode_scatter over `case` (records
+    allocated from its HostRecords, [unit, layer, ...] or layer_first's
+    [layer, unit, ...] transposed), as drive_int4_case calls the INT4 ones."""
+    from sglang.kernels.ops.kvcache.host_kv_common import (
+        DeviceLayerTable,
+        KVCounters,
+    )
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+
+    H, dk, dv = case.geometry
+    ut, layers = case.unit_tokens, case.layer_num
+    pages = max(TRANSFER_PAGES) + 1
+    size = (pages + 1) * ut
+    fmt = host_format_cls(case.fmt, "mha")((dk, dv), H, ut, case.dtype)
+    k_layers = [torch.zeros(size, H, dk, dtype=case.dtype) for _ in range(layers)]
+    v_layers = [torch.zeros(size, H, dv, dtype=case.dtype) for _ in range(layers)]
+    tables = (DeviceLayerTable(k_layers), DeviceLayerTable(v_layers))
+    records = {}
+    for r in fmt.records:
+        if case.layer_first:
+            t = torch.zeros(layers, pages, *r.shape, dtype=r.dtype).transpose(0, 1)
+        else:
+            t = torch.zeros(pages, layers, *r.shape, dtype=r.dtype)
+        records[r.name] = t
+    counter = torch.zeros((), dtype=torch.int64)
+    bad = torch.zeros((), dtype=torch.int64)
+    amax = torch.zeros(layers, 2)
+    for n_pages in TRANSFER_PAGES:
+        rows = torch.arange(ut, ut + n_pages * ut)
+        host_idx = torch.arange((pages - n_pages) * ut, pages * ut)
+        for kind in case.index_kinds:
+            dev = _device_indices(rows, kind)
+            counters = KVCounters(counter, amax, bad)
+            fmt.encode_gather(tables, dev, records, host_idx, counters=counters)
+            for layer in range(layers):
+                dst = (k_layers[layer], v_layers[layer])
+                one = {n: t[:, layer] for n, t in records.items()}
+                fmt.decode_scatter(one, host_idx, dst, dev, bad_index_counter=bad)
+            if case.staged:
+                last = {n: t[:, -1:] for n, t in records.items()}
+                fmt.encode_gather(
+                    tables, dev, last, host_idx, counters=KVCounters(counter, amax),
+                    first_layer=layers - 1,
+                )  # fmt: skip
+                fmt.decode_scatter(
+                    {n: t[:, 0] for n, t in last.items()}, host_idx, dst, dev
+                )
+
+
+def int8c_grid() -> list[Int4Case]:
+    """int8c (kv_int8c_triton) at Qwen3-8B's heads: per-channel keys at page 64
+    (BF16 and FP16, int32/int64 indices, the staged calls) and 128, per-token
+    key groups at page 16 and layer_first's 1; Gemma 3's one 256-dim head; a
+    key dim of 80 (one group per head)."""
+    bf16, fp16, qwen = torch.bfloat16, torch.float16, (8, 128, 128)
+    both = ("int64", "int32")
+    return [
+        Int4Case("int8c", 64, qwen, bf16, index_kinds=both, staged=True),
+        Int4Case("int8c", 64, qwen, fp16),
+        Int4Case("int8c", 128, qwen, bf16),
+        Int4Case("int8c", 16, qwen, bf16, index_kinds=both, staged=True),
+        Int4Case("int8c", 1, qwen, bf16, layer_first=True),
+        Int4Case("int8c", 1, qwen, fp16, layer_first=True),
+        Int4Case("int8c", 64, (1, 256, 256), bf16),
+        Int4Case("int8c", 4, (2, 80, 48), bf16),
+    ]
+
+
 # --- small drives and kernels broken on purpose (the check must fail) ---------
 
 SMALL = PoolCase("page_first", 16, (2, 128, 128), torch.bfloat16, "direct")
@@ -760,6 +829,7 @@ GRIDS = {
     "int4": lambda: [drive_int4_case(case) for case in int4_grid()],
     "int4-rot": lambda: [drive_int4_case(case) for case in int4_rotated_grid()],
     "int4-fp8": lambda: [drive_int4_case(case) for case in int4_fp8_grid()],
+    "int8c": lambda: [drive_format_case(case) for case in int8c_grid()],
     "small": lambda: drive_pool(SMALL),
     "small-int4": lambda: drive_int4_case(SMALL_INT4),
     # Packed MTP drafts alone (both grids above include them).

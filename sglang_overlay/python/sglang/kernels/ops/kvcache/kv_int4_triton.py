@@ -52,15 +52,21 @@ class Geometry(NamedTuple):
     FP8: int  # hk.FP8_NONE: 16-bit device KV
 
 
+@triton.constexpr_function
+def qmax(bits: int) -> float:
+    """The largest code of an unsigned `bits`-bit group (15.0 for INT4)."""
+    return float((1 << int(bits)) - 1)
+
+
 @triton.jit
-def _group_params(lo, hi, has_nan):
+def _group_params(lo, hi, has_nan, BITS: tl.constexpr = 4):
     """(s, m) of groups with extremes lo, hi: fp16 bit patterns (NaN for
     non-finite groups), their fp32 values, and the non-finite flag."""
     # A zero m is stored as +0: min(-0, +0) may return either zero.
     m_bits = lo.to(tl.float16).to(tl.int16, bitcast=True)
     m_bits = tl.where(m_bits == -32768, 0, m_bits).to(tl.int16)
     m = m_bits.to(tl.float16, bitcast=True).to(tl.float32)
-    s32 = tl.maximum(tl.math.div_rn(hi - m, 15.0), 1.1754943508222875e-38)
+    s32 = tl.maximum(tl.math.div_rn(hi - m, qmax(BITS)), 1.1754943508222875e-38)
     s_bits, s = hk.fp16_scale_up(s32)
     # An Inf in the group makes m (lo = -inf) or s (hi = +inf) infinite.
     bad = has_nan | (tl.abs(m) > 65504.0) | (s != s) | (s > 65504.0)
@@ -70,10 +76,10 @@ def _group_params(lo, hi, has_nan):
 
 
 @triton.jit
-def _codes(x, s, m, bad):
-    """4-bit codes (int32) of x given broadcastable (s, m, bad)."""
+def _codes(x, s, m, bad, BITS: tl.constexpr = 4):
+    """BITS-bit codes (int32) of x given broadcastable (s, m, bad)."""
     r = hk.rint(tl.math.div_rn(x - m, s))
-    r = tl.minimum(tl.maximum(r, 0.0), 15.0)
+    r = tl.minimum(tl.maximum(r, 0.0), qmax(BITS))
     return tl.where(bad, 0.0, r).to(tl.int32)
 
 
@@ -177,11 +183,12 @@ def _encode_channels(
     STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
+    BITS: tl.constexpr = 4,
 ):
     """Per-channel groups over one run of UT tokens (one host unit), for one
     head and CB2 channel pairs (whole rotation blocks if ROT_B > 0); the
     program id picks them. meta has no token dim (stride 0); its group
-    stride is the channel's."""
+    stride is the channel's. BITS = 8 stores one code a byte (int8c's keys)."""
     UT_PAD: tl.constexpr = hk.pow2(UT)
     pid = tl.program_id(0)
     run = pid // (H * NCB)
@@ -214,14 +221,19 @@ def _encode_channels(
     lo = tl.min(tl.where(tvalid, x, float("inf")), axis=0)
     hi = tl.max(tl.where(tvalid, x, float("-inf")), axis=0)
     has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
-    s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan)
-    codes = _codes(x, s[None, :, :], m[None, :, :], bad[None, :, :])
-    packed = tl.sum(codes << (4 * e)[None, None, :], axis=2)
+    s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan, BITS)
+    codes = _codes(x, s[None, :, :], m[None, :, :], bad[None, :, :], BITS)
 
     unit = first // UT
     q_row = hk.record_offset(q, unit, layer, t, head)
-    qmask = (tmask & run_ok)[:, None] & (j < D // 2)[None, :]
-    tl.store(q[0] + (q_row[:, None] + j[None, :]), packed.to(tl.uint8), mask=qmask)
+    if BITS == 8:
+        q_off = q_row[:, None, None] + c[None, :, :]
+        tl.store(q[0] + q_off, codes.to(tl.uint8), mask=m3)
+    else:
+        packed = tl.sum(codes << (4 * e)[None, None, :], axis=2)
+        qmask = (tmask & run_ok)[:, None] & (j < D // 2)[None, :]
+        q_off = q_row[:, None] + j[None, :]
+        tl.store(q[0] + q_off, packed.to(tl.uint8), mask=qmask)
     m_off = hk.record_offset(meta, unit, layer, 0, head) + c * meta[5]
     wmask = cmask & run_ok
     tl.store(meta[0] + m_off, s_bits, mask=wmask)
@@ -248,10 +260,12 @@ def _decode_groups(
     FP8: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
+    BITS: tl.constexpr = 4,
 ):
     """Rows (token, head) of D channels; channel c's (s, m) sit at group
     c // G (per-channel keys: G = 1 and no token stride). Arguments as
-    hk.int8_decode_rows'; meta's as _encode_groups'."""
+    hk.int8_decode_rows'; meta's as _encode_groups'. BITS = 8 reads one code
+    a byte."""
     D2_PAD: tl.constexpr = hk.pow2(D) // 2
     head, didx, hidx, hmask = hk.row_slots(
         rows[0], rows[1], idx, rows[2], True, H, BLOCK_R, COUNT_BAD_IDX
@@ -261,14 +275,18 @@ def _decode_groups(
     lane = j < D // 2
     unit, within = hk.unit_slots(hidx, UT)
     q_row = hk.record_offset(q, unit, 0, within, head)
-    packed = tl.load(
-        q[0] + (q_row[:, None] + j[None, :]),
-        mask=hmask[:, None] & lane[None, :],
-        other=0,
-    ).to(tl.int32)
-    codes = (packed[:, :, None] >> (4 * e)[None, None, :]) & 15
     c = 2 * j[:, None] + e[None, :]
     m3 = hmask[:, None, None] & (lane[:, None] & (e < 2)[None, :])[None, :, :]
+    if BITS == 8:
+        q_off = q_row[:, None, None] + c[None, :, :]
+        codes = tl.load(q[0] + q_off, mask=m3, other=0).to(tl.int32)
+    else:
+        packed = tl.load(
+            q[0] + (q_row[:, None] + j[None, :]),
+            mask=hmask[:, None] & lane[None, :],
+            other=0,
+        ).to(tl.int32)
+        codes = (packed[:, :, None] >> (4 * e)[None, None, :]) & 15
     m_row = hk.record_offset(meta, unit, 0, within, head)
     m_off = m_row[:, None, None] + ((c // G) * meta[5])[None, :, :]
     s = tl.load(meta[0] + m_off, mask=m3, other=0)

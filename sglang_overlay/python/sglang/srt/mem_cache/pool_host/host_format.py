@@ -430,3 +430,13 @@ register_host_dtype(
         "before encoding: same bytes per token, closer restored KV",
     )
 )
+register_host_dtype(
+    HostDtype(
+        "int8c",
+        f"{_CODECS}.kv_int8c_codec:Int8ChannelHostFormat",
+        None,
+        "int8 values; 8-bit keys with an FP16 scale and zero point per channel "
+        "over a page of at least 64 tokens, else per token in groups of 32 "
+        "channels: for QK-normed models (Gemma 3, Qwen3)",
+    )
+)

@@ -138,16 +138,17 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_groups_reference(
-    xg: torch.Tensor, dim: int
+    xg: torch.Tensor, dim: int, qmax: int = QMAX
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step by step: the fast path and the kernels must match it bit for bit."""
+    """Step by step: the fast path and the kernels must match it bit for bit.
+    qmax: the largest code (15; int8c's 8-bit keys pass 255)."""
     xf = xg.to(torch.float32)
     lo = xf.amin(dim=dim, keepdim=True)
     hi = xf.amax(dim=dim, keepdim=True)
     # A zero m is +0 (x + 0.0): min(-0, +0) may return either zero.
     m16 = lo.to(META_DTYPE) + 0.0
     s32 = (hi - m16.to(torch.float32)) / torch.full(
-        (), QMAX, dtype=torch.float32, device=xf.device
+        (), qmax, dtype=torch.float32, device=xf.device
     )
     s32 = torch.where(s32 < _SCALE_FLOOR, torch.full_like(s32, _SCALE_FLOOR), s32)
     s16 = s32.to(META_DTYPE)
@@ -159,7 +160,7 @@ def _encode_groups_reference(
     m16 = torch.where(bad, nan, m16)
 
     quotient = (xf - m16.to(torch.float32)) / s16.to(torch.float32)
-    qf = torch.round(quotient).clamp(0, QMAX)
+    qf = torch.round(quotient).clamp(0, qmax)
     qf = torch.where(bad, torch.zeros_like(qf), qf)
     meta = torch.stack((s16.squeeze(dim), m16.squeeze(dim)), dim=-1)
     return qf.to(torch.uint8), meta
@@ -179,7 +180,11 @@ def _decode_groups_reference(
 
 
 def _group_meta_into(
-    lo: torch.Tensor, hi: torch.Tensor, meta_out: torch.Tensor, dim: int
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    meta_out: torch.Tensor,
+    dim: int,
+    qmax: int = QMAX,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi) per group -> fp32 (s, m) shaped like lo; writes meta_out.
 
@@ -190,7 +195,7 @@ def _group_meta_into(
     m32 = m16.to(torch.float32)
     # A tensor divisor, not a Python number: CUDA would turn the latter into a
     # multiplication by the reciprocal, which is not correctly rounded.
-    s32 = (hi - m32).div_(torch.full((), QMAX, dtype=torch.float32, device=lo.device))
+    s32 = (hi - m32).div_(torch.full((), qmax, dtype=torch.float32, device=lo.device))
     s32.clamp_min_(_SCALE_FLOOR)
     s16 = s32.to(META_DTYPE)
     # Round-to-nearest may have gone down; s16 > 0, so bits + 1 is the next
@@ -205,19 +210,19 @@ def _group_meta_into(
 
 
 def _encode_groups_into(
-    xf: torch.Tensor, dim: int, meta_out: torch.Tensor
+    xf: torch.Tensor, dim: int, meta_out: torch.Tensor, qmax: int = QMAX
 ) -> torch.Tensor:
-    """Quantize the fp32 groups of xf in place to codes 0..15 (still fp32).
+    """Quantize the fp32 groups of xf in place to codes 0..qmax (still fp32).
 
     Returns max |x| per group (fp32, meta's shape without (s, m)).
     """
     lo = xf.amin(dim=dim, keepdim=True)
     hi = xf.amax(dim=dim, keepdim=True)
-    s, m = _group_meta_into(lo, hi, meta_out, dim)
-    # Finite groups have 0 <= (x - m)/s <= 15 up to rounding; a NaN-meta group
+    s, m = _group_meta_into(lo, hi, meta_out, dim, qmax)
+    # Finite groups have 0 <= (x - m)/s <= qmax up to rounding; a NaN-meta group
     # is NaN throughout, so nan_to_num_ zeroes exactly the groups the
     # reference masks.
-    xf.sub_(m).div_(s).round_().clamp_(0, QMAX).nan_to_num_(nan=0.0)
+    xf.sub_(m).div_(s).round_().clamp_(0, qmax).nan_to_num_(nan=0.0)
     return torch.maximum(hi, lo.neg_()).squeeze(dim)
 
 
