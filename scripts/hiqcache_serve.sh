@@ -9,7 +9,7 @@
 #
 # Arguments go to sglang.launch_server unchanged. Only what they leave out is
 # added: --model-path "$MODEL", --host 0.0.0.0, --port 30000,
-# --enable-hierarchical-cache and --hicache-host-dtype "${HOST_DTYPE:-int8}"
+# --enable-hierarchical-cache and --hicache-host-dtype "${HOST_DTYPE:-int8c}"
 # (HOST_DTYPE=auto is the stock BF16 host tier).
 set -euo pipefail
 
@@ -40,9 +40,9 @@ given --port || args+=(--port 30000)
 given --enable-hierarchical-cache || args+=(--enable-hierarchical-cache)
 # Without it the host tier would be stock BF16: the image exists to compress it.
 if ! given --hicache-host-dtype; then
-    args+=(--hicache-host-dtype "${HOST_DTYPE:-int8}")
-    echo "hiqcache-serve: host KV dtype ${HOST_DTYPE:-int8}" \
-        "(HOST_DTYPE, default int8; auto = stock BF16 host tier)" >&2
+    args+=(--hicache-host-dtype "${HOST_DTYPE:-int8c}")
+    echo "hiqcache-serve: host KV dtype ${HOST_DTYPE:-int8c}" \
+        "(HOST_DTYPE, default int8c; auto = stock BF16 host tier)" >&2
 fi
 
 exec python3 -m sglang.launch_server "${args[@]}"

@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "hiqcache_serve.sh"
 
 LAUNCH = ["-m", "sglang.launch_server"]
-HICACHE = ["--enable-hierarchical-cache", "--hicache-host-dtype", "int8"]
+HICACHE = ["--enable-hierarchical-cache", "--hicache-host-dtype", "int8c"]
 DEFAULTS = ["--host", "0.0.0.0", "--port", "30000", *HICACHE]
 
 FAKE_PYTHON = """#!/usr/bin/env bash
@@ -108,15 +108,15 @@ def test_equals_forms_and_the_model_alias_count_as_given(bin_dir):
         "--port=1",
         "--enable-hierarchical-cache",
         "--hicache-host-dtype",
-        "int8",
+        "int8c",
     ]
 
 
-def test_host_dtype_defaults_to_int8_and_follows_host_dtype_env(bin_dir):
+def test_host_dtype_defaults_to_int8c_and_follows_host_dtype_env(bin_dir):
     proc, argv = serve(bin_dir, MODEL="m")
-    assert argv[-2:] == ["--hicache-host-dtype", "int8"]
-    assert "hiqcache-serve: host KV dtype int8 (HOST_DTYPE, default int8" in proc.stderr
-    for dtype in ("k8v4", "auto"):
+    assert argv[-2:] == ["--hicache-host-dtype", "int8c"]
+    assert "hiqcache-serve: host KV dtype int8c (HOST_DTYPE, default int8c" in proc.stderr
+    for dtype in ("int8", "k8v4", "auto"):
         proc, argv = serve(bin_dir, MODEL="m", HOST_DTYPE=dtype)
         assert proc.returncode == 0, proc.stderr
         assert argv == [*LAUNCH, "--model-path", "m", *DEFAULTS[:-1], dtype]

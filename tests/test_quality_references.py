@@ -179,14 +179,17 @@ def _keys(summary):
 def test_recommended_table_drives_the_targets(monkeypatch):
     summary = {
         "int8": _arm("int8", capacity=1.969),
+        "int8c": _arm("int8c", capacity=1.925),
         "k8v4": _arm("k8v4", capacity=2.535),
         "int4": _arm("int4", kl=5e-3, capacity=3.556),
         "int4r": _arm("int4r", kl=2e-3, capacity=3.556),
     }
-    assert hq.RECOMMENDED == {"8-bit": "int8", "4-bit": "int4r"}
+    assert hq.RECOMMENDED == {"8-bit": "int8c", "4-bit": "int4r"}
     assert _keys(summary) == {
         "int8_ppl_rel_delta_le_0.001",
         "int8_top1_ge_0.995",
+        "int8c_ppl_rel_delta_le_0.001",
+        "int8c_top1_ge_0.995",
         "k8v4_ppl_rel_delta_le_0.003",
         "int4_ppl_rel_delta_le_0.01",
         "int4_top1_ge_0.97",
@@ -217,9 +220,9 @@ def test_recommended_table_drives_the_targets(monkeypatch):
 
 
 def test_a_recommended_format_not_run_is_a_miss(monkeypatch):
-    summary = {"int8": _arm("int8")}
+    summary = {"int8c": _arm("int8c")}
     got = hq._targets(hq.QualityConfig(text_file="unused"), summary, windows=1)
-    assert got["recommended_8-bit_int8_ran"] is True
+    assert got["recommended_8-bit_int8c_ran"] is True
     assert got["recommended_4-bit_int4r_ran"] is False
     # An opt-in arm (the sink page) named there runs by default.
     cfg = hq.QualityConfig(text_file="unused")

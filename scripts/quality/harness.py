@@ -98,7 +98,7 @@ TARGETS = {
 
 # Which arm is "the recommended 8-bit / 4-bit format": the one place to change
 # when a format lands; its role's targets replace the format's own below.
-RECOMMENDED = {"8-bit": "int8", "4-bit": "int4r"}
+RECOMMENDED = {"8-bit": "int8c", "4-bit": "int4r"}
 RECOMMENDED_TARGETS = {
     "8-bit": Target(ppl_rel_delta=0.001, top1=0.995),
     "4-bit": Target(top1=0.97, kl_rel=("int4", 0.6), capacity=3.4),
