@@ -89,6 +89,11 @@ CANDIDATES = {
     "int8_g32": (lambda k: sym8_tokens(k, 32), sym8_tokens),
     "int8_channel_sym": (lambda k: _per_channel(k, 255, True), sym8_tokens),
     "int8_channel_asym": (lambda k: _per_channel(k, 256, False), sym8_tokens),
+    "int8_channel_asym_values_bf16": (lambda k: _per_channel(k, 256, False), _none),
+    "int8_channel_asym_values_g64": (
+        lambda k: _per_channel(k, 256, False),
+        lambda v: sym8_tokens(v, 64),
+    ),
     "int4": (lambda k: _per_channel(k, 16, False), _asym4_tokens),
     "int4_rot_kv": (
         _rotated(lambda k: _per_channel(k, 16, False)),
