@@ -9,6 +9,11 @@ TREE := build/sglang
 # The patched tree goes first on the path, ahead of the stock sglang in .venv.
 PATCHED_PATH := $(CURDIR)/$(TREE)/python
 TORCH_SPEC ?= torch==2.13.0
+# Opt-in index for the torch install alone (pip --index-url), e.g.
+# https://download.pytorch.org/whl/cpu for the CPU wheel. Unset, torch comes from
+# pip's configured index: from PyPI on Linux that is the CUDA build, whose
+# nvidia-* wheels add several GB.
+TORCH_INDEX ?=
 PYTEST_ARGS ?= --durations=25
 # pytest-xdist workers, one file per worker at a time (module-scoped servers
 # start once); 0 runs in one process.
@@ -51,12 +56,25 @@ refresh:
 	$(OVERLAY) refresh
 
 # The stamp depends on every pinned input, so a changed lock rebuilds the venv.
+# Only a venv whose marker names this checkout is ever deleted and rebuilt; an
+# existing VENV made elsewhere (e.g. VENV=~/venvs/sglang) gets the pins installed.
+VENV_MARKER := $(VENV)/.hiqcache-made-by
 $(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/cpu-server.txt \
 		requirements/test-tools.txt requirements/l3-mooncake.txt requirements/l3-integrity.txt \
 		requirements/l3-nixl.txt requirements/test-tools-lint.txt requirements/upstream-test.txt
-	rm -rf $(VENV)
-	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	@if [ -e "$(VENV)" ] && [ "$$(cat "$(VENV_MARKER)" 2>/dev/null)" != "$(CURDIR)" ]; then \
+		if [ ! -x "$(VPY)" ]; then \
+			echo "make: VENV=$(VENV) exists but has no bin/python; pass a new path or an existing virtual environment as VENV=" >&2; \
+			exit 2; \
+		fi; \
+		echo "make: VENV=$(VENV) was not made by this checkout: installing the pins into it, deleting nothing"; \
+	else \
+		echo "rm -rf $(VENV) && $(PYTHON) -m venv $(VENV)"; \
+		rm -rf "$(VENV)" && $(PYTHON) -m venv "$(VENV)" && echo "$(CURDIR)" > "$(VENV_MARKER)"; \
+	fi
+	$(if $(TORCH_INDEX),,@echo "make venv: $(TORCH_SPEC) from pip's configured index; from PyPI on Linux that is the CUDA build (several GB with its nvidia-* wheels). For the CPU wheel: TORCH_INDEX=https://download.pytorch.org/whl/cpu")
+	$(VPY) -m pip install --quiet --disable-pip-version-check \
+		$(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps \
 		-r requirements/cpu-test.txt -r requirements/cpu-server.txt \
 		-r requirements/test-tools.txt -r requirements/l3-mooncake.txt -r requirements/l3-integrity.txt \
@@ -113,8 +131,11 @@ DEMO_L3_ARGS ?=
 demo-l3: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.demo.l3 $(DEMO_L3_ARGS)
 
+# python -m scripts.bench.codec --help; the script's own defaults (1,024 and 4,096
+# tokens, 5 reps) take far longer here.
+BENCH_ARGS ?= --tokens 512 --reps 3
 bench-codec: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.bench.codec
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.bench.codec $(BENCH_ARGS)
 
 # Self-contained (installs the pinned wheel into build/gpu-site); no venv needed.
 # Stage the carry set for a machine without network: scripts/gpu_check.sh prepare
