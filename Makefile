@@ -42,7 +42,7 @@ help:
 	@echo "make pr             ~6 s: upstream-ready PRs (patches + description) into dist/pr/<n>-<name>/"
 	@echo "make pr-check       ~2 min: make pr, then SGLang's pre-commit hooks on every file the PRs change (network once: the hooks into build/lint)"
 	@echo "make image          Docker + network (base lmsysorg/sglang:$(SGLANG_IMAGE_TAG)): the image with the series"
-	@echo "make bench-codec    <1 min [venv]: every host format's encode/decode throughput vs a plain BF16 copy (CPU) [BENCH_ARGS=, default $(BENCH_ARGS)]"
+	@echo "make bench-codec    ~4 min [venv]: every host format's encode/decode throughput vs a plain BF16 copy (CPU) [BENCH_ARGS=, default $(BENCH_ARGS)]"
 	@echo "make gpu-check      on a CUDA machine: GPU tests + INT8 vs BF16 benchmark, JSON in results/gpu-check/ (scripts/gpu_check.sh --help)"
 	@echo "make quality        ~12 min [venv] + ../shared/data/wikitext-2/test.txt: restored-KV quality of every host format, SmolLM2 on WikiText-2, Python source and docs [TEXT_FILE= CODE_TEXT= DOC_TEXT=]"
 	@echo "make quality-gemma  ~45 min (loaded VM) [venv] + the same text + ~240 MB of Gemma 3 270M into build/quality-models (network once)"
@@ -134,9 +134,9 @@ DEMO_L3_ARGS ?=
 demo-l3: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.demo.l3 $(DEMO_L3_ARGS)
 
-# python -m scripts.bench.codec --help; the script's own defaults (1,024 and 4,096
-# tokens, 5 reps) take far longer here.
-BENCH_ARGS ?= --tokens 512 --reps 3
+# python -m scripts.bench.codec --help. One torch thread: beside other work the
+# default two spin-waiting threads stretched 4 minutes past 15 here.
+BENCH_ARGS ?= --threads 1
 bench-codec: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.bench.codec $(BENCH_ARGS)
 

@@ -181,9 +181,9 @@ def main(argv=None) -> dict:
         prog="python -m scripts.bench.codec",
         description=__doc__.split("\n\n")[0],
         epilog=(
-            "`make bench-codec` passes BENCH_ARGS (default: --tokens 512 --reps 3, "
-            "under a minute on the 2-core VM); these defaults, the full size, take "
-            "much longer there (4,096 tokens of Qwen3-8B KV are 1.2 GB per copy)."
+            "`make bench-codec` passes BENCH_ARGS (default: --threads 1, about 4 "
+            "minutes on the shared 2-core VM; with two threads beside other work it "
+            "did not finish in 15). --tokens 512 --reps 3 --threads 1: about 20 s."
         ),
     )
     p.add_argument(
@@ -199,9 +199,20 @@ def main(argv=None) -> dict:
         help=f"timed repetitions per op after {WARMUP} warm-up; the median and min "
         "are reported (default: %(default)s)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: torch's, one per core); 1 keeps "
+        "the run fast beside other work, where spin-waiting threads stall",
+    )
     args = p.parse_args(argv)
     if args.reps < 1:
         raise SystemExit(f"--reps {args.reps}: pass 1 or more")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"--threads {args.threads}: pass 1 or more")
+        torch.set_num_threads(args.threads)
     token_counts = [int(t) for t in args.tokens.split(",") if t.strip()]
     bad = [t for t in token_counts if t <= 0 or t % PAGE_SIZE]
     if bad:
