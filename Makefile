@@ -31,7 +31,7 @@ QUALITY_ARGS ?=
 .PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality quality-gemma demo demo-l3 gpu-check clean
 
 help:
-	@echo "Times: the project's 2-core VM, idle. [venv]: needs .venv, made on first use (network, ~3 GB; see TORCH_INDEX below)."
+	@echo "Times: the project's 2-core VM. [venv]: needs .venv, made on first use (network, ~3 GB; see TORCH_INDEX below)."
 	@echo "make demo           ~14 min [venv] main command: the patched server live on CPU per host format at one host budget, then the Qwen3-8B-scale replay (tables + results/demo*.png)"
 	@echo "make demo-l3        ~5 min  [venv] + libibverbs1 librdmacm1 libnuma1 (sudo bash scripts/debian_deps.sh install): INT8 vs BF16 pages in a real Mooncake L3 store (CPU)"
 	@echo "make apply          3 s: build/sglang = pinned SGLang + sglang_overlay/ + patches/ (network once: the pinned SGLang wheel)"
@@ -134,8 +134,8 @@ DEMO_L3_ARGS ?=
 demo-l3: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.demo.l3 $(DEMO_L3_ARGS)
 
-# python -m scripts.bench.codec --help. One torch thread: beside other work the
-# default two spin-waiting threads stretched 4 minutes past 15 here.
+# python -m scripts.bench.codec --help. One torch thread: the full size in about
+# 4 minutes here; beside other work two spin-waiting threads took over 15.
 BENCH_ARGS ?= --threads 1
 bench-codec: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.bench.codec $(BENCH_ARGS)
