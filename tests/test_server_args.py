@@ -9,11 +9,15 @@ dummy-model boundary, after the model-independent checks; tiny local HF configs
 
 from __future__ import annotations
 
+import argparse
 import logging
+import re
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
+from sglang.srt.arg_groups.arg_utils import A, Arg, add_cli_args_from_dataclass
 from sglang.srt.arg_groups.overrides import resolution_result
 from sglang.srt.server_args import ServerArgs
 from tests.support.server_args import (
@@ -76,6 +80,41 @@ def test_flag_help_text(parser):
     for entry in HOST_DTYPES.values():
         assert f"'{entry.name}' stores {entry.help}" in action.help
     assert "'int8' stores symmetric INT8 with one FP16 scale per token" in action.help
+
+
+def test_flag_help_sits_with_the_hicache_flags_and_shows_its_default(parser):
+    """--help lists the flag after --hicache-mem-layout, not after every other
+    flag (its field is appended to POSITIONAL_FIELD_ORDER), with its default."""
+    text = parser.format_help()
+    flags = re.findall(r"^  (--[\w-]+)", text, re.M)
+    at = flags.index("--hicache-host-dtype")
+    assert flags[at - 1 : at + 2] == [
+        "--hicache-mem-layout",
+        "--hicache-host-dtype",
+        "--hicache-storage-backend",
+    ]
+    block = text.split("\n  --hicache-host-dtype ", 1)[1].split("\n  --", 1)[0]
+    assert " ".join(block.split()).endswith("is unchanged. Default: auto.")
+
+
+class _HelpOrderProbe(msgspec.Struct):
+    first: A[int, Arg(help="first")] = 0
+    second: A[int, Arg(help="second")] = 0
+    third: A[int, Arg(help="third", help_after="first")] = 0
+    fourth: A[int, Arg(help="fourth", help_after="third")] = 0
+
+
+class _HelpAfterNoField(msgspec.Struct):
+    lone: A[int, Arg(help="lone", help_after="nowhere")] = 0
+
+
+def test_help_after_moves_a_flag_and_refuses_an_unknown_field():
+    parser = argparse.ArgumentParser()
+    add_cli_args_from_dataclass(parser, _HelpOrderProbe)
+    flags = [a.option_strings[0] for a in parser._actions[1:]]
+    assert flags == ["--first", "--third", "--fourth", "--second"]
+    with pytest.raises(ValueError, match=r"help_after of \['lone'\] names no field"):
+        add_cli_args_from_dataclass(argparse.ArgumentParser(), _HelpAfterNoField)
 
 
 def test_field_is_last_positional_field():

@@ -6,6 +6,7 @@ Store bytes per token and a shared-prefix hit rate (docs/results.md, "make demo-
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import random
 import sys
@@ -22,6 +23,13 @@ from scripts.demo.report import table
 
 FORMATS = (("bf16", "auto"), ("int8", "int8"))
 MB = 1 << 20
+# The Mooncake store's native dependencies (readelf -d mooncake/store.so,
+# engine.so): soname -> Debian package (scripts/debian_deps.sh).
+NATIVE_LIBS = {
+    "libibverbs.so.1": "libibverbs1",
+    "librdmacm.so.1": "librdmacm1",
+    "libnuma.so.1": "libnuma1",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,6 +50,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "results")
     return p.parse_args(argv)
+
+
+def missing_native_packages(libs: dict[str, str]) -> list[str]:
+    """The Debian packages of the libraries in `libs` that the dynamic loader
+    cannot open, checked in milliseconds instead of after SGLang's import."""
+    missing = []
+    for soname, package in libs.items():
+        try:
+            ctypes.CDLL(soname)
+        except OSError:
+            missing.append(package)
+    return missing
+
+
+def check_native_libs(libs: dict[str, str]) -> None:
+    """Exits in one line naming the missing packages and the install command."""
+    if missing := missing_native_packages(libs):
+        sys.exit(
+            f"demo-l3: Mooncake needs the Debian packages {' '.join(missing)}; "
+            "install them with: sudo bash scripts/debian_deps.sh install"
+        )
 
 
 def setup():
@@ -218,6 +247,7 @@ def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_native_libs(NATIVE_LIBS)  # before SGLang's import, which takes minutes
     h = setup()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -39,7 +39,8 @@ Stable API:
   on CPU, passed as ``args`` and ``env=``; see spec_flags' docstring.
 - ``cpu_env(sglang_path=PATCHED_PYTHON, kernel_log=None, extra=None) -> dict``:
   the environment for any other SGLang process on CPU (``python -m
-  sglang.bench_serving`` imports sglang.srt.configs, so it needs the stand-ins).
+  sglang.bench_serving`` imports sglang.srt.configs, so it needs the stand-ins);
+  ``OMP_NUM_THREADS=1`` unless the caller's environment or ``extra`` sets it.
 - ``free_port() -> int``.
 - ``ServerStartError``: raised when the server exits or times out before
   healthy; its message ends with the log tail.
@@ -204,6 +205,10 @@ def cpu_env(
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
+    # One intra-op thread per process unless the caller set OMP_NUM_THREADS:
+    # beside other work, two spin-waiting threads per server on the 2 cores
+    # turned a one-minute server run into eleven.
+    env.setdefault("OMP_NUM_THREADS", "1")
     # 1 GiB, not upstream's 10 GiB reserve: see cpu_site/sitecustomize.py.
     env.setdefault("HIQ_HOST_MEMORY_RESERVE_BYTES", str(1 << 30))
     if kernel_log is not None:
