@@ -25,6 +25,9 @@ host_pool_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
 
 failed = 0
 for path in map(Path, sys.argv[1:]):
+    # As `python3 <test file>` runs it: its folder first on the path, so a test
+    # may import a sibling test module's helpers.
+    sys.path.insert(0, str(path.resolve().parent))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
