@@ -17,7 +17,7 @@ import torch
 from scripts.common import plot
 from scripts.quality import harness as hq
 from scripts.quality import texts
-from tests.support.quality_inputs import SMALL, TEXT_FILE
+from tests.support.quality_inputs import SMALL, TEXT_FILE, tiny_gemma3
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -333,24 +333,7 @@ def test_sliding_window_model_keeps_every_token_of_the_prefix(bundle, tmp_path):
     """Gemma 3 mixes sliding-window and full layers. SGLang's full-size KV
     pool keeps every token of every layer, so the harness must too: a tiny
     random Gemma 3 with an 8-token window, restored prefix of 32 tokens."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=len(bundle.tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=256,
-    )
-    Gemma3ForCausalLM(config).save_pretrained(tmp_path)
-    bundle.tokenizer.save_pretrained(tmp_path)
-    tiny = hq.load_model(str(tmp_path))
+    tiny = tiny_gemma3(bundle.tokenizer, tmp_path)
     kv = hq.prefill_kv(tiny.model, list(range(100, 132)), torch.bfloat16)
     assert [k.shape[0] for k, _ in kv] == [32, 32]
     cfg = hq.QualityConfig(

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from scripts.quality import harness as hq
-from tests.support.quality_inputs import TEXT_FILE
+from tests.support.quality_inputs import TEXT_FILE, tiny_gemma3
 
 TINY = dict(windows=1, prefix_len=64, score_len=32, greedy_tokens=4, seed=1)
 ARMS = ("bf16", "int8", "int4")
@@ -125,24 +125,7 @@ def test_per_layer_table_has_one_row_per_layer(report):
 
 def test_per_layer_attention_kinds_from_the_model_config(bundle, tmp_path):
     """A tiny random Gemma 3: one sliding-window layer (8 tokens), one full."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=len(bundle.tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=256,
-    )
-    Gemma3ForCausalLM(config).save_pretrained(tmp_path)
-    bundle.tokenizer.save_pretrained(tmp_path)
-    tiny = hq.load_model(str(tmp_path))
+    tiny = tiny_gemma3(bundle.tokenizer, tmp_path)
     cfg = hq.QualityConfig(
         text_file=str(TEXT_FILE),
         windows=1,
