@@ -15,7 +15,7 @@ import logging
 
 import pytest
 
-from sglang.srt.mem_cache.pool_host.host_env import FUSED_ENV, SINK_ENV
+from sglang.srt.mem_cache.pool_host.host_env import FUSED_ENV, SINK_ENV, VERIFY_ENV
 from tests.support.server_args import DEEPSEEK_V2_MLA, model_dir, resolve
 
 pytestmark = pytest.mark.usefixtures("restore_environ")
@@ -131,3 +131,26 @@ def test_fused_transfer_with_the_stock_pool_warns(monkeypatch, models, caplog):
         "encoded host pools (--hicache-host-dtype int8, int4, ...) have a fused "
         "transfer path."
     ]
+
+
+@pytest.mark.parametrize("value", ["abc", "-0.1", "1.5", "nan"])
+@pytest.mark.parametrize("host_dtype", ["int8c", "auto"])
+def test_verify_sample_rate_must_be_a_fraction(monkeypatch, models, value, host_dtype):
+    message = refusal(
+        monkeypatch, {VERIFY_ENV: value}, models["mha"], hicache_host_dtype=host_dtype
+    )
+    assert f"{VERIFY_ENV}={value!r} must be a fraction of backed-up pages" in message
+    assert "or 0 to turn the sampled restore check off" in message
+
+
+def test_verify_sample_rate_with_the_stock_pool_warns(monkeypatch, models, caplog):
+    monkeypatch.setenv(VERIFY_ENV, "0.01")
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups"):
+        resolve(models["mha"])
+    warnings = [r.getMessage() for r in caplog.records if VERIFY_ENV in r.getMessage()]
+    assert warnings == [
+        f"{VERIFY_ENV} has no effect with --hicache-host-dtype auto: only the "
+        "encoded host pools check restored pages."
+    ]
+    monkeypatch.setenv(VERIFY_ENV, "0.01")
+    resolve(models["mha"], hicache_host_dtype="int8")

@@ -70,6 +70,11 @@ def _check_env_with_stock_pool() -> None:
     from sglang.srt.mem_cache.pool_host import host_env
 
     mode = host_env.fused_transfer_mode()
+    if host_env.verify_sample_rate(0.0):
+        logger.warning(
+            f"{host_env.VERIFY_ENV} has no effect with --hicache-host-dtype auto: "
+            "only the encoded host pools check restored pages."
+        )
     if host_env.sink_page_tokens():
         raise ValueError(
             f"{host_env.SINK_ENV} keeps the sink page's keys at 8 bits inside "
@@ -91,6 +96,7 @@ def _check_env_with_encoded_pool(server_args: Any) -> None:
     from sglang.srt.mem_cache.pool_host import host_env
 
     host_env.fused_transfer_mode()
+    host_env.verify_sample_rate(0.0)
     tokens = host_env.sink_page_tokens()
     if not tokens:
         return

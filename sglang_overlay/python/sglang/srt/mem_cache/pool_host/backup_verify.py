@@ -22,37 +22,22 @@ completed, so nothing on the transfer path waits for the device.
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections import deque
 
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.mem_cache.pool_host import host_env
 
-VERIFY_ENV = "SGLANG_HICACHE_VERIFY_SAMPLE_RATE"
+VERIFY_ENV = host_env.VERIFY_ENV
 # Samples kept for the reporter; without one (no --enable-metrics) the oldest go.
 MAX_PENDING = 1024
 
 
 def verify_sample_rate() -> float:
     """SGLANG_HICACHE_VERIFY_SAMPLE_RATE as a fraction of pages in [0, 1]."""
-    default = envs.SGLANG_HICACHE_VERIFY_SAMPLE_RATE.default
-    # Parsed here, not by EnvFloat.get(), which warns and falls back on a typo.
-    raw = os.environ.get(VERIFY_ENV)
-    if raw is None or not raw.strip():
-        return default
-    try:
-        rate = float(raw)
-    except ValueError:
-        rate = math.nan
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(
-            f"{VERIFY_ENV}={raw!r} must be a fraction of backed-up pages between "
-            f"0 and 1, e.g. {default} (the default) or 0 to turn the "
-            "sampled restore check off."
-        )
-    return rate
+    return host_env.verify_sample_rate(envs.SGLANG_HICACHE_VERIFY_SAMPLE_RATE.default)
 
 
 def make_verifier(pool) -> BackupVerifier | None:

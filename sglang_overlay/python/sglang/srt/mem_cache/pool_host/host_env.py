@@ -15,8 +15,9 @@ import os
 FUSED_ENV = "SGLANG_HICACHE_FUSED_TRANSFER"
 FUSED_MODES = ("auto", "off", "direct", "staged")
 SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
+VERIFY_ENV = "SGLANG_HICACHE_VERIFY_SAMPLE_RATE"
 # Every SGLANG_HICACHE_* variable the encoded pools read (docs/supported.md).
-HOST_POOL_ENVS = (FUSED_ENV, SINK_ENV)
+HOST_POOL_ENVS = (FUSED_ENV, SINK_ENV, VERIFY_ENV)
 
 
 def fused_transfer_mode() -> str:
@@ -47,6 +48,25 @@ def sink_page_tokens() -> int:
             "(e.g. 4096), or unset it."
         )
     return tokens
+
+
+def verify_sample_rate(default: float) -> float:
+    """SGLANG_HICACHE_VERIFY_SAMPLE_RATE: the fraction of backed-up pages
+    decoded again and checked, in [0, 1]; `default` when unset or empty."""
+    raw = os.environ.get(VERIFY_ENV, "")
+    if not raw.strip():
+        return default
+    try:
+        rate = float(raw)
+    except ValueError:
+        rate = float("nan")
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(
+            f"{VERIFY_ENV}={raw!r} must be a fraction of backed-up pages between "
+            f"0 and 1, e.g. {default} (the default) or 0 to turn the "
+            "sampled restore check off."
+        )
+    return rate
 
 
 def is_set(name: str) -> bool:
