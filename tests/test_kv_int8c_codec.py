@@ -97,7 +97,7 @@ def test_records_per_key_mode(unit_tokens, per_channel):
     for obj in objects:
         for name, offset, nbytes in obj:
             assert offset == 0 and nbytes == fmt.record(name).nbytes
-    assert fmt.kernel_module is None and not fmt.fused_available(torch.device("cpu"))
+    assert fmt.kernel_module == "sglang.kernels.ops.kvcache.kv_int8c_triton"
 
 
 @pytest.mark.parametrize("page_size", [1, 64])
