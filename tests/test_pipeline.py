@@ -751,14 +751,23 @@ def test_install_repatches_after_a_reinstall_and_uninstall_restores_stock(
     out = overlay(project, "install", "--target", str(site))
     assert f"already carries this series ({len(touched)} patched files" in out
 
-    # Edited by hand: uninstall cannot tell what stock was, and changes nothing.
+    # A line the series added, edited by hand: uninstall cannot tell what stock
+    # was, and changes nothing.
     edited = site / touched[0]
-    edited.write_bytes(edited.read_bytes() + b"# edited\n")
+    with zipfile.ZipFile(WHEEL_CACHE / WHEEL_NAME) as zf:
+        stock_lines = set(zf.read(touched[0]).splitlines())
+    patched_bytes = edited.read_bytes()
+    lines = patched_bytes.splitlines(keepends=True)
+    added_at = next(
+        i for i, line in enumerate(lines) if line.rstrip(b"\n") not in stock_lines
+    )
+    lines[added_at] = b"# edited\n"
+    edited.write_bytes(b"".join(lines))
     before = package_state(site)
     out = overlay(project, "uninstall", "--target", str(site), ok=False)
     assert f"pip install --force-reinstall --no-deps sglang=={VERSION}, then" in out
     assert package_state(site) == before
-    edited.write_bytes(edited.read_bytes().removesuffix(b"# edited\n"))
+    edited.write_bytes(patched_bytes)
 
     out = overlay(project, "uninstall", "--target", str(site))
     restored = f"{len(touched)} patched files restored to stock, {len(added)} overlay"

@@ -13,12 +13,13 @@ import os
 import unittest
 from unittest import mock
 
+from test_hicache_host_tier_stats import DIM, HEADS, LAYERS, TOKENS, _backup, _pools
+
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
-from test_hicache_host_tier_stats import DIM, HEADS, LAYERS, TOKENS, _backup, _pools
 
 register_cpu_ci(est_time=10, suite="base-a-test-cpu")
 
