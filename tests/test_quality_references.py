@@ -266,7 +266,7 @@ def test_check_targets_exit_status_per_cell(bundle, tmp_path, monkeypatch, capsy
     from scripts.quality import __main__ as quality
 
     # This tiny run counts as full size, and int8 meets a loose 8-bit target.
-    monkeypatch.setattr(hq, "TARGET_WINDOWS", 1)
+    monkeypatch.setitem(bundle.info, "full_size_windows", 1)
     monkeypatch.setattr(hq, "TARGET_PREFIX", 64)
     monkeypatch.setattr(hq, "TARGET_SCORED", 32)
     loose = hq.Target(ppl_rel_delta=0.5, top1=0.5)
@@ -299,3 +299,14 @@ def test_long_preset_is_one_2048_token_window():
     assert (args.prefix_len, args.windows) == (hq.TARGET_PREFIX, hq.TARGET_WINDOWS)
     with pytest.raises(SystemExit):
         quality.parse_args(["--text-file", "t", "--long", "--windows", "2"])
+
+
+def test_full_size_run_counts_the_models_own_windows():
+    """The targets' protocol: 32 windows per text on SmolLM2, 8 on Gemma 3."""
+    assert hq.PACKAGED_MODELS["smollm2-135m"].full_size_windows == 32
+    assert hq.PACKAGED_MODELS["gemma3-270m"].full_size_windows == 8
+    cfg = hq.QualityConfig(text_file="unused")
+    summary = {"int8c": _arm("int8c")}
+    assert hq._targets(cfg, summary, windows=8, full_windows=8)["full_size_run"]
+    assert not hq._targets(cfg, summary, windows=8)["full_size_run"]
+    assert not hq._targets(cfg, summary, windows=7, full_windows=8)["full_size_run"]

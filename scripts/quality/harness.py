@@ -223,6 +223,8 @@ class PackagedModel:
     gguf_path: Callable[[], Path]
     # Served prompts start with BOS where the chat template puts one (Gemma).
     prepend_bos: bool = False
+    # Windows per text of a full-size run (the targets' protocol).
+    full_size_windows: int = TARGET_WINDOWS
 
 
 # --model NAME: small causal LMs shipped as PyPI packages (no hub access).
@@ -231,7 +233,11 @@ PACKAGED_MODELS = {
         "SmolLM2-135M-Instruct", SMOLLM_PACKAGE, smollm_gguf_path
     ),
     "gemma3-270m": PackagedModel(
-        "Gemma-3-270M", GEMMA_PACKAGE, gemma_gguf_path, prepend_bos=True
+        "Gemma-3-270M",
+        GEMMA_PACKAGE,
+        gemma_gguf_path,
+        prepend_bos=True,
+        full_size_windows=8,
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -275,6 +281,9 @@ def load_model(model: str | None = None) -> ModelBundle:
         "compute_dtype": str(lm.dtype).replace("torch.", ""),
         "load_seconds": round(load_s, 1),
         "bos_token_id": tokenizer.bos_token_id if prepend_bos else None,
+        "full_size_windows": (
+            packaged.full_size_windows if packaged is not None else TARGET_WINDOWS
+        ),
     }
     return ModelBundle(lm, tokenizer, info)
 
@@ -760,7 +769,9 @@ def _report(cfg, bundle, rigs, geo, per_arm, starts, text_info, standins, t_star
         },
         "arms": summary,
         "control": _control_verdict(per_arm, summary),
-        "targets": _targets(cfg, summary, len(starts)),
+        "targets": _targets(
+            cfg, summary, len(starts), bundle.info.get("full_size_windows")
+        ),
         "kl_per_token": {
             a: cat_scored(acc["scored"], "kl").tolist()
             for a, acc in per_arm.items()
@@ -826,9 +837,11 @@ def _control_verdict(per_arm: dict, summary: dict) -> dict | None:
     }
 
 
-def _targets(cfg: QualityConfig, summary: dict, windows: int) -> dict:
+def _targets(
+    cfg: QualityConfig, summary: dict, windows: int, full_windows: int | None = None
+) -> dict:
     full = (
-        windows >= TARGET_WINDOWS
+        windows >= (full_windows or TARGET_WINDOWS)
         and cfg.prefix_len >= TARGET_PREFIX
         and cfg.score_len >= TARGET_SCORED
     )
