@@ -52,7 +52,7 @@ def relative_error(fmt, rows, restored) -> torch.Tensor:
     (fp32) is overwritten."""
     from sglang.srt.mem_cache.pool_host import kv_hadamard
 
-    blocks = getattr(fmt, "rotation_blocks", (0,) * len(rows))
+    blocks = fmt.rotation_blocks
     errors, tops = [], []
     for x, y, block in zip(rows, restored, blocks):
         if x.dtype.itemsize == 1:

@@ -150,6 +150,9 @@ class HostKVFormat:
         self.head_num = int(head_num)
         self.unit_tokens = int(unit_tokens)
         self.device_dtype = device_dtype
+        # Per side, the Hadamard block the encoder rotates rows in; 0: none
+        # (the rotated formats set theirs, kv_hadamard.py).
+        self.rotation_blocks: tuple[int, ...] = (0,) * len(self.sides)
         # Order = byte order of a generic L3 page object.
         self.records: tuple[HostRecord, ...] = ()
 
