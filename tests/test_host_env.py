@@ -121,16 +121,31 @@ def test_fused_transfer_accepted_with_encoded_pools(monkeypatch, models, value):
     resolve(models["mha"], hicache_host_dtype="int8")
 
 
-def test_fused_transfer_with_the_stock_pool_warns(monkeypatch, models, caplog):
-    monkeypatch.setenv(FUSED_ENV, "off")
-    with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups"):
-        resolve(models["mha"])
-    warnings = [r.getMessage() for r in caplog.records if FUSED_ENV in r.getMessage()]
-    assert warnings == [
+STOCK_POOL_WARNINGS = {
+    FUSED_ENV: (
+        "off",
         f"{FUSED_ENV}=off has no effect with --hicache-host-dtype auto: only the "
         "encoded host pools (--hicache-host-dtype int8, int4, ...) have a fused "
-        "transfer path."
-    ]
+        "transfer path.",
+    ),
+    VERIFY_ENV: (
+        "0.01",
+        f"{VERIFY_ENV} has no effect with --hicache-host-dtype auto: only the "
+        "encoded host pools check restored pages.",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STOCK_POOL_WARNINGS))
+def test_variable_with_the_stock_pool_warns(monkeypatch, models, caplog, name):
+    value, warning = STOCK_POOL_WARNINGS[name]
+    monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups"):
+        resolve(models["mha"])
+    warnings = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert warnings == [warning]
+    # An encoded pool takes the same value.
+    resolve(models["mha"], hicache_host_dtype="int8")
 
 
 @pytest.mark.parametrize("value", ["abc", "-0.1", "1.5", "nan"])
@@ -141,16 +156,3 @@ def test_verify_sample_rate_must_be_a_fraction(monkeypatch, models, value, host_
     )
     assert f"{VERIFY_ENV}={value!r} must be a fraction of backed-up pages" in message
     assert "or 0 to turn the sampled restore check off" in message
-
-
-def test_verify_sample_rate_with_the_stock_pool_warns(monkeypatch, models, caplog):
-    monkeypatch.setenv(VERIFY_ENV, "0.01")
-    with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups"):
-        resolve(models["mha"])
-    warnings = [r.getMessage() for r in caplog.records if VERIFY_ENV in r.getMessage()]
-    assert warnings == [
-        f"{VERIFY_ENV} has no effect with --hicache-host-dtype auto: only the "
-        "encoded host pools check restored pages."
-    ]
-    monkeypatch.setenv(VERIFY_ENV, "0.01")
-    resolve(models["mha"], hicache_host_dtype="int8")
