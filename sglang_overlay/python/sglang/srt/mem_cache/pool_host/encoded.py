@@ -643,7 +643,6 @@ class EncodedHostPool:
         self.seal_storage_pages = self.pages.seal_pages
         self.verify_storage_pages = self.pages.verify_pages
         self.note_storage_page_missing = self.pages.note_missing
-        self.note_storage_pages_replaced = self.pages.stats.note_replaced
         self.storage_integrity_counts = self.pages.counts
         # The storage interface of HostKVCache, answered by the codec too.
         self.storage_buffers_per_object = self.pages.buffers_per_object
@@ -774,6 +773,9 @@ class EncodedHostPool:
     def scale_amax_sides(self) -> tuple[str, ...]:
         """The side names of scale_amax_by_layer's columns (the metrics' kv label)."""
         return self.host_format.sides
+
+    def note_storage_pages_replaced(self, pages: int) -> None:
+        self.pages.stats.note_replaced(pages)
 
     def backup_verify_errors(self) -> list[float]:
         """Relative errors of the sampled backed-up pages checked since the last
