@@ -33,7 +33,7 @@ def _backticked(text: str) -> list[str]:
     return [
         w
         for w in re.findall(r"`([^`\s]+)`", text)
-        if re.fullmatch(r"(?:int|k)\d+(?:v\d+)?[a-z]*", w)
+        if re.fullmatch(r"(?:int|k)\d[a-z0-9]*", w)
     ]
 
 
