@@ -41,7 +41,7 @@ def test_supported_md_table_is_generated_from_the_registry(hf):
     text = docs_formats.DOC.read_text()
     assert docs_formats.current_block(text) == docs_formats.render(hf), (
         "docs/supported.md's host-format table is stale: run "
-        "`PYTHONPATH=build/sglang/python python3 scripts/docs_formats.py --write`"
+        "`.venv/bin/python scripts/docs_formats.py --write`"
     )
     names = re.findall(r"^\| `([a-z0-9]+)`", docs_formats.render(hf), re.M)
     assert names == hf.host_dtype_choices()
