@@ -739,10 +739,19 @@ def test_out_of_range_host_indices_rejected_and_nothing_moves(fmt, layout):
     check_out_of_range_host_indices(fmt, layout)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fused", (False, True), ids=("torch", "fused"))
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(fmt, layout):
+def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
+    request, fmt, layout, fused
+):
     _, device_pool, pool = build(fmt, layout, 16)
+    if fused:
+        if not EXPECT[fmt].fused:
+            pytest.skip(f"{fmt} has no fused kernels")
+        request.getfixturevalue("triton_interpreter")
+        pool.use_fused_kernels = True
     dev, host = pint.pages([1], 16), pint.pages([2], 16)
     with pytest.raises(ValueError, match="--hicache-io-backend"):
         pool.backup_from_device_all_layer(device_pool, host, dev, "kernel_ascend")
