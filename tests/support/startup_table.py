@@ -439,7 +439,10 @@ def render() -> str:
     ]
     for row in TABLE:
         settings = [
-            f"`--{k.replace('_', '-')} {_spell(v)}`" for k, v in row.flags.items()
+            f"no `--{k.replace('_', '-')}`"
+            if v is False
+            else f"`--{k.replace('_', '-')} {_spell(v)}`"
+            for k, v in row.flags.items()
         ]
         settings += [f"`{k}={_spell(v)!r}`" for k, v in row.env.items()]
         if row.refused:
