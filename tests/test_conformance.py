@@ -63,6 +63,7 @@ from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
     build,
     bytes_per_token_at_qwen3_8b,
+    check_auto_size_ratio_matches_the_pool,
     check_out_of_range_host_indices,
     check_transfer_larger_than_staging_is_chunked,
     restore_nan_key_and_inf_value,
@@ -764,3 +765,13 @@ def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
         )
     for a, b in zip(before, device_pool.k_buffer + device_pool.v_buffer):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize(
+    "layout,page_size",
+    [("page_first", ps) for ps in (1, 16, 64)]
+    + [("layer_first", 1), ("layer_first", 64)],
+)
+def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
+    check_auto_size_ratio_matches_the_pool(fmt, layout, page_size)

@@ -17,7 +17,6 @@ import pytest
 from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
 from tests.support.int4_pool_checks import (
     build,
-    check_auto_size_ratio_matches_the_pool,
     check_controller_random_operations,
     check_fused_path_writes_the_torch_paths_bytes,
     check_storage_pages_round_trip,
@@ -120,14 +119,6 @@ def test_layer_first_refuses_zero_copy_pages():
 
 
 # --- capacity ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("fmt", FAMILY)
-@pytest.mark.parametrize(
-    "layout,page_size", (("page_first", 64), ("page_first", 16), ("layer_first", 64))
-)
-def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
-    check_auto_size_ratio_matches_the_pool(fmt, layout, page_size)
 
 
 # --- fused kernels (where this build has them) --------------------------------
