@@ -18,6 +18,7 @@ device slot changes.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -64,7 +65,6 @@ from tests.support.int4_pool_checks import (
     build,
     bytes_per_token_at_qwen3_8b,
     check_auto_size_ratio_matches_the_pool,
-    check_out_of_range_host_indices,
     check_transfer_larger_than_staging_is_chunked,
     restore_nan_key_and_inf_value,
 )
@@ -734,10 +734,52 @@ def test_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
     check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("path", list(INDEX_PATHS))
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_out_of_range_host_indices_rejected_and_nothing_moves(fmt, layout):
-    check_out_of_range_host_indices(fmt, layout)
+def test_out_of_range_host_indices_rejected_and_nothing_moves(
+    request, fmt, layout, path
+):
+    """Whole valid pages then one out of range (negative, past the end), on
+    every transfer path: refused naming the flag before any byte moves; host
+    records, device rows and statistics unchanged."""
+    fused, access, runs = INDEX_PATHS[path]
+    _, device_pool, pool = build(fmt, layout, 16)
+    if fused:
+        if not EXPECT[fmt].fused:
+            pytest.skip(f"{fmt} has no fused kernels")
+        request.getfixturevalue("triton_interpreter")
+        pool.use_fused_kernels = True
+        pool.fused_host_access = access
+    pool.use_run_copies = runs
+    dev = pint.pages([1, 2], 16)
+    pint.fill_spread(device_pool, torch.arange(16 * 16), seed=1)
+    pool.backup_from_device_all_layer(
+        device_pool, pint.pages([3, 4], 16), dev, "direct"
+    )
+
+    def state():
+        return (
+            [bits(b).clone() for b in pool.host_records.values()],
+            [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
+            pool.nonfinite_group_count(),
+            pool.scale_amax_by_layer().clone(),
+        )
+
+    before = state()
+    for first in (-16, pool.size):
+        bad = torch.cat([pint.pages([5], 16), torch.arange(first, first + 16)])
+        with pytest.raises(IndexError, match=f"--hicache-host-dtype {fmt}") as e:
+            pool.backup_from_device_all_layer(device_pool, bad, dev, "direct")
+        assert re.search(r"host indices \[-?\d+, \d+\] out of range", str(e.value))
+        for layer in range(pool.layer_num):
+            with pytest.raises(IndexError, match="nothing was transferred"):
+                pool.load_to_device_per_layer(device_pool, bad, dev, layer, "direct")
+    after = state()
+    for a, b in zip(before[0] + before[1], after[0] + after[1]):
+        assert torch.equal(a, b)
+    assert before[2] == after[2] and torch.equal(before[3], after[3])
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
