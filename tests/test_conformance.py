@@ -65,6 +65,7 @@ from tests.support.int4_pool_checks import (
     build,
     bytes_per_token_at_qwen3_8b,
     check_auto_size_ratio_matches_the_pool,
+    check_fused_path_writes_the_torch_paths_bytes,
     check_transfer_larger_than_staging_is_chunked,
     restore_nan_key_and_inf_value,
 )
@@ -655,6 +656,22 @@ def test_bytes_per_token_at_qwen3_8b_geometry(fmt):
         assert per_token[fmt] == 36 * want, page_size
 
 
+def keys_per_channel(fmt: str, layout: str, page_size: int) -> bool:
+    start = EXPECT[fmt].keys_per_channel_from
+    return start is not None and layout != "layer_first" and page_size >= start
+
+
+def nan_key_span(fmt: str, layout: str, page_size: int, channel: int) -> tuple:
+    """What a NaN key at (token 1, head 1, `channel`) of the first page poisons
+    on restore, as an index into the restored [token, head, channel] keys."""
+    expect = EXPECT[fmt]
+    if not keys_per_channel(fmt, layout, page_size):
+        return (1, 1, slice(0, expect.token_nan_channels))
+    if expect.per_channel_nan == "channel":
+        return (slice(0, page_size), 1, channel)
+    return (slice(0, page_size), 1)
+
+
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
 @pytest.mark.parametrize(
     "layout,page_size",
@@ -672,11 +689,7 @@ def test_nonfinite_kv_restores_as_nan_over_its_group_and_is_counted(
     head 0): the format's group of each restores as NaN and is counted, the
     rest restores finite with finite scale statistics."""
     expect = EXPECT[fmt]
-    per_channel = (
-        expect.keys_per_channel_from is not None
-        and layout != "layer_first"
-        and page_size >= expect.keys_per_channel_from
-    )
+    per_channel = keys_per_channel(fmt, layout, page_size)
     counted = []
     pool, k1, v0 = restore_nan_key_and_inf_value(
         fmt,
@@ -685,12 +698,7 @@ def test_nonfinite_kv_restores_as_nan_over_its_group_and_is_counted(
         lambda pool: counted.append(pool.nonfinite_group_count()),
     )
     assert counted == [expect.nonfinite_groups[per_channel]]
-    if not per_channel:
-        k_bad = (1, 1, slice(0, expect.token_nan_channels))
-    elif expect.per_channel_nan == "channel":
-        k_bad = (slice(0, page_size), 1, 5)
-    else:
-        k_bad = (slice(0, page_size), 1)
+    k_bad = nan_key_span(fmt, layout, page_size, channel=5)
     v_bad = (-1, 0)
     assert torch.isnan(k1[k_bad]).all() and torch.isnan(v0[v_bad]).all()
     k1[k_bad] = 0
@@ -817,3 +825,28 @@ def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
 )
 def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
     check_auto_size_ratio_matches_the_pool(fmt, layout, page_size)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize(
+    "layout,page_size,access",
+    [
+        ("page_first", 16, "direct"),
+        ("page_first_direct", 4, "staged"),
+        ("layer_first", 1, "direct"),
+        ("layer_first", 2, "staged"),
+    ],
+)
+@pytest.mark.parametrize("fmt", [f for f in ENCODED_MHA if EXPECT[f].fused])
+def test_fused_path_writes_the_torch_paths_bytes_and_statistics(
+    fmt, layout, page_size, access
+):
+    """A NaN key included: the fused kernels' host bytes, non-finite count,
+    amax and restored rows equal the torch path's, the NaN over its group."""
+    torch_pool, _, restored = check_fused_path_writes_the_torch_paths_bytes(
+        fmt, layout, page_size, access
+    )
+    assert torch_pool.nonfinite_group_count() >= 1
+    span = nan_key_span(fmt, layout, page_size, channel=3)
+    assert torch.isnan(restored["fused"][0][span]).all()

@@ -1,7 +1,8 @@
-"""INT4 and K8V4 host pools (host_pool_cls("int4"/"k8v4"), pool_host/mha_encoded.py) through the real patched
-SGLang code on CPU: the dispatch, every layout, page size and io backend,
-BF16/FP16 device KV, the real controller, L3 page I/O and the capacity the
-allocated buffers give against BF16.
+"""INT4 and K8V4 host pools (host_pool_cls("int4"/"k8v4"), pool_host/mha_encoded.py)
+through the real patched SGLang code on CPU: geometry refusals, the start-up
+log, the real controller's random operations and L3 page I/O. Dispatch,
+capacity, NaN policy, index and io-backend refusals and the fused path's bytes
+are in the expectations table of tests/test_conformance.py.
 
 Expected values come from the format's reference encode/decode on the rows
 the test wrote (tests/support/int4_pool_checks.py, which the rotated formats'
@@ -18,7 +19,6 @@ from tests.support.hicache_harness import Geometry, make_device_pool, make_host_
 from tests.support.int4_pool_checks import (
     build,
     check_controller_random_operations,
-    check_fused_path_writes_the_torch_paths_bytes,
     check_storage_pages_round_trip,
     check_zero_copy_page_buffers_cover_the_page,
     pages,
@@ -116,42 +116,3 @@ def test_layer_first_refuses_zero_copy_pages():
     _, _, pool = build("int4", "layer_first", 16)
     with pytest.raises(ValueError, match="page_first"):
         pool.get_page_buffer_meta(pages([0], 16))
-
-
-# --- capacity ------------------------------------------------------------------
-
-
-# --- fused kernels (where this build has them) --------------------------------
-
-
-@pytest.fixture
-def int4_kernels_interpreted():
-    """The int4/k8v4 kernels under Triton's interpreter (tests/conftest.py),
-    so no GPU is needed; skipped where this build lacks them."""
-    k4 = pytest.importorskip(
-        "sglang.kernels.ops.kvcache.kv_int4_triton",
-        reason="the int4/k8v4 fused kernels are not in this build",
-    )
-    if not k4.available("cpu"):
-        pytest.skip("the fused kernels were built for the GPU, not interpreted")
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.usefixtures("int4_kernels_interpreted")
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,access",
-    [
-        ("int4", "page_first", 16, "direct"),
-        ("int4", "layer_first", 1, "direct"),
-        ("int4", "page_first_direct", 4, "staged"),
-        ("k8v4", "page_first", 16, "staged"),
-        ("k8v4", "layer_first", 2, "direct"),
-    ],
-)
-def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
-    """The format forwards encode_gather/decode_scatter to the kernels; their
-    host bytes, restored rows and statistics equal the torch path's."""
-    torch_pool, _, _ = check_fused_path_writes_the_torch_paths_bytes(
-        fmt, layout, page_size, access
-    )
-    assert torch_pool.nonfinite_group_count() == 1
