@@ -177,7 +177,8 @@ TABLE: tuple[Row, ...] = (
     ok("dummy", ("int4",), flags=dict(kv_cache_dtype=FP8_KV)),
     *(ok("mha", ("int4", "k8v4"), cli=True, flags=dict(kv_cache_dtype=FP8_KV,
          hicache_mem_layout=layouts, hicache_io_backend=io),
-         expect=dict(kv_cache_dtype="{kv_cache_dtype}"),
+         expect=dict(kv_cache_dtype="{kv_cache_dtype}",
+                     hicache_host_dtype="{host_dtype}"),
          log=("HiCache host KV dtype: {host_dtype} for MHA models",
               "--kv-cache-dtype {kv_cache_dtype}, on load"))
       for layouts, io in ((("page_first", "layer_first"), "kernel"),
