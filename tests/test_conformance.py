@@ -18,6 +18,7 @@ device slot changes.
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -48,7 +49,26 @@ from tests.support.conformance import (
     spread,
     unit_tokens,
 )
-from tests.support.hicache_harness import finish_transfers, make_rig
+from sglang.srt.mem_cache.pool_host import host_format as hf
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from tests.support import int4_pool_checks as pint
+from tests.support.conformance import EXPECT, TOY
+from tests.support.hicache_harness import (
+    Geometry,
+    finish_transfers,
+    make_device_pool,
+    make_host_pool,
+    make_rig,
+)
+from tests.support.int4_pool_checks import (
+    assert_finite_elsewhere,
+    build,
+    bytes_per_token_at_qwen3_8b,
+    check_auto_size_ratio_matches_the_pool,
+    check_fused_path_writes_the_torch_paths_bytes,
+    check_transfer_larger_than_staging_is_chunked,
+    restore_nan_key_and_inf_value,
+)
 
 CASES = format_cases()
 MHA_CASES = format_cases(kinds=("mha",))
@@ -602,3 +622,231 @@ def test_l3_formats_never_read_each_others_pages(
         written.append(write_to_l3(l3, c, seed=seed))
     for c, l3, rows in zip(cases, rigs, written):
         fetch_and_check(l3, c, rows)
+
+
+# --- per-format expectations (tests/support/conformance.py: EXPECT) ------------
+
+ENCODED_MHA = [c.host_dtype for c in format_cases(stock=False, kinds=("mha",))]
+ENCODED_MHA = [name for name in ENCODED_MHA if name in EXPECT]
+
+
+def test_expectations_cover_every_registered_format():
+    """A new --hicache-host-dtype value needs its row of expectations."""
+    assert set(EXPECT) == {name for name in hf.HOST_DTYPES if name != TOY}
+
+
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+def test_dispatch_by_host_dtype(fmt):
+    info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
+    assert get_mha_host_pool_cls(info) is MHATokenToKVPoolHost
+    assert get_mha_host_pool_cls(info, "auto") is MHATokenToKVPoolHost
+    cls = get_mha_host_pool_cls(info, fmt)
+    assert cls is hf.host_pool_cls(fmt) and cls.host_format_cls.name == fmt
+
+
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+def test_bytes_per_token_at_qwen3_8b_geometry(fmt):
+    """Allocated host bytes per token and layer through the real dispatch (36
+    layers, 8 KV heads, head dim 128), against BF16's 4096."""
+    for page_size, want in zip((1, 16, 64), EXPECT[fmt].qwen3_8b_bytes):
+        per_token = bytes_per_token_at_qwen3_8b(("auto", fmt), page_size)
+        print(f"\n{fmt} page {page_size}: {per_token[fmt] / 36:.0f} B/token/layer,")
+        print(f"{per_token['auto'] / per_token[fmt]:.3f}x BF16's tokens per byte")
+        assert per_token["auto"] == 36 * 4096
+        assert per_token[fmt] == 36 * want, page_size
+
+
+def keys_per_channel(fmt: str, layout: str, page_size: int) -> bool:
+    start = EXPECT[fmt].keys_per_channel_from
+    return start is not None and layout != "layer_first" and page_size >= start
+
+
+def nan_key_span(fmt: str, layout: str, page_size: int, channel: int) -> tuple:
+    """What a NaN key at (token 1, head 1, `channel`) of the first page poisons
+    on restore, as an index into the restored [token, head, channel] keys."""
+    expect = EXPECT[fmt]
+    if not keys_per_channel(fmt, layout, page_size):
+        return (1, 1, slice(0, expect.token_nan_channels))
+    if expect.per_channel_nan == "channel":
+        return (slice(0, page_size), 1, channel)
+    return (slice(0, page_size), 1)
+
+
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize(
+    "layout,page_size",
+    (
+        ("page_first", 16),
+        ("page_first", 64),
+        ("layer_first", 1),
+        ("page_first_direct", 1),
+    ),
+)
+def test_nonfinite_kv_restores_as_nan_over_its_group_and_is_counted(
+    fmt, layout, page_size
+):
+    """A NaN key (token 1, head 1, channel 5) and an Inf value (last token,
+    head 0): the format's group of each restores as NaN and is counted, the
+    rest restores finite with finite scale statistics."""
+    expect = EXPECT[fmt]
+    per_channel = keys_per_channel(fmt, layout, page_size)
+    counted = []
+    pool, k1, v0 = restore_nan_key_and_inf_value(
+        fmt,
+        layout,
+        page_size,
+        lambda pool: counted.append(pool.nonfinite_group_count()),
+    )
+    assert counted == [expect.nonfinite_groups[per_channel]]
+    k_bad = nan_key_span(fmt, layout, page_size, channel=5)
+    v_bad = (-1, 0)
+    assert torch.isnan(k1[k_bad]).all() and torch.isnan(v0[v_bad]).all()
+    k1[k_bad] = 0
+    v0[v_bad] = 0
+    assert_finite_elsewhere(pool, k1, v0)
+
+
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+def test_fused_kernels_where_expected(fmt):
+    assert FormatCase(fmt, "mha").has_fused_kernels() == EXPECT[fmt].fused
+
+
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+def test_sink_page_where_expected(fmt):
+    """Only the 4-bit-key formats keep a sink page; the others refuse the
+    variable naming it."""
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
+    device_pool = make_device_pool(geo, 256)
+    kwargs = dict(host_tokens=256, layout="page_first", host_dtype=fmt)
+    if EXPECT[fmt].sink:
+        pool = make_host_pool(device_pool, sink_page_tokens=64, **kwargs)
+        assert pool.sink_pages is not None
+    else:
+        with pytest.raises(ValueError, match="SGLANG_HICACHE_SINK_PAGE_TOKENS"):
+            make_host_pool(device_pool, sink_page_tokens=64, **kwargs)
+    assert make_host_pool(device_pool, **kwargs).sink_pages is None
+
+
+def test_storage_tags_are_the_formats_own():
+    """Pages of one format (or key grouping) are never read as another's."""
+    tags = {}
+    for fmt in ENCODED_MHA:
+        tag = FormatCase(fmt, "mha").storage_tag("page_first", 16)
+        assert tag.split("-")[0] == EXPECT[fmt].tag, tag
+        tags[tag] = fmt
+    assert len(tags) == len(ENCODED_MHA)
+
+
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+def test_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
+    check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("path", list(INDEX_PATHS))
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_out_of_range_host_indices_rejected_and_nothing_moves(
+    request, fmt, layout, path
+):
+    """Whole valid pages then one out of range (negative, past the end), on
+    every transfer path: refused naming the flag before any byte moves; host
+    records, device rows and statistics unchanged."""
+    fused, access, runs = INDEX_PATHS[path]
+    _, device_pool, pool = build(fmt, layout, 16)
+    if fused:
+        if not EXPECT[fmt].fused:
+            pytest.skip(f"{fmt} has no fused kernels")
+        request.getfixturevalue("triton_interpreter")
+        pool.use_fused_kernels = True
+        pool.fused_host_access = access
+    pool.use_run_copies = runs
+    dev = pint.pages([1, 2], 16)
+    pint.fill_spread(device_pool, torch.arange(16 * 16), seed=1)
+    pool.backup_from_device_all_layer(
+        device_pool, pint.pages([3, 4], 16), dev, "direct"
+    )
+
+    def state():
+        return (
+            [bits(b).clone() for b in pool.host_records.values()],
+            [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
+            pool.nonfinite_group_count(),
+            pool.scale_amax_by_layer().clone(),
+        )
+
+    before = state()
+    for first in (-16, pool.size):
+        bad = torch.cat([pint.pages([5], 16), torch.arange(first, first + 16)])
+        with pytest.raises(IndexError, match=f"--hicache-host-dtype {fmt}") as e:
+            pool.backup_from_device_all_layer(device_pool, bad, dev, "direct")
+        assert re.search(r"host indices \[-?\d+, \d+\] out of range", str(e.value))
+        for layer in range(pool.layer_num):
+            with pytest.raises(IndexError, match="nothing was transferred"):
+                pool.load_to_device_per_layer(device_pool, bad, dev, layer, "direct")
+    after = state()
+    for a, b in zip(before[0] + before[1], after[0] + after[1]):
+        assert torch.equal(a, b)
+    assert before[2] == after[2] and torch.equal(before[3], after[3])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fused", (False, True), ids=("torch", "fused"))
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
+    request, fmt, layout, fused
+):
+    _, device_pool, pool = build(fmt, layout, 16)
+    if fused:
+        if not EXPECT[fmt].fused:
+            pytest.skip(f"{fmt} has no fused kernels")
+        request.getfixturevalue("triton_interpreter")
+        pool.use_fused_kernels = True
+    dev, host = pint.pages([1], 16), pint.pages([2], 16)
+    with pytest.raises(ValueError, match="--hicache-io-backend"):
+        pool.backup_from_device_all_layer(device_pool, host, dev, "kernel_ascend")
+    pint.fill_spread(device_pool, dev, seed=2)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
+    with pytest.raises(ValueError, match="--hicache-io-backend"):
+        pool.load_to_device_per_layer(
+            device_pool, host, pint.pages([5], 16), 0, "kernel_ascend"
+        )
+    for a, b in zip(before, device_pool.k_buffer + device_pool.v_buffer):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize(
+    "layout,page_size",
+    [("page_first", ps) for ps in (1, 16, 64)]
+    + [("layer_first", 1), ("layer_first", 64)],
+)
+def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
+    check_auto_size_ratio_matches_the_pool(fmt, layout, page_size)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize(
+    "layout,page_size,access",
+    [
+        ("page_first", 16, "direct"),
+        ("page_first_direct", 4, "staged"),
+        ("layer_first", 1, "direct"),
+        ("layer_first", 2, "staged"),
+    ],
+)
+@pytest.mark.parametrize("fmt", [f for f in ENCODED_MHA if EXPECT[f].fused])
+def test_fused_path_writes_the_torch_paths_bytes_and_statistics(
+    fmt, layout, page_size, access
+):
+    """A NaN key included: the fused kernels' host bytes, non-finite count,
+    amax and restored rows equal the torch path's, the NaN over its group."""
+    torch_pool, _, restored = check_fused_path_writes_the_torch_paths_bytes(
+        fmt, layout, page_size, access
+    )
+    assert torch_pool.nonfinite_group_count() >= 1
+    span = nan_key_span(fmt, layout, page_size, channel=3)
+    assert torch.isnan(restored["fused"][0][span]).all()

@@ -2,7 +2,7 @@
 HybridCacheController and UnifiedRadixCache, on CPU, for every
 --hicache-host-dtype.
 
-Server arguments resolve from tiny local configs (test_hybrid_server_args) and
+Server arguments resolve from tiny local configs (tests/test_startup.py) and
 are published as the scheduler publishes them; the real device pools
 (SWAKVPool, HybridLinearKVPool + the Mamba state pool) go through
 registry.create_unified_radix_cache, which picks the hybrid stack strategy and
@@ -68,7 +68,7 @@ pytestmark = pytest.mark.usefixtures(
 # (layout, page size, io backend): the server default, and the direct copy.
 SWA_LAYOUTS = [("page_first", 16, "kernel"), ("layer_first", 1, "direct")]
 # The Mamba state pool takes page-first layouts only (layer_first is refused
-# at start-up, test_hybrid_server_args).
+# at start-up, tests/test_startup.py).
 MAMBA_LAYOUTS = [("page_first", 16, "kernel"), ("page_first_direct", 1, "direct")]
 BACKENDS = ("file", "mooncake")
 

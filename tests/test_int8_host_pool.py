@@ -14,10 +14,6 @@ import pytest
 import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.srt.mem_cache.pool_host.mha import (
-    MHATokenToKVPoolHost,
-    get_mha_host_pool_cls,
-)
 from tests.support.conformance import GEOMETRIES, LAYOUTS, heads_geometry
 from tests.support.hicache_harness import (
     Geometry,
@@ -94,45 +90,6 @@ def test_backup_load_restores_reference_values(layout, page_size, geometry):
             assert (buf[untouched] == 7.0).all()
 
 
-def test_transfer_larger_than_staging_is_chunked(monkeypatch):
-    from sglang.srt.mem_cache.pool_host import encoded
-
-    monkeypatch.setattr(encoded, "STAGING_TOKENS", 8)
-    geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=2)
-    device_pool, written, new_dev = round_trip(geo, "page_first", False, n_pages=7)
-    for layer, (k_rows, v_rows) in enumerate(written):
-        assert torch.equal(
-            device_pool.k_buffer[layer][new_dev], expected_restore(k_rows)
-        )
-        assert torch.equal(
-            device_pool.v_buffer[layer][new_dev], expected_restore(v_rows)
-        )
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_nonfinite_kv_restores_as_nan_and_is_counted(layout):
-    geo = Geometry(layer_num=2, head_num=3, head_dim=16, page_size=1)
-    device_pool = make_device_pool(geo, device_tokens=32)
-    pool = int8_pool(device_pool, layout, 32)
-    dev = torch.arange(1, 9)
-    fill_random(device_pool, dev, seed=3)
-    device_pool.k_buffer[1][3, 2, 5] = float("nan")
-    device_pool.v_buffer[0][6, 0, 0] = float("inf")
-    host = pool.alloc(8)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    assert pool.nonfinite_group_count() == 2
-    new_dev = torch.arange(10, 18)
-    for layer in range(geo.layer_num):
-        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-    k1 = device_pool.k_buffer[1][new_dev]
-    v0 = device_pool.v_buffer[0][new_dev]
-    assert torch.isnan(k1[2, 2]).all() and torch.isnan(v0[5, 0]).all()
-    # Every other head row came back finite.
-    k1[2, 2] = 0
-    v0[5, 0] = 0
-    assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("page_size", (1, 16, 64))
 def test_capacity_is_byte_budget_over_encoded_size(layout, page_size):
@@ -162,16 +119,6 @@ def test_capacity_is_byte_budget_over_encoded_size(layout, page_size):
     assert pool.size / stock.size >= 1.93
 
 
-def test_dispatch_by_host_dtype():
-    geo = Geometry()
-    info = make_device_pool(geo, 16).get_device_pool_infos()[0].buffer_info
-    assert get_mha_host_pool_cls(info) is MHATokenToKVPoolHost
-    assert get_mha_host_pool_cls(info, host_dtype="auto") is MHATokenToKVPoolHost
-    # The fused subclass of the INT8 pool: fused kernels on CUDA, torch path here.
-    assert get_mha_host_pool_cls(info, host_dtype="int8") is MHATokenToKVPoolINT8Host
-    assert issubclass(MHATokenToKVPoolINT8Host, MHATokenToKVPoolINT8Host)
-
-
 @pytest.mark.parametrize("layout", ("page_head", "page_unified"))
 def test_unsupported_layout_fails_naming_the_flag(layout):
     device_pool = make_device_pool(Geometry(), 16)
@@ -188,15 +135,6 @@ def test_quantized_device_kv_fails_naming_the_flag():
     assert "Pass --kv-cache-dtype bf16" in message
     assert "quantized (FP8/FP4)" in message
     assert "uint8" not in message and "fp16" not in message
-
-
-def test_unsupported_io_backend_fails_naming_the_flag():
-    device_pool = make_device_pool(Geometry(), 16)
-    pool = int8_pool(device_pool, "page_first", 16)
-    with pytest.raises(ValueError, match="--hicache-io-backend"):
-        pool.backup_from_device_all_layer(
-            device_pool, pool.alloc(1), torch.arange(1, 2), "kernel_ascend"
-        )
 
 
 def test_auto_sizing_counts_encoded_host_bytes(monkeypatch):
@@ -224,21 +162,3 @@ def test_auto_sizing_counts_encoded_host_bytes(monkeypatch):
         )
         estimates[host_dtype] = hicache_auto_size._estimate_hicache_bytes(params, None)
     assert estimates["auto"] / estimates["int8"] == pytest.approx(256 / 130, rel=1e-6)
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_unsupported_io_backend_on_load_fails_and_changes_nothing(layout):
-    geo = Geometry(page_size=1)
-    device_pool = make_device_pool(geo, 16)
-    pool = int8_pool(device_pool, layout, 16)
-    dev = torch.arange(1, 5)
-    fill_random(device_pool, dev)
-    host = pool.alloc(4)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
-    with pytest.raises(ValueError, match="--hicache-io-backend"):
-        pool.load_to_device_per_layer(
-            device_pool, host, torch.arange(8, 12), 0, "kernel_ascend"
-        )
-    for a, b in zip(before, device_pool.k_buffer + device_pool.v_buffer):
-        assert torch.equal(a, b)

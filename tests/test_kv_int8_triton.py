@@ -21,8 +21,6 @@ from tests.support.hicache_harness import (
     fill_random,
     make_device_pool,
     make_host_pool,
-    paged_rig,
-    write_evict_load,
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
@@ -43,7 +41,6 @@ from tests.support.conformance import (
 from tests.support.int8_pool_checks import (
     INTERPRETED_KERNELS,
     MHATokenToKVPoolINT8Host,
-    check_unordered_round_trip,
 )
 
 # numpy warns about lanes the kernels mask out (NaN-row quotients, padding).
@@ -454,70 +451,6 @@ def test_mode_selection(monkeypatch):
     monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "bogus")
     with pytest.raises(ValueError, match="SGLANG_HICACHE_FUSED_TRANSFER"):
         build()
-
-
-@pytest.mark.usefixtures("big_tiles")
-@pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
-def test_controller_round_trip_with_fused_kernels(layout, page_size):
-    """The real HiCacheController drives the fused path: write-through, evict
-    from L1, load back: the reference codec's values at the new slots."""
-    geo = Geometry(layer_num=2, head_num=2, head_dim=8, page_size=page_size)
-    rig = paged_rig(
-        geo, layout, "kernel", 32, 64, host_pool_cls=MHATokenToKVPoolINT8Host
-    )
-    rig.host_pool.use_fused_kernels = True
-    dev_pool = rig.device_pool
-    gen = torch.Generator().manual_seed(9)
-    dev = rig.allocator.alloc(6 * page_size)
-    expected = []
-    for layer in range(geo.layer_num):
-        k = (torch.randn((len(dev), 2, 8), generator=gen) * 3).to(geo.dtype)
-        v = torch.randn((len(dev), 2, 8), generator=gen).to(geo.dtype)
-        dev_pool.k_buffer[layer][dev] = k
-        dev_pool.v_buffer[layer][dev] = v
-        expected.append(
-            [
-                codec.dequantize_reference(*codec.quantize_reference(t), t.dtype)
-                for t in (k, v)
-            ]
-        )
-    new_dev = write_evict_load(rig, dev)
-    for layer, (k, v) in enumerate(expected):
-        assert torch.equal(dev_pool.k_buffer[layer][new_dev], k)
-        assert torch.equal(dev_pool.v_buffer[layer][new_dev], v)
-
-
-@pytest.mark.usefixtures("big_tiles")
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("page_size", (1, 4))
-@pytest.mark.parametrize("mode", encoded_fused.FUSED_HOST_ACCESS)
-def test_fused_unordered_host_slots_round_trip(layout, page_size, mode):
-    """The fused kernels (direct, and staged with the per-run copies CUDA
-    uses) with host slots out of order, with gaps and backward jumps: the
-    records sit at exactly their slots, computed by the test."""
-
-    def configure(pool):
-        pool.use_fused_kernels = True
-        pool.fused_host_access = mode
-        pool.use_run_copies = True
-
-    check_unordered_round_trip(layout, page_size, configure)
-
-
-def test_unsupported_io_backend_on_fused_load_fails():
-    geo = Geometry(page_size=1)
-    device_pool = make_device_pool(geo, 16)
-    pool = make_host_pool(
-        device_pool, host_tokens=16, layout="page_first",
-        host_pool_cls=MHATokenToKVPoolINT8Host,
-    )  # fmt: skip
-    pool.use_fused_kernels = True
-    before = [b.clone() for b in device_pool.k_buffer]
-    with pytest.raises(ValueError, match="--hicache-io-backend"):
-        pool.load_to_device_per_layer(
-            device_pool, pool.alloc(2), torch.arange(1, 3), 0, "kernel_ascend"
-        )
-    assert all(torch.equal(a, b) for a, b in zip(before, device_pool.k_buffer))
 
 
 def test_cuda_typed_pool_round_trips_on_the_default_path(cuda_typed):

@@ -11,10 +11,6 @@ from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host import kv_int8_codec
 from sglang.srt.mem_cache.pool_host import kv_int8c_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import half_ulp
-from tests.support.int4_pool_checks import (
-    bytes_per_token_at_qwen3_8b,
-    check_auto_size_ratio_matches_the_pool,
-)
 from tests.support.codec_inputs import DTYPES, UNIT_KINDS, assert_same_bits, make_units
 
 NAN, INF = float("nan"), float("inf")
@@ -98,17 +94,6 @@ def test_records_per_key_mode(unit_tokens, per_channel):
         for name, offset, nbytes in obj:
             assert offset == 0 and nbytes == fmt.record(name).nbytes
     assert fmt.kernel_module == "sglang.kernels.ops.kvcache.kv_int8c_triton"
-
-
-@pytest.mark.parametrize("page_size", [1, 64])
-def test_pool_capacity_at_qwen3_8b_geometry(page_size):
-    """The real dispatch's page_first pool allocates 266 B per token, head and
-    layer (1.925x BF16's tokens per host byte), and auto-sizing asks the same."""
-    per_token = bytes_per_token_at_qwen3_8b(("auto", "int8c"), page_size)
-    assert per_token["int8c"] == 266 * 8 * 36
-    assert per_token["auto"] / per_token["int8c"] >= 1.90
-    for layout in ("page_first", "layer_first"):
-        check_auto_size_ratio_matches_the_pool("int8c", layout, page_size)
 
 
 def test_key_groups_of_a_head_dim_not_divisible_by_32():

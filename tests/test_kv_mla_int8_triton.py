@@ -496,20 +496,3 @@ def test_pool_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     monkeypatch.setattr(mk, "decode_scatter", reversed_slots)
     assert not encoded_fused.self_check(pool)
     assert pool.transfer_path == "torch" and "self-check" in pool.transfer_path_reason
-
-
-@pytest.mark.usefixtures("big_tiles")
-@pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
-def test_controller_round_trip_with_fused_kernels(layout, page_size):
-    """The real HiCacheController drives the fused path: write-through, evict
-    from L1, load back: the codec's reference values at the new slots."""
-    geo = hh.MLAGeometry(layer_num=2, page_size=page_size)
-    rig = hh.paged_rig(geo, layout, "kernel", 32, 64, host_dtype="int8")
-    rig.host_pool.use_fused_kernels = True
-    dev_pool = rig.device_pool
-    dev = rig.allocator.alloc(6 * page_size)
-    written = hh.fill_random(dev_pool, dev, seed=5)
-    new_dev = hh.write_evict_load(rig, dev)
-    for layer, rows in enumerate(written):
-        assert torch.equal(dev_pool.kv_buffer[layer][new_dev], reference_rows(rows))
-    assert rig.host_pool.transfer_path == "fused_direct"

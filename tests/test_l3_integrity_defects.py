@@ -50,18 +50,6 @@ def _model(tmp_path, config: dict) -> str:
     return str(tmp_path)
 
 
-def _start(model_path: str, **kwargs) -> ServerArgs:
-    server_args = ServerArgs(
-        model_path=model_path,
-        device="cpu",
-        skip_tokenizer_init=True,
-        enable_hierarchical_cache=True,
-        **kwargs,
-    )
-    server_args.resolve_once()
-    return server_args
-
-
 def _device_kv_dtype(server_args: ServerArgs) -> torch.dtype:
     """The device KV dtype the model runner would configure (no weights: no
     checkpoint KV quantization)."""
@@ -151,21 +139,6 @@ def test_mla_host_pool_class_refuses_4bit_formats(host_dtype):
     assert mla_host.get_mla_host_pool_cls("int8") is host_pool_cls("int8", "mla")
 
 
-@pytest.mark.parametrize("dtype", ["float", "float32"])
-def test_fp32_model_dtype_spellings_are_refused(dtype):
-    """--dtype float is float32 (mutant: only "float32" refused)."""
-    server_args = ServerArgs(
-        model_path="dummy",
-        device="cpu",
-        skip_tokenizer_init=True,
-        enable_hierarchical_cache=True,
-        hicache_host_dtype="int8",
-        dtype=dtype,
-    )
-    with pytest.raises(ValueError, match=f"--dtype {dtype}"):
-        server_args.resolve_once()
-
-
 def test_fused_load_index_cache_sees_in_place_changes():
     """The fused load uploads indices once per transfer and reuses them for
     every layer; an index tensor changed in place is a new transfer (mutant:
@@ -253,54 +226,3 @@ def test_readme_bf16_fp16_device_kv_rows_start_through_the_cli(
         server_args.resolve_once()
         reached.add(_device_kv_dtype(server_args))
     assert reached == {torch.bfloat16, torch.float16}, (spellings, reached)
-
-
-def test_fp16_kv_cache_dtype_spelling_is_refused_naming_the_real_one():
-    """A Python-API caller passing --kv-cache-dtype fp16 (argparse refuses it,
-    the model runner would raise) is told how FP16 device KV is spelled."""
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp16") as e:
-        _start("dummy", hicache_host_dtype="int8", kv_cache_dtype="fp16")
-    assert "--dtype float16" in str(e.value)
-
-
-# --- geometries a host format cannot encode fail at start-up -----------------
-
-
-@pytest.mark.parametrize(
-    "host_dtype,head_dim,v_head_dim",
-    [
-        ("k8v4", 15, 64),  # the probe's case: INT8 keys, but an odd key dim
-        ("k8v4", 64, 15),
-        ("int4", 15, 64),
-        ("int4r", 64, 15),
-        ("k8v4r", 15, 64),
-    ],
-)
-def test_odd_head_dim_is_refused_at_startup_naming_the_flag(
-    tmp_path, host_dtype, head_dim, v_head_dim
-):
-    """Before the fix start-up passed and the pool (k8v4: every backup)
-    failed later. RoPE over 12 of the 15 channels keeps the config valid."""
-    config = dict(
-        _LLAMA, head_dim=head_dim, v_head_dim=v_head_dim, partial_rotary_factor=0.8
-    )
-    model = _model(tmp_path, config)
-    with pytest.raises(ValueError, match=f"--hicache-host-dtype {host_dtype} ") as e:
-        _start(model, hicache_host_dtype=host_dtype)
-    assert f"({head_dim}, {v_head_dim})" in str(e.value)
-    assert "--hicache-host-dtype int8" in str(e.value)
-    _start(model, hicache_host_dtype="int8")  # what the message suggests starts
-
-
-def test_mla_int8_without_rope_is_refused_at_startup_naming_the_flag(tmp_path):
-    """Before the fix start-up passed and the pool failed with OSError [Errno
-    22] from mmap of the empty RoPE record."""
-    _start(_model(tmp_path, _DEEPSEEK_V2), hicache_host_dtype="int8")
-    no_rope = tmp_path / "no_rope"
-    no_rope.mkdir()
-    model = _model(no_rope, dict(_DEEPSEEK_V2, qk_rope_head_dim=0))
-    with pytest.raises(ValueError, match="--hicache-host-dtype int8") as e:
-        _start(model, hicache_host_dtype="int8")
-    assert "qk_rope_head_dim=0" in str(e.value)
-    assert "--hicache-host-dtype auto" in str(e.value)
-    _start(model)  # the stock pool still serves it

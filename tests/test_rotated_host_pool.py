@@ -3,8 +3,9 @@ pools and controller on CPU.
 
 The format-independent checks are those test_int4_host_pool runs
 (tests/support/int4_pool_checks.py, expected records and rows from each
-format's reference encode/decode); what differs (start-up log, NaN spread,
-transfer path, capacity) is tested below.
+format's reference encode/decode) and the expectations table of
+tests/test_conformance.py (NaN spread, capacity, storage tag); the start-up
+log, fused path and self-check are tested below.
 """
 
 from __future__ import annotations
@@ -15,36 +16,17 @@ import pytest
 import torch
 
 from tests.support.hicache_harness import (
-    Geometry,
     assert_self_check_falls_back,
-    make_device_pool,
 )
 from sglang.srt.mem_cache.pool_host import encoded_fused
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
-from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from tests.support.int4_pool_checks import (
-    assert_finite_elsewhere,
-    restore_nan_key_and_inf_value,
     build,
-    bytes_per_token_at_qwen3_8b,
     check_controller_random_operations,
-    check_fused_path_writes_the_torch_paths_bytes,
 )
 
 ROTATED = {"int4r": "int4", "k8v4r": "k8v4"}  # format -> base format
-POOL_CLS = {name: host_pool_cls(name) for name in ROTATED}
 IO_BACKENDS = ("kernel", "direct")
-
-
-# --- what differs from int4/k8v4 (the shared checks: test_int4_host_pool) ----
-
-
-def test_dispatch_by_host_dtype():
-    info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
-    for name, cls in POOL_CLS.items():
-        assert get_mha_host_pool_cls(info, name) is cls
-        assert cls.host_format_cls.name == name
 
 
 # --- what differs from int4/k8v4 ---------------------------------------------
@@ -116,29 +98,6 @@ def test_fused_kernels_are_selected_where_the_base_kernels_run(fmt, monkeypatch)
         k8rv4r.encode_gather(None, None, None, None)
 
 
-FUSED_CASES = [
-    ("int4r", "page_first", 16, "direct"),
-    ("int4r", "layer_first", 1, "direct"),
-    ("int4r", "page_first_direct", 4, "staged"),
-    ("k8v4r", "page_first", 16, "staged"),
-    ("k8v4r", "layer_first", 2, "direct"),
-]
-
-
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("fmt,layout,page_size,access", FUSED_CASES)
-def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
-    """Through the real pool: the fused kernels' host bytes, statistics and
-    restored rows equal the torch path's, a NaN key spread over its block."""
-    torch_pool, _, restored = check_fused_path_writes_the_torch_paths_bytes(
-        fmt, layout, page_size, access
-    )
-    assert torch_pool.nonfinite_group_count() >= 1
-    # Head dim 64 is one block: the NaN key's whole head row restores as NaN.
-    assert torch.isnan(restored["fused"][0][1, 1]).all()
-
-
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("fmt", ROTATED)
@@ -171,50 +130,3 @@ def test_controller_random_operations_on_the_fused_path(fmt, layout, page_size):
     """HiCacheController's random writes, loads and evictions with the pool
     on the fused kernels: every restore equals the rotated reference."""
     check_controller_random_operations(fmt, layout, page_size, "kernel", fused=True)
-
-
-@pytest.mark.parametrize("fmt", ROTATED)
-@pytest.mark.parametrize("layout,page_size", (("page_first", 16), ("layer_first", 1)))
-def test_nonfinite_kv_restores_as_nan_over_its_block(fmt, layout, page_size):
-    """A NaN key and an Inf value: every channel of their rotation block
-    restores as NaN, the groups are counted, the amax stays finite, and the
-    other heads and tokens restore finite."""
-
-    def counted(pool):
-        assert pool.nonfinite_group_count() >= 2
-
-    pool, k1, v0 = restore_nan_key_and_inf_value(fmt, layout, page_size, counted)
-    # head dim 64: one 64-point block per head
-    assert torch.isnan(k1[1, 1]).all() and torch.isnan(v0[-1, 0]).all()
-    per_channel_keys = fmt == "int4r" and page_size >= 16
-    k_bad = (slice(0, page_size), 1) if per_channel_keys else (1, 1)
-    k1[k_bad] = 0
-    v0[-1, 0] = 0
-    assert_finite_elsewhere(pool, k1, v0)
-
-
-@pytest.mark.parametrize("fmt", ROTATED)
-def test_storage_tag_differs_from_the_base_format(fmt):
-    _, _, pool = build(fmt, "page_first", 16)
-    _, _, base = build(ROTATED[fmt], "page_first", 16)
-    assert pool.storage_format_tag.startswith(f"{fmt}-")
-    assert pool.storage_format_tag != base.storage_format_tag
-    assert pool.get_size_per_token() == base.get_size_per_token()
-
-
-def test_capacity_unchanged_at_qwen3_8b_geometry():
-    """Bytes per token of the allocated host buffers, rotated vs base, at
-    Qwen3-8B geometry (36 layers, 8 KV heads, head dim 128), page 64 (and 16,
-    1). Run with -s for the table (docs/quality-rotated.md)."""
-    print("\npage  format  B/token  tokens per host byte vs BF16")
-    for page_size in (1, 16, 64):
-        per_token = bytes_per_token_at_qwen3_8b(
-            ("k8v4", "k8v4r", "int4", "int4r"), page_size
-        )
-        for name, nbytes in per_token.items():
-            ratio = 36 * 2 * 8 * 128 * 2 / nbytes
-            print(f"{page_size:>4}  {name:<6}  {nbytes:>7.0f}  {ratio:.3f}x")
-        assert per_token["int4r"] == per_token["int4"]
-        assert per_token["k8v4r"] == per_token["k8v4"]
-        if page_size == 64:
-            assert 36 * 2 * 8 * 128 * 2 / per_token["int4r"] >= 3.5

@@ -231,3 +231,37 @@ def scrambled_host_free_list(pool, page_size: int, seed: int) -> None:
     # A run (6 7), a backward jump (7 -> 2), a gap (2 -> 9), a descending pair.
     pages = torch.tensor([6, 7, 2, 9, 5, 4, 11, 3])
     pool.free((pages[:, None] * page_size + torch.arange(page_size)).flatten())
+
+
+# --- per-format expectations ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What one MHA format promises beyond the round trips, one row per
+    registered --hicache-host-dtype value (test_conformance.py: "expectations")."""
+
+    # host bytes per token and layer at Qwen3-8B geometry (8 KV heads, head dim
+    # 128), page_first, by page size 1, 16, 64 (BF16: 4096)
+    qwen3_8b_bytes: tuple[int, int, int]
+    # keys per channel from pages of this many tokens (page layouts); else per token
+    keys_per_channel_from: int | None
+    # what a NaN key poisons with per-channel keys: its "channel" or its "head"
+    # (rotation block) over the page
+    per_channel_nan: str | None
+    token_nan_channels: int  # per-token keys: the NaN key's group (from channel 0)
+    nonfinite_groups: tuple[int, int]  # counted for a NaN key + an Inf value: per
+    # token, per channel
+    fused: bool  # fused kernels (interpreted on CPU here)
+    sink: bool  # takes SGLANG_HICACHE_SINK_PAGE_TOKENS (8-bit sink-page keys)
+    tag: str  # L3 storage tag at page_first, page 16, head dim 64, 2 heads, BF16
+
+
+EXPECT = {
+    "int8": Expect((2080,) * 3, None, None, 64, (2, 2), True, False, "int8"),
+    "int4": Expect((1152, 1344, 1152), 16, "channel", 64, (2, 2), True, True, "int4"),
+    "k8v4": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4"),
+    "int4r": Expect((1152, 1344, 1152), 16, "head", 64, (2, 65), True, True, "int4r"),
+    "k8v4r": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4r"),
+    "int8c": Expect((2128,) * 3, 64, "channel", 32, (2, 2), True, False, "int8c"),
+}

@@ -150,26 +150,6 @@ def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
     assert_restores(device_pool, pool, fmt, host, new_dev, written, 16, geo.layer_num)
 
 
-def check_out_of_range_host_indices(fmt, layout):
-    """Out-of-range host indices are refused naming the flag; nothing moves."""
-    geo, device_pool, pool = build(fmt, layout, 16)
-    dev = pages([1], 16)
-    fill_spread(device_pool, dev, seed=1)
-    host_before = {n: b.clone() for n, b in pool.host_records.items()}
-    dev_before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
-    for bad in (pages([pool.size // 16], 16), pages([0], 16) - 16):
-        with pytest.raises(IndexError, match=f"--hicache-host-dtype {fmt}"):
-            pool.backup_from_device_all_layer(device_pool, bad, dev, "direct")
-        with pytest.raises(IndexError, match="out of range"):
-            pool.load_to_device_per_layer(device_pool, bad, dev, 0, "direct")
-    for name, before in host_before.items():
-        assert torch.equal(
-            pool.host_records[name].view(torch.uint8), before.view(torch.uint8)
-        )
-    for a, b in zip(dev_before, device_pool.k_buffer + device_pool.v_buffer):
-        assert torch.equal(a, b)
-
-
 def check_controller_random_operations(fmt, layout, page_size, io_backend, fused=False):
     """The real controller's random writes, loads and evictions (on the fused
     kernels with `fused`): every restore equals the reference."""

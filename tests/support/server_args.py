@@ -1,15 +1,11 @@
 """ServerArgs rigs: SGLang's own argument parser and resolution pipeline
-(``ServerArgs.resolve_once``) over tiny local HF configs (no weights); the start-up
-tests restore the environment with the restore_environ fixture (tests/conftest.py)."""
+(``ServerArgs.resolve_once``, imported when called) over tiny local HF configs
+(no weights), which the start-up table (tests/support/startup_table.py) names."""
 
 from __future__ import annotations
 
 import argparse
 import json
-
-import pytest
-
-from sglang.srt.server_args import ServerArgs
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -66,10 +62,6 @@ DEEPSEEK_V3 = dict(
 )
 
 
-INT8_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
-INT8_IO_BACKENDS = ("kernel", "direct")
-
-
 def write_models(root) -> dict[str, str]:
     """The tiny MHA (Llama) and MLA (DeepSeek-V2) configs under `root`."""
     paths = {}
@@ -82,38 +74,22 @@ def write_models(root) -> dict[str, str]:
 
 def cli_parser() -> argparse.ArgumentParser:
     """SGLang's own `sglang serve` argument parser."""
+    from sglang.srt.server_args import ServerArgs
+
     parser = argparse.ArgumentParser(prog="sglang serve")
     ServerArgs.add_cli_args(parser)
     return parser
 
 
-def from_argv(parser, *argv: str) -> ServerArgs:
+def from_argv(parser, *argv: str):
+    from sglang.srt.server_args import ServerArgs
+
     return ServerArgs.from_cli_args(parser.parse_args(["--model-path", *argv]))
 
 
-def device_kv_refusal(parser, host_dtype: str, kv_cache_dtype: str) -> str:
-    """The start-up error for a host format the device KV dtype rules out; it
-    names both flags."""
-    server_args = from_argv(
-        parser,
-        "dummy",
-        "--enable-hierarchical-cache",
-        "--hicache-host-dtype",
-        host_dtype,
-        "--kv-cache-dtype",
-        kv_cache_dtype,
-    )
-    with pytest.raises(ValueError) as error:
-        server_args.resolve_once()
-    message = str(error.value)
-    assert (
-        f"--hicache-host-dtype {host_dtype} with --kv-cache-dtype {kv_cache_dtype}"
-        in message
-    )
-    return message
+def resolve(model_path: str = "dummy", **kwargs):
+    from sglang.srt.server_args import ServerArgs
 
-
-def resolve(model_path: str = "dummy", **kwargs) -> ServerArgs:
     kwargs.setdefault("enable_hierarchical_cache", True)
     server_args = ServerArgs(
         model_path=model_path, device="cpu", skip_tokenizer_init=True, **kwargs
@@ -223,4 +199,38 @@ QWEN3_5 = {
         "intermediate_size": 64,
         "out_hidden_size": 64,
     },
+}
+
+
+# Kimi-Linear: MLA full-attention layers (DeepSeek latent widths) between KDA
+# linear-attention layers.
+KIMI_LINEAR = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "model_type": "kimi_linear",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "num_hidden_layers": 4,
+    "kv_lora_rank": 512,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 16,
+    "mla_use_nope": True,
+    "num_experts": 4,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "linear_attn_config": {
+        "kda_layers": [1, 2, 3],
+        "full_attn_layers": [4],
+        "num_heads": 4,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+    },
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "torch_dtype": "bfloat16",
 }
