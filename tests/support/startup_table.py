@@ -143,9 +143,9 @@ _USE_INT8 = "Use --hicache-host-dtype int8."
 # fmt: off
 TABLE: tuple[Row, ...] = (
     # --- the flag's own values -----------------------------------------------
-    no("dummy", ("fp8", "int2"), "--hicache-host-dtype {host_dtype!r} is not a host KV "
+    no("dummy", ("fp8", "nf4"), "--hicache-host-dtype {host_dtype!r} is not a host KV "
        "format; pass one of {choices}.", flags=dict(enable_hierarchical_cache=False)),
-    no("dummy", ("int2",), "--hicache-host-dtype 'int2' is not a host KV format; pass "
+    no("dummy", ("nf4",), "--hicache-host-dtype 'nf4' is not a host KV format; pass "
        "one of {choices}."),
     ok("dummy", QUANTIZED, flags=dict(hicache_mem_layout=LAYOUTS,
        hicache_io_backend=IO_BACKENDS, kv_cache_dtype=("auto", "bf16", "bfloat16"))),
