@@ -92,15 +92,16 @@ def expected_pool_cls(case: FormatCase, device_pool):
     return get_mha_host_pool_cls(info, case.host_dtype)
 
 
-def set_path(pool, path: str) -> None:
+def path_kwargs(case: FormatCase, path: str) -> dict:
+    """The encoded pool's constructor arguments that choose `path` (a stock
+    pool has one path and none)."""
+    if case.stock:
+        return {}
     if path == "runs":
-        pool.use_run_copies = True
-    elif path.startswith("fused_"):
-        assert pool.host_format.fused_available(torch.device("cpu"))
-        pool.use_fused_kernels = True
-        pool.fused_host_access = path.removeprefix("fused_")
-    if hasattr(pool, "host_format"):
-        assert pool.transfer_path == ("torch" if path == "runs" else path)
+        return {"fused_transfer": "off", "run_copies": True}
+    if path.startswith("fused_"):
+        return {"fused_transfer": path.removeprefix("fused_")}
+    return {"fused_transfer": "off"}
 
 
 def controller_round_trip(
@@ -123,11 +124,13 @@ def controller_round_trip(
         layout=layout,
         io_backend=io_backend,
         host_dtype=case.host_dtype,
+        **path_kwargs(case, path),
     )
     ctl, device_pool, pool = rig.controller, rig.device_pool, rig.host_pool
     assert type(pool) is expected_pool_cls(case, device_pool)
     assert isinstance(device_pool, MLATokenToKVPool) == (case.kind == "mla")
-    set_path(pool, path)
+    if not case.stock:
+        assert pool.transfer_path == ("torch" if path == "runs" else path)
     scrambled_host_free_list(pool, ps, seed)
     free_before = pool.available_size()
 
@@ -315,13 +318,11 @@ def test_host_index_orders(request, case, layout, path):
         request.getfixturevalue("triton_interpreter")
     geo = case.geometry(4)
     rig = make_rig(
-        geo, device_tokens=64, host_tokens=80, layout=layout, host_dtype=case.host_dtype
-    )
+        geo, device_tokens=64, host_tokens=80, layout=layout,
+        host_dtype=case.host_dtype, fused_transfer=access if fused else "off",
+        run_copies=runs,
+    )  # fmt: skip
     device_pool, pool = rig.device_pool, rig.host_pool
-    if fused:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = access
-    pool.use_run_copies = runs
     assert pool.transfer_path == (f"fused_{access}" if fused else "torch")
     ut = unit_tokens(pool)
     host = unit_tokens_of(BACKUP_UNITS, ut)

@@ -246,12 +246,10 @@ def pool_round_trip(
     device_pool = make_device_pool(geo, device_tokens=16 * p)
     pool = make_host_pool(
         device_pool, host_tokens=16 * p, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+        host_pool_cls=MHATokenToKVPoolINT8Host, fused_transfer=mode,
     )  # fmt: skip
-    assert pool.use_fused_kernels is False  # CPU default: the torch path
-    if mode is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = mode
+    # None: the CPU default, the torch path.
+    assert pool.transfer_path == ("torch" if mode is None else f"fused_{mode}")
     gen = torch.Generator().manual_seed(geo.head_num * 7 + p)
     pages = torch.randperm(n_pages, generator=gen) + 1
     dev = (pages[:, None] * p + torch.arange(p)).flatten()
@@ -361,8 +359,8 @@ def test_host_index_out_of_range_is_rejected():
         host_tokens=16,
         layout="layer_first",
         host_pool_cls=MHATokenToKVPoolINT8Host,
+        fused_transfer="direct",
     )
-    pool.use_fused_kernels = True
     with pytest.raises(IndexError):
         pool.backup_from_device_all_layer(
             device_pool, torch.tensor([pool.size]), torch.tensor([1]), "direct"
@@ -423,8 +421,8 @@ def test_cuda_defaults_fused_and_run_copies(cuda_typed, pinned):
     """On CUDA: fused kernels, per-run copies, and direct host access exactly
     when the host memory is pinned."""
     pool = build_pool_on(make_device_pool(Geometry(), 16), cuda_typed, pinned)
-    assert pool.use_fused_kernels and pool.use_run_copies
-    assert pool.fused_host_access == ("direct" if pinned else "staged")
+    assert pool.planner.use_runs
+    assert pool.transfer_path == ("fused_direct" if pinned else "fused_staged")
     # The direct path stages nothing; the staged one has both directions.
     assert sorted(pool.staging.directions) == ([] if pinned else ["d2h", "h2d"])
 
@@ -433,10 +431,8 @@ def test_cuda_defaults_fused_and_run_copies(cuda_typed, pinned):
 def test_fused_env_overrides_the_cuda_default(cuda_typed, monkeypatch, mode):
     monkeypatch.setenv(encoded_fused.FUSED_ENV, mode)
     pool = build_pool_on(make_device_pool(Geometry(), 16), cuda_typed, True)
-    assert pool.use_fused_kernels is (mode != "off")
-    assert pool.use_run_copies  # the torch path on CUDA copies per run
-    if mode != "off":
-        assert pool.fused_host_access == mode
+    assert pool.transfer_path == ("torch" if mode == "off" else f"fused_{mode}")
+    assert pool.planner.use_runs  # the torch path on CUDA copies per run
 
 
 def test_mode_selection(monkeypatch):
@@ -446,11 +442,15 @@ def test_mode_selection(monkeypatch):
     def build():
         return build_pool_on(device_pool)
 
-    pool = build()  # CPU: torch path by default, kernels can reach host memory
-    assert not pool.use_fused_kernels and pool.fused_host_access == "direct"
-    assert not pool.use_run_copies
+    pool = build()  # CPU: torch path by default
+    assert (pool.transfer_path, pool.transfer_path_reason) == (
+        "torch",
+        "not CUDA (cpu)",
+    )
+    assert not pool.planner.use_runs
+    # Asked for, the kernels run here (under the interpreter).
     monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "staged")
-    assert build().fused_host_access == "staged"
+    assert build().transfer_path == "fused_staged"
     monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "bogus")
     with pytest.raises(ValueError, match="SGLANG_HICACHE_FUSED_TRANSFER"):
         build()
@@ -463,9 +463,9 @@ def test_controller_round_trip_with_fused_kernels(layout, page_size):
     from L1, load back: the reference codec's values at the new slots."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=8, page_size=page_size)
     rig = paged_rig(
-        geo, layout, "kernel", 32, 64, host_pool_cls=MHATokenToKVPoolINT8Host
-    )
-    rig.host_pool.use_fused_kernels = True
+        geo, layout, "kernel", 32, 64, host_pool_cls=MHATokenToKVPoolINT8Host,
+        fused_transfer="direct",
+    )  # fmt: skip
     dev_pool = rig.device_pool
     gen = torch.Generator().manual_seed(9)
     dev = rig.allocator.alloc(6 * page_size)
@@ -495,13 +495,9 @@ def test_fused_unordered_host_slots_round_trip(layout, page_size, mode):
     """The fused kernels (direct, and staged with the per-run copies CUDA
     uses) with host slots out of order, with gaps and backward jumps: the
     records sit at exactly their slots, computed by the test."""
-
-    def configure(pool):
-        pool.use_fused_kernels = True
-        pool.fused_host_access = mode
-        pool.use_run_copies = True
-
-    check_unordered_round_trip(layout, page_size, configure)
+    check_unordered_round_trip(
+        layout, page_size, fused_transfer=mode, use_run_copies=True
+    )
 
 
 def test_unsupported_io_backend_on_fused_load_fails():
@@ -509,9 +505,8 @@ def test_unsupported_io_backend_on_fused_load_fails():
     device_pool = make_device_pool(geo, 16)
     pool = make_host_pool(
         device_pool, host_tokens=16, layout="page_first",
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+        host_pool_cls=MHATokenToKVPoolINT8Host, fused_transfer="direct",
     )  # fmt: skip
-    pool.use_fused_kernels = True
     before = [b.clone() for b in device_pool.k_buffer]
     with pytest.raises(ValueError, match="--hicache-io-backend"):
         pool.load_to_device_per_layer(

@@ -149,10 +149,8 @@ def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
 def test_fused_path_moves_the_sink_page_keys_on_the_torch_path(fmt, access):
     """Under the Triton interpreter: the pool's fused 4-bit kernels, then the
     side store's keys on the torch path, give the reference's bits."""
-    rig = build(fmt)
+    rig = build(fmt, fused_transfer=access)
     pool = rig.host_pool
-    pool.use_fused_kernels = True
-    pool.fused_host_access = access
     host, written = backup(rig, 2 * PAGE, seed=11, sink=True)
     assert pool.transfer_path == f"fused_{access}"
     assert pool.sink_pages.transfer.path == "torch"
@@ -273,10 +271,10 @@ def test_marking_a_page_twice_takes_one_slot():
 @pytest.mark.parametrize(
     "fmt, tokens, match",
     [
-        ("int8", 64, "4-bit-key formats"),
-        ("int8c", 64, "4-bit-key formats"),
-        ("k8v4", 64, "every key at 8 bits already"),
-        ("k8v4r", 64, "every key at 8 bits already"),
+        ("int8", 64, r"formats that store keys at 4 bits \(int4, int4r\)"),
+        ("int8c", 64, "formats that store keys at 4 bits"),
+        ("k8v4", 64, "--hicache-host-dtype k8v4 does not"),
+        ("k8v4r", 64, "--hicache-host-dtype k8v4r does not"),
         ("int4", 8, "at least the page size"),
     ],
 )

@@ -26,25 +26,28 @@ INTERPRETED_KERNELS = [
 ]
 
 
-def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
-    pool = make_host_pool(
+def int8_pool(device_pool, layout, host_tokens, use_run_copies=False, **kwargs):
+    """kwargs: the pool's own constructor keywords (fused_transfer)."""
+    return make_host_pool(
         device_pool,
         host_tokens=host_tokens,
         layout=layout,
         host_pool_cls=MHATokenToKVPoolINT8Host,
+        run_copies=use_run_copies,
+        **kwargs,
     )
-    pool.use_run_copies = use_run_copies
-    return pool
 
 
-def int8_pools(geo: Geometry, device_tokens, host_tokens, layout, access=None):
+def int8_pools(
+    geo: Geometry, device_tokens, host_tokens, layout, access=None, use_run_copies=False
+):
     """A CPU device pool and the INT8 host pool over it, on the torch path or,
     with `access` (direct, staged), on the fused kernels."""
     device_pool = make_device_pool(geo, device_tokens=device_tokens)
-    pool = int8_pool(device_pool, layout, host_tokens)
-    if access is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = access
+    # None reads SGLANG_HICACHE_FUSED_TRANSFER: the torch path on CPU.
+    pool = int8_pool(
+        device_pool, layout, host_tokens, use_run_copies, fused_transfer=access
+    )
     return device_pool, pool
 
 
@@ -88,16 +91,15 @@ def device_alloc(n_pages, page_size, first_page=1, shuffle_seed=None):
     return (pages[:, None] * page_size + torch.arange(page_size)).flatten()
 
 
-def check_unordered_round_trip(layout, page_size, configure):
+def check_unordered_round_trip(layout, page_size, **pool_kwargs):
     """Backup to host slots in a scrambled order, then load them back in yet
     another order: each token's records sit at exactly its host slot (read
     from the buffers directly), nothing else on the host changed, and each
     device slot gets the reference restore of the token loaded into it.
-    configure(pool) picks the transfer path."""
+    pool_kwargs (int8_pool's) pick the transfer path."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=page_size)
     device_pool = make_device_pool(geo, device_tokens=32 * page_size)
-    pool = int8_pool(device_pool, layout, 16 * page_size)
-    configure(pool)
+    pool = int8_pool(device_pool, layout, 16 * page_size, **pool_kwargs)
     host = unordered_host_pages(page_size)
     n = len(host)
     dev = device_alloc(n // page_size, page_size, shuffle_seed=3)

@@ -398,10 +398,9 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
             host_tokens=case.host_tokens or pages * p,
             layout=case.layout,
             draft_buffer_infos=_draft_infos(drafts),
+            fused_transfer=case.host_access,
             **pool_kwargs,
         )
-    pool.use_fused_kernels = True
-    pool.fused_host_access = case.host_access
     for n_pages in TRANSFER_PAGES:
         tokens = n_pages * p
         rows = torch.arange(p, p + tokens)  # device page 0 is the padding page
@@ -416,8 +415,8 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
                     device_pool, restore_host, dev, layer, "kernel"
                 )
             _load_drafts(pool, drafts, restore_host, dev)
-    if pool.fused_host_access != case.host_access:
-        raise AssertionError(f"{case}: the pool left {case.host_access} access")
+    if pool.transfer_path != f"fused_{case.host_access}":
+        raise AssertionError(f"{case}: the pool chose {pool.transfer_path}")
 
 
 def _draft_pools(geo, layers: int, device_tokens: int) -> list:
