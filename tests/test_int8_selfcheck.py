@@ -213,3 +213,32 @@ def test_the_pool_has_no_transfer_path_setters():
     assert not hasattr(pool, "fused_host_access")
     assert not hasattr(pool, "use_run_copies")
     assert pool.transfer_path == "fused_direct"
+
+
+def test_unpinned_direct_request_is_settled_at_construction(monkeypatch):
+    """Asked for direct access to unpinned host memory on CUDA, the choice
+    tries the direct path's self-check, then staged: decided once, before
+    any transfer, never by a failing launch."""
+    import dataclasses
+
+    _, pool = build(Geometry(), "page_first", None)
+    monkeypatch.setattr(kt, "available", lambda device: True)
+    checked = []
+
+    def self_check(ctx, transfer):
+        checked.append(transfer.path)
+        return "ValueError: no UVA" if transfer.access == "direct" else None
+
+    monkeypatch.setattr(encoded_fused, "self_check", self_check)
+    on_cuda = dataclasses.replace(pool.transfer_context, device=torch.device("cuda"))
+    transfer, why = encoded_fused.choose_transfer(on_cuda, False, "direct")
+    assert checked == ["fused_direct", "fused_staged"]
+    assert (transfer.path, why) == (
+        "fused_staged",
+        "host memory not device-addressable (not pinned)",
+    )
+    # Pinned, the direct path is the only candidate: failing, torch serves.
+    checked.clear()
+    transfer, why = encoded_fused.choose_transfer(on_cuda, True, "direct")
+    assert checked == ["fused_direct"]
+    assert (transfer.path, why) == ("torch", "self-check failed: ValueError: no UVA")
