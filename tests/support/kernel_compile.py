@@ -385,6 +385,7 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
     from tests.support.hicache_harness import make_device_pool, make_host_pool
 
     from sglang.srt.mem_cache.pool_host import base, encoded
+    from sglang.srt.mem_cache.pool_host.host_format import HostKVFormat
 
     p = case.page_size
     pages = max(TRANSFER_PAGES) + 1
@@ -393,6 +394,9 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
     with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
         if case.host_tokens is not None:
             mp.setattr(encoded, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
+        # The kernels compile for the stand-in CUDA target here, launched on
+        # CPU tensors: the pool is asked for them as if they ran.
+        mp.setattr(HostKVFormat, "fused_available", lambda self, device: True)
         pool = make_host_pool(
             device_pool,
             host_tokens=case.host_tokens or pages * p,
