@@ -340,10 +340,21 @@ def bench_config(
         buf.normal_(generator=g)
     info = dev_pool.get_device_pool_infos()[0].buffer_info
     host = dict(layout=layout, host_tokens=max_n + page, pin_memory=device == "cuda")
-    quantized = {
-        name: make_host_pool(dev_pool, cls=get_mha_host_pool_cls(info, name), **host)
+    # Each format's pool on each transfer path, chosen at construction; the
+    # path-chosen-by-default pool states bytes per token.
+    on_path = {
+        name: {
+            suffix: make_host_pool(
+                dev_pool,
+                cls=get_mha_host_pool_cls(info, name),
+                fused_transfer=mode,
+                **host,
+            )  # fmt: skip
+            for suffix, mode in FORMAT_PATHS
+        }
         for name in HOST_DTYPES
     }
+    quantized = {name: pools["torch"] for name, pools in on_path.items()}
     if not args.stock_jit:
         stock_mha.can_use_hicache_jit_kernel = lambda **kwargs: False
     t0 = time.time()
@@ -356,8 +367,8 @@ def bench_config(
             out["sizes"].append({"tokens": n, "skipped": "time budget"})
             continue
         run = SizeRun(clock, dev_pool, page, max_n, n, args)
-        for fmt_name, pool in quantized.items():
-            _time_format(run, fmt_name, pool)
+        for fmt_name, pools in on_path.items():
+            _time_format(run, fmt_name, pools)
         _time_bf16(run, stock, copier, out["bf16_stock_kernel_available"])
         _rates(run.row, quantized, stock)
         out["sizes"].append(run.row)
@@ -368,9 +379,9 @@ def bench_config(
             f"backup ms { {k: round(v, 3) for k, v in run.row['backup_ms'].items()} }",
             flush=True,
         )
-    for pool in (*quantized.values(), stock):
+    for pool in (*[p for ps in on_path.values() for p in ps.values()], stock):
         destroy_host_pool(pool)
-    del dev_pool, quantized, stock, copier
+    del dev_pool, on_path, quantized, stock, copier
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
@@ -434,29 +445,28 @@ class SizeRun:
         return True
 
 
-# (variant suffix, fused kernels, fused host access) of each format's paths.
+# (variant suffix, the pool's fused_transfer) of each format's paths.
 FORMAT_PATHS = (
-    ("fused_direct", True, "direct"),
-    ("fused_staged", True, "staged"),
-    ("torch", False, None),
+    ("fused_direct", "direct"),
+    ("fused_staged", "staged"),
+    ("torch", "off"),
 )
 
 
-def _time_format(run, fmt_name, pool):
-    """A format's paths, each restore checked against the reference codec and
-    the host records compared across the paths."""
+def _time_format(run, fmt_name, pools):
+    """A format's paths (one pool each), each restore checked against the
+    reference codec and the host records compared across the paths."""
     dev, host, errors = run.dev_pool, run.host, run.row["errors"]
-    expected = _expected_restore(pool, dev, run.probe)
-    fused_ok = pool.host_format.fused_available(run.src.device)
+    expected = _expected_restore(pools["torch"], dev, run.probe)
     records = {}
-    for suffix, fused, access in FORMAT_PATHS:
-        name = f"{fmt_name}_{suffix}"
-        if fused and not fused_ok:
-            errors[name] = "no fused kernels for this format in this build"
+    for suffix, _ in FORMAT_PATHS:
+        name, pool = f"{fmt_name}_{suffix}", pools[suffix]
+        fused = suffix != "torch"
+        if pool.transfer_path != suffix:
+            errors[name] = (
+                f"the pool chose {pool.transfer_path}: {pool.transfer_path_reason}"
+            )
             continue
-        pool.use_fused_kernels = fused
-        if access:
-            pool.fused_host_access = access
         ok = run.measure(
             name,
             f"{name}_restores_reference",
@@ -466,8 +476,6 @@ def _time_format(run, fmt_name, pool):
             it=run.iters if fused else run.slow_iters,
             warmup=1 if fused or run.n < 16384 else 0,
         )
-        if access == "direct" and pool.fused_host_access != "direct":
-            errors[name] = "fell back to staged: host memory not device-accessible"
         if ok:
             records[name] = _host_sample(pool, run.n)
     names = list(records)

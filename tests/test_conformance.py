@@ -112,15 +112,16 @@ def expected_pool_cls(case: FormatCase, device_pool):
     return get_mha_host_pool_cls(info, case.host_dtype)
 
 
-def set_path(pool, path: str) -> None:
+def path_kwargs(case: FormatCase, path: str) -> dict:
+    """The encoded pool's constructor arguments that choose `path` (a stock
+    pool has one path and none)."""
+    if case.stock:
+        return {}
     if path == "runs":
-        pool.use_run_copies = True
-    elif path.startswith("fused_"):
-        assert pool.host_format.fused_available(torch.device("cpu"))
-        pool.use_fused_kernels = True
-        pool.fused_host_access = path.removeprefix("fused_")
-    if hasattr(pool, "host_format"):
-        assert pool.transfer_path == ("torch" if path == "runs" else path)
+        return {"fused_transfer": "off", "run_copies": True}
+    if path.startswith("fused_"):
+        return {"fused_transfer": path.removeprefix("fused_")}
+    return {"fused_transfer": "off"}
 
 
 def controller_round_trip(
@@ -143,11 +144,13 @@ def controller_round_trip(
         layout=layout,
         io_backend=io_backend,
         host_dtype=case.host_dtype,
+        **path_kwargs(case, path),
     )
     ctl, device_pool, pool = rig.controller, rig.device_pool, rig.host_pool
     assert type(pool) is expected_pool_cls(case, device_pool)
     assert isinstance(device_pool, MLATokenToKVPool) == (case.kind == "mla")
-    set_path(pool, path)
+    if not case.stock:
+        assert pool.transfer_path == ("torch" if path == "runs" else path)
     scrambled_host_free_list(pool, ps, seed)
     free_before = pool.available_size()
 
@@ -299,14 +302,14 @@ def test_fused_round_trip(request, case, layout, io_backend, page_size, path):
 # merged into one contiguous copy, any of them would move wrong rows silently.
 BACKUP_UNITS = [5, 6, 2, 9, 3]
 LOAD_UNITS = [9, 9, 2, 5, 6, 3, 2]
-# Every transfer path: (use_fused_kernels, fused_host_access, use_run_copies);
+# Every transfer path: (the pool's fused_transfer, run_copies) arguments;
 # CUDA's torch path and staged kernels copy per run, CPU's index once.
 INDEX_PATHS = {
-    "torch": (False, "direct", False),
-    "runs": (False, "direct", True),
-    "fused_direct": (True, "direct", False),
-    "fused_staged": (True, "staged", False),
-    "fused_staged_runs": (True, "staged", True),
+    "torch": ("off", False),
+    "runs": ("off", True),
+    "fused_direct": ("direct", False),
+    "fused_staged": ("staged", False),
+    "fused_staged_runs": ("staged", True),
 }
 INDEX_GRID = list(itertools.product(LAYOUTS, INDEX_PATHS))
 
@@ -335,13 +338,11 @@ def test_host_index_orders(request, case, layout, path):
         request.getfixturevalue("triton_interpreter")
     geo = case.geometry(4)
     rig = make_rig(
-        geo, device_tokens=64, host_tokens=80, layout=layout, host_dtype=case.host_dtype
-    )
+        geo, device_tokens=64, host_tokens=80, layout=layout,
+        host_dtype=case.host_dtype, fused_transfer=access if fused else "off",
+        run_copies=runs,
+    )  # fmt: skip
     device_pool, pool = rig.device_pool, rig.host_pool
-    if fused:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = access
-    pool.use_run_copies = runs
     assert pool.transfer_path == (f"fused_{access}" if fused else "torch")
     ut = unit_tokens(pool)
     host = unit_tokens_of(BACKUP_UNITS, ut)
@@ -752,15 +753,15 @@ def test_out_of_range_host_indices_rejected_and_nothing_moves(
     """Whole valid pages then one out of range (negative, past the end), on
     every transfer path: refused naming the flag before any byte moves; host
     records, device rows and statistics unchanged."""
-    fused, access, runs = INDEX_PATHS[path]
-    _, device_pool, pool = build(fmt, layout, 16)
-    if fused:
+    access, runs = INDEX_PATHS[path]
+    if access != "off":
         if not EXPECT[fmt].fused:
             pytest.skip(f"{fmt} has no fused kernels")
         request.getfixturevalue("triton_interpreter")
-        pool.use_fused_kernels = True
-        pool.fused_host_access = access
-    pool.use_run_copies = runs
+    _, device_pool, pool = build(
+        fmt, layout, 16, fused_transfer=access, run_copies=runs
+    )
+    assert pool.transfer_path == ("torch" if access == "off" else f"fused_{access}")
     dev = pint.pages([1, 2], 16)
     pint.fill_spread(device_pool, torch.arange(16 * 16), seed=1)
     pool.backup_from_device_all_layer(
@@ -797,12 +798,14 @@ def test_out_of_range_host_indices_rejected_and_nothing_moves(
 def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
     request, fmt, layout, fused
 ):
-    _, device_pool, pool = build(fmt, layout, 16)
     if fused:
         if not EXPECT[fmt].fused:
             pytest.skip(f"{fmt} has no fused kernels")
         request.getfixturevalue("triton_interpreter")
-        pool.use_fused_kernels = True
+    _, device_pool, pool = build(
+        fmt, layout, 16, fused_transfer="direct" if fused else "off"
+    )
+    assert pool.use_fused_kernels == fused
     dev, host = pint.pages([1], 16), pint.pages([2], 16)
     with pytest.raises(ValueError, match="--hicache-io-backend"):
         pool.backup_from_device_all_layer(device_pool, host, dev, "kernel_ascend")

@@ -118,7 +118,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def build(fmt, layout, page_size, fp8, head_dim=64, layer_num=2, host_pages=16):
+def build(
+    fmt, layout, page_size, fp8, head_dim=64, layer_num=2, host_pages=16, **pool_kwargs
+):
     geo = Geometry(
         layer_num=layer_num,
         head_num=2,
@@ -133,6 +135,7 @@ def build(fmt, layout, page_size, fp8, head_dim=64, layer_num=2, host_pages=16):
         layout=layout,
         host_dtype=fmt,
         device_kv_dtype=fp8,
+        **pool_kwargs,
     )
     return geo, device_pool, pool
 
@@ -446,7 +449,7 @@ def test_fp8_path_is_chosen_as_for_bf16_and_logged(caplog, fp8):
         f"stores INT4 KV: {pool.get_size_per_token()} B/token (torch.float8_{name}: "
         f"{pool.device_size_per_token()} B/token)" in caplog.text
     )
-    pool.use_fused_kernels = True
+    _, _, pool = build("int4", "page_first", 16, fp8, fused_transfer="direct")
     assert pool.transfer_path == "fused_direct"
 
 
@@ -487,11 +490,8 @@ def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access,
     for path in ("torch", "fused"):
         pool = make_host_pool(
             device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt,
-            device_kv_dtype=fp8,
+            device_kv_dtype=fp8, fused_transfer=access if path == "fused" else "off",
         )  # fmt: skip
-        if path == "fused":
-            pool.use_fused_kernels = True
-            pool.fused_host_access = access
         pools[path] = pool
     dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
     edge_fp8_rows(device_pool, dev, fp8, seed=page_size)
@@ -546,12 +546,11 @@ def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
     reference (FP8 rows: subnormals, NaN, the largest value) and puts the
     borrowed bytes back; kernels that truncate instead of rounding fail it
     and the pool falls back to the torch path, saying why."""
-    _, device_pool, pool = build(fmt, "page_first", 16, fp8)
-    pool.use_fused_kernels = True
+    _, device_pool, pool = build(fmt, "page_first", 16, fp8, fused_transfer="direct")
+    assert pool.transfer_path == "fused_direct"
     before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
     records = {n: b.clone() for n, b in pool.host_records.items()}
-    assert encoded_fused.self_check(pool) is True
-    assert pool.transfer_path == "fused_direct"
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     for a, b in zip(before, device_pool.k_buffer + device_pool.v_buffer):
         assert torch.equal(a, b)
     for name, buf in pool.host_records.items():

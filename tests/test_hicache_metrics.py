@@ -144,22 +144,6 @@ def test_int8_nonfinite_groups(collectors):
     )
 
 
-def test_format_series_follows_a_transfer_path_change(collectors):
-    tier = TierRig("int8", collectors)
-    tier.backup(4)
-    before = tier.pool.transfer_path
-    tier.collect()
-    # What the pool does when the driver refuses a host pointer.
-    tier.pool.fused_host_access = "staged"
-    tier.pool.use_fused_kernels = True
-    scrape = tier.collect()
-    series = {
-        s.labels["transfer_path"]: s.value
-        for s in scrape.all("sglang:hicache_host_info")
-    }
-    assert series == {before: 0, "fused_staged": 1}
-
-
 def test_l3_pages_refused_by_reason(collectors):
     """Pages the sealing pool refuses on the way in from L3 are counted per
     reason once each (issue 21); pools that do not seal export no series."""

@@ -214,8 +214,7 @@ def test_sampled_error_within_bound_mla(verify_rate):
 def test_sampled_error_on_the_fused_path(verify_rate, host_dtype):
     verify_rate("1")
     rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype=host_dtype)  # fmt: skip
-    rig.host_pool.use_fused_kernels = True
+                   host_dtype=host_dtype, fused_transfer="direct")  # fmt: skip
     assert rig.host_pool.transfer_path.startswith("fused")
     backup_pages(rig, pages=2)
     errors = rig.host_pool.backup_verify_errors()

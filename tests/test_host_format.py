@@ -38,13 +38,10 @@ pytestmark = pytest.mark.usefixtures("toy_host_format")
 
 
 def copy_pool(device_pool, layout, host_tokens, path):
-    pool = make_host_pool(
-        device_pool, host_tokens=host_tokens, layout=layout, host_dtype="copy"
-    )
-    if path != "torch":
-        pool.use_fused_kernels = True
-        pool.fused_host_access = path.removeprefix("fused_")
-    return pool
+    return make_host_pool(
+        device_pool, host_tokens=host_tokens, layout=layout, host_dtype="copy",
+        fused_transfer="off" if path == "torch" else path.removeprefix("fused_"),
+    )  # fmt: skip
 
 
 def seeded_rows(device_pool, slots, seed):
@@ -337,11 +334,9 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
     device_pool = make_device_pool(geo, device_tokens=12 * page_size)
     cls = MHATokenToKVPoolINT8Host if fused else MHATokenToKVPoolINT8Host
     pool = make_host_pool(
-        device_pool, host_tokens=10 * page_size, layout=layout, host_pool_cls=cls
-    )
-    if fused:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = "direct"
+        device_pool, host_tokens=10 * page_size, layout=layout, host_pool_cls=cls,
+        fused_transfer="direct" if fused else "off",
+    )  # fmt: skip
     for buf in pool.kv_buffer:
         buf.view(torch.uint8).fill_(0xA5)
     host = pages_as_tokens([7, 8, 2, 3, 9, 0], page_size)

@@ -31,9 +31,9 @@ def build(path: str, layout: str, page_size: int):
     fused, access, runs = PATHS[path]
     geo = Geometry(layer_num=2, page_size=page_size)
     device_pool, pool = int8_pools(
-        geo, 16 * page_size, 8 * page_size, layout, access if fused else None
-    )
-    pool.use_run_copies = runs
+        geo, 16 * page_size, 8 * page_size, layout, access if fused else None,
+        use_run_copies=runs,
+    )  # fmt: skip
     # Real content on both sides, so a stray write would show.
     dev = torch.arange(page_size, 5 * page_size)
     fill_random(device_pool, torch.arange(16 * page_size), seed=1)

@@ -94,7 +94,7 @@ def test_no_new_kernel_variant_after_the_self_check(
     device_pool, pool = int8_pools(geo, 40 * page_size, 80 * page_size, layout, access)
     fill_random(device_pool, torch.arange(40 * page_size), seed=2)
     recorders = record_keys(monkeypatch)
-    assert encoded_fused.self_check(pool)
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     warmed = {name: set(r.keys) for name, r in recorders.items()}
     assert all(warmed.values())
     serve(pool, device_pool, SIZES)
@@ -108,7 +108,7 @@ def test_the_key_sees_per_transfer_specialization(monkeypatch):
     geo = Geometry(layer_num=2, head_num=1, head_dim=16, page_size=2)
     device_pool, pool = int8_pools(geo, 80, 160, "page_first", "direct")
     recorders = record_keys(monkeypatch, honour_options=False)
-    assert encoded_fused.self_check(pool)
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     warmed = len(recorders["encode"].keys)
     serve(pool, device_pool, SIZES)
     assert len(recorders["encode"].keys) > warmed

@@ -101,11 +101,8 @@ def round_trip(dtype, values, access):
     device_pool = make_device_pool(geo, device_tokens=32)
     pool = make_host_pool(
         device_pool, host_tokens=32, layout="layer_first",
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+        host_pool_cls=MHATokenToKVPoolINT8Host, fused_transfer=access or "off",
     )  # fmt: skip
-    if access is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = access
     n = len(values)
     dev = torch.arange(1, n + 1)
     for layer in range(geo.layer_num):

@@ -2,11 +2,12 @@
 its transfer-path reporting, run on CPU pools with the fused kernels under the
 Triton interpreter (TRITON_INTERPRET=1).
 
-The constructor runs the self-check when the transfer device is CUDA and the
-fused path is selected (tests/gpu/ covers that on a GPU); here the same function
-is called on a CPU pool with the fused path switched on. Faults are injected
-into the real kernel wrappers: an exception in a launch, a wrong byte in the
-host records, a wrong byte in the restored rows.
+The constructor runs the self-check when it chooses a fused path on CUDA
+(tests/gpu/ covers that on a GPU); here the same choice (choose_transfer with
+check=True) and the self-check itself run on CPU pools built on the fused
+path. Faults are injected into the real kernel wrappers: an
+exception in a launch, a wrong byte in the host records, a wrong byte in the
+restored rows.
 """
 
 from __future__ import annotations
@@ -74,20 +75,19 @@ def test_self_check_passes_and_leaves_the_pool_as_it_was(
 ):
     geo = Geometry(layer_num=2, page_size=page_size, dtype=dtype)
     device_pool, pool = build(geo, layout, access)
-    before = snapshot(device_pool, pool)
-    assert encoded_fused.self_check(pool) is True
     assert pool.transfer_path == f"fused_{access}"
+    before = snapshot(device_pool, pool)
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     assert_unchanged(before, snapshot(device_pool, pool))
 
 
 def test_torch_path_needs_no_self_check(monkeypatch):
-    device_pool, pool = build(Geometry(), "page_first", None)
-
     def fail(*args, **kwargs):
         raise AssertionError("the torch path must not launch kernels")
 
     monkeypatch.setattr(kt, "encode_gather", fail)
-    assert encoded_fused.self_check(pool) is True and pool.transfer_path == "torch"
+    device_pool, pool = build(Geometry(), "page_first", None)
+    assert pool.transfer_path == "torch"
 
 
 def flip_one_byte(t: torch.Tensor, index) -> None:
@@ -143,10 +143,8 @@ def test_self_check_fault_falls_back_to_torch(monkeypatch, caplog, inject, acces
     before = snapshot(device_pool, pool)
     cause = inject(monkeypatch)
     with caplog.at_level(logging.WARNING, logger=LOGGER):
-        assert encoded_fused.self_check(pool) is False
-    assert pool.transfer_path == "torch" and not pool.use_fused_kernels
-    assert pool.transfer_path_reason.startswith("self-check failed: ")
-    assert cause in pool.transfer_path_reason
+        found = encoded_fused.self_check(pool.transfer_context, pool.transfer)
+    assert found is not None and cause in found
     warnings = [
         r
         for r in caplog.records
@@ -156,8 +154,16 @@ def test_self_check_fault_falls_back_to_torch(monkeypatch, caplog, inject, acces
     assert f"fused_{access}" in warnings[0].getMessage()
     assert_unchanged(before, snapshot(device_pool, pool))
 
-    # The pool keeps working, on the torch path, with the reference's bytes.
+    # The choice the constructor makes on CUDA: the torch path, saying why.
+    transfer, why = encoded_fused.choose_transfer(
+        pool.transfer_context, False, access, check=True
+    )
+    assert transfer.path == "torch" and why.startswith("self-check failed: ")
+    assert cause in why
+
+    # A pool on the torch path keeps working, with the reference's bytes.
     monkeypatch.undo()
+    device_pool, pool = build(geo, "page_first", None)
     dev = torch.arange(8 * geo.page_size, 10 * geo.page_size)
     fill_random(device_pool, dev, seed=9)
     rows = device_pool.k_buffer[1][dev].clone()
@@ -189,30 +195,50 @@ def test_transfer_path_and_reason(monkeypatch, caplog):
     _, pool = build(geo, "page_first", None)
     assert pool.transfer_path_reason == "SGLANG_HICACHE_FUSED_TRANSFER=off"
 
-    pool.use_fused_kernels = True
+    # The constructor argument overrides the variable, once.
+    _, pool = build(geo, "page_first", "staged")
+    assert (pool.transfer_path, pool.transfer_path_reason) == (
+        "fused_staged",
+        "fused_transfer=staged",
+    )
+    with pytest.raises(ValueError, match="fused_transfer='bogus'.*auto, off"):
+        build(geo, "page_first", "bogus")
+
+
+def test_the_pool_has_no_transfer_path_setters():
+    """The path is chosen once, at construction."""
+    _, pool = build(Geometry(), "page_first", "direct")
+    with pytest.raises(AttributeError):
+        pool.use_fused_kernels = False
+    assert not hasattr(pool, "fused_host_access")
+    assert not hasattr(pool, "use_run_copies")
     assert pool.transfer_path == "fused_direct"
-    assert pool.transfer_path_reason == "set on the pool object"
-    pool.fused_host_access = "staged"
-    assert pool.transfer_path == "fused_staged"
-    with pytest.raises(ValueError, match="direct or staged"):
-        pool.fused_host_access = "bogus"
 
 
-def test_direct_access_refused_switches_to_staged_with_reason(monkeypatch):
-    """Triton's launcher refuses a host pointer the device cannot reach; the
-    pool moves to staged transfers and says why."""
-    geo = Geometry(layer_num=2, page_size=2)
-    device_pool, pool = build(geo, "page_first", "direct")
-    real = kt.encode_gather
+def test_unpinned_direct_request_is_settled_at_construction(monkeypatch):
+    """Asked for direct access to unpinned host memory on CUDA, the choice
+    tries the direct path's self-check, then staged: decided once, before
+    any transfer, never by a failing launch."""
+    import dataclasses
 
-    def refusing(k_table, v_table, device_indices, k_out, *args, **kwargs):
-        if k_out.shape[0] == pool.page_num:  # the host buffers, not staging
-            raise ValueError("Pointer argument cannot be accessed from Triton")
-        real(k_table, v_table, device_indices, k_out, *args, **kwargs)
+    _, pool = build(Geometry(), "page_first", None)
+    monkeypatch.setattr(kt, "available", lambda device: True)
+    checked = []
 
-    monkeypatch.setattr(kt, "encode_gather", refusing)
-    dev = torch.arange(8, 12)
-    host = pool.alloc(4)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    assert pool.transfer_path == "fused_staged"
-    assert pool.transfer_path_reason.startswith("host memory not device-addressable")
+    def self_check(ctx, transfer):
+        checked.append(transfer.path)
+        return "ValueError: no UVA" if transfer.access == "direct" else None
+
+    monkeypatch.setattr(encoded_fused, "self_check", self_check)
+    on_cuda = dataclasses.replace(pool.transfer_context, device=torch.device("cuda"))
+    transfer, why = encoded_fused.choose_transfer(on_cuda, False, "direct")
+    assert checked == ["fused_direct", "fused_staged"]
+    assert (transfer.path, why) == (
+        "fused_staged",
+        "host memory not device-addressable (not pinned)",
+    )
+    # Pinned, the direct path is the only candidate: failing, torch serves.
+    checked.clear()
+    transfer, why = encoded_fused.choose_transfer(on_cuda, True, "direct")
+    assert checked == ["fused_direct"]
+    assert (transfer.path, why) == ("torch", "self-check failed: ValueError: no UVA")

@@ -243,12 +243,10 @@ def pool_round_trip(
     device_pool = make_device_pool(geo, device_tokens=16 * p)
     pool = make_host_pool(
         device_pool, host_tokens=16 * p, layout=layout,
-        host_pool_cls=MHATokenToKVPoolINT8Host,
+        host_pool_cls=MHATokenToKVPoolINT8Host, fused_transfer=mode,
     )  # fmt: skip
-    assert pool.use_fused_kernels is False  # CPU default: the torch path
-    if mode is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = mode
+    # None: the CPU default, the torch path.
+    assert pool.transfer_path == ("torch" if mode is None else f"fused_{mode}")
     gen = torch.Generator().manual_seed(geo.head_num * 7 + p)
     pages = torch.randperm(n_pages, generator=gen) + 1
     dev = (pages[:, None] * p + torch.arange(p)).flatten()
@@ -358,8 +356,8 @@ def test_host_index_out_of_range_is_rejected():
         host_tokens=16,
         layout="layer_first",
         host_pool_cls=MHATokenToKVPoolINT8Host,
+        fused_transfer="direct",
     )
-    pool.use_fused_kernels = True
     with pytest.raises(IndexError):
         pool.backup_from_device_all_layer(
             device_pool, torch.tensor([pool.size]), torch.tensor([1]), "direct"
@@ -420,8 +418,8 @@ def test_cuda_defaults_fused_and_run_copies(cuda_typed, pinned):
     """On CUDA: fused kernels, per-run copies, and direct host access exactly
     when the host memory is pinned."""
     pool = build_pool_on(make_device_pool(Geometry(), 16), cuda_typed, pinned)
-    assert pool.use_fused_kernels and pool.use_run_copies
-    assert pool.fused_host_access == ("direct" if pinned else "staged")
+    assert pool.planner.use_runs
+    assert pool.transfer_path == ("fused_direct" if pinned else "fused_staged")
     # The direct path stages nothing; the staged one has both directions.
     assert sorted(pool.staging.directions) == ([] if pinned else ["d2h", "h2d"])
 
@@ -430,10 +428,8 @@ def test_cuda_defaults_fused_and_run_copies(cuda_typed, pinned):
 def test_fused_env_overrides_the_cuda_default(cuda_typed, monkeypatch, mode):
     monkeypatch.setenv(encoded_fused.FUSED_ENV, mode)
     pool = build_pool_on(make_device_pool(Geometry(), 16), cuda_typed, True)
-    assert pool.use_fused_kernels is (mode != "off")
-    assert pool.use_run_copies  # the torch path on CUDA copies per run
-    if mode != "off":
-        assert pool.fused_host_access == mode
+    assert pool.transfer_path == ("torch" if mode == "off" else f"fused_{mode}")
+    assert pool.planner.use_runs  # the torch path on CUDA copies per run
 
 
 def test_mode_selection(monkeypatch):
@@ -443,11 +439,15 @@ def test_mode_selection(monkeypatch):
     def build():
         return build_pool_on(device_pool)
 
-    pool = build()  # CPU: torch path by default, kernels can reach host memory
-    assert not pool.use_fused_kernels and pool.fused_host_access == "direct"
-    assert not pool.use_run_copies
+    pool = build()  # CPU: torch path by default
+    assert (pool.transfer_path, pool.transfer_path_reason) == (
+        "torch",
+        "not CUDA (cpu)",
+    )
+    assert not pool.planner.use_runs
+    # Asked for, the kernels run here (under the interpreter).
     monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "staged")
-    assert build().fused_host_access == "staged"
+    assert build().transfer_path == "fused_staged"
     monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "bogus")
     with pytest.raises(ValueError, match="SGLANG_HICACHE_FUSED_TRANSFER"):
         build()

@@ -416,12 +416,11 @@ def pool_round_trip(layout, page_size, dtype, mode, layers=2):
     geo = hh.MLAGeometry(layer_num=layers, dtype=dtype, page_size=page_size)
     device_pool = hh.make_device_pool(geo, device_tokens=8 * page_size)
     pool = hh.make_host_pool(
-        device_pool, host_tokens=8 * page_size, layout=layout, host_dtype="int8"
-    )
-    assert pool.use_fused_kernels is False  # CPU default: the torch path
-    if mode is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = mode
+        device_pool, host_tokens=8 * page_size, layout=layout, host_dtype="int8",
+        fused_transfer=mode,
+    )  # fmt: skip
+    # None: the CPU default, the torch path.
+    assert pool.transfer_path == ("torch" if mode is None else f"fused_{mode}")
     g = torch.Generator().manual_seed(page_size)
     dev = (torch.randperm(6, generator=g)[:3] + 1)[:, None] * page_size
     dev = (dev + torch.arange(page_size)).flatten()
@@ -485,14 +484,18 @@ def test_pool_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
     is wrong."""
     geo = hh.MLAGeometry(layer_num=2, page_size=16)
     device_pool = hh.make_device_pool(geo, device_tokens=8 * 16)
-    pool = hh.make_host_pool(device_pool, host_tokens=8 * 16, host_dtype="int8")
-    pool.use_fused_kernels = True
-    assert encoded_fused.self_check(pool) and pool.transfer_path == "fused_direct"
+    pool = hh.make_host_pool(
+        device_pool, host_tokens=8 * 16, host_dtype="int8", fused_transfer="direct"
+    )
+    assert pool.transfer_path == "fused_direct"
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     real = mk.decode_scatter
 
     def reversed_slots(records, host, dst, dev, **kw):
         real(records, host, dst, dev.flip(0), **kw)  # in range, wrong rows
 
     monkeypatch.setattr(mk, "decode_scatter", reversed_slots)
-    assert not encoded_fused.self_check(pool)
-    assert pool.transfer_path == "torch" and "self-check" in pool.transfer_path_reason
+    transfer, why = encoded_fused.choose_transfer(
+        pool.transfer_context, False, "direct", check=True
+    )
+    assert transfer.path == "torch" and "self-check" in why

@@ -13,19 +13,18 @@ import torch
 
 from sglang.srt.mem_cache.pool_host import kv_hadamard as kh
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
-from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
 from tests.support.codec_inputs import UNIT_KINDS as KINDS
 from tests.support.codec_inputs import assert_same_bits, make_units
 
 NAN = float("nan")
 INF = float("inf")
 BLOCKS = (16, 32, 64, 128, 256)
-# (format, its base format); k8rv4r is the measured-only keys-rotated k8v4.
-FORMATS = {"int4r": "int4", "k8v4r": "k8v4", "k8rv4r": "k8v4"}
+# (format, its base format).
+FORMATS = {"int4r": "int4", "k8v4r": "k8v4"}
 
 
 def format_cls(name):
-    return K8V4RotKeysHostFormat if name == "k8rv4r" else host_format_cls(name)
+    return host_format_cls(name)
 
 
 def sylvester(block: int) -> torch.Tensor:

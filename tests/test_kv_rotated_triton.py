@@ -237,5 +237,3 @@ def test_rotation_arguments_checked():
         k4.encode_gather(tables, idx, k8.all_layers(), idx,
                          rotation_blocks=(64, 64), rotation_signs=signs)  # fmt: skip
     assert fmt.fused_available(torch.device("cpu"))
-    unrotatable = host_format_cls("k8v4r", "mha").__mro__[0]
-    assert unrotatable.fused_rotation

@@ -145,7 +145,7 @@ def test_fused_load_index_cache_sees_in_place_changes():
     the cache ignoring the tensor's version)."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=4)
     rig = make_rig(geo, layout="page_first", host_dtype="int8")
-    fused = FusedTransfer(rig.host_pool)
+    fused = FusedTransfer(rig.host_pool.transfer_context, "direct")
     # A GPU upload is a copy; on CPU the tensor itself would hide a stale cache.
     fused._on_device = lambda t: t.clone()
     host = torch.arange(8, dtype=torch.int64)

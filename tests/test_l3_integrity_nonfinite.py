@@ -84,10 +84,10 @@ def _stored_nonfinite_groups(pool) -> int:
 def _backed_up_pool(name, kind, layout, page_size, path):
     geo = _geometry(kind, page_size)
     device_pool = make_device_pool(geo, device_tokens=64)
-    pool = make_host_pool(device_pool, host_tokens=64, layout=layout, host_dtype=name)
-    if path == "fused":
-        pool.use_fused_kernels = True
-        pool.fused_host_access = "direct"
+    pool = make_host_pool(
+        device_pool, host_tokens=64, layout=layout, host_dtype=name,
+        fused_transfer="direct" if path == "fused" else "off",
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(3)
     dev = torch.arange(page_size, page_size + 32)
     buffers = (

@@ -100,23 +100,22 @@ def kernels(monkeypatch):
 
 def build(layout, page_size, dtype=torch.bfloat16, fused=None):
     geo = MLAGeometry(layer_num=3, dtype=dtype, page_size=page_size)
-    device_pool, pool = paged_pools(
-        geo, layout, 16, 8, host_pool_cls=MLATokenToKVPoolINT8Host
-    )
-    if fused is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = fused
-    return device_pool, pool
+    # fused None: the CPU default, the torch path.
+    return paged_pools(
+        geo, layout, 16, 8, host_pool_cls=MLATokenToKVPoolINT8Host,
+        fused_transfer=fused,
+    )  # fmt: skip
 
 
 def test_without_the_kernel_module_the_torch_path_serves(monkeypatch):
     monkeypatch.setitem(
         sys.modules, mla_codec.MLAInt8HostFormat.kernel_module, None
     )  # not importable
-    _, pool = build("page_first", 4)
+    _, pool = build("page_first", 4, fused="direct")
     fmt = pool.host_format
     assert not fmt.fused_available(torch.device("cpu"))
     assert pool.transfer_path == "torch"
+    assert pool.transfer_path_reason == "no fused int8 kernels for this device"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -165,8 +164,8 @@ def test_self_check_passes_and_puts_everything_back(kernels, access):
     before = [t.clone() for t in pool.kv_buffer] + [
         t.clone() for t in device_pool.kv_buffer
     ]
-    assert encoded_fused.self_check(pool)
     assert pool.transfer_path == f"fused_{access}"
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     for a, b in zip(before, list(pool.kv_buffer) + list(device_pool.kv_buffer)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     assert pool.nonfinite_group_count() == 0
@@ -182,6 +181,7 @@ def test_self_check_catches_kernels_that_differ(kernels, monkeypatch):
 
     monkeypatch.setattr(kernels, "decode_scatter", lossy_decode)
     _, pool = build("page_first", 4, fused="direct")
-    assert not encoded_fused.self_check(pool)
-    assert pool.transfer_path == "torch"
-    assert "self-check failed" in pool.transfer_path_reason
+    transfer, why = encoded_fused.choose_transfer(
+        pool.transfer_context, False, "direct", check=True
+    )
+    assert transfer.path == "torch" and "self-check failed" in why

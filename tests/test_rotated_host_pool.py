@@ -19,7 +19,6 @@ from tests.support.hicache_harness import (
     assert_self_check_falls_back,
 )
 from sglang.srt.mem_cache.pool_host import encoded_fused
-from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
 from tests.support.int4_pool_checks import (
     build,
     check_controller_random_operations,
@@ -76,26 +75,22 @@ def test_startup_log_states_rotation_and_cpu_torch_path(
 @pytest.mark.parametrize("fmt", ROTATED)
 def test_fused_kernels_are_selected_where_the_base_kernels_run(fmt, monkeypatch):
     """The rotated formats take the fused path wherever int4/k8v4 would (a
-    CUDA transfer device here); the INT8-rotated-keys variant has no kernels
-    and says so naming the flag."""
+    CUDA transfer device here, its self-check taken as passed)."""
+    import dataclasses
+
     from sglang.kernels.ops.kvcache import kv_int4_triton
 
     _, _, pool = build(fmt, "page_first", 16)
     monkeypatch.setattr(kv_int4_triton, "available", lambda device: True)
-    assert pool.host_format.fused_rotation
     assert pool.host_format.fused_available(torch.device("cuda"))
-    pool._transfer_device = torch.device("cuda")  # only select_transfer reads it
-    transfer = encoded_fused.select_transfer(pool)
+    on_cuda = dataclasses.replace(pool.transfer_context, device=torch.device("cuda"))
+    transfer, why = encoded_fused.choose_transfer(on_cuda, False, None, check=False)
     assert isinstance(transfer, encoded_fused.FusedTransfer)
     # Not pinned on this CPU pool: staged, the reason int4's pools give too.
-    assert (
-        pool.transfer_path_reason == "host memory not device-addressable (not pinned)"
+    assert (transfer.path, why) == (
+        "fused_staged",
+        "host memory not device-addressable (not pinned)",
     )
-
-    k8rv4r = K8V4RotKeysHostFormat((64, 64), 2, 16, torch.bfloat16)
-    assert not k8rv4r.fused_available(torch.device("cuda"))
-    with pytest.raises(NotImplementedError, match="--hicache-host-dtype k8rv4r"):
-        k8rv4r.encode_gather(None, None, None, None)
 
 
 @pytest.mark.usefixtures("triton_interpreter")
@@ -105,18 +100,18 @@ def test_self_check_passes_and_catches_wrong_signs(fmt, monkeypatch, caplog):
     """The start-up self-check (the other formats' own) passes on the fused
     path; kernels given another sign vector fail it and the pool falls back
     to the torch path."""
-    _, device_pool, pool = build(fmt, "page_first", 16)
-    pool.use_fused_kernels = True
-    assert encoded_fused.self_check(pool) is True
+    _, device_pool, pool = build(fmt, "page_first", 16, fused_transfer="direct")
     assert pool.transfer_path == "fused_direct"
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
 
-    fmt_obj, real = pool.host_format, pool.host_format._kernel_rotation
+    fmt_cls = type(pool.host_format)
+    real = fmt_cls._kernel_rotation
 
-    def flipped(device):
-        args = real(device)
+    def flipped(self, device):
+        args = real(self, device)
         return {**args, "rotation_signs": -args["rotation_signs"]}
 
-    monkeypatch.setattr(fmt_obj, "_kernel_rotation", flipped)
+    monkeypatch.setattr(fmt_cls, "_kernel_rotation", flipped)
     assert_self_check_falls_back(pool, caplog, "differs from the torch reference")
 
 

@@ -149,10 +149,8 @@ def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
 def test_fused_path_moves_the_sink_page_keys_on_the_torch_path(fmt, access):
     """Under the Triton interpreter: the pool's fused 4-bit kernels, then the
     side store's keys on the torch path, give the reference's bits."""
-    rig = build(fmt)
+    rig = build(fmt, fused_transfer=access)
     pool = rig.host_pool
-    pool.use_fused_kernels = True
-    pool.fused_host_access = access
     host, written = backup(rig, 2 * PAGE, seed=11, sink=True)
     assert pool.transfer_path == f"fused_{access}"
     assert pool.sink_pages.transfer.path == "torch"
@@ -273,10 +271,10 @@ def test_marking_a_page_twice_takes_one_slot():
 @pytest.mark.parametrize(
     "fmt, tokens, match",
     [
-        ("int8", 64, "4-bit-key formats"),
-        ("int8c", 64, "4-bit-key formats"),
-        ("k8v4", 64, "every key at 8 bits already"),
-        ("k8v4r", 64, "every key at 8 bits already"),
+        ("int8", 64, r"formats that store keys at 4 bits \(int4, int4r\)"),
+        ("int8c", 64, "formats that store keys at 4 bits"),
+        ("k8v4", 64, "--hicache-host-dtype k8v4 does not"),
+        ("k8v4r", 64, "--hicache-host-dtype k8v4r does not"),
         ("int4", 8, "at least the page size"),
     ],
 )
@@ -659,3 +657,38 @@ def test_readable_bytes(n, text):
     from sglang.srt.mem_cache.pool_host.sink_page import readable_bytes
 
     assert readable_bytes(n) == text
+
+
+def test_the_sink_page_hooks_are_declared_and_take_bytes():
+    """HostKVCache declares the controller's sink-page hooks (a pool without
+    the sink page answers "none"); the controller reads them plainly; the pool
+    names the object to get and receives its bytes, never a backend."""
+    import inspect
+
+    from sglang.srt.managers import cache_controller
+    from sglang.srt.mem_cache.pool_host.base import HostKVCache
+
+    source = inspect.getsource(cache_controller)
+    hooks = (
+        "storage_sink_objects",
+        "storage_sink_page_get",
+        "restore_storage_sink_page",
+    )
+    for hook in hooks:
+        assert hook in vars(HostKVCache), hook
+        assert f'"{hook}"' not in source, f"{hook} probed by name"
+    off = build("int4", sink_tokens=0).host_pool
+    assert off.storage_sink_page_get("k", torch.arange(PAGE)) is None
+
+    rig = build("int4")
+    pool = rig.host_pool
+    host = pool.alloc(PAGE)
+    key, dst = pool.storage_sink_page_get("page0", host)
+    assert key == "page0" + L3_KEY_SUFFIX
+    assert dst.dtype == torch.uint8 and dst.numel() == len(
+        pool.sink_pages.l3.read(0, key)
+    )
+    # A miss (or a get that raised): counted, the page stays 4-bit.
+    pool.restore_storage_sink_page(key, host, None)
+    assert pool.sink_page_counts()["l3"]["refused"]["missing"] == 1
+    assert pool.sink_page_counts()["stored"] == 0

@@ -41,10 +41,8 @@ def packed_pool(geo, host_dtype, layout, drafts, mode):
         draft_buffer_infos=tuple(
             d.get_device_pool_infos()[0].buffer_info for d in draft_pools
         ),
+        fused_transfer=mode,
     )
-    if mode is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = mode
     assert pool.transfer_path == ("torch" if mode is None else f"fused_{mode}")
     return target, draft_pools, pool
 
@@ -145,8 +143,9 @@ def test_packed_draft_fused_matches_torch_mla(layout, page_size, mode):
     ids=["int8", "k8v4", "mla-int8"],
 )
 def test_start_up_self_check_covers_the_draft_layers(geo, host_dtype):
-    """The start-up self-check (run on CUDA before the first transfer) restores
-    every layer, the drafts with is_draft, so the fused path stays selected."""
+    """The start-up self-check (run whenever the pool chooses a fused path)
+    restores every layer, the drafts included, so the fused path stays
+    selected."""
     _, _, pool = packed_pool(geo, host_dtype, "page_first", 1, "direct")
-    assert encoded_fused.self_check(pool)
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     assert pool.transfer_path == "fused_direct"

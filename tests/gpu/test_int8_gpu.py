@@ -79,17 +79,15 @@ def record_event():
     return event
 
 
-def int8_pool(dev_pool, layout, host_tokens, pin_memory=CUDA):
+def int8_pool(dev_pool, layout, host_tokens, pin_memory=CUDA, **pool_kwargs):
     """The INT8 host pool as the server builds it on this device. On CPU (dry
     run) the fused kernels are switched on, so the kernels a GPU would run
     are the ones exercised."""
-    pool = make_host_pool(
+    pool_kwargs.setdefault("fused_transfer", None if CUDA else "direct")
+    return make_host_pool(
         dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
-        host_tokens=host_tokens, pin_memory=pin_memory,
+        host_tokens=host_tokens, pin_memory=pin_memory, **pool_kwargs,
     )  # fmt: skip
-    if not CUDA:
-        pool.use_fused_kernels = True
-    return pool
 
 
 def alloc_host(pool, tokens: int) -> torch.Tensor:
@@ -106,9 +104,8 @@ def assert_cuda_defaults(pool) -> None:
     """What a server on CUDA runs with pinned host memory: the fused kernels
     reaching host memory directly, confirmed by the start-up self-check, and
     run copies for the paths that stage."""
-    assert pool.use_fused_kernels and pool.fused_host_access == "direct"
-    assert pool.transfer_path == "fused_direct"
-    assert pool.use_run_copies
+    assert pool.use_fused_kernels and pool.transfer_path == "fused_direct"
+    assert pool.planner.use_runs
 
 
 def unordered_units(units: torch.Tensor, count: int) -> torch.Tensor:
@@ -147,7 +144,7 @@ def test_fused_path_is_the_default_on_cuda():
         assert pool.staging.directions == ()  # the direct path needs no staging
         assert pool.transfer.tables()[0].aligned  # vectorized device loads
     else:
-        assert not pool.use_fused_kernels and not pool.use_run_copies
+        assert not pool.use_fused_kernels and not pool.planner.use_runs
     destroy_host_pool(pool)
 
 
@@ -235,11 +232,8 @@ def pool_round_trip(layout, page, geo, mode, *, poison=False, layers=3, pages=5)
     )  # fmt: skip
     pool = make_host_pool(
         dev_pool, cls=MHATokenToKVPoolINT8Host, layout=layout,
-        host_tokens=16 * page, pin_memory=CUDA,
+        host_tokens=16 * page, pin_memory=CUDA, fused_transfer=mode or "off",
     )  # fmt: skip
-    pool.use_fused_kernels = mode is not None
-    if mode is not None:
-        pool.fused_host_access = mode
     g = torch.Generator().manual_seed(H * 100 + page)
     dev = pages_to_tokens(torch.randperm(pages, generator=g) + 1, page)
     written = []
@@ -471,24 +465,30 @@ def test_controller_layer_events_cover_a_delayed_restore(monkeypatch):
 
 
 def test_unpinned_host_memory(caplog):
-    """Unpinned host buffers: staged by default; forcing direct either works
-    (the platform maps pageable memory) or falls back to staged with a
-    warning. The bytes are right either way."""
+    """Unpinned host buffers: staged by default; asking for direct either
+    works (the platform maps pageable memory: its self-check passes) or the
+    pool chooses staged at construction, saying why. The bytes are right
+    either way."""
     dev_pool, pinned_pool, dev, written = qwen_like_pool(
         "layer_first", page=1, layers=2
     )
     destroy_host_pool(pinned_pool)
-    pool = int8_pool(dev_pool, "layer_first", len(dev) + 64, pin_memory=False)
     if CUDA:
-        assert pool.use_fused_kernels and pool.fused_host_access == "staged"
-    pool.fused_host_access = "direct"
-    host = alloc_host(pool, len(dev))
+        pool = int8_pool(dev_pool, "layer_first", len(dev) + 64, pin_memory=False)
+        assert pool.transfer_path == "fused_staged"
+        destroy_host_pool(pool)
     with caplog.at_level(logging.WARNING):
-        pool.backup_from_device_all_layer(dev_pool, host, dev, "kernel")
-        sync()
-    assert pool.fused_host_access in ("direct", "staged")
-    if pool.fused_host_access == "staged":
-        assert "cannot address the host buffers" in caplog.text
+        pool = int8_pool(
+            dev_pool, "layer_first", len(dev) + 64, pin_memory=False,
+            fused_transfer="direct",
+        )  # fmt: skip
+    assert pool.transfer_path in ("fused_direct", "fused_staged")
+    if pool.transfer_path == "fused_staged":
+        assert "not device-addressable" in pool.transfer_path_reason
+        assert "self-check of the fused_direct path failed" in caplog.text
+    host = alloc_host(pool, len(dev))
+    pool.backup_from_device_all_layer(dev_pool, host, dev, "kernel")
+    sync()
     for layer in range(2):
         dev_pool.k_buffer[layer].fill_(7.0)
         pool.load_to_device_per_layer(dev_pool, host, dev, layer, "kernel")

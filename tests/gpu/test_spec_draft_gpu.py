@@ -57,12 +57,13 @@ def packed_pool(kind: str, fused: bool):
         end_layer=target.end_layer,
         host_token_capacity=8 * PAGE,
         draft_buffer_infos=(draft.get_device_pool_infos()[0].buffer_info,),
+        # On CPU (dry run) "direct" runs the kernels under the interpreter.
+        fused_transfer="direct" if fused else "off",
         **extra,
     )
-    if CUDA:
+    if fused:
         # The start-up self-check ran over all three layers and kept the kernels.
         assert pool.transfer_path == "fused_direct"
-    pool.use_fused_kernels = fused
     return target, draft, pool
 
 

@@ -254,8 +254,9 @@ def make_device_pool(
 
 
 def make_host_pool(
-    device_pool, *, cls, layout: str, host_tokens: int, pin_memory: bool
+    device_pool, *, cls, layout: str, host_tokens: int, pin_memory: bool, **extra
 ):
+    """extra: the pool's own constructor keywords (fused_transfer, run_copies)."""
     from tests.support import hicache_harness as hh
 
     return hh.make_host_pool(
@@ -264,6 +265,7 @@ def make_host_pool(
         layout=layout,
         host_pool_cls=cls,
         pin_memory=pin_memory,
+        **extra,
     )
 
 

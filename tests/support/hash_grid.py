@@ -147,13 +147,11 @@ class _Digest:
         return self._h.hexdigest()
 
 
-def _set_path(pool, path) -> None:
+def _path_kwargs(path) -> dict:
+    """The pool's constructor arguments that choose the transfer path."""
     if path.startswith("fused_"):
-        pool.use_fused_kernels = True
-        pool.fused_host_access = path.removeprefix("fused_")
-    else:
-        pool.use_fused_kernels = False
-        pool.use_run_copies = path == "torch_runs"
+        return {"fused_transfer": path.removeprefix("fused_")}
+    return {"fused_transfer": "off", "run_copies": path == "torch_runs"}
 
 
 def _zero_copy_meta(pool, host_tokens):
@@ -182,8 +180,9 @@ def run_case(key: str) -> str:
     info = device_pool.get_device_pool_infos()[0].buffer_info
     try:
         pool = make_host_pool(
-            device_pool, host_tokens=PAGES * page_size, layout=layout, host_dtype=fmt
-        )
+            device_pool, host_tokens=PAGES * page_size, layout=layout,
+            host_dtype=fmt, **_path_kwargs(path),
+        )  # fmt: skip
     except NotImplementedError:
         d.add("refused", True)
         return d.hexdigest()
@@ -200,7 +199,7 @@ def run_case(key: str) -> str:
     d.add("dummy_page", pool.get_dummy_flat_data_page())
     for buf in pool.host_records.values():
         buf.zero_()
-    _set_path(pool, path)
+    assert pool.transfer_path == path.removesuffix("_runs")
 
     dev = _token_ids(DEVICE_PAGES, page_size)
     host = _token_ids(HOST_PAGES, page_size)

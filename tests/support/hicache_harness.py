@@ -354,17 +354,20 @@ def write_evict_load(rig: HiCacheRig, dev: torch.Tensor, evict=None) -> torch.Te
 
 
 def assert_self_check_falls_back(pool, caplog, cause: str) -> None:
-    """The start-up self-check of the pool's fused path fails on `cause`: the
-    pool serves on the torch path and says why."""
+    """The self-check of the pool's fused path, as its constructor runs it on
+    CUDA, fails on `cause`: the torch path is chosen, saying why."""
     import logging
 
     from sglang.srt.mem_cache.pool_host import encoded_fused
 
+    requested = pool.transfer_path.removeprefix("fused_")
     with caplog.at_level(logging.WARNING, logger="sglang"):
-        assert encoded_fused.self_check(pool) is False
-    assert pool.transfer_path == "torch"
-    assert pool.transfer_path_reason.startswith("self-check failed: ")
-    assert cause in pool.transfer_path_reason
+        transfer, why = encoded_fused.choose_transfer(
+            pool.transfer_context, pool.pin_memory, requested, check=True
+        )
+    assert transfer.path == "torch"
+    assert why.startswith("self-check failed: ")
+    assert cause in why
 
 
 def device_buffers(device_pool) -> list:

@@ -63,7 +63,10 @@ def fill_spread(device_pool, indices, seed):
     return written
 
 
-def build(fmt, layout, page_size, dtype=torch.bfloat16, head_dim=64, v_head_dim=None):
+def build(
+    fmt, layout, page_size, dtype=torch.bfloat16, head_dim=64, v_head_dim=None,
+    **pool_kwargs,
+):  # fmt: skip
     geo = Geometry(
         layer_num=2,
         head_num=2,
@@ -74,8 +77,9 @@ def build(fmt, layout, page_size, dtype=torch.bfloat16, head_dim=64, v_head_dim=
     )
     device_pool = make_device_pool(geo, device_tokens=16 * page_size)
     pool = make_host_pool(
-        device_pool, host_tokens=16 * page_size, layout=layout, host_dtype=fmt
-    )
+        device_pool, host_tokens=16 * page_size, layout=layout, host_dtype=fmt,
+        **pool_kwargs,
+    )  # fmt: skip
     return geo, device_pool, pool
 
 
@@ -154,11 +158,12 @@ def check_controller_random_operations(fmt, layout, page_size, io_backend, fused
     """The real controller's random writes, loads and evictions (on the fused
     kernels with `fused`): every restore equals the reference."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
-    rig = paged_rig(geo, layout, io_backend, 32, 48, host_dtype=fmt)
+    rig = paged_rig(
+        geo, layout, io_backend, 32, 48, host_dtype=fmt,
+        fused_transfer="direct" if fused else "off",
+    )  # fmt: skip
     assert type(rig.host_pool) is host_pool_cls(fmt)
-    if fused:
-        rig.host_pool.use_fused_kernels = True
-        assert rig.host_pool.transfer_path == "fused_direct"
+    assert rig.host_pool.transfer_path == ("fused_direct" if fused else "torch")
     dev_pool = rig.device_pool
     ut = unit_tokens(layout, page_size)
     gen = torch.Generator().manual_seed(8)
@@ -266,12 +271,10 @@ def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access
     pools = {}
     for path in ("torch", "fused"):
         pool = make_host_pool(
-            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt
-        )
+            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt,
+            fused_transfer=access if path == "fused" else "off",
+        )  # fmt: skip
         assert pool.host_format.fused_available(torch.device("cpu"))
-        if path == "fused":
-            pool.use_fused_kernels = True
-            pool.fused_host_access = access
         pools[path] = pool
     dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
     fill_spread(device_pool, dev, seed=12)

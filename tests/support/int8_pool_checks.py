@@ -26,25 +26,28 @@ INTERPRETED_KERNELS = [
 ]
 
 
-def int8_pool(device_pool, layout, host_tokens, use_run_copies=False):
-    pool = make_host_pool(
+def int8_pool(device_pool, layout, host_tokens, use_run_copies=False, **kwargs):
+    """kwargs: the pool's own constructor keywords (fused_transfer)."""
+    return make_host_pool(
         device_pool,
         host_tokens=host_tokens,
         layout=layout,
         host_pool_cls=MHATokenToKVPoolINT8Host,
+        run_copies=use_run_copies,
+        **kwargs,
     )
-    pool.use_run_copies = use_run_copies
-    return pool
 
 
-def int8_pools(geo: Geometry, device_tokens, host_tokens, layout, access=None):
+def int8_pools(
+    geo: Geometry, device_tokens, host_tokens, layout, access=None, use_run_copies=False
+):
     """A CPU device pool and the INT8 host pool over it, on the torch path or,
     with `access` (direct, staged), on the fused kernels."""
     device_pool = make_device_pool(geo, device_tokens=device_tokens)
-    pool = int8_pool(device_pool, layout, host_tokens)
-    if access is not None:
-        pool.use_fused_kernels = True
-        pool.fused_host_access = access
+    # None reads SGLANG_HICACHE_FUSED_TRANSFER: the torch path on CPU.
+    pool = int8_pool(
+        device_pool, layout, host_tokens, use_run_copies, fused_transfer=access
+    )
     return device_pool, pool
 
 

@@ -385,6 +385,7 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
     from tests.support.hicache_harness import make_device_pool, make_host_pool
 
     from sglang.srt.mem_cache.pool_host import base, encoded
+    from sglang.srt.mem_cache.pool_host.host_format import HostKVFormat
 
     p = case.page_size
     pages = max(TRANSFER_PAGES) + 1
@@ -393,15 +394,17 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
     with pytest.MonkeyPatch.context() as mp, base.host_memory_budget_scope(1 << 60):
         if case.host_tokens is not None:
             mp.setattr(encoded, "ALLOC_MEMORY_FUNCS", {"cpu": _meta_alloc})
+        # The kernels compile for the stand-in CUDA target here, launched on
+        # CPU tensors: the pool is asked for them as if they ran.
+        mp.setattr(HostKVFormat, "fused_available", lambda self, device: True)
         pool = make_host_pool(
             device_pool,
             host_tokens=case.host_tokens or pages * p,
             layout=case.layout,
             draft_buffer_infos=_draft_infos(drafts),
+            fused_transfer=case.host_access,
             **pool_kwargs,
         )
-    pool.use_fused_kernels = True
-    pool.fused_host_access = case.host_access
     for n_pages in TRANSFER_PAGES:
         tokens = n_pages * p
         rows = torch.arange(p, p + tokens)  # device page 0 is the padding page
@@ -416,8 +419,8 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
                     device_pool, restore_host, dev, layer, "kernel"
                 )
             _load_drafts(pool, drafts, restore_host, dev)
-    if pool.fused_host_access != case.host_access:
-        raise AssertionError(f"{case}: the pool left {case.host_access} access")
+    if pool.transfer_path != f"fused_{case.host_access}":
+        raise AssertionError(f"{case}: the pool chose {pool.transfer_path}")
 
 
 def _draft_pools(geo, layers: int, device_tokens: int) -> list:

@@ -40,7 +40,7 @@ def _device_pool(
     )
 
 
-def _host_pool(device_pool, layout, host_size=0, host_tokens=None):
+def _host_pool(device_pool, layout, host_size=0, host_tokens=None, **kwargs):
     info = device_pool.get_device_pool_infos()[0].buffer_info
     cls = get_mha_host_pool_cls(info, host_dtype="int8")
     return cls(
@@ -55,6 +55,7 @@ def _host_pool(device_pool, layout, host_size=0, host_tokens=None):
         start_layer=0,
         end_layer=device_pool.layer_num,
         host_token_capacity=host_tokens,
+        **kwargs,
     )
 
 
@@ -146,8 +147,8 @@ class TestMHAInt8HostPool(CustomTestCase):
 
     def test_bad_host_indices_move_nothing(self):
         device_pool = _device_pool(2)
-        pool = _host_pool(device_pool, "page_first", host_tokens=16)
-        pool.use_run_copies = True  # CUDA's default: slices wrap negative ids
+        # CUDA's default, run copies: slices wrap negative ids.
+        pool = _host_pool(device_pool, "page_first", host_tokens=16, run_copies=True)
         src = _pages(1, 2, 2)
         before = [b.clone() for b in pool.kv_buffer]
         for host in (_pages(-1, 2, 2), _pages(7, 2, 2)):

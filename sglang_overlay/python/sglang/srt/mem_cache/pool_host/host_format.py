@@ -129,6 +129,10 @@ class HostKVFormat:
     # The module of its fused Triton kernels (encode_gather/decode_scatter and
     # available), imported on first use; None: torch path only.
     kernel_module: ClassVar[str | None] = None
+    # Whether the format can keep a sequence's first page's keys at 8 bits in
+    # a side store (sink_page.py, SGLANG_HICACHE_SINK_PAGE_TOKENS): formats
+    # whose keys are 4-bit.
+    sink_page: ClassVar[bool] = False
     # Upper bound on a backed-up page's relative restore error, max |x - x^| /
     # max |x| in fp32 (backup_verify.py), derived from error_bound() in
     # docs/operations.md; the HiCacheHostKVRestoreError alert reads it.

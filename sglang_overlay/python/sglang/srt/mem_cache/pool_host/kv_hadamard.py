@@ -210,16 +210,13 @@ class RotatedHostFormatMixin:
     `rotated_sides` are rotated before the base format encodes them and
     unrotated after it decodes them; records, sizes and L3 objects are the
     base format's. The base format's fused kernels rotate inside their tiles
-    (kv_hadamard_triton) where `fused_rotation` says they can."""
+    (kv_hadamard_triton)."""
 
     rotated_sides: ClassVar[tuple[str, ...]]
     # Base format's --hicache-host-dtype, for the log line.
     base_name: ClassVar[str]
     # Not measured or tested with FP8 device KV yet: refused at start-up.
     fp8_device_kv = False
-    # Whether the base format's kernels have the rotated variant for
-    # rotated_sides (kv_int4_triton: INT4 keys and values, not INT8 keys).
-    fused_rotation: ClassVar[bool] = True
 
     def __init__(self, dims, head_num, unit_tokens, device_dtype):
         super().__init__(dims, head_num, unit_tokens, device_dtype)
@@ -331,16 +328,6 @@ class RotatedHostFormatMixin:
 
     # kernels: the base format's, told the blocks and given the signs
 
-    def fused_available(self, device) -> bool:
-        return self.fused_rotation and super().fused_available(device)
-
-    def _check_fused(self) -> None:
-        if not self.fused_rotation:
-            raise NotImplementedError(
-                f"--hicache-host-dtype {self.name} has no fused kernels; the "
-                "pool uses its torch path."
-            )
-
     def _kernel_rotation(self, device) -> dict:
         """The kernels' rotation arguments for a transfer device."""
         cache = self.__dict__.setdefault("_signs_by_device", {})
@@ -353,7 +340,6 @@ class RotatedHostFormatMixin:
         }
 
     def encode_gather(self, tables, device_indices, out, host_indices, **options):
-        self._check_fused()
         super().encode_gather(
             tables,
             device_indices,
@@ -364,7 +350,6 @@ class RotatedHostFormatMixin:
         )
 
     def decode_scatter(self, records, host_indices, dst, device_indices, **counters):
-        self._check_fused()
         super().decode_scatter(
             records,
             host_indices,

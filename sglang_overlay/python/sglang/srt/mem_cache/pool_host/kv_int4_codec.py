@@ -648,6 +648,8 @@ class Int4HostFormat(_Int4ValuesHostFormat):
 
     name = "int4"
     storage_format_tag = "int4-fp16meta-v1"
+    # Its 4-bit keys lose most on the attention sinks (sink_page.py).
+    sink_page = True
     _codec = _Codec(
         int4_encode_reference,
         int4_decode_reference,

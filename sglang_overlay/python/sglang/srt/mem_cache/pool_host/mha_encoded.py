@@ -17,10 +17,9 @@ from sglang.srt.mem_cache.pool_host.encoded import (
 )
 from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.sink_page import SinkPagePool
 
 
-class MHATokenToKVPoolEncodedHost(SinkPagePool, EncodedHostPool, MHATokenToKVPoolHost):
+class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
     """L3 storage moves pages in this encoded form: one object per page for
     generic backends (file), the format's zero-copy objects per page for
     zero-copy backends (mooncake)."""
@@ -40,14 +39,11 @@ class MHATokenToKVPoolEncodedHost(SinkPagePool, EncodedHostPool, MHATokenToKVPoo
         *args,
         write_back_staging: tuple[torch.Tensor, torch.Tensor] | None = None,
         device_kv_dtype: torch.dtype | None = None,
-        sink_page_tokens: int | None = None,
         **kwargs,
     ):
         # device_kv_dtype: the device pool's dtype; FP8 KV reaches the pool as
         # its uint8 storage dtype, so only the caller knows which FP8 it is.
         self.device_kv_dtype = self._check_device_dtype(buffer_info, device_kv_dtype)
-        # sink_page_tokens: None reads SGLANG_HICACHE_SINK_PAGE_TOKENS (sink_page.py).
-        self.sink_page_request = sink_page_tokens
         # Packed MTP draft layers (draft_buffer_infos, one per draft pool) are
         # encoded after the target's with the same format: the upstream pool
         # checks their geometry and appends their device buffers. Records move

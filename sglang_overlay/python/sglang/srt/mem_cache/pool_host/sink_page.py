@@ -30,20 +30,21 @@ import torch
 from sglang.srt.mem_cache.pool_host import host_env
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8
 from sglang.srt.mem_cache.pool_host import page_integrity as integrity
-from sglang.srt.mem_cache.pool_host.encoded import (
-    STAGING_TOKENS,
-    HostKVCounters,
-    HostRecords,
-    L3PageCodec,
-    StagingBuffers,
-    TorchTransfer,
-    UnitPlanner,
-)
 from sglang.srt.mem_cache.pool_host.host_format import (
     FP8_DEVICE_DTYPES,
     EncodeStats,
     HostKVFormat,
     HostRecord,
+)
+from sglang.srt.mem_cache.pool_host.page_codec import L3PageCodec
+from sglang.srt.mem_cache.pool_host.transfer import (
+    STAGING_TOKENS,
+    HostKVCounters,
+    HostRecords,
+    StagingBuffers,
+    TorchTransfer,
+    TransferContext,
+    UnitPlanner,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,25 +81,23 @@ def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
 
 
 def check_sink_page_format(fmt_cls, name: str) -> None:
-    """Refuses a host format without 4-bit keys (start-up and pool alike)."""
-    # Imported only when asked for: a format's codecs load only where selected.
-    from sglang.srt.mem_cache.pool_host.kv_int4_codec import (
-        Int4HostFormat,
-        K8V4HostFormat,
+    """Refuses a host format that does not declare the sink page (start-up
+    and pool alike)."""
+    if fmt_cls.sink_page:
+        return
+    # Only on refusal: naming the formats that can imports their codecs.
+    from sglang.srt.mem_cache.pool_host.host_format import (
+        HOST_DTYPES,
+        host_format_cls,
     )
 
-    if issubclass(fmt_cls, K8V4HostFormat):
-        raise ValueError(
-            f"{SINK_ENV} keeps the sink page's keys at 8 bits; --hicache-host-dtype "
-            f"{name} stores every key at 8 bits already. Unset {SINK_ENV} or "
-            "pass --hicache-host-dtype int4 or int4r."
-        )
-    if not issubclass(fmt_cls, Int4HostFormat):
-        raise ValueError(
-            f"{SINK_ENV} keeps the sink page's keys at 8 bits inside the 4-bit-key "
-            f"formats (int4, int4r); --hicache-host-dtype {name} has none. "
-            f"Unset {SINK_ENV} or pass --hicache-host-dtype int4 or int4r."
-        )
+    able = [n for n in HOST_DTYPES if host_format_cls(n, "mha").sink_page]
+    raise ValueError(
+        f"{SINK_ENV} keeps the sink page's keys at 8 bits inside the formats "
+        f"that store keys at 4 bits ({', '.join(able)}); --hicache-host-dtype "
+        f"{name} does not. Unset {SINK_ENV} or pass --hicache-host-dtype "
+        f"{' or '.join(able)}."
+    )
 
 
 def check_sink_page_size(tokens: int, page_size: int) -> None:
@@ -155,6 +154,11 @@ def sink_format(fmt, page_size: int) -> Int8KeysFormat:
     return Int8KeysFormat(fmt.dims[:1], fmt.head_num, page_size, fmt.device_dtype)
 
 
+def slot_bytes(fmt, page_size: int) -> int:
+    """Host bytes of one side-store slot, per layer."""
+    return sink_format(fmt, page_size).unit_bytes()
+
+
 def _upload(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
     # Through pinned memory on CUDA: a pageable upload would wait for the stream.
     if device.type == "cuda":
@@ -163,40 +167,60 @@ def _upload(indices: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class SinkPageStore:
-    """The side store and the host-page -> slot map; it has what
-    TorchTransfer reads from a pool, for its own records.
+    """The side store and the host-page -> slot map, a collaborator of the
+    pool; its records move with a TorchTransfer of their own context (the
+    pool's device buffers, the store's records, planner, staging, counters).
 
     The keys move on the torch path on every transfer device: the int8 fused
     kernels encode and decode K and V together (no keys-only launch without a
-    kernel change), and a sequence has one sink page of keys to move."""
+    kernel change), and a sequence has one sink page of keys to move. L3 I/O
+    is the controller's: the store hands it objects and takes bytes back."""
 
-    def __init__(self, pool, tokens_per_slot: int):
-        self.pool = pool
-        self.page_size = pool.page_size
-        self.layer_num = pool.layer_num
-        self.dtype = pool.dtype
-        self._transfer_device = pool._transfer_device
-        fmt = pool.host_format
-        self.host_format = sink_format(fmt, self.page_size)
-        self.slots = min(pool.page_num, max(1, -(-pool.size // tokens_per_slot)))
-        self.size = self.slots * self.page_size
+    def __init__(
+        self,
+        pool_ctx: TransferContext,
+        page_size: int,
+        page_num: int,
+        host_size: int,
+        tokens_per_slot: int,
+        alloc,
+        dtype: torch.dtype,
+    ):
+        fmt, dev = pool_ctx.fmt, pool_ctx.device
+        self.page_size, self.page_num = page_size, page_num
+        self.tokens_per_slot = tokens_per_slot
+        self.pool_format_name = fmt.name
+        # The pool's host indices are checked by the pool's planner.
+        self._check_host_indices = pool_ctx.planner.check
+        self.host_format = sink_format(fmt, page_size)
+        self.slots = min(page_num, max(1, -(-host_size // tokens_per_slot)))
         self.records = HostRecords(
-            self.host_format, self.slots, self.layer_num, True, pool._alloc_host
+            self.host_format, self.slots, pool_ctx.layer_num, True, alloc
         )
-        staging_units = min(max(1, STAGING_TOKENS // self.page_size), self.slots)
-        dev = self._transfer_device
-        self.planner = UnitPlanner(
-            f"{fmt.name} sink page", self.size, self.page_size, staging_units, dev
-        )
-        self.staging = StagingBuffers(self.host_format, staging_units, self.dtype, dev)
+        staging_units = min(max(1, STAGING_TOKENS // page_size), self.slots)
+        planner = UnitPlanner(
+            f"{fmt.name} sink page", self.slots * page_size, page_size,
+            staging_units, dev,
+        )  # fmt: skip
         # Kept apart from the pool's: the pool's count the 4-bit copy of every page.
-        self.counters = HostKVCounters(self.layer_num, 1, dev)
-        self.transfer = TorchTransfer(self)
+        counters = HostKVCounters(pool_ctx.layer_num, 1, dev)
+        self.transfer = TorchTransfer(
+            TransferContext(
+                self.host_format,
+                self.records,
+                planner,
+                StagingBuffers(self.host_format, staging_units, dtype, dev),
+                counters,
+                pool_ctx.device_buffers,
+                pool_ctx.layer_num,
+                dev,
+            )  # fmt: skip
+        )
         # A slot in L3: the int8 keys' own tag, geometry and seal (page_first:
         # one object per slot, every record in order), bound to its own key.
         self.l3 = L3PageCodec(
-            self.host_format, self.records, self.page_size, self.layer_num,
-            "page_first", pool._alloc_host,
+            self.host_format, self.records, page_size, pool_ctx.layer_num,
+            "page_first", alloc,
         )  # fmt: skip
         self._split_cache = None
         self.kept_4bit = 0
@@ -208,13 +232,25 @@ class SinkPageStore:
         self.l3_full = 0
         self.clear()
 
+    def log_setup(self, pool_label: str) -> None:
+        logger.info(
+            "HiCache %s sink page: the keys of each sequence's first page at "
+            "8 bits (int8 records) in %d slots, one per %d host tokens (%s=%d), "
+            "%s; L3 pages stay %s (copy-mode backends such as file: plus one "
+            "int8-keys object per sink page).",
+            pool_label,
+            self.slots,
+            self.tokens_per_slot,
+            SINK_ENV,
+            self.tokens_per_slot,
+            readable_bytes(self.nbytes()),
+            self.pool_format_name,
+        )
+
     def clear(self) -> None:
-        self.slot_of_page = torch.full((self.pool.page_num,), -1, dtype=torch.int64)
+        self.slot_of_page = torch.full((self.page_num,), -1, dtype=torch.int64)
         self.free_slots = list(range(self.slots - 1, -1, -1))
         self._split_cache = None
-
-    def _device_buffers(self, side: int):
-        return self.pool._device_buffers(side)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.records.tensors.values())
@@ -291,7 +327,7 @@ class SinkPageStore:
         if cache is not None and cache[0] == key:
             return cache[2]
         host = host_indices.to("cpu", torch.int64)
-        self.pool.planner.check(host)
+        self._check_host_indices(host)
         slot = self.slot_of_page[host // self.page_size]
         sink = slot >= 0
         split = None
@@ -340,137 +376,36 @@ class SinkPageStore:
         self.l3_stored += len(objects)
         return objects
 
-    def l3_restore(self, backend, key: str, host_indices, lock) -> None:
-        """After the 4-bit page at host_indices was prefetched from L3 under
-        `key`: its 8-bit keys' object into a slot, else it stays 4-bit."""
+    def l3_request(self, key: str, host_indices):
+        """(side key, destination) of the 8-bit keys' object to get for the
+        4-bit page at host_indices, prefetched from L3 under `key`; None if
+        the page needs none or the store is full (it stays 4-bit)."""
         unit = self._first_unit(host_indices)
         if unit is None or self.slot_of_page[unit] >= 0:
-            return
+            return None
         if not self.free_slots:
             self.l3_full += 1
-            return
-        side_key = key + L3_KEY_SUFFIX
+            return None
         dst = torch.empty(self.l3.page_bytes + integrity.SEAL_BYTES, dtype=torch.uint8)
-        try:
-            data = backend.batch_get([side_key], [dst])
-        except Exception:
-            # A failing store costs the sink page its 8 bits, never the page.
-            logger.warning(
-                "HiCache sink page: L3 get of %s failed", side_key, exc_info=True
-            )
-            data = None
-        data = data[0] if data else None
+        return key + L3_KEY_SUFFIX, dst
+
+    def l3_restore(self, side_key: str, host_indices, data) -> None:
+        """The bytes the controller got for l3_request's side key (None: the
+        get missed or failed) into a slot, once they verify."""
         if data is None:
             self.l3.note_missing(side_key)
             return
-        with lock:
-            slot = self._take_slot()
-            if slot is None:
-                self.l3_full += 1
-                return
-            try:
-                self.l3.write(slot * self.page_size, data, side_key)
-            except integrity.StoragePageRefused:
-                self.free_slots.append(slot)
-                return
-            self._assign(unit, slot)
-            self.l3_restored += 1
-
-
-class SinkPagePool:
-    """The MHA encoded pool's side of the sink page; listed before
-    EncodedHostPool, whose constructor plans the side store once the format
-    is known and before the upstream constructor sizes the pool; sink_pages
-    is None when the feature is off."""
-
-    sink_pages: SinkPageStore | None = None
-    sink_page_request: int | None = None
-    _sink_tokens_per_slot = 0
-
-    def _plan_side_stores(self, page_size: int) -> None:
-        self._sink_tokens_per_slot = sink_page_tokens(
-            self.host_format, page_size, self.sink_page_request
-        )
-        if self._sink_tokens_per_slot:
-            self._sink_slot_format = sink_format(self.host_format, page_size)
-
-    def get_size_per_token(self):
-        base = super().get_size_per_token()
-        if self.sink_pages is not None:
-            # What was allocated, so start-up log and metrics state real bytes.
-            per_token = (base * self.size + self.sink_pages.nbytes()) / self.size
-            return int(per_token) if per_token == int(per_token) else per_token
-        if self._sink_tokens_per_slot:
-            # Before allocation (HostKVCache sizes the pool by it): a slot's
-            # share of its sink_page_tokens host tokens.
-            slot = self._sink_slot_format.unit_bytes() * self.layer_num
-            return base + slot / self._sink_tokens_per_slot
-        return base
-
-    def _finish_setup(self) -> None:
-        if self._sink_tokens_per_slot:
-            self.sink_pages = SinkPageStore(self, self._sink_tokens_per_slot)
-            self.size_per_token = self.get_size_per_token()
-        super()._finish_setup()
-        if self.sink_pages is not None:
-            store = self.sink_pages
-            logger.info(
-                "HiCache %s sink page: the keys of each sequence's first page at "
-                "8 bits (int8 records) in %d slots, one per %d host tokens (%s=%d), "
-                "%s; L3 pages stay %s (copy-mode backends such as file: plus one "
-                "int8-keys object per sink page).",
-                self.pool_label,
-                store.slots,
-                self._sink_tokens_per_slot,
-                SINK_ENV,
-                self._sink_tokens_per_slot,
-                readable_bytes(store.nbytes()),
-                self.host_format.name,
-            )
-
-    def mark_sink_page(self, host_indices: torch.Tensor) -> None:
-        """HiCacheController.write(first_page_is_sink=True): host_indices'
-        first page holds a sequence's token 0."""
-        if self.sink_pages is not None:
-            with self.lock:
-                self.sink_pages.mark(host_indices)
-
-    def storage_sink_objects(self, keys, host_indices) -> list:
-        """HiCacheController's L3 page set: the extra objects of sink pages."""
-        if self.sink_pages is None:
-            return []
-        with self.lock:
-            return self.sink_pages.l3_objects(keys, host_indices)
-
-    def restore_storage_sink_page(self, backend, key, host_indices) -> None:
-        """HiCacheController's L3 page get, for a chain starting at token 0."""
-        if self.sink_pages is not None:
-            self.sink_pages.l3_restore(backend, key, host_indices, self.lock)
-
-    def sink_page_counts(self) -> dict | None:
-        return None if self.sink_pages is None else self.sink_pages.counts()
-
-    def free(self, indices: torch.Tensor) -> int:
-        with self.lock:
-            if self.sink_pages is not None:
-                self.sink_pages.release(indices)
-            return super().free(indices)
-
-    def clear(self):
-        super().clear()
-        if self.sink_pages is not None:
-            self.sink_pages.clear()
-
-    def backup_from_device_all_layer(
-        self, device_pool, host_indices, device_indices, io_backend
-    ):
-        super().backup_from_device_all_layer(
-            device_pool, host_indices, device_indices, io_backend
-        )
-        if self.sink_pages is not None:
-            self.sink_pages.backup(host_indices, device_indices)
-
-    def _load_layer(self, host_indices, device_indices, layer_id: int) -> None:
-        super()._load_layer(host_indices, device_indices, layer_id)
-        if self.sink_pages is not None:
-            self.sink_pages.load(host_indices, device_indices, layer_id)
+        unit = self._first_unit(host_indices)
+        if unit is None or self.slot_of_page[unit] >= 0:
+            return
+        slot = self._take_slot()
+        if slot is None:
+            self.l3_full += 1
+            return
+        try:
+            self.l3.write(slot * self.page_size, data, side_key)
+        except integrity.StoragePageRefused:
+            self.free_slots.append(slot)
+            return
+        self._assign(unit, slot)
+        self.l3_restored += 1

@@ -89,8 +89,8 @@ class TestKVInt8Triton(CustomTestCase):
             info, 2.0, 0, page_size, layout, pin_memory=CUDA, device="cpu",
             device_capacity_tokens=dev_pool.size, start_layer=dev_pool.start_layer,
             end_layer=dev_pool.end_layer, host_token_capacity=16 * page_size,
+            fused_transfer="direct" if fused else "off",
         )  # fmt: skip
-        pool.use_fused_kernels = fused
         g = torch.Generator().manual_seed(page_size)
         dev = torch.tensor([3, 1, 2])[:, None] * page_size + torch.arange(page_size)
         dev = dev.flatten().to(DEVICE)
