@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
-from tests.support import l3_harness as h
+from scripts.rigs import l3_harness as h
 from tests.support.codec_inputs import DTYPES
 from tests.support.conformance import (
     GEOMETRIES,
@@ -48,7 +48,7 @@ from tests.support.conformance import (
     spread,
     unit_tokens,
 )
-from tests.support.hicache_harness import finish_transfers, make_rig
+from scripts.rigs.hicache_harness import finish_transfers, make_rig
 
 CASES = format_cases()
 MHA_CASES = format_cases(kinds=("mha",))

@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
+from scripts.rigs.hicache_harness import Geometry, make_device_pool, make_host_pool
 from tests.support.conformance import LAYOUTS
 from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,

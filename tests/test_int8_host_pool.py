@@ -19,7 +19,7 @@ from sglang.srt.mem_cache.pool_host.mha import (
     get_mha_host_pool_cls,
 )
 from tests.support.conformance import GEOMETRIES, LAYOUTS, heads_geometry
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     make_device_pool,

@@ -4,7 +4,7 @@ make test, all four with HIQ_KERNEL_ARCHS=all (kernel_compile.ARCHS).
 
 Every specialisation the pool can launch over the test grid is compiled
 through the pool's real launch sites with the pinned Triton and its bundled
-ptxas (tests/support/kernel_compile.py, in worker processes that build the kernels in
+ptxas (scripts/kernel_compile.py, in worker processes that build the kernels in
 compiled mode), then checked: no compile error, no register
 spill, and the PTX keeps the IEEE arithmetic kv_int8_codec's bit-exactness
 argument relies on. The last tests break a kernel on purpose and show each
@@ -17,7 +17,7 @@ import os
 import time
 
 import pytest
-from tests.support.kernel_compile import (
+from scripts.kernel_compile import (
     ARCHS,
     SMALL,
     TRANSFER_PAGES,
@@ -111,7 +111,7 @@ def test_every_pool_kernel_compiles_cleanly(compiled, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_mla_kernel_compiles_cleanly(compiled, arch):
-    """kv_mla_int8_triton over the MLA grid (tests/support/kernel_compile.py
+    """kv_mla_int8_triton over the MLA grid (scripts/kernel_compile.py
     mla_grid): the same checks as the MHA kernels, which it shares the
     arithmetic with."""
     specs = clean_specs(compiled, "mla", arch)

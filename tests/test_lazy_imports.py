@@ -4,7 +4,7 @@ importing every upstream module the series edits to dispatch host pools."""
 
 from __future__ import annotations
 
-from tests.support.standins import run_fresh
+from scripts.rigs.standins import run_fresh
 
 PROBE = """
 import json, sys
@@ -12,7 +12,7 @@ from sglang.srt.mem_cache import hicache_auto_size
 from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost, get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost, get_mla_host_pool_cls
-from tests.support import hicache_harness as hh
+from scripts.rigs import hicache_harness as hh
 from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 built = []
 for geo in (hh.Geometry(), hh.MLAGeometry(layer_num=2)):

@@ -14,7 +14,7 @@ import logging
 import pytest
 import torch
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     assert_self_check_falls_back,
     make_device_pool,
