@@ -1069,7 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
         for arch in archs:
             print("\n".join(report(grid, runs[grid][arch])))
             problems += sum(len(s["problems"]) for s in runs[grid][arch]["specs"])
-    print(f"kernel_compile: {problems} problem(s) in {grids} for sm_{list(archs)}")
+    targets = ", ".join(f"sm_{a}" for a in archs)
+    print(f"kernel_compile: {problems} problem(s) in {grids} for {targets}")
     return 1 if problems else 0
 
 

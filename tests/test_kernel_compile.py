@@ -14,11 +14,16 @@ kind of breakage fails the check.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from scripts.kernel_compile import (
     ARCHS,
+    FORMAT_GRIDS,
+    GRIDS,
     SMALL,
     TRANSFER_PAGES,
     compile_for_targets,
@@ -31,6 +36,7 @@ from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
+REPO = Path(__file__).resolve().parents[1]
 JOBS = max(1, os.cpu_count() or 1)
 # The grid each compile test reads; the fixture compiles those selected at once.
 TEST_GRIDS = {
@@ -283,3 +289,54 @@ def test_compiling_interpreted_kernels_is_refused(tmp_path):
         pytest.skip("kernels built for the GPU here")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=0"):
         compile_for_targets(lambda: None, (86,), tmp_path)
+
+
+# --- the tool: python -m scripts.kernel_compile --------------------------------
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.kernel_compile", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_every_host_format_has_a_compile_grid():
+    """--format takes every registered --hicache-host-dtype value (a new format
+    needs its grid here) and names only real grids."""
+    from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES
+
+    assert set(FORMAT_GRIDS) == set(HOST_DTYPES)
+    assert {g for grids in FORMAT_GRIDS.values() for g in grids} <= set(GRIDS)
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--format", "int8", "--arch", "75"], "--arch='75'"),
+        (["--grid", "small+no-such-break"], "--grid 'small+no-such-break'"),
+        ([], "pass --format or --grid"),
+    ],
+)
+def test_tool_refuses_bad_arguments(args, named):
+    proc = run_tool(*args)
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-2000:]
+
+
+def test_tool_prints_the_report_and_fails_on_a_problem():
+    """One clean grid and one with a kernel broken on purpose: the report lists
+    every specialisation of both, each problem under its kernel, and the tool
+    exits 1 counting them."""
+    proc = run_tool("--grid", "small", "--grid", "small+encode-div", "--arch", "86")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    heads = [i for i, line in enumerate(lines) if " sm_86: " in line]
+    assert [lines[i].split()[0] for i in heads] == ["small", "small+encode-div"]
+    clean, broken = lines[heads[0] + 1 : heads[1]], lines[heads[1] + 1 : -1]
+    assert clean and not any("PROBLEM" in line for line in clean)
+    problems = [line for line in broken if "PROBLEM" in line]
+    assert any("non-IEEE fp32 division" in line for line in problems)
+    assert lines[-1].startswith(f"kernel_compile: {len(problems)} problem(s)")
