@@ -1044,6 +1044,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes"
     )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        metavar="DIR",
+        help="also keep each run's summary as DIR/<grid>/sm_<arch>.json",
+    )
     args = parser.parse_args(argv)
     try:
         archs = parse_archs(args.arch, "--arch")
@@ -1062,8 +1068,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("pass --format or --grid (what to compile)")
     import tempfile
 
-    with tempfile.TemporaryDirectory() as out:
-        runs = compile_grids_in_workers(grids, archs, out, args.jobs)
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = compile_grids_in_workers(grids, archs, args.json or scratch, args.jobs)
     problems = 0
     for grid in grids:
         for arch in archs:

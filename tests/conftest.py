@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 
 import pytest
@@ -237,3 +238,29 @@ def _restore_sglang_log_level():
     level = logger.level
     yield
     logger.setLevel(level)
+
+
+# `make test-fast` (HIQ_FAST=1): the interpreted kernels and the conformance
+# suite at one head geometry, each test's first value of every geometry axis
+# (layouts, unit sizes, dtypes and transfer paths all stay).
+FAST_ONE_GEOMETRY = ("test_conformance.py", "test_kv_*_triton.py")
+GEOMETRY_AXES = ("geometry", "dims", "dim", "d", "H", "heads", "dk", "dv", "rank")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("HIQ_FAST") != "1":
+        return
+    first, keep, drop = {}, [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        one = any(fnmatch.fnmatch(item.path.name, p) for p in FAST_ONE_GEOMETRY)
+        axes = [axis for axis in GEOMETRY_AXES if one and axis in params]
+        test = item.nodeid.partition("[")[0]
+        same = all(
+            first.setdefault((test, axis), params[axis]) == params[axis]
+            for axis in axes
+        )
+        (keep if same else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -13,6 +13,7 @@ kind of breakage fails the check.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from scripts.kernel_compile import (
     compile_for_targets,
     compile_grid_in_workers,
     compile_grids_in_workers,
+    main,
     ptx_problems,
 )
 
@@ -236,8 +238,35 @@ def test_type_error_in_a_kernel_fails_compilation(tmp_path):
         compile_small(tmp_path, "small+decode-type-error")
 
 
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.kernel_compile", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def tool_run(tmp_path, grid: str, arch: int, status: int) -> dict:
+    """`python -m scripts.kernel_compile --grid GRID`: its report lists each
+    specialisation, every problem under its kernel, and counts them in its
+    last line and its exit status; returns the run it kept (--json)."""
+    proc = run_tool("--grid", grid, "--arch", str(arch), "--json", str(tmp_path))
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads((tmp_path / grid / f"sm_{arch}.json").read_text())
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"{grid} sm_{arch}: {len(run['specs'])} distinct")
+    problems = [p for s in run["specs"] for p in s["problems"]]
+    assert [line for line in lines if "PROBLEM" in line] == [
+        f"    PROBLEM {p}" for p in problems
+    ]
+    assert lines[-1].startswith(f"kernel_compile: {len(problems)} problem(s)")
+    return run
+
+
 def test_approximate_division_is_reported(tmp_path):
-    run = compile_small(tmp_path, "small+encode-div")
+    run = tool_run(tmp_path, "small+encode-div", 86, status=1)
     (encode,) = by_name(run, "encode")
     assert "div.full.f32" in encode["ptx"]
     assert any("non-IEEE fp32 division" in p for p in encode["problems"])
@@ -253,7 +282,7 @@ def test_register_spill_is_reported(tmp_path):
 
 
 def test_ptx_checks_flag_non_ieee_fp16_and_missing_nan_test(tmp_path):
-    run = compile_small(tmp_path, "small", arch=89)
+    run = tool_run(tmp_path, "small", 89, status=0)
     # Direct access: one backup launch and one restore launch per layer.
     assert run["launches"] == len(TRANSFER_PAGES) * (1 + SMALL.layer_num)
     (encode,) = by_name(run, "encode")
@@ -294,16 +323,6 @@ def test_compiling_interpreted_kernels_is_refused(tmp_path):
 # --- the tool: python -m scripts.kernel_compile --------------------------------
 
 
-def run_tool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "scripts.kernel_compile", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-
-
 def test_every_host_format_has_a_compile_grid():
     """--format takes every registered --hicache-host-dtype value (a new format
     needs its grid here) and names only real grids."""
@@ -321,22 +340,7 @@ def test_every_host_format_has_a_compile_grid():
         ([], "pass --format or --grid"),
     ],
 )
-def test_tool_refuses_bad_arguments(args, named):
-    proc = run_tool(*args)
-    assert proc.returncode == 2 and named in proc.stderr, proc.stderr[-2000:]
-
-
-def test_tool_prints_the_report_and_fails_on_a_problem():
-    """One clean grid and one with a kernel broken on purpose: the report lists
-    every specialisation of both, each problem under its kernel, and the tool
-    exits 1 counting them."""
-    proc = run_tool("--grid", "small", "--grid", "small+encode-div", "--arch", "86")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    heads = [i for i, line in enumerate(lines) if " sm_86: " in line]
-    assert [lines[i].split()[0] for i in heads] == ["small", "small+encode-div"]
-    clean, broken = lines[heads[0] + 1 : heads[1]], lines[heads[1] + 1 : -1]
-    assert clean and not any("PROBLEM" in line for line in clean)
-    problems = [line for line in broken if "PROBLEM" in line]
-    assert any("non-IEEE fp32 division" in line for line in problems)
-    assert lines[-1].startswith(f"kernel_compile: {len(problems)} problem(s)")
+def test_tool_refuses_bad_arguments(capsys, args, named):
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    assert exit.value.code == 2 and named in capsys.readouterr().err
