@@ -124,13 +124,14 @@ test: venv apply
 
 # The inner loop (docs/development.md): the codecs, the kernels under Triton's
 # interpreter and the conformance suite at one head geometry (HIQ_FAST=1,
-# tests/conftest.py), the start-up refusals. `make test` stays the CI command.
+# tests/conftest.py), the start-up refusals, one torch thread per worker unless
+# OMP_NUM_THREADS says otherwise. `make test` stays the CI command.
 FAST_TESTS ?= $(wildcard tests/test_kv_*_codec.py tests/test_mla_int8_codec.py \
 	tests/test_kv_*_triton.py tests/test_conformance.py \
 	tests/test_*server_args.py tests/test_l3_args.py)
 test-fast: venv apply
-	HIQ_FAST=1 PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile \
-		$(PYTEST_ARGS) $(FAST_TESTS)
+	HIQ_FAST=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} PYTHONPATH=$(PATCHED_PATH) \
+		$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) $(FAST_TESTS)
 
 # Same host memory, more reuse: part 1 starts the patched server once per host
 # format on CPU (SmolLM2-135M, bench_serving), part 2 replays experiments A and B
