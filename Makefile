@@ -28,13 +28,14 @@ CODE_TEXT ?= python-stdlib
 DOC_TEXT ?= python-docs
 QUALITY_ARGS ?=
 
-.PHONY: help apply check-patches refresh wheel pr pr-check image test venv bench-codec quality quality-gemma demo demo-l3 gpu-check clean
+.PHONY: help apply check-patches refresh wheel pr pr-check image test test-fast venv bench-codec quality quality-gemma demo demo-l3 gpu-check clean
 
 help:
 	@echo "Times: the project's 2-core VM. [venv]: needs .venv, made on first use (network, ~3 GB; see TORCH_INDEX below)."
 	@echo "make demo           ~14 min [venv] main command: the patched server live on CPU per host format at one host budget, then the Qwen3-8B-scale replay (tables + results/demo*.png)"
 	@echo "make demo-l3        ~5 min  [venv] + libibverbs1 librdmacm1 libnuma1 (sudo bash scripts/debian_deps.sh install): INT8 vs BF16 pages in a real Mooncake L3 store (CPU)"
 	@echo "make apply          3 s: build/sglang = pinned SGLang + sglang_overlay/ + patches/ (network once: the pinned SGLang wheel)"
+	@echo "make test-fast      ~4 min  [venv] the inner loop: codecs, kernels (interpreted) and conformance at one head geometry, start-up refusals"
 	@echo "make test           ~18 min [venv] + the Debian deps (scripts/debian_deps.sh install; without them those tests skip) + ../shared/data/wikitext-2: apply + pytest"
 	@echo "make check-patches  seconds: series/patches agree and every patch applies to the pin"
 	@echo "make refresh        seconds: regenerate patches/ + sglang_overlay/ from build/sglang [MSG=subject]"
@@ -120,6 +121,17 @@ pr-check: pr $(LINT_DIR)/.stamp
 
 test: venv apply
 	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
+
+# The inner loop (docs/development.md): the codecs, the kernels under Triton's
+# interpreter and the conformance suite at one head geometry (HIQ_FAST=1,
+# tests/conftest.py), the start-up refusals, one torch thread per worker unless
+# OMP_NUM_THREADS says otherwise. `make test` stays the CI command.
+FAST_TESTS ?= $(wildcard tests/test_kv_*_codec.py tests/test_mla_int8_codec.py \
+	tests/test_kv_*_triton.py tests/test_conformance.py \
+	tests/test_startup.py)
+test-fast: venv apply
+	HIQ_FAST=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} PYTHONPATH=$(PATCHED_PATH) \
+		$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) $(FAST_TESTS)
 
 # Same host memory, more reuse: part 1 starts the patched server once per host
 # format on CPU (SmolLM2-135M, bench_serving), part 2 replays experiments A and B

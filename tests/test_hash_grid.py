@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-from tests.support.standins import REPO_ROOT
+from scripts.rigs.standins import REPO_ROOT
 
 REFERENCE = REPO_ROOT / "tests" / "hash_grid_reference.json"
 

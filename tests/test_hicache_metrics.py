@@ -1,7 +1,7 @@
 """HiCache host-tier metrics, scraped from SGLang's own collectors (issue 11).
 
 Real host pools and real HiCacheController transfers
-(tests.support.hicache_harness) feed the real code paths: UnifiedRadixCache's ack loggers into RadixCacheMetricsCollector
+(scripts.rigs.hicache_harness) feed the real code paths: UnifiedRadixCache's ack loggers into RadixCacheMetricsCollector
 (byte counters), and SchedulerMetricsReporter._log_hicache_stats into
 SchedulerMetricsCollector.log_stats (host format, bytes, non-finite groups). The text exposition is parsed with prometheus_client's parser and every
 value is checked against the pool and the KV that was written. Only the
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
     finish_transfers,
@@ -193,7 +193,7 @@ def sink_values(scrape: Scrape) -> dict:
 
 def sink_l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens: int):
     from sglang.srt.mem_cache.pool_host.host_env import SINK_ENV
-    from tests.support.l3_harness import file_storage_config, make_l3_rig
+    from scripts.rigs.l3_harness import file_storage_config, make_l3_rig
 
     monkeypatch.setenv(SINK_ENV, str(sink_tokens))
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=SINK_PAGE)
@@ -209,14 +209,14 @@ def sink_l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens: int):
 def to_l3_and_back_out(l3, tokens, seed):
     """A sequence from token 0: device -> L2 (its first page marked) -> L3,
     then dropped from L1 and L2."""
-    from tests.support.l3_harness import evict_everywhere, write_through
+    from scripts.rigs.l3_harness import evict_everywhere, write_through
 
     dev, host, _, _ = write_through(l3, tokens, seed=seed, first_page_is_sink=True)
     evict_everywhere(l3, dev, host)
 
 
 def prefetched(l3, tokens):
-    from tests.support.l3_harness import load_to_device, prefetch
+    from scripts.rigs.l3_harness import load_to_device, prefetch
 
     fetched = prefetch(l3, tokens)
     assert fetched.completed_tokens == len(tokens)

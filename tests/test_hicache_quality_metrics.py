@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
     fill_random,

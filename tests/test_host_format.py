@@ -19,14 +19,14 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, SEAL_TAG
 
-from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
+from scripts.rigs.hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
 from tests.support import copy_format as toy
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from tests.support.conformance import LAYOUTS
-from tests.support.standins import run_fresh
+from scripts.rigs.standins import run_fresh
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 

@@ -2,7 +2,7 @@
 (--hicache-host-dtype auto) as the encoded ones do, once each.
 
 Real device and host pools, built as hybrid_pool_assembler builds them
-(tests/support/hicache_harness.py); the line is read from the pool's logger.
+(scripts/rigs/hicache_harness.py); the line is read from the pool's logger.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
     make_device_pool,

@@ -33,8 +33,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from tests.support.hicache_harness import LoadBackReq
-from tests.support.l3_harness import MooncakeMaster, require_mooncake
+from scripts.rigs.hicache_harness import LoadBackReq
+from scripts.rigs.l3_harness import MooncakeMaster, require_mooncake
 from tests.support.metrics import Scrape, scheduler_collector
 from tests.support.server_args import GPT_OSS
 from tests.support.hybrid_rigs import (

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import prom
-from tests.support.model import smollm2_dir
+from scripts.rigs import prom
+from scripts.rigs.model import smollm2_dir
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_IMAGE") != "1",

@@ -15,7 +15,7 @@ import logging
 
 import pytest
 
-from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
+from scripts.rigs.hicache_harness import Geometry, make_device_pool, make_host_pool
 from tests.support.int4_pool_checks import (
     build,
     check_controller_random_operations,

@@ -10,7 +10,7 @@ out-of-range rows are skipped and counted, without a sync (here).
 from __future__ import annotations
 
 import torch
-from tests.support.hicache_harness import Geometry, fill_random
+from scripts.rigs.hicache_harness import Geometry, fill_random
 from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt

@@ -15,7 +15,7 @@ import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from tests.support.conformance import GEOMETRIES, LAYOUTS, heads_geometry
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     make_device_pool,

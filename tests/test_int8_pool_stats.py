@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.hicache_harness import Geometry, fill_random
+from scripts.rigs.hicache_harness import Geometry, fill_random
 from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 
 pytestmark = INTERPRETED_KERNELS

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.hicache_harness import Geometry, make_device_pool, make_host_pool
+from scripts.rigs.hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls

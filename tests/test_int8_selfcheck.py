@@ -16,7 +16,7 @@ import logging
 
 import pytest
 import torch
-from tests.support.hicache_harness import Geometry, fill_random
+from scripts.rigs.hicache_harness import Geometry, fill_random
 from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec

@@ -4,7 +4,7 @@ make test, all four with HIQ_KERNEL_ARCHS=all (kernel_compile.ARCHS).
 
 Every specialisation the pool can launch over the test grid is compiled
 through the pool's real launch sites with the pinned Triton and its bundled
-ptxas (tests/support/kernel_compile.py, in worker processes that build the kernels in
+ptxas (scripts/kernel_compile.py, in worker processes that build the kernels in
 compiled mode), then checked: no compile error, no register
 spill, and the PTX keeps the IEEE arithmetic kv_int8_codec's bit-exactness
 argument relies on. The last tests break a kernel on purpose and show each
@@ -13,17 +13,24 @@ kind of breakage fails the check.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-from tests.support.kernel_compile import (
+from scripts.kernel_compile import (
     ARCHS,
+    FORMAT_GRIDS,
+    GRIDS,
     SMALL,
     TRANSFER_PAGES,
     compile_for_targets,
     compile_grid_in_workers,
     compile_grids_in_workers,
+    main,
     ptx_problems,
 )
 
@@ -31,6 +38,7 @@ from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
+REPO = Path(__file__).resolve().parents[1]
 JOBS = max(1, os.cpu_count() or 1)
 # The grid each compile test reads; the fixture compiles those selected at once.
 TEST_GRIDS = {
@@ -111,7 +119,7 @@ def test_every_pool_kernel_compiles_cleanly(compiled, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_mla_kernel_compiles_cleanly(compiled, arch):
-    """kv_mla_int8_triton over the MLA grid (tests/support/kernel_compile.py
+    """kv_mla_int8_triton over the MLA grid (scripts/kernel_compile.py
     mla_grid): the same checks as the MHA kernels, which it shares the
     arithmetic with."""
     specs = clean_specs(compiled, "mla", arch)
@@ -230,8 +238,35 @@ def test_type_error_in_a_kernel_fails_compilation(tmp_path):
         compile_small(tmp_path, "small+decode-type-error")
 
 
+def run_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.kernel_compile", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def tool_run(tmp_path, grid: str, arch: int, status: int) -> dict:
+    """`python -m scripts.kernel_compile --grid GRID`: its report lists each
+    specialisation, every problem under its kernel, and counts them in its
+    last line and its exit status; returns the run it kept (--json)."""
+    proc = run_tool("--grid", grid, "--arch", str(arch), "--json", str(tmp_path))
+    assert proc.returncode == status, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = json.loads((tmp_path / grid / f"sm_{arch}.json").read_text())
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"{grid} sm_{arch}: {len(run['specs'])} distinct")
+    problems = [p for s in run["specs"] for p in s["problems"]]
+    assert [line for line in lines if "PROBLEM" in line] == [
+        f"    PROBLEM {p}" for p in problems
+    ]
+    assert lines[-1].startswith(f"kernel_compile: {len(problems)} problem(s)")
+    return run
+
+
 def test_approximate_division_is_reported(tmp_path):
-    run = compile_small(tmp_path, "small+encode-div")
+    run = tool_run(tmp_path, "small+encode-div", 86, status=1)
     (encode,) = by_name(run, "encode")
     assert "div.full.f32" in encode["ptx"]
     assert any("non-IEEE fp32 division" in p for p in encode["problems"])
@@ -247,7 +282,7 @@ def test_register_spill_is_reported(tmp_path):
 
 
 def test_ptx_checks_flag_non_ieee_fp16_and_missing_nan_test(tmp_path):
-    run = compile_small(tmp_path, "small", arch=89)
+    run = tool_run(tmp_path, "small", 89, status=0)
     # Direct access: one backup launch and one restore launch per layer.
     assert run["launches"] == len(TRANSFER_PAGES) * (1 + SMALL.layer_num)
     (encode,) = by_name(run, "encode")
@@ -283,3 +318,29 @@ def test_compiling_interpreted_kernels_is_refused(tmp_path):
         pytest.skip("kernels built for the GPU here")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=0"):
         compile_for_targets(lambda: None, (86,), tmp_path)
+
+
+# --- the tool: python -m scripts.kernel_compile --------------------------------
+
+
+def test_every_host_format_has_a_compile_grid():
+    """--format takes every registered --hicache-host-dtype value (a new format
+    needs its grid here) and names only real grids."""
+    from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES
+
+    assert set(FORMAT_GRIDS) == set(HOST_DTYPES)
+    assert {g for grids in FORMAT_GRIDS.values() for g in grids} <= set(GRIDS)
+
+
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--format", "int8", "--arch", "75"], "--arch='75'"),
+        (["--grid", "small+no-such-break"], "--grid 'small+no-such-break'"),
+        ([], "pass --format or --grid"),
+    ],
+)
+def test_tool_refuses_bad_arguments(capsys, args, named):
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    assert exit.value.code == 2 and named in capsys.readouterr().err

@@ -16,7 +16,7 @@ import types
 import msgspec
 import pytest
 import torch
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     make_device_pool,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support import hicache_harness as hh
+from scripts.rigs import hicache_harness as hh
 from tests.support.codec_inputs import (
     DTYPES,
     LOG2_RANGE,

@@ -14,8 +14,8 @@ import struct
 import pytest
 import torch
 
-from tests.support import l3_harness as h
-from tests.support.hicache_harness import Geometry, MLAGeometry
+from scripts.rigs import l3_harness as h
+from scripts.rigs.hicache_harness import Geometry, MLAGeometry
 from sglang.srt.mem_cache.pool_host import page_integrity
 from sglang.srt.mem_cache.pool_host.page_integrity import (
     SEAL_BYTES,

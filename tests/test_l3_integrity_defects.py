@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.hicache_harness import Geometry, MLAGeometry, make_rig
+from scripts.rigs.hicache_harness import Geometry, MLAGeometry, make_rig
 from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
 from sglang.srt.mem_cache.pool_host import mla as mla_host
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls

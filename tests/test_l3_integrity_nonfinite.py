@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import l3_harness as h
+from scripts.rigs import l3_harness as h
 from tests.support.metrics import Scrape
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
     make_device_pool,

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.support import l3_faults as lf
-from tests.support import l3_harness as h
-from tests.support.hicache_harness import Geometry, fill_random, finish_transfers
+from scripts.rigs import l3_harness as h
+from scripts.rigs.hicache_harness import Geometry, fill_random, finish_transfers
 from tests.support.l3_faults import reference_restore
 
 GEO = Geometry(layer_num=3, head_num=2, head_dim=16, page_size=4)

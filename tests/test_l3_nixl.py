@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tests.support import l3_faults as lf
-from tests.support import l3_harness as h
+from scripts.rigs import l3_harness as h
 from tests.support.l3_faults import (
     FORMATS,
     GEO16,

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from tests.support import l3_harness as h
-from tests.support.hicache_harness import Geometry
+from scripts.rigs import l3_harness as h
+from scripts.rigs.hicache_harness import Geometry
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 

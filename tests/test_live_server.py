@@ -29,7 +29,7 @@ import re
 
 import pytest
 
-from tests.support.server import (
+from scripts.rigs.server import (
     CPU_FLAGS,
     LIVE_ONLY,
     NEW_TOKENS,

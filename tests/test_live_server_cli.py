@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.support.server import CPU_FLAGS, hicache_flags, run_cli
+from scripts.rigs.server import CPU_FLAGS, hicache_flags, run_cli
 from tests.support.server_args import DEEPSEEK_V2_MLA
 
 pytestmark = pytest.mark.skipif(

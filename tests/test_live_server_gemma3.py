@@ -2,7 +2,7 @@
 
 Gemma 3 270M (18 layers: five sliding-window layers of 512 tokens, then one
 full-attention layer, three times; one KV head of 256) converted from the
-packaged GGUF (tests/support/model.py ``gemma3_dir``).
+packaged GGUF (scripts/rigs/model.py ``gemma3_dir``).
 
 What SGLang 0.5.23 does with it: Gemma3ForCausalLM is not in
 ``is_hybrid_swa_model``'s list (configs/model_config.py), and its model
@@ -56,8 +56,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.model import ModelUnavailable, gemma3_dir
-from tests.support.server import (
+from scripts.rigs.model import ModelUnavailable, gemma3_dir
+from scripts.rigs.server import (
     CPU_FLAGS,
     LIVE_ONLY,
     NEW_TOKENS,

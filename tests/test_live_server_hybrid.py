@@ -11,7 +11,7 @@ SGLang's torch_native backend does not take, so the server runs
 ``--attention-backend intel_amx`` (what gpt-oss selects on an AMX CPU, and
 the CPU backend that reads the SWA pool through its own indices) with the
 pure-torch stand-ins of its two AMX attention ops, sliding windows and sinks
-included (tests/support/standins.py, enabled by HIQ_SGL_KERNEL_TORCH_OPS=1
+included (scripts/rigs/standins.py, enabled by HIQ_SGL_KERNEL_TORCH_OPS=1
 as in tests/test_live_server_spec.py).
 
 Each arm, with a 2,048-token L1 (1,638 SWA tokens) and a host tier of twice
@@ -45,9 +45,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.hybrid_model import GPT_OSS_TINY, SLIDING_WINDOW, gpt_oss_tiny_dir
-from tests.support.model import stdlib_prompts
-from tests.support.prom import diff
-from tests.support.server import (
+from scripts.rigs.model import stdlib_prompts
+from scripts.rigs.prom import diff
+from scripts.rigs.server import (
     CPU_FLAGS,
     LIVE_ONLY,
     NEW_TOKENS,
@@ -79,7 +79,7 @@ LAYERS = {
     "full": GPT_OSS_TINY["layer_types"].count("full_attention"),
     "swa": GPT_OSS_TINY["layer_types"].count("sliding_attention"),
 }
-# The stand-in ops the intel_amx backend may call (tests/support/standins.py).
+# The stand-in ops the intel_amx backend may call (scripts/rigs/standins.py).
 ATTENTION_OPS = {"decode_attention_cpu", "extend_attention_cpu"}
 
 ARMS = {"bf16": None} if FULL else {}
@@ -103,7 +103,7 @@ def hybrid_model() -> tuple[Path, list[list[int]]]:
 def arm(request, hybrid_model):
     name, (model_dir, prompts) = request.param, hybrid_model
     # SPEC_ENV: the AMX attention stand-ins and platform override, one OpenMP
-    # thread per process (tests/support/server.py).
+    # thread per process (scripts/rigs/server.py).
     with LiveServer(
         server_args(ARMS[name]),
         name=f"live-hybrid-{name}",

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.model import smollm2_dir, stdlib_prompts
-from tests.support.server import (
+from scripts.rigs.model import smollm2_dir, stdlib_prompts
+from scripts.rigs.server import (
     CPU_FLAGS,
     LiveServer,
     cpu_env,

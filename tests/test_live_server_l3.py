@@ -33,9 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.l3_harness import terminate
-from tests.support.model import smollm2_dir, stdlib_prompts
-from tests.support.server import (
+from scripts.rigs.l3_harness import terminate
+from scripts.rigs.model import smollm2_dir, stdlib_prompts
+from scripts.rigs.server import (
     CPU_FLAGS,
     LIVE_ONLY,
     LiveServer,
@@ -218,7 +218,7 @@ class SegmentOwner:
 
 @pytest.fixture(scope="module")
 def mooncake_store():
-    from tests.support.l3_harness import MooncakeMaster, require_mooncake
+    from scripts.rigs.l3_harness import MooncakeMaster, require_mooncake
 
     require_mooncake()
     root = fresh_dir("l3-mooncake")

@@ -6,9 +6,9 @@ out of the 4,096-token L1, then A again: a host hit whose greedy tokens equal
 the cold pass (BF16 exactly, INT8 as stated in test_live_server.py).
 
 The stock BF16 pool's ``kernel`` io backend calls sgl_kernel.kvcacheio ops,
-which exist only with CUDA; tests/support/standins.py has pure-torch
+which exist only with CUDA; scripts/rigs/standins.py has pure-torch
 stand-ins of the four it calls for layer_first and page_first, bound by
-tests/support/cpu_site/sitecustomize.py. Pairs left out, and why:
+scripts/rigs/cpu_site/sitecustomize.py. Pairs left out, and why:
 
 - ``page_head`` (BF16, kernel): its two ops have no stand-in here yet.
 - ``page_first_direct`` with ``kernel`` and ``page_first`` with ``direct``:
@@ -30,8 +30,8 @@ import sys
 
 import pytest
 
-from tests.support.model import smollm2_dir, stdlib_prompts
-from tests.support.server import CPU_FLAGS, LiveServer, hicache_flags, to_stderr
+from scripts.rigs.model import smollm2_dir, stdlib_prompts
+from scripts.rigs.server import CPU_FLAGS, LiveServer, hicache_flags, to_stderr
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("HIQ_LIVE_MATRIX") != "1", reason="HIQ_LIVE_MATRIX=1"

@@ -23,11 +23,11 @@ reply after its load-back (same schedule, only the host format differs); the acc
 the cold pass's. Acceptance figures (``spec_accept_length``,
 ``spec_verify_ct`` from /generate meta_info) are printed per arm.
 
-CPU pieces (tests/support, never product code): SGLang's torch_native
+CPU pieces (scripts/rigs, never product code): SGLang's torch_native
 attention has no draft backend, so the server runs ``--attention-backend
 intel_amx`` with pure-torch stand-ins of its AMX attention ops and of the
 speculative sgl_kernel CPU ops (tree build, greedy verify, cache-slot
-copies); see tests/support/standins.py and cpu_site/sitecustomize.py.
+copies); see scripts/rigs/standins.py and cpu_site/sitecustomize.py.
 
 Set HIQ_LIVE_SERVER=0 to skip (a server start costs 1-4 min here).
 """
@@ -40,7 +40,7 @@ import sys
 
 import pytest
 
-from tests.support.server import (
+from scripts.rigs.server import (
     CPU_FLAGS,
     LIVE_ONLY,
     SPEC_ENV,

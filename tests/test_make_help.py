@@ -3,8 +3,10 @@ and what it needs: time, the venv, the Debian packages, ../shared, torch."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,3 +63,45 @@ def test_readme_quick_start_names_the_prerequisites():
         assert needed in quick, needed
     for target, minutes in (("test", 18), ("demo", 14), ("quality", 12)):
         assert re.search(rf"make {target} # ~{minutes} min", quick), target
+
+
+def test_fast_tier_runs_one_head_geometry():
+    """make test-fast: every file it names exists (codecs, interpreted kernels,
+    conformance, start-up refusals); with HIQ_FAST=1 a kernel's pool grid keeps
+    one head geometry and every layout x page size, the conformance suite one
+    geometry."""
+    from scripts.rigs.hicache_harness import KERNEL_POOL_CASES
+
+    dry = subprocess.run(
+        ["make", "-n", "--no-print-directory", "test-fast"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    command = " ".join(dry.stdout.replace("\\\n", " ").split())
+    run = command[command.index("HIQ_FAST=1 ") :].split()
+    files = [word for word in run if word.startswith("tests/")]
+    assert all((REPO / f).is_file() for f in files), files
+    for kind in ("_codec.py", "_triton.py", "test_conformance.py", "test_startup.py"):
+        assert any(f.endswith(kind) for f in files), kind
+    pool, geometry = (
+        "tests/test_kv_int8_triton.py::test_pool_fused_matches_torch_path",
+        "tests/test_conformance.py::test_geometry_round_trip",
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", pool, geometry],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HIQ_FAST": "1"},
+    )
+    ids = [line.partition("[")[2] for line in proc.stdout.splitlines() if "[" in line]
+    assert ids, proc.stdout[-2000:] + proc.stderr[-2000:]
+    pool_ids = {i.rsplit("-", 1)[0] for i in ids if "geometry" in i}
+    pairs = {f"{layout}-{page}" for layout, page, _ in KERNEL_POOL_CASES}
+    assert pool_ids == pairs
+    assert len([i for i in ids if "geometry" in i]) == len(pairs)
+    conformance = {re.search(r"\(\d+(, \d+)*\)", i)[0] for i in ids if "(" in i}
+    assert len(conformance) == 1

@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 
-from tests.support.hicache_harness import MLAGeometry, fill_random, paged_pools
+from scripts.rigs.hicache_harness import MLAGeometry, fill_random, paged_pools
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat

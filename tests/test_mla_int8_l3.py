@@ -9,8 +9,8 @@ import torch
 
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
-from tests.support import l3_harness as h
-from tests.support.hicache_harness import MLAGeometry
+from scripts.rigs import l3_harness as h
+from scripts.rigs.hicache_harness import MLAGeometry
 
 GEO = MLAGeometry(layer_num=3, page_size=4)
 PAGES = 6

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from tests.support.metrics import Scrape
 
-from tests.support.hicache_harness import MLAGeometry, make_rig
+from scripts.rigs.hicache_harness import MLAGeometry, make_rig
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )

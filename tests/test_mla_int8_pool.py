@@ -11,7 +11,7 @@ import pytest
 import torch
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     MLAGeometry,
     fill_random,
     make_device_pool,

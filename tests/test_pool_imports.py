@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ast
 
-from tests.support.standins import REPO_ROOT, run_fresh
+from scripts.rigs.standins import REPO_ROOT, run_fresh
 
 OVERLAY = REPO_ROOT / "sglang_overlay" / "python"
 # What the registry must not load: the pools and what they are made of.

@@ -1,7 +1,7 @@
 """The exported PRs are bisectable: `git am` of PR 1 alone onto the pristine
 pinned sources, then PR 2 on top, and so on. Every commit byte-compiles; at
 the end of each PR, every upstream-style unit test the PRs so far add passes
-on CPU (stand-ins from tests/support/standins.py, in a subprocess on that tree).
+on CPU (stand-ins from scripts/rigs/standins.py, in a subprocess on that tree).
 A release check (about 80 s): HIQ_PR_BISECT=1 runs it; make test runs
 test_pr_gate's export and hooks instead."""
 

@@ -15,7 +15,7 @@ import logging
 import pytest
 import torch
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     assert_self_check_falls_back,
 )
 from sglang.srt.mem_cache.pool_host import encoded_fused

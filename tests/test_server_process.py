@@ -10,12 +10,12 @@ import subprocess
 import sys
 import time
 
-from tests.support.standins import REPO_ROOT
+from scripts.rigs.standins import REPO_ROOT
 
 PARENT = """
 import json, sys, time
 from pathlib import Path
-from tests.support.server_process import ServerProcess
+from scripts.rigs.server_process import ServerProcess
 child = ServerProcess([sys.executable, "-c", "import time; time.sleep(600)"],
                       name="sleeper", base_url="http://127.0.0.1:9",
                       log_path=Path(sys.argv[1]))

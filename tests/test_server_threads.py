@@ -1,4 +1,4 @@
-"""Every live server the tests and `make demo` start (tests/support/server.py,
+"""Every live server the tests and `make demo` start (scripts/rigs/server.py,
 scripts/demo/live.py) runs one OpenMP thread unless the caller set
 OMP_NUM_THREADS: on a shared machine the servers' spin-waiting intra-op
 threads made one server run ten times slower.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.server import LiveServer, ServerStartError, run_cli
+from scripts.rigs.server import LiveServer, ServerStartError, run_cli
 
 FAKE_PYTHON = (
     '#!/bin/sh\necho "${OMP_NUM_THREADS-unset}" > "$HIQ_THREADS_OUT"\nexit 3\n'

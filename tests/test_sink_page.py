@@ -17,7 +17,7 @@ import logging
 import pytest
 import torch
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     finish_transfers,
@@ -419,7 +419,7 @@ def test_radix_cache_flags_the_first_page_of_each_root_child(monkeypatch):
 
 
 def l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=4 * PAGE):
-    from tests.support.l3_harness import file_storage_config, make_l3_rig
+    from scripts.rigs.l3_harness import file_storage_config, make_l3_rig
 
     monkeypatch.setenv(SINK_ENV, str(sink_tokens))
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
@@ -438,7 +438,7 @@ def sink_objects(tmp_path) -> list:
 def write_sequence(l3, tokens, seed):
     """tokens (a sequence from token 0) -> L2 -> L3, then dropped from L1 and
     L2; returns what the device held, per layer (K, V)."""
-    from tests.support.l3_harness import device_rows, evict_everywhere, write_through
+    from scripts.rigs.l3_harness import device_rows, evict_everywhere, write_through
 
     dev, host, _, stored = write_through(l3, tokens, seed=seed, first_page_is_sink=True)
     assert stored == len(tokens) // PAGE
@@ -463,7 +463,7 @@ def record_gets(l3) -> list:
 
 def assert_prefetch_restores(l3, tokens, written, sink_tokens, last_hash=None):
     """L3 -> fresh host pages -> L1 gives expect()'s bits for every page."""
-    from tests.support.l3_harness import load_to_device, prefetch
+    from scripts.rigs.l3_harness import load_to_device, prefetch
 
     fetched = prefetch(l3, tokens, last_hash=last_hash)
     assert fetched.completed_tokens == len(tokens)

@@ -50,7 +50,7 @@ def formats(kind: str) -> tuple[str, ...]:
 
 def build(model: Model, host_dtype: str, with_draft: bool):
     """The host pool as build_kv_host_pool makes it (drafts packed)."""
-    from tests.support.hicache_harness import (
+    from scripts.rigs.hicache_harness import (
         Geometry,
         MLAGeometry,
         make_device_pool,

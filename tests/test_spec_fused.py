@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
     fill_random,

@@ -42,7 +42,7 @@ from tests.support.hybrid_rigs import (
     swa_rig,
     wipe_kv,
 )
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
     make_device_pool,

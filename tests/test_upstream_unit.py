@@ -4,7 +4,7 @@ the patched tree (run through unittest, as SGLang's CPU CI would)."""
 import importlib.util
 import unittest
 
-from tests.support.standins import PATCHED_TREE
+from scripts.rigs.standins import PATCHED_TREE
 
 UPSTREAM_TESTS = [
     PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mha_int8_host_pool.py",

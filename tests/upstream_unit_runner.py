@@ -1,5 +1,5 @@
 """Run upstream-style unit test files against one SGLang tree on CPU, with the
-stand-ins of tests/support/standins.py (used by test_pr_bisect.py in a subprocess).
+stand-ins of scripts/rigs/standins.py (used by test_pr_bisect.py in a subprocess).
 
     HIQ_SGLANG_TREE=<tree> PYTHONPATH=<tree>/python \
         python -m tests.upstream_unit_runner <test files...>
@@ -12,7 +12,7 @@ import sys
 import unittest
 from pathlib import Path
 
-from tests.support.standins import install_sglang_standins, install_torchvision_stub
+from scripts.rigs.standins import install_sglang_standins, install_torchvision_stub
 
 install_torchvision_stub()
 install_sglang_standins()

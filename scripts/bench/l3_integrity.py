@@ -51,7 +51,7 @@ def mooncake_worker(metadata: str, master: str, nbytes: int, repeat: int) -> Non
 
 
 def mooncake_rows(nbytes: int, repeat: int) -> None:
-    from tests.support.l3_harness import MooncakeMaster
+    from scripts.rigs.l3_harness import MooncakeMaster
 
     with tempfile.TemporaryDirectory() as tmp:
         master = MooncakeMaster(os.path.join(tmp, "master.log")).start()

@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     install_cpu_standins()
     torch.set_num_threads(1)
     from sglang.srt.mem_cache.pool_host.backup_verify import BackupVerifier
-    from tests.support.hicache_harness import Geometry, fill_random, make_rig
+    from scripts.rigs.hicache_harness import Geometry, fill_random, make_rig
 
     geo = Geometry(LAYERS, HEADS, HEAD_DIM, page_size=PAGE)
     print(

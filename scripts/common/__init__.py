@@ -1,1 +1,1 @@
-"""Helpers shared by the tools in scripts/ (and, for server.py, tests.support)."""
+"""Helpers shared by the tools in scripts/ (rigs/ holds the harnesses tests share)."""

@@ -100,7 +100,7 @@ def print_header(geometry, formats) -> None:
         + ", ".join(f"{label} ({dt})" for label, dt in formats)
     )
     print(
-        "CPU stand-ins (tests/support/standins.py): torchvision stub, pure-torch "
+        "CPU stand-ins (scripts/rigs/standins.py): torchvision stub, pure-torch "
         "transfer_kv_direct, no cudaHostRegister"
     )
     print()

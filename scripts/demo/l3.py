@@ -75,7 +75,7 @@ def check_native_libs(libs: dict[str, str]) -> None:
 
 def setup():
     install_cpu_standins()
-    from tests.support import l3_harness as h
+    from scripts.rigs import l3_harness as h
 
     if reason := h.mooncake_unavailable_reason():
         sys.exit(f"demo-l3 needs the Mooncake store: {reason}")
@@ -83,7 +83,7 @@ def setup():
 
 
 def bytes_per_token(h, args, workdir: Path) -> dict:
-    from tests.support.hicache_harness import Geometry
+    from scripts.rigs.hicache_harness import Geometry
 
     geo = Geometry(args.layers, args.kv_heads, args.head_dim, page_size=args.page_size)
     tokens = list(range(args.tokens))
@@ -175,7 +175,7 @@ def fetch_from_l3(h, ctl, l2: PageLRU, rid, tokens, hashes, first: int, ps: int)
 
 def write_new(h, l3, l2: PageLRU, tokens, hashes, seed: int) -> None:
     """New KV for `tokens` (pages `hashes`): device -> L2 -> L3."""
-    from tests.support.hicache_harness import fill_random, finish_transfers
+    from scripts.rigs.hicache_harness import fill_random, finish_transfers
 
     ctl, rig = l3.controller, l3.rig
     dev = rig.allocator.alloc(len(tokens))
@@ -190,7 +190,7 @@ def write_new(h, l3, l2: PageLRU, tokens, hashes, seed: int) -> None:
 
 
 def hit_rate(h, args, host_dtype: str, l3_bytes: int, requests, workdir: Path) -> dict:
-    from tests.support.hicache_harness import Geometry
+    from scripts.rigs.hicache_harness import Geometry
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     ps = args.page_size

@@ -232,7 +232,7 @@ def _host_gauges(m) -> dict:
 
 
 def _counter_deltas(after, before) -> dict:
-    from tests.support.prom import diff
+    from scripts.rigs.prom import diff
 
     out = {
         f"cached_{s}": diff(after, before, M_CACHED, cache_source=s) for s in SOURCES
@@ -337,7 +337,7 @@ class ArmResult:
 
 
 def run_arm(sizing, config, prompts_by_seed, model, log_dir, reference, say) -> ArmResult:  # fmt: skip
-    from tests.support.server import CPU_FLAGS, LiveServer, hicache_flags
+    from scripts.rigs.server import CPU_FLAGS, LiveServer, hicache_flags
 
     args = list(CPU_FLAGS)
     args[args.index("--max-total-tokens") + 1] = str(config.device_tokens)
@@ -491,8 +491,8 @@ def run(config: LiveConfig, formats, *, log_dir: Optional[Path] = None,
     from transformers import AutoTokenizer
 
     from scripts.demo import pools
-    from tests.support.model import MODEL_LABEL, smollm2_dir
-    from tests.support.server import model_geometry as kv_geometry
+    from scripts.rigs.model import MODEL_LABEL, smollm2_dir
+    from scripts.rigs.server import model_geometry as kv_geometry
 
     t_start = time.perf_counter()
     uptime_before = _uptime()

@@ -41,7 +41,7 @@ REPLAY_GEOMETRY = ModelGeometry("replay", layer_num=2, head_num=1, head_dim=16)
 
 @functools.cache
 def setup_sglang() -> None:
-    """Install the CPU stand-ins (tests/support/standins.py) before sglang imports."""
+    """Install the CPU stand-ins (scripts/rigs/standins.py) before sglang imports."""
     # Startup chatter of optional GPU dependencies, not about the cache.
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -61,7 +61,7 @@ def host_formats() -> list[tuple[str, str]]:
 
 def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
     setup_sglang()
-    from tests.support.hicache_harness import Geometry, make_device_pool
+    from scripts.rigs.hicache_harness import Geometry, make_device_pool
 
     g = geometry
     geo = Geometry(
@@ -72,7 +72,7 @@ def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
 
 def _published_device_pool(host_dtype, geometry, page_size: int, **server_fields):
     """Publish the server's arguments, then a small device pool to size host pools on."""
-    from tests.support.hicache_harness import publish_server_args
+    from scripts.rigs.hicache_harness import publish_server_args
 
     publish_server_args(host_dtype, page_size=page_size, **server_fields)
     return make_device_pool(geometry, max(64, page_size), page_size)

@@ -124,7 +124,7 @@ class HiCacheReplay:
         io_backend: str = "direct",
     ):
         setup_sglang()
-        from tests.support.hicache_harness import mha_radix_cache, publish_server_args
+        from scripts.rigs.hicache_harness import mha_radix_cache, publish_server_args
 
         self.label = label or host_dtype
         self.host_dtype = host_dtype
@@ -400,7 +400,7 @@ class HiCacheReplay:
 
     def _admit_one(self, req: Request, step: _Step, stats: ReplayResult) -> bool:
         """match_prefix -> budget checks -> init_load_back -> allocate."""
-        from tests.support.hicache_harness import LoadBackReq
+        from scripts.rigs.hicache_harness import LoadBackReq
         from sglang.srt.mem_cache.base_prefix_cache import (
             InitLoadBackParams,
             MatchPrefixParams,

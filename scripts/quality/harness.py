@@ -324,7 +324,7 @@ class OffloadRig:
 
     def __init__(self, geo, host_dtype: str, layout: str, tokens: int, **host_extra):
         # tests/ is on the path once install_cpu_standins() has run.
-        from tests.support.hicache_harness import device_buffers, make_rig
+        from scripts.rigs.hicache_harness import device_buffers, make_rig
 
         # The evicted copy's slots may not be reused at once: room for two prefixes.
         device_tokens = -(-2 * tokens // geo.page_size) * geo.page_size
@@ -364,7 +364,7 @@ class OffloadRig:
     ) -> tuple[list[tuple[torch.Tensor, ...]], dict]:
         """kv (per layer, one row per side) up to L2, evicted from L1, loaded back:
         the restored rows and counters."""
-        from tests.support.hicache_harness import finish_transfers
+        from scripts.rigs.hicache_harness import finish_transfers
 
         ctl, n = self.controller, kv[0][0].shape[0]
         dev = self.allocator.alloc(n)
@@ -650,7 +650,7 @@ def _selected_arms(cfg: QualityConfig) -> tuple[tuple[str, ...], list[Arm]]:
 
 
 def _kv_geometry(kv, kv_dtype):
-    from tests.support.hicache_harness import Geometry
+    from scripts.rigs.hicache_harness import Geometry
 
     k0, v0 = kv[0]  # [tokens, heads, dim]
     return Geometry(len(kv), k0.shape[1], k0.shape[2], v0.shape[2], kv_dtype)
@@ -1003,7 +1003,7 @@ def markdown_report(report: dict, command: str | None = None) -> str:
     ]
     if report["cpu_standins"]:
         standins = "; ".join(report["cpu_standins"])
-        lines.append(f"- CPU stand-ins (tests/support/standins.py): {standins}")
+        lines.append(f"- CPU stand-ins (scripts/rigs/standins.py): {standins}")
     if command:
         lines.append(f"- command: `{command}`")
     lines += [

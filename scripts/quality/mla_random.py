@@ -103,7 +103,7 @@ class MLAOffloadRig(hq.OffloadRig):
     HiCacheController (write_through, io backend direct), on CPU."""
 
     def __init__(self, cfg: MLARandomConfig, host_dtype: str, layout: str):
-        from tests.support.hicache_harness import MLAGeometry
+        from scripts.rigs.hicache_harness import MLAGeometry
 
         geo = MLAGeometry(
             layer_num=cfg.layers,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from tests.support.gpu import (
+from scripts.rigs.gpu import (
     gpu_test_device,
     gpu_test_marks,
     install_gpu_standins,

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         print(f"gpu-check tests: FAILED: {reason}", file=sys.stderr)
         return 2
 
-    from tests.support import gpu as gpu_support
+    from scripts.rigs import gpu as gpu_support
 
     missing = gpu_support.missing_packages()
     if missing:

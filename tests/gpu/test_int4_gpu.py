@@ -16,14 +16,12 @@ import contextlib
 
 import pytest
 import torch
-from tests.support.codec_inputs import DTYPES
-from tests.support.gpu import (
+from tests.support.codec_inputs import DTYPES, edge_rows, random_rows
+from scripts.rigs.gpu import (
     CUDA,
     DELAY,
     DEVICE,
     big_tiles_when_interpreted,
-    edge_rows,
-    random_rows,
     same_bits,
     sync,
 )

@@ -22,19 +22,17 @@ import threading
 
 import pytest
 import torch
-from tests.support.codec_inputs import DTYPES
-from tests.support.gpu import (
+from tests.support.codec_inputs import DTYPES, edge_rows, random_rows
+from scripts.rigs.gpu import (
     CUDA,
     DELAY,
     DEVICE,
     LAYOUTS,
     big_tiles_when_interpreted,
     destroy_host_pool,
-    edge_rows,
     make_device_pool,
     make_host_pool,
     pages_to_tokens,
-    random_rows,
     same_bits,
     sync,
 )

@@ -14,8 +14,8 @@ import contextlib
 
 import pytest
 import torch
-from tests.support import gpu as gs
-from tests.support.codec_inputs import DTYPES
+from scripts.rigs import gpu as gs
+from tests.support.codec_inputs import DTYPES, edge_rows, random_rows
 
 if gs.DEVICE is not None:
     from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
@@ -36,10 +36,10 @@ def mla_rows(dtype: torch.dtype, tokens: int, seed: int) -> torch.Tensor:
     past the scale guard) and random tiles across magnitudes; RoPE random
     with one NaN and one Inf row."""
     tiles = torch.cat(
-        [gs.edge_rows(dtype, TILE), gs.random_rows(seed, tokens * 4, TILE, dtype)]
+        [edge_rows(dtype, TILE), random_rows(seed, tokens * 4, TILE, dtype)]
     )
     latent = tiles[: tokens * 4].reshape(tokens, 1, RANK)
-    rope = gs.random_rows(seed + 1, tokens, ROPE, dtype).reshape(tokens, 1, ROPE)
+    rope = random_rows(seed + 1, tokens, ROPE, dtype).reshape(tokens, 1, ROPE)
     rope[1, 0, 0], rope[2, 0, 5] = NAN, -INF
     return torch.cat([latent, rope], dim=-1)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.gpu import (
+from scripts.rigs.gpu import (
     CUDA,
     DEVICE,
     destroy_host_pool,

@@ -136,3 +136,31 @@ def edge_inputs() -> list[torch.Tensor]:
     above = torch.nextafter(edge[:1], torch.tensor([INF]))
     out.append(torch.cat([edge, below, above]).unsqueeze(-1).expand(4, 8).clone())
     return out
+
+
+def edge_rows(dtype: torch.dtype, d: int = 64) -> torch.Tensor:
+    """special_rows plus exact .5 ties (the GPU tests' edge rows)."""
+    rows = special_rows(dtype, d)
+    for log2_s in (-24, -14, -3, 0, 5):
+        k = torch.arange(-(d - 1) // 2, d // 2, dtype=torch.float64)[: d - 1] + 0.5
+        rows.append(torch.cat([torch.tensor([127.0]), k]) * 2.0**log2_s)
+    return torch.stack(rows).to(dtype)
+
+
+def random_rows(seed: int, n: int, d: int, dtype: torch.dtype) -> torch.Tensor:
+    """n rows of gaussian / heavy-tailed / spiky / zero data, magnitudes from
+    the dtype's subnormals to past the fp16-scale guard."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-140, 30) if dtype == torch.bfloat16 else (-27, 16)
+    mags = torch.exp2(
+        lo + (hi - lo) * torch.rand(n, 1, generator=g, dtype=torch.float64)
+    )
+    kind = torch.randint(0, 4, (n, 1), generator=g)
+    z = torch.randn(n, d, generator=g, dtype=torch.float64)
+    u = torch.rand(n, d, generator=g, dtype=torch.float64).clamp_min(1e-6)
+    heavy = z / u.sqrt()
+    spike = z * 1e-3
+    spike[torch.arange(n), torch.randint(0, d, (n,), generator=g)] = 1.0
+    x = torch.where(kind == 0, z, torch.where(kind == 1, heavy, spike))
+    x = torch.where(kind == 3, torch.zeros_like(x), x) * mags
+    return x.to(dtype)

@@ -9,7 +9,6 @@ units (a page, or a token for layer_first) by the test; the stock pool
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -17,30 +16,16 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host import host_format as hf
 from tests.support import copy_format as toy
-from tests.support.hicache_harness import Geometry, MLAGeometry
+from scripts.rigs.hicache_harness import (  # noqa: F401 (LAYOUTS, the grids: API)
+    GEOMETRIES,
+    KERNEL_POOL_CASES,
+    LAYOUTS,
+    Geometry,
+    MLAGeometry,
+)
 
-LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 IO_BACKENDS = ("direct", "kernel")
 PAGE_SIZES = (1, 16, 64)
-# (head_num, head_dim, v_head_dim): TP-sliced head counts, the common dims, K != V.
-GEOMETRIES = [
-    (1, 64, 64),
-    (3, 64, 64),
-    (8, 128, 128),
-    (2, 96, 96),
-    (4, 256, 256),
-    (64, 128, 128),
-    (4, 192, 128),
-]
-# The INT8 kernels' pool grid (tests/test_kv_int8_triton.py, and the compile
-# check): every geometry at page size 16, a subset at 1 and 64.
-KERNEL_POOL_CASES = [
-    (layout, page_size, geometry)
-    for layout, page_size in itertools.product(LAYOUTS, (1, 16, 64))
-    for geometry in (
-        GEOMETRIES if page_size == 16 else GEOMETRIES[:3] + GEOMETRIES[-1:]
-    )
-]
 
 
 def heads_geometry(geometry, page_size: int, layer_num: int = 2) -> Geometry:

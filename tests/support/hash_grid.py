@@ -35,13 +35,13 @@ import zlib  # noqa: E402
 
 import torch  # noqa: E402
 
-from tests.support import standins  # noqa: E402
+from scripts.rigs import standins  # noqa: E402
 
 standins.install_torchvision_stub()
 standins.install_sglang_standins()
 
 from sglang.srt.mem_cache.pool_host import base  # noqa: E402
-from tests.support.hicache_harness import (  # noqa: E402
+from scripts.rigs.hicache_harness import (  # noqa: E402
     Geometry,
     MLAGeometry,
     make_device_pool,

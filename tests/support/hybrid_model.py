@@ -9,7 +9,7 @@ whether a restored prefix gives the same next tokens. The folder is
 transformers' own ``GptOssForCausalLM`` at a tiny size, seeded, saved as BF16
 safetensors (no quantization config, so SGLang loads it unquantized), with
 SmolLM2's tokenizer and its vocabulary size; cached under
-``build/hybrid-models/`` like tests/support/model.py's conversions.
+``build/hybrid-models/`` like scripts/rigs/model.py's conversions.
 
 Stable API:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.model import REPO_ROOT, _cached, smollm2_dir
+from scripts.rigs.model import REPO_ROOT, _cached, smollm2_dir
 
 HYBRID_ROOT = REPO_ROOT / "build" / "hybrid-models"
 SLIDING_WINDOW = 128

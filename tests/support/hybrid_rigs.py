@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 import torch
-from tests.support.hicache_harness import build_radix_cache, make_allocator
+from scripts.rigs.hicache_harness import build_radix_cache, make_allocator
 from tests.support.server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer

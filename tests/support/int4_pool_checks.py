@@ -14,7 +14,7 @@ import torch
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, StoragePageRefused
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     make_device_pool,

@@ -10,7 +10,7 @@ import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     make_device_pool,
     make_host_pool,

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
-from tests.support import l3_harness as h
-from tests.support.hicache_harness import Geometry, MLAGeometry
-from tests.support.l3_harness import prefetch_to_host
+from scripts.rigs import l3_harness as h
+from scripts.rigs.hicache_harness import Geometry, MLAGeometry
+from scripts.rigs.l3_harness import prefetch_to_host
 
 GEO16 = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
 GEO_MLA = MLAGeometry(layer_num=2, page_size=4)

@@ -11,7 +11,7 @@ import torch
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.hicache_harness import Geometry, make_rig
+from scripts.rigs.hicache_harness import Geometry, make_rig
 from sglang.srt.managers.scheduler_components.metrics_reporter import (
     SchedulerMetricsReporter,
 )

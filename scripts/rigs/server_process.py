@@ -1,5 +1,5 @@
 """One SGLang server process: start, wait for /health, HTTP, stop by pid
-(stdlib only; tests/support/server.py's LiveServer builds on it)."""
+(stdlib only; scripts/rigs/server.py's LiveServer builds on it)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 One helper starts ``python -m sglang.launch_server`` (or the image's default
 command, ``scripts/hiqcache_serve.sh``, with ``MODEL`` set) on 127.0.0.1 and a
 free port, with ``SGLANG_USE_CPU_ENGINE=1``, the CPU flags below and
-``tests/support/cpu_site`` first on PYTHONPATH (the stand-ins every server
+``scripts/rigs/cpu_site`` first on PYTHONPATH (the stand-ins every server
 process needs, see its sitecustomize.py). It waits for /health with progress
 lines, captures the log to a file and stops the whole process group by pid,
 also when start-up or a test fails.
@@ -19,14 +19,14 @@ Stable API:
   model=None, python=None, sglang_path=..., env=None, log_dir=None
   (default build/live-logs/<name>/, this server's files replaced at start),
   startup_timeout=900.0, progress=print)``; ``model`` defaults to the
-  converted SmolLM2 (tests/support/model.py). Use as a context manager or
+  converted SmolLM2 (scripts/rigs/model.py). Use as a context manager or
   call ``start()`` / ``stop()``. Attributes: ``base_url``, ``port``, ``pid``,
   ``log_path``, ``kernel_log_path``, ``startup_seconds``.
   - ``generate(text=None, *, input_ids=None, max_new_tokens=8,
     return_logprob=False, top_logprobs_num=0, timeout=600, **sampling) -> dict``:
     one greedy (temperature 0 unless given) /generate; the reply dict, with
     ``meta_info`` (``cached_tokens``, ``cached_tokens_details``, ``output_ids``...).
-  - ``metrics() -> tests.support.prom.Metrics`` (needs ``--enable-metrics``,
+  - ``metrics() -> scripts.rigs.prom.Metrics`` (needs ``--enable-metrics``,
     which CPU_FLAGS sets).
   - ``flush_cache()``, ``get(path)``, ``post(path, payload)``.
   - ``log_text()``; ``kernel_calls() -> list[dict]`` (the sgl_kernel stand-in's
@@ -65,7 +65,7 @@ from typing import Callable, Sequence
 
 import pytest
 
-from tests.support.server_process import (  # noqa: F401 (ServerStartError, free_port: API)
+from scripts.rigs.server_process import (  # noqa: F401 (ServerStartError, free_port: API)
     ServerProcess,
     ServerStartError,
     die_with_parent,
@@ -73,11 +73,11 @@ from tests.support.server_process import (  # noqa: F401 (ServerStartError, free
     http,
     kill_group,
 )
-from tests.support import prom
+from scripts.rigs import prom
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CPU_SITE = Path(__file__).resolve().parent / "cpu_site"
-# The same tree tests/support/standins.py checks sglang against.
+# The same tree scripts/rigs/standins.py checks sglang against.
 PATCHED_PYTHON = (
     Path(os.environ.get("HIQ_SGLANG_TREE") or REPO_ROOT / "build" / "sglang").resolve()
     / "python"
@@ -234,7 +234,7 @@ def _command(
 
 
 def _default_model() -> Path:
-    from tests.support.model import smollm2_dir
+    from scripts.rigs.model import smollm2_dir
 
     return smollm2_dir()
 

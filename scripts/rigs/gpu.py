@@ -1,5 +1,5 @@
 """Shared by tests/gpu/ and scripts/gpu_bench.py (imported from the repository
-root, as tests.support.gpu): stand-ins for what a bare
+root, as scripts.rigs.gpu): stand-ins for what a bare
 CUDA machine lacks, and builders for real SGLang pools on a chosen device.
 
 A bare CUDA machine (PyTorch + Triton, sglang installed --no-deps) lacks
@@ -9,7 +9,7 @@ unguarded. install_gpu_standins() therefore puts a stub package in place when
 the real one does not import: any attribute is a function that raises
 NotImplementedError naming itself (none of the code under test calls one),
 except kvcacheio.transfer_kv_direct, the pure-torch stand-in from
-tests/support/standins.py. `sgl_kernel.scalar_type` is left missing on purpose:
+scripts/rigs/standins.py. `sgl_kernel.scalar_type` is left missing on purpose:
 sglang falls back to its own mock for it, and a stub would break that.
 torchvision is stubbed the same way as on CPU only if the real one fails to
 import. Nothing else is replaced: pinned memory (cudaHostRegister) is real.
@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
-from tests.support.codec_inputs import special_rows
-
 # The host layouts the GPU tests cover (tests/support/conformance.py's, kept
 # here: the GPU phase imports no SGLang module before its stand-ins).
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 QWEN3_8B = dict(layer_num=36, head_num=8, head_dim=128, v_head_dim=128)
-CARRIED_PACKAGES = Path(__file__).resolve().parents[1] / "gpu" / "carried_packages.txt"
+CARRIED_PACKAGES = (
+    Path(__file__).resolve().parents[2] / "tests" / "gpu" / "carried_packages.txt"
+)
 # What the machine must provide itself (too large to carry).
 PROVIDED_PACKAGES = {"torch": "torch", "triton": "triton", "numpy": "numpy"}
 # The modules the GPU check exercises, imported once by each phase.
@@ -187,7 +187,7 @@ class _SglKernelStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__path__ = []
         module.__hiq_stub__ = True
         if spec.name == "sgl_kernel.kvcacheio":
-            from tests.support.standins import transfer_kv_direct
+            from scripts.rigs.standins import transfer_kv_direct
 
             module.transfer_kv_direct = transfer_kv_direct
         return module
@@ -212,7 +212,7 @@ def install_gpu_standins() -> dict[str, str]:
             used["torchvision"] = "real"
         except Exception as e:  # missing, or built for another torch
             _drop_modules("torchvision")
-            from tests.support.standins import install_torchvision_stub
+            from scripts.rigs.standins import install_torchvision_stub
 
             install_torchvision_stub()
             used["torchvision"] = f"stub ({type(e).__name__})"
@@ -247,7 +247,7 @@ def make_device_pool(
     tokens: int,
     device: str,
 ):
-    from tests.support import hicache_harness as hh
+    from scripts.rigs import hicache_harness as hh
 
     geo = hh.Geometry(layer_num, head_num, head_dim, v_head_dim, dtype, page_size)
     return hh.make_device_pool(geo, tokens, device=device)
@@ -257,7 +257,7 @@ def make_host_pool(
     device_pool, *, cls, layout: str, host_tokens: int, pin_memory: bool, **extra
 ):
     """extra: the pool's own constructor keywords (fused_transfer, run_copies)."""
-    from tests.support import hicache_harness as hh
+    from scripts.rigs import hicache_harness as hh
 
     return hh.make_host_pool(
         device_pool,
@@ -280,7 +280,7 @@ def make_mla_device_pool(
     device: str,
 ):
     """SGLang's MLA latent pool; DeepSeek V2/V3 widths by default."""
-    from tests.support import hicache_harness as hh
+    from scripts.rigs import hicache_harness as hh
 
     geo = hh.MLAGeometry(layer_num, kv_lora_rank, qk_rope_head_dim, dtype, page_size)
     return hh.make_device_pool(geo, tokens, device=device)
@@ -288,7 +288,7 @@ def make_mla_device_pool(
 
 def make_mla_host_pool(device_pool, *, layout: str, host_tokens: int, pin_memory: bool):
     """The MLA INT8 host pool as hybrid_pool_assembler builds it."""
-    from tests.support import hicache_harness as hh
+    from scripts.rigs import hicache_harness as hh
 
     return hh.make_host_pool(
         device_pool,
@@ -311,38 +311,6 @@ def destroy_host_pool(pool) -> None:
 
 def pages_to_tokens(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     return (pages[:, None] * page_size + torch.arange(page_size)).flatten()
-
-
-# --------------------------------------------------------------------------
-# inputs
-
-
-def edge_rows(dtype: torch.dtype, d: int = 64) -> torch.Tensor:
-    """codec_inputs.special_rows plus exact .5 ties."""
-    rows = special_rows(dtype, d)
-    for log2_s in (-24, -14, -3, 0, 5):
-        k = torch.arange(-(d - 1) // 2, d // 2, dtype=torch.float64)[: d - 1] + 0.5
-        rows.append(torch.cat([torch.tensor([127.0]), k]) * 2.0**log2_s)
-    return torch.stack(rows).to(dtype)
-
-
-def random_rows(seed: int, n: int, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """n rows of gaussian / heavy-tailed / spiky / zero data, magnitudes from
-    the dtype's subnormals to past the fp16-scale guard."""
-    g = torch.Generator().manual_seed(seed)
-    lo, hi = (-140, 30) if dtype == torch.bfloat16 else (-27, 16)
-    mags = torch.exp2(
-        lo + (hi - lo) * torch.rand(n, 1, generator=g, dtype=torch.float64)
-    )
-    kind = torch.randint(0, 4, (n, 1), generator=g)
-    z = torch.randn(n, d, generator=g, dtype=torch.float64)
-    u = torch.rand(n, d, generator=g, dtype=torch.float64).clamp_min(1e-6)
-    heavy = z / u.sqrt()
-    spike = z * 1e-3
-    spike[torch.arange(n), torch.randint(0, d, (n,), generator=g)] = 1.0
-    x = torch.where(kind == 0, z, torch.where(kind == 1, heavy, spike))
-    x = torch.where(kind == 3, torch.zeros_like(x), x) * mags
-    return x.to(dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,6 +1,6 @@
-"""CPU stand-ins for every process of a live SGLang server (test support only).
+"""CPU stand-ins for every process of a live SGLang server (tools and tests only).
 
-``tests/support/server.py`` puts this folder first on PYTHONPATH of the
+``scripts/rigs/server.py`` puts this folder first on PYTHONPATH of the
 server it starts, so Python runs this file at start-up in the launcher and
 in the tokenizer, scheduler and detokenizer processes it spawns (stand-ins
 installed in the test process would not reach them). It installs:
@@ -26,7 +26,7 @@ installed in the test process would not reach them). It installs:
   GPU hosts; on this 24 GiB machine shared by parallel test runs it refuses
   even a 0.1 GB host pool).
 
-The stand-ins come from ``tests/support/standins.py``, loaded by path so the
+The stand-ins come from ``scripts/rigs/standins.py``, loaded by path so the
 repository root need not be on the server's path (the install-path tests
 run SGLang from a venv, not from build/sglang).
 """

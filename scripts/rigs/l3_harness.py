@@ -23,7 +23,7 @@ from queue import Empty
 import pytest
 import torch
 
-from tests.support.hicache_harness import (
+from scripts.rigs.hicache_harness import (
     Geometry,
     HiCacheRig,
     MLAGeometry,
@@ -33,7 +33,7 @@ from tests.support.hicache_harness import (
 )
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from tests.support.server_process import die_with_parent
+from scripts.rigs.server_process import die_with_parent
 
 # Every wait on a storage thread is bounded, so a fault can only fail a test.
 STORAGE_WAIT_S = 20.0
@@ -257,7 +257,7 @@ def write_through(l3: L3Rig, tokens: list[int], seed: int = 0, edit=None, **writ
     """New KV for `tokens` on the device -> L2 -> L3 (edit(device_pool, dev)
     may change it first; `write`: HiCacheController.write keywords). Returns
     (device indices, host indices, page hashes, number of pages L3 accepted)."""
-    from tests.support.hicache_harness import fill_random
+    from scripts.rigs.hicache_harness import fill_random
 
     ctl, rig = l3.controller, l3.rig
     dev = rig.allocator.alloc(len(tokens))

@@ -16,7 +16,7 @@ SGLang's own fallbacks still run:
   line, so a test can tell "loaded, never called" from "never loaded";
 - with ``HIQ_SGL_KERNEL_TORCH_OPS=1`` (the speculative-decoding live tests),
   a logged call runs the pure-torch op of the same name in
-  tests/support/standins.py instead of raising (CPU speculative decoding
+  scripts/rigs/standins.py instead of raising (CPU speculative decoding
   calls these ops every step).
 """
 
@@ -56,7 +56,7 @@ def _log(event: str, **fields) -> None:
 
 
 def _torch_op(name: str):
-    """The pure-torch op of this name from tests/support/standins.py, loaded by
+    """The pure-torch op of this name from scripts/rigs/standins.py, loaded by
     path under the name cpu_site/sitecustomize.py uses (one copy per process)."""
     import sys
 
@@ -79,7 +79,7 @@ def _op(name: str):
                 return op(*args, **kwargs)
         raise NotImplementedError(
             f"sgl_kernel.{name} is an import-only CPU test stand-in "
-            f"(tests/support/cpu_site/sgl_kernel); this server path needs the real op"
+            f"(scripts/rigs/cpu_site/sgl_kernel); this server path needs the real op"
         )
 
     call.__name__ = call.__qualname__ = name

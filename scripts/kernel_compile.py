@@ -24,11 +24,16 @@ What is checked on each compiled kernel (CompiledSpec.problems):
     not folded away; FP8 kernels (FP8 constexpr) convert by integer
     operations, with no hardware FP8 conversion (`cvt.*.e4m3x2`/`e5m2x2`,
     absent before sm_89).
-Test-only: nothing here is part of the product.
+
+Run it as a tool from the repository root (build/sglang first on the path):
+    python -m scripts.kernel_compile --format int8c [--arch 86,90] [--jobs N]
+prints each compiled specialisation with its problems and exits 1 if any has
+one; tests/test_kernel_compile.py asserts on the same summaries.
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import contextlib
 import inspect
@@ -36,6 +41,7 @@ import io
 import os
 import re
 import resource
+import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -51,16 +57,25 @@ from triton.runtime.jit import JITFunction, compute_cache_key
 SHIPPED_ARCHS = (80, 86, 89, 90)
 # make test compiles for the A6000 users run (sm_86); the release check,
 # HIQ_KERNEL_ARCHS=all (or a list, "86,90"), adds H100/H200 (sm_90) and the rest.
-_archs = os.environ.get("HIQ_KERNEL_ARCHS", "86")
-ARCHS = (
-    SHIPPED_ARCHS
-    if _archs == "all"
-    else tuple(sorted({int(a) for a in _archs.split(",") if a.strip()}))
-)
-if not ARCHS or not set(ARCHS) <= set(SHIPPED_ARCHS):
-    raise ValueError(
-        f"HIQ_KERNEL_ARCHS={_archs!r}: pass 'all' or some of {SHIPPED_ARCHS}"
-    )
+
+
+def parse_archs(text: str, source: str) -> tuple[int, ...]:
+    """'all' or a comma list of SHIPPED_ARCHS ("86,90"); `source` names the
+    flag or variable the text came from, for the error."""
+    try:
+        archs = (
+            SHIPPED_ARCHS
+            if text == "all"
+            else tuple(sorted({int(a) for a in text.split(",") if a.strip()}))
+        )
+    except ValueError:
+        archs = ()
+    if not archs or not set(archs) <= set(SHIPPED_ARCHS):
+        raise ValueError(f"{source}={text!r}: pass 'all' or some of {SHIPPED_ARCHS}")
+    return archs
+
+
+ARCHS = parse_archs(os.environ.get("HIQ_KERNEL_ARCHS", "86"), "HIQ_KERNEL_ARCHS")
 
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _F32_DIV = re.compile(r"\b(div(?:\.[a-z0-9]+)*\.f32)\b")
@@ -317,6 +332,7 @@ HOST_ACCESS = ("direct", "staged")
 # radix node's indices). Host indices arrive on the CPU and are uploaded into
 # a fresh (aligned) tensor, so only their dtype varies.
 DEVICE_INDEX_KINDS = ("int64", "int32", "int64-unaligned")
+DTYPES = (torch.bfloat16, torch.float16)  # the device KV dtypes the pools take
 
 
 @dataclass(frozen=True)
@@ -362,9 +378,9 @@ def _meta_alloc(dims, dtype, device, pin_memory, allocator):
 
 def drive_pool(case: PoolCase) -> None:
     """The MHA INT8 pool (host_pool_cls("int8")) over `case`."""
-    from tests.support.hicache_harness import Geometry
-
     from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+
+    from scripts.rigs.hicache_harness import Geometry
 
     head_num, head_dim, v_head_dim = case.geometry
     geo = Geometry(
@@ -382,7 +398,7 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
     """Backups and per-layer restores of every transfer size through a real
     encoded host pool (make_host_pool(**pool_kwargs)) with the fused kernels
     selected: `case` a PoolCase or MLACase, `geo` its device geometry."""
-    from tests.support.hicache_harness import make_device_pool, make_host_pool
+    from scripts.rigs.hicache_harness import make_device_pool, make_host_pool
 
     from sglang.srt.mem_cache.pool_host import base, encoded
     from sglang.srt.mem_cache.pool_host.host_format import HostKVFormat
@@ -424,7 +440,7 @@ def drive_host_pool(case, geo, **pool_kwargs) -> None:
 
 
 def _draft_pools(geo, layers: int, device_tokens: int) -> list:
-    from tests.support.hicache_harness import make_device_pool
+    from scripts.rigs.hicache_harness import make_device_pool
 
     one = type(geo)(**{**geo.__dict__, "layer_num": 1})
     return [make_device_pool(one, device_tokens) for _ in range(layers)]
@@ -450,8 +466,8 @@ def pool_grid() -> list[PoolCase]:
     every geometry at page size 16, a subset at 1 and 64) for both device
     dtypes and both host-access modes; every device index kind on the
     odd-head geometry; and pools whose host buffers exceed 2**31 elements."""
-    from tests.support.codec_inputs import DTYPES
-    from tests.support.conformance import KERNEL_POOL_CASES as POOL_CASES, LAYOUTS
+    from scripts.rigs.hicache_harness import KERNEL_POOL_CASES as POOL_CASES
+    from scripts.rigs.hicache_harness import LAYOUTS
 
     cases = [
         PoolCase(layout, page_size, geometry, dtype, access)
@@ -513,7 +529,7 @@ class MLACase:
 def drive_mla(case: MLACase) -> None:
     """The MLA INT8 pool (MLATokenToKVPoolINT8Host: its launch sites call
     kv_mla_int8_triton through MLAInt8HostFormat) over `case`."""
-    from tests.support.hicache_harness import MLAGeometry
+    from scripts.rigs.hicache_harness import MLAGeometry
 
     geo = MLAGeometry(
         layer_num=case.layer_num,
@@ -529,8 +545,6 @@ def mla_grid() -> list[MLACase]:
     """DeepSeek geometry: every layout, page size 1/16/64, both device dtypes
     and both host-access modes; every device index kind at page 16; a smaller
     latent; host records past 2**31 elements (direct access)."""
-    from tests.support.codec_inputs import DTYPES
-
     cases = [
         MLACase(layout, page_size, dtype, access)
         for layout in ("page_first", "page_first_direct", "layer_first")
@@ -588,8 +602,6 @@ class Int4Case:
 
 
 def drive_int4_case(case: Int4Case) -> None:
-    from tests.support.int4_reference import Host
-
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
     from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
@@ -608,7 +620,7 @@ def drive_int4_case(case: Int4Case) -> None:
         fmt = host_format_cls(case.fmt, "mha")((dk, dv), H, ut, case.dtype)
         rotation = fmt._kernel_rotation(k_layers[0].device)
     base = case.fmt.removesuffix("r")
-    host = Host(base, pages, layers, ut, H, dk, dv, case.layer_first)
+    host = _int4_records(base, pages, layers, (ut, H, dk, dv), case.layer_first)
     counter = torch.zeros((), dtype=torch.int64)
     bad = torch.zeros((), dtype=torch.int64)
     amax = torch.zeros(layers, 2)
@@ -619,23 +631,46 @@ def drive_int4_case(case: Int4Case) -> None:
         for kind in case.index_kinds:
             dev = _device_indices(rows, kind)
             k4.encode_gather(
-                tables, dev, host.all_layers(), host_idx,
+                tables, dev, host, host_idx,
                 counters=KVCounters(counter, amax, bad), **rotation,
             )  # fmt: skip
             for layer in range(layers):
                 dst = (k_layers[layer], v_layers[layer])
                 k4.decode_scatter(
-                    host.layer(layer), host_idx, dst, dev, bad_index_counter=bad,
+                    _layer(host, layer), host_idx, dst, dev, bad_index_counter=bad,
                     **rotation,
                 )  # fmt: skip
             if case.staged:
-                one_layer = {n: t[:, :1] for n, t in host.all_layers().items()}
+                one_layer = {n: t[:, :1] for n, t in host.items()}
                 k4.encode_gather(
                     tables, dev, one_layer, host_idx,
                     counters=KVCounters(counter, amax), first_layer=layers - 1,
                     **rotation,
                 )  # fmt: skip
-                k4.decode_scatter(host.layer(0), host_idx, dst, dev, **rotation)
+                k4.decode_scatter(_layer(host, 0), host_idx, dst, dev, **rotation)
+
+
+def _int4_records(fmt: str, units: int, layers: int, shape, layer_first: bool):
+    """An INT4/K8V4 pool's host records by name, [units, L, *record] views
+    (layer_first: [L, units, *record] storage); shape is (ut, H, dk, dv)."""
+    from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
+
+    ut, H, dk, dv = shape
+    shapes = {"int4": codec.int4_record_shapes, "k8v4": codec.k8v4_record_shapes}
+    records = {}
+    for name, (rec, dtype) in shapes[fmt]((dk, dv), H, ut).items():
+        if layer_first:
+            records[name] = torch.zeros(layers, units, *rec, dtype=dtype).transpose(
+                0, 1
+            )
+        else:
+            records[name] = torch.zeros(units, layers, *rec, dtype=dtype)
+    return records
+
+
+def _layer(records: dict, layer: int) -> dict:
+    """One layer's [units, *record] views of _int4_records' records."""
+    return {name: t[:, layer] for name, t in records.items()}
 
 
 def int4_family_grid(int4: str, k8v4: str, layer_first_dtypes, extra) -> list:
@@ -871,13 +906,15 @@ def summary(run: CompileRun, with_ptx: bool = False) -> dict:
 
 
 def _worker_main(argv: list[str]) -> None:
-    """python -m tests.support.kernel_compile OUT_DIR GRID[+MUTATION] ARCH...: compile
-    the grid (a GRIDS key), with one kernel broken (a MUTATIONS name) if
-    given, for each target, writing OUT_DIR/sm_<arch>.json."""
+    """python -m scripts.kernel_compile --worker OUT_DIR GRID[+MUTATION] ARCH...:
+    compile the grid (a GRIDS key), with one kernel broken (a MUTATIONS name)
+    if given, for each target, writing OUT_DIR/sm_<arch>.json."""
     import json
     import tempfile
 
-    from tests import conftest  # noqa: F401  (the CPU stand-ins, before sglang)
+    from scripts.common.cpu_sglang import install_cpu_standins
+
+    install_cpu_standins()  # before sglang is imported
 
     out, (grid, _, mutation), archs = Path(argv[0]), argv[1].partition("+"), argv[2:]
     if mutation:
@@ -898,16 +935,14 @@ def compile_grid_in_workers(
     time per process); each drives the grid once. The workers build the
     kernels in compiled mode (TRITON_INTERPRET=0)."""
     import json
-    import os
     import subprocess
-    import sys
 
     groups = [list(archs[i::jobs]) for i in range(jobs) if archs[i::jobs]]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.support.kernel_compile", str(out_dir), grid]
-            + [str(arch) for arch in group],
-            cwd=Path(__file__).resolve().parents[2],
+            [sys.executable, "-m", "scripts.kernel_compile", "--worker"]
+            + [str(out_dir), grid, *(str(arch) for arch in group)],
+            cwd=Path(__file__).resolve().parents[1],
             env={**os.environ, "TRITON_INTERPRET": "0"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -950,7 +985,103 @@ def compile_grids_in_workers(
     return results
 
 
-if __name__ == "__main__":
-    import sys
+# --- the tool -----------------------------------------------------------------
 
-    _worker_main(sys.argv[1:])
+# The grids that compile a --hicache-host-dtype value's kernels (MHA and MLA).
+FORMAT_GRIDS = {
+    "int8": ("int8", "mla"),
+    "int4": ("int4", "int4-fp8"),
+    "k8v4": ("int4", "int4-fp8"),
+    "int4r": ("int4-rot",),
+    "k8v4r": ("int4-rot",),
+    "int8c": ("int8c",),
+}
+
+
+def report(grid: str, run: dict) -> list[str]:
+    """The report lines of one grid compiled for one target: a heading, then
+    each specialisation with its spill bytes and problems."""
+    lines = [
+        f"{grid} sm_{run['arch']}: {len(run['specs'])} distinct specialisations "
+        f"from {run['launches']} launches in {run['seconds']} s "
+        f"({run['cpu_seconds']} CPU s)"
+    ]
+    for spec in run["specs"]:
+        lines.append(f"  {spec['describe']}: {spec['spill_bytes']} B spilled")
+        lines += [f"    PROBLEM {problem}" for problem in spec["problems"]]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        _worker_main(argv[1:])
+        return 0
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.kernel_compile",
+        description="Compile the host pools' Triton kernels for NVIDIA targets "
+        "without a GPU and check each specialisation (no spill, IEEE "
+        "arithmetic); exit 1 if any has a problem.",
+    )
+    parser.add_argument(
+        "--format",
+        action="append",
+        default=[],
+        choices=sorted(FORMAT_GRIDS),
+        help="a --hicache-host-dtype value whose kernels to compile (repeatable)",
+    )
+    parser.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="GRID[+MUTATION]",
+        help=f"a grid by name, {sorted(GRIDS)}, optionally with one kernel "
+        f"broken on purpose (+ one of {list(MUTATIONS)}) (repeatable)",
+    )
+    parser.add_argument(
+        "--arch",
+        default=",".join(map(str, ARCHS)),
+        help=f"'all' or a comma list of {SHIPPED_ARCHS} (default: "
+        "HIQ_KERNEL_ARCHS, else 86)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes"
+    )
+    parser.add_argument(
+        "--json",
+        type=Path,
+        metavar="DIR",
+        help="also keep each run's summary as DIR/<grid>/sm_<arch>.json",
+    )
+    args = parser.parse_args(argv)
+    try:
+        archs = parse_archs(args.arch, "--arch")
+    except ValueError as e:
+        parser.error(str(e))
+    for grid in args.grid:
+        name, _, mutation = grid.partition("+")
+        if name not in GRIDS or (mutation and mutation not in MUTATIONS):
+            parser.error(
+                f"--grid {grid!r}: pass one of {sorted(GRIDS)}, optionally "
+                f"+ one of {list(MUTATIONS)}"
+            )
+    grids = list(dict.fromkeys([g for f in args.format for g in FORMAT_GRIDS[f]]))
+    grids += [g for g in args.grid if g not in grids]
+    if not grids:
+        parser.error("pass --format or --grid (what to compile)")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        runs = compile_grids_in_workers(grids, archs, args.json or scratch, args.jobs)
+    problems = 0
+    for grid in grids:
+        for arch in archs:
+            print("\n".join(report(grid, runs[grid][arch])))
+            problems += sum(len(s["problems"]) for s in runs[grid][arch]["specs"])
+    targets = ", ".join(f"sm_{a}" for a in archs)
+    print(f"kernel_compile: {problems} problem(s) in {grids} for {targets}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,12 +1,13 @@
 """Build real SGLang HiCache pieces on CPU: device pool, host pool, controller.
 
 The harness later tests (host formats, quality, replay) build on. Everything
-here is SGLang's own code; only the stand-ins in tests/support/standins.py replace what
+here is SGLang's own code; only the stand-ins in scripts/rigs/standins.py replace what
 needs CUDA.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 import threading
 from dataclasses import dataclass
@@ -43,6 +44,30 @@ class MLAGeometry:
     qk_rope_head_dim: int = 64
     dtype: torch.dtype = torch.bfloat16
     page_size: int = 1
+
+
+# The host layouts and head geometries the pools are exercised over (the
+# conformance suite and the compile check share them).
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+# (head_num, head_dim, v_head_dim): TP-sliced head counts, the common dims, K != V.
+GEOMETRIES = [
+    (1, 64, 64),
+    (3, 64, 64),
+    (8, 128, 128),
+    (2, 96, 96),
+    (4, 256, 256),
+    (64, 128, 128),
+    (4, 192, 128),
+]
+# The INT8 kernels' pool grid (tests/test_kv_int8_triton.py, and
+# scripts/kernel_compile.py): every geometry at page size 16, a subset at 1 and 64.
+KERNEL_POOL_CASES = [
+    (layout, page_size, geometry)
+    for layout, page_size in itertools.product(LAYOUTS, (1, 16, 64))
+    for geometry in (
+        GEOMETRIES if page_size == 16 else GEOMETRIES[:3] + GEOMETRIES[-1:]
+    )
+]
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """CPU stand-ins for the parts of SGLang that need CUDA hardware.
 
-Test fixtures only: nothing here ships in the product. Each stand-in replaces
-exactly one thing a CPU-only machine lacks and says which.
+Shared by tests and tools, never shipped in the product. Each stand-in
+replaces exactly one thing a CPU-only machine lacks and says which.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def run_fresh(code: str, timeout: float = 600) -> dict:
     """Run `code` in a fresh interpreter at the repo root, after the CPU
     stand-ins, and return the JSON its last output line prints."""
     prologue = (
-        "from tests.support import standins\n"
+        "from scripts.rigs import standins\n"
         "standins.install_torchvision_stub()\n"
         "standins.install_sglang_standins()\n"
     )

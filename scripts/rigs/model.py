@@ -21,7 +21,7 @@ Stable API (used by tests and ``make demo``):
   natural-text prompts of ``tokens`` token ids each, far apart in Python's own
   source (no shared prefix; the same on every machine with this Python).
 
-Run ``python -m tests.support.model [smollm2|gemma3]`` to convert ahead of
+Run ``python -m scripts.rigs.model [smollm2|gemma3]`` to convert ahead of
 time.
 """
 
@@ -104,7 +104,7 @@ def gemma3_dir() -> Path:
             [str(QUALITY_MODELS), str(REPO_ROOT), env.get("PYTHONPATH", "")]
         )
         subprocess.run(
-            [sys.executable, "-m", "tests.support.model", "gemma3"],
+            [sys.executable, "-m", "scripts.rigs.model", "gemma3"],
             env=env,
             cwd=REPO_ROOT,
             check=True,
@@ -207,7 +207,7 @@ def _convert(gguf: Path, out: Path, plain_class: str) -> None:
 
 
 if __name__ == "__main__":
-    # Run from the repository root: python -m tests.support.model
+    # Run from the repository root: python -m scripts.rigs.model
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     which = sys.argv[1] if len(sys.argv) > 1 else "smollm2"
     print(_convert_gemma3() if which == "gemma3" else smollm2_dir())
