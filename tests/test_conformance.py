@@ -324,7 +324,7 @@ def unit_tokens_of(units: list[int], ut: int) -> torch.Tensor:
     case_params(
         [c for c in CASES if not c.stock],
         INDEX_GRID,
-        lambda c, layout, path: c in FUSED_CASES or not INDEX_PATHS[path][0],
+        lambda c, layout, path: c in FUSED_CASES or INDEX_PATHS[path][0] == "off",
     ),
     indirect=["case"],
 )
@@ -333,17 +333,16 @@ def test_host_index_orders(request, case, layout, path):
     host records are the reference encoding at exactly those units, each
     loaded token is the reference restore of its unit's rows, and nothing
     else changes on either side."""
-    fused, access, runs = INDEX_PATHS[path]
-    if fused and not case.toy:  # the toy's "kernels" are torch code
+    access, runs = INDEX_PATHS[path]
+    if access != "off" and not case.toy:  # the toy's "kernels" are torch code
         request.getfixturevalue("triton_interpreter")
     geo = case.geometry(4)
     rig = make_rig(
         geo, device_tokens=64, host_tokens=80, layout=layout,
-        host_dtype=case.host_dtype, fused_transfer=access if fused else "off",
-        run_copies=runs,
+        host_dtype=case.host_dtype, fused_transfer=access, run_copies=runs,
     )  # fmt: skip
     device_pool, pool = rig.device_pool, rig.host_pool
-    assert pool.transfer_path == (f"fused_{access}" if fused else "torch")
+    assert pool.transfer_path == ("torch" if access == "off" else f"fused_{access}")
     ut = unit_tokens(pool)
     host = unit_tokens_of(BACKUP_UNITS, ut)
     dev = torch.arange(4, 4 + len(host))
