@@ -85,3 +85,21 @@ def test_hook_and_collector_stay_within_their_budget(patch_commits):
     # sampled restore-error histogram).
     assert 0 < added_lines(HOOK) <= 120
     assert 0 < added_lines(COLLECTOR) <= 204
+
+
+# The two sink-page probes of the radix-cache hint patch, moved to declared
+# hooks with the sink page's own restructuring.
+SINK_PROBES = {"restore_storage_sink_page", "storage_sink_objects"}
+
+
+def test_patches_read_declared_hooks_not_getattr_probes():
+    """Hooks the controller and backends use are declared (HostKVCache's
+    capability attributes and no-op methods), so no patch adds a getattr."""
+    series = (REPO / "patches" / "series").read_text().split()
+    probes = []
+    for name in (n for n in series if n.endswith(".patch")):
+        for line in (REPO / "patches" / name).read_text().splitlines():
+            if line.startswith("+") and "getattr(" in line:
+                if not any(f'"{hook}"' in line for hook in SINK_PROBES):
+                    probes.append(f"{name}: {line[1:].strip()}")
+    assert not probes, "patches add getattr probes:\n" + "\n".join(probes)
