@@ -13,8 +13,8 @@ import torch
 
 from sglang.srt.mem_cache.pool_host import kv_hadamard as kh
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
-from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
 from tests.support.codec_inputs import UNIT_KINDS as KINDS
+from tests.support.rotated_keys_format import K8V4RotKeysHostFormat
 from tests.support.codec_inputs import assert_same_bits, make_units
 
 NAN = float("nan")

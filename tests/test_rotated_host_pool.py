@@ -21,8 +21,8 @@ from tests.support.hicache_harness import (
 )
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
-from sglang.srt.mem_cache.pool_host.kv_k8v4_rot_codec import K8V4RotKeysHostFormat
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from tests.support.rotated_keys_format import K8V4RotKeysHostFormat
 from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
     restore_nan_key_and_inf_value,

@@ -6,8 +6,8 @@ Walsh-Hadamard butterfly with a fixed seeded sign flip), stored as k8v4's
 4-bit values and unrotated on restore. Same records, bytes per token and L3
 objects as k8v4; the storage tag differs.
 
-Keys stay unrotated: rotating the INT8 keys as well (K8V4RotKeysHostFormat)
-gained 6-8% of mean KL and no clear top-1 agreement at reduced size
+Keys stay unrotated: rotating the INT8 keys as well (k8rv4r, measured with
+tests/support/rotated_keys_format.py) gained 6-8% of mean KL and no clear top-1 agreement at reduced size
 (docs/quality-rotated.md), too little for a format of its own.
 """
 
@@ -24,15 +24,3 @@ class K8V4RotHostFormat(RotatedHostFormatMixin, K8V4HostFormat):
     base_name = "k8v4"
     storage_format_tag = "k8v4r-fp16meta-v1"
     rotated_sides = ("v",)
-
-
-class K8V4RotKeysHostFormat(RotatedHostFormatMixin, K8V4HostFormat):
-    """k8v4 with keys and values rotated: measured against k8v4r
-    (docs/quality-rotated.md), not registered."""
-
-    name = "k8rv4r"
-    base_name = "k8v4"
-    storage_format_tag = "k8rv4r-fp16meta-v1"
-    rotated_sides = ("k", "v")
-    # The kernels' INT8 keys have no rotated variant: torch path only.
-    fused_rotation = False
