@@ -103,3 +103,12 @@ def test_patches_read_declared_hooks_not_getattr_probes():
                 if not any(f'"{hook}"' in line for hook in SINK_PROBES):
                     probes.append(f"{name}: {line[1:].strip()}")
     assert not probes, "patches add getattr probes:\n" + "\n".join(probes)
+
+
+def test_patch_messages_cite_no_internal_issue():
+    """Messages go upstream as they are: an internal issue number means nothing
+    there."""
+    series = (REPO / "patches" / "series").read_text().split()
+    for name in (n for n in series if n.endswith(".patch")):
+        message = (REPO / "patches" / name).read_text().split("\ndiff --git")[0]
+        assert not re.search(r"(?i)\bissue[ -]?#?\d", message), name
