@@ -216,7 +216,7 @@ def test_quantized_rejects_what_the_pool_does_not_serve(field, value, host_dtype
 @per_format
 @pytest.mark.parametrize("backend", ["file", "mooncake", "nixl"])
 def test_quantized_accepts_storage_backend(backend, host_dtype):
-    # NIXL moves encoded page objects since patch 0010 (tests/test_l3_nixl.py).
+    # NIXL moves encoded page objects since patch 0011 (tests/test_l3_nixl.py).
     server_args = resolve(
         hicache_host_dtype=host_dtype, hicache_storage_backend=backend
     )
