@@ -696,7 +696,12 @@ def export_pr(tree: Path = DEFAULT_TREE) -> Path:
             (out_dir / "PR_DESCRIPTION.md").write_text(render_description(pr, values))
             bases.append(f"PR {pr.dir_name}")
             count = len(list(out_dir.glob("*.patch")))
-            print(f"overlay: exported PR {pr.dir_name}: {count} commits and PR_DESCRIPTION.md")
+            changed = _numstat(work, start, "AM")
+            size = sum(int(a) + int(r) for a, r, _ in changed if a != "-")
+            print(
+                f"overlay: exported PR {pr.dir_name}: {count} commits, {size} lines "
+                f"changed in {len(changed)} files, and PR_DESCRIPTION.md"
+            )
         exported = git(work, "rev-parse", "HEAD^{tree}").strip()
     if exported != git(tree, "rev-parse", "HEAD^{tree}").strip():
         raise OverlayError(

@@ -63,12 +63,15 @@ def test_no_patch_edits_a_line_an_earlier_patch_added(patch_commits):
 
 
 def test_at_most_fourteen_patches_plus_the_mooncake_fix(patch_commits):
-    # Ten concerns, plus the stock pools' start-up bytes line (0012), the
-    # sink-page metrics (0013), the replacement of refused L3 pages (0014) and
-    # the KV quality metrics (0015), each its own PR.
+    # Ten concerns, plus the stock pools' start-up bytes line (0013), the
+    # sink-page metrics (0014), the replacement of refused L3 pages (0015) and
+    # the KV quality metrics (0016).
     subjects = [git("log", "-1", "--format=%s", c).strip() for c in patch_commits]
-    fix = [s for s in subjects if "fills less than the page buffer" in s]
-    assert len(fix) == 1
+    # Fixes that stand alone: the Mooncake short read, and the Mamba-layout
+    # refusal (it applies to auto too).
+    fixes = ("fills less than the page buffer", "Mamba layout:")
+    fix = [s for s in subjects if any(f in s for f in fixes)]
+    assert len(fix) == 2
     assert len(subjects) - len(fix) <= 14, subjects
 
 
@@ -80,8 +83,36 @@ def added_lines(path: str) -> int:
 def test_hook_and_collector_stay_within_their_budget(patch_commits):
     # hicache_hook imports the format names from the registry; the collector
     # keeps what an operator reads (83 host-tier lines + 12 for the L3
-    # refused-pages counter, issue 21, + 56 for the sink page's side store, + 9
+    # refused-pages counter, + 56 for the sink page's side store, + 9
     # for the replaced-pages counter, + 43 for the per-layer scale amax and the
-    # sampled restore-error histogram).
-    assert 0 < added_lines(HOOK) <= 120
+    # sampled restore-error histogram); the hook + 29 for the Mamba-layout
+    # refusal, moved from the overlay's model checks into its own patch.
+    assert 0 < added_lines(HOOK) <= 150
     assert 0 < added_lines(COLLECTOR) <= 204
+
+
+# The two sink-page probes of the radix-cache hint patch, moved to declared
+# hooks with the sink page's own restructuring.
+SINK_PROBES = {"restore_storage_sink_page", "storage_sink_objects"}
+
+
+def test_patches_read_declared_hooks_not_getattr_probes():
+    """Hooks the controller and backends use are declared (HostKVCache's
+    capability attributes and no-op methods), so no patch adds a getattr."""
+    series = (REPO / "patches" / "series").read_text().split()
+    probes = []
+    for name in (n for n in series if n.endswith(".patch")):
+        for line in (REPO / "patches" / name).read_text().splitlines():
+            if line.startswith("+") and "getattr(" in line:
+                if not any(f'"{hook}"' in line for hook in SINK_PROBES):
+                    probes.append(f"{name}: {line[1:].strip()}")
+    assert not probes, "patches add getattr probes:\n" + "\n".join(probes)
+
+
+def test_patch_messages_cite_no_internal_issue():
+    """Messages go upstream as they are: an internal issue number means nothing
+    there."""
+    series = (REPO / "patches" / "series").read_text().split()
+    for name in (n for n in series if n.endswith(".patch")):
+        message = (REPO / "patches" / name).read_text().split("\ndiff --git")[0]
+        assert not re.search(r"(?i)\bissue[ -]?#?\d", message), name

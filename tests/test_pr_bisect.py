@@ -1,7 +1,9 @@
 """The exported PRs are bisectable: `git am` of PR 1 alone onto the pristine
 pinned sources, then PR 2 on top, and so on. Every commit byte-compiles; at
-the end of each PR, every upstream-style unit test the PRs so far add passes
-on CPU (stand-ins from scripts/rigs/standins.py, in a subprocess on that tree).
+the end of each PR, every Python module the PR adds or edits imports (so a
+module importing one a later PR ships fails), and every upstream-style unit
+test the PRs so far add passes on CPU (stand-ins from
+scripts/rigs/standins.py, in a subprocess on that tree).
 A release check (about 80 s): HIQ_PR_BISECT=1 runs it; make test runs
 test_pr_gate's export and hooks instead."""
 
@@ -32,6 +34,15 @@ def git(tree: Path, *args: str) -> str:
     ).stdout  # fmt: skip
 
 
+def touched_modules(paths: list[str]) -> list[str]:
+    """Dotted names of the modules under python/ among these tree paths."""
+    return [
+        p.removeprefix("python/").removesuffix(".py").replace("/", ".")
+        for p in paths
+        if p.startswith("python/") and p.endswith(".py")
+    ]
+
+
 @pytest.mark.skipif(
     os.environ.get("HIQ_PR_BISECT") != "1", reason="release check: HIQ_PR_BISECT=1"
 )
@@ -40,25 +51,38 @@ def test_each_pr_applies_alone_on_the_pin_and_passes_its_unit_tests(tmp_path):
         [sys.executable, str(REPO / "scripts" / "overlay.py"), "pr"],
         check=True, cwd=REPO, capture_output=True, env={**os.environ, **IDENTITY},
     )  # fmt: skip
-    pr_dirs = sorted((REPO / "dist" / "pr").iterdir(), key=lambda p: int(p.name.split("-")[0]))
+    pr_dirs = sorted(
+        (REPO / "dist" / "pr").iterdir(), key=lambda p: int(p.name.split("-")[0])
+    )
     assert len(pr_dirs) >= 2
     work = tmp_path / "pristine"
     git(tmp_path, "clone", "-q", "--shared", "--no-checkout", str(TREE), str(work))
     git(work, "checkout", "-q", "--detach", "hiq-baseline")
     base = git(work, "rev-parse", "HEAD").strip()
     for pr_dir in pr_dirs:
+        start = git(work, "rev-parse", "HEAD").strip()
         for patch in sorted(pr_dir.glob("*.patch")):
             git(work, "am", "-q", "--keep-cr", str(patch))
-            changed = git(work, "diff", "--name-only", "--diff-filter=AM", "HEAD~1", "HEAD")
+            changed = git(
+                work, "diff", "--name-only", "--diff-filter=AM", "HEAD~1", "HEAD"
+            )
             for rel in changed.split():
                 if rel.endswith(".py"):
                     py_compile.compile(str(work / rel), doraise=True)
-        added = git(work, "diff", "--name-only", "--diff-filter=A", base, "HEAD").split()
+        added = git(
+            work, "diff", "--name-only", "--diff-filter=A", base, "HEAD"
+        ).split()
         tests = [work / p for p in added if p.startswith("test/registered/")]
         assert tests, f"{pr_dir.name}: the PRs so far add no unit test"
+        touched = git(work, "diff", "--name-only", "--diff-filter=AM", start, "HEAD")
+        modules = touched_modules(touched.split())
+        assert modules, f"{pr_dir.name}: touches no Python module"
+        runner = ["-m", "tests.upstream_unit_runner", "--import", *modules, "--"]
         proc = subprocess.run(
-            [sys.executable, "-m", "tests.upstream_unit_runner", *map(str, tests)],
+            [sys.executable, *runner, *map(str, tests)],
             cwd=REPO, capture_output=True, text=True,
             env={**os.environ, "PYTHONPATH": str(work / "python"), "HIQ_SGLANG_TREE": str(work)},
         )  # fmt: skip
-        assert proc.returncode == 0, f"{pr_dir.name}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        assert proc.returncode == 0, (
+            f"{pr_dir.name}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        )

@@ -1,12 +1,15 @@
 """Run upstream-style unit test files against one SGLang tree on CPU, with the
 stand-ins of scripts/rigs/standins.py (used by test_pr_bisect.py in a subprocess).
+`--import` names modules to import first (every module a PR touches), so a
+module that imports one a later PR ships fails here.
 
     HIQ_SGLANG_TREE=<tree> PYTHONPATH=<tree>/python \
-        python -m tests.upstream_unit_runner <test files...>
+        python -m tests.upstream_unit_runner [--import mod ...] [--] <test files...>
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
 import unittest
@@ -23,8 +26,21 @@ import sglang.srt.mem_cache.pool_host.base as host_pool_base  # noqa: E402
 # of free RAM is often not there, and every host pool would be refused.
 host_pool_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = 1 << 30
 
+args = sys.argv[1:]
+modules, files = [], args
+if args[:1] == ["--import"]:
+    split = args.index("--") if "--" in args else len(args)
+    modules, files = args[1:split], args[split + 1 :]
+
 failed = 0
-for path in map(Path, sys.argv[1:]):
+for name in modules:
+    try:
+        importlib.import_module(name)
+    except Exception as error:  # any failure to import is this check's finding
+        print(f"import {name}: {type(error).__name__}: {error}")
+        failed += 1
+print(f"imported {len(modules) - failed} of {len(modules)} modules")
+for path in map(Path, files):
     # As `python3 <test file>` runs it: its folder first on the path, so a test
     # may import a sibling test module's helpers.
     sys.path.insert(0, str(path.resolve().parent))

@@ -25,9 +25,6 @@ from sglang.srt.arg_groups.overrides import (
 # --kv-cache-dtype values of an FP8 device KV cache, which only the formats
 # with fp8_device_kv (host_format.fp8_host_dtypes) encode.
 _FP8_KV_CACHE_DTYPES = ("fp8_e4m3", "fp8_e5m2")
-# What MambaPoolHost takes once hybrid_pool_assembler has rewritten
-# page_first_kv_split to page_first_direct for the state pool.
-_MAMBA_HOST_MEM_LAYOUTS = ("page_first", "page_first_direct", "page_first_kv_split")
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +54,6 @@ def check_device_kv_dtype(cfg: Any, flag: str, plain: tuple, needs: str) -> None
 
 
 def check_model_for_host_kv(server_args: Any) -> None:
-    _refuse_layout_without_mamba_host_pool(server_args)
     if resolving_view(server_args).hicache_host_dtype == "auto":
         _check_env_with_stock_pool()
 
@@ -128,28 +124,6 @@ def _check_env_with_encoded_pool(server_args: Any) -> None:
     sink_page.check_sink_page_size(tokens, cfg.page_size or 1)
 
 
-def _refuse_layout_without_mamba_host_pool(server_args: Any) -> None:
-    """Models with recurrent state (Mamba, GDN, KDA, lightning) get a Mamba
-    state host pool next to the KV one, and that pool asserts its layout only
-    when the scheduler builds it, after start-up."""
-    cfg = resolving_view(server_args)
-    if cfg.hicache_mem_layout in _MAMBA_HOST_MEM_LAYOUTS:
-        return
-    # The same test kv_cache_builder uses to build the Mamba-state radix cache.
-    from sglang.srt.mem_cache.kv_cache_builder import uses_ssm_state
-
-    model_config = model_config_of(server_args)
-    if not uses_ssm_state(model_config):
-        return
-    raise ValueError(
-        f"--hicache-mem-layout {cfg.hicache_mem_layout} is not supported for "
-        f"{architecture(model_config)}: its linear-attention/Mamba state host "
-        "pool (MambaPoolHost) stores states page first only. Use "
-        "--hicache-mem-layout page_first (with --hicache-io-backend kernel) or "
-        "page_first_direct (with --hicache-io-backend direct)."
-    )
-
-
 def architecture(model_config: Any) -> str:
     """The model's architecture name, for refusals."""
     return (model_config.hf_config.architectures or ["this model"])[0]
@@ -175,7 +149,7 @@ def check_model_for_encoded_host_kv(server_args: Any) -> None:
 
 
 def _refuse_nixl_with_hybrid_model(server_args: Any) -> None:
-    """NIXL moves encoded KV pages (patch 0010), but its path for the hybrid
+    """NIXL moves encoded KV pages (patch 0011), but its path for the hybrid
     side pools (sliding-window, Mamba state) has not run with them."""
     cfg = resolving_view(server_args)
     model_config = model_config_of(server_args)

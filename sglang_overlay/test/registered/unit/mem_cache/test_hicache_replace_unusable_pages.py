@@ -45,6 +45,8 @@ def _config(path):
 class _Backend:
     """Records delete calls and the keys each batch write is given."""
 
+    deletes_keys = True  # as HiCacheFile, MooncakeStore and HiCacheNixl declare
+
     def __init__(self):
         self.deleted, self.written = [], []
 

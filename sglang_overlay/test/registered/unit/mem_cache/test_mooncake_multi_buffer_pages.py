@@ -2,7 +2,8 @@
 
 A host pool that keeps a page in more than one tensor declares
 storage_buffers_per_object; each _k/_v object then moves as one multi-buffer
-get/put over that many pointers. Pools without it keep one buffer per object.
+get/put over that many pointers. Other pools keep HostKVCache's 1: one buffer
+per object.
 
     python -m pytest test/registered/unit/mem_cache/test_mooncake_multi_buffer_pages.py -v
 """
@@ -11,6 +12,7 @@ import unittest
 
 import torch
 
+from sglang.srt.mem_cache.pool_host.base import HostKVCache
 from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
 from sglang.test.ci.ci_register import register_cpu_ci
 from sglang.test.test_utils import CustomTestCase
@@ -25,6 +27,7 @@ class _PagePool:
     as `buffers` consecutive (pointer, size) pairs."""
 
     page_size = PAGE_SIZE
+    storage_buffers_per_object = HostKVCache.storage_buffers_per_object
 
     def __init__(self, buffers, declare):
         self.buffers = buffers
