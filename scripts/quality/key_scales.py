@@ -41,10 +41,12 @@ def sym8_tokens(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
     return ((g / s).round().clamp(-127, 127) * s).reshape(t, h, d)
 
 
-def _per_channel(x: torch.Tensor, levels: int, symmetric: bool) -> torch.Tensor:
-    """One group per channel over each PAGE tokens."""
+def _per_channel(
+    x: torch.Tensor, levels: int, symmetric: bool, unit: int = PAGE
+) -> torch.Tensor:
+    """One group per channel over each `unit` tokens."""
     t, h, d = x.shape
-    g = x.reshape(t // PAGE, PAGE, h, d)
+    g = x.reshape(t // unit, unit, h, d)
     if symmetric:
         s = _fp16(g.abs().amax(1, keepdim=True) / (levels // 2))
         q = (g / s).round().clamp(-(levels // 2), levels // 2) * s
@@ -82,6 +84,88 @@ def _none(x):
     return x
 
 
+def _k4(unit: int = PAGE):
+    return lambda k: _per_channel(k, 16, False, unit)
+
+
+def _k8c(k: torch.Tensor) -> torch.Tensor:
+    return _per_channel(k, 256, False)
+
+
+def _sink(fn):
+    """fn, with the first page's keys at 8 bits per channel (the sink page;
+    the shipped sink store keeps INT8 per head row, int8's loss on Gemma)."""
+
+    def apply(k: torch.Tensor) -> torch.Tensor:
+        out = fn(k)
+        out[:PAGE] = _k8c(k[:PAGE])
+        return out
+
+    return apply
+
+
+# Per-layer plans: (layer index, each layer's attention kind) -> 8-bit keys.
+def _full_layers(i: int, kinds: list) -> bool:
+    return kinds[i] == "full"
+
+
+def _first(count: int):
+    return lambda i, kinds: i < count
+
+
+def _layers(*which: int):
+    return lambda i, kinds: i in which
+
+
+def plan_keys8(i: int, kinds: list) -> bool:
+    """The layer plan rule: 8-bit keys on the full-attention layers of a model
+    with sliding-window layers, else on the first len(kinds) // 12 (3 of 36)."""
+    if any(k is not None and k != "full" for k in kinds):
+        return kinds[i] == "full"
+    return i < max(1, len(kinds) // 12)
+
+
+def _planned(rule, values=_asym4_tokens, keys4=None, keys8=_k8c):
+    keys4 = keys4 or _k4()
+    return lambda i, kinds: (keys8 if rule(i, kinds) else keys4, values)
+
+
+# Bytes per token of the 4-bit candidates: (4-bit key unit, sink page, plan).
+SPECS = {}
+
+
+def _spec(
+    name: str, unit: int = PAGE, sink: bool = False, plan=None, vgroup: int = 64
+) -> str:
+    SPECS[name] = (unit, sink, plan, vgroup)
+    return name
+
+
+def bytes_per_token(
+    name: str, kinds: list, heads: int, dim: int, seq_tokens: int = 4096
+) -> float:
+    """Host bytes per token of arm `name` (FP16 metadata, page 64), all layers."""
+    unit, sink, plan, vgroup = SPECS[name]
+    total = 0.0
+    for i in range(len(kinds)):
+        values = heads * dim / 2 + heads * (dim // vgroup) * 4
+        if plan is not None and plan(i, kinds):
+            keys = heads * dim + heads * dim * 4 / PAGE
+        else:
+            keys = heads * dim / 2 + heads * dim * 4 / unit
+            if sink:
+                # The sink page's 8-bit keys (_k8c's bytes), one page per
+                # sequence, beside the page's 4-bit copy.
+                keys += (heads * dim + heads * dim * 4 / PAGE) * PAGE / seq_tokens
+        total += keys + values
+    return total
+
+
+# (layer kinds, KV heads, head dim) of the capacity target's model and Gemma.
+QWEN3_8B = (["full"] * 36, 8, 128)
+GEMMA3_270M = ((["sliding (512)"] * 5 + ["full"]) * 3, 1, 256)
+
+
 CANDIDATES = {
     # (keys, values)
     "int8_head": (sym8_tokens, sym8_tokens),
@@ -94,14 +178,71 @@ CANDIDATES = {
         lambda k: _per_channel(k, 256, False),
         lambda v: sym8_tokens(v, 64),
     ),
-    "int4": (lambda k: _per_channel(k, 16, False), _asym4_tokens),
-    "int4_rot_kv": (
+    _spec("int4"): (lambda k: _per_channel(k, 16, False), _asym4_tokens),
+    _spec("int4_rot_kv"): (
         _rotated(lambda k: _per_channel(k, 16, False)),
         _rotated(_asym4_tokens),
     ),
-    "int4_rot_v": (lambda k: _per_channel(k, 16, False), _rotated(_asym4_tokens)),
+    _spec("int4_rot_v"): (
+        lambda k: _per_channel(k, 16, False),
+        _rotated(_asym4_tokens),
+    ),
     "int4_v8": (lambda k: _per_channel(k, 16, False), sym8_tokens),
+    # 4-bit candidates for QK-normed models (issue 35, items 2 and 3)
+    _spec("int4_k32", 32): (_k4(32), _asym4_tokens),
+    _spec("int4_k16", 16): (_k4(16), _asym4_tokens),
+    _spec("int4_k32_rot_v", 32): (_k4(32), _rotated(_asym4_tokens)),
+    _spec("int4_sink", sink=True): (_sink(_k4()), _asym4_tokens),
+    _spec("int4_rot_v_sink", sink=True): (_sink(_k4()), _rotated(_asym4_tokens)),
+    _spec("int4r_sink", sink=True): (_sink(_rotated(_k4())), _rotated(_asym4_tokens)),
+    _spec("k8_full", plan=_full_layers): _planned(_full_layers),
+    _spec("k8_full_rot_v", plan=_full_layers): _planned(
+        _full_layers, _rotated(_asym4_tokens)
+    ),
+    _spec("k8_full_rot_v_sink", sink=True, plan=_full_layers): _planned(
+        _full_layers, _rotated(_asym4_tokens), _sink(_k4())
+    ),
+    _spec("k8_first3", plan=_first(3)): _planned(_first(3)),
+    _spec("k8_first3_rot_v_sink", sink=True, plan=_first(3)): _planned(
+        _first(3), _rotated(_asym4_tokens), _sink(_k4())
+    ),
+    _spec("k8_full_k32_rot_v", 32, plan=_full_layers): _planned(
+        _full_layers, _rotated(_asym4_tokens), _k4(32)
+    ),
 }
+# The layer plan rule (plan_keys8): on Gemma 3 the same layers as k8_full.
+CANDIDATES[_spec("k8_plan", plan=plan_keys8)] = _planned(plan_keys8)
+CANDIDATES[_spec("k8_plan_rot_v", plan=plan_keys8)] = _planned(
+    plan_keys8, _rotated(_asym4_tokens)
+)
+# Keys per channel over 32 tokens paid for with 128-channel value groups.
+_v128 = _rotated(lambda v: _asym4_tokens(v, 128))
+CANDIDATES[_spec("int4_k32_rot_v128", 32, vgroup=128)] = (_k4(32), _v128)
+CANDIDATES[_spec("k8_plan_k32_rot_v128", 32, plan=plan_keys8, vgroup=128)] = _planned(
+    plan_keys8, _v128, _k4(32)
+)
+CANDIDATES[_spec("k8_first3_k32_rot_v", 32, plan=_first(3))] = _planned(
+    _first(3), _rotated(_asym4_tokens), _k4(32)
+)
+CANDIDATES[_spec("int4_k16_rot_v", 16)] = (_k4(16), _rotated(_asym4_tokens))
+for _i in range(18):
+    # One layer's keys at 8 bits: where the 4-bit keys' loss sits.
+    _name = _spec(f"k8_layer{_i}", plan=_layers(_i))
+    CANDIDATES[_name] = _planned(_layers(_i))
+DEFAULT_ARMS = [n for n in CANDIDATES if not n.startswith("k8_layer")]
+
+
+def _layer_fns(candidate, i: int, kinds: list):
+    return candidate if isinstance(candidate, tuple) else candidate(i, kinds)
+
+
+def _ratio(name: str) -> str:
+    if name not in SPECS:
+        return "- | -"
+    return " | ".join(
+        f"{4 * h * d * len(kinds) / bytes_per_token(name, kinds, h, d):.3f}x"
+        for kinds, h, d in (QWEN3_8B, GEMMA3_270M)
+    )
 
 
 def main() -> None:
@@ -111,7 +252,7 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--score-len", type=int, default=512)
     p.add_argument("--text-file", default="../shared/data/wikitext-2/test.txt")
-    p.add_argument("--arms", default=",".join(CANDIDATES), help="comma list")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma list")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     if args.prefix_len % PAGE:
@@ -131,11 +272,13 @@ def main() -> None:
         prefix = window[: args.prefix_len]
         kv = hq.prefill_kv(bundle.model, prefix, torch.bfloat16)
         arms = [kv]
+        kinds = hq.layer_kinds(bundle.model, len(kv))
         for name in names[1:]:
-            fk, fv = CANDIDATES[name]
-            arms.append(
-                [(fk(k.float()).bfloat16(), fv(v.float()).bfloat16()) for k, v in kv]
-            )
+            arm = []
+            for i, (k, v) in enumerate(kv):
+                fk, fv = _layer_fns(CANDIDATES[name], i, kinds)
+                arm.append((fk(k.float()).bfloat16(), fv(v.float()).bfloat16()))
+            arms.append(arm)
         arms.append(hq.prefill_kv(bundle.model, prefix, torch.float32))
         inputs = window[args.prefix_len : args.prefix_len + args.score_len]
         outs = hq.score_and_generate(bundle.model, arms, inputs, 0)
@@ -145,14 +288,17 @@ def main() -> None:
         print(f"window @ {offset}: {time.perf_counter() - start:.0f} s", flush=True)
     base = torch.cat([c["lp_arm"] for c in scored["bf16"]]).neg().mean()
     print(f"\n{args.model}, {args.windows} windows, vs the BF16 KV")
-    print("| arm | top-1 | flips | mean KL | PPL delta |\n|---|---:|---:|---:|---:|")
+    print(
+        "| arm | top-1 | flips | mean KL | PPL delta | BF16 / host bytes, "
+        "Qwen3-8B | Gemma 3 |\n|---|---:|---:|---:|---:|---:|---:|"
+    )
     for name, parts in scored.items():
         top1 = torch.cat([c["top1"] for c in parts]).float()
         kl = torch.cat([c["kl"] for c in parts]).mean()
         nll = torch.cat([c["lp_arm"] for c in parts]).neg().mean()
         print(
             f"| {name} | {100 * top1.mean():.2f}% | {int((top1 == 0).sum())} "
-            f"| {kl:.2e} | {100 * (math.exp(nll - base) - 1):+.3f}% |"
+            f"| {kl:.2e} | {100 * (math.exp(nll - base) - 1):+.3f}% | {_ratio(name)} |"
         )
 
 
