@@ -193,6 +193,127 @@ def _run_case(case, rank, group) -> dict:
     return result
 
 
+# Above the radix cache's load-back threshold, whole pages at page 4.
+RADIX_TOKENS = 32
+RADIX_CASES = [
+    ("radix_auto", "auto", "page_first_direct", "direct", 4),
+    ("radix_int8", "int8", "page_first", "direct", 1),
+]
+
+
+def _run_radix_case(case, rank, group) -> dict:
+    """The scheduler's path: --enable-mla-hicache-host-dedup through the
+    server arguments, the radix cache and its HiCache stack as the registry
+    builds them (pool assembler, HybridCacheController), then insert (written
+    through), L1 eviction, a host hit, init_load_back and the load."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from tests.support.hicache_harness import (
+        LoadBackReq,
+        MLAGeometry,
+        build_radix_cache,
+        make_allocator,
+        make_device_pool,
+        publish_server_args,
+    )
+
+    _, host_dtype, layout, io_backend, page = case
+    server_args = publish_server_args(
+        host_dtype,
+        page_size=page,
+        layout=layout,
+        io_backend=io_backend,
+        hicache_ratio=2.0,
+        enable_mla_hicache_host_dedup=True,
+    )
+    device_pool = make_device_pool(
+        MLAGeometry(layer_num=LAYERS, page_size=page), 64 * page
+    )
+    allocator = make_allocator(device_pool)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=1024, device="cpu", enable_memory_saver=False
+        ),
+        token_to_kv_pool_allocator=allocator,
+        page_size=page,
+        tp_cache_group=group,
+    )
+    cache = build_radix_cache(server_args, params)
+    cache.write_through_threshold = 1
+    controller = cache.cache_controller
+    host_pool = controller.mem_pool_host.anchor_entry.host_pool
+    result = {
+        "is_src": controller.host_dedup.is_src,
+        "host_kv_bytes": _host_kv_bytes(host_pool),
+        "host_pool": type(host_pool).__name__,
+    }
+    tokens = RADIX_TOKENS
+    ids = list(range(100, 100 + tokens))
+    slots = allocator.alloc(tokens)
+    gen = torch.Generator().manual_seed(99)
+    for layer in range(LAYERS):
+        buf = device_pool.kv_buffer[layer]
+        buf[slots] = torch.randn((tokens, *buf.shape[1:]), generator=gen).to(buf.dtype)
+    cache.insert(
+        InsertParams(
+            key=RadixKey(array("q", ids)),
+            value=slots.to(torch.int64),
+            prev_prefix_len=0,
+        )
+    )
+    cache.flush_pending_backups()
+    cache.check_hicache_events()
+    evicted = cache.evict(EvictParams(num_tokens=tokens))
+    result["evicted"] = evicted.num_tokens_evicted
+    for layer in range(LAYERS):
+        device_pool.kv_buffer[layer][slots] = float(rank + 7)
+    query = RadixKey(array("q", [*ids, 7]))
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    result["host_hit"] = match.host_hit_length
+    lock = cache.lock(match.last_device_node)
+    loaded, last_node = cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=match.best_match_node,
+            host_hit_length=match.host_hit_length,
+            req=LoadBackReq("r0", match.last_device_node),
+        )
+    )
+    result["loaded"] = loaded
+    cache.unlock(lock)
+    lock = cache.lock(last_node)
+    cache.ready_to_load_host_cache()
+    cache.check_hicache_events()
+    device = cache.path_device_indices(last_node)
+    rows = torch.stack(
+        [device_pool.kv_buffer[layer][device] for layer in range(LAYERS)]
+    )
+    everyone = _gather(rows)
+    result["equal_to_rank0"] = all(torch.equal(x, everyone[0]) for x in everyone)
+    gen = torch.Generator().manual_seed(99)
+    written = torch.stack(
+        [
+            torch.randn((tokens, *rows.shape[2:]), generator=gen).to(rows.dtype)
+            for _ in range(LAYERS)
+        ]
+    )
+    result["max_abs_err"] = (rows.float() - written.float()).abs().max().item()
+    indices = _gather(device.to(torch.int64))
+    result["same_device_indices"] = all(torch.equal(x, indices[0]) for x in indices)
+    cache.unlock(lock)
+    cache.sanity_check()
+    return result
+
+
 def _rank_main(rank: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
 
@@ -219,6 +340,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         group = dist.new_group(list(range(WORLD)), backend="gloo")
         for case in CASES:
             results[case[0]] = _run_case(case, rank, group)
+        for case in RADIX_CASES:
+            results[case[0]] = _run_radix_case(case, rank, group)
     except BaseException:  # noqa: BLE001 - reported to the parent
         results["error"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -288,3 +411,16 @@ def test_failures_are_consistent_across_ranks(ranks, case):
     assert r0["full_write_is_none"] == [True, True]
     assert r0["failure"] == r1["failure"] == "HostDedupLoadError"
     assert r0["after_failure_equal"] and r1["after_failure_equal"]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in RADIX_CASES])
+def test_radix_cache_host_hit_restores_rank0_rows(ranks, case):
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["is_src"] and not r1["is_src"]
+    assert r1["host_pool"] == "MLATokenToKVPoolHost" and r1["host_kv_bytes"] == 0
+    assert r0["host_kv_bytes"] > 0
+    tokens = RADIX_TOKENS
+    for r in (r0, r1):
+        assert (r["evicted"], r["host_hit"], r["loaded"]) == (tokens,) * 3
+        assert r["equal_to_rank0"] and r["same_device_indices"]
+        assert r["max_abs_err"] <= (0.0 if case == "radix_auto" else 0.05)

@@ -104,6 +104,26 @@ class HiCacheHostDedup:
         status_group = create_custom_parallel_group(list(ranks), backend="gloo")
         return cls(broadcaster, status_group)
 
+    @classmethod
+    def build_for_stack(
+        cls, kv_pool, params, storage_backend: Optional[str], *, use_mla: bool
+    ) -> Optional[HiCacheHostDedup]:
+        """The dedup state for the scheduler's kv-only HiCache stack, over the
+        attention-TP group (with DP attention) or the TP group."""
+        if not use_mla:
+            raise ValueError(
+                f"{FLAG} is for MLA models; this model's KV cache is "
+                f"{type(kv_pool).__name__}. Drop the flag."
+            )
+        from sglang.srt.layers.dp_attention import is_dp_attention_enabled
+
+        group = params.tp_cache_group
+        if is_dp_attention_enabled() and params.attn_tp_cache_group is not None:
+            group = params.attn_tp_cache_group
+        if group is None:
+            return None
+        return cls.build(kv_pool, group, storage_backend)
+
     def build_host_pool(self, host_pool_cls, buffer_info, *args, **kwargs):
         """The host pool `host_pool_cls(buffer_info, *args, **kwargs)` on the
         source; elsewhere an allocator-only pool of the source's capacity and
