@@ -8,6 +8,7 @@ every rank instead of hanging."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -29,6 +30,24 @@ CASES = [
     ("int8_page_first_kernel", "int8", "page_first", "kernel", 4),
 ]
 LAYERS = 3
+
+
+class _LogLines(logging.Handler):
+    """The INFO lines a logger writes until close()."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.logger = logging.getLogger(name)
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.INFO)
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+    def close(self) -> None:
+        self.logger.removeHandler(self)
+        super().close()
 
 
 def _host_kv_bytes(pool) -> int:
@@ -248,7 +267,9 @@ def _run_radix_case(case, rank, group) -> dict:
         page_size=page,
         tp_cache_group=group,
     )
+    logged = _LogLines("sglang.srt.mem_cache.hicache_host_dedup")
     cache = build_radix_cache(server_args, params)
+    logged.close()
     cache.write_through_threshold = 1
     controller = cache.cache_controller
     host_pool = controller.mem_pool_host.anchor_entry.host_pool
@@ -256,6 +277,8 @@ def _run_radix_case(case, rank, group) -> dict:
         "is_src": controller.host_dedup.is_src,
         "host_kv_bytes": _host_kv_bytes(host_pool),
         "host_pool": type(host_pool).__name__,
+        "log": logged.lines,
+        "pool_bytes": host_pool.size * host_pool.size_per_token,
     }
     tokens = RADIX_TOKENS
     ids = list(range(100, 100 + tokens))
@@ -424,3 +447,15 @@ def test_radix_cache_host_hit_restores_rank0_rows(ranks, case):
         assert (r["evicted"], r["host_hit"], r["loaded"]) == (tokens,) * 3
         assert r["equal_to_rank0"] and r["same_device_indices"]
         assert r["max_abs_err"] <= (0.0 if case == "radix_auto" else 0.05)
+
+
+def test_start_up_log_states_host_bytes_per_rank_and_per_group(ranks):
+    r0, r1 = ranks[0]["radix_int8"], ranks[1]["radix_int8"]
+    (src_line,) = [x for x in r0["log"] if "holds" in x]
+    (peer_line,) = [x for x in r1["log"] if "holds" in x]
+    assert "(source)" in src_line and "(allocator-only)" in peer_line
+    assert "this rank holds 0 GB" in peer_line
+    # Group bytes: the source's pool; without dedup two copies.
+    gb = r0["pool_bytes"] / 1e9
+    assert f"this rank holds {gb:.4g} GB" in src_line
+    assert f"holds {gb:.4g} GB instead of {2 * gb:.4g} GB" in peer_line

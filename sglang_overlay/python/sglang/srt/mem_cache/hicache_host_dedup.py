@@ -136,6 +136,18 @@ class HiCacheHostDedup:
         else:
             geometry = torch.zeros(2, dtype=torch.float64)
         dist.broadcast(geometry, src=self.src_global_rank, group=self.status_group)
+        group_size = dist.get_world_size(self.status_group)
+        group_gb = geometry[0].item() * geometry[1].item() / 1e9
+        logger.info(
+            "%s: this rank holds %.4g GB of host KV (%s); its attention-TP group "
+            "of %d ranks holds %.4g GB instead of %.4g GB without dedup.",
+            FLAG,
+            group_gb if self.is_src else 0.0,
+            "source" if self.is_src else "allocator-only",
+            group_size,
+            group_gb,
+            group_gb * group_size,
+        )
         if self.is_src:
             return pool
         size, size_per_token = int(geometry[0]), float(geometry[1])
