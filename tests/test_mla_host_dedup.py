@@ -332,6 +332,20 @@ def _run_radix_case(case, rank, group) -> dict:
     result["max_abs_err"] = (rows.float() - written.float()).abs().max().item()
     indices = _gather(device.to(torch.int64))
     result["same_device_indices"] = all(torch.equal(x, indices[0]) for x in indices)
+    # What sglang:hicache_host_used_bytes reports: the source's bytes only.
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.metrics_reporter import (
+        SchedulerMetricsReporter,
+    )
+
+    reporter = SimpleNamespace(scheduler=SimpleNamespace(tree_cache=cache))
+    tier = SchedulerMetricsReporter._read_hicache_host_tier(
+        reporter, host_pool, RADIX_TOKENS
+    )
+    result["reported_used_bytes"] = tier.used_bytes
+    result["reported_bytes_per_token"] = tier.bytes_per_token
+    result["source_bytes_per_token"] = host_pool.size_per_token
     cache.unlock(lock)
     cache.sanity_check()
     return result
@@ -459,3 +473,13 @@ def test_start_up_log_states_host_bytes_per_rank_and_per_group(ranks):
     gb = r0["pool_bytes"] / 1e9
     assert f"this rank holds {gb:.4g} GB" in src_line
     assert f"holds {gb:.4g} GB instead of {2 * gb:.4g} GB" in peer_line
+
+
+def test_host_tier_metrics_count_the_source_bytes_once(ranks):
+    """Summed over the ranks, sglang:hicache_host_used_bytes is the node's."""
+    r0, r1 = ranks[0]["radix_int8"], ranks[1]["radix_int8"]
+    per_token = r0["source_bytes_per_token"]
+    assert per_token > 0 and r1["source_bytes_per_token"] == per_token
+    assert r0["reported_bytes_per_token"] == per_token
+    assert r0["reported_used_bytes"] == RADIX_TOKENS * per_token
+    assert (r1["reported_used_bytes"], r1["reported_bytes_per_token"]) == (0, 0)
