@@ -167,9 +167,12 @@ class HiCacheHostDedup:
             draft_layer_num=len(drafts),
             packed_fp8=buffer_info.packed_fp8,
         )
-        return MLATokenToKVPoolHost(
+        pool = MLATokenToKVPoolHost(
             allocation, *args, host_token_capacity=size, **kwargs
         )
+        # It stores nothing: the host-tier metrics and byte counters say so.
+        pool.size_per_token = 0
+        return pool
 
     def wrap_load(
         self,
