@@ -30,6 +30,7 @@ CASES = [
     ("int8_page_first_kernel", "int8", "page_first", "kernel", 4),
 ]
 LAYERS = 3
+PAGES = {c[0]: c[4] for c in CASES}
 
 
 class _LogLines(logging.Handler):
@@ -138,6 +139,9 @@ def _run_case(case, rank, group) -> dict:
         rows = torch.randn((len(dev), *buf.shape[1:]), generator=gen)
         buf[dev] = rows.to(buf.dtype)
     host = ctl.write(dev)
+    ack = ctl.ack_write_queue[-1]
+    result["backup_bytes"] = (ack.num_bytes, ack.num_logical_bytes)
+    result["bytes_per_token"] = host_pool.size_per_token
     finish_transfers(ctl)
     mine = host.view(torch.uint8)
     result["same_host_indices"] = all(torch.equal(h, mine) for h in _gather(host))
@@ -441,6 +445,9 @@ def test_peers_hold_no_host_kv_and_the_same_indices(ranks, case):
     per_token_floor = LAYERS * 576  # the int8 latent record's payload alone
     assert r0["host_kv_bytes"] >= r0["host_size"] * per_token_floor
     assert r1["host_kv_bytes"] == 0
+    # hicache_backup_bytes_total: the source's backup counts once.
+    assert r0["backup_bytes"][0] == 5 * r0["bytes_per_token"] * PAGES[case] > 0
+    assert r1["backup_bytes"] == [0, 0]
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])

@@ -170,7 +170,8 @@ class HiCacheHostDedup:
         pool = MLATokenToKVPoolHost(
             allocation, *args, host_token_capacity=size, **kwargs
         )
-        # It stores nothing: the host-tier metrics and byte counters say so.
+        # It stores nothing: the host-tier metrics and the controller's byte
+        # counters (hicache_backup_bytes_total, ...) count 0 bytes per token.
         pool.size_per_token = 0
         return pool
 
