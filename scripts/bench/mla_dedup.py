@@ -5,7 +5,7 @@ TP 8: stock BF16 (one host copy per rank) vs dedup auto vs dedup int8, and the
 same with DeepSeek V3.2's DSA indexer K. Bytes per token come from the real
 host formats (the MLA int8 format's records); no GPU needed.
 
-    PYTHONPATH=build/sglang/python python3 -m scripts.bench.mla_dedup
+    PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.bench.mla_dedup
 """
 
 from __future__ import annotations
