@@ -1,0 +1,493 @@
+"""MLA host dedup (--enable-mla-hicache-host-dedup) across 2 ranks on CPU: real
+HiCacheControllers over gloo, each rank with its own CPU device pool. The
+source rank alone backs up; after an L1 eviction every rank's load restores
+rank 0's rows bit for bit (peers through the broadcaster); peers hold no host
+KV bytes and the same host indices; a source-side load failure raises on
+every rank instead of hanging."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD = 2
+TIMEOUT_S = 120
+# (name, host dtype, layout, io backend, page size)
+CASES = [
+    ("auto_layer_first", "auto", "layer_first", "direct", 1),
+    ("auto_page_first_direct", "auto", "page_first_direct", "direct", 4),
+    ("int8_page_first", "int8", "page_first", "direct", 1),
+    ("int8_page_first_kernel", "int8", "page_first", "kernel", 4),
+]
+LAYERS = 3
+PAGES = {c[0]: c[4] for c in CASES}
+
+
+class _LogLines(logging.Handler):
+    """The INFO lines a logger writes until close()."""
+
+    def __init__(self, name: str):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+        self.logger = logging.getLogger(name)
+        self.logger.addHandler(self)
+        self.logger.setLevel(logging.INFO)
+
+    def emit(self, record) -> None:
+        self.lines.append(record.getMessage())
+
+    def close(self) -> None:
+        self.logger.removeHandler(self)
+        super().close()
+
+
+def _host_kv_bytes(pool) -> int:
+    """Bytes of the pool's host KV buffers (records, scales, staging), not its
+    allocator's per-slot state."""
+    total = 0
+    for name, value in vars(pool).items():
+        if name in ("mem_state", "free_slots", "slot_used"):
+            continue
+        tensors = value if isinstance(value, (list, tuple)) else [value]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    # Bytes compare bit for bit, and gloo gathers uint8 whatever the dtype.
+    t = t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
+    out = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(out, t)
+    return out
+
+
+def _build(case, group):
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.hicache_host_dedup import HiCacheHostDedup
+    from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
+    from tests.support.hicache_harness import (
+        MLAGeometry,
+        _rig_memory_budget,
+        make_allocator,
+        make_device_pool,
+    )
+
+    _, host_dtype, layout, io_backend, page = case
+    geo = MLAGeometry(layer_num=LAYERS, page_size=page)
+    device_pool = make_device_pool(geo, 32 * page)
+    allocator = make_allocator(device_pool)
+    dedup = HiCacheHostDedup.build(device_pool, group, storage_backend=None)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    with _rig_memory_budget():
+        host_pool = dedup.build_host_pool(
+            get_mla_host_pool_cls(host_dtype),
+            info,
+            2.0,
+            0,
+            page,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device_pool.size,
+            start_layer=device_pool.start_layer,
+            end_layer=device_pool.end_layer,
+            host_token_capacity=48 * page,
+            override_kv_cache_dim=device_pool.kv_cache_dim,
+            target_layer_num=device_pool.layer_num,
+        )
+    controller = HiCacheController(
+        allocator,
+        host_pool,
+        page,
+        tp_group=None,
+        load_cache_event=threading.Event(),
+        write_policy="write_through",
+        io_backend=io_backend,
+        host_dedup=dedup,
+    )
+    return dedup, device_pool, allocator, host_pool, controller
+
+
+def _run_case(case, rank, group) -> dict:
+    from sglang.srt.mem_cache.hicache_host_dedup import HostDedupLoadError
+    from tests.support.hicache_harness import finish_transfers
+
+    dedup, device_pool, allocator, host_pool, ctl = _build(case, group)
+    page = device_pool.page_size
+    result = {"is_src": dedup.is_src, "host_kv_bytes": _host_kv_bytes(host_pool)}
+    result["host_size"] = host_pool.size
+
+    # The same KV on every rank, as attention TP computes it.
+    gen = torch.Generator().manual_seed(1234)
+    dev = allocator.alloc(5 * page)
+    for layer in range(LAYERS):
+        buf = device_pool.kv_buffer[layer]
+        rows = torch.randn((len(dev), *buf.shape[1:]), generator=gen)
+        buf[dev] = rows.to(buf.dtype)
+    host = ctl.write(dev)
+    ack = ctl.ack_write_queue[-1]
+    result["backup_bytes"] = (ack.num_bytes, ack.num_logical_bytes)
+    result["bytes_per_token"] = host_pool.size_per_token
+    finish_transfers(ctl)
+    mine = host.view(torch.uint8)
+    result["same_host_indices"] = all(torch.equal(h, mine) for h in _gather(host))
+    # L1 eviction: each rank's stale rows differ, so a missed broadcast shows.
+    for layer in range(LAYERS):
+        device_pool.kv_buffer[layer][dev] = float(rank + 7)
+    allocator.free(dev)
+
+    new_dev = ctl.load(host)
+    ctl.start_loading()
+    finish_transfers(ctl)
+    loaded = torch.stack(
+        [device_pool.kv_buffer[layer][new_dev] for layer in range(LAYERS)]
+    )
+    everyone = _gather(loaded)
+    result["equal_to_rank0"] = all(torch.equal(x, everyone[0]) for x in everyone)
+    # The restored rows are the written ones (auto) or their round trip (int8).
+    gen = torch.Generator().manual_seed(1234)
+    written = torch.stack(
+        [
+            torch.randn(
+                (len(dev), *device_pool.kv_buffer[0].shape[1:]), generator=gen
+            ).to(device_pool.dtype)
+            for _ in range(LAYERS)
+        ]
+    )
+    err = (loaded.float() - written.float()).abs().max().item()
+    result["max_abs_err"] = err
+    allocator.free(new_dev)
+
+    # Host pool full: the same allocations refuse on every rank.
+    filled = []
+    while (h := host_pool.alloc(page)) is not None:
+        filled.append(h)
+    dev2 = allocator.alloc(page)
+    result["full_write_is_none"] = [
+        bool(x) for x in _gather(torch.tensor([ctl.write(dev2) is None]))
+    ]
+    for h in filled:
+        host_pool.free(h)
+    allocator.free(dev2)
+
+    # A source-side load failure: every rank raises, none hangs.
+    if dedup.is_src:
+        real = host_pool.load_to_device_per_layer_physical
+
+        def fail_on_layer_1(device_pool_, h, d, layer_id, *a, **k):
+            if layer_id == 1:
+                raise RuntimeError("injected source load failure")
+            return real(device_pool_, h, d, layer_id, *a, **k)
+
+        host_pool.load_to_device_per_layer_physical = fail_on_layer_1
+    dev3 = ctl.load(host)
+    try:
+        ctl.start_loading()
+        result["failure"] = "no error"
+    except HostDedupLoadError:
+        result["failure"] = "HostDedupLoadError"
+    finish_transfers(ctl)
+    allocator.free(dev3)
+    # The group is usable after the failure: a clean load restores again.
+    if dedup.is_src:
+        host_pool.load_to_device_per_layer_physical = real
+    dev4 = ctl.load(host)
+    ctl.start_loading()
+    finish_transfers(ctl)
+    again = torch.stack([device_pool.kv_buffer[layer][dev4] for layer in range(LAYERS)])
+    result["after_failure_equal"] = torch.equal(
+        again.view(torch.int16), loaded.view(torch.int16)
+    )
+    dedup.destroy()
+    return result
+
+
+# Above the radix cache's load-back threshold, whole pages at page 4.
+RADIX_TOKENS = 32
+RADIX_CASES = [
+    ("radix_auto", "auto", "page_first_direct", "direct", 4),
+    ("radix_int8", "int8", "page_first", "direct", 1),
+]
+
+
+def _run_radix_case(case, rank, group) -> dict:
+    """The scheduler's path: --enable-mla-hicache-host-dedup through the
+    server arguments, the radix cache and its HiCache stack as the registry
+    builds them (pool assembler, HybridCacheController), then insert (written
+    through), L1 eviction, a host hit, init_load_back and the load."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from tests.support.hicache_harness import (
+        LoadBackReq,
+        MLAGeometry,
+        build_radix_cache,
+        make_allocator,
+        make_device_pool,
+        publish_server_args,
+    )
+
+    _, host_dtype, layout, io_backend, page = case
+    server_args = publish_server_args(
+        host_dtype,
+        page_size=page,
+        layout=layout,
+        io_backend=io_backend,
+        hicache_ratio=2.0,
+        enable_mla_hicache_host_dedup=True,
+    )
+    device_pool = make_device_pool(
+        MLAGeometry(layer_num=LAYERS, page_size=page), 64 * page
+    )
+    allocator = make_allocator(device_pool)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=1024, device="cpu", enable_memory_saver=False
+        ),
+        token_to_kv_pool_allocator=allocator,
+        page_size=page,
+        tp_cache_group=group,
+    )
+    logged = _LogLines("sglang.srt.mem_cache.hicache_host_dedup")
+    cache = build_radix_cache(server_args, params)
+    logged.close()
+    cache.write_through_threshold = 1
+    controller = cache.cache_controller
+    host_pool = controller.mem_pool_host.anchor_entry.host_pool
+    dedup_src = controller.host_dedup.is_src
+    result = {
+        "is_src": controller.host_dedup.is_src,
+        "host_kv_bytes": _host_kv_bytes(host_pool),
+        "host_pool": type(host_pool).__name__,
+        "log": logged.lines,
+        "pool_bytes": host_pool.size * host_pool.size_per_token,
+    }
+    tokens = RADIX_TOKENS
+    ids = list(range(100, 100 + tokens))
+    slots = allocator.alloc(tokens)
+    gen = torch.Generator().manual_seed(99)
+    for layer in range(LAYERS):
+        buf = device_pool.kv_buffer[layer]
+        buf[slots] = torch.randn((tokens, *buf.shape[1:]), generator=gen).to(buf.dtype)
+    cache.insert(
+        InsertParams(
+            key=RadixKey(array("q", ids)),
+            value=slots.to(torch.int64),
+            prev_prefix_len=0,
+        )
+    )
+    cache.flush_pending_backups()
+    cache.check_hicache_events()
+    evicted = cache.evict(EvictParams(num_tokens=tokens))
+    result["evicted"] = evicted.num_tokens_evicted
+    for layer in range(LAYERS):
+        device_pool.kv_buffer[layer][slots] = float(rank + 7)
+    query = RadixKey(array("q", [*ids, 7]))
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    result["host_hit"] = match.host_hit_length
+    lock = cache.lock(match.last_device_node)
+    loaded, last_node = cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=match.best_match_node,
+            host_hit_length=match.host_hit_length,
+            req=LoadBackReq("r0", match.last_device_node),
+        )
+    )
+    result["loaded"] = loaded
+    cache.unlock(lock)
+    lock = cache.lock(last_node)
+    cache.ready_to_load_host_cache()
+    cache.check_hicache_events()
+    device = cache.path_device_indices(last_node)
+    rows = torch.stack(
+        [device_pool.kv_buffer[layer][device] for layer in range(LAYERS)]
+    )
+    everyone = _gather(rows)
+    result["equal_to_rank0"] = all(torch.equal(x, everyone[0]) for x in everyone)
+    gen = torch.Generator().manual_seed(99)
+    written = torch.stack(
+        [
+            torch.randn((tokens, *rows.shape[2:]), generator=gen).to(rows.dtype)
+            for _ in range(LAYERS)
+        ]
+    )
+    result["max_abs_err"] = (rows.float() - written.float()).abs().max().item()
+    indices = _gather(device.to(torch.int64))
+    result["same_device_indices"] = all(torch.equal(x, indices[0]) for x in indices)
+    # What sglang:hicache_host_used_bytes reports: the source's bytes only.
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler_components.metrics_reporter import (
+        SchedulerMetricsReporter,
+    )
+
+    reporter = SimpleNamespace(scheduler=SimpleNamespace(tree_cache=cache))
+    tier = SchedulerMetricsReporter._read_hicache_host_tier(
+        reporter, host_pool, RADIX_TOKENS
+    )
+    result["reported_used_bytes"] = tier.used_bytes
+    result["reported_bytes_per_token"] = tier.bytes_per_token
+    result["source_bytes_per_token"] = host_pool.size_per_token if dedup_src else 0
+    cache.unlock(lock)
+    cache.sanity_check()
+    return result
+
+
+def _rank_main(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        # A spawned rank starts bare: install conftest's stand-ins first.
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        from tests.support.standins import (
+            install_sglang_standins,
+            install_torchvision_stub,
+        )
+
+        install_torchvision_stub()
+        install_sglang_standins()
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=timedelta(seconds=30),
+        )
+        group = dist.new_group(list(range(WORLD)), backend="gloo")
+        for case in CASES:
+            results[case[0]] = _run_case(case, rank, group)
+        for case in RADIX_CASES:
+            results[case[0]] = _run_radix_case(case, rank, group)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results["error"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    # Skip destroy_process_group: a peer that errored may be gone.
+    os._exit(0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dedup")
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, str(out))) for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"ranks {hung} hung past {TIMEOUT_S}s"
+    results = []
+    for r in range(WORLD):
+        path = out / f"rank{r}.json"
+        assert path.exists(), f"rank {r} wrote no result"
+        res = json.loads(path.read_text())
+        assert "error" not in res, f"rank {r}:\n{res['error']}"
+        results.append(res)
+    return results
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_load_restores_rank0_rows_on_every_rank(ranks, case):
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["is_src"] and not r1["is_src"]
+    assert r0["equal_to_rank0"] and r1["equal_to_rank0"]
+    # auto restores exactly; int8 within its quantization error.
+    limit = 0.0 if case.startswith("auto") else 0.05
+    assert r0["max_abs_err"] <= limit and r1["max_abs_err"] <= limit
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_peers_hold_no_host_kv_and_the_same_indices(ranks, case):
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["host_size"] == r1["host_size"]
+    assert r0["same_host_indices"] and r1["same_host_indices"]
+    per_token_floor = LAYERS * 576  # the int8 latent record's payload alone
+    assert r0["host_kv_bytes"] >= r0["host_size"] * per_token_floor
+    assert r1["host_kv_bytes"] == 0
+    # hicache_backup_bytes_total: the source's backup counts once.
+    assert r0["backup_bytes"][0] == 5 * r0["bytes_per_token"] * PAGES[case] > 0
+    assert r1["backup_bytes"] == [0, 0]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_failures_are_consistent_across_ranks(ranks, case):
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["full_write_is_none"] == [True, True]
+    assert r0["failure"] == r1["failure"] == "HostDedupLoadError"
+    assert r0["after_failure_equal"] and r1["after_failure_equal"]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in RADIX_CASES])
+def test_radix_cache_host_hit_restores_rank0_rows(ranks, case):
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["is_src"] and not r1["is_src"]
+    assert r1["host_pool"] == "MLATokenToKVPoolHost" and r1["host_kv_bytes"] == 0
+    assert r0["host_kv_bytes"] > 0
+    tokens = RADIX_TOKENS
+    for r in (r0, r1):
+        assert (r["evicted"], r["host_hit"], r["loaded"]) == (tokens,) * 3
+        assert r["equal_to_rank0"] and r["same_device_indices"]
+        assert r["max_abs_err"] <= (0.0 if case == "radix_auto" else 0.05)
+
+
+def test_start_up_log_states_host_bytes_per_rank_and_per_group(ranks):
+    r0, r1 = ranks[0]["radix_int8"], ranks[1]["radix_int8"]
+    (src_line,) = [x for x in r0["log"] if "holds" in x]
+    (peer_line,) = [x for x in r1["log"] if "holds" in x]
+    assert "(source)" in src_line and "(allocator-only)" in peer_line
+    assert "this rank holds 0 GB" in peer_line
+    # Group bytes: the source's pool; without dedup two copies.
+    gb = r0["pool_bytes"] / 1e9
+    assert f"this rank holds {gb:.4g} GB" in src_line
+    assert f"holds {gb:.4g} GB instead of {2 * gb:.4g} GB" in peer_line
+
+
+def test_host_tier_metrics_count_the_source_bytes_once(ranks):
+    """Summed over the ranks, sglang:hicache_host_used_bytes is the node's."""
+    r0, r1 = ranks[0]["radix_int8"], ranks[1]["radix_int8"]
+    per_token = r0["source_bytes_per_token"]
+    assert per_token > 0
+    assert r0["reported_bytes_per_token"] == per_token
+    assert r0["reported_used_bytes"] == RADIX_TOKENS * per_token
+    assert (r1["reported_used_bytes"], r1["reported_bytes_per_token"]) == (0, 0)
