@@ -79,7 +79,7 @@ def _build(case, group):
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.hicache_host_dedup import HiCacheHostDedup
     from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
-    from tests.support.hicache_harness import (
+    from scripts.rigs.hicache_harness import (
         MLAGeometry,
         _rig_memory_budget,
         make_allocator,
@@ -124,7 +124,7 @@ def _build(case, group):
 
 def _run_case(case, rank, group) -> dict:
     from sglang.srt.mem_cache.hicache_host_dedup import HostDedupLoadError
-    from tests.support.hicache_harness import finish_transfers
+    from scripts.rigs.hicache_harness import finish_transfers
 
     dedup, device_pool, allocator, host_pool, ctl = _build(case, group)
     page = device_pool.page_size
@@ -240,7 +240,7 @@ def _run_radix_case(case, rank, group) -> dict:
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixKey
-    from tests.support.hicache_harness import (
+    from scripts.rigs.hicache_harness import (
         LoadBackReq,
         MLAGeometry,
         build_radix_cache,
@@ -365,7 +365,7 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         # A spawned rank starts bare: install conftest's stand-ins first.
         if not torch.cuda.is_available():
             os.environ.setdefault("TRITON_INTERPRET", "1")
-        from tests.support.standins import (
+        from scripts.rigs.standins import (
             install_sglang_standins,
             install_torchvision_stub,
         )

@@ -254,6 +254,17 @@ TABLE: tuple[Row, ...] = (
        log=("HiCache host KV dtype: int8 for MLA models (",
             "the latent in 128-value tiles")),
     ok("mla512", ("int8",), flags=dict(kv_cache_dtype="bf16")),
+    # --- MLA host dedup: one host copy per attention-TP group -----------------
+    ok("mla512", ("auto", "int8"), flags=dict(enable_mla_hicache_host_dedup=True),
+       expect=dict(enable_mla_hicache_host_dedup=True)),
+    ok("mla512", ("int8",), expect=dict(enable_mla_hicache_host_dedup=False)),
+    no("mla512", ("auto", "int8"), "--enable-mla-hicache-host-dedup does not support "
+       "--hicache-storage-backend {hicache_storage_backend} yet; drop one of the two.",
+       flags=dict(enable_mla_hicache_host_dedup=True,
+                  hicache_storage_backend=("file", "mooncake"))),
+    no("mla512", ("auto",), "--enable-mla-hicache-host-dedup requires "
+       "--enable-hierarchical-cache.", flags=dict(enable_mla_hicache_host_dedup=True,
+       enable_hierarchical_cache=False)),
     # FP16 device KV is --dtype float16 with --kv-cache-dtype auto.
     ok("mla512", ("int8",), flags=dict(dtype=("bfloat16", "float16"))),
     no("mla512", ("int8",), _HOST, "--kv-cache-dtype {kv_cache_dtype}",
@@ -377,7 +388,9 @@ class Case:
         parts += [f"{k}={v}" for k, v in {**self.flags, **self.env}.items()]
         return "-".join(str(p) for p in parts)
 
-    def fill(self, text: str) -> str:
+    def fill(self, text):
+        if not isinstance(text, str):
+            return text  # a resolved value that is not text (a boolean flag)
         from sglang.srt.mem_cache.pool_host.host_format import host_dtype_choices
 
         values = {**self.flags, "host_dtype": self.host_dtype}
