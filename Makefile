@@ -120,7 +120,7 @@ pr-check: pr $(LINT_DIR)/.stamp
 	PYTHONPATH=$(CURDIR)/$(LINT_DIR) $(PYTHON) -m scripts.pr_gate
 
 test: venv apply
-	PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} PYTHONPATH=$(PATCHED_PATH) $(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
 # The inner loop (docs/development.md): the codecs, the kernels under Triton's
 # interpreter and the conformance suite at one head geometry (HIQ_FAST=1,
