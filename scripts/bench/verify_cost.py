@@ -48,8 +48,8 @@ def main(argv=None) -> int:
         host = pool.alloc(args.tokens)
         verifiers = {
             "off": None,
-            "0.001": BackupVerifier(pool, 0.001),
-            "1": BackupVerifier(pool, 1.0),
+            "0.001": BackupVerifier(pool.transfer_context, pool.page_size, 0.001),
+            "1": BackupVerifier(pool.transfer_context, pool.page_size, 1.0),
         }
         times = {key: [] for key in verifiers}
         for rep in range(args.reps + 1):

@@ -40,10 +40,11 @@ def verify_sample_rate() -> float:
     return host_env.verify_sample_rate(envs.SGLANG_HICACHE_VERIFY_SAMPLE_RATE.default)
 
 
-def make_verifier(pool) -> BackupVerifier | None:
-    """The pool's verifier, or None where the rate is 0 (no work at all)."""
+def make_verifier(ctx, page_size: int) -> BackupVerifier | None:
+    """The pool's verifier over its transfer context, or None where the rate is
+    0 (no work at all)."""
     rate = verify_sample_rate()
-    return BackupVerifier(pool, rate) if rate > 0 else None
+    return BackupVerifier(ctx, page_size, rate) if rate > 0 else None
 
 
 def relative_error(fmt, rows, restored) -> torch.Tensor:
@@ -78,8 +79,10 @@ def relative_error(fmt, rows, restored) -> torch.Tensor:
 class BackupVerifier:
     """Picks the sampled pages of each backup and enqueues their check."""
 
-    def __init__(self, pool, rate: float, seed: int = 0):
-        self.pool = pool
+    def __init__(self, ctx, page_size: int, rate: float, seed: int = 0):
+        # The pool's TransferContext (transfer.py): records, planner, device.
+        self.ctx = ctx
+        self.page_size = page_size
         self.rate = rate
         self._rng = random.Random(seed)
         # Pages of later backups to pass before the next sampled one.
@@ -98,7 +101,7 @@ class BackupVerifier:
         return int(math.log1p(-u) / math.log1p(-self.rate))
 
     def after_backup(self, host_indices, device_indices) -> None:
-        page = self.pool.page_size
+        page = self.page_size
         n_pages = len(host_indices) // page
         while self._gap < n_pages:
             tokens = slice(self._gap * page, (self._gap + 1) * page)
@@ -107,15 +110,15 @@ class BackupVerifier:
         self._gap -= n_pages
 
     def _check_page(self, host_indices, device_indices) -> None:
-        pool, fmt = self.pool, self.pool.host_format
-        dev = pool._transfer_device
-        units = pool.planner.units(host_indices)
-        runs = pool.planner.runs(units.tolist())
+        ctx, fmt = self.ctx, self.ctx.fmt
+        dev = ctx.device
+        units = ctx.planner.units(host_indices)
+        runs = ctx.planner.runs(units.tolist())
         records = {r.name: self._fetch(r.name, runs, dev) for r in fmt.records}
         device_indices = device_indices.to(dev, torch.int64)
         rows, restored = [], []
         for side in range(len(fmt.sides)):
-            layers = pool._device_buffers(side)[: pool.layer_num]
+            layers = ctx.device_buffers(side)[: ctx.layer_num]
             x = torch.empty(
                 (len(layers), len(device_indices), *layers[0].shape[1:]),
                 dtype=layers[0].dtype,
@@ -134,7 +137,7 @@ class BackupVerifier:
     def _fetch(self, name: str, runs, dev) -> torch.Tensor:
         """The page's record `name` as [layers * units, *shape] on dev, read on
         the current stream, so after the backup that wrote it."""
-        pool, records = self.pool, self.pool.records
+        ctx, records = self.ctx, self.ctx.records
         if records.page_major:
             # [units, layers, *shape]: each run is one contiguous host block.
             parts = [
@@ -152,7 +155,7 @@ class BackupVerifier:
                     for _, unit, n in runs
                 ]
             )
-            for layer in range(pool.layer_num)
+            for layer in range(ctx.layer_num)
         ]
         return torch.stack(parts).flatten(0, 1)
 

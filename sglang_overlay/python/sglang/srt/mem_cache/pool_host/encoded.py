@@ -202,7 +202,9 @@ class EncodedHostPool:
             self._device_buffers, self.layer_num, dev,
         )  # fmt: skip
         # Sampled restore check of backed-up pages (backup_verify.py); None: off.
-        self.backup_verifier = backup_verify.make_verifier(self)
+        self.backup_verifier = backup_verify.make_verifier(
+            self.transfer_context, self.page_size
+        )
 
     def _finish_setup(self) -> None:
         """After the upstream constructor: the sink page's side store, then
