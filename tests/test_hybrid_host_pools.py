@@ -61,8 +61,10 @@ from sglang.srt.mem_cache.pool_host.host_format import (
 )
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
+# The rigs' pools and L3 page buffers take a few MB: the free-RAM guard is not
+# under test, and a busy machine must not refuse them mid-test.
 pytestmark = pytest.mark.usefixtures(
-    "hybrid_host_copies_on_cpu", "hybrid_runtime_context"
+    "hybrid_host_copies_on_cpu", "hybrid_runtime_context", "host_ram_not_under_test"
 )
 
 # (layout, page size, io backend): the server default, and the direct copy.
