@@ -21,7 +21,6 @@ import torch.distributed as dist
 from sglang.srt.mem_cache.mla_host_dedup import (
     MLAHostDedupBroadcaster,
     mla_host_dedup_eligible,
-    storage_supports_host_dedup,
 )
 from sglang.srt.mem_cache.pool_host.mla import (
     MLAHostAllocation,
@@ -224,8 +223,8 @@ class HiCacheHostDedup:
 def check_host_dedup_supported(device_pool, storage_backend: Optional[str]) -> None:
     """Refuse, naming the flag, what the dedup cannot serve."""
     # Upstream's storage_supports_host_dedup admits "file", but the L3
-    # prefetch into allocator-only pools is not wired here yet.
-    if storage_backend or not storage_supports_host_dedup(storage_backend):
+    # prefetch into allocator-only pools is not wired here yet: no backend.
+    if storage_backend is not None:
         raise ValueError(
             f"{FLAG} does not support --hicache-storage-backend "
             f"{storage_backend} yet: non-source ranks hold no host KV to store "
