@@ -166,8 +166,10 @@ def offload_arms(
 def capacity_vs_bf16(arm: Arm) -> float:
     """Tokens per host byte against BF16 at CAPACITY_GEOMETRY, from the format's
     bytes_per_token (a sink arm adds its int8 keys slot per sink_page_tokens)."""
-    from sglang.srt.mem_cache.pool_host.encoded import unit_tokens_for
-    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+    from sglang.srt.mem_cache.pool_host.host_format import (
+        host_format_cls,
+        unit_tokens_for,
+    )
     from sglang.srt.mem_cache.pool_host.sink_page import sink_format
 
     g = CAPACITY_GEOMETRY

@@ -204,8 +204,10 @@ def _refuse_unencodable_head_dims(server_args: Any) -> None:
     formats, MLA without a RoPE part) fails here and not at the first backup."""
     import torch
 
-    from sglang.srt.mem_cache.pool_host.encoded import unit_tokens_for
-    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+    from sglang.srt.mem_cache.pool_host.host_format import (
+        host_format_cls,
+        unit_tokens_for,
+    )
 
     cfg = resolving_view(server_args)
     model_config = model_config_of(server_args)

@@ -9,7 +9,9 @@ collaborators (transfer.py: HostRecords, UnitPlanner, StagingBuffers,
 HostKVCounters), one transfer chosen at construction (TorchTransfer, or
 FusedTransfer in encoded_fused.py), L3PageCodec (page_codec.py: the storage
 page bytes) and, where the format declares one, the sink page's side store
-(sink_page.py).
+(sink_page.py). The fused transfer and the side store are imported only where
+they are on (the format's kernels in the build, the sink page asked for), so
+the pool stands without them.
 
 Transfers run on the caller's stream (HiCache's transfer stream), so the
 per-layer done event still marks fully restored KV, for the kernel and the
@@ -23,9 +25,8 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from sglang.srt.mem_cache.pool_host import backup_verify, encoded_fused
+from sglang.srt.mem_cache.pool_host import backup_verify, host_env
 from sglang.srt.mem_cache.pool_host import page_integrity as integrity
-from sglang.srt.mem_cache.pool_host import sink_page
 from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 from sglang.srt.mem_cache.pool_host.host_format import HostKVFormat
 from sglang.srt.mem_cache.pool_host.page_codec import L3PageCodec
@@ -34,8 +35,11 @@ from sglang.srt.mem_cache.pool_host.transfer import (
     HostKVCounters,
     HostRecords,
     StagingBuffers,
+    TorchTransfer,
     TransferContext,
     UnitPlanner,
+    torch_transfer_reason,
+    transfer_mode,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,10 +47,6 @@ logger = logging.getLogger(__name__)
 ENCODED_HOST_LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 ENCODED_HOST_IO_BACKENDS = ("kernel", "direct")
 ENCODED_HOST_DEVICE_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def unit_tokens_for(page_size: int, layout: str) -> int:
-    return 1 if layout == "layer_first" else page_size
 
 
 def check_io_backend(name: str, io_backend: str) -> None:
@@ -109,8 +109,8 @@ class EncodedHostPool:
     transfers_own_indices = True
     # Storage page objects carry seals bound to their key (page_integrity.py).
     seals_storage_pages = True
-    # The sink page's side store (sink_page.py); None when off.
-    sink_pages: sink_page.SinkPageStore | None = None
+    # The sink page's side store (sink_page.SinkPageStore); None when off.
+    sink_pages = None
 
     def __init__(
         self,
@@ -135,9 +135,7 @@ class EncodedHostPool:
         self._run_copies = run_copies
         # Planned before the upstream constructor sizes the pool, so that
         # get_size_per_token counts the side store.
-        self._sink_tokens_per_slot = sink_page.sink_page_tokens(
-            self.host_format, page_size, sink_page_tokens
-        )
+        self._sink_tokens_per_slot = self._sink_page_tokens(page_size, sink_page_tokens)
         super().__init__(
             buffer_info,
             host_to_device_ratio,
@@ -148,6 +146,16 @@ class EncodedHostPool:
             **kwargs,
         )
         self._finish_setup()
+
+    def _sink_page_tokens(self, page_size: int, requested: int | None) -> int:
+        """Host tokens per sink-page slot, 0 (off) unless asked for; the side
+        store (sink_page.py) then refuses what the format cannot keep."""
+        tokens = host_env.sink_page_tokens() if requested is None else requested
+        if not tokens:
+            return 0
+        from sglang.srt.mem_cache.pool_host import sink_page
+
+        return sink_page.sink_page_tokens(self.host_format, page_size, tokens)
 
     @classmethod
     def host_bytes_per_device_byte(
@@ -210,14 +218,14 @@ class EncodedHostPool:
         """After the upstream constructor: the sink page's side store, then
         the transfer (its self-check borrows host and device rows), once."""
         if self._sink_tokens_per_slot:
-            self.sink_pages = sink_page.SinkPageStore(
+            from sglang.srt.mem_cache.pool_host.sink_page import SinkPageStore
+
+            self.sink_pages = SinkPageStore(
                 self.transfer_context, self.page_size, self.page_num, self.size,
                 self._sink_tokens_per_slot, self._alloc_host, self.dtype,
             )  # fmt: skip
             self.size_per_token = self.get_size_per_token()
-        self.transfer, self.transfer_path_reason = encoded_fused.choose_transfer(
-            self.transfer_context, self.pin_memory, self._fused_transfer
-        )
+        self.transfer, self.transfer_path_reason = self._choose_transfer()
         if self.transfer.path != "fused_direct":
             # Allocated up front where the path uses them (direct needs none).
             self.staging["d2h"], self.staging["h2d"]
@@ -226,6 +234,18 @@ class EncodedHostPool:
             # transfer streams touch it.
             torch.cuda.current_stream(self._transfer_device).synchronize()
         self._log_setup()
+
+    def _choose_transfer(self):
+        """(transfer, why): the torch transfer unless the requested path and
+        the format's kernels allow a fused one, whose module ships with them."""
+        ctx = self.transfer_context
+        mode, source = transfer_mode(self._fused_transfer)
+        why = torch_transfer_reason(ctx, mode, source)
+        if why is not None:
+            return TorchTransfer(ctx), why
+        from sglang.srt.mem_cache.pool_host import encoded_fused
+
+        return encoded_fused.choose_fused(ctx, self.pin_memory, mode, source)
 
     def _log_setup(self) -> None:
         logger.info(
@@ -266,7 +286,9 @@ class EncodedHostPool:
         if self._sink_tokens_per_slot:
             # Before allocation (HostKVCache sizes the pool by it): a slot's
             # share of its sink_page_tokens host tokens.
-            slot = sink_page.slot_bytes(self.host_format, self.page_size)
+            from sglang.srt.mem_cache.pool_host.sink_page import slot_bytes
+
+            slot = slot_bytes(self.host_format, self.page_size)
             return base + slot * self.layer_num / self._sink_tokens_per_slot
         return base
 

@@ -19,20 +19,19 @@ import logging
 
 import torch
 
-from sglang.srt.mem_cache.pool_host.host_env import (
-    FUSED_ENV,
-    FUSED_MODES,
-    fused_transfer_mode,
-)
+from sglang.srt.mem_cache.pool_host import host_env
 from sglang.srt.mem_cache.pool_host.transfer import (
     TorchTransfer,
     TransferContext,
     fetch,
     store,
+    torch_transfer_reason,
+    transfer_mode,
 )
 
 logger = logging.getLogger(__name__)
 
+FUSED_ENV = host_env.FUSED_ENV
 FUSED_HOST_ACCESS = ("direct", "staged")
 TRANSFER_PATHS = ("fused_direct", "fused_staged", "torch")
 # Self-check size: at least 2 host units (a backward jump) and 4 tokens (one
@@ -52,23 +51,23 @@ def choose_transfer(
     memory, kept only if its self-check passes. Runs once, at construction.
     check: run the self-check; None: on CUDA, where the kernels compile (on
     the CPU they run under the Triton interpreter, for tests and tools)."""
-    if requested is None:
-        mode, source = fused_transfer_mode(), FUSED_ENV
-    elif requested in FUSED_MODES:
-        mode, source = requested, "fused_transfer"
-    else:
-        raise ValueError(
-            f"fused_transfer={requested!r} is not a transfer path; pass one of "
-            f"{', '.join(FUSED_MODES)}, or None to read {FUSED_ENV}."
-        )
-    fmt, dev = ctx.fmt, ctx.device
-    if mode == "off":
-        return TorchTransfer(ctx), f"{source}=off"
-    if mode == "auto" and dev.type != "cuda":
-        # On the CPU the kernels run only under the Triton interpreter, when asked.
-        return TorchTransfer(ctx), f"not CUDA ({dev.type})"
-    if not fmt.fused_available(dev):
-        return TorchTransfer(ctx), f"no fused {fmt.name} kernels for this device"
+    mode, source = transfer_mode(requested)
+    why = torch_transfer_reason(ctx, mode, source)
+    if why is not None:
+        return TorchTransfer(ctx), why
+    return choose_fused(ctx, pinned, mode, source, check)
+
+
+def choose_fused(
+    ctx: TransferContext,
+    pinned: bool,
+    mode: str,
+    source: str,
+    check: bool | None = None,
+):
+    """choose_transfer where torch_transfer_reason leaves the fused kernels
+    in: the first host access that passes its self-check, else torch."""
+    dev = ctx.device
     # The kernels reach host memory directly if it is pinned (UVA), or if the
     # "device" is the CPU itself.
     addressable = pinned or dev.type == "cpu"

@@ -30,6 +30,12 @@ import torch
 FP8_DEVICE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+def unit_tokens_for(page_size: int, layout: str) -> int:
+    """Tokens per host unit: a page for the page-major layouts, a token for
+    layer_first."""
+    return 1 if layout == "layer_first" else page_size
+
+
 # --- error-bound arithmetic the formats share ---------------------------------
 
 # (significant bits, exponent of the smallest normal) of each float format.

@@ -13,9 +13,11 @@ from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
 from sglang.srt.mem_cache.pool_host.encoded import (
     ENCODED_HOST_DEVICE_DTYPES,
     EncodedHostPool,
+)
+from sglang.srt.mem_cache.pool_host.host_format import (
+    FP8_DEVICE_DTYPES,
     unit_tokens_for,
 )
-from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
 

@@ -14,8 +14,8 @@ from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
 from sglang.srt.mem_cache.pool_host.encoded import (
     ENCODED_HOST_DEVICE_DTYPES,
     EncodedHostPool,
-    unit_tokens_for,
 )
+from sglang.srt.mem_cache.pool_host.host_format import unit_tokens_for
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 

@@ -15,6 +15,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from sglang.srt.mem_cache.pool_host.host_env import (
+    FUSED_ENV,
+    FUSED_MODES,
+    fused_transfer_mode,
+)
 from sglang.srt.mem_cache.pool_host.host_format import EncodeStats, HostKVFormat
 
 # Tokens one staging chunk holds (rounded to whole units).
@@ -217,6 +222,33 @@ class TransferContext:
     device_buffers: Callable[[int], Sequence[torch.Tensor]]
     layer_num: int
     device: torch.device
+
+
+def transfer_mode(requested: str | None) -> tuple[str, str]:
+    """(mode, where it came from) of a pool's fused_transfer argument: a
+    FUSED_MODES value, or None to read SGLANG_HICACHE_FUSED_TRANSFER."""
+    if requested is None:
+        return fused_transfer_mode(), FUSED_ENV
+    if requested in FUSED_MODES:
+        return requested, "fused_transfer"
+    raise ValueError(
+        f"fused_transfer={requested!r} is not a transfer path; pass one of "
+        f"{', '.join(FUSED_MODES)}, or None to read {FUSED_ENV}."
+    )
+
+
+def torch_transfer_reason(ctx: TransferContext, mode: str, source: str) -> str | None:
+    """Why a pool keeps the torch transfer whatever its self-check would say;
+    None where the format's fused kernels may run (encoded_fused.py decides)."""
+    fmt, dev = ctx.fmt, ctx.device
+    if mode == "off":
+        return f"{source}=off"
+    if mode == "auto" and dev.type != "cuda":
+        # On the CPU the kernels run only under the Triton interpreter, when asked.
+        return f"not CUDA ({dev.type})"
+    if not fmt.fused_available(dev):
+        return f"no fused {fmt.name} kernels for this device"
+    return None
 
 
 class TorchTransfer:
