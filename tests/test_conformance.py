@@ -55,10 +55,13 @@ from tests.support import int4_pool_checks as pint
 from tests.support.conformance import EXPECT, TOY
 from scripts.rigs.hicache_harness import (
     Geometry,
+    MLAGeometry,
     finish_transfers,
     make_device_pool,
     make_host_pool,
     make_rig,
+    paged_rig,
+    random_controller_operations,
 )
 from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
@@ -622,6 +625,202 @@ def test_l3_formats_never_read_each_others_pages(
         written.append(write_to_l3(l3, c, seed=seed))
     for c, l3, rows in zip(cases, rigs, written):
         fetch_and_check(l3, c, rows)
+
+
+def storage_geometry(case: FormatCase):
+    if case.kind == "mla":
+        return case.geometry(4, layer_num=3)
+    return case.geometry(L3_PAGE_SIZES.get(case.host_dtype, 16))
+
+
+def page_records(pool, rows_per_layer, page: int) -> torch.Tensor:
+    """The flat page's payload from the reference encoding: every record in
+    `records` order, [layer, *shape] per unit, units in order."""
+    ps, ut = pool.page_size, unit_tokens(pool)
+    per_layer = [
+        pool.host_format.encode_reference(
+            [r[page * ps : (page + 1) * ps].view(-1, ut, *r.shape[1:]) for r in rows]
+        )
+        for rows in rows_per_layer
+    ]
+    parts = []
+    for record in pool.host_format.records:
+        layers = torch.stack([enc[record.name] for enc in per_layer])
+        if pool.layout != "layer_first":
+            layers = layers.transpose(0, 1)
+        parts.append(layers.contiguous().view(torch.uint8).flatten())
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize(
+    "case,layout",
+    case_params([c for c in CASES if not c.stock], LAYOUTS),
+    indirect=["case"],
+)
+def test_storage_pages(case, layout):
+    """get_data_page is the reference records then the seal; the page written
+    into another slot restores the reference rows, a short page is refused
+    before any byte moves; zero-copy pieces tile each page's records exactly
+    once, each object ending in its seal (page-major layouts only)."""
+    geo = storage_geometry(case)
+    ps = geo.page_size
+    rig = make_rig(
+        geo, device_tokens=8 * ps, host_tokens=8 * ps, layout=layout,
+        host_dtype=case.host_dtype,
+    )  # fmt: skip
+    device_pool, pool = rig.device_pool, rig.host_pool
+    dev, host = torch.arange(ps, 3 * ps), unit_tokens_of([3, 1], ps)
+    spread(device_pool, dev, seed=4)
+    written = rows_at(device_pool, dev)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    page = pool.get_data_page(3 * ps)
+    assert page.dtype == torch.uint8
+    assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
+    assert pool.storage_page_bytes == pool.get_size_per_token() * ps
+    assert torch.equal(page[:-SEAL_BYTES], page_records(pool, written, 0))
+
+    pool.set_from_flat_data_page(6 * ps, page)
+    snapshot = [bits(b).clone() for b in pool.host_records.values()]
+    with pytest.raises(ValueError, match="bytes, expected"):
+        pool.set_from_flat_data_page(0, page[:-1])
+    for a, b in zip(snapshot, pool.host_records.values()):
+        assert torch.equal(a, bits(b))
+    fresh = torch.arange(4 * ps, 5 * ps)
+    for layer, rows in enumerate(written):
+        pool.load_to_device_per_layer(
+            device_pool, unit_tokens_of([6], ps), fresh, layer, "direct"
+        )
+        _, want = reference(pool, [r[:ps] for r in rows])
+        for side, w in zip(side_buffers(device_pool), want):
+            assert torch.equal(bits(side[layer][fresh]), bits(w)), layer
+
+    if layout == "layer_first":
+        with pytest.raises(ValueError, match="page_first or page_first_direct"):
+            pool.get_page_buffer_meta(host)
+        return
+    ptrs, sizes = pool.get_page_buffer_meta(host)
+    objects = 1 if case.kind == "mla" else 2
+    per_object = pool.storage_buffers_per_object
+    assert len(ptrs) == len(sizes) == 2 * objects * per_object
+    for p, unit in enumerate((3, 1)):
+        first = p * objects * per_object
+        for obj in range(objects):
+            end = first + (obj + 1) * per_object - 1
+            assert ptrs[end] == pool.pages.seals[unit, obj].data_ptr()
+            assert sizes[end] == SEAL_BYTES
+        pieces = sorted(
+            (ptr, size)
+            for i, (ptr, size) in enumerate(zip(ptrs, sizes))
+            if first <= i < first + objects * per_object
+            and (i + 1 - first) % per_object
+        )
+        records = sorted(
+            (b[unit].data_ptr(), b[unit].nbytes) for b in pool.host_records.values()
+        )
+        # Adjacent pieces merge into each record's block: every byte once.
+        merged = []
+        for ptr, size in pieces:
+            if (
+                merged
+                and merged[-1][0] + merged[-1][1] == ptr
+                and not any(r[0] == ptr for r in records)
+            ):
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((ptr, size))
+        assert merged == records
+
+
+# --- the real controller's random writes, loads and evictions -----------------
+
+# (host_dtype, kind, layout, page size, io backend, fused access, dtype, steps,
+# fewest operations done)
+RANDOM_OPS = [
+    ("int8", "mha", "page_first", 1, "direct", "off", BF16, 2500, 1000),
+    ("int8", "mha", "page_first", 4, "kernel", "off", BF16, 2500, 1000),
+    ("int8", "mha", "page_first_direct", 4, "direct", "off", BF16, 2500, 1000),
+    ("int8", "mha", "layer_first", 1, "direct", "off", BF16, 2500, 1000),
+    ("int8", "mha", "layer_first", 2, "kernel", "off", BF16, 2500, 1000),
+    ("int4", "mha", "page_first", 16, "kernel", "off", BF16, 300, 150),
+    ("int4", "mha", "layer_first", 1, "direct", "off", BF16, 300, 150),
+    ("int4", "mha", "page_first_direct", 1, "direct", "off", BF16, 300, 150),
+    ("k8v4", "mha", "page_first", 16, "direct", "off", BF16, 300, 150),
+    ("k8v4", "mha", "layer_first", 2, "kernel", "off", BF16, 300, 150),
+    ("int4r", "mha", "page_first", 16, "kernel", "off", BF16, 300, 150),
+    ("int4r", "mha", "layer_first", 1, "direct", "off", BF16, 300, 150),
+    ("int4r", "mha", "page_first_direct", 64, "kernel", "off", BF16, 300, 150),
+    ("int4r", "mha", "page_first", 16, "direct", "off", BF16, 300, 150),
+    ("int4r", "mha", "page_first", 16, "kernel", "direct", BF16, 300, 150),
+    ("k8v4r", "mha", "page_first", 16, "kernel", "off", BF16, 300, 150),
+    ("k8v4r", "mha", "layer_first", 1, "direct", "off", BF16, 300, 150),
+    ("k8v4r", "mha", "page_first_direct", 64, "kernel", "off", BF16, 300, 150),
+    ("k8v4r", "mha", "layer_first", 2, "kernel", "off", BF16, 300, 150),
+    ("k8v4r", "mha", "layer_first", 2, "kernel", "direct", BF16, 300, 150),
+    ("int8", "mla", "page_first", 1, "direct", "off", BF16, 1500, 600),
+    ("int8", "mla", "page_first", 4, "kernel", "off", FP16, 1500, 600),
+    ("int8", "mla", "page_first_direct", 4, "direct", "off", BF16, 1500, 600),
+    ("int8", "mla", "layer_first", 1, "kernel", "off", FP16, 1500, 600),
+    ("int8", "mla", "layer_first", 2, "direct", "off", BF16, 1500, 600),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "fmt,kind,layout,page_size,io_backend,access,dtype,steps,min_ops",
+    RANDOM_OPS,
+    ids=["-".join(map(str, row[:6])) for row in RANDOM_OPS],
+)
+def test_random_controller_operations(
+    request, fmt, kind, layout, page_size, io_backend, access, dtype, steps, min_ops
+):
+    """Random writes, loads and L1/L2 evictions through HiCacheController:
+    every restore is the format's reference restore, nothing leaks."""
+    if access != "off":
+        request.getfixturevalue("triton_interpreter")
+    case = FormatCase(fmt, kind)
+    rig = paged_rig(
+        case.geometry(page_size, dtype), layout, io_backend, 32, 48,
+        host_dtype=fmt, fused_transfer=access,
+    )  # fmt: skip
+    assert type(rig.host_pool) is hf.host_pool_cls(fmt, kind)
+    path = "torch" if access == "off" else f"fused_{access}"
+    assert rig.host_pool.transfer_path == path
+    gen = torch.Generator().manual_seed(8)
+
+    def write_rows(dev, rng):
+        expected = []
+        for layer in range(rig.device_pool.layer_num):
+            rows = []
+            for s, side in enumerate(side_buffers(rig.device_pool)):
+                x = torch.randn((len(dev), *side[layer].shape[1:]), generator=gen)
+                x = (x * (rng.choice((1e-3, 1.0, 50.0)) if s == 0 else x)).to(dtype)
+                side[layer][dev] = x
+                rows.append(x)
+            expected.append(tuple(reference(rig.host_pool, rows)[1]))
+        return expected
+
+    ops = random_controller_operations(
+        rig, write_rows, steps=steps, seed=7 + page_size, max_pages=3,
+        same=lambda a, b: torch.equal(bits(a), bits(b)),
+        audit_every=100 if steps > 300 else 0,
+    )  # fmt: skip
+    assert ops > min_ops
+
+
+@pytest.mark.parametrize(
+    "geo,encoded",
+    [(Geometry(layer_num=4, head_num=8, head_dim=128), 4 * 8 * (128 + 128 + 4)),
+     (MLAGeometry(layer_num=4), 4 * 648)],
+    ids=["mha", "mla"],
+)  # fmt: skip
+def test_transfer_byte_counters_count_encoded_bytes(geo, encoded):
+    """hicache_backup_bytes_total and the host capacity gauge report the INT8
+    pool's encoded figures."""
+    rig = make_rig(geo, device_tokens=64, host_tokens=128, host_dtype="int8")
+    rig.controller.write(rig.allocator.alloc(10))
+    assert rig.controller.ack_write_queue[-1].num_bytes == 10 * encoded
+    assert rig.host_pool.logical_size == 128  # sglang:hicache_host_total_tokens
+    finish_transfers(rig.controller)
 
 
 # --- per-format expectations (tests/support/conformance.py: EXPECT) ------------

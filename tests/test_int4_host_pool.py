@@ -18,10 +18,6 @@ import pytest
 from scripts.rigs.hicache_harness import Geometry, make_device_pool, make_host_pool
 from tests.support.int4_pool_checks import (
     build,
-    check_controller_random_operations,
-    check_storage_pages_round_trip,
-    check_zero_copy_page_buffers_cover_the_page,
-    pages,
 )
 
 
@@ -73,46 +69,12 @@ def test_startup_log_states_format_and_key_grouping(
 # --- the real controller: write -> evict -> load ----------------------------
 
 
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,io_backend",
-    [
-        ("int4", "page_first", 16, "kernel"),
-        ("int4", "layer_first", 1, "direct"),
-        ("int4", "page_first_direct", 1, "direct"),
-        ("k8v4", "page_first", 16, "direct"),
-        ("k8v4", "layer_first", 2, "kernel"),
-        ("int4r", "page_first", 16, "kernel"),
-        ("int4r", "layer_first", 1, "direct"),
-        ("int4r", "page_first_direct", 64, "kernel"),
-        ("int4r", "page_first", 16, "direct"),
-        ("k8v4r", "page_first", 16, "kernel"),
-        ("k8v4r", "layer_first", 1, "direct"),
-        ("k8v4r", "page_first_direct", 64, "kernel"),
-        ("k8v4r", "layer_first", 2, "kernel"),
-    ],
-)
-def test_controller_random_operations(fmt, layout, page_size, io_backend):
-    check_controller_random_operations(fmt, layout, page_size, io_backend)
 
 
 # --- L3 page I/O --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", FAMILY)
-@pytest.mark.parametrize(
-    "layout,page_size",
-    (("page_first", 16), ("page_first_direct", 64), ("layer_first", 16)),
-)
-def test_storage_pages_round_trip(fmt, layout, page_size):
-    check_storage_pages_round_trip(fmt, layout, page_size)
 
 
-@pytest.mark.parametrize("fmt", FAMILY)
-def test_zero_copy_page_buffers_cover_the_page(fmt):
-    check_zero_copy_page_buffers_cover_the_page(fmt)
 
 
-def test_layer_first_refuses_zero_copy_pages():
-    _, _, pool = build("int4", "layer_first", 16)
-    with pytest.raises(ValueError, match="page_first"):
-        pool.get_page_buffer_meta(pages([0], 16))

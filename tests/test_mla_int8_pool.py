@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 
 from scripts.rigs.hicache_harness import (
     MLAGeometry,
@@ -177,61 +176,8 @@ def test_out_of_range_host_indices_move_nothing(layout, page_size, kind):
         assert torch.equal(bits(a), bits(b))
 
 
-@pytest.mark.parametrize(
-    "layout,page_size",
-    [("page_first", 4), ("page_first_direct", 4), ("layer_first", 4)],
-)
-def test_storage_page_bytes(layout, page_size):
-    """One L3 object per page: the flat page (file backend) and the zero-copy
-    pieces (mooncake) hold the same bytes, records in order, and a page of
-    the wrong size is refused before any byte lands."""
-    geo = MLAGeometry(layer_num=3, page_size=page_size)
-    device_pool, pool = paged_pools(geo, layout, 16, 8, host_dtype="int8")
-    host = pool.alloc(2 * page_size)
-    dev = torch.arange(page_size, 3 * page_size)
-    fill_random(device_pool, dev, seed=2)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    page = pool.get_data_page(int(host[page_size]))
-    # The page's records, then its seal (page_integrity).
-    assert page.dtype == torch.uint8
-    assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
-    assert pool.storage_page_bytes == 648 * 3 * page_size
-    # Record order: all "kv" bytes, then "scale", then "rope".
-    kv_bytes = 3 * page_size * LATENT
-    if layout == "layer_first":
-        # Zero-copy (Mooncake) runs page-major; start-up turns layer_first
-        # into page_first(_direct) for it.
-        with pytest.raises(ValueError, match="--hicache-mem-layout page_first"):
-            pool.get_page_buffer_meta(host)
-        return
-    ptrs, sizes = pool.get_page_buffer_meta(host)
-    per_page = len(ptrs) // 2
-    # The zero-copy object is the same payload, then its own seal buffer.
-    assert sizes[-1] == SEAL_BYTES
-    assert sum(sizes[per_page:-1]) == pool.storage_page_bytes
-    gathered = torch.cat(
-        [_bytes_at(ptr, n) for ptr, n in zip(ptrs[per_page:-1], sizes[per_page:-1])]
-    )
-    assert torch.equal(gathered, page[:-SEAL_BYTES])
-    assert ptrs[-1] == pool.pages.seals[int(host[page_size]) // page_size, 0].data_ptr()
-    # Writing the page into a free slot reproduces the records.
-    target = pool.alloc(page_size)
-    pool.set_from_flat_data_page(int(target[0]), page)
-    assert torch.equal(pool.get_data_page(int(target[0])), page)
-    rope = page[:-SEAL_BYTES][-3 * page_size * ROPE * 2 :].view(torch.bfloat16)
-    assert torch.isfinite(rope).all()
-    assert page[:kv_bytes].view(torch.int8).abs().max() == 127
-    with pytest.raises(ValueError, match="bytes, expected"):
-        pool.set_from_flat_data_page(int(target[0]), page[:-1])
-    assert torch.equal(pool.get_data_page(int(target[0])), page)
 
 
-def _bytes_at(ptr: int, size: int) -> torch.Tensor:
-    import ctypes
-
-    return torch.frombuffer(
-        (ctypes.c_uint8 * size).from_address(ptr), dtype=torch.uint8
-    ).clone()
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,6 @@ from scripts.rigs.hicache_harness import (
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from tests.support.int4_pool_checks import (
     build,
-    check_controller_random_operations,
 )
 
 ROTATED = {"int4r": "int4", "k8v4r": "k8v4"}  # format -> base format
@@ -115,13 +114,3 @@ def test_self_check_passes_and_catches_wrong_signs(fmt, monkeypatch, caplog):
     assert_self_check_falls_back(pool, caplog, "differs from the torch reference")
 
 
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize(
-    "fmt,layout,page_size",
-    [("int4r", "page_first", 16), ("k8v4r", "layer_first", 2)],
-)
-def test_controller_random_operations_on_the_fused_path(fmt, layout, page_size):
-    """HiCacheController's random writes, loads and evictions with the pool
-    on the fused kernels: every restore equals the rotated reference."""
-    check_controller_random_operations(fmt, layout, page_size, "kernel", fused=True)

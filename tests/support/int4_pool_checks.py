@@ -6,31 +6,19 @@ host units (a page, or a token for layer_first) by the test itself."""
 
 from __future__ import annotations
 
-import ctypes
 
 import pytest
 import torch
 
-from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, StoragePageRefused
 from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     make_device_pool,
     make_host_pool,
-    paged_rig,
-    random_controller_operations,
 )
-from tests.support.int8_pool_checks import unit_tokens
 
-# Each format's records in zero-copy object order: [k, k meta] [v, v meta].
-RECORDS = {
-    "int4": ("k", "k_meta", "v", "v_meta"),
-    "k8v4": ("k", "k_scale", "v", "v_meta"),
-    "int4r": ("k", "k_meta", "v", "v_meta"),
-    "k8v4r": ("k", "k_scale", "v", "v_meta"),
-}
 
 
 def expected_restore(fmt, k_rows, v_rows, ut):
@@ -154,96 +142,12 @@ def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
     assert_restores(device_pool, pool, fmt, host, new_dev, written, 16, geo.layer_num)
 
 
-def check_controller_random_operations(fmt, layout, page_size, io_backend, fused=False):
-    """The real controller's random writes, loads and evictions (on the fused
-    kernels with `fused`): every restore equals the reference."""
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
-    rig = paged_rig(
-        geo, layout, io_backend, 32, 48, host_dtype=fmt,
-        fused_transfer="direct" if fused else "off",
-    )  # fmt: skip
-    assert type(rig.host_pool) is host_pool_cls(fmt)
-    assert rig.host_pool.transfer_path == ("fused_direct" if fused else "torch")
-    dev_pool = rig.device_pool
-    ut = unit_tokens(layout, page_size)
-    gen = torch.Generator().manual_seed(8)
-
-    def write_rows(dev, rng):
-        expected = []
-        for layer in range(geo.layer_num):
-            k = (
-                torch.randn((len(dev), 2, 64), generator=gen)
-                * rng.choice((1e-3, 1.0, 50.0))
-            ).to(geo.dtype)
-            v = torch.randn((len(dev), 2, 64), generator=gen).to(geo.dtype)
-            dev_pool.k_buffer[layer][dev] = k
-            dev_pool.v_buffer[layer][dev] = v
-            expected.append(expected_restore(fmt, k, v, ut)[:2])
-        return expected
-
-    ops = random_controller_operations(
-        rig, write_rows, steps=300, seed=7 + page_size, max_pages=3, audit_every=0
-    )
-    assert ops > 150
 
 
-def check_storage_pages_round_trip(fmt, layout, page_size):
-    """A page read with get_data_page and written into another pool with
-    set_from_flat_data_page restores the same values; short pages are refused."""
-    geo, device_pool, pool = build(fmt, layout, page_size)
-    other = make_host_pool(
-        device_pool, host_tokens=16 * page_size, layout=layout, host_dtype=fmt
-    )
-    dev, host = pages([1, 2], page_size), pages([3, 5], page_size)
-    written = fill_spread(device_pool, dev, seed=4)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    flat = [pool.get_data_page(int(i)) for i in host[::page_size]]
-    per_token = pool.get_size_per_token()
-    for page in flat:
-        # The page's records, then its seal (page_integrity).
-        assert page.dtype == torch.uint8
-        assert page.numel() == per_token * page_size + SEAL_BYTES
-    target = pages([0, 7], page_size)
-    for index, page in zip(target[::page_size].tolist(), flat):
-        other.set_from_flat_data_page(index, page)
-    with pytest.raises(StoragePageRefused, match="size"):
-        other.set_from_flat_data_page(0, flat[0][:-1])
-    new_dev = pages([9, 10], page_size)
-    ut = unit_tokens(layout, page_size)
-    assert_restores(
-        device_pool, other, fmt, target, new_dev, written, ut, geo.layer_num
-    )
 
 
-def check_zero_copy_page_buffers_cover_the_page(fmt):
-    """get_page_buffer_meta: two objects per page ([k, k_meta], [v, v_meta]),
-    whose bytes, read from the pointers, are the page's records exactly once."""
-    _, device_pool, pool = build(fmt, "page_first", 16)
-    dev, host = pages([1, 2], 16), pages([4, 6], 16)
-    fill_spread(device_pool, dev, seed=3)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    ptrs, sizes = pool.get_page_buffer_meta(host)
-    assert pool.storage_buffers_per_object == 3  # two record pieces and a seal
-    assert len(ptrs) == len(sizes) == 2 * 2 * 3  # pages x objects x buffers
-    names = RECORDS[fmt]
-    for p, page in enumerate((4, 6)):
-        piece = slice(6 * p, 6 * p + 6)
-        got = [_bytes_at(ptr, size) for ptr, size in zip(ptrs[piece], sizes[piece])]
-        # object order: k, k_meta (k_scale), seal | v, v_meta, seal
-        records, seals = got[0:2] + got[3:5], (got[2], got[5])
-        want = [pool.host_records[n][page].reshape(-1).view(torch.uint8) for n in names]
-        for g, w in zip(records, want):
-            assert torch.equal(g, w)
-        assert all(len(seal) == SEAL_BYTES for seal in seals)
-        assert sum(sizes[piece]) == pool.get_size_per_token() * 16 + 2 * SEAL_BYTES
-    # 4-bit keys are grouped per channel over a 16-token page (the tag says so).
-    assert "kchannel" in pool.storage_format_tag or fmt.startswith("k8v4")
 
 
-def _bytes_at(ptr: int, size: int) -> torch.Tensor:
-    return torch.frombuffer(
-        (ctypes.c_uint8 * size).from_address(ptr), dtype=torch.uint8
-    ).clone()
 
 
 def check_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
