@@ -67,7 +67,6 @@ from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
     build,
     bytes_per_token_at_qwen3_8b,
-    check_auto_size_ratio_matches_the_pool,
     check_fused_path_writes_the_torch_paths_bytes,
     check_transfer_larger_than_staging_is_chunked,
     restore_nan_key_and_inf_value,
@@ -427,9 +426,18 @@ GEOMETRY_GRID = [
 ]
 
 
+# INT8's full layout x page size x geometry grid (the fused kernels' grid).
+INT8_GEOMETRY_GRID = [
+    (layout, page_size, geometry, "direct")
+    for layout, page_size in itertools.product(LAYOUTS, PAGE_SIZES)
+    for geometry in (GEOMETRIES if page_size == 16 else GEOMETRIES[:3])
+]
+
+
 @pytest.mark.parametrize(
     "case,layout,page_size,geometry,io_backend",
-    case_params(MHA_CASES, GEOMETRY_GRID, lambda c, *row: not c.stock),
+    case_params(MHA_CASES, GEOMETRY_GRID, lambda c, *row: not c.stock)
+    + case_params([FormatCase("int8", "mha")], INT8_GEOMETRY_GRID),
     indirect=["case"],
 )
 def test_geometry_round_trip(case, layout, page_size, geometry, io_backend):
@@ -843,16 +851,32 @@ def test_dispatch_by_host_dtype(fmt):
     assert cls is hf.host_pool_cls(fmt) and cls.host_format_cls.name == fmt
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
-def test_bytes_per_token_at_qwen3_8b_geometry(fmt):
+def test_bytes_per_token_at_qwen3_8b_geometry(fmt, layout):
     """Allocated host bytes per token and layer through the real dispatch (36
-    layers, 8 KV heads, head dim 128), against BF16's 4096."""
-    for page_size, want in zip((1, 16, 64), EXPECT[fmt].qwen3_8b_bytes):
-        per_token = bytes_per_token_at_qwen3_8b(("auto", fmt), page_size)
+    layers, 8 KV heads, head dim 128) against BF16's 4096, FP8's 2048 where
+    the format encodes FP8 (else refused naming the values that do); the
+    budget buys whole pages of that size plus one padding page."""
+    expect = EXPECT[fmt]
+    for i, page_size in enumerate(PAGE_SIZES):
+        unit = i if layout != "layer_first" else 0
+        per_token = bytes_per_token_at_qwen3_8b(("auto", fmt), page_size, layout)
         print(f"\n{fmt} page {page_size}: {per_token[fmt] / 36:.0f} B/token/layer,")
         print(f"{per_token['auto'] / per_token[fmt]:.3f}x BF16's tokens per byte")
         assert per_token["auto"] == 36 * 4096
-        assert per_token[fmt] == 36 * want, page_size
+        assert per_token[fmt] == 36 * expect.qwen3_8b_bytes[unit], page_size
+        fp8 = torch.float8_e4m3fn
+        if expect.fp8_bytes is None:
+            with pytest.raises(NotImplementedError) as error:
+                bytes_per_token_at_qwen3_8b((fmt,), page_size, layout, fp8)
+            message = str(error.value)
+            assert f"--hicache-host-dtype {fmt} does not encode an FP8" in message
+            assert "--hicache-host-dtype int4 or k8v4 or auto" in message
+            continue
+        per_token = bytes_per_token_at_qwen3_8b(("auto", fmt), page_size, layout, fp8)
+        assert per_token["auto"] == 36 * 2048  # 1 byte per FP8 value
+        assert per_token[fmt] == 36 * expect.fp8_bytes[unit], page_size
 
 
 def keys_per_channel(fmt: str, layout: str, page_size: int) -> bool:
@@ -1018,14 +1042,51 @@ def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("fmt", ENCODED_MHA)
+AUTO_SIZE_GRID = [("page_first", ps) for ps in (1, 4, 16, 64)] + [
+    ("page_first_direct", 4),
+    ("layer_first", 1),
+    ("layer_first", 64),
+]
+
+
 @pytest.mark.parametrize(
-    "layout,page_size",
-    [("page_first", ps) for ps in (1, 16, 64)]
-    + [("layer_first", 1), ("layer_first", 64)],
+    "case,layout,page_size", case_params(CASES, AUTO_SIZE_GRID), indirect=["case"]
 )
-def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
-    check_auto_size_ratio_matches_the_pool(fmt, layout, page_size)
+def test_auto_size_counts_the_pools_host_bytes(monkeypatch, case, layout, page_size):
+    """--hicache-host-memory-fraction sizing (_estimate_hicache_bytes) scales
+    the device bytes by host_bytes_per_device_byte, which is what a pool of
+    that page size and layout really allocates per device byte."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import hicache_auto_size
+
+    device_pool = make_device_pool(case.geometry(page_size), 4 * page_size)
+    pool = make_host_pool(
+        device_pool, host_tokens=4 * page_size, layout=layout,
+        host_dtype=case.host_dtype,
+    )  # fmt: skip
+    assert type(pool) is expected_pool_cls(case, device_pool)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    ratio = (
+        1.0
+        if case.stock
+        else type(pool).host_bytes_per_device_byte(info, page_size, layout)
+    )
+    buffers = pool.kv_buffer if isinstance(pool.kv_buffer, list) else [pool.kv_buffer]
+    allocated = sum(b.nbytes for b in buffers)
+    assert ratio == pytest.approx(allocated / pool.size / pool.device_size_per_token())
+    params = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: device_pool),
+        req_to_token_pool=None,
+        mtp_draft_device_pools=(),
+        page_size=page_size,
+    )
+    memory = SimpleNamespace(
+        hicache_host_dtype=case.host_dtype, hicache_mem_layout=layout
+    )
+    monkeypatch.setattr(hicache_auto_size, "get_memory", lambda: memory)
+    estimate = hicache_auto_size._estimate_hicache_bytes(params, None)
+    assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -13,7 +13,6 @@ rebuilt from the reference codec.
 from __future__ import annotations
 
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -126,46 +125,6 @@ def test_toy_format_round_trips_through_the_generic_pool(layout, page_size, path
 
 
 
-def test_host_bytes_follow_page_size_and_layout(monkeypatch):
-    """host_bytes_per_device_byte is what a pool really allocates, for the
-    page size and layout auto-sizing passes (the toy's per-unit record makes
-    bytes per token depend on both)."""
-    from sglang.srt.mem_cache import hicache_auto_size
-
-    ratios = {}
-    for page_size in (1, 4):
-        geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=page_size)
-        device_pool = make_device_pool(geo, device_tokens=8 * page_size)
-        info = device_pool.get_device_pool_infos()[0].buffer_info
-        for layout in LAYOUTS:
-            pool = copy_pool(device_pool, layout, 8 * page_size, "torch")
-            host = sum(b.nbytes for b in pool.kv_buffer)
-            allocated = host / pool.size / pool.device_size_per_token()
-            ratio = host_pool_cls("copy").host_bytes_per_device_byte(
-                info, page_size, layout
-            )
-            assert ratio == pytest.approx(allocated, rel=1e-12)
-            ratios[page_size, layout] = ratio
-
-            params = SimpleNamespace(
-                token_to_kv_pool_allocator=SimpleNamespace(
-                    get_kvcache=lambda: device_pool
-                ),
-                req_to_token_pool=None,
-                mtp_draft_device_pools=(),
-                page_size=page_size,
-            )
-            monkeypatch.setattr(
-                hicache_auto_size,
-                "get_memory",
-                lambda: SimpleNamespace(
-                    hicache_host_dtype="copy", hicache_mem_layout=layout
-                ),
-            )
-            estimate = hicache_auto_size._estimate_hicache_bytes(params, None)
-            assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)
-    assert ratios[4, "page_first"] < ratios[1, "page_first"]
-    assert ratios[4, "layer_first"] == ratios[1, "layer_first"]
 
 
 def test_toy_format_is_dispatched_and_listed_from_its_registry_entry():

@@ -231,39 +231,6 @@ def test_unsupported_setups_fail_naming_the_flag(case):
             )
 
 
-@pytest.mark.parametrize("host_dtype,ratio", [("auto", 1.0), ("int8", 648 / 1152)])
-def test_auto_size_uses_the_mla_pool_bytes(monkeypatch, host_dtype, ratio):
-    """hicache_auto_size sizes the default ratio by the MLA host pool class
-    the dispatch picks, with the ratio the allocated buffers show."""
-    from types import SimpleNamespace
-
-    from sglang.srt.mem_cache import hicache_auto_size
-
-    device_pool = make_device_pool(MLAGeometry(layer_num=2, page_size=4), 64)
-    params = SimpleNamespace(
-        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: device_pool),
-        req_to_token_pool=None,
-        mtp_draft_device_pools=(),
-        page_size=4,
-    )
-    monkeypatch.setattr(
-        hicache_auto_size,
-        "get_memory",
-        lambda: SimpleNamespace(
-            hicache_host_dtype=host_dtype, hicache_mem_layout="page_first"
-        ),
-    )
-    estimate = hicache_auto_size._estimate_hicache_bytes(params, None)
-    assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)
-    pool = make_host_pool(
-        device_pool, host_tokens=32, layout="page_first", host_dtype=host_dtype
-    )
-    allocated = (
-        sum(t.nbytes for t in pool.kv_buffer)
-        if host_dtype == "int8"
-        else (pool.kv_buffer.nbytes)
-    )
-    assert allocated / pool.size / pool.device_size_per_token() == ratio
 
 
 def test_build_kv_host_pool_dispatches_int8_for_mla(monkeypatch):

@@ -6,19 +6,21 @@ host units (a page, or a token for layer_first) by the test itself."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 
-import pytest
+
 import torch
 
 from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
-from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+from sglang.srt.mem_cache.pool_host.mha import (
+    MHATokenToKVPoolHost,
+)
 from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     make_device_pool,
     make_host_pool,
 )
-
 
 
 def expected_restore(fmt, k_rows, v_rows, ut):
@@ -77,19 +79,27 @@ def allocated_bytes(pool) -> int:
     return pool.kv_buffer.numel() * pool.kv_buffer.element_size()
 
 
-def bytes_per_token_at_qwen3_8b(formats, page_size: int) -> dict:
-    """Allocated host bytes per token of each format's page_first pool at
-    Qwen3-8B geometry (36 layers, 8 KV heads, head dim 128), through the real
-    dispatch; each pool's buffers are what get_size_per_token says."""
+def bytes_per_token_at_qwen3_8b(formats, page_size, layout="page_first", fp8=None):
+    """Allocated host bytes per token of each format's pool at Qwen3-8B
+    geometry (36 layers, 8 KV heads, head dim 128), through the real dispatch,
+    on a BF16 (or `fp8`) device pool; each pool's buffers are what
+    get_size_per_token says and the budget buys whole pages plus one."""
     geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=page_size)
+    if fp8 is not None:
+        geo = replace(geo, dtype=fp8)
     device_pool = make_device_pool(geo, device_tokens=2 * page_size)
     per_token = {}
     for name in formats:
+        extra = {} if name == "auto" or fp8 is None else {"device_kv_dtype": fp8}
         pool = make_host_pool(
-            device_pool, host_size_gb=0.02, layout="page_first", host_dtype=name
+            device_pool, host_size_gb=0.02, layout=layout, host_dtype=name, **extra
         )
+        if name == "auto" and fp8 is not None:
+            assert type(pool) is MHATokenToKVPoolHost and pool.dtype == torch.uint8
         nbytes = allocated_bytes(pool)
         assert nbytes == pool.size * pool.get_size_per_token()
+        pages = int(0.02e9 // pool.get_size_per_token()) // page_size + 1
+        assert pool.size == pages * page_size
         per_token[name] = nbytes / pool.size
     return per_token
 
@@ -142,28 +152,6 @@ def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
     assert_restores(device_pool, pool, fmt, host, new_dev, written, 16, geo.layer_num)
 
 
-
-
-
-
-
-
-
-
-def check_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
-    """host_bytes_per_device_byte (what auto-sizing asks) agrees with what a
-    pool of that page size and layout allocates."""
-    geo = Geometry(layer_num=4, head_num=8, head_dim=128, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=2 * page_size)
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    cls = get_mha_host_pool_cls(info, fmt)
-    pool = make_host_pool(
-        device_pool, host_tokens=4 * page_size, layout=layout, host_dtype=fmt
-    )
-    device_bytes = 4 * 8 * 256 * 2
-    assert cls.host_bytes_per_device_byte(info, page_size=page_size, layout=layout) == (
-        pytest.approx(pool.get_size_per_token() / device_bytes)
-    )
 
 
 def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
