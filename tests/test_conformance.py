@@ -51,7 +51,6 @@ from tests.support.conformance import (
 )
 from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from tests.support import int4_pool_checks as pint
 from tests.support.conformance import EXPECT, TOY
 from scripts.rigs.hicache_harness import (
     Geometry,
@@ -60,12 +59,12 @@ from scripts.rigs.hicache_harness import (
     make_device_pool,
     make_host_pool,
     make_rig,
+    paged_pools,
     paged_rig,
     random_controller_operations,
 )
 from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
-    build,
     bytes_per_token_at_qwen3_8b,
     check_fused_path_writes_the_torch_paths_bytes,
     check_transfer_larger_than_staging_is_chunked,
@@ -965,81 +964,86 @@ def test_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
     check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch)
 
 
+ENCODED_CASES = [c for c in CASES if not c.stock and not c.toy]
+
+
+def bounds_pools(request, case, layout, access, runs=False):
+    """(device pool, pool) at page 16 with two backed-up pages; skips a fused
+    access the format lacks."""
+    if access != "off":
+        if case not in FUSED_CASES:
+            pytest.skip(f"{case.id} has no fused kernels")
+        request.getfixturevalue("triton_interpreter")
+    device_pool, pool = paged_pools(
+        case.geometry(16), layout, 16, 16, host_dtype=case.host_dtype,
+        fused_transfer=access, run_copies=runs,
+    )  # fmt: skip
+    spread(device_pool, torch.arange(16 * 16), seed=1)
+    dev = unit_tokens_of([1, 2], 16)
+    pool.backup_from_device_all_layer(
+        device_pool, unit_tokens_of([3, 4], 16), dev, "direct"
+    )
+    return device_pool, pool
+
+
+def pool_state(device_pool, pool):
+    return (
+        [bits(b).clone() for b in pool.host_records.values()]
+        + [bits(b).clone() for side in side_buffers(device_pool) for b in side],
+        pool.nonfinite_group_count(),
+        pool.scale_amax_by_layer().clone(),
+    )
+
+
+def assert_same_state(before, after):
+    for a, b in zip(before[0], after[0], strict=True):
+        assert torch.equal(a, b)
+    assert before[1] == after[1] and torch.equal(before[2], after[2])
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("path", list(INDEX_PATHS))
-@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize("case", ENCODED_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_out_of_range_host_indices_rejected_and_nothing_moves(
-    request, fmt, layout, path
+    request, case, layout, path
 ):
     """Whole valid pages then one out of range (negative, past the end), on
     every transfer path: refused naming the flag before any byte moves; host
     records, device rows and statistics unchanged."""
     access, runs = INDEX_PATHS[path]
-    if access != "off":
-        if not EXPECT[fmt].fused:
-            pytest.skip(f"{fmt} has no fused kernels")
-        request.getfixturevalue("triton_interpreter")
-    _, device_pool, pool = build(
-        fmt, layout, 16, fused_transfer=access, run_copies=runs
-    )
+    device_pool, pool = bounds_pools(request, case, layout, access, runs)
     assert pool.transfer_path == ("torch" if access == "off" else f"fused_{access}")
-    dev = pint.pages([1, 2], 16)
-    pint.fill_spread(device_pool, torch.arange(16 * 16), seed=1)
-    pool.backup_from_device_all_layer(
-        device_pool, pint.pages([3, 4], 16), dev, "direct"
-    )
-
-    def state():
-        return (
-            [bits(b).clone() for b in pool.host_records.values()],
-            [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
-            pool.nonfinite_group_count(),
-            pool.scale_amax_by_layer().clone(),
-        )
-
-    before = state()
+    dev = unit_tokens_of([1, 2], 16)
+    before = pool_state(device_pool, pool)
     for first in (-16, pool.size):
-        bad = torch.cat([pint.pages([5], 16), torch.arange(first, first + 16)])
-        with pytest.raises(IndexError, match=f"--hicache-host-dtype {fmt}") as e:
+        bad = torch.cat([unit_tokens_of([5], 16), torch.arange(first, first + 16)])
+        flag = f"--hicache-host-dtype {case.host_dtype}"
+        with pytest.raises(IndexError, match=flag) as e:
             pool.backup_from_device_all_layer(device_pool, bad, dev, "direct")
         assert re.search(r"host indices \[-?\d+, \d+\] out of range", str(e.value))
         for layer in range(pool.layer_num):
             with pytest.raises(IndexError, match="nothing was transferred"):
                 pool.load_to_device_per_layer(device_pool, bad, dev, layer, "direct")
-    after = state()
-    for a, b in zip(before[0] + before[1], after[0] + after[1]):
-        assert torch.equal(a, b)
-    assert before[2] == after[2] and torch.equal(before[3], after[3])
+    assert_same_state(before, pool_state(device_pool, pool))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("fused", (False, True), ids=("torch", "fused"))
-@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize("access", ("off", "direct"), ids=("torch", "fused"))
+@pytest.mark.parametrize("case", ENCODED_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
-    request, fmt, layout, fused
+    request, case, layout, access
 ):
-    if fused:
-        if not EXPECT[fmt].fused:
-            pytest.skip(f"{fmt} has no fused kernels")
-        request.getfixturevalue("triton_interpreter")
-    _, device_pool, pool = build(
-        fmt, layout, 16, fused_transfer="direct" if fused else "off"
-    )
-    assert pool.use_fused_kernels == fused
-    dev, host = pint.pages([1], 16), pint.pages([2], 16)
+    device_pool, pool = bounds_pools(request, case, layout, access)
+    assert pool.use_fused_kernels == (access != "off")
+    dev, host = unit_tokens_of([1], 16), unit_tokens_of([2], 16)
+    before = pool_state(device_pool, pool)
     with pytest.raises(ValueError, match="--hicache-io-backend"):
         pool.backup_from_device_all_layer(device_pool, host, dev, "kernel_ascend")
-    pint.fill_spread(device_pool, dev, seed=2)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
     with pytest.raises(ValueError, match="--hicache-io-backend"):
-        pool.load_to_device_per_layer(
-            device_pool, host, pint.pages([5], 16), 0, "kernel_ascend"
-        )
-    for a, b in zip(before, device_pool.k_buffer + device_pool.v_buffer):
-        assert torch.equal(a, b)
+        pool.load_to_device_per_layer(device_pool, host, dev, 0, "kernel_ascend")
+    assert_same_state(before, pool_state(device_pool, pool))
 
 
 AUTO_SIZE_GRID = [("page_first", ps) for ps in (1, 4, 16, 64)] + [

@@ -16,7 +16,6 @@ from scripts.rigs.hicache_harness import (
     make_device_pool,
     make_host_pool,
     make_rig,
-    paged_pools,
     write_evict_load,
 )
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import TILE, MLAInt8HostFormat
@@ -147,33 +146,6 @@ def test_nonfinite_policy_and_statistics(layout, page_size):
     assert want[0] == 300.0 and want[2] == 40.0
 
 
-@pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
-@pytest.mark.parametrize("kind", ["negative", "past_end"])
-def test_out_of_range_host_indices_move_nothing(layout, page_size, kind):
-    geo = MLAGeometry(layer_num=2, page_size=page_size)
-    device_pool, pool = paged_pools(
-        geo, layout, 16, 8, host_pool_cls=MLATokenToKVPoolINT8Host
-    )
-    dev = torch.arange(page_size, 5 * page_size)
-    fill_random(device_pool, torch.arange(16 * page_size), seed=1)
-    pool.backup_from_device_all_layer(device_pool, pool.alloc(len(dev)), dev, "direct")
-    before = [b.clone() for b in pool.kv_buffer] + [
-        b.clone() for b in device_pool.kv_buffer
-    ]
-    first = -page_size if kind == "negative" else pool.size
-    bad = torch.cat(
-        [
-            torch.arange(5 * page_size, 6 * page_size),
-            torch.arange(first, first + page_size),
-        ]
-    )
-    with pytest.raises(IndexError, match="out of range"):
-        pool.backup_from_device_all_layer(device_pool, bad, dev[: len(bad)], "direct")
-    with pytest.raises(IndexError, match="out of range"):
-        pool.load_to_device_per_layer(device_pool, bad, dev[: len(bad)], 0, "direct")
-    after = list(pool.kv_buffer) + list(device_pool.kv_buffer)
-    for a, b in zip(before, after):
-        assert torch.equal(bits(a), bits(b))
 
 
 
@@ -183,7 +155,7 @@ def test_out_of_range_host_indices_move_nothing(layout, page_size, kind):
 @pytest.mark.parametrize(
     "case",
     # Packed NEXTN drafts are served: tests/test_spec_host_pools.py.
-    ["layout", "fp8", "fp32", "dcp", "layer_shard", "wide_rows", "io"],
+    ["layout", "fp8", "fp32", "dcp", "layer_shard", "wide_rows"],
 )
 def test_unsupported_setups_fail_naming_the_flag(case):
     dtype = {"fp8": torch.float8_e4m3fn, "fp32": torch.float32}.get(
@@ -200,15 +172,6 @@ def test_unsupported_setups_fail_naming_the_flag(case):
         kwargs["layer_shard_enabled"] = True
     if case == "wide_rows":
         kwargs["override_kv_cache_dim"] = 656  # a DSA FP8 packed row
-    if case == "io":
-        pool = make_host_pool(
-            device_pool, host_pool_cls=MLATokenToKVPoolINT8Host, **kwargs
-        )
-        with pytest.raises(ValueError, match="--hicache-io-backend"):
-            pool.backup_from_device_all_layer(
-                device_pool, pool.alloc(2), torch.arange(2), "kernel_ascend"
-            )
-        return
     with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8"):
         if case == "wide_rows":
             MLATokenToKVPoolINT8Host(
