@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from scripts.rigs import l3_harness as h
 from tests.support.codec_inputs import DTYPES
+from tests.support.fp8_reference import FP8
 from tests.support.conformance import (
     GEOMETRIES,
     IO_BACKENDS,
@@ -146,6 +147,7 @@ def controller_round_trip(
         io_backend=io_backend,
         host_dtype=case.host_dtype,
         **path_kwargs(case, path),
+        **({"device_kv_dtype": geo.dtype} if geo.dtype in FP8 else {}),
     )
     ctl, device_pool, pool = rig.controller, rig.device_pool, rig.host_pool
     assert type(pool) is expected_pool_cls(case, device_pool)
@@ -209,6 +211,9 @@ def controller_round_trip(
             bounds = error_bounds(pool, records, in_order)
             for x, g, bound in zip(rows, in_order, bounds):
                 assert ((g.double() - x.double()).abs() <= bound.double()).all()
+            if geo.dtype in FP8:  # finite FP8 in, finite FP8 out: saturated
+                top = torch.finfo(geo.dtype).max
+                assert all((g.double().abs() <= top).all() for g in got)
         for side in side_buffers(device_pool):
             assert (side[layer][untouched] == SENTINEL).all()
     assert pool.available_size() == free_before - len(host)
@@ -252,8 +257,24 @@ def grid_of(case: FormatCase) -> list:
     return STOCK_GRID if case.stock else ENCODED_GRID
 
 
+# FP8 device KV (stored as uint8) for the formats that encode it: every
+# layout, page size and io backend with both FP8 dtypes.
+FP8_GRID = [
+    (layout, io_backend, page_size, fp8, "torch")
+    for layout, io_backend, page_size, fp8 in itertools.product(
+        LAYOUTS, IO_BACKENDS, PAGE_SIZES, FP8
+    )
+]
+FP8_PARAMS = case_params(
+    [c for c in MHA_CASES if c.host_dtype in EXPECT and EXPECT[c.host_dtype].fp8_bytes],
+    FP8_GRID,
+)
+
+
 @pytest.mark.parametrize(
-    "case,layout,io_backend,page_size,dtype,path", TORCH_PARAMS, indirect=["case"]
+    "case,layout,io_backend,page_size,dtype,path",
+    TORCH_PARAMS + FP8_PARAMS,
+    indirect=["case"],
 )
 def test_controller_round_trip(case, layout, io_backend, page_size, dtype, path):
     controller_round_trip(

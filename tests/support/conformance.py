@@ -140,8 +140,9 @@ def side_buffers(device_pool) -> list[list[torch.Tensor]]:
 def rows_at(device_pool, indices: torch.Tensor) -> list[list[torch.Tensor]]:
     """[layer][side] copies of the device rows at `indices`."""
     sides = side_buffers(device_pool)
+    # FP8 KV is stored as uint8: its rows, as the dtype they hold.
     return [
-        [side[layer][indices].clone() for side in sides]
+        [side[layer][indices].view(device_pool.dtype).clone() for side in sides]
         for layer in range(device_pool.layer_num)
     ]
 
@@ -201,6 +202,12 @@ def spread(device_pool, indices: torch.Tensor, seed: int) -> None:
             x *= token_gain.view(-1, *[1] * (x.dim() - 1))
             if s == 1:
                 x += 3.0
+            dtype = device_pool.dtype
+            if dtype != buf.dtype:  # FP8 stored as uint8: up to its largest value
+                top = torch.finfo(dtype).max
+                x[..., 3] = top
+                buf[indices] = x.clamp(-top, top).to(dtype).view(buf.dtype)
+                continue
             buf[indices] = x.to(buf.dtype)
 
 
