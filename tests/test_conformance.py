@@ -1,19 +1,6 @@
-"""Host-format conformance: every --hicache-host-dtype value of the registry
-(MHA, and MLA where the value has an MLA format), the toy format registered
-through the registry alone, and the stock pool as the control, through the
-real HiCacheController on CPU.
-
-Each format takes every layout x io backend on the indexed and the per-run
-torch copies, the fused kernels (under Triton's interpreter) where it has
-them, host indices with gaps, backward jumps and repeats on every path, head
-geometries, and L3 (SGLang's file backend and MooncakeStore
-against a real mooncake_master); page size 1/16/64 and device dtype vary over
-the rows as a covering design, every (page size, dtype) pair once per format
-(test_grids_cover_every_pair). The host records are bit for bit the format's
-`encode_reference` of what was written, the restored rows bit for bit its
-`decode_reference` and within its `error_bound`, and no other host unit or
-device slot changes.
-"""
+"""Host-format conformance: every --hicache-host-dtype value of the registry (MHA, and
+MLA where the value has an MLA format), the toy format registered through the registry
+alone, and the stock pool as the control, through the real HiCacheController on CPU."""
 
 from __future__ import annotations
 
@@ -99,9 +86,9 @@ def case_params(cases, grid, keep=lambda case, *row: True):
 
 
 def accepted(case: FormatCase, layout: str, io_backend: str, path: str) -> bool:
-    """Whether the case takes this combination on CPU: the stock pool's
-    kernel backend is CUDA-only, it refuses page_first with the direct
-    backend, and it has one copy path."""
+    """Whether the case takes this combination on CPU: the stock pool's kernel backend
+    is CUDA-only, it refuses page_first with the direct backend, and it has one copy
+    path."""
     if case.stock:
         return (io_backend, path) == ("direct", "torch") and layout != "page_first"
     return True
@@ -115,8 +102,8 @@ def expected_pool_cls(case: FormatCase, device_pool):
 
 
 def path_kwargs(case: FormatCase, path: str) -> dict:
-    """The encoded pool's constructor arguments that choose `path` (a stock
-    pool has one path and none)."""
+    """The encoded pool's constructor arguments that choose `path` (a stock pool has one
+    path and none)."""
     if case.stock:
         return {}
     if path == "runs":
@@ -135,9 +122,8 @@ def controller_round_trip(
     path: str = "torch",
     seed: int = 0,
 ):
-    """Device -> L2 (controller write) -> L1 eviction -> L2 -> L1 (controller
-    load), host slots scrambled first; checks every byte against the format's
-    reference."""
+    """Device -> L2 (controller write) -> L1 eviction -> L2 -> L1 (controller load),
+    host slots scrambled first; checks every byte against the format's reference."""
     ps = geo.page_size
     rig = make_rig(
         geo,
@@ -351,10 +337,9 @@ def unit_tokens_of(units: list[int], ut: int) -> torch.Tensor:
     indirect=["case"],
 )
 def test_host_index_orders(request, case, layout, path):
-    """Pool backup and per-layer load at BACKUP_UNITS then LOAD_UNITS: the
-    host records are the reference encoding at exactly those units, each
-    loaded token is the reference restore of its unit's rows, and nothing
-    else changes on either side."""
+    """Pool backup and per-layer load at BACKUP_UNITS then LOAD_UNITS: the host records
+    are the reference encoding at exactly those units, each loaded token is the
+    reference restore of its unit's rows, and nothing else changes on either side."""
     access, runs = INDEX_PATHS[path]
     if access != "off" and not case.toy:  # the toy's "kernels" are torch code
         request.getfixturevalue("triton_interpreter")
@@ -476,10 +461,9 @@ def pairs(rows, i: int, j: int) -> set:
 
 @pytest.mark.parametrize("fmt_case", CASES, ids=[c.id for c in CASES])
 def test_grids_cover_every_pair(fmt_case):
-    """The covering design above, per format: every layout x io backend x copy
-    path it takes, every page size with every dtype, both fused accesses on
-    every layout and io backend, every layout and backend in L3, every head
-    geometry."""
+    """The covering design above, per format: every layout x io backend x copy path it
+    takes, every page size with every dtype, both fused accesses on every layout and io
+    backend, every layout and backend in L3, every head geometry."""
     rows = grid_of(fmt_case)
     assert all(accepted(fmt_case, layout, io, path) for layout, io, *_, path in rows)
     torch_rows = [row for row in rows if row[-1] == "torch"]
@@ -564,8 +548,7 @@ def make_l3(request, case, backend, config, layout, model_name=None):
 
 
 def write_to_l3(l3, case, seed=0):
-    """KV for the case's tokens: device -> L2 -> L3, then evicted from L1 and
-    L2. Returns the rows written, [layer][side]."""
+    """KV for the case's tokens: device -> L2 -> L3, then evicted from L1 and L2."""
     tokens = l3_tokens(case)
     dev, host, hashes, stored = h.write_through(
         l3, tokens, edit=lambda pool, idx: spread(pool, idx, seed)
@@ -634,8 +617,8 @@ def test_l3_round_trip(request, tmp_path, case, backend, layout):
 def test_l3_formats_never_read_each_others_pages(
     request, tmp_path, toy_host_format, kind, backend
 ):
-    """Every format's pages of the same tokens and model coexist in one store;
-    each pool hits only its own (the storage tag is in the key)."""
+    """Every format's pages of the same tokens and model coexist in one store; each pool
+    hits only its own (the storage tag is in the key)."""
     config = storage_config(request, backend, tmp_path)
     name = f"hiq/{request.node.name}"
     cases = format_cases(kinds=(kind,))
@@ -662,8 +645,8 @@ def storage_geometry(case: FormatCase):
 
 
 def page_records(pool, rows_per_layer, page: int) -> torch.Tensor:
-    """The flat page's payload from the reference encoding: every record in
-    `records` order, [layer, *shape] per unit, units in order."""
+    """The flat page's payload from the reference encoding: every record in `records`
+    order, [layer, *shape] per unit, units in order."""
     ps, ut = pool.page_size, unit_tokens(pool)
     per_layer = [
         pool.host_format.encode_reference(
@@ -686,10 +669,10 @@ def page_records(pool, rows_per_layer, page: int) -> torch.Tensor:
     indirect=["case"],
 )
 def test_storage_pages(case, layout):
-    """get_data_page is the reference records then the seal; the page written
-    into another slot restores the reference rows, a short page is refused
-    before any byte moves; zero-copy pieces tile each page's records exactly
-    once, each object ending in its seal (page-major layouts only)."""
+    """get_data_page is the reference records then the seal; the page written into
+    another slot restores the reference rows, a short page is refused before any byte
+    moves; zero-copy pieces tile each page's records exactly once, each object ending in
+    its seal (page-major layouts only)."""
     geo = storage_geometry(case)
     ps = geo.page_size
     rig = make_rig(
@@ -801,8 +784,8 @@ RANDOM_OPS = [
 def test_random_controller_operations(
     request, fmt, kind, layout, page_size, io_backend, access, dtype, steps, min_ops
 ):
-    """Random writes, loads and L1/L2 evictions through HiCacheController:
-    every restore is the format's reference restore, nothing leaks."""
+    """Random writes, loads and L1/L2 evictions through HiCacheController: every restore
+    is the format's reference restore, nothing leaks."""
     if access != "off":
         request.getfixturevalue("triton_interpreter")
     case = FormatCase(fmt, kind)
@@ -842,8 +825,8 @@ def test_random_controller_operations(
     ids=["mha", "mla"],
 )  # fmt: skip
 def test_transfer_byte_counters_count_encoded_bytes(geo, encoded):
-    """hicache_backup_bytes_total and the host capacity gauge report the INT8
-    pool's encoded figures."""
+    """hicache_backup_bytes_total and the host capacity gauge report the INT8 pool's
+    encoded figures."""
     rig = make_rig(geo, device_tokens=64, host_tokens=128, host_dtype="int8")
     rig.controller.write(rig.allocator.alloc(10))
     assert rig.controller.ack_write_queue[-1].num_bytes == 10 * encoded
@@ -874,10 +857,10 @@ def test_dispatch_by_host_dtype(fmt):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
 def test_bytes_per_token_at_qwen3_8b_geometry(fmt, layout):
-    """Allocated host bytes per token and layer through the real dispatch (36
-    layers, 8 KV heads, head dim 128) against BF16's 4096, FP8's 2048 where
-    the format encodes FP8 (else refused naming the values that do); the
-    budget buys whole pages of that size plus one padding page."""
+    """Allocated host bytes per token and layer through the real dispatch (36 layers, 8
+    KV heads, head dim 128) against BF16's 4096, FP8's 2048 where the format encodes FP8
+    (else refused naming the values that do); the budget buys whole pages of that size
+    plus one padding page."""
     expect = EXPECT[fmt]
     for i, page_size in enumerate(PAGE_SIZES):
         unit = i if layout != "layer_first" else 0
@@ -905,8 +888,8 @@ def keys_per_channel(fmt: str, layout: str, page_size: int) -> bool:
 
 
 def nan_key_span(fmt: str, layout: str, page_size: int, channel: int) -> tuple:
-    """What a NaN key at (token 1, head 1, `channel`) of the first page poisons
-    on restore, as an index into the restored [token, head, channel] keys."""
+    """What a NaN key at (token 1, head 1, `channel`) of the first page poisons on
+    restore, as an index into the restored [token, head, channel] keys."""
     expect = EXPECT[fmt]
     if not keys_per_channel(fmt, layout, page_size):
         return (1, 1, slice(0, expect.token_nan_channels))
@@ -928,9 +911,9 @@ def nan_key_span(fmt: str, layout: str, page_size: int, channel: int) -> tuple:
 def test_nonfinite_kv_restores_as_nan_over_its_group_and_is_counted(
     fmt, layout, page_size
 ):
-    """A NaN key (token 1, head 1, channel 5) and an Inf value (last token,
-    head 0): the format's group of each restores as NaN and is counted, the
-    rest restores finite with finite scale statistics."""
+    """A NaN key (token 1, head 1, channel 5) and an Inf value (last token, head 0): the
+    format's group of each restores as NaN and is counted, the rest restores finite with
+    finite scale statistics."""
     expect = EXPECT[fmt]
     per_channel = keys_per_channel(fmt, layout, page_size)
     counted = []
@@ -956,8 +939,8 @@ def test_fused_kernels_where_expected(fmt):
 
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
 def test_sink_page_where_expected(fmt):
-    """Only the 4-bit-key formats keep a sink page; the others refuse the
-    variable naming it."""
+    """Only the 4-bit-key formats keep a sink page; the others refuse the variable
+    naming it."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
     device_pool = make_device_pool(geo, 256)
     kwargs = dict(host_tokens=256, layout="page_first", host_dtype=fmt)
@@ -989,8 +972,8 @@ ENCODED_CASES = [c for c in CASES if not c.stock and not c.toy]
 
 
 def bounds_pools(request, case, layout, access, runs=False):
-    """(device pool, pool) at page 16 with two backed-up pages; skips a fused
-    access the format lacks."""
+    """(device pool, pool) at page 16 with two backed-up pages; skips a fused access the
+    format lacks."""
     if access != "off":
         if case not in FUSED_CASES:
             pytest.skip(f"{case.id} has no fused kernels")
@@ -1029,9 +1012,9 @@ def assert_same_state(before, after):
 def test_out_of_range_host_indices_rejected_and_nothing_moves(
     request, case, layout, path
 ):
-    """Whole valid pages then one out of range (negative, past the end), on
-    every transfer path: refused naming the flag before any byte moves; host
-    records, device rows and statistics unchanged."""
+    """Whole valid pages then one out of range (negative, past the end), on every
+    transfer path: refused naming the flag before any byte moves; host records, device
+    rows and statistics unchanged."""
     access, runs = INDEX_PATHS[path]
     device_pool, pool = bounds_pools(request, case, layout, access, runs)
     assert pool.transfer_path == ("torch" if access == "off" else f"fused_{access}")
@@ -1078,9 +1061,9 @@ AUTO_SIZE_GRID = [("page_first", ps) for ps in (1, 4, 16, 64)] + [
     "case,layout,page_size", case_params(CASES, AUTO_SIZE_GRID), indirect=["case"]
 )
 def test_auto_size_counts_the_pools_host_bytes(monkeypatch, case, layout, page_size):
-    """--hicache-host-memory-fraction sizing (_estimate_hicache_bytes) scales
-    the device bytes by host_bytes_per_device_byte, which is what a pool of
-    that page size and layout really allocates per device byte."""
+    """--hicache-host-memory-fraction sizing (_estimate_hicache_bytes) scales the device
+    bytes by host_bytes_per_device_byte, which is what a pool of that page size and
+    layout really allocates per device byte."""
     from types import SimpleNamespace
 
     from sglang.srt.mem_cache import hicache_auto_size
@@ -1129,8 +1112,8 @@ def test_auto_size_counts_the_pools_host_bytes(monkeypatch, case, layout, page_s
 def test_fused_path_writes_the_torch_paths_bytes_and_statistics(
     fmt, layout, page_size, access
 ):
-    """A NaN key included: the fused kernels' host bytes, non-finite count,
-    amax and restored rows equal the torch path's, the NaN over its group."""
+    """A NaN key included: the fused kernels' host bytes, non-finite count, amax and
+    restored rows equal the torch path's, the NaN over its group."""
     torch_pool, _, restored = check_fused_path_writes_the_torch_paths_bytes(
         fmt, layout, page_size, access
     )

@@ -1,15 +1,8 @@
-"""INT4 and K8V4 host copies of an FP8 device KV cache (--kv-cache-dtype
-fp8_e4m3 / fp8_e5m2) through the real patched SGLang code on CPU: SGLang's
-MHATokenToKVPool in FP8 (stored as uint8), the encoded host pools, the real
-HiCacheController, L3 pages through the `file` backend, and the capacity the
-allocated buffers give against the stock FP8 host pool (1 byte per value).
-
-Expected values come from kv_int4_codec's reference functions applied to the
-FP8 rows the test wrote (their values, widened to fp32), decoded back to the
-same FP8 dtype; every comparison is on the bytes. The fused kernels (under
-Triton's interpreter) write the torch path's bytes, and the start-up
-self-check runs on FP8 pools.
-"""
+"""INT4 and K8V4 host copies of an FP8 device KV cache (--kv-cache-dtype fp8_e4m3 /
+fp8_e5m2) through the real patched SGLang code on CPU: SGLang's MHATokenToKVPool in FP8
+(stored as uint8), the encoded host pools, the real HiCacheController, L3 pages through
+the `file` backend, and the capacity the allocated buffers give against the stock FP8
+host pool (1 byte per value)."""
 
 from __future__ import annotations
 
@@ -69,8 +62,8 @@ def pages(page_ids, page_size):
 
 
 def random_fp8(shape, fp8, gen, spread=True) -> torch.Tensor:
-    """FP8 rows as an FP8 KV cache holds them: a per-channel spread (key
-    outliers), an offset, and values up to the format's largest finite one."""
+    """FP8 rows as an FP8 KV cache holds them: a per-channel spread (key outliers), an
+    offset, and values up to the format's largest finite one."""
     x = torch.randn(shape, generator=gen)
     if spread:
         gain = torch.ones(shape[-1])
@@ -154,14 +147,12 @@ def test_device_pool_stores_fp8_as_uint8(fp8):
 # --- backup -> load, every layout / page size / backend ---------------------
 
 
-
-
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_restore_rounds_to_nearest_even_and_saturates(fmt, fp8):
-    """The decode's last step is fp32 -> FP8 round to nearest even with
-    saturation: checked against an independent rounding of the fp32 decode
-    over FP8's value grid, on rows that reach the format's largest value."""
+    """The decode's last step is fp32 -> FP8 round to nearest even with saturation:
+    checked against an independent rounding of the fp32 decode over FP8's value grid, on
+    rows that reach the format's largest value."""
     _, device_pool, pool = build(fmt, "page_first", 16, fp8)
     dev = pages([0, 1], 16)
     written = fill_fp8(device_pool, dev, fp8, seed=5)
@@ -214,8 +205,6 @@ def test_nonfinite_fp8_restores_as_nan_and_is_counted(fmt, layout, page_size, fp
 
 
 # --- through the real HiCacheController -------------------------------------
-
-
 
 
 # --- L3: sealed pages through the `file` backend ----------------------------
@@ -289,9 +278,9 @@ def test_file_l3_round_trip_of_sealed_pages(tmp_path, request, fmt, layout, fp8)
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pages_of_one_fp8_dtype_are_refused_by_the_other(fmt):
-    """A sealed page names its device dtype: an E4M3 page read into an E5M2
-    pool (same records and sizes) would decode other values, so it is refused
-    before any byte reaches the pool."""
+    """A sealed page names its device dtype: an E4M3 page read into an E5M2 pool (same
+    records and sizes) would decode other values, so it is refused before any byte
+    reaches the pool."""
     geo, device_pool, e4m3 = build(fmt, "page_first", 16, torch.float8_e4m3fn)
     _, _, e5m2 = build(fmt, "page_first", 16, torch.float8_e5m2)
     _, _, twin = build(fmt, "page_first", 16, torch.float8_e4m3fn)
@@ -324,9 +313,9 @@ def test_uint8_storage_without_its_fp8_dtype_is_refused(fmt):
 
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 def test_fp8_path_is_chosen_as_for_bf16_and_logged(caplog, fp8):
-    """No FP8 exception: on the CPU the pool takes the torch path for the
-    reason every pool does, the log says so, and the fused kernels can be
-    switched on (the interpreter runs them here)."""
+    """No FP8 exception: on the CPU the pool takes the torch path for the reason every
+    pool does, the log says so, and the fused kernels can be switched on (the
+    interpreter runs them here)."""
     with caplog.at_level(logging.INFO, logger="sglang"):
         _, device_pool, pool = build("int4", "page_first", 16, fp8)
     name = fp8_id(fp8)
@@ -343,8 +332,8 @@ def test_fp8_path_is_chosen_as_for_bf16_and_logged(caplog, fp8):
 
 def edge_fp8_rows(device_pool, indices, fp8, seed):
     """fill_fp8's rows, every other token replaced by random finite FP8 bytes
-    (subnormals, +-0, the largest value), a NaN in K of layer 0 and (E5M2)
-    an Inf in V of the last layer."""
+    (subnormals, +-0, the largest value), a NaN in K of layer 0 and (E5M2) an Inf in V
+    of the last layer."""
     fill_fp8(device_pool, indices, fp8, seed)
     gen = torch.Generator().manual_seed(seed)
     odd = indices[1::2]
@@ -369,9 +358,9 @@ def edge_fp8_rows(device_pool, indices, fp8, seed):
     ],
 )
 def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access, fp8):
-    """The fused kernels on FP8 device KV: host records, non-finite counts,
-    amax and restored FP8 bytes equal the torch path's, every layout and
-    page size, direct and staged host access."""
+    """The fused kernels on FP8 device KV: host records, non-finite counts, amax and
+    restored FP8 bytes equal the torch path's, every layout and page size, direct and
+    staged host access."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
     device_pool = make_device_pool(geo, device_tokens=16 * page_size)
     pools = {}
@@ -430,10 +419,10 @@ def _truncating_fp8_bits(y, FP8: tl.constexpr):
 def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
     fmt, fp8, monkeypatch, caplog
 ):
-    """The start-up self-check compares the fused FP8 path with the
-    reference (FP8 rows: subnormals, NaN, the largest value) and puts the
-    borrowed bytes back; kernels that truncate instead of rounding fail it
-    and the pool falls back to the torch path, saying why."""
+    """The start-up self-check compares the fused FP8 path with the reference (FP8 rows:
+    subnormals, NaN, the largest value) and puts the borrowed bytes back; kernels that
+    truncate instead of rounding fail it and the pool falls back to the torch path,
+    saying why."""
     _, device_pool, pool = build(fmt, "page_first", 16, fp8, fused_transfer="direct")
     assert pool.transfer_path == "fused_direct"
     before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
@@ -458,8 +447,8 @@ def allocated_bytes(pool) -> int:
 
 
 def capacity_vs_stock_fp8(geo_kwargs, page_size, budget_gb):
-    """Host tokens per allocated host byte of each format over the stock FP8
-    pool's (auto), and each pool's bytes per token and layer."""
+    """Host tokens per allocated host byte of each format over the stock FP8 pool's
+    (auto), and each pool's bytes per token and layer."""
     geo = Geometry(dtype=torch.float8_e4m3fn, page_size=page_size, **geo_kwargs)
     device_pool = make_device_pool(geo, device_tokens=2 * page_size)
     per_byte, per_token = {}, {}
@@ -501,9 +490,9 @@ def test_capacity_vs_stock_fp8_at_test_geometry():
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_restore_saturates_beyond_the_fp8_range(fmt, fp8):
-    """Records whose values lie past FP8's largest finite value (m + 15 s up
-    to 61440, where E5M2's cast alone gives Inf) restore as the largest value,
-    on the pool's path and in the reference."""
+    """Records whose values lie past FP8's largest finite value (m + 15 s up to 61440,
+    where E5M2's cast alone gives Inf) restore as the largest value, on the pool's path
+    and in the reference."""
     _, device_pool, pool = build(fmt, "page_first", 16, fp8)
     dev = pages([0], 16)
     fill_fp8(device_pool, dev, fp8, seed=4)
@@ -529,9 +518,8 @@ def test_restore_saturates_beyond_the_fp8_range(fmt, fp8):
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 @pytest.mark.parametrize("host_dtype", ["int4", "k8v4", "auto"])
 def test_the_assembler_passes_the_fp8_dtype(host_dtype, fp8):
-    """hybrid_pool_assembler.build_kv_host_pool, as the scheduler calls it,
-    builds the encoded pool for an FP8 device pool (patch 0010) and the stock
-    one for auto."""
+    """hybrid_pool_assembler.build_kv_host_pool, as the scheduler calls it, builds the
+    encoded pool for an FP8 device pool (patch 0010) and the stock one for auto."""
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
 
     h.publish_runtime(16, "page_first", host_dtype)

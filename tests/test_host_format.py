@@ -1,14 +1,5 @@
-"""The host-format registry and interface (pool_host/host_format.py) and the
-encoded host pools built on it.
-
-A toy lossless format (tests/support/copy_format.py), registered through the
-registry alone, goes through SGLang's flag and start-up validation, the real
-dispatch, auto-sizing, the generic MHA pool (torch path, and the fused paths
-with a torch stand-in for kernels) in every layout, the L3 page methods and the
-tools' format list: adding a format is one module and one entry. The INT8
-pool's host bytes are checked against the layout the pre-refactor pool wrote,
-rebuilt from the reference codec.
-"""
+"""The host-format registry and interface (pool_host/host_format.py) and the encoded
+host pools built on it."""
 
 from __future__ import annotations
 
@@ -44,8 +35,8 @@ def copy_pool(device_pool, layout, host_tokens, path):
 
 
 def seeded_rows(device_pool, slots, seed):
-    """Random rows (with a NaN and an Inf) written to `slots` of every layer;
-    returns [(k, v)] per layer."""
+    """Random rows (with a NaN and an Inf) written to `slots` of every layer; returns
+    [(k, v)] per layer."""
     gen = torch.Generator().manual_seed(seed)
     written = []
     for layer in range(device_pool.layer_num):
@@ -123,10 +114,6 @@ def test_toy_format_round_trips_through_the_generic_pool(layout, page_size, path
             )
 
 
-
-
-
-
 def test_toy_format_is_dispatched_and_listed_from_its_registry_entry():
     from scripts.common.host_formats import host_formats
 
@@ -173,10 +160,9 @@ def test_registry_and_dispatch(monkeypatch):
 
 
 def old_int8_layout(pool, written, host, page_size, layout):
-    """Host buffers as the pre-refactor INT8 pool laid them out, filled from
-    the reference codec: k [units, L, ut, H, Dk], v [units, L, ut, H, Dv],
-    scale [units, L, ut, 2, H] page-major; [L, units, ...] layer_first
-    (ut = 1). Slots not in `host` keep the pool's fill byte."""
+    """Host buffers as the pre-refactor INT8 pool laid them out, filled from the
+    reference codec: k [units, L, ut, H, Dk], v [units, L, ut, H, Dv], scale [units, L,
+    ut, 2, H] page-major; [L, units, ...] layer_first (ut = 1)."""
     ut = 1 if layout == "layer_first" else page_size
     units, L = pool.size // ut, len(written)
     geo = written[0][0].shape[1:], written[0][1].shape[1:]
@@ -292,10 +278,10 @@ print(json.dumps(out))
 
 
 def test_toy_format_passes_the_flag_and_start_up_validation():
-    """Registered before the server args load, as an entry in host_format.py
-    is, the toy is a CLI choice with its help, passes start-up validation for
-    an MHA model, is refused for MLA naming the flag, and is in the tools'
-    parser-read list (mutant: a hard-coded choices list fails here)."""
+    """Registered before the server args load, as an entry in host_format.py is, the toy
+    is a CLI choice with its help, passes start-up validation for an MHA model, is
+    refused for MLA naming the flag, and is in the tools' parser-read list (mutant: a
+    hard-coded choices list fails here)."""
     probe = run_fresh(TOY_FLAG_PROBE)
     # This process registered the toy too (pytestmark), last.
     assert probe["choices"] == hf.host_dtype_choices()

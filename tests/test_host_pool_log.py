@@ -1,9 +1,5 @@
 """Every KV host pool states its bytes per token at start-up: the stock pools
-(--hicache-host-dtype auto) as the encoded ones do, once each.
-
-Real device and host pools, built as hybrid_pool_assembler builds them
-(scripts/rigs/hicache_harness.py); the line is read from the pool's logger.
-"""
+(--hicache-host-dtype auto) as the encoded ones do, once each."""
 
 from __future__ import annotations
 

@@ -1,29 +1,5 @@
 """Hybrid models' host tiers through SGLang's own hybrid pool assembler,
-HybridCacheController and UnifiedRadixCache, on CPU, for every
---hicache-host-dtype.
-
-Server arguments resolve from tiny local configs (tests/test_startup.py) and
-are published as the scheduler publishes them; the real device pools
-(SWAKVPool, HybridLinearKVPool + the Mamba state pool) go through
-registry.create_unified_radix_cache, which picks the hybrid stack strategy and
-builds the host pools and the controller. KV (and state) is written, the
-device copy wiped, and what comes back into fresh slots checked bit for bit:
-through the controller directly, through the radix cache's own host hit
-(insert, L1 eviction, match, init_load_back), and through an L3 hit (L2
-eviction too, prefetch from SGLang's file backend or a real mooncake_master).
-
-- gpt-oss shaped (sliding-window + full attention): the full-attention and the
-  SWA host pools are both the format's encoded pool; both restore exactly the
-  format's reference decode (the SWA KV for the window the model attends to).
-- Qwen3-Next and Qwen3.5 shaped (GDN linear attention + full attention): the
-  KV host pool is encoded, the Mamba state host pool stays SGLang's
-  MambaPoolHost and its state comes back exactly as with
-  --hicache-host-dtype auto.
-
-Metrics: the real radix-cache ack loggers and scheduler reporter feed the real
-collectors; byte counters, per-pool token counts and host-tier gauges are
-checked against the pools.
-"""
+HybridCacheController and UnifiedRadixCache, on CPU, for every --hicache-host-dtype."""
 
 from __future__ import annotations
 
@@ -135,8 +111,8 @@ STORAGE_WAIT_S = 20.0
 
 
 def wait_for(condition, what: str) -> None:
-    """Poll the cache's events until `condition()` (storage threads run
-    asynchronously); bounded, so a fault fails the test."""
+    """Poll the cache's events until `condition()` (storage threads run asynchronously);
+    bounded, so a fault fails the test."""
     deadline = time.monotonic() + STORAGE_WAIT_S
     while not condition():
         if time.monotonic() > deadline:
@@ -145,9 +121,9 @@ def wait_for(condition, what: str) -> None:
 
 
 def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
-    """After the L1 eviction: wait for the L3 backups, drop the host copies
-    too, then prefetch the prefix from L3 into the host tier as the scheduler
-    does (prefetch_from_storage, check_prefetch_progress)."""
+    """After the L1 eviction: wait for the L3 backups, drop the host copies too, then
+    prefetch the prefix from L3 into the host tier as the scheduler does
+    (prefetch_from_storage, check_prefetch_progress)."""
     from sglang.srt.mem_cache.base_prefix_cache import (
         CacheRequestHandle,
         MatchPrefixParams,
@@ -185,10 +161,10 @@ def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
 
 
 def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = False):
-    """The scheduler's order: insert (written through), L1 eviction (with
-    `from_l3`, L2 eviction and an L3 prefetch too), a match that hits the
-    host, init_load_back, the load; the full-attention KV comes back for every
-    token, the SWA KV for the window the model attends to."""
+    """The scheduler's order: insert (written through), L1 eviction (with `from_l3`, L2
+    eviction and an L3 prefetch too), a match that hits the host, init_load_back, the
+    load; the full-attention KV comes back for every token, the SWA KV for the window
+    the model attends to."""
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,
@@ -276,9 +252,8 @@ def mooncake_master(tmp_path_factory):
 
 @pytest.fixture
 def l3_args(request, tmp_path):
-    """The storage arguments of an L3 backend; each test (and each `run` in
-    it) its own model name, so tests sharing one Mooncake store keep their
-    keys apart."""
+    """The storage arguments of an L3 backend; each test (and each `run` in it) its own
+    model name, so tests sharing one Mooncake store keep their keys apart."""
 
     def storage_args(backend: str, run: str = "") -> dict:
         name = f"{request.node.name}-{run}" if run else request.node.name
@@ -303,10 +278,9 @@ def test_sliding_window_l3_hit(
 
 
 def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = False):
-    """The scheduler's order for a linear-attention model: insert KV and the
-    sequence-end state, L1 eviction of both, a match that hits the host,
-    init_load_back into the request's own state slot, the load. Returns the
-    state written and the request's state after the load."""
+    """The scheduler's order for a linear-attention model: insert KV and the sequence-
+    end state, L1 eviction of both, a match that hits the host, init_load_back into the
+    request's own state slot, the load."""
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,

@@ -1,13 +1,6 @@
 """INT4 and K8V4 host pools (host_pool_cls("int4"/"k8v4"), pool_host/mha_encoded.py)
-through the real patched SGLang code on CPU: geometry refusals, the start-up
-log, the real controller's random operations and L3 page I/O. Dispatch,
-capacity, NaN policy, index and io-backend refusals and the fused path's bytes
-are in the expectations table of tests/test_conformance.py.
-
-Expected values come from the format's reference encode/decode on the rows
-the test wrote (tests/support/int4_pool_checks.py, which the rotated formats'
-tests run too).
-"""
+through the real patched SGLang code on CPU: geometry refusals, the start-up log, the
+real controller's random operations and L3 page I/O."""
 
 from __future__ import annotations
 
@@ -69,12 +62,4 @@ def test_startup_log_states_format_and_key_grouping(
 # --- the real controller: write -> evict -> load ----------------------------
 
 
-
-
 # --- L3 page I/O --------------------------------------------------------------
-
-
-
-
-
-

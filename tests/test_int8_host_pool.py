@@ -1,10 +1,4 @@
-"""MHATokenToKVPoolINT8Host: the real patched SGLang host pool on CPU.
-
-The round trips every format shares (layouts, page sizes, io backends, copy
-paths, unordered host slots, L3) are in tests/test_conformance.py; here:
-INT8's full layout x page size x geometry grid (the fused kernels' grid),
-chunking through staging, the NaN policy, capacity, dispatch, refusals.
-"""
+"""MHATokenToKVPoolINT8Host: the real patched SGLang host pool on CPU."""
 
 from __future__ import annotations
 
@@ -37,5 +31,3 @@ def test_quantized_device_kv_fails_naming_the_flag():
     assert "Pass --kv-cache-dtype bf16" in message
     assert "quantized (FP8/FP4)" in message
     assert "uint8" not in message and "fp16" not in message
-
-

@@ -1,9 +1,6 @@
-"""The MLA INT8 host pool (pool_host/mla_encoded.py, int8 MLA format) at
-DeepSeek geometry on CPU: SGLang's real MLATokenToKVPool, the real MLA host
-pools and the real HiCacheController. Write -> L1 eviction -> load round trips
-on every layout, page size and io backend, BF16 and FP16; capacity from the
-allocated buffers; NaN policy and host-tier statistics; bad indices; L2 page
-bytes; fail-fast."""
+"""The MLA INT8 host pool (pool_host/mla_encoded.py, int8 MLA format) at DeepSeek
+geometry on CPU: SGLang's real MLATokenToKVPool, the real MLA host pools and the real
+HiCacheController."""
 
 from __future__ import annotations
 
@@ -57,8 +54,7 @@ def poison(pool, dev):
 
 
 def round_trip(rig, n_tokens: int, seed: int = 0, edit=None):
-    """Device rows -> L2 (controller write) -> L1 eviction (poisoned) -> load.
-    Returns (written rows per layer, restored rows per layer)."""
+    """Device rows -> L2 (controller write) -> L1 eviction (poisoned) -> load."""
     pool = rig.device_pool
     dev = rig.allocator.alloc(n_tokens)
     written = fill_random(pool, dev, seed=seed)
@@ -71,8 +67,8 @@ def round_trip(rig, n_tokens: int, seed: int = 0, edit=None):
 
 
 def test_capacity_from_allocated_buffers():
-    """DeepSeek geometry (61 layers), the same token count in both pools:
-    bytes are summed over the tensors each pool really allocated."""
+    """DeepSeek geometry (61 layers), the same token count in both pools: bytes are
+    summed over the tensors each pool really allocated."""
     geo = MLAGeometry(layer_num=61, page_size=64)
     device_pool = make_device_pool(geo, 64)
     tokens = 2 * 64
@@ -107,8 +103,8 @@ def test_dispatch_by_host_dtype():
 
 @pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
 def test_nonfinite_policy_and_statistics(layout, page_size):
-    """A NaN latent tile restores as NaN (that tile only), an Inf RoPE value as
-    Inf; both are counted; the amax statistic covers finite tiles only."""
+    """A NaN latent tile restores as NaN (that tile only), an Inf RoPE value as Inf;
+    both are counted; the amax statistic covers finite tiles only."""
     geo = MLAGeometry(layer_num=3, page_size=page_size)
     rig = make_rig(
         geo,
@@ -144,12 +140,6 @@ def test_nonfinite_policy_and_statistics(layout, page_size):
         want.append(tiles[ok].max().item())
     assert amax[:, 0].tolist() == want
     assert want[0] == 300.0 and want[2] == 40.0
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize(
@@ -194,11 +184,9 @@ def test_unsupported_setups_fail_naming_the_flag(case):
             )
 
 
-
-
 def test_build_kv_host_pool_dispatches_int8_for_mla(monkeypatch):
-    """SGLang's own builder (hybrid_pool_assembler.build_kv_host_pool) picks
-    the MLA INT8 pool for --hicache-host-dtype int8."""
+    """SGLang's own builder (hybrid_pool_assembler.build_kv_host_pool) picks the MLA
+    INT8 pool for --hicache-host-dtype int8."""
     from types import SimpleNamespace
 
     from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler

@@ -1,12 +1,5 @@
-"""The rotated host formats (int4r, k8v4r) through the real patched SGLang
-pools and controller on CPU.
-
-The format-independent checks are those test_int4_host_pool runs
-(tests/support/int4_pool_checks.py, expected records and rows from each
-format's reference encode/decode) and the expectations table of
-tests/test_conformance.py (NaN spread, capacity, storage tag); the start-up
-log, fused path and self-check are tested below.
-"""
+"""The rotated host formats (int4r, k8v4r) through the real patched SGLang pools and
+controller on CPU."""
 
 from __future__ import annotations
 
@@ -73,8 +66,8 @@ def test_startup_log_states_rotation_and_cpu_torch_path(
 
 @pytest.mark.parametrize("fmt", ROTATED)
 def test_fused_kernels_are_selected_where_the_base_kernels_run(fmt, monkeypatch):
-    """The rotated formats take the fused path wherever int4/k8v4 would (a
-    CUDA transfer device here, its self-check taken as passed)."""
+    """The rotated formats take the fused path wherever int4/k8v4 would (a CUDA transfer
+    device here, its self-check taken as passed)."""
     import dataclasses
 
     from sglang.kernels.ops.kvcache import kv_int4_triton
@@ -96,9 +89,9 @@ def test_fused_kernels_are_selected_where_the_base_kernels_run(fmt, monkeypatch)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("fmt", ROTATED)
 def test_self_check_passes_and_catches_wrong_signs(fmt, monkeypatch, caplog):
-    """The start-up self-check (the other formats' own) passes on the fused
-    path; kernels given another sign vector fail it and the pool falls back
-    to the torch path."""
+    """The start-up self-check (the other formats' own) passes on the fused path;
+    kernels given another sign vector fail it and the pool falls back to the torch
+    path."""
     _, device_pool, pool = build(fmt, "page_first", 16, fused_transfer="direct")
     assert pool.transfer_path == "fused_direct"
     assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
@@ -112,5 +105,3 @@ def test_self_check_passes_and_catches_wrong_signs(fmt, monkeypatch, caplog):
 
     monkeypatch.setattr(fmt_cls, "_kernel_rotation", flipped)
     assert_self_check_falls_back(pool, caplog, "differs from the torch reference")
-
-

@@ -1,10 +1,7 @@
-"""Packed MTP draft layers through the fused transfer kernels, under the
-Triton interpreter (TRITON_INTERPRET=1): the draft layers are separate device
-allocations appended to the target's layer table (DeviceLayerTable offsets
-reach them), so one encode launch covers target and draft, and a draft load
-decodes into the draft pool. The fused path writes the torch path's host
-bytes and restores the same device rows, for MHA (int8, int4, k8v4) and MLA
-int8, direct and staged."""
+"""Packed MTP draft layers through the fused transfer kernels, under the Triton
+interpreter (TRITON_INTERPRET=1): the draft layers are separate device allocations
+appended to the target's layer table (DeviceLayerTable offsets reach them), so one
+encode launch covers target and draft, and a draft load decodes into the draft pool."""
 
 from __future__ import annotations
 
@@ -68,8 +65,8 @@ def wipe(pool, indices):
 
 
 def round_trip(geo, host_dtype, layout, mode, drafts=2):
-    """Back up target + drafts, restore every layer into fresh slots; returns
-    the host records and the restored device rows per pool."""
+    """Back up target + drafts, restore every layer into fresh slots; returns the host
+    records and the restored device rows per pool."""
     target, draft_pools, pool = packed_pool(geo, host_dtype, layout, drafts, mode)
     pools = [target, *draft_pools]
     n = 3 * geo.page_size
@@ -143,9 +140,8 @@ def test_packed_draft_fused_matches_torch_mla(layout, page_size, mode):
     ids=["int8", "k8v4", "mla-int8"],
 )
 def test_start_up_self_check_covers_the_draft_layers(geo, host_dtype):
-    """The start-up self-check (run whenever the pool chooses a fused path)
-    restores every layer, the drafts included, so the fused path stays
-    selected."""
+    """The start-up self-check (run whenever the pool chooses a fused path) restores
+    every layer, the drafts included, so the fused path stays selected."""
     _, _, pool = packed_pool(geo, host_dtype, "page_first", 1, "direct")
     assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     assert pool.transfer_path == "fused_direct"

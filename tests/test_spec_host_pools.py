@@ -1,25 +1,6 @@
-"""Host tiers under speculative decoding, through SGLang's own registry,
-hybrid pool assembler, HybridCacheController and UnifiedRadixCache on CPU,
-for every --hicache-host-dtype.
-
-SGLang 0.5.23 gives the draft model's KV a host copy in one of two ways
-(speculative/base_spec_worker._build_hicache_draft_plan):
-
-- packed: NEXTN (and EAGLE whose draft is the checkpoint's own MTP layers)
-  appends one host layer per draft pool to the target's host pool
-  (CacheInitParams.mtp_draft_device_pools -> draft_buffer_infos); the
-  controller loads them with is_draft=True at host layer target + depth.
-  MHA (GLM-4-MoE / Qwen3-Next style) and MLA (DeepSeek V3 NEXTN).
-- sidecar: EAGLE/EAGLE3 with --speculative-draft-model-path, and STANDALONE,
-  get a DRAFT host pool of their own (hybrid_pool_assembler
-  .build_full_draft_pools) whose indices follow the target's KV; a
-  sliding-window target's draft also gets DRAFT_SWA (build_swa_draft_sidecars).
-
-Each case writes target and draft KV, wipes the device, loads both back into
-fresh slots and checks them bit for bit against the format's reference
-decode (host_format_cls(name, kind).decode_reference), or the rows
-themselves for --hicache-host-dtype auto.
-"""
+"""Host tiers under speculative decoding, through SGLang's own registry, hybrid pool
+assembler, HybridCacheController and UnifiedRadixCache on CPU, for every --hicache-host-
+dtype."""
 
 from __future__ import annotations
 
@@ -112,8 +93,8 @@ def mla_pool(layers: int, page_size: int):
 
 
 class FlatRig:
-    """A flat (MHA or MLA) target's radix cache with HiCache, as the scheduler
-    builds it, optionally with packed MTP draft pools."""
+    """A flat (MHA or MLA) target's radix cache with HiCache, as the scheduler builds
+    it, optionally with packed MTP draft pools."""
 
     def __init__(self, server_args, kv_pool, page_size, packed_drafts=()):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -222,10 +203,10 @@ def assert_mla_restored(host_dtype, host_pool, pool, indices, written, what):
 
 
 def round_trip(rig, pools, tokens, *, mla=False, sidecars=(), seed=0):
-    """Write `tokens` tokens of KV into every pool in `pools` (target first,
-    then the drafts, whose slots follow the target's), back them up through
-    the controller, wipe the device, load everything back into fresh slots
-    and check it; returns the loaded slots."""
+    """Write `tokens` tokens of KV into every pool in `pools` (target first, then the
+    drafts, whose slots follow the target's), back them up through the controller, wipe
+    the device, load everything back into fresh slots and check it; returns the loaded
+    slots."""
     fill, wipe, check = (
         (fill_mla, wipe_mla, assert_mla_restored)
         if mla
@@ -320,8 +301,8 @@ def test_packed_mtp_mha_stock_pool_alike(spec_models, layout, page_size, io_back
 
 
 def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
-    """A load with is_draft=True writes the draft's host layer into the draft
-    device pool, and a target-only load leaves the draft untouched."""
+    """A load with is_draft=True writes the draft's host layer into the draft device
+    pool, and a target-only load leaves the draft untouched."""
     rig, target, (draft,) = packed_mha_rig(
         spec_models, "int8", "page_first", 4, "kernel", depth=1
     )
@@ -367,9 +348,8 @@ def test_packed_mtp_start_up_log_names_bytes_with_and_without_draft(
 
 
 def test_packed_mtp_l3_pages_carry_the_draft_layers(spec_models):
-    """The stock pool's storage pages hold every host layer, drafts included;
-    so do the encoded pool's: a page read and written back elsewhere restores
-    the draft layer."""
+    """The stock pool's storage pages hold every host layer, drafts included; so do the
+    encoded pool's: a page read and written back elsewhere restores the draft layer."""
     rig, target, (draft,) = packed_mha_rig(
         spec_models, "int8", "page_first", 4, "kernel", depth=1
     )
@@ -458,8 +438,8 @@ def test_separate_draft_sidecar_is_the_encoded_pool(spec_models, host_dtype):
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8"])
 def test_standalone_draft_sidecar(spec_models, host_dtype):
-    """STANDALONE: a smaller model of the target's family as the draft (several
-    layers, the target's heads)."""
+    """STANDALONE: a smaller model of the target's family as the draft (several layers,
+    the target's heads)."""
     layout, page_size, io_backend = ("layer_first", 1, "direct")
     server_args = publish_server_args(
         spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
@@ -476,8 +456,8 @@ def test_standalone_draft_sidecar(spec_models, host_dtype):
 
 
 def test_mla_target_with_separate_mha_draft(spec_models):
-    """An MLA target (int8) with an EAGLE3 Llama-shaped draft: the draft's
-    host pool is the MHA INT8 pool."""
+    """An MLA target (int8) with an EAGLE3 Llama-shaped draft: the draft's host pool is
+    the MHA INT8 pool."""
     server_args = publish_server_args(
         spec_models["deepseek"], "int8", "page_first", 4, "kernel"
     )
@@ -507,8 +487,8 @@ def test_mla_target_with_separate_mha_draft(spec_models):
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
 def test_sliding_window_draft_sidecar(spec_models, host_dtype):
-    """gpt-oss + EAGLE3: the draft's SWA layers get DRAFT_SWA, indexed like
-    the target's SWA pool; both are the format's encoded pool."""
+    """gpt-oss + EAGLE3: the draft's SWA layers get DRAFT_SWA, indexed like the target's
+    SWA pool; both are the format's encoded pool."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
         build_swa_draft_pools,
     )
@@ -565,9 +545,9 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
 def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypatch):
-    """Qwen3-Next NEXTN: the draft's full-attention layer packs after the
-    target's in the (encoded) KV host pool; the draft shares the target's
-    Mamba state, which stays SGLang's MambaPoolHost."""
+    """Qwen3-Next NEXTN: the draft's full-attention layer packs after the target's in
+    the (encoded) KV host pool; the draft shares the target's Mamba state, which stays
+    SGLang's MambaPoolHost."""
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
     drafts = []
@@ -619,10 +599,9 @@ def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypa
 
 @pytest.mark.parametrize("host_dtype", ["int4", "k8v4"])
 def test_packed_mtp_with_fp8_device_kv(host_dtype):
-    """--kv-cache-dtype fp8_e4m3: the packed draft pool is FP8 too (stored as
-    uint8); its layer restores exactly what a target layer holding the same
-    rows restores (test_fp8_host_pool checks target layers against the
-    reference codec)."""
+    """--kv-cache-dtype fp8_e4m3: the packed draft pool is FP8 too (stored as uint8);
+    its layer restores exactly what a target layer holding the same rows restores
+    (test_fp8_host_pool checks target layers against the reference codec)."""
     fp8, page_size = torch.float8_e4m3fn, 16
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
     target = make_device_pool(geo, 4 * page_size)

@@ -1,10 +1,7 @@
 """Hybrid models' host tiers on CPU (tests/test_hybrid_host_pools.py,
-tests/test_spec_host_pools.py): server arguments resolved from tiny local
-configs and published as the scheduler publishes them, the radix cache built
-through SGLang's registry over real SWA / linear-attention device pools, and
-what a restore must give. The fixtures that go with it (hybrid_host_copies_on_cpu,
-hybrid_runtime_context, hybrid_model_dirs) are in tests/conftest.py.
-"""
+tests/test_spec_host_pools.py): server arguments resolved from tiny local configs and
+published as the scheduler publishes them, the radix cache built through SGLang's
+registry over real SWA / linear-attention device pools, and what a restore must give."""
 
 from __future__ import annotations
 
@@ -45,9 +42,9 @@ _CACHES: list = []
 def publish_server_args(
     model_path, host_dtype, layout, page_size, io_backend, metrics=False, l3=None
 ):
-    """Resolve the server's arguments for the model and publish them for this
-    process, as the scheduler does (what get_memory() reads); with `l3` (the
-    storage backend's arguments, l3_args) the host tier has an L3."""
+    """Resolve the server's arguments for the model and publish them for this process,
+    as the scheduler does (what get_memory() reads); with `l3` (the storage backend's
+    arguments, l3_args) the host tier has an L3."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
@@ -113,8 +110,8 @@ class Rig:
         return self.controller.mem_pool_host.entry_map[name].host_pool
 
     def finish(self) -> None:
-        """Complete queued transfers (CPU events finish at once) and log their
-        acks through the radix cache's own metric loggers."""
+        """Complete queued transfers (CPU events finish at once) and log their acks
+        through the radix cache's own metric loggers."""
         ctl = self.controller
         for ack in ctl.ack_write_queue:
             ack.finish_event.synchronize()
@@ -170,8 +167,8 @@ def swa_rig(
 
 
 def linear_attention_text_config(model: str):
-    """The model's text config as SGLang loads it (Qwen3.5's sits under its
-    vision-language wrapper)."""
+    """The model's text config as SGLang loads it (Qwen3.5's sits under its vision-
+    language wrapper)."""
     from sglang.srt.configs import Qwen3NextConfig
     from sglang.srt.configs.qwen3_5 import Qwen3_5MoeTextConfig
 
@@ -252,9 +249,9 @@ def mamba_rig(
 
 
 def kv_restore(host_dtype, host_pool, k, v):
-    """Rows k, v ([tokens, heads, dim], in host-slot order) after a round trip
-    through the host: themselves for the stock pool, else the format's
-    reference encode + decode over the pool's units of tokens."""
+    """Rows k, v ([tokens, heads, dim], in host-slot order) after a round trip through
+    the host: themselves for the stock pool, else the format's reference encode + decode
+    over the pool's units of tokens."""
     if host_dtype == "auto":
         return k, v
     ut = host_pool.host_format.unit_tokens
@@ -271,8 +268,8 @@ def bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def fill_kv(pool, indices, gen):
-    """Random K/V (a wide dynamic range per token) into every layer of a
-    device MHA pool; returns the rows per layer."""
+    """Random K/V (a wide dynamic range per token) into every layer of a device MHA
+    pool; returns the rows per layer."""
     written = []
     for layer in range(pool.layer_num):
         rows = []
@@ -326,8 +323,8 @@ def expected_host_cls(host_dtype):
 
 
 def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
-    """Full-attention slots (with their SWA mapping) for one new request of
-    `tokens` tokens, as the scheduler allocates an extend."""
+    """Full-attention slots (with their SWA mapping) for one new request of `tokens`
+    tokens, as the scheduler allocates an extend."""
     if allocator.page_size == 1:
         return allocator.alloc(tokens)
     zero, length = torch.tensor([0]), torch.tensor([tokens])
@@ -337,9 +334,9 @@ def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
 
 
 def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
-    """Write `full` KV slots and the side pool's `side` slots (extra pool
-    `name`) through the controller, wipe both, free `full` and load both back
-    into fresh slots; returns (loaded KV slots, loaded side slots)."""
+    """Write `full` KV slots and the side pool's `side` slots (extra pool `name`)
+    through the controller, wipe both, free `full` and load both back into fresh slots;
+    returns (loaded KV slots, loaded side slots)."""
     ctl = rig.controller
     backup = PoolTransfer(name=name, device_indices=side)
     host = ctl.write(full, extra_pools=[backup])
@@ -358,8 +355,8 @@ def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
 
 
 def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
-    """Write `tokens` tokens of full and SWA KV through the controller, wipe the
-    device, load both back into fresh slots; returns the loaded tokens."""
+    """Write `tokens` tokens of full and SWA KV through the controller, wipe the device,
+    load both back into fresh slots; returns the loaded tokens."""
     gen = torch.Generator().manual_seed(seed)
     full = alloc_swa_tokens(rig.allocator, tokens)
     swa = rig.allocator.translate_loc_from_full_to_swa(full).to(torch.int64)
@@ -372,9 +369,8 @@ def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
 
 
 def mamba_round_trip(rig: Rig, tokens: int, seed: int = 0):
-    """Write `tokens` tokens of full-attention KV and one request's Mamba
-    state through the controller, wipe the device, load both back; returns
-    the state as restored."""
+    """Write `tokens` tokens of full-attention KV and one request's Mamba state through
+    the controller, wipe the device, load both back; returns the state as restored."""
     gen = torch.Generator().manual_seed(seed)
     mamba_allocator = rig.cache.cache_controller.mem_pool_host.entry_map[
         PoolName.MAMBA

@@ -1,8 +1,6 @@
 """Host-pool checks shared by the 4-bit formats and their rotated forms
-(tests/test_int4_host_pool.py: int4, k8v4; tests/test_rotated_host_pool.py:
-int4r, k8v4r), each run with a format name. Expected values come from the
-format's reference encode/decode on the rows the test wrote, grouped into
-host units (a page, or a token for layer_first) by the test itself."""
+(tests/test_int4_host_pool.py: int4, k8v4; tests/test_rotated_host_pool.py: int4r,
+k8v4r), each run with a format name."""
 
 from __future__ import annotations
 
@@ -39,8 +37,8 @@ def pages(page_ids, page_size):
 
 
 def fill_spread(device_pool, indices, seed):
-    """Random K/V with a per-channel scale spread (key outliers sit in fixed
-    channels) and a far-from-zero offset on some heads."""
+    """Random K/V with a per-channel scale spread (key outliers sit in fixed channels)
+    and a far-from-zero offset on some heads."""
     written = fill_random(device_pool, indices, seed)
     for layer, (k_rows, v_rows) in enumerate(written):
         gain = torch.ones(k_rows.shape[-1])
@@ -80,10 +78,10 @@ def allocated_bytes(pool) -> int:
 
 
 def bytes_per_token_at_qwen3_8b(formats, page_size, layout="page_first", fp8=None):
-    """Allocated host bytes per token of each format's pool at Qwen3-8B
-    geometry (36 layers, 8 KV heads, head dim 128), through the real dispatch,
-    on a BF16 (or `fp8`) device pool; each pool's buffers are what
-    get_size_per_token says and the budget buys whole pages plus one."""
+    """Allocated host bytes per token of each format's pool at Qwen3-8B geometry (36
+    layers, 8 KV heads, head dim 128), through the real dispatch, on a BF16 (or `fp8`)
+    device pool; each pool's buffers are what get_size_per_token says and the budget
+    buys whole pages plus one."""
     geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=page_size)
     if fp8 is not None:
         geo = replace(geo, dtype=fp8)
@@ -115,10 +113,9 @@ def assert_restores(device_pool, pool, fmt, host, new_dev, written, ut, layers):
 
 
 def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup):
-    """Back up a NaN key (layer 1, second token, head 1, channel 5) and an Inf
-    value (layer 0, last token, head 0, channel 40), call after_backup(pool),
-    restore into new slots; return (pool, restored layer-1 keys, restored
-    layer-0 values)."""
+    """Back up a NaN key (layer 1, second token, head 1, channel 5) and an Inf value
+    (layer 0, last token, head 0, channel 40), call after_backup(pool), restore into new
+    slots; return (pool, restored layer-1 keys, restored layer-0 values)."""
     geo, device_pool, pool = build(fmt, layout, page_size)
     dev, host = pages([1, 2], page_size), pages([3, 4], page_size)
     fill_spread(device_pool, dev, seed=9)
@@ -133,8 +130,8 @@ def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup):
 
 
 def assert_finite_elsewhere(pool, k1, v0):
-    """Once the non-finite groups are zeroed: every other restored value and
-    the scale statistics are finite."""
+    """Once the non-finite groups are zeroed: every other restored value and the scale
+    statistics are finite."""
     assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
     amax = pool.scale_amax_by_layer()
     assert amax.shape == (2, 2) and torch.isfinite(amax).all() and (amax > 0).all()
@@ -152,12 +149,9 @@ def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
     assert_restores(device_pool, pool, fmt, host, new_dev, written, 16, geo.layer_num)
 
 
-
-
 def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
-    """Through the real pool, a NaN key included: the fused kernels' host
-    bytes, statistics and restored rows equal the torch path's. Returns
-    (torch pool, fused pool, restored rows per path)."""
+    """Through the real pool, a NaN key included: the fused kernels' host bytes,
+    statistics and restored rows equal the torch path's."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
     device_pool = make_device_pool(geo, device_tokens=16 * page_size)
     pools = {}

@@ -1,6 +1,6 @@
 """INT8 host-pool checks shared by the torch-path and fused-kernel tests
-(tests/test_int8_*.py, tests/test_kv_int8_triton.py): the pool, its
-reference restore and device slots (the unordered-slots round trips are
+(tests/test_int8_*.py, tests/test_kv_int8_triton.py): the pool, its reference restore
+and device slots (the unordered-slots round trips are
 tests/test_conformance.py::test_host_index_orders)."""
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def int8_pool(device_pool, layout, host_tokens, use_run_copies=False, **kwargs):
 def int8_pools(
     geo: Geometry, device_tokens, host_tokens, layout, access=None, use_run_copies=False
 ):
-    """A CPU device pool and the INT8 host pool over it, on the torch path or,
-    with `access` (direct, staged), on the fused kernels."""
+    """A CPU device pool and the INT8 host pool over it, on the torch path or, with
+    `access` (direct, staged), on the fused kernels."""
     device_pool = make_device_pool(geo, device_tokens=device_tokens)
     # None reads SGLANG_HICACHE_FUSED_TRANSFER: the torch path on CPU.
     pool = int8_pool(
