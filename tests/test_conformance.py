@@ -38,8 +38,7 @@ from tests.support.conformance import (
     unit_tokens,
 )
 from sglang.srt.mem_cache.pool_host import host_format as hf
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from tests.support.conformance import EXPECT, TOY
+from tests.support.conformance import EXPECT, STOCK, TOY
 from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
@@ -845,13 +844,41 @@ def test_expectations_cover_every_registered_format():
     assert set(EXPECT) == {name for name in hf.HOST_DTYPES if name != TOY}
 
 
-@pytest.mark.parametrize("fmt", ENCODED_MHA)
-def test_dispatch_by_host_dtype(fmt):
-    info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
-    assert get_mha_host_pool_cls(info) is MHATokenToKVPoolHost
-    assert get_mha_host_pool_cls(info, "auto") is MHATokenToKVPoolHost
-    cls = get_mha_host_pool_cls(info, fmt)
-    assert cls is hf.host_pool_cls(fmt) and cls.host_format_cls.name == fmt
+DISPATCH_PARAMS = case_params(CASES, [BF16]) + case_params(
+    [
+        c
+        for c in MHA_CASES
+        if c.stock or (EXPECT.get(c.host_dtype) or 0) and EXPECT[c.host_dtype].fp8_bytes
+    ],
+    FP8,
+)
+
+
+@pytest.mark.parametrize("case,dtype", DISPATCH_PARAMS, indirect=["case"])
+def test_build_kv_host_pool_dispatches_by_host_dtype(case, dtype):
+    """hybrid_pool_assembler.build_kv_host_pool, as the scheduler calls it,
+    builds the value's pool (the FP8 device dtype passed on, patch 0010); the
+    stock pool without --hicache-host-dtype."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+    h.publish_runtime(4, "page_first", case.host_dtype)
+    device_pool = make_device_pool(case.geometry(4, dtype), 64)
+    pool = hybrid_pool_assembler.build_kv_host_pool(
+        kv_pool=device_pool, page_size=4, host_size=0
+    )
+    assert type(pool) is expected_pool_cls(case, device_pool)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    stock = expected_pool_cls(FormatCase(STOCK, case.kind), device_pool)
+    if case.kind == "mha":
+        assert get_mha_host_pool_cls(info) is stock
+    if case.stock:
+        assert type(pool) is stock and (dtype not in FP8 or pool.dtype == torch.uint8)
+        return
+    assert type(pool) is hf.host_pool_cls(case.host_dtype, case.kind)
+    assert type(pool).host_format_cls.name == case.host_dtype
+    assert pool.transfer_path == "torch"  # CPU
+    if dtype in FP8:
+        assert pool.device_kv_dtype == dtype
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -32,7 +32,6 @@ from scripts.rigs.hicache_harness import (
 from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.page_integrity import (
     SEAL_BYTES,
@@ -515,21 +514,3 @@ def test_restore_saturates_beyond_the_fp8_range(fmt, fp8):
     assert same_bytes(ref_v, want.to(fp8))
 
 
-@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
-@pytest.mark.parametrize("host_dtype", ["int4", "k8v4", "auto"])
-def test_the_assembler_passes_the_fp8_dtype(host_dtype, fp8):
-    """hybrid_pool_assembler.build_kv_host_pool, as the scheduler calls it, builds the
-    encoded pool for an FP8 device pool (patch 0010) and the stock one for auto."""
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-
-    h.publish_runtime(16, "page_first", host_dtype)
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=16)
-    device_pool = make_device_pool(geo, device_tokens=64)
-    pool = hybrid_pool_assembler.build_kv_host_pool(
-        kv_pool=device_pool, page_size=16, host_size=0
-    )
-    if host_dtype == "auto":
-        assert type(pool) is MHATokenToKVPoolHost and pool.dtype == torch.uint8
-        return
-    assert type(pool) is host_pool_cls(host_dtype)
-    assert pool.device_kv_dtype == fp8 and pool.transfer_path == "torch"  # CPU

@@ -16,10 +16,6 @@ from scripts.rigs.hicache_harness import (
     write_evict_load,
 )
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import TILE, MLAInt8HostFormat
-from sglang.srt.mem_cache.pool_host.mla import (
-    MLATokenToKVPoolHost,
-    get_mla_host_pool_cls,
-)
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
 MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
@@ -96,9 +92,6 @@ def test_capacity_from_allocated_buffers():
     assert int8.device_size_per_token() == stock.get_size_per_token()
 
 
-def test_dispatch_by_host_dtype():
-    assert get_mla_host_pool_cls("int8") is MLATokenToKVPoolINT8Host
-    assert get_mla_host_pool_cls("auto") is MLATokenToKVPoolHost
 
 
 @pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
@@ -184,29 +177,3 @@ def test_unsupported_setups_fail_naming_the_flag(case):
             )
 
 
-def test_build_kv_host_pool_dispatches_int8_for_mla(monkeypatch):
-    """SGLang's own builder (hybrid_pool_assembler.build_kv_host_pool) picks the MLA
-    INT8 pool for --hicache-host-dtype int8."""
-    from types import SimpleNamespace
-
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler as assembler
-
-    device_pool = make_device_pool(MLAGeometry(layer_num=2, page_size=4), 64)
-    for host_dtype, cls in (
-        ("int8", MLATokenToKVPoolINT8Host),
-        ("auto", MLATokenToKVPoolHost),
-    ):
-        memory = SimpleNamespace(
-            hicache_host_dtype=host_dtype,
-            hicache_ratio=2.0,
-            hicache_size=0,
-            hicache_mem_layout="page_first_direct",
-        )
-        monkeypatch.setattr(assembler, "get_memory", lambda: memory)
-        monkeypatch.setattr(
-            assembler, "get_parallel", lambda: SimpleNamespace(dcp_enabled=False)
-        )
-        monkeypatch.setattr(assembler, "_get_allocator_type", lambda: "default")
-        # Pinned host memory goes through the CPU stand-in for cudaHostRegister.
-        pool = assembler.build_kv_host_pool(kv_pool=device_pool, page_size=4)
-        assert type(pool) is cls
