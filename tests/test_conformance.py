@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -410,8 +411,7 @@ def test_unit_planner_runs_split_at_every_break():
 
 # Every geometry once per format over the three layouts (direct io), and two
 # heads at the widths the 4-bit value groups and rotations split differently
-# (kernel io). INT8's full layout x page x geometry grid stays in
-# tests/test_int8_host_pool.py, next to the kernels' (KERNEL_POOL_CASES).
+# (kernel io); INT8 also takes the full layout x page x geometry grid.
 # The widest heads at 4-token pages: 16 tokens moved instead of 37 or 64.
 GEOMETRY_LAYOUTS = {
     (1, 64, 64): ("page_first_direct", 16),
@@ -831,6 +831,35 @@ def test_transfer_byte_counters_count_encoded_bytes(geo, encoded):
     assert rig.controller.ack_write_queue[-1].num_bytes == 10 * encoded
     assert rig.host_pool.logical_size == 128  # sglang:hicache_host_total_tokens
     finish_transfers(rig.controller)
+
+
+# --- set-ups a pool refuses at start-up, naming what to pass -----------------
+
+E4M3, E5M2 = FP8
+# (host_dtype, Geometry changes, layout, the pool's extra arguments, message parts;
+# a part starting with "!" must not appear)
+REFUSALS = [
+    *[(f, {"head_dim": 63}, "page_first", {}, ["--hicache-host-dtype"])
+      for f in ("int4", "k8v4")],
+    *[("int8", {}, layout, {}, ["--hicache-mem-layout"])
+      for layout in ("page_head", "page_unified")],
+    ("int8", {"dtype": E4M3}, "page_first", {},
+     ["Pass --kv-cache-dtype bf16", "quantized (FP8/FP4)", "!uint8", "!fp16"]),
+    *[(f, {"dtype": E5M2}, "page_first", {}, ["device_kv_dtype"])
+      for f in ("int4", "k8v4")],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,geo,layout,extra,parts", REFUSALS)
+def test_unsupported_setups_fail_naming_the_flag(fmt, geo, layout, extra, parts):
+    device_pool = make_device_pool(replace(Geometry(page_size=16), **geo), 64)
+    with pytest.raises(NotImplementedError) as error:
+        make_host_pool(
+            device_pool, host_tokens=64, layout=layout, host_dtype=fmt, **extra
+        )
+    message = str(error.value)
+    for part in parts:
+        assert (part[1:] not in message) if part[0] == "!" else (part in message)
 
 
 # --- per-format expectations (tests/support/conformance.py: EXPECT) ------------

@@ -301,15 +301,6 @@ def test_pages_of_one_fp8_dtype_are_refused_by_the_other(fmt):
 # --- what is refused, and the start-up log -----------------------------------
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_uint8_storage_without_its_fp8_dtype_is_refused(fmt):
-    """Without device_kv_dtype the pool cannot tell E4M3 from E5M2 bytes."""
-    geo = Geometry(dtype=torch.float8_e5m2, page_size=16, head_dim=64)
-    device_pool = make_device_pool(geo, 64)
-    with pytest.raises(NotImplementedError, match="device_kv_dtype"):
-        make_host_pool(device_pool, host_tokens=64, layout="page_first", host_dtype=fmt)
-
-
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 def test_fp8_path_is_chosen_as_for_bf16_and_logged(caplog, fp8):
     """No FP8 exception: on the CPU the pool takes the torch path for the reason every
@@ -512,5 +503,3 @@ def test_restore_saturates_beyond_the_fp8_range(fmt, fp8):
     records = {n: b[:1, 0] for n, b in pool.host_records.items()}
     ref_v = DECODE[fmt](records, fp8)[1].flatten(0, 1)
     assert same_bytes(ref_v, want.to(fp8))
-
-

@@ -3,7 +3,6 @@ controller on CPU."""
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -21,47 +20,6 @@ IO_BACKENDS = ("kernel", "direct")
 
 
 # --- what differs from int4/k8v4 ---------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,dims,texts",
-    [
-        (
-            "int4r",
-            "page_first",
-            64,
-            (64, 64),
-            ("keys per channel over 64-token pages", "k in one 64-point block"),
-        ),
-        (
-            "int4r",
-            "layer_first",
-            64,
-            (96, 96),
-            ("keys per token in groups of 32 channels", "v in 3 blocks of 32"),
-        ),
-        ("k8v4r", "page_first", 16, (64, 64), ("keys as int8", "v in one 64-point")),
-        ("int4r", "page_first", 16, (72, 72), ("k NOT rotated (head dim 72",)),
-    ],
-)
-def test_startup_log_states_rotation_and_cpu_torch_path(
-    fmt, layout, page_size, dims, texts, caplog
-):
-    # The sglang logger itself: an earlier in-process server tool may have raised its level.
-    with caplog.at_level(logging.INFO, logger="sglang"):
-        build(fmt, layout, page_size, head_dim=dims[0], v_head_dim=dims[1])
-    text = caplog.text
-    assert f"stores {fmt.upper()} KV" in text
-    assert "Walsh-Hadamard rotation per head (seeded sign flip)" in text
-    for part in texts:
-        assert part in text
-    assert f"{fmt.upper()} host pool transfer path: torch" in text
-    warned = [
-        r
-        for r in caplog.records
-        if r.levelno >= logging.WARNING and "NOT rotated" in r.getMessage()
-    ]
-    assert bool(warned) == ("NOT rotated" in text)
 
 
 @pytest.mark.parametrize("fmt", ROTATED)

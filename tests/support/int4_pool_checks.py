@@ -1,6 +1,5 @@
-"""Host-pool checks shared by the 4-bit formats and their rotated forms
-(tests/test_int4_host_pool.py: int4, k8v4; tests/test_rotated_host_pool.py: int4r,
-k8v4r), each run with a format name."""
+"""Host-pool checks shared by the encoded MHA formats (tests/test_conformance.py,
+tests/test_rotated_host_pool.py), each run with a format name."""
 
 from __future__ import annotations
 
