@@ -53,12 +53,6 @@ MHA_LAYOUTS = [
     ("layer_first", 1, "kernel"),
     ("layer_first", 2, "direct"),
 ]
-# What the stock pool takes of those (on CPU, through the kvcacheio stand-ins).
-STOCK_LAYOUTS = [
-    ("page_first", 4, "kernel"),
-    ("page_first_direct", 4, "direct"),
-    ("layer_first", 1, "direct"),
-]
 DEEPSEEK_MLA = dict(DEEPSEEK_V3, num_nextn_predict_layers=1)
 MHA_MTP = dict(_LLAMA, num_nextn_predict_layers=1)
 TARGET_LAYERS = 2
@@ -261,43 +255,23 @@ def check_packed_layers(rig, host_dtype, draft_layers):
     assert host.size_per_token == per_layer * (TARGET_LAYERS + draft_layers)
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", MHA_LAYOUTS)
-def test_packed_mtp_mha_int8_every_layout(spec_models, layout, page_size, io_backend):
+# (host_dtype, layout, page size, io backend, draft depth): INT8 with two drafts,
+# every format (the stock pool too) with one, on every layout.
+PACKED_MHA = [("int8", *row, 2) for row in MHA_LAYOUTS] + [
+    (f, *row, 1) for f in HOST_DTYPES for row in MHA_LAYOUTS
+]
+
+
+@pytest.mark.parametrize("host_dtype,layout,page_size,io_backend,depth", PACKED_MHA)
+def test_packed_mtp_mha(spec_models, host_dtype, layout, page_size, io_backend, depth):
     rig, target, drafts = packed_mha_rig(
-        spec_models, "int8", layout, page_size, io_backend
+        spec_models, host_dtype, layout, page_size, io_backend, depth=depth
     )
-    check_packed_layers(rig, "int8", len(drafts))
-    host = rig.host_pool()
-    loaded, written = round_trip(rig, (target, *drafts), 3 * page_size + 4)
-    for pool, rows, what in zip((target, *drafts), written, ("target", "d0", "d1")):
-        assert_mha_restored("int8", host, pool, loaded, rows, what)
-
-
-@pytest.mark.parametrize("layout,page_size,io_backend", MHA_LAYOUTS)
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_packed_mtp_mha_every_format(
-    spec_models, host_dtype, layout, page_size, io_backend
-):
-    rig, target, drafts = packed_mha_rig(
-        spec_models, host_dtype, layout, page_size, io_backend, depth=1
-    )
-    check_packed_layers(rig, host_dtype, 1)
-    host = rig.host_pool()
-    loaded, written = round_trip(rig, (target, *drafts), 2 * page_size + 2)
-    for pool, rows, what in zip((target, *drafts), written, ("target", "draft")):
-        assert_mha_restored(host_dtype, host, pool, loaded, rows, what)
-
-
-@pytest.mark.parametrize("layout,page_size,io_backend", STOCK_LAYOUTS)
-def test_packed_mtp_mha_stock_pool_alike(spec_models, layout, page_size, io_backend):
-    """The layouts the encoded pools pack drafts with are the stock pool's."""
-    rig, target, drafts = packed_mha_rig(
-        spec_models, "auto", layout, page_size, io_backend, depth=1
-    )
-    check_packed_layers(rig, "auto", 1)
-    loaded, written = round_trip(rig, (target, *drafts), 2 * page_size + 2)
-    for pool, rows, what in zip((target, *drafts), written, ("target", "draft")):
-        assert_mha_restored("auto", rig.host_pool(), pool, loaded, rows, what)
+    check_packed_layers(rig, host_dtype, depth)
+    pools = (target, *drafts)
+    loaded, written = round_trip(rig, pools, (depth + 1) * page_size + 2 * depth)
+    for i, (pool, rows) in enumerate(zip(pools, written)):
+        assert_mha_restored(host_dtype, rig.host_pool(), pool, loaded, rows, i)
 
 
 def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
@@ -415,42 +389,34 @@ def test_packed_mtp_mla(spec_models, host_dtype, layout, page_size, io_backend):
 # -- separate drafts (EAGLE/EAGLE3 with a draft model, STANDALONE) ---------------
 
 
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_separate_draft_sidecar_is_the_encoded_pool(spec_models, host_dtype):
-    """EAGLE3 with a Llama-shaped draft (one layer, its own head geometry)."""
-    layout, page_size, io_backend = ("page_first", 4, "kernel")
+# EAGLE3 with a Llama-shaped draft (one layer, its own heads) and STANDALONE (a
+# smaller model of the target's family: several layers, the target's heads):
+# (host_dtype, layout, page size, io backend, draft pool arguments, tokens).
+SIDECARS = [
+    (f, "page_first", 4, "kernel", dict(layers=1, head_num=4, head_dim=32), 12)
+    for f in HOST_DTYPES
+] + [(f, "layer_first", 1, "direct", dict(layers=2), 7) for f in ("auto", "int8")]
+
+
+@pytest.mark.parametrize(
+    "host_dtype,layout,page_size,io_backend,draft_args,tokens", SIDECARS
+)
+def test_separate_draft_sidecar_is_the_encoded_pool(
+    spec_models, host_dtype, layout, page_size, io_backend, draft_args, tokens
+):
     server_args = publish_server_args(
         spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
     )
     target = mha_pool(TARGET_LAYERS, page_size)
     rig = FlatRig(server_args, target, page_size)
-    draft = mha_pool(1, page_size, head_num=4, head_dim=32)
+    draft = mha_pool(page_size=page_size, **draft_args)
     add_draft_sidecar(rig, draft)
     draft_host = rig.host_pool(PoolName.DRAFT)
     assert type(draft_host) is expected_host_cls(host_dtype)
-    assert draft_host.layer_num == draft_host.target_layer_num == 1
+    assert draft_host.layer_num == draft_host.target_layer_num == draft_args["layers"]
     loaded, written = round_trip(
-        rig, (target, draft), 3 * page_size, sidecars=(PoolName.DRAFT,)
+        rig, (target, draft), tokens, sidecars=(PoolName.DRAFT,)
     )
-    assert_mha_restored(host_dtype, rig.host_pool(), target, loaded, written[0], "t")
-    assert_mha_restored(host_dtype, draft_host, draft, loaded, written[1], "draft")
-
-
-@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
-def test_standalone_draft_sidecar(spec_models, host_dtype):
-    """STANDALONE: a smaller model of the target's family as the draft (several layers,
-    the target's heads)."""
-    layout, page_size, io_backend = ("layer_first", 1, "direct")
-    server_args = publish_server_args(
-        spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
-    )
-    target = mha_pool(TARGET_LAYERS, page_size)
-    rig = FlatRig(server_args, target, page_size)
-    draft = mha_pool(2, page_size)
-    add_draft_sidecar(rig, draft)
-    draft_host = rig.host_pool(PoolName.DRAFT)
-    assert type(draft_host) is expected_host_cls(host_dtype)
-    loaded, written = round_trip(rig, (target, draft), 7, sidecars=(PoolName.DRAFT,))
     assert_mha_restored(host_dtype, rig.host_pool(), target, loaded, written[0], "t")
     assert_mha_restored(host_dtype, draft_host, draft, loaded, written[1], "draft")
 
