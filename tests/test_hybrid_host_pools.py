@@ -88,11 +88,13 @@ def test_linear_attention_round_trip(
         rig.host_pool(PoolName.MAMBA).layout == stock.host_pool(PoolName.MAMBA).layout
     )
     state, restored = mamba_round_trip(rig, tokens)
-    for want, got, stock_want, stock_got in zip(
-        state, restored, stock_state, stock_restored
-    ):
-        # The same seed writes the same state in both runs; the encoded run's
-        # state comes back as the stock pool returns it: unchanged.
+    assert_state_as_stock((state, restored), (stock_state, stock_restored))
+
+
+def assert_state_as_stock(encoded, stock):
+    """The same seed writes the same state in both runs; the encoded run's state
+    comes back as the stock pool returns it: unchanged."""
+    for want, got, stock_want, stock_got in zip(*encoded, *stock, strict=True):
         assert torch.equal(want, stock_want)
         assert torch.equal(stock_got, stock_want)
         assert torch.equal(got, stock_got)
@@ -227,18 +229,10 @@ def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = Fals
     cache.sanity_check()
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", SWA_LAYOUTS)
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_sliding_window_host_hit(
-    hybrid_model_dirs, host_dtype, layout, page_size, io_backend
-):
-    swa_host_hit(swa_rig(hybrid_model_dirs, host_dtype, layout, page_size, io_backend))
-
-
 # Mooncake takes page-first layouts only (SGLang rewrites layer_first).
-L3_SWA_CASES = [("file", *case) for case in SWA_LAYOUTS] + [
-    ("mooncake", *case) for case in MAMBA_LAYOUTS
-]
+L3_SWA_CASES = [
+    (backend, *case) for backend in (None, "file") for case in SWA_LAYOUTS
+] + [("mooncake", *case) for case in MAMBA_LAYOUTS]
 L3_MAMBA_CASES = [(backend, *case) for backend in BACKENDS for case in MAMBA_LAYOUTS]
 
 
@@ -268,13 +262,13 @@ def l3_args(request, tmp_path):
 
 @pytest.mark.parametrize("backend,layout,page_size,io_backend", L3_SWA_CASES)
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_sliding_window_l3_hit(
+def test_sliding_window_host_hit(
     hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend
 ):
-    l3 = l3_args(backend)
+    l3 = None if backend is None else l3_args(backend)
     rig = swa_rig(hybrid_model_dirs, host_dtype, layout, page_size, io_backend, l3=l3)
-    assert rig.cache.enable_storage
-    swa_host_hit(rig, from_l3=True)
+    assert rig.cache.enable_storage == (l3 is not None)
+    swa_host_hit(rig, from_l3=l3 is not None)
 
 
 def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = False):
@@ -348,46 +342,26 @@ def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = Fa
     return state, restored
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", MAMBA_LAYOUTS)
+@pytest.mark.parametrize(
+    "backend,layout,page_size,io_backend,model",
+    [(None, *case, m) for case in MAMBA_LAYOUTS for m in ("qwen3_next", "qwen3_5")]
+    + [(*case, "qwen3_next") for case in L3_MAMBA_CASES],
+)
 @pytest.mark.parametrize("host_dtype", ENCODED)
-@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
 def test_linear_attention_host_hit(
-    hybrid_model_dirs, model, host_dtype, layout, page_size, io_backend
-):
-    stock_state, stock_restored = mamba_host_hit(
-        mamba_rig(hybrid_model_dirs, "auto", layout, page_size, io_backend, model=model)
-    )
-    state, restored = mamba_host_hit(
-        mamba_rig(
-            hybrid_model_dirs, host_dtype, layout, page_size, io_backend, model=model
-        )
-    )
-    for want, got, stock_want, stock_got in zip(
-        state, restored, stock_state, stock_restored
-    ):
-        assert torch.equal(want, stock_want)
-        assert torch.equal(stock_got, stock_want)
-        assert torch.equal(got, stock_got)
-
-
-@pytest.mark.parametrize("backend,layout,page_size,io_backend", L3_MAMBA_CASES)
-@pytest.mark.parametrize("host_dtype", ENCODED)
-def test_linear_attention_l3_hit(
-    hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend
-):
+    hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend,
+    model,
+):  # fmt: skip
     def rig(dtype):
-        # Distinct keys for the stock and the encoded run.
-        l3 = l3_args(backend, run=dtype)
-        return mamba_rig(hybrid_model_dirs, dtype, layout, page_size, io_backend, l3=l3)
+        # Distinct L3 keys for the stock and the encoded run.
+        l3 = None if backend is None else l3_args(backend, run=dtype)
+        return mamba_rig(
+            hybrid_model_dirs, dtype, layout, page_size, io_backend, model=model, l3=l3
+        )
 
-    stock_state, stock_restored = mamba_host_hit(rig("auto"), from_l3=True)
-    state, restored = mamba_host_hit(rig(host_dtype), from_l3=True)
-    for want, got, stock_want, stock_got in zip(
-        state, restored, stock_state, stock_restored
-    ):
-        assert torch.equal(want, stock_want)
-        assert torch.equal(stock_got, stock_want)
-        assert torch.equal(got, stock_got)
+    stock = mamba_host_hit(rig("auto"), from_l3=backend is not None)
+    encoded = mamba_host_hit(rig(host_dtype), from_l3=backend is not None)
+    assert_state_as_stock(encoded, stock)
 
 
 # -- metrics -------------------------------------------------------------------
