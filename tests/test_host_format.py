@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, SEAL_TAG
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_TAG
 
 from scripts.rigs.hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import host_format as hf
@@ -77,24 +77,9 @@ def test_toy_format_round_trips_through_the_generic_pool(layout, page_size, path
     slots = torch.randperm(len(host), generator=torch.Generator().manual_seed(5))
     slots += page_size  # device page 0 is padding
     written = seeded_rows(device_pool, slots, seed=3)
-    before = [b.clone() for b in pool.kv_buffer]
+    # Records and untouched units: test_conformance.py's toy rows; here NaN and Inf.
     pool.backup_from_device_all_layer(device_pool, host, slots, "direct")
-
-    fmt = pool.host_format
-    ut = fmt.unit_tokens
-    units = host[::ut] // ut
-    for layer, (k, v) in enumerate(written):
-        want = fmt.encode_reference([x.view(-1, ut, *x.shape[1:]) for x in (k, v)])
-        for name, value in want.items():
-            got = pool.records.layer(name, layer)[units]
-            assert torch.equal(bits(got), bits(value)), (name, layer)
-    # Only the backed-up units changed on the host.
-    kept = torch.ones(len(pool.records.all_layers("k")), dtype=torch.bool)
-    kept[units] = False
-    for name, old in zip(pool.host_records, before):
-        now = pool.records.all_layers(name)
-        then = old if pool.records.page_major else old.transpose(0, 1)
-        assert torch.equal(bits(now[kept]), bits(then[kept]))
+    ut = pool.host_format.unit_tokens
     # Statistics: per layer and side, the largest finite |x| backed up.
     amax = pool.scale_amax_by_layer()
     assert amax.shape == (geo.layer_num, 2)
@@ -222,28 +207,6 @@ def test_int8_host_bytes_are_the_pre_refactor_bytes(
     for got, want in zip(pool.kv_buffer, expected):
         assert got.shape == want.shape and got.dtype == want.dtype
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
-    # L3: the generic object is K | V | scales of the page, each in host order.
-    for page in (7, 0):
-        if layout == "layer_first":
-            parts = [t[:, page * page_size : (page + 1) * page_size] for t in expected]
-        else:
-            parts = [t[page] for t in expected]
-        flat = torch.cat([p.contiguous().view(torch.uint8).flatten() for p in parts])
-        assert torch.equal(pool.get_data_page(page * page_size)[:-SEAL_BYTES], flat)
-    if layout != "layer_first":
-        ptrs, sizes = pool.get_page_buffer_meta(pages_as_tokens([7], page_size))
-        k, v, s = pool.kv_buffer
-        half = s[7].nbytes // 2
-        seals = pool.pages.seals
-        assert sizes == [k[7].nbytes, half, SEAL_BYTES, v[7].nbytes, half, SEAL_BYTES]
-        assert ptrs == [
-            k[7].data_ptr(),
-            s[7].data_ptr(),
-            seals[7, 0].data_ptr(),
-            v[7].data_ptr(),
-            s[7].data_ptr() + half,
-            seals[7, 1].data_ptr(),
-        ]
 
 
 TOY_FLAG_PROBE = """
