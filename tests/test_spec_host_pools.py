@@ -14,11 +14,10 @@ from tests.support.hybrid_rigs import (
     DTYPE,
     HOST_DTYPES,
     alloc_swa_tokens,
-    bits,
     build_cache,
     expected_host_cls,
     fill_kv,
-    kv_restore,
+    assert_restored,
     publish_server_args,
     swa_rig,
     wipe_kv,
@@ -33,7 +32,7 @@ from tests.support.server_args import DEEPSEEK_V3
 from tests.support.server_args import LLAMA as _LLAMA
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 # The pools here are a few MB: sized against a fixed budget, not the free RAM
@@ -151,70 +150,20 @@ def add_draft_sidecar(rig, draft_pool):
 # -- what a restore must give --------------------------------------------------
 
 
-def fill_mla(pool, indices, gen):
-    written = []
-    for layer in range(pool.layer_num):
-        kv = pool.kv_buffer[layer]
-        x = torch.randn((len(indices), *kv.shape[1:]), generator=gen)
-        x *= torch.logspace(-2, 2, len(indices)).view(-1, 1, 1)
-        kv[indices] = x.to(kv.dtype)
-        written.append(kv[indices].clone())
-    return written
-
-
-def wipe_mla(pool, indices):
-    for layer in range(pool.layer_num):
-        pool.kv_buffer[layer][indices] = float("nan")
-
-
-def mla_restore(host_dtype, host_pool, rows):
-    """Latent rows [tokens, 1, width] after the format's reference round trip."""
-    if host_dtype == "auto":
-        return rows
-    ut = host_pool.host_format.unit_tokens
-    fmt = host_format_cls(host_dtype, "mla")(
-        (rows.shape[-1],), 1, ut, rows.dtype, rope_dim=DEEPSEEK_MLA["qk_rope_head_dim"]
-    )
-    (y,) = fmt.decode_reference(
-        fmt.encode_reference([rows.view(-1, ut, *rows.shape[1:])]), rows.dtype
-    )
-    return y.reshape(rows.shape)
-
-
-def assert_mha_restored(host_dtype, host_pool, pool, indices, written, what):
-    for layer, (k, v) in enumerate(written):
-        k_ref, v_ref = kv_restore(host_dtype, host_pool, k, v)
-        got_k, got_v = pool.k_buffer[layer][indices], pool.v_buffer[layer][indices]
-        assert torch.equal(bits(got_k), bits(k_ref)), (what, layer, "k")
-        assert torch.equal(bits(got_v), bits(v_ref)), (what, layer, "v")
-
-
-def assert_mla_restored(host_dtype, host_pool, pool, indices, written, what):
-    for layer, rows in enumerate(written):
-        got = pool.kv_buffer[layer][indices]
-        ref = mla_restore(host_dtype, host_pool, rows)
-        assert torch.equal(bits(got), bits(ref)), (what, layer)
-
-
-def round_trip(rig, pools, tokens, *, mla=False, sidecars=(), seed=0):
+def round_trip(rig, pools, tokens, *, sidecars=(), seed=0):
     """Write `tokens` tokens of KV into every pool in `pools` (target first, then the
     drafts, whose slots follow the target's), back them up through the controller, wipe
     the device, load everything back into fresh slots and check it; returns the loaded
     slots."""
-    fill, wipe, check = (
-        (fill_mla, wipe_mla, assert_mla_restored)
-        if mla
-        else (fill_kv, wipe_kv, assert_mha_restored)
-    )
     ctl, gen = rig.controller, torch.Generator().manual_seed(seed)
     slots = rig.allocator.alloc(tokens)
-    written = [fill(pool, slots, gen) for pool in pools]
+    written = [fill_kv(pool, slots, gen) for pool in pools]
     extra = [PoolTransfer(name=n, indices_from_pool=PoolName.KV) for n in sidecars]
     host = ctl.write(slots, extra_pools=extra or None)
     assert host is not None
     rig.finish()
     for pool in pools:
-        wipe(pool, slots)
+        wipe_kv(pool, slots)
     rig.allocator.free(slots)
 
     extra = [PoolTransfer(name=n, indices_from_pool=PoolName.KV) for n in sidecars]
@@ -271,7 +220,7 @@ def test_packed_mtp_mha(spec_models, host_dtype, layout, page_size, io_backend, 
     pools = (target, *drafts)
     loaded, written = round_trip(rig, pools, (depth + 1) * page_size + 2 * depth)
     for i, (pool, rows) in enumerate(zip(pools, written)):
-        assert_mha_restored(host_dtype, rig.host_pool(), pool, loaded, rows, i)
+        assert_restored(rig.host_pool(), pool, loaded, rows, i)
 
 
 def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
@@ -299,7 +248,7 @@ def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
     host.load_to_device_per_layer(
         draft, host_slots, slots, TARGET_LAYERS, "kernel", is_draft=True
     )
-    assert_mha_restored("int8", host, draft, slots, draft_rows, "draft")
+    assert_restored(host, draft, slots, draft_rows, "draft")
 
 
 def test_packed_mtp_start_up_log_names_bytes_with_and_without_draft(
@@ -342,7 +291,7 @@ def test_packed_mtp_l3_pages_carry_the_draft_layers(spec_models):
     host.load_to_device_per_layer(
         draft, dst, slots, TARGET_LAYERS, "kernel", is_draft=True
     )
-    assert_mha_restored("int8", host, draft, slots, draft_rows, "draft via L3 page")
+    assert_restored(host, draft, slots, draft_rows, "draft via L3 page")
 
 
 MLA_LAYOUTS = [
@@ -381,9 +330,9 @@ def test_packed_mtp_mla(spec_models, host_dtype, layout, page_size, io_backend):
         allocated = sum(t.nbytes for t in host.host_records.values())
         assert allocated == host.size * host.size_per_token
         assert host.size_per_token_without_draft() * 3 == host.size_per_token * 2
-    loaded, written = round_trip(rig, (target, draft), 2 * page_size + 2, mla=True)
+    loaded, written = round_trip(rig, (target, draft), 2 * page_size + 2)
     for pool, rows, what in zip((target, draft), written, ("target", "draft")):
-        assert_mla_restored(host_dtype, host, pool, loaded, rows, what)
+        assert_restored(host, pool, loaded, rows, what)
 
 
 # -- separate drafts (EAGLE/EAGLE3 with a draft model, STANDALONE) ---------------
@@ -417,8 +366,8 @@ def test_separate_draft_sidecar_is_the_encoded_pool(
     loaded, written = round_trip(
         rig, (target, draft), tokens, sidecars=(PoolName.DRAFT,)
     )
-    assert_mha_restored(host_dtype, rig.host_pool(), target, loaded, written[0], "t")
-    assert_mha_restored(host_dtype, draft_host, draft, loaded, written[1], "draft")
+    assert_restored(rig.host_pool(), target, loaded, written[0], "t")
+    assert_restored(draft_host, draft, loaded, written[1], "draft")
 
 
 def test_mla_target_with_separate_mha_draft(spec_models):
@@ -435,20 +384,20 @@ def test_mla_target_with_separate_mha_draft(spec_models):
     assert type(draft_host) is host_pool_cls("int8", "mha")
     gen = torch.Generator().manual_seed(1)
     slots = rig.allocator.alloc(12)
-    t_rows = fill_mla(target, slots, gen)
+    t_rows = fill_kv(target, slots, gen)
     d_rows = fill_kv(draft, slots, gen)
     extra = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)]
     host_idx = rig.controller.write(slots, extra_pools=extra)
     rig.finish()
-    wipe_mla(target, slots)
+    wipe_kv(target, slots)
     wipe_kv(draft, slots)
     rig.allocator.free(slots)
     extra = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)]
     loaded = rig.controller.load(host_idx, extra_pools=extra)
     rig.controller.start_loading()
     rig.finish()
-    assert_mla_restored("int8", rig.host_pool(), target, loaded, t_rows, "target")
-    assert_mha_restored("int8", draft_host, draft, loaded, d_rows, "draft")
+    assert_restored(rig.host_pool(), target, loaded, t_rows, "target")
+    assert_restored(draft_host, draft, loaded, d_rows, "draft")
 
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
@@ -501,9 +450,7 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
     assert loaded is not None
     ctl.start_loading()
     rig.finish()
-    assert_mha_restored(
-        host_dtype, draft_host, draft.swa_kv_pool, restore.device_indices, d_rows, "d"
-    )
+    assert_restored(draft_host, draft.swa_kv_pool, restore.device_indices, d_rows, "d")
 
 
 # -- a hybrid target's packed MTP layer (Qwen3-Next NEXTN) ------------------------
@@ -556,8 +503,8 @@ def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypa
     assert loaded is not None
     ctl.start_loading()
     rig.finish()
-    assert_mha_restored(host_dtype, host, rig.kv_pool, loaded, written, "target")
-    assert_mha_restored(host_dtype, host, draft_kv, loaded, d_written, "draft")
+    assert_restored(host, rig.kv_pool, loaded, written, "target")
+    assert_restored(host, draft_kv, loaded, d_written, "draft")
 
 
 # -- an FP8 device KV cache (int4/k8v4 encode it) ---------------------------------

@@ -9,13 +9,13 @@ import json
 from dataclasses import dataclass
 
 import torch
+from tests.support.conformance import reference, side_buffers
 from scripts.rigs.hicache_harness import build_radix_cache, make_allocator
 from tests.support.server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.pool_host.host_format import (
     host_dtype_choices,
-    host_format_cls,
     host_pool_cls,
 )
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -248,53 +248,42 @@ def mamba_rig(
 # -- what a restore must give ---------------------------------------------------
 
 
-def kv_restore(host_dtype, host_pool, k, v):
-    """Rows k, v ([tokens, heads, dim], in host-slot order) after a round trip through
-    the host: themselves for the stock pool, else the format's reference encode + decode
-    over the pool's units of tokens."""
-    if host_dtype == "auto":
-        return k, v
-    ut = host_pool.host_format.unit_tokens
-    fmt = host_format_cls(host_dtype, "mha")(
-        (k.shape[-1], v.shape[-1]), k.shape[1], ut, k.dtype
-    )
-    records = fmt.encode_reference([x.view(-1, ut, *x.shape[1:]) for x in (k, v)])
-    k_ref, v_ref = fmt.decode_reference(records, k.dtype)
-    return k_ref.reshape(k.shape), v_ref.reshape(v.shape)
-
-
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.uint8)
 
 
 def fill_kv(pool, indices, gen):
-    """Random K/V (a wide dynamic range per token) into every layer of a device MHA
-    pool; returns the rows per layer."""
+    """Random KV (a wide dynamic range per token) into every layer of a device MHA or
+    MLA pool; returns the rows per layer, a tuple over sides."""
     written = []
     for layer in range(pool.layer_num):
         rows = []
-        for buffer in (pool.k_buffer[layer], pool.v_buffer[layer]):
-            x = torch.randn((len(indices), *buffer.shape[1:]), generator=gen)
+        for side in side_buffers(pool):
+            x = torch.randn((len(indices), *side[layer].shape[1:]), generator=gen)
             x *= torch.logspace(-2, 2, len(indices)).view(-1, 1, 1)
-            buffer[indices] = x.to(buffer.dtype)
-            rows.append(buffer[indices].clone())
+            side[layer][indices] = x.to(side[layer].dtype)
+            rows.append(side[layer][indices].clone())
         written.append(tuple(rows))
     return written
 
 
 def wipe_kv(pool, indices):
-    for layer in range(pool.layer_num):
-        pool.k_buffer[layer][indices] = float("nan")
-        pool.v_buffer[layer][indices] = float("nan")
+    for side in side_buffers(pool):
+        for buf in side:
+            buf[indices] = float("nan")
+
+
+def assert_restored(host_pool, pool, indices, written, what):
+    """The device rows at `indices` are the host pool's reference restore of what
+    was written (themselves for a stock pool)."""
+    for layer, rows in enumerate(written):
+        _, want = reference(host_pool, list(rows))
+        for side, w in zip(side_buffers(pool), want, strict=True):
+            assert torch.equal(bits(side[layer][indices]), bits(w)), (what, layer)
 
 
 def assert_kv_restored(rig, name, pool, indices, written):
-    host_pool = rig.host_pool(name)
-    for layer, (k, v) in enumerate(written):
-        k_ref, v_ref = kv_restore(rig.host_dtype, host_pool, k, v)
-        got_k, got_v = pool.k_buffer[layer][indices], pool.v_buffer[layer][indices]
-        assert torch.equal(bits(got_k), bits(k_ref)), (name, layer)
-        assert torch.equal(bits(got_v), bits(v_ref)), (name, layer)
+    assert_restored(rig.host_pool(name), pool, indices, written, name)
 
 
 def mamba_state(pool, slots):
