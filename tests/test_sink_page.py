@@ -21,7 +21,13 @@ from scripts.rigs.hicache_harness import (
 from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.mem_cache.pool_host.sink_page import L3_KEY_SUFFIX, SINK_ENV
-from tests.support.conformance import LAYOUTS
+from tests.support.conformance import (
+    LAYOUTS,
+    bits,
+    host_unit_records,
+    host_units,
+    reference,
+)
 
 FORMATS = ("int4", "int4r")
 PAGE = 16
@@ -63,18 +69,6 @@ def restore(rig, host):
     ]
 
 
-def reference(fmt, rows, unit_tokens):
-    """Restored rows (flat tokens) and records of reference format `fmt`."""
-    k, v = (x.view(-1, unit_tokens, *x.shape[1:]) for x in rows)
-    records = fmt.encode_reference([k, v])
-    k_hat, v_hat = fmt.decode_reference(records, k.dtype)
-    return (k_hat.flatten(0, 1), v_hat.flatten(0, 1)), records
-
-
-def bits(x):
-    return x.view(torch.int16)
-
-
 def assert_same(got, want):
     assert torch.equal(bits(got), bits(want))
 
@@ -83,13 +77,14 @@ def expect(pool, written, sink_tokens):
     """Per layer: the reference restore of the written rows, the keys of the first
     `sink_tokens` of them from the int8 codec."""
     fmt = pool.host_format
-    int8 = Int8HostFormat(fmt.dims, fmt.head_num, pool.page_size, fmt.device_dtype)
+    int8 = Int8HostFormat(fmt.dims, fmt.head_num, PAGE, fmt.device_dtype)
     out = []
     for k, v in written:
-        (k4, v4), _ = reference(fmt, (k, v), fmt.unit_tokens)
+        _, (k4, v4) = reference(pool, [k, v])
         if sink_tokens:
-            (k8, _), _ = reference(int8, (k[:sink_tokens], v[:sink_tokens]), PAGE)
-            k4[:sink_tokens] = k8
+            rows = [x[:sink_tokens].view(-1, PAGE, *x.shape[1:]) for x in (k, v)]
+            k8, _ = int8.decode_reference(int8.encode_reference(rows), k.dtype)
+            k4[:sink_tokens] = k8.flatten(0, 1)
         out.append((k4, v4))
     return out
 
@@ -108,14 +103,6 @@ def l2_counts(pool) -> dict:
     return {k: v for k, v in counts.items() if k != "l3"}
 
 
-def host_records(pool, layer, host):
-    units = host if pool.layout == "layer_first" else host[::PAGE] // PAGE
-    return {
-        name: buf[layer, units] if pool.layout == "layer_first" else buf[units, layer]
-        for name, buf in pool.host_records.items()
-    }
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
@@ -128,8 +115,8 @@ def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
     assert_restores(rig, other_host, other_written, 0)
     # The 4-bit records (L3's page bytes) hold the sink page too.
     for layer, (k, v) in enumerate(written):
-        _, records = reference(pool.host_format, (k, v), pool.host_format.unit_tokens)
-        stored = host_records(pool, layer, host)
+        records, _ = reference(pool, [k, v])
+        stored = host_unit_records(pool, layer, host_units(pool, host))
         for name, want in records.items():
             assert torch.equal(stored[name].view(torch.uint8), want.view(torch.uint8))
 
