@@ -17,6 +17,7 @@ from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from scripts.rigs import l3_harness as h
 from tests.support.codec_inputs import DTYPES
+from tests.support import int4_pool_checks as pint
 from tests.support.fp8_reference import FP8
 from tests.support.conformance import (
     GEOMETRIES,
@@ -55,7 +56,6 @@ from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
     bytes_per_token_at_qwen3_8b,
     check_fused_path_writes_the_torch_paths_bytes,
-    check_transfer_larger_than_staging_is_chunked,
     restore_nan_key_and_inf_value,
 )
 
@@ -637,12 +637,6 @@ def test_l3_formats_never_read_each_others_pages(
         fetch_and_check(l3, c, rows)
 
 
-def storage_geometry(case: FormatCase):
-    if case.kind == "mla":
-        return case.geometry(4, layer_num=3)
-    return case.geometry(L3_PAGE_SIZES.get(case.host_dtype, 16))
-
-
 def page_records(pool, rows_per_layer, page: int) -> torch.Tensor:
     """The flat page's payload from the reference encoding: every record in `records`
     order, [layer, *shape] per unit, units in order."""
@@ -672,7 +666,7 @@ def test_storage_pages(case, layout):
     another slot restores the reference rows, a short page is refused before any byte
     moves; zero-copy pieces tile each page's records exactly once, each object ending in
     its seal (page-major layouts only)."""
-    geo = storage_geometry(case)
+    geo = l3_geometry(case)
     ps = geo.page_size
     rig = make_rig(
         geo, device_tokens=8 * ps, host_tokens=8 * ps, layout=layout,
@@ -1021,7 +1015,19 @@ def test_storage_tags_are_the_formats_own():
 
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
 def test_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
-    check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch)
+    from sglang.srt.mem_cache.pool_host import encoded
+
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
+    _, device_pool, pool = pint.build(fmt, "page_first", 16)
+    dev, host = pint.pages([1, 2, 3, 4, 5], 16), pint.pages([9, 3, 4, 0, 7], 16)
+    written = pint.fill_spread(device_pool, dev, seed=5)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    new_dev = pint.pages([10, 11, 12, 13, 14], 16)
+    for layer, rows in enumerate(written):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+        _, want = reference(pool, list(rows))
+        for side, w in zip(side_buffers(device_pool), want):
+            assert torch.equal(bits(side[layer][new_dev]), bits(w)), layer
 
 
 ENCODED_CASES = [c for c in CASES if not c.stock and not c.toy]

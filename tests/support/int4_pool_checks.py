@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import torch
 
-from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 from sglang.srt.mem_cache.pool_host.mha import (
     MHATokenToKVPoolHost,
 )
@@ -18,16 +17,6 @@ from scripts.rigs.hicache_harness import (
     make_device_pool,
     make_host_pool,
 )
-
-
-def expected_restore(fmt, k_rows, v_rows, ut):
-    """(k, v, records) of rows [tokens, H, D] written in host-unit order."""
-    dims, heads = (k_rows.shape[-1], v_rows.shape[-1]), k_rows.shape[1]
-    fmt_obj = host_format_cls(fmt)(dims, heads, ut, k_rows.dtype)
-    units = [x.view(x.shape[0] // ut, ut, *x.shape[1:]) for x in (k_rows, v_rows)]
-    records = fmt_obj.encode_reference(units)
-    k, v = fmt_obj.decode_reference(records, k_rows.dtype)
-    return k.flatten(0, 1), v.flatten(0, 1), records
 
 
 def pages(page_ids, page_size):
@@ -101,16 +90,6 @@ def bytes_per_token_at_qwen3_8b(formats, page_size, layout="page_first", fp8=Non
     return per_token
 
 
-def assert_restores(device_pool, pool, fmt, host, new_dev, written, ut, layers):
-    """Load `host` into `new_dev` layer by layer: the reference restore."""
-    for layer in range(layers):
-        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-    for layer, (k_rows, v_rows) in enumerate(written):
-        k_want, v_want, _ = expected_restore(fmt, k_rows, v_rows, ut)
-        assert torch.equal(device_pool.k_buffer[layer][new_dev], k_want)
-        assert torch.equal(device_pool.v_buffer[layer][new_dev], v_want)
-
-
 def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup):
     """Back up a NaN key (layer 1, second token, head 1, channel 5) and an Inf value
     (layer 0, last token, head 0, channel 40), call after_backup(pool), restore into new
@@ -134,18 +113,6 @@ def assert_finite_elsewhere(pool, k1, v0):
     assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
     amax = pool.scale_amax_by_layer()
     assert amax.shape == (2, 2) and torch.isfinite(amax).all() and (amax > 0).all()
-
-
-def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
-    from sglang.srt.mem_cache.pool_host import encoded
-
-    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
-    geo, device_pool, pool = build(fmt, "page_first", 16)
-    dev, host = pages([1, 2, 3, 4, 5], 16), pages([9, 3, 4, 0, 7], 16)
-    written = fill_spread(device_pool, dev, seed=5)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    new_dev = pages([10, 11, 12, 13, 14], 16)
-    assert_restores(device_pool, pool, fmt, host, new_dev, written, 16, geo.layer_num)
 
 
 def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
