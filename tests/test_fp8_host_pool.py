@@ -1,8 +1,6 @@
 """INT4 and K8V4 host copies of an FP8 device KV cache (--kv-cache-dtype fp8_e4m3 /
-fp8_e5m2) through the real patched SGLang code on CPU: SGLang's MHATokenToKVPool in FP8
-(stored as uint8), the encoded host pools, the real HiCacheController, L3 pages through
-the `file` backend, and the capacity the allocated buffers give against the stock FP8
-host pool (1 byte per value)."""
+fp8_e5m2) beyond the conformance round trips: rounding, saturation, non-finite values,
+sealed L3 pages, the fused path and its self-check."""
 
 from __future__ import annotations
 
@@ -39,6 +37,7 @@ from sglang.srt.mem_cache.pool_host.page_integrity import (
 )
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from tests.support.conformance import LAYOUTS
+from tests.support.int4_pool_checks import allocated_bytes, pages
 
 FORMATS = ("int4", "k8v4")
 ENCODE = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
@@ -53,11 +52,6 @@ def unit_tokens(layout: str, page_size: int) -> int:
 
 def as_units(rows: torch.Tensor, ut: int) -> torch.Tensor:
     return rows.view(rows.shape[0] // ut, ut, *rows.shape[1:])
-
-
-def pages(page_ids, page_size):
-    page_ids = torch.as_tensor(page_ids)
-    return (page_ids[:, None] * page_size + torch.arange(page_size)).flatten()
 
 
 def random_fp8(shape, fp8, gen, spread=True) -> torch.Tensor:
@@ -428,12 +422,6 @@ def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
 
 
 # --- capacity against the stock FP8 host pool ---------------------------------
-
-
-def allocated_bytes(pool) -> int:
-    if hasattr(pool, "host_records"):
-        return sum(b.numel() * b.element_size() for b in pool.host_records.values())
-    return pool.kv_buffer.numel() * pool.kv_buffer.element_size()
 
 
 def capacity_vs_stock_fp8(geo_kwargs, page_size, budget_gb):
