@@ -92,8 +92,6 @@ def test_capacity_from_allocated_buffers():
     assert int8.device_size_per_token() == stock.get_size_per_token()
 
 
-
-
 @pytest.mark.parametrize("layout,page_size", [("page_first", 4), ("layer_first", 1)])
 def test_nonfinite_policy_and_statistics(layout, page_size):
     """A NaN latent tile restores as NaN (that tile only), an Inf RoPE value as Inf;
@@ -175,5 +173,3 @@ def test_unsupported_setups_fail_naming_the_flag(case):
             make_host_pool(
                 device_pool, host_pool_cls=MLATokenToKVPoolINT8Host, **kwargs
             )
-
-
