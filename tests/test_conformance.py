@@ -928,6 +928,10 @@ def test_bytes_per_token_at_qwen3_8b_geometry(fmt, layout):
             assert "--hicache-host-dtype int4 or k8v4 or auto" in message
             continue
         per_token = bytes_per_token_at_qwen3_8b(("auto", fmt), page_size, layout, fp8)
+        print(
+            f"{fmt} page {page_size} on FP8: {per_token[fmt] / 36:.0f} B/token/layer,"
+        )
+        print(f"{per_token['auto'] / per_token[fmt]:.3f}x stock FP8's tokens per byte")
         assert per_token["auto"] == 36 * 2048  # 1 byte per FP8 value
         assert per_token[fmt] == 36 * expect.fp8_bytes[unit], page_size
 
