@@ -1117,6 +1117,7 @@ def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
 
 
 AUTO_SIZE_GRID = [("page_first", ps) for ps in (1, 4, 16, 64)] + [
+    ("layer_first", 16),
     ("page_first_direct", 4),
     ("layer_first", 1),
     ("layer_first", 64),
