@@ -1164,26 +1164,41 @@ def test_auto_size_counts_the_pools_host_bytes(monkeypatch, case, layout, page_s
     assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize(
-    "layout,page_size,access",
-    [
+FUSED_BYTES = [
+    (fmt, *row, None)
+    for fmt in ENCODED_MHA
+    if EXPECT[fmt].fused
+    for row in [
         ("page_first", 16, "direct"),
         ("page_first_direct", 4, "staged"),
         ("layer_first", 1, "direct"),
         ("layer_first", 2, "staged"),
-    ],
-)
-@pytest.mark.parametrize("fmt", [f for f in ENCODED_MHA if EXPECT[f].fused])
+    ]
+] + [
+    # FP8 device KV: every layout and page size, direct and staged in turn.
+    (fmt, layout, page_size, ("direct", "staged")[i % 2], fp8)
+    for i, (fmt, layout, page_size) in enumerate(
+        itertools.product(("int4", "k8v4"), LAYOUTS, PAGE_SIZES)
+    )
+    for fp8 in FP8
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("fmt,layout,page_size,access,fp8", FUSED_BYTES)
 def test_fused_path_writes_the_torch_paths_bytes_and_statistics(
-    fmt, layout, page_size, access
+    fmt, layout, page_size, access, fp8
 ):
     """A NaN key included: the fused kernels' host bytes, non-finite count, amax and
     restored rows equal the torch path's, the NaN over its group."""
     torch_pool, _, restored = check_fused_path_writes_the_torch_paths_bytes(
-        fmt, layout, page_size, access
+        fmt, layout, page_size, access, fp8
     )
+    if fp8 is not None:
+        # edge_fp8_rows: a NaN key, and with E5M2 an Inf value.
+        assert torch_pool.nonfinite_group_count() == 1 + (fp8 == torch.float8_e5m2)
+        return
     assert torch_pool.nonfinite_group_count() >= 1
     span = nan_key_span(fmt, layout, page_size, channel=3)
     assert torch.isnan(restored["fused"][0][span]).all()

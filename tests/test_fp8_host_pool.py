@@ -4,7 +4,6 @@ sealed L3 pages, the fused path and its self-check."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import pytest
@@ -17,7 +16,6 @@ from tests.support.fp8_reference import (
     FP8,
     fp8_id,
     nearest_even_fp8,
-    random_finite_fp8,
 )
 from scripts.rigs.hicache_harness import (
     Geometry,
@@ -36,8 +34,13 @@ from sglang.srt.mem_cache.pool_host.page_integrity import (
     StoragePageRefused,
 )
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from tests.support.conformance import LAYOUTS
-from tests.support.int4_pool_checks import allocated_bytes, pages
+from tests.support.int4_pool_checks import (
+    allocated_bytes,
+    fill_fp8,
+    pages,
+    random_fp8,
+    write_fp8,
+)
 
 FORMATS = ("int4", "k8v4")
 ENCODE = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
@@ -52,37 +55,6 @@ def unit_tokens(layout: str, page_size: int) -> int:
 
 def as_units(rows: torch.Tensor, ut: int) -> torch.Tensor:
     return rows.view(rows.shape[0] // ut, ut, *rows.shape[1:])
-
-
-def random_fp8(shape, fp8, gen, spread=True) -> torch.Tensor:
-    """FP8 rows as an FP8 KV cache holds them: a per-channel spread (key outliers), an
-    offset, and values up to the format's largest finite one."""
-    x = torch.randn(shape, generator=gen)
-    if spread:
-        gain = torch.ones(shape[-1])
-        gain[::7] = 40.0
-        x = x * gain + 2.0
-    top = torch.finfo(fp8).max
-    x[..., 3] = top  # a saturating group: m + 15 s may round above the top
-    return x.clamp(-top, top).to(fp8)
-
-
-def write_fp8(device_pool, layer, indices, k, v) -> None:
-    # SGLang stores FP8 KV as uint8 (index_put has no FP8 kernel).
-    device_pool.k_buffer[layer][indices] = k.view(torch.uint8)
-    device_pool.v_buffer[layer][indices] = v.view(torch.uint8)
-
-
-def fill_fp8(device_pool, indices, fp8, seed):
-    gen = torch.Generator().manual_seed(seed)
-    written = []
-    for layer in range(device_pool.layer_num):
-        shape = (len(indices), *device_pool.k_buffer[layer].shape[1:])
-        k = random_fp8(shape, fp8, gen)
-        v = random_fp8(shape, fp8, gen, spread=layer % 2 == 0)
-        write_fp8(device_pool, layer, indices, k, v)
-        written.append((k, v))
-    return written
 
 
 def restored(device_pool, layer, indices, fp8):
@@ -312,77 +284,6 @@ def test_fp8_path_is_chosen_as_for_bf16_and_logged(caplog, fp8):
     )
     _, _, pool = build("int4", "page_first", 16, fp8, fused_transfer="direct")
     assert pool.transfer_path == "fused_direct"
-
-
-def edge_fp8_rows(device_pool, indices, fp8, seed):
-    """fill_fp8's rows, every other token replaced by random finite FP8 bytes
-    (subnormals, +-0, the largest value), a NaN in K of layer 0 and (E5M2) an Inf in V
-    of the last layer."""
-    fill_fp8(device_pool, indices, fp8, seed)
-    gen = torch.Generator().manual_seed(seed)
-    odd = indices[1::2]
-    for buf in device_pool.k_buffer + device_pool.v_buffer:
-        rows = random_finite_fp8((len(odd), *buf.shape[1:]), fp8, gen)
-        buf[odd] = rows.view(torch.uint8)
-    device_pool.k_buffer[0][indices[2], 0, 7] = 0x7F  # NaN in both FP8s
-    if fp8 == torch.float8_e5m2:
-        device_pool.v_buffer[-1][indices[-1], 1, 0] = 0x7C  # +Inf
-
-
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,access",
-    [
-        (fmt, layout, page_size, ("direct", "staged")[i % 2])
-        for i, (fmt, layout, page_size) in enumerate(
-            itertools.product(FORMATS, LAYOUTS, (1, 16, 64))
-        )
-    ],
-)
-def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access, fp8):
-    """The fused kernels on FP8 device KV: host records, non-finite counts, amax and
-    restored FP8 bytes equal the torch path's, every layout and page size, direct and
-    staged host access."""
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
-    pools = {}
-    for path in ("torch", "fused"):
-        pool = make_host_pool(
-            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt,
-            device_kv_dtype=fp8, fused_transfer=access if path == "fused" else "off",
-        )  # fmt: skip
-        pools[path] = pool
-    dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
-    edge_fp8_rows(device_pool, dev, fp8, seed=page_size)
-    for pool in pools.values():
-        pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    torch_pool, fused_pool = pools["torch"], pools["fused"]
-    assert fused_pool.transfer_path == f"fused_{access}"
-    for name, buf in torch_pool.host_records.items():
-        assert same_bytes(fused_pool.host_records[name], buf), name
-    expected_bad = 2 if fp8 == torch.float8_e5m2 else 1
-    assert fused_pool.nonfinite_group_count() == expected_bad
-    assert torch_pool.nonfinite_group_count() == expected_bad
-    assert torch.equal(
-        fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
-    )
-    restored_rows = {}
-    new_dev = pages([8, 10, 9], page_size)
-    for path, pool in pools.items():
-        for layer in range(geo.layer_num):
-            device_pool.k_buffer[layer].fill_(POISON)
-            device_pool.v_buffer[layer].fill_(POISON)
-            pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-        restored_rows[path] = [
-            b.clone() for b in device_pool.k_buffer + device_pool.v_buffer
-        ]
-    for a, b in zip(restored_rows["torch"], restored_rows["fused"]):
-        assert torch.equal(a, b)  # uint8 storage: the same FP8 bytes, NaN too
-    untouched = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
-    untouched[new_dev] = False
-    assert all((b[untouched] == POISON).all() for b in restored_rows["fused"])
 
 
 @triton.jit

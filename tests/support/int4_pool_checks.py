@@ -8,6 +8,9 @@ from dataclasses import replace
 
 import torch
 
+from tests.support.conformance import bits
+from tests.support.fp8_reference import random_finite_fp8
+
 from sglang.srt.mem_cache.pool_host.mha import (
     MHATokenToKVPoolHost,
 )
@@ -115,22 +118,29 @@ def assert_finite_elsewhere(pool, k1, v0):
     assert amax.shape == (2, 2) and torch.isfinite(amax).all() and (amax > 0).all()
 
 
-def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
-    """Through the real pool, a NaN key included: the fused kernels' host bytes,
-    statistics and restored rows equal the torch path's."""
+def check_fused_path_writes_the_torch_paths_bytes(
+    fmt, layout, page_size, access, fp8=None
+):
+    """Through the real pool, a NaN key included (FP8: edge_fp8_rows): the fused
+    kernels' host bytes, statistics and restored rows equal the torch path's."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
+    geo = geo if fp8 is None else replace(geo, dtype=fp8)
+    extra = {} if fp8 is None else {"device_kv_dtype": fp8}
     device_pool = make_device_pool(geo, device_tokens=16 * page_size)
     pools = {}
     for path in ("torch", "fused"):
         pool = make_host_pool(
             device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt,
-            fused_transfer=access if path == "fused" else "off",
+            fused_transfer=access if path == "fused" else "off", **extra,
         )  # fmt: skip
         assert pool.host_format.fused_available(torch.device("cpu"))
         pools[path] = pool
     dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
-    fill_spread(device_pool, dev, seed=12)
-    device_pool.k_buffer[0][dev[1], 1, 3] = float("nan")
+    if fp8 is None:
+        fill_spread(device_pool, dev, seed=12)
+        device_pool.k_buffer[0][dev[1], 1, 3] = float("nan")
+    else:
+        edge_fp8_rows(device_pool, dev, fp8, seed=page_size)
     for pool in pools.values():
         pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
     torch_pool, fused_pool = pools["torch"], pools["fused"]
@@ -143,19 +153,69 @@ def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access
     assert torch.equal(
         fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
     )
+    # A byte that is NaN in both FP8 formats: what a wiped FP8 row holds.
+    poison = 0 if fp8 is None else 0xFF
+    new_dev = pages([8, 10, 9], page_size)
     restored = {}
     for path, pool in pools.items():
-        new_dev = pages([8, 10, 9], page_size)
         for layer in range(geo.layer_num):
-            device_pool.k_buffer[layer][new_dev] = 0
-            device_pool.v_buffer[layer][new_dev] = 0
+            device_pool.k_buffer[layer].fill_(poison)
+            device_pool.v_buffer[layer].fill_(poison)
             pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
         restored[path] = [
-            b[new_dev].clone() for b in device_pool.k_buffer + device_pool.v_buffer
+            b.clone() for b in device_pool.k_buffer + device_pool.v_buffer
         ]
+    untouched = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
+    untouched[new_dev] = False
     for a, b in zip(restored["torch"], restored["fused"]):
         assert torch.equal(torch.isnan(a), torch.isnan(b))
-        assert torch.equal(
-            a.nan_to_num(0).view(torch.int16), b.nan_to_num(0).view(torch.int16)
-        )
+        assert torch.equal(bits(a.nan_to_num(0)), bits(b.nan_to_num(0)))
+        assert (b[untouched] == poison).all()
+    restored = {p: [r[new_dev] for r in rows] for p, rows in restored.items()}
     return torch_pool, fused_pool, restored
+
+
+def random_fp8(shape, fp8, gen, spread=True) -> torch.Tensor:
+    """FP8 rows as an FP8 KV cache holds them: a per-channel spread (key outliers), an
+    offset, and values up to the format's largest finite one."""
+    x = torch.randn(shape, generator=gen)
+    if spread:
+        gain = torch.ones(shape[-1])
+        gain[::7] = 40.0
+        x = x * gain + 2.0
+    top = torch.finfo(fp8).max
+    x[..., 3] = top  # a saturating group: m + 15 s may round above the top
+    return x.clamp(-top, top).to(fp8)
+
+
+def write_fp8(device_pool, layer, indices, k, v) -> None:
+    # SGLang stores FP8 KV as uint8 (index_put has no FP8 kernel).
+    device_pool.k_buffer[layer][indices] = k.view(torch.uint8)
+    device_pool.v_buffer[layer][indices] = v.view(torch.uint8)
+
+
+def fill_fp8(device_pool, indices, fp8, seed):
+    gen = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(device_pool.layer_num):
+        shape = (len(indices), *device_pool.k_buffer[layer].shape[1:])
+        k = random_fp8(shape, fp8, gen)
+        v = random_fp8(shape, fp8, gen, spread=layer % 2 == 0)
+        write_fp8(device_pool, layer, indices, k, v)
+        written.append((k, v))
+    return written
+
+
+def edge_fp8_rows(device_pool, indices, fp8, seed):
+    """fill_fp8's rows, every other token replaced by random finite FP8 bytes
+    (subnormals, +-0, the largest value), a NaN in K of layer 0 and (E5M2) an Inf in V
+    of the last layer."""
+    fill_fp8(device_pool, indices, fp8, seed)
+    gen = torch.Generator().manual_seed(seed)
+    odd = indices[1::2]
+    for buf in device_pool.k_buffer + device_pool.v_buffer:
+        rows = random_finite_fp8((len(odd), *buf.shape[1:]), fp8, gen)
+        buf[odd] = rows.view(torch.uint8)
+    device_pool.k_buffer[0][indices[2], 0, 7] = 0x7F  # NaN in both FP8s
+    if fp8 == torch.float8_e5m2:
+        device_pool.v_buffer[-1][indices[-1], 1, 0] = 0x7C  # +Inf
