@@ -1,24 +1,12 @@
-"""Host-format conformance: every --hicache-host-dtype value of the registry
-(MHA, and MLA where the value has an MLA format), the toy format registered
-through the registry alone, and the stock pool as the control, through the
-real HiCacheController on CPU.
-
-Each format takes every layout x io backend on the indexed and the per-run
-torch copies, the fused kernels (under Triton's interpreter) where it has
-them, host indices with gaps, backward jumps and repeats on every path, head
-geometries, and L3 (SGLang's file backend and MooncakeStore
-against a real mooncake_master); page size 1/16/64 and device dtype vary over
-the rows as a covering design, every (page size, dtype) pair once per format
-(test_grids_cover_every_pair). The host records are bit for bit the format's
-`encode_reference` of what was written, the restored rows bit for bit its
-`decode_reference` and within its `error_bound`, and no other host unit or
-device slot changes.
-"""
+"""Host-format conformance: every --hicache-host-dtype value of the registry (MHA, and
+MLA where the value has an MLA format), the toy format registered through the registry
+alone, and the stock pool as the control, through the real HiCacheController on CPU."""
 
 from __future__ import annotations
 
 import itertools
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,6 +17,8 @@ from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from scripts.rigs import l3_harness as h
 from tests.support.codec_inputs import DTYPES
+from tests.support import int4_pool_checks as pint
+from tests.support.fp8_reference import FP8
 from tests.support.conformance import (
     GEOMETRIES,
     IO_BACKENDS,
@@ -50,23 +40,22 @@ from tests.support.conformance import (
     unit_tokens,
 )
 from sglang.srt.mem_cache.pool_host import host_format as hf
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from tests.support import int4_pool_checks as pint
-from tests.support.conformance import EXPECT, TOY
+from tests.support.conformance import EXPECT, STOCK, TOY
 from scripts.rigs.hicache_harness import (
     Geometry,
+    MLAGeometry,
     finish_transfers,
     make_device_pool,
     make_host_pool,
     make_rig,
+    paged_pools,
+    paged_rig,
+    random_controller_operations,
 )
 from tests.support.int4_pool_checks import (
     assert_finite_elsewhere,
-    build,
     bytes_per_token_at_qwen3_8b,
-    check_auto_size_ratio_matches_the_pool,
     check_fused_path_writes_the_torch_paths_bytes,
-    check_transfer_larger_than_staging_is_chunked,
     restore_nan_key_and_inf_value,
 )
 
@@ -97,9 +86,9 @@ def case_params(cases, grid, keep=lambda case, *row: True):
 
 
 def accepted(case: FormatCase, layout: str, io_backend: str, path: str) -> bool:
-    """Whether the case takes this combination on CPU: the stock pool's
-    kernel backend is CUDA-only, it refuses page_first with the direct
-    backend, and it has one copy path."""
+    """Whether the case takes this combination on CPU: the stock pool's kernel backend
+    is CUDA-only, it refuses page_first with the direct backend, and it has one copy
+    path."""
     if case.stock:
         return (io_backend, path) == ("direct", "torch") and layout != "page_first"
     return True
@@ -113,8 +102,8 @@ def expected_pool_cls(case: FormatCase, device_pool):
 
 
 def path_kwargs(case: FormatCase, path: str) -> dict:
-    """The encoded pool's constructor arguments that choose `path` (a stock
-    pool has one path and none)."""
+    """The encoded pool's constructor arguments that choose `path` (a stock pool has one
+    path and none)."""
     if case.stock:
         return {}
     if path == "runs":
@@ -133,9 +122,8 @@ def controller_round_trip(
     path: str = "torch",
     seed: int = 0,
 ):
-    """Device -> L2 (controller write) -> L1 eviction -> L2 -> L1 (controller
-    load), host slots scrambled first; checks every byte against the format's
-    reference."""
+    """Device -> L2 (controller write) -> L1 eviction -> L2 -> L1 (controller load),
+    host slots scrambled first; checks every byte against the format's reference."""
     ps = geo.page_size
     rig = make_rig(
         geo,
@@ -145,6 +133,7 @@ def controller_round_trip(
         io_backend=io_backend,
         host_dtype=case.host_dtype,
         **path_kwargs(case, path),
+        **({"device_kv_dtype": geo.dtype} if geo.dtype in FP8 else {}),
     )
     ctl, device_pool, pool = rig.controller, rig.device_pool, rig.host_pool
     assert type(pool) is expected_pool_cls(case, device_pool)
@@ -208,6 +197,9 @@ def controller_round_trip(
             bounds = error_bounds(pool, records, in_order)
             for x, g, bound in zip(rows, in_order, bounds):
                 assert ((g.double() - x.double()).abs() <= bound.double()).all()
+            if geo.dtype in FP8:  # finite FP8 in, finite FP8 out: saturated
+                top = torch.finfo(geo.dtype).max
+                assert all((g.double().abs() <= top).all() for g in got)
         for side in side_buffers(device_pool):
             assert (side[layer][untouched] == SENTINEL).all()
     assert pool.available_size() == free_before - len(host)
@@ -251,8 +243,24 @@ def grid_of(case: FormatCase) -> list:
     return STOCK_GRID if case.stock else ENCODED_GRID
 
 
+# FP8 device KV (stored as uint8) for the formats that encode it: every
+# layout, page size and io backend with both FP8 dtypes.
+FP8_GRID = [
+    (layout, io_backend, page_size, fp8, "torch")
+    for layout, io_backend, page_size, fp8 in itertools.product(
+        LAYOUTS, IO_BACKENDS, PAGE_SIZES, FP8
+    )
+]
+FP8_PARAMS = case_params(
+    [c for c in MHA_CASES if c.host_dtype in EXPECT and EXPECT[c.host_dtype].fp8_bytes],
+    FP8_GRID,
+)
+
+
 @pytest.mark.parametrize(
-    "case,layout,io_backend,page_size,dtype,path", TORCH_PARAMS, indirect=["case"]
+    "case,layout,io_backend,page_size,dtype,path",
+    TORCH_PARAMS + FP8_PARAMS,
+    indirect=["case"],
 )
 def test_controller_round_trip(case, layout, io_backend, page_size, dtype, path):
     controller_round_trip(
@@ -329,10 +337,9 @@ def unit_tokens_of(units: list[int], ut: int) -> torch.Tensor:
     indirect=["case"],
 )
 def test_host_index_orders(request, case, layout, path):
-    """Pool backup and per-layer load at BACKUP_UNITS then LOAD_UNITS: the
-    host records are the reference encoding at exactly those units, each
-    loaded token is the reference restore of its unit's rows, and nothing
-    else changes on either side."""
+    """Pool backup and per-layer load at BACKUP_UNITS then LOAD_UNITS: the host records
+    are the reference encoding at exactly those units, each loaded token is the
+    reference restore of its unit's rows, and nothing else changes on either side."""
     access, runs = INDEX_PATHS[path]
     if access != "off" and not case.toy:  # the toy's "kernels" are torch code
         request.getfixturevalue("triton_interpreter")
@@ -404,8 +411,7 @@ def test_unit_planner_runs_split_at_every_break():
 
 # Every geometry once per format over the three layouts (direct io), and two
 # heads at the widths the 4-bit value groups and rotations split differently
-# (kernel io). INT8's full layout x page x geometry grid stays in
-# tests/test_int8_host_pool.py, next to the kernels' (KERNEL_POOL_CASES).
+# (kernel io); INT8 also takes the full layout x page x geometry grid.
 # The widest heads at 4-token pages: 16 tokens moved instead of 37 or 64.
 GEOMETRY_LAYOUTS = {
     (1, 64, 64): ("page_first_direct", 16),
@@ -424,9 +430,18 @@ GEOMETRY_GRID = [
 ]
 
 
+# INT8's full layout x page size x geometry grid (the fused kernels' grid).
+INT8_GEOMETRY_GRID = [
+    (layout, page_size, geometry, "direct")
+    for layout, page_size in itertools.product(LAYOUTS, PAGE_SIZES)
+    for geometry in (GEOMETRIES if page_size == 16 else GEOMETRIES[:3])
+]
+
+
 @pytest.mark.parametrize(
     "case,layout,page_size,geometry,io_backend",
-    case_params(MHA_CASES, GEOMETRY_GRID, lambda c, *row: not c.stock),
+    case_params(MHA_CASES, GEOMETRY_GRID, lambda c, *row: not c.stock)
+    + case_params([FormatCase("int8", "mha")], INT8_GEOMETRY_GRID),
     indirect=["case"],
 )
 def test_geometry_round_trip(case, layout, page_size, geometry, io_backend):
@@ -445,10 +460,9 @@ def pairs(rows, i: int, j: int) -> set:
 
 @pytest.mark.parametrize("fmt_case", CASES, ids=[c.id for c in CASES])
 def test_grids_cover_every_pair(fmt_case):
-    """The covering design above, per format: every layout x io backend x copy
-    path it takes, every page size with every dtype, both fused accesses on
-    every layout and io backend, every layout and backend in L3, every head
-    geometry."""
+    """The covering design above, per format: every layout x io backend x copy path it
+    takes, every page size with every dtype, both fused accesses on every layout and io
+    backend, every layout and backend in L3, every head geometry."""
     rows = grid_of(fmt_case)
     assert all(accepted(fmt_case, layout, io, path) for layout, io, *_, path in rows)
     torch_rows = [row for row in rows if row[-1] == "torch"]
@@ -533,8 +547,7 @@ def make_l3(request, case, backend, config, layout, model_name=None):
 
 
 def write_to_l3(l3, case, seed=0):
-    """KV for the case's tokens: device -> L2 -> L3, then evicted from L1 and
-    L2. Returns the rows written, [layer][side]."""
+    """KV for the case's tokens: device -> L2 -> L3, then evicted from L1 and L2."""
     tokens = l3_tokens(case)
     dev, host, hashes, stored = h.write_through(
         l3, tokens, edit=lambda pool, idx: spread(pool, idx, seed)
@@ -603,8 +616,8 @@ def test_l3_round_trip(request, tmp_path, case, backend, layout):
 def test_l3_formats_never_read_each_others_pages(
     request, tmp_path, toy_host_format, kind, backend
 ):
-    """Every format's pages of the same tokens and model coexist in one store;
-    each pool hits only its own (the storage tag is in the key)."""
+    """Every format's pages of the same tokens and model coexist in one store; each pool
+    hits only its own (the storage tag is in the key)."""
     config = storage_config(request, backend, tmp_path)
     name = f"hiq/{request.node.name}"
     cases = format_cases(kinds=(kind,))
@@ -624,6 +637,225 @@ def test_l3_formats_never_read_each_others_pages(
         fetch_and_check(l3, c, rows)
 
 
+def page_records(pool, rows_per_layer, page: int) -> torch.Tensor:
+    """The flat page's payload from the reference encoding: every record in `records`
+    order, [layer, *shape] per unit, units in order."""
+    ps, ut = pool.page_size, unit_tokens(pool)
+    per_layer = [
+        pool.host_format.encode_reference(
+            [r[page * ps : (page + 1) * ps].view(-1, ut, *r.shape[1:]) for r in rows]
+        )
+        for rows in rows_per_layer
+    ]
+    parts = []
+    for record in pool.host_format.records:
+        layers = torch.stack([enc[record.name] for enc in per_layer])
+        if pool.layout != "layer_first":
+            layers = layers.transpose(0, 1)
+        parts.append(layers.contiguous().view(torch.uint8).flatten())
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize(
+    "case,layout",
+    case_params([c for c in CASES if not c.stock], LAYOUTS),
+    indirect=["case"],
+)
+def test_storage_pages(case, layout):
+    """get_data_page is the reference records then the seal; the page written into
+    another slot restores the reference rows, a short page is refused before any byte
+    moves; zero-copy pieces tile each page's records exactly once, each object ending in
+    its seal (page-major layouts only)."""
+    geo = l3_geometry(case)
+    ps = geo.page_size
+    rig = make_rig(
+        geo, device_tokens=8 * ps, host_tokens=8 * ps, layout=layout,
+        host_dtype=case.host_dtype,
+    )  # fmt: skip
+    device_pool, pool = rig.device_pool, rig.host_pool
+    dev, host = torch.arange(ps, 3 * ps), unit_tokens_of([3, 1], ps)
+    spread(device_pool, dev, seed=4)
+    written = rows_at(device_pool, dev)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    page = pool.get_data_page(3 * ps)
+    assert page.dtype == torch.uint8
+    assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
+    assert pool.storage_page_bytes == pool.get_size_per_token() * ps
+    assert torch.equal(page[:-SEAL_BYTES], page_records(pool, written, 0))
+
+    pool.set_from_flat_data_page(6 * ps, page)
+    snapshot = [bits(b).clone() for b in pool.host_records.values()]
+    with pytest.raises(ValueError, match="bytes, expected"):
+        pool.set_from_flat_data_page(0, page[:-1])
+    for a, b in zip(snapshot, pool.host_records.values()):
+        assert torch.equal(a, bits(b))
+    fresh = torch.arange(4 * ps, 5 * ps)
+    for layer, rows in enumerate(written):
+        pool.load_to_device_per_layer(
+            device_pool, unit_tokens_of([6], ps), fresh, layer, "direct"
+        )
+        _, want = reference(pool, [r[:ps] for r in rows])
+        for side, w in zip(side_buffers(device_pool), want):
+            assert torch.equal(bits(side[layer][fresh]), bits(w)), layer
+
+    if layout == "layer_first":
+        with pytest.raises(ValueError, match="page_first or page_first_direct"):
+            pool.get_page_buffer_meta(host)
+        return
+    ptrs, sizes = pool.get_page_buffer_meta(host)
+    objects = 1 if case.kind == "mla" else 2
+    per_object = pool.storage_buffers_per_object
+    assert len(ptrs) == len(sizes) == 2 * objects * per_object
+    for p, unit in enumerate((3, 1)):
+        first = p * objects * per_object
+        for obj in range(objects):
+            end = first + (obj + 1) * per_object - 1
+            assert ptrs[end] == pool.pages.seals[unit, obj].data_ptr()
+            assert sizes[end] == SEAL_BYTES
+        pieces = sorted(
+            (ptr, size)
+            for i, (ptr, size) in enumerate(zip(ptrs, sizes))
+            if first <= i < first + objects * per_object
+            and (i + 1 - first) % per_object
+        )
+        records = sorted(
+            (b[unit].data_ptr(), b[unit].nbytes) for b in pool.host_records.values()
+        )
+        # Adjacent pieces merge into each record's block: every byte once.
+        merged = []
+        for ptr, size in pieces:
+            if (
+                merged
+                and merged[-1][0] + merged[-1][1] == ptr
+                and not any(r[0] == ptr for r in records)
+            ):
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((ptr, size))
+        assert merged == records
+
+
+# --- the real controller's random writes, loads and evictions -----------------
+
+# (host_dtype, kind, layout, page size, io backend, fused access, dtype, steps,
+# fewest operations done)
+RANDOM_OPS = [
+    ("int8", "mha", "page_first", 1, "direct", "off", BF16, 2500, 1000),
+    ("int8", "mha", "page_first", 4, "kernel", "off", BF16, 2500, 1000),
+    ("int8", "mha", "page_first_direct", 4, "direct", "off", BF16, 2500, 1000),
+    ("int8", "mha", "layer_first", 1, "direct", "off", BF16, 2500, 1000),
+    ("int8", "mha", "layer_first", 2, "kernel", "off", BF16, 2500, 1000),
+    ("int4", "mha", "page_first", 16, "kernel", "off", BF16, 300, 150),
+    ("int4", "mha", "layer_first", 1, "direct", "off", BF16, 300, 150),
+    ("int4", "mha", "page_first_direct", 1, "direct", "off", BF16, 300, 150),
+    ("k8v4", "mha", "page_first", 16, "direct", "off", BF16, 300, 150),
+    ("k8v4", "mha", "layer_first", 2, "kernel", "off", BF16, 300, 150),
+    ("int4r", "mha", "page_first", 16, "kernel", "off", BF16, 300, 150),
+    ("int4r", "mha", "layer_first", 1, "direct", "off", BF16, 300, 150),
+    ("int4r", "mha", "page_first_direct", 64, "kernel", "off", BF16, 300, 150),
+    ("int4r", "mha", "page_first", 16, "direct", "off", BF16, 300, 150),
+    ("int4r", "mha", "page_first", 16, "kernel", "direct", BF16, 300, 150),
+    ("k8v4r", "mha", "page_first", 16, "kernel", "off", BF16, 300, 150),
+    ("k8v4r", "mha", "layer_first", 1, "direct", "off", BF16, 300, 150),
+    ("k8v4r", "mha", "page_first_direct", 64, "kernel", "off", BF16, 300, 150),
+    ("k8v4r", "mha", "layer_first", 2, "kernel", "off", BF16, 300, 150),
+    ("k8v4r", "mha", "layer_first", 2, "kernel", "direct", BF16, 300, 150),
+    ("int8", "mla", "page_first", 1, "direct", "off", BF16, 1500, 600),
+    ("int8", "mla", "page_first", 4, "kernel", "off", FP16, 1500, 600),
+    ("int8", "mla", "page_first_direct", 4, "direct", "off", BF16, 1500, 600),
+    ("int8", "mla", "layer_first", 1, "kernel", "off", FP16, 1500, 600),
+    ("int8", "mla", "layer_first", 2, "direct", "off", BF16, 1500, 600),
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize(
+    "fmt,kind,layout,page_size,io_backend,access,dtype,steps,min_ops",
+    RANDOM_OPS,
+    ids=["-".join(map(str, row[:6])) for row in RANDOM_OPS],
+)
+def test_random_controller_operations(
+    request, fmt, kind, layout, page_size, io_backend, access, dtype, steps, min_ops
+):
+    """Random writes, loads and L1/L2 evictions through HiCacheController: every restore
+    is the format's reference restore, nothing leaks."""
+    if access != "off":
+        request.getfixturevalue("triton_interpreter")
+    case = FormatCase(fmt, kind)
+    rig = paged_rig(
+        case.geometry(page_size, dtype), layout, io_backend, 32, 48,
+        host_dtype=fmt, fused_transfer=access,
+    )  # fmt: skip
+    assert type(rig.host_pool) is hf.host_pool_cls(fmt, kind)
+    path = "torch" if access == "off" else f"fused_{access}"
+    assert rig.host_pool.transfer_path == path
+    gen = torch.Generator().manual_seed(8)
+
+    def write_rows(dev, rng):
+        expected = []
+        for layer in range(rig.device_pool.layer_num):
+            rows = []
+            for s, side in enumerate(side_buffers(rig.device_pool)):
+                x = torch.randn((len(dev), *side[layer].shape[1:]), generator=gen)
+                x = (x * (rng.choice((1e-3, 1.0, 50.0)) if s == 0 else x)).to(dtype)
+                side[layer][dev] = x
+                rows.append(x)
+            expected.append(tuple(reference(rig.host_pool, rows)[1]))
+        return expected
+
+    ops = random_controller_operations(
+        rig, write_rows, steps=steps, seed=7 + page_size, max_pages=3,
+        same=lambda a, b: torch.equal(bits(a), bits(b)),
+        audit_every=100 if steps > 300 else 0,
+    )  # fmt: skip
+    assert ops > min_ops
+
+
+@pytest.mark.parametrize(
+    "geo,encoded",
+    [(Geometry(layer_num=4, head_num=8, head_dim=128), 4 * 8 * (128 + 128 + 4)),
+     (MLAGeometry(layer_num=4), 4 * 648)],
+    ids=["mha", "mla"],
+)  # fmt: skip
+def test_transfer_byte_counters_count_encoded_bytes(geo, encoded):
+    """hicache_backup_bytes_total and the host capacity gauge report the INT8 pool's
+    encoded figures."""
+    rig = make_rig(geo, device_tokens=64, host_tokens=128, host_dtype="int8")
+    rig.controller.write(rig.allocator.alloc(10))
+    assert rig.controller.ack_write_queue[-1].num_bytes == 10 * encoded
+    assert rig.host_pool.logical_size == 128  # sglang:hicache_host_total_tokens
+    finish_transfers(rig.controller)
+
+
+# --- set-ups a pool refuses at start-up, naming what to pass -----------------
+
+E4M3, E5M2 = FP8
+# (host_dtype, Geometry changes, layout, the pool's extra arguments, message parts;
+# a part starting with "!" must not appear)
+REFUSALS = [
+    *[(f, {"head_dim": 63}, "page_first", {}, ["--hicache-host-dtype"])
+      for f in ("int4", "k8v4")],
+    *[("int8", {}, layout, {}, ["--hicache-mem-layout"])
+      for layout in ("page_head", "page_unified")],
+    ("int8", {"dtype": E4M3}, "page_first", {},
+     ["Pass --kv-cache-dtype bf16", "quantized (FP8/FP4)", "!uint8", "!fp16"]),
+    *[(f, {"dtype": E5M2}, "page_first", {}, ["device_kv_dtype"])
+      for f in ("int4", "k8v4")],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,geo,layout,extra,parts", REFUSALS)
+def test_unsupported_setups_fail_naming_the_flag(fmt, geo, layout, extra, parts):
+    device_pool = make_device_pool(replace(Geometry(page_size=16), **geo), 64)
+    with pytest.raises(NotImplementedError) as error:
+        make_host_pool(
+            device_pool, host_tokens=64, layout=layout, host_dtype=fmt, **extra
+        )
+    message = str(error.value)
+    for part in parts:
+        assert (part[1:] not in message) if part[0] == "!" else (part in message)
+
+
 # --- per-format expectations (tests/support/conformance.py: EXPECT) ------------
 
 ENCODED_MHA = [c.host_dtype for c in format_cases(stock=False, kinds=("mha",))]
@@ -635,25 +867,73 @@ def test_expectations_cover_every_registered_format():
     assert set(EXPECT) == {name for name in hf.HOST_DTYPES if name != TOY}
 
 
-@pytest.mark.parametrize("fmt", ENCODED_MHA)
-def test_dispatch_by_host_dtype(fmt):
-    info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
-    assert get_mha_host_pool_cls(info) is MHATokenToKVPoolHost
-    assert get_mha_host_pool_cls(info, "auto") is MHATokenToKVPoolHost
-    cls = get_mha_host_pool_cls(info, fmt)
-    assert cls is hf.host_pool_cls(fmt) and cls.host_format_cls.name == fmt
+DISPATCH_PARAMS = case_params(CASES, [BF16]) + case_params(
+    [
+        c
+        for c in MHA_CASES
+        if c.stock or (EXPECT.get(c.host_dtype) or 0) and EXPECT[c.host_dtype].fp8_bytes
+    ],
+    FP8,
+)
 
 
+@pytest.mark.parametrize("case,dtype", DISPATCH_PARAMS, indirect=["case"])
+def test_build_kv_host_pool_dispatches_by_host_dtype(case, dtype):
+    """hybrid_pool_assembler.build_kv_host_pool, as the scheduler calls it,
+    builds the value's pool (the FP8 device dtype passed on, patch 0010); the
+    stock pool without --hicache-host-dtype."""
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
+
+    h.publish_runtime(4, "page_first", case.host_dtype)
+    device_pool = make_device_pool(case.geometry(4, dtype), 64)
+    pool = hybrid_pool_assembler.build_kv_host_pool(
+        kv_pool=device_pool, page_size=4, host_size=0
+    )
+    assert type(pool) is expected_pool_cls(case, device_pool)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    stock = expected_pool_cls(FormatCase(STOCK, case.kind), device_pool)
+    if case.kind == "mha":
+        assert get_mha_host_pool_cls(info) is stock
+    if case.stock:
+        assert type(pool) is stock and (dtype not in FP8 or pool.dtype == torch.uint8)
+        return
+    assert type(pool) is hf.host_pool_cls(case.host_dtype, case.kind)
+    assert type(pool).host_format_cls.name == case.host_dtype
+    assert pool.transfer_path == "torch"  # CPU
+    if dtype in FP8:
+        assert pool.device_kv_dtype == dtype
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
-def test_bytes_per_token_at_qwen3_8b_geometry(fmt):
-    """Allocated host bytes per token and layer through the real dispatch (36
-    layers, 8 KV heads, head dim 128), against BF16's 4096."""
-    for page_size, want in zip((1, 16, 64), EXPECT[fmt].qwen3_8b_bytes):
-        per_token = bytes_per_token_at_qwen3_8b(("auto", fmt), page_size)
+def test_bytes_per_token_at_qwen3_8b_geometry(fmt, layout):
+    """Allocated host bytes per token and layer through the real dispatch (36 layers, 8
+    KV heads, head dim 128) against BF16's 4096, FP8's 2048 where the format encodes FP8
+    (else refused naming the values that do); the budget buys whole pages of that size
+    plus one padding page."""
+    expect = EXPECT[fmt]
+    for i, page_size in enumerate(PAGE_SIZES):
+        unit = i if layout != "layer_first" else 0
+        per_token = bytes_per_token_at_qwen3_8b(("auto", fmt), page_size, layout)
         print(f"\n{fmt} page {page_size}: {per_token[fmt] / 36:.0f} B/token/layer,")
         print(f"{per_token['auto'] / per_token[fmt]:.3f}x BF16's tokens per byte")
         assert per_token["auto"] == 36 * 4096
-        assert per_token[fmt] == 36 * want, page_size
+        assert per_token[fmt] == 36 * expect.qwen3_8b_bytes[unit], page_size
+        fp8 = torch.float8_e4m3fn
+        if expect.fp8_bytes is None:
+            with pytest.raises(NotImplementedError) as error:
+                bytes_per_token_at_qwen3_8b((fmt,), page_size, layout, fp8)
+            message = str(error.value)
+            assert f"--hicache-host-dtype {fmt} does not encode an FP8" in message
+            assert "--hicache-host-dtype int4 or k8v4 or auto" in message
+            continue
+        per_token = bytes_per_token_at_qwen3_8b(("auto", fmt), page_size, layout, fp8)
+        print(
+            f"{fmt} page {page_size} on FP8: {per_token[fmt] / 36:.0f} B/token/layer,"
+        )
+        print(f"{per_token['auto'] / per_token[fmt]:.3f}x stock FP8's tokens per byte")
+        assert per_token["auto"] == 36 * 2048  # 1 byte per FP8 value
+        assert per_token[fmt] == 36 * expect.fp8_bytes[unit], page_size
 
 
 def keys_per_channel(fmt: str, layout: str, page_size: int) -> bool:
@@ -662,8 +942,8 @@ def keys_per_channel(fmt: str, layout: str, page_size: int) -> bool:
 
 
 def nan_key_span(fmt: str, layout: str, page_size: int, channel: int) -> tuple:
-    """What a NaN key at (token 1, head 1, `channel`) of the first page poisons
-    on restore, as an index into the restored [token, head, channel] keys."""
+    """What a NaN key at (token 1, head 1, `channel`) of the first page poisons on
+    restore, as an index into the restored [token, head, channel] keys."""
     expect = EXPECT[fmt]
     if not keys_per_channel(fmt, layout, page_size):
         return (1, 1, slice(0, expect.token_nan_channels))
@@ -685,9 +965,9 @@ def nan_key_span(fmt: str, layout: str, page_size: int, channel: int) -> tuple:
 def test_nonfinite_kv_restores_as_nan_over_its_group_and_is_counted(
     fmt, layout, page_size
 ):
-    """A NaN key (token 1, head 1, channel 5) and an Inf value (last token,
-    head 0): the format's group of each restores as NaN and is counted, the
-    rest restores finite with finite scale statistics."""
+    """A NaN key (token 1, head 1, channel 5) and an Inf value (last token, head 0): the
+    format's group of each restores as NaN and is counted, the rest restores finite with
+    finite scale statistics."""
     expect = EXPECT[fmt]
     per_channel = keys_per_channel(fmt, layout, page_size)
     counted = []
@@ -713,8 +993,8 @@ def test_fused_kernels_where_expected(fmt):
 
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
 def test_sink_page_where_expected(fmt):
-    """Only the 4-bit-key formats keep a sink page; the others refuse the
-    variable naming it."""
+    """Only the 4-bit-key formats keep a sink page; the others refuse the variable
+    naming it."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
     device_pool = make_device_pool(geo, 256)
     kwargs = dict(host_tokens=256, layout="page_first", host_dtype=fmt)
@@ -739,116 +1019,186 @@ def test_storage_tags_are_the_formats_own():
 
 @pytest.mark.parametrize("fmt", ENCODED_MHA)
 def test_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
-    check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch)
+    from sglang.srt.mem_cache.pool_host import encoded
+
+    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
+    _, device_pool, pool = pint.build(fmt, "page_first", 16)
+    dev, host = pint.pages([1, 2, 3, 4, 5], 16), pint.pages([9, 3, 4, 0, 7], 16)
+    written = pint.fill_spread(device_pool, dev, seed=5)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    new_dev = pint.pages([10, 11, 12, 13, 14], 16)
+    for layer, rows in enumerate(written):
+        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
+        _, want = reference(pool, list(rows))
+        for side, w in zip(side_buffers(device_pool), want):
+            assert torch.equal(bits(side[layer][new_dev]), bits(w)), layer
+
+
+ENCODED_CASES = [c for c in CASES if not c.stock and not c.toy]
+
+
+def bounds_pools(request, case, layout, access, runs=False):
+    """(device pool, pool) at page 16 with two backed-up pages; skips a fused access the
+    format lacks."""
+    if access != "off":
+        if case not in FUSED_CASES:
+            pytest.skip(f"{case.id} has no fused kernels")
+        request.getfixturevalue("triton_interpreter")
+    device_pool, pool = paged_pools(
+        case.geometry(16), layout, 16, 16, host_dtype=case.host_dtype,
+        fused_transfer=access, run_copies=runs,
+    )  # fmt: skip
+    spread(device_pool, torch.arange(16 * 16), seed=1)
+    dev = unit_tokens_of([1, 2], 16)
+    pool.backup_from_device_all_layer(
+        device_pool, unit_tokens_of([3, 4], 16), dev, "direct"
+    )
+    return device_pool, pool
+
+
+def pool_state(device_pool, pool):
+    return (
+        [bits(b).clone() for b in pool.host_records.values()]
+        + [bits(b).clone() for side in side_buffers(device_pool) for b in side],
+        pool.nonfinite_group_count(),
+        pool.scale_amax_by_layer().clone(),
+    )
+
+
+def assert_same_state(before, after):
+    for a, b in zip(before[0], after[0], strict=True):
+        assert torch.equal(a, b)
+    assert before[1] == after[1] and torch.equal(before[2], after[2])
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("path", list(INDEX_PATHS))
-@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize("case", ENCODED_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_out_of_range_host_indices_rejected_and_nothing_moves(
-    request, fmt, layout, path
+    request, case, layout, path
 ):
-    """Whole valid pages then one out of range (negative, past the end), on
-    every transfer path: refused naming the flag before any byte moves; host
-    records, device rows and statistics unchanged."""
+    """Whole valid pages then one out of range (negative, past the end), on every
+    transfer path: refused naming the flag before any byte moves; host records, device
+    rows and statistics unchanged."""
     access, runs = INDEX_PATHS[path]
-    if access != "off":
-        if not EXPECT[fmt].fused:
-            pytest.skip(f"{fmt} has no fused kernels")
-        request.getfixturevalue("triton_interpreter")
-    _, device_pool, pool = build(
-        fmt, layout, 16, fused_transfer=access, run_copies=runs
-    )
+    device_pool, pool = bounds_pools(request, case, layout, access, runs)
     assert pool.transfer_path == ("torch" if access == "off" else f"fused_{access}")
-    dev = pint.pages([1, 2], 16)
-    pint.fill_spread(device_pool, torch.arange(16 * 16), seed=1)
-    pool.backup_from_device_all_layer(
-        device_pool, pint.pages([3, 4], 16), dev, "direct"
-    )
-
-    def state():
-        return (
-            [bits(b).clone() for b in pool.host_records.values()],
-            [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
-            pool.nonfinite_group_count(),
-            pool.scale_amax_by_layer().clone(),
-        )
-
-    before = state()
+    dev = unit_tokens_of([1, 2], 16)
+    before = pool_state(device_pool, pool)
     for first in (-16, pool.size):
-        bad = torch.cat([pint.pages([5], 16), torch.arange(first, first + 16)])
-        with pytest.raises(IndexError, match=f"--hicache-host-dtype {fmt}") as e:
+        bad = torch.cat([unit_tokens_of([5], 16), torch.arange(first, first + 16)])
+        flag = f"--hicache-host-dtype {case.host_dtype}"
+        with pytest.raises(IndexError, match=flag) as e:
             pool.backup_from_device_all_layer(device_pool, bad, dev, "direct")
         assert re.search(r"host indices \[-?\d+, \d+\] out of range", str(e.value))
         for layer in range(pool.layer_num):
             with pytest.raises(IndexError, match="nothing was transferred"):
                 pool.load_to_device_per_layer(device_pool, bad, dev, layer, "direct")
-    after = state()
-    for a, b in zip(before[0] + before[1], after[0] + after[1]):
-        assert torch.equal(a, b)
-    assert before[2] == after[2] and torch.equal(before[3], after[3])
+    assert_same_state(before, pool_state(device_pool, pool))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("fused", (False, True), ids=("torch", "fused"))
-@pytest.mark.parametrize("fmt", ENCODED_MHA)
+@pytest.mark.parametrize("access", ("off", "direct"), ids=("torch", "fused"))
+@pytest.mark.parametrize("case", ENCODED_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_unsupported_io_backend_fails_naming_the_flag_and_changes_nothing(
-    request, fmt, layout, fused
+    request, case, layout, access
 ):
-    if fused:
-        if not EXPECT[fmt].fused:
-            pytest.skip(f"{fmt} has no fused kernels")
-        request.getfixturevalue("triton_interpreter")
-    _, device_pool, pool = build(
-        fmt, layout, 16, fused_transfer="direct" if fused else "off"
-    )
-    assert pool.use_fused_kernels == fused
-    dev, host = pint.pages([1], 16), pint.pages([2], 16)
+    device_pool, pool = bounds_pools(request, case, layout, access)
+    assert pool.use_fused_kernels == (access != "off")
+    dev, host = unit_tokens_of([1], 16), unit_tokens_of([2], 16)
+    before = pool_state(device_pool, pool)
     with pytest.raises(ValueError, match="--hicache-io-backend"):
         pool.backup_from_device_all_layer(device_pool, host, dev, "kernel_ascend")
-    pint.fill_spread(device_pool, dev, seed=2)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
     with pytest.raises(ValueError, match="--hicache-io-backend"):
-        pool.load_to_device_per_layer(
-            device_pool, host, pint.pages([5], 16), 0, "kernel_ascend"
-        )
-    for a, b in zip(before, device_pool.k_buffer + device_pool.v_buffer):
-        assert torch.equal(a, b)
+        pool.load_to_device_per_layer(device_pool, host, dev, 0, "kernel_ascend")
+    assert_same_state(before, pool_state(device_pool, pool))
 
 
-@pytest.mark.parametrize("fmt", ENCODED_MHA)
+AUTO_SIZE_GRID = [("page_first", ps) for ps in (1, 4, 16, 64)] + [
+    ("layer_first", 16),
+    ("page_first_direct", 4),
+    ("layer_first", 1),
+    ("layer_first", 64),
+]
+
+
 @pytest.mark.parametrize(
-    "layout,page_size",
-    [("page_first", ps) for ps in (1, 16, 64)]
-    + [("layer_first", 1), ("layer_first", 64)],
+    "case,layout,page_size", case_params(CASES, AUTO_SIZE_GRID), indirect=["case"]
 )
-def test_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
-    check_auto_size_ratio_matches_the_pool(fmt, layout, page_size)
+def test_auto_size_counts_the_pools_host_bytes(monkeypatch, case, layout, page_size):
+    """--hicache-host-memory-fraction sizing (_estimate_hicache_bytes) scales the device
+    bytes by host_bytes_per_device_byte, which is what a pool of that page size and
+    layout really allocates per device byte."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache import hicache_auto_size
+
+    device_pool = make_device_pool(case.geometry(page_size), 4 * page_size)
+    pool = make_host_pool(
+        device_pool, host_tokens=4 * page_size, layout=layout,
+        host_dtype=case.host_dtype,
+    )  # fmt: skip
+    assert type(pool) is expected_pool_cls(case, device_pool)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    ratio = (
+        1.0
+        if case.stock
+        else type(pool).host_bytes_per_device_byte(info, page_size, layout)
+    )
+    buffers = pool.kv_buffer if isinstance(pool.kv_buffer, list) else [pool.kv_buffer]
+    allocated = sum(b.nbytes for b in buffers)
+    assert ratio == pytest.approx(allocated / pool.size / pool.device_size_per_token())
+    params = SimpleNamespace(
+        token_to_kv_pool_allocator=SimpleNamespace(get_kvcache=lambda: device_pool),
+        req_to_token_pool=None,
+        mtp_draft_device_pools=(),
+        page_size=page_size,
+    )
+    memory = SimpleNamespace(
+        hicache_host_dtype=case.host_dtype, hicache_mem_layout=layout
+    )
+    monkeypatch.setattr(hicache_auto_size, "get_memory", lambda: memory)
+    estimate = hicache_auto_size._estimate_hicache_bytes(params, None)
+    assert estimate == int(hicache_auto_size._pool_bytes(device_pool) * ratio)
 
 
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize(
-    "layout,page_size,access",
-    [
+FUSED_BYTES = [
+    (fmt, *row, None)
+    for fmt in ENCODED_MHA
+    if EXPECT[fmt].fused
+    for row in [
         ("page_first", 16, "direct"),
         ("page_first_direct", 4, "staged"),
         ("layer_first", 1, "direct"),
         ("layer_first", 2, "staged"),
-    ],
-)
-@pytest.mark.parametrize("fmt", [f for f in ENCODED_MHA if EXPECT[f].fused])
-def test_fused_path_writes_the_torch_paths_bytes_and_statistics(
-    fmt, layout, page_size, access
-):
-    """A NaN key included: the fused kernels' host bytes, non-finite count,
-    amax and restored rows equal the torch path's, the NaN over its group."""
-    torch_pool, _, restored = check_fused_path_writes_the_torch_paths_bytes(
-        fmt, layout, page_size, access
+    ]
+] + [
+    # FP8 device KV: every layout and page size, direct and staged in turn.
+    (fmt, layout, page_size, ("direct", "staged")[i % 2], fp8)
+    for i, (fmt, layout, page_size) in enumerate(
+        itertools.product(("int4", "k8v4"), LAYOUTS, PAGE_SIZES)
     )
+    for fp8 in FP8
+]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("fmt,layout,page_size,access,fp8", FUSED_BYTES)
+def test_fused_path_writes_the_torch_paths_bytes_and_statistics(
+    fmt, layout, page_size, access, fp8
+):
+    """A NaN key included: the fused kernels' host bytes, non-finite count, amax and
+    restored rows equal the torch path's, the NaN over its group."""
+    torch_pool, _, restored = check_fused_path_writes_the_torch_paths_bytes(
+        fmt, layout, page_size, access, fp8
+    )
+    if fp8 is not None:
+        # edge_fp8_rows: a NaN key, and with E5M2 an Inf value.
+        assert torch_pool.nonfinite_group_count() == 1 + (fp8 == torch.float8_e5m2)
+        return
     assert torch_pool.nonfinite_group_count() >= 1
     span = nan_key_span(fmt, layout, page_size, channel=3)
     assert torch.isnan(restored["fused"][0][span]).all()

@@ -1,21 +1,10 @@
-"""INT4 and K8V4 host copies of an FP8 device KV cache (--kv-cache-dtype
-fp8_e4m3 / fp8_e5m2) through the real patched SGLang code on CPU: SGLang's
-MHATokenToKVPool in FP8 (stored as uint8), the encoded host pools, the real
-HiCacheController, L3 pages through the `file` backend, and the capacity the
-allocated buffers give against the stock FP8 host pool (1 byte per value).
-
-Expected values come from kv_int4_codec's reference functions applied to the
-FP8 rows the test wrote (their values, widened to fp32), decoded back to the
-same FP8 dtype; every comparison is on the bytes. The fused kernels (under
-Triton's interpreter) write the torch path's bytes, and the start-up
-self-check runs on FP8 pools.
-"""
+"""INT4 and K8V4 host copies of an FP8 device KV cache (--kv-cache-dtype fp8_e4m3 /
+fp8_e5m2) beyond the conformance round trips: rounding, saturation, non-finite values,
+sealed L3 pages, the fused path and its self-check."""
 
 from __future__ import annotations
 
-import itertools
 import logging
-import random
 
 import pytest
 import torch
@@ -27,7 +16,6 @@ from tests.support.fp8_reference import (
     FP8,
     fp8_id,
     nearest_even_fp8,
-    random_finite_fp8,
 )
 from scripts.rigs.hicache_harness import (
     Geometry,
@@ -36,19 +24,23 @@ from scripts.rigs.hicache_harness import (
     make_device_pool,
     make_host_pool,
     make_rig,
-    paged_rig,
 )
 from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
-from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.pool_host.page_integrity import (
     SEAL_BYTES,
     StoragePageRefused,
 )
 from sglang.srt.mem_cache.utils import get_storage_hash_str
-from tests.support.conformance import LAYOUTS
+from tests.support.int4_pool_checks import (
+    allocated_bytes,
+    fill_fp8,
+    pages,
+    random_fp8,
+    write_fp8,
+)
 
 FORMATS = ("int4", "k8v4")
 ENCODE = {"int4": codec.int4_encode_reference, "k8v4": codec.k8v4_encode_reference}
@@ -63,42 +55,6 @@ def unit_tokens(layout: str, page_size: int) -> int:
 
 def as_units(rows: torch.Tensor, ut: int) -> torch.Tensor:
     return rows.view(rows.shape[0] // ut, ut, *rows.shape[1:])
-
-
-def pages(page_ids, page_size):
-    page_ids = torch.as_tensor(page_ids)
-    return (page_ids[:, None] * page_size + torch.arange(page_size)).flatten()
-
-
-def random_fp8(shape, fp8, gen, spread=True) -> torch.Tensor:
-    """FP8 rows as an FP8 KV cache holds them: a per-channel spread (key
-    outliers), an offset, and values up to the format's largest finite one."""
-    x = torch.randn(shape, generator=gen)
-    if spread:
-        gain = torch.ones(shape[-1])
-        gain[::7] = 40.0
-        x = x * gain + 2.0
-    top = torch.finfo(fp8).max
-    x[..., 3] = top  # a saturating group: m + 15 s may round above the top
-    return x.clamp(-top, top).to(fp8)
-
-
-def write_fp8(device_pool, layer, indices, k, v) -> None:
-    # SGLang stores FP8 KV as uint8 (index_put has no FP8 kernel).
-    device_pool.k_buffer[layer][indices] = k.view(torch.uint8)
-    device_pool.v_buffer[layer][indices] = v.view(torch.uint8)
-
-
-def fill_fp8(device_pool, indices, fp8, seed):
-    gen = torch.Generator().manual_seed(seed)
-    written = []
-    for layer in range(device_pool.layer_num):
-        shape = (len(indices), *device_pool.k_buffer[layer].shape[1:])
-        k = random_fp8(shape, fp8, gen)
-        v = random_fp8(shape, fp8, gen, spread=layer % 2 == 0)
-        write_fp8(device_pool, layer, indices, k, v)
-        written.append((k, v))
-    return written
 
 
 def restored(device_pool, layer, indices, fp8):
@@ -157,56 +113,11 @@ def test_device_pool_stores_fp8_as_uint8(fp8):
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,io_backend",
-    list(itertools.product(FORMATS, LAYOUTS, (1, 16, 64), ("kernel", "direct"))),
-)
-def test_backup_load_is_the_reference_bytes(fmt, layout, page_size, io_backend, fp8):
-    geo, device_pool, pool = build(fmt, layout, page_size, fp8)
-    ut = unit_tokens(layout, page_size)
-    dev, host = pages([4, 1, 6], page_size), pages([5, 2, 9], page_size)
-    written = fill_fp8(device_pool, dev, fp8, seed=page_size)
-    pool.backup_from_device_all_layer(device_pool, host, dev, io_backend)
-
-    units = host if ut == 1 else host[::ut] // ut
-    for layer, (k, v) in enumerate(written):
-        want = ENCODE[fmt](as_units(k, ut), as_units(v, ut))
-        for name, buf in pool.host_records.items():
-            got = buf[units, layer] if layout != "layer_first" else buf[layer, units]
-            assert same_bytes(got, want[name]), name
-
-    for layer in range(geo.layer_num):
-        device_pool.k_buffer[layer].fill_(POISON)
-        device_pool.v_buffer[layer].fill_(POISON)
-    new_dev = pages([8, 11, 9], page_size)
-    for layer in range(geo.layer_num):
-        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, io_backend)
-    untouched = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
-    untouched[new_dev] = False
-    top = torch.finfo(fp8).max
-    for layer, (k, v) in enumerate(written):
-        k_want, v_want, records = expected_restore(fmt, k, v, ut)
-        k_got, v_got = restored(device_pool, layer, new_dev, fp8)
-        assert same_bytes(k_got, k_want) and same_bytes(v_got, v_want)
-        bounds = pool.host_format.error_bound(
-            records, (as_units(k_got, ut), as_units(v_got, ut))
-        )
-        for rows, got, bound in ((k, k_got, bounds[0]), (v, v_got, bounds[1])):
-            got = got.double()
-            # Finite FP8 in, finite FP8 out: saturated, never NaN or Inf.
-            assert torch.isfinite(got).all() and (got.abs() <= top).all()
-            err = (got - rows.double()).abs()
-            assert (err <= bound.flatten(0, 1).double()).all()
-        assert (device_pool.k_buffer[layer][untouched] == POISON).all()
-        assert (device_pool.v_buffer[layer][untouched] == POISON).all()
-
-
-@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_restore_rounds_to_nearest_even_and_saturates(fmt, fp8):
-    """The decode's last step is fp32 -> FP8 round to nearest even with
-    saturation: checked against an independent rounding of the fp32 decode
-    over FP8's value grid, on rows that reach the format's largest value."""
+    """The decode's last step is fp32 -> FP8 round to nearest even with saturation:
+    checked against an independent rounding of the fp32 decode over FP8's value grid, on
+    rows that reach the format's largest value."""
     _, device_pool, pool = build(fmt, "page_first", 16, fp8)
     dev = pages([0, 1], 16)
     written = fill_fp8(device_pool, dev, fp8, seed=5)
@@ -259,58 +170,6 @@ def test_nonfinite_fp8_restores_as_nan_and_is_counted(fmt, layout, page_size, fp
 
 
 # --- through the real HiCacheController -------------------------------------
-
-
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,io_backend,fp8",
-    [
-        (fmt, layout, page_size, backend, fp8)
-        for i, (fmt, layout, page_size) in enumerate(
-            itertools.product(FORMATS, LAYOUTS, (1, 16, 64))
-        )
-        for backend, fp8 in [(("kernel", "direct")[i % 2], FP8[(i // 2) % 2])]
-    ],
-    ids=lambda p: fp8_id(p) if isinstance(p, torch.dtype) else str(p),
-)
-def test_controller_write_wipe_load(fmt, layout, page_size, io_backend, fp8):
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
-    rig = paged_rig(
-        geo, layout, io_backend, 16, 24, host_dtype=fmt, device_kv_dtype=fp8
-    )
-    assert type(rig.host_pool) is host_pool_cls(fmt)
-    ctl, dev_pool, alloc = rig.controller, rig.device_pool, rig.allocator
-    ut = unit_tokens(layout, page_size)
-    rng = random.Random(page_size)
-    gen = torch.Generator().manual_seed(3)
-    backed_up = []
-    for _ in range(6):
-        n = rng.randint(1, 3) * page_size
-        dev = alloc.alloc(n)
-        expected = []
-        for layer in range(geo.layer_num):
-            k = random_fp8((n, 2, 64), fp8, gen)
-            v = random_fp8((n, 2, 64), fp8, gen, spread=False)
-            write_fp8(dev_pool, layer, dev, k, v)
-            expected.append(expected_restore(fmt, k, v, ut)[:2])
-        host = ctl.write(dev)
-        assert host is not None
-        finish_transfers(ctl)
-        for layer in range(geo.layer_num):
-            dev_pool.k_buffer[layer][dev] = POISON
-            dev_pool.v_buffer[layer][dev] = POISON
-        alloc.free(dev)
-        backed_up.append((host, expected))
-    for host, expected in reversed(backed_up):
-        dev = ctl.load(host)
-        assert dev is not None
-        ctl.start_loading()
-        finish_transfers(ctl)
-        for layer, (k, v) in enumerate(expected):
-            k_got, v_got = restored(dev_pool, layer, dev, fp8)
-            assert same_bytes(k_got, k) and same_bytes(v_got, v)
-        alloc.free(dev)
-        ctl.evict_host(host)
-    assert rig.host_pool.available_size() == rig.host_pool.size
 
 
 # --- L3: sealed pages through the `file` backend ----------------------------
@@ -384,9 +243,9 @@ def test_file_l3_round_trip_of_sealed_pages(tmp_path, request, fmt, layout, fp8)
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pages_of_one_fp8_dtype_are_refused_by_the_other(fmt):
-    """A sealed page names its device dtype: an E4M3 page read into an E5M2
-    pool (same records and sizes) would decode other values, so it is refused
-    before any byte reaches the pool."""
+    """A sealed page names its device dtype: an E4M3 page read into an E5M2 pool (same
+    records and sizes) would decode other values, so it is refused before any byte
+    reaches the pool."""
     geo, device_pool, e4m3 = build(fmt, "page_first", 16, torch.float8_e4m3fn)
     _, _, e5m2 = build(fmt, "page_first", 16, torch.float8_e5m2)
     _, _, twin = build(fmt, "page_first", 16, torch.float8_e4m3fn)
@@ -408,37 +267,11 @@ def test_pages_of_one_fp8_dtype_are_refused_by_the_other(fmt):
 # --- what is refused, and the start-up log -----------------------------------
 
 
-@pytest.mark.parametrize("host_dtype", ["int8", "int8c", "int4r", "k8v4r"])
-def test_formats_without_fp8_refuse_it_naming_int4(host_dtype):
-    geo = Geometry(dtype=torch.float8_e4m3fn, page_size=16, head_dim=64)
-    device_pool = make_device_pool(geo, 64)
-    with pytest.raises(NotImplementedError) as error:
-        make_host_pool(
-            device_pool,
-            host_tokens=64,
-            layout="page_first",
-            host_dtype=host_dtype,
-            device_kv_dtype=torch.float8_e4m3fn,
-        )
-    message = str(error.value)
-    assert f"--hicache-host-dtype {host_dtype} does not encode an FP8" in message
-    assert "--hicache-host-dtype int4 or k8v4 or auto" in message
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_uint8_storage_without_its_fp8_dtype_is_refused(fmt):
-    """Without device_kv_dtype the pool cannot tell E4M3 from E5M2 bytes."""
-    geo = Geometry(dtype=torch.float8_e5m2, page_size=16, head_dim=64)
-    device_pool = make_device_pool(geo, 64)
-    with pytest.raises(NotImplementedError, match="device_kv_dtype"):
-        make_host_pool(device_pool, host_tokens=64, layout="page_first", host_dtype=fmt)
-
-
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 def test_fp8_path_is_chosen_as_for_bf16_and_logged(caplog, fp8):
-    """No FP8 exception: on the CPU the pool takes the torch path for the
-    reason every pool does, the log says so, and the fused kernels can be
-    switched on (the interpreter runs them here)."""
+    """No FP8 exception: on the CPU the pool takes the torch path for the reason every
+    pool does, the log says so, and the fused kernels can be switched on (the
+    interpreter runs them here)."""
     with caplog.at_level(logging.INFO, logger="sglang"):
         _, device_pool, pool = build("int4", "page_first", 16, fp8)
     name = fp8_id(fp8)
@@ -451,77 +284,6 @@ def test_fp8_path_is_chosen_as_for_bf16_and_logged(caplog, fp8):
     )
     _, _, pool = build("int4", "page_first", 16, fp8, fused_transfer="direct")
     assert pool.transfer_path == "fused_direct"
-
-
-def edge_fp8_rows(device_pool, indices, fp8, seed):
-    """fill_fp8's rows, every other token replaced by random finite FP8 bytes
-    (subnormals, +-0, the largest value), a NaN in K of layer 0 and (E5M2)
-    an Inf in V of the last layer."""
-    fill_fp8(device_pool, indices, fp8, seed)
-    gen = torch.Generator().manual_seed(seed)
-    odd = indices[1::2]
-    for buf in device_pool.k_buffer + device_pool.v_buffer:
-        rows = random_finite_fp8((len(odd), *buf.shape[1:]), fp8, gen)
-        buf[odd] = rows.view(torch.uint8)
-    device_pool.k_buffer[0][indices[2], 0, 7] = 0x7F  # NaN in both FP8s
-    if fp8 == torch.float8_e5m2:
-        device_pool.v_buffer[-1][indices[-1], 1, 0] = 0x7C  # +Inf
-
-
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
-@pytest.mark.parametrize(
-    "fmt,layout,page_size,access",
-    [
-        (fmt, layout, page_size, ("direct", "staged")[i % 2])
-        for i, (fmt, layout, page_size) in enumerate(
-            itertools.product(FORMATS, LAYOUTS, (1, 16, 64))
-        )
-    ],
-)
-def test_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access, fp8):
-    """The fused kernels on FP8 device KV: host records, non-finite counts,
-    amax and restored FP8 bytes equal the torch path's, every layout and
-    page size, direct and staged host access."""
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=16 * page_size)
-    pools = {}
-    for path in ("torch", "fused"):
-        pool = make_host_pool(
-            device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt,
-            device_kv_dtype=fp8, fused_transfer=access if path == "fused" else "off",
-        )  # fmt: skip
-        pools[path] = pool
-    dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
-    edge_fp8_rows(device_pool, dev, fp8, seed=page_size)
-    for pool in pools.values():
-        pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    torch_pool, fused_pool = pools["torch"], pools["fused"]
-    assert fused_pool.transfer_path == f"fused_{access}"
-    for name, buf in torch_pool.host_records.items():
-        assert same_bytes(fused_pool.host_records[name], buf), name
-    expected_bad = 2 if fp8 == torch.float8_e5m2 else 1
-    assert fused_pool.nonfinite_group_count() == expected_bad
-    assert torch_pool.nonfinite_group_count() == expected_bad
-    assert torch.equal(
-        fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
-    )
-    restored_rows = {}
-    new_dev = pages([8, 10, 9], page_size)
-    for path, pool in pools.items():
-        for layer in range(geo.layer_num):
-            device_pool.k_buffer[layer].fill_(POISON)
-            device_pool.v_buffer[layer].fill_(POISON)
-            pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-        restored_rows[path] = [
-            b.clone() for b in device_pool.k_buffer + device_pool.v_buffer
-        ]
-    for a, b in zip(restored_rows["torch"], restored_rows["fused"]):
-        assert torch.equal(a, b)  # uint8 storage: the same FP8 bytes, NaN too
-    untouched = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
-    untouched[new_dev] = False
-    assert all((b[untouched] == POISON).all() for b in restored_rows["fused"])
 
 
 @triton.jit
@@ -542,10 +304,10 @@ def _truncating_fp8_bits(y, FP8: tl.constexpr):
 def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
     fmt, fp8, monkeypatch, caplog
 ):
-    """The start-up self-check compares the fused FP8 path with the
-    reference (FP8 rows: subnormals, NaN, the largest value) and puts the
-    borrowed bytes back; kernels that truncate instead of rounding fail it
-    and the pool falls back to the torch path, saying why."""
+    """The start-up self-check compares the fused FP8 path with the reference (FP8 rows:
+    subnormals, NaN, the largest value) and puts the borrowed bytes back; kernels that
+    truncate instead of rounding fail it and the pool falls back to the torch path,
+    saying why."""
     _, device_pool, pool = build(fmt, "page_first", 16, fp8, fused_transfer="direct")
     assert pool.transfer_path == "fused_direct"
     before = [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer]
@@ -563,15 +325,9 @@ def test_self_check_runs_on_fp8_and_catches_a_wrong_rounding(
 # --- capacity against the stock FP8 host pool ---------------------------------
 
 
-def allocated_bytes(pool) -> int:
-    if hasattr(pool, "host_records"):
-        return sum(b.numel() * b.element_size() for b in pool.host_records.values())
-    return pool.kv_buffer.numel() * pool.kv_buffer.element_size()
-
-
 def capacity_vs_stock_fp8(geo_kwargs, page_size, budget_gb):
-    """Host tokens per allocated host byte of each format over the stock FP8
-    pool's (auto), and each pool's bytes per token and layer."""
+    """Host tokens per allocated host byte of each format over the stock FP8 pool's
+    (auto), and each pool's bytes per token and layer."""
     geo = Geometry(dtype=torch.float8_e4m3fn, page_size=page_size, **geo_kwargs)
     device_pool = make_device_pool(geo, device_tokens=2 * page_size)
     per_byte, per_token = {}, {}
@@ -595,25 +351,6 @@ def capacity_vs_stock_fp8(geo_kwargs, page_size, budget_gb):
     return ratio, per_token
 
 
-def test_capacity_vs_stock_fp8_at_qwen3_8b_geometry():
-    """36 layers, 8 KV heads, head dim 128 (docs/fp8-device-kv.md, run with -s)."""
-    print("\npage  format  B/token/layer  tokens per host byte vs stock FP8")
-    for page_size in (1, 16, 64):
-        ratio, per_token = capacity_vs_stock_fp8(
-            dict(layer_num=36, head_num=8, head_dim=128), page_size, 0.02
-        )
-        for f in ("auto", "k8v4", "int4"):
-            r = 1.0 if f == "auto" else ratio[f]
-            name = "fp8" if f == "auto" else f
-            print(f"{page_size:>4}  {name:<6}  {per_token[f]:>13.0f}  {r:.3f}x")
-        # FP8 K|V: 2 x 8 x 128 x 1 B = 2048 B per token and layer.
-        assert per_token["auto"] == 2048
-        int4 = 1344 if page_size == 16 else 1152  # page 16: per-channel key meta
-        assert ratio["int4"] == pytest.approx(2048 / int4)
-        assert ratio["k8v4"] == pytest.approx(2048 / 1616)
-    assert ratio["int4"] > 1.75
-
-
 def test_capacity_vs_stock_fp8_at_test_geometry():
     """2 heads of 64 channels: smaller heads pay relatively more metadata."""
     # int4: 64 + 64 B of codes, per-token meta 8 + 8 B; page 16 keys per
@@ -632,9 +369,9 @@ def test_capacity_vs_stock_fp8_at_test_geometry():
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_restore_saturates_beyond_the_fp8_range(fmt, fp8):
-    """Records whose values lie past FP8's largest finite value (m + 15 s up
-    to 61440, where E5M2's cast alone gives Inf) restore as the largest value,
-    on the pool's path and in the reference."""
+    """Records whose values lie past FP8's largest finite value (m + 15 s up to 61440,
+    where E5M2's cast alone gives Inf) restore as the largest value, on the pool's path
+    and in the reference."""
     _, device_pool, pool = build(fmt, "page_first", 16, fp8)
     dev = pages([0], 16)
     fill_fp8(device_pool, dev, fp8, seed=4)
@@ -655,24 +392,3 @@ def test_restore_saturates_beyond_the_fp8_range(fmt, fp8):
     records = {n: b[:1, 0] for n, b in pool.host_records.items()}
     ref_v = DECODE[fmt](records, fp8)[1].flatten(0, 1)
     assert same_bytes(ref_v, want.to(fp8))
-
-
-@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
-@pytest.mark.parametrize("host_dtype", ["int4", "k8v4", "auto"])
-def test_the_assembler_passes_the_fp8_dtype(host_dtype, fp8):
-    """hybrid_pool_assembler.build_kv_host_pool, as the scheduler calls it,
-    builds the encoded pool for an FP8 device pool (patch 0010) and the stock
-    one for auto."""
-    from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
-
-    h.publish_runtime(16, "page_first", host_dtype)
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=16)
-    device_pool = make_device_pool(geo, device_tokens=64)
-    pool = hybrid_pool_assembler.build_kv_host_pool(
-        kv_pool=device_pool, page_size=16, host_size=0
-    )
-    if host_dtype == "auto":
-        assert type(pool) is MHATokenToKVPoolHost and pool.dtype == torch.uint8
-        return
-    assert type(pool) is host_pool_cls(host_dtype)
-    assert pool.device_kv_dtype == fp8 and pool.transfer_path == "torch"  # CPU

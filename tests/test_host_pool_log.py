@@ -1,9 +1,5 @@
 """Every KV host pool states its bytes per token at start-up: the stock pools
-(--hicache-host-dtype auto) as the encoded ones do, once each.
-
-Real device and host pools, built as hybrid_pool_assembler builds them
-(scripts/rigs/hicache_harness.py); the line is read from the pool's logger.
-"""
+(--hicache-host-dtype auto) as the encoded ones do, once each."""
 
 from __future__ import annotations
 
@@ -12,6 +8,7 @@ import logging
 import pytest
 import torch
 
+from tests.support.int4_pool_checks import build
 from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
@@ -56,3 +53,43 @@ def test_encoded_pool_states_its_own_line_only(caplog, kind):
     (line,) = lines
     assert f"stores INT8 KV: {pool.size_per_token} B/token (" in line
     assert "--hicache-host-dtype auto" not in line
+
+
+ROT = "Walsh-Hadamard rotation per head (seeded sign flip)"
+VALUES = "values per token in groups of 64 channels"
+# (host_dtype, layout, page size, K and V head dims, parts of the start-up log)
+FORMAT_LINES = [
+    ("int4", "page_first", 64, 64, ["keys per channel over 64-token pages", VALUES]),
+    ("int4", "page_first_direct", 16, 64,
+     ["keys per channel over 16-token pages", VALUES]),
+    ("int4", "page_first", 1, 64, ["keys per token in groups of 64 channels", VALUES]),
+    ("int4", "layer_first", 64, 64,
+     ["keys per token in groups of 64 channels", VALUES]),
+    ("k8v4", "page_first", 64, 64, ["keys as int8 per token and head", VALUES]),
+    ("int4r", "page_first", 64, 64,
+     [ROT, "keys per channel over 64-token pages", "k in one 64-point block"]),
+    ("int4r", "layer_first", 64, 96,
+     [ROT, "keys per token in groups of 32 channels", "v in 3 blocks of 32"]),
+    ("k8v4r", "page_first", 16, 64, [ROT, "keys as int8", "v in one 64-point"]),
+    ("int4r", "page_first", 16, 72, [ROT, "k NOT rotated (head dim 72"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt,layout,page_size,dim,parts", FORMAT_LINES)
+def test_encoded_pool_states_key_grouping_rotation_and_path(
+    caplog, fmt, layout, page_size, dim, parts
+):
+    # The sglang logger itself: an in-process server tool may have raised its level.
+    with caplog.at_level(logging.INFO, logger="sglang"):
+        build(fmt, layout, page_size, head_dim=dim, v_head_dim=dim)
+    text = caplog.text
+    assert f"stores {fmt.upper()} KV" in text
+    assert f"{fmt.upper()} host pool transfer path: torch" in text
+    for part in parts:
+        assert part in text
+    warned = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "NOT rotated" in r.getMessage()
+    ]
+    assert bool(warned) == ("NOT rotated" in text)

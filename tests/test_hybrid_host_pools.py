@@ -1,29 +1,5 @@
 """Hybrid models' host tiers through SGLang's own hybrid pool assembler,
-HybridCacheController and UnifiedRadixCache, on CPU, for every
---hicache-host-dtype.
-
-Server arguments resolve from tiny local configs (tests/test_startup.py) and
-are published as the scheduler publishes them; the real device pools
-(SWAKVPool, HybridLinearKVPool + the Mamba state pool) go through
-registry.create_unified_radix_cache, which picks the hybrid stack strategy and
-builds the host pools and the controller. KV (and state) is written, the
-device copy wiped, and what comes back into fresh slots checked bit for bit:
-through the controller directly, through the radix cache's own host hit
-(insert, L1 eviction, match, init_load_back), and through an L3 hit (L2
-eviction too, prefetch from SGLang's file backend or a real mooncake_master).
-
-- gpt-oss shaped (sliding-window + full attention): the full-attention and the
-  SWA host pools are both the format's encoded pool; both restore exactly the
-  format's reference decode (the SWA KV for the window the model attends to).
-- Qwen3-Next and Qwen3.5 shaped (GDN linear attention + full attention): the
-  KV host pool is encoded, the Mamba state host pool stays SGLang's
-  MambaPoolHost and its state comes back exactly as with
-  --hicache-host-dtype auto.
-
-Metrics: the real radix-cache ack loggers and scheduler reporter feed the real
-collectors; byte counters, per-pool token counts and host-tier gauges are
-checked against the pools.
-"""
+HybridCacheController and UnifiedRadixCache, on CPU, for every --hicache-host-dtype."""
 
 from __future__ import annotations
 
@@ -112,11 +88,13 @@ def test_linear_attention_round_trip(
         rig.host_pool(PoolName.MAMBA).layout == stock.host_pool(PoolName.MAMBA).layout
     )
     state, restored = mamba_round_trip(rig, tokens)
-    for want, got, stock_want, stock_got in zip(
-        state, restored, stock_state, stock_restored
-    ):
-        # The same seed writes the same state in both runs; the encoded run's
-        # state comes back as the stock pool returns it: unchanged.
+    assert_state_as_stock((state, restored), (stock_state, stock_restored))
+
+
+def assert_state_as_stock(encoded, stock):
+    """The same seed writes the same state in both runs; the encoded run's state
+    comes back as the stock pool returns it: unchanged."""
+    for want, got, stock_want, stock_got in zip(*encoded, *stock, strict=True):
         assert torch.equal(want, stock_want)
         assert torch.equal(stock_got, stock_want)
         assert torch.equal(got, stock_got)
@@ -135,8 +113,8 @@ STORAGE_WAIT_S = 20.0
 
 
 def wait_for(condition, what: str) -> None:
-    """Poll the cache's events until `condition()` (storage threads run
-    asynchronously); bounded, so a fault fails the test."""
+    """Poll the cache's events until `condition()` (storage threads run asynchronously);
+    bounded, so a fault fails the test."""
     deadline = time.monotonic() + STORAGE_WAIT_S
     while not condition():
         if time.monotonic() > deadline:
@@ -145,9 +123,9 @@ def wait_for(condition, what: str) -> None:
 
 
 def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
-    """After the L1 eviction: wait for the L3 backups, drop the host copies
-    too, then prefetch the prefix from L3 into the host tier as the scheduler
-    does (prefetch_from_storage, check_prefetch_progress)."""
+    """After the L1 eviction: wait for the L3 backups, drop the host copies too, then
+    prefetch the prefix from L3 into the host tier as the scheduler does
+    (prefetch_from_storage, check_prefetch_progress)."""
     from sglang.srt.mem_cache.base_prefix_cache import (
         CacheRequestHandle,
         MatchPrefixParams,
@@ -185,10 +163,10 @@ def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
 
 
 def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = False):
-    """The scheduler's order: insert (written through), L1 eviction (with
-    `from_l3`, L2 eviction and an L3 prefetch too), a match that hits the
-    host, init_load_back, the load; the full-attention KV comes back for every
-    token, the SWA KV for the window the model attends to."""
+    """The scheduler's order: insert (written through), L1 eviction (with `from_l3`, L2
+    eviction and an L3 prefetch too), a match that hits the host, init_load_back, the
+    load; the full-attention KV comes back for every token, the SWA KV for the window
+    the model attends to."""
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,
@@ -251,18 +229,10 @@ def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = Fals
     cache.sanity_check()
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", SWA_LAYOUTS)
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_sliding_window_host_hit(
-    hybrid_model_dirs, host_dtype, layout, page_size, io_backend
-):
-    swa_host_hit(swa_rig(hybrid_model_dirs, host_dtype, layout, page_size, io_backend))
-
-
 # Mooncake takes page-first layouts only (SGLang rewrites layer_first).
-L3_SWA_CASES = [("file", *case) for case in SWA_LAYOUTS] + [
-    ("mooncake", *case) for case in MAMBA_LAYOUTS
-]
+L3_SWA_CASES = [
+    (backend, *case) for backend in (None, "file") for case in SWA_LAYOUTS
+] + [("mooncake", *case) for case in MAMBA_LAYOUTS]
 L3_MAMBA_CASES = [(backend, *case) for backend in BACKENDS for case in MAMBA_LAYOUTS]
 
 
@@ -276,9 +246,8 @@ def mooncake_master(tmp_path_factory):
 
 @pytest.fixture
 def l3_args(request, tmp_path):
-    """The storage arguments of an L3 backend; each test (and each `run` in
-    it) its own model name, so tests sharing one Mooncake store keep their
-    keys apart."""
+    """The storage arguments of an L3 backend; each test (and each `run` in it) its own
+    model name, so tests sharing one Mooncake store keep their keys apart."""
 
     def storage_args(backend: str, run: str = "") -> dict:
         name = f"{request.node.name}-{run}" if run else request.node.name
@@ -293,20 +262,19 @@ def l3_args(request, tmp_path):
 
 @pytest.mark.parametrize("backend,layout,page_size,io_backend", L3_SWA_CASES)
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_sliding_window_l3_hit(
+def test_sliding_window_host_hit(
     hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend
 ):
-    l3 = l3_args(backend)
+    l3 = None if backend is None else l3_args(backend)
     rig = swa_rig(hybrid_model_dirs, host_dtype, layout, page_size, io_backend, l3=l3)
-    assert rig.cache.enable_storage
-    swa_host_hit(rig, from_l3=True)
+    assert rig.cache.enable_storage == (l3 is not None)
+    swa_host_hit(rig, from_l3=l3 is not None)
 
 
 def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = False):
-    """The scheduler's order for a linear-attention model: insert KV and the
-    sequence-end state, L1 eviction of both, a match that hits the host,
-    init_load_back into the request's own state slot, the load. Returns the
-    state written and the request's state after the load."""
+    """The scheduler's order for a linear-attention model: insert KV and the sequence-
+    end state, L1 eviction of both, a match that hits the host, init_load_back into the
+    request's own state slot, the load."""
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,
@@ -374,46 +342,26 @@ def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = Fa
     return state, restored
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", MAMBA_LAYOUTS)
+@pytest.mark.parametrize(
+    "backend,layout,page_size,io_backend,model",
+    [(None, *case, m) for case in MAMBA_LAYOUTS for m in ("qwen3_next", "qwen3_5")]
+    + [(*case, "qwen3_next") for case in L3_MAMBA_CASES],
+)
 @pytest.mark.parametrize("host_dtype", ENCODED)
-@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
 def test_linear_attention_host_hit(
-    hybrid_model_dirs, model, host_dtype, layout, page_size, io_backend
-):
-    stock_state, stock_restored = mamba_host_hit(
-        mamba_rig(hybrid_model_dirs, "auto", layout, page_size, io_backend, model=model)
-    )
-    state, restored = mamba_host_hit(
-        mamba_rig(
-            hybrid_model_dirs, host_dtype, layout, page_size, io_backend, model=model
-        )
-    )
-    for want, got, stock_want, stock_got in zip(
-        state, restored, stock_state, stock_restored
-    ):
-        assert torch.equal(want, stock_want)
-        assert torch.equal(stock_got, stock_want)
-        assert torch.equal(got, stock_got)
-
-
-@pytest.mark.parametrize("backend,layout,page_size,io_backend", L3_MAMBA_CASES)
-@pytest.mark.parametrize("host_dtype", ENCODED)
-def test_linear_attention_l3_hit(
-    hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend
-):
+    hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend,
+    model,
+):  # fmt: skip
     def rig(dtype):
-        # Distinct keys for the stock and the encoded run.
-        l3 = l3_args(backend, run=dtype)
-        return mamba_rig(hybrid_model_dirs, dtype, layout, page_size, io_backend, l3=l3)
+        # Distinct L3 keys for the stock and the encoded run.
+        l3 = None if backend is None else l3_args(backend, run=dtype)
+        return mamba_rig(
+            hybrid_model_dirs, dtype, layout, page_size, io_backend, model=model, l3=l3
+        )
 
-    stock_state, stock_restored = mamba_host_hit(rig("auto"), from_l3=True)
-    state, restored = mamba_host_hit(rig(host_dtype), from_l3=True)
-    for want, got, stock_want, stock_got in zip(
-        state, restored, stock_state, stock_restored
-    ):
-        assert torch.equal(want, stock_want)
-        assert torch.equal(stock_got, stock_want)
-        assert torch.equal(got, stock_got)
+    stock = mamba_host_hit(rig("auto"), from_l3=backend is not None)
+    encoded = mamba_host_hit(rig(host_dtype), from_l3=backend is not None)
+    assert_state_as_stock(encoded, stock)
 
 
 # -- metrics -------------------------------------------------------------------

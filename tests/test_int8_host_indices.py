@@ -1,11 +1,4 @@
-"""Host-index bounds of the INT8 kernels (issue 9, item 4).
-
-Indices that reach the pool on the CPU are rejected before any byte moves, on
-every transfer path and for every format:
-tests/test_conformance.py::test_out_of_range_host_indices_rejected_and_nothing_moves.
-Indices already on the device are bounded by the kernels themselves:
-out-of-range rows are skipped and counted, without a sync (here).
-"""
+"""Host-index bounds of the INT8 kernels (issue 9, item 4)."""
 
 from __future__ import annotations
 
@@ -117,9 +110,8 @@ def test_decode_skips_and_counts_out_of_range_host_rows():
 
 
 def test_pool_counts_device_resident_bad_rows_on_demand(monkeypatch):
-    """On CUDA, host indices already on the device skip the CPU check (it
-    would sync); the pool's kernels must then drop and count bad rows. A CPU
-    pool takes that branch when the CPU check is switched off."""
+    """On CUDA, host indices already on the device skip the CPU check (it would sync);
+    the pool's kernels must then drop and count bad rows."""
     device_pool, pool = build("fused-direct", "page_first", 2)
     monkeypatch.setattr(pool.planner, "check", lambda host_indices: None)
     host = bad_host_indices(pool, "negative")

@@ -1,14 +1,6 @@
-"""Start-up self-check of the INT8 host pool (encoded_fused.self_check) and
-its transfer-path reporting, run on CPU pools with the fused kernels under the
-Triton interpreter (TRITON_INTERPRET=1).
-
-The constructor runs the self-check when it chooses a fused path on CUDA
-(tests/gpu/ covers that on a GPU); here the same choice (choose_transfer with
-check=True) and the self-check itself run on CPU pools built on the fused
-path. Faults are injected into the real kernel wrappers: an
-exception in a launch, a wrong byte in the host records, a wrong byte in the
-restored rows.
-"""
+"""Start-up self-check of the INT8 host pool (encoded_fused.self_check) and its
+transfer-path reporting, run on CPU pools with the fused kernels under the Triton
+interpreter (TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -216,9 +208,9 @@ def test_the_pool_has_no_transfer_path_setters():
 
 
 def test_unpinned_direct_request_is_settled_at_construction(monkeypatch):
-    """Asked for direct access to unpinned host memory on CUDA, the choice
-    tries the direct path's self-check, then staged: decided once, before
-    any transfer, never by a failing launch."""
+    """Asked for direct access to unpinned host memory on CUDA, the choice tries the
+    direct path's self-check, then staged: decided once, before any transfer, never by a
+    failing launch."""
     import dataclasses
 
     _, pool = build(Geometry(), "page_first", None)

@@ -1,14 +1,5 @@
-"""The MLA INT8 pool's fused transfer wiring (encoded_fused.FusedTransfer),
-checked against the kernels' contract with a torch stand-in for them.
-
-The real kernels (sglang.kernels.ops.kvcache.kv_mla_int8_triton) are built on
-the mla-kernels branch and tested there under the Triton interpreter. Here a
-stand-in with the same signatures, written from the format's reference,
-takes their place, so what is tested is the pool's side: the device layer
-tables, the record views ([unit, layer, ...] for a backup, one layer for a
-restore), host and device indices, direct and staged host access, the
-statistics and the start-up self-check. Without the kernel module the format
-reports the fused path unavailable and the torch path serves."""
+"""The MLA INT8 pool's fused transfer wiring (encoded_fused.FusedTransfer), checked
+against the kernels' contract with a torch stand-in for them."""
 
 from __future__ import annotations
 
@@ -172,8 +163,8 @@ def test_self_check_passes_and_puts_everything_back(kernels, access):
 
 
 def test_self_check_catches_kernels_that_differ(kernels, monkeypatch):
-    """A kernel that drops RoPE bits fails the start-up check: the pool falls
-    back to the torch path and says why."""
+    """A kernel that drops RoPE bits fails the start-up check: the pool falls back to
+    the torch path and says why."""
 
     def lossy_decode(records, host_indices, dst, device_indices, **kw):
         decode_scatter(records, host_indices, dst, device_indices, **kw)

@@ -1,14 +1,5 @@
-"""The attention-sink page (issue 22 item 2): inside the 4-bit-key host
-formats the keys of the page holding a sequence's token 0 are kept at 8 bits
-(pool_host/sink_page.py).
-
-Through SGLang's real MHA device pool, the dispatched host pool and
-HiCacheController (write -> wipe -> load): the sink page's keys restore bit
-for bit as the int8 reference codec gives them, its values and every other
-page as the pool's own 4-bit reference; the 4-bit records (what L3 stores)
-are written for the sink page too. Expected values come from the reference
-codecs on the rows the test wrote.
-"""
+"""The attention-sink page (issue 22 item 2): inside the 4-bit-key host formats the keys
+of the page holding a sequence's token 0 are kept at 8 bits (pool_host/sink_page.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +21,13 @@ from scripts.rigs.hicache_harness import (
 from sglang.srt.mem_cache.pool_host.kv_int8_codec import Int8HostFormat
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.mem_cache.pool_host.sink_page import L3_KEY_SUFFIX, SINK_ENV
-from tests.support.conformance import LAYOUTS
+from tests.support.conformance import (
+    LAYOUTS,
+    bits,
+    host_unit_records,
+    host_units,
+    reference,
+)
 
 FORMATS = ("int4", "int4r")
 PAGE = 16
@@ -72,33 +69,22 @@ def restore(rig, host):
     ]
 
 
-def reference(fmt, rows, unit_tokens):
-    """Restored rows (flat tokens) and records of reference format `fmt`."""
-    k, v = (x.view(-1, unit_tokens, *x.shape[1:]) for x in rows)
-    records = fmt.encode_reference([k, v])
-    k_hat, v_hat = fmt.decode_reference(records, k.dtype)
-    return (k_hat.flatten(0, 1), v_hat.flatten(0, 1)), records
-
-
-def bits(x):
-    return x.view(torch.int16)
-
-
 def assert_same(got, want):
     assert torch.equal(bits(got), bits(want))
 
 
 def expect(pool, written, sink_tokens):
-    """Per layer: the reference restore of the written rows, the keys of the
-    first `sink_tokens` of them from the int8 codec."""
+    """Per layer: the reference restore of the written rows, the keys of the first
+    `sink_tokens` of them from the int8 codec."""
     fmt = pool.host_format
-    int8 = Int8HostFormat(fmt.dims, fmt.head_num, pool.page_size, fmt.device_dtype)
+    int8 = Int8HostFormat(fmt.dims, fmt.head_num, PAGE, fmt.device_dtype)
     out = []
     for k, v in written:
-        (k4, v4), _ = reference(fmt, (k, v), fmt.unit_tokens)
+        _, (k4, v4) = reference(pool, [k, v])
         if sink_tokens:
-            (k8, _), _ = reference(int8, (k[:sink_tokens], v[:sink_tokens]), PAGE)
-            k4[:sink_tokens] = k8
+            rows = [x[:sink_tokens].view(-1, PAGE, *x.shape[1:]) for x in (k, v)]
+            k8, _ = int8.decode_reference(int8.encode_reference(rows), k.dtype)
+            k4[:sink_tokens] = k8.flatten(0, 1)
         out.append((k4, v4))
     return out
 
@@ -117,14 +103,6 @@ def l2_counts(pool) -> dict:
     return {k: v for k, v in counts.items() if k != "l3"}
 
 
-def host_records(pool, layer, host):
-    units = host if pool.layout == "layer_first" else host[::PAGE] // PAGE
-    return {
-        name: buf[layer, units] if pool.layout == "layer_first" else buf[units, layer]
-        for name, buf in pool.host_records.items()
-    }
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
@@ -137,8 +115,8 @@ def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
     assert_restores(rig, other_host, other_written, 0)
     # The 4-bit records (L3's page bytes) hold the sink page too.
     for layer, (k, v) in enumerate(written):
-        _, records = reference(pool.host_format, (k, v), pool.host_format.unit_tokens)
-        stored = host_records(pool, layer, host)
+        records, _ = reference(pool, [k, v])
+        stored = host_unit_records(pool, layer, host_units(pool, host))
         for name, want in records.items():
             assert torch.equal(stored[name].view(torch.uint8), want.view(torch.uint8))
 
@@ -147,8 +125,8 @@ def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
 @pytest.mark.parametrize("access", ("direct", "staged"))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_path_moves_the_sink_page_keys_on_the_torch_path(fmt, access):
-    """Under the Triton interpreter: the pool's fused 4-bit kernels, then the
-    side store's keys on the torch path, give the reference's bits."""
+    """Under the Triton interpreter: the pool's fused 4-bit kernels, then the side
+    store's keys on the torch path, give the reference's bits."""
     rig = build(fmt, fused_transfer=access)
     pool = rig.host_pool
     host, written = backup(rig, 2 * PAGE, seed=11, sink=True)
@@ -216,8 +194,8 @@ def test_full_store_keeps_the_page_4_bit_and_counts_it():
 
 
 def test_reused_host_page_is_not_a_sink_page_any_more():
-    """A freed sink page's host slots, reallocated to a non-first page, restore
-    at 4 bits (the flag is the page's, cleared on free)."""
+    """A freed sink page's host slots, reallocated to a non-first page, restore at 4
+    bits (the flag is the page's, cleared on free)."""
     rig = build("int4", host_pages=2)
     host, _ = backup(rig, 2 * PAGE, seed=9, sink=True)
     rig.controller.evict_host(host)
@@ -227,9 +205,9 @@ def test_reused_host_page_is_not_a_sink_page_any_more():
 
 
 def test_free_clears_the_mark_of_a_page_whose_slot_is_reused():
-    """A freed sink page's mark goes with its slot: with the one slot taken by
-    the next first page, a non-first page on the freed host page restores at
-    4 bits, and the new first page's keys at 8 (every allocation order)."""
+    """A freed sink page's mark goes with its slot: with the one slot taken by the next
+    first page, a non-first page on the freed host page restores at 4 bits, and the new
+    first page's keys at 8 (every allocation order)."""
     rig = build("int4", sink_tokens=16 * PAGE, host_pages=4)
     pool = rig.host_pool
     host_a, _ = backup(rig, 2 * PAGE, seed=12, sink=True)
@@ -309,9 +287,9 @@ def allocated_bytes(pool) -> int:
 
 
 def test_bytes_per_token_at_qwen3_8b_geometry():
-    """int4 with the sink page, page 64, one side-store slot per 1k/4k/8k/16k
-    host tokens: bytes per token from the allocated buffers, which the pool
-    reports (start-up log, metrics). Run with -s for the table."""
+    """int4 with the sink page, page 64, one side-store slot per 1k/4k/8k/16k host
+    tokens: bytes per token from the allocated buffers, which the pool reports (start-up
+    log, metrics)."""
     geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
     device_pool = make_device_pool(geo, device_tokens=128)
     bf16 = 36 * 8 * 128 * 2 * 2
@@ -377,9 +355,7 @@ def insert(cache, allocator, device_pool, ids, seed):
 
 
 def test_radix_cache_flags_the_first_page_of_each_root_child(monkeypatch):
-    """Three sequences: b shares a's first two pages, c starts elsewhere. The
-    radix cache backs up a (a root child), b's own tail (a child of a's node)
-    and c (a root child): only a's and c's first pages are flagged."""
+    """Three sequences: b shares a's first two pages, c starts elsewhere."""
     cache, device_pool, allocator = radix_cache(monkeypatch, "int4r")
     controller = cache.cache_controller
     pool = controller.mem_pool_host.anchor_entry.host_pool
@@ -436,8 +412,8 @@ def sink_objects(tmp_path) -> list:
 
 
 def write_sequence(l3, tokens, seed):
-    """tokens (a sequence from token 0) -> L2 -> L3, then dropped from L1 and
-    L2; returns what the device held, per layer (K, V)."""
+    """tokens (a sequence from token 0) -> L2 -> L3, then dropped from L1 and L2;
+    returns what the device held, per layer (K, V)."""
     from scripts.rigs.l3_harness import device_rows, evict_everywhere, write_through
 
     dev, host, _, stored = write_through(l3, tokens, seed=seed, first_page_is_sink=True)
@@ -477,10 +453,10 @@ def assert_prefetch_restores(l3, tokens, written, sink_tokens, last_hash=None):
 
 
 def test_l3_carries_the_sink_page_keys_at_8_bits(monkeypatch, tmp_path, l3_rigs):
-    """The file backend stores every page as the format's 4-bit page, plus
-    one object of the sink page's 8-bit keys; after L1 and L2 are emptied,
-    the prefetched sink page restores its keys at 8 bits (bit for bit the
-    int8 codec's), everything else at 4 bits."""
+    """The file backend stores every page as the format's 4-bit page, plus one object of
+    the sink page's 8-bit keys; after L1 and L2 are emptied, the prefetched sink page
+    restores its keys at 8 bits (bit for bit the int8 codec's), everything else at 4
+    bits."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
     pool = l3.rig.host_pool
     tokens = list(range(7, 7 + 3 * PAGE))
@@ -497,8 +473,8 @@ def test_l3_carries_the_sink_page_keys_at_8_bits(monkeypatch, tmp_path, l3_rigs)
 
 
 def test_l3_chain_after_token_0_does_not_ask(monkeypatch, tmp_path, l3_rigs):
-    """A prefetch that continues a cached prefix (last_hash set) starts on a
-    later page: it asks for no sink object and restores at 4 bits."""
+    """A prefetch that continues a cached prefix (last_hash set) starts on a later page:
+    it asks for no sink object and restores at 4 bits."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
     tokens = list(range(7, 7 + 3 * PAGE))
     written = write_sequence(l3, tokens, seed=6)
@@ -512,8 +488,8 @@ def test_l3_chain_after_token_0_does_not_ask(monkeypatch, tmp_path, l3_rigs):
 
 
 def test_l3_full_store_restores_4_bit_and_counts_it(monkeypatch, tmp_path, l3_rigs):
-    """One slot, held by the first sequence's prefetched sink page: the
-    second's comes back 4-bit, counted as full."""
+    """One slot, held by the first sequence's prefetched sink page: the second's comes
+    back 4-bit, counted as full."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=16 * PAGE)
     pool = l3.rig.host_pool
     assert pool.sink_page_counts()["slots"] == 1
@@ -550,9 +526,9 @@ def _other_page(tmp_path, objects):
 def test_l3_sink_object_refused_restores_4_bit(
     monkeypatch, tmp_path, l3_rigs, fault, reason
 ):
-    """A sink object changed, deleted or taken from another sequence's page:
-    the page restores at 4 bits, bit for bit, counted by reason; no slot is
-    taken and the other pages are unchanged."""
+    """A sink object changed, deleted or taken from another sequence's page: the page
+    restores at 4 bits, bit for bit, counted by reason; no slot is taken and the other
+    pages are unchanged."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
     pool = l3.rig.host_pool
     first = list(range(7, 7 + 2 * PAGE))
@@ -576,8 +552,8 @@ def test_l3_sink_object_refused_restores_4_bit(
 
 
 def test_l3_failing_store_costs_only_the_8_bits(monkeypatch, tmp_path, l3_rigs):
-    """A backend whose get of the sink object raises: the page, already
-    verified, restores at 4 bits and the failure counts as missing."""
+    """A backend whose get of the sink object raises: the page, already verified,
+    restores at 4 bits and the failure counts as missing."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
     tokens = list(range(7, 7 + 2 * PAGE))
     written = write_sequence(l3, tokens, seed=9)
@@ -607,8 +583,8 @@ def test_l3_sink_off_writes_no_sink_objects(monkeypatch, tmp_path, l3_rigs):
 
 
 def test_quality_harness_sink_arm_is_opt_in():
-    """The quality CLI's int4r_sink arm: int4r's pool with the side store,
-    selected only by --arms."""
+    """The quality CLI's int4r_sink arm: int4r's pool with the side store, selected only
+    by --arms."""
     from scripts.quality import harness as hq
 
     default, _ = hq._selected_arms(hq.QualityConfig(text_file="unused"))
@@ -628,8 +604,8 @@ def test_quality_harness_sink_arm_is_opt_in():
 
 
 def test_start_up_lines_round_bytes_per_token_and_size_the_store(caplog):
-    """The side store's share makes the pool's bytes per token fractional: the
-    line states it rounded; the store's size is in a unit that shows it."""
+    """The side store's share makes the pool's bytes per token fractional: the line
+    states it rounded; the store's size is in a unit that shows it."""
     with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.pool_host"):
         # 3 slots of 16.5 B per host token each.
         pool = build("int4", sink_tokens=6 * PAGE).host_pool
@@ -660,9 +636,9 @@ def test_readable_bytes(n, text):
 
 
 def test_the_sink_page_hooks_are_declared_and_take_bytes():
-    """HostKVCache declares the controller's sink-page hooks (a pool without
-    the sink page answers "none"); the controller reads them plainly; the pool
-    names the object to get and receives its bytes, never a backend."""
+    """HostKVCache declares the controller's sink-page hooks (a pool without the sink
+    page answers "none"); the controller reads them plainly; the pool names the object
+    to get and receives its bytes, never a backend."""
     import inspect
 
     from sglang.srt.managers import cache_controller

@@ -1,10 +1,7 @@
-"""Packed MTP draft layers through the fused transfer kernels, under the
-Triton interpreter (TRITON_INTERPRET=1): the draft layers are separate device
-allocations appended to the target's layer table (DeviceLayerTable offsets
-reach them), so one encode launch covers target and draft, and a draft load
-decodes into the draft pool. The fused path writes the torch path's host
-bytes and restores the same device rows, for MHA (int8, int4, k8v4) and MLA
-int8, direct and staged."""
+"""Packed MTP draft layers through the fused transfer kernels, under the Triton
+interpreter (TRITON_INTERPRET=1): the draft layers are separate device allocations
+appended to the target's layer table (DeviceLayerTable offsets reach them), so one
+encode launch covers target and draft, and a draft load decodes into the draft pool."""
 
 from __future__ import annotations
 
@@ -19,6 +16,8 @@ from scripts.rigs.hicache_harness import (
 )
 
 from sglang.srt.mem_cache.pool_host import encoded_fused
+from tests.support.conformance import bits, rows_at
+from tests.support.hybrid_rigs import wipe_kv
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 
 pytestmark = [
@@ -47,29 +46,9 @@ def packed_pool(geo, host_dtype, layout, drafts, mode):
     return target, draft_pools, pool
 
 
-def device_rows(pool, indices):
-    if hasattr(pool, "kv_buffer") and not hasattr(pool, "k_buffer"):
-        return [pool.kv_buffer[i][indices].clone() for i in range(pool.layer_num)]
-    return [
-        t[indices].clone()
-        for i in range(pool.layer_num)
-        for t in (pool.k_buffer[i], pool.v_buffer[i])
-    ]
-
-
-def wipe(pool, indices):
-    bufs = (
-        pool.kv_buffer
-        if not hasattr(pool, "k_buffer")
-        else [*pool.k_buffer, *pool.v_buffer]
-    )
-    for buf in bufs:
-        buf[indices] = float("nan")
-
-
 def round_trip(geo, host_dtype, layout, mode, drafts=2):
-    """Back up target + drafts, restore every layer into fresh slots; returns
-    the host records and the restored device rows per pool."""
+    """Back up target + drafts, restore every layer into fresh slots; returns the host
+    records and the restored device rows per pool."""
     target, draft_pools, pool = packed_pool(geo, host_dtype, layout, drafts, mode)
     pools = [target, *draft_pools]
     n = 3 * geo.page_size
@@ -83,29 +62,27 @@ def round_trip(geo, host_dtype, layout, mode, drafts=2):
     records = {k: v.clone() for k, v in pool.host_records.items()}
     dst = torch.arange(DEVICE_TOKENS - n, DEVICE_TOKENS)
     for p in pools:
-        wipe(p, dst)
+        wipe_kv(p, dst)
     for layer in range(pool.target_layer_num):
         pool.load_to_device_per_layer(target, host, dst, layer, "kernel")
     for depth, p in enumerate(draft_pools):
         pool.load_to_device_per_layer(
             p, host, dst, pool.target_layer_num + depth, "kernel", is_draft=True
         )
-    return records, [device_rows(p, dst) for p in pools]
-
-
-def same_bits(a, b):
-    view = torch.int16 if a.element_size() == 2 else torch.uint8
-    return torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+    return records, [sum(rows_at(p, dst), []) for p in pools]
 
 
 def assert_same(got, ref):
     (g_rec, g_rows), (r_rec, r_rows) = got, ref
     assert g_rec.keys() == r_rec.keys()
     for name in r_rec:
-        assert same_bits(g_rec[name], r_rec[name]), name
+        assert torch.equal(bits(g_rec[name]), bits(r_rec[name])), name
     for p, (g_pool, r_pool) in enumerate(zip(g_rows, r_rows)):
         for i, (g, r) in enumerate(zip(g_pool, r_pool)):
-            assert same_bits(g, r), ("target" if p == 0 else f"draft{p - 1}", i)
+            assert torch.equal(bits(g), bits(r)), (
+                "target" if p == 0 else f"draft{p - 1}",
+                i,
+            )
             assert not torch.isnan(g).any()
 
 
@@ -143,9 +120,8 @@ def test_packed_draft_fused_matches_torch_mla(layout, page_size, mode):
     ids=["int8", "k8v4", "mla-int8"],
 )
 def test_start_up_self_check_covers_the_draft_layers(geo, host_dtype):
-    """The start-up self-check (run whenever the pool chooses a fused path)
-    restores every layer, the drafts included, so the fused path stays
-    selected."""
+    """The start-up self-check (run whenever the pool chooses a fused path) restores
+    every layer, the drafts included, so the fused path stays selected."""
     _, _, pool = packed_pool(geo, host_dtype, "page_first", 1, "direct")
     assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     assert pool.transfer_path == "fused_direct"

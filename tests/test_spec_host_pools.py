@@ -1,25 +1,6 @@
-"""Host tiers under speculative decoding, through SGLang's own registry,
-hybrid pool assembler, HybridCacheController and UnifiedRadixCache on CPU,
-for every --hicache-host-dtype.
-
-SGLang 0.5.23 gives the draft model's KV a host copy in one of two ways
-(speculative/base_spec_worker._build_hicache_draft_plan):
-
-- packed: NEXTN (and EAGLE whose draft is the checkpoint's own MTP layers)
-  appends one host layer per draft pool to the target's host pool
-  (CacheInitParams.mtp_draft_device_pools -> draft_buffer_infos); the
-  controller loads them with is_draft=True at host layer target + depth.
-  MHA (GLM-4-MoE / Qwen3-Next style) and MLA (DeepSeek V3 NEXTN).
-- sidecar: EAGLE/EAGLE3 with --speculative-draft-model-path, and STANDALONE,
-  get a DRAFT host pool of their own (hybrid_pool_assembler
-  .build_full_draft_pools) whose indices follow the target's KV; a
-  sliding-window target's draft also gets DRAFT_SWA (build_swa_draft_sidecars).
-
-Each case writes target and draft KV, wipes the device, loads both back into
-fresh slots and checks them bit for bit against the format's reference
-decode (host_format_cls(name, kind).decode_reference), or the rows
-themselves for --hicache-host-dtype auto.
-"""
+"""Host tiers under speculative decoding, through SGLang's own registry, hybrid pool
+assembler, HybridCacheController and UnifiedRadixCache on CPU, for every --hicache-host-
+dtype."""
 
 from __future__ import annotations
 
@@ -33,11 +14,10 @@ from tests.support.hybrid_rigs import (
     DTYPE,
     HOST_DTYPES,
     alloc_swa_tokens,
-    bits,
     build_cache,
     expected_host_cls,
     fill_kv,
-    kv_restore,
+    assert_restored,
     publish_server_args,
     swa_rig,
     wipe_kv,
@@ -52,7 +32,7 @@ from tests.support.server_args import DEEPSEEK_V3
 from tests.support.server_args import LLAMA as _LLAMA
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
-from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 # The pools here are a few MB: sized against a fixed budget, not the free RAM
@@ -71,12 +51,6 @@ MHA_LAYOUTS = [
     ("page_first_direct", 4, "kernel"),
     ("layer_first", 1, "kernel"),
     ("layer_first", 2, "direct"),
-]
-# What the stock pool takes of those (on CPU, through the kvcacheio stand-ins).
-STOCK_LAYOUTS = [
-    ("page_first", 4, "kernel"),
-    ("page_first_direct", 4, "direct"),
-    ("layer_first", 1, "direct"),
 ]
 DEEPSEEK_MLA = dict(DEEPSEEK_V3, num_nextn_predict_layers=1)
 MHA_MTP = dict(_LLAMA, num_nextn_predict_layers=1)
@@ -112,8 +86,8 @@ def mla_pool(layers: int, page_size: int):
 
 
 class FlatRig:
-    """A flat (MHA or MLA) target's radix cache with HiCache, as the scheduler
-    builds it, optionally with packed MTP draft pools."""
+    """A flat (MHA or MLA) target's radix cache with HiCache, as the scheduler builds
+    it, optionally with packed MTP draft pools."""
 
     def __init__(self, server_args, kv_pool, page_size, packed_drafts=()):
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
@@ -176,70 +150,20 @@ def add_draft_sidecar(rig, draft_pool):
 # -- what a restore must give --------------------------------------------------
 
 
-def fill_mla(pool, indices, gen):
-    written = []
-    for layer in range(pool.layer_num):
-        kv = pool.kv_buffer[layer]
-        x = torch.randn((len(indices), *kv.shape[1:]), generator=gen)
-        x *= torch.logspace(-2, 2, len(indices)).view(-1, 1, 1)
-        kv[indices] = x.to(kv.dtype)
-        written.append(kv[indices].clone())
-    return written
-
-
-def wipe_mla(pool, indices):
-    for layer in range(pool.layer_num):
-        pool.kv_buffer[layer][indices] = float("nan")
-
-
-def mla_restore(host_dtype, host_pool, rows):
-    """Latent rows [tokens, 1, width] after the format's reference round trip."""
-    if host_dtype == "auto":
-        return rows
-    ut = host_pool.host_format.unit_tokens
-    fmt = host_format_cls(host_dtype, "mla")(
-        (rows.shape[-1],), 1, ut, rows.dtype, rope_dim=DEEPSEEK_MLA["qk_rope_head_dim"]
-    )
-    (y,) = fmt.decode_reference(
-        fmt.encode_reference([rows.view(-1, ut, *rows.shape[1:])]), rows.dtype
-    )
-    return y.reshape(rows.shape)
-
-
-def assert_mha_restored(host_dtype, host_pool, pool, indices, written, what):
-    for layer, (k, v) in enumerate(written):
-        k_ref, v_ref = kv_restore(host_dtype, host_pool, k, v)
-        got_k, got_v = pool.k_buffer[layer][indices], pool.v_buffer[layer][indices]
-        assert torch.equal(bits(got_k), bits(k_ref)), (what, layer, "k")
-        assert torch.equal(bits(got_v), bits(v_ref)), (what, layer, "v")
-
-
-def assert_mla_restored(host_dtype, host_pool, pool, indices, written, what):
-    for layer, rows in enumerate(written):
-        got = pool.kv_buffer[layer][indices]
-        ref = mla_restore(host_dtype, host_pool, rows)
-        assert torch.equal(bits(got), bits(ref)), (what, layer)
-
-
-def round_trip(rig, pools, tokens, *, mla=False, sidecars=(), seed=0):
-    """Write `tokens` tokens of KV into every pool in `pools` (target first,
-    then the drafts, whose slots follow the target's), back them up through
-    the controller, wipe the device, load everything back into fresh slots
-    and check it; returns the loaded slots."""
-    fill, wipe, check = (
-        (fill_mla, wipe_mla, assert_mla_restored)
-        if mla
-        else (fill_kv, wipe_kv, assert_mha_restored)
-    )
+def round_trip(rig, pools, tokens, *, sidecars=(), seed=0):
+    """Write `tokens` tokens of KV into every pool in `pools` (target first, then the
+    drafts, whose slots follow the target's), back them up through the controller, wipe
+    the device, load everything back into fresh slots and check it; returns the loaded
+    slots."""
     ctl, gen = rig.controller, torch.Generator().manual_seed(seed)
     slots = rig.allocator.alloc(tokens)
-    written = [fill(pool, slots, gen) for pool in pools]
+    written = [fill_kv(pool, slots, gen) for pool in pools]
     extra = [PoolTransfer(name=n, indices_from_pool=PoolName.KV) for n in sidecars]
     host = ctl.write(slots, extra_pools=extra or None)
     assert host is not None
     rig.finish()
     for pool in pools:
-        wipe(pool, slots)
+        wipe_kv(pool, slots)
     rig.allocator.free(slots)
 
     extra = [PoolTransfer(name=n, indices_from_pool=PoolName.KV) for n in sidecars]
@@ -280,48 +204,28 @@ def check_packed_layers(rig, host_dtype, draft_layers):
     assert host.size_per_token == per_layer * (TARGET_LAYERS + draft_layers)
 
 
-@pytest.mark.parametrize("layout,page_size,io_backend", MHA_LAYOUTS)
-def test_packed_mtp_mha_int8_every_layout(spec_models, layout, page_size, io_backend):
+# (host_dtype, layout, page size, io backend, draft depth): INT8 with two drafts,
+# every format (the stock pool too) with one, on every layout.
+PACKED_MHA = [("int8", *row, 2) for row in MHA_LAYOUTS] + [
+    (f, *row, 1) for f in HOST_DTYPES for row in MHA_LAYOUTS
+]
+
+
+@pytest.mark.parametrize("host_dtype,layout,page_size,io_backend,depth", PACKED_MHA)
+def test_packed_mtp_mha(spec_models, host_dtype, layout, page_size, io_backend, depth):
     rig, target, drafts = packed_mha_rig(
-        spec_models, "int8", layout, page_size, io_backend
+        spec_models, host_dtype, layout, page_size, io_backend, depth=depth
     )
-    check_packed_layers(rig, "int8", len(drafts))
-    host = rig.host_pool()
-    loaded, written = round_trip(rig, (target, *drafts), 3 * page_size + 4)
-    for pool, rows, what in zip((target, *drafts), written, ("target", "d0", "d1")):
-        assert_mha_restored("int8", host, pool, loaded, rows, what)
-
-
-@pytest.mark.parametrize("layout,page_size,io_backend", MHA_LAYOUTS)
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_packed_mtp_mha_every_format(
-    spec_models, host_dtype, layout, page_size, io_backend
-):
-    rig, target, drafts = packed_mha_rig(
-        spec_models, host_dtype, layout, page_size, io_backend, depth=1
-    )
-    check_packed_layers(rig, host_dtype, 1)
-    host = rig.host_pool()
-    loaded, written = round_trip(rig, (target, *drafts), 2 * page_size + 2)
-    for pool, rows, what in zip((target, *drafts), written, ("target", "draft")):
-        assert_mha_restored(host_dtype, host, pool, loaded, rows, what)
-
-
-@pytest.mark.parametrize("layout,page_size,io_backend", STOCK_LAYOUTS)
-def test_packed_mtp_mha_stock_pool_alike(spec_models, layout, page_size, io_backend):
-    """The layouts the encoded pools pack drafts with are the stock pool's."""
-    rig, target, drafts = packed_mha_rig(
-        spec_models, "auto", layout, page_size, io_backend, depth=1
-    )
-    check_packed_layers(rig, "auto", 1)
-    loaded, written = round_trip(rig, (target, *drafts), 2 * page_size + 2)
-    for pool, rows, what in zip((target, *drafts), written, ("target", "draft")):
-        assert_mha_restored("auto", rig.host_pool(), pool, loaded, rows, what)
+    check_packed_layers(rig, host_dtype, depth)
+    pools = (target, *drafts)
+    loaded, written = round_trip(rig, pools, (depth + 1) * page_size + 2 * depth)
+    for i, (pool, rows) in enumerate(zip(pools, written)):
+        assert_restored(rig.host_pool(), pool, loaded, rows, i)
 
 
 def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
-    """A load with is_draft=True writes the draft's host layer into the draft
-    device pool, and a target-only load leaves the draft untouched."""
+    """A load with is_draft=True writes the draft's host layer into the draft device
+    pool, and a target-only load leaves the draft untouched."""
     rig, target, (draft,) = packed_mha_rig(
         spec_models, "int8", "page_first", 4, "kernel", depth=1
     )
@@ -344,7 +248,7 @@ def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
     host.load_to_device_per_layer(
         draft, host_slots, slots, TARGET_LAYERS, "kernel", is_draft=True
     )
-    assert_mha_restored("int8", host, draft, slots, draft_rows, "draft")
+    assert_restored(host, draft, slots, draft_rows, "draft")
 
 
 def test_packed_mtp_start_up_log_names_bytes_with_and_without_draft(
@@ -367,9 +271,8 @@ def test_packed_mtp_start_up_log_names_bytes_with_and_without_draft(
 
 
 def test_packed_mtp_l3_pages_carry_the_draft_layers(spec_models):
-    """The stock pool's storage pages hold every host layer, drafts included;
-    so do the encoded pool's: a page read and written back elsewhere restores
-    the draft layer."""
+    """The stock pool's storage pages hold every host layer, drafts included; so do the
+    encoded pool's: a page read and written back elsewhere restores the draft layer."""
     rig, target, (draft,) = packed_mha_rig(
         spec_models, "int8", "page_first", 4, "kernel", depth=1
     )
@@ -388,7 +291,7 @@ def test_packed_mtp_l3_pages_carry_the_draft_layers(spec_models):
     host.load_to_device_per_layer(
         draft, dst, slots, TARGET_LAYERS, "kernel", is_draft=True
     )
-    assert_mha_restored("int8", host, draft, slots, draft_rows, "draft via L3 page")
+    assert_restored(host, draft, slots, draft_rows, "draft via L3 page")
 
 
 MLA_LAYOUTS = [
@@ -427,57 +330,49 @@ def test_packed_mtp_mla(spec_models, host_dtype, layout, page_size, io_backend):
         allocated = sum(t.nbytes for t in host.host_records.values())
         assert allocated == host.size * host.size_per_token
         assert host.size_per_token_without_draft() * 3 == host.size_per_token * 2
-    loaded, written = round_trip(rig, (target, draft), 2 * page_size + 2, mla=True)
+    loaded, written = round_trip(rig, (target, draft), 2 * page_size + 2)
     for pool, rows, what in zip((target, draft), written, ("target", "draft")):
-        assert_mla_restored(host_dtype, host, pool, loaded, rows, what)
+        assert_restored(host, pool, loaded, rows, what)
 
 
 # -- separate drafts (EAGLE/EAGLE3 with a draft model, STANDALONE) ---------------
 
 
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_separate_draft_sidecar_is_the_encoded_pool(spec_models, host_dtype):
-    """EAGLE3 with a Llama-shaped draft (one layer, its own head geometry)."""
-    layout, page_size, io_backend = ("page_first", 4, "kernel")
+# EAGLE3 with a Llama-shaped draft (one layer, its own heads) and STANDALONE (a
+# smaller model of the target's family: several layers, the target's heads):
+# (host_dtype, layout, page size, io backend, draft pool arguments, tokens).
+SIDECARS = [
+    (f, "page_first", 4, "kernel", dict(layers=1, head_num=4, head_dim=32), 12)
+    for f in HOST_DTYPES
+] + [(f, "layer_first", 1, "direct", dict(layers=2), 7) for f in ("auto", "int8")]
+
+
+@pytest.mark.parametrize(
+    "host_dtype,layout,page_size,io_backend,draft_args,tokens", SIDECARS
+)
+def test_separate_draft_sidecar_is_the_encoded_pool(
+    spec_models, host_dtype, layout, page_size, io_backend, draft_args, tokens
+):
     server_args = publish_server_args(
         spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
     )
     target = mha_pool(TARGET_LAYERS, page_size)
     rig = FlatRig(server_args, target, page_size)
-    draft = mha_pool(1, page_size, head_num=4, head_dim=32)
+    draft = mha_pool(page_size=page_size, **draft_args)
     add_draft_sidecar(rig, draft)
     draft_host = rig.host_pool(PoolName.DRAFT)
     assert type(draft_host) is expected_host_cls(host_dtype)
-    assert draft_host.layer_num == draft_host.target_layer_num == 1
+    assert draft_host.layer_num == draft_host.target_layer_num == draft_args["layers"]
     loaded, written = round_trip(
-        rig, (target, draft), 3 * page_size, sidecars=(PoolName.DRAFT,)
+        rig, (target, draft), tokens, sidecars=(PoolName.DRAFT,)
     )
-    assert_mha_restored(host_dtype, rig.host_pool(), target, loaded, written[0], "t")
-    assert_mha_restored(host_dtype, draft_host, draft, loaded, written[1], "draft")
-
-
-@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
-def test_standalone_draft_sidecar(spec_models, host_dtype):
-    """STANDALONE: a smaller model of the target's family as the draft (several
-    layers, the target's heads)."""
-    layout, page_size, io_backend = ("layer_first", 1, "direct")
-    server_args = publish_server_args(
-        spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
-    )
-    target = mha_pool(TARGET_LAYERS, page_size)
-    rig = FlatRig(server_args, target, page_size)
-    draft = mha_pool(2, page_size)
-    add_draft_sidecar(rig, draft)
-    draft_host = rig.host_pool(PoolName.DRAFT)
-    assert type(draft_host) is expected_host_cls(host_dtype)
-    loaded, written = round_trip(rig, (target, draft), 7, sidecars=(PoolName.DRAFT,))
-    assert_mha_restored(host_dtype, rig.host_pool(), target, loaded, written[0], "t")
-    assert_mha_restored(host_dtype, draft_host, draft, loaded, written[1], "draft")
+    assert_restored(rig.host_pool(), target, loaded, written[0], "t")
+    assert_restored(draft_host, draft, loaded, written[1], "draft")
 
 
 def test_mla_target_with_separate_mha_draft(spec_models):
-    """An MLA target (int8) with an EAGLE3 Llama-shaped draft: the draft's
-    host pool is the MHA INT8 pool."""
+    """An MLA target (int8) with an EAGLE3 Llama-shaped draft: the draft's host pool is
+    the MHA INT8 pool."""
     server_args = publish_server_args(
         spec_models["deepseek"], "int8", "page_first", 4, "kernel"
     )
@@ -489,26 +384,26 @@ def test_mla_target_with_separate_mha_draft(spec_models):
     assert type(draft_host) is host_pool_cls("int8", "mha")
     gen = torch.Generator().manual_seed(1)
     slots = rig.allocator.alloc(12)
-    t_rows = fill_mla(target, slots, gen)
+    t_rows = fill_kv(target, slots, gen)
     d_rows = fill_kv(draft, slots, gen)
     extra = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)]
     host_idx = rig.controller.write(slots, extra_pools=extra)
     rig.finish()
-    wipe_mla(target, slots)
+    wipe_kv(target, slots)
     wipe_kv(draft, slots)
     rig.allocator.free(slots)
     extra = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)]
     loaded = rig.controller.load(host_idx, extra_pools=extra)
     rig.controller.start_loading()
     rig.finish()
-    assert_mla_restored("int8", rig.host_pool(), target, loaded, t_rows, "target")
-    assert_mha_restored("int8", draft_host, draft, loaded, d_rows, "draft")
+    assert_restored(rig.host_pool(), target, loaded, t_rows, "target")
+    assert_restored(draft_host, draft, loaded, d_rows, "draft")
 
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
 def test_sliding_window_draft_sidecar(spec_models, host_dtype):
-    """gpt-oss + EAGLE3: the draft's SWA layers get DRAFT_SWA, indexed like
-    the target's SWA pool; both are the format's encoded pool."""
+    """gpt-oss + EAGLE3: the draft's SWA layers get DRAFT_SWA, indexed like the target's
+    SWA pool; both are the format's encoded pool."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
         build_swa_draft_pools,
     )
@@ -555,9 +450,7 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
     assert loaded is not None
     ctl.start_loading()
     rig.finish()
-    assert_mha_restored(
-        host_dtype, draft_host, draft.swa_kv_pool, restore.device_indices, d_rows, "d"
-    )
+    assert_restored(draft_host, draft.swa_kv_pool, restore.device_indices, d_rows, "d")
 
 
 # -- a hybrid target's packed MTP layer (Qwen3-Next NEXTN) ------------------------
@@ -565,9 +458,9 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
 def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypatch):
-    """Qwen3-Next NEXTN: the draft's full-attention layer packs after the
-    target's in the (encoded) KV host pool; the draft shares the target's
-    Mamba state, which stays SGLang's MambaPoolHost."""
+    """Qwen3-Next NEXTN: the draft's full-attention layer packs after the target's in
+    the (encoded) KV host pool; the draft shares the target's Mamba state, which stays
+    SGLang's MambaPoolHost."""
     from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool
 
     drafts = []
@@ -610,8 +503,8 @@ def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypa
     assert loaded is not None
     ctl.start_loading()
     rig.finish()
-    assert_mha_restored(host_dtype, host, rig.kv_pool, loaded, written, "target")
-    assert_mha_restored(host_dtype, host, draft_kv, loaded, d_written, "draft")
+    assert_restored(host, rig.kv_pool, loaded, written, "target")
+    assert_restored(host, draft_kv, loaded, d_written, "draft")
 
 
 # -- an FP8 device KV cache (int4/k8v4 encode it) ---------------------------------
@@ -619,10 +512,9 @@ def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypa
 
 @pytest.mark.parametrize("host_dtype", ["int4", "k8v4"])
 def test_packed_mtp_with_fp8_device_kv(host_dtype):
-    """--kv-cache-dtype fp8_e4m3: the packed draft pool is FP8 too (stored as
-    uint8); its layer restores exactly what a target layer holding the same
-    rows restores (test_fp8_host_pool checks target layers against the
-    reference codec)."""
+    """--kv-cache-dtype fp8_e4m3: the packed draft pool is FP8 too (stored as uint8);
+    its layer restores exactly what a target layer holding the same rows restores
+    (test_fp8_host_pool checks target layers against the reference codec)."""
     fp8, page_size = torch.float8_e4m3fn, 16
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, dtype=fp8, page_size=page_size)
     target = make_device_pool(geo, 4 * page_size)

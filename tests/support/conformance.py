@@ -1,11 +1,5 @@
-"""The conformance grid: every --hicache-host-dtype value of the registry (and
-the toy format) as a case, and the reference a pool must restore bit for bit.
-
-A case's expected bytes come from its format's `encode_reference` and
-`decode_reference` on the rows the test wrote, grouped into the pool's host
-units (a page, or a token for layer_first) by the test; the stock pool
-("auto") is the control and restores the rows unchanged.
-"""
+"""The conformance grid: every --hicache-host-dtype value of the registry (and the toy
+format) as a case, and the reference a pool must restore bit for bit."""
 
 from __future__ import annotations
 
@@ -82,15 +76,15 @@ class FormatCase:
         return self.format_cls()(dims, heads, ut, geo.dtype)
 
     def has_fused_kernels(self) -> bool:
-        """Whether the format's fused kernels run on CPU tensors here (under
-        Triton's interpreter, tests/conftest.py)."""
+        """Whether the format's fused kernels run on CPU tensors here (under Triton's
+        interpreter, tests/conftest.py)."""
         if self.stock:
             return False
         return self.host_format().fused_available(torch.device("cpu"))
 
     def storage_tag(self, layout: str, page_size: int) -> str:
-        """The pool's L3 storage tag: int4 and int8c tag their key grouping,
-        per channel on page-major units of enough tokens, else per token."""
+        """The pool's L3 storage tag: int4 and int8c tag their key grouping, per channel
+        on page-major units of enough tokens, else per token."""
         return self.host_format(page_size, layout).storage_format_tag
 
     def geometry(self, page_size: int, dtype=torch.bfloat16, layer_num: int = 2):
@@ -109,8 +103,8 @@ class FormatCase:
 
 
 def format_cases(*, stock: bool = True, kinds=("mha", "mla")) -> list[FormatCase]:
-    """The stock control, every registered value per model kind it supports,
-    then the toy format (registered by the toy_host_format fixture)."""
+    """The stock control, every registered value per model kind it supports, then the
+    toy format (registered by the toy_host_format fixture)."""
     cases = []
     for kind in kinds:
         if stock:
@@ -130,8 +124,8 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def side_buffers(device_pool) -> list[list[torch.Tensor]]:
-    """The device buffers per side (MHA: K, V; MLA: the latent), each a list
-    over layers."""
+    """The device buffers per side (MHA: K, V; MLA: the latent), each a list over
+    layers."""
     if isinstance(device_pool, MLATokenToKVPool):
         return [device_pool.kv_buffer]
     return [device_pool.k_buffer, device_pool.v_buffer]
@@ -140,8 +134,9 @@ def side_buffers(device_pool) -> list[list[torch.Tensor]]:
 def rows_at(device_pool, indices: torch.Tensor) -> list[list[torch.Tensor]]:
     """[layer][side] copies of the device rows at `indices`."""
     sides = side_buffers(device_pool)
+    # FP8 KV is stored as uint8: its rows, as the dtype they hold.
     return [
-        [side[layer][indices].clone() for side in sides]
+        [side[layer][indices].view(device_pool.dtype).clone() for side in sides]
         for layer in range(device_pool.layer_num)
     ]
 
@@ -151,8 +146,8 @@ def unit_tokens(pool) -> int:
 
 
 def reference(pool, rows: list[torch.Tensor]):
-    """(records, restored) the pool's format gives for one layer's rows per
-    side, written in host order; records is None for the stock pool."""
+    """(records, restored) the pool's format gives for one layer's rows per side,
+    written in host order; records is None for the stock pool."""
     fmt = getattr(pool, "host_format", None)
     if fmt is None:
         return None, [r.clone() for r in rows]
@@ -177,8 +172,8 @@ def host_units(pool, host_indices: torch.Tensor) -> torch.Tensor:
 
 
 def host_unit_records(pool, layer: int, units: torch.Tensor) -> dict:
-    """Each record of `units` of `layer`, read from the documented layouts:
-    page-major [unit, layer, *shape], layer_first [layer, unit, *shape]."""
+    """Each record of `units` of `layer`, read from the documented layouts: page-major
+    [unit, layer, *shape], layer_first [layer, unit, *shape]."""
     page_major = pool.layout != "layer_first"
     return {
         name: buf[units, layer] if page_major else buf[layer, units]
@@ -187,9 +182,8 @@ def host_unit_records(pool, layer: int, units: torch.Tensor) -> dict:
 
 
 def spread(device_pool, indices: torch.Tensor, seed: int) -> None:
-    """Random rows at `indices` of every layer with the ranges real KV has:
-    channels 20x the rest (key outliers), an offset side, tiny and large
-    tokens."""
+    """Random rows at `indices` of every layer with the ranges real KV has: channels 20x
+    the rest (key outliers), an offset side, tiny and large tokens."""
     gen = torch.Generator().manual_seed(seed)
     n = len(indices)
     token_gain = torch.logspace(-6, 4, n, base=2.0)[torch.randperm(n, generator=gen)]
@@ -201,12 +195,18 @@ def spread(device_pool, indices: torch.Tensor, seed: int) -> None:
             x *= token_gain.view(-1, *[1] * (x.dim() - 1))
             if s == 1:
                 x += 3.0
+            dtype = device_pool.dtype
+            if dtype != buf.dtype:  # FP8 stored as uint8: up to its largest value
+                top = torch.finfo(dtype).max
+                x[..., 3] = top
+                buf[indices] = x.clamp(-top, top).to(dtype).view(buf.dtype)
+                continue
             buf[indices] = x.to(buf.dtype)
 
 
 def scrambled_host_free_list(pool, page_size: int, seed: int) -> None:
-    """Leave the host pool's free slots as the radix cache leaves them after
-    evictions: out of order, with runs, backward jumps and gaps."""
+    """Leave the host pool's free slots as the radix cache leaves them after evictions:
+    out of order, with runs, backward jumps and gaps."""
     taken = pool.alloc(pool.available_size())
     if page_size == 1:
         gen = torch.Generator().manual_seed(seed)
@@ -223,8 +223,8 @@ def scrambled_host_free_list(pool, page_size: int, seed: int) -> None:
 
 @dataclass(frozen=True)
 class Expect:
-    """What one MHA format promises beyond the round trips, one row per
-    registered --hicache-host-dtype value (test_conformance.py: "expectations")."""
+    """What one MHA format promises beyond the round trips, one row per registered
+    --hicache-host-dtype value (test_conformance.py: "expectations")."""
 
     # host bytes per token and layer at Qwen3-8B geometry (8 KV heads, head dim
     # 128), page_first, by page size 1, 16, 64 (BF16: 4096)
@@ -240,13 +240,29 @@ class Expect:
     fused: bool  # fused kernels (interpreted on CPU here)
     sink: bool  # takes SGLANG_HICACHE_SINK_PAGE_TOKENS (8-bit sink-page keys)
     tag: str  # L3 storage tag at page_first, page 16, head dim 64, 2 heads, BF16
+    # qwen3_8b_bytes on an FP8 device KV cache; None: the format refuses FP8
+    fp8_bytes: tuple[int, int, int] | None
 
 
 EXPECT = {
-    "int8": Expect((2080,) * 3, None, None, 64, (2, 2), True, False, "int8"),
-    "int4": Expect((1152, 1344, 1152), 16, "channel", 64, (2, 2), True, True, "int4"),
-    "k8v4": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4"),
-    "int4r": Expect((1152, 1344, 1152), 16, "head", 64, (2, 65), True, True, "int4r"),
-    "k8v4r": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4r"),
-    "int8c": Expect((2128,) * 3, 64, "channel", 32, (2, 2), True, False, "int8c"),
+    "int8": Expect((2080,) * 3, None, None, 64, (2, 2), True, False, "int8", None),
+    "int4": Expect(
+        (1152, 1344, 1152),
+        16,
+        "channel",
+        64,
+        (2, 2),
+        True,
+        True,
+        "int4",
+        (1152, 1344, 1152),
+    ),
+    "k8v4": Expect(
+        (1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4", (1616,) * 3
+    ),
+    "int4r": Expect(
+        (1152, 1344, 1152), 16, "head", 64, (2, 65), True, True, "int4r", None
+    ),
+    "k8v4r": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4r", None),
+    "int8c": Expect((2128,) * 3, 64, "channel", 32, (2, 2), True, False, "int8c", None),
 }

@@ -1,7 +1,6 @@
-"""A lossless toy host format, registered by tests through the registry
-alone: K and V rows as their 16-bit patterns, plus one per-unit record (amax
-of the unit's finite K and V rows, fp32) with no token axis, like per-page key
-scales. Its "fused kernels" are torch code with the kernels' contract."""
+"""A lossless toy host format, registered by tests through the registry alone: K and V
+rows as their 16-bit patterns, plus one per-unit record (amax of the unit's finite K and
+V rows, fp32) with no token axis, like per-page key scales."""
 
 from __future__ import annotations
 

@@ -98,8 +98,8 @@ def _token_ids(pages, page_size):
 
 
 def _special_rows(rows: torch.Tensor, dtype: torch.dtype, gen) -> torch.Tensor:
-    """Seeded rows [n, heads, dim] with magnitudes over many octaves and the
-    special values a codec must keep apart."""
+    """Seeded rows [n, heads, dim] with magnitudes over many octaves and the special
+    values a codec must keep apart."""
     n = rows.shape[0]
     rows *= torch.logspace(-8, 6, n, base=2.0)[:, None, None]
     rows[0] = 0.0

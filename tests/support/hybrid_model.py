@@ -1,22 +1,5 @@
-"""A tiny random-weight gpt-oss (sliding-window + full attention) folder for
-the live CPU server.
-
-SGLang 0.5.23 builds hybrid SWA KV pools (a full-attention pool and a smaller
-sliding-window pool, each with its own HiCache host pool) for
-``GptOssForCausalLM`` (configs/model_config.py ``is_hybrid_swa_model``).
-Random weights are enough for cache behaviour: hit counts, load-backs and
-whether a restored prefix gives the same next tokens. The folder is
-transformers' own ``GptOssForCausalLM`` at a tiny size, seeded, saved as BF16
-safetensors (no quantization config, so SGLang loads it unquantized), with
-SmolLM2's tokenizer and its vocabulary size; cached under
-``build/hybrid-models/`` like scripts/rigs/model.py's conversions.
-
-Stable API:
-
-- ``gpt_oss_tiny_dir() -> Path``: the folder, written on first use (16 s
-  here, after SmolLM2's conversion).
-- ``GPT_OSS_TINY``: its config fields (dict), ``SLIDING_WINDOW`` its window.
-"""
+"""A tiny random-weight gpt-oss (sliding-window + full attention) folder for the live
+CPU server."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
 """Hybrid models' host tiers on CPU (tests/test_hybrid_host_pools.py,
-tests/test_spec_host_pools.py): server arguments resolved from tiny local
-configs and published as the scheduler publishes them, the radix cache built
-through SGLang's registry over real SWA / linear-attention device pools, and
-what a restore must give. The fixtures that go with it (hybrid_host_copies_on_cpu,
-hybrid_runtime_context, hybrid_model_dirs) are in tests/conftest.py.
-"""
+tests/test_spec_host_pools.py): server arguments resolved from tiny local configs and
+published as the scheduler publishes them, the radix cache built through SGLang's
+registry over real SWA / linear-attention device pools, and what a restore must give."""
 
 from __future__ import annotations
 
@@ -12,13 +9,13 @@ import json
 from dataclasses import dataclass
 
 import torch
+from tests.support.conformance import reference, side_buffers
 from scripts.rigs.hicache_harness import build_radix_cache, make_allocator
 from tests.support.server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
 from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 from sglang.srt.mem_cache.pool_host.host_format import (
     host_dtype_choices,
-    host_format_cls,
     host_pool_cls,
 )
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -45,9 +42,9 @@ _CACHES: list = []
 def publish_server_args(
     model_path, host_dtype, layout, page_size, io_backend, metrics=False, l3=None
 ):
-    """Resolve the server's arguments for the model and publish them for this
-    process, as the scheduler does (what get_memory() reads); with `l3` (the
-    storage backend's arguments, l3_args) the host tier has an L3."""
+    """Resolve the server's arguments for the model and publish them for this process,
+    as the scheduler does (what get_memory() reads); with `l3` (the storage backend's
+    arguments, l3_args) the host tier has an L3."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
@@ -113,8 +110,8 @@ class Rig:
         return self.controller.mem_pool_host.entry_map[name].host_pool
 
     def finish(self) -> None:
-        """Complete queued transfers (CPU events finish at once) and log their
-        acks through the radix cache's own metric loggers."""
+        """Complete queued transfers (CPU events finish at once) and log their acks
+        through the radix cache's own metric loggers."""
         ctl = self.controller
         for ack in ctl.ack_write_queue:
             ack.finish_event.synchronize()
@@ -170,8 +167,8 @@ def swa_rig(
 
 
 def linear_attention_text_config(model: str):
-    """The model's text config as SGLang loads it (Qwen3.5's sits under its
-    vision-language wrapper)."""
+    """The model's text config as SGLang loads it (Qwen3.5's sits under its vision-
+    language wrapper)."""
     from sglang.srt.configs import Qwen3NextConfig
     from sglang.srt.configs.qwen3_5 import Qwen3_5MoeTextConfig
 
@@ -251,53 +248,42 @@ def mamba_rig(
 # -- what a restore must give ---------------------------------------------------
 
 
-def kv_restore(host_dtype, host_pool, k, v):
-    """Rows k, v ([tokens, heads, dim], in host-slot order) after a round trip
-    through the host: themselves for the stock pool, else the format's
-    reference encode + decode over the pool's units of tokens."""
-    if host_dtype == "auto":
-        return k, v
-    ut = host_pool.host_format.unit_tokens
-    fmt = host_format_cls(host_dtype, "mha")(
-        (k.shape[-1], v.shape[-1]), k.shape[1], ut, k.dtype
-    )
-    records = fmt.encode_reference([x.view(-1, ut, *x.shape[1:]) for x in (k, v)])
-    k_ref, v_ref = fmt.decode_reference(records, k.dtype)
-    return k_ref.reshape(k.shape), v_ref.reshape(v.shape)
-
-
 def bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.uint8)
 
 
 def fill_kv(pool, indices, gen):
-    """Random K/V (a wide dynamic range per token) into every layer of a
-    device MHA pool; returns the rows per layer."""
+    """Random KV (a wide dynamic range per token) into every layer of a device MHA or
+    MLA pool; returns the rows per layer, a tuple over sides."""
     written = []
     for layer in range(pool.layer_num):
         rows = []
-        for buffer in (pool.k_buffer[layer], pool.v_buffer[layer]):
-            x = torch.randn((len(indices), *buffer.shape[1:]), generator=gen)
+        for side in side_buffers(pool):
+            x = torch.randn((len(indices), *side[layer].shape[1:]), generator=gen)
             x *= torch.logspace(-2, 2, len(indices)).view(-1, 1, 1)
-            buffer[indices] = x.to(buffer.dtype)
-            rows.append(buffer[indices].clone())
+            side[layer][indices] = x.to(side[layer].dtype)
+            rows.append(side[layer][indices].clone())
         written.append(tuple(rows))
     return written
 
 
 def wipe_kv(pool, indices):
-    for layer in range(pool.layer_num):
-        pool.k_buffer[layer][indices] = float("nan")
-        pool.v_buffer[layer][indices] = float("nan")
+    for side in side_buffers(pool):
+        for buf in side:
+            buf[indices] = float("nan")
+
+
+def assert_restored(host_pool, pool, indices, written, what):
+    """The device rows at `indices` are the host pool's reference restore of what
+    was written (themselves for a stock pool)."""
+    for layer, rows in enumerate(written):
+        _, want = reference(host_pool, list(rows))
+        for side, w in zip(side_buffers(pool), want, strict=True):
+            assert torch.equal(bits(side[layer][indices]), bits(w)), (what, layer)
 
 
 def assert_kv_restored(rig, name, pool, indices, written):
-    host_pool = rig.host_pool(name)
-    for layer, (k, v) in enumerate(written):
-        k_ref, v_ref = kv_restore(rig.host_dtype, host_pool, k, v)
-        got_k, got_v = pool.k_buffer[layer][indices], pool.v_buffer[layer][indices]
-        assert torch.equal(bits(got_k), bits(k_ref)), (name, layer)
-        assert torch.equal(bits(got_v), bits(v_ref)), (name, layer)
+    assert_restored(rig.host_pool(name), pool, indices, written, name)
 
 
 def mamba_state(pool, slots):
@@ -326,8 +312,8 @@ def expected_host_cls(host_dtype):
 
 
 def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
-    """Full-attention slots (with their SWA mapping) for one new request of
-    `tokens` tokens, as the scheduler allocates an extend."""
+    """Full-attention slots (with their SWA mapping) for one new request of `tokens`
+    tokens, as the scheduler allocates an extend."""
     if allocator.page_size == 1:
         return allocator.alloc(tokens)
     zero, length = torch.tensor([0]), torch.tensor([tokens])
@@ -337,9 +323,9 @@ def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
 
 
 def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
-    """Write `full` KV slots and the side pool's `side` slots (extra pool
-    `name`) through the controller, wipe both, free `full` and load both back
-    into fresh slots; returns (loaded KV slots, loaded side slots)."""
+    """Write `full` KV slots and the side pool's `side` slots (extra pool `name`)
+    through the controller, wipe both, free `full` and load both back into fresh slots;
+    returns (loaded KV slots, loaded side slots)."""
     ctl = rig.controller
     backup = PoolTransfer(name=name, device_indices=side)
     host = ctl.write(full, extra_pools=[backup])
@@ -358,8 +344,8 @@ def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
 
 
 def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
-    """Write `tokens` tokens of full and SWA KV through the controller, wipe the
-    device, load both back into fresh slots; returns the loaded tokens."""
+    """Write `tokens` tokens of full and SWA KV through the controller, wipe the device,
+    load both back into fresh slots; returns the loaded tokens."""
     gen = torch.Generator().manual_seed(seed)
     full = alloc_swa_tokens(rig.allocator, tokens)
     swa = rig.allocator.translate_loc_from_full_to_swa(full).to(torch.int64)
@@ -372,9 +358,8 @@ def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
 
 
 def mamba_round_trip(rig: Rig, tokens: int, seed: int = 0):
-    """Write `tokens` tokens of full-attention KV and one request's Mamba
-    state through the controller, wipe the device, load both back; returns
-    the state as restored."""
+    """Write `tokens` tokens of full-attention KV and one request's Mamba state through
+    the controller, wipe the device, load both back; returns the state as restored."""
     gen = torch.Generator().manual_seed(seed)
     mamba_allocator = rig.cache.cache_controller.mem_pool_host.entry_map[
         PoolName.MAMBA

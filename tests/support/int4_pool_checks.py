@@ -1,46 +1,25 @@
-"""Host-pool checks shared by the 4-bit formats and their rotated forms
-(tests/test_int4_host_pool.py: int4, k8v4; tests/test_rotated_host_pool.py:
-int4r, k8v4r), each run with a format name. Expected values come from the
-format's reference encode/decode on the rows the test wrote, grouped into
-host units (a page, or a token for layer_first) by the test itself."""
+"""Host-pool checks shared by the encoded MHA formats (tests/test_conformance.py,
+tests/test_rotated_host_pool.py), each run with a format name."""
 
 from __future__ import annotations
 
-import ctypes
+from dataclasses import replace
 
-import pytest
+
 import torch
 
-from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_pool_cls
-from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES, StoragePageRefused
+from tests.support.conformance import bits
+from tests.support.fp8_reference import random_finite_fp8
+
+from sglang.srt.mem_cache.pool_host.mha import (
+    MHATokenToKVPoolHost,
+)
 from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
     make_device_pool,
     make_host_pool,
-    paged_rig,
-    random_controller_operations,
 )
-from tests.support.int8_pool_checks import unit_tokens
-
-# Each format's records in zero-copy object order: [k, k meta] [v, v meta].
-RECORDS = {
-    "int4": ("k", "k_meta", "v", "v_meta"),
-    "k8v4": ("k", "k_scale", "v", "v_meta"),
-    "int4r": ("k", "k_meta", "v", "v_meta"),
-    "k8v4r": ("k", "k_scale", "v", "v_meta"),
-}
-
-
-def expected_restore(fmt, k_rows, v_rows, ut):
-    """(k, v, records) of rows [tokens, H, D] written in host-unit order."""
-    dims, heads = (k_rows.shape[-1], v_rows.shape[-1]), k_rows.shape[1]
-    fmt_obj = host_format_cls(fmt)(dims, heads, ut, k_rows.dtype)
-    units = [x.view(x.shape[0] // ut, ut, *x.shape[1:]) for x in (k_rows, v_rows)]
-    records = fmt_obj.encode_reference(units)
-    k, v = fmt_obj.decode_reference(records, k_rows.dtype)
-    return k.flatten(0, 1), v.flatten(0, 1), records
 
 
 def pages(page_ids, page_size):
@@ -49,8 +28,8 @@ def pages(page_ids, page_size):
 
 
 def fill_spread(device_pool, indices, seed):
-    """Random K/V with a per-channel scale spread (key outliers sit in fixed
-    channels) and a far-from-zero offset on some heads."""
+    """Random K/V with a per-channel scale spread (key outliers sit in fixed channels)
+    and a far-from-zero offset on some heads."""
     written = fill_random(device_pool, indices, seed)
     for layer, (k_rows, v_rows) in enumerate(written):
         gain = torch.ones(k_rows.shape[-1])
@@ -89,38 +68,35 @@ def allocated_bytes(pool) -> int:
     return pool.kv_buffer.numel() * pool.kv_buffer.element_size()
 
 
-def bytes_per_token_at_qwen3_8b(formats, page_size: int) -> dict:
-    """Allocated host bytes per token of each format's page_first pool at
-    Qwen3-8B geometry (36 layers, 8 KV heads, head dim 128), through the real
-    dispatch; each pool's buffers are what get_size_per_token says."""
+def bytes_per_token_at_qwen3_8b(formats, page_size, layout="page_first", fp8=None):
+    """Allocated host bytes per token of each format's pool at Qwen3-8B geometry (36
+    layers, 8 KV heads, head dim 128), through the real dispatch, on a BF16 (or `fp8`)
+    device pool; each pool's buffers are what get_size_per_token says and the budget
+    buys whole pages plus one."""
     geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=page_size)
+    if fp8 is not None:
+        geo = replace(geo, dtype=fp8)
     device_pool = make_device_pool(geo, device_tokens=2 * page_size)
     per_token = {}
     for name in formats:
+        extra = {} if name == "auto" or fp8 is None else {"device_kv_dtype": fp8}
         pool = make_host_pool(
-            device_pool, host_size_gb=0.02, layout="page_first", host_dtype=name
+            device_pool, host_size_gb=0.02, layout=layout, host_dtype=name, **extra
         )
+        if name == "auto" and fp8 is not None:
+            assert type(pool) is MHATokenToKVPoolHost and pool.dtype == torch.uint8
         nbytes = allocated_bytes(pool)
         assert nbytes == pool.size * pool.get_size_per_token()
+        pages = int(0.02e9 // pool.get_size_per_token()) // page_size + 1
+        assert pool.size == pages * page_size
         per_token[name] = nbytes / pool.size
     return per_token
 
 
-def assert_restores(device_pool, pool, fmt, host, new_dev, written, ut, layers):
-    """Load `host` into `new_dev` layer by layer: the reference restore."""
-    for layer in range(layers):
-        pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-    for layer, (k_rows, v_rows) in enumerate(written):
-        k_want, v_want, _ = expected_restore(fmt, k_rows, v_rows, ut)
-        assert torch.equal(device_pool.k_buffer[layer][new_dev], k_want)
-        assert torch.equal(device_pool.v_buffer[layer][new_dev], v_want)
-
-
 def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup):
-    """Back up a NaN key (layer 1, second token, head 1, channel 5) and an Inf
-    value (layer 0, last token, head 0, channel 40), call after_backup(pool),
-    restore into new slots; return (pool, restored layer-1 keys, restored
-    layer-0 values)."""
+    """Back up a NaN key (layer 1, second token, head 1, channel 5) and an Inf value
+    (layer 0, last token, head 0, channel 40), call after_backup(pool), restore into new
+    slots; return (pool, restored layer-1 keys, restored layer-0 values)."""
     geo, device_pool, pool = build(fmt, layout, page_size)
     dev, host = pages([1, 2], page_size), pages([3, 4], page_size)
     fill_spread(device_pool, dev, seed=9)
@@ -135,150 +111,36 @@ def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup):
 
 
 def assert_finite_elsewhere(pool, k1, v0):
-    """Once the non-finite groups are zeroed: every other restored value and
-    the scale statistics are finite."""
+    """Once the non-finite groups are zeroed: every other restored value and the scale
+    statistics are finite."""
     assert torch.isfinite(k1).all() and torch.isfinite(v0).all()
     amax = pool.scale_amax_by_layer()
     assert amax.shape == (2, 2) and torch.isfinite(amax).all() and (amax > 0).all()
 
 
-def check_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
-    from sglang.srt.mem_cache.pool_host import encoded
-
-    monkeypatch.setattr(encoded, "STAGING_TOKENS", 32)
-    geo, device_pool, pool = build(fmt, "page_first", 16)
-    dev, host = pages([1, 2, 3, 4, 5], 16), pages([9, 3, 4, 0, 7], 16)
-    written = fill_spread(device_pool, dev, seed=5)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    new_dev = pages([10, 11, 12, 13, 14], 16)
-    assert_restores(device_pool, pool, fmt, host, new_dev, written, 16, geo.layer_num)
-
-
-def check_controller_random_operations(fmt, layout, page_size, io_backend, fused=False):
-    """The real controller's random writes, loads and evictions (on the fused
-    kernels with `fused`): every restore equals the reference."""
+def check_fused_path_writes_the_torch_paths_bytes(
+    fmt, layout, page_size, access, fp8=None
+):
+    """Through the real pool, a NaN key included (FP8: edge_fp8_rows): the fused
+    kernels' host bytes, statistics and restored rows equal the torch path's."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
-    rig = paged_rig(
-        geo, layout, io_backend, 32, 48, host_dtype=fmt,
-        fused_transfer="direct" if fused else "off",
-    )  # fmt: skip
-    assert type(rig.host_pool) is host_pool_cls(fmt)
-    assert rig.host_pool.transfer_path == ("fused_direct" if fused else "torch")
-    dev_pool = rig.device_pool
-    ut = unit_tokens(layout, page_size)
-    gen = torch.Generator().manual_seed(8)
-
-    def write_rows(dev, rng):
-        expected = []
-        for layer in range(geo.layer_num):
-            k = (
-                torch.randn((len(dev), 2, 64), generator=gen)
-                * rng.choice((1e-3, 1.0, 50.0))
-            ).to(geo.dtype)
-            v = torch.randn((len(dev), 2, 64), generator=gen).to(geo.dtype)
-            dev_pool.k_buffer[layer][dev] = k
-            dev_pool.v_buffer[layer][dev] = v
-            expected.append(expected_restore(fmt, k, v, ut)[:2])
-        return expected
-
-    ops = random_controller_operations(
-        rig, write_rows, steps=300, seed=7 + page_size, max_pages=3, audit_every=0
-    )
-    assert ops > 150
-
-
-def check_storage_pages_round_trip(fmt, layout, page_size):
-    """A page read with get_data_page and written into another pool with
-    set_from_flat_data_page restores the same values; short pages are refused."""
-    geo, device_pool, pool = build(fmt, layout, page_size)
-    other = make_host_pool(
-        device_pool, host_tokens=16 * page_size, layout=layout, host_dtype=fmt
-    )
-    dev, host = pages([1, 2], page_size), pages([3, 5], page_size)
-    written = fill_spread(device_pool, dev, seed=4)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    flat = [pool.get_data_page(int(i)) for i in host[::page_size]]
-    per_token = pool.get_size_per_token()
-    for page in flat:
-        # The page's records, then its seal (page_integrity).
-        assert page.dtype == torch.uint8
-        assert page.numel() == per_token * page_size + SEAL_BYTES
-    target = pages([0, 7], page_size)
-    for index, page in zip(target[::page_size].tolist(), flat):
-        other.set_from_flat_data_page(index, page)
-    with pytest.raises(StoragePageRefused, match="size"):
-        other.set_from_flat_data_page(0, flat[0][:-1])
-    new_dev = pages([9, 10], page_size)
-    ut = unit_tokens(layout, page_size)
-    assert_restores(
-        device_pool, other, fmt, target, new_dev, written, ut, geo.layer_num
-    )
-
-
-def check_zero_copy_page_buffers_cover_the_page(fmt):
-    """get_page_buffer_meta: two objects per page ([k, k_meta], [v, v_meta]),
-    whose bytes, read from the pointers, are the page's records exactly once."""
-    _, device_pool, pool = build(fmt, "page_first", 16)
-    dev, host = pages([1, 2], 16), pages([4, 6], 16)
-    fill_spread(device_pool, dev, seed=3)
-    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    ptrs, sizes = pool.get_page_buffer_meta(host)
-    assert pool.storage_buffers_per_object == 3  # two record pieces and a seal
-    assert len(ptrs) == len(sizes) == 2 * 2 * 3  # pages x objects x buffers
-    names = RECORDS[fmt]
-    for p, page in enumerate((4, 6)):
-        piece = slice(6 * p, 6 * p + 6)
-        got = [_bytes_at(ptr, size) for ptr, size in zip(ptrs[piece], sizes[piece])]
-        # object order: k, k_meta (k_scale), seal | v, v_meta, seal
-        records, seals = got[0:2] + got[3:5], (got[2], got[5])
-        want = [pool.host_records[n][page].reshape(-1).view(torch.uint8) for n in names]
-        for g, w in zip(records, want):
-            assert torch.equal(g, w)
-        assert all(len(seal) == SEAL_BYTES for seal in seals)
-        assert sum(sizes[piece]) == pool.get_size_per_token() * 16 + 2 * SEAL_BYTES
-    # 4-bit keys are grouped per channel over a 16-token page (the tag says so).
-    assert "kchannel" in pool.storage_format_tag or fmt.startswith("k8v4")
-
-
-def _bytes_at(ptr: int, size: int) -> torch.Tensor:
-    return torch.frombuffer(
-        (ctypes.c_uint8 * size).from_address(ptr), dtype=torch.uint8
-    ).clone()
-
-
-def check_auto_size_ratio_matches_the_pool(fmt, layout, page_size):
-    """host_bytes_per_device_byte (what auto-sizing asks) agrees with what a
-    pool of that page size and layout allocates."""
-    geo = Geometry(layer_num=4, head_num=8, head_dim=128, page_size=page_size)
-    device_pool = make_device_pool(geo, device_tokens=2 * page_size)
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    cls = get_mha_host_pool_cls(info, fmt)
-    pool = make_host_pool(
-        device_pool, host_tokens=4 * page_size, layout=layout, host_dtype=fmt
-    )
-    device_bytes = 4 * 8 * 256 * 2
-    assert cls.host_bytes_per_device_byte(info, page_size=page_size, layout=layout) == (
-        pytest.approx(pool.get_size_per_token() / device_bytes)
-    )
-
-
-def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access):
-    """Through the real pool, a NaN key included: the fused kernels' host
-    bytes, statistics and restored rows equal the torch path's. Returns
-    (torch pool, fused pool, restored rows per path)."""
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
+    geo = geo if fp8 is None else replace(geo, dtype=fp8)
+    extra = {} if fp8 is None else {"device_kv_dtype": fp8}
     device_pool = make_device_pool(geo, device_tokens=16 * page_size)
     pools = {}
     for path in ("torch", "fused"):
         pool = make_host_pool(
             device_pool, host_tokens=8 * page_size, layout=layout, host_dtype=fmt,
-            fused_transfer=access if path == "fused" else "off",
+            fused_transfer=access if path == "fused" else "off", **extra,
         )  # fmt: skip
         assert pool.host_format.fused_available(torch.device("cpu"))
         pools[path] = pool
     dev, host = pages([1, 2, 3], page_size), pages([5, 0, 3], page_size)
-    fill_spread(device_pool, dev, seed=12)
-    device_pool.k_buffer[0][dev[1], 1, 3] = float("nan")
+    if fp8 is None:
+        fill_spread(device_pool, dev, seed=12)
+        device_pool.k_buffer[0][dev[1], 1, 3] = float("nan")
+    else:
+        edge_fp8_rows(device_pool, dev, fp8, seed=page_size)
     for pool in pools.values():
         pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
     torch_pool, fused_pool = pools["torch"], pools["fused"]
@@ -291,19 +153,69 @@ def check_fused_path_writes_the_torch_paths_bytes(fmt, layout, page_size, access
     assert torch.equal(
         fused_pool.scale_amax_by_layer(), torch_pool.scale_amax_by_layer()
     )
+    # A byte that is NaN in both FP8 formats: what a wiped FP8 row holds.
+    poison = 0 if fp8 is None else 0xFF
+    new_dev = pages([8, 10, 9], page_size)
     restored = {}
     for path, pool in pools.items():
-        new_dev = pages([8, 10, 9], page_size)
         for layer in range(geo.layer_num):
-            device_pool.k_buffer[layer][new_dev] = 0
-            device_pool.v_buffer[layer][new_dev] = 0
+            device_pool.k_buffer[layer].fill_(poison)
+            device_pool.v_buffer[layer].fill_(poison)
             pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
         restored[path] = [
-            b[new_dev].clone() for b in device_pool.k_buffer + device_pool.v_buffer
+            b.clone() for b in device_pool.k_buffer + device_pool.v_buffer
         ]
+    untouched = torch.ones(device_pool.k_buffer[0].shape[0], dtype=torch.bool)
+    untouched[new_dev] = False
     for a, b in zip(restored["torch"], restored["fused"]):
         assert torch.equal(torch.isnan(a), torch.isnan(b))
-        assert torch.equal(
-            a.nan_to_num(0).view(torch.int16), b.nan_to_num(0).view(torch.int16)
-        )
+        assert torch.equal(bits(a.nan_to_num(0)), bits(b.nan_to_num(0)))
+        assert (b[untouched] == poison).all()
+    restored = {p: [r[new_dev] for r in rows] for p, rows in restored.items()}
     return torch_pool, fused_pool, restored
+
+
+def random_fp8(shape, fp8, gen, spread=True) -> torch.Tensor:
+    """FP8 rows as an FP8 KV cache holds them: a per-channel spread (key outliers), an
+    offset, and values up to the format's largest finite one."""
+    x = torch.randn(shape, generator=gen)
+    if spread:
+        gain = torch.ones(shape[-1])
+        gain[::7] = 40.0
+        x = x * gain + 2.0
+    top = torch.finfo(fp8).max
+    x[..., 3] = top  # a saturating group: m + 15 s may round above the top
+    return x.clamp(-top, top).to(fp8)
+
+
+def write_fp8(device_pool, layer, indices, k, v) -> None:
+    # SGLang stores FP8 KV as uint8 (index_put has no FP8 kernel).
+    device_pool.k_buffer[layer][indices] = k.view(torch.uint8)
+    device_pool.v_buffer[layer][indices] = v.view(torch.uint8)
+
+
+def fill_fp8(device_pool, indices, fp8, seed):
+    gen = torch.Generator().manual_seed(seed)
+    written = []
+    for layer in range(device_pool.layer_num):
+        shape = (len(indices), *device_pool.k_buffer[layer].shape[1:])
+        k = random_fp8(shape, fp8, gen)
+        v = random_fp8(shape, fp8, gen, spread=layer % 2 == 0)
+        write_fp8(device_pool, layer, indices, k, v)
+        written.append((k, v))
+    return written
+
+
+def edge_fp8_rows(device_pool, indices, fp8, seed):
+    """fill_fp8's rows, every other token replaced by random finite FP8 bytes
+    (subnormals, +-0, the largest value), a NaN in K of layer 0 and (E5M2) an Inf in V
+    of the last layer."""
+    fill_fp8(device_pool, indices, fp8, seed)
+    gen = torch.Generator().manual_seed(seed)
+    odd = indices[1::2]
+    for buf in device_pool.k_buffer + device_pool.v_buffer:
+        rows = random_finite_fp8((len(odd), *buf.shape[1:]), fp8, gen)
+        buf[odd] = rows.view(torch.uint8)
+    device_pool.k_buffer[0][indices[2], 0, 7] = 0x7F  # NaN in both FP8s
+    if fp8 == torch.float8_e5m2:
+        device_pool.v_buffer[-1][indices[-1], 1, 0] = 0x7C  # +Inf
