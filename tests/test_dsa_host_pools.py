@@ -565,9 +565,11 @@ def test_auto_size_counts_the_indexer_unencoded(model_dirs, monkeypatch):
                 else entry.host_pool.kv_buffer
             )
         )
-        allowed = budget * fraction
-        # Within the budget, less the allocator's slack; not far below it.
-        assert 0.85 * allowed <= host_bytes <= allowed, (host_dtype, host_bytes)
+        # The budget less the slack auto-sizing keeps for allocator rounding
+        # (page-rounded pools come in a little under it).
+        slack = hicache_auto_size._ALLOCATION_SLACK_FRACTION
+        allowed = budget * fraction * (1 - slack)
+        assert 0.9 * allowed <= host_bytes <= allowed, (host_dtype, host_bytes)
         rig_args[host_dtype] = group.get_pool(PoolName.KV).size
     # int8 holds more tokens in the same budget.
     assert rig_args["int8"] > 1.3 * rig_args["auto"]
