@@ -151,6 +151,14 @@ def no(model, formats, *refused, **kw) -> Row:
 
 
 _HOST = "--hicache-host-dtype {host_dtype}"
+_DSA_LAYER_SPLIT = dict(
+    enable_dsa_cache_layer_split=True,
+    disaggregation_mode="prefill",
+    enable_prefill_cp=True,
+    cp_strategy="interleave",
+    attn_cp_size=2,
+    tp_size=2,
+)
 _USE_INT8 = "Use --hicache-host-dtype int8."
 
 # One row a line where it fits; the layout is the table's, not ruff's.
@@ -312,6 +320,10 @@ TABLE: tuple[Row, ...] = (
        "mooncake", flags=dict(hicache_storage_backend="nixl")),
     no("dsa", ("int8",), _HOST, "--enable-hisparse", "Use --hicache-host-dtype auto.",
        flags=dict(enable_hisparse=True)),
+    # GLM's prefill-CP layer split shards the device KV's layers over CP ranks.
+    no("dsa", ("int8",), _HOST, "--enable-dsa-cache-layer-split",
+       "Use --hicache-host-dtype auto.", flags=_DSA_LAYER_SPLIT),
+    ok("dsa", ("auto",), flags=_DSA_LAYER_SPLIT),
     no("mla_rank320", ("int8",), _HOST, "kv_lora_rank 320",
        "Use --hicache-host-dtype auto."),
     ok("mla512", ("auto",), flags=dict(kv_cache_dtype="fp8_e4m3")),
