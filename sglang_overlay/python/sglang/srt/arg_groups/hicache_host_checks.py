@@ -61,16 +61,16 @@ def check_model_for_host_kv(server_args: Any) -> None:
 
 
 def _refuse_fp8_dsa_latent(server_args: Any) -> None:
-    """A DSA model's FP8 latent KV (what SGLang picks for --kv-cache-dtype
-    auto on SM100+ GPUs) is stored with per-block scales the encoded MLA pool
-    does not read; before the generic FP8 refusal, so the fix named is DSA's."""
+    """A DSA model's FP8 latent KV, which SGLang picks for --kv-cache-dtype
+    auto on SM100+ GPUs once the model is known, is stored with per-block
+    scales the encoded MLA pool does not read: name the fix, bfloat16."""
     from sglang.srt.configs.model_config import is_deepseek_dsa
 
     cfg = resolving_view(server_args)
+    if cfg.kv_cache_dtype not in _FP8_KV_CACHE_DTYPES:
+        return
     model_config = model_config_of(server_args)
-    if cfg.kv_cache_dtype not in _FP8_KV_CACHE_DTYPES or not is_deepseek_dsa(
-        model_config.hf_config
-    ):
+    if not is_deepseek_dsa(model_config.hf_config):
         return
     given = server_args.kv_cache_dtype
     resolved = (
