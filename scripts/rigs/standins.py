@@ -302,6 +302,96 @@ def mamba_standins() -> dict:
     }
 
 
+# -- the MLA and DSA indexer host pools' `kernel` io backend (kvcacheio) --------
+# One buffer per layer instead of K and V; `item_size` is a row's bytes (an
+# MLA latent row, or a DSA indexer page). The rows' addressing is the MHA
+# stand-ins' above.
+
+
+def transfer_kv_per_layer_mla(src, dst, src_indices, dst_indices, item_size, **_):
+    """Stand-in for kvcacheio.transfer_kv_per_layer_mla: one layer's rows
+    src[src_indices] -> dst[dst_indices], both layer-first."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    rows = src.view(torch.uint8).view(-1, item_size).index_select(0, src_indices)
+    dst.view(torch.uint8).view(-1, item_size).index_copy_(0, dst_indices, rows)
+
+
+def transfer_kv_per_layer_mla_pf_lf(
+    src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, **_
+):
+    """Stand-in for kvcacheio.transfer_kv_per_layer_mla_pf_lf: host
+    page_first rows of one layer -> the device layer."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    lo = layer_id * item_size
+    rows = src.view(torch.uint8).view(-1, src_layout_dim).index_select(0, src_indices)
+    dst.view(torch.uint8).view(-1, item_size).index_copy_(
+        0, dst_indices, rows[:, lo : lo + item_size]
+    )
+
+
+def transfer_kv_all_layer_mla(
+    src_layers, dst_layers, src_indices, dst_indices, item_size, num_layers, **_
+):
+    """Stand-in for kvcacheio.transfer_kv_all_layer_mla: every layer's rows,
+    layer-first on both sides, layers given as data-pointer tables."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    n_src = int(src_indices.max()) + 1 if src_indices.numel() else 0
+    n_dst = int(dst_indices.max()) + 1 if dst_indices.numel() else 0
+    for layer in range(num_layers):
+        src = _rows_at(src_layers[layer], n_src, item_size)
+        dst = _rows_at(dst_layers[layer], n_dst, item_size)
+        dst.index_copy_(0, dst_indices, src.index_select(0, src_indices))
+
+
+def transfer_kv_all_layer_mla_lf_pf(
+    src_layers,
+    dst,
+    src_indices,
+    dst_indices,
+    item_size,
+    dst_layout_dim,
+    num_layers,
+    **_,
+):
+    """Stand-in for kvcacheio.transfer_kv_all_layer_mla_lf_pf: device layers
+    (a data-pointer table) -> host page_first rows."""
+    src_indices = src_indices.to(torch.int64)
+    dst_indices = dst_indices.to(torch.int64)
+    n_src = int(src_indices.max()) + 1 if src_indices.numel() else 0
+    rows_out = dst.view(torch.uint8).view(-1, dst_layout_dim)
+    for layer in range(num_layers):
+        rows = _rows_at(src_layers[layer], n_src, item_size).index_select(
+            0, src_indices
+        )
+        lo = layer * item_size
+        rows_out[dst_indices, lo : lo + item_size] = rows
+
+
+def mla_kernel_standins() -> dict:
+    """The `kernel` io backend ops of the stock MLA host pool (pool_host/mla.py):
+    name -> stand-in."""
+    return {
+        "transfer_kv_per_layer_mla": transfer_kv_per_layer_mla,
+        "transfer_kv_per_layer_mla_pf_lf": transfer_kv_per_layer_mla_pf_lf,
+        "transfer_kv_all_layer_mla": transfer_kv_all_layer_mla,
+        "transfer_kv_all_layer_mla_lf_pf": transfer_kv_all_layer_mla_lf_pf,
+    }
+
+
+def dsa_indexer_standins() -> dict:
+    """What DSAIndexerPoolHost's module (pool_host/dsa.py) needs bound to copy
+    the indexer's pages on CPU with either io backend: name -> stand-in."""
+    return {
+        **mla_kernel_standins(),
+        "transfer_kv_direct": transfer_kv_direct,
+        "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf_mla,
+        "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf,
+    }
+
+
 # -- speculative decoding's sgl_kernel CPU ops ----------------------------------
 # On CPU SGLang 0.5.23 calls these compiled ``sgl_kernel.*_cpu`` ops (the CPU
 # build of the sgl-kernel wheel) where CUDA runs Triton kernels. The import-only

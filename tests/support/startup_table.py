@@ -42,6 +42,15 @@ VERIFY_ENV = "SGLANG_HICACHE_VERIFY_SAMPLE_RATE"
 # The MLA latent widths of DeepSeek V2/V3 (kv_lora_rank 512, qk_rope_head_dim 64).
 _MLA512 = dict(sa.DEEPSEEK_V2_MLA, kv_lora_rank=512, qk_rope_head_dim=64)
 _MLA128 = dict(sa.DEEPSEEK_V2_MLA, kv_lora_rank=128)
+_DSA = dict(
+    sa.DEEPSEEK_V3,
+    architectures=["DeepseekV32ForCausalLM"],
+    model_type="deepseek_v32",
+    q_lora_rank=16,
+    index_topk=64,
+    index_head_dim=128,
+    index_n_heads=2,
+)
 
 
 def _odd_dims(head_dim: int, v_head_dim: int) -> dict:
@@ -68,13 +77,18 @@ MODELS: dict[str, tuple[dict, dict]] = {
     "mla128": (_MLA128, {}),
     "mla_rank320": (dict(_MLA512, kv_lora_rank=320), {}),
     "mla_no_rope": (dict(_MLA128, qk_rope_head_dim=0), {}),
-    "dsa": (
+    # DeepSeek V3.2 shaped: DeepSeek V3's latent with the DSA indexer (keys of
+    # 128, as the DSA pool requires); GLM-5 shaped: layer 1 reuses layer 0's
+    # top-k, so it has no indexer keys.
+    "dsa": (_DSA, {}),
+    "glm5": (
         dict(
-            sa.DEEPSEEK_V3,
-            q_lora_rank=16,
-            index_topk=64,
-            index_head_dim=32,
-            index_n_heads=2,
+            _DSA,
+            architectures=["GlmMoeDsaForCausalLM"],
+            model_type="glm_moe_dsa",
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            indexer_types=["full", "shared", "full"],
         ),
         {},
     ),
@@ -103,7 +117,7 @@ MODELS: dict[str, tuple[dict, dict]] = {
     "gpt_oss_mtp": (dict(sa.GPT_OSS, num_nextn_predict_layers=1), {}),
 }
 # SGLang's DSA resolution reads the GPU's compute capability: an H100 stands in.
-H100_MODELS = ("dsa",)
+H100_MODELS = ("dsa", "glm5")
 # A flag value "@name" is the path of MODELS[name] (draft models).
 DRAFT = "@draft"
 
@@ -137,6 +151,14 @@ def no(model, formats, *refused, **kw) -> Row:
 
 
 _HOST = "--hicache-host-dtype {host_dtype}"
+_DSA_LAYER_SPLIT = dict(
+    enable_dsa_cache_layer_split=True,
+    disaggregation_mode="prefill",
+    enable_prefill_cp=True,
+    cp_strategy="interleave",
+    attn_cp_size=2,
+    tp_size=2,
+)
 _USE_INT8 = "Use --hicache-host-dtype int8."
 
 # One row a line where it fits; the layout is the table's, not ruff's.
@@ -276,8 +298,32 @@ TABLE: tuple[Row, ...] = (
     no("mla512", ("int8",), _HOST, "--hicache-mem-layout page_unified",
        "use one of page_first, page_first_direct, layer_first",
        flags=dict(hicache_mem_layout="page_unified")),
-    no("dsa", ("int8",), _HOST, "DSA/NSA sparse-attention MLA models",
-       "Use --hicache-host-dtype auto."),
+    # --- DSA (tests/test_dsa_host_pools.py): the latent in the MLA format, the
+    # indexer keys as SGLang stores them; DSA runs 64-token pages, BF16 on an H100.
+    ok("dsa", ("int8", "auto"), flags=dict(hicache_mem_layout="page_first",
+       hicache_io_backend="kernel"), expect=dict(kv_cache_dtype="bfloat16",
+       page_size=64, hicache_mem_layout="page_first")),
+    ok("dsa", ("int8", "auto"), flags=dict(hicache_mem_layout=("page_first_direct",
+       "layer_first"), hicache_io_backend="direct"),
+       expect=dict(hicache_mem_layout="{hicache_mem_layout}")),
+    ok("dsa", ("int8", "auto"), flags=dict(hicache_mem_layout="layer_first",
+       hicache_io_backend="kernel"), expect=dict(hicache_mem_layout="layer_first")),
+    ok("glm5", ("int8", "auto"), expect=dict(page_size=64)),
+    ok("dsa", ("int8",), flags=dict(hicache_storage_backend=("file", "mooncake"))),
+    # FP8 asked for explicitly; with --kv-cache-dtype auto on SM100+ (FP8 there
+    # too) the refusal names --kv-cache-dtype bfloat16 (tests/test_dsa_host_pools.py).
+    no("dsa", ("int8",), _HOST + " with --kv-cache-dtype fp8_e4m3",
+       "or --hicache-host-dtype auto", flags=dict(kv_cache_dtype="fp8_e4m3")),
+    ok("dsa", ("auto",), flags=dict(kv_cache_dtype="fp8_e4m3")),
+    no("dsa", ("int8",), "--hicache-host-dtype int8 with --hicache-storage-backend "
+       "nixl does not support DSA models", "Use --hicache-storage-backend file or "
+       "mooncake", flags=dict(hicache_storage_backend="nixl")),
+    no("dsa", ("int8",), _HOST, "--enable-hisparse", "Use --hicache-host-dtype auto.",
+       flags=dict(enable_hisparse=True)),
+    # GLM's prefill-CP layer split shards the device KV's layers over CP ranks.
+    no("dsa", ("int8",), _HOST, "--enable-dsa-cache-layer-split",
+       "Use --hicache-host-dtype auto.", flags=_DSA_LAYER_SPLIT),
+    ok("dsa", ("auto",), flags=_DSA_LAYER_SPLIT),
     no("mla_rank320", ("int8",), _HOST, "kv_lora_rank 320",
        "Use --hicache-host-dtype auto."),
     ok("mla512", ("auto",), flags=dict(kv_cache_dtype="fp8_e4m3")),

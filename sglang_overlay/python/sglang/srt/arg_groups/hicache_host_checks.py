@@ -56,6 +56,36 @@ def check_device_kv_dtype(cfg: Any, flag: str, plain: tuple, needs: str) -> None
 def check_model_for_host_kv(server_args: Any) -> None:
     if resolving_view(server_args).hicache_host_dtype == "auto":
         _check_env_with_stock_pool()
+    else:
+        _refuse_fp8_dsa_latent(server_args)
+
+
+def _refuse_fp8_dsa_latent(server_args: Any) -> None:
+    """A DSA model's FP8 latent KV, which SGLang picks for --kv-cache-dtype
+    auto on SM100+ GPUs once the model is known, is stored with per-block
+    scales the encoded MLA pool does not read: name the fix, bfloat16."""
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
+    cfg = resolving_view(server_args)
+    if cfg.kv_cache_dtype not in _FP8_KV_CACHE_DTYPES:
+        return
+    model_config = model_config_of(server_args)
+    if not is_deepseek_dsa(model_config.hf_config):
+        return
+    given = server_args.kv_cache_dtype
+    resolved = (
+        f"{given}, which SGLang resolves to {cfg.kv_cache_dtype} for DSA models "
+        "on this GPU"
+        if given != cfg.kv_cache_dtype
+        else given
+    )
+    raise ValueError(
+        f"--hicache-host-dtype {cfg.hicache_host_dtype} with --kv-cache-dtype "
+        f"{resolved}: the DSA model {architecture(model_config)} then keeps its "
+        "latent KV in FP8 with per-block scales, and this host format encodes a "
+        "BF16/FP16 latent. Pass --kv-cache-dtype bfloat16, or use "
+        "--hicache-host-dtype auto."
+    )
 
 
 def _check_env_with_stock_pool() -> None:
@@ -149,33 +179,42 @@ def check_model_for_encoded_host_kv(server_args: Any) -> None:
 
 
 def _refuse_nixl_with_hybrid_model(server_args: Any) -> None:
-    """NIXL moves encoded KV pages (patch 0011), but its path for the hybrid
-    side pools (sliding-window, Mamba state) has not run with them."""
+    """NIXL moves encoded KV pages (patch 0011), but its path for the side
+    pools (sliding-window, Mamba state, the DSA indexer) has not run with them."""
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+
     cfg = resolving_view(server_args)
     model_config = model_config_of(server_args)
-    if cfg.hicache_storage_backend != "nixl" or not is_hybrid_model(model_config):
+    if cfg.hicache_storage_backend != "nixl":
+        return
+    if is_hybrid_model(model_config):
+        kind = "hybrid models"
+        what = "sliding-window or linear-attention layers"
+    elif is_deepseek_dsa(model_config.hf_config):
+        kind = "DSA models"
+        what = "the indexer's key pages"
+    else:
         return
     raise ValueError(
         f"--hicache-host-dtype {cfg.hicache_host_dtype} with "
-        "--hicache-storage-backend nixl does not support hybrid models "
-        f"({architecture(model_config)}: sliding-window or linear-attention "
-        "layers). Use --hicache-storage-backend file or mooncake, or "
-        "--hicache-host-dtype auto."
+        f"--hicache-storage-backend nixl does not support {kind} "
+        f"({architecture(model_config)}: {what}). Use "
+        "--hicache-storage-backend file or mooncake, or --hicache-host-dtype auto."
     )
 
 
 def _refuse_unsupported_mla(server_args: Any) -> None:
     """The MLA host pool encodes plain MLA latent caches (DeepSeek V2/V3,
-    Kimi K2 and the like) whose kv_lora_rank splits into 128-value tiles."""
-    from sglang.srt.configs.model_config import is_deepseek_dsa, is_deepseek_v4
+    Kimi K2 and the like) whose kv_lora_rank splits into 128-value tiles, and
+    the latent of DSA models (DeepSeek V3.2, GLM-5), whose indexer keys stay
+    SGLang's byte copy (pool_host/dsa.py)."""
+    from sglang.srt.configs.model_config import is_deepseek_v4
 
     cfg = resolving_view(server_args)
     model_config = model_config_of(server_args)
     hf_config = model_config.hf_config
     unsupported = None
-    if is_deepseek_dsa(hf_config):
-        unsupported = "DSA/NSA sparse-attention MLA models (their indexer cache)"
-    elif is_deepseek_v4(hf_config):
+    if is_deepseek_v4(hf_config):
         unsupported = "DeepSeek V4's compressed MLA caches"
     elif is_hybrid_model(model_config):
         unsupported = (
@@ -184,6 +223,8 @@ def _refuse_unsupported_mla(server_args: Any) -> None:
         )
     elif cfg.enable_hisparse:
         unsupported = "--enable-hisparse"
+    elif cfg.enable_dsa_cache_layer_split:
+        unsupported = "--enable-dsa-cache-layer-split (layer-sharded device KV)"
     elif cfg.dcp_size > 1:
         unsupported = "--dcp-size > 1 (no DCP index translation in the encoded pool)"
     elif model_config.kv_lora_rank % 128:

@@ -1,0 +1,601 @@
+"""DSA models (DeepSeek V3.2, GLM-5) with --hicache-host-dtype int8 and auto,
+through SGLang's own DSA stack on CPU.
+
+Server arguments resolve from the tiny DeepSeek-V3.2 and GLM-5 shaped configs
+of the start-up table (tests/support/startup_table.py, an H100 standing in for
+the GPU SGLang's DSA resolution reads); the device pool is SGLang's
+DSATokenToKVPool with the geometry its KV cache configurator derives from the
+model (latent width, indexer key width, shared-top-k layers without indexer
+keys); registry.create_unified_radix_cache picks the DSA stack strategy, whose
+pool assembler builds the latent host pool (the encoded MLA pool for int8,
+SGLang's MLATokenToKVPoolHost for auto) and SGLang's DSAIndexerPoolHost laid
+out on it, under one HybridCacheController. Only the CUDA copies of the stock
+pools (kvcacheio) are CPU stand-ins (scripts/rigs/standins.py).
+
+Through the radix cache's own host hit (insert, L1 eviction, match,
+init_load_back, load) on every layout/io pair the DSA indexer pool moves pages
+with: the latent comes back as the format's reference decode of what was
+written (within int8's bound; bit for bit with auto), into other device rows
+than it left, and the indexer's FP8 keys and scales bit for bit. Across a
+restart, the same through SGLang's file backend and a real mooncake_master:
+both pools' pages reach L3 (the latent's sealed) and come back through a
+prefetch into fresh pools.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from array import array
+from dataclasses import dataclass
+
+import pytest
+import torch
+from scripts.rigs import standins
+from scripts.rigs.hicache_harness import LoadBackReq
+from tests.support import startup_table as st
+from tests.support.hybrid_rigs import bits, build_cache, publish_server_args
+
+from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+pytestmark = pytest.mark.usefixtures(
+    "dsa_copies_on_cpu", "h100", "hybrid_runtime_context", "host_ram_not_under_test"
+)
+
+HOST_DTYPES = ("int8", "auto")
+# The (layout, io backend) pairs DSAIndexerPoolHost moves pages with
+# (pool_host/dsa.py); SGLang resolves the others to these
+# (tests/support/startup_table.py).
+PAIRS = [
+    ("page_first", "kernel"),
+    ("page_first_direct", "direct"),
+    ("layer_first", "direct"),
+    ("layer_first", "kernel"),
+]
+PAGE = 64  # DSATokenToKVPool's physical page on CUDA
+DEVICE_TOKENS = 16 * PAGE
+TOKENS = 3 * PAGE
+
+
+@pytest.fixture(scope="module")
+def dsa_copies_on_cpu():
+    """CPU stand-ins for the kvcacheio copies of the DSA indexer host pool and
+    of the stock MLA host pool's `kernel` io backend."""
+    from sglang.srt.mem_cache.pool_host import dsa, mla
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name, standin in standins.dsa_indexer_standins().items():
+            patch.setattr(dsa, name, standin, raising=False)
+        for name, standin in standins.mla_kernel_standins().items():
+            patch.setattr(mla, name, standin, raising=False)
+        yield
+
+
+@pytest.fixture
+def h100(monkeypatch):
+    """SGLang's DSA resolution reads the GPU's compute capability."""
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsa_models")
+    paths = {}
+    for name in ("dsa", "glm5"):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(st.MODELS[name][0]))
+        paths[name] = str(root / name)
+    return paths
+
+
+# -- the rig ------------------------------------------------------------------
+
+
+@dataclass
+class DsaRig:
+    host_dtype: str
+    cache: object
+    allocator: object
+    kv: object  # DSATokenToKVPool
+
+    @property
+    def controller(self):
+        return self.cache.cache_controller
+
+    def host_pool(self, name: PoolName):
+        return self.controller.mem_pool_host.entry_map[name].host_pool
+
+
+def dsa_device_pool(server_args, dtype=torch.bfloat16):
+    """DSATokenToKVPool as kv_cache_configurator._build_dsa_kv_pool builds it
+    for the model (one rank, no CP layer split, no HiSparse)."""
+    from sglang.srt.configs.model_config import (
+        ModelConfig,
+        dsa_layer_skips_topk,
+        get_dsa_index_head_dim,
+        get_dsa_index_kpool,
+    )
+    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    model_config = ModelConfig.from_server_args(server_args)
+    hf = model_config.hf_config
+    layers = model_config.num_hidden_layers
+    return DSATokenToKVPool(
+        DEVICE_TOKENS,
+        page_size=PAGE,
+        dtype=dtype,
+        kv_lora_rank=model_config.kv_lora_rank,
+        qk_rope_head_dim=model_config.qk_rope_head_dim,
+        layer_num=layers,
+        device="cpu",
+        kv_cache_dim=calculate_mla_kv_cache_dim(
+            model_config=model_config, kv_cache_dtype=dtype
+        ),
+        enable_memory_saver=False,
+        index_head_dim=get_dsa_index_head_dim(hf),
+        index_kpool=get_dsa_index_kpool(hf),
+        skip_topk_layers=[dsa_layer_skips_topk(hf, i) for i in range(layers)],
+    )
+
+
+def dsa_rig(model_dir, host_dtype, layout, io_backend, l3=None) -> DsaRig:
+    from scripts.rigs.hicache_harness import make_allocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    server_args = publish_server_args(
+        model_dir, host_dtype, layout, PAGE, io_backend, l3=l3
+    )
+    kv = dsa_device_pool(server_args)
+    allocator = make_allocator(kv)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=2048, device="cpu", enable_memory_saver=False
+        ),
+        token_to_kv_pool_allocator=allocator,
+        page_size=PAGE,
+    )
+    cache = build_cache(server_args, params, swa=False, ssm=False)
+    return DsaRig(host_dtype, cache, allocator, kv)
+
+
+# -- what is written, and what must come back ---------------------------------
+
+
+def indexer_pages(indices: torch.Tensor) -> torch.Tensor:
+    return indices.view(-1, PAGE)[:, 0] // PAGE
+
+
+def fill(rig: DsaRig, dev: torch.Tensor, gen) -> tuple[list, list]:
+    """Random latent rows (a wide range of magnitudes per 128-value tile) and
+    random indexer pages (FP8 keys and fp32 scales as bytes) at `dev`."""
+    latents, keys = [], []
+    for layer in range(rig.kv.layer_num):
+        buffer = rig.kv.kv_buffer[layer]
+        rows = torch.randn((len(dev), *buffer.shape[1:]), generator=gen)
+        rows *= torch.logspace(-2, 2, len(dev)).view(-1, 1, 1)
+        buffer[dev] = rows.to(buffer.dtype)
+        latents.append(buffer[dev].clone())
+        index = rig.kv.index_k_with_scale_buffer[layer]
+        if index.shape[0] == 0:  # a shared-top-k layer keeps no indexer keys
+            keys.append(None)
+            continue
+        pages = indexer_pages(dev)
+        index[pages] = torch.randint(
+            0, 256, (len(pages), index.shape[1]), generator=gen, dtype=torch.uint8
+        )
+        keys.append(index[pages].clone())
+    return latents, keys
+
+
+def wipe(rig: DsaRig, dev: torch.Tensor) -> None:
+    for layer in range(rig.kv.layer_num):
+        rig.kv.kv_buffer[layer][dev] = float("nan")
+        index = rig.kv.index_k_with_scale_buffer[layer]
+        if index.shape[0]:
+            index[indexer_pages(dev)] = 0
+
+
+def latent_reference(rows: torch.Tensor, rope_dim: int):
+    """The MLA int8 format's reference decode of `rows` and each element's
+    bound (kv_mla_int8_codec: s/2 + half an ulp of the restored value per
+    latent element; RoPE exact)."""
+    fmt = MLAInt8HostFormat((rows.shape[-1],), 1, 1, rows.dtype, rope_dim=rope_dim)
+    records = fmt.encode_reference([rows.view(-1, 1, 1, rows.shape[-1])])
+    (restored,) = fmt.decode_reference(records, rows.dtype)
+    restored = restored.view_as(rows)
+    scale = records["scale"].float().view(len(rows), 1, -1)
+    half_step = (scale / 2).repeat_interleave(128, dim=-1)
+    bound = torch.zeros(rows.shape, dtype=torch.float32)
+    latent = rows.shape[-1] - rope_dim
+    bound[..., :latent] = half_step + restored[..., :latent].float().abs() * 2**-8
+    return restored, bound
+
+
+def assert_restored(rig: DsaRig, dev: torch.Tensor, latents, keys) -> None:
+    kv = rig.kv
+    rope_dim = kv.qk_rope_head_dim
+    for layer, (rows, key) in enumerate(zip(latents, keys, strict=True)):
+        got = kv.kv_buffer[layer][dev]
+        if rig.host_dtype == "auto":
+            assert torch.equal(bits(got), bits(rows)), ("latent", layer)
+        else:
+            want, bound = latent_reference(rows, rope_dim)
+            assert torch.equal(bits(got), bits(want)), ("latent", layer)
+            err = (got.float() - rows.float()).abs()
+            assert bool((err <= bound).all()), ("latent bound", layer)
+            assert torch.equal(bits(got[..., -rope_dim:]), bits(rows[..., -rope_dim:]))
+        if key is not None:
+            index = kv.index_k_with_scale_buffer[layer]
+            assert torch.equal(index[indexer_pages(dev)], key), ("indexer", layer)
+
+
+# -- the scheduler's host hit --------------------------------------------------
+
+
+def radix_key(ids):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", ids))
+
+
+def insert(rig: DsaRig, ids, seed: int):
+    """A prefill's KV at fresh device rows, inserted (written through)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    dev = rig.allocator.alloc(len(ids))
+    written = fill(rig, dev, torch.Generator().manual_seed(seed))
+    rig.cache.insert(
+        InsertParams(key=radix_key(ids), value=dev.to(torch.int64), prev_prefix_len=0)
+    )
+    rig.cache.flush_pending_backups()
+    rig.cache.check_hicache_events()
+    return dev, written
+
+
+def load_back(rig: DsaRig, ids) -> torch.Tensor:
+    """A match that hits the host for every token, init_load_back and the
+    load; returns the device rows the prefix is on now."""
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        InitLoadBackParams,
+        MatchPrefixParams,
+    )
+
+    cache, tokens = rig.cache, len(ids)
+    query = radix_key([*ids, 7])
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    assert (match.device_prefix_len, match.host_hit_length) == (0, tokens)
+    lock = cache.lock(match.last_device_node)
+    loaded, last_node = cache.init_load_back(
+        InitLoadBackParams(
+            best_match_node=match.best_match_node,
+            host_hit_length=match.host_hit_length,
+            req=LoadBackReq("r0", match.last_device_node),
+        )
+    )
+    assert loaded == tokens
+    cache.unlock(lock)
+    cache.lock(last_node)
+    cache.ready_to_load_host_cache()
+    cache.check_hicache_events()
+    again = cache.match_prefix(MatchPrefixParams(key=query))
+    assert (again.device_prefix_len, again.host_hit_length) == (tokens, 0)
+    return cache.path_device_indices(last_node)
+
+
+def host_hit(rig: DsaRig, seed: int = 1) -> None:
+    """Insert, L1 eviction (the rows wiped and held by another request, so
+    the load must land elsewhere), host hit, load; check both pools."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    ids = list(range(100, 100 + TOKENS))
+    dev, (latents, keys) = insert(rig, ids, seed)
+    evicted = rig.cache.evict(EvictParams(num_tokens=TOKENS))
+    assert evicted.num_tokens_evicted == TOKENS
+    wipe(rig, dev)
+    held = rig.allocator.alloc(TOKENS)
+    assert torch.equal(held.sort().values, dev.sort().values)
+    loaded = load_back(rig, ids)
+    assert not set(loaded.tolist()) & set(dev.tolist())
+    assert_restored(rig, loaded, latents, keys)
+    rig.cache.sanity_check()
+
+
+def expected_stack(rig: DsaRig, layout: str) -> None:
+    """The DSA strategy's stack: the latent pool (encoded for int8) and
+    SGLang's indexer pool laid out on it, one host page per latent page."""
+    latent = rig.host_pool(PoolName.KV)
+    indexer = rig.host_pool(PoolName.INDEXER)
+    want = (
+        MLATokenToKVPoolHost
+        if rig.host_dtype == "auto"
+        else host_pool_cls(rig.host_dtype, "mla")
+    )
+    assert type(latent) is want
+    assert type(indexer) is DSAIndexerPoolHost
+    assert latent.layout == indexer.layout == layout
+    assert (latent.size, latent.page_size) == (indexer.size, indexer.page_size)
+    # Shared-top-k layers own no indexer keys and get no host layer.
+    assert indexer.layer_num == sum(not s for s in rig.kv.skip_topk_layers)
+
+
+@pytest.mark.parametrize("layout,io_backend", PAIRS)
+@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
+def test_host_hit_restores_latent_and_indexer(
+    model_dirs, host_dtype, layout, io_backend
+):
+    rig = dsa_rig(model_dirs["dsa"], host_dtype, layout, io_backend)
+    expected_stack(rig, layout)
+    assert rig.controller.io_backend == io_backend
+    host_hit(rig)
+
+
+@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
+def test_glm5_shared_topk_layer_has_no_indexer_pages(model_dirs, host_dtype):
+    """GLM-5 shaped: layer 1 reuses layer 0's top-k (no indexer keys on the
+    device, no host layer); the other layers' keys and every latent layer
+    still come back."""
+    rig = dsa_rig(model_dirs["glm5"], host_dtype, "page_first", "kernel")
+    assert rig.kv.skip_topk_layers == [False, True, False]
+    expected_stack(rig, "page_first")
+    host_hit(rig)
+
+
+# -- the checks fail when a pool is broken ------------------------------------
+
+
+def test_indexer_not_backed_up_is_caught(model_dirs, monkeypatch):
+    rig = dsa_rig(model_dirs["dsa"], "int8", "page_first", "kernel")
+    monkeypatch.setattr(
+        DSAIndexerPoolHost, "backup_from_device_all_layer", lambda *a, **k: None
+    )
+    with pytest.raises(AssertionError, match="indexer"):
+        host_hit(rig)
+
+
+def test_latent_loaded_into_wrong_rows_is_caught(model_dirs, monkeypatch):
+    rig = dsa_rig(model_dirs["dsa"], "int8", "layer_first", "direct")
+    pool_cls = type(rig.host_pool(PoolName.KV))
+    load = pool_cls.load_to_device_per_layer
+
+    def shifted(self, device_pool, host_indices, device_indices, *args, **kw):
+        # Every row one page along: the rows of another request.
+        return load(
+            self, device_pool, host_indices, device_indices.roll(PAGE), *args, **kw
+        )
+
+    monkeypatch.setattr(pool_cls, "load_to_device_per_layer", shifted)
+    with pytest.raises(AssertionError, match="latent"):
+        host_hit(rig)
+
+
+# -- L3: the file backend across a restart ------------------------------------
+
+WAIT_S = 30.0
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not finish in time")
+        time.sleep(0.02)
+
+
+def stop(rig: DsaRig) -> None:
+    """The server goes away: its storage threads stop, its pools are freed."""
+    rig.controller.detach_storage_backend()
+    rig.cache.release_host_resources()
+
+
+def prefetch(rig: DsaRig, ids) -> None:
+    """A fresh server's miss everywhere but L3: prefetch the prefix into the
+    host tier as the scheduler does."""
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        CacheRequestHandle,
+        MatchPrefixParams,
+    )
+
+    cache = rig.cache
+    match = cache.match_prefix(MatchPrefixParams(key=radix_key([*ids, 7])))
+    assert (match.device_prefix_len, match.host_hit_length) == (0, 0)
+    handle = CacheRequestHandle("r0", 0)
+    cache.prefetch_from_storage(
+        handle,
+        match.last_host_node,
+        array("q", ids),
+        cache.get_last_hash_value(match.last_host_node),
+        None,
+        matched_prefix_tokens=array("q"),
+    )
+
+    def prefetched():
+        cache.check_hicache_events()
+        return cache.check_prefetch_progress(handle)
+
+    wait_for(prefetched, "the L3 prefetch")
+    assert cache.pop_prefetch_loaded_span(handle) == (len(ids), 0)
+
+
+@pytest.fixture(scope="module")
+def storage_hash_built():
+    """SGLang builds its native page-hash extension (a C++ compile) on first
+    use, in the prefetch thread: here, before any deadline runs."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    get_hash_str([1, 2, 3])
+
+
+# Mooncake takes page-first layouts only (SGLang rewrites layer_first).
+L3_CASES = [
+    ("file", "page_first", "kernel"),
+    ("file", "layer_first", "direct"),
+    ("mooncake", "page_first_direct", "direct"),
+]
+
+
+@pytest.mark.usefixtures("storage_hash_built")
+@pytest.mark.parametrize("backend,layout,io_backend", L3_CASES)
+@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
+def test_l3_round_trip_after_restart(
+    request, model_dirs, tmp_path, host_dtype, backend, layout, io_backend
+):
+    """Both pools' pages reach L3 and come back into a fresh server's pools
+    (Mooncake's objects live in the server's own memory segment: there the
+    same server, with its L1 and L2 copies dropped): a prefetch, then the
+    host hit."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    l3 = dict(hicache_storage_backend=backend, served_model_name=request.node.name)
+    if backend == "file":
+        l3["file_storage_path"] = str(tmp_path)
+    else:
+        l3["extra_config"] = request.getfixturevalue("mooncake_master").storage_config()
+    ids = list(range(500, 500 + TOKENS))
+    first = dsa_rig(model_dirs["dsa"], host_dtype, layout, io_backend, l3=l3)
+    dev, (latents, keys) = insert(first, ids, seed=3)
+
+    def backed_up():
+        first.cache.check_hicache_events()
+        return not first.cache.ongoing_backup
+
+    wait_for(backed_up, "the L3 backup")
+    if backend == "mooncake":
+        assert first.cache.evict(EvictParams(num_tokens=TOKENS)).num_tokens_evicted
+        wipe(first, dev)
+        for component in first.cache.components:
+            first.cache.evict_host(TOKENS, component)
+        second = first
+    else:
+        stop(first)
+        second = dsa_rig(model_dirs["dsa"], host_dtype, layout, io_backend, l3=l3)
+    if backend == "file":
+        # One latent and one indexer object per page, under the format's tag.
+        files = [p.name for p in tmp_path.iterdir() if p.suffix == ".bin"]
+        assert len([f for f in files if ".indexer_" in f]) == TOKENS // PAGE
+        assert len(files) == 2 * (TOKENS // PAGE)
+        if host_dtype == "int8":
+            assert all("mla-int8-t128" in f for f in files)
+
+    prefetch(second, ids)
+    loaded = load_back(second, ids)
+    assert_restored(second, loaded, latents, keys)
+    if host_dtype == "int8":
+        integrity = second.host_pool(PoolName.KV).storage_integrity_counts()
+        assert integrity["verified"] >= TOKENS // PAGE, integrity
+    stop(second)
+
+
+# -- start-up and sizing --------------------------------------------------------
+
+
+def test_fp8_latent_from_kv_cache_dtype_auto_is_refused(model_dirs, monkeypatch):
+    """On SM100+ SGLang gives DSA models an FP8 latent for --kv-cache-dtype
+    auto: int8 is refused naming the fix; with --kv-cache-dtype bfloat16 it
+    starts, and auto serves the FP8 latent."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+    from tests.support.server_args import resolve
+
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (10, 0))
+    with pytest.raises(ValueError) as error:
+        resolve(model_dirs["dsa"], hicache_host_dtype="int8")
+    message = str(error.value)
+    for fragment in (
+        "--hicache-host-dtype int8 with --kv-cache-dtype auto, which SGLang "
+        "resolves to fp8_e4m3",
+        "DeepseekV32ForCausalLM",
+        "Pass --kv-cache-dtype bfloat16",
+        "--hicache-host-dtype auto",
+    ):
+        assert fragment in message
+    args = resolve(model_dirs["dsa"], hicache_host_dtype="int8", kv_cache_dtype="bf16")
+    assert resolution_result(args, "kv_cache_dtype") == "bfloat16"
+    args = resolve(model_dirs["dsa"], hicache_host_dtype="auto")
+    assert resolution_result(args, "kv_cache_dtype") == "fp8_e4m3"
+
+
+def test_auto_size_counts_the_indexer_unencoded(model_dirs, monkeypatch):
+    """Auto-sizing (no --hicache-ratio/--hicache-size) fits the host pools
+    into the host-memory budget: with int8 the latent shrinks, the indexer
+    keys do not."""
+    from sglang.srt.mem_cache import hicache_auto_size
+    from sglang.srt.runtime_context import get_memory
+
+    budget = 3 << 20
+    monkeypatch.setattr(
+        hicache_auto_size, "host_memory_budget_bytes", lambda **_: budget
+    )
+    rig_args = {}
+    for host_dtype in HOST_DTYPES:
+        server_args = publish_server_args(
+            model_dirs["dsa"], host_dtype, "page_first", PAGE, "kernel"
+        )
+        from scripts.rigs.hicache_harness import make_allocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+        kv = dsa_device_pool(server_args)
+        params = CacheInitParams(
+            disable=False,
+            req_to_token_pool=ReqToTokenPool(
+                size=4, max_context_len=2048, device="cpu", enable_memory_saver=False
+            ),
+            token_to_kv_pool_allocator=make_allocator(kv),
+            page_size=PAGE,
+        )
+        fraction = 0.8  # the default: no --hicache-ratio or --hicache-size given
+        with (
+            get_memory().override(hicache_host_memory_fraction=fraction),
+            hicache_auto_size.auto_size_hicache(params, None, enabled=True),
+        ):
+            cache = build_cache(server_args, params, swa=False, ssm=False)
+        group = cache.cache_controller.mem_pool_host
+        host_bytes = sum(
+            b.nbytes
+            for entry in group.entries
+            for b in (
+                entry.host_pool.get_hybrid_pool_buffer()
+                if entry.name == PoolName.INDEXER
+                else entry.host_pool.kv_buffer
+            )
+        )
+        # The budget less the slack auto-sizing keeps for allocator rounding
+        # (page-rounded pools come in a little under it).
+        slack = hicache_auto_size._ALLOCATION_SLACK_FRACTION
+        allowed = budget * fraction * (1 - slack)
+        assert 0.9 * allowed <= host_bytes <= allowed, (host_dtype, host_bytes)
+        rig_args[host_dtype] = group.get_pool(PoolName.KV).size
+    # int8 holds more tokens in the same budget.
+    assert rig_args["int8"] > 1.3 * rig_args["auto"]
+
+
+def test_host_dedup_stays_refused_for_dsa(model_dirs):
+    """--enable-mla-hicache-host-dedup serves plain MLA stacks only."""
+    from scripts.rigs.hicache_harness import make_allocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.runtime_context import get_memory
+
+    server_args = publish_server_args(
+        model_dirs["dsa"], "int8", "page_first", PAGE, "kernel"
+    )
+    kv = dsa_device_pool(server_args)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=2048, device="cpu", enable_memory_saver=False
+        ),
+        token_to_kv_pool_allocator=make_allocator(kv),
+        page_size=PAGE,
+    )
+    with (
+        get_memory().override(enable_mla_hicache_host_dedup=True),
+        pytest.raises(ValueError, match="--enable-mla-hicache-host-dedup"),
+    ):
+        build_cache(server_args, params, swa=False, ssm=False)
