@@ -3,7 +3,10 @@ HiCacheControllers over gloo, each rank with its own CPU device pool. The
 source rank alone backs up; after an L1 eviction every rank's load restores
 rank 0's rows bit for bit (peers through the broadcaster); peers hold no host
 KV bytes and the same host indices; a source-side load failure raises on
-every rank instead of hanging."""
+every rank instead of hanging. With the `file` L3 backend the source alone
+writes each page; after a restart a prefetch reaches every rank with the same
+hits and host indices, and a page file the source cannot use is the same miss
+on every rank."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import socket
 import threading
 import time
 import traceback
+from array import array
 from datetime import timedelta
 
 import pytest
@@ -224,13 +228,13 @@ RADIX_CASES = [
 ]
 
 
-def _run_radix_case(case, rank, group) -> dict:
+def _run_radix_case(case, rank, group, store_dir=None) -> dict:
     """The scheduler's path: --enable-mla-hicache-host-dedup through the
     server arguments, the radix cache and its HiCache stack as the registry
     builds them (pool assembler, HybridCacheController), then insert (written
-    through), L1 eviction, a host hit, init_load_back and the load."""
-    from array import array
-
+    through), L1 eviction, a host hit, init_load_back and the load. With
+    `store_dir` (the `file` L3 backend), the host copy is evicted too and the
+    prefix comes back through the radix cache's L3 prefetch first."""
     from sglang.srt.mem_cache.base_prefix_cache import (
         EvictParams,
         InitLoadBackParams,
@@ -250,6 +254,16 @@ def _run_radix_case(case, rank, group) -> dict:
     )
 
     _, host_dtype, layout, io_backend, page = case
+    storage = {}
+    if store_dir is not None:
+        storage = dict(
+            hicache_storage_backend="file",
+            hicache_storage_backend_extra_config=json.dumps(
+                # Prefetch whatever hits (the default threshold is 256 tokens).
+                {"file_storage_path": store_dir, "prefetch_threshold": page}
+            ),
+            hicache_storage_prefetch_policy="wait_complete",
+        )
     server_args = publish_server_args(
         host_dtype,
         page_size=page,
@@ -257,7 +271,10 @@ def _run_radix_case(case, rank, group) -> dict:
         io_backend=io_backend,
         hicache_ratio=2.0,
         enable_mla_hicache_host_dedup=True,
+        **storage,
     )
+    if store_dir is not None:
+        _stamp_tp_rank()
     device_pool = make_device_pool(
         MLAGeometry(layer_num=LAYERS, page_size=page), 64 * page
     )
@@ -276,6 +293,9 @@ def _run_radix_case(case, rank, group) -> dict:
     logged.close()
     cache.write_through_threshold = 1
     controller = cache.cache_controller
+    for entry in controller.mem_pool_host.entries:
+        # L3 page buffers ask torch for pinned memory, which needs CUDA.
+        entry.host_pool.pin_memory = False
     host_pool = controller.mem_pool_host.anchor_entry.host_pool
     dedup_src = controller.host_dedup.is_src
     result = {
@@ -306,6 +326,8 @@ def _run_radix_case(case, rank, group) -> dict:
     for layer in range(LAYERS):
         device_pool.kv_buffer[layer][slots] = float(rank + 7)
     query = RadixKey(array("q", [*ids, 7]))
+    if store_dir is not None:
+        result["l3"] = _reload_from_l3(cache, ids, query)
     match = cache.match_prefix(MatchPrefixParams(key=query))
     result["host_hit"] = match.host_hit_length
     lock = cache.lock(match.last_device_node)
@@ -334,7 +356,11 @@ def _run_radix_case(case, rank, group) -> dict:
             for _ in range(LAYERS)
         ]
     )
-    result["max_abs_err"] = (rows.float() - written.float()).abs().max().item()
+    result["max_abs_err"] = (
+        (rows.float() - written.float()).abs().max().item()
+        if rows.shape == written.shape
+        else float("inf")  # not every token came back: the counts say why
+    )
     indices = _gather(device.to(torch.int64))
     result["same_device_indices"] = all(torch.equal(x, indices[0]) for x in indices)
     # What sglang:hicache_host_used_bytes reports: the source's bytes only.
@@ -353,6 +379,228 @@ def _run_radix_case(case, rank, group) -> dict:
     result["source_bytes_per_token"] = host_pool.size_per_token if dedup_src else 0
     cache.unlock(lock)
     cache.sanity_check()
+    return result
+
+
+# L3 (`file` backend): (name, host dtype, layout, io backend, page size); int8
+# pages are sealed, so a corrupted page file is refused on read.
+L3_CASES = [
+    ("l3_int8", "int8", "page_first_direct", "direct", 4),
+    ("l3_auto", "auto", "layer_first", "direct", 4),
+]
+L3_PAGES = 6
+L3_PAGE_SIZE = {c[0]: c[4] for c in L3_CASES}
+# The scheduler's path with the `file` L3 backend (HybridCacheController).
+RADIX_L3_CASES = [("radix_l3_int8", "int8", "page_first_direct", "direct", 4)]
+L3_REMOVED_PAGE = 4  # its file is removed on the source: the hits stop there
+L3_CORRUPT_PAGE = 2  # int8 only: its file's bytes are flipped on the source
+
+
+def _stamp_tp_rank() -> None:
+    """The TP ranks the scheduler stamps, as the storage config reads them."""
+    import torch.distributed as dist
+
+    from sglang.srt.runtime_context import get_parallel
+
+    rank = dist.get_rank()
+    get_parallel().override_permanently(
+        tp_rank=rank,
+        tp_size=WORLD,
+        attn_tp_rank=rank,
+        attn_tp_size=WORLD,
+        moe_tp_rank=rank,
+        moe_tp_size=WORLD,
+        pp_rank=0,
+        attn_dcp_rank=0,
+    )
+
+
+def _reload_from_l3(cache, ids, query) -> list:
+    """Wait for the L3 backup, drop the host copy, then prefetch the prefix
+    as the scheduler does (prefetch_from_storage, check_prefetch_progress);
+    both ranks poll in lockstep (each poll is a collective). Returns what
+    this rank saw: [host hit before, tokens loaded into the host tier]."""
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        CacheRequestHandle,
+        MatchPrefixParams,
+    )
+
+    from scripts.rigs.l3_harness import STORAGE_WAIT_S
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + STORAGE_WAIT_S
+        while not condition():
+            assert time.monotonic() < deadline, f"{what} did not finish in time"
+            time.sleep(0.02)
+
+    def backed_up():
+        cache.check_hicache_events()
+        return not cache.ongoing_backup
+
+    wait_for(backed_up, "the L3 backup")
+    for component in cache.components:
+        cache.evict_host(len(ids), component)
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    handle = CacheRequestHandle("r0", 0)
+    cache.prefetch_from_storage(
+        handle,
+        match.last_host_node,
+        array("q", ids),
+        cache.get_last_hash_value(match.last_host_node),
+        None,
+        matched_prefix_tokens=array("q"),
+    )
+
+    def prefetched():
+        cache.check_hicache_events()
+        return cache.check_prefetch_progress(handle)
+
+    wait_for(prefetched, "the L3 prefetch")
+    return [match.host_hit_length, cache.pop_prefetch_loaded_span(handle)[0]]
+
+
+def _l3_stack(case, group, store_dir: str):
+    """Fresh dedup state, pools and controller attached to the `file` store in
+    `store_dir`: what a (re)start builds on every rank."""
+    from scripts.rigs.l3_harness import file_storage_config, publish_runtime
+
+    _, host_dtype, layout, _, page = case
+    publish_runtime(page, layout, host_dtype)
+    _stamp_tp_rank()
+    dedup, device_pool, allocator, host_pool, ctl = _build(case, group)
+    ctl.attach_storage_backend(
+        "file",
+        prefetch_threshold=page,
+        model_name="hiq/dedup",
+        storage_backend_extra_config=file_storage_config(store_dir),
+    )
+    written = []
+    real_batch_set = ctl.storage_backend.batch_set
+
+    def counting_batch_set(keys, values, *args, **kwargs):
+        written.extend(keys)
+        return real_batch_set(keys, values, *args, **kwargs)
+
+    ctl.storage_backend.batch_set = counting_batch_set
+    return dedup, device_pool, allocator, ctl, written
+
+
+def _l3_prefetch_load(ctl, allocator, device_pool, tokens, rid, page):
+    """L3 -> the source's host pool (peers: the same host indices) -> every
+    rank's device pool; returns (hit, completed tokens, host indices, rows)."""
+    from types import SimpleNamespace
+
+    from scripts.rigs.l3_harness import prefetch_to_host
+
+    l3 = SimpleNamespace(controller=ctl, geo=SimpleNamespace(page_size=page))
+    hit, completed, host = prefetch_to_host(l3, tokens, rid, stop_on_miss=False)
+    if host is None:
+        return hit, completed, torch.empty(0, dtype=torch.int64), None
+    ctl.mem_pool_host.free(host[completed:])
+    host = host[:completed]
+    rows = None
+    if completed:
+        dev = ctl.load(host)
+        ctl.start_loading()
+        from scripts.rigs.hicache_harness import finish_transfers
+
+        finish_transfers(ctl)
+        rows = torch.stack(
+            [device_pool.kv_buffer[layer][dev] for layer in range(LAYERS)]
+        )
+        allocator.free(dev)
+    ctl.mem_pool_host.free(host)
+    return hit, completed, host, rows
+
+
+def _run_l3_case(case, rank, group, store_dir: str) -> dict:
+    """Write through to L3 (the source writes each page once), restart with
+    fresh pools and controllers on the same store, prefetch and load back;
+    then a removed and (int8) a corrupted page file on the source."""
+    import torch.distributed as dist
+
+    from scripts.rigs.hicache_harness import finish_transfers
+    from scripts.rigs.l3_harness import STORAGE_WAIT_S
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    page = case[4]
+    tokens = list(range(2000, 2000 + L3_PAGES * page))
+    hashes = get_storage_hash_str(tokens, None, page_size=page)
+    logged = _LogLines("sglang.srt.managers.cache_controller")
+    dedup, device_pool, allocator, ctl, written = _l3_stack(case, group, store_dir)
+    gen = torch.Generator().manual_seed(4321)
+    dev = allocator.alloc(len(tokens))
+    for layer in range(LAYERS):
+        buf = device_pool.kv_buffer[layer]
+        buf[dev] = torch.randn((len(dev), *buf.shape[1:]), generator=gen).to(buf.dtype)
+    expected = torch.stack(
+        [device_pool.kv_buffer[layer][dev] for layer in range(LAYERS)]
+    )
+    host = ctl.write(dev)
+    finish_transfers(ctl)
+    op_id = ctl.write_storage(host, tokens, hash_value=hashes)
+    op = ctl.ack_backup_queue.get(timeout=STORAGE_WAIT_S)
+    assert op.id == op_id
+    result = {
+        "is_src": dedup.is_src,
+        "keys_written": len(written),
+        "backup_completed": op.completed_tokens,
+        # A peer that tried to write its (allocator-only) pool fails here.
+        "errors": [x for x in logged.lines if "ackup" in x or "Write page" in x],
+    }
+    logged.close()
+    dist.barrier(group)
+    result["page_files"] = sorted(
+        f for f in os.listdir(store_dir) if f.endswith(".bin")
+    )
+    ctl.detach_storage_backend()
+    dedup.destroy()
+
+    # Restart: fresh pools and controllers on every rank, the same store.
+    dedup, device_pool, allocator, ctl, written = _l3_stack(case, group, store_dir)
+    hit, completed, host, rows = _l3_prefetch_load(
+        ctl, allocator, device_pool, tokens, "all", page
+    )
+    result["restart"] = [hit, completed]
+    if rows is None:  # nothing restored: "restart" says so on every rank
+        rows = torch.full_like(expected, float("nan"))
+    result["restart_same_host"] = all(
+        torch.equal(x, host.view(torch.uint8)) for x in _gather(host)
+    )
+    everyone = _gather(rows)
+    result["restart_equal_to_rank0"] = all(
+        torch.equal(x, everyone[0]) for x in everyone
+    )
+    result["restart_max_abs_err"] = (rows.float() - expected.float()).abs().max().item()
+
+    # Faults on the source's store: a missing page file, a corrupted one.
+    def page_file(i: int) -> str:
+        (name,) = [f for f in os.listdir(store_dir) if f.startswith(hashes[i])]
+        return os.path.join(store_dir, name)
+
+    if dedup.is_src:
+        os.remove(page_file(L3_REMOVED_PAGE))
+        if case[1] == "int8":
+            path = page_file(L3_CORRUPT_PAGE)
+            data = bytearray(open(path, "rb").read())
+            data[len(data) // 2] ^= 0xFF
+            open(path, "wb").write(bytes(data))
+    dist.barrier(group)
+    hit, completed, host, rows = _l3_prefetch_load(
+        ctl, allocator, device_pool, tokens, "faulty", page
+    )
+    result["faulty"] = [hit, completed]
+    result["faulty_same_host"] = all(
+        torch.equal(x, host.view(torch.uint8)) for x in _gather(host)
+    )
+    if rows is not None:
+        everyone = _gather(rows)
+        result["faulty_equal_to_rank0"] = all(
+            torch.equal(x, everyone[0]) for x in everyone
+        )
+    result["keys_written_after_restart"] = len(written)
+    ctl.detach_storage_backend()
+    dedup.destroy()
     return result
 
 
@@ -384,6 +632,12 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
             results[case[0]] = _run_case(case, rank, group)
         for case in RADIX_CASES:
             results[case[0]] = _run_radix_case(case, rank, group)
+        for case in L3_CASES:
+            store = os.path.join(out_dir, case[0])
+            results[case[0]] = _run_l3_case(case, rank, group, store)
+        for case in RADIX_L3_CASES:
+            store = os.path.join(out_dir, case[0])
+            results[case[0]] = _run_radix_case(case, rank, group, store)
     except BaseException:  # noqa: BLE001 - reported to the parent
         results["error"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -491,3 +745,52 @@ def test_host_tier_metrics_count_the_source_bytes_once(ranks):
     assert r0["reported_bytes_per_token"] == per_token
     assert r0["reported_used_bytes"] == RADIX_TOKENS * per_token
     assert (r1["reported_used_bytes"], r1["reported_bytes_per_token"]) == (0, 0)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in L3_CASES])
+def test_l3_page_is_written_once_per_group(ranks, case):
+    """The source writes each page; the peer writes none (no backup error)."""
+    r0, r1 = ranks[0][case], ranks[1][case]
+    assert r0["is_src"] and not r1["is_src"]
+    assert r0["keys_written"] == L3_PAGES and r1["keys_written"] == 0
+    assert r0["page_files"] == r1["page_files"] and len(r0["page_files"]) == L3_PAGES
+    assert r0["backup_completed"] == L3_PAGES * L3_PAGE_SIZE[case]
+    assert r1["backup_completed"] == 0 and not r0["errors"] and not r1["errors"]
+    # Prefetches read: nobody writes after the restart.
+    assert r0["keys_written_after_restart"] == r1["keys_written_after_restart"] == 0
+
+
+@pytest.mark.parametrize("case", [c[0] for c in L3_CASES])
+def test_l3_hit_after_restart_restores_rank0_rows(ranks, case):
+    r0, r1 = ranks[0][case], ranks[1][case]
+    tokens = L3_PAGES * L3_PAGE_SIZE[case]
+    assert r0["restart"] == r1["restart"] == [tokens, tokens]
+    assert r0["restart_same_host"] and r1["restart_same_host"]
+    assert r0["restart_equal_to_rank0"] and r1["restart_equal_to_rank0"]
+    limit = 0.0 if case == "l3_auto" else 0.05
+    assert r0["restart_max_abs_err"] <= limit and r1["restart_max_abs_err"] <= limit
+
+
+@pytest.mark.parametrize("case", [c[0] for c in L3_CASES])
+def test_l3_source_side_miss_is_the_same_on_every_rank(ranks, case):
+    """A removed page file ends the hits; a corrupted (sealed, int8) one is
+    refused on read: both ranks see the same hits, pages and host indices."""
+    r0, r1 = ranks[0][case], ranks[1][case]
+    page = L3_PAGE_SIZE[case]
+    usable = L3_CORRUPT_PAGE if case == "l3_int8" else L3_REMOVED_PAGE
+    assert r0["faulty"] == r1["faulty"] == [L3_REMOVED_PAGE * page, usable * page]
+    assert r0["faulty_same_host"] and r1["faulty_same_host"]
+    assert r0["faulty_equal_to_rank0"] and r1["faulty_equal_to_rank0"]
+
+
+def test_radix_cache_l3_prefetch_restores_rank0_rows(ranks):
+    """Through the radix cache: written through to L3, L1 and L2 evicted, the
+    prefix prefetched from L3 (the same span on both ranks), then a host hit
+    loaded back bit-equal on both ranks, within int8's error of the written."""
+    r0, r1 = ranks[0]["radix_l3_int8"], ranks[1]["radix_l3_int8"]
+    tokens = RADIX_TOKENS
+    assert r0["l3"] == r1["l3"] == [0, tokens]
+    for r in (r0, r1):
+        assert (r["evicted"], r["host_hit"], r["loaded"]) == (tokens,) * 3
+        assert r["equal_to_rank0"] and r["same_device_indices"]
+        assert r["max_abs_err"] <= 0.05

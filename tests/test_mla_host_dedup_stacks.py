@@ -53,3 +53,19 @@ def test_refuses_hybrid_stacks():
     )
     with pytest.raises(ValueError, match=f"{FLAG} serves models with one full"):
         _select_strategy(kv, {ComponentType.FULL, ComponentType.SWA})
+
+
+def test_stack_refuses_storage_backends_other_than_file():
+    """Where the stack is built: `file` passes (the source alone serves L3 for
+    its group), any other backend is refused, naming the flag and the fix."""
+    from sglang.srt.mem_cache.hicache_host_dedup import check_host_dedup_supported
+    from scripts.rigs.hicache_harness import MLAGeometry, make_device_pool
+
+    device_pool = make_device_pool(MLAGeometry(layer_num=2), 16)
+    check_host_dedup_supported(device_pool, "file")
+    check_host_dedup_supported(device_pool, None)
+    with pytest.raises(ValueError) as error:
+        check_host_dedup_supported(device_pool, "mooncake")
+    message = str(error.value)
+    assert f"{FLAG} does not support --hicache-storage-backend mooncake" in message
+    assert "Use --hicache-storage-backend file or drop the flag." in message

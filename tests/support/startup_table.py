@@ -280,10 +280,14 @@ TABLE: tuple[Row, ...] = (
     ok("mla512", ("auto", "int8"), flags=dict(enable_mla_hicache_host_dedup=True),
        expect=dict(enable_mla_hicache_host_dedup=True)),
     ok("mla512", ("int8",), expect=dict(enable_mla_hicache_host_dedup=False)),
+    ok("mla512", ("auto", "int8"), flags=dict(enable_mla_hicache_host_dedup=True,
+       hicache_storage_backend="file"), expect=dict(enable_mla_hicache_host_dedup=True,
+       hicache_storage_backend="file")),
     no("mla512", ("auto", "int8"), "--enable-mla-hicache-host-dedup does not support "
-       "--hicache-storage-backend {hicache_storage_backend} yet; drop one of the two.",
+       "--hicache-storage-backend {hicache_storage_backend}: only file is wired",
+       "Use --hicache-storage-backend file or drop the flag.",
        flags=dict(enable_mla_hicache_host_dedup=True,
-                  hicache_storage_backend=("file", "mooncake"))),
+                  hicache_storage_backend=("mooncake", "nixl"))),
     no("mla512", ("auto",), "--enable-mla-hicache-host-dedup requires "
        "--enable-hierarchical-cache.", flags=dict(enable_mla_hicache_host_dedup=True,
        enable_hierarchical_cache=False)),

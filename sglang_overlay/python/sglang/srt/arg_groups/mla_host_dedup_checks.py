@@ -17,10 +17,11 @@ def validate_mla_hicache_host_dedup(server_args: Any):
         raise ValueError(
             "--enable-mla-hicache-host-dedup requires --enable-hierarchical-cache."
         )
-    if cfg.hicache_storage_backend is not None:
-        # Non-source ranks have no host KV for L3 pages to land in.
+    if cfg.hicache_storage_backend not in (None, "file"):
+        # The source alone reads and writes L3 pages; wired for file only.
         raise ValueError(
             "--enable-mla-hicache-host-dedup does not support "
-            f"--hicache-storage-backend {cfg.hicache_storage_backend} yet; "
-            "drop one of the two."
+            f"--hicache-storage-backend {cfg.hicache_storage_backend}: only file "
+            "is wired for L3 with host dedup. Use --hicache-storage-backend file "
+            "or drop the flag."
         )

@@ -7,7 +7,10 @@ capacity, so that host indices stay identical on every rank. Backups run on
 the source only. A load restores (decodes) each layer on the source and
 MLAHostDedupBroadcaster sends the restored layer to the other ranks' device
 pools. A failure on the source during a load raises HostDedupLoadError on
-every rank of the group after the layers' broadcasts, never a hang.
+every rank of the group after the layers' broadcasts, never a hang. With L3
+(`file`), the source alone writes and reads pages; the group agrees on each
+prefetch's hits and completed pages, so every rank allocates the same host
+indices and a page the source cannot use is a miss on every rank.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from sglang.srt.mem_cache.pool_host.mla import (
 logger = logging.getLogger(__name__)
 
 FLAG = "--enable-mla-hicache-host-dedup"
+# L3 backends the source alone serves for its group (None: no L3).
+STORAGE_BACKENDS = (None, "file")
 
 
 class HostDedupLoadError(RuntimeError):
@@ -222,13 +227,13 @@ class HiCacheHostDedup:
 
 def check_host_dedup_supported(device_pool, storage_backend: Optional[str]) -> None:
     """Refuse, naming the flag, what the dedup cannot serve."""
-    # Upstream's storage_supports_host_dedup admits "file", but the L3
-    # prefetch into allocator-only pools is not wired here yet: no backend.
-    if storage_backend is not None:
+    # The source alone reads and writes L3 pages (the peers' host indices
+    # follow from the group's agreed hit counts); wired for `file` only.
+    if storage_backend not in STORAGE_BACKENDS:
         raise ValueError(
             f"{FLAG} does not support --hicache-storage-backend "
-            f"{storage_backend} yet: non-source ranks hold no host KV to store "
-            "or prefetch into. Drop the storage backend or the flag."
+            f"{storage_backend}: only file is wired for L3 with host dedup. Use "
+            "--hicache-storage-backend file or drop the flag."
         )
     if not mla_host_dedup_eligible(device_pool, storage_backend):
         raise ValueError(
