@@ -1,9 +1,6 @@
-"""The HiCache host-tier alerting rules (docs/prometheus/hicache_rules.yml).
-
-`promtool check rules` validates them and `promtool test rules` runs
-tests/prometheus/hicache_rules_test.yml: series that fire and series that do
-not. promtool comes from Debian's `prometheus` package; .ci/run installs it.
-Where it is missing the tests skip, except in CI, where they fail.
+"""The HiCache alerting rules (docs/prometheus/hicache_rules.yml): `promtool
+check rules` and `promtool test rules` (tests/prometheus/hicache_rules_test.yml)
+pass; promtool comes from Debian's `prometheus` (skip without it, fail in CI).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """`make demo-l3` checks the Mooncake store's native libraries before it
-imports SGLang (minutes here) and fails in one line naming the packages and
-`scripts/debian_deps.sh install`."""
+imports SGLang and fails in one line naming the packages and the command."""
 
 from __future__ import annotations
 

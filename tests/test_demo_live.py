@@ -1,13 +1,9 @@
-"""`make demo` part 1 against real patched SGLang servers on this CPU.
-
-The demo driver's own code path (`python -m scripts.demo --live-quick`, bf16
-and int8 arms, part 2 at a tiny size) starts one live server per format at one
-computed host budget, drives it with bench_serving and the reuse phase, and
-writes its JSON; the tests check that the table's counts are measurements:
-at that budget bf16's host tier overflows and serves nothing on reuse while
-int8 serves the reused prompts from host, with load-back counted in /metrics
-and equal to what the responses report. A few checks of the sizing rules need
-no server. About 2 minutes on an idle machine (two server starts).
+"""`make demo` part 1 against real patched SGLang servers on this CPU: the
+driver (`python -m scripts.demo --live-quick`, bf16 and int8, part 2 tiny)
+starts one server per format at one computed host budget; bf16's host tier
+overflows and serves nothing on reuse, int8 serves reuse from host, counted
+in /metrics as the responses say. Sizing rules need no server. About 2 min
+idle (two server starts).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""HiCache host-tier metrics, scraped from SGLang's own collectors (issue 11).
-
-Real host pools and real HiCacheController transfers
-(scripts.rigs.hicache_harness) feed the real code paths: UnifiedRadixCache's ack loggers into RadixCacheMetricsCollector
-(byte counters), and SchedulerMetricsReporter._log_hicache_stats into
-SchedulerMetricsCollector.log_stats (host format, bytes, non-finite groups). The text exposition is parsed with prometheus_client's parser and every
-value is checked against the pool and the KV that was written. Only the
-scheduler around the reporter is a stand-in: it needs a GPU model runner.
+"""HiCache host-tier metrics, scraped from SGLang's own collectors: real host
+pools and HiCacheController transfers feed UnifiedRadixCache's ack loggers
+(byte counters) and SchedulerMetricsReporter._log_hicache_stats (format,
+bytes, non-finite groups, L3 refusals, the sink page); the text exposition
+is parsed with prometheus_client's parser and checked against the pool and
+the KV written. Only the scheduler around the reporter is a stand-in.
 """
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,15 +19,15 @@ from scripts.rigs.hicache_harness import (
     make_host_pool,
     make_rig,
 )
+from scripts.rigs import l3_harness as h
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+from sglang.srt.mem_cache.pool_host.host_env import SINK_ENV
+from sglang.srt.mem_cache.pool_host.sink_page import L3_KEY_SUFFIX
+from sglang.srt.mem_cache.utils import get_storage_hash_str
+from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES, host_format_cls
+from sglang.srt.mem_cache.pool_host.page_integrity import Refusal, StoragePageRefused
 from tests.support.metrics import TIER_GEO as GEO
 from tests.support.metrics import Scrape, TierRig, make_reporter, scrape
-from sglang.srt.managers.scheduler_components.metrics_reporter import (
-    SchedulerMetricsReporter,
-)
-from sglang.srt.mem_cache.pool_host.page_integrity import Refusal, StoragePageRefused
-from sglang.srt.observability.metrics_collector import (
-    SchedulerStats,
-)
 
 
 def layer_bytes(dims_itemsize: int, scale_bytes: int = 0) -> int:
@@ -94,27 +90,18 @@ def test_host_used_bytes_count_physical_rows_under_dcp(collectors):
     device_pool = make_device_pool(MLAGeometry(layer_num=2, page_size=4), 64)
     pool = make_host_pool(device_pool, host_tokens=32, dcp_size=dcp)
     assert (pool.dcp_size, pool.size, pool.logical_size) == (dcp, 32, 64)
-    reporter = SchedulerMetricsReporter.__new__(SchedulerMetricsReporter)
-    tree_cache = SimpleNamespace(token_to_kv_pool_host=pool, cache_controller=None)
-    reporter.scheduler = SimpleNamespace(
-        enable_hierarchical_cache=True, tree_cache=tree_cache
-    )
-    reporter.stats = SchedulerStats()
+    reporter = make_reporter(pool, None)
     host = pool.alloc(24)
     rows = len(torch.unique(host // dcp))
     assert rows == 12
-    reporter._log_hicache_stats()
-    scheduler_collector.log_stats(reporter.stats)
-    scrape = Scrape()
-    assert scrape.value("sglang:hicache_host_used_tokens") == 24
-    used = scrape.value("sglang:hicache_host_used_bytes")
-    assert used == rows * pool.size_per_token
+    seen = scrape(reporter, scheduler_collector)
+    assert seen.value("sglang:hicache_host_used_tokens") == 24
+    assert seen.value("sglang:hicache_host_used_bytes") == rows * pool.size_per_token
     # Every slot in use: the bytes of the whole host buffer, not dcp_size times it.
     pool.alloc(pool.available_size())
-    reporter._log_hicache_stats()
-    scheduler_collector.log_stats(reporter.stats)
-    buffer_bytes = sum(b.numel() * b.element_size() for b in [pool.kv_buffer])
-    assert Scrape().value("sglang:hicache_host_used_bytes") == buffer_bytes
+    buffer_bytes = pool.kv_buffer.numel() * pool.kv_buffer.element_size()
+    seen = scrape(reporter, scheduler_collector)
+    assert seen.value("sglang:hicache_host_used_bytes") == buffer_bytes
 
 
 def test_int8_nonfinite_groups(collectors):
@@ -141,6 +128,190 @@ def test_int8_nonfinite_groups(collectors):
     assert rebuilt.pool.nonfinite_group_count() == 2 * GEO.layer_num
     assert scrape.value("sglang:hicache_host_nonfinite_groups_total") == (
         nonfinite + 2 * GEO.layer_num
+    )
+
+
+# id -> (geometry, host dtype, FP8 device KV dtype or None, tokens, io backend)
+OTHER_DEVICE_KV = {
+    "mla-int8": (MLAGeometry(layer_num=3, page_size=4), "int8", None, 16, "kernel"),
+    **{
+        f"fp8-{host}": (
+            Geometry(layer_num=3, head_num=2, head_dim=64, dtype=fp8, page_size=16),
+            host,
+            fp8,
+            32,
+            "direct",
+        )
+        for host, fp8 in (("int4", torch.float8_e4m3fn), ("k8v4", torch.float8_e5m2))
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(OTHER_DEVICE_KV))
+def test_mla_and_fp8_device_kv_metrics(collectors, case):
+    """The MLA INT8 pool (a latent tile per layer stored as NaN) and FP8 device
+    KV with a 4-bit host copy: the info series names the device dtype (FP8,
+    not its uint8 storage), bytes are encoded against the device's."""
+    scheduler_collector, radix = collectors
+    geo, host_dtype, fp8, n, io_backend = OTHER_DEVICE_KV[case]
+    extra = {"device_kv_dtype": fp8} if fp8 else {}
+    rig = make_rig(
+        geo, device_tokens=4 * n, host_tokens=8 * n, layout="page_first",
+        io_backend=io_backend, host_dtype=host_dtype, **extra,
+    )  # fmt: skip
+    pool, ctl, device_pool = rig.host_pool, rig.controller, rig.device_pool
+    gen = torch.Generator().manual_seed(0)
+    dev = rig.allocator.alloc(n)
+    for layer in range(geo.layer_num):
+        if fp8 is None:
+            rows = torch.randn((n, 1, geo.kv_lora_rank + 64), generator=gen)
+            rows = rows * (layer + 1)
+            rows[0, 0, 3] = float("nan")  # one latent tile per layer stored as NaN
+            device_pool.kv_buffer[layer][dev] = rows.to(geo.dtype)
+            continue
+        for buf in (device_pool.k_buffer, device_pool.v_buffer):
+            rows = torch.randn((n, 2, 64), generator=gen).to(fp8)
+            buf[layer][dev] = rows.view(torch.uint8)
+    ctl.write(dev)
+    for ack in ctl.ack_write_queue:
+        ack.finish_event.synchronize()
+        radix._log_write_ack_metrics(ack)
+    ctl.ack_write_queue.clear()
+    seen = scrape(make_reporter(pool, ctl), scheduler_collector)
+
+    (info,) = seen.all("sglang:hicache_host_info")
+    assert info.labels["host_dtype"] == host_dtype
+    device_dtype = str(fp8).removeprefix("torch.") if fp8 else "bfloat16"
+    assert info.labels["device_dtype"] == device_dtype
+    assert info.labels["transfer_path"] == pool.transfer_path == "torch"
+    if fp8 is None:  # 512 int8 + 4 FP16 tile scales + 64 BF16 RoPE dims
+        host_bpt, device_bpt = 648 * geo.layer_num, 1152 * geo.layer_num
+        nonfinite = geo.layer_num
+    else:  # 1 byte per FP8 value
+        host_bpt, device_bpt, nonfinite = pool.get_size_per_token(), 3 * 2 * 2 * 64, 0
+    assert pool.device_size_per_token() == device_bpt and host_bpt < device_bpt
+    assert seen.value("sglang:hicache_host_bytes_per_token") == host_bpt
+    assert seen.value("sglang:hicache_backup_bytes_total") == n * host_bpt
+    assert seen.value("sglang:hicache_backup_logical_bytes_total") == n * device_bpt
+    assert seen.value("sglang:hicache_host_nonfinite_groups_total") == nonfinite
+    assert pool.nonfinite_group_count() == nonfinite
+
+
+# --- non-finite groups at backup: torch and fused paths, the metric's unit ---
+
+MHA_FORMATS = ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c")
+# (host dtype, model kind); MLA models take int8 only.
+FORMATS = [(name, "mha") for name in MHA_FORMATS] + [("int8", "mla")]
+# page_first with 16-token pages groups int4 keys per channel over the page;
+# layer_first encodes one token per unit (int4 keys per token).
+LAYOUTS = [("page_first", 16), ("layer_first", 1)]
+
+
+def _poison(device_pool, dev: torch.Tensor) -> None:
+    """Non-finite values placed so that counting elements, tokens or pages
+    instead of groups gives another number: two in one head row, two in one
+    RoPE row, one per side, one in another layer."""
+    nan, inf = float("nan"), float("inf")
+    if isinstance(device_pool, MLATokenToKVPool):
+        rank = device_pool.kv_lora_rank
+        kv = device_pool.kv_buffer
+        kv[0][dev[1], 0, 3] = nan  # latent tile 0 ...
+        kv[0][dev[1], 0, 100] = inf  # ... the same tile again
+        kv[0][dev[1], 0, 200] = nan  # tile 1 of the same token
+        kv[1][dev[2], 0, rank + 1] = nan  # a RoPE row ...
+        kv[1][dev[2], 0, rank + 9] = -inf  # ... twice
+        kv[1][dev[5], 0, rank + 63] = inf
+        return
+    k, v = device_pool.k_buffer, device_pool.v_buffer
+    k[0][dev[1], 0, 3] = nan  # one key row ...
+    k[0][dev[1], 0, 5] = inf  # ... twice (int4 keys per channel: two channels)
+    k[0][dev[2], 0, 3] = nan  # the same key channel, another token
+    k[1][dev[4], 1, 60] = -inf
+    v[0][dev[1], 1, 0] = nan  # a value row: channels 0 and 1, one group
+    v[0][dev[1], 1, 1] = nan
+    v[1][dev[7], 0, 63] = inf
+
+
+def _stored_nonfinite_groups(pool) -> int:
+    """Groups the records hold as non-finite, read from their bytes: a
+    non-finite scale (int8 rows, MLA tiles, k8v4 keys), a non-finite
+    (scale, zero point) pair (4-bit groups), a RoPE row holding NaN/Inf."""
+    total = 0
+    for name, record in pool.host_records.items():
+        if name == "scale" or name.endswith("_scale"):
+            total += int((~torch.isfinite(record.float())).sum())
+        elif name.endswith("_meta"):
+            total += int((~torch.isfinite(record[..., 0].float())).sum())
+        elif name == "rope":
+            total += int((~torch.isfinite(record.float())).any(dim=-1).sum())
+    return total
+
+
+def _backed_up_pool(name, kind, layout, page_size, path):
+    if kind == "mla":
+        geo = MLAGeometry(
+            layer_num=2, kv_lora_rank=256, qk_rope_head_dim=64, page_size=page_size
+        )
+    else:
+        geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=page_size)
+    device_pool = make_device_pool(geo, device_tokens=64)
+    pool = make_host_pool(
+        device_pool, host_tokens=64, layout=layout, host_dtype=name,
+        fused_transfer="direct" if path == "fused" else "off",
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    dev = torch.arange(page_size, page_size + 32)
+    buffers = (
+        device_pool.kv_buffer
+        if kind == "mla"
+        else [*device_pool.k_buffer, *device_pool.v_buffer]
+    )
+    for buf in buffers:
+        buf[dev] = torch.randn(buf[dev].shape, generator=gen).to(buf.dtype)
+    _poison(device_pool, dev)
+    pool.backup_from_device_all_layer(device_pool, torch.arange(32, 64), dev, "direct")
+    return pool
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("layout,page_size", LAYOUTS)
+@pytest.mark.parametrize(
+    "name,kind", FORMATS, ids=[f"{kind}-{name}" for name, kind in FORMATS]
+)
+def test_torch_and_fused_paths_count_the_same_groups(name, kind, layout, page_size):
+    """Both paths count exactly the groups the pool stored as non-finite."""
+    torch_pool = _backed_up_pool(name, kind, layout, page_size, "torch")
+    assert torch_pool.transfer_path == "torch"
+    stored = _stored_nonfinite_groups(torch_pool)
+    assert stored > 0
+    assert torch_pool.nonfinite_group_count() == stored
+    # Every format has fused kernels (int4r/k8v4r: their base format's, with
+    # the rotation in the tiles), so each has a second count to compare.
+    assert torch_pool.host_format.fused_available(torch.device("cpu")), name
+    fused_pool = _backed_up_pool(name, kind, layout, page_size, "fused")
+    assert fused_pool.transfer_path == "fused_direct"
+    for record, buf in torch_pool.host_records.items():
+        assert torch.equal(
+            fused_pool.host_records[record].view(torch.uint8), buf.view(torch.uint8)
+        ), record
+    assert fused_pool.nonfinite_group_count() == stored
+
+
+def test_metric_help_states_the_unit_of_every_format(collectors):
+    """The counter's help says what one group is for each codec family (the
+    rotated formats count as their base): rates compare within one format."""
+    doc = Scrape().families["sglang:hicache_host_nonfinite_groups"].documentation
+    for unit in (
+        "int8/k8v4-key head row",
+        "4-bit channel group",
+        "int8c key channel or 32-channel key group",
+        "MLA tile",
+        "RoPE row",
+    ):
+        assert unit in doc, unit
+    codecs = {getattr(host_format_cls(n), "base_name", n) for n in HOST_DTYPES}
+    assert codecs == {"int8", "int4", "k8v4", "int8c"}, (
+        "a new format needs its unit in the help"
     )
 
 
@@ -191,47 +362,19 @@ def sink_values(scrape: Scrape) -> dict:
     return values
 
 
-def sink_l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens: int):
-    from sglang.srt.mem_cache.pool_host.host_env import SINK_ENV
-    from scripts.rigs.l3_harness import file_storage_config, make_l3_rig
-
-    monkeypatch.setenv(SINK_ENV, str(sink_tokens))
-    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=SINK_PAGE)
-    l3 = make_l3_rig(
-        "file", file_storage_config(tmp_path), host_dtype="int4r", geo=geo,
-        layout="page_first", device_tokens=8 * SINK_PAGE,
-        host_tokens=16 * SINK_PAGE,
-    )  # fmt: skip
-    l3_rigs.append(l3)
-    return l3
-
-
-def to_l3_and_back_out(l3, tokens, seed):
-    """A sequence from token 0: device -> L2 (its first page marked) -> L3,
-    then dropped from L1 and L2."""
-    from scripts.rigs.l3_harness import evict_everywhere, write_through
-
-    dev, host, _, _ = write_through(l3, tokens, seed=seed, first_page_is_sink=True)
-    evict_everywhere(l3, dev, host)
-
-
-def prefetched(l3, tokens):
-    from scripts.rigs.l3_harness import load_to_device, prefetch
-
-    fetched = prefetch(l3, tokens)
-    assert fetched.completed_tokens == len(tokens)
-    load_to_device(l3, fetched.host_indices)
-
-
 def test_sink_page_series_follow_the_store_and_l3(
     collectors, monkeypatch, tmp_path, l3_rigs
 ):
     """Through the real controller and file L3: slots in use, sink objects
     stored, restored and refused (by reason), as the pool counts them."""
-    from sglang.srt.mem_cache.pool_host.sink_page import L3_KEY_SUFFIX
-
     scheduler_collector, _ = collectors
-    l3 = sink_l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=4 * SINK_PAGE)
+    monkeypatch.setenv(SINK_ENV, str(4 * SINK_PAGE))
+    geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=SINK_PAGE)
+    l3 = h.make_l3_rig(
+        "file", h.file_storage_config(tmp_path), host_dtype="int4r", geo=geo,
+        layout="page_first", device_tokens=8 * SINK_PAGE, host_tokens=16 * SINK_PAGE,
+    )  # fmt: skip
+    l3_rigs.append(l3)
     reporter = make_reporter(l3.rig.host_pool, l3.controller)
     slots = l3.rig.host_pool.sink_page_counts()["slots"]
     assert slots == 4
@@ -252,8 +395,12 @@ def test_sink_page_series_follow_the_store_and_l3(
 
     first = list(range(7, 7 + 2 * SINK_PAGE))
     second = list(range(500, 500 + 2 * SINK_PAGE))
-    to_l3_and_back_out(l3, first, seed=1)
-    to_l3_and_back_out(l3, second, seed=2)
+    for seed, tokens in enumerate((first, second), 1):
+        # From token 0: device -> L2 (its first page marked) -> L3, then gone.
+        dev, host, _, _ = h.write_through(
+            l3, tokens, seed=seed, first_page_is_sink=True
+        )
+        h.evict_everywhere(l3, dev, host)
     objects = sorted(p for p in tmp_path.iterdir() if L3_KEY_SUFFIX in p.name)
     assert len(objects) == 2
     assert sink_values(scrape(reporter, scheduler_collector)) == base | {
@@ -263,15 +410,15 @@ def test_sink_page_series_follow_the_store_and_l3(
     }
 
     # The second sequence's object no longer verifies: it restores at 4 bits.
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
-
     key = get_storage_hash_str(second, None, page_size=SINK_PAGE)[0]
     (bad,) = [p for p in objects if p.name.startswith(key + L3_KEY_SUFFIX)]
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0x40
     bad.write_bytes(bytes(data))
-    prefetched(l3, first)
-    prefetched(l3, second)
+    for tokens in (first, second):
+        fetched = h.prefetch(l3, tokens)
+        assert fetched.completed_tokens == len(tokens)
+        h.load_to_device(l3, fetched.host_indices)
     counts = l3.rig.host_pool.sink_page_counts()
     assert counts["stored"] == 1 and counts["l3"]["restored"] == 1
     want = base | {
@@ -308,7 +455,7 @@ def test_sink_page_kept_4bit_when_every_slot_is_taken(collectors):
 def test_pools_without_a_sink_page_export_no_sink_series(
     collectors, monkeypatch, host_dtype
 ):
-    monkeypatch.delenv("SGLANG_HICACHE_SINK_PAGE_TOKENS", raising=False)
+    monkeypatch.delenv(SINK_ENV, raising=False)
     tier = TierRig(host_dtype, collectors)
     tier.backup(4)
     assert sink_values(tier.collect()) == {}
@@ -316,7 +463,7 @@ def test_pools_without_a_sink_page_export_no_sink_series(
 
 def test_l3_pages_replaced_is_exported(collectors):
     """Pages the controller replaced in L3 after a prefetch could not use them
-    (tests/test_l3_integrity_replace.py) are one counter; pools that do not
+    (tests/test_l3_integrity.py) are one counter; pools that do not
     seal export no series."""
     name = "sglang:hicache_l3_pages_replaced_total"
     stock = TierRig("auto", collectors)

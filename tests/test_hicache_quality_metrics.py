@@ -1,10 +1,7 @@
 """How faithfully the encoded host tier stores KV, on /metrics: the per-layer
 scale amax gauge and the sampled restore check (backup_verify.py,
-SGLANG_HICACHE_VERIFY_SAMPLE_RATE) with its relative-error histogram.
-
-Real host pools, real HiCacheController backups and SGLang's real reporter
-and collector (tests.support.metrics.TierRig); only the scheduler around the
-reporter is a stand-in.
+SGLANG_HICACHE_VERIFY_SAMPLE_RATE) with its relative-error histogram, fed by
+real pools, backups, reporter and collector (tests.support.metrics.TierRig).
 """
 
 from __future__ import annotations
@@ -139,12 +136,6 @@ def test_sampled_errors_in_the_exposition(collectors, verify_rate):
     assert tier.collect().value(f"{HIST}_count", format="int8") == 20
 
 
-def mha_cases():
-    for name in HOST_DTYPES:
-        for layout in ("page_first", "layer_first"):
-            yield pytest.param(name, layout, id=f"{name}-{layout}")
-
-
 def backup_pages(pool_rig, pages: int, seed: int = 0, outlier: float = 30.0):
     """Random KV with an outlier channel in every K head, backed up."""
     dev = pool_rig.allocator.alloc(pages * pool_rig.device_pool.page_size)
@@ -158,68 +149,63 @@ def backup_pages(pool_rig, pages: int, seed: int = 0, outlier: float = 30.0):
     return dev
 
 
-@pytest.mark.parametrize("host_dtype,layout", list(mha_cases()))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_sampled_error_within_bound_every_format(
-    verify_rate, host_dtype, layout, dtype
+def bound_cases():
+    for name in HOST_DTYPES:
+        for layout in ("page_first", "layer_first"):
+            for dtype in (torch.bfloat16, torch.float16):
+                yield pytest.param(
+                    name, layout, dtype, "off", id=f"{name}-{layout}-{str(dtype)[6:]}"
+                )
+    yield pytest.param("int4", "page_first", torch.float8_e4m3fn, "off", id="int4-fp8")
+    yield pytest.param("k8v4", "page_first", torch.float8_e5m2, "off", id="k8v4-fp8")
+    yield pytest.param("int8", "page_first", "mla", "off", id="mla-int8")
+    for name in ("int8", "int4r"):
+        yield pytest.param(name, "page_first", torch.bfloat16, "direct", id=name)
+
+
+@pytest.mark.parametrize("host_dtype,layout,dtype,fused", list(bound_cases()))
+def test_sampled_error_within_the_formats_bound(
+    request, verify_rate, host_dtype, layout, dtype, fused
 ):
+    """Every format and layout on BF16/FP16 device KV, 4-bit over FP8 device
+    KV, MLA and the fused path: each page's error within the format's bound
+    and far from 0 (the check measures something)."""
     verify_rate("1")
-    geo = dataclasses.replace(PAGED, dtype=dtype)
+    mla, fp8 = dtype == "mla", dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if fused != "off":
+        request.getfixturevalue("triton_interpreter")
+
+    geo = (
+        dataclasses.replace(PAGED, dtype=dtype)
+        if not mla
+        else MLAGeometry(
+            layer_num=2, kv_lora_rank=256, qk_rope_head_dim=64, page_size=4
+        )
+    )
+    extra = {"device_kv_dtype": dtype} if fp8 else {}
+    if fused != "off":
+        extra["fused_transfer"] = fused
     rig = make_rig(geo, device_tokens=64, host_tokens=128, layout=layout,
-                   host_dtype=host_dtype)  # fmt: skip
-    backup_pages(rig, pages=3)
+                   host_dtype=host_dtype, **extra)  # fmt: skip
+    assert rig.host_pool.transfer_path.startswith("fused") == (fused != "off")
+    pages = 4 if mla else 3
+    if not fp8:
+        backup_pages(rig, pages)
+    else:
+        dev = rig.allocator.alloc(pages * geo.page_size)
+        gen = torch.Generator().manual_seed(0)
+        shape = (len(dev), geo.head_num, geo.head_dim)
+        for layer in range(geo.layer_num):
+            for buf in (rig.device_pool.k_buffer, rig.device_pool.v_buffer):
+                rows = torch.randn(shape, generator=gen)
+                buf[layer][dev] = rows.to(dtype).view(torch.uint8)
+        rig.controller.write(dev)
+        finish_transfers(rig.controller)
     errors = rig.host_pool.backup_verify_errors()
-    threshold = host_format_cls(host_dtype).relative_error_threshold
-    assert len(errors) == 3
-    # Within the format's bound, and far from 0: the check measures something.
-    assert all(threshold / 20 < e <= threshold for e in errors), errors
-
-
-@pytest.mark.parametrize(
-    "host_dtype,fp8", [("int4", torch.float8_e4m3fn), ("k8v4", torch.float8_e5m2)]
-)
-def test_sampled_error_within_bound_fp8_device_kv(verify_rate, host_dtype, fp8):
-    verify_rate("1")
-    geo = dataclasses.replace(PAGED, dtype=fp8)
-    rig = make_rig(geo, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype=host_dtype, device_kv_dtype=fp8)  # fmt: skip
-    dev = rig.allocator.alloc(2 * geo.page_size)
-    gen = torch.Generator().manual_seed(0)
-    for layer in range(geo.layer_num):
-        for buf in (rig.device_pool.k_buffer, rig.device_pool.v_buffer):
-            rows = torch.randn((len(dev), geo.head_num, geo.head_dim), generator=gen)
-            buf[layer][dev] = rows.to(fp8).view(torch.uint8)
-    rig.controller.write(dev)
-    finish_transfers(rig.controller)
-    errors = rig.host_pool.backup_verify_errors()
-    threshold = host_format_cls(host_dtype).relative_error_threshold
-    assert len(errors) == 2
-    assert all(threshold / 20 < e <= threshold for e in errors), errors
-
-
-def test_sampled_error_within_bound_mla(verify_rate):
-    verify_rate("1")
-    geo = MLAGeometry(layer_num=2, kv_lora_rank=256, qk_rope_head_dim=64, page_size=4)
-    rig = make_rig(geo, device_tokens=32, host_tokens=64, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
-    backup_pages(rig, pages=4)
-    errors = rig.host_pool.backup_verify_errors()
-    threshold = host_format_cls("int8", "mla").relative_error_threshold
-    assert len(errors) == 4
-    assert all(threshold / 20 < e <= threshold for e in errors), errors
-
-
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize("host_dtype", ["int8", "int4r"])
-def test_sampled_error_on_the_fused_path(verify_rate, host_dtype):
-    verify_rate("1")
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype=host_dtype, fused_transfer="direct")  # fmt: skip
-    assert rig.host_pool.transfer_path.startswith("fused")
-    backup_pages(rig, pages=2)
-    errors = rig.host_pool.backup_verify_errors()
-    threshold = host_format_cls(host_dtype).relative_error_threshold
-    assert len(errors) == 2
+    threshold = host_format_cls(
+        host_dtype, "mla" if mla else "mha"
+    ).relative_error_threshold
+    assert len(errors) == pages
     assert all(threshold / 20 < e <= threshold for e in errors), errors
 
 

@@ -1,12 +1,10 @@
-"""Defects found by hostile probes and by hand mutation of the suite (issue
-21, item 5): each test here failed before its fix or catches a mutant that
-the rest of the suite let through.
+"""Defects found by hostile probes and by hand mutation of the suite: each
+test here failed before its fix or catches a mutant the rest let through.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shlex
 from pathlib import Path
@@ -25,29 +23,10 @@ from sglang.srt.arg_groups import hicache_hook
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.mem_cache.kv_cache_dtype import configure_kv_cache_dtype
 from sglang.srt.server_args import ServerArgs
-from tests.support.server_args import (
-    DEEPSEEK_V2_MLA,
-    LLAMA,
-)
 
 pytestmark = pytest.mark.usefixtures("host_ram_not_under_test", "restore_environ")
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-_LLAMA = LLAMA
-# DeepSeek-V2 shaped, with a kv_lora_rank the MLA int8 pool accepts.
-_DEEPSEEK_V2 = {**DEEPSEEK_V2_MLA, "kv_lora_rank": 128}
-
-
-@pytest.fixture(scope="module")
-def parser():
-    parser = argparse.ArgumentParser(prog="sglang serve")
-    ServerArgs.add_cli_args(parser)
-    return parser
-
-
-def _model(tmp_path, config: dict) -> str:
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    return str(tmp_path)
 
 
 def _device_kv_dtype(server_args: ServerArgs) -> torch.dtype:
@@ -206,12 +185,12 @@ def _readme_plain_device_kv_spellings() -> list[list[str]]:
 
 @pytest.mark.parametrize("host_dtype", ["int8", "int4", "k8v4"])
 def test_readme_bf16_fp16_device_kv_rows_start_through_the_cli(
-    tmp_path, parser, host_dtype
+    models, parser, host_dtype
 ):
     """Each BF16/FP16 spelling of the supported matrix parses (argparse),
     passes start-up with the encoded host dtype, and gives the device KV
     dtype the row claims: both BF16 and FP16 are reached."""
-    model = _model(tmp_path, _LLAMA)
+    model = models["mha"]
     spellings = _readme_plain_device_kv_spellings()
     assert spellings, "README's device KV dtype row names no flag"
     reached = set()

@@ -1,10 +1,12 @@
-"""INT8 host pages in HiCache's L3 tier, through SGLang's real HiCacheController
-storage threads, with the `file` backend and with SGLang's MooncakeStore
-against a real mooncake_master (zero-copy path) started on 127.0.0.1.
+"""Encoded host pages in HiCache's L3 tier through SGLang's real
+HiCacheController storage threads: the `file` backend, MooncakeStore against
+a real mooncake_master on 127.0.0.1 (zero-copy) and HiCacheNixl with NIXL's
+POSIX plugin (zero-copy `_k`/`_v` files on the page layouts, one sealed flat
+page per file on layer_first).
 
-BF16 (the stock host pool) is the control: its round trip is bit-exact. An
-INT8 round trip restores exactly the reference codec's values of what was
-written, because L3 holds the L2 records unchanged.
+L3 holds the L2 records unchanged, so a round trip restores exactly the
+format's reference decode of what was written; the stock BF16 pool is the
+control (bit-exact). A store that fails or lies never corrupts L1/L2.
 """
 
 from __future__ import annotations
@@ -16,194 +18,234 @@ import pytest
 import torch
 
 from scripts.rigs import l3_harness as h
-from scripts.rigs.hicache_harness import Geometry
+from scripts.rigs.hicache_harness import LAYOUTS, Geometry
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
+from tests.support import l3_faults as lf
+from tests.support.l3_faults import (
+    FORMATS,
+    GEO16,
+    check_restored_to_device,
+    make_l3,
+    reference_restore,
+)
+
+pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
 
 GEO = Geometry(layer_num=3, head_num=2, head_dim=16, page_size=4)
 PAGES = 8
 TOKENS = list(range(1000, 1000 + PAGES * GEO.page_size))
-HOST_DTYPES = ("auto", "int8")  # auto: the stock BF16 host pool
 
 
 def expected_restore(rows: list[torch.Tensor], host_dtype: str):
     if host_dtype == "auto":
         return rows
-    out = []
-    for r in rows:
-        q, scale = codec.quantize_reference(r)
-        out.append(codec.dequantize_reference(q, scale, r.dtype))
-    return out
+    return [
+        codec.dequantize_reference(*codec.quantize_reference(r), r.dtype) for r in rows
+    ]
 
 
-def assert_restored(l3, dev, expected, tokens=None):
-    got = h.device_rows(l3.rig, dev)
+def assert_restored(l3, dev, expected):
     n = len(dev)
-    for g, e in zip(got, expected):
+    for g, e in zip(h.device_rows(l3.rig, dev), expected):
         assert torch.equal(g, e[:n]), "restored KV differs from what was written"
 
 
-def model_name(request) -> str:
-    # Tests share one store; distinct model names keep their keys apart.
-    return f"hiq/{request.node.name}"
-
-
-@pytest.fixture
-def mooncake_l3(mooncake_master, l3_rigs, request):
-    """make_l3_rig on the shared mooncake_master, this test's model name."""
-
-    def make(**kwargs):
-        l3 = h.make_l3_rig(
-            "mooncake",
-            mooncake_master.storage_config(),
-            model_name=model_name(request),
-            **kwargs,
-        )
-        l3_rigs.append(l3)
-        return l3
-
-    return make
-
-
-@pytest.fixture
-def file_l3(tmp_path, l3_rigs, request):
-    """make_l3_rig on the file backend under tmp_path, this test's model name."""
-    l3 = h.make_l3_rig(
-        "file", h.file_storage_config(tmp_path), model_name=model_name(request)
-    )
-    l3_rigs.append(l3)
-    return l3
+def tokens_for(geo, pages=PAGES, first=5000):
+    return list(range(first, first + pages * geo.page_size))
 
 
 # ---------------------------------------------------------------------------
-# round trips
+# objects and round trips
+
+# The records each zero-copy object holds, in order: (record, half of it).
+OBJECT_RECORDS = {
+    "int8": [[("k", None), ("scale", 0)], [("v", None), ("scale", 1)]],
+    "int4": [[("k", None), ("k_meta", None)], [("v", None), ("v_meta", None)]],
+    "k8v4": [[("k", None), ("k_scale", None)], [("v", None), ("v_meta", None)]],
+}
+OBJECTS = [
+    *[("mooncake", fmt, "page_first_direct") for fmt in ("int8", "int4", "k8v4")],
+    ("mooncake", "mla-int8", "page_first_direct"),
+    *[
+        ("nixl", fmt, layout)
+        for fmt in ("int8", "int4", "mla-int8")
+        for layout in ("page_first_direct", "layer_first")
+    ],
+]
 
 
-def test_mooncake_objects_are_the_l2_records(mooncake_l3):
-    """No re-encoding: each object is byte-for-byte the pool's page records."""
-    l3 = mooncake_l3()
-    dev, host, hashes, stored = h.write_through(l3, TOKENS)
-    pool, backend = l3.controller.mem_pool_host, l3.backend
-    page = int(host[GEO.page_size]) // GEO.page_size
-    k_page = pool.host_records["k"][page].view(torch.uint8).flatten()
-    v_page = pool.host_records["v"][page].view(torch.uint8).flatten()
-    scales = pool.host_records["scale"][page].view(torch.uint8).flatten()
-    half = scales.numel() // 2
-    key = backend._tag_keys([hashes[1]])[0] + f"_{backend.mha_suffix}"
-    k_obj = torch.frombuffer(
-        bytearray(backend.store.get(key + "_k")), dtype=torch.uint8
+@pytest.mark.parametrize("backend,fmt,layout", OBJECTS)
+def test_objects_are_the_l2_records_and_their_seal(
+    tmp_path, request, backend, fmt, layout
+):
+    """No re-encoding: each object is byte for byte the pool's page records
+    (MLA: its flat page, one `_k` object, no tp rank), then its seal from
+    the pool's seal buffer; copy mode's file is the pool's flat page."""
+    geo, host_dtype, _ = FORMATS[fmt]
+    l3 = make_l3(
+        request, tmp_path, backend, host_dtype=host_dtype, geo=geo, layout=layout
     )
-    v_obj = torch.frombuffer(
-        bytearray(backend.store.get(key + "_v")), dtype=torch.uint8
+    pool = l3.controller.mem_pool_host
+    if fmt == "mla-int8":
+        assert type(pool) is host_pool_cls("int8", "mla")
+    dev, host, hashes, stored = h.write_through(l3, tokens_for(geo, 4), seed=5)
+    assert stored == 4
+    objects = lf.objects_for(l3)
+    for p, page_hash in enumerate(hashes):
+        index = int(host[p * geo.page_size])
+        flat = pool.get_data_page(index, key=page_hash).numpy().tobytes()
+        if not objects.zero_copy:
+            assert objects.read(page_hash, "") == flat
+            continue
+        slot = index // geo.page_size
+        for obj, part in enumerate(objects.parts()):
+            if fmt == "mla-int8":
+                want = flat[:-SEAL_BYTES]
+            else:
+                pieces = []
+                for name, half in OBJECT_RECORDS[fmt][obj]:
+                    record = pool.host_records[name][slot].view(torch.uint8).flatten()
+                    n = record.numel() // 2
+                    pieces.append(record if half is None else record[half * n :][:n])
+                want = torch.cat(pieces).numpy().tobytes()
+            seal = pool.pages.seals[slot, obj].numpy().tobytes()
+            assert objects.read(page_hash, part) == want + seal, (p, part)
+    if backend == "mooncake":
+        # The key carries the pool's format tag (storage_model_name).
+        key = objects.key(hashes[0], "k")
+        assert pool.storage_format_tag in key
+        if fmt == "mla-int8":
+            assert "mla-int8-t128-fp16scale-rope16-v1" in key
+
+
+# The stock pool moves page_first only with --hicache-io-backend kernel (CUDA).
+ROUND_TRIPS = [("auto", "page_first_direct"), ("auto", "layer_first")] + [
+    (fmt, layout) for fmt in FORMATS for layout in LAYOUTS
+]
+
+
+def round_trip(l3, tokens, seed):
+    """Write-through to L3, evict L1 and L2, prefetch back and load to L1;
+    returns (page hashes, what L1 must hold)."""
+    pool = l3.controller.mem_pool_host
+    dev, host, hashes, stored = h.write_through(l3, tokens, seed=seed)
+    assert stored == len(tokens) // l3.geo.page_size
+    expected = h.device_rows(l3.rig, dev)
+    if pool.storage_format_tag is not None:
+        expected = reference_restore(pool, expected)
+    h.evict_everywhere(l3, dev, host)
+    check_restored_to_device(l3, tokens, expected, stored)
+    return hashes, expected
+
+
+@pytest.mark.parametrize("fmt,layout", ROUND_TRIPS)
+def test_nixl_round_trip_is_the_reference_decode(tmp_path, request, fmt, layout):
+    geo, host_dtype, _ = FORMATS.get(fmt, (GEO16, "auto", None))
+    l3 = make_l3(
+        request, tmp_path, "nixl", host_dtype=host_dtype, geo=geo, layout=layout
     )
-    assert torch.equal(k_obj[:-SEAL_BYTES], torch.cat([k_page, scales[:half]]))
-    assert torch.equal(v_obj[:-SEAL_BYTES], torch.cat([v_page, scales[half:]]))
-    # Each object ends in its seal, moved zero-copy from the pool's seal buffer.
-    assert torch.equal(k_obj[-SEAL_BYTES:], pool.pages.seals[page, 0])
-    assert torch.equal(v_obj[-SEAL_BYTES:], pool.pages.seals[page, 1])
-    # The key carries the pool's format tag (storage_model_name).
-    assert pool.storage_format_tag in key
+    assert l3.backend.is_zero_copy == (layout != "layer_first")
+    round_trip(l3, tokens_for(geo, 4), seed=3)
+    if host_dtype != "auto":
+        counts = l3.controller.mem_pool_host.storage_integrity_counts()
+        assert counts["verified"] >= 4
+        assert not any(counts["refused"].values()), counts
 
 
-# ---------------------------------------------------------------------------
-# isolation
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+def test_nixl_default_direct_io_serves_sealed_pages_buffered(
+    tmp_path, request, monkeypatch, layout
+):
+    # SGLang's default is O_DIRECT; a sealed object is never whole OS pages.
+    monkeypatch.setattr(
+        lf,
+        "NIXL_CONFIG",
+        {k: v for k, v in lf.NIXL_CONFIG.items() if k != "use_direct_io"},
+    )
+    l3 = make_l3(request, tmp_path, "nixl", geo=GEO16, layout=layout)
+    assert not l3.backend.file_manager.use_direct_io
+    assert l3.backend.is_zero_copy == (layout != "layer_first")
+    round_trip(l3, tokens_for(GEO16, 4), seed=4)
+
+
+@pytest.mark.parametrize("layout", ["page_first_direct", "layer_first"])
+def test_nixl_int8_and_int4_never_read_each_others_pages(tmp_path, request, layout):
+    int8 = make_l3(request, tmp_path, "nixl", geo=GEO16, layout=layout)
+    int4 = make_l3(
+        request, tmp_path, "nixl", host_dtype="int4", geo=GEO16, layout=layout
+    )
+    tokens = tokens_for(GEO16, 4)
+    int8_hashes, int8_expected = round_trip(int8, tokens, seed=1)
+    # Same tokens, same model: the INT4 pool finds nothing of INT8's.
+    assert h.prefetch(int4, tokens + [7]).hit_tokens == 0
+    # Different KV under the same tokens, so a crossed read would show.
+    _, int4_expected = round_trip(int4, tokens, seed=2)
+    check_restored_to_device(int8, tokens, int8_expected, 4)
+    check_restored_to_device(int4, tokens, int4_expected, 4)
+
+    # INT4's objects planted under INT8's keys for page 1: refused there.
+    ours, theirs = lf.objects_for(int8), lf.objects_for(int4)
+    for part in ours.parts():
+        ours.write(int8_hashes[1], part, theirs.read(int8_hashes[1], part))
+    pool = int8.controller.mem_pool_host
+    before = dict(pool.storage_integrity_counts()["refused"])
+    pf = h.prefetch(int8, tokens + [7])
+    assert pf.hit_tokens == len(tokens)
+    assert pf.completed_tokens == GEO16.page_size
+    after = pool.storage_integrity_counts()["refused"]
+    new = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert sum(new.values()) == 1 and set(new) <= {"missing", "tag"}, new
+    pool.free(pf.host_indices)
 
 
 # ---------------------------------------------------------------------------
 # faults: a store that fails or lies never corrupts L1/L2
 
-
-def mooncake_key(l3, page_hash: str, part: str) -> str:
-    backend = l3.backend
-    return backend._tag_keys([page_hash])[0] + f"_{backend.mha_suffix}_{part}"
-
-
-def replace_object(store, key: str, value: bytes) -> None:
-    deadline = time.monotonic() + h.STORAGE_WAIT_S
-    while store.remove(key) != 0:  # a lease may hold it briefly
-        assert time.monotonic() < deadline, f"cannot remove {key}"
-        time.sleep(0.05)
-    if value:
-        assert store.put(key, value) == 0
+PARTIAL = [
+    # (backend, host dtype, fault, page): a shorter object, or one deleted
+    # between the hit query and the read; the stock pool alike.
+    *[
+        ("mooncake", d, f, p)
+        for d in ("auto", "int8")
+        for f, p in (("truncate", 3), ("delete", 5))
+    ],
+    ("file", "int8", "truncate", 3),
+    ("file", "int8", "delete", 5),
+]
 
 
-def written_then_evicted(l3, seed=0):
-    dev, host, hashes, stored = h.write_through(l3, TOKENS, seed=seed)
+@pytest.mark.parametrize("backend,host_dtype,fault,page", PARTIAL)
+def test_bad_object_is_a_miss_from_that_page_on(
+    tmp_path, request, backend, host_dtype, fault, page
+):
+    l3 = make_l3(request, tmp_path, backend, host_dtype=host_dtype)
+    dev, host, hashes, stored = h.write_through(l3, TOKENS)
     assert stored == PAGES
     written = h.device_rows(l3.rig, dev)
     h.evict_everywhere(l3, dev, host)
-    return written, hashes
+    objects = lf.objects_for(l3)
+    before_io = None
+    if fault == "truncate":
+        part = objects.parts()[0]
+        objects.write(hashes[page], part, objects.read(hashes[page], part)[:-16])
+    else:
+        part = objects.parts()[-1]
+        before_io = lambda: objects.write(hashes[page], part, None)  # noqa: E731
 
-
-def check_partial_prefetch(l3, host_dtype, written, pf, good_pages):
-    assert pf.completed_tokens == good_pages * GEO.page_size
-    if good_pages:
-        dev = h.load_to_device(l3, pf.host_indices)
-        assert_restored(l3, dev, expected_restore(written, host_dtype))
+    pf = h.prefetch(l3, TOKENS + [7], before_io=before_io)
+    assert pf.hit_tokens == len(TOKENS)  # the object exists, so the query hits
+    assert pf.completed_tokens == page * GEO.page_size
+    assert_restored(
+        l3, h.load_to_device(l3, pf.host_indices), expected_restore(written, host_dtype)
+    )
     # Every host slot came back: the refused pages hold nothing.
     pool = l3.controller.mem_pool_host
-    assert pool.available_size() + good_pages * GEO.page_size == pool.size
-
-
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_mooncake_truncated_object_is_refused(mooncake_l3, host_dtype):
-    l3 = mooncake_l3(host_dtype=host_dtype)
-    written, hashes = written_then_evicted(l3)
-    store, key = l3.backend.store, mooncake_key(l3, hashes[3], "k")
-    replace_object(store, key, bytes(store.get_size(key) - 16))
-
-    pf = h.prefetch(l3, TOKENS + [7])
-    assert pf.hit_tokens == len(TOKENS)  # the object exists, so the query hits
-    check_partial_prefetch(l3, host_dtype, written, pf, good_pages=3)
-    assert l3.controller.prefetch_failed_pages == PAGES - 3
-
-
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_mooncake_object_missing_at_read_is_refused(mooncake_l3, host_dtype):
-    l3 = mooncake_l3(host_dtype=host_dtype)
-    written, hashes = written_then_evicted(l3)
-    store, key = l3.backend.store, mooncake_key(l3, hashes[5], "v")
-    pf = h.prefetch(l3, TOKENS + [7], before_io=lambda: replace_object(store, key, b""))
-    check_partial_prefetch(l3, host_dtype, written, pf, good_pages=5)
-    assert l3.controller.prefetch_failed_pages == PAGES - 5
-
-
-def file_page(tmp_path, l3, page_hash):
-    (path,) = tmp_path.glob(f"{page_hash}*.bin")
-    return path
-
-
-def test_file_truncated_page_is_refused(tmp_path, file_l3):
-    l3 = file_l3
-    written, hashes = written_then_evicted(l3)
-    path = file_page(tmp_path, l3, hashes[3])
-    path.write_bytes(path.read_bytes()[:-16])
-    pf = h.prefetch(l3, TOKENS + [7])
-    # A miss for that page only: the pages before it are restored.
-    check_partial_prefetch(l3, "int8", written, pf, good_pages=3)
-    assert l3.controller.prefetch_failed_pages == PAGES - 3
-    assert l3.controller.mem_pool_host.storage_integrity.counts()["size"] == 1
-
-
-def test_file_page_missing_at_read_is_refused(tmp_path, file_l3):
-    l3 = file_l3
-    written, hashes = written_then_evicted(l3)
-    path = file_page(tmp_path, l3, hashes[5])
-    pf = h.prefetch(l3, TOKENS + [7], before_io=path.unlink)
-    check_partial_prefetch(l3, "int8", written, pf, good_pages=5)
-    assert l3.controller.prefetch_failed_pages == PAGES - 5
-
-
-def test_wrong_size_flat_page_is_refused_before_it_reaches_the_pool(l3_rigs, tmp_path):
-    l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path))
-    l3_rigs.append(l3)
-    pool = l3.controller.mem_pool_host
-    before = [b.clone() for b in pool.kv_buffer]
-    page = pool.get_dummy_flat_data_page()
-    for bad in (page[:-1], torch.cat([page, page[:1]])):
-        with pytest.raises(ValueError, match="expected"):
-            pool.set_from_flat_data_page(0, bad.fill_(1))
-    assert all(torch.equal(a, b) for a, b in zip(before, pool.kv_buffer))
+    assert pool.available_size() + page * GEO.page_size == pool.size
+    assert l3.controller.prefetch_failed_pages == PAGES - page
+    if backend == "file" and fault == "truncate":
+        assert pool.storage_integrity.counts()["size"] == 1
 
 
 def test_master_stopped_mid_run(tmp_path, l3_rigs, request):
@@ -211,7 +253,7 @@ def test_master_stopped_mid_run(tmp_path, l3_rigs, request):
     m = h.MooncakeMaster(tmp_path / "master.log").start()
     try:
         l3 = h.make_l3_rig(
-            "mooncake", m.storage_config(), model_name=model_name(request)
+            "mooncake", m.storage_config(), model_name=f"hiq/{request.node.name}"
         )
         l3_rigs.append(l3)
         dev_a, host_a, _, stored = h.write_through(l3, TOKENS, seed=1)
@@ -252,13 +294,9 @@ def test_store_full_evicts_and_keeps_serving(tmp_path, l3_rigs, request):
         geo = Geometry(layer_num=4, head_num=4, head_dim=64, page_size=64)
         capacity = 16 << 20
         l3 = h.make_l3_rig(
-            "mooncake",
-            m.storage_config(segment_bytes=capacity),
-            geo=geo,
-            device_tokens=2048,
-            host_tokens=4096,
-            model_name=model_name(request),
-        )
+            "mooncake", m.storage_config(segment_bytes=capacity), geo=geo,
+            device_tokens=2048, host_tokens=4096, model_name=f"hiq/{request.node.name}",
+        )  # fmt: skip
         l3_rigs.append(l3)
         round_bytes = 2048 * l3.controller.mem_pool_host.get_size_per_token()
         rounds = capacity // round_bytes + 3
@@ -287,13 +325,8 @@ def test_store_full_evicts_and_keeps_serving(tmp_path, l3_rigs, request):
 
 
 @pytest.mark.parametrize("backend", ["file", "mooncake"])
-def test_nonfinite_kv_comes_back_nan_through_l3(tmp_path, l3_rigs, request, backend):
-    if backend == "mooncake":
-        config = request.getfixturevalue("mooncake_master").storage_config()
-    else:
-        config = h.file_storage_config(tmp_path)
-    l3 = h.make_l3_rig(backend, config, model_name=model_name(request))
-    l3_rigs.append(l3)
+def test_nonfinite_kv_comes_back_nan_through_l3(tmp_path, request, backend):
+    l3 = make_l3(request, tmp_path, backend)
 
     def poison(pool, dev):
         pool.k_buffer[1][dev[5], 0, 3] = float("inf")
@@ -315,36 +348,20 @@ def test_nonfinite_kv_comes_back_nan_through_l3(tmp_path, l3_rigs, request, back
 # page I/O on the pool itself
 
 
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
-def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, l3_rigs, layout):
-    l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path), layout=layout)
-    l3_rigs.append(l3)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_flat_page_is_k_v_scales_and_round_trips(tmp_path, request, layout):
+    l3 = make_l3(request, tmp_path, "file", layout=layout)
     dev, host, _, _ = h.write_through(l3, TOKENS)
     pool = l3.controller.mem_pool_host
     index = int(host[2 * GEO.page_size])
     page = pool.get_data_page(index)
     assert page.dtype == torch.uint8
     assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
-    sl = slice(index, index + GEO.page_size)
+    records = [pool.host_records[name] for name in ("k", "v", "scale")]
     if layout == "layer_first":
-        parts = [
-            b[:, sl]
-            for b in (
-                pool.host_records["k"],
-                pool.host_records["v"],
-                pool.host_records["scale"],
-            )
-        ]
+        parts = [b[:, index : index + GEO.page_size] for b in records]
     else:
-        p = index // GEO.page_size
-        parts = [
-            b[p]
-            for b in (
-                pool.host_records["k"],
-                pool.host_records["v"],
-                pool.host_records["scale"],
-            )
-        ]
+        parts = [b[index // GEO.page_size] for b in records]
     expected = torch.cat([x.contiguous().view(torch.uint8).flatten() for x in parts])
     assert torch.equal(page[:-SEAL_BYTES], expected)
 
@@ -362,19 +379,16 @@ def _read(ptr: int, size: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_page_buffer_meta_points_at_the_flat_page_bytes(tmp_path, l3_rigs, layout):
-    l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path), layout=layout)
-    l3_rigs.append(l3)
+def test_page_buffer_meta_points_at_the_flat_page_bytes(tmp_path, request, layout):
+    l3 = make_l3(request, tmp_path, "file", layout=layout)
     dev, host, _, _ = h.write_through(l3, TOKENS)
     pool = l3.controller.mem_pool_host
     ptrs, sizes = pool.get_page_buffer_meta(host[: 2 * GEO.page_size])
-    assert len(ptrs) == 2 * 2 * pool.storage_buffers_per_object  # 2 pages
     per_page = 2 * pool.storage_buffers_per_object
+    assert len(ptrs) == 2 * per_page  # 2 pages
     for page in range(2):
-        got = [
-            _read(p, s)
-            for p, s in zip(ptrs[page * per_page : (page + 1) * per_page], sizes)
-        ]
+        span = slice(page * per_page, (page + 1) * per_page)
+        got = [_read(p, s) for p, s in zip(ptrs[span], sizes)]
         k, s_lo, k_seal, v, s_hi, v_seal = got
         flat = pool.get_data_page(int(host[page * GEO.page_size]))
         assert torch.equal(torch.cat([k, v, s_lo, s_hi]), flat[:-SEAL_BYTES])
@@ -382,72 +396,11 @@ def test_page_buffer_meta_points_at_the_flat_page_bytes(tmp_path, l3_rigs, layou
         assert len(k_seal) == len(v_seal) == SEAL_BYTES
 
 
-def test_layer_first_has_no_zero_copy_pages(tmp_path, l3_rigs):
-    l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path), layout="layer_first")
-    l3_rigs.append(l3)
+def test_layer_first_has_no_zero_copy_pages(tmp_path, request):
+    l3 = make_l3(request, tmp_path, "file", layout="layer_first")
     pool = l3.controller.mem_pool_host
     with pytest.raises(ValueError, match="--hicache-mem-layout page_first"):
         pool.get_page_buffer_meta(torch.arange(GEO.page_size))
     assert not pool.is_stride_page_aligned()
     with pytest.raises(NotImplementedError, match="page_head"):
         pool.get_split_heads_page_buffer_meta(torch.arange(GEO.page_size), 2)
-
-
-# The byte format of an INT8 storage page, pinned per format tag. A change to
-# the page bytes for the same KV fails here: give it a new storage_format_tag
-# (keys change with it, so old pages become misses), then add its digest.
-PAGE_FORMAT_DIGESTS = {
-    "int8-fp16scale-v1-seal1": "09a31b14f2af2a2cf0a0409cc1f5adcae3ca19fe59a0f10d4e1afc76776310e9",
-}
-
-
-def test_storage_format_tag_names_the_page_bytes(tmp_path, l3_rigs):
-    import hashlib
-
-    l3 = h.make_l3_rig("file", h.file_storage_config(tmp_path))
-    l3_rigs.append(l3)
-    dev, host, _, _ = h.write_through(l3, TOKENS, seed=11)
-    pool = l3.controller.mem_pool_host
-    digest = hashlib.sha256()
-    for i in range(0, len(host), GEO.page_size):
-        digest.update(pool.get_data_page(int(host[i])).numpy().tobytes())
-    assert pool.storage_format_tag in PAGE_FORMAT_DIGESTS, (
-        f"new storage_format_tag {pool.storage_format_tag!r}: pin its digest"
-    )
-    assert PAGE_FORMAT_DIGESTS[pool.storage_format_tag] == digest.hexdigest()
-
-
-# ---------------------------------------------------------------------------
-# 4-bit formats (int4, k8v4): the same page I/O over their own records. Page
-# size 16 gives int4 its per-channel keys on the page layouts; layer_first
-# units are tokens, so its keys are per token.
-
-GEO16 = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
-PAGES16 = 4
-TOKENS16 = list(range(3000, 3000 + PAGES16 * GEO16.page_size))
-FOUR_BIT = ("int4", "k8v4")
-
-
-@pytest.mark.parametrize("host_dtype", FOUR_BIT)
-def test_4bit_mooncake_objects_are_the_l2_records(mooncake_l3, host_dtype):
-    """Object _k is the page's key payload then its key metadata, _v the same
-    for values: the L2 records, never re-encoded."""
-    l3 = mooncake_l3(host_dtype=host_dtype, geo=GEO16)
-    dev, host, hashes, stored = h.write_through(l3, TOKENS16)
-    pool, backend = l3.controller.mem_pool_host, l3.backend
-    page = int(host[GEO16.page_size]) // GEO16.page_size
-    k_meta = "k_meta" if host_dtype == "int4" else "k_scale"
-
-    def record(name):
-        return pool.host_records[name][page].view(torch.uint8).flatten()
-
-    key = backend._tag_keys([hashes[1]])[0] + f"_{backend.mha_suffix}"
-    k_obj = torch.frombuffer(
-        bytearray(backend.store.get(key + "_k")), dtype=torch.uint8
-    )
-    v_obj = torch.frombuffer(
-        bytearray(backend.store.get(key + "_v")), dtype=torch.uint8
-    )
-    assert torch.equal(k_obj[:-SEAL_BYTES], torch.cat([record("k"), record(k_meta)]))
-    assert torch.equal(v_obj[:-SEAL_BYTES], torch.cat([record("v"), record("v_meta")]))
-    assert pool.storage_format_tag in key

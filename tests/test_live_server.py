@@ -1,25 +1,15 @@
-"""The patched SGLang server as users run it, live on this CPU machine.
+"""The patched SGLang server as users run it, live on this CPU machine: BF16
+(the stock host pool) via ``python -m sglang.launch_server``, INT8 via
+``scripts/hiqcache_serve.sh`` (the image's default command), SmolLM2-135M,
+a 4,096-token L1 and twice that on the host. Each arm runs prompt A (1,400
+tokens) cold and again (a device hit), four more prompts that evict A to the
+host tier, then A again (a host hit, loaded back, counted in /metrics).
 
-One server per arm (module fixtures): BF16 (the stock host pool) started with
-``python -m sglang.launch_server``, INT8 started through
-``scripts/hiqcache_serve.sh`` with MODEL set (the image's default command).
-Each arm runs one request sequence over SmolLM2-135M-Instruct with a
-4,096-token L1 and a host tier of twice that (``--hicache-ratio 2``):
-
-1. prompt A (1,400 tokens) cold, then again: a device hit;
-2. four more 1,400-token prompts overflow L1, evicting A to the host tier;
-3. A again: a host hit, loaded back, counted in /metrics.
-
-Expected outputs: a cached pass computes the last prompt token alone, not
-inside the 1,400-row prefill, so its CPU arithmetic rounds differently and
-may break a near-tie the other way. So the greedy tokens of every cached pass
-(device hit, host load-back) must equal the cold pass's up to the first
-near-tie (top-2 gap under TIE_NATS), for at least MIN_AGREED tokens, and the
-chosen tokens' logprobs stay within BF16_LOGPROB_TOL (BF16 host pages are
-exact copies) or INT8_LOGPROB_TOL (INT8 pages restore within one quantization
-step per head row) of the cold pass's.
-
-Set HIQ_LIVE_SERVER=0 to skip (each server start costs 40-120 s here).
+A cached pass computes the last prompt token alone, so its CPU arithmetic may
+break a near-tie the other way: greedy tokens must equal the cold pass's up
+to the first near-tie (MIN_AGREED at least), logprobs within BF16_LOGPROB_TOL
+(exact host copies) or INT8_LOGPROB_TOL (one quantization step per head row).
+HIQ_LIVE_SERVER=0 skips (each server start costs 40-120 s here).
 """
 
 from __future__ import annotations
@@ -34,15 +24,14 @@ from scripts.rigs.server import (
     LIVE_ONLY,
     NEW_TOKENS,
     LiveServer,
-    agreeing_prefix,
     details,
     expected_bytes_per_token,
     hicache_flags,
     host_hit_after_overflow,
-    output_logprobs,
     run_sequence,
     to_stderr,
 )
+from tests.support.live import assert_greedy_close, called_ops
 
 pytestmark = LIVE_ONLY
 
@@ -165,23 +154,14 @@ def test_greedy_output_after_load_back(arm):
     name, _, _, seq = arm
     first, repeat, reuse = seq["first"], seq["repeat"], seq["reuse"]
     assert len(reuse["output_ids"]) == NEW_TOKENS
-    for other in (repeat, reuse):
-        agreed = agreeing_prefix(first, other)
-        assert agreed >= MIN_AGREED, (agreed, first["output_ids"], other["output_ids"])
-        tol = (
-            INT8_LOGPROB_TOL if name == "int8" and other is reuse else BF16_LOGPROB_TOL
-        )
-        worst = max(
-            abs(a - b)
-            for a, b in zip(output_logprobs(first)[:agreed], output_logprobs(other))
-        )
-        assert worst <= tol, (worst, output_logprobs(first), output_logprobs(other))
+    assert_greedy_close(first, repeat, MIN_AGREED, BF16_LOGPROB_TOL)
+    tol = INT8_LOGPROB_TOL if name == "int8" else BF16_LOGPROB_TOL
+    assert_greedy_close(first, reuse, MIN_AGREED, tol)
 
 
 def test_sgl_kernel_stand_in_loaded_and_never_called(arm):
     _, _, server, _ = arm
     events = server.kernel_calls()
-    loads = {e["pid"] for e in events if e["event"] == "load"}
     # The launcher, tokenizer manager and scheduler import it (at least two).
-    assert len(loads) >= 2, events
-    assert [e for e in events if e["event"] == "call"] == []
+    assert len({e["pid"] for e in events if e["event"] == "load"}) >= 2, events
+    assert called_ops(events) == set()

@@ -1,9 +1,6 @@
-"""Bad HiCache flags fail at start-up through the real CLI.
-
-Each case runs ``python -m sglang.launch_server`` from the patched tree (with
-the CPU stand-ins every server process gets) to completion and checks it
-exits non-zero before serving, with a message that names the flag and what
-to pass instead. About 20-40 s per case here (the imports).
+"""Bad HiCache flags fail at start-up through the real CLI (``python -m
+sglang.launch_server`` with the CPU stand-ins): a non-zero exit before
+serving, naming the flag and what to pass. 20-40 s per case (imports).
 """
 
 from __future__ import annotations

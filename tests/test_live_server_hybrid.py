@@ -1,38 +1,18 @@
-"""A hybrid sliding-window + full-attention model (gpt-oss) on the live CPU
-server, with encoded host pools for both KV pools.
+"""A hybrid sliding-window + full-attention model on the live CPU server: a
+tiny random-weight GptOssForCausalLM (tests/support/hybrid_model.py: 4
+layers, window 128, 2 KV heads of 64). SGLang builds a full and an SWA KV
+pool, each with its own HiCache host pool (``full``, ``swa``). gpt-oss passes
+attention sinks, which torch_native does not take, so the server runs
+``--attention-backend intel_amx`` with pure-torch stand-ins of its two AMX
+attention ops (scripts/rigs/standins.py, HIQ_SGL_KERNEL_TORCH_OPS=1).
 
-The model is a tiny random-weight ``GptOssForCausalLM`` (4 layers: sliding
-window of 128 tokens, full, sliding, full; 2 KV heads of 64; 4 experts, top-2;
-tests/support/hybrid_model.py). SGLang 0.5.23 serves it with hybrid SWA
-memory: a full-attention KV pool and a smaller sliding-window pool
-(``SWAKVPool``), each backed by its own HiCache host pool, ``full`` and
-``swa``, under the UnifiedRadixCache. gpt-oss passes attention sinks, which
-SGLang's torch_native backend does not take, so the server runs
-``--attention-backend intel_amx`` (what gpt-oss selects on an AMX CPU, and
-the CPU backend that reads the SWA pool through its own indices) with the
-pure-torch stand-ins of its two AMX attention ops, sliding windows and sinks
-included (scripts/rigs/standins.py, enabled by HIQ_SGL_KERNEL_TORCH_OPS=1
-as in tests/test_live_server_spec.py).
-
-Each arm, with a 2,048-token L1 (1,638 SWA tokens) and a host tier of twice
-that:
-
-1. prompt A (600 tokens, past the window) cold, then again: a device hit;
-2. four more 600-token prompts overflow L1, evicting A to the host tier;
-3. A again: a host hit; the full pool loads back A's 599 cached tokens, the
-   SWA pool only the window's last 127 (the last prompt token is recomputed).
-
-Checked: the start-up log and /metrics name the host format of both pools,
-with their bytes per token; the device hit; the host hit with the load-back
-of both pools counted in /metrics and in the replies' cached tokens; greedy
-output after the load-back: BF16 host pages are exact copies, so its tokens
-and logprobs equal the cold pass's exactly; INT8 states what it checks,
-greedy tokens equal up to a near-tie (as tests/test_live_server.py) and
-logprobs within INT8_LOGPROB_TOL; only the two attention stand-in ops ran.
-
-``make test`` runs the INT8 arm (one server start, 1-3 min here);
-HIQ_LIVE_HYBRID_FULL=1 adds the BF16 arm (the stock pools; both arms: 5 min
-here). HIQ_LIVE_SERVER=0 skips everything.
+Each arm (2,048-token L1): prompt A (600 tokens) cold and again (device hit),
+four more prompts overflowing L1, A again: a host hit; the full pool loads
+back A's 599 cached tokens, the SWA pool the window's last 127. BF16 host
+pages are exact copies (tokens and logprobs equal); INT8's greedy tokens
+agree up to a near-tie, logprobs within INT8_LOGPROB_TOL. ``make test`` runs
+INT8 (one start, 1-3 min); HIQ_LIVE_HYBRID_FULL=1 adds BF16.
+HIQ_LIVE_SERVER=0 skips.
 """
 
 from __future__ import annotations
@@ -53,13 +33,13 @@ from scripts.rigs.server import (
     NEW_TOKENS,
     SPEC_ENV,
     LiveServer,
-    agreeing_prefix,
     details,
     hicache_flags,
     output_logprobs,
     run_sequence,
     to_stderr,
 )
+from tests.support.live import assert_greedy_close, called_ops
 
 pytestmark = LIVE_ONLY
 FULL = os.environ.get("HIQ_LIVE_HYBRID_FULL") == "1"
@@ -67,10 +47,8 @@ FULL = os.environ.get("HIQ_LIVE_HYBRID_FULL") == "1"
 PROMPT_TOKENS = 600
 PROMPTS = 5  # 3,000 tokens: past the 2,048-token L1, inside the 4,096 host
 L1_TOKENS = 2048
-# At least this many leading greedy tokens agree after an INT8 load-back
-# (measured: all 8), and the chosen tokens' logprobs move by at most
-# INT8_LOGPROB_TOL (measured: 0.20; a random model is more sensitive to KV
-# rounding than a trained one, whose bound in test_live_server.py is 0.25).
+# After an INT8 load-back (measured: all 8 agree, logprobs move 0.20; a
+# random model is more sensitive to KV rounding than a trained one).
 MIN_AGREED = 4
 INT8_LOGPROB_TOL = 0.3
 # The host pools SGLang builds for a hybrid SWA model, by pool label.
@@ -188,16 +166,12 @@ def test_greedy_output_after_load_back(arm):
         assert reuse["output_ids"] == first["output_ids"]
         assert output_logprobs(reuse) == output_logprobs(first)
         return
-    agreed = agreeing_prefix(first, reuse)
-    pairs = zip(output_logprobs(first)[:agreed], output_logprobs(reuse))
-    changes = [round(abs(a - b), 3) for a, b in pairs]
-    print(f"[hybrid int8] {agreed}/{NEW_TOKENS} agree: {changes}", file=sys.stderr)
-    assert agreed >= MIN_AGREED, (agreed, first["output_ids"], reuse["output_ids"])
-    assert max(changes) <= INT8_LOGPROB_TOL, changes
+    agreed, worst = assert_greedy_close(first, reuse, MIN_AGREED, INT8_LOGPROB_TOL)
+    print(
+        f"[hybrid int8] {agreed}/{NEW_TOKENS} agree, worst {worst:.3f}", file=sys.stderr
+    )
 
 
 def test_only_the_attention_stand_ins_ran(arm):
-    _, _, seq = arm
-    called = {e["op"] for e in seq["kernel_calls"] if e["event"] == "call"}
     # Both ran (prefill and decode); nothing else was called on the stand-in.
-    assert called == ATTENTION_OPS, called
+    assert called_ops(arm[2]["kernel_calls"]) == ATTENTION_OPS

@@ -1,19 +1,10 @@
-"""The live server from each way a user installs the product, not build/sglang.
-
-Opt-in (HIQ_LIVE_INSTALL=1; about 3-6 minutes each here): each case makes a
-fresh venv holding a stock SGLang 0.5.23 (the pinned wheel, ``--no-deps``),
-turns it into the product the way a user would, and starts an INT8 server
-from that venv only (build/sglang is not on its path):
-
-- ``wheel``: ``make wheel``'s patched wheel installed ``--no-deps`` over the
-  stock one (pip replaces 0.5.23 by 0.5.23+hiq.N);
-- ``overlay``: ``scripts/overlay.py install --target <site-packages>``, the
-  Dockerfile's command (site-packages layout), again after ``pip install
-  --force-reinstall``, and ``uninstall`` after serving.
-
-The venvs borrow torch and the other dependencies from the test venv through
-a ``.pth`` line placed after their own site-packages once pip is done (no
-re-download), so their own ``sglang`` shadows the test venv's stock copy.
+"""The live server from each way a user installs the product (opt-in,
+HIQ_LIVE_INSTALL=1, 3-6 min each): a fresh venv with the stock SGLang 0.5.23
+wheel (``--no-deps``) turned into the product by ``make wheel``'s wheel, or
+by ``scripts/overlay.py install --target`` (again after a pip
+``--force-reinstall``, and ``uninstall`` after serving), then an INT8 server
+from that venv alone. The venvs borrow torch & co. from the test venv through
+a ``.pth`` line added once pip is done.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
-"""L3 storage through the live server, across a restart.
-
-One store, three servers in turn, each stopped before the next starts:
-
-1. INT8 host pool: prompt A cold; its full pages are written to storage.
-2. A fresh INT8 server (empty device and host tiers): A is served from
-   storage (prefetched, cached tokens from storage in the reply and in
-   /metrics), and the greedy tokens equal server 1's.
-3. A server with another host format on the same store (the stock BF16 pool
-   for ``file``, INT4 for Mooncake): its keys carry its own format tag, so A
-   misses storage and is computed from scratch, with server 1's greedy tokens
-   and logprobs (no foreign page was decoded).
-
-``file`` (SGLang's file backend, one folder) runs by default. Mooncake with a
-real ``mooncake_master`` runs the same three steps when
-HIQ_LIVE_L3_MOONCAKE=1 (three more server starts: 13 min 16 s measured here
-at a load average of about 20).
-Mooncake keeps objects in the segments its clients mount, and a server's
-segment goes when the server stops, so a standalone ``mooncake_client`` (the
-wheel's real-client binary) mounts the only segment and outlives the servers,
-which mount none (``global_segment_size`` 0).
-Set HIQ_LIVE_SERVER=0 to skip everything here.
+"""L3 storage through the live server across restarts, one store, three
+servers in turn: an INT8 writer (prompt A's full pages stored), a fresh INT8
+reader (A served from storage, counted in the reply and /metrics, the
+writer's greedy tokens) and a server of another format (BF16 for ``file``,
+INT4 for Mooncake) whose keys miss A: computed from scratch, same tokens and
+logprobs. ``file`` runs by default; HIQ_LIVE_L3_MOONCAKE=1 runs Mooncake too
+(a real master; a standalone ``mooncake_client`` mounts the only segment, so
+pages outlive the servers, which mount none). HIQ_LIVE_SERVER=0 skips.
 """
 
 from __future__ import annotations
@@ -42,6 +28,7 @@ from scripts.rigs.server import (
     fresh_dir,
     free_port,
     hicache_flags,
+    output_logprobs,
     to_stderr,
 )
 
@@ -125,10 +112,6 @@ def file_store():
 
 def storage_tokens(reply: dict) -> int:
     return (reply["meta_info"].get("cached_tokens_details") or {}).get("storage", 0)
-
-
-def output_logprobs(reply: dict) -> list[float]:
-    return [entry[0] for entry in reply["meta_info"]["output_token_logprobs"]]
 
 
 def check_restart(result: dict) -> None:

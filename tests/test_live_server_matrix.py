@@ -1,26 +1,11 @@
-"""Every host layout / io backend pair the live CPU server can run, per format.
-
-Opt-in (HIQ_LIVE_MATRIX=1): one server start per pair, about 2-4 minutes each
-here. Each pair runs prompt A cold, two more 1,400-token prompts that push A
-out of the 4,096-token L1, then A again: a host hit whose greedy tokens equal
-the cold pass (BF16 exactly, INT8 as stated in test_live_server.py).
-
-The stock BF16 pool's ``kernel`` io backend calls sgl_kernel.kvcacheio ops,
-which exist only with CUDA; scripts/rigs/standins.py has pure-torch
-stand-ins of the four it calls for layer_first and page_first, bound by
-scripts/rigs/cpu_site/sitecustomize.py. Pairs left out, and why:
-
-- ``page_head`` (BF16, kernel): its two ops have no stand-in here yet.
-- ``page_first_direct`` with ``kernel`` and ``page_first`` with ``direct``:
-  SGLang's own argument resolution rewrites them to page_first_direct with
-  direct (hicache_hook.resolve_layout_io_compatibility), a pair listed here.
-- ``layer_first`` with ``direct``: covered by test_live_server.py.
-
-Run here on 2026-12-01: bf16 and int8 with page_first + kernel (SGLang's
-defaults) passed, 18 min for the two under load 20-30; the other four pairs
-(layer_first + kernel, page_first_direct + direct, bf16 and int8) passed in
-2 min 33 s at load about 2. Command:
-HIQ_LIVE_MATRIX=1 PYTHONPATH=build/sglang/python .venv/bin/python -m pytest -q tests/test_live_server_matrix.py
+"""Every host layout / io backend pair the live CPU server runs, per format
+(opt-in, HIQ_LIVE_MATRIX=1, one start per pair): prompt A cold, two more
+prompts evicting it, A again: a host hit with the cold pass's greedy tokens.
+The stock pool's ``kernel`` io backend runs on pure-torch stand-ins of the
+kvcacheio ops (scripts/rigs/standins.py). Left out: ``page_head`` (no
+stand-in), pairs SGLang rewrites to page_first_direct + direct, and
+layer_first + direct (tests/test_live_server.py). Measured 2026-12-01: all
+six passed (page_first + kernel 18 min for two under load 20-30).
 """
 
 from __future__ import annotations

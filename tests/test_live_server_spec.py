@@ -1,35 +1,15 @@
-"""Speculative decoding on the live CPU server, with encoded host tiers.
+"""Speculative decoding (STANDALONE, SmolLM2-135M drafting for itself) on the
+live CPU server with encoded host tiers: INT8, and with HIQ_LIVE_MATRIX=1
+also BF16 (the cross-arm reference) and INT4. The draft model gets its own
+host pool (a ``PoolName.DRAFT`` sidecar whose indices follow the target's),
+so a host hit loads back both models' KV through the format under test.
 
-One server per arm (module fixtures): INT8, and with HIQ_LIVE_MATRIX=1 also
-BF16 (the stock host pool, the cross-arm reference) and INT4, each with ``--speculative-algorithm
-STANDALONE`` and the same SmolLM2-135M-Instruct as its draft model, so the
-draft proposes the target's own greedy tokens and acceptance is high unless
-the draft's or the target's KV went wrong. A separate draft model gets its
-own HiCache host pool (a ``PoolName.DRAFT`` sidecar whose indices follow the
-target's, hybrid_pool_assembler.py), so a host hit loads back both models'
-KV through the host format under test.
-
-Each arm, with a 2,048-token L1 and a host tier of twice that:
-
-1. prompt A (700 tokens) cold;
-2. four more 700-token prompts overflow L1, evicting A to the host tier;
-3. A again: a host hit, loaded back (target and draft), counted in /metrics.
-
-Checked: the draft host pool is allocated in the arm's format; the reuse is a
-host hit with load-back; every reply ran speculative verify steps; the greedy
-tokens after load-back agree with the cold pass (up to a near-tie, as in
-tests/test_live_server.py) and, for the encoded arms, with the BF16 arm's
-reply after its load-back (same schedule, only the host format differs); the acceptance length after load-back stays within ACCEPT_TOL of
-the cold pass's. Acceptance figures (``spec_accept_length``,
-``spec_verify_ct`` from /generate meta_info) are printed per arm.
-
-CPU pieces (scripts/rigs, never product code): SGLang's torch_native
-attention has no draft backend, so the server runs ``--attention-backend
-intel_amx`` with pure-torch stand-ins of its AMX attention ops and of the
-speculative sgl_kernel CPU ops (tree build, greedy verify, cache-slot
-copies); see scripts/rigs/standins.py and cpu_site/sitecustomize.py.
-
-Set HIQ_LIVE_SERVER=0 to skip (a server start costs 1-4 min here).
+Each arm (2,048-token L1): prompt A (700 tokens) cold, four more overflowing
+L1, A again (a host hit). Checked: the draft pool's format, the load-back,
+verify steps in every reply, greedy tokens against the cold pass and the
+BF16 arm's reuse, acceptance length held (printed per arm). CPU stand-ins
+(scripts/rigs/standins.py) for the AMX attention and speculative ops.
+HIQ_LIVE_SERVER=0 skips (a server start costs 1-4 min here).
 """
 
 from __future__ import annotations
@@ -45,14 +25,13 @@ from scripts.rigs.server import (
     LIVE_ONLY,
     SPEC_ENV,
     LiveServer,
-    agreeing_prefix,
     expected_bytes_per_token,
     hicache_flags,
-    output_logprobs,
     run_sequence,
     spec_flags,
     to_stderr,
 )
+from tests.support.live import assert_greedy_close, called_ops
 
 pytestmark = LIVE_ONLY
 
@@ -61,15 +40,11 @@ PROMPTS = 5  # 3,500 tokens: past the 2,048-token L1, inside the 4,096 host
 L1_TOKENS = 2048
 NEW_TOKENS = 12
 DRAFT_TOKENS = 3  # --speculative-num-draft-tokens: the most one verify accepts
-# At least this many leading greedy tokens agree: prompt A's fourth generated
-# token is an exact top-2 tie (measured: both -1.76), which any cached pass
-# may break the other way.
+# Prompt A's fourth generated token is an exact top-2 tie (both -1.76).
 MIN_AGREED = 3
-# Largest |logprob| change of a generated token, cold pass vs reuse in one arm:
-# a cached pass's logprobs come from verify passes whose BF16 matmuls round
-# differently from the cold pass's (0.09 measured with BF16 host pages, which
-# are exact copies). Encoded arm vs the BF16 arm, both after the load-back
-# (the same schedule, only the host format differs): ENCODED_LOGPROB_TOL.
+# Cold pass vs reuse in one arm: verify passes' BF16 matmuls round otherwise
+# (0.09 measured with exact BF16 host pages); encoded arm vs the BF16 arm
+# after the load-back (same schedule): ENCODED_LOGPROB_TOL.
 SCHEDULE_LOGPROB_TOL = 0.15
 ENCODED_LOGPROB_TOL = 0.25
 # A load-back may flip a near-tie in one verify step (about 1/4 of the steps
@@ -190,14 +165,8 @@ def test_greedy_output_after_load_back(arm):
     name, _, _, seq = arm
     first, reuse = seq["first"], seq["reuse"]
     assert len(reuse["output_ids"]) == NEW_TOKENS
-    agreed = agreeing_prefix(first, reuse)
-    assert agreed >= MIN_AGREED, (agreed, first["output_ids"], reuse["output_ids"])
     tol = SCHEDULE_LOGPROB_TOL + (0 if name == "bf16" else ENCODED_LOGPROB_TOL)
-    worst = max(
-        abs(a - b)
-        for a, b in zip(output_logprobs(first)[:agreed], output_logprobs(reuse))
-    )
-    assert worst <= tol, (worst, output_logprobs(first), output_logprobs(reuse))
+    assert_greedy_close(first, reuse, MIN_AGREED, tol)
 
 
 def test_encoded_arm_agrees_with_bf16_after_load_back(arm):
@@ -206,27 +175,10 @@ def test_encoded_arm_agrees_with_bf16_after_load_back(arm):
         pytest.skip("the reference arm")
     if "bf16" not in _REUSE:
         pytest.skip("the bf16 arm did not run in this session")
-    reference, reuse = _REUSE["bf16"], seq["reuse"]
-    agreed = agreeing_prefix(reference, reuse)
-    assert agreed >= MIN_AGREED, (
-        agreed,
-        reference["output_ids"],
-        reuse["output_ids"],
+    agreed, worst = assert_greedy_close(
+        _REUSE["bf16"], seq["reuse"], MIN_AGREED, ENCODED_LOGPROB_TOL
     )
-    worst = max(
-        abs(a - b)
-        for a, b in zip(output_logprobs(reference)[:agreed], output_logprobs(reuse))
-    )
-    print(
-        f"[spec {name}] vs bf16 after load-back: {agreed} tokens agree, "
-        f"largest logprob change {worst:.3f}",
-        file=sys.stderr,
-    )
-    assert worst <= ENCODED_LOGPROB_TOL, (
-        worst,
-        output_logprobs(reference),
-        output_logprobs(reuse),
-    )
+    print(f"[spec {name}] vs bf16: {agreed} agree, worst {worst:.3f}", file=sys.stderr)
 
 
 def test_acceptance_length_holds_after_load_back(arm):
@@ -237,7 +189,7 @@ def test_acceptance_length_holds_after_load_back(arm):
 
 def test_only_speculative_stand_in_ops_ran(arm):
     _, _, server, _ = arm
-    called = {e["op"] for e in server.kernel_calls() if e["event"] == "call"}
+    called = called_ops(server.kernel_calls())
     assert called <= SPEC_OPS, called - SPEC_OPS
     # Without these the run was not speculative (or not on the AMX backend).
     assert {"verify_tree_greedy_cpu", "extend_attention_cpu"} <= called, called

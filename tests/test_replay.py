@@ -1,14 +1,10 @@
-"""The capacity / cache-hit replay behind `make demo` (scripts/demo/),
-on a scaled-down workload.
-
-The replay drives SGLang's real UnifiedRadixCache + HiCache (device pool,
-host pool from the `--hicache-host-dtype` dispatch, cache controller); only
-the scheduler around it is modelled. These tests check the claims the demo
-prints (INT8 never holds fewer tokens nor hits less at the same budget;
-capacities are the pools' real allocations; determinism), that restores are
-really checked, and the scheduler model against limiting cases SGLang's own
-cache must reproduce. Every host format the server accepts is a row of the
-demo; the rows' pools come from the server's dispatch.
+"""The capacity / cache-hit replay behind `make demo` (scripts/demo/) on a
+scaled-down workload: SGLang's real UnifiedRadixCache + HiCache (device pool,
+host pool from the `--hicache-host-dtype` dispatch, cache controller), only
+the scheduler modelled. Checks the demo's claims (INT8 never holds fewer
+tokens nor hits less at one budget; capacities are real allocations;
+determinism), that restores are checked, and the scheduler model against
+limiting cases SGLang's own cache must reproduce.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Every live server the tests and `make demo` start (scripts/rigs/server.py,
-scripts/demo/live.py) runs one OpenMP thread unless the caller set
-OMP_NUM_THREADS: on a shared machine the servers' spin-waiting intra-op
-threads made one server run ten times slower.
-
-The launcher is a fake `python` that writes the OMP_NUM_THREADS it was started
-with and exits, so what is checked is the environment the server process gets.
+"""Every live server the tests and `make demo` start runs one OpenMP thread
+unless the caller set OMP_NUM_THREADS (spin-waiting threads made a shared
+machine ten times slower); a fake `python` records what the server got.
 """
 
 from __future__ import annotations

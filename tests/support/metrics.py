@@ -1,7 +1,6 @@
-"""Scraping SGLang's own metrics collectors in-process: the scheduler's and
-the radix cache's collectors built as a server builds them (a fixture), the
-registry's text exposition parsed with prometheus_client's parser, and a
-HiCache rig whose real transfers and reporter feed them (TierRig)."""
+"""SGLang's own metrics collectors in-process (built as a server builds them),
+their exposition parsed with prometheus_client, and a HiCache rig whose real
+transfers and reporter feed them (TierRig)."""
 
 from __future__ import annotations
 
@@ -45,13 +44,11 @@ def scheduler_and_radix_collectors():
     registered_before = set(REGISTRY._collector_to_names)
     reset_context()
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
-    # Built the way the scheduler and the radix cache build them.
     scheduler = scheduler_collector(server_args)
     radix = UnifiedRadixCache.__new__(UnifiedRadixCache)
     radix.init_metrics_collector()
     yield scheduler, radix
-    # The collectors register in the process-wide registry; a server builds
-    # them once, a test once per case.
+    # A server builds them once in the process-wide registry, a test per case.
     for collector in set(REGISTRY._collector_to_names) - registered_before:
         REGISTRY.unregister(collector)
     reset_context()
@@ -126,8 +123,8 @@ class TierRig:
         self.written = []  # per layer: K rows, V rows (device dtype)
 
     def backup(self, n: int, nan_rows: int = 0) -> torch.Tensor:
-        """n new tokens on the device (the first nan_rows K rows hold a NaN),
-        written through to the host; returns the host indices."""
+        """n new tokens (the first nan_rows K rows hold a NaN) written through
+        to the host; returns the host indices."""
         geo, ctl, device_pool = self.geo, self.rig.controller, self.rig.device_pool
         device_indices = self.rig.allocator.alloc(n)
         batch = []
