@@ -1,9 +1,7 @@
-"""The quality harness's floor and verdicts (scripts/quality/harness.py), on
-the real SmolLM2-135M through SGLang's real L2 path, at a tiny size: the
-fp32-KV reference row beside `exact`, KL and top-1 against both references,
-the bf16 control flagged as one, the per-layer K/V error table, the
-RECOMMENDED table choosing which targets apply, and --check-targets' exit
-status per model x text cell."""
+"""The quality harness's floor and verdicts (scripts/quality/harness.py) on the
+real SmolLM2-135M through SGLang's real L2 path, at a tiny size: the fp32-KV
+reference row beside `exact`, both references per arm, the control flagged, the
+per-layer K/V errors, the RECOMMENDED table and the targets per model x text."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 from scripts.quality import harness as hq
-from tests.support.quality_inputs import TEXT_FILE, tiny_gemma3
+from tests.support.quality_inputs import TEXT_FILE
 
 TINY = dict(windows=1, prefix_len=64, score_len=32, greedy_tokens=4, seed=1)
 ARMS = ("bf16", "int8", "int4")
@@ -123,24 +121,6 @@ def test_per_layer_table_has_one_row_per_layer(report):
     assert len(data["per_layer"]["layers"]) == layers
 
 
-def test_per_layer_attention_kinds_from_the_model_config(bundle, tmp_path):
-    """A tiny random Gemma 3: one sliding-window layer (8 tokens), one full."""
-    tiny = tiny_gemma3(bundle.tokenizer, tmp_path)
-    cfg = hq.QualityConfig(
-        text_file=str(TEXT_FILE),
-        windows=1,
-        prefix_len=64,
-        score_len=8,
-        greedy_tokens=0,
-        arms=("bf16", "int8"),
-    )
-    rep = hq.run_quality(cfg, tiny, log=lambda s: None)
-    kinds = [r["attention"] for r in rep["per_layer"]["layers"]]
-    assert kinds == ["sliding (8)", "full"]
-    md = hq.markdown_report(rep)
-    assert "| 0 | sliding (8) |" in md and "| 1 | full |" in md
-
-
 # --- which targets apply, and the per-cell verdict ---------------------------
 
 
@@ -216,11 +196,36 @@ def test_a_recommended_format_not_run_is_a_miss(monkeypatch):
     assert arms.count("int4r_sink") == 1
 
 
-@pytest.mark.parametrize("capacity,met", ((3.4, True), (3.39, False)))
-def test_recommended_4_bit_capacity(capacity, met):
-    summary = {"int4r": _arm("int4r", capacity=capacity)}
-    got = hq._targets(hq.QualityConfig(text_file="unused"), summary, windows=1)
-    assert got["int4r_capacity_ge_3.4x"] is met
+def _kl_rows(kl_int4r):
+    return {"int4": _arm("int4", kl=5.0e-3), "int4r": _arm("int4r", kl=kl_int4r)}
+
+
+# (arms, target, met): int4r's KL is judged against int4 in the same run (no
+# target without an int4 arm: met None), k8v4r's top-1 at 98.5%.
+TARGET_ROWS = [
+    (_kl_rows(3.0e-3), "int4r_kl_le_0.6x_int4", True),
+    (_kl_rows(3.1e-3), "int4r_kl_le_0.6x_int4", False),
+    ({"int4r": _arm("int4r", kl=1.0)}, "int4r_kl_le_0.6x_int4", None),
+    ({"k8v4r": _arm("k8v4r", top1=0.985)}, "k8v4r_top1_ge_0.985", True),
+    ({"k8v4r": _arm("k8v4r", top1=0.9849)}, "k8v4r_top1_ge_0.985", False),
+    ({"int4r": _arm("int4r", top1=0.9699)}, "int4r_top1_ge_0.97", False),
+    ({"int4r": _arm("int4r", capacity=3.4)}, "int4r_capacity_ge_3.4x", True),
+    ({"int4r": _arm("int4r", capacity=3.39)}, "int4r_capacity_ge_3.4x", False),
+]
+
+
+@pytest.mark.parametrize("summary,key,met", TARGET_ROWS)
+def test_target_thresholds(summary, key, met):
+    got = hq._targets(hq.QualityConfig(text_file="unused"), summary, windows=3)
+    if met is None:
+        assert not any("kl_le" in k for k in got)
+    else:
+        assert got[key] is met
+    if "_kl_" in key:
+        cell = hq._target_cells(hq.TARGETS["int4r"], summary["int4r"], summary)
+        verdict = "" if met is None else {True: ": pass", False: ": MISS"}[met]
+        assert ("KL <= 0.6x int4" + verdict in cell) is (met is not None)
+        assert ("KL" in cell) is (met is not None)
 
 
 def test_capacity_is_the_formats_at_qwen3_8b_geometry():
@@ -239,23 +244,9 @@ def test_capacity_is_the_formats_at_qwen3_8b_geometry():
 
 def _cli(tmp_path, *extra):
     return [
-        "--text-file",
-        str(TEXT_FILE),
-        "--code-text",
-        "none",
-        "--windows",
-        "1",
-        "--prefix-len",
-        "64",
-        "--score-len",
-        "32",
-        "--greedy-tokens",
-        "0",
-        "--arms",
-        "bf16,int8",
-        "--out-dir",
-        str(tmp_path),
-        "--check-targets",
+        *("--text-file", str(TEXT_FILE), "--out-dir", str(tmp_path)),
+        *"--code-text none --windows 1 --prefix-len 64 --score-len 32".split(),
+        *"--greedy-tokens 0 --arms bf16,int8 --check-targets".split(),
         *extra,
     ]
 
