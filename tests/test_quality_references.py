@@ -134,9 +134,12 @@ def _arm(host_dtype, kl=1e-3, top1=0.999, ppl=0.0, capacity=1.0):
     }
 
 
+def _targets(summary, windows=1, **kw):
+    return hq._targets(hq.QualityConfig(text_file="unused"), summary, windows, **kw)
+
+
 def _keys(summary):
-    got = hq._targets(hq.QualityConfig(text_file="unused"), summary, windows=1)
-    return {k for k in got if k.split("_")[0] in summary}
+    return {k for k in _targets(summary) if k.split("_")[0] in summary}
 
 
 def test_recommended_table_drives_the_targets(monkeypatch):
@@ -148,23 +151,17 @@ def test_recommended_table_drives_the_targets(monkeypatch):
         "int4r": _arm("int4r", kl=2e-3, capacity=3.556),
     }
     assert hq.RECOMMENDED == {"8-bit": "int8c", "4-bit": "int4r"}
-    assert _keys(summary) == {
-        "int8_ppl_rel_delta_le_0.001",
-        "int8_top1_ge_0.995",
-        "int8c_ppl_rel_delta_le_0.001",
-        "int8c_top1_ge_0.995",
-        "k8v4_ppl_rel_delta_le_0.003",
-        "int4_ppl_rel_delta_le_0.01",
-        "int4_top1_ge_0.97",
-        "int4r_top1_ge_0.97",
-        "int4r_kl_le_0.6x_int4",
-        "int4r_capacity_ge_3.4x",
-    }
+    assert _keys(summary) == set(
+        "int8_ppl_rel_delta_le_0.001 int8_top1_ge_0.995 int8c_ppl_rel_delta_le_0.001"
+        " int8c_top1_ge_0.995 k8v4_ppl_rel_delta_le_0.003 int4_ppl_rel_delta_le_0.01"
+        " int4_top1_ge_0.97 int4r_top1_ge_0.97 int4r_kl_le_0.6x_int4"
+        " int4r_capacity_ge_3.4x".split()
+    )
     # The lead names another format: the role's targets move with it, and the
     # former one falls back to its own format's targets.
     monkeypatch.setitem(hq.RECOMMENDED, "8-bit", "k8v4")
     monkeypatch.setitem(hq.RECOMMENDED, "4-bit", "int4")
-    got = hq._targets(hq.QualityConfig(text_file="unused"), summary, windows=1)
+    got = _targets(summary)
     assert {k for k in got if k.startswith("k8v4_")} == {
         "k8v4_ppl_rel_delta_le_0.001",
         "k8v4_top1_ge_0.995",
@@ -183,8 +180,7 @@ def test_recommended_table_drives_the_targets(monkeypatch):
 
 
 def test_a_recommended_format_not_run_is_a_miss(monkeypatch):
-    summary = {"int8c": _arm("int8c")}
-    got = hq._targets(hq.QualityConfig(text_file="unused"), summary, windows=1)
+    got = _targets({"int8c": _arm("int8c")})
     assert got["recommended_8-bit_int8c_ran"] is True
     assert got["recommended_4-bit_int4r_ran"] is False
     # An opt-in arm (the sink page) named there runs by default.
@@ -216,7 +212,7 @@ TARGET_ROWS = [
 
 @pytest.mark.parametrize("summary,key,met", TARGET_ROWS)
 def test_target_thresholds(summary, key, met):
-    got = hq._targets(hq.QualityConfig(text_file="unused"), summary, windows=3)
+    got = _targets(summary, windows=3)
     if met is None:
         assert not any("kl_le" in k for k in got)
     else:
@@ -296,8 +292,7 @@ def test_full_size_run_counts_the_models_own_windows():
     """The targets' protocol: 32 windows per text on SmolLM2, 8 on Gemma 3."""
     assert hq.PACKAGED_MODELS["smollm2-135m"].full_size_windows == 32
     assert hq.PACKAGED_MODELS["gemma3-270m"].full_size_windows == 8
-    cfg = hq.QualityConfig(text_file="unused")
     summary = {"int8c": _arm("int8c")}
-    assert hq._targets(cfg, summary, windows=8, full_windows=8)["full_size_run"]
-    assert not hq._targets(cfg, summary, windows=8)["full_size_run"]
-    assert not hq._targets(cfg, summary, windows=7, full_windows=8)["full_size_run"]
+    assert _targets(summary, 8, full_windows=8)["full_size_run"]
+    assert not _targets(summary, 8)["full_size_run"]
+    assert not _targets(summary, 7, full_windows=8)["full_size_run"]
