@@ -6,25 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from scripts import overlay
+from tests.test_docs_formats import _backticked
 
 REPO = Path(__file__).resolve().parents[1]
-PRS = tomllib.loads((REPO / "docs" / "prs.toml").read_text())["pr"]
-
-
-def test_development_md_names_every_exported_pr():
-    text = " ".join((REPO / "docs" / "development.md").read_text().split())
-    for pr in PRS:
-        assert f"{pr['number']} `{pr['name']}`" in text, pr["name"]
-
-
-# --- each PR's description and upstream docs cover what the PR ships -----------
-
 SOURCE = REPO / "docs" / "PR_DESCRIPTION.md"
 # The sections a PR fills with its own blocks (the checklist is shared).
 OWN_SECTIONS = (
@@ -45,15 +34,6 @@ def _section(text: str, heading: str) -> str:
     start = text.index(f"\n## {heading}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end > 0 else None]
-
-
-def _format_words(text: str) -> list[str]:
-    """Backticked words shaped like a --hicache-host-dtype value."""
-    return [
-        w
-        for w in re.findall(r"`([^`\s]+)`", text)
-        if re.fullmatch(r"(?:int|k)\d[a-z0-9]*", w)
-    ]
 
 
 def _shipped_formats(hf) -> list[list[str]]:
@@ -79,6 +59,12 @@ def hf():
     from scripts import docs_formats
 
     return docs_formats.registry()
+
+
+def test_development_md_names_every_exported_pr():
+    text = " ".join((REPO / "docs" / "development.md").read_text().split())
+    for pr in DECLARED:
+        assert f"{pr.number} `{pr.name}`" in text, pr.name
 
 
 def test_pr_blocks_name_declared_prs():
@@ -125,7 +111,7 @@ def test_pr_descriptions_and_upstream_docs_cover_the_formats_they_ship(hf):
         pages += own_pages
         allowed = {"auto", *formats}
         for where, body in (("description", text), ("upstream docs", own_pages)):
-            later = sorted(set(_format_words(body)) - allowed)
+            later = sorted(set(_backticked(body)) - allowed)
             assert not later, (
                 f"PR {pr.dir_name}'s {where} names {later}, which no PR up to it ships"
             )
