@@ -1,14 +1,8 @@
-"""The pure-torch stand-ins of the intel_amx backend's attention ops
-(scripts/rigs/standins.py) against transformers' gpt-oss attention.
-
-The live hybrid test (tests/test_live_server_hybrid.py) serves gpt-oss through
-these stand-ins, so they must compute what the model means: causal attention
-with sinks, over a sliding window on SWA layers, reading paged KV through
-req_to_token. The reference is transformers' ``eager_attention_forward`` for
-gpt-oss over dense tensors with a sliding-window mask. Slots outside the
-window hold NaN, as a SWA pool's freed slots may hold anything: a stand-in
-that read them would return NaN.
-"""
+"""The intel_amx attention stand-ins (scripts/rigs/standins.py), which serve
+gpt-oss in tests/test_live_server_hybrid.py, against transformers' gpt-oss
+eager attention: causal, with sinks, sliding window on SWA layers, paged KV via
+req_to_token. Slots outside the window hold NaN, as a SWA pool's freed slots may:
+a stand-in that read them would return NaN."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The image's start-up command, without Docker (issue 11).
-
-The Dockerfile keeps the base image's ENTRYPOINT, which runs whatever command
-it is given (NVIDIA's entrypoint ends in `exec "$@"`), and its default CMD is
-scripts/hiqcache_serve.sh installed as hiqcache-serve. These tests run that
-script under bash with a fake python3 on PATH that records its argv, and run
-the Dockerfile's CMD the way the entrypoint would. The last ones run `make
-image` without a Docker daemon and scripts/image_cpu_check.sh up to its
-prerequisites, with fake docker and apt-get that only record their calls.
-"""
+"""The image's start-up command without Docker: scripts/hiqcache_serve.sh (the
+Dockerfile's CMD, hiqcache-serve) under bash with a fake python3 that records
+its argv, run as the base image's `exec "$@"` entrypoint would; then `make
+image` and scripts/image_cpu_check.sh with fake docker and apt-get."""
 
 from __future__ import annotations
 
@@ -64,87 +58,54 @@ def serve(bin_dir: Path, *args: str, **env: str):
     return run(bin_dir, ["bash", str(SCRIPT), *args], **env)
 
 
-def test_default_starts_the_server_with_hicache_on(bin_dir):
-    proc, argv = serve(bin_dir, MODEL="Qwen/Qwen3-8B")
-    assert proc.returncode == 0, proc.stderr
-    assert argv == [*LAUNCH, "--model-path", "Qwen/Qwen3-8B", *DEFAULTS]
+GIVEN = [
+    *("--model-path", "/models/m", "--port", "8000", "--hicache-host-dtype", "int8"),
+    *("--served-model-name", "a name with spaces"),
+]
+EQUALS = ["--model=/m", "--host=127.0.0.1", "--port=1", "--enable-hierarchical-cache"]
+SAYS_DTYPE = "hiqcache-serve: host KV dtype int8c (HOST_DTYPE, default int8c"
+NO_MODEL = ["set MODEL to a model path or Hugging Face id", "--model-path"]
+M = ["--model-path", "m"]
+
+# (arguments, environment, exit status, the server's argv or None if it never
+# started, what stderr says; None: no host dtype was added, so nothing said)
+SERVE_CASES = {
+    "defaults": ((), {"MODEL": "Qwen/Qwen3-8B"}, 0,
+                 [*LAUNCH, "--model-path", "Qwen/Qwen3-8B", *DEFAULTS], [SAYS_DTYPE]),
+    "given-args-win": (GIVEN, {"MODEL": "ignored"}, 0,
+                       [*LAUNCH, *GIVEN, "--host", "0.0.0.0", HICACHE[0]], None),
+    "equals-forms-and-model-alias": (EQUALS, {}, 0, [*LAUNCH, *EQUALS, *HICACHE[1:]],
+                                     [SAYS_DTYPE]),
+    **{
+        f"HOST_DTYPE={d}": ((), {"MODEL": "m", "HOST_DTYPE": d}, 0,
+                            [*LAUNCH, *M, *DEFAULTS[:-1], d],
+                            [f"host KV dtype {d} (HOST_DTYPE"])
+        for d in ("int8", "k8v4", "auto")
+    },
+    **{
+        f"given-dtype-{i}": (given, {"MODEL": "m", "HOST_DTYPE": "k8v4"}, 0,
+                             [*LAUNCH, *M, *given, *DEFAULTS[:-2]], None)
+        for i, given in enumerate(
+            (["--hicache-host-dtype", "int4"], ["--hicache-host-dtype=int4"])
+        )
+    },
+    "no-model": ((), {}, 2, None, NO_MODEL),
+    "empty-model": (["--hicache-host-dtype", "int8"], {"MODEL": ""}, 2, None, []),
+    "server-exit-status": ((), {"MODEL": "m", "FAKE_PYTHON_RC": "3"}, 3,
+                           [*LAUNCH, *M, *DEFAULTS], [SAYS_DTYPE]),
+}  # fmt: skip
 
 
-def test_arguments_pass_through_and_win(bin_dir):
-    proc, argv = serve(
-        bin_dir,
-        "--model-path", "/models/m",
-        "--port", "8000",
-        "--hicache-host-dtype", "int8",
-        "--served-model-name", "a name with spaces",
-        MODEL="ignored",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert argv == [
-        *LAUNCH,
-        "--model-path", "/models/m",
-        "--port", "8000",
-        "--hicache-host-dtype", "int8",
-        "--served-model-name", "a name with spaces",
-        "--host", "0.0.0.0",
-        "--enable-hierarchical-cache",
-    ]  # fmt: skip
-    assert "host KV dtype" not in proc.stderr  # nothing added, nothing said
-
-
-def test_equals_forms_and_the_model_alias_count_as_given(bin_dir):
-    proc, argv = serve(
-        bin_dir,
-        "--model=/m",
-        "--host=127.0.0.1",
-        "--port=1",
-        "--enable-hierarchical-cache",
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert argv == [
-        *LAUNCH,
-        "--model=/m",
-        "--host=127.0.0.1",
-        "--port=1",
-        "--enable-hierarchical-cache",
-        "--hicache-host-dtype",
-        "int8c",
-    ]
-
-
-def test_host_dtype_defaults_to_int8c_and_follows_host_dtype_env(bin_dir):
-    proc, argv = serve(bin_dir, MODEL="m")
-    assert argv[-2:] == ["--hicache-host-dtype", "int8c"]
-    assert "hiqcache-serve: host KV dtype int8c (HOST_DTYPE, default int8c" in proc.stderr
-    for dtype in ("int8", "k8v4", "auto"):
-        proc, argv = serve(bin_dir, MODEL="m", HOST_DTYPE=dtype)
-        assert proc.returncode == 0, proc.stderr
-        assert argv == [*LAUNCH, "--model-path", "m", *DEFAULTS[:-1], dtype]
-        assert f"host KV dtype {dtype} (HOST_DTYPE" in proc.stderr
-
-
-def test_given_host_dtype_is_not_duplicated(bin_dir):
-    for given in (["--hicache-host-dtype", "int4"], ["--hicache-host-dtype=int4"]):
-        proc, argv = serve(bin_dir, *given, MODEL="m", HOST_DTYPE="k8v4")
-        assert proc.returncode == 0, proc.stderr
-        assert argv == [*LAUNCH, "--model-path", "m", *given, *DEFAULTS[:-2]]
-        assert "host KV dtype" not in proc.stderr
-
-
-def test_no_model_fails_naming_what_to_set(bin_dir):
-    proc, argv = serve(bin_dir)
-    assert proc.returncode == 2
-    assert argv is None  # the server was never started
-    assert "set MODEL to a model path or Hugging Face id" in proc.stderr
-    assert "--model-path" in proc.stderr
-    proc, argv = serve(bin_dir, "--hicache-host-dtype", "int8", MODEL="")
-    assert proc.returncode == 2 and argv is None
-
-
-def test_server_exit_status_is_the_containers(bin_dir):
-    proc, argv = serve(bin_dir, MODEL="m", FAKE_PYTHON_RC="3")
-    assert proc.returncode == 3
-    assert argv[:2] == LAUNCH
+@pytest.mark.parametrize("case", SERVE_CASES)
+def test_serve_command(bin_dir, case):
+    args, env, rc, argv, says = SERVE_CASES[case]
+    proc, python_argv = serve(bin_dir, *args, **env)
+    assert proc.returncode == rc, proc.stderr
+    assert python_argv == argv
+    if says is None:
+        assert "host KV dtype" not in proc.stderr  # nothing added, nothing said
+    for words in says or ():
+        assert words in proc.stderr, words
 
 
 def entrypoint_run(bin_dir: Path, command: list[str], **env: str):

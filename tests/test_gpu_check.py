@@ -1,8 +1,7 @@
 """scripts/gpu_check.sh on CPU: --dry-run runs both phases end to end (every
-test of tests/gpu/ (INT8 MHA, INT4/K8V4 and MLA), kernels interpreted; the
-benchmark at tiny sizes), and the tests phase fails, naming the cause in one
-line, when there is no CUDA device, a package is missing, or the Python has no
-torch (without PYTHON the script takes the checkout's .venv)."""
+test of tests/gpu/, kernels interpreted; the benchmark at tiny sizes), and the
+tests phase fails in one line without CUDA, a package, or a Python with torch
+(without PYTHON it takes the checkout's .venv)."""
 
 from __future__ import annotations
 
@@ -105,9 +104,7 @@ def test_dry_run_runs_both_phases(site, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = json.loads((again / "gpu_check.json").read_text())["steps"]
     assert [s["step"] for s in steps] == ["site", "tests"]
-    assert json.loads((again / "gpu_tests.json").read_text())["counts"] == {
-        "passed": 1
-    }
+    assert json.loads((again / "gpu_tests.json").read_text())["counts"] == {"passed": 1}
 
 
 def test_tests_phase_fails_without_cuda(site, tmp_path):

@@ -1,17 +1,8 @@
-"""The Dockerfile built for real (podman) and its default command run live on CPU.
-
-Opt-in (HIQ_LIVE_IMAGE=1; root, podman and runc or apt to install them; about
-10 minutes cold, 3-5 with podman's layer cache): runs
-``scripts/image_cpu_check.sh``, which builds a local stand-in for the official
-lmsysorg/sglang base (stock SGLang 0.5.23 from the pinned wheel in the
-official image's editable /sgl-workspace layout, CPU torch), builds the
-unchanged Dockerfile from it, and starts ``hiqcache-serve`` in the container
-with ``MODEL`` set and the live tests' CPU flags for int8. The tests read what
-the script saved under build/image-cpu/run/ (start-up log, replies, /metrics,
-the installed package) and check that the patched code is what runs there.
-A second run gives the Dockerfile a base whose sglang is not sglang.lock's,
-which it must refuse.
-"""
+"""The Dockerfile built for real (podman) and its default command run live on
+CPU, opt-in (HIQ_LIVE_IMAGE=1; root; 3-10 min): scripts/image_cpu_check.sh
+builds a stand-in lmsysorg/sglang base from the pinned wheel, the unchanged
+Dockerfile on it, starts hiqcache-serve for int8 and saves what these tests
+read under build/image-cpu/run/; a base with another sglang is refused."""
 
 from __future__ import annotations
 
@@ -22,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from scripts.overlay import read_lock
 from scripts.rigs import prom
 from scripts.rigs.model import smollm2_dir
 
@@ -33,13 +25,7 @@ pytestmark = pytest.mark.skipif(
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "image_cpu_check.sh"
 RUN_DIR = REPO / "build" / "image-cpu" / "run"
-PIN = next(
-    line.split("=", 1)[1]
-    for line in (REPO / "sglang.lock").read_text().splitlines()
-    if line.startswith("SGLANG_VERSION=")
-)
-
-
+PIN = read_lock(REPO / "sglang.lock")["SGLANG_VERSION"]
 CONTAINER = "hiq-image-cpu-check"
 
 
@@ -124,11 +110,8 @@ def test_metrics_come_from_the_patched_pool(image_run):
 
 def test_no_sgl_kernel_stand_in_op_ran(image_run):
     log = image_run / "sgl_kernel.jsonl"
-    events = (
-        [json.loads(line) for line in log.read_text().splitlines()]
-        if log.exists()
-        else []
-    )
+    lines = log.read_text().splitlines() if log.exists() else []
+    events = [json.loads(line) for line in lines]
     assert any(e["event"] == "load" for e in events), "stand-in never loaded"
     assert [e for e in events if e["event"] == "call"] == []
 

@@ -1,10 +1,6 @@
 """`make venv` never deletes a venv it did not make, and installs torch from
-TORCH_INDEX when one is given.
-
-Real `make` on this Makefile with a fake PYTHON (a shell script that records
-its calls, makes `-m venv` folders and prints a wheel path for `overlay.py
-fetch`) and a temporary VENV: nothing is downloaded or installed.
-"""
+TORCH_INDEX when given: real `make` with a fake PYTHON (records its calls, makes
+`-m venv` folders, prints a wheel path) and a temporary VENV."""
 
 from __future__ import annotations
 

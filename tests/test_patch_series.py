@@ -1,10 +1,6 @@
-"""The patch series is final state by concern (docs/patches.md).
-
-Read from build/sglang, where `make apply` commits one patch per commit after
-the overlay tag: no patch edits or removes a line an earlier patch added, the
-series stays within fourteen patches plus the Mooncake short-read fix, and the
-upstream files with a line budget stay within it.
-"""
+"""The patch series is final state by concern (docs/patches.md), read from
+build/sglang (one commit per patch after the overlay tag): no patch edits a line
+an earlier one added, the count stays bounded, and budgeted files stay within."""
 
 from __future__ import annotations
 

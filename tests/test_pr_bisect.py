@@ -1,11 +1,7 @@
-"""The exported PRs are bisectable: `git am` of PR 1 alone onto the pristine
-pinned sources, then PR 2 on top, and so on. Every commit byte-compiles; at
-the end of each PR, every Python module the PR adds or edits imports (so a
-module importing one a later PR ships fails), and every upstream-style unit
-test the PRs so far add passes on CPU (stand-ins from
-scripts/rigs/standins.py, in a subprocess on that tree).
-A release check (about 80 s): HIQ_PR_BISECT=1 runs it; make test runs
-test_pr_gate's export and hooks instead."""
+"""Release check (HIQ_PR_BISECT=1, ~80 s): the exported PRs are bisectable. Each
+PR `git am`s onto the pin after the ones before; every commit byte-compiles, and
+at each PR's end every module it adds or edits imports and every upstream-style
+unit test so far passes on CPU (tests/upstream_unit_runner.py)."""
 
 from __future__ import annotations
 

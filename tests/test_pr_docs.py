@@ -1,63 +1,19 @@
-"""`make pr` on the real series: every existing upstream file a PR edits has
-its reason in docs/prs.toml (else the export warns and the PR description says
-"not justified"), and docs/development.md names every PR it exports."""
+"""What `make pr` exports is described: docs/development.md names every PR,
+and each PR's description (docs/PR_DESCRIPTION.md blocks) and upstream docs
+cover the modules and formats it ships (the real export: test_pr_gate.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from scripts import overlay
+from tests.test_docs_formats import _backticked
 
 REPO = Path(__file__).resolve().parents[1]
-PRS = tomllib.loads((REPO / "docs" / "prs.toml").read_text())["pr"]
-
-
-def test_real_export_justifies_every_upstream_edit(tmp_path):
-    project = tmp_path / "project"
-    for name in ("scripts", "patches", "sglang_overlay", "docs", "requirements"):
-        shutil.copytree(
-            REPO / name, project / name, ignore=shutil.ignore_patterns("__pycache__")
-        )
-    shutil.copy2(REPO / "sglang.lock", project / "sglang.lock")
-    (project / "build").mkdir()
-    (project / "build" / "sglang").symlink_to(REPO / "build" / "sglang")
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "Export Test",
-        "GIT_AUTHOR_EMAIL": "export@localhost",
-        "GIT_COMMITTER_NAME": "Export Test",
-        "GIT_COMMITTER_EMAIL": "export@localhost",
-        "HIQ_WHEEL_CACHE": os.environ.get(
-            "HIQ_WHEEL_CACHE", str(REPO / "build" / "wheels")
-        ),
-    }
-    env.pop("PYTHONPATH", None)
-    export = subprocess.run(
-        [sys.executable, "scripts/overlay.py", "pr"],
-        cwd=project, capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert export.returncode == 0, export.stdout + export.stderr
-    assert f"exported {len(PRS)} PRs" in export.stdout
-    assert "warning" not in export.stdout + export.stderr, export.stdout
-
-
-def test_development_md_names_every_exported_pr():
-    text = " ".join((REPO / "docs" / "development.md").read_text().split())
-    for pr in PRS:
-        assert f"{pr['number']} `{pr['name']}`" in text, pr["name"]
-
-
-# --- each PR's description and upstream docs cover what the PR ships -----------
-
 SOURCE = REPO / "docs" / "PR_DESCRIPTION.md"
 # The sections a PR fills with its own blocks (the checklist is shared).
 OWN_SECTIONS = (
@@ -78,15 +34,6 @@ def _section(text: str, heading: str) -> str:
     start = text.index(f"\n## {heading}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end > 0 else None]
-
-
-def _format_words(text: str) -> list[str]:
-    """Backticked words shaped like a --hicache-host-dtype value."""
-    return [
-        w
-        for w in re.findall(r"`([^`\s]+)`", text)
-        if re.fullmatch(r"(?:int|k)\d[a-z0-9]*", w)
-    ]
 
 
 def _shipped_formats(hf) -> list[list[str]]:
@@ -112,6 +59,12 @@ def hf():
     from scripts import docs_formats
 
     return docs_formats.registry()
+
+
+def test_development_md_names_every_exported_pr():
+    text = " ".join((REPO / "docs" / "development.md").read_text().split())
+    for pr in DECLARED:
+        assert f"{pr.number} `{pr.name}`" in text, pr.name
 
 
 def test_pr_blocks_name_declared_prs():
@@ -158,7 +111,7 @@ def test_pr_descriptions_and_upstream_docs_cover_the_formats_they_ship(hf):
         pages += own_pages
         allowed = {"auto", *formats}
         for where, body in (("description", text), ("upstream docs", own_pages)):
-            later = sorted(set(_format_words(body)) - allowed)
+            later = sorted(set(_backticked(body)) - allowed)
             assert not later, (
                 f"PR {pr.dir_name}'s {where} names {later}, which no PR up to it ships"
             )

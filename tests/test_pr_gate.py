@@ -1,10 +1,8 @@
 """scripts/pr_gate.py: SGLang's pinned pre-commit hooks on exported PRs.
 
-Small git trees made here (pristine baseline: the pinned tree's own
-ci_register.py; one commit adding the files under test) show that the gate
-passes clean input and fails on what upstream's CI rejects. The last test runs
-the gate on this repository's real export, as `make pr-check` does.
-"""
+Small git trees (tag `base`: the pinned tree's ci_register.py; HEAD adds the
+files under test) pass clean input and fail on what upstream's CI rejects; the
+last test exports the real series and gates it, as `make pr-check` does."""
 
 from __future__ import annotations
 
@@ -13,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -21,10 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 TREE = REPO / "build" / "sglang"
 CI_REGISTER = "python/sglang/test/ci/ci_register.py"
 GIT_ENV = {
-    "GIT_AUTHOR_NAME": "Gate Test",
-    "GIT_AUTHOR_EMAIL": "gate@localhost",
-    "GIT_COMMITTER_NAME": "Gate Test",
-    "GIT_COMMITTER_EMAIL": "gate@localhost",
+    f"GIT_{role}_{key}": value
+    for role in ("AUTHOR", "COMMITTER")
+    for key, value in (("NAME", "Gate Test"), ("EMAIL", "gate@localhost"))
 }
 
 MODULE = '''\
@@ -42,7 +40,9 @@ def pool_class() -> type:
 '''
 # The first-party import is not separated from the third-party one: isort
 # (profile black, known_first_party=sglang) puts a blank line between them.
-MISSORTED_MODULE = MODULE.replace("import torch\n\nfrom sglang", "import torch\nfrom sglang")
+MISSORTED_MODULE = MODULE.replace(
+    "import torch\n\nfrom sglang", "import torch\nfrom sglang"
+)
 
 UNIT_TEST = '''\
 """A CPU unit test."""
@@ -65,7 +65,9 @@ class TestProbe(unittest.TestCase):
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
 '''
-CUDA_LINE = 'register_cuda_ci(est_time=30, stage="base-a", runner_config="1-gpu-small")\n'
+CUDA_LINE = (
+    'register_cuda_ci(est_time=30, stage="base-a", runner_config="1-gpu-small")\n'
+)
 CUDA_UNIT_TEST = UNIT_TEST.replace(
     "import register_cpu_ci\n", "import register_cpu_ci, register_cuda_ci\n"
 ).replace('suite="base-a-test-cpu")\n', 'suite="base-a-test-cpu")\n' + CUDA_LINE)
@@ -135,7 +137,10 @@ def gate_on(tmp_path: Path, ci_register: str, files: dict[str, str]):
     head = git(repo, "rev-parse", "HEAD")
     proc = run_gate("--repo", str(repo), "--base", "base")
     # The hooks run in a scratch clone: the tree under test is left as it was.
-    assert git(repo, "rev-parse", "HEAD") == head and git(repo, "status", "--porcelain") == ""
+    assert (
+        git(repo, "rev-parse", "HEAD") == head
+        and git(repo, "status", "--porcelain") == ""
+    )
     return proc, hook_status(proc.stdout)
 
 
@@ -152,15 +157,6 @@ def test_clean_files_pass_every_hook(tmp_path, ci_register_source):
         assert status[hook] == "Passed", (hook, proc.stdout)
 
 
-def test_missorted_import_fails_isort_alone(tmp_path, ci_register_source):
-    proc, status = gate_on(tmp_path, ci_register_source, {MODULE_PATH: MISSORTED_MODULE})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert status["isort"] == "Failed"
-    assert f"the hook rewrites {MODULE_PATH}" in proc.stdout
-    assert "+\n" in proc.stdout  # the blank line isort inserts, in the diff
-    assert [h for h, s in status.items() if s == "Failed"] == ["isort"]
-
-
 RUFF_MODULE = '''\
 """Two findings of upstream's ruff selection."""
 
@@ -173,63 +169,81 @@ class Table:
     def select(self) -> "Table":
         return self
 '''
+KERNEL_PATH = "test/registered/kernels/ops/kvcache/test_probe.py"
+DEAD_PATH = UNIT_PATH.replace("test_probe", "test_probe_dead")
+UNREGISTERED = UNIT_TEST.replace(
+    'register_cpu_ci(est_time=10, suite="base-a-test-cpu")\n', ""
+)
+DEAD = UNIT_TEST.replace("    sys.exit(pytest.main([__file__]))", "    print(sys.argv)")
+CUDA_AT = CUDA_UNIT_TEST.splitlines().index(CUDA_LINE.strip()) + 1
+BARE_AT = BARE_PYTEST_MAIN.splitlines().index("    pytest.main([__file__])") + 1
 
 
-def test_unused_import_and_quoted_annotation_fail_ruff(tmp_path, ci_register_source):
-    proc, status = gate_on(tmp_path, ci_register_source, {MODULE_PATH: RUFF_MODULE})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert [h for h, s in status.items() if s == "Failed"] == ["ruff"]
-    assert f"{MODULE_PATH}:5:8: F401" in proc.stdout
-    assert f"{MODULE_PATH}:9:25: UP037" in proc.stdout
+# (files, the hook that fails (alone, but for the last row) or None, its report)
+GATE_CASES = {
+    "isort": (
+        {MODULE_PATH: MISSORTED_MODULE},
+        "isort",
+        # The blank line isort inserts, in the diff.
+        [f"the hook rewrites {MODULE_PATH}", "+\n"],
+    ),
+    "ruff": (
+        {MODULE_PATH: RUFF_MODULE},
+        "ruff",
+        [f"{MODULE_PATH}:5:8: F401", f"{MODULE_PATH}:9:25: UP037"],
+    ),
+    "cuda-unit-test": (
+        {UNIT_PATH: CUDA_UNIT_TEST},
+        "check-registered-tests",
+        [
+            f"{UNIT_PATH}:{CUDA_AT}: unit tests may register only CPU or dedicated "
+            "unit suites, not CUDA suite 'base-a-test-1-gpu-small'"
+        ],
+    ),
+    # The same CUDA test is fine among kernel tests.
+    "cuda-kernel-test": ({KERNEL_PATH: CUDA_UNIT_TEST}, None, []),
+    "bare-pytest-main": (
+        {UNIT_PATH: BARE_PYTEST_MAIN},
+        "check-no-bare-pytest-main",
+        [f"{UNIT_PATH}:{BARE_AT}: pytest.main(...) in an __main__ block"],
+    ),
+    "unregistered-and-dead": (
+        {UNIT_PATH: UNREGISTERED, DEAD_PATH: DEAD},
+        "check-registered-tests",
+        [
+            f"{UNIT_PATH}: missing CI registry call",
+            f"{DEAD_PATH}: defines TestCase classes but its __main__ block",
+        ],
+    ),
+}
 
 
-def test_unit_test_registered_for_cuda_fails_the_taxonomy(tmp_path, ci_register_source):
-    proc, status = gate_on(tmp_path, ci_register_source, {UNIT_PATH: CUDA_UNIT_TEST})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert [h for h, s in status.items() if s == "Failed"] == ["check-registered-tests"]
-    line = CUDA_UNIT_TEST.splitlines().index(CUDA_LINE.strip()) + 1
-    assert (
-        f"{UNIT_PATH}:{line}: unit tests may register only CPU or dedicated unit "
-        "suites, not CUDA suite 'base-a-test-1-gpu-small'"
-    ) in proc.stdout
+@pytest.mark.parametrize("case", GATE_CASES)
+def test_gate_fails_exactly_the_hook_upstream_ci_would(
+    tmp_path, ci_register_source, case
+):
+    files, hook, expected = GATE_CASES[case]
+    proc, status = gate_on(tmp_path, ci_register_source, files)
+    assert proc.returncode == (1 if hook else 0), proc.stdout + proc.stderr
+    failed = [h for h, s in status.items() if s == "Failed"]
+    if case == "unregistered-and-dead":  # other hooks may fail on these files
+        assert hook in failed, proc.stdout
+    else:
+        assert failed == ([hook] if hook else []), proc.stdout
+    if not hook:
+        assert status["check-registered-tests"] == "Passed"
+    for words in expected:
+        assert words in proc.stdout, words
 
 
-def test_the_same_cuda_test_is_fine_among_kernel_tests(tmp_path, ci_register_source):
-    kernel_path = "test/registered/kernels/ops/kvcache/test_probe.py"
-    proc, status = gate_on(tmp_path, ci_register_source, {kernel_path: CUDA_UNIT_TEST})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert status["check-registered-tests"] == "Passed"
-
-
-def test_bare_pytest_main_fails(tmp_path, ci_register_source):
-    proc, status = gate_on(tmp_path, ci_register_source, {UNIT_PATH: BARE_PYTEST_MAIN})
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert [h for h, s in status.items() if s == "Failed"] == ["check-no-bare-pytest-main"]
-    line = BARE_PYTEST_MAIN.splitlines().index("    pytest.main([__file__])") + 1
-    assert f"{UNIT_PATH}:{line}: pytest.main(...) in an __main__ block" in proc.stdout
-
-
-def test_unregistered_test_and_dead_testcase_fail(tmp_path, ci_register_source):
-    unregistered = UNIT_TEST.replace('register_cpu_ci(est_time=10, suite="base-a-test-cpu")\n', "")
-    dead = UNIT_TEST.replace("    sys.exit(pytest.main([__file__]))", "    print(sys.argv)")
-    other = UNIT_PATH.replace("test_probe", "test_probe_dead")
-    proc, status = gate_on(tmp_path, ci_register_source, {UNIT_PATH: unregistered, other: dead})
-    assert proc.returncode == 1
-    assert status["check-registered-tests"] == "Failed"
-    assert f"{UNIT_PATH}: missing CI registry call" in proc.stdout
-    assert f"{other}: defines TestCase classes but its __main__ block" in proc.stdout
-
-
-def test_exported_series_passes_upstream_hooks_after_integration(tmp_path):
-    """MUST PASS AFTER INTEGRATION (issue 10). `make pr-check` on the real series:
-    the export as `git am` applies it, every hook on every changed file. It fails
-    while the product files still break upstream's hooks (see the gate's output)."""
+def test_real_export_justifies_every_edit_and_passes_upstream_hooks(tmp_path):
+    """`make pr` then `make pr-check` on the real series: every upstream file a
+    PR edits has its reason in docs/prs.toml (else the export warns), and every
+    hook passes on every changed file of the export as `git am` applies it."""
     project = tmp_path / "project"
     for name in ("scripts", "patches", "sglang_overlay", "docs", "requirements"):
-        if (REPO / name).exists():
-            shutil.copytree(
-                REPO / name, project / name, ignore=shutil.ignore_patterns("__pycache__")
-            )
+        ignore = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(REPO / name, project / name, ignore=ignore)
     shutil.copy2(REPO / "sglang.lock", project / "sglang.lock")
     (project / "build").mkdir()
     (project / "build" / "sglang").symlink_to(TREE)
@@ -241,5 +255,8 @@ def test_exported_series_passes_upstream_hooks_after_integration(tmp_path):
         cwd=project, capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert export.returncode == 0, export.stdout + export.stderr
+    prs = tomllib.loads((REPO / "docs" / "prs.toml").read_text())["pr"]
+    assert f"exported {len(prs)} PRs" in export.stdout
+    assert "warning" not in export.stdout + export.stderr, export.stdout
     proc = run_gate("--pr-dir", str(project / "dist" / "pr"), "--tree", str(TREE))
     assert proc.returncode == 0, proc.stdout[-20000:] + proc.stderr

@@ -1,9 +1,7 @@
-"""`python -m scripts.quality --mla-random` (scripts/quality/mla_random.py): a
-random-weight DeepSeek-V2 (transformers) whose MLA cache goes through SGLang's
-real MLA device pool, host pools and HiCacheController: the stock BF16 control
-is bit-identical to exact, INT8 moves the latent by about its quantization
-error and keeps RoPE bit for bit, and a restore that brings nothing back
-refuses to report."""
+"""`python -m scripts.quality --mla-random`: a random DeepSeek-V2 whose MLA cache
+goes through SGLang's real MLA pools and HiCacheController: the BF16 control is
+bit-identical, INT8 moves the latent by its quantization error and keeps RoPE
+bit for bit, and a restore that brings nothing back refuses to report."""
 
 from __future__ import annotations
 

@@ -1,25 +1,21 @@
-"""The upstream-style unit test that the exported PR carries passes against
-the patched tree (run through unittest, as SGLang's CPU CI would)."""
+"""The upstream-style unit tests the exported PRs carry pass against the patched
+tree (through unittest, as SGLang's CPU CI runs them)."""
 
 import importlib.util
 import unittest
 
 from scripts.rigs.standins import PATCHED_TREE
 
+UNIT, KERNELS = "unit/mem_cache", "kernels/ops/kvcache"
 UPSTREAM_TESTS = [
-    PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mha_int8_host_pool.py",
-    PATCHED_TREE.parent / "test/registered/kernels/ops/kvcache/test_kv_int8_triton.py",
-    PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_hicache_host_tier_stats.py",
-    PATCHED_TREE.parent
-    / "test/registered/unit/mem_cache/test_mha_int8_storage_pages.py",
-    PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mha_int4_host_pool.py",
-    PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mla_int8_host_pool.py",
-    PATCHED_TREE.parent
-    / "test/registered/kernels/ops/kvcache/test_kv_mla_int8_triton.py",
-    PATCHED_TREE.parent / "test/registered/kernels/ops/kvcache/test_kv_int4_triton.py",
-    PATCHED_TREE.parent / "test/registered/unit/mem_cache/test_mooncake_short_read.py",
-    PATCHED_TREE.parent
-    / "test/registered/unit/mem_cache/test_mooncake_multi_buffer_pages.py",
+    PATCHED_TREE.parent / "test" / "registered" / folder / f"test_{name}.py"
+    for folder, names in (
+        (UNIT, ("mha_int8_host_pool", "hicache_host_tier_stats")),
+        (UNIT, ("mha_int8_storage_pages", "mha_int4_host_pool", "mla_int8_host_pool")),
+        (UNIT, ("mooncake_short_read", "mooncake_multi_buffer_pages")),
+        (KERNELS, ("kv_int8_triton", "kv_mla_int8_triton", "kv_int4_triton")),
+    )
+    for name in names
 ]
 
 
@@ -29,6 +25,6 @@ def test_upstream_unit_tests_pass():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         suite = unittest.defaultTestLoader.loadTestsFromModule(module)
-        assert suite.countTestCases() > 0
+        assert suite.countTestCases() > 0, path
         result = unittest.TextTestRunner(verbosity=0).run(suite)
         assert result.wasSuccessful(), (result.failures, result.errors)

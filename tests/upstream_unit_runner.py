@@ -1,7 +1,6 @@
-"""Run upstream-style unit test files against one SGLang tree on CPU, with the
-stand-ins of scripts/rigs/standins.py (used by test_pr_bisect.py in a subprocess).
-`--import` names modules to import first (every module a PR touches), so a
-module that imports one a later PR ships fails here.
+"""Runs upstream-style unit test files against one SGLang tree on CPU with the
+stand-ins (test_pr_bisect.py, in a subprocess); `--import` modules first, so a
+module importing one a later PR ships fails here.
 
     HIQ_SGLANG_TREE=<tree> PYTHONPATH=<tree>/python \
         python -m tests.upstream_unit_runner [--import mod ...] [--] <test files...>

@@ -1,6 +1,6 @@
-"""The quality tests' inputs: WikiText-2 and the packaged SmolLM2 GGUF, and
-the few short windows the CPU tests score (the full-size run is `make
-quality`)."""
+"""The quality tests' inputs (WikiText-2, the packaged SmolLM2 GGUF), the short
+windows the CPU tests score (`make quality` is the full-size run) and tiny
+random models."""
 
 from __future__ import annotations
 
@@ -34,25 +34,37 @@ def require_inputs():
         pytest.skip("; ".join(missing))
 
 
-def tiny_gemma3(tokenizer, path: Path) -> hq.ModelBundle:
-    """A tiny random Gemma 3 (one 8-token sliding-window layer, one full), saved
-    to `path` with `tokenizer` and loaded as the harness loads a model."""
+def tiny_model(tokenizer, path: Path, kind: str = "gemma3") -> hq.ModelBundle:
+    """A tiny random model saved to `path` with `tokenizer`, loaded as the harness
+    loads one: Gemma 3 (one 8-token sliding-window layer, one full) or Llama
+    (GQA: 4 query heads, 2 KV heads)."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    import transformers as tf
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=256,
-    )
-    Gemma3ForCausalLM(config).save_pretrained(path)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128)
+    if kind == "gemma3":
+        config = tf.Gemma3TextConfig(
+            **shape,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=256,
+        )
+        model = tf.Gemma3ForCausalLM(config)
+    else:
+        config = tf.LlamaConfig(
+            **shape,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+        )
+        model = tf.LlamaForCausalLM(config)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return hq.load_model(str(path))
