@@ -127,8 +127,8 @@ test: venv apply
 # tests/conftest.py), the start-up refusals, one torch thread per worker unless
 # OMP_NUM_THREADS says otherwise. `make test` stays the CI command.
 FAST_TESTS ?= $(wildcard tests/test_kv_*_codec.py tests/test_mla_int8_codec.py \
-	tests/test_kv_*_triton.py tests/test_conformance.py \
-	tests/test_startup.py)
+	tests/test_host_codecs.py tests/test_kv_*_triton.py tests/test_host_kernels.py \
+	tests/test_conformance.py tests/test_startup.py)
 test-fast: venv apply
 	HIQ_FAST=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} PYTHONPATH=$(PATCHED_PATH) \
 		$(VPY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS) $(FAST_TESTS)

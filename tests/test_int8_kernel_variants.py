@@ -1,14 +1,7 @@
-"""No kernel compiles while serving (issue 9, item 3).
-
-Triton compiles one kernel per specialization key: constexpr values, options,
-the dtype of every argument, and for ints "== 1" / "divisible by 16", for
-pointers 16-byte alignment, unless the kernel opts out per argument. Without
-a GPU nothing compiles, so this test computes, for every launch the pool
-makes, the key Triton's compiled-mode launcher would compute (JITFunction's
-own binder, built with the options the pool's kernels were built with), and
-counts distinct keys. After the start-up self-check (the warm-up), transfers
-of varied sizes and index placements must not add any.
-"""
+"""No kernel compiles while serving: for every launch the pools make, the key
+Triton's compiled-mode launcher would compute (JITFunction's own binder, with
+the kernels' options) is recorded; after the start-up self-check, transfers of
+any size and index placement add none."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Extreme finite inputs never restore as Inf (issue 11, D1).
-
-FP16 KV holding +-65472 or +-65504 gets s = 516, and 127 * 516 = 65532 rounds
-past fp16's max: decode saturates at +-65504, inside the documented bound.
-BF16 KV cannot overflow on decode; values past the FP16 scale range are stored
-as non-finite rows (NaN, counted). Checked on the codec's reference and fast
-paths, the fused kernels (Triton interpreter) and the pool's torch and fused
-paths.
-"""
+"""Extreme finite inputs never restore as Inf: fp16 KV at +-65472/65504 gets
+s = 516 and 127 * 516 rounds past fp16's max, so decode saturates; bf16 past
+the fp16 scale range is stored non-finite (NaN, counted). On the codec, the
+fused kernels (interpreter) and the pool's torch and fused paths."""
 
 from __future__ import annotations
 

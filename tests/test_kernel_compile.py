@@ -1,18 +1,12 @@
-"""The INT8 host pools' Triton kernels (MHA and MLA) compile for every NVIDIA
-target we ship for (sm_80, sm_86, sm_89, sm_90), without a GPU: sm_86 in
-make test, all four with HIQ_KERNEL_ARCHS=all (kernel_compile.ARCHS).
-
-Every specialisation the pool can launch over the test grid is compiled
-through the pool's real launch sites with the pinned Triton and its bundled
-ptxas (scripts/kernel_compile.py, in worker processes that build the kernels in
-compiled mode), then checked: no compile error, no register
-spill, and the PTX keeps the IEEE arithmetic kv_int8_codec's bit-exactness
-argument relies on. The last tests break a kernel on purpose and show each
-kind of breakage fails the check.
-"""
+"""The host pools' Triton kernels compile for every NVIDIA target we ship for
+(sm_80/86/89/90; sm_86 in make test, all with HIQ_KERNEL_ARCHS=all) without a
+GPU, through the pools' real launch sites and the pinned ptxas
+(scripts/kernel_compile.py): no compile error, no spill, the IEEE arithmetic
+the codecs' bit-exactness relies on; kernels broken on purpose fail the check."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -37,18 +31,10 @@ from scripts.kernel_compile import (
 from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+from sglang.kernels.ops.kvcache import kv_int8c_triton as k8c
 
 REPO = Path(__file__).resolve().parents[1]
 JOBS = max(1, os.cpu_count() or 1)
-# The grid each compile test reads; the fixture compiles those selected at once.
-TEST_GRIDS = {
-    "test_every_pool_kernel_compiles_cleanly": "int8",
-    "test_every_mla_kernel_compiles_cleanly": "mla",
-    "test_every_int4_kernel_compiles_cleanly": "int4",
-    "test_every_fp8_int4_kernel_compiles_cleanly": "int4-fp8",
-    "test_every_rotated_int4_kernel_compiles_cleanly": "int4-rot",
-    "test_every_int8c_kernel_compiles_cleanly": "int8c",
-}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +47,11 @@ def compiled(request, tmp_path_factory):
     def compile_once(grid: str) -> dict:
         if grid not in runs:
             selected = {
-                TEST_GRIDS.get(item.originalname) for item in request.session.items
+                item.callspec.params["grid"]
+                for item in request.session.items
+                if item.originalname == "test_every_kernel_compiles_cleanly"
             }
-            grids = sorted((selected - {None} - set(runs)) | {grid})
+            grids = sorted((selected - set(runs)) | {grid})
             start = time.perf_counter()
             out = tmp_path_factory.mktemp("kernel-compile")
             runs.update(compile_grids_in_workers(grids, ARCHS, out, JOBS))
@@ -102,123 +90,82 @@ def arg_types(spec: dict) -> set[str]:
     return types
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_pool_kernel_compiles_cleanly(compiled, arch):
-    specs = clean_specs(compiled, "int8", arch)
-    # The grid reached both kernels for both device dtypes, every unit size
-    # (page_size 1/16/64 and layer_first's 1) and the i64-stride pool.
-    kinds = {
-        ("encode" in s["name"], s["constexprs"].get("IS_BF16"))
-        for s in specs
-        if "encode" in s["name"] or "decode" in s["name"]
-    }
-    assert kinds == {(e, b) for e in (True, False) for b in (True, False)}
-    assert {s["constexprs"].get("UT") for s in specs} >= {1, 16, 64}
-    assert any("i64" in arg_types(s) for s in specs if "encode" in s["name"])
+def kinds(specs: list[dict], *constexprs: str) -> set[tuple]:
+    """(is encode, the constexprs' values, tuples flattened) per specialisation."""
+    out = set()
+    for s in specs:
+        values = [s["constexprs"].get(c) for c in constexprs]
+        flat = [x for v in values for x in (v if isinstance(v, (list, tuple)) else [v])]
+        out.add(("encode" in s["name"], *flat))
+    return out
+
+
+def every(*axes) -> set[tuple]:
+    return set(itertools.product((True, False), *axes))
+
+
+BOTH = (True, False)
+INT4_MODES = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
+PER_TOKEN, PER_CHANNEL = k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL
+ROTATIONS = [
+    (PER_CHANNEL, 128, 128),
+    (PER_TOKEN, 128, 128),
+    (k4.KEYS_INT8, 0, 128),
+    (PER_CHANNEL, 32, 16),
+    (PER_TOKEN, 32, 16),
+]
+# grid: (constexprs, the (is encode, *values) the grid must reach, the unit
+# sizes it must reach, exactly or at least). INT8/MLA: both device dtypes,
+# page sizes 1/16/64; INT4/K8V4: every key grouping (INT8 keys, per token, per
+# channel) on bf16/fp16, both FP8 dtypes, the rotated blocks (ROT_B); int8c:
+# both key modes.
+COMPILE_GRIDS = {
+    "int8": (("IS_BF16",), every(BOTH), {1, 16, 64}, "at least"),
+    "mla": (("IS_BF16",), every(BOTH), {1, 16, 64}, "at least"),
+    "int4": (("IS_BF16", "KEY_MODE"), every(BOTH, INT4_MODES), {1, 4, 16, 64}, ""),
+    "int4-fp8": (
+        ("FP8", "KEY_MODE"),
+        every((hk.FP8_E4M3, hk.FP8_E5M2), INT4_MODES),
+        {1, 4, 16, 64},
+        "",
+    ),
+    "int4-rot": (
+        ("KEY_MODE", "ROT_B"),
+        {(e, *rot) for e in BOTH for rot in ROTATIONS},
+        {1, 4, 16, 64},
+        "",
+    ),
+    "int8c": (
+        ("KEY_MODE", "IS_BF16"),
+        every((k8c.KEYS_PER_TOKEN, k8c.KEYS_PER_CHANNEL), BOTH),
+        {1, 4, 16, 64, 128},
+        "",
+    ),
+}
+IDS = {"int4-fp8": "fp8-int4", "int4-rot": "rotated-int4"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_every_mla_kernel_compiles_cleanly(compiled, arch):
-    """kv_mla_int8_triton over the MLA grid (scripts/kernel_compile.py
-    mla_grid): the same checks as the MHA kernels, which it shares the
-    arithmetic with."""
-    specs = clean_specs(compiled, "mla", arch)
-    assert {s["name"] for s in specs} == {
-        "_mla_encode_kernel",
-        "_mla_decode_kernel",
-    }
-    kinds = {("encode" in s["name"], s["constexprs"].get("IS_BF16")) for s in specs}
-    assert kinds == {(e, b) for e in (True, False) for b in (True, False)}
-    assert {s["constexprs"].get("UT") for s in specs} >= {1, 16, 64}
-    assert {s["constexprs"].get("NT") for s in specs} == {2, 4}
-    assert any("i64" in arg_types(s) for s in specs if "encode" in s["name"])
-
-
-def assert_int4_grid_clean(specs: list[dict], dtype_constexpr: str, values) -> None:
-    """Both kv_int4_triton kernels for every device dtype (values of
-    dtype_constexpr), key grouping (INT8 keys, per-token, per-channel) and
-    unit size."""
-    kinds = {
-        (
-            "encode" in s["name"],
-            s["constexprs"][dtype_constexpr],
-            s["constexprs"]["KEY_MODE"],
-        )
-        for s in specs
-    }
-    modes = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
-    assert kinds == {(e, v, m) for e in (True, False) for v in values for m in modes}
-    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_int4_kernel_compiles_cleanly(compiled, arch):
-    """The INT4 / K8V4 kernels (kv_int4_triton) over their grid: no spill,
-    the IEEE arithmetic the format's bit-exactness rests on."""
-    assert_int4_grid_clean(
-        clean_specs(compiled, "int4", arch), "IS_BF16", (True, False)
-    )
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_fp8_int4_kernel_compiles_cleanly(compiled, arch):
-    """The INT4 / K8V4 kernels on FP8 device KV (kernel_compile.int4_fp8_grid):
-    no spill, the IEEE arithmetic, NaN tests kept and no hardware FP8
-    conversion, for both FP8 dtypes and every key grouping."""
-    specs = clean_specs(compiled, "int4-fp8", arch)
-    assert_int4_grid_clean(specs, "FP8", (hk.FP8_E4M3, hk.FP8_E5M2))
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_rotated_int4_kernel_compiles_cleanly(compiled, arch):
-    """The rotated variants (ROT_B = (K, V) blocks > 0: the butterfly inside the
-    INT4 / K8V4 tiles) over kernel_compile.int4_rotated_grid: the same
-    checks, for every key grouping, block size and unit size."""
-    specs = clean_specs(compiled, "int4-rot", arch)
-    kinds = {
-        (
-            "encode" in s["name"],
-            s["constexprs"]["KEY_MODE"],
-            *s["constexprs"]["ROT_B"],
-        )
-        for s in specs
-    }
-    per_token, per_channel = k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL
-    assert kinds == {
-        (e, *rot)
-        for e in (True, False)
-        for rot in (
-            (per_channel, 128, 128),
-            (per_token, 128, 128),
-            (k4.KEYS_INT8, 0, 128),
-            (per_channel, 32, 16),
-            (per_token, 32, 16),
-        )
-    }
-    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64}
-    assert {s["constexprs"]["IS_BF16"] for s in specs} == {True, False}
-
-
-@pytest.mark.parametrize("arch", ARCHS)
-def test_every_int8c_kernel_compiles_cleanly(compiled, arch):
-    """int8c's kernels (kv_int8c_triton: INT8 rows and kv_int4_triton's channel
-    groups at 8 bits) over kernel_compile.int8c_grid: no spill, the IEEE
-    arithmetic, both key modes, both device dtypes, every unit size."""
-    from sglang.kernels.ops.kvcache import kv_int8c_triton as k8c
-
-    specs = clean_specs(compiled, "int8c", arch)
-    kinds = {
-        (
-            "encode" in s["name"],
-            s["constexprs"]["KEY_MODE"],
-            s["constexprs"]["IS_BF16"],
-        )
-        for s in specs
-    }
-    modes = (k8c.KEYS_PER_TOKEN, k8c.KEYS_PER_CHANNEL)
-    both = (True, False)
-    assert kinds == {(e, m, b) for e in both for m in modes for b in both}
-    assert {s["constexprs"]["UT"] for s in specs} == {1, 4, 16, 64, 128}
+@pytest.mark.parametrize("grid", COMPILE_GRIDS, ids=lambda g: IDS.get(g, g))
+def test_every_kernel_compiles_cleanly(compiled, grid, arch):
+    """Every specialisation of the grid (scripts/kernel_compile.py): no compile
+    error, no spill, the IEEE arithmetic the bit-exactness rests on."""
+    specs = clean_specs(compiled, grid, arch)
+    constexprs, want, units, how = COMPILE_GRIDS[grid]
+    with_kinds = [s for s in specs if "encode" in s["name"] or "decode" in s["name"]]
+    assert kinds(with_kinds, *constexprs) == want
+    got_units = {s["constexprs"].get("UT") for s in specs}
+    assert got_units >= units if how else got_units == units
+    if grid in ("int8", "mla"):  # the i64-stride pool
+        assert any("i64" in arg_types(s) for s in specs if "encode" in s["name"])
+    if grid == "mla":
+        assert {s["name"] for s in specs} == {
+            "_mla_encode_kernel",
+            "_mla_decode_kernel",
+        }
+        assert {s["constexprs"].get("NT") for s in specs} == {2, 4}
+    if grid == "int4-rot":
+        assert {s["constexprs"]["IS_BF16"] for s in specs} == {True, False}
 
 
 # --- the check fails on broken kernels ---------------------------------------

@@ -1,21 +1,16 @@
-"""Fused INT4 / K8V4 host-format kernels (kernels/ops/kvcache/kv_int4_triton.py)
-under the Triton interpreter (TRITON_INTERPRET=1), against the format
-module's reference (kv_int4_codec, via tests/support/int4_reference.py): every
-record byte and every restored bit (NaN: position, and the canonical NaN
-the kernels write), bf16 and fp16, page-major units of 1/4/16/64 tokens
-and layer_first-shaped views, shuffled and fragmented indices, NaN/Inf/huge/
-zero groups, out-of-range host indices (counted, not written), int32 and
-int64 indices, and the statistics (non-finite groups, amax per layer/side).
-FP8 device KV (E4M3FN, E5M2: float8 views of uint8 storage, as SGLang keeps
-it): the same round trips restoring the reference's FP8 bytes, and the
-fp32 -> FP8 rounding of every fp16 value as a decode's m or INT8 scale,
-against the torch path and an independent rounding over FP8's grid.
-"""
+"""Fused INT4 / K8V4 kernels (kv_int4_triton) and the rotated int4r / k8v4r's
+butterfly (kv_hadamard_triton) under the Triton interpreter: FP8 restores of
+every fp16 value, chosen rows (ties, exact grids, special metadata), host
+indices outside the records, malformed runs, bad arguments, and the spec's
+reading == the codec's reference == its fast path. Round trips of every
+format: tests/test_host_kernels.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from tests.support.int4_reference import (
     FP16_NAN_BITS,
     K_CHANNEL_MIN_TOKENS,
@@ -30,15 +25,18 @@ from tests.support.int4_reference import (
 from tests.support.codec_inputs import DTYPES, assert_same_bits
 from tests.support.fp8_reference import (
     FP8,
-    FP8_NAN_BYTE,
+    assert_canonical_nan,
+    assert_restored,
     fp8_id,
     nearest_even_fp8,
-    random_finite_fp8,
 )
 
+from sglang.kernels.ops.kvcache import kv_hadamard_triton as hr
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
 from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
+from sglang.srt.mem_cache.pool_host import kv_hadamard
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
+from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
 NAN, INF = float("nan"), float("inf")
 pytestmark = [
@@ -47,233 +45,14 @@ pytestmark = [
 ]
 
 
-def fill_rows(x: torch.Tensor, seed: int, special_rows: torch.Tensor | None):
-    """Random rows over magnitudes; NaN/Inf/huge/zero/-0/constant/tiny groups
-    in the special rows (8 device slots) if given."""
-    g = torch.Generator().manual_seed(seed)
-    n, H, D = x.shape
-    mags = 2.0 ** torch.randint(-12, 8, (n, H, 1), generator=g).double()
-    vals = torch.randn(n, H, D, generator=g, dtype=torch.float64) * mags
-    vals[:, :, 3] *= 20  # an outlier channel, as keys have
-    x.copy_(vals.to(x.dtype))
-    if special_rows is None:
-        return
-    r = special_rows.tolist()
-    x[r[1], 0, 5] = NAN
-    x[r[2], H - 1, D - 1] = INF
-    x[r[3], 0, 0] = -INF
-    x[r[4], 0] = 0.0
-    x[r[5], 0] = -0.0
-    x[r[6], 0] = 1.5  # constant group: m rounds to the value, s to the floor
-    x[r[7], 0, : D // 2] = 7e4 if x.dtype == torch.bfloat16 else 6.5e4  # huge
-    x[r[0], H - 1] = 2.0**-20  # tiny: fp16 subnormal m and s
-
-
-def assert_canonical_nan(t: torch.Tensor) -> None:
-    """NaN groups restore as one NaN pattern per dtype (fp16 0x7E00, bf16
-    0x7FC0, FP8 0x7F): torch's own arithmetic leaves the payload to the CPU's
-    vector unit, the kernels do not."""
-    if t.dtype in FP8:
-        nan = torch.isnan(t.float())
-        assert (t.view(torch.uint8)[nan] == FP8_NAN_BYTE).all()
-        return
-    canonical = 0x7E00 if t.dtype == torch.float16 else 0x7FC0
-    assert (raw(t)[torch.isnan(t)] == canonical).all()
-
-
-def device_layer(size, H, D, dtype, seed, special_rows):
-    """A device layer of fill_rows' rows; FP8 as SGLang holds it (its values
-    rounded to FP8, NaN/Inf kept), every other row uniformly random finite
-    FP8 bytes."""
-    if dtype not in FP8:
-        x = torch.empty(size, H, D, dtype=dtype)
-        fill_rows(x, seed, special_rows)
-        return x
-    x = torch.empty(size, H, D)
-    fill_rows(x, seed, special_rows)
-    x = x.to(dtype)
-    keep = torch.ones(size, dtype=torch.bool)
-    if special_rows is not None:
-        keep[special_rows] = False
-    odd = keep & (torch.arange(size) % 2 == 1)
-    gen = torch.Generator().manual_seed(seed)
-    x.view(torch.uint8)[odd] = random_finite_fp8(
-        (int(odd.sum()), H, D), dtype, gen
-    ).view(torch.uint8)
-    return x
-
-
-def sentinel_layer(size, H, D, dtype) -> torch.Tensor:
-    """A device layer of 7.0 (the restore must leave other slots alone)."""
-    return torch.full((size, H, D), 7.0).to(dtype)
-
-
-def assert_restored(got: torch.Tensor, want: torch.Tensor) -> None:
-    """assert_same_bits, FP8 included: the same NaN positions (a NaN's sign
-    is the CPU's business on the torch path), the same bytes elsewhere."""
-    if got.dtype not in FP8:
-        assert_same_bits(got, want)
-        return
-    assert want.dtype == got.dtype and want.shape == got.shape
-    nan = torch.isnan(got.float())
-    assert torch.equal(nan, torch.isnan(want.float()))
-    assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])
-
-
-# --- kernel round trips ----------------------------------------------------------
-
-
-@pytest.fixture
-def big_tiles(monkeypatch):
-    """Fewer, larger programs (the interpreter's cost is per program)."""
-    monkeypatch.setattr(k4, "ENCODE_TILE", 16384)
-    monkeypatch.setattr(k4, "DECODE_TILE", 16384)
-
-
-def run_case(
-    fmt, *, ut, H=2, dk=64, dv=64, layers=2, n_units=3, dtype=torch.bfloat16,
-    layer_first=False, index_dtype=torch.int64, specials=True, token_shuffle=False,
-    tile=None, seed=0,
-):  # fmt: skip
-    """Backup n_units units of shuffled device rows into fragmented host units
-    with one encode_gather, compare with the reference; then restore each layer
-    into shuffled device slots with decode_scatter and compare."""
-    g = torch.Generator().manual_seed(seed)
-    size = 2 * n_units * ut + 8
-    n = n_units * ut
-    dev = torch.randperm(size, generator=g)[:n]
-    widths = [dk] * layers + [dv] * layers
-    rows = [
-        device_layer(
-            size, H, d, dtype, seed * 31 + i,
-            dev[(torch.arange(8) * 7 + i) % n] if specials else None,
-        )
-        for i, d in enumerate(widths)
-    ]  # fmt: skip
-    k_layers, v_layers = rows[:layers], rows[layers:]
-    host_units = 2 * n_units + 1
-    units = torch.randperm(host_units, generator=g)[:n_units]  # gaps, jumps
-    host_idx = (units[:, None] * ut + torch.arange(ut)).flatten()
-    if token_shuffle:  # per-token formats take any token order
-        perm = torch.randperm(n, generator=g)
-        host_idx = host_idx[perm]
-    host = Host(fmt, host_units, layers, ut, H, dk, dv, layer_first)
-    want = host.clone()
-    counter = torch.zeros((), dtype=torch.int64)
-    bad_idx = torch.zeros((), dtype=torch.int64)
-    amax = torch.zeros(layers, 2)
-    k4.encode_gather(
-        (k4.DeviceLayerTable(k_layers), k4.DeviceLayerTable(v_layers)),
-        dev.to(index_dtype), host.all_layers(), host_idx.to(index_dtype),
-        counters=KVCounters(counter, amax, bad_idx), tile=tile,
-    )  # fmt: skip
-
-    # Expected: the reference per unit of the transfer's rows.
-    order = torch.argsort(host_idx)  # tokens sorted by host slot
-    dev_sorted = dev[order]
-    slots = host_idx[order].view(n_units, ut)
-    sorted_units = slots[:, 0] // ut
-    want_bad, want_amax = want.fill_reference(
-        k_layers, v_layers, dev_sorted, sorted_units
-    )
-    assert_same_records(host, want)
-    assert int(counter) == want_bad
-    assert int(bad_idx) == 0
-    assert torch.equal(amax, want_amax)
-    if specials:
-        assert want_bad > 0
-
-    # Restore every layer into other slots, shuffled; untouched slots keep 7.
-    # FP8 records restore to that FP8 dtype, as the pools restore them.
-    for out_dtype in (dtype,) if dtype in FP8 else DTYPES:
-        new_dev = torch.randperm(size, generator=g)[:n]
-        for layer in range(layers):
-            k_dst = sentinel_layer(size, H, dk, out_dtype)
-            v_dst = sentinel_layer(size, H, dv, out_dtype)
-            k4.decode_scatter(
-                host.layer(layer), host_idx.to(index_dtype), (k_dst, v_dst),
-                new_dev.to(index_dtype), bad_index_counter=bad_idx, tile=tile,
-            )  # fmt: skip
-            layer_records = {
-                name: rec[sorted_units] for name, rec in host.layer(layer).items()
-            }
-            k_ref, v_ref = reference_decode(fmt, layer_records, out_dtype)
-            rows = new_dev[order]
-            assert_restored(k_dst[rows], k_ref.reshape(n, H, dk))
-            assert_restored(v_dst[rows], v_ref.reshape(n, H, dv))
-            if fmt == "int4":
-                assert_canonical_nan(k_dst)
-            assert_canonical_nan(v_dst)
-            untouched = torch.ones(size, dtype=torch.bool)
-            untouched[new_dev] = False
-            for dst in (k_dst, v_dst):
-                assert (dst[untouched].float() == 7.0).all()
-    assert int(bad_idx) == 0
-    return host
-
-
 FORMATS = ("int4", "k8v4")
 
 
-@pytest.mark.usefixtures("big_tiles")
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("ut", (1, 16, 64))
-def test_round_trip_page_sizes(fmt, ut, dtype):
-    run_case(fmt, ut=ut, dtype=dtype, n_units=3 if ut > 1 else 24, seed=ut)
+def sentinel_layer(size, H, D, dtype) -> torch.Tensor:
+    return torch.full((size, H, D), 7.0).to(dtype)
 
 
-@pytest.mark.usefixtures("big_tiles")
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))
-def test_layer_first_views_and_index_dtypes(fmt, index_dtype):
-    run_case(
-        fmt, ut=1, layer_first=True, n_units=16, index_dtype=index_dtype,
-        dtype=torch.float16, seed=5,
-    )  # fmt: skip
-
-
-@pytest.mark.usefixtures("big_tiles")
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_per_token_keys_any_token_order(fmt):
-    """Below 16 tokens per unit keys are per token: host slots in any order."""
-    run_case(fmt, ut=4, n_units=4, token_shuffle=True, seed=2)
-
-
-@pytest.mark.parametrize(
-    "dk,dv,H", [(128, 128, 1), (96, 96, 3), (80, 48, 2), (192, 128, 1)]
-)
-def test_head_dims_and_groups(dk, dv, H):
-    """Groups of 64, 32 and whole heads (80, 48: not a multiple of 32), head
-    dims that aren't powers of two, per-channel keys split into channel
-    blocks by a small tile."""
-    run_case("int4", ut=16, H=H, dk=dk, dv=dv, n_units=2, layers=1, tile=512, seed=dk)
-    run_case("int4", ut=2, H=H, dk=dk, dv=dv, n_units=3, layers=1, seed=dv)
-
-
-def test_small_tiles_split_rows():
-    """Small tiles: many programs, rows and channel blocks split differently."""
-    run_case("int4", ut=16, n_units=2, layers=1, tile=256, seed=9)
-    run_case("k8v4", ut=4, n_units=3, layers=1, tile=128, seed=9)
-
-
-# --- FP8 device KV ---------------------------------------------------------------
-
-
-@pytest.mark.usefixtures("big_tiles")
-@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize(
-    "ut,layer_first", [(1, True), (4, False), (16, False), (64, False)]
-)
-def test_fp8_round_trip(fmt, ut, layer_first, fp8):
-    """FP8 rows (every finite byte, NaN, E5M2's Inf, values rounded to FP8)
-    encode to the reference's records and restore to its FP8 bytes, every
-    key grouping and unit size, page-major and layer_first views."""
-    run_case(
-        fmt, ut=ut, dtype=fp8, layer_first=layer_first,
-        n_units=16 if ut == 1 else 3, seed=ut + 100 * layer_first,
-    )  # fmt: skip
+# --- FP8 restores; kernel round trips of every format: test_host_kernels.py ----
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
@@ -577,12 +356,15 @@ def test_spec_reading_codec_reference_and_fast_path_agree(dtype):
         x.view(-1, 64)[len(z) + 1, 0] = -INF
         k = x[: 2 * ut].reshape(2, ut, 2, 64)
         v = x[2 * ut :].reshape(2, ut, 2, 64)
-        want, _, _ = reference_records(fmt, k, v)
+        want, bad, stats = reference_records(fmt, k, v)
         mine, _, _ = spec_records(fmt, k, v)
         fast = {n: torch.empty_like(t) for n, t in want.items()}
-        (codec.int4_encode_into if fmt == "int4" else codec.k8v4_encode_into)(
-            k, v, fast
+        encode_into = (
+            codec.int4_encode_into if fmt == "int4" else codec.k8v4_encode_into
         )
+        amax, nonfinite = encode_into(k, v, fast)
+        # The spec's statistics (the kernel tests' expectation) are the fast path's.
+        assert int(nonfinite) == bad > 0 and amax.tolist() == stats
         for name in want:
             assert torch.equal(raw(mine[name]), raw(want[name])), (fmt, ut, name)
             assert torch.equal(raw(fast[name]), raw(want[name])), (fmt, ut, name)
@@ -604,3 +386,69 @@ def test_zero_minimum_stores_plus_zero(dtype):
         got = check_rows("int4", x.contiguous(), x.contiguous(), ut)
         m = raw(got["v_meta"])[..., 1].flatten()[: len(z)]
         assert (m == 0).all()
+
+
+# --- the butterfly alone, in fp32 ---------------------------------------------
+
+
+@triton.jit
+def _rotate_rows(x_ptr, sign_ptr, y_ptr, R: tl.constexpr, D: tl.constexpr,
+                 D_PAD: tl.constexpr, B: tl.constexpr, DECODE: tl.constexpr):  # fmt: skip
+    r = tl.arange(0, R)[:, None]
+    c = tl.arange(0, D_PAD)[None, :]
+    mask = (c < D) & (r >= 0)
+    x = tl.load(x_ptr + r * D + c, mask=mask, other=0.0)
+    signs = tl.load(sign_ptr + c, mask=c < D, other=0.0)
+    if DECODE:
+        y = hr.unrotate(x, signs, B)
+    else:
+        y = hr.rotate(x, signs, B)
+    tl.store(y_ptr + r * D + c, y, mask=mask)
+
+
+@pytest.mark.parametrize("dim", (16, 64, 128, 256, 96, 80), ids=lambda d: f"d{d}")
+def test_butterfly_is_the_reference_bit_for_bit(dim):
+    """kv_hadamard_triton.rotate/unrotate on fp32 rows whose channels mix
+    magnitudes 2**-30..2**30 (so the sums round and the stage order shows),
+    with -0, NaN and Inf: the bits of kv_hadamard's reference."""
+    g = torch.Generator().manual_seed(dim)
+    rows = 8
+    mags = 2.0 ** torch.randint(-30, 30, (rows, dim), generator=g).float()
+    x = torch.randn(rows, dim, generator=g) * mags
+    x[1] = -0.0
+    x[2, dim // 2] = NAN
+    x[3, 1] = INF
+    x[4] = x[4].round()  # exact sums: ties and zeros of both signs
+    block = kv_hadamard.rotation_block(dim)
+    signs = kv_hadamard.rotation_signs(dim)
+    for decode, reference in (
+        (False, kv_hadamard.rotate_reference),
+        (True, kv_hadamard.unrotate_reference),
+    ):
+        y = torch.full_like(x, 7.0)
+        _rotate_rows[(1,)](x, signs, y, rows, dim, k4.hk.pow2(dim), block, decode)
+        want = reference(x, block)
+        assert torch.equal(torch.isnan(y), torch.isnan(want))
+        assert torch.equal(
+            y.nan_to_num(0).view(torch.int32), want.nan_to_num(0).view(torch.int32)
+        ), "decode" if decode else "encode"
+
+
+def test_rotation_arguments_checked():
+    fmt = host_format_cls("int4r", "mha")((64, 64), 1, 16, torch.bfloat16)
+    host = Host("int4", 2, 1, 16, 1, 64, 64)
+    rows = [torch.zeros(16, 1, 64, dtype=torch.bfloat16)]
+    tables = (k4.DeviceLayerTable(rows), k4.DeviceLayerTable(rows))
+    idx = torch.arange(16)
+    signs = kv_hadamard.rotation_signs(64)
+    with pytest.raises(ValueError, match="rotation block 48"):
+        k4.encode_gather(tables, idx, host.all_layers(), idx,
+                         rotation_blocks=(48, 0), rotation_signs=signs)  # fmt: skip
+    with pytest.raises(ValueError, match="rotation_signs must be"):
+        k4.decode_scatter(host.layer(0), idx, (rows[0], rows[0]), idx,
+                          rotation_blocks=(64, 64), rotation_signs=signs[:32])  # fmt: skip
+    k8 = Host("k8v4", 2, 1, 16, 1, 64, 64)
+    with pytest.raises(ValueError, match="INT8 keys"):
+        k4.encode_gather(tables, idx, k8.all_layers(), idx,
+                         rotation_blocks=(64, 64), rotation_signs=signs)  # fmt: skip
+    assert fmt.fused_available(torch.device("cpu"))

@@ -1,13 +1,7 @@
-"""Fused INT8 host-pool kernels (kernels/ops/kvcache/kv_int8_triton.py) under the Triton
-interpreter (TRITON_INTERPRET=1), against the reference torch codec and the
-pool's torch path: same int8 and fp16 bytes on encode, same output values on
-decode (NaN rows: NaN), for every layout, page size and geometry the pool
-supports, fragmented host units, shuffled device indices and non-finite rows.
-
-The same kernels are compiled for CUDA on a GPU (tests/gpu/); the interpreter
-runs them with numpy semantics, which are IEEE for every operation the kernels
-use (see the kernel module's docstring).
-"""
+"""Fused INT8 kernels (kv_int8_triton) under the Triton interpreter against the
+reference codec and the pool's torch path: same bytes on encode, same values on
+decode, every layout, page size and geometry, fragmented units, shuffled
+indices, non-finite rows; and how the pool picks its transfer path."""
 
 from __future__ import annotations
 
@@ -24,7 +18,6 @@ from scripts.rigs.hicache_harness import (
 )
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
-from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 from sglang.srt.mem_cache.pool_host import encoded, encoded_fused
 from tests.support.codec_inputs import (
     DTYPES,
@@ -38,6 +31,7 @@ from tests.support.conformance import (
     LAYOUTS,
     heads_geometry,
 )
+from tests.support.kernel_cases import run_case
 from tests.support.int8_pool_checks import (
     INTERPRETED_KERNELS,
     MHATokenToKVPoolINT8Host,
@@ -49,26 +43,6 @@ NAN, INF = float("nan"), float("inf")
 
 
 # --- kernel level ------------------------------------------------------------
-
-
-def fused_encode(x: torch.Tensor, tile: int | None = None):
-    """Encode rows x [n, H, D] (one device layer) with the kernel; returns
-    (q [n, H, D], scale [n, H], rows counted non-finite). K and V both read x,
-    into different output planes, and must agree."""
-    n, H, D = x.shape
-    table = kt.DeviceLayerTable([x])
-    q = torch.full((n, 1, 1, H, D), 99, dtype=torch.int8)
-    qv = torch.full((n, 1, 1, H, D), 98, dtype=torch.int8)
-    scale = torch.full((n, 1, 1, 2, H), -1.0, dtype=torch.float16)
-    counter = torch.zeros((), dtype=torch.int64)
-    idx = torch.arange(n)
-    kt.encode_gather(
-        table, table, idx, q, qv, scale, idx, unit_tokens=1,
-        counters=KVCounters(nonfinite=counter), tile=tile,
-    )  # fmt: skip
-    assert torch.equal(q, qv)
-    assert_same_bits(scale[..., 0, :], scale[..., 1, :])
-    return q.view(n, H, D), scale[:, 0, 0, 0], int(counter) // 2
 
 
 def fused_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
@@ -92,18 +66,13 @@ def fused_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
 
 
 def check_rows(x: torch.Tensor, tile: int | None = None) -> None:
-    """x [n, H, D] bf16/fp16: kernel encode == reference bytes, kernel decode
-    == reference values, non-finite rows counted."""
-    q_ref, s_ref = codec.quantize_reference(x)
-    q, s, bad = fused_encode(x, tile)
-    assert_same_bits(q, q_ref)
-    assert torch.equal(s.view(torch.int16), s_ref.view(torch.int16))  # NaN bits too
-    assert bad == int(codec.count_nonfinite_rows(s_ref))
-    for out_dtype in DTYPES:
-        assert_same_bits(
-            fused_decode(q_ref, s_ref, out_dtype),
-            codec.dequantize_reference(q_ref, s_ref, out_dtype),
-        )
+    """x [n, H, D] as one layer of K and V rows (units of one token) through
+    both kernels: the reference's bytes, values and non-finite count."""
+    n, H, d = x.shape
+    run_case(
+        "int8", ut=1, H=H, dims=(d, d), n_units=n, dtype=x.dtype, rows=[x, x],
+        tile=tile,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -159,9 +128,9 @@ def test_exact_grid_and_fp16_output_overflow():
         )
         k[:, 0] = 127
         x = (k.double() * s).to(dtype)
-        q, scale, _ = fused_encode(x[:, None])
-        assert torch.equal(q[:, 0], k.to(torch.int8))
-        assert (scale.double() == s).all()
+        q, scale = codec.quantize_reference(x)
+        assert torch.equal(q, k.to(torch.int8)) and (scale.double() == s).all()
+        check_rows(x[:, None])
     # fp16 values near 65504: q * s passes fp16's max; saturated, as the reference.
     x = torch.tensor([[65504.0] + [1.0] * 63], dtype=torch.float16)
     check_rows(x[:, None])
@@ -183,43 +152,6 @@ def test_decode_special_scales():
             fused_decode(q, scale, out_dtype),
             codec.dequantize_reference(q, scale, out_dtype),
         )
-
-
-def test_encode_gathers_layers_and_strided_records():
-    """All layers in one launch from separately allocated device tensors, into
-    a 5-D strided record view (layer_first = transposed), fragmented units."""
-    L, size, H, D, DV, UT = 3, 40, 2, 64, 32, 4
-    g = torch.Generator().manual_seed(5)
-    k_layers = [(torch.randn(size, H, D, generator=g) * 4).bfloat16() for _ in range(L)]
-    v_layers = [torch.randn(size, H, DV, generator=g).bfloat16() for _ in range(L)]
-    v_layers[2][7, 1, 0] = INF
-    dev = torch.tensor([7, 3, 38, 0, 12, 11, 10, 9])
-    host = torch.tensor([20, 21, 22, 23, 4, 5, 6, 7])  # units 5 then 1
-    k_host = torch.full((L, 8, UT, H, D), 55, dtype=torch.int8)  # layer-major
-    v_host = torch.full((8, L, UT, H, DV), 55, dtype=torch.int8)
-    s_host = torch.full((8, L, UT, 2, H), 3.0, dtype=torch.float16)
-    counter = torch.zeros((), dtype=torch.int64)
-    kt.encode_gather(
-        kt.DeviceLayerTable(k_layers), kt.DeviceLayerTable(v_layers), dev,
-        k_host.transpose(0, 1), v_host, s_host, host, unit_tokens=UT,
-        counters=KVCounters(nonfinite=counter),
-    )  # fmt: skip
-    assert int(counter) == 1
-    unit, within = host // UT, host % UT
-    for layer in range(L):
-        for kv, (rows, out) in enumerate(
-            (
-                (k_layers[layer][dev], k_host[layer]),
-                (v_layers[layer][dev], v_host[:, layer]),
-            )
-        ):
-            q, s = codec.quantize_reference(rows)
-            assert torch.equal(out[unit, within], q)
-            assert_same_bits(s_host[unit, layer, within, kv], s)
-    touched = torch.zeros(8, dtype=torch.bool)
-    touched[unit] = True
-    assert (k_host[:, ~touched] == 55).all() and (v_host[~touched] == 55).all()
-    assert (s_host[~touched] == 3.0).all()
 
 
 # --- pool level: fused path == torch path ------------------------------------
@@ -346,22 +278,6 @@ def test_one_launch_per_backup_and_per_layer(monkeypatch):
     geo = Geometry(layer_num=4, head_num=2, head_dim=16, page_size=2)
     pool_round_trip(geo, "page_first", "direct", n_pages=7)
     assert calls == {"encode": 1, "decode": geo.layer_num}
-
-
-def test_host_index_out_of_range_is_rejected():
-    geo = Geometry(layer_num=1, head_num=1, head_dim=16)
-    device_pool = make_device_pool(geo, 16)
-    pool = make_host_pool(
-        device_pool,
-        host_tokens=16,
-        layout="layer_first",
-        host_pool_cls=MHATokenToKVPoolINT8Host,
-        fused_transfer="direct",
-    )
-    with pytest.raises(IndexError):
-        pool.backup_from_device_all_layer(
-            device_pool, torch.tensor([pool.size]), torch.tensor([1]), "direct"
-        )
 
 
 class CudaTypedCpu(str):

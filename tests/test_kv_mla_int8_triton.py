@@ -1,20 +1,14 @@
-"""Fused MLA INT8 host-pool kernels (kernels/ops/kvcache/kv_mla_int8_triton.py)
-under the Triton interpreter, against the MLA INT8 format's torch reference:
-every record byte on encode (int8 latent, fp16 tile scales, RoPE bits), every
-restored bit on decode, for bf16/fp16 device KV, page sizes 1/16/64,
-page-major and layer-major (layer_first) record views, fragmented host units,
-shuffled device indices, NaN/Inf and out-of-range host indices.
-
-The reference is kv_mla_int8_codec's MLAInt8HostFormat (encode_reference,
-decode_reference, and encode_into for the statistics): latent in tiles of 128
-values, each encoded as one kv_int8_codec row; RoPE kept in the device dtype.
-"""
+"""Fused MLA INT8 kernels (kv_mla_int8_triton) under the Triton interpreter
+against MLAInt8HostFormat's reference: record bytes (int8 latent tiles, fp16
+scales, RoPE bits) and restored bits for bf16/fp16, pages 1/16/64, both record
+layouts, fragmented units, shuffled indices, NaN/Inf, bad host indices."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from scripts.rigs import hicache_harness as hh
+from tests.support.kernel_cases import run_case
 from tests.support.codec_inputs import (
     DTYPES,
     LOG2_RANGE,
@@ -25,7 +19,6 @@ from tests.support.codec_inputs import (
 
 from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
 from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
-from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 
 # DeepSeek V2/V3, Kimi K2: kv_lora_rank 512, qk_rope_head_dim 64, tiles of 128.
@@ -58,16 +51,6 @@ def reference_rows(rows: torch.Tensor) -> torch.Tensor:
     fmt = mla_format(rows)
     records = fmt.encode_reference([rows[:, None]])
     return fmt.decode_reference(records, rows.dtype)[0][:, 0]
-
-
-def reference_stats(rows: torch.Tensor):
-    """encode_into's statistics (amax over finite tiles, non-finite count)."""
-    fmt = mla_format(rows)
-    out = {
-        r.name: torch.empty((rows.shape[0], *r.shape), dtype=r.dtype)
-        for r in fmt.records
-    }
-    return fmt.encode_into([rows[:, None]], out)
 
 
 # --- driving the kernels --------------------------------------------------------
@@ -149,29 +132,15 @@ def tokens_from_tiles(tiles: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.cat([latent, rope.reshape(latent.shape[0], 1, ROPE)], dim=-1)
 
 
-def round_trip_rows(rows: torch.Tensor, tile=None) -> dict[str, torch.Tensor]:
-    """Encode rows [n, 1, W] (one layer) at shuffled device slots into
-    records, decode them to other shuffled slots; check both against the
-    reference and that nothing else was written. Returns the stats."""
-    n, dtype = rows.shape[0], rows.dtype
-    size = 2 * n + 5
-    g = torch.Generator().manual_seed(n)
-    slots = torch.randperm(size, generator=g)
-    dev, back = slots[:n], slots[n : 2 * n]
-    layer = torch.full((size, 1, rows.shape[-1]), -3.0, dtype=dtype)
-    layer[dev] = rows
-    store, views = host_records(n, 1, 1, dtype, "page_first", rank=RANK)
-    host = torch.randperm(n, generator=g)
-    stats = encode([layer], dev, host, views, tile=tile)
-    dst = torch.full_like(layer, -7.0)
-    check_tokens(rows, 0, dtype, views, host, 1, dst, back)
-    untouched = torch.ones(size, dtype=torch.bool)
-    untouched[back] = False
-    assert (dst[untouched] == -7.0).all()
-    expected = reference_stats(rows)
-    assert int(stats["nonfinite"]) == int(expected.nonfinite)
-    assert torch.equal(stats["amax"][0], expected.amax)
-    return stats
+def round_trip_rows(rows: torch.Tensor, tile=None) -> int:
+    """rows [n, 1, W] (one layer, units of one token) through both kernels at
+    shuffled slots: the reference's bytes, bits and statistics; returns the
+    non-finite count."""
+    _, _, nonfinite = run_case(
+        "mla-int8", ut=1, H=1, dims=(rows.shape[-1],), n_units=rows.shape[0],
+        dtype=rows.dtype, rows=[rows], tile=tile,
+    )  # fmt: skip
+    return nonfinite
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -189,10 +158,9 @@ def test_edge_tiles_and_rope_specials(dtype):
     rope[1, 0] = torch.finfo(dtype).smallest_normal / 4
     rope[2, :2] = torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).max])
     rows = tokens_from_tiles(mixed.reshape(-1, TILE), rope)
-    stats = round_trip_rows(rows)
     # NaN/Inf/over-range edge tiles (bf16: its max and 127 * 65504 too) and
     # the RoPE row with NaN/Inf (the one at +-max is finite).
-    assert int(stats["nonfinite"]) == (6 if dtype == torch.float16 else 8) + 1
+    assert round_trip_rows(rows) == (6 if dtype == torch.float16 else 8) + 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -226,61 +194,7 @@ def test_nan_in_one_tile_poisons_only_that_tile():
     assert dst[2, 0, RANK + 5] == -INF
 
 
-# --- addressing --------------------------------------------------------------
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("page_size", (1, 16, 64))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_layouts_pages_and_shuffled_indices(layout, page_size, dtype):
-    """Every layer in one encode launch from separately allocated device
-    layers, records at fragmented host units (backward jumps, a gap),
-    shuffled device indices in and out, one decode per layer; untouched
-    records and device rows keep their sentinels."""
-    unit_tokens = 1 if layout == "layer_first" else page_size
-    n_layers, pages = 3, 3
-    tokens = pages * page_size
-    size = 8 * page_size + 1
-    layers = random_layers(n_layers, size, dtype, seed=page_size)
-    g = torch.Generator().manual_seed(17)
-    dev = torch.randperm(size, generator=g)[:tokens]
-    host_pages = torch.tensor([5, 1, 3])  # units 0, 2, 4 and 6.. untouched
-    host = (host_pages[:, None] * page_size + torch.arange(page_size)).flatten()
-    units = 7 * page_size // unit_tokens
-    store, views = host_records(units, n_layers, unit_tokens, dtype, layout)
-    stats = encode(layers, dev, host, views)
-    assert int(stats["nonfinite"]) == int(stats["bad_index"]) == 0
-    back = torch.randperm(size, generator=g)[:tokens]
-    for layer in range(n_layers):
-        dst = torch.full((size, 1, RANK + ROPE), -7.0, dtype=dtype)
-        check_tokens(
-            layers[layer][dev], layer, dtype, views, host, unit_tokens, dst, back
-        )
-        kept = torch.ones(size, dtype=torch.bool)
-        kept[back] = False
-        assert (dst[kept] == -7.0).all()
-        expected = layers[layer][dev][..., :RANK].float().abs().amax()
-        assert float(stats["amax"][layer, 0]) == float(expected)
-    written = torch.zeros(units * unit_tokens, dtype=torch.bool)
-    written[host] = True
-    for name, fill in (("kv", 55), ("scale", 3.0), ("rope", -9.0)):
-        flat = views[name].transpose(0, 1).reshape(n_layers, units * unit_tokens, -1)
-        assert (flat[:, ~written] == fill).all(), name
-
-
-@pytest.mark.parametrize("rank", (128, 256))
-def test_smaller_latents(rank):
-    """kv_lora_rank 128/256 (1 or 2 tiles): the tile count comes from the
-    records."""
-    layers = random_layers(2, 9, torch.bfloat16, seed=rank, rank=rank)
-    store, views = host_records(4, 2, 2, torch.bfloat16, "page_first", rank=rank)
-    dev, host = torch.tensor([8, 0, 4, 5]), torch.tensor([7, 6, 1, 2])
-    encode(layers, dev, host, views)
-    for layer in range(2):
-        dst = torch.zeros_like(layers[0])
-        check_tokens(
-            layers[layer][dev], layer, torch.bfloat16, views, host, 2, dst, dev
-        )
+# --- addressing (round trips: tests/test_host_kernels.py) ---------------------
 
 
 @pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))
@@ -475,27 +389,3 @@ def test_pool_one_launch_per_backup_and_per_layer_restore(monkeypatch):
         monkeypatch.setattr(mk, name, counted)
     pool_round_trip("page_first", 4, torch.bfloat16, "direct", layers=3)
     assert launches == {"encode_gather": 1, "decode_scatter": 3}
-
-
-@pytest.mark.usefixtures("big_tiles")
-def test_pool_self_check_passes_and_catches_a_broken_kernel(monkeypatch):
-    """The pool's start-up self-check (what CUDA runs before serving) passes
-    with these kernels, and falls back to the torch path when the restore
-    is wrong."""
-    geo = hh.MLAGeometry(layer_num=2, page_size=16)
-    device_pool = hh.make_device_pool(geo, device_tokens=8 * 16)
-    pool = hh.make_host_pool(
-        device_pool, host_tokens=8 * 16, host_dtype="int8", fused_transfer="direct"
-    )
-    assert pool.transfer_path == "fused_direct"
-    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
-    real = mk.decode_scatter
-
-    def reversed_slots(records, host, dst, dev, **kw):
-        real(records, host, dst, dev.flip(0), **kw)  # in range, wrong rows
-
-    monkeypatch.setattr(mk, "decode_scatter", reversed_slots)
-    transfer, why = encoded_fused.choose_transfer(
-        pool.transfer_context, False, "direct", check=True
-    )
-    assert transfer.path == "torch" and "self-check" in why

@@ -1,7 +1,6 @@
-"""The rotated 4-bit host formats (int4r, k8v4r; pool_host/kv_hadamard.py):
-the rotation itself against an independently built Hadamard matrix, the
-reference against the torch path bit for bit, the round trip against the
-stated error bound, the non-power-of-two fallback and the NaN/Inf policy."""
+"""The rotated 4-bit formats (int4r, k8v4r; kv_hadamard.py): the rotation
+against an independent Hadamard matrix, its fallback, tags, and the NaN/Inf
+policy (round trips: tests/test_host_codecs.py)."""
 
 from __future__ import annotations
 
@@ -126,35 +125,17 @@ def rows_for(seed, shape, dtype):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
 @pytest.mark.parametrize("unit_tokens", (1, 16, 64))
 @pytest.mark.parametrize("dims", ((128, 128), (64, 96), (80, 80), (192, 128), (72, 72)))
-def test_torch_path_matches_reference_and_bound_holds(fmt, dtype, unit_tokens, dims):
-    heads, n = 2, 2
-    f = format_cls(fmt)(dims, heads, unit_tokens, dtype)
-    base = host_format_cls(FORMATS[fmt])(dims, heads, unit_tokens, dtype)
-    # Same records (names, shapes, dtypes, byte order), so same bytes/token.
+def test_records_are_the_base_formats(fmt, unit_tokens, dims):
+    """Same records (names, shapes, dtypes, byte order) and bytes per token as
+    the base format, under another storage tag (the round trips:
+    tests/test_host_codecs.py)."""
+    f = format_cls(fmt)(dims, 2, unit_tokens, torch.bfloat16)
+    base = host_format_cls(FORMATS[fmt])(dims, 2, unit_tokens, torch.bfloat16)
     assert f.records == base.records
     assert f.bytes_per_token() == base.bytes_per_token()
     assert f.storage_format_tag != base.storage_format_tag
-    k = rows_for(1, (n, unit_tokens, heads, dims[0]), dtype)
-    v = rows_for(2, (n, unit_tokens, heads, dims[1]), dtype)
-    ref = f.encode_reference((k, v))
-    out = {r.name: torch.full((n, *r.shape), 99, dtype=r.dtype) for r in f.records}
-    stats = f.encode_into((k, v), out)
-    assert list(ref) == [r.name for r in f.records]
-    for name in ref:
-        assert_same_bits(out[name], ref[name])
-    restored = f.decode_reference(ref, dtype)
-    fast = (torch.full_like(k, -7.0), torch.full_like(v, -7.0))
-    f.decode_into(out, fast)
-    for a, b in zip(fast, restored):
-        assert_same_bits(a, b)
-    assert int(stats.nonfinite) == 0
-    for x, x_hat, bound in zip((k, v), restored, f.error_bound(ref, restored)):
-        assert torch.isfinite(x_hat).all() and torch.isfinite(bound).all()
-        err = (x.double() - x_hat.double()).abs()
-        assert (err <= bound.double()).all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

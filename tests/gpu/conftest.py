@@ -1,14 +1,7 @@
-"""GPU tests: stand-ins for what a bare CUDA machine lacks, and a JSON report.
-
-scripts/gpu_check.sh runs these through tests/gpu/run_gpu_tests.py with
---confcutdir=tests/gpu, so the CPU stand-ins of tests/conftest.py (which no-op
-cudaHostRegister) are not loaded. Under `make test` (CPU) tests/conftest.py is
-loaded first and every test here is skipped; tests/test_gpu_check.py runs them
-on CPU through `gpu_check.sh --dry-run` instead.
-
-HIQ_GPU_TEST_JSON=<path> writes one record per test to <path>, rewritten after
-every test, so a run cut short still leaves what it got through.
-"""
+"""GPU tests: stand-ins for what a bare CUDA machine lacks, and a JSON report
+(HIQ_GPU_TEST_JSON=<path>, rewritten after every test). Run through
+run_gpu_tests.py with --confcutdir=tests/gpu; under `make test` every test
+here is skipped (tests/test_gpu_check.py runs them with --dry-run)."""
 
 from __future__ import annotations
 

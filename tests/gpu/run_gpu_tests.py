@@ -1,14 +1,7 @@
-"""Tests phase of scripts/gpu_check.sh: checks, then pytest on tests/gpu, in one
-process (one import of sglang, which is slow on the GPU machine).
-
-    python -m tests.gpu.run_gpu_tests --json OUT.json [--dry-run] [pytest args]
-
-Exit 0 only if tests ran and passed: no CUDA device (without --dry-run), a
-missing package, no test passing, or a skipped test on CUDA (nothing here is
-meant to skip there) all fail, each with one line naming the cause. The JSON
-(per-test records from conftest.py, rewritten after each test) gets a final
-"verdict".
-"""
+"""Tests phase of scripts/gpu_check.sh: checks, then pytest on tests/gpu in one
+process. `python -m tests.gpu.run_gpu_tests --json OUT.json [--dry-run]
+[pytest args]`: exit 0 only if tests ran and passed (no CUDA device without
+--dry-run, a missing package, no test passing or a skip on CUDA all fail)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""INT4 / K8V4 fused kernels (kv_int4_triton) on a real GPU (skipped without
-CUDA).
-
-Run by scripts/gpu_check.sh on a CUDA machine. Every record byte and every
-restored value is compared with the spec reference (tests/support/int4_reference.py)
-computed on the CPU, so these check the compiled arithmetic (IEEE division,
-fp16 rounding, round-half-even), pinned host records reached through UVA,
-and that all work runs on the caller's stream. With HIQ_GPU_TEST_DEVICE=cpu
-and TRITON_INTERPRET=1 (gpu_check.sh --dry-run) the same tests run on CPU at
-small sizes.
-"""
+"""Every format's fused kernels on a real GPU (INT4 / K8V4 / int4r / k8v4r in
+kv_int4_triton, and INT8, int8c, MLA INT8), bit for bit against the CPU
+reference (tests/support/int4_reference.py): the compiled arithmetic, pinned
+host records through UVA, the caller's stream. `gpu_check.sh --dry-run` runs
+them on CPU under the interpreter."""
 
 from __future__ import annotations
 
@@ -32,12 +26,19 @@ if DEVICE is not None:
     from tests.support.int4_reference import Host, reference_decode, reference_records
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
-    from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
+    from sglang.kernels.ops.kvcache import kv_int8_triton as kt
+    from sglang.kernels.ops.kvcache import kv_int8c_triton as k8c
+    from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
+    from sglang.kernels.ops.kvcache.host_kv_common import DeviceLayerTable, KVCounters
+
+
+NAN, INF = float("nan"), float("inf")
 
 
 @pytest.fixture(autouse=True)
 def big_tiles(monkeypatch):
-    big_tiles_when_interpreted(monkeypatch, k4, 16384)
+    for kernels, tile in ((k4, 16384), (k8c, 16384), (kt, 65536), (mk, 65536)):
+        big_tiles_when_interpreted(monkeypatch, kernels, tile)
 
 
 def rows(seed: int, n: int, H: int, d: int, dtype) -> torch.Tensor:
@@ -72,69 +73,20 @@ CASES = [
     ("int4", 4, (2, 96, 80)),  # groups of 32 and a whole-head group
     ("k8v4", 64, (8, 128, 128)),
     ("k8v4", 1, (4, 64, 64)),
-]
-
-
-ROTATED_CASES = [
-    ("int4r", 64, (8, 128, 128)),  # one 128-point block, per-channel keys
-    ("int4r", 1, (8, 128, 128)),  # a block over two groups, per-token keys
-    ("int4r", 4, (2, 96, 80)),  # blocks of 32, blocks of 16 in one group
+    # Rotated (the butterfly inside the kernels' tiles): one 128-point block
+    # (per-channel and per-token keys), blocks of 32 and of 16 in one group.
+    ("int4r", 64, (8, 128, 128)),
+    ("int4r", 1, (8, 128, 128)),
+    ("int4r", 4, (2, 96, 80)),
     ("k8v4r", 64, (8, 128, 128)),
+    ("int8", 1, (4, 64, 64)),
+    ("int8", 16, (4, 128, 128)),
+    ("int8", 64, (4, 192, 128)),
+    ("int8c", 64, (8, 128, 128)),  # per-channel keys
+    ("int8c", 1, (4, 128, 96)),  # per-token groups of 32
+    ("mla-int8", 1, (1, 576)),  # DeepSeek's latent 512 + RoPE 64
+    ("mla-int8", 64, (1, 576)),
 ]
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fmt,ut,geometry", ROTATED_CASES)
-def test_rotated_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
-    """int4r / k8v4r (the butterfly inside the kernels' tiles): pinned host
-    records and the restored rows equal the format's CPU reference."""
-    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
-
-    H, dk, dv = geometry
-    n_units = (256 if CUDA else 8) // ut or 1
-    n = n_units * ut
-    size = 2 * n + 8
-    g = torch.Generator().manual_seed(ut * 5 + H)
-    k_cpu, v_cpu = rows(1, size, H, dk, dtype), rows(2, size, H, dv, dtype)
-    dev = torch.randperm(size, generator=g)[:n]
-    units = torch.randperm(2 * n_units + 1, generator=g)[:n_units]
-    host_idx = (units[:, None] * ut + torch.arange(ut)).flatten()
-    for t in (k_cpu, v_cpu):
-        put_edge_rows(t, dev)
-    fmt_obj = host_format_cls(fmt, "mha")((dk, dv), H, ut, dtype)
-    rotation = fmt_obj._kernel_rotation(DEVICE)
-    tables = (
-        k4.DeviceLayerTable([k_cpu.to(DEVICE)]),
-        k4.DeviceLayerTable([v_cpu.to(DEVICE)]),
-    )
-    base = fmt.removesuffix("r")
-    host = to_host(Host(base, 2 * n_units + 1, 1, ut, H, dk, dv), "host")
-    counter = torch.zeros((), dtype=torch.int64, device=DEVICE)
-    k4.encode_gather(
-        tables, dev.to(DEVICE), host.all_layers(), host_idx.to(DEVICE),
-        counters=KVCounters(nonfinite=counter), **rotation,
-    )  # fmt: skip
-    sync()
-    k = k_cpu[dev].view(n_units, ut, H, dk)
-    v = v_cpu[dev].view(n_units, ut, H, dv)
-    want = fmt_obj.encode_reference((k, v))
-    got = {name: buf[units, 0].cpu() for name, buf in host.bufs.items()}
-    for name, rec in want.items():
-        assert same_bits(got[name], rec), name
-    assert int(counter) > 0  # the edge rows reached the kernels
-    for out_dtype in DTYPES:
-        new_dev = torch.randperm(size, generator=g)[:n].to(DEVICE)
-        dst = [
-            torch.full((size, H, d), 7.0, dtype=out_dtype, device=DEVICE)
-            for d in (dk, dv)
-        ]
-        k4.decode_scatter(
-            host.layer(0), host_idx.to(DEVICE), dst, new_dev, **rotation
-        )  # fmt: skip
-        sync()
-        k_ref, v_ref = fmt_obj.decode_reference(want, out_dtype)
-        assert same_bits(dst[0][new_dev].cpu(), k_ref.reshape(n, H, dk)), out_dtype
-        assert same_bits(dst[1][new_dev].cpu(), v_ref.reshape(n, H, dv)), out_dtype
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -143,34 +95,43 @@ def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
     """Encode all layers into device memory and into pinned host memory,
     decode each layer back to shuffled device slots: the reference's bytes
     and values, the statistics too."""
-    H, dk, dv = geometry
+    H, *dims = geometry
+    kind = "mla" if fmt.startswith("mla-") else "mha"
     layers = 2
     n_units = (256 if CUDA else 8) // ut or 1
     n = n_units * ut
     size = 2 * n + 8
     g = torch.Generator().manual_seed(ut * 7 + H)
-    k_cpu = [rows(i, size, H, dk, dtype) for i in range(layers)]
-    v_cpu = [rows(10 + i, size, H, dv, dtype) for i in range(layers)]
+    sides = [
+        [rows(10 * s + i, size, H, d, dtype) for i in range(layers)]
+        for s, d in enumerate(dims)
+    ]
     dev = torch.randperm(size, generator=g)[:n]
     host_units = 2 * n_units + 1
     units = torch.randperm(host_units, generator=g)[:n_units]
     host_idx = (units[:, None] * ut + torch.arange(ut)).flatten()
-    for t in k_cpu + v_cpu:
-        put_edge_rows(t, dev)
-    k_dev = [t.to(DEVICE) for t in k_cpu]
-    v_dev = [t.to(DEVICE) for t in v_cpu]
-    tables = (k4.DeviceLayerTable(k_dev), k4.DeviceLayerTable(v_dev))
+    for side in sides:
+        for t in side:
+            put_edge_rows(t, dev)
+            if kind == "mla":  # NaN and -Inf RoPE rows too
+                t[dev[1], 0, -64], t[dev[2], 0, -59] = NAN, -INF
+    tables = [DeviceLayerTable([t.to(DEVICE) for t in side]) for side in sides]
 
-    want = Host(fmt, host_units, layers, ut, H, dk, dv)
-    want_bad, want_amax = want.fill_reference(k_cpu, v_cpu, dev, units)
+    def new_host():
+        return Host(fmt.removeprefix("mla-"), host_units, layers, ut, H, *dims,
+                    kind=kind, dtype=dtype)  # fmt: skip
+
+    want = new_host()
+    f = want.format(dtype)
+    want_bad, want_amax = want.fill_reference(sides, dev, units)
     assert want_bad > 0  # the edge rows reached the kernels
 
     for where in ("device", "host") if CUDA else ("host",):
-        host = to_host(Host(fmt, host_units, layers, ut, H, dk, dv), where)
+        host = to_host(new_host(), where)
         counter = torch.zeros((), dtype=torch.int64, device=DEVICE)
         bad_idx = torch.zeros((), dtype=torch.int64, device=DEVICE)
-        amax = torch.zeros(layers, 2, device=DEVICE)
-        k4.encode_gather(
+        amax = torch.zeros(layers, len(dims), device=DEVICE)
+        f.encode_gather(
             tables, dev.to(DEVICE), host.all_layers(), host_idx.to(DEVICE),
             counters=KVCounters(counter, amax, bad_idx),
         )  # fmt: skip
@@ -180,23 +141,24 @@ def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
         assert int(counter) == want_bad and int(bad_idx) == 0, where
         assert torch.equal(amax.cpu(), want_amax), where
 
-        for out_dtype in DTYPES:
+        # MLA keeps its RoPE in the device dtype: it restores to that dtype.
+        for out_dtype in DTYPES if kind == "mha" else (dtype,):
             new_dev = torch.randperm(size, generator=g)[:n].to(DEVICE)
             for layer in range(layers):
                 dst = [
                     torch.full((size, H, d), 7.0, dtype=out_dtype, device=DEVICE)
-                    for d in (dk, dv)
+                    for d in dims
                 ]
-                k4.decode_scatter(
+                f.decode_scatter(
                     host.layer(layer), host_idx.to(DEVICE), dst, new_dev,
                     bad_index_counter=bad_idx,
                 )  # fmt: skip
                 sync()
                 layer_records = {n_: r[units] for n_, r in want.layer(layer).items()}
-                k_ref, v_ref = reference_decode(fmt, layer_records, out_dtype)
-                got_k, got_v = dst[0][new_dev].cpu(), dst[1][new_dev].cpu()
-                assert same_bits(got_k, k_ref.reshape(n, H, dk)), (where, out_dtype)
-                assert same_bits(got_v, v_ref.reshape(n, H, dv)), (where, out_dtype)
+                refs = want.decode(layer_records, out_dtype)
+                for d, out, ref in zip(dims, dst, refs):
+                    got = out[new_dev].cpu()
+                    assert same_bits(got, ref.reshape(n, H, d)), (where, out_dtype)
                 untouched = torch.ones(size, dtype=torch.bool, device=DEVICE)
                 untouched[new_dev] = False
                 assert (dst[0][untouched] == 7.0).all()

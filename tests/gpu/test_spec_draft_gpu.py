@@ -1,13 +1,6 @@
-"""One packed MTP draft (NEXTN) through the INT8 host pools on a real GPU
-(skipped without CUDA; scripts/gpu_check.sh --dry-run runs it on CPU under
-the Triton interpreter).
-
-The draft's device buffers are separate allocations appended to the target's
-layer tables: on CUDA the start-up self-check must pass with them (the pool
-keeps fused_direct), one backup launch must encode target and draft, and the
-draft load (is_draft) must restore the draft pool, bit for bit what the
-torch path restores, which for MHA is the CPU reference codec's.
-"""
+"""One packed MTP draft (NEXTN) through the INT8 host pools on a real GPU (dry
+run on CPU): the self-check passes with the draft's tables, one backup launch
+encodes target and draft, and the draft load restores the torch path's bits."""
 
 from __future__ import annotations
 

@@ -16,6 +16,14 @@ INF = float("inf")
 LOG2_RANGE = {torch.bfloat16: (-140, 30), torch.float16: (-27, 16)}
 
 
+def round_half_even(v: float) -> int:
+    """Nearest integer, ties to the even neighbour (spelled out, not torch)."""
+    lo = math.floor(v)
+    if v - lo != 0.5:
+        return lo + (v - lo > 0.5)
+    return lo if lo % 2 == 0 else lo + 1
+
+
 def int_view(t: torch.Tensor) -> torch.Tensor:
     """Same bytes as an integer tensor, so torch.equal compares bits."""
     ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}

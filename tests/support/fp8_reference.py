@@ -1,11 +1,11 @@
-"""FP8 device KV as the tests build and check it: rows as SGLang stores them
-(float8 values in uint8 storage), with every kind of FP8 value, and an
-independent round-to-nearest-even over FP8's value grid to check restores
-against. Test-only."""
+"""FP8 device KV for the tests: every kind of FP8 value as uint8-stored rows,
+and an independent round-to-nearest-even over FP8's value grid."""
 
 from __future__ import annotations
 
 import torch
+
+from tests.support.codec_inputs import assert_same_bits
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # A byte that is NaN in both FP8 formats.
@@ -44,3 +44,27 @@ def nearest_even_fp8(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     tie = (hi_v - x) == (x - lo_v)
     hi_even = (hi_v.to(fp8).view(torch.uint8) & 1) == 0
     return torch.where(pick_hi | (tie & hi_even), hi_v, lo_v)
+
+
+def assert_canonical_nan(t: torch.Tensor) -> None:
+    """NaN groups restore as one NaN pattern per dtype (fp16 0x7E00, bf16
+    0x7FC0, FP8 0x7F): torch's own arithmetic leaves the payload to the CPU's
+    vector unit, the kernels do not."""
+    if t.dtype in FP8:
+        nan = torch.isnan(t.float())
+        assert (t.view(torch.uint8)[nan] == FP8_NAN_BYTE).all()
+        return
+    canonical = 0x7E00 if t.dtype == torch.float16 else 0x7FC0
+    assert (t.view(torch.int16)[torch.isnan(t)] == canonical).all()
+
+
+def assert_restored(got: torch.Tensor, want: torch.Tensor) -> None:
+    """assert_same_bits, FP8 included: the same NaN positions (a NaN's sign
+    is the CPU's business on the torch path), the same bytes elsewhere."""
+    if got.dtype not in FP8:
+        assert_same_bits(got, want)
+        return
+    assert want.dtype == got.dtype and want.shape == got.shape
+    nan = torch.isnan(got.float())
+    assert torch.equal(nan, torch.isnan(want.float()))
+    assert torch.equal(got.view(torch.uint8)[~nan], want.view(torch.uint8)[~nan])

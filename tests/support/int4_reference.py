@@ -1,11 +1,8 @@
-"""What the INT4 / K8V4 kernel tests compare with: the records and restored
-rows of the format module's reference (kv_int4_codec), the statistics the
-kernels keep (non-finite groups, amax per side), and a host "pool" of records
-laid out as the pools lay them out. Also a second, independent step-by-step
-reading of the shared host-format spec (sections 3-4), written before the
-codec existed and kept as a cross-check of it (spec_records / spec_decode).
-Test-only; imports nothing test-specific, so the GPU tests (tests/gpu) use it
-too."""
+"""What the INT4 / K8V4 kernel tests compare with: the codec's reference
+records and restored rows, the kernels' statistics, a host "pool" of records
+as the pools lay them out (rotated formats through their format object), and
+an independent step-by-step reading of the host-format spec (spec_records /
+spec_decode). Test-only; the GPU tests (tests/gpu) use it too."""
 
 from __future__ import annotations
 
@@ -13,6 +10,7 @@ import torch
 
 from sglang.srt.mem_cache.pool_host import kv_int4_codec as codec
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8_codec
+from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
 K_CHANNEL_MIN_TOKENS = 16
 FP16_NAN_BITS = 0x7E00
@@ -134,11 +132,6 @@ def reference_decode(fmt, records, dtype):
     return decode[fmt](records, dtype)
 
 
-def record_shapes(fmt, ut, H, dk, dv):
-    shapes = {"int4": codec.int4_record_shapes, "k8v4": codec.k8v4_record_shapes}
-    return shapes[fmt]((dk, dv), H, ut)
-
-
 # --- a host "pool": one buffer per record -------------------------------------
 
 
@@ -147,18 +140,42 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 
 
 class Host:
-    """Host records as the pool lays them out: page-major [units, L, *shape]
-    or layer_first [L, units, *shape] (unit = 1 token), sentinel-filled."""
+    """Host records of any format as the pool lays them out: page-major
+    [units, L, *shape] or layer_first [L, units, *shape] (unit = 1 token),
+    sentinel-filled. dims: (dk, dv), or (dk,) for MLA."""
 
-    def __init__(self, fmt, units, layers, ut, H, dk, dv, layer_first=False):
+    def __init__(self, fmt, units, layers, ut, H, dk, dv=None, layer_first=False,
+                 kind="mha", dtype=torch.bfloat16):  # fmt: skip
         assert not layer_first or ut == 1
-        self.fmt, self.ut, self.layer_first = fmt, ut, layer_first
+        self.fmt, self.kind, self.ut, self.layer_first = fmt, kind, ut, layer_first
+        self.H, self.dims = H, (dk,) if dv is None else (dk, dv)
         self.bufs = {}
-        for name, (shape, dtype) in record_shapes(fmt, ut, H, dk, dv).items():
+        for r in self.format(dtype).records:
             lead = (layers, units) if layer_first else (units, layers)
-            buf = torch.empty(*lead, *shape, dtype=dtype)
+            buf = torch.empty(*lead, *r.shape, dtype=r.dtype)
             raw(buf).fill_(0x5A)
-            self.bufs[name] = buf
+            self.bufs[r.name] = buf
+
+    def format(self, dtype):
+        return host_format_cls(self.fmt, self.kind)(self.dims, self.H, self.ut, dtype)
+
+    def reference(self, rows):
+        """(records, non-finite groups, amax per side) of rows [U, UT, H, D]:
+        int4/k8v4 by the codec's reference and the spec's statistics, other
+        formats by their format object and its torch path's statistics."""
+        if self.fmt in ("int4", "k8v4"):
+            return reference_records(self.fmt, *rows)
+        fmt = self.format(rows[0].dtype)
+        records = fmt.encode_reference(rows)
+        scratch = {n: torch.empty_like(t) for n, t in records.items()}
+        stats = fmt.encode_into(rows, scratch)
+        return records, int(stats.nonfinite), stats.amax.tolist()
+
+    def decode(self, records, dtype):
+        """The reference's restored rows per side of records [U, *shape]."""
+        if self.fmt in ("int4", "k8v4"):
+            return reference_decode(self.fmt, records, dtype)
+        return self.format(dtype).decode_reference(records, dtype)
 
     def all_layers(self):
         """[units, L, *shape] views (encode)."""
@@ -174,16 +191,16 @@ class Host:
             for n, b in self.bufs.items()
         }
 
-    def fill_reference(self, k_layers, v_layers, dev, units):
-        """Write the reference records of rows `dev` of every layer, unit by
-        unit, at host `units`; return (non-finite groups, amax [L, (K, V)])."""
+    def fill_reference(self, sides, dev, units):
+        """Write the reference records of rows `dev` of every layer (sides[i]:
+        side i's layers), unit by unit, at host `units`; return (non-finite
+        groups, amax [L, sides])."""
         n_units, ut = len(units), self.ut
         views, bad_total = self.all_layers(), 0
-        amax = torch.zeros(len(k_layers), 2)
-        for layer, (k_rows, v_rows) in enumerate(zip(k_layers, v_layers)):
-            k = k_rows[dev].view(n_units, ut, *k_rows.shape[1:])
-            v = v_rows[dev].view(n_units, ut, *v_rows.shape[1:])
-            records, bad, stats = reference_records(self.fmt, k, v)
+        amax = torch.zeros(len(sides[0]), len(sides))
+        for layer, layer_rows in enumerate(zip(*sides)):
+            rows = [x[dev].view(n_units, ut, *x.shape[1:]) for x in layer_rows]
+            records, bad, stats = self.reference(rows)
             bad_total += bad
             amax[layer] = torch.tensor(stats)
             for name, rec in records.items():

@@ -1,0 +1,138 @@
+"""Fused kernels of every host format (encode_gather / decode_scatter through
+the format object) under the Triton interpreter, one table: one backup of all
+layers from shuffled device rows into fragmented host units (page-major and
+layer_first views, int32/int64 indices), a restore per layer into shuffled
+slots, against the format's reference: every record byte, every restored bit
+(NaN: position; int4/k8v4: the canonical NaN), bf16/fp16/FP8 device KV, head
+dims and tiles, the statistics; untouched units and slots keep their bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.codec_inputs import DTYPES
+from tests.support.fp8_reference import FP8, fp8_id
+from tests.support.kernel_cases import big_tiles, run_case
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    pytest.mark.usefixtures("triton_interpreter"),
+]
+BF, FP = torch.bfloat16, torch.float16
+ROTATED = ("int4r", "k8v4r")
+# Every format with kernels; "mla-int8": MLA INT8 (one side, latent + RoPE).
+FORMATS = ("int4", "k8v4", *ROTATED, "int8", "int8c", "mla-int8")
+
+
+@pytest.fixture(autouse=True)
+def _big_tiles(monkeypatch):
+    big_tiles(monkeypatch)
+
+
+# Per format: (dims, heads, units at 1 token, units otherwise, layers at 64).
+PAGE_CASES = {
+    "int4": ((64, 64), 2, 24, 3, 2),
+    "k8v4": ((64, 64), 2, 24, 3, 2),
+    "int4r": ((128, 128), 2, 20, 2, 1),  # one 128-point block over two groups
+    "k8v4r": ((128, 128), 2, 20, 2, 1),
+    "int8": ((128, 128), 2, 24, 3, 2),
+    "int8c": ((128, 128), 2, 24, 3, 1),  # per-channel keys at 64
+    "mla-int8": ((576,), 1, 16, 3, 2),  # DeepSeek's 512 + 64
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("ut", (1, 16, 64))
+def test_round_trip_page_sizes(fmt, ut, dtype):
+    dims, H, single, multi, layers64 = PAGE_CASES[fmt]
+    f, _, _ = run_case(
+        fmt, ut=ut, H=H, dims=dims, dtype=dtype, n_units=multi if ut > 1 else single,
+        layers=layers64 if ut == 64 else 2, seed=ut,
+    )  # fmt: skip
+    if fmt in ROTATED:
+        assert f.rotation_blocks == ((128 if fmt == "int4r" else 0), 128)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))
+def test_layer_first_views_and_index_dtypes(fmt, index_dtype):
+    dims, H, single, _, _ = PAGE_CASES[fmt]
+    run_case(
+        fmt, ut=1, H=H, dims=dims, layer_first=True, n_units=min(single, 16),
+        index_dtype=index_dtype, dtype=FP, seed=5,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ("int4", "k8v4", "int8", "int8c"))
+def test_per_token_keys_any_token_order(fmt):
+    """Per-token units (int4 below 16 tokens, int8c below 64) take host slots
+    in any order."""
+    run_case(fmt, ut=4, n_units=4, token_shuffle=True, seed=2)
+
+
+# (format, unit tokens, heads, dims, dtype, tile, rotation blocks): groups of
+# 64, 32 and whole heads (80, 48), head dims that aren't powers of two,
+# per-channel keys in channel blocks of a small tile (holding whole rotation
+# blocks), small tiles splitting rows; rotation blocks of 128, 64, 32 and 16
+# inside a whole-head group, none at all (72: the base bytes); int8c's key
+# modes over whole and partial 32-channel groups; MLA latents of 1-2 tiles.
+HEAD_DIM_CASES = [
+    ("int4", 16, 1, (128, 128), BF, 512, None),
+    ("int4", 2, 1, (128, 128), BF, None, None),
+    ("int4", 16, 3, (96, 96), BF, 512, None),
+    ("int4", 2, 3, (96, 96), BF, None, None),
+    ("int4", 16, 2, (80, 48), BF, 512, None),
+    ("int4", 2, 2, (80, 48), BF, None, None),
+    ("int4", 16, 1, (192, 128), BF, 512, None),
+    ("int4", 2, 1, (192, 128), BF, None, None),
+    ("int4", 16, 2, (64, 64), BF, 256, None),
+    ("k8v4", 4, 2, (64, 64), BF, 128, None),
+    ("int4r", 16, 2, (64, 64), BF, 512, (64, 64)),
+    ("int4r", 2, 3, (64, 64), BF, None, (64, 64)),
+    ("k8v4r", 16, 2, (64, 64), BF, 256, (0, 64)),
+    ("int4r", 16, 2, (96, 96), BF, 512, (32, 32)),
+    ("int4r", 2, 3, (96, 96), BF, None, (32, 32)),
+    ("k8v4r", 16, 2, (96, 96), BF, 256, (0, 32)),
+    ("int4r", 16, 2, (80, 48), BF, 512, (16, 16)),
+    ("int4r", 2, 3, (80, 48), BF, None, (16, 16)),
+    ("k8v4r", 16, 2, (80, 48), BF, 256, (0, 16)),
+    ("int4r", 16, 2, (72, 72), BF, None, (0, 0)),
+    ("int8", 4, 2, (64, 32), BF, 256, None),
+    ("int8", 1, 3, (192, 128), FP, None, None),
+    ("int8c", 64, 2, (128, 128), BF, None, None),
+    ("int8c", 64, 1, (256, 256), FP, None, None),
+    ("int8c", 128, 1, (64, 96), BF, None, None),
+    ("int8c", 16, 2, (128, 64), FP, None, None),
+    ("int8c", 1, 3, (64, 64), BF, None, None),
+    ("int8c", 4, 2, (80, 48), BF, None, None),
+    ("mla-int8", 2, 1, (192,), BF, None, None),
+    ("mla-int8", 2, 1, (320,), BF, 256, None),
+]
+
+
+@pytest.mark.parametrize("fmt,ut,H,dims,dtype,tile,blocks", HEAD_DIM_CASES)
+def test_head_dims_groups_and_tiles(fmt, ut, H, dims, dtype, tile, blocks):
+    f, _, _ = run_case(
+        fmt, ut=ut, H=H, dims=dims, dtype=dtype,
+        n_units=2 if ut >= 16 else 3 if ut > 1 else 12,
+        layers=1 if fmt.startswith("int4") or fmt.startswith("k8v4") else 2,
+        tile=tile, seed=dims[0] + ut,
+    )  # fmt: skip
+    if blocks is not None:
+        assert f.rotation_blocks == blocks
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
+@pytest.mark.parametrize("fmt", ("int4", "k8v4"))
+@pytest.mark.parametrize(
+    "ut,layer_first", [(1, True), (4, False), (16, False), (64, False)]
+)
+def test_fp8_round_trip(fmt, ut, layer_first, fp8):
+    """FP8 rows (every finite byte, NaN, E5M2's Inf, values rounded to FP8)
+    encode to the reference's records and restore to its FP8 bytes."""
+    run_case(
+        fmt, ut=ut, dtype=fp8, layer_first=layer_first,
+        n_units=16 if ut == 1 else 3, seed=ut + 100 * layer_first,
+    )  # fmt: skip
