@@ -172,9 +172,7 @@ def test_fast_path_is_the_reference_within_the_bound(name, kind, ut, dtype):
         check_round_trip(fmt, side_rows(fmt, 2, 50, [-10, 0, 3]), finite=True)
 
 
-# MHA INT8's encode_into takes no empty batch (amax of nothing raises); the
-# pools never hand it one.
-@pytest.mark.parametrize("name,kind", [f for f in FORMATS if f != ("int8", "mha")])
+@pytest.mark.parametrize("name,kind", FORMATS)
 @pytest.mark.parametrize("ut", [1, 16, 64])
 def test_empty_input(name, kind, ut):
     (fmt, *_) = geometries(name, kind, torch.bfloat16, ut)

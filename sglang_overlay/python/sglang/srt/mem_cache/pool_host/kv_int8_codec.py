@@ -238,7 +238,8 @@ class Int8HostFormat(HostKVFormat):
             row_amax = quantize_into(rows[i], out[side], scales[..., i, :])
             # Rows stored as NaN do not count towards the running amax.
             finite = torch.isfinite(scales[..., i, :])
-            amax.append(torch.where(finite, row_amax, 0.0).amax())
+            kept = torch.where(finite, row_amax, 0.0)
+            amax.append(kept.amax() if kept.numel() else kept.new_zeros(()))
         return EncodeStats(torch.stack(amax), count_nonfinite_rows(scales))
 
     def decode_into(self, records, out) -> None:
