@@ -192,7 +192,7 @@ def sink_values(scrape: Scrape) -> dict:
 
 
 def sink_l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens: int):
-    from sglang.srt.mem_cache.pool_host.host_env import SINK_ENV
+    from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV
     from scripts.rigs.l3_harness import file_storage_config, make_l3_rig
 
     monkeypatch.setenv(SINK_ENV, str(sink_tokens))

@@ -1,9 +1,12 @@
 """The exported PRs are bisectable: `git am` of PR 1 alone onto the pristine
 pinned sources, then PR 2 on top, and so on. Every commit byte-compiles; at
 the end of each PR, every Python module the PR adds or edits imports (so a
-module importing one a later PR ships fails), and every upstream-style unit
+module importing one a later PR ships fails), every upstream-style unit
 test the PRs so far add passes on CPU (stand-ins from
-scripts/rigs/standins.py, in a subprocess on that tree).
+scripts/rigs/standins.py, in a subprocess on that tree), and start-up with
+each SGLANG_HICACHE_* variable the PRs so far declare set, for every
+--hicache-host-dtype, imports nothing a later PR ships, and every value it
+accepts gets its encoded pool from the dispatch (tests/support/pr_probe.py).
 A release check (about 80 s): HIQ_PR_BISECT=1 runs it; make test runs
 test_pr_gate's export and hooks instead."""
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import os
 import py_compile
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +36,14 @@ def git(tree: Path, *args: str) -> str:
         ["git", "-C", str(tree), *args], check=True, capture_output=True, text=True,
         env={**os.environ, **IDENTITY},
     ).stdout  # fmt: skip
+
+
+ENVIRON = "python/sglang/srt/environ.py"
+
+
+def declared_variables(environ_diff: str) -> list[str]:
+    """The SGLANG_HICACHE_* variables the PRs so far add to Envs."""
+    return re.findall(r"(?m)^\+\s+(SGLANG_HICACHE_\w+) = Env", environ_diff)
 
 
 def touched_modules(paths: list[str]) -> list[str]:
@@ -85,4 +97,15 @@ def test_each_pr_applies_alone_on_the_pin_and_passes_its_unit_tests(tmp_path):
         )  # fmt: skip
         assert proc.returncode == 0, (
             f"{pr_dir.name}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        )
+        declared = declared_variables(git(work, "diff", base, "HEAD", "--", ENVIRON))
+        if not declared:
+            continue
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.support.pr_probe", *declared],
+            cwd=REPO, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(work / "python"), "HIQ_SGLANG_TREE": str(work)},
+        )  # fmt: skip
+        assert proc.returncode == 0, (
+            f"{pr_dir.name} start-up probe:\n{proc.stdout}\n{proc.stderr[-4000:]}"
         )
