@@ -80,15 +80,22 @@ def main(variables: list[str]) -> int:
 
 
 def dispatch_failures(accepted: dict, host_pool_cls) -> list[str]:
-    """The accepted encoded values whose dispatch does not build their pool."""
-    from scripts.rigs import hicache_harness as hh
-    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-    from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
+    """The accepted encoded values whose dispatch does not build their pool
+    (here: the dispatch of a PR that may predate the MLA one)."""
+    import torch
 
-    info = hh.make_device_pool(hh.Geometry(), 16).get_device_pool_infos()[0]
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host import mha, mla
+
+    device_pool = MHATokenToKVPool(
+        size=16, page_size=1, dtype=torch.bfloat16, layer_num=1, device="cpu",
+        enable_memory_saver=False, head_num=1, head_dim=8, v_head_dim=8,
+        enable_alt_stream=False,
+    )  # fmt: skip
+    info = device_pool.get_device_pool_infos()[0].buffer_info
     dispatch = {
-        "mha": lambda d: get_mha_host_pool_cls(info.buffer_info, host_dtype=d),
-        "mla": lambda d: get_mla_host_pool_cls(host_dtype=d),
+        "mha": lambda d: mha.get_mha_host_pool_cls(info, host_dtype=d),
+        "mla": lambda d: mla.get_mla_host_pool_cls(host_dtype=d),
     }
     failures = []
     for kind, host_dtypes in accepted.items():
@@ -97,7 +104,7 @@ def dispatch_failures(accepted: dict, host_pool_cls) -> list[str]:
                 continue
             try:
                 built = dispatch[kind](host_dtype)
-            except TypeError as error:  # a dispatch without the host dtype
+            except (AttributeError, TypeError) as error:  # no dispatch on it
                 built = error
             if built is not host_pool_cls(host_dtype, kind):
                 failures.append(
