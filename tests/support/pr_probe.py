@@ -106,10 +106,15 @@ def dispatch_failures(accepted: dict, host_pool_cls) -> list[str]:
                 built = dispatch[kind](host_dtype)
             except (AttributeError, TypeError) as error:  # no dispatch on it
                 built = error
-            if built is not host_pool_cls(host_dtype, kind):
+            try:
+                pool_cls = host_pool_cls(host_dtype, kind)
+            except NotImplementedError as error:  # its pool is not in the build
+                pool_cls = error
+            if built is not pool_cls:
                 failures.append(
                     f"{kind} --hicache-host-dtype {host_dtype} is accepted at "
-                    f"start-up, but the dispatch gives {built!r}"
+                    f"start-up, but the dispatch gives {built!r} (its pool: "
+                    f"{pool_cls!r})"
                 )
     return failures
 
