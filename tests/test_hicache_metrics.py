@@ -21,7 +21,7 @@ from scripts.rigs.hicache_harness import (
 )
 from scripts.rigs import l3_harness as h
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
-from sglang.srt.mem_cache.pool_host.host_env import SINK_ENV
+from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV
 from sglang.srt.mem_cache.pool_host.sink_page import L3_KEY_SUFFIX
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES, host_format_cls

@@ -82,8 +82,9 @@ def test_hook_and_collector_stay_within_their_budget(patch_commits):
     # refused-pages counter, + 56 for the sink page's side store, + 9
     # for the replaced-pages counter, + 43 for the per-layer scale amax and the
     # sampled restore-error histogram); the hook + 29 for the Mamba-layout
-    # refusal, moved from the overlay's model checks into its own patch.
-    assert 0 < added_lines(HOOK) <= 150
+    # refusal, moved from the overlay's model checks into its own patch, + 10
+    # for the sink page's start-up check, which ships with the sink-page PR.
+    assert 0 < added_lines(HOOK) <= 160
     assert 0 < added_lines(COLLECTOR) <= 204
 
 

@@ -1,12 +1,15 @@
-"""Release check (HIQ_PR_BISECT=1, ~80 s): the exported PRs are bisectable. Each
+"""Release check (HIQ_PR_BISECT=1, ~4 min): the exported PRs are bisectable. Each
 PR `git am`s onto the pin after the ones before; every commit byte-compiles, and
-at each PR's end every module it adds or edits imports and every upstream-style
-unit test so far passes on CPU (tests/upstream_unit_runner.py)."""
+at each PR's end every module it adds or edits imports, every upstream-style
+unit test so far passes on CPU (tests/upstream_unit_runner.py), and start-up
+with each declared SGLANG_HICACHE_* variable imports nothing a later PR ships
+(tests/support/pr_probe.py)."""
 
 from __future__ import annotations
 
 import os
 import py_compile
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +31,14 @@ def git(tree: Path, *args: str) -> str:
         ["git", "-C", str(tree), *args], check=True, capture_output=True, text=True,
         env={**os.environ, **IDENTITY},
     ).stdout  # fmt: skip
+
+
+ENVIRON = "python/sglang/srt/environ.py"
+
+
+def declared_variables(environ_diff: str) -> list[str]:
+    """The SGLANG_HICACHE_* variables the PRs so far add to Envs."""
+    return re.findall(r"(?m)^\+\s+(SGLANG_HICACHE_\w+) = Env", environ_diff)
 
 
 def touched_modules(paths: list[str]) -> list[str]:
@@ -81,4 +92,15 @@ def test_each_pr_applies_alone_on_the_pin_and_passes_its_unit_tests(tmp_path):
         )  # fmt: skip
         assert proc.returncode == 0, (
             f"{pr_dir.name}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        )
+        declared = declared_variables(git(work, "diff", base, "HEAD", "--", ENVIRON))
+        if not declared:
+            continue
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.support.pr_probe", *declared],
+            cwd=REPO, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(work / "python"), "HIQ_SGLANG_TREE": str(work)},
+        )  # fmt: skip
+        assert proc.returncode == 0, (
+            f"{pr_dir.name} start-up probe:\n{proc.stdout}\n{proc.stderr[-4000:]}"
         )

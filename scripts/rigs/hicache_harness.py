@@ -136,6 +136,13 @@ def make_host_pool(
     else:
         cls = host_pool_cls or get_mha_host_pool_cls(info, host_dtype)
         kind_args = {}
+        if host_dtype != "auto" and extra.get("sink_page_tokens") is None:
+            # As _mha_host_inputs passes it to the encoded MHA pools.
+            from sglang.srt.mem_cache.pool_host.sink_page import (
+                requested_sink_page_tokens,
+            )
+
+            extra["sink_page_tokens"] = requested_sink_page_tokens()
     with _rig_memory_budget():
         return cls(
             info,

@@ -90,9 +90,8 @@ def _refuse_fp8_dsa_latent(server_args: Any) -> None:
 
 def _check_env_with_stock_pool() -> None:
     """The variables of the encoded pools on a stock (auto) host pool: bad
-    values are refused as they would be with an encoded pool; the sink page
-    does nothing there, so it is refused; the transfer path only warns, as a
-    deployment may set it for every server."""
+    values are refused as they would be with an encoded pool; the transfer
+    path only warns, as a deployment may set it for every server."""
     from sglang.srt.mem_cache.pool_host import host_env
 
     mode = host_env.fused_transfer_mode()
@@ -100,13 +99,6 @@ def _check_env_with_stock_pool() -> None:
         logger.warning(
             f"{host_env.VERIFY_ENV} has no effect with --hicache-host-dtype auto: "
             "only the encoded host pools check restored pages."
-        )
-    if host_env.sink_page_tokens():
-        raise ValueError(
-            f"{host_env.SINK_ENV} keeps the sink page's keys at 8 bits inside "
-            "--hicache-host-dtype int4 or int4r; --hicache-host-dtype auto stores "
-            f"the device KV as it is. Pass --hicache-host-dtype int4 or int4r, or "
-            f"unset {host_env.SINK_ENV}."
         )
     if mode != "auto":
         logger.warning(
@@ -116,42 +108,12 @@ def _check_env_with_stock_pool() -> None:
         )
 
 
-def _check_env_with_encoded_pool(server_args: Any) -> None:
-    """What the encoded pool would refuse of its variables once built, or
-    ignore (the MLA pool has no sink page)."""
+def _check_env_with_encoded_pool() -> None:
+    """What the encoded pool would refuse of its variables once built."""
     from sglang.srt.mem_cache.pool_host import host_env
 
     host_env.fused_transfer_mode()
     host_env.verify_sample_rate(0.0)
-    tokens = host_env.sink_page_tokens()
-    if not tokens:
-        return
-    cfg = resolving_view(server_args)
-    sink_env, model_config = host_env.SINK_ENV, model_config_of(server_args)
-    if use_mla_backend(server_args):
-        raise ValueError(
-            f"{sink_env}: the MLA host pool (--hicache-host-dtype "
-            f"{cfg.hicache_host_dtype}, {architecture(model_config)}) has no "
-            "sink page; it is kept by the MHA 4-bit formats (int4, int4r). Unset "
-            f"{sink_env}."
-        )
-    from sglang.srt.mem_cache.pool_host import sink_page
-    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
-
-    fmt_cls = host_format_cls(cfg.hicache_host_dtype, "mha")
-    sink_page.check_sink_page_format(fmt_cls, cfg.hicache_host_dtype)
-    fp8_kv = cfg.kv_cache_dtype in _FP8_KV_CACHE_DTYPES or (
-        cfg.kv_cache_dtype == "auto"
-        and checkpoint_kv_cache_quant_algo(model_config) == "FP8"
-    )
-    if fp8_kv:
-        declared = " (the checkpoint declares FP8 KV)" * (cfg.kv_cache_dtype == "auto")
-        raise ValueError(
-            f"{sink_env}: the 8-bit sink page stores BF16/FP16 device KV, not the "
-            f"FP8 KV of --kv-cache-dtype {cfg.kv_cache_dtype}{declared}. Unset "
-            f"{sink_env} or pass --kv-cache-dtype bf16."
-        )
-    sink_page.check_sink_page_size(tokens, cfg.page_size or 1)
 
 
 def architecture(model_config: Any) -> str:
@@ -175,7 +137,7 @@ def check_model_for_encoded_host_kv(server_args: Any) -> None:
     _refuse_checkpoint_fp8_kv(server_args)
     _refuse_untested_speculative_draft(server_args)
     _refuse_nixl_with_hybrid_model(server_args)
-    _check_env_with_encoded_pool(server_args)
+    _check_env_with_encoded_pool()
 
 
 def _refuse_nixl_with_hybrid_model(server_args: Any) -> None:
@@ -242,23 +204,28 @@ def _refuse_unsupported_mla(server_args: Any) -> None:
 def _refuse_unencodable_head_dims(server_args: Any) -> None:
     """Build the host format over the model's head dims, as the pool will, so
     a geometry its codec cannot encode (an odd dim for the 4-bit and k8v4
-    formats, MLA without a RoPE part) fails here and not at the first backup."""
+    formats, MLA without a RoPE part) fails here and not at the first backup.
+    The format comes from the pool class the dispatch builds, so a value whose
+    pool is not in this build is refused, not served by the stock pool."""
     import torch
 
     from sglang.srt.mem_cache.pool_host.host_format import (
-        host_format_cls,
+        host_pool_cls,
         unit_tokens_for,
     )
 
     cfg = resolving_view(server_args)
     model_config = model_config_of(server_args)
     unit_tokens = unit_tokens_for(cfg.page_size or 1, cfg.hicache_mem_layout)
-    if use_mla_backend(server_args):
-        fmt = host_format_cls(cfg.hicache_host_dtype, "mla")
+    kind = "mla" if use_mla_backend(server_args) else "mha"
+    try:
+        fmt = host_pool_cls(cfg.hicache_host_dtype, kind).host_format_cls
+    except NotImplementedError as e:
+        raise ValueError(str(e)) from e
+    if kind == "mla":
         rope_dim = model_config.qk_rope_head_dim
         geometries = [((model_config.kv_lora_rank + rope_dim,), {"rope_dim": rope_dim})]
     else:
-        fmt = host_format_cls(cfg.hicache_host_dtype, "mha")
         geometries = [((model_config.head_dim, model_config.v_head_dim), {})]
         if model_config.is_hybrid_swa:
             swa_dims = (model_config.swa_head_dim, model_config.swa_v_head_dim)

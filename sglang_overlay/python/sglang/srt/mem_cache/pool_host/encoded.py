@@ -25,7 +25,7 @@ from typing import ClassVar, Sequence
 
 import torch
 
-from sglang.srt.mem_cache.pool_host import backup_verify, host_env
+from sglang.srt.mem_cache.pool_host import backup_verify
 from sglang.srt.mem_cache.pool_host import page_integrity as integrity
 from sglang.srt.mem_cache.pool_host.common import ALLOC_MEMORY_FUNCS
 from sglang.srt.mem_cache.pool_host.host_format import HostKVFormat
@@ -97,7 +97,7 @@ class EncodedHostPool:
     (encoded_fused.py); None reads SGLANG_HICACHE_FUSED_TRANSFER. run_copies:
     whether transfers copy host rows per contiguous run; None: on CUDA.
     sink_page_tokens: host tokens per 8-bit sink-page slot (sink_page.py);
-    None reads SGLANG_HICACHE_SINK_PAGE_TOKENS.
+    None or 0: no sink page.
     """
 
     host_format_cls: ClassVar[type[HostKVFormat]]
@@ -150,12 +150,11 @@ class EncodedHostPool:
     def _sink_page_tokens(self, page_size: int, requested: int | None) -> int:
         """Host tokens per sink-page slot, 0 (off) unless asked for; the side
         store (sink_page.py) then refuses what the format cannot keep."""
-        tokens = host_env.sink_page_tokens() if requested is None else requested
-        if not tokens:
+        if not requested:
             return 0
         from sglang.srt.mem_cache.pool_host import sink_page
 
-        return sink_page.sink_page_tokens(self.host_format, page_size, tokens)
+        return sink_page.sink_page_tokens(self.host_format, page_size, requested)
 
     @classmethod
     def host_bytes_per_device_byte(

@@ -14,10 +14,7 @@ import os
 
 FUSED_ENV = "SGLANG_HICACHE_FUSED_TRANSFER"
 FUSED_MODES = ("auto", "off", "direct", "staged")
-SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
 VERIFY_ENV = "SGLANG_HICACHE_VERIFY_SAMPLE_RATE"
-# Every SGLANG_HICACHE_* variable the encoded pools read (docs/supported.md).
-HOST_POOL_ENVS = (FUSED_ENV, SINK_ENV, VERIFY_ENV)
 
 
 def fused_transfer_mode() -> str:
@@ -31,23 +28,6 @@ def fused_transfer_mode() -> str:
             "or unset it."
         )
     return mode
-
-
-def sink_page_tokens() -> int:
-    """SGLANG_HICACHE_SINK_PAGE_TOKENS: host tokens per 8-bit sink-page slot;
-    0 (unset or empty) is off."""
-    raw = os.environ.get(SINK_ENV, "")
-    try:
-        tokens = int(raw.strip() or 0)
-    except ValueError:
-        tokens = -1
-    if tokens < 0:
-        raise ValueError(
-            f"{SINK_ENV}={raw!r} is not a number of host tokens; pass 0 (off) or "
-            "the host tokens per 8-bit sink-page slot, at least --page-size "
-            "(e.g. 4096), or unset it."
-        )
-    return tokens
 
 
 def verify_sample_rate(default: float) -> float:

@@ -1,6 +1,10 @@
 """The attention-sink page of the 4-bit host formats: the keys of the page
 holding a sequence's token 0 kept at 8 bits (SGLANG_HICACHE_SINK_PAGE_TOKENS).
 
+The hybrid pool assembler passes the variable (requested_sink_page_tokens) to
+the encoded MHA host pools, and the HiCache hook checks it at start-up
+(check_sink_page_args).
+
 The radix cache says which backed-up page is a sequence's first (the first
 page of a node whose parent is the root) through HiCacheController.write's
 ``first_page_is_sink``; the pool calls ``mark_sink_page`` before that backup
@@ -24,10 +28,11 @@ per token. A first page that finds the store full stays 4-bit and is counted
 from __future__ import annotations
 
 import logging
+import os
+from typing import Any
 
 import torch
 
-from sglang.srt.mem_cache.pool_host import host_env
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8
 from sglang.srt.mem_cache.pool_host import page_integrity as integrity
 from sglang.srt.mem_cache.pool_host.host_format import (
@@ -49,7 +54,7 @@ from sglang.srt.mem_cache.pool_host.transfer import (
 
 logger = logging.getLogger(__name__)
 
-SINK_ENV = host_env.SINK_ENV
+SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
 # The L3 object of a sink page's 8-bit keys: the page's storage key + this.
 L3_KEY_SUFFIX = "-sink8keys"
 
@@ -63,11 +68,28 @@ def readable_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
-    """Host tokens per side-store slot (0: off), from the pool's keyword or
-    SGLANG_HICACHE_SINK_PAGE_TOKENS; refuses what the format cannot keep."""
-    tokens = host_env.sink_page_tokens() if requested is None else requested
-    if not tokens:
+def requested_sink_page_tokens() -> int:
+    """SGLANG_HICACHE_SINK_PAGE_TOKENS, read strictly (Envs would turn a
+    malformed value into 0, off, with a warning): host tokens per 8-bit
+    sink-page slot; 0 (unset or empty) is off."""
+    raw = os.environ.get(SINK_ENV, "")
+    try:
+        tokens = int(raw.strip() or 0)
+    except ValueError:
+        tokens = -1
+    if tokens < 0:
+        raise ValueError(
+            f"{SINK_ENV}={raw!r} is not a number of host tokens; pass 0 (off) or "
+            "the host tokens per 8-bit sink-page slot, at least --page-size "
+            "(e.g. 4096), or unset it."
+        )
+    return tokens
+
+
+def sink_page_tokens(fmt, page_size: int, requested: int) -> int:
+    """Host tokens per side-store slot (0: off), from the pool's keyword;
+    refuses what the format cannot keep."""
+    if not requested:
         return 0
     check_sink_page_format(type(fmt), fmt.name)
     if fmt.device_dtype in FP8_DEVICE_DTYPES:
@@ -76,8 +98,59 @@ def sink_page_tokens(fmt, page_size: int, requested: int | None) -> int:
             f"{str(fmt.device_dtype).removeprefix('torch.')}. Unset {SINK_ENV} or "
             "pass --kv-cache-dtype bf16."
         )
-    check_sink_page_size(tokens, page_size)
-    return tokens
+    check_sink_page_size(requested, page_size)
+    return requested
+
+
+def check_sink_page_args(server_args: Any) -> None:
+    """SGLANG_HICACHE_SINK_PAGE_TOKENS against the host dtype and the model, at
+    start-up (hicache_hook): what the pool would refuse once built, or ignore
+    (the stock and the MLA host pools have no sink page)."""
+    from sglang.srt.arg_groups.hicache_host_checks import (
+        _FP8_KV_CACHE_DTYPES,
+        architecture,
+        checkpoint_kv_cache_quant_algo,
+    )
+    from sglang.srt.arg_groups.overrides import (
+        model_config_of,
+        resolving_view,
+        use_mla_backend,
+    )
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+
+    tokens = requested_sink_page_tokens()
+    if not tokens:
+        return
+    cfg = resolving_view(server_args)
+    if cfg.hicache_host_dtype == "auto":
+        raise ValueError(
+            f"{SINK_ENV} keeps the sink page's keys at 8 bits inside "
+            "--hicache-host-dtype int4 or int4r; --hicache-host-dtype auto stores "
+            "the device KV as it is. Pass --hicache-host-dtype int4 or int4r, or "
+            f"unset {SINK_ENV}."
+        )
+    model_config = model_config_of(server_args)
+    if use_mla_backend(server_args):
+        raise ValueError(
+            f"{SINK_ENV}: the MLA host pool (--hicache-host-dtype "
+            f"{cfg.hicache_host_dtype}, {architecture(model_config)}) has no "
+            "sink page; it is kept by the MHA 4-bit formats (int4, int4r). Unset "
+            f"{SINK_ENV}."
+        )
+    fmt_cls = host_format_cls(cfg.hicache_host_dtype, "mha")
+    check_sink_page_format(fmt_cls, cfg.hicache_host_dtype)
+    fp8_kv = cfg.kv_cache_dtype in _FP8_KV_CACHE_DTYPES or (
+        cfg.kv_cache_dtype == "auto"
+        and checkpoint_kv_cache_quant_algo(model_config) == "FP8"
+    )
+    if fp8_kv:
+        declared = " (the checkpoint declares FP8 KV)" * (cfg.kv_cache_dtype == "auto")
+        raise ValueError(
+            f"{SINK_ENV}: the 8-bit sink page stores BF16/FP16 device KV, not the "
+            f"FP8 KV of --kv-cache-dtype {cfg.kv_cache_dtype}{declared}. Unset "
+            f"{SINK_ENV} or pass --kv-cache-dtype bf16."
+        )
+    check_sink_page_size(tokens, cfg.page_size or 1)
 
 
 def check_sink_page_format(fmt_cls, name: str) -> None:
