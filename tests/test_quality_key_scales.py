@@ -48,3 +48,68 @@ def test_layer_plan_rule():
     gemma = [i for i in range(18) if ks.plan_keys8(i, ks.GEMMA3_270M[0])]
     assert qwen == [0, 1, 2]
     assert gemma == [5, 11, 17]
+
+
+def _int4_side(side: str, value_group: int = 64) -> float:
+    """int4's records for one side per token and layer; values in groups of
+    `value_group` carry one FP16 scale and zero point per group."""
+    bytes_ = _side_bytes(_fmt("int4", 64), side)
+    if side == "v":
+        bytes_ += HEADS * 4 * (DIM // value_group - DIM // 64)
+    return bytes_
+
+
+# Key metadata per token and layer of the cheaper-metadata arms, from what
+# each stores (codes are int4's 4 bits per value either way).
+_CODES = HEADS * DIM / 2
+_KEY_META = {
+    "k32s": HEADS * DIM * 2 / 32,  # FP16 scale per channel per 32 tokens
+    "k32z8": HEADS * DIM * 3 / 32,  # + INT8 zero point
+    "k16s": HEADS * DIM * 2 / 16,
+    "k16e4": HEADS * DIM * 1 / 16 + HEADS * 2 / 64,  # E4M3 + FP16 base/head/page
+    "k16l2": HEADS * DIM * 1 / 16,  # 8-bit exponent
+    "k2l16": HEADS * DIM * (2 / 64 + 0.5 / 16),  # FP16 per page + 4 bits per 16
+    "k2l32": HEADS * DIM * (2 / 64 + 0.5 / 32),
+    "k2l16b8": HEADS * DIM * (2 / 64 + 1 / 16),
+}
+
+
+@pytest.mark.parametrize("keys", sorted(_KEY_META))
+@pytest.mark.parametrize("vgroup", (64, 128))
+def test_cheaper_key_metadata_bytes(keys, vgroup):
+    vname = "rot_v" if vgroup == 64 else "rot_v128"
+    layer = _CODES + _KEY_META[keys] + _int4_side("v", vgroup)
+    assert ks.bytes_per_token(f"int4_{keys}_{vname}", *ks.QWEN3_8B) == 36 * layer
+    # The plan rule's 3 layers store int8c's keys beside the same values.
+    k8 = _side_bytes(_fmt("int8c", 64), "k") + _int4_side("v", vgroup)
+    want = 33 * layer + 3 * k8
+    assert ks.bytes_per_token(f"k8_plan_{keys}_{vname}", *ks.QWEN3_8B) == want
+
+
+def test_cheaper_metadata_buys_the_layer_plan_within_3_4x():
+    def ratio(name):
+        return 4 * DIM * HEADS * 36 / ks.bytes_per_token(name, *ks.QWEN3_8B)
+
+    assert ratio("k8_plan_k32_rot_v128") < 3.4  # FP16 scale + zero point
+    for name in ("k8_plan_k32z8_rot_v128", "k8_plan_k32s_rot_v", "k8_plan_k2l16_rot_v"):
+        assert ratio(name) >= 3.4, name
+
+
+@pytest.mark.parametrize("keys", sorted(_KEY_META))
+def test_cheaper_key_quantizers_are_4_bit_and_keep_zero_channels(keys):
+    # QK-normed-like keys: per-channel gains, offsets, one channel all zero.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 2, 64, generator=gen) * torch.rand(64, generator=gen) * 3
+    x += torch.randn(64, generator=gen) * 0.5
+    x[:, :, 5] = 0
+    fn = ks._KEYS[keys][0]
+    y = fn(x)
+    unit = 32 if "32" in keys else 16
+    groups = y.reshape(128 // unit, unit, 2, 64).permute(0, 2, 3, 1).reshape(-1, unit)
+    assert max(len(torch.unique(g)) for g in groups) <= 16
+    assert (y[:, :, 5] == 0).all()
+    # Within one symmetric 4-bit step (amax / 7) of each unit's channel: no
+    # code clips by more than half a step, log2's rounded-up scale included.
+    step = x.reshape(128 // unit, unit, 2, 64).abs().amax(1) / 7
+    err = (y - x).abs().reshape(128 // unit, unit, 2, 64).amax(1)
+    assert (err <= step + 1e-6).all()
