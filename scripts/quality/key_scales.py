@@ -98,17 +98,19 @@ def _k4s(unit: int = 32):
     return lambda k: _per_channel(k, 15, True, unit)
 
 
-def _k4z8(unit: int = 32):
+def _k4z8(unit: int = 32, noclip: bool = False):
     """4-bit asymmetric per channel over `unit` tokens with an FP16 scale and an
-    INT8 zero point in scale steps (codes 0..15 decode as (q - z) * s)."""
+    INT8 zero point in scale steps (codes 0..15 decode as (q - z) * s).
+    noclip: scale (hi - lo) / 14 and z rounded up, so no value clips."""
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         t, h, d = x.shape
         g = x.reshape(t // unit, unit, h, d)
         lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
         # The scale grows where a narrow channel far from 0 needs |z| > 127.
-        s = _fp16(torch.maximum((hi - lo) / 15, lo.abs() / 127))
-        z = (-lo / s).round().clamp(-128, 127)
+        s = _fp16(torch.maximum((hi - lo) / (14 if noclip else 15), lo.abs() / 127))
+        z = (-lo / s).ceil() if noclip else (-lo / s).round()
+        z = z.clamp(-128, 127)
         q = ((g / s).round() + z).clamp(0, 15)
         return ((q - z) * s).reshape(t, h, d)
 
@@ -135,6 +137,27 @@ def _k4_sub8(unit: int = 16, kind: str = "e4m3"):
             s = torch.exp2(torch.log2(s.clamp_min(2.0**-126)).ceil())
         s = s.clamp_min(1e-30)
         return ((g / s).round().clamp(-7, 7) * s).reshape(t, h, d)
+
+    return apply
+
+
+def _k4_two_level_asym(unit: int = 32):
+    """4-bit asymmetric per channel: an FP16 minimum L and range R per channel
+    and page, and per `unit` tokens two 4-bit codes a, b (range L + R * a / 16
+    to L + R * (b + 1) / 16, rounded outward so nothing clips)."""
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        t, h, d = x.shape
+        g = x.reshape(t // PAGE, PAGE // unit, unit, h, d)
+        lo = _half(g.amin((1, 2), keepdim=True))
+        rng = _fp16(g.amax((1, 2), keepdim=True) - lo)
+        a = ((g.amin(2, keepdim=True) - lo) / rng * 16).floor().clamp(0, 15)
+        b = ((g.amax(2, keepdim=True) - lo) / rng * 16).ceil()
+        b = torch.maximum(b, a + 1).clamp_max(16)
+        sub_lo = lo + rng * a / 16
+        s = (rng * (b - a) / 16 / 15).clamp_min(1e-30)
+        q = ((g - sub_lo) / s).round().clamp(0, 15)
+        return (q * s + sub_lo).reshape(t, h, d)
 
     return apply
 
@@ -311,6 +334,10 @@ _KEYS = {
     "k2l16": (_k4_two_level(16, 4), 4.0, 0.0),  # FP16/page + 4-bit per 16
     "k2l32": (_k4_two_level(32, 4), 3.0, 0.0),  # FP16/page + 4-bit per 32
     "k2l16b8": (_k4_two_level(16, 8), 6.0, 0.0),  # FP16/page + 8-bit per 16
+    "k32z8n": (_k4z8(32, noclip=True), 6.0, 0.0),  # k32z8, nothing clips
+    "k2l32a": (_k4_two_level_asym(32), 6.0, 0.0),  # FP16 min+range/page, 2x4 bits/32
+    # k32z8 in the rotated basis (int4r's keys, per model: no QK-norm)
+    "rk32z8": (_rotated(_k4z8(32)), 6.0, 0.0),
 }
 for _k, (_fn, _meta, _head) in _KEYS.items():
     for _vname, _vfn, _vg in (("rot_v", _v64, 64), ("rot_v128", _v128, 128)):
