@@ -338,6 +338,7 @@ _KEYS = {
     "k2l32a": (_k4_two_level_asym(32), 6.0, 0.0),  # FP16 min+range/page, 2x4 bits/32
     # k32z8 in the rotated basis (int4r's keys, per model: no QK-norm)
     "rk32z8": (_rotated(_k4z8(32)), 6.0, 0.0),
+    "rk2l32a": (_rotated(_k4_two_level_asym(32)), 6.0, 0.0),
 }
 for _k, (_fn, _meta, _head) in _KEYS.items():
     for _vname, _vfn, _vg in (("rot_v", _v64, 64), ("rot_v128", _v128, 128)):
