@@ -350,6 +350,13 @@ for _k, (_fn, _meta, _head) in _KEYS.items():
             f"k8_plan_{_k}_{_vname}", _unit, False, plan_keys8, _vg, _meta, _head
         )
         CANDIDATES[_name] = _planned(plan_keys8, _vfn, _fn)
+# The sink page (8-bit keys of each sequence's first page) on the cheaper keys:
+# Llama-style models' 4-bit pick (int4r_sink) keeps one.
+for _k in ("k2l32a", "rk2l32a", "k32z8n", "rk32z8"):
+    _fn, _meta, _head = _KEYS[_k]
+    for _vname, _vfn, _vg in (("rot_v", _v64, 64), ("rot_v128", _v128, 128)):
+        _name = _spec(f"int4_{_k}_{_vname}_sink", 32, True, None, _vg, _meta, _head)
+        CANDIDATES[_name] = (_sink(_fn), _vfn)
 for _i in range(18):
     # One layer's keys at 8 bits: where the 4-bit keys' loss sits.
     _name = _spec(f"k8_layer{_i}", plan=_layers(_i))
