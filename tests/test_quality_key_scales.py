@@ -122,3 +122,13 @@ def test_cheaper_key_quantizers_are_4_bit_and_keep_zero_channels(keys):
     step = x.reshape(128 // unit, unit, 2, 64).abs().amax(1) / 7
     err = (y - x).abs().reshape(128 // unit, unit, 2, 64).amax(1)
     assert (err <= step + 1e-6).all()
+
+
+@pytest.mark.parametrize("keys", ("k2l32a", "rk2l32a", "k32z8n", "rk32z8"))
+def test_sink_page_on_cheaper_keys_adds_one_int8c_key_page_per_sequence(keys):
+    # One 64-token page of int8c keys per 4,096-token sequence, every layer.
+    sink = _side_bytes(_fmt("int8c", 64), "k") * 64 / 4096
+    layer = _CODES + _KEY_META[keys] + _int4_side("v", 128) + sink
+    got = ks.bytes_per_token(f"int4_{keys}_rot_v128_sink", *ks.QWEN3_8B)
+    assert got == pytest.approx(36 * layer, rel=1e-12)
+    assert 4 * DIM * HEADS * 36 / got >= 3.4
