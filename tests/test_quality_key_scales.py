@@ -132,3 +132,11 @@ def test_sink_page_on_cheaper_keys_adds_one_int8c_key_page_per_sequence(keys):
     got = ks.bytes_per_token(f"int4_{keys}_rot_v128_sink", *ks.QWEN3_8B)
     assert got == pytest.approx(36 * layer, rel=1e-12)
     assert 4 * DIM * HEADS * 36 / got >= 3.4
+
+
+def test_text_flag_names_its_choices(monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", ["key_scales", "--text", "novels"])
+    with pytest.raises(SystemExit):
+        ks.main()
+    err = capsys.readouterr().err
+    assert "--text" in err and "invalid choice" in err and "python-docs" in err

@@ -384,6 +384,12 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--score-len", type=int, default=512)
     p.add_argument("--text-file", default="../shared/data/wikitext-2/test.txt")
+    p.add_argument(
+        "--text",
+        default="wikitext-2",
+        choices=["wikitext-2", *texts.CODE_TEXTS, *texts.DOC_TEXTS],
+        help="wikitext-2 reads --text-file; the others read the installed Python",
+    )
     p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma list")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
@@ -392,7 +398,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     names = ["bf16", *args.arms.split(",")]
     bundle = hq.load_model(args.model)
-    ids, _ = hq.tokenize_text(bundle.tokenizer, texts.wikitext(args.text_file))
+    named = {**texts.CODE_TEXTS, **texts.DOC_TEXTS}
+    text = named[args.text]() if args.text in named else texts.wikitext(args.text_file)
+    ids, _ = hq.tokenize_text(bundle.tokenizer, text)
     bos = bundle.info.get("bos_token_id")
     span = args.prefix_len + args.score_len + 1
     scored = {n: [] for n in [*names, "fp32_kv"]}
@@ -419,7 +427,7 @@ def main() -> None:
             scored[name].append(hq.compare_logits(outs[0][0], logits, targets))
         print(f"window @ {offset}: {time.perf_counter() - start:.0f} s", flush=True)
     base = torch.cat([c["lp_arm"] for c in scored["bf16"]]).neg().mean()
-    print(f"\n{args.model}, {args.windows} windows, vs the BF16 KV")
+    print(f"\n{args.model}, {args.text}, {args.windows} windows, vs the BF16 KV")
     print(
         "| arm | top-1 | flips | mean KL | PPL delta | BF16 / host bytes, "
         "Qwen3-8B | Gemma 3 |\n|---|---:|---:|---:|---:|---:|---:|"
