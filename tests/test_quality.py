@@ -20,7 +20,6 @@ import torch
 from scripts.common import plot
 from scripts.quality import __main__ as quality
 from scripts.quality import harness as hq
-from scripts.quality import key_scales as ks
 from scripts.quality import texts
 from tests.support.quality_inputs import SMALL, TEXT_FILE, tiny_model
 
@@ -661,48 +660,3 @@ def test_full_size_run_counts_the_models_own_windows():
     assert _targets(summary, 8, full_windows=8)["full_size_run"]
     assert not _targets(summary, 8)["full_size_run"]
     assert not _targets(summary, 7, full_windows=8)["full_size_run"]
-
-
-# --- key_scales.py's capacity column: its byte model of the 4-bit candidates
-# is the registered formats' records at Qwen3-8B geometry, and its layer plan
-# picks the layers docs/quality-int8c.md states.
-
-KS_HEADS, KS_DIM = 8, 128
-
-
-def _fmt(name: str, unit_tokens: int):
-    from sglang.srt.mem_cache.pool_host import host_format as hf
-
-    cls = hf.host_format_cls(name)
-    return cls((KS_DIM, KS_DIM), KS_HEADS, unit_tokens, torch.bfloat16)
-
-
-def _side_bytes(fmt, side: str) -> float:
-    """A format's host bytes per token and layer of one side's records."""
-    nbytes = sum(r.nbytes for r in fmt.records if r.name.split("_")[0] == side)
-    return nbytes / fmt.unit_tokens
-
-
-@pytest.mark.parametrize("arm,unit", (("int4", 64), ("int4_k32", 32)))
-def test_uniform_arms_cost_what_int4_records_cost(arm, unit):
-    layers = len(ks.QWEN3_8B[0])
-    want = layers * _fmt("int4", unit).bytes_per_token()
-    assert ks.bytes_per_token(arm, *ks.QWEN3_8B) == want
-
-
-def test_an_8bit_key_layer_costs_int8c_keys_plus_int4_values():
-    # k8_first3: three layers of int8c keys + int4 values, 33 layers of int4.
-    int4, int8c = _fmt("int4", 64), _fmt("int8c", 64)
-    k8_layer = _side_bytes(int8c, "k") + _side_bytes(int4, "v")
-    want = 33 * int4.bytes_per_token() + 3 * k8_layer
-    assert ks.bytes_per_token("k8_first3", *ks.QWEN3_8B) == want
-    # The capacity target's arithmetic: 3 such layers fit 3.4x, 4 do not.
-    assert 4 * KS_DIM * KS_HEADS * 36 / want >= 3.4
-    assert 4 * KS_DIM * KS_HEADS * 36 / (want + k8_layer - int4.bytes_per_token()) < 3.4
-
-
-def test_layer_plan_rule():
-    qwen = [i for i in range(36) if ks.plan_keys8(i, ks.QWEN3_8B[0])]
-    gemma = [i for i in range(18) if ks.plan_keys8(i, ks.GEMMA3_270M[0])]
-    assert qwen == [0, 1, 2]
-    assert gemma == [5, 11, 17]
