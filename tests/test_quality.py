@@ -97,7 +97,7 @@ def test_one_arm_per_registered_host_format(monkeypatch):
 
 def _format_bytes_per_token(report, arm) -> float:
     """Host bytes per token (all layers) of the arm's format, from its class."""
-    from sglang.srt.mem_cache.pool_host.encoded import unit_tokens_for
+    from sglang.srt.mem_cache.pool_host.host_format import unit_tokens_for
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
 
     geo = report["kv_geometry"]
