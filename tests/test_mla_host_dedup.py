@@ -6,7 +6,8 @@ KV bytes and the same host indices; a source-side load failure raises on
 every rank instead of hanging. With the `file` L3 backend the source alone
 writes each page; after a restart a prefetch reaches every rank with the same
 hits and host indices, and a page file the source cannot use is the same miss
-on every rank."""
+on every rank. With a real mooncake_master the same holds without a restart
+(L1 and L2 dropped), and the peer never calls the store."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-def _build(case, group):
+def _build(case, group, storage_backend=None):
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.hicache_host_dedup import HiCacheHostDedup
     from sglang.srt.mem_cache.pool_host.mla import get_mla_host_pool_cls
@@ -94,7 +95,7 @@ def _build(case, group):
     geo = MLAGeometry(layer_num=LAYERS, page_size=page)
     device_pool = make_device_pool(geo, 32 * page)
     allocator = make_allocator(device_pool)
-    dedup = HiCacheHostDedup.build(device_pool, group, storage_backend=None)
+    dedup = HiCacheHostDedup.build(device_pool, group, storage_backend)
     info = device_pool.get_device_pool_infos()[0].buffer_info
     with _rig_memory_budget():
         host_pool = dedup.build_host_pool(
@@ -459,29 +460,31 @@ def _reload_from_l3(cache, ids, query) -> list:
     return [match.host_hit_length, cache.pop_prefetch_loaded_span(handle)[0]]
 
 
-def _l3_stack(case, group, store_dir: str):
-    """Fresh dedup state, pools and controller attached to the `file` store in
-    `store_dir`: what a (re)start builds on every rank."""
-    from scripts.rigs.l3_harness import file_storage_config, publish_runtime
+def _l3_stack(case, group, backend: str, extra_config: dict):
+    """Fresh dedup state, pools and controller attached to the L3 `backend`:
+    what a (re)start builds on every rank. `written` collects the page keys
+    the backend's batch_set / batch_set_v1 (Mooncake's zero-copy write) get."""
+    from scripts.rigs.l3_harness import publish_runtime
 
     _, host_dtype, layout, _, page = case
     publish_runtime(page, layout, host_dtype)
     _stamp_tp_rank()
-    dedup, device_pool, allocator, host_pool, ctl = _build(case, group)
+    dedup, device_pool, allocator, host_pool, ctl = _build(case, group, backend)
     ctl.attach_storage_backend(
-        "file",
+        backend,
         prefetch_threshold=page,
-        model_name="hiq/dedup",
-        storage_backend_extra_config=file_storage_config(store_dir),
+        model_name=f"hiq/dedup-{backend}",
+        storage_backend_extra_config=dict(extra_config),
     )
     written = []
-    real_batch_set = ctl.storage_backend.batch_set
+    for name in ("batch_set", "batch_set_v1"):
+        real = getattr(ctl.storage_backend, name)
 
-    def counting_batch_set(keys, values, *args, **kwargs):
-        written.extend(keys)
-        return real_batch_set(keys, values, *args, **kwargs)
+        def counting(keys, *args, _real=real, **kwargs):
+            written.extend(keys)
+            return _real(keys, *args, **kwargs)
 
-    ctl.storage_backend.batch_set = counting_batch_set
+        setattr(ctl.storage_backend, name, counting)
     return dedup, device_pool, allocator, ctl, written
 
 
@@ -520,14 +523,16 @@ def _run_l3_case(case, rank, group, store_dir: str) -> dict:
     import torch.distributed as dist
 
     from scripts.rigs.hicache_harness import finish_transfers
-    from scripts.rigs.l3_harness import STORAGE_WAIT_S
+    from scripts.rigs.l3_harness import STORAGE_WAIT_S, file_storage_config
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
     page = case[4]
     tokens = list(range(2000, 2000 + L3_PAGES * page))
     hashes = get_storage_hash_str(tokens, None, page_size=page)
     logged = _LogLines("sglang.srt.managers.cache_controller")
-    dedup, device_pool, allocator, ctl, written = _l3_stack(case, group, store_dir)
+    dedup, device_pool, allocator, ctl, written = _l3_stack(
+        case, group, "file", file_storage_config(store_dir)
+    )
     gen = torch.Generator().manual_seed(4321)
     dev = allocator.alloc(len(tokens))
     for layer in range(LAYERS):
@@ -557,7 +562,9 @@ def _run_l3_case(case, rank, group, store_dir: str) -> dict:
     dedup.destroy()
 
     # Restart: fresh pools and controllers on every rank, the same store.
-    dedup, device_pool, allocator, ctl, written = _l3_stack(case, group, store_dir)
+    dedup, device_pool, allocator, ctl, written = _l3_stack(
+        case, group, "file", file_storage_config(store_dir)
+    )
     hit, completed, host, rows = _l3_prefetch_load(
         ctl, allocator, device_pool, tokens, "all", page
     )
@@ -604,7 +611,123 @@ def _run_l3_case(case, rank, group, store_dir: str) -> dict:
     return result
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
+# L3 on a real mooncake_master: objects live in the store's memory segments,
+# which the clients of both ranks mount, so L1 and L2 are dropped instead of
+# restarting the ranks.
+MOONCAKE_CASES = [("l3_mooncake_int8", "int8", "page_first_direct", "direct", 4)]
+MOONCAKE_PAGE_SIZE = {c[0]: c[4] for c in MOONCAKE_CASES}
+
+
+class _StoreCalls:
+    """The Mooncake client with the name of every call it serves recorded."""
+
+    def __init__(self, store, calls: list):
+        self._store = store
+        self._calls = calls
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self._calls.append(name)
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _run_l3_mooncake_case(case, rank, group, extra_config: dict) -> dict:
+    """Write through to Mooncake (the source alone), drop L1 and L2 on every
+    rank, prefetch and load back; then an object removed on the source."""
+    import torch.distributed as dist
+
+    from scripts.rigs.hicache_harness import finish_transfers
+    from scripts.rigs.l3_harness import STORAGE_WAIT_S
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    page = case[4]
+    tokens = list(range(3000, 3000 + L3_PAGES * page))
+    hashes = get_storage_hash_str(tokens, None, page_size=page)
+    logged = _LogLines("sglang.srt.managers.cache_controller")
+    dedup, device_pool, allocator, ctl, written = _l3_stack(
+        case, group, "mooncake", extra_config
+    )
+    backend = ctl.storage_backend
+    # Peers must never reach the store after attaching: the source serves.
+    calls = []
+    backend.store = _StoreCalls(backend.store, calls)
+    gen = torch.Generator().manual_seed(5678)
+    dev = allocator.alloc(len(tokens))
+    for layer in range(LAYERS):
+        buf = device_pool.kv_buffer[layer]
+        buf[dev] = torch.randn((len(dev), *buf.shape[1:]), generator=gen).to(buf.dtype)
+    expected = torch.stack(
+        [device_pool.kv_buffer[layer][dev] for layer in range(LAYERS)]
+    )
+    host = ctl.write(dev)
+    finish_transfers(ctl)
+    op_id = ctl.write_storage(host, tokens, hash_value=hashes)
+    op = ctl.ack_backup_queue.get(timeout=STORAGE_WAIT_S)
+    assert op.id == op_id
+    result = {
+        "is_src": dedup.is_src,
+        "keys_written": len(written),
+        "backup_completed": op.completed_tokens,
+        "errors": [x for x in logged.lines if "ackup" in x or "Write page" in x],
+    }
+    logged.close()
+    dist.barrier(group)
+    if dedup.is_src:
+        # The group's pages, as the store holds them (one object each).
+        result["stored_pages"] = backend.batch_exists(hashes)
+    # L1 and L2 dropped on every rank; the stale rows differ per rank.
+    for layer in range(LAYERS):
+        device_pool.kv_buffer[layer][dev] = float(rank + 7)
+    allocator.free(dev)
+    ctl.mem_pool_host.free(host)
+    # The source's freed records are scrubbed, so only a read from the store
+    # can restore them.
+    for records in ctl.mem_pool_host.kv_buffer or []:
+        records.view(torch.uint8).fill_(0x55)
+    hit, completed, host, rows = _l3_prefetch_load(
+        ctl, allocator, device_pool, tokens, "all", page
+    )
+    result["reload"] = [hit, completed]
+    if rows is None:  # nothing restored: "reload" says so on every rank
+        rows = torch.full_like(expected, float("nan"))
+    result["reload_same_host"] = all(
+        torch.equal(x, host.view(torch.uint8)) for x in _gather(host)
+    )
+    everyone = _gather(rows)
+    result["reload_equal_to_rank0"] = all(torch.equal(x, everyone[0]) for x in everyone)
+    result["reload_max_abs_err"] = (rows.float() - expected.float()).abs().max().item()
+
+    # A missing object on the source: the hits stop there on every rank.
+    if dedup.is_src:
+        backend.delete(hashes[L3_REMOVED_PAGE])
+    dist.barrier(group)
+    hit, completed, host, rows = _l3_prefetch_load(
+        ctl, allocator, device_pool, tokens, "missing", page
+    )
+    result["missing"] = [hit, completed]
+    if rows is None:  # nothing restored: "missing" says so on every rank
+        rows = torch.full_like(expected[:, : L3_REMOVED_PAGE * page], float("nan"))
+    result["missing_same_host"] = all(
+        torch.equal(x, host.view(torch.uint8)) for x in _gather(host)
+    )
+    everyone = _gather(rows)
+    result["missing_equal_to_rank0"] = all(
+        torch.equal(x, everyone[0]) for x in everyone
+    )
+    result["keys_written_total"] = len(written)
+    result["store_calls"] = sorted(set(calls))
+    ctl.detach_storage_backend()
+    dedup.destroy()
+    return result
+
+
+def _rank_main(rank: int, port: int, out_dir: str, mooncake: dict | None) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -638,6 +761,8 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
         for case in RADIX_L3_CASES:
             store = os.path.join(out_dir, case[0])
             results[case[0]] = _run_radix_case(case, rank, group, store)
+        for case in MOONCAKE_CASES if mooncake is not None else ():
+            results[case[0]] = _run_l3_mooncake_case(case, rank, group, mooncake)
     except BaseException:  # noqa: BLE001 - reported to the parent
         results["error"] = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -653,12 +778,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, request):
+    from scripts.rigs.l3_harness import mooncake_unavailable_reason
+
     out = tmp_path_factory.mktemp("dedup")
+    # The session's mooncake_master, when Mooncake runs here (else its tests
+    # skip, or fail under CI, with the reason).
+    mooncake = None
+    if mooncake_unavailable_reason() is None:
+        mooncake = request.getfixturevalue("mooncake_master").storage_config()
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, port, str(out))) for r in range(WORLD)
+        ctx.Process(target=_rank_main, args=(r, port, str(out), mooncake))
+        for r in range(WORLD)
     ]
     for p in procs:
         p.start()
@@ -794,3 +927,45 @@ def test_radix_cache_l3_prefetch_restores_rank0_rows(ranks):
         assert (r["evicted"], r["host_hit"], r["loaded"]) == (tokens,) * 3
         assert r["equal_to_rank0"] and r["same_device_indices"]
         assert r["max_abs_err"] <= 0.05
+
+
+def _mooncake(ranks, case):
+    if case not in ranks[0]:
+        from scripts.rigs.l3_harness import require_mooncake
+
+        require_mooncake()
+        pytest.fail(f"{case} did not run though Mooncake is available")
+    return ranks[0][case], ranks[1][case]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in MOONCAKE_CASES])
+def test_mooncake_page_is_written_once_per_group(ranks, case):
+    """The source writes each page once; the peer never calls the store."""
+    r0, r1 = _mooncake(ranks, case)
+    assert r0["is_src"] and not r1["is_src"]
+    assert r0["keys_written"] == L3_PAGES and r1["keys_written"] == 0
+    assert r0["stored_pages"] == L3_PAGES
+    assert r0["backup_completed"] == L3_PAGES * MOONCAKE_PAGE_SIZE[case]
+    assert r1["backup_completed"] == 0 and not r0["errors"] and not r1["errors"]
+    assert r0["keys_written_total"] == L3_PAGES and r1["keys_written_total"] == 0
+    assert r0["store_calls"] and r1["store_calls"] == []
+
+
+@pytest.mark.parametrize("case", [c[0] for c in MOONCAKE_CASES])
+def test_mooncake_hit_after_l2_drop_restores_rank0_rows(ranks, case):
+    r0, r1 = _mooncake(ranks, case)
+    tokens = L3_PAGES * MOONCAKE_PAGE_SIZE[case]
+    assert r0["reload"] == r1["reload"] == [tokens, tokens]
+    assert r0["reload_same_host"] and r1["reload_same_host"]
+    assert r0["reload_equal_to_rank0"] and r1["reload_equal_to_rank0"]
+    assert r0["reload_max_abs_err"] <= 0.05 and r1["reload_max_abs_err"] <= 0.05
+
+
+@pytest.mark.parametrize("case", [c[0] for c in MOONCAKE_CASES])
+def test_mooncake_source_side_miss_is_the_same_on_every_rank(ranks, case):
+    """An object removed on the source ends the hits on both ranks."""
+    r0, r1 = _mooncake(ranks, case)
+    pages = L3_REMOVED_PAGE * MOONCAKE_PAGE_SIZE[case]
+    assert r0["missing"] == r1["missing"] == [pages, pages]
+    assert r0["missing_same_host"] and r1["missing_same_host"]
+    assert r0["missing_equal_to_rank0"] and r1["missing_equal_to_rank0"]

@@ -55,17 +55,18 @@ def test_refuses_hybrid_stacks():
         _select_strategy(kv, {ComponentType.FULL, ComponentType.SWA})
 
 
-def test_stack_refuses_storage_backends_other_than_file():
-    """Where the stack is built: `file` passes (the source alone serves L3 for
-    its group), any other backend is refused, naming the flag and the fix."""
+def test_stack_refuses_storage_backends_other_than_file_and_mooncake():
+    """Where the stack is built: `file` and `mooncake` pass (the source alone
+    serves L3 for its group), any other backend is refused, naming the flag
+    and the fix."""
     from sglang.srt.mem_cache.hicache_host_dedup import check_host_dedup_supported
     from scripts.rigs.hicache_harness import MLAGeometry, make_device_pool
 
     device_pool = make_device_pool(MLAGeometry(layer_num=2), 16)
-    check_host_dedup_supported(device_pool, "file")
-    check_host_dedup_supported(device_pool, None)
+    for backend in (None, "file", "mooncake"):
+        check_host_dedup_supported(device_pool, backend)
     with pytest.raises(ValueError) as error:
-        check_host_dedup_supported(device_pool, "mooncake")
+        check_host_dedup_supported(device_pool, "nixl")
     message = str(error.value)
-    assert f"{FLAG} does not support --hicache-storage-backend mooncake" in message
-    assert "Use --hicache-storage-backend file or drop the flag." in message
+    assert f"{FLAG} does not support --hicache-storage-backend nixl" in message
+    assert "Use --hicache-storage-backend file or mooncake, or drop" in message

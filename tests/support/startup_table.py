@@ -281,13 +281,14 @@ TABLE: tuple[Row, ...] = (
        expect=dict(enable_mla_hicache_host_dedup=True)),
     ok("mla512", ("int8",), expect=dict(enable_mla_hicache_host_dedup=False)),
     ok("mla512", ("auto", "int8"), flags=dict(enable_mla_hicache_host_dedup=True,
-       hicache_storage_backend="file"), expect=dict(enable_mla_hicache_host_dedup=True,
-       hicache_storage_backend="file")),
+       hicache_storage_backend=("file", "mooncake")),
+       expect=dict(enable_mla_hicache_host_dedup=True,
+                   hicache_storage_backend="{hicache_storage_backend}")),
     no("mla512", ("auto", "int8"), "--enable-mla-hicache-host-dedup does not support "
-       "--hicache-storage-backend {hicache_storage_backend}: only file is wired",
-       "Use --hicache-storage-backend file or drop the flag.",
+       "--hicache-storage-backend {hicache_storage_backend}: only file and mooncake "
+       "are wired", "Use --hicache-storage-backend file or mooncake, or drop the flag.",
        flags=dict(enable_mla_hicache_host_dedup=True,
-                  hicache_storage_backend=("mooncake", "nixl"))),
+                  hicache_storage_backend="nixl")),
     no("mla512", ("auto",), "--enable-mla-hicache-host-dedup requires "
        "--enable-hierarchical-cache.", flags=dict(enable_mla_hicache_host_dedup=True,
        enable_hierarchical_cache=False)),

@@ -17,11 +17,11 @@ def validate_mla_hicache_host_dedup(server_args: Any):
         raise ValueError(
             "--enable-mla-hicache-host-dedup requires --enable-hierarchical-cache."
         )
-    if cfg.hicache_storage_backend not in (None, "file"):
-        # The source alone reads and writes L3 pages; wired for file only.
-        raise ValueError(
-            "--enable-mla-hicache-host-dedup does not support "
-            f"--hicache-storage-backend {cfg.hicache_storage_backend}: only file "
-            "is wired for L3 with host dedup. Use --hicache-storage-backend file "
-            "or drop the flag."
-        )
+    from sglang.srt.mem_cache.hicache_host_dedup import (
+        STORAGE_BACKENDS,
+        storage_backend_refusal,
+    )
+
+    if cfg.hicache_storage_backend not in STORAGE_BACKENDS:
+        # The source alone reads and writes L3 pages.
+        raise ValueError(storage_backend_refusal(cfg.hicache_storage_backend))

@@ -8,7 +8,7 @@ the source only. A load restores (decodes) each layer on the source and
 MLAHostDedupBroadcaster sends the restored layer to the other ranks' device
 pools. A failure on the source during a load raises HostDedupLoadError on
 every rank of the group after the layers' broadcasts, never a hang. With L3
-(`file`), the source alone writes and reads pages; the group agrees on each
+(`file`, `mooncake`), the source alone writes and reads pages; the group agrees on each
 prefetch's hits and completed pages, so every rank allocates the same host
 indices and a page the source cannot use is a miss on every rank.
 """
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 FLAG = "--enable-mla-hicache-host-dedup"
 # L3 backends the source alone serves for its group (None: no L3).
-STORAGE_BACKENDS = (None, "file")
+STORAGE_BACKENDS = (None, "file", "mooncake")
 
 
 class HostDedupLoadError(RuntimeError):
@@ -225,16 +225,20 @@ class HiCacheHostDedup:
             pass
 
 
+def storage_backend_refusal(storage_backend: str) -> str:
+    return (
+        f"{FLAG} does not support --hicache-storage-backend {storage_backend}: "
+        "only file and mooncake are wired for L3 with host dedup. Use "
+        "--hicache-storage-backend file or mooncake, or drop the flag."
+    )
+
+
 def check_host_dedup_supported(device_pool, storage_backend: Optional[str]) -> None:
     """Refuse, naming the flag, what the dedup cannot serve."""
     # The source alone reads and writes L3 pages (the peers' host indices
-    # follow from the group's agreed hit counts); wired for `file` only.
+    # follow from the group's agreed hit counts); wired for STORAGE_BACKENDS.
     if storage_backend not in STORAGE_BACKENDS:
-        raise ValueError(
-            f"{FLAG} does not support --hicache-storage-backend "
-            f"{storage_backend}: only file is wired for L3 with host dedup. Use "
-            "--hicache-storage-backend file or drop the flag."
-        )
+        raise ValueError(storage_backend_refusal(storage_backend))
     if not mla_host_dedup_eligible(device_pool, storage_backend):
         raise ValueError(
             f"{FLAG} needs an MLA model's BF16/FP16/FP8 latent KV cache on CUDA "
