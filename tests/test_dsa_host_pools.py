@@ -666,10 +666,46 @@ def dedup_rank(rank: int, group, model_dirs: dict) -> dict:
         setattr(mla, name, standin)
     torch.cuda.get_device_capability = lambda *a: (9, 0)
     with base.host_memory_budget_scope(1 << 40):
-        return {
+        results = {
             case[0]: _dedup_case(case, model_dirs[case[1]], rank, group)
             for case in DEDUP_CASES
         }
+        results["l3_refused"] = _dedup_l3_refusal(model_dirs["dsa"], group)
+    return results
+
+
+def _dedup_l3_refusal(model_dir, group) -> str:
+    """The DSA stack with the flag and an L3 backend (past the start-up check,
+    as a caller of the pool assembler would get there): the refusal."""
+    from scripts.rigs.hicache_harness import make_allocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.runtime_context import get_memory
+
+    server_args = publish_server_args(
+        model_dir,
+        "int8",
+        "page_first",
+        PAGE,
+        "kernel",
+        l3=dict(hicache_storage_backend="file"),
+    )
+    kv = dsa_device_pool(server_args)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=2048, device="cpu", enable_memory_saver=False
+        ),
+        token_to_kv_pool_allocator=make_allocator(kv),
+        page_size=PAGE,
+        tp_cache_group=group,
+    )
+    try:
+        with get_memory().override(enable_mla_hicache_host_dedup=True):
+            build_cache(server_args, params, swa=False, ssm=False)
+    except ValueError as exc:
+        return str(exc)
+    return "built"
 
 
 @pytest.fixture(scope="module")
@@ -708,3 +744,12 @@ def test_host_dedup_peer_holds_no_host_kv_for_either_pool(dedup_ranks, case):
     assert r0["host_size"] == r1["host_size"]
     assert r1["host_kv_bytes"] == [0, 0]
     assert all(b >= r0["host_size"][0] for b in r0["host_kv_bytes"])
+
+
+def test_host_dedup_with_l3_is_refused_for_dsa(dedup_ranks):
+    """The pool assembler refuses it on every rank too, naming the flag."""
+    for r in dedup_ranks:
+        assert r["l3_refused"].startswith(
+            "--enable-mla-hicache-host-dedup with a DSA model does not support "
+            "--hicache-storage-backend file"
+        ), r["l3_refused"]
