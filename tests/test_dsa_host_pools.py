@@ -20,6 +20,12 @@ than it left, and the indexer's FP8 keys and scales bit for bit. Across a
 restart, the same through SGLang's file backend and a real mooncake_master:
 both pools' pages reach L3 (the latent's sealed) and come back through a
 prefetch into fresh pools.
+
+With --enable-mla-hicache-host-dedup, 2 gloo ranks as spawned processes
+(tests/support/spawned_ranks.py), each through the same DSA stack over the TP
+group: the source alone holds and backs up both host pools, the peer's are
+allocator-only (no bytes), and after a load both ranks' latent and indexer
+rows equal rank 0's bit for bit.
 """
 
 from __future__ import annotations
