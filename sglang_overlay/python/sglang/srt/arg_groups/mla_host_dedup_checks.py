@@ -25,7 +25,9 @@ def validate_mla_hicache_host_dedup(server_args: Any):
             "is wired for L3 with host dedup. Use --hicache-storage-backend file "
             "or drop the flag."
         )
-    if cfg.hicache_storage_backend is not None:
+    # A dummy model (the pipeline stops there) has no config to read.
+    dummy = cfg.model_path.lower() in ("none", "dummy")
+    if cfg.hicache_storage_backend is not None and not dummy:
         from sglang.srt.configs.model_config import is_deepseek_dsa
 
         # The DSA indexer's L3 pages with allocator-only peers have no
