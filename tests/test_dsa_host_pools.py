@@ -31,6 +31,7 @@ rows equal rank 0's bit for bit.
 from __future__ import annotations
 
 import json
+import os
 import time
 from array import array
 from dataclasses import dataclass
@@ -589,15 +590,24 @@ DEDUP_CASES = [
     ("dsa_auto", "dsa", "auto", "layer_first", "direct"),
     ("glm5_int8", "glm5", "int8", "page_first_direct", "direct"),
 ]
+# The `file` L3 backend: both pools' pages written once per group by the source.
+DEDUP_L3_CASE = ("dsa_int8_l3", "dsa", "int8", "page_first", "kernel")
 DEDUP_WORLD = 2
 DEDUP_TIMEOUT_S = 180
 
 
-def _dedup_case(case, model_dir, rank, group) -> dict:
+def _dedup_case(case, model_dir, rank, group, store_dir=None) -> dict:
     """One rank of the scheduler's path with the flag: the DSA stack built by
     the registry over the TP group, insert (written through), L1 eviction
-    (rows wiped), host hit, load; then both pools' rows gathered."""
-    from tests.test_mla_host_dedup import _gather, _host_kv_bytes
+    (rows wiped), host hit, load; then both pools' rows gathered. With
+    `store_dir` (the `file` L3 backend), the host copy is dropped too and the
+    prefix comes back through the radix cache's L3 prefetch first."""
+    from tests.test_mla_host_dedup import (
+        _gather,
+        _host_kv_bytes,
+        _reload_from_l3,
+        _stamp_tp_rank,
+    )
 
     from scripts.rigs.hicache_harness import make_allocator
     from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -606,7 +616,14 @@ def _dedup_case(case, model_dir, rank, group) -> dict:
     from sglang.srt.runtime_context import get_memory
 
     _, _, host_dtype, layout, io_backend = case
-    server_args = publish_server_args(model_dir, host_dtype, layout, PAGE, io_backend)
+    l3 = None
+    if store_dir is not None:
+        l3 = dict(hicache_storage_backend="file", file_storage_path=store_dir)
+    server_args = publish_server_args(
+        model_dir, host_dtype, layout, PAGE, io_backend, l3=l3
+    )
+    if store_dir is not None:
+        _stamp_tp_rank()
     kv = dsa_device_pool(server_args)
     allocator = make_allocator(kv)
     params = CacheInitParams(
@@ -628,12 +645,23 @@ def _dedup_case(case, model_dir, rank, group) -> dict:
             "host_kv_bytes": [_host_kv_bytes(latent), _host_kv_bytes(indexer)],
             "host_size": [latent.size, indexer.size],
         }
+        written = []
+        if store_dir is not None:
+            backend = rig.controller.storage_backend
+            for name in ("batch_set", "batch_set_v1"):
+                real = getattr(backend, name, None)
+                if real is not None:
+                    setattr(backend, name, _counting(real, written))
         ids = list(range(100, 100 + TOKENS))
         dev, (latents, keys) = insert(rig, ids, seed=5)
         evicted = cache.evict(EvictParams(num_tokens=TOKENS))
         result["evicted"] = evicted.num_tokens_evicted
         wipe(rig, dev)
         allocator.alloc(TOKENS)  # the evicted rows stay taken: load elsewhere
+        if store_dir is not None:
+            result["l3"] = _reload_from_l3(cache, ids, radix_key([*ids, 7]))
+            result["l3_keys_written"] = len(written)
+            result["l3_files"] = sorted(os.listdir(store_dir))
         loaded = load_back(rig, ids)
         result["moved"] = not set(loaded.tolist()) & set(dev.tolist())
         try:
@@ -660,7 +688,15 @@ def _dedup_case(case, model_dir, rank, group) -> dict:
     return result
 
 
-def dedup_rank(rank: int, group, model_dirs: dict) -> dict:
+def _counting(batch_set, written: list):
+    def counted(keys, *args, **kwargs):
+        written.extend(keys)
+        return batch_set(keys, *args, **kwargs)
+
+    return counted
+
+
+def dedup_rank(rank: int, group, model_dirs: dict, store_dir: str) -> dict:
     """One spawned rank (tests/support/spawned_ranks.py): this module's
     fixtures by hand (kvcacheio copies on CPU, an H100's capability, no RAM
     guard), then every case."""
@@ -676,42 +712,10 @@ def dedup_rank(rank: int, group, model_dirs: dict) -> dict:
             case[0]: _dedup_case(case, model_dirs[case[1]], rank, group)
             for case in DEDUP_CASES
         }
-        results["l3_refused"] = _dedup_l3_refusal(model_dirs["dsa"], group)
+        results[DEDUP_L3_CASE[0]] = _dedup_case(
+            DEDUP_L3_CASE, model_dirs["dsa"], rank, group, store_dir
+        )
     return results
-
-
-def _dedup_l3_refusal(model_dir, group) -> str:
-    """The DSA stack with the flag and an L3 backend (past the start-up check,
-    as a caller of the pool assembler would get there): the refusal."""
-    from scripts.rigs.hicache_harness import make_allocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.runtime_context import get_memory
-
-    server_args = publish_server_args(
-        model_dir,
-        "int8",
-        "page_first",
-        PAGE,
-        "kernel",
-        l3=dict(hicache_storage_backend="file"),
-    )
-    kv = dsa_device_pool(server_args)
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=ReqToTokenPool(
-            size=4, max_context_len=2048, device="cpu", enable_memory_saver=False
-        ),
-        token_to_kv_pool_allocator=make_allocator(kv),
-        page_size=PAGE,
-        tp_cache_group=group,
-    )
-    try:
-        with get_memory().override(enable_mla_hicache_host_dedup=True):
-            build_cache(server_args, params, swa=False, ssm=False)
-    except ValueError as exc:
-        return str(exc)
-    return "built"
 
 
 @pytest.fixture(scope="module")
@@ -723,7 +727,7 @@ def dedup_ranks(tmp_path_factory, model_dirs):
         out,
         DEDUP_WORLD,
         "tests.test_dsa_host_pools:dedup_rank",
-        dict(model_dirs=model_dirs),
+        dict(model_dirs=model_dirs, store_dir=str(out / "l3")),
         DEDUP_TIMEOUT_S,
     )
 
@@ -752,10 +756,20 @@ def test_host_dedup_peer_holds_no_host_kv_for_either_pool(dedup_ranks, case):
     assert all(b >= r0["host_size"][0] for b in r0["host_kv_bytes"])
 
 
-def test_host_dedup_with_l3_is_refused_for_dsa(dedup_ranks):
-    """The pool assembler refuses it on every rank too, naming the flag."""
-    for r in dedup_ranks:
-        assert r["l3_refused"].startswith(
-            "--enable-mla-hicache-host-dedup with a DSA model does not support "
-            "--hicache-storage-backend file"
-        ), r["l3_refused"]
+def test_host_dedup_l3_pages_written_once_and_prefetched_on_every_rank(
+    dedup_ranks,
+):
+    """With `file` L3: the source writes each page (one key, a file per pool:
+    latent and indexer), the peer none; L1 and L2 dropped, a prefetch brings
+    the prefix back on both ranks and the host hit loads both pools bit-equal
+    to rank 0's."""
+    r0, r1 = dedup_ranks[0][DEDUP_L3_CASE[0]], dedup_ranks[1][DEDUP_L3_CASE[0]]
+    pages = TOKENS // PAGE
+    assert (r0["l3_keys_written"], r1["l3_keys_written"]) == (pages, 0)
+    files = r0["l3_files"]
+    assert len(files) == 2 * pages and sum(".indexer_" in f for f in files) == pages
+    assert r0["l3"] == r1["l3"] == [0, TOKENS]
+    for r in (r0, r1):
+        assert r["latent_equal_to_rank0"] and r["indexer_equal_to_rank0"]
+        assert r["restored"] == "ok" and r["same_device_indices"]
+    assert r1["host_kv_bytes"] == [0, 0]

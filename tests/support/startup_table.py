@@ -316,10 +316,9 @@ TABLE: tuple[Row, ...] = (
     # MLA host dedup covers both DSA host pools (latent and indexer keys).
     *(ok(model, ("int8", "auto"), flags=dict(enable_mla_hicache_host_dedup=True),
          expect=dict(enable_mla_hicache_host_dedup=True)) for model in ("dsa", "glm5")),
-    no("dsa", ("int8", "auto"), "--enable-mla-hicache-host-dedup with a DSA model "
-       "does not support --hicache-storage-backend file yet", "Drop "
-       "--hicache-storage-backend or the flag.", flags=dict(
-       enable_mla_hicache_host_dedup=True, hicache_storage_backend="file")),
+    ok("dsa", ("int8", "auto"), flags=dict(enable_mla_hicache_host_dedup=True,
+       hicache_storage_backend="file"), expect=dict(enable_mla_hicache_host_dedup=True,
+       hicache_storage_backend="file")),
     ok("dsa", ("int8",), flags=dict(hicache_storage_backend=("file", "mooncake"))),
     # FP8 asked for explicitly; with --kv-cache-dtype auto on SM100+ (FP8 there
     # too) the refusal names --kv-cache-dtype bfloat16 (tests/test_dsa_host_pools.py).

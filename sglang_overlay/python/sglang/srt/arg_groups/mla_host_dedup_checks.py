@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang.srt.arg_groups.overrides import model_config_of, resolving_view
+from sglang.srt.arg_groups.overrides import resolving_view
 
 
 def validate_mla_hicache_host_dedup(server_args: Any):
@@ -25,17 +25,3 @@ def validate_mla_hicache_host_dedup(server_args: Any):
             "is wired for L3 with host dedup. Use --hicache-storage-backend file "
             "or drop the flag."
         )
-    # A dummy model (the pipeline stops there) has no config to read.
-    dummy = cfg.model_path.lower() in ("none", "dummy")
-    if cfg.hicache_storage_backend is not None and not dummy:
-        from sglang.srt.configs.model_config import is_deepseek_dsa
-
-        # The DSA indexer's L3 pages with allocator-only peers have no
-        # multi-rank test yet.
-        if is_deepseek_dsa(model_config_of(server_args).hf_config):
-            raise ValueError(
-                "--enable-mla-hicache-host-dedup with a DSA model does not "
-                "support --hicache-storage-backend "
-                f"{cfg.hicache_storage_backend} yet. Drop "
-                "--hicache-storage-backend or the flag."
-            )

@@ -283,15 +283,6 @@ def check_host_dedup_supported(device_pool, storage_backend: Optional[str]) -> N
             f"{storage_backend}: only file is wired for L3 with host dedup. Use "
             "--hicache-storage-backend file or drop the flag."
         )
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-
-    # The DSA indexer's L3 pages on the peers' allocator-only pools have no
-    # multi-rank test yet.
-    if isinstance(device_pool, DSATokenToKVPool) and storage_backend is not None:
-        raise ValueError(
-            f"{FLAG} with a DSA model does not support --hicache-storage-backend "
-            f"{storage_backend} yet. Drop --hicache-storage-backend or the flag."
-        )
     if not mla_host_dedup_eligible(device_pool, storage_backend):
         raise ValueError(
             f"{FLAG} needs an MLA model's BF16/FP16/FP8 latent KV cache on CUDA "
