@@ -20,11 +20,18 @@ than it left, and the indexer's FP8 keys and scales bit for bit. Across a
 restart, the same through SGLang's file backend and a real mooncake_master:
 both pools' pages reach L3 (the latent's sealed) and come back through a
 prefetch into fresh pools.
+
+With --enable-mla-hicache-host-dedup, 2 gloo ranks as spawned processes
+(tests/support/spawned_ranks.py), each through the same DSA stack over the TP
+group: the source alone holds and backs up both host pools, the peer's are
+allocator-only (no bytes), and after a load both ranks' latent and indexer
+rows equal rank 0's bit for bit.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from array import array
 from dataclasses import dataclass
@@ -575,27 +582,194 @@ def test_auto_size_counts_the_indexer_unencoded(model_dirs, monkeypatch):
     assert rig_args["int8"] > 1.3 * rig_args["auto"]
 
 
-def test_host_dedup_stays_refused_for_dsa(model_dirs):
-    """--enable-mla-hicache-host-dedup serves plain MLA stacks only."""
+# -- MLA host dedup across 2 ranks (--enable-mla-hicache-host-dedup) ------------
+
+# (name, model, host dtype, layout, io backend); glm5 has shared-top-k layers.
+DEDUP_CASES = [
+    ("dsa_int8", "dsa", "int8", "page_first", "kernel"),
+    ("dsa_auto", "dsa", "auto", "layer_first", "direct"),
+    ("glm5_int8", "glm5", "int8", "page_first_direct", "direct"),
+]
+# The `file` L3 backend: both pools' pages written once per group by the source.
+DEDUP_L3_CASE = ("dsa_int8_l3", "dsa", "int8", "page_first", "kernel")
+DEDUP_WORLD = 2
+DEDUP_TIMEOUT_S = 180
+
+
+def _dedup_case(case, model_dir, rank, group, store_dir=None) -> dict:
+    """One rank of the scheduler's path with the flag: the DSA stack built by
+    the registry over the TP group, insert (written through), L1 eviction
+    (rows wiped), host hit, load; then both pools' rows gathered. With
+    `store_dir` (the `file` L3 backend), the host copy is dropped too and the
+    prefix comes back through the radix cache's L3 prefetch first."""
+    from tests.test_mla_host_dedup import (
+        _gather,
+        _host_kv_bytes,
+        _reload_from_l3,
+        _stamp_tp_rank,
+    )
+
     from scripts.rigs.hicache_harness import make_allocator
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.runtime_context import get_memory
 
+    _, _, host_dtype, layout, io_backend = case
+    l3 = None
+    if store_dir is not None:
+        l3 = dict(hicache_storage_backend="file", file_storage_path=store_dir)
     server_args = publish_server_args(
-        model_dirs["dsa"], "int8", "page_first", PAGE, "kernel"
+        model_dir, host_dtype, layout, PAGE, io_backend, l3=l3
     )
+    if store_dir is not None:
+        _stamp_tp_rank()
     kv = dsa_device_pool(server_args)
+    allocator = make_allocator(kv)
     params = CacheInitParams(
         disable=False,
         req_to_token_pool=ReqToTokenPool(
             size=4, max_context_len=2048, device="cpu", enable_memory_saver=False
         ),
-        token_to_kv_pool_allocator=make_allocator(kv),
+        token_to_kv_pool_allocator=allocator,
         page_size=PAGE,
+        tp_cache_group=group,
     )
-    with (
-        get_memory().override(enable_mla_hicache_host_dedup=True),
-        pytest.raises(ValueError, match="--enable-mla-hicache-host-dedup"),
-    ):
-        build_cache(server_args, params, swa=False, ssm=False)
+    with get_memory().override(enable_mla_hicache_host_dedup=True):
+        cache = build_cache(server_args, params, swa=False, ssm=False)
+        rig = DsaRig(host_dtype, cache, allocator, kv)
+        latent, indexer = rig.host_pool(PoolName.KV), rig.host_pool(PoolName.INDEXER)
+        result = {
+            "is_src": rig.controller.host_dedup.is_src,
+            "pools": [type(latent).__name__, type(indexer).__name__],
+            "host_kv_bytes": [_host_kv_bytes(latent), _host_kv_bytes(indexer)],
+            "host_size": [latent.size, indexer.size],
+        }
+        written = []
+        if store_dir is not None:
+            backend = rig.controller.storage_backend
+            for name in ("batch_set", "batch_set_v1"):
+                real = getattr(backend, name, None)
+                if real is not None:
+                    setattr(backend, name, _counting(real, written))
+        ids = list(range(100, 100 + TOKENS))
+        dev, (latents, keys) = insert(rig, ids, seed=5)
+        evicted = cache.evict(EvictParams(num_tokens=TOKENS))
+        result["evicted"] = evicted.num_tokens_evicted
+        wipe(rig, dev)
+        allocator.alloc(TOKENS)  # the evicted rows stay taken: load elsewhere
+        if store_dir is not None:
+            result["l3"] = _reload_from_l3(cache, ids, radix_key([*ids, 7]))
+            result["l3_keys_written"] = len(written)
+            result["l3_files"] = sorted(os.listdir(store_dir))
+        loaded = load_back(rig, ids)
+        result["moved"] = not set(loaded.tolist()) & set(dev.tolist())
+        try:
+            assert_restored(rig, loaded, latents, keys)
+            result["restored"] = "ok"
+        except AssertionError as exc:
+            result["restored"] = repr(exc)
+        pages = indexer_pages(loaded)
+        rows = {"latent": [], "indexer": []}
+        for layer in range(kv.layer_num):
+            rows["latent"].append(kv.kv_buffer[layer][loaded])
+            index = kv.index_k_with_scale_buffer[layer]
+            if index.shape[0]:
+                rows["indexer"].append(index[pages])
+        for name, parts in rows.items():
+            everyone = _gather(torch.stack(parts))
+            result[f"{name}_equal_to_rank0"] = all(
+                torch.equal(x, everyone[0]) for x in everyone
+            )
+        result["indexer_layers"] = len(rows["indexer"])
+        host = _gather(loaded.to(torch.int64))
+        result["same_device_indices"] = all(torch.equal(x, host[0]) for x in host)
+        cache.sanity_check()
+    return result
+
+
+def _counting(batch_set, written: list):
+    def counted(keys, *args, **kwargs):
+        written.extend(keys)
+        return batch_set(keys, *args, **kwargs)
+
+    return counted
+
+
+def dedup_rank(rank: int, group, model_dirs: dict, store_dir: str) -> dict:
+    """One spawned rank (tests/support/spawned_ranks.py): this module's
+    fixtures by hand (kvcacheio copies on CPU, an H100's capability, no RAM
+    guard), then every case."""
+    from sglang.srt.mem_cache.pool_host import base, dsa, mla
+
+    for name, standin in standins.dsa_indexer_standins().items():
+        setattr(dsa, name, standin)
+    for name, standin in standins.mla_kernel_standins().items():
+        setattr(mla, name, standin)
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+    with base.host_memory_budget_scope(1 << 40):
+        results = {
+            case[0]: _dedup_case(case, model_dirs[case[1]], rank, group)
+            for case in DEDUP_CASES
+        }
+        results[DEDUP_L3_CASE[0]] = _dedup_case(
+            DEDUP_L3_CASE, model_dirs["dsa"], rank, group, store_dir
+        )
+    return results
+
+
+@pytest.fixture(scope="module")
+def dedup_ranks(tmp_path_factory, model_dirs):
+    from tests.support.spawned_ranks import run_ranks
+
+    out = tmp_path_factory.mktemp("dsa_dedup")
+    return run_ranks(
+        out,
+        DEDUP_WORLD,
+        "tests.test_dsa_host_pools:dedup_rank",
+        dict(model_dirs=model_dirs, store_dir=str(out / "l3")),
+        DEDUP_TIMEOUT_S,
+    )
+
+
+@pytest.mark.parametrize("case", [c[0] for c in DEDUP_CASES])
+def test_host_dedup_loads_latent_and_indexer_on_every_rank(dedup_ranks, case):
+    """The source alone backs up both pools; after an L1 eviction both ranks'
+    latent and indexer rows equal rank 0's bit for bit (and the format's
+    reference decode of what was written), the peer's through the broadcaster."""
+    r0, r1 = dedup_ranks[0][case], dedup_ranks[1][case]
+    assert r0["is_src"] and not r1["is_src"]
+    for r in (r0, r1):
+        assert r["evicted"] == TOKENS and r["moved"] and r["same_device_indices"]
+        assert r["latent_equal_to_rank0"] and r["indexer_equal_to_rank0"]
+        assert r["restored"] == "ok"
+    if case.startswith("glm5"):  # shared-top-k layers hold no indexer keys
+        assert 0 < r0["indexer_layers"] < st.MODELS["glm5"][0]["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("case", [c[0] for c in DEDUP_CASES])
+def test_host_dedup_peer_holds_no_host_kv_for_either_pool(dedup_ranks, case):
+    r0, r1 = dedup_ranks[0][case], dedup_ranks[1][case]
+    assert r1["pools"] == ["MLATokenToKVPoolHost", "DSAIndexerPoolHost"]
+    assert r0["host_size"] == r1["host_size"]
+    assert r1["host_kv_bytes"] == [0, 0]
+    assert all(b >= r0["host_size"][0] for b in r0["host_kv_bytes"])
+
+
+def test_host_dedup_l3_pages_written_once_and_prefetched_on_every_rank(
+    dedup_ranks,
+):
+    """With `file` L3: the source writes each page (one key, a file per pool:
+    latent and indexer), the peer none; L1 and L2 dropped, a prefetch brings
+    the prefix back on both ranks and the host hit loads both pools bit-equal
+    to rank 0's."""
+    r0, r1 = dedup_ranks[0][DEDUP_L3_CASE[0]], dedup_ranks[1][DEDUP_L3_CASE[0]]
+    pages = TOKENS // PAGE
+    assert (r0["l3_keys_written"], r1["l3_keys_written"]) == (pages, 0)
+    files = r0["l3_files"]
+    assert len(files) == 2 * pages and sum(".indexer_" in f for f in files) == pages
+    assert r0["l3"] == r1["l3"] == [0, TOKENS]
+    for r in (r0, r1):
+        assert r["latent_equal_to_rank0"] and r["indexer_equal_to_rank0"]
+        assert r["restored"] == "ok" and r["same_device_indices"]
+    assert r1["host_kv_bytes"] == [0, 0]

@@ -29,7 +29,7 @@ def test_refuses_models_without_mla_kv():
 
 
 def test_refuses_hybrid_stacks():
-    """A sliding-window hybrid (and every stack but the plain one: DSA,
+    """A sliding-window hybrid (and every stack but the plain and DSA ones:
     Mamba, DeepSeek V4) is refused, naming the flag."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
         _select_strategy,

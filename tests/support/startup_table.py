@@ -314,6 +314,12 @@ TABLE: tuple[Row, ...] = (
     ok("dsa", ("int8", "auto"), flags=dict(hicache_mem_layout="layer_first",
        hicache_io_backend="kernel"), expect=dict(hicache_mem_layout="layer_first")),
     ok("glm5", ("int8", "auto"), expect=dict(page_size=64)),
+    # MLA host dedup covers both DSA host pools (latent and indexer keys).
+    *(ok(model, ("int8", "auto"), flags=dict(enable_mla_hicache_host_dedup=True),
+         expect=dict(enable_mla_hicache_host_dedup=True)) for model in ("dsa", "glm5")),
+    ok("dsa", ("int8", "auto"), flags=dict(enable_mla_hicache_host_dedup=True,
+       hicache_storage_backend="file"), expect=dict(enable_mla_hicache_host_dedup=True,
+       hicache_storage_backend="file")),
     ok("dsa", ("int8",), flags=dict(hicache_storage_backend=("file", "mooncake"))),
     # FP8 asked for explicitly; with --kv-cache-dtype auto on SM100+ (FP8 there
     # too) the refusal names --kv-cache-dtype bfloat16 (tests/test_dsa_host_pools.py).

@@ -37,6 +37,49 @@ FLAG = "--enable-mla-hicache-host-dedup"
 STORAGE_BACKENDS = (None, "file", "mooncake")
 
 
+class _Broadcaster(MLAHostDedupBroadcaster):
+    """Upstream's layerwise broadcaster; a DSA shared-top-k layer's 0-row
+    indexer placeholder has nothing to send (and no row to index)."""
+
+    def _bcast_layer(self, buf_list, staging, target, elem, layer_id: int) -> None:
+        if buf_list[layer_id].shape[0] == 0:
+            return
+        super()._bcast_layer(buf_list, staging, target, elem, layer_id)
+
+
+class _AllocatorOnlySidePool:
+    """Builds a side pool riding on the anchor's host indices (the DSA
+    indexer keys) in allocator-only mode, for the non-source ranks."""
+
+    def __init__(self, builder):
+        self._builder = builder
+
+    def __getattr__(self, name):
+        return getattr(self._builder, name)
+
+    def build(self, *, decl, anchor_host, allocator_type, packed_draft_device_pools):
+        from sglang.srt.mem_cache.pool_host.dsa import (
+            DSAIndexerHostPoolBuilder,
+            DSAIndexerPoolHost,
+        )
+
+        if not isinstance(self._builder, DSAIndexerHostPoolBuilder):
+            raise ValueError(
+                f"{FLAG} has no allocator-only mode for the {decl.pool_name} host "
+                f"pool ({type(self._builder).__name__}). Drop the flag."
+            )
+        pool = DSAIndexerPoolHost(
+            decl=decl,
+            anchor_host=anchor_host,
+            packed_draft_device_pools=packed_draft_device_pools,
+            allocator_type=allocator_type,
+            is_dummy=True,
+        )
+        # It stores nothing, like the anchor's allocator-only pool.
+        pool.size_per_token = 0
+        return pool
+
+
 class HostDedupLoadError(RuntimeError):
     """The source rank could not restore a load; raised on every rank."""
 
@@ -98,7 +141,7 @@ class HiCacheHostDedup:
         ranks = dist.get_process_group_ranks(attn_tp_group)
         if len(ranks) <= 1:
             return None
-        broadcaster = MLAHostDedupBroadcaster.build(
+        broadcaster = _Broadcaster.build(
             device_pool, attn_tp_group, None, backend=backend
         )
         from sglang.srt.distributed.parallel_state import (
@@ -178,6 +221,11 @@ class HiCacheHostDedup:
         # counters (hicache_backup_bytes_total, ...) count 0 bytes per token.
         pool.size_per_token = 0
         return pool
+
+    def side_pool_builder(self, builder):
+        """The builder of a side host pool (the DSA indexer keys): upstream's
+        on the source, an allocator-only one elsewhere."""
+        return builder if self.is_src else _AllocatorOnlySidePool(builder)
 
     def wrap_load(
         self,
