@@ -62,12 +62,17 @@ def test_dry_run_runs_both_phases(site, tmp_path):
         "test_delayed_transfers_stay_on_their_stream",
         "test_controller_layer_events_cover_a_delayed_restore",
         "test_unpinned_host_memory",
-        "test_mla_kernels_bit_exact_against_cpu_reference",
+        "test_kernels_bit_exact_against_cpu_reference",
         "test_mla_kernels_on_the_pools_pinned_records",
         "test_mla_kernels_run_on_the_callers_stream",
     } <= ran
 
-    assert any("test_int4_gpu.py::" in t["test"] for t in tests["tests"])
+    # The kernel table runs every format's kernels, MLA INT8 included.
+    assert any(
+        "test_kernels_bit_exact_against_cpu_reference[" in t["test"]
+        and "mla" in t["test"]
+        for t in tests["tests"]
+    )
 
     bench = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert "fatal" not in bench and bench["failed_checks"] == []
