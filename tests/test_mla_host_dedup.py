@@ -14,16 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
-import traceback
 from array import array
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 WORLD = 2
 TIMEOUT_S = 120
@@ -727,59 +723,28 @@ def _run_l3_mooncake_case(case, rank, group, extra_config: dict) -> dict:
     return result
 
 
-def _rank_main(rank: int, port: int, out_dir: str, mooncake: dict | None) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
+def rank_cases(rank: int, group, out_dir: str, mooncake: dict | None) -> dict:
+    """Every case on one rank (spawned by tests/support/spawned_ranks.py)."""
     results = {}
-    try:
-        # A spawned rank starts bare: install conftest's stand-ins first.
-        if not torch.cuda.is_available():
-            os.environ.setdefault("TRITON_INTERPRET", "1")
-        from scripts.rigs.standins import (
-            install_sglang_standins,
-            install_torchvision_stub,
-        )
-
-        install_torchvision_stub()
-        install_sglang_standins()
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=timedelta(seconds=30),
-        )
-        group = dist.new_group(list(range(WORLD)), backend="gloo")
-        for case in CASES:
-            results[case[0]] = _run_case(case, rank, group)
-        for case in RADIX_CASES:
-            results[case[0]] = _run_radix_case(case, rank, group)
-        for case in L3_CASES:
-            store = os.path.join(out_dir, case[0])
-            results[case[0]] = _run_l3_case(case, rank, group, store)
-        for case in RADIX_L3_CASES:
-            store = os.path.join(out_dir, case[0])
-            results[case[0]] = _run_radix_case(case, rank, group, store)
-        for case in MOONCAKE_CASES if mooncake is not None else ():
-            results[case[0]] = _run_l3_mooncake_case(case, rank, group, mooncake)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        results["error"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    # Skip destroy_process_group: a peer that errored may be gone.
-    os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for case in CASES:
+        results[case[0]] = _run_case(case, rank, group)
+    for case in RADIX_CASES:
+        results[case[0]] = _run_radix_case(case, rank, group)
+    for case in L3_CASES:
+        store = os.path.join(out_dir, case[0])
+        results[case[0]] = _run_l3_case(case, rank, group, store)
+    for case in RADIX_L3_CASES:
+        store = os.path.join(out_dir, case[0])
+        results[case[0]] = _run_radix_case(case, rank, group, store)
+    for case in MOONCAKE_CASES if mooncake is not None else ():
+        results[case[0]] = _run_l3_mooncake_case(case, rank, group, mooncake)
+    return results
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, request):
     from scripts.rigs.l3_harness import mooncake_unavailable_reason
+    from tests.support.spawned_ranks import run_ranks
 
     out = tmp_path_factory.mktemp("dedup")
     # The session's mooncake_master, when Mooncake runs here (else its tests
@@ -787,31 +752,13 @@ def ranks(tmp_path_factory, request):
     mooncake = None
     if mooncake_unavailable_reason() is None:
         mooncake = request.getfixturevalue("mooncake_master").storage_config()
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, port, str(out), mooncake))
-        for r in range(WORLD)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung past {TIMEOUT_S}s"
-    results = []
-    for r in range(WORLD):
-        path = out / f"rank{r}.json"
-        assert path.exists(), f"rank {r} wrote no result"
-        res = json.loads(path.read_text())
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
-        results.append(res)
-    return results
+    return run_ranks(
+        out,
+        WORLD,
+        "tests.test_mla_host_dedup:rank_cases",
+        {"out_dir": str(out), "mooncake": mooncake},
+        TIMEOUT_S,
+    )
 
 
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
