@@ -62,6 +62,8 @@ def test_host_tier_metrics_after_real_transfers(collectors, host_dtype):
     assert info.labels["io_backend"] == "direct"
     assert info.labels["transfer_path"] in paths
     assert info.labels["transfer_path"] == tier.pool.transfer_path
+    # Without MLA host dedup every rank holds its own copy.
+    assert (info.labels["host_copy"], info.labels["host_copy_ranks"]) == ("rank", "1")
 
     # Bytes as stored: per token and in use.
     assert tier.pool.size_per_token == host_bpt

@@ -373,6 +373,7 @@ def _run_radix_case(case, rank, group, store_dir=None) -> dict:
     )
     result["reported_used_bytes"] = tier.used_bytes
     result["reported_bytes_per_token"] = tier.bytes_per_token
+    result["host_copy"] = [tier.info["host_copy"], tier.info["host_copy_ranks"]]
     result["source_bytes_per_token"] = host_pool.size_per_token if dedup_src else 0
     cache.unlock(lock)
     cache.sanity_check()
@@ -825,6 +826,9 @@ def test_host_tier_metrics_count_the_source_bytes_once(ranks):
     assert r0["reported_bytes_per_token"] == per_token
     assert r0["reported_used_bytes"] == RADIX_TOKENS * per_token
     assert (r1["reported_used_bytes"], r1["reported_bytes_per_token"]) == (0, 0)
+    # sglang:hicache_host_info says which rank holds the group's one copy.
+    assert r0["host_copy"] == ["source", str(WORLD)]
+    assert r1["host_copy"] == ["peer", str(WORLD)]
 
 
 @pytest.mark.parametrize("case", [c[0] for c in L3_CASES])

@@ -124,6 +124,9 @@ class HiCacheHostDedup:
         self.status_group = status_group
         self.is_src = broadcaster.is_src
         self.src_global_rank = broadcaster.src_global_rank
+        # sglang:hicache_host_info's host_copy and host_copy_ranks labels.
+        self.host_copy = "source" if self.is_src else "peer"
+        self.group_size = dist.get_world_size(status_group)
         self._failure: Optional[BaseException] = None
 
     @classmethod
