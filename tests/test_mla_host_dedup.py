@@ -30,6 +30,8 @@ CASES = [
     ("int8_page_first", "int8", "page_first", "direct", 1),
     ("int8_page_first_kernel", "int8", "page_first", "kernel", 4),
 ]
+# At attention-TP 4: auto and int8, page 4, both io paths.
+FOUR_RANK_CASES = [CASES[1], CASES[3]]
 LAYERS = 3
 PAGES = {c[0]: c[4] for c in CASES}
 
@@ -71,7 +73,7 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
 
     # Bytes compare bit for bit, and gloo gathers uint8 whatever the dtype.
     t = t.contiguous().view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
-    out = [torch.empty_like(t) for _ in range(WORLD)]
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return out
 
@@ -742,6 +744,11 @@ def rank_cases(rank: int, group, out_dir: str, mooncake: dict | None) -> dict:
     return results
 
 
+def rank_cases_4(rank: int, group) -> dict:
+    """The pool-level cases on one of 4 ranks: one source, three peers."""
+    return {case[0]: _run_case(case, rank, group) for case in FOUR_RANK_CASES}
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory, request):
     from scripts.rigs.l3_harness import mooncake_unavailable_reason
@@ -920,3 +927,21 @@ def test_mooncake_source_side_miss_is_the_same_on_every_rank(ranks, case):
     assert r0["missing"] == r1["missing"] == [pages, pages]
     assert r0["missing_same_host"] and r1["missing_same_host"]
     assert r0["missing_equal_to_rank0"] and r1["missing_equal_to_rank0"]
+
+
+def test_four_ranks_one_source_three_peers(tmp_path):
+    """The same cases at attention-TP 4: three peers, one copy."""
+    from tests.support.spawned_ranks import run_ranks
+
+    out = run_ranks(
+        tmp_path, 4, "tests.test_mla_host_dedup:rank_cases_4", {}, TIMEOUT_S
+    )
+    for case, _, _, _, _ in FOUR_RANK_CASES:
+        r0, peers = out[0][case], [r[case] for r in out[1:]]
+        assert r0["is_src"] and not any(p["is_src"] for p in peers)
+        assert all(r[case]["equal_to_rank0"] for r in out)
+        assert all(r[case]["same_host_indices"] for r in out)
+        assert r0["host_kv_bytes"] > 0
+        assert [p["host_kv_bytes"] for p in peers] == [0, 0, 0]
+        assert {r[case]["failure"] for r in out} == {"HostDedupLoadError"}
+        assert all(r[case]["after_failure_equal"] for r in out)
