@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from array import array
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ import pytest
 import torch
 from scripts.rigs import standins
 from scripts.rigs.hicache_harness import LoadBackReq
+from scripts.rigs.l3_harness import radix_prefetch, wait_for
 from tests.support import startup_table as st
 from tests.support.hybrid_rigs import bits, build_cache, publish_server_args
 
@@ -387,14 +387,6 @@ def test_latent_loaded_into_wrong_rows_is_caught(model_dirs, monkeypatch):
 WAIT_S = 30.0
 
 
-def wait_for(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not finish in time")
-        time.sleep(0.02)
-
-
 def stop(rig: DsaRig) -> None:
     """The server goes away: its storage threads stop, its pools are freed."""
     rig.controller.detach_storage_backend()
@@ -405,29 +397,13 @@ def prefetch(rig: DsaRig, ids) -> None:
     """A fresh server's miss everywhere but L3: prefetch the prefix into the
     host tier as the scheduler does."""
     from sglang.srt.mem_cache.base_prefix_cache import (
-        CacheRequestHandle,
         MatchPrefixParams,
     )
 
     cache = rig.cache
     match = cache.match_prefix(MatchPrefixParams(key=radix_key([*ids, 7])))
     assert (match.device_prefix_len, match.host_hit_length) == (0, 0)
-    handle = CacheRequestHandle("r0", 0)
-    cache.prefetch_from_storage(
-        handle,
-        match.last_host_node,
-        array("q", ids),
-        cache.get_last_hash_value(match.last_host_node),
-        None,
-        matched_prefix_tokens=array("q"),
-    )
-
-    def prefetched():
-        cache.check_hicache_events()
-        return cache.check_prefetch_progress(handle)
-
-    wait_for(prefetched, "the L3 prefetch")
-    assert cache.pop_prefetch_loaded_span(handle) == (len(ids), 0)
+    assert radix_prefetch(cache, match, ids, timeout_s=WAIT_S) == (len(ids), 0)
 
 
 @pytest.fixture(scope="module")
@@ -472,7 +448,7 @@ def test_l3_round_trip_after_restart(
         first.cache.check_hicache_events()
         return not first.cache.ongoing_backup
 
-    wait_for(backed_up, "the L3 backup")
+    wait_for(backed_up, "the L3 backup", WAIT_S)
     if backend == "mooncake":
         assert first.cache.evict(EvictParams(num_tokens=TOKENS)).num_tokens_evicted
         wipe(first, dev)

@@ -3,14 +3,18 @@ HybridCacheController and UnifiedRadixCache, on CPU, for every --hicache-host-dt
 
 from __future__ import annotations
 
-import time
 from array import array
 from types import SimpleNamespace
 
 import pytest
 import torch
 from scripts.rigs.hicache_harness import LoadBackReq
-from scripts.rigs.l3_harness import MooncakeMaster, require_mooncake
+from scripts.rigs.l3_harness import (
+    MooncakeMaster,
+    radix_prefetch,
+    require_mooncake,
+    wait_for,
+)
 from tests.support.metrics import Scrape, scheduler_collector
 from tests.support.server_args import GPT_OSS
 from tests.support.hybrid_rigs import (
@@ -109,25 +113,11 @@ def radix_key(ids):
     return RadixKey(array("q", ids))
 
 
-STORAGE_WAIT_S = 20.0
-
-
-def wait_for(condition, what: str) -> None:
-    """Poll the cache's events until `condition()` (storage threads run asynchronously);
-    bounded, so a fault fails the test."""
-    deadline = time.monotonic() + STORAGE_WAIT_S
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not finish in time")
-        time.sleep(0.02)
-
-
 def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
     """After the L1 eviction: wait for the L3 backups, drop the host copies too, then
     prefetch the prefix from L3 into the host tier as the scheduler does
     (prefetch_from_storage, check_prefetch_progress)."""
     from sglang.srt.mem_cache.base_prefix_cache import (
-        CacheRequestHandle,
         MatchPrefixParams,
     )
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
@@ -143,22 +133,7 @@ def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
         cache.evict_host(len(ids), component)
     match = cache.match_prefix(MatchPrefixParams(key=query))
     assert (match.device_prefix_len, match.host_hit_length) == (0, 0)
-    handle = CacheRequestHandle("r0", 0)
-    cache.prefetch_from_storage(
-        handle,
-        match.last_host_node,
-        array("q", ids),
-        cache.get_last_hash_value(match.last_host_node),
-        None,
-        matched_prefix_tokens=array("q"),
-    )
-
-    def prefetched():
-        cache.check_hicache_events()
-        return cache.check_prefetch_progress(handle)
-
-    wait_for(prefetched, "the L3 prefetch")
-    assert cache.pop_prefetch_loaded_span(handle) == (len(ids), 0)
+    assert radix_prefetch(cache, match, ids) == (len(ids), 0)
     assert ComponentType.FULL in cache.components
 
 

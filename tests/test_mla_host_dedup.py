@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import threading
-import time
 from array import array
 
 import pytest
@@ -421,17 +420,10 @@ def _reload_from_l3(cache, ids, query) -> list:
     both ranks poll in lockstep (each poll is a collective). Returns what
     this rank saw: [host hit before, tokens loaded into the host tier]."""
     from sglang.srt.mem_cache.base_prefix_cache import (
-        CacheRequestHandle,
         MatchPrefixParams,
     )
 
-    from scripts.rigs.l3_harness import STORAGE_WAIT_S
-
-    def wait_for(condition, what: str) -> None:
-        deadline = time.monotonic() + STORAGE_WAIT_S
-        while not condition():
-            assert time.monotonic() < deadline, f"{what} did not finish in time"
-            time.sleep(0.02)
+    from scripts.rigs.l3_harness import radix_prefetch, wait_for
 
     def backed_up():
         cache.check_hicache_events()
@@ -441,22 +433,7 @@ def _reload_from_l3(cache, ids, query) -> list:
     for component in cache.components:
         cache.evict_host(len(ids), component)
     match = cache.match_prefix(MatchPrefixParams(key=query))
-    handle = CacheRequestHandle("r0", 0)
-    cache.prefetch_from_storage(
-        handle,
-        match.last_host_node,
-        array("q", ids),
-        cache.get_last_hash_value(match.last_host_node),
-        None,
-        matched_prefix_tokens=array("q"),
-    )
-
-    def prefetched():
-        cache.check_hicache_events()
-        return cache.check_prefetch_progress(handle)
-
-    wait_for(prefetched, "the L3 prefetch")
-    return [match.host_hit_length, cache.pop_prefetch_loaded_span(handle)[0]]
+    return [match.host_hit_length, radix_prefetch(cache, match, ids)[0]]
 
 
 def _l3_stack(case, group, backend: str, extra_config: dict):

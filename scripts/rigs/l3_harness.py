@@ -371,6 +371,40 @@ def load_to_device(l3: L3Rig, host: torch.Tensor) -> torch.Tensor:
     return dev
 
 
+def wait_for(condition, what: str, timeout_s: float = STORAGE_WAIT_S) -> None:
+    """Poll until `condition()` (storage threads run asynchronously); bounded,
+    so a fault fails the test instead of hanging it."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not finish in time")
+        time.sleep(0.02)
+
+
+def radix_prefetch(cache, match, ids: list[int], **wait) -> tuple[int, int]:
+    """Prefetch `ids` past a radix match from L3 and wait for it: the loaded span."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+
+    handle = CacheRequestHandle("r0", 0)
+    cache.prefetch_from_storage(
+        handle,
+        match.last_host_node,
+        array("q", ids),
+        cache.get_last_hash_value(match.last_host_node),
+        None,
+        matched_prefix_tokens=array("q"),
+    )
+
+    def prefetched():
+        cache.check_hicache_events()
+        return cache.check_prefetch_progress(handle)
+
+    wait_for(prefetched, "the L3 prefetch", **wait)
+    return cache.pop_prefetch_loaded_span(handle)
+
+
 def file_storage_config(path: Path) -> dict:
     return {"file_storage_path": str(path)}
 
