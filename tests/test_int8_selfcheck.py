@@ -11,6 +11,7 @@ import torch
 from scripts.rigs.hicache_harness import Geometry, fill_random
 from tests.support.int8_pool_checks import INTERPRETED_KERNELS, int8_pools
 from sglang.srt.mem_cache.pool_host import encoded_fused
+from sglang.srt.mem_cache.pool_host.encoded import choose_transfer
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 
@@ -147,9 +148,7 @@ def test_self_check_fault_falls_back_to_torch(monkeypatch, caplog, inject, acces
     assert_unchanged(before, snapshot(device_pool, pool))
 
     # The choice the constructor makes on CUDA: the torch path, saying why.
-    transfer, why = encoded_fused.choose_transfer(
-        pool.transfer_context, False, access, check=True
-    )
+    transfer, why = choose_transfer(pool.transfer_context, False, access, check=True)
     assert transfer.path == "torch" and why.startswith("self-check failed: ")
     assert cause in why
 
@@ -223,7 +222,7 @@ def test_unpinned_direct_request_is_settled_at_construction(monkeypatch):
 
     monkeypatch.setattr(encoded_fused, "self_check", self_check)
     on_cuda = dataclasses.replace(pool.transfer_context, device=torch.device("cuda"))
-    transfer, why = encoded_fused.choose_transfer(on_cuda, False, "direct")
+    transfer, why = choose_transfer(on_cuda, False, "direct")
     assert checked == ["fused_direct", "fused_staged"]
     assert (transfer.path, why) == (
         "fused_staged",
@@ -231,6 +230,6 @@ def test_unpinned_direct_request_is_settled_at_construction(monkeypatch):
     )
     # Pinned, the direct path is the only candidate: failing, torch serves.
     checked.clear()
-    transfer, why = encoded_fused.choose_transfer(on_cuda, True, "direct")
+    transfer, why = choose_transfer(on_cuda, True, "direct")
     assert checked == ["fused_direct"]
     assert (transfer.path, why) == ("torch", "self-check failed: ValueError: no UVA")

@@ -11,6 +11,7 @@ import torch
 
 from scripts.rigs.hicache_harness import MLAGeometry, fill_random, paged_pools
 from sglang.srt.mem_cache.pool_host import encoded_fused
+from sglang.srt.mem_cache.pool_host.encoded import choose_transfer
 from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
@@ -172,7 +173,5 @@ def test_self_check_catches_kernels_that_differ(kernels, monkeypatch):
 
     monkeypatch.setattr(kernels, "decode_scatter", lossy_decode)
     _, pool = build("page_first", 4, fused="direct")
-    transfer, why = encoded_fused.choose_transfer(
-        pool.transfer_context, False, "direct", check=True
-    )
+    transfer, why = choose_transfer(pool.transfer_context, False, "direct", check=True)
     assert transfer.path == "torch" and "self-check failed" in why

@@ -11,6 +11,7 @@ from scripts.rigs.hicache_harness import (
     assert_self_check_falls_back,
 )
 from sglang.srt.mem_cache.pool_host import encoded_fused
+from sglang.srt.mem_cache.pool_host.encoded import choose_transfer
 from tests.support.int4_pool_checks import (
     build,
 )
@@ -34,7 +35,7 @@ def test_fused_kernels_are_selected_where_the_base_kernels_run(fmt, monkeypatch)
     monkeypatch.setattr(kv_int4_triton, "available", lambda device: True)
     assert pool.host_format.fused_available(torch.device("cuda"))
     on_cuda = dataclasses.replace(pool.transfer_context, device=torch.device("cuda"))
-    transfer, why = encoded_fused.choose_transfer(on_cuda, False, None, check=False)
+    transfer, why = choose_transfer(on_cuda, False, None, check=False)
     assert isinstance(transfer, encoded_fused.FusedTransfer)
     # Not pinned on this CPU pool: staged, the reason int4's pools give too.
     assert (transfer.path, why) == (

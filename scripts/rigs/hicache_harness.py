@@ -390,11 +390,11 @@ def assert_self_check_falls_back(pool, caplog, cause: str) -> None:
     CUDA, fails on `cause`: the torch path is chosen, saying why."""
     import logging
 
-    from sglang.srt.mem_cache.pool_host import encoded_fused
+    from sglang.srt.mem_cache.pool_host.encoded import choose_transfer
 
     requested = pool.transfer_path.removeprefix("fused_")
     with caplog.at_level(logging.WARNING, logger="sglang"):
-        transfer, why = encoded_fused.choose_transfer(
+        transfer, why = choose_transfer(
             pool.transfer_context, pool.pin_memory, requested, check=True
         )
     assert transfer.path == "torch"

@@ -49,6 +49,27 @@ ENCODED_HOST_IO_BACKENDS = ("kernel", "direct")
 ENCODED_HOST_DEVICE_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def choose_transfer(
+    ctx: TransferContext,
+    pinned: bool,
+    requested: str | None,
+    check: bool | None = None,
+):
+    """(transfer, why) for a pool: the path `requested` (a FUSED_MODES value;
+    None reads SGLANG_HICACHE_FUSED_TRANSFER) allows on this device and host
+    memory, kept only if its self-check passes. Runs once, at construction.
+    check: run the self-check; None: on CUDA, where the kernels compile (on
+    the CPU they run under the Triton interpreter, for tests and tools). The
+    fused transfer's module ships with the kernels, so it is imported here."""
+    mode, source = transfer_mode(requested)
+    why = torch_transfer_reason(ctx, mode, source)
+    if why is not None:
+        return TorchTransfer(ctx), why
+    from sglang.srt.mem_cache.pool_host import encoded_fused
+
+    return encoded_fused.choose_fused(ctx, pinned, mode, source, check)
+
+
 def check_io_backend(name: str, io_backend: str) -> None:
     if io_backend not in ENCODED_HOST_IO_BACKENDS:
         raise ValueError(
@@ -224,7 +245,9 @@ class EncodedHostPool:
                 self._sink_tokens_per_slot, self._alloc_host, self.dtype,
             )  # fmt: skip
             self.size_per_token = self.get_size_per_token()
-        self.transfer, self.transfer_path_reason = self._choose_transfer()
+        self.transfer, self.transfer_path_reason = choose_transfer(
+            self.transfer_context, self.pin_memory, self._fused_transfer
+        )
         if self.transfer.path != "fused_direct":
             # Allocated up front where the path uses them (direct needs none).
             self.staging["d2h"], self.staging["h2d"]
@@ -233,18 +256,6 @@ class EncodedHostPool:
             # transfer streams touch it.
             torch.cuda.current_stream(self._transfer_device).synchronize()
         self._log_setup()
-
-    def _choose_transfer(self):
-        """(transfer, why): the torch transfer unless the requested path and
-        the format's kernels allow a fused one, whose module ships with them."""
-        ctx = self.transfer_context
-        mode, source = transfer_mode(self._fused_transfer)
-        why = torch_transfer_reason(ctx, mode, source)
-        if why is not None:
-            return TorchTransfer(ctx), why
-        from sglang.srt.mem_cache.pool_host import encoded_fused
-
-        return encoded_fused.choose_fused(ctx, self.pin_memory, mode, source)
 
     def _log_setup(self) -> None:
         logger.info(

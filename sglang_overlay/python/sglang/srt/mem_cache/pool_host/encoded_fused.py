@@ -25,8 +25,6 @@ from sglang.srt.mem_cache.pool_host.transfer import (
     TransferContext,
     fetch,
     store,
-    torch_transfer_reason,
-    transfer_mode,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,24 +38,6 @@ _SELF_CHECK_UNITS = 2
 _SELF_CHECK_TOKENS = 4
 
 
-def choose_transfer(
-    ctx: TransferContext,
-    pinned: bool,
-    requested: str | None,
-    check: bool | None = None,
-):
-    """(transfer, why) for a pool: the path `requested` (a FUSED_MODES value;
-    None reads SGLANG_HICACHE_FUSED_TRANSFER) allows on this device and host
-    memory, kept only if its self-check passes. Runs once, at construction.
-    check: run the self-check; None: on CUDA, where the kernels compile (on
-    the CPU they run under the Triton interpreter, for tests and tools)."""
-    mode, source = transfer_mode(requested)
-    why = torch_transfer_reason(ctx, mode, source)
-    if why is not None:
-        return TorchTransfer(ctx), why
-    return choose_fused(ctx, pinned, mode, source, check)
-
-
 def choose_fused(
     ctx: TransferContext,
     pinned: bool,
@@ -65,7 +45,7 @@ def choose_fused(
     source: str,
     check: bool | None = None,
 ):
-    """choose_transfer where torch_transfer_reason leaves the fused kernels
+    """encoded.choose_transfer where torch_transfer_reason leaves the fused kernels
     in: the first host access that passes its self-check, else torch."""
     dev = ctx.device
     # The kernels reach host memory directly if it is pinned (UVA), or if the
