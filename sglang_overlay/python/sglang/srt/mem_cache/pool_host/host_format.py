@@ -90,6 +90,12 @@ class HostRecord:
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    # The layer ids it is stored for; None: every layer (a format's per-layer
+    # plan stores some records on a few layers only).
+    layers: tuple[int, ...] | None = None
+
+    def stored_on(self, layer_id: int) -> bool:
+        return self.layers is None or layer_id in self.layers
 
     @property
     def nbytes(self) -> int:
@@ -165,6 +171,12 @@ class HostKVFormat:
         self.rotation_blocks: tuple[int, ...] = (0,) * len(self.sides)
         # Order = byte order of a generic L3 page object.
         self.records: tuple[HostRecord, ...] = ()
+
+    def for_layer(self, layer_id: int) -> HostKVFormat:
+        """The format of one layer: its records are those stored on that layer
+        and its encode/decode that layer's math. Formats without a per-layer
+        plan are the same on every layer."""
+        return self
 
     def record(self, name: str) -> HostRecord:
         for record in self.records:
