@@ -1,13 +1,15 @@
 """Start the live CPU SGLang server on a tiny random-weight MLA model and
 report how far it gets (a reproduction tool, not a test).
 
-The model is a DeepSeek-V3-shaped ``DeepseekV3ForCausalLM`` with tiny dims
-(every layer dense, no MoE), written under build/mla-models/ with the
-SmolLM2 tokenizer read from the packaged GGUF (no downloads). The server is
+The model is scripts/rigs/mla_model.py's tiny DeepSeek-V3; the server is
 scripts/rigs/server.py's LiveServer (CPU flags, stand-ins) with HiCache on.
 
     PYTHONPATH=build/sglang/python .venv/bin/python -m scripts.mla_live_probe \
-        [--tp 2] [--dedup] [--host-dtype int8] [--attention-backend torch_native]
+        [--attention-backend intel_amx] [--tp 2] [--dedup] [--host-dtype int8]
+
+With CPU_FLAGS' torch_native attention the first prefill fails (an MLA
+model's MHA prefill against the pool's latent rows: docs/mla-dedup.md);
+intel_amx (with the rigs' pure-torch AMX attention ops) serves, at --tp 2 too.
 
 On start-up failure it prints the log's traceback; on success it sends one
 prompt and prints the reply. One server at a time; it is stopped on exit.
@@ -25,13 +27,16 @@ from scripts.rigs.mla_model import deepseek_v3_tiny_dir
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dedup", action="store_true",
-                   help="add --enable-mla-hicache-host-dedup")  # fmt: skip
+    p.add_argument(
+        "--dedup", action="store_true", help="add --enable-mla-hicache-host-dedup"
+    )
     p.add_argument("--host-dtype", default="int8")
-    p.add_argument("--attention-backend", default=None,
-                   help="override CPU_FLAGS' torch_native")  # fmt: skip
-    p.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                   help="more server flags, last")  # fmt: skip
+    p.add_argument(
+        "--attention-backend", default=None, help="override CPU_FLAGS' torch_native"
+    )
+    p.add_argument(
+        "--extra", nargs=argparse.REMAINDER, default=[], help="more server flags, last"
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     args = p.parse_args(argv)
 
@@ -58,8 +63,14 @@ def main(argv=None) -> int:
     env = dict(SPEC_ENV) if args.attention_backend == "intel_amx" else {}
     if args.tp > 1:
         env.update(tp_env(args.tp))
-    server = LiveServer(flags, name=name, model=model, progress=to_stderr,
-                        env=env, startup_timeout=args.timeout)  # fmt: skip
+    server = LiveServer(
+        flags,
+        name=name,
+        model=model,
+        progress=to_stderr,
+        env=env,
+        startup_timeout=args.timeout,
+    )
     print("[probe] flags: " + " ".join(flags), flush=True)
     try:
         server.start()
