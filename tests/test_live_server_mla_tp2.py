@@ -13,7 +13,7 @@ One start (2,048-token L1): prompt A (600 tokens) cold and again (device
 hit), four more prompts overflowing L1, A again: a host hit, decoded on
 TP0 (the source) and broadcast to TP1 (the peer), with the first pass's greedy
 tokens. /metrics (``--enable-metrics-for-all-schedulers``, both ranks) says
-TP0 holds the host bytes and TP1 none. One start, about 70 s here, so opt-in:
+TP0 holds the host bytes and TP1 none. One start, 70-90 s here, so opt-in:
 HIQ_LIVE_MLA_TP2=1. HIQ_LIVE_SERVER=0 skips.
 """
 
@@ -44,7 +44,7 @@ pytestmark = [
     LIVE_ONLY,
     pytest.mark.skipif(
         os.environ.get("HIQ_LIVE_MLA_TP2") != "1",
-        reason="a TP=2 live server, about 70 s here: HIQ_LIVE_MLA_TP2=1",
+        reason="a TP=2 live server, 70-90 s here: HIQ_LIVE_MLA_TP2=1",
     ),
 ]
 
