@@ -99,3 +99,19 @@ def test_decode_writes_the_new_row_and_matches_gpt_oss_attention(case, window):
     torch.testing.assert_close(k_buffer[slots[last]], k[last])
     expected = reference(q, k, v, sinks, window)[last:]
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_extend_without_prefix_does_not_read_an_mla_latent_pool(case):
+    """An MLA model's prefill of a new prompt (DeepSeek's MHA path) passes
+    expanded per-head K/V whose shape is not the pool's one latent row."""
+    q, k, v, _, _, req_to_token = case
+    latent = torch.full((SLOTS, 1, 3 * DIM), float("nan"))
+    out = torch.empty(TOTAL, HEADS, DIM)
+    extend_attention_cpu(
+        q, k, v, out, latent, latent[..., : 2 * DIM], 1.0, 1.0,
+        req_to_token, torch.tensor([1]), torch.tensor([TOTAL]),
+        torch.tensor([TOTAL]), torch.tensor([0]), TOTAL, SCALING, 0.0, False,
+        0, None, None, None, True,
+    )  # fmt: skip
+    expected = reference(q, k, v, torch.full((HEADS,), float("-inf")), 0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

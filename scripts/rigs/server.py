@@ -37,6 +37,9 @@ Stable API:
 - ``spec_flags(draft_model, algorithm="STANDALONE", num_steps=2, topk=1,
   draft_tokens=3) -> list[str]`` and ``SPEC_ENV`` (dict): speculative decoding
   on CPU, passed as ``args`` and ``env=``; see spec_flags' docstring.
+- ``tp_env(tp) -> dict``: the extra environment of a CPU server started with
+  ``--tp tp`` > 1 (SGLANG_CPU_OMP_THREADS_BIND, one core list per rank; the
+  groups are gloo on CPU).
 - ``cpu_env(sglang_path=PATCHED_PYTHON, kernel_log=None, extra=None) -> dict``:
   the environment for any other SGLang process on CPU (``python -m
   sglang.bench_serving`` imports sglang.srt.configs, so it needs the stand-ins);
@@ -162,6 +165,15 @@ def hicache_flags(
 # platform override (cpu_site), and one OpenMP thread per process (on the two
 # shared cores, spin-waiting OpenMP threads made each small op ~100x slower).
 SPEC_ENV = {"HIQ_SGL_KERNEL_TORCH_OPS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def tp_env(tp: int) -> dict[str, str]:
+    """The environment a CPU server with ``--tp tp`` needs: one core list per
+    rank in SGLANG_CPU_OMP_THREADS_BIND. Unset, SGLang's CPU start-up asserts
+    at most one rank per NUMA node (utils/numa_utils.py init_threads_binding);
+    this machine has one. Ranks share cores round-robin."""
+    cores = os.cpu_count() or 1
+    return {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp))}
 
 
 def spec_flags(

@@ -739,12 +739,14 @@ def extend_attention_cpu(
         prefix = total - ext
         lo = _window_start(prefix, window)
         slots = req_to_token[r, lo:prefix].to(torch.int64)
-        keys = torch.cat(
-            [k_buffer[slots].float() * k_scale, k_extend[start : start + ext].float()]
-        )
-        values = torch.cat(
-            [v_buffer[slots].float() * v_scale, v_extend[start : start + ext].float()]
-        )
+        keys = k_extend[start : start + ext].float()
+        values = v_extend[start : start + ext].float()
+        # Without a cached prefix the buffers are not read: an MLA model's
+        # MHA prefill passes expanded per-head K/V whose shape is not the
+        # pool's latent rows.
+        if len(slots):
+            keys = torch.cat([k_buffer[slots].float() * k_scale, keys])
+            values = torch.cat([v_buffer[slots].float() * v_scale, values])
         if tree_mask is not None:
             size = ext * total
             mask = tree_mask.view(-1)[mask_offset : mask_offset + size].view(ext, total)
