@@ -25,7 +25,9 @@ With --enable-mla-hicache-host-dedup, 2 gloo ranks as spawned processes
 (tests/support/spawned_ranks.py), each through the same DSA stack over the TP
 group: the source alone holds and backs up both host pools, the peer's are
 allocator-only (no bytes), and after a load both ranks' latent and indexer
-rows equal rank 0's bit for bit.
+rows equal rank 0's bit for bit; with `file` L3 the same after restarting both
+ranks, and a page file removed or corrupted on the source is the same miss on
+both.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ MLAHostDedupBroadcaster sends the restored layer to the other ranks' device
 pools. A failure on the source during a load raises HostDedupLoadError on
 every rank of the group after the layers' broadcasts, never a hang. With L3
 (`file`, `mooncake`), the source alone writes and reads pages; the group agrees on each
-prefetch's hits and completed pages, so every rank allocates the same host
-indices and a page the source cannot use is a miss on every rank.
+prefetch's hits, host slots and completed pages, so every rank allocates the
+same host indices and a page (or slots) the source cannot use is a miss on
+every rank. A failed load cannot be a miss: its batch is already formed.
 """
 
 from __future__ import annotations
