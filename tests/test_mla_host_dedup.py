@@ -723,6 +723,7 @@ def _run_l3_mooncake_case(case, rank, group, extra_config: dict) -> dict:
 RADIX_FAULT_CASE = ("radix_l3_faults", "int8", "page_first_direct", "direct", 4)
 # Source-side failures a prefetch meets, in order: each a miss on every rank.
 SOURCE_FAULTS = (
+    "store_write_raises",  # the source's page writes (batch_set*) raise
     "store_query_raises",  # the source's hit query (batch_exists) raises
     "store_read_raises",  # the source's page reads (batch_get*) raise
     "host_pool_full",  # the source's host pool refuses the prefetch's bounce
@@ -786,53 +787,73 @@ def _run_radix_fault_case(case, rank, group, store_dir: str) -> dict:
     cache, device_pool, allocator, _ = _radix_stack(case, group, store_dir)
     ctl = cache.cache_controller
     src = ctl.host_dedup.is_src
+    backend = ctl.storage_backend
     page, tokens = case[4], RADIX_TOKENS
-    ids = list(range(700, 700 + tokens))
-    query = RadixKey(array("q", [*ids, 7]))
-    slots = allocator.alloc(tokens)
-    gen = torch.Generator().manual_seed(77)
-    for layer in range(LAYERS):
-        buf = device_pool.kv_buffer[layer]
-        buf[slots] = torch.randn((tokens, *buf.shape[1:]), generator=gen).to(buf.dtype)
-    written = torch.stack([device_pool.kv_buffer[i][slots] for i in range(LAYERS)])
-    cache.insert(
-        InsertParams(
-            key=RadixKey(array("q", ids)),
-            value=slots.to(torch.int64),
-            prev_prefix_len=0,
-        )
-    )
-    cache.flush_pending_backups()
-    cache.check_hicache_events()
 
     def backed_up():
         cache.check_hicache_events()
         return not cache.ongoing_backup
 
-    wait_for(backed_up, "the L3 backup")
-    cache.evict(EvictParams(num_tokens=tokens))
-    for layer in range(LAYERS):
-        device_pool.kv_buffer[layer][slots] = float(rank + 7)
-
     def drop_host():
         for component in cache.components:
             cache.evict_host(tokens, component)
 
-    def state() -> dict:
+    def write_through(ids: list, seed: int) -> torch.Tensor:
+        """Insert (written through to host and L3), then evict L1 and L2:
+        the rows written."""
+        slots = allocator.alloc(tokens)
+        gen = torch.Generator().manual_seed(seed)
+        for layer in range(LAYERS):
+            buf = device_pool.kv_buffer[layer]
+            rows = torch.randn((tokens, *buf.shape[1:]), generator=gen)
+            buf[slots] = rows.to(buf.dtype)
+        rows = torch.stack([device_pool.kv_buffer[i][slots] for i in range(LAYERS)])
+        cache.insert(
+            InsertParams(
+                key=RadixKey(array("q", ids)),
+                value=slots.to(torch.int64),
+                prev_prefix_len=0,
+            )
+        )
+        cache.flush_pending_backups()
+        cache.check_hicache_events()
+        wait_for(backed_up, "the L3 backup")
+        cache.evict(EvictParams(num_tokens=tokens))
+        for layer in range(LAYERS):
+            device_pool.kv_buffer[layer][slots] = float(rank + 7)
+        drop_host()
+        return rows
+
+    def state(query) -> dict:
         match = cache.match_prefix(MatchPrefixParams(key=query))
         hit = [match.device_prefix_len, match.host_hit_length]
         return {"hit": hit, **_radix_state(cache, match)}
 
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected source-side L3 failure")
+
+    # The source's L3 write raises: the pages never reach the store.
+    result = {"is_src": src, "faults": {}}
+    lost = list(range(900, 900 + tokens))
+    undo = [_patch(backend, n, fail) for n in ("batch_set", "batch_set_v1") if src]
+    write_through(lost, seed=78)
+    for u in undo:
+        u()
+    dist.barrier(group)
+    query = RadixKey(array("q", [*lost, 7]))
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    span = radix_prefetch(cache, match, lost, rid="lost")
+    result["faults"]["store_write_raises"] = {"prefetched": list(span), **state(query)}
     drop_host()
-    backend = ctl.storage_backend
+
+    ids = list(range(700, 700 + tokens))
+    query = RadixKey(array("q", [*ids, 7]))
+    written = write_through(ids, seed=77)
     (refused,) = [
         os.path.join(store_dir, f)
         for f in os.listdir(store_dir)
         if f.startswith(get_storage_hash_str(ids, None, page_size=page)[3])
     ]
-
-    def fail(*args, **kwargs):
-        raise RuntimeError("injected source-side L3 failure")
 
     def inject(fault: str):
         """Break the source alone; returns the undo."""
@@ -851,8 +872,7 @@ def _run_radix_fault_case(case, rank, group, store_dir: str) -> dict:
         open(refused, "wb").write(bytes(flipped))
         return lambda: open(refused, "wb").write(data)
 
-    result = {"is_src": src, "faults": {}}
-    for i, fault in enumerate(SOURCE_FAULTS):
+    for i, fault in enumerate(SOURCE_FAULTS[1:]):
         undo = inject(fault)
         dist.barrier(group)
         match = cache.match_prefix(MatchPrefixParams(key=query))
@@ -862,7 +882,7 @@ def _run_radix_fault_case(case, rank, group, store_dir: str) -> dict:
             result["faults"][fault] = {"prefetched": repr(exc)}
             return result
         undo()
-        result["faults"][fault] = {"prefetched": list(span), **state()}
+        result["faults"][fault] = {"prefetched": list(span), **state(query)}
         drop_host()
 
     # Nothing broken any more: the prefix comes back and loads everywhere.
@@ -883,7 +903,7 @@ def _run_radix_fault_case(case, rank, group, store_dir: str) -> dict:
         cache.unlock(lock)
         return cache.lock(last_node), last_node
 
-    result["clean_hit"] = state()["hit"]
+    result["clean_hit"] = state(query)["hit"]
     lock, last_node = load_back("clean")
     cache.ready_to_load_host_cache()
     cache.check_hicache_events()
@@ -919,7 +939,7 @@ def _run_radix_fault_case(case, rank, group, store_dir: str) -> dict:
     except HostDedupLoadError:
         outcome = "HostDedupLoadError"
     undo()
-    result["load_failure"] = {"outcome": outcome, **state()}
+    result["load_failure"] = {"outcome": outcome, **state(query)}
     return result
 
 
@@ -1144,10 +1164,11 @@ def _faults(ranks):
 
 @pytest.mark.parametrize("fault", SOURCE_FAULTS)
 def test_radix_source_side_l3_failure_is_the_same_miss_on_every_rank(ranks, fault):
-    """Each failure on the source alone (its store's query or reads raising,
-    its host pool refusing the prefetch's bounce, a sealed page refused
-    mid-batch): every rank prefetches the same span, and afterwards holds the
-    same radix nodes (tokens, device and host indices, locks) and host pool."""
+    """Each failure on the source alone (its store's writes, query or reads
+    raising, its host pool refusing the prefetch's bounce, a sealed page
+    refused mid-batch): every rank prefetches the same span, and afterwards
+    holds the same matched path, host and device indices, tree sizes and
+    free host slots."""
     r0, r1 = _faults(ranks)
     f0, f1 = r0["faults"][fault], r1["faults"][fault]
     page = RADIX_FAULT_CASE[4]
