@@ -25,7 +25,9 @@ With --enable-mla-hicache-host-dedup, 2 gloo ranks as spawned processes
 (tests/support/spawned_ranks.py), each through the same DSA stack over the TP
 group: the source alone holds and backs up both host pools, the peer's are
 allocator-only (no bytes), and after a load both ranks' latent and indexer
-rows equal rank 0's bit for bit.
+rows equal rank 0's bit for bit; with `file` L3 the same after restarting both
+ranks, and a page file removed or corrupted on the source is the same miss on
+both.
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class DsaRig:
     cache: object
     allocator: object
     kv: object  # DSATokenToKVPool
+    lock: object = None  # the lock load_back holds on the loaded prefix
 
     @property
     def controller(self):
@@ -288,7 +291,7 @@ def load_back(rig: DsaRig, ids) -> torch.Tensor:
     )
     assert loaded == tokens
     cache.unlock(lock)
-    cache.lock(last_node)
+    rig.lock = cache.lock(last_node)
     cache.ready_to_load_host_cache()
     cache.check_hicache_events()
     again = cache.match_prefix(MatchPrefixParams(key=query))
@@ -572,33 +575,22 @@ DEDUP_WORLD = 2
 DEDUP_TIMEOUT_S = 180
 
 
-def _dedup_case(case, model_dir, rank, group, store_dir=None) -> dict:
-    """One rank of the scheduler's path with the flag: the DSA stack built by
-    the registry over the TP group, insert (written through), L1 eviction
-    (rows wiped), host hit, load; then both pools' rows gathered. With
-    `store_dir` (the `file` L3 backend), the host copy is dropped too and the
-    prefix comes back through the radix cache's L3 prefetch first."""
-    from tests.test_mla_host_dedup import (
-        _gather,
-        _host_kv_bytes,
-        _reload_from_l3,
-        _stamp_tp_rank,
-    )
+def _dedup_rig(case, model_dir, group, l3=None) -> DsaRig:
+    """A rank's DSA stack with the flag, built by the registry over the TP
+    group (with `l3`, attached to that storage backend): what a (re)start
+    builds."""
+    from tests.test_mla_host_dedup import _stamp_tp_rank
 
     from scripts.rigs.hicache_harness import make_allocator
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.runtime_context import get_memory
 
     _, _, host_dtype, layout, io_backend = case
-    l3 = None
-    if store_dir is not None:
-        l3 = dict(hicache_storage_backend="file", file_storage_path=store_dir)
     server_args = publish_server_args(
         model_dir, host_dtype, layout, PAGE, io_backend, l3=l3
     )
-    if store_dir is not None:
+    if l3 is not None:
         _stamp_tp_rank()
     kv = dsa_device_pool(server_args)
     allocator = make_allocator(kv)
@@ -613,54 +605,159 @@ def _dedup_case(case, model_dir, rank, group, store_dir=None) -> dict:
     )
     with get_memory().override(enable_mla_hicache_host_dedup=True):
         cache = build_cache(server_args, params, swa=False, ssm=False)
-        rig = DsaRig(host_dtype, cache, allocator, kv)
-        latent, indexer = rig.host_pool(PoolName.KV), rig.host_pool(PoolName.INDEXER)
-        result = {
-            "is_src": rig.controller.host_dedup.is_src,
-            "pools": [type(latent).__name__, type(indexer).__name__],
-            "host_kv_bytes": [_host_kv_bytes(latent), _host_kv_bytes(indexer)],
-            "host_size": [latent.size, indexer.size],
+    return DsaRig(host_dtype, cache, allocator, kv)
+
+
+def _gather_rows(rig: DsaRig, loaded: torch.Tensor, result: dict) -> None:
+    """Whether both pools' rows at `loaded` (and `loaded`) equal rank 0's."""
+    from tests.test_mla_host_dedup import _gather
+
+    kv, pages = rig.kv, indexer_pages(loaded)
+    rows = {"latent": [], "indexer": []}
+    for layer in range(kv.layer_num):
+        rows["latent"].append(kv.kv_buffer[layer][loaded])
+        index = kv.index_k_with_scale_buffer[layer]
+        if index.shape[0]:
+            rows["indexer"].append(index[pages])
+    for name, parts in rows.items():
+        everyone = _gather(torch.stack(parts))
+        result[f"{name}_equal_to_rank0"] = all(
+            torch.equal(x, everyone[0]) for x in everyone
+        )
+    result["indexer_layers"] = len(rows["indexer"])
+    device = _gather(loaded.to(torch.int64))
+    result["same_device_indices"] = all(torch.equal(x, device[0]) for x in device)
+
+
+def _dedup_case(case, model_dir, rank, group) -> dict:
+    """One rank of the scheduler's path with the flag: the DSA stack built by
+    the registry over the TP group, insert (written through), L1 eviction
+    (rows wiped), host hit, load; then both pools' rows gathered."""
+    from tests.test_mla_host_dedup import _host_kv_bytes
+
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    rig = _dedup_rig(case, model_dir, group)
+    cache, allocator = rig.cache, rig.allocator
+    latent, indexer = rig.host_pool(PoolName.KV), rig.host_pool(PoolName.INDEXER)
+    result = {
+        "is_src": rig.controller.host_dedup.is_src,
+        "pools": [type(latent).__name__, type(indexer).__name__],
+        "host_kv_bytes": [_host_kv_bytes(latent), _host_kv_bytes(indexer)],
+        "host_size": [latent.size, indexer.size],
+    }
+    ids = list(range(100, 100 + TOKENS))
+    dev, (latents, keys) = insert(rig, ids, seed=5)
+    evicted = cache.evict(EvictParams(num_tokens=TOKENS))
+    result["evicted"] = evicted.num_tokens_evicted
+    wipe(rig, dev)
+    allocator.alloc(TOKENS)  # the evicted rows stay taken: load elsewhere
+    loaded = load_back(rig, ids)
+    result["moved"] = not set(loaded.tolist()) & set(dev.tolist())
+    try:
+        assert_restored(rig, loaded, latents, keys)
+        result["restored"] = "ok"
+    except AssertionError as exc:
+        result["restored"] = repr(exc)
+    _gather_rows(rig, loaded, result)
+    cache.sanity_check()
+    return result
+
+
+# Faults on the source's store after the restart, in order: a removed
+# indexer page file, then a corrupted (sealed int8) latent one.
+DEDUP_L3_FAULTS = (("indexer_removed", 2), ("latent_corrupted", 1))
+
+
+def _dedup_l3_case(case, model_dir, rank, group, store_dir: str) -> dict:
+    """With the `file` L3 backend: written through (the source writes both
+    pools' pages, once per group), both ranks restarted (fresh device and host
+    pools, the same store), the prefix prefetched and loaded on both; then each
+    of DEDUP_L3_FAULTS on the source alone: the same miss on both ranks."""
+    import torch.distributed as dist
+    from tests.test_mla_host_dedup import _host_kv_bytes, _radix_state
+
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    l3 = dict(hicache_storage_backend="file", file_storage_path=store_dir)
+    ids = list(range(100, 100 + TOKENS))
+    query = radix_key([*ids, 7])
+    first = _dedup_rig(case, model_dir, group, l3)
+    written = []
+    backend = first.controller.storage_backend
+    for name in ("batch_set", "batch_set_v1"):
+        real = getattr(backend, name, None)
+        if real is not None:
+            setattr(backend, name, _counting(real, written))
+    _, (latents, keys) = insert(first, ids, seed=5)
+
+    def backed_up():
+        first.cache.check_hicache_events()
+        return not first.cache.ongoing_backup
+
+    wait_for(backed_up, "the L3 backup", WAIT_S)
+    result = {"is_src": first.controller.host_dedup.is_src}
+    result["l3_keys_written"] = len(written)
+    dist.barrier(group)
+    result["l3_files"] = sorted(os.listdir(store_dir))
+    # Restart: every rank's pools go away and come back empty.
+    stop(first)
+    first.controller.host_dedup.destroy()
+    rig = _dedup_rig(case, model_dir, group, l3)
+    latent, indexer = rig.host_pool(PoolName.KV), rig.host_pool(PoolName.INDEXER)
+    result["host_kv_bytes"] = [_host_kv_bytes(latent), _host_kv_bytes(indexer)]
+    cache = rig.cache
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    result["l3"] = list(radix_prefetch(cache, match, ids, timeout_s=WAIT_S))
+    loaded = load_back(rig, ids)
+    try:
+        assert_restored(rig, loaded, latents, keys)
+        result["restored"] = "ok"
+    except AssertionError as exc:
+        result["restored"] = repr(exc)
+    _gather_rows(rig, loaded, result)
+
+    # Faults on the source's store: L1 and L2 dropped before each.
+    hashes = get_storage_hash_str(ids, None, page_size=PAGE)
+
+    def page_file(page: int, indexer: bool) -> str:
+        (name,) = [
+            f
+            for f in os.listdir(store_dir)
+            if f.startswith(hashes[page]) and (".indexer_" in f) == indexer
+        ]
+        return os.path.join(store_dir, name)
+
+    result["faults"] = {}
+    for i, (fault, page) in enumerate(DEDUP_L3_FAULTS):
+        if rig.lock is not None:
+            cache.unlock(rig.lock)
+            rig.lock = None
+        cache.evict(EvictParams(num_tokens=TOKENS))
+        for component in cache.components:
+            cache.evict_host(TOKENS, component)
+        if rig.controller.host_dedup.is_src:
+            if fault == "indexer_removed":
+                os.remove(page_file(page, indexer=True))
+            else:
+                path = page_file(page, indexer=False)
+                data = bytearray(open(path, "rb").read())
+                data[len(data) // 2] ^= 0xFF
+                open(path, "wb").write(bytes(data))
+        dist.barrier(group)
+        match = cache.match_prefix(MatchPrefixParams(key=query))
+        span = radix_prefetch(cache, match, ids, rid=f"fault{i}", timeout_s=WAIT_S)
+        match = cache.match_prefix(MatchPrefixParams(key=query))
+        result["faults"][fault] = {
+            "prefetched": list(span),
+            "hit": [match.device_prefix_len, match.host_hit_length],
+            **_radix_state(cache, match),
         }
-        written = []
-        if store_dir is not None:
-            backend = rig.controller.storage_backend
-            for name in ("batch_set", "batch_set_v1"):
-                real = getattr(backend, name, None)
-                if real is not None:
-                    setattr(backend, name, _counting(real, written))
-        ids = list(range(100, 100 + TOKENS))
-        dev, (latents, keys) = insert(rig, ids, seed=5)
-        evicted = cache.evict(EvictParams(num_tokens=TOKENS))
-        result["evicted"] = evicted.num_tokens_evicted
-        wipe(rig, dev)
-        allocator.alloc(TOKENS)  # the evicted rows stay taken: load elsewhere
-        if store_dir is not None:
-            result["l3"] = _reload_from_l3(cache, ids, radix_key([*ids, 7]))
-            result["l3_keys_written"] = len(written)
-            result["l3_files"] = sorted(os.listdir(store_dir))
-        loaded = load_back(rig, ids)
-        result["moved"] = not set(loaded.tolist()) & set(dev.tolist())
-        try:
-            assert_restored(rig, loaded, latents, keys)
-            result["restored"] = "ok"
-        except AssertionError as exc:
-            result["restored"] = repr(exc)
-        pages = indexer_pages(loaded)
-        rows = {"latent": [], "indexer": []}
-        for layer in range(kv.layer_num):
-            rows["latent"].append(kv.kv_buffer[layer][loaded])
-            index = kv.index_k_with_scale_buffer[layer]
-            if index.shape[0]:
-                rows["indexer"].append(index[pages])
-        for name, parts in rows.items():
-            everyone = _gather(torch.stack(parts))
-            result[f"{name}_equal_to_rank0"] = all(
-                torch.equal(x, everyone[0]) for x in everyone
-            )
-        result["indexer_layers"] = len(rows["indexer"])
-        host = _gather(loaded.to(torch.int64))
-        result["same_device_indices"] = all(torch.equal(x, host[0]) for x in host)
-        cache.sanity_check()
+    stop(rig)
     return result
 
 
@@ -688,7 +785,7 @@ def dedup_rank(rank: int, group, model_dirs: dict, store_dir: str) -> dict:
             case[0]: _dedup_case(case, model_dirs[case[1]], rank, group)
             for case in DEDUP_CASES
         }
-        results[DEDUP_L3_CASE[0]] = _dedup_case(
+        results[DEDUP_L3_CASE[0]] = _dedup_l3_case(
             DEDUP_L3_CASE, model_dirs["dsa"], rank, group, store_dir
         )
     return results
@@ -732,20 +829,35 @@ def test_host_dedup_peer_holds_no_host_kv_for_either_pool(dedup_ranks, case):
     assert all(b >= r0["host_size"][0] for b in r0["host_kv_bytes"])
 
 
-def test_host_dedup_l3_pages_written_once_and_prefetched_on_every_rank(
+def test_host_dedup_l3_pages_written_once_and_read_back_after_a_restart(
     dedup_ranks,
 ):
     """With `file` L3: the source writes each page (one key, a file per pool:
-    latent and indexer), the peer none; L1 and L2 dropped, a prefetch brings
-    the prefix back on both ranks and the host hit loads both pools bit-equal
-    to rank 0's."""
+    latent and indexer), the peer none; both ranks restarted with fresh
+    pools, a prefetch brings the prefix back on both and the host hit loads
+    both pools bit-equal to rank 0's (and to what was written)."""
     r0, r1 = dedup_ranks[0][DEDUP_L3_CASE[0]], dedup_ranks[1][DEDUP_L3_CASE[0]]
+    assert r0["is_src"] and not r1["is_src"]
     pages = TOKENS // PAGE
     assert (r0["l3_keys_written"], r1["l3_keys_written"]) == (pages, 0)
     files = r0["l3_files"]
     assert len(files) == 2 * pages and sum(".indexer_" in f for f in files) == pages
-    assert r0["l3"] == r1["l3"] == [0, TOKENS]
+    assert r0["l3"][0] == r1["l3"][0] == TOKENS
     for r in (r0, r1):
         assert r["latent_equal_to_rank0"] and r["indexer_equal_to_rank0"]
         assert r["restored"] == "ok" and r["same_device_indices"]
-    assert r1["host_kv_bytes"] == [0, 0]
+    assert r1["host_kv_bytes"] == [0, 0] and min(r0["host_kv_bytes"]) > 0
+
+
+@pytest.mark.parametrize("fault,page", DEDUP_L3_FAULTS)
+def test_host_dedup_l3_source_side_fault_is_the_same_miss_on_every_rank(
+    dedup_ranks, fault, page
+):
+    """A removed indexer page file, then a corrupted (sealed) latent one, on
+    the source alone: both ranks prefetch the pages before it and hold the
+    same radix path, host and device indices and host pool afterwards."""
+    r0, r1 = dedup_ranks[0][DEDUP_L3_CASE[0]], dedup_ranks[1][DEDUP_L3_CASE[0]]
+    f0, f1 = r0["faults"][fault], r1["faults"][fault]
+    assert f0["prefetched"][0] == f1["prefetched"][0] == page * PAGE, (f0, f1)
+    assert f0["hit"] == f1["hit"] == [0, page * PAGE]
+    assert f0 == f1

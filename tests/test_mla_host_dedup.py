@@ -7,14 +7,20 @@ every rank instead of hanging. With the `file` L3 backend the source alone
 writes each page; after a restart a prefetch reaches every rank with the same
 hits and host indices, and a page file the source cannot use is the same miss
 on every rank. With a real mooncake_master the same holds without a restart
-(L1 and L2 dropped), and the peer never calls the store."""
+(L1 and L2 dropped), and the peer never calls the store. Through the radix
+cache, each source-side failure of an L3 prefetch (the store's query or reads
+raising, the host pool refusing the bounce, a sealed page refused mid-batch)
+is the same miss and the same radix state on every rank, and a source load
+failure raises on every rank with one state."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import threading
+import traceback
 from array import array
 
 import pytest
@@ -226,24 +232,13 @@ RADIX_CASES = [
 ]
 
 
-def _run_radix_case(case, rank, group, store_dir=None) -> dict:
-    """The scheduler's path: --enable-mla-hicache-host-dedup through the
-    server arguments, the radix cache and its HiCache stack as the registry
-    builds them (pool assembler, HybridCacheController), then insert (written
-    through), L1 eviction, a host hit, init_load_back and the load. With
-    `store_dir` (the `file` L3 backend), the host copy is evicted too and the
-    prefix comes back through the radix cache's L3 prefetch first."""
-    from sglang.srt.mem_cache.base_prefix_cache import (
-        EvictParams,
-        InitLoadBackParams,
-        InsertParams,
-        MatchPrefixParams,
-    )
+def _radix_stack(case, group, store_dir=None):
+    """The radix cache the registry builds from server arguments with the
+    flag (and, with `store_dir`, the `file` L3 backend): (cache, device pool,
+    allocator, the dedup module's start-up log lines)."""
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixKey
     from scripts.rigs.hicache_harness import (
-        LoadBackReq,
         MLAGeometry,
         build_radix_cache,
         make_allocator,
@@ -290,17 +285,37 @@ def _run_radix_case(case, rank, group, store_dir=None) -> dict:
     cache = build_radix_cache(server_args, params)
     logged.close()
     cache.write_through_threshold = 1
-    controller = cache.cache_controller
-    for entry in controller.mem_pool_host.entries:
+    for entry in cache.cache_controller.mem_pool_host.entries:
         # L3 page buffers ask torch for pinned memory, which needs CUDA.
         entry.host_pool.pin_memory = False
+    return cache, device_pool, allocator, logged.lines
+
+
+def _run_radix_case(case, rank, group, store_dir=None) -> dict:
+    """The scheduler's path: --enable-mla-hicache-host-dedup through the
+    server arguments, the radix cache and its HiCache stack as the registry
+    builds them (pool assembler, HybridCacheController), then insert (written
+    through), L1 eviction, a host hit, init_load_back and the load. With
+    `store_dir` (the `file` L3 backend), the host copy is evicted too and the
+    prefix comes back through the radix cache's L3 prefetch first."""
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from scripts.rigs.hicache_harness import LoadBackReq
+
+    cache, device_pool, allocator, log = _radix_stack(case, group, store_dir)
+    controller = cache.cache_controller
     host_pool = controller.mem_pool_host.anchor_entry.host_pool
     dedup_src = controller.host_dedup.is_src
     result = {
         "is_src": controller.host_dedup.is_src,
         "host_kv_bytes": _host_kv_bytes(host_pool),
         "host_pool": type(host_pool).__name__,
-        "log": logged.lines,
+        "log": log,
         "pool_bytes": host_pool.size * host_pool.size_per_token,
     }
     tokens = RADIX_TOKENS
@@ -703,6 +718,231 @@ def _run_l3_mooncake_case(case, rank, group, extra_config: dict) -> dict:
     return result
 
 
+# The scheduler's path with `file` L3, each failure injected on the source
+# alone; (name, host dtype, layout, io backend, page size).
+RADIX_FAULT_CASE = ("radix_l3_faults", "int8", "page_first_direct", "direct", 4)
+# Source-side failures a prefetch meets, in order: each a miss on every rank.
+SOURCE_FAULTS = (
+    "store_write_raises",  # the source's page writes (batch_set*) raise
+    "store_query_raises",  # the source's hit query (batch_exists) raises
+    "store_read_raises",  # the source's page reads (batch_get*) raise
+    "host_pool_full",  # the source's host pool refuses the prefetch's bounce
+    "page_refused",  # a sealed page fails its check mid-batch on the source
+)
+FAULT_REFUSED_PAGE = 3  # of RADIX_TOKENS // 4 pages: the hits stop there
+
+
+def _radix_state(cache, match) -> dict:
+    """What must be identical on every rank after `match`: the matched path's
+    nodes (spans, device lengths, children), its host indices, every device
+    index in the tree, the tree's sizes and the host pool's free slots."""
+    core = cache.tree_core
+    (path,) = core.collect_path_info([match.best_match_node])
+    host = None
+    if match.host_hit_length:
+        host = core.build_load_back_spec(match.best_match_node)[0].host_indices
+        host = host.tolist()
+    host_pool = cache.cache_controller.mem_pool_host.anchor_entry.host_pool
+    # The order the pool hands out its free slots in (freed slots queue last).
+    free = torch.cat([host_pool.free_slots, *host_pool.release_slots])
+    return {
+        "free_order": hashlib.sha1(free.numpy().tobytes()).hexdigest(),
+        "path": [
+            [p.path_start, p.path_end, p.full_value_len, p.num_children] for p in path
+        ],
+        "host": host,
+        "device": core.all_values_flatten().tolist(),
+        "sizes": [*map(int, core.total_size()), core.evictable_size()],
+        "protected": core.protected_size(),
+        "host_free": host_pool.available_size(),
+    }
+
+
+def _patch(obj, name: str, fn):
+    """Set obj.name to fn; returns the undo."""
+    had, old = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, fn)
+    return lambda: setattr(obj, name, old) if had else delattr(obj, name)
+
+
+def _run_radix_fault_case(case, rank, group, store_dir: str) -> dict:
+    """Through the radix cache with `file` L3: written through, L1 and L2
+    evicted; then each of SOURCE_FAULTS on the source alone, a prefetch, and
+    what each rank's radix cache holds after it (the same miss everywhere);
+    then a clean prefetch and load; last a source host->device failure."""
+    import torch.distributed as dist
+
+    from sglang.srt.mem_cache.base_prefix_cache import (
+        EvictParams,
+        InitLoadBackParams,
+        InsertParams,
+        MatchPrefixParams,
+    )
+    from sglang.srt.mem_cache.hicache_host_dedup import HostDedupLoadError
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+    from scripts.rigs.hicache_harness import LoadBackReq
+    from scripts.rigs.l3_harness import radix_prefetch, wait_for
+
+    cache, device_pool, allocator, _ = _radix_stack(case, group, store_dir)
+    ctl = cache.cache_controller
+    src = ctl.host_dedup.is_src
+    backend = ctl.storage_backend
+    page, tokens = case[4], RADIX_TOKENS
+
+    def backed_up():
+        cache.check_hicache_events()
+        return not cache.ongoing_backup
+
+    def drop_host():
+        for component in cache.components:
+            cache.evict_host(tokens, component)
+
+    def write_through(ids: list, seed: int) -> torch.Tensor:
+        """Insert (written through to host and L3), then evict L1 and L2:
+        the rows written."""
+        slots = allocator.alloc(tokens)
+        gen = torch.Generator().manual_seed(seed)
+        for layer in range(LAYERS):
+            buf = device_pool.kv_buffer[layer]
+            rows = torch.randn((tokens, *buf.shape[1:]), generator=gen)
+            buf[slots] = rows.to(buf.dtype)
+        rows = torch.stack([device_pool.kv_buffer[i][slots] for i in range(LAYERS)])
+        cache.insert(
+            InsertParams(
+                key=RadixKey(array("q", ids)),
+                value=slots.to(torch.int64),
+                prev_prefix_len=0,
+            )
+        )
+        cache.flush_pending_backups()
+        cache.check_hicache_events()
+        wait_for(backed_up, "the L3 backup")
+        cache.evict(EvictParams(num_tokens=tokens))
+        for layer in range(LAYERS):
+            device_pool.kv_buffer[layer][slots] = float(rank + 7)
+        drop_host()
+        return rows
+
+    def state(query) -> dict:
+        match = cache.match_prefix(MatchPrefixParams(key=query))
+        hit = [match.device_prefix_len, match.host_hit_length]
+        return {"hit": hit, **_radix_state(cache, match)}
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected source-side L3 failure")
+
+    # The source's L3 write raises: the pages never reach the store.
+    result = {"is_src": src, "faults": {}}
+    lost = list(range(900, 900 + tokens))
+    undo = [_patch(backend, n, fail) for n in ("batch_set", "batch_set_v1") if src]
+    write_through(lost, seed=78)
+    for u in undo:
+        u()
+    dist.barrier(group)
+    query = RadixKey(array("q", [*lost, 7]))
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    span = radix_prefetch(cache, match, lost, rid="lost")
+    result["faults"]["store_write_raises"] = {"prefetched": list(span), **state(query)}
+    drop_host()
+
+    ids = list(range(700, 700 + tokens))
+    query = RadixKey(array("q", [*ids, 7]))
+    written = write_through(ids, seed=77)
+    (refused,) = [
+        os.path.join(store_dir, f)
+        for f in os.listdir(store_dir)
+        if f.startswith(get_storage_hash_str(ids, None, page_size=page)[3])
+    ]
+
+    def inject(fault: str):
+        """Break the source alone; returns the undo."""
+        if not src:
+            return lambda: None
+        if fault == "store_query_raises":
+            return _patch(backend, "batch_exists", fail)
+        if fault == "store_read_raises":
+            undo = [_patch(backend, n, fail) for n in ("batch_get", "batch_get_v1")]
+            return lambda: [u() for u in undo]
+        if fault == "host_pool_full":
+            return _patch(ctl.mem_pool_host, "alloc", lambda *a, **k: None)
+        data = open(refused, "rb").read()
+        flipped = bytearray(data)
+        flipped[len(data) // 2] ^= 0xFF
+        open(refused, "wb").write(bytes(flipped))
+        return lambda: open(refused, "wb").write(data)
+
+    for i, fault in enumerate(SOURCE_FAULTS[1:]):
+        undo = inject(fault)
+        dist.barrier(group)
+        match = cache.match_prefix(MatchPrefixParams(key=query))
+        try:
+            span = radix_prefetch(cache, match, ids, rid=f"fault{i}")
+        except AssertionError as exc:  # a rank left waiting: the rest is moot
+            result["faults"][fault] = {"prefetched": repr(exc)}
+            return result
+        undo()
+        result["faults"][fault] = {"prefetched": list(span), **state(query)}
+        drop_host()
+
+    # Nothing broken any more: the prefix comes back and loads everywhere.
+    dist.barrier(group)
+    match = cache.match_prefix(MatchPrefixParams(key=query))
+    result["clean_prefetched"] = list(radix_prefetch(cache, match, ids, rid="clean"))
+
+    def load_back(rid: str):
+        match = cache.match_prefix(MatchPrefixParams(key=query))
+        lock = cache.lock(match.last_device_node)
+        _, last_node = cache.init_load_back(
+            InitLoadBackParams(
+                best_match_node=match.best_match_node,
+                host_hit_length=match.host_hit_length,
+                req=LoadBackReq(rid, match.last_device_node),
+            )
+        )
+        cache.unlock(lock)
+        return cache.lock(last_node), last_node
+
+    result["clean_hit"] = state(query)["hit"]
+    lock, last_node = load_back("clean")
+    cache.ready_to_load_host_cache()
+    cache.check_hicache_events()
+    device = cache.path_device_indices(last_node)
+    rows = torch.stack([device_pool.kv_buffer[i][device] for i in range(LAYERS)])
+    everyone = _gather(rows)
+    result["clean_equal_to_rank0"] = all(torch.equal(x, everyone[0]) for x in everyone)
+    result["clean_max_abs_err"] = (
+        (rows.float() - written.float()).abs().max().item()
+        if rows.shape == written.shape
+        else float("inf")
+    )
+    cache.unlock(lock)
+
+    # The source's host->device load fails: the batch that reads these rows
+    # is already formed, so it raises on every rank (no miss to fall back to).
+    cache.evict(EvictParams(num_tokens=tokens))
+    host_pool = ctl.mem_pool_host.anchor_entry.host_pool
+    undo = lambda: None  # noqa: E731
+    if src:
+        real = host_pool.load_to_device_per_layer_physical
+
+        def fail_on_layer_1(device_pool_, h, d, layer_id, *a, **k):
+            if layer_id == 1:
+                raise RuntimeError("injected source load failure")
+            return real(device_pool_, h, d, layer_id, *a, **k)
+
+        undo = _patch(host_pool, "load_to_device_per_layer_physical", fail_on_layer_1)
+    load_back("failing")
+    try:
+        cache.ready_to_load_host_cache()
+        outcome = "loaded"
+    except HostDedupLoadError:
+        outcome = "HostDedupLoadError"
+    undo()
+    result["load_failure"] = {"outcome": outcome, **state(query)}
+    return result
+
+
 def rank_cases(rank: int, group, out_dir: str, mooncake: dict | None) -> dict:
     """Every case on one rank (spawned by tests/support/spawned_ranks.py)."""
     results = {}
@@ -718,6 +958,15 @@ def rank_cases(rank: int, group, out_dir: str, mooncake: dict | None) -> dict:
         results[case[0]] = _run_radix_case(case, rank, group, store)
     for case in MOONCAKE_CASES if mooncake is not None else ():
         results[case[0]] = _run_l3_mooncake_case(case, rank, group, mooncake)
+    # Last: a fault a build does not agree on may leave the ranks out of step
+    # (a hang fails the fixture at TIMEOUT_S); an error fails the fault tests.
+    store = os.path.join(out_dir, RADIX_FAULT_CASE[0])
+    try:
+        results[RADIX_FAULT_CASE[0]] = _run_radix_fault_case(
+            RADIX_FAULT_CASE, rank, group, store
+        )
+    except Exception:  # noqa: BLE001 - reported by the fault tests
+        results[RADIX_FAULT_CASE[0]] = {"error": traceback.format_exc()}
     return results
 
 
@@ -904,6 +1153,50 @@ def test_mooncake_source_side_miss_is_the_same_on_every_rank(ranks, case):
     assert r0["missing"] == r1["missing"] == [pages, pages]
     assert r0["missing_same_host"] and r1["missing_same_host"]
     assert r0["missing_equal_to_rank0"] and r1["missing_equal_to_rank0"]
+
+
+def _faults(ranks):
+    r0, r1 = ranks[0][RADIX_FAULT_CASE[0]], ranks[1][RADIX_FAULT_CASE[0]]
+    for r in (r0, r1):
+        assert "error" not in r, r["error"]
+    return r0, r1
+
+
+@pytest.mark.parametrize("fault", SOURCE_FAULTS)
+def test_radix_source_side_l3_failure_is_the_same_miss_on_every_rank(ranks, fault):
+    """Each failure on the source alone (its store's writes, query or reads
+    raising, its host pool refusing the prefetch's bounce, a sealed page
+    refused mid-batch): every rank prefetches the same span, and afterwards
+    holds the same matched path, host and device indices, tree sizes and
+    free host slots."""
+    r0, r1 = _faults(ranks)
+    f0, f1 = r0["faults"][fault], r1["faults"][fault]
+    page = RADIX_FAULT_CASE[4]
+    loaded = FAULT_REFUSED_PAGE * page if fault == "page_refused" else 0
+    assert f0["prefetched"][0] == f1["prefetched"][0] == loaded, (f0, f1)
+    assert f0["hit"] == f1["hit"] == [0, loaded]
+    assert f0 == f1  # the radix path, host and device indices, sizes
+
+
+def test_radix_after_source_failures_a_prefetch_still_restores_rank0_rows(
+    ranks,
+):
+    r0, r1 = _faults(ranks)
+    tokens = RADIX_TOKENS
+    for r in (r0, r1):
+        assert r["clean_prefetched"][0] == tokens and r["clean_hit"] == [0, tokens]
+        assert r["clean_equal_to_rank0"] and r["clean_max_abs_err"] <= 0.05
+
+
+def test_radix_source_load_failure_raises_on_every_rank_with_one_state(
+    ranks,
+):
+    """A host->device failure on the source is no miss (the batch reading the
+    rows is formed): HostDedupLoadError on both ranks, the same radix state."""
+    r0, r1 = _faults(ranks)
+    f0, f1 = r0["load_failure"], r1["load_failure"]
+    assert f0["outcome"] == f1["outcome"] == "HostDedupLoadError"
+    assert f0 == f1
 
 
 def test_four_ranks_one_source_three_peers(tmp_path):

@@ -381,13 +381,15 @@ def wait_for(condition, what: str, timeout_s: float = STORAGE_WAIT_S) -> None:
         time.sleep(0.02)
 
 
-def radix_prefetch(cache, match, ids: list[int], **wait) -> tuple[int, int]:
+def radix_prefetch(
+    cache, match, ids: list[int], rid: str = "r0", **wait
+) -> tuple[int, int]:
     """Prefetch `ids` past a radix match from L3 and wait for it: the loaded span."""
     from array import array
 
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
 
-    handle = CacheRequestHandle("r0", 0)
+    handle = CacheRequestHandle(rid, 0)
     cache.prefetch_from_storage(
         handle,
         match.last_host_node,

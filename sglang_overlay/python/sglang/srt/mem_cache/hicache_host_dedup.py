@@ -9,8 +9,9 @@ MLAHostDedupBroadcaster sends the restored layer to the other ranks' device
 pools. A failure on the source during a load raises HostDedupLoadError on
 every rank of the group after the layers' broadcasts, never a hang. With L3
 (`file`, `mooncake`), the source alone writes and reads pages; the group agrees on each
-prefetch's hits and completed pages, so every rank allocates the same host
-indices and a page the source cannot use is a miss on every rank.
+prefetch's hits, host slots and completed pages, so every rank allocates the
+same host indices and a page (or slots) the source cannot use is a miss on
+every rank. A failed load cannot be a miss: its batch is already formed.
 """
 
 from __future__ import annotations
@@ -255,6 +256,33 @@ class HiCacheHostDedup:
         if self._failure is None:
             logger.error("MLA host dedup: the source rank failed a load: %r", exc)
             self._failure = exc
+
+    def agree_on_alloc(
+        self, host_pool, indices: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
+        """`indices`, just allocated from `host_pool` (a pool or a pool
+        group), if every rank of the group allocated; else None on every rank,
+        with the allocation undone where it was made (a collective on the
+        scheduler thread). The peers' pools mirror the source's, so this only
+        turns a refusal on one rank into the same refusal everywhere."""
+        flag = torch.tensor([int(indices is not None)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.status_group)
+        if flag.item() or indices is None:
+            return indices
+        logger.warning(
+            "MLA host dedup: another rank of the group could not allocate %d host "
+            "slots; the allocation is refused on every rank.",
+            len(indices),
+        )
+        entry = getattr(host_pool, "anchor_entry", None)
+        pool = host_pool if entry is None else entry.host_pool
+        with pool.lock:
+            # Back at the head of the free list: free() would queue the slots
+            # last, and this rank's next allocations would differ from the
+            # other ranks'.
+            pool.slot_used[indices] = False
+            pool.free_slots = torch.cat([indices, pool.free_slots])
+        return None
 
     def finish_load(self) -> None:
         """Agree on the load's outcome; raise on every rank if it failed."""
