@@ -164,6 +164,25 @@ def _encode_groups(
 
 
 @triton.jit
+def unit_run(run, idx, n_host, once, UT: tl.constexpr, COUNT_BAD_IDX: tl.constexpr):
+    """The transfer's tokens [run * UT, (run + 1) * UT) as one host unit: the
+    token lanes, their mask and device indices, whether they are one whole
+    in-range unit in order, and that unit. Where `once` holds, the in-range
+    tokens of a broken run are counted (the value programs count the
+    out-of-range ones)."""
+    UT_PAD: tl.constexpr = hk.pow2(UT)
+    t = tl.arange(0, UT_PAD)
+    tmask = t < UT
+    didx, hidx, in_range = hk.token_slots(run.to(tl.int64) * UT + t, tmask, idx, n_host)
+    first = tl.load(idx[1] + run.to(tl.int64) * UT).to(tl.int64)
+    out_of_order = tl.max((tmask & (hidx != first + t)).to(tl.int32), axis=0)
+    run_ok = (first >= 0) & (first < n_host) & (first % UT == 0) & (out_of_order == 0)
+    if COUNT_BAD_IDX:
+        hk.count_flags(idx[2], in_range & ~run_ok & once)
+    return t, tmask, didx, run_ok, first // UT
+
+
+@triton.jit
 def _encode_channels(
     src,
     q,
@@ -189,22 +208,13 @@ def _encode_channels(
     head and CB2 channel pairs (whole rotation blocks if ROT_B > 0); the
     program id picks them. meta has no token dim (stride 0); its group
     stride is the channel's. BITS = 8 stores one code a byte (int8c's keys)."""
-    UT_PAD: tl.constexpr = hk.pow2(UT)
     pid = tl.program_id(0)
-    run = pid // (H * NCB)
     head = ((pid // NCB) % H).to(tl.int64)
     cb = pid % NCB
-    t = tl.arange(0, UT_PAD)
-    tmask = t < UT
-    didx, hidx, in_range = hk.token_slots(run.to(tl.int64) * UT + t, tmask, idx, n_host)
-    first = tl.load(idx[1] + run.to(tl.int64) * UT).to(tl.int64)
-    out_of_order = tl.max((tmask & (hidx != first + t)).to(tl.int32), axis=0)
-    run_ok = (first >= 0) & (first < n_host) & (first % UT == 0) & (out_of_order == 0)
-    if COUNT_BAD_IDX:
-        # The out-of-range tokens are counted by the value programs.
-        hk.count_flags(
-            idx[2], in_range & ~run_ok & (head == 0) & (cb == 0) & (layer == 0)
-        )
+    once = (head == 0) & (cb == 0) & (layer == 0)
+    t, tmask, didx, run_ok, unit = unit_run(
+        pid // (H * NCB), idx, n_host, once, UT, COUNT_BAD_IDX
+    )
     j = cb * CB2 + tl.arange(0, CB2)
     e = tl.arange(0, 2)
     c = 2 * j[:, None] + e[None, :]
@@ -224,7 +234,6 @@ def _encode_channels(
     s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan, BITS)
     codes = _codes(x, s[None, :, :], m[None, :, :], bad[None, :, :], BITS)
 
-    unit = first // UT
     q_row = hk.record_offset(q, unit, layer, t, head)
     if BITS == 8:
         q_off = q_row[:, None, None] + c[None, :, :]
