@@ -40,9 +40,9 @@ def encode_keys(k: torch.Tensor, sub_tokens: int, key8: bool):
     U, UT, H, D = k.shape
     x = k.float()
     lo, hi = x.amin(1), x.amax(1)  # [U, H, D]
-    L16 = fp16_down(lo)
+    L16 = fp16_down(lo) + 0.0  # a zero L is +0
     L = L16.float()
-    R16 = fp16_up(hi - L)
+    R16 = fp16_up(hi - L) + 0.0  # R >= 0; -0 (hi = -0) is +0
     R = R16.float()
     bad = ~torch.isfinite(x).all(1) | ~torch.isfinite(L16) | ~torch.isfinite(R16)
     xs = x.view(U, UT // sub_tokens, sub_tokens, H, D)

@@ -67,11 +67,14 @@ def _unit_range(lo, hi, has_nan):
     # One fp16 step towards -inf where RNE went up (the zeros step to -2**-24).
     down = tl.where(L > 0.0, l_bits - 1, tl.where(L == 0.0, -32767, l_bits + 1))
     l_bits = tl.where(L > lo, down, l_bits).to(tl.int16)
+    # Zeros are stored as +0: min(-0, +0) may return either.
+    l_bits = tl.where(l_bits == -32768, 0, l_bits).to(tl.int16)
     L = l_bits.to(tl.float16, bitcast=True).to(tl.float32)
     r32 = hi - L
     r_bits = r32.to(tl.float16).to(tl.int16, bitcast=True)
     below = r_bits.to(tl.float16, bitcast=True).to(tl.float32) < r32
     r_bits = (r_bits + below.to(tl.int16)).to(tl.int16)
+    r_bits = tl.where(r_bits == -32768, 0, r_bits).to(tl.int16)  # -0 - +0
     R = r_bits.to(tl.float16, bitcast=True).to(tl.float32)
     bad = has_nan | (tl.abs(L) > 65504.0) | (R != R) | (R > 65504.0)
     l_bits = tl.where(bad, FP16_NAN, l_bits).to(tl.int16)
