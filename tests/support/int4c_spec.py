@@ -85,3 +85,7 @@ def decode_keys(codes, rng, sub, dtype, key8: bool):
 def pack(q: torch.Tensor) -> torch.Tensor:
     q = q.to(torch.uint8)
     return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
