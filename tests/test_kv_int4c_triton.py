@@ -32,19 +32,29 @@ def _modules():
 
 
 def sub_tokens(ut: int) -> int:
-    return 32 if ut >= 32 else ut
+    return 32 if ut % 32 == 0 else ut
+
+
+def key_group(dk: int) -> int:
+    return 64 if dk % 64 == 0 else 32 if dk % 32 == 0 else dk
+
+
+def value_blocks(dv: int) -> tuple[int, int]:
+    """(rotation block, group) of the values, as the spec sets them."""
+    _, _, kv_hadamard, _ = _modules()
+    group = 128 if dv % 128 == 0 else key_group(dv)
+    return min(128, kv_hadamard.rotation_block(dv)), group
 
 
 def host_records(units, layers, ut, H, dk, dv, n_key8) -> dict:
     """Sentinel-filled records, [units, layers, *shape] (k_lo: n_key8 layers)."""
-    vg = min(128, dv)
+    vg = value_blocks(dv)[1]
     shapes = {"k": ((ut, H, dk // 2), torch.uint8)}
     if ut >= 16:
         shapes["k_range"] = ((H, dk, 2), torch.float16)
         shapes["k_sub"] = ((ut // sub_tokens(ut), H, dk), torch.uint8)
     else:
-        kg = 64 if dk % 64 == 0 else 32 if dk % 32 == 0 else dk
-        shapes["k_meta"] = ((ut, H, dk // kg, 2), torch.float16)
+        shapes["k_meta"] = ((ut, H, dk // key_group(dk), 2), torch.float16)
     shapes["v"] = ((ut, H, dv // 2), torch.uint8)
     shapes["v_meta"] = ((ut, H, dv // vg, 2), torch.float16)
     out = {}
@@ -63,7 +73,7 @@ def expected(k, v, key8: bool):
     _, _, kv_hadamard, codec = _modules()
     U, ut, H, dk = k.shape
     dv = v.shape[-1]
-    vg = min(128, dv)
+    vb, vg = value_blocks(dv)
     rec, bad = {}, 0
     if ut >= 16:
         q, rng, sub, k_bad = spec.encode_keys(k, sub_tokens(ut), key8)
@@ -75,13 +85,19 @@ def expected(k, v, key8: bool):
         k_amax = torch.maximum(kf.amin(1).abs(), kf.amax(1).abs())[~k_bad]
         bad += int(k_bad.sum())
     else:
-        kg = 64 if dk % 64 == 0 else 32 if dk % 32 == 0 else dk
-        rec["k"], rec["k_meta"] = codec.encode_tokens_reference(k, kg)
+        kg = key_group(dk)
         groups = k.float().unflatten(-1, (dk // kg, kg))
+        q, rec["k_meta"] = codec._encode_groups_reference(
+            groups, -1, qmax=255 if key8 else 15
+        )
+        q = q.flatten(-2)
+        rec["k"] = spec.pack(q >> 4 if key8 else q)
+        if key8:
+            rec["k_lo"] = spec.pack(q & 15)
         k_bad = torch.isnan(rec["k_meta"][..., 0])
         k_amax = groups.abs().amax(-1)[~k_bad]
         bad += int(k_bad.sum())
-    vr = kv_hadamard.rotate_reference(v.float(), vg)
+    vr = kv_hadamard.rotate_reference(v.float(), vb) if vb else v
     rec["v"], rec["v_meta"] = codec.encode_tokens_reference(vr, vg)
     v_bad = torch.isnan(rec["v_meta"][..., 0])
     v_amax = vr.unflatten(-1, (dv // vg, vg)).abs().amax(-1)[~v_bad]
@@ -99,12 +115,17 @@ def expected_decode(rec, dtype):
             q = (q << 4) | spec.unpack(rec["k_lo"])
         k = spec.decode_keys(q, rec["k_range"], rec["k_sub"], dtype, key8)
     else:
-        k = codec.decode_tokens_reference(rec["k"], rec["k_meta"], dtype)
+        q = spec.unpack(rec["k"])
+        if "k_lo" in rec:
+            q = (q << 4) | spec.unpack(rec["k_lo"])
+        meta = rec["k_meta"]
+        groups = q.unflatten(-1, (meta.shape[-2], -1))
+        k = codec._decode_groups_reference(groups, meta, -1, dtype).flatten(-2)
     y = codec.decode_tokens_reference(rec["v"], rec["v_meta"], torch.float32)
-    vg = 2 * rec["v"].shape[-1] // rec["v_meta"].shape[-2]
+    vb = value_blocks(y.shape[-1])[0]
     top = torch.finfo(dtype).max
-    v = kv_hadamard.unrotate_reference(y, vg).clamp(-top, top).to(dtype)
-    return k, v
+    v = kv_hadamard.unrotate_reference(y, vb) if vb else y
+    return k, v.clamp(-top, top).to(dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -121,9 +142,8 @@ def raw(t):
 
 def rotation(dv, device="cpu"):
     _, _, kv_hadamard, _ = _modules()
-    vg = min(128, dv)
     return {
-        "rotation_blocks": (0, vg),
+        "rotation_blocks": (0, value_blocks(dv)[0]),
         "rotation_signs": kv_hadamard.rotation_signs(dv, device),
     }
 
@@ -153,7 +173,7 @@ def run_kernels(
     dev = torch.randperm(size, generator=g)[:n]
     units = torch.randperm(2 * n_units + 1, generator=g)[:n_units]
     host_idx = (units[:, None] * ut + torch.arange(ut)).flatten()
-    out = host_records(2 * n_units + 1, layers, ut, H, dk, dv, len(key8) * (ut >= 16))
+    out = host_records(2 * n_units + 1, layers, ut, H, dk, dv, len(key8))
     before = {name: t.clone() for name, t in out.items()}
     counters = hk.KVCounters(
         torch.zeros((), dtype=torch.int64), torch.zeros(layers, 2),
@@ -170,7 +190,7 @@ def run_kernels(
     for layer in range(layers):
         k = sides[0][layer][dev].view(n_units, ut, H, dk)
         v = sides[1][layer][dev].view(n_units, ut, H, dv)
-        plan = layer in key8 and ut >= 16
+        plan = layer in key8
         want, bad, stats = expected(k, v, plan)
         bad_total += bad
         amax[layer] = torch.tensor(stats)
@@ -208,18 +228,21 @@ def run_kernels(
     return out
 
 
-# (unit tokens, heads, dims, plan layers, dtype): one sub-unit of 16 and 24
-# tokens, 32-token sub-units at 32/64/96 (a padded tile), values in one or two
-# 128-value rotation blocks, 8-bit keys on some layers, per-token keys below
-# 16 tokens (the plan does not apply there).
+# (unit tokens, heads, dims, plan layers, dtype): one sub-unit of 16, 24 and
+# 48 tokens, 32-token sub-units at 32/64/96 (a padded tile), values in one or
+# two 128-value rotation blocks, blocks of 32 in groups of 32 (96) and of 16
+# in a whole-head group (80), 8-bit keys on some layers, per-token keys (4-
+# and 8-bit) below 16 tokens.
 GRID = [
     (16, 2, (64, 64), (1,), BF),
     (24, 1, (32, 32), (0,), FP),
     (32, 1, (64, 128), (), BF),
+    (48, 1, (32, 96), (1,), BF),
     (64, 2, (64, 64), (0, 1), FP),
     (96, 1, (32, 256), (1,), BF),
+    (16, 1, (64, 80), (0,), FP),
     (4, 2, (64, 64), (1,), BF),
-    (1, 1, (96, 64), (), FP),
+    (1, 1, (96, 64), (0,), FP),
 ]
 
 
@@ -304,8 +327,8 @@ def test_bad_arguments_fail_before_launch():
     tables = tuple(hk.DeviceLayerTable(s) for s in sides)
     idx = torch.arange(ut)
     out = host_records(1, 1, ut, H, d, d, 0)
-    with pytest.raises(ValueError, match="rotates values in blocks of their group"):
-        kc.encode_gather(tables, idx, out, idx, rotation_blocks=(0, 32),
+    with pytest.raises(ValueError, match="does not divide the value group"):
+        kc.encode_gather(tables, idx, out, idx, rotation_blocks=(0, 128),
                          rotation_signs=rotation(d)["rotation_signs"])  # fmt: skip
     with pytest.raises(ValueError, match="keys are not rotated"):
         kc.encode_gather(tables, idx, out, idx, rotation_blocks=(64, 64),

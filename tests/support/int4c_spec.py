@@ -66,8 +66,8 @@ def encode_keys(k: torch.Tensor, sub_tokens: int, key8: bool):
 
 
 def decode_keys(codes, rng, sub, dtype, key8: bool):
-    """encode_keys' output -> keys [U, UT, H, D] of dtype (q * step and
-    + sub_lo rounded separately)."""
+    """encode_keys' output -> keys [U, UT, H, D] of dtype: sub_lo + (q * w) /
+    N, q * w exact."""
     U, UT, H, D = codes.shape
     ns = sub.shape[1]
     L, R = rng[..., 0].float()[:, None], rng[..., 1].float()[:, None]
@@ -75,9 +75,9 @@ def decode_keys(codes, rng, sub, dtype, key8: bool):
     b = (sub >> 4).float() + 1
     levels = 255 if key8 else 15
     sub_lo = L + R * a / 16
-    step = R * (b - a) / (16 * levels)
+    w = R * (b - a)
     q = codes.float().view(U, ns, UT // ns, H, D)
-    y = (q * step[:, :, None]) + sub_lo[:, :, None]
+    y = sub_lo[:, :, None] + (q * w[:, :, None]) / (16 * levels)
     top = torch.finfo(dtype).max
     return y.view(U, UT, H, D).clamp(-top, top).to(dtype)
 

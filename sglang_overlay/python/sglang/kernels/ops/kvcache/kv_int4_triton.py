@@ -120,11 +120,14 @@ def _encode_groups(
     STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
+    BITS: tl.constexpr = 4,
+    q_lo=None,
 ):
     """Per-token groups: rows (token, head, group) of G channels; ROT_B > 0
     rotates them first (a block spans ROT_B / G whole rows if ROT_B > G).
     Arguments as hk.int8_encode_rows'; meta's strides go on with the group's
-    and the (s, m) parameter's."""
+    and the (s, m) parameter's. BITS = 8 splits each code into its high
+    nibble (q) and low nibble (q_lo = (record, its layer); int4c's keys)."""
     G2_PAD: tl.constexpr = hk.pow2(G) // 2
     # Once per token: its first row, in layer 0.
     head_grp, didx, hidx, hmask = hk.row_slots(
@@ -148,14 +151,22 @@ def _encode_groups(
     lo = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=2), axis=1)
     hi = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=2), axis=1)
     has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=2), axis=1) > 0
-    s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan)
-    codes = _codes(x, s[:, None, None], m[:, None, None], bad[:, None, None])
-    packed = tl.sum(codes << (4 * e)[None, None, :], axis=2)
+    s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan, BITS)
+    codes = _codes(x, s[:, None, None], m[:, None, None], bad[:, None, None], BITS)
+    if BITS == 8:
+        packed = tl.sum((codes >> 4) << (4 * e)[None, None, :], axis=2)
+    else:
+        packed = tl.sum(codes << (4 * e)[None, None, :], axis=2)
 
     unit, within = hk.unit_slots(hidx, UT)
     q_row = hk.record_offset(q, unit, layer, within, head) + grp * (G // 2)
     qmask = hmask[:, None] & lane[None, :]
     tl.store(q[0] + (q_row[:, None] + j[None, :]), packed.to(tl.uint8), mask=qmask)
+    if BITS == 8:
+        packed = tl.sum((codes & 15) << (4 * e)[None, None, :], axis=2)
+        lo_row = hk.record_offset(q_lo[0], unit, q_lo[1], within, head) + grp * (G // 2)
+        lo_off = lo_row[:, None] + j[None, :]
+        tl.store(q_lo[0][0] + lo_off, packed.to(tl.uint8), mask=qmask)
     m_off = hk.record_offset(meta, unit, layer, within, head) + grp * meta[5]
     tl.store(meta[0] + m_off, s_bits, mask=hmask)
     tl.store(meta[0] + m_off + meta[6], m_bits, mask=hmask)
@@ -253,6 +264,15 @@ def _encode_channels(
 
 
 @triton.jit
+def nibbles(ptr, row, j, mask):
+    """Packed codes: bytes j of each row -> int32 [rows, len(j), 2] codes,
+    the even channel's from the low nibble."""
+    packed = tl.load(ptr + (row[:, None] + j[None, :]), mask=mask, other=0)
+    shift = 4 * tl.arange(0, 2)
+    return (packed.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 15
+
+
+@triton.jit
 def _decode_groups(
     q,
     meta,
@@ -270,11 +290,13 @@ def _decode_groups(
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
     BITS: tl.constexpr = 4,
+    q_lo=None,
 ):
     """Rows (token, head) of D channels; channel c's (s, m) sit at group
     c // G (per-channel keys: G = 1 and no token stride). Arguments as
     hk.int8_decode_rows'; meta's as _encode_groups'. BITS = 8 reads one code
-    a byte."""
+    a byte, or with q_lo (a record as q) its high nibble from q and its low
+    nibble from q_lo."""
     D2_PAD: tl.constexpr = hk.pow2(D) // 2
     head, didx, hidx, hmask = hk.row_slots(
         rows[0], rows[1], idx, rows[2], True, H, BLOCK_R, COUNT_BAD_IDX
@@ -286,16 +308,15 @@ def _decode_groups(
     q_row = hk.record_offset(q, unit, 0, within, head)
     c = 2 * j[:, None] + e[None, :]
     m3 = hmask[:, None, None] & (lane[:, None] & (e < 2)[None, :])[None, :, :]
-    if BITS == 8:
+    if BITS == 8 and q_lo is None:
         q_off = q_row[:, None, None] + c[None, :, :]
         codes = tl.load(q[0] + q_off, mask=m3, other=0).to(tl.int32)
     else:
-        packed = tl.load(
-            q[0] + (q_row[:, None] + j[None, :]),
-            mask=hmask[:, None] & lane[None, :],
-            other=0,
-        ).to(tl.int32)
-        codes = (packed[:, :, None] >> (4 * e)[None, None, :]) & 15
+        codes = nibbles(q[0], q_row, j, hmask[:, None] & lane[None, :])
+        if BITS == 8:
+            lo_row = hk.record_offset(q_lo, unit, 0, within, head)
+            lo = nibbles(q_lo[0], lo_row, j, hmask[:, None] & lane[None, :])
+            codes = (codes << 4) | lo
     m_row = hk.record_offset(meta, unit, 0, within, head)
     m_off = m_row[:, None, None] + ((c // G) * meta[5])[None, :, :]
     s = tl.load(meta[0] + m_off, mask=m3, other=0)

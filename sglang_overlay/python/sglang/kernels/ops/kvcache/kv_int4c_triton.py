@@ -83,12 +83,10 @@ def _unit_range(lo, hi, has_nan):
 
 
 @triton.jit
-def _sub_range(L, R, a, b, LEVELS: tl.constexpr):
-    """A sub-unit's lowest value and step: L + R * a / 16 and
-    R * (b - a) / (16 * LEVELS) (both products exact: 11 x 5 bits)."""
-    sub_lo = L + R * a * 0.0625
-    step = tl.math.div_rn(R * (b - a), 16.0 * LEVELS)
-    return sub_lo, step
+def _sub_grid(L, R, a, b):
+    """A sub-unit's grid origin L + R * a / 16 and width w = R * (b - a)
+    (both products exact: 11 x 5 bits, so an FMA rounds the same)."""
+    return L + R * a * 0.0625, R * (b - a)
 
 
 @triton.jit
@@ -158,11 +156,10 @@ def _encode_keys(
     b = tl.where(coded, tl.minimum(tl.maximum(b, a + 1.0), 16.0), 1.0)
 
     key8 = slot >= 0
-    sub_lo4, step4 = _sub_range(L3, R3, a, b, 15)
-    sub_lo8, step8 = _sub_range(L3, R3, a, b, 255)
-    sub_lo = tl.where(key8, sub_lo8, sub_lo4)[:, None, :, :]
-    step = tl.where(key8, step8, step4)[:, None, :, :]
     levels = tl.where(key8, 255.0, 15.0)
+    sub_lo, w = _sub_grid(L3, R3, a, b)
+    sub_lo = sub_lo[:, None, :, :]
+    step = tl.math.div_rn(w, 16.0 * levels)[:, None, :, :]
     x4 = tl.reshape(x, [NSUB_PAD, S_PAD, CB2, 2])
     r = hk.rint(tl.math.div_rn(x4 - sub_lo, step))
     r = tl.minimum(tl.maximum(r, 0.0), levels)
@@ -211,10 +208,10 @@ def _decode_keys(
     COUNT_BAD_IDX: tl.constexpr,
     KEY8: tl.constexpr,
 ):
-    """Key rows (token, head) of D channels: x^ = q * step + sub_lo from the
-    channel's (L, R) and the token's sub-unit (a, b); KEY8: 8-bit codes (k
-    the high nibbles, k_lo the low ones). The launch keeps q * step and
-    + sub_lo two roundings (no FMA), as the reference computes them."""
+    """Key rows (token, head) of D channels: x^ = sub_lo + (q * w) / N from
+    the channel's (L, R) and the token's sub-unit (a, b), N = 16 * 15 (KEY8:
+    16 * 255, k the codes' high nibbles, k_lo the low ones). q * w is exact,
+    so no FMA contraction can change a bit."""
     D2_PAD: tl.constexpr = hk.pow2(D) // 2
     head, didx, hidx, hmask = hk.row_slots(
         rows[0], rows[1], idx, rows[2], True, H, BLOCK_R, COUNT_BAD_IDX
@@ -226,13 +223,10 @@ def _decode_keys(
     m2 = hmask[:, None] & lane[None, :]
     m3 = hmask[:, None, None] & (lane[:, None] & (e < 2)[None, :])[None, :, :]
     unit, within = hk.unit_slots(hidx, UT)
-    q_off = hk.record_offset(q, unit, 0, within, head)[:, None] + j[None, :]
-    packed = tl.load(q[0] + q_off, mask=m2, other=0).to(tl.int32)
-    codes = (packed[:, :, None] >> (4 * e)[None, None, :]) & 15
+    codes = k4.nibbles(q[0], hk.record_offset(q, unit, 0, within, head), j, m2)
     if KEY8:
-        lo_off = hk.record_offset(q_lo, unit, 0, within, head)[:, None] + j[None, :]
-        packed = tl.load(q_lo[0] + lo_off, mask=m2, other=0).to(tl.int32)
-        codes = (codes << 4) | ((packed[:, :, None] >> (4 * e)[None, None, :]) & 15)
+        lo_row = hk.record_offset(q_lo, unit, 0, within, head)
+        codes = (codes << 4) | k4.nibbles(q_lo[0], lo_row, j, m2)
     r_row = hk.record_offset(rng, unit, 0, 0, head)
     r_off = r_row[:, None, None] + (c * rng[5])[None, :, :]
     L = tl.load(rng[0] + r_off, mask=m3, other=0)
@@ -244,8 +238,8 @@ def _decode_keys(
     ab = ab.to(tl.int32)
     a = (ab & 15).to(tl.float32)
     b = ((ab >> 4) + 1).to(tl.float32)
-    sub_lo, step = _sub_range(L, R, a, b, 255 if KEY8 else 15)
-    y = codes.to(tl.float32) * step + sub_lo
+    sub_lo, w = _sub_grid(L, R, a, b)
+    y = sub_lo + tl.math.div_rn(codes.to(tl.float32) * w, 16.0 * (255 if KEY8 else 15))
     out = k4._to_device_bits(y, IS_BF16, hk.FP8_NONE)
     y_row = didx * dst[1] + head * dst[2]
     tl.store(dst[0] + (y_row[:, None, None] + c[None, :, :]), out, mask=m3)
@@ -294,12 +288,26 @@ def _encode_kernel(
             else:
                 groups = GEO.D[side] // GEO.G[side]
                 row0 = (pid - side * n_k_progs) * BLOCKS[side]
-                k4._encode_groups(
-                    src, codes[2 * side], meta[2 * side], idx, stats,
-                    (row0, n_tok * (GEO.H * groups), n_host), layer, sign_ptr,
-                    GEO.H, groups, GEO.G[side], GEO.UT, BLOCKS[side], GEO.IS_BF16,
-                    hk.FP8_NONE, STATS, COUNT_BAD_IDX[side], GEO.ROT_B * side,
-                )  # fmt: skip
+                rows = (row0, n_tok * (GEO.H * groups), n_host)
+                # Per-token keys of a plan layer: 8 bits, split into k, k_lo.
+                key8 = False
+                if side == 0 and GEO.PLAN:
+                    slot = tl.load(slot_ptr + layer)
+                    key8 = slot >= 0
+                    if key8:
+                        k4._encode_groups(
+                            src, codes[0], meta[0], idx, stats, rows, layer,
+                            sign_ptr, GEO.H, groups, GEO.G[0], GEO.UT, BLOCKS[0],
+                            GEO.IS_BF16, hk.FP8_NONE, STATS, COUNT_BAD_IDX[0], 0,
+                            8, (codes[1], slot),
+                        )  # fmt: skip
+                if not key8:
+                    k4._encode_groups(
+                        src, codes[2 * side], meta[2 * side], idx, stats, rows,
+                        layer, sign_ptr, GEO.H, groups, GEO.G[side], GEO.UT,
+                        BLOCKS[side], GEO.IS_BF16, hk.FP8_NONE, STATS,
+                        COUNT_BAD_IDX[side], GEO.ROT_B * side,
+                    )  # fmt: skip
 
 
 @hk.kernel_jit(unaligned=["sign_ptr"])
@@ -331,6 +339,13 @@ def _decode_kernel(
                     codes[0], codes[1], meta[0], meta[1], dst[0], idx, rows,
                     GEO.H, GEO.D[0], GEO.UT, GEO.S, BLOCKS[0], GEO.IS_BF16,
                     COUNT_BAD_IDX, GEO.PLAN,
+                )  # fmt: skip
+            elif side == 0 and GEO.PLAN:
+                # Per-token 8-bit keys: high nibbles in k, low ones in k_lo.
+                k4._decode_groups(
+                    codes[0], meta[0], dst[0], idx, rows, sign_ptr, GEO.H,
+                    GEO.D[0], GEO.G[0], GEO.UT, BLOCKS[0], GEO.IS_BF16,
+                    hk.FP8_NONE, COUNT_BAD_IDX, 0, 8, codes[1],
                 )  # fmt: skip
             else:
                 k4._decode_groups(
@@ -380,10 +395,11 @@ def _parse(records, lead: int, heads: int, dk: int, dv: int) -> _Records:
     [unit, token] for decode); the key mode follows from the names."""
     names = set(records)
     sub_unit = {"k", "k_range", "k_sub", "v", "v_meta"}
-    if names not in (sub_unit, sub_unit | {"k_lo"}, {"k", "k_meta", "v", "v_meta"}):
+    per_token = {"k", "k_meta", "v", "v_meta"}
+    if names - {"k_lo"} not in (sub_unit, per_token):
         raise ValueError(
-            "records must be k, k_range, k_sub, v, v_meta (+ k_lo on 8-bit key "
-            f"layers) or k, k_meta, v, v_meta (units below 16 tokens), got "
+            "records must be k, k_range, k_sub, v, v_meta or k, k_meta, v, "
+            f"v_meta (units below 16 tokens), + k_lo on 8-bit key layers; got "
             f"{sorted(names)}"
         )
     if dk % 2 or dv % 2:
@@ -405,6 +421,14 @@ def _parse(records, lead: int, heads: int, dk: int, dv: int) -> _Records:
     )
     head_dims = (*lead_dims, "head")
     k_arg, v_arg = hk.record_arg(k, head_dims), hk.record_arg(v, head_dims)
+    plan = "k_lo" in records
+    lo_arg = k_arg
+    if plan:
+        k_lo = records["k_lo"]
+        if k_lo.dim() != lead + 2:
+            _fail("k_lo", k_lo, f"a {lead + 2}-D uint8 view")
+        shape = (k.shape[0], *k_lo.shape[1 : lead - 1], *k.shape[lead - 1 :])
+        lo_arg = hk.record_arg(_checked("k_lo", k_lo, torch.uint8, shape), head_dims)
     if "k_meta" in records:
         k_meta = records["k_meta"]
         kg = dk // k_meta.shape[-2] if k_meta.dim() == lead + 3 else 0
@@ -414,7 +438,7 @@ def _parse(records, lead: int, heads: int, dk: int, dv: int) -> _Records:
         k_meta = _checked("k_meta", k_meta, torch.float16, shape).view(torch.int16)
         k_meta = hk.record_arg(k_meta, (*lead_dims, "head", "group", "param"))
         return _Records(
-            KEYS_PER_TOKEN, 0, (kg, vg), False, (k_arg, k_arg, v_arg),
+            KEYS_PER_TOKEN, 0, (kg, vg), plan, (k_arg, lo_arg, v_arg),
             (k_meta, k_meta, v_meta),
         )  # fmt: skip
     ut = outer[-1]
@@ -436,14 +460,6 @@ def _parse(records, lead: int, heads: int, dk: int, dv: int) -> _Records:
     if s_tok != ut and s_tok & (s_tok - 1):
         raise ValueError(f"k_sub: sub-units of {s_tok} tokens are not a power of two")
     sub_arg = hk.record_arg(sub, head_dims)
-    plan = "k_lo" in records
-    lo_arg = k_arg
-    if plan:
-        k_lo = records["k_lo"]
-        if k_lo.dim() != lead + 2:
-            _fail("k_lo", k_lo, f"a {lead + 2}-D uint8 view")
-        shape = (k.shape[0], *k_lo.shape[1 : lead - 1], ut, heads, dk // 2)
-        lo_arg = hk.record_arg(_checked("k_lo", k_lo, torch.uint8, shape), head_dims)
     return _Records(
         KEYS_SUB_UNITS, s_tok, (1, vg), plan, (k_arg, lo_arg, v_arg),
         (rng_arg, sub_arg, v_meta),
@@ -451,15 +467,13 @@ def _parse(records, lead: int, heads: int, dk: int, dv: int) -> _Records:
 
 
 def _check_rotation(dv: int, vg: int, blocks, signs, device) -> int:
-    """The values' rotation block: int4c rotates values in blocks of their
-    group (0: not rotated), never keys."""
+    """The values' rotation block (0: not rotated), whole blocks inside each
+    value group; int4c never rotates keys."""
     kb, vb = (int(b) for b in blocks)
     if kb:
         raise ValueError("k: int4c's keys are not rotated (rotation_blocks[0] = 0)")
-    if vb not in (0, vg):
-        raise ValueError(
-            f"v: int4c rotates values in blocks of their group ({vg}), got {vb}"
-        )
+    if vb and vg % vb:
+        raise ValueError(f"v: rotation block {vb} does not divide the value group {vg}")
     hr.check_rotation("v", dv, vb, signs, device)
     return vb
 
@@ -567,7 +581,7 @@ def encode_gather(
         k_block = hk.block_rows(tile, kg)
         n_k_progs = triton.cdiv(n * heads * (dk // kg), k_block)
     vg = rec.groups[1]
-    # A rotation block is one group: inside a row.
+    # Rotation blocks sit inside a group's row.
     v_block = hk.block_rows(tile, vg)
     n_v_progs = triton.cdiv(n * heads * (dv // vg), v_block)
     args = hk.encode_args(
@@ -664,8 +678,5 @@ def decode_scatter(
         BLOCKS=(k_block, v_block),
         COUNT_BAD_IDX=bad_index_counter is not None,
         num_warps=num_warps or DECODE_WARPS,
-        # x^ = q * step + sub_lo rounds twice, as the reference: an FMA would
-        # round once (the int4 value groups' q * s is exact either way).
-        enable_fp_fusion=False,
         **args,
     )
