@@ -403,9 +403,9 @@ class Int4ChannelHostFormat(HostKVFormat):
             HostRecord("v", (ut, heads, dv // 2), torch.uint8),
             HostRecord("v_meta", (ut, heads, dv // self.v_group, 2), META_DTYPE),
         )
-        # Key grouping (per channel in S-token sub-units, or per token) and the
-        # plan: pages of another grouping or plan must miss in L3.
-        grouping = f"ksub{self.sub_tokens}" if self.sub_tokens else "ktoken"
+        # Key grouping and plan: pages of another grouping or plan must miss in
+        # L3 (the sub-unit follows from the page size, which the seal binds).
+        grouping = "kchannel" if self.sub_tokens else "ktoken"
         tag = f"{type(self).storage_format_tag}-{grouping}"
         if layers:
             tag += "-k8l" + "_".join(map(str, layers))
