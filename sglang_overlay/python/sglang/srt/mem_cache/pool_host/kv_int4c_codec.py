@@ -612,6 +612,45 @@ class Int4ChannelHostFormat(HostKVFormat):
         e = int4.error_bound_tokens(records["v_meta"], y)
         return k_bound, kv_hadamard.rotated_error_bound(y, e, v, self.v_block)
 
+    # -- fused kernels (kv_int4c_triton): told the plan and the value rotation --
+
+    kernel_module = "sglang.kernels.ops.kvcache.kv_int4c_triton"
+
+    def _kernel_options(self, device) -> dict:
+        """The kernels' rotation arguments for a transfer device (the signs
+        cached per device on the pool's format)."""
+        cache = self._pool_format.__dict__.setdefault("_signs_by_device", {})
+        device = torch.device(device)
+        if device not in cache:
+            cache[device] = kv_hadamard.rotation_signs(self.dims[1], device)
+        return {
+            "rotation_blocks": self.rotation_blocks,
+            "rotation_signs": cache[device],
+        }
+
+    def encode_gather(self, tables, device_indices, out, host_indices, **options):
+        """HostKVFormat.encode_gather; out["k_lo"] holds the plan's layers
+        among the records' layers, in order."""
+        super().encode_gather(
+            tables,
+            device_indices,
+            out,
+            host_indices,
+            key8_layers=self.key8_layers,
+            **options,
+            **self._kernel_options(tables[0].device),
+        )
+
+    def decode_scatter(self, records, host_indices, dst, device_indices, **counters):
+        super().decode_scatter(
+            records,
+            host_indices,
+            dst,
+            device_indices,
+            **counters,
+            **self._kernel_options(dst[0].device),
+        )
+
     # -- L3 zero-copy storage -----------------------------------------------------
 
     def zero_copy_objects(self):
