@@ -31,13 +31,15 @@ __all__ = ["DeviceLayerTable", "available", "decode_scatter", "encode_gather"]
 ENCODE_TILE = 4096
 ENCODE_WARPS = 4
 DECODE_TILE = 8192
-DECODE_WARPS = 4
+# Sub-unit keys hold (L, R, a, b) per element: 4 warps spilled 44-304 B on
+# sm_86 (head dims 256 and 80); 8 halve the lanes per thread.
+DECODE_WARPS = 8
 
 # KEY_MODE constexpr values.
 KEYS_PER_TOKEN = 0  # units below 16 tokens: int4's per-token key groups
 KEYS_SUB_UNITS = 1  # per channel over the unit, (a, b) per sub-unit
 
-FP16_NAN = 0x7E00  # torch's fp16 NaN, as the reference stores it
+FP16_NAN = tl.constexpr(0x7E00)  # torch's fp16 NaN, as the reference stores it
 
 
 class Geometry(NamedTuple):
@@ -152,7 +154,9 @@ def _encode_keys(
     coded = (R3 > 0.0) & ~bad[None, :, :]
     a = tl.floor(tl.math.div_rn(lo_j - L3, R3) * 16.0)
     a = tl.where(coded, tl.minimum(tl.maximum(a, 0.0), 15.0), 0.0)
-    b = tl.ceil(tl.math.div_rn(hi_j - L3, R3) * 16.0)
+    # ceil as -floor(-v): libdevice ceil compiles to an FTZ cvt.rpi, floor's
+    # cvt.rmi is the one FTZ rounding the compile check allows (exact here).
+    b = -tl.floor(-(tl.math.div_rn(hi_j - L3, R3) * 16.0))
     b = tl.where(coded, tl.minimum(tl.maximum(b, a + 1.0), 16.0), 1.0)
 
     key8 = slot >= 0
