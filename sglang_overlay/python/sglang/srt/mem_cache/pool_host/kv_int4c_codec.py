@@ -364,7 +364,7 @@ class Int4ChannelHostFormat(HostKVFormat):
             raise NotImplementedError(
                 f"--hicache-host-dtype {self.name} packs two 4-bit codes per byte "
                 f"and needs even head dims; got {self.dims}. Use "
-                "--hicache-host-dtype int8c."
+                "--hicache-host-dtype int8."
             )
         if device_dtype not in _INPUT_DTYPES:
             raise NotImplementedError(
