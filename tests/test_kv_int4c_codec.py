@@ -160,7 +160,8 @@ def test_registry_entry():
     assert hf.host_format_cls("int4c") is codec.Int4ChannelHostFormat
     assert "int4c" in hf.host_dtype_choices()
     cls = codec.Int4ChannelHostFormat
-    assert cls.sink_page and not cls.fp8_device_kv and cls.kernel_module is None
+    assert cls.sink_page and not cls.fp8_device_kv
+    assert cls.kernel_module == "sglang.kernels.ops.kvcache.kv_int4c_triton"
 
 
 def test_bad_geometry_names_the_flag():

@@ -30,8 +30,8 @@ from tests.support.conformance import (
 )
 
 FORMATS = ("int4", "int4r", "int4c")
-# The formats with fused kernels (int4c: torch path only so far).
-FUSED_FORMATS = ("int4", "int4r")
+# The formats with fused kernels.
+FUSED_FORMATS = ("int4", "int4r", "int4c")
 PAGE = 16
 
 
