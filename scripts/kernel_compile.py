@@ -591,6 +591,7 @@ class Int4Case:
     index_kinds: tuple[str, ...] = ("int64",)
     staged: bool = False  # also one layer without the bad-index counter
     layer_num: int = 2
+    key8_layers: tuple[int, ...] = ()  # int4c's plan (its 8-bit key layers)
 
     def __str__(self) -> str:
         h, d, dv = self.geometry
@@ -742,17 +743,33 @@ def drive_format_case(case: Int4Case) -> None:
     ut, layers = case.unit_tokens, case.layer_num
     pages = max(TRANSFER_PAGES) + 1
     size = (pages + 1) * ut
-    fmt = host_format_cls(case.fmt, "mha")((dk, dv), H, ut, case.dtype)
+    geometry = {"key8_layers": case.key8_layers} if case.key8_layers else {}
+    fmt = host_format_cls(case.fmt, "mha")((dk, dv), H, ut, case.dtype, **geometry)
     k_layers = [torch.zeros(size, H, dk, dtype=case.dtype) for _ in range(layers)]
     v_layers = [torch.zeros(size, H, dv, dtype=case.dtype) for _ in range(layers)]
     tables = (DeviceLayerTable(k_layers), DeviceLayerTable(v_layers))
-    records = {}
+    records, stored = {}, {}
     for r in fmt.records:
+        # A record of a per-layer plan holds its layers only, in order.
+        n = layers if r.layers is None else len(r.layers)
         if case.layer_first:
-            t = torch.zeros(layers, pages, *r.shape, dtype=r.dtype).transpose(0, 1)
+            t = torch.zeros(n, pages, *r.shape, dtype=r.dtype).transpose(0, 1)
         else:
-            t = torch.zeros(pages, layers, *r.shape, dtype=r.dtype)
+            t = torch.zeros(pages, n, *r.shape, dtype=r.dtype)
         records[r.name] = t
+        stored[r.name] = list(range(layers)) if r.layers is None else list(r.layers)
+
+    def of_layers(first: int, count: int) -> dict:
+        """The views of layers [first, first + count) of the records stored there."""
+        views = {}
+        for name, t in records.items():
+            slots = [
+                i for i, x in enumerate(stored[name]) if first <= x < first + count
+            ]
+            if slots:
+                views[name] = t[:, slots[0] : slots[-1] + 1]
+        return views
+
     counter = torch.zeros((), dtype=torch.int64)
     bad = torch.zeros((), dtype=torch.int64)
     amax = torch.zeros(layers, 2)
@@ -765,10 +782,10 @@ def drive_format_case(case: Int4Case) -> None:
             fmt.encode_gather(tables, dev, records, host_idx, counters=counters)
             for layer in range(layers):
                 dst = (k_layers[layer], v_layers[layer])
-                one = {n: t[:, layer] for n, t in records.items()}
+                one = {n: t[:, 0] for n, t in of_layers(layer, 1).items()}
                 fmt.decode_scatter(one, host_idx, dst, dev, bad_index_counter=bad)
             if case.staged:
-                last = {n: t[:, -1:] for n, t in records.items()}
+                last = of_layers(layers - 1, 1)
                 fmt.encode_gather(
                     tables, dev, last, host_idx, counters=KVCounters(counter, amax),
                     first_layer=layers - 1,
@@ -795,6 +812,30 @@ def int8c_grid() -> list[Int4Case]:
         Int4Case("int8c", 64, (1, 256, 256), bf16),
         Int4Case("int8c", 4, (2, 80, 48), bf16),
     ]
+
+
+def int4c_grid() -> list[Int4Case]:
+    """int4c (kv_int4c_triton) at Qwen3-8B's heads with 8-bit keys on layer 1
+    of 2: 32-token sub-units at page 64 (BF16 and FP16, int32/int64 indices,
+    the staged calls) and 128, one 16-token sub-unit at page 16, per-token
+    keys at page 4 and layer_first's 1 (4- and 8-bit), no plan at page 64;
+    Gemma 3's one 256-dim head (two 128-value blocks); head dims 80/96 (value
+    blocks of 16 in a group of 80, of 32 in groups of 32)."""
+    bf16, fp16, qwen = torch.bfloat16, torch.float16, (8, 128, 128)
+    both, plan = ("int64", "int32"), (1,)
+    return [
+        Int4Case("int4c", 64, qwen, bf16, index_kinds=both, staged=True,
+                 key8_layers=plan),
+        Int4Case("int4c", 64, qwen, fp16, staged=True, key8_layers=plan),
+        Int4Case("int4c", 64, qwen, bf16),
+        Int4Case("int4c", 128, qwen, bf16, key8_layers=plan),
+        Int4Case("int4c", 16, qwen, bf16, key8_layers=plan),
+        Int4Case("int4c", 4, qwen, bf16, key8_layers=plan),
+        Int4Case("int4c", 1, qwen, bf16, layer_first=True, key8_layers=plan),
+        Int4Case("int4c", 1, qwen, fp16, layer_first=True, key8_layers=plan),
+        Int4Case("int4c", 64, (1, 256, 256), bf16, key8_layers=plan),
+        Int4Case("int4c", 32, (2, 80, 96), bf16, key8_layers=plan),
+    ]  # fmt: skip
 
 
 # --- small drives and kernels broken on purpose (the check must fail) ---------
@@ -868,6 +909,7 @@ GRIDS = {
     "int4-rot": lambda: [drive_int4_case(case) for case in int4_rotated_grid()],
     "int4-fp8": lambda: [drive_int4_case(case) for case in int4_fp8_grid()],
     "int8c": lambda: [drive_format_case(case) for case in int8c_grid()],
+    "int4c": lambda: [drive_format_case(case) for case in int4c_grid()],
     "small": lambda: drive_pool(SMALL),
     "small-int4": lambda: drive_int4_case(SMALL_INT4),
     # Packed MTP drafts alone (both grids above include them).
@@ -995,6 +1037,7 @@ FORMAT_GRIDS = {
     "int4r": ("int4-rot",),
     "k8v4r": ("int4-rot",),
     "int8c": ("int8c",),
+    "int4c": ("int4c",),
 }
 
 

@@ -201,7 +201,9 @@ def test_mla_and_fp8_device_kv_metrics(collectors, case):
 
 # --- non-finite groups at backup: torch and fused paths, the metric's unit ---
 
-MHA_FORMATS = ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c")
+MHA_FORMATS = ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c", "int4c")
+# Formats without fused kernels yet: the torch path's count alone.
+TORCH_ONLY = ("int4c",)
 # (host dtype, model kind); MLA models take int8 only.
 FORMATS = [(name, "mha") for name in MHA_FORMATS] + [("int8", "mla")]
 # page_first with 16-token pages groups int4 keys per channel over the page;
@@ -237,12 +239,13 @@ def _poison(device_pool, dev: torch.Tensor) -> None:
 def _stored_nonfinite_groups(pool) -> int:
     """Groups the records hold as non-finite, read from their bytes: a
     non-finite scale (int8 rows, MLA tiles, k8v4 keys), a non-finite
-    (scale, zero point) pair (4-bit groups), a RoPE row holding NaN/Inf."""
+    (scale, zero point) pair (4-bit groups) or (min, range) pair (int4c's key
+    channels), a RoPE row holding NaN/Inf."""
     total = 0
     for name, record in pool.host_records.items():
         if name == "scale" or name.endswith("_scale"):
             total += int((~torch.isfinite(record.float())).sum())
-        elif name.endswith("_meta"):
+        elif name.endswith("_meta") or name == "k_range":
             total += int((~torch.isfinite(record[..., 0].float())).sum())
         elif name == "rope":
             total += int((~torch.isfinite(record.float())).any(dim=-1).sum())
@@ -287,8 +290,11 @@ def test_torch_and_fused_paths_count_the_same_groups(name, kind, layout, page_si
     stored = _stored_nonfinite_groups(torch_pool)
     assert stored > 0
     assert torch_pool.nonfinite_group_count() == stored
-    # Every format has fused kernels (int4r/k8v4r: their base format's, with
-    # the rotation in the tiles), so each has a second count to compare.
+    if name in TORCH_ONLY:
+        assert torch_pool.host_format.kernel_module is None, name
+        return
+    # Every other format has fused kernels (int4r/k8v4r: their base format's,
+    # with the rotation in the tiles), so each has a second count to compare.
     assert torch_pool.host_format.fused_available(torch.device("cpu")), name
     fused_pool = _backed_up_pool(name, kind, layout, page_size, "fused")
     assert fused_pool.transfer_path == "fused_direct"
@@ -312,7 +318,9 @@ def test_metric_help_states_the_unit_of_every_format(collectors):
     ):
         assert unit in doc, unit
     codecs = {getattr(host_format_cls(n), "base_name", n) for n in HOST_DTYPES}
-    assert codecs == {"int8", "int4", "k8v4", "int8c"}, (
+    # int4c's groups are 4-bit channel groups too: a key channel over a unit
+    # (as int4's per-channel keys), else int4's per-token and value groups.
+    assert codecs == {"int8", "int4", "k8v4", "int8c", "int4c"}, (
         "a new format needs its unit in the help"
     )
 

@@ -22,7 +22,9 @@ pytestmark = [
 BF, FP = torch.bfloat16, torch.float16
 ROTATED = ("int4r", "k8v4r")
 # Every format with kernels; "mla-int8": MLA INT8 (one side, latent + RoPE).
-FORMATS = ("int4", "k8v4", *ROTATED, "int8", "int8c", "mla-int8")
+FORMATS = ("int4", "k8v4", *ROTATED, "int8", "int8c", "int4c", "mla-int8")
+# Per format: its constructor keywords (int4c: 8-bit keys on layer 1 of 2).
+GEOMETRY = {"int4c": {"key8_layers": (1,)}}
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +40,7 @@ PAGE_CASES = {
     "k8v4r": ((128, 128), 2, 20, 2, 1),
     "int8": ((128, 128), 2, 24, 3, 2),
     "int8c": ((128, 128), 2, 24, 3, 1),  # per-channel keys at 64
+    "int4c": ((64, 128), 2, 24, 3, 2),  # one 128-value rotation block
     "mla-int8": ((576,), 1, 16, 3, 2),  # DeepSeek's 512 + 64
 }
 
@@ -49,7 +52,7 @@ def test_round_trip_page_sizes(fmt, ut, dtype):
     dims, H, single, multi, layers64 = PAGE_CASES[fmt]
     f, _, _ = run_case(
         fmt, ut=ut, H=H, dims=dims, dtype=dtype, n_units=multi if ut > 1 else single,
-        layers=layers64 if ut == 64 else 2, seed=ut,
+        layers=layers64 if ut == 64 else 2, seed=ut, geometry=GEOMETRY.get(fmt),
     )  # fmt: skip
     if fmt in ROTATED:
         assert f.rotation_blocks == ((128 if fmt == "int4r" else 0), 128)
@@ -61,15 +64,16 @@ def test_layer_first_views_and_index_dtypes(fmt, index_dtype):
     dims, H, single, _, _ = PAGE_CASES[fmt]
     run_case(
         fmt, ut=1, H=H, dims=dims, layer_first=True, n_units=min(single, 16),
-        index_dtype=index_dtype, dtype=FP, seed=5,
+        index_dtype=index_dtype, dtype=FP, seed=5, geometry=GEOMETRY.get(fmt),
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", ("int4", "k8v4", "int8", "int8c"))
+@pytest.mark.parametrize("fmt", ("int4", "k8v4", "int8", "int8c", "int4c"))
 def test_per_token_keys_any_token_order(fmt):
-    """Per-token units (int4 below 16 tokens, int8c below 64) take host slots
-    in any order."""
-    run_case(fmt, ut=4, n_units=4, token_shuffle=True, seed=2)
+    """Per-token units (int4/int4c below 16 tokens, int8c below 64) take host
+    slots in any order."""
+    run_case(fmt, ut=4, n_units=4, token_shuffle=True, seed=2,
+             geometry=GEOMETRY.get(fmt))  # fmt: skip
 
 
 # (format, unit tokens, heads, dims, dtype, tile, rotation blocks): groups of
@@ -77,7 +81,10 @@ def test_per_token_keys_any_token_order(fmt):
 # per-channel keys in channel blocks of a small tile (holding whole rotation
 # blocks), small tiles splitting rows; rotation blocks of 128, 64, 32 and 16
 # inside a whole-head group, none at all (72: the base bytes); int8c's key
-# modes over whole and partial 32-channel groups; MLA latents of 1-2 tiles.
+# modes over whole and partial 32-channel groups; int4c's 32-token sub-units
+# in channel blocks, one sub-unit of 48 and 24 tokens, value blocks of 128,
+# 32 and 16 (in a whole-head group of 80) or none (72), per-token keys of 32
+# channels (8-bit on layer 1); MLA latents of 1-2 tiles.
 HEAD_DIM_CASES = [
     ("int4", 16, 1, (128, 128), BF, 512, None),
     ("int4", 2, 1, (128, 128), BF, None, None),
@@ -107,6 +114,11 @@ HEAD_DIM_CASES = [
     ("int8c", 16, 2, (128, 64), FP, None, None),
     ("int8c", 1, 3, (64, 64), BF, None, None),
     ("int8c", 4, 2, (80, 48), BF, None, None),
+    ("int4c", 64, 1, (128, 256), BF, 512, (0, 128)),
+    ("int4c", 48, 1, (64, 96), FP, None, (0, 32)),
+    ("int4c", 24, 2, (80, 80), BF, None, (0, 16)),
+    ("int4c", 16, 1, (64, 72), BF, None, (0, 0)),
+    ("int4c", 4, 2, (96, 64), BF, 256, (0, 64)),
     ("mla-int8", 2, 1, (192,), BF, None, None),
     ("mla-int8", 2, 1, (320,), BF, 256, None),
 ]
@@ -117,8 +129,8 @@ def test_head_dims_groups_and_tiles(fmt, ut, H, dims, dtype, tile, blocks):
     f, _, _ = run_case(
         fmt, ut=ut, H=H, dims=dims, dtype=dtype,
         n_units=2 if ut >= 16 else 3 if ut > 1 else 12,
-        layers=1 if fmt.startswith("int4") or fmt.startswith("k8v4") else 2,
-        tile=tile, seed=dims[0] + ut,
+        layers=1 if fmt in ("int4", "k8v4", *ROTATED) else 2,
+        tile=tile, seed=dims[0] + ut, geometry=GEOMETRY.get(fmt),
     )  # fmt: skip
     if blocks is not None:
         assert f.rotation_blocks == blocks

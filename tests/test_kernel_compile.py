@@ -30,6 +30,7 @@ from scripts.kernel_compile import (
 
 from sglang.kernels.ops.kvcache import host_kv_common as hk
 from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+from sglang.kernels.ops.kvcache import kv_int4c_triton as k4c
 from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.kernels.ops.kvcache import kv_int8c_triton as k8c
 
@@ -107,6 +108,7 @@ def every(*axes) -> set[tuple]:
 BOTH = (True, False)
 INT4_MODES = (k4.KEYS_INT8, k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL)
 PER_TOKEN, PER_CHANNEL = k4.KEYS_PER_TOKEN, k4.KEYS_PER_CHANNEL
+INT4C_MODES = (k4c.KEYS_PER_TOKEN, k4c.KEYS_SUB_UNITS)
 ROTATIONS = [
     (PER_CHANNEL, 128, 128),
     (PER_TOKEN, 128, 128),
@@ -118,7 +120,8 @@ ROTATIONS = [
 # sizes it must reach, exactly or at least). INT8/MLA: both device dtypes,
 # page sizes 1/16/64; INT4/K8V4: every key grouping (INT8 keys, per token, per
 # channel) on bf16/fp16, both FP8 dtypes, the rotated blocks (ROT_B); int8c:
-# both key modes.
+# both key modes; int4c: both key modes, restores of 4- and 8-bit key layers
+# (PLAN) on bf16/fp16, backups with a plan (and 32-token sub-units without).
 COMPILE_GRIDS = {
     "int8": (("IS_BF16",), every(BOTH), {1, 16, 64}, "at least"),
     "mla": (("IS_BF16",), every(BOTH), {1, 16, 64}, "at least"),
@@ -139,6 +142,14 @@ COMPILE_GRIDS = {
         ("KEY_MODE", "IS_BF16"),
         every((k8c.KEYS_PER_TOKEN, k8c.KEYS_PER_CHANNEL), BOTH),
         {1, 4, 16, 64, 128},
+        "",
+    ),
+    "int4c": (
+        ("KEY_MODE", "IS_BF16", "PLAN"),
+        {(False, *kind) for kind in itertools.product(INT4C_MODES, BOTH, BOTH)}
+        | {(True, mode, bf16, True) for mode in INT4C_MODES for bf16 in BOTH}
+        | {(True, k4c.KEYS_SUB_UNITS, True, False)},
+        {1, 4, 16, 32, 64, 128},
         "",
     ),
 }

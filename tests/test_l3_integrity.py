@@ -174,7 +174,10 @@ def test_sealed_pages_have_their_own_storage_tag(tmp_path, request):
 # --- non-finite scales on the way in -----------------------------------------
 
 NONFINITE = [
-    *[("file", name) for name in ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c")],
+    *[
+        ("file", name)
+        for name in ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c", "int4c")
+    ],
     ("file", "mla-int8"),
     ("mooncake", "int8"),
 ]

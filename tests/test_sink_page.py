@@ -29,7 +29,9 @@ from tests.support.conformance import (
     reference,
 )
 
-FORMATS = ("int4", "int4r")
+FORMATS = ("int4", "int4r", "int4c")
+# The formats with fused kernels.
+FUSED_FORMATS = ("int4", "int4r", "int4c")
 PAGE = 16
 
 
@@ -123,7 +125,7 @@ def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
 
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("access", ("direct", "staged"))
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FUSED_FORMATS)
 def test_fused_path_moves_the_sink_page_keys_on_the_torch_path(fmt, access):
     """Under the Triton interpreter: the pool's fused 4-bit kernels, then the side
     store's keys on the torch path, give the reference's bits."""
@@ -249,7 +251,7 @@ def test_marking_a_page_twice_takes_one_slot():
 @pytest.mark.parametrize(
     "fmt, tokens, match",
     [
-        ("int8", 64, r"formats that store keys at 4 bits \(int4, int4r\)"),
+        ("int8", 64, r"formats that store keys at 4 bits \(int4, int4r, int4c\)"),
         ("int8c", 64, "formats that store keys at 4 bits"),
         ("k8v4", 64, "--hicache-host-dtype k8v4 does not"),
         ("k8v4r", 64, "--hicache-host-dtype k8v4r does not"),

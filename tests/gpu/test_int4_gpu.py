@@ -1,5 +1,5 @@
 """Every format's fused kernels on a real GPU (INT4 / K8V4 / int4r / k8v4r in
-kv_int4_triton, and INT8, int8c, MLA INT8), bit for bit against the CPU
+kv_int4_triton, and INT8, int8c, int4c, MLA INT8), bit for bit against the CPU
 reference (tests/support/int4_reference.py): the compiled arithmetic, pinned
 host records through UVA, the caller's stream. `gpu_check.sh --dry-run` runs
 them on CPU under the interpreter."""
@@ -26,6 +26,7 @@ if DEVICE is not None:
     from tests.support.int4_reference import Host, reference_decode, reference_records
 
     from sglang.kernels.ops.kvcache import kv_int4_triton as k4
+    from sglang.kernels.ops.kvcache import kv_int4c_triton as k4c
     from sglang.kernels.ops.kvcache import kv_int8_triton as kt
     from sglang.kernels.ops.kvcache import kv_int8c_triton as k8c
     from sglang.kernels.ops.kvcache import kv_mla_int8_triton as mk
@@ -37,7 +38,9 @@ NAN, INF = float("nan"), float("inf")
 
 @pytest.fixture(autouse=True)
 def big_tiles(monkeypatch):
-    for kernels, tile in ((k4, 16384), (k8c, 16384), (kt, 65536), (mk, 65536)):
+    for kernels, tile in (
+        (k4, 16384), (k4c, 16384), (k8c, 16384), (kt, 65536), (mk, 65536)
+    ):  # fmt: skip
         big_tiles_when_interpreted(monkeypatch, kernels, tile)
 
 
@@ -66,6 +69,8 @@ def to_host(host: Host, where: str) -> Host:
     return host
 
 
+# Per format: its constructor keywords.
+GEOMETRY = {"int4c": {"key8_layers": (1,)}}
 CASES = [
     ("int4", 64, (8, 128, 128)),  # per-channel keys, Qwen3-8B heads
     ("int4", 16, (4, 192, 128)),  # per-channel keys in channel blocks
@@ -84,6 +89,12 @@ CASES = [
     ("int8", 64, (4, 192, 128)),
     ("int8c", 64, (8, 128, 128)),  # per-channel keys
     ("int8c", 1, (4, 128, 96)),  # per-token groups of 32
+    # int4c with 8-bit keys on layer 1: 32-token sub-units, one 48-token
+    # sub-unit (Gemma 3's head, two 128-value blocks), per-token keys.
+    ("int4c", 64, (8, 128, 128)),
+    ("int4c", 48, (1, 256, 256)),
+    ("int4c", 1, (8, 128, 128)),
+    ("int4c", 4, (2, 96, 80)),
     ("mla-int8", 1, (1, 576)),  # DeepSeek's latent 512 + RoPE 64
     ("mla-int8", 64, (1, 576)),
 ]
@@ -119,7 +130,7 @@ def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
 
     def new_host():
         return Host(fmt.removeprefix("mla-"), host_units, layers, ut, H, *dims,
-                    kind=kind, dtype=dtype)  # fmt: skip
+                    kind=kind, dtype=dtype, geometry=GEOMETRY.get(fmt))  # fmt: skip
 
     want = new_host()
     f = want.format(dtype)
@@ -155,7 +166,7 @@ def test_kernels_bit_exact_against_cpu_reference(fmt, ut, geometry, dtype):
                 )  # fmt: skip
                 sync()
                 layer_records = {n_: r[units] for n_, r in want.layer(layer).items()}
-                refs = want.decode(layer_records, out_dtype)
+                refs = want.decode(layer_records, out_dtype, layer)
                 for d, out, ref in zip(dims, dst, refs):
                     got = out[new_dev].cpu()
                     assert same_bits(got, ref.reshape(n, H, d)), (where, out_dtype)

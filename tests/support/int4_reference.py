@@ -142,40 +142,54 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 class Host:
     """Host records of any format as the pool lays them out: page-major
     [units, L, *shape] or layer_first [L, units, *shape] (unit = 1 token),
-    sentinel-filled. dims: (dk, dv), or (dk,) for MLA."""
+    sentinel-filled; a record stored on some layers only (a per-layer plan)
+    has just those layers, in order. dims: (dk, dv), or (dk,) for MLA;
+    geometry: the format's constructor keywords (int4c's key8_layers)."""
 
     def __init__(self, fmt, units, layers, ut, H, dk, dv=None, layer_first=False,
-                 kind="mha", dtype=torch.bfloat16):  # fmt: skip
+                 kind="mha", dtype=torch.bfloat16, geometry=None):  # fmt: skip
         assert not layer_first or ut == 1
         self.fmt, self.kind, self.ut, self.layer_first = fmt, kind, ut, layer_first
         self.H, self.dims = H, (dk,) if dv is None else (dk, dv)
-        self.bufs = {}
+        self.geometry = dict(geometry or {})
+        self.bufs, self.stored = {}, {}
         for r in self.format(dtype).records:
-            lead = (layers, units) if layer_first else (units, layers)
+            n = layers if r.layers is None else len(r.layers)
+            lead = (n, units) if layer_first else (units, n)
             buf = torch.empty(*lead, *r.shape, dtype=r.dtype)
             raw(buf).fill_(0x5A)
             self.bufs[r.name] = buf
+            self.stored[r.name] = r.layers
 
     def format(self, dtype):
-        return host_format_cls(self.fmt, self.kind)(self.dims, self.H, self.ut, dtype)
+        cls = host_format_cls(self.fmt, self.kind)
+        return cls(self.dims, self.H, self.ut, dtype, **self.geometry)
 
-    def reference(self, rows):
+    def slot(self, name, layer):
+        """The layer's index in record `name`'s buffer, None if not stored."""
+        layers = self.stored[name]
+        if layers is None:
+            return layer
+        return layers.index(layer) if layer in layers else None
+
+    def reference(self, rows, layer=0):
         """(records, non-finite groups, amax per side) of rows [U, UT, H, D]:
         int4/k8v4 by the codec's reference and the spec's statistics, other
-        formats by their format object and its torch path's statistics."""
+        formats by their (layer's) format object and its torch path's
+        statistics."""
         if self.fmt in ("int4", "k8v4"):
             return reference_records(self.fmt, *rows)
-        fmt = self.format(rows[0].dtype)
+        fmt = self.format(rows[0].dtype).for_layer(layer)
         records = fmt.encode_reference(rows)
         scratch = {n: torch.empty_like(t) for n, t in records.items()}
         stats = fmt.encode_into(rows, scratch)
         return records, int(stats.nonfinite), stats.amax.tolist()
 
-    def decode(self, records, dtype):
+    def decode(self, records, dtype, layer=0):
         """The reference's restored rows per side of records [U, *shape]."""
         if self.fmt in ("int4", "k8v4"):
             return reference_decode(self.fmt, records, dtype)
-        return self.format(dtype).decode_reference(records, dtype)
+        return self.format(dtype).for_layer(layer).decode_reference(records, dtype)
 
     def all_layers(self):
         """[units, L, *shape] views (encode)."""
@@ -185,11 +199,13 @@ class Host:
         }
 
     def layer(self, layer):
-        """[units, *shape] views of one layer (decode)."""
-        return {
-            n: b[layer] if self.layer_first else b[:, layer]
-            for n, b in self.bufs.items()
-        }
+        """[units, *shape] views of one layer's records (decode)."""
+        views = {}
+        for n, b in self.bufs.items():
+            i = self.slot(n, layer)
+            if i is not None:
+                views[n] = b[i] if self.layer_first else b[:, i]
+        return views
 
     def fill_reference(self, sides, dev, units):
         """Write the reference records of rows `dev` of every layer (sides[i]:
@@ -200,11 +216,11 @@ class Host:
         amax = torch.zeros(len(sides[0]), len(sides))
         for layer, layer_rows in enumerate(zip(*sides)):
             rows = [x[dev].view(n_units, ut, *x.shape[1:]) for x in layer_rows]
-            records, bad, stats = self.reference(rows)
+            records, bad, stats = self.reference(rows, layer)
             bad_total += bad
             amax[layer] = torch.tensor(stats)
             for name, rec in records.items():
-                views[name][units, layer] = rec
+                views[name][units, self.slot(name, layer)] = rec
         return bad_total, amax
 
     def clone(self):

@@ -78,7 +78,8 @@ def big_tiles(monkeypatch):
     """Fewer, larger programs (the interpreter's cost is per program); a
     tile= argument still picks small ones."""
     for module, tile in (("kv_int4_triton", 16384), ("kv_int8_triton", 65536),
-                         ("kv_int8c_triton", 16384), ("kv_mla_int8_triton", 65536)):  # fmt: skip
+                         ("kv_int8c_triton", 16384), ("kv_mla_int8_triton", 65536),
+                         ("kv_int4c_triton", 16384)):  # fmt: skip
         m = importlib.import_module(f"sglang.kernels.ops.kvcache.{module}")
         monkeypatch.setattr(m, "ENCODE_TILE", tile)
         monkeypatch.setattr(m, "DECODE_TILE", tile)
@@ -87,12 +88,13 @@ def big_tiles(monkeypatch):
 def run_case(
     fmt, *, ut, H=2, dims=(64, 64), layers=2, n_units=3, dtype=torch.bfloat16,
     layer_first=False, index_dtype=torch.int64, specials=True, token_shuffle=False,
-    tile=None, seed=0, rows=None,
+    tile=None, seed=0, rows=None, geometry=None,
 ):  # fmt: skip
     """One encode_gather of shuffled device rows into fragmented host units,
     then a decode_scatter per layer into shuffled slots, against the
     reference (rows: one layer's [n_units * ut, H, d] per side, else random
-    rows with special ones). Returns (format, host records, non-finite count)."""
+    rows with special ones; geometry: the format's constructor keywords).
+    Returns (format, host records, non-finite count)."""
     kind = "mla" if fmt.startswith("mla-") else "mha"
     g = torch.Generator().manual_seed(seed)
     size = 2 * n_units * ut + 8
@@ -120,7 +122,8 @@ def run_case(
     if token_shuffle:  # per-token formats take any token order
         host_idx = host_idx[torch.randperm(n, generator=g)]
     host = Host(fmt.removeprefix("mla-"), host_units, layers, ut, H, *dims,
-                layer_first=layer_first, kind=kind, dtype=dtype)  # fmt: skip
+                layer_first=layer_first, kind=kind, dtype=dtype,
+                geometry=geometry)  # fmt: skip
     want = host.clone()
     f = host.format(dtype)
     counter = torch.zeros((), dtype=torch.int64)
@@ -158,10 +161,10 @@ def run_case(
             restored = new_dev[order]
             lat = getattr(f, "latent_dim", None)
             for s, (d, out, ref) in enumerate(
-                zip(dims, dst, host.decode(records, out_dtype))
+                zip(dims, dst, host.decode(records, out_dtype, layer))
             ):
                 assert_restored(out[restored], ref.reshape(n, H, d))
-                if fmt == "int4" or (fmt == "k8v4" and s == 1):
+                if fmt in ("int4", "int4c") or (fmt == "k8v4" and s == 1):
                     assert_canonical_nan(out)
                 # NaN and Inf never come back finite (MLA's RoPE: verbatim).
                 bad_in = ~torch.isfinite(sides[s][layer][dev[order]][..., :lat].float())

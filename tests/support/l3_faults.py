@@ -26,6 +26,9 @@ FORMATS = {
     # int8c's keys are int8-sized records under another layout: int8's pages
     # must miss on its tag, not decode as channel-scaled keys.
     "int8c": (GEO16, "int8c", "int8"),
+    # int4c's keys and values are int4-sized codes under other metadata: int4's
+    # pages must miss on its tag, not decode as sub-ranged keys.
+    "int4c": (GEO16, "int4c", "int4"),
     # The rotated formats store their base format's records: its pages are
     # the same bytes, rotated otherwise, under the same key.
     "int4r": (GEO16, "int4r", "int4"),

@@ -120,11 +120,14 @@ def _encode_groups(
     STATS: tl.constexpr,
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
+    BITS: tl.constexpr = 4,
+    q_lo=None,
 ):
     """Per-token groups: rows (token, head, group) of G channels; ROT_B > 0
     rotates them first (a block spans ROT_B / G whole rows if ROT_B > G).
     Arguments as hk.int8_encode_rows'; meta's strides go on with the group's
-    and the (s, m) parameter's."""
+    and the (s, m) parameter's. BITS = 8 splits each code into its high
+    nibble (q) and low nibble (q_lo = (record, its layer); int4c's keys)."""
     G2_PAD: tl.constexpr = hk.pow2(G) // 2
     # Once per token: its first row, in layer 0.
     head_grp, didx, hidx, hmask = hk.row_slots(
@@ -148,19 +151,46 @@ def _encode_groups(
     lo = tl.min(tl.min(tl.where(inside, x, float("inf")), axis=2), axis=1)
     hi = tl.max(tl.max(tl.where(inside, x, float("-inf")), axis=2), axis=1)
     has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=2), axis=1) > 0
-    s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan)
-    codes = _codes(x, s[:, None, None], m[:, None, None], bad[:, None, None])
-    packed = tl.sum(codes << (4 * e)[None, None, :], axis=2)
+    s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan, BITS)
+    codes = _codes(x, s[:, None, None], m[:, None, None], bad[:, None, None], BITS)
+    if BITS == 8:
+        packed = tl.sum((codes >> 4) << (4 * e)[None, None, :], axis=2)
+    else:
+        packed = tl.sum(codes << (4 * e)[None, None, :], axis=2)
 
     unit, within = hk.unit_slots(hidx, UT)
     q_row = hk.record_offset(q, unit, layer, within, head) + grp * (G // 2)
     qmask = hmask[:, None] & lane[None, :]
     tl.store(q[0] + (q_row[:, None] + j[None, :]), packed.to(tl.uint8), mask=qmask)
+    if BITS == 8:
+        packed = tl.sum((codes & 15) << (4 * e)[None, None, :], axis=2)
+        lo_row = hk.record_offset(q_lo[0], unit, q_lo[1], within, head) + grp * (G // 2)
+        lo_off = lo_row[:, None] + j[None, :]
+        tl.store(q_lo[0][0] + lo_off, packed.to(tl.uint8), mask=qmask)
     m_off = hk.record_offset(meta, unit, layer, within, head) + grp * meta[5]
     tl.store(meta[0] + m_off, s_bits, mask=hmask)
     tl.store(meta[0] + m_off + meta[6], m_bits, mask=hmask)
     amax = tl.where(hmask & ~bad, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0)
     hk.count_stats(stats, bad & hmask, amax, STATS)
+
+
+@triton.jit
+def unit_run(run, idx, n_host, once, UT: tl.constexpr, COUNT_BAD_IDX: tl.constexpr):
+    """The transfer's tokens [run * UT, (run + 1) * UT) as one host unit: the
+    token lanes, their mask and device indices, whether they are one whole
+    in-range unit in order, and that unit. Where `once` holds, the in-range
+    tokens of a broken run are counted (the value programs count the
+    out-of-range ones)."""
+    UT_PAD: tl.constexpr = hk.pow2(UT)
+    t = tl.arange(0, UT_PAD)
+    tmask = t < UT
+    didx, hidx, in_range = hk.token_slots(run.to(tl.int64) * UT + t, tmask, idx, n_host)
+    first = tl.load(idx[1] + run.to(tl.int64) * UT).to(tl.int64)
+    out_of_order = tl.max((tmask & (hidx != first + t)).to(tl.int32), axis=0)
+    run_ok = (first >= 0) & (first < n_host) & (first % UT == 0) & (out_of_order == 0)
+    if COUNT_BAD_IDX:
+        hk.count_flags(idx[2], in_range & ~run_ok & once)
+    return t, tmask, didx, run_ok, first // UT
 
 
 @triton.jit
@@ -189,22 +219,13 @@ def _encode_channels(
     head and CB2 channel pairs (whole rotation blocks if ROT_B > 0); the
     program id picks them. meta has no token dim (stride 0); its group
     stride is the channel's. BITS = 8 stores one code a byte (int8c's keys)."""
-    UT_PAD: tl.constexpr = hk.pow2(UT)
     pid = tl.program_id(0)
-    run = pid // (H * NCB)
     head = ((pid // NCB) % H).to(tl.int64)
     cb = pid % NCB
-    t = tl.arange(0, UT_PAD)
-    tmask = t < UT
-    didx, hidx, in_range = hk.token_slots(run.to(tl.int64) * UT + t, tmask, idx, n_host)
-    first = tl.load(idx[1] + run.to(tl.int64) * UT).to(tl.int64)
-    out_of_order = tl.max((tmask & (hidx != first + t)).to(tl.int32), axis=0)
-    run_ok = (first >= 0) & (first < n_host) & (first % UT == 0) & (out_of_order == 0)
-    if COUNT_BAD_IDX:
-        # The out-of-range tokens are counted by the value programs.
-        hk.count_flags(
-            idx[2], in_range & ~run_ok & (head == 0) & (cb == 0) & (layer == 0)
-        )
+    once = (head == 0) & (cb == 0) & (layer == 0)
+    t, tmask, didx, run_ok, unit = unit_run(
+        pid // (H * NCB), idx, n_host, once, UT, COUNT_BAD_IDX
+    )
     j = cb * CB2 + tl.arange(0, CB2)
     e = tl.arange(0, 2)
     c = 2 * j[:, None] + e[None, :]
@@ -224,7 +245,6 @@ def _encode_channels(
     s_bits, m_bits, s, m, bad = _group_params(lo, hi, has_nan, BITS)
     codes = _codes(x, s[None, :, :], m[None, :, :], bad[None, :, :], BITS)
 
-    unit = first // UT
     q_row = hk.record_offset(q, unit, layer, t, head)
     if BITS == 8:
         q_off = q_row[:, None, None] + c[None, :, :]
@@ -241,6 +261,15 @@ def _encode_channels(
     amax = tl.where(wmask & ~bad, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0)
     n_bad = tl.sum((bad & wmask).to(tl.int64), axis=1)
     hk.count_stats(stats, n_bad, tl.max(amax, axis=1), STATS)
+
+
+@triton.jit
+def nibbles(ptr, row, j, mask):
+    """Packed codes: bytes j of each row -> int32 [rows, len(j), 2] codes,
+    the even channel's from the low nibble."""
+    packed = tl.load(ptr + (row[:, None] + j[None, :]), mask=mask, other=0)
+    shift = 4 * tl.arange(0, 2)
+    return (packed.to(tl.int32)[:, :, None] >> shift[None, None, :]) & 15
 
 
 @triton.jit
@@ -261,11 +290,13 @@ def _decode_groups(
     COUNT_BAD_IDX: tl.constexpr,
     ROT_B: tl.constexpr,
     BITS: tl.constexpr = 4,
+    q_lo=None,
 ):
     """Rows (token, head) of D channels; channel c's (s, m) sit at group
     c // G (per-channel keys: G = 1 and no token stride). Arguments as
     hk.int8_decode_rows'; meta's as _encode_groups'. BITS = 8 reads one code
-    a byte."""
+    a byte, or with q_lo (a record as q) its high nibble from q and its low
+    nibble from q_lo."""
     D2_PAD: tl.constexpr = hk.pow2(D) // 2
     head, didx, hidx, hmask = hk.row_slots(
         rows[0], rows[1], idx, rows[2], True, H, BLOCK_R, COUNT_BAD_IDX
@@ -277,16 +308,15 @@ def _decode_groups(
     q_row = hk.record_offset(q, unit, 0, within, head)
     c = 2 * j[:, None] + e[None, :]
     m3 = hmask[:, None, None] & (lane[:, None] & (e < 2)[None, :])[None, :, :]
-    if BITS == 8:
+    if BITS == 8 and q_lo is None:
         q_off = q_row[:, None, None] + c[None, :, :]
         codes = tl.load(q[0] + q_off, mask=m3, other=0).to(tl.int32)
     else:
-        packed = tl.load(
-            q[0] + (q_row[:, None] + j[None, :]),
-            mask=hmask[:, None] & lane[None, :],
-            other=0,
-        ).to(tl.int32)
-        codes = (packed[:, :, None] >> (4 * e)[None, None, :]) & 15
+        codes = nibbles(q[0], q_row, j, hmask[:, None] & lane[None, :])
+        if BITS == 8:
+            lo_row = hk.record_offset(q_lo, unit, 0, within, head)
+            lo = nibbles(q_lo[0], lo_row, j, hmask[:, None] & lane[None, :])
+            codes = (codes << 4) | lo
     m_row = hk.record_offset(meta, unit, 0, within, head)
     m_off = m_row[:, None, None] + ((c // G) * meta[5])[None, :, :]
     s = tl.load(meta[0] + m_off, mask=m3, other=0)
