@@ -1,0 +1,422 @@
+"""Per-layer plans in the encoded host pools: a record stored on a few layers
+only (HostRecord.layers), through real pools with a planned toy format
+(tests/support/plan_format.py: keys' low byte `k_lo` on the plan layers only),
+and the start-up choice of the plan (layer_plan.py, SGLANG_HICACHE_KEY8_LAYERS)
+from real HF configs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sglang.srt.mem_cache.pool_host import backup_verify
+from sglang.srt.mem_cache.pool_host import host_format as hf
+from sglang.srt.mem_cache.pool_host import layer_plan
+from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
+from scripts.rigs import l3_harness as h
+from scripts.rigs.hicache_harness import (
+    Geometry,
+    MLAGeometry,
+    make_device_pool,
+    make_host_pool,
+)
+from tests.support import plan_format as toy
+from tests.support.conformance import LAYOUTS, bits, rows_at, side_buffers, spread
+
+PLAN = (1,)
+GEO = dict(layer_num=3, head_num=2, head_dim=64, v_head_dim=32)
+PATHS = {
+    "torch": dict(fused_transfer="off"),
+    "runs": dict(fused_transfer="off", run_copies=True),
+    "fused_direct": dict(fused_transfer="direct"),
+    "fused_staged": dict(fused_transfer="staged"),
+}
+
+
+@pytest.fixture
+def plan_format():
+    hf.register_host_dtype(toy.ENTRY)
+    yield toy.PlanHostFormat
+    del hf.HOST_DTYPES[toy.ENTRY.name]
+
+
+def page_size_of(layout: str) -> int:
+    return 4
+
+
+def make_pool(layout, page_size=4, key8_layers=PLAN, tokens=16, **extra):
+    geo = Geometry(**GEO, page_size=page_size)
+    device_pool = make_device_pool(geo, 16 * page_size)
+    pool = make_host_pool(
+        device_pool,
+        host_tokens=tokens * page_size,
+        layout=layout,
+        host_dtype="plan",
+        key8_layers=key8_layers,
+        **extra,
+    )
+    return device_pool, pool
+
+
+def unit_tokens_of(units, ut):
+    return (torch.tensor(units)[:, None] * ut + torch.arange(ut)).flatten()
+
+
+def per_layer_reference(pool, rows, layer):
+    """(records, restored) of one layer's rows by that layer's format."""
+    fmt = pool.host_format.for_layer(layer)
+    ut = 1 if pool.layout == "layer_first" else pool.page_size
+    units = [r.view(-1, ut, *r.shape[1:]) for r in rows]
+    records = fmt.encode_reference(units)
+    restored = fmt.decode_reference(records, rows[0].dtype)
+    return records, [x.reshape(r.shape) for x, r in zip(restored, rows)]
+
+
+def expected_bytes_per_token(page_size, layers=3, plan=PLAN, layout="page_first"):
+    ut = 1 if layout == "layer_first" else page_size
+    heads, dk, dv = GEO["head_num"], GEO["head_dim"], GEO["v_head_dim"]
+    per_unit = ut * heads * dk + ut * heads * dv * 2 + 8  # k, v, unit_amax
+    k_lo = ut * heads * dk
+    return (per_unit * layers + k_lo * len(plan)) / ut
+
+
+@pytest.mark.usefixtures("plan_format")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_planned_record_is_allocated_and_counted_on_its_layers_only(layout):
+    device_pool, pool = make_pool(layout)
+    units = pool.page_num if layout != "layer_first" else pool.size
+    k_lo = pool.host_records["k_lo"]
+    heads, dk = GEO["head_num"], GEO["head_dim"]
+    ut = 1 if layout == "layer_first" else 4
+    layered = (units, 1) if layout != "layer_first" else (1, units)
+    assert k_lo.shape == (*layered, ut, heads, dk)
+    assert pool.host_records["k"].shape[:2] == (
+        (units, 3) if layout != "layer_first" else (3, units)
+    )
+    want = expected_bytes_per_token(4, layout=layout)
+    assert pool.get_size_per_token() == want
+    host = sum(b.numel() * b.element_size() for b in pool.host_records.values())
+    assert host == want * pool.size
+    assert pool.storage_page_bytes == want * 4
+    device = (GEO["head_dim"] + GEO["v_head_dim"]) * GEO["head_num"] * 2 * 3
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    ratio = type(pool).host_bytes_per_device_byte(
+        info, page_size=4, layout=layout, key8_layers=PLAN
+    )
+    assert ratio == pytest.approx(want / device, rel=1e-12)
+    # Without the plan: k_lo is no record, the bytes drop by its share.
+    _, plain = make_pool(layout, key8_layers=())
+    assert "k_lo" not in plain.host_records
+    assert plain.get_size_per_token() == expected_bytes_per_token(
+        4, plan=(), layout=layout
+    )
+
+
+@pytest.mark.usefixtures("plan_format")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backup_and_load_are_each_layers_reference(monkeypatch, layout, path):
+    """Host records of each layer are its format's reference encoding (k_lo on the
+    plan layer only), a load restores each layer's reference decode: exact keys on
+    the plan layer, their high byte elsewhere; the sampled restore check decodes each
+    layer with its format."""
+    monkeypatch.setenv(backup_verify.VERIFY_ENV, "1")
+    device_pool, pool = make_pool(layout, **PATHS[path])
+    assert pool.transfer_path == ("torch" if path in ("torch", "runs") else path)
+    ut = 1 if layout == "layer_first" else 4
+    dev = torch.arange(4, 12)
+    spread(device_pool, dev, seed=5)
+    # Layer 1's keys 1000x the others': its error, if decoded without k_lo,
+    # would be the page's largest.
+    device_pool.k_buffer[1][dev] *= 1000
+    written = rows_at(device_pool, dev)
+    host = unit_tokens_of([5, 2] if ut == 4 else [21, 22, 23, 24, 9, 8, 7, 6], ut)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    units = host[::ut] // ut
+    for layer, rows in enumerate(written):
+        records, want = per_layer_reference(pool, rows, layer)
+        assert set(records) == {
+            r.name for r in pool.host_format.records if r.stored_on(layer)
+        }
+        for name, value in records.items():
+            got = pool.records.layer(name, layer)[units]
+            assert torch.equal(bits(got), bits(value)), (layer, name)
+        fresh = torch.arange(40, 48)
+        pool.load_to_device_per_layer(device_pool, host, fresh, layer, "direct")
+        for side, w in zip(side_buffers(device_pool), want):
+            assert torch.equal(bits(side[layer][fresh]), bits(w)), layer
+    # The plan layer's keys come back exactly, the others' do not.
+    k = device_pool.k_buffer
+    fresh = torch.arange(40, 48)
+    assert torch.equal(bits(k[1][fresh]), bits(written[1][0]))
+    assert not torch.equal(bits(k[0][fresh]), bits(written[0][0]))
+
+    errors = pool.backup_verify_errors()
+    pages = len(host) // 4
+    assert len(errors) == pages
+    for p, error in enumerate(errors):
+        tokens = slice(4 * p, 4 * (p + 1))
+        top = err = 0.0
+        worst = 0.0
+        for s in range(2):
+            top = max(float(w[s][tokens].float().abs().max()) for w in written)
+            err = max(
+                float(
+                    (per_layer_reference(pool, w, i)[1][s][tokens].float())
+                    .sub(w[s][tokens].float())
+                    .abs()
+                    .max()
+                )
+                for i, w in enumerate(written)
+            )
+            worst = max(worst, err / top)
+        assert math.isclose(error, worst, rel_tol=1e-6), (p, error, worst)
+
+
+def page_payload(pool, rows_per_layer, page):
+    """The flat page from each layer's reference: records in `records` order, each
+    over its stored layers ([layer, *shape] per unit page-major)."""
+    ps = pool.page_size
+    ut = 1 if pool.layout == "layer_first" else ps
+    per_layer = [
+        pool.host_format.for_layer(layer).encode_reference(
+            [r[page * ps : (page + 1) * ps].view(-1, ut, *r.shape[1:]) for r in rows]
+        )
+        for layer, rows in enumerate(rows_per_layer)
+    ]
+    parts = []
+    for record in pool.host_format.records:
+        layers = torch.stack(
+            [enc[record.name] for enc in per_layer if record.name in enc]
+        )
+        if pool.layout != "layer_first":
+            layers = layers.transpose(0, 1)
+        parts.append(layers.contiguous().view(torch.uint8).flatten())
+    return torch.cat(parts)
+
+
+@pytest.mark.usefixtures("plan_format")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_storage_pages_carry_each_record_on_its_layers(layout):
+    """get_data_page is each record over its stored layers, then the seal; it
+    restores into another slot; zero-copy pieces tile every record's block (k_lo's:
+    its one layer) exactly once; a page of another plan of the same tag is refused
+    by its seal."""
+    device_pool, pool = make_pool(layout)
+    dev, host = torch.arange(4, 12), unit_tokens_of([3, 1], 4)
+    spread(device_pool, dev, seed=4)
+    written = rows_at(device_pool, dev)
+    pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
+    page = pool.get_data_page(12)
+    assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
+    assert torch.equal(page[:-SEAL_BYTES], page_payload(pool, written, 0))
+
+    pool.set_from_flat_data_page(24, page)
+    fresh = torch.arange(40, 44)
+    for layer, rows in enumerate(written):
+        pool.load_to_device_per_layer(
+            device_pool, unit_tokens_of([6], 4), fresh, layer, "direct"
+        )
+        _, want = per_layer_reference(pool, [r[:4] for r in rows], layer)
+        for side, w in zip(side_buffers(device_pool), want):
+            assert torch.equal(bits(side[layer][fresh]), bits(w)), layer
+
+    _, other = make_pool(layout, key8_layers=(2,))
+    assert other.storage_format_tag == pool.storage_format_tag
+    assert other.storage_page_bytes == pool.storage_page_bytes
+    with pytest.raises(ValueError, match="seal"):
+        other.set_from_flat_data_page(0, page, key=None)
+
+    if layout == "layer_first":
+        return
+    ptrs, sizes = pool.get_page_buffer_meta(host)
+    per_object = pool.storage_buffers_per_object
+    for p, unit in enumerate((3, 1)):
+        first = p * 2 * per_object
+        pieces = sorted(
+            (ptr, size)
+            for i, (ptr, size) in enumerate(zip(ptrs, sizes))
+            if first <= i < first + 2 * per_object and (i + 1 - first) % per_object
+        )
+        records = sorted(
+            (b[unit].data_ptr(), b[unit].nbytes) for b in pool.host_records.values()
+        )
+        merged = []
+        for ptr, size in pieces:
+            if (
+                merged
+                and merged[-1][0] + merged[-1][1] == ptr
+                and not any(r[0] == ptr for r in records)
+            ):
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((ptr, size))
+        assert merged == records
+
+
+@pytest.mark.usefixtures("plan_format")
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout):
+    """device -> L2 -> L3 (file) -> L2 -> device: each page one file of the plan's
+    bytes, restored as each layer's reference."""
+    geo = Geometry(**GEO, page_size=4)
+    l3 = h.make_l3_rig(
+        "file",
+        h.file_storage_config(tmp_path),
+        host_dtype="plan",
+        geo=geo,
+        layout=layout,
+        model_name=f"hiq/{request.node.name}",
+        key8_layers=PLAN,
+    )
+    l3_rigs.append(l3)
+    pool = l3.controller.mem_pool_host
+    assert pool.host_format.describe_plan() == "k_lo on 1 layers [1]"
+    tokens = list(range(1000, 1016))
+    dev, host, hashes, stored = h.write_through(
+        l3, tokens, edit=lambda p, idx: spread(p, idx, 6)
+    )
+    assert stored == 4
+    written = rows_at(l3.rig.device_pool, dev)
+    h.evict_everywhere(l3, dev, host)
+    files = list(tmp_path.glob("*.bin"))
+    assert len(files) == 4
+    page_bytes = expected_bytes_per_token(4, layout=layout) * 4
+    assert {f.stat().st_size for f in files} == {page_bytes + SEAL_BYTES}
+    pf = h.prefetch(l3, tokens + [7])
+    assert pf.hit_tokens == pf.completed_tokens == len(tokens)
+    dev = h.load_to_device(l3, pf.host_indices)
+    for layer, (rows, got) in enumerate(zip(written, rows_at(l3.rig.device_pool, dev))):
+        _, want = per_layer_reference(pool, rows, layer)
+        for g, w in zip(got, want):
+            assert torch.equal(bits(g), bits(w)), layer
+
+
+# --- refusals -------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("plan_format", "host_ram_not_under_test")
+def test_a_plan_is_refused_where_it_cannot_work():
+    env = layer_plan.KEY8_ENV
+    # A format without a plan: the variable and the formats that take one.
+    device_pool = make_device_pool(Geometry(**GEO, page_size=4), 64)
+    with pytest.raises(ValueError, match=rf"{env}.*int8 has no 8-bit key plan.*plan"):
+        make_host_pool(device_pool, host_tokens=64, host_dtype="int8", key8_layers=PLAN)
+    # MLA: one latent per token.
+    mla = make_device_pool(MLAGeometry(layer_num=2, page_size=4), 64)
+    with pytest.raises(ValueError, match=rf"{env}.*MLA host pool"):
+        make_host_pool(mla, host_tokens=64, host_dtype="int8", key8_layers=PLAN)
+    # Layers the pool does not have.
+    with pytest.raises(ValueError, match=r"layers \[1, 3\].*\[0, 3\)"):
+        make_pool("page_first", key8_layers=(1, 3))
+    # The format's own refusal (page size 2 here) reaches the caller.
+    with pytest.raises(NotImplementedError, match=env):
+        make_pool("page_first", page_size=2)
+    # A format whose layers disagree with its plan.
+    broken = toy.PlanHostFormat((64, 32), 2, 4, torch.bfloat16, key8_layers=PLAN)
+    broken.for_layer(0).records += (broken.record("k_lo"),)
+    from sglang.srt.mem_cache.pool_host.transfer import HostRecords
+
+    with pytest.raises(ValueError, match="layer 0's format stores records"):
+        HostRecords(broken, 4, 3, True, lambda s, d: torch.empty(s, dtype=d))
+
+
+# --- the start-up choice (layer_plan.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3_config():
+    """Gemma 3 270M's HF config, read from its GGUF (no weights loaded)."""
+    import importlib
+    import sys
+
+    from scripts.rigs.model import GEMMA_MODULE, QUALITY_MODELS
+
+    sys.path.insert(0, str(QUALITY_MODELS))
+    try:
+        gguf = importlib.import_module(GEMMA_MODULE).assemble()
+    except ImportError:
+        pytest.skip("Gemma 3 270M package not in build/quality-models")
+    finally:
+        sys.path.remove(str(QUALITY_MODELS))
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def qwen3_8b():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, hidden_size=4096,
+    )  # fmt: skip
+
+
+def qwen3_moe():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(num_hidden_layers=48, num_key_value_heads=4)
+
+
+def olmo2():
+    from transformers import Olmo2Config
+
+    return Olmo2Config(num_hidden_layers=16)
+
+
+def llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=32, num_key_value_heads=8)
+
+
+def test_rule_on_gemma3_270m_is_its_full_attention_layers(gemma3_config):
+    assert gemma3_config.num_hidden_layers == 18
+    assert layer_plan.auto_key8_layers(gemma3_config) == (5, 11, 17)
+    kinds = gemma3_config.layer_types
+    assert [i for i, k in enumerate(kinds) if k == "full_attention"] == [5, 11, 17]
+
+
+@pytest.mark.parametrize(
+    "config,want",
+    [
+        (qwen3_8b, (0, 1, 2)),
+        (qwen3_moe, (0, 1, 2, 3)),
+        (olmo2, (0,)),
+        (llama, ()),
+    ],
+    ids=["qwen3-8b", "qwen3-moe", "olmo2", "llama"],
+)
+def test_rule_by_model_family(config, want):
+    assert layer_plan.auto_key8_layers(config()) == want
+
+
+@pytest.mark.usefixtures("plan_format")
+def test_env_overrides_the_rule_and_is_checked(monkeypatch):
+    env = layer_plan.KEY8_ENV
+    plan, int8 = toy.PlanHostFormat, hf.host_format_cls("int8")
+    cfg = qwen3_8b()
+
+    def chosen(value, fmt=plan, start=0, end=36):
+        monkeypatch.setenv(env, value)
+        return layer_plan.pool_key8_layers(cfg, fmt, start, end)
+
+    assert chosen("auto") == (0, 1, 2)
+    assert chosen("") == (0, 1, 2)
+    assert chosen("none") == ()
+    assert chosen("7, 3") == (3, 7)
+    # Pipeline stage [2, 18): its pool layers count from 0.
+    assert chosen("auto", start=2, end=18) == (0,)
+    # auto means none for a format without a plan; an explicit list is refused.
+    assert chosen("auto", fmt=int8) == ()
+    with pytest.raises(ValueError, match=rf"{env}.*int8 has no 8-bit key plan.*plan"):
+        chosen("3", fmt=int8)
+    with pytest.raises(ValueError, match=rf"{env}: layers \[36\].*36 layers"):
+        chosen("1,36")
+    for bad in ("x", "1,,2", "-1", "2,2"):
+        with pytest.raises(ValueError, match=rf"{env}=.*auto, none"):
+            chosen(bad)
