@@ -374,11 +374,20 @@ def llama():
     return LlamaConfig(num_hidden_layers=32, num_key_value_heads=8)
 
 
-def test_rule_on_gemma3_270m_is_its_full_attention_layers(gemma3_config):
+@pytest.mark.usefixtures("plan_format")
+def test_rule_on_gemma3_270m_is_its_full_attention_layers(monkeypatch, gemma3_config):
     assert gemma3_config.num_hidden_layers == 18
     assert layer_plan.auto_key8_layers(gemma3_config) == (5, 11, 17)
     kinds = gemma3_config.layer_types
     assert [i for i, k in enumerate(kinds) if k == "full_attention"] == [5, 11, 17]
+    # Its hybrid SWA pools: every layer of the full-attention pool, none of the
+    # sliding-window pool's.
+    monkeypatch.delenv(layer_plan.KEY8_ENV, raising=False)
+    full = {5: 0, 11: 1, 17: 2}
+    swa = {i: i - i // 6 for i in range(18) if i not in full}
+    fmt = toy.PlanHostFormat
+    assert layer_plan.pool_key8_layers(gemma3_config, fmt, 0, 3, full) == (0, 1, 2)
+    assert layer_plan.pool_key8_layers(gemma3_config, fmt, 0, 15, swa) == ()
 
 
 @pytest.mark.parametrize(
@@ -401,16 +410,22 @@ def test_env_overrides_the_rule_and_is_checked(monkeypatch):
     plan, int8 = toy.PlanHostFormat, hf.host_format_cls("int8")
     cfg = qwen3_8b()
 
-    def chosen(value, fmt=plan, start=0, end=36):
+    def chosen(value, fmt=plan, start=0, layers=36, mapping=None):
         monkeypatch.setenv(env, value)
-        return layer_plan.pool_key8_layers(cfg, fmt, start, end)
+        return layer_plan.pool_key8_layers(cfg, fmt, start, layers, mapping)
 
     assert chosen("auto") == (0, 1, 2)
     assert chosen("") == (0, 1, 2)
     assert chosen("none") == ()
     assert chosen("7, 3") == (3, 7)
     # Pipeline stage [2, 18): its pool layers count from 0.
-    assert chosen("auto", start=2, end=18) == (0,)
+    assert chosen("auto", start=2, layers=16) == (0,)
+    # A hybrid SWA pool holding some of the layers (stage layer -> pool layer).
+    assert chosen("5,11,17", mapping={5: 0, 11: 1, 17: 2}) == (0, 1, 2)
+    assert (
+        chosen("5,11,17", mapping={i: i - i // 6 for i in range(18) if i % 6 != 5})
+        == ()
+    )
     # auto means none for a format without a plan; an explicit list is refused.
     assert chosen("auto", fmt=int8) == ()
     with pytest.raises(ValueError, match=rf"{env}.*int8 has no 8-bit key plan.*plan"):

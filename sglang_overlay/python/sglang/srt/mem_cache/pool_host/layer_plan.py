@@ -172,25 +172,45 @@ def model_key8_layers(
 
 
 def pool_key8_layers(
-    hf_config: Any, fmt_cls, start_layer: int, end_layer: int
+    hf_config: Any,
+    fmt_cls,
+    start_layer: int,
+    layer_num: int,
+    layer_mapping: dict[int, int] | None = None,
 ) -> tuple[int, ...]:
-    """The plan as the host pool's layer ids: the model layers of this
-    pipeline stage [start_layer, end_layer), shifted to start at 0."""
+    """The plan as the host pool's layer ids: model layer start_layer + i is
+    this pipeline stage's layer i, stored on pool layer layer_mapping[i] (a
+    hybrid SWA model's full and sliding pools each hold some layers; None:
+    pool layer i, of layer_num)."""
     model_layers = model_key8_layers(hf_config, requested_key8_layers(), fmt_cls)
-    local = tuple(i - start_layer for i in model_layers if start_layer <= i < end_layer)
+    if layer_mapping is None:
+        layer_mapping = {i: i for i in range(layer_num)}
+    local = tuple(
+        sorted(
+            layer_mapping[i - start_layer]
+            for i in model_layers
+            if i - start_layer in layer_mapping
+        )
+    )
     if model_layers:
         logger.info(
             "HiCache host KV plan (%s=%s): 8-bit keys on model layers %s; "
-            "this stage's pool layers %s.",
+            "this host pool's layers %s of %d.",
             KEY8_ENV,
             os.environ.get(KEY8_ENV, "auto") or "auto",
             list(model_layers),
             list(local),
+            layer_num,
         )
     return local
 
 
-def assembler_key8_layers(host_dtype: str, start_layer: int, end_layer: int):
+def assembler_key8_layers(
+    host_dtype: str,
+    start_layer: int,
+    layer_num: int,
+    layer_mapping: dict[int, int] | None = None,
+) -> tuple[int, ...]:
     """pool_key8_layers for the running server's model (its HF config, no
     weights), for the hybrid pool assembler."""
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
@@ -201,7 +221,7 @@ def assembler_key8_layers(host_dtype: str, start_layer: int, end_layer: int):
     if requested == "auto" and not fmt_cls.key8_plan:
         return ()  # no plan to choose: the model config is not needed
     hf_config = process_model_config().hf_config
-    return pool_key8_layers(hf_config, fmt_cls, start_layer, end_layer)
+    return pool_key8_layers(hf_config, fmt_cls, start_layer, layer_num, layer_mapping)
 
 
 def check_key8_layers_args(server_args: Any) -> None:
