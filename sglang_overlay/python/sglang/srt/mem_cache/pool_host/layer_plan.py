@@ -218,7 +218,7 @@ def assembler_key8_layers(
 
     fmt_cls = host_format_cls(host_dtype, "mha")
     requested = requested_key8_layers()
-    if requested == "auto" and not fmt_cls.key8_plan:
+    if not requested or (requested == "auto" and not fmt_cls.key8_plan):
         return ()  # no plan to choose: the model config is not needed
     hf_config = process_model_config().hf_config
     return pool_key8_layers(hf_config, fmt_cls, start_layer, layer_num, layer_mapping)
