@@ -435,3 +435,90 @@ def test_env_overrides_the_rule_and_is_checked(monkeypatch):
     for bad in ("x", "1,,2", "-1", "2,2"):
         with pytest.raises(ValueError, match=rf"{env}=.*auto, none"):
             chosen(bad)
+
+
+# --- through SGLang: the assembler and the start-up check ------------------------
+
+QWEN3_TINY = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 24,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+}
+
+
+@pytest.mark.usefixtures("plan_format", "host_ram_not_under_test")
+@pytest.mark.parametrize(
+    "value,want", [(None, [0, 1]), ("none", None), ("3,7", [3, 7])]
+)
+def test_assembler_gives_the_pool_the_models_plan(tmp_path, monkeypatch, value, want):
+    """build_kv_host_pool reads the model's HF config (a QK-normed Qwen3 of 24
+    layers: the first 2) and SGLANG_HICACHE_KEY8_LAYERS, and the pool stores the
+    plan."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        build_kv_host_pool,
+    )
+    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+    from tests.support.server_args import model_dir
+
+    if value is None:
+        monkeypatch.delenv(layer_plan.KEY8_ENV, raising=False)
+    else:
+        monkeypatch.setenv(layer_plan.KEY8_ENV, value)
+    server_args = ServerArgs(
+        model_path=model_dir(tmp_path, "qwen3", QWEN3_TINY),
+        device="cpu",
+        page_size=4,
+        enable_hierarchical_cache=True,
+        hicache_mem_layout="page_first_direct",
+        hicache_host_dtype="plan",
+        skip_tokenizer_init=True,
+    )
+    reset_context()
+    publish(server_args, role="scheduler")
+    geo = Geometry(layer_num=24, head_num=2, head_dim=16, page_size=4)
+    pool = build_kv_host_pool(
+        kv_pool=make_device_pool(geo, 64), page_size=4, host_size=0.0001
+    )
+    records = {r.name: r for r in pool.host_format.records}
+    assert (list(records["k_lo"].layers) if "k_lo" in records else None) == want
+    assert pool.records.stored.get("k_lo") == (None if want is None else tuple(want))
+
+
+@pytest.mark.parametrize(
+    "value,host_dtype,model,match",
+    [
+        ("1", "int8", "mha", r"int8 has no 8-bit key plan"),
+        ("1", "auto", "mha", r"auto stores the device KV as it is"),
+        ("1", "int8", "mla", r"MLA host pool"),
+        ("0,2", "int4", "mha", r"layers \[2\] are not layers of this model"),
+        ("x", "int4", "mha", r"=.x. is not a plan"),
+    ],
+)
+def test_start_up_refuses_an_explicit_plan_it_cannot_keep(
+    tmp_path, monkeypatch, value, host_dtype, model, match
+):
+    from tests.support import server_args as sa
+
+    paths = sa.write_models(tmp_path)
+    # An MLA latent the int8 format tiles (128-value tiles).
+    mla = dict(sa.DEEPSEEK_V2_MLA, kv_lora_rank=128)
+    paths["mla"] = sa.model_dir(tmp_path, "mla128", mla)
+    monkeypatch.setenv(layer_plan.KEY8_ENV, value)
+    with pytest.raises(ValueError, match=rf"{layer_plan.KEY8_ENV}.*{match}"):
+        sa.resolve(paths[model], hicache_host_dtype=host_dtype)
+    # auto and none start.
+    for ok in ("auto", "none"):
+        monkeypatch.setenv(layer_plan.KEY8_ENV, ok)
+        sa.resolve(paths[model], hicache_host_dtype=host_dtype)
