@@ -96,11 +96,11 @@ def decode_fast(fmt, records, dtype, rows, device="cpu"):
 
 
 def stored_nonfinite(fmt, records) -> int:
-    """Groups stored non-finite: NaN scales and (s, m) pairs, MLA RoPE rows
-    holding NaN/Inf."""
+    """Groups stored non-finite: NaN scales, (s, m) pairs and int4c's (L, R)
+    ranges, MLA RoPE rows holding NaN/Inf."""
     bad = 0
     for name, t in records.items():
-        if name.endswith("_meta"):
+        if name.endswith("_meta") or name == "k_range":
             bad += int(torch.isnan(t[..., 0]).sum())
         elif name.endswith("scale"):
             bad += int(torch.isnan(t).sum())

@@ -265,4 +265,9 @@ EXPECT = {
     ),
     "k8v4r": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4r", None),
     "int8c": Expect((2128,) * 3, 64, "channel", 32, (2, 2), True, False, "int8c", None),
+    # Torch path only (kernel_module None until its kernels land); page 16 is
+    # one 16-token sub-range (k_sub 4 B per channel per 16 tokens).
+    "int4c": Expect(
+        (1120, 1376, 1152), 16, "channel", 64, (2, 2), False, True, "int4c", None
+    ),
 }

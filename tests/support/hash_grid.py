@@ -77,6 +77,11 @@ PAGES = 12
 # int8c at pages of 1 (keys per token) and 64 (per channel).
 INT8C_FORMATS = {"mha": ("int8c",), "mla": ()}
 INT8C_PAGE_SIZES = (1, 64)
+# int4c at pages of 1 (keys per token), 16 (one 16-token sub-range) and 64
+# (two 32-token sub-ranges), on the torch paths: it has no fused kernels yet.
+INT4C_FORMATS = {"mha": ("int4c",), "mla": ()}
+INT4C_PAGE_SIZES = (1, 16, 64)
+INT4C_PATHS = ("torch", "torch_runs")
 
 
 def cases(paths=PATHS):
@@ -89,6 +94,11 @@ def cases(paths=PATHS):
             for fmt, layout, dtype, page_size, path in itertools.product(
                 formats, LAYOUTS, DTYPES, page_sizes, paths
             ):
+                yield f"{kind}/{fmt}/{geo_name}/{layout}/{dtype}/p{page_size}/{path}"
+        for fmt, layout, dtype, page_size, path in itertools.product(
+            INT4C_FORMATS[kind], LAYOUTS, DTYPES, INT4C_PAGE_SIZES, INT4C_PATHS
+        ):
+            if path in paths:
                 yield f"{kind}/{fmt}/{geo_name}/{layout}/{dtype}/p{page_size}/{path}"
 
 

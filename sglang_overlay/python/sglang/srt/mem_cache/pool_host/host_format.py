@@ -498,3 +498,13 @@ register_host_dtype(
         "channels: for QK-normed models (Gemma 3, Qwen3)",
     )
 )
+register_host_dtype(
+    HostDtype(
+        "int4c",
+        f"{_CODECS}.kv_int4c_codec:Int4ChannelHostFormat",
+        None,
+        "4-bit keys per channel in 32-token sub-ranges of an FP16 (min, range) "
+        "per page, 4-bit values rotated per head: for QK-normed models (8-bit "
+        "keys on plan layers; the sink page on Llama-style models)",
+    )
+)
