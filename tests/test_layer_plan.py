@@ -42,18 +42,29 @@ def plan_format():
     del hf.HOST_DTYPES[toy.ENTRY.name]
 
 
-def page_size_of(layout: str) -> int:
-    return 4
+# The planned formats under test and their page size: the toy, and int4c (8-bit
+# keys on its key8_layers; 16-token pages give it per-channel keys).
+PAGE = {"plan": 4, "int4c": 16}
+# int4c has no fused kernels in this build: its fused paths fall back to torch.
+FORMAT_PATHS = [("plan", p) for p in PATHS] + [("int4c", "torch"), ("int4c", "runs")]
 
 
-def make_pool(layout, page_size=4, key8_layers=PLAN, tokens=16, **extra):
+@pytest.fixture
+def planned(request, plan_format):
+    """The parametrized planned format (the toy registered for the test)."""
+    return request.param
+
+
+def make_pool(
+    layout, page_size=4, key8_layers=PLAN, tokens=16, host_dtype="plan", **extra
+):
     geo = Geometry(**GEO, page_size=page_size)
     device_pool = make_device_pool(geo, 16 * page_size)
     pool = make_host_pool(
         device_pool,
         host_tokens=tokens * page_size,
         layout=layout,
-        host_dtype="plan",
+        host_dtype=host_dtype,
         key8_layers=key8_layers,
         **extra,
     )
@@ -64,13 +75,14 @@ def unit_tokens_of(units, ut):
     return (torch.tensor(units)[:, None] * ut + torch.arange(ut)).flatten()
 
 
-def per_layer_reference(pool, rows, layer):
-    """(records, restored) of one layer's rows by that layer's format."""
+def per_layer_reference(pool, rows, layer, dtype=None):
+    """(records, restored) of one layer's rows by that layer's format (restored
+    in `dtype`, the rows' by default)."""
     fmt = pool.host_format.for_layer(layer)
     ut = 1 if pool.layout == "layer_first" else pool.page_size
     units = [r.view(-1, ut, *r.shape[1:]) for r in rows]
     records = fmt.encode_reference(units)
-    restored = fmt.decode_reference(records, rows[0].dtype)
+    restored = fmt.decode_reference(records, dtype or rows[0].dtype)
     return records, [x.reshape(r.shape) for x, r in zip(restored, rows)]
 
 
@@ -114,28 +126,37 @@ def test_planned_record_is_allocated_and_counted_on_its_layers_only(layout):
     )
 
 
-@pytest.mark.usefixtures("plan_format")
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("planned,path", FORMAT_PATHS, indirect=["planned"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_backup_and_load_are_each_layers_reference(monkeypatch, layout, path):
+def test_backup_and_load_are_each_layers_reference(monkeypatch, layout, planned, path):
     """Host records of each layer are its format's reference encoding (k_lo on the
-    plan layer only), a load restores each layer's reference decode: exact keys on
-    the plan layer, their high byte elsewhere; the sampled restore check decodes each
-    layer with its format."""
+    plan layer only), a load restores each layer's reference decode (the toy: exact
+    keys on the plan layer, their high byte elsewhere); the sampled restore check
+    decodes each layer with its format."""
     monkeypatch.setenv(backup_verify.VERIFY_ENV, "1")
-    device_pool, pool = make_pool(layout, **PATHS[path])
-    assert pool.transfer_path == ("torch" if path in ("torch", "runs") else path)
-    ut = 1 if layout == "layer_first" else 4
-    dev = torch.arange(4, 12)
+    ps = PAGE[planned]
+    device_pool, pool = make_pool(
+        layout, page_size=ps, host_dtype=planned, **PATHS[path]
+    )
+    assert pool.transfer_path == (
+        "torch" if planned == "int4c" else {"runs": "torch"}.get(path, path)
+    )
+    ut = 1 if layout == "layer_first" else ps
+    dev = torch.arange(ps, 3 * ps)
     spread(device_pool, dev, seed=5)
     # Layer 1's keys 1000x the others': its error, if decoded without k_lo,
     # would be the page's largest.
-    device_pool.k_buffer[1][dev] *= 1000
+    # (int4c: 16x, its FP16 channel ranges stay finite).
+    device_pool.k_buffer[1][dev] *= 1000 if planned == "plan" else 16
     written = rows_at(device_pool, dev)
-    host = unit_tokens_of([5, 2] if ut == 4 else [21, 22, 23, 24, 9, 8, 7, 6], ut)
+    if ut == 1:
+        host = torch.cat([torch.arange(5 * ps, 6 * ps), torch.arange(2 * ps, 3 * ps)])
+    else:
+        host = unit_tokens_of([5, 2], ut)
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
     units = host[::ut] // ut
+    fresh = torch.arange(8 * ps, 10 * ps)
     for layer, rows in enumerate(written):
         records, want = per_layer_reference(pool, rows, layer)
         assert set(records) == {
@@ -144,36 +165,40 @@ def test_backup_and_load_are_each_layers_reference(monkeypatch, layout, path):
         for name, value in records.items():
             got = pool.records.layer(name, layer)[units]
             assert torch.equal(bits(got), bits(value)), (layer, name)
-        fresh = torch.arange(40, 48)
         pool.load_to_device_per_layer(device_pool, host, fresh, layer, "direct")
         for side, w in zip(side_buffers(device_pool), want):
             assert torch.equal(bits(side[layer][fresh]), bits(w)), layer
-    # The plan layer's keys come back exactly, the others' do not.
     k = device_pool.k_buffer
-    fresh = torch.arange(40, 48)
-    assert torch.equal(bits(k[1][fresh]), bits(written[1][0]))
-    assert not torch.equal(bits(k[0][fresh]), bits(written[0][0]))
+    if planned == "plan":
+        # The plan layer's keys come back exactly, the others' do not.
+        assert torch.equal(bits(k[1][fresh]), bits(written[1][0]))
+        assert not torch.equal(bits(k[0][fresh]), bits(written[0][0]))
+    else:
+        # 8-bit keys on the plan layer: a smaller relative error than 4-bit ones.
+        def rel(layer):
+            x = written[layer][0].float()
+            return float((k[layer][fresh].float() - x).abs().max() / x.abs().max())
+
+        assert rel(1) < rel(0) / 4, (rel(1), rel(0))
 
     errors = pool.backup_verify_errors()
-    pages = len(host) // 4
+    pages = len(host) // ps
     assert len(errors) == pages
+    # The check decodes in fp32.
+    restored = [
+        per_layer_reference(pool, w, i, torch.float32)[1] for i, w in enumerate(written)
+    ]
     for p, error in enumerate(errors):
-        tokens = slice(4 * p, 4 * (p + 1))
-        top = err = 0.0
-        worst = 0.0
+        tokens = slice(ps * p, ps * (p + 1))
+        # [layers * units, unit tokens, heads, dim] per side, as the check reads.
+        rows, ref = [], []
         for s in range(2):
-            top = max(float(w[s][tokens].float().abs().max()) for w in written)
-            err = max(
-                float(
-                    (per_layer_reference(pool, w, i)[1][s][tokens].float())
-                    .sub(w[s][tokens].float())
-                    .abs()
-                    .max()
-                )
-                for i, w in enumerate(written)
-            )
-            worst = max(worst, err / top)
-        assert math.isclose(error, worst, rel_tol=1e-6), (p, error, worst)
+            x = torch.stack([w[s][tokens] for w in written])
+            y = torch.stack([r[s][tokens].float() for r in restored])
+            rows.append(x.view(-1, ut, *x.shape[2:]))
+            ref.append(y.view(-1, ut, *y.shape[2:]))
+        want = float(backup_verify.relative_error(pool.host_format, rows, ref))
+        assert math.isclose(error, want, rel_tol=1e-6), (p, error, want)
 
 
 def page_payload(pool, rows_per_layer, page):
@@ -198,34 +223,37 @@ def page_payload(pool, rows_per_layer, page):
     return torch.cat(parts)
 
 
-@pytest.mark.usefixtures("plan_format")
+@pytest.mark.parametrize("planned", list(PAGE), indirect=True)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_storage_pages_carry_each_record_on_its_layers(layout):
+def test_storage_pages_carry_each_record_on_its_layers(layout, planned):
     """get_data_page is each record over its stored layers, then the seal; it
     restores into another slot; zero-copy pieces tile every record's block (k_lo's:
     its one layer) exactly once; a page of another plan of the same tag is refused
     by its seal."""
-    device_pool, pool = make_pool(layout)
-    dev, host = torch.arange(4, 12), unit_tokens_of([3, 1], 4)
+    ps = PAGE[planned]
+    device_pool, pool = make_pool(layout, page_size=ps, host_dtype=planned)
+    dev, host = torch.arange(ps, 3 * ps), unit_tokens_of([3, 1], ps)
     spread(device_pool, dev, seed=4)
     written = rows_at(device_pool, dev)
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
-    page = pool.get_data_page(12)
+    page = pool.get_data_page(3 * ps)
     assert page.numel() == pool.storage_page_bytes + SEAL_BYTES
     assert torch.equal(page[:-SEAL_BYTES], page_payload(pool, written, 0))
 
-    pool.set_from_flat_data_page(24, page)
-    fresh = torch.arange(40, 44)
+    pool.set_from_flat_data_page(6 * ps, page)
+    fresh = torch.arange(10 * ps, 11 * ps)
     for layer, rows in enumerate(written):
         pool.load_to_device_per_layer(
-            device_pool, unit_tokens_of([6], 4), fresh, layer, "direct"
+            device_pool, unit_tokens_of([6], ps), fresh, layer, "direct"
         )
-        _, want = per_layer_reference(pool, [r[:4] for r in rows], layer)
+        _, want = per_layer_reference(pool, [r[:ps] for r in rows], layer)
         for side, w in zip(side_buffers(device_pool), want):
             assert torch.equal(bits(side[layer][fresh]), bits(w)), layer
 
-    _, other = make_pool(layout, key8_layers=(2,))
-    assert other.storage_format_tag == pool.storage_format_tag
+    _, other = make_pool(layout, page_size=ps, host_dtype=planned, key8_layers=(2,))
+    if planned == "plan":
+        # Same tag and size: the seal, bound to the plan, refuses the page.
+        assert other.storage_format_tag == pool.storage_format_tag
     assert other.storage_page_bytes == pool.storage_page_bytes
     with pytest.raises(ValueError, match="seal"):
         other.set_from_flat_data_page(0, page, key=None)
@@ -257,25 +285,40 @@ def test_storage_pages_carry_each_record_on_its_layers(layout):
         assert merged == records
 
 
-@pytest.mark.usefixtures("plan_format")
+def k_lo_bytes_per_token(pool) -> float:
+    """k_lo's host bytes per token, over its layers."""
+    record = pool.host_format.record("k_lo")
+    return (
+        record.nbytes
+        * len(record.layers)
+        / (1 if pool.layout == "layer_first" else pool.page_size)
+    )
+
+
+@pytest.mark.parametrize("planned", list(PAGE), indirect=True)
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout):
+def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout, planned):
     """device -> L2 -> L3 (file) -> L2 -> device: each page one file of the plan's
-    bytes, restored as each layer's reference."""
-    geo = Geometry(**GEO, page_size=4)
+    bytes (the format's without a plan, plus k_lo's on its one layer), restored as
+    each layer's reference."""
+    ps = PAGE[planned]
+    geo = Geometry(**GEO, page_size=ps)
+    plain = make_pool(layout, page_size=ps, host_dtype=planned, key8_layers=())[1]
     l3 = h.make_l3_rig(
         "file",
         h.file_storage_config(tmp_path),
-        host_dtype="plan",
+        host_dtype=planned,
         geo=geo,
         layout=layout,
+        device_tokens=16 * ps,
+        host_tokens=32 * ps,
         model_name=f"hiq/{request.node.name}",
         key8_layers=PLAN,
     )
     l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
     assert pool.host_format.describe_plan() == "k_lo on 1 layers [1]"
-    tokens = list(range(1000, 1016))
+    tokens = list(range(1000, 1000 + 4 * ps))
     dev, host, hashes, stored = h.write_through(
         l3, tokens, edit=lambda p, idx: spread(p, idx, 6)
     )
@@ -284,8 +327,9 @@ def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout):
     h.evict_everywhere(l3, dev, host)
     files = list(tmp_path.glob("*.bin"))
     assert len(files) == 4
-    page_bytes = expected_bytes_per_token(4, layout=layout) * 4
-    assert {f.stat().st_size for f in files} == {page_bytes + SEAL_BYTES}
+    per_token = plain.get_size_per_token() + k_lo_bytes_per_token(pool)
+    assert pool.get_size_per_token() == per_token
+    assert {f.stat().st_size for f in files} == {per_token * ps + SEAL_BYTES}
     pf = h.prefetch(l3, tokens + [7])
     assert pf.hit_tokens == pf.completed_tokens == len(tokens)
     dev = h.load_to_device(l3, pf.host_indices)
@@ -293,6 +337,29 @@ def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout):
         _, want = per_layer_reference(pool, rows, layer)
         for g, w in zip(got, want):
             assert torch.equal(bits(g), bits(w)), layer
+
+
+@pytest.mark.usefixtures("host_ram_not_under_test")
+def test_int4c_bytes_at_qwen3_8b_geometry_with_its_plan():
+    """The spec's figures: 36 layers, 8 KV heads of 128, page 64: 1,152 B per
+    token and layer, +512 on a plan layer; 3 plan layers: 43,008 B/token."""
+    geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
+    device_pool = make_device_pool(geo, 128)
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    for plan, want in (((), 36 * 1152), ((0, 1, 2), 43008)):
+        pool = make_host_pool(
+            device_pool, host_tokens=128, layout="page_first", host_dtype="int4c",
+            key8_layers=plan,
+        )  # fmt: skip
+        assert pool.get_size_per_token() == want
+        assert pool.storage_page_bytes == want * 64
+        host = sum(b.numel() * b.element_size() for b in pool.host_records.values())
+        assert host == want * pool.size
+        ratio = type(pool).host_bytes_per_device_byte(
+            info, page_size=64, layout="page_first", key8_layers=plan
+        )
+        assert ratio == pytest.approx(want / (36 * 4096), rel=1e-12)
+    assert pool.host_records["k_lo"].shape[:2] == (pool.page_num, 3)
 
 
 # --- refusals -------------------------------------------------------------------
@@ -499,7 +566,7 @@ def test_assembler_gives_the_pool_the_models_plan(tmp_path, monkeypatch, value, 
 @pytest.mark.parametrize(
     "value,host_dtype,model,match",
     [
-        ("1", "int8", "mha", r"int8 has no 8-bit key plan"),
+        ("1", "int8", "mha", r"int8 has no 8-bit key plan.*--hicache-host-dtype int4c"),
         ("1", "auto", "mha", r"auto stores the device KV as it is"),
         ("1", "int8", "mla", r"MLA host pool"),
         ("0,2", "int4", "mha", r"layers \[2\] are not layers of this model"),
@@ -518,7 +585,10 @@ def test_start_up_refuses_an_explicit_plan_it_cannot_keep(
     monkeypatch.setenv(layer_plan.KEY8_ENV, value)
     with pytest.raises(ValueError, match=rf"{layer_plan.KEY8_ENV}.*{match}"):
         sa.resolve(paths[model], hicache_host_dtype=host_dtype)
-    # auto and none start.
+    # auto and none start, and so does int4c with a list of the model's layers.
     for ok in ("auto", "none"):
         monkeypatch.setenv(layer_plan.KEY8_ENV, ok)
         sa.resolve(paths[model], hicache_host_dtype=host_dtype)
+    if model == "mha":
+        monkeypatch.setenv(layer_plan.KEY8_ENV, "1")
+        sa.resolve(paths[model], hicache_host_dtype="int4c")

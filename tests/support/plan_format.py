@@ -94,8 +94,10 @@ class PlanHostFormat(HostKVFormat):
     def decode_reference(self, records, dtype):
         hi = records["k"]
         lo = records["k_lo"] if self._key8() else torch.zeros_like(hi)
-        k = torch.stack([lo, hi], dim=-1).flatten(-2).view(dtype)
-        return k, records["v"].view(dtype).clone()
+        # The 16-bit patterns are the device dtype's; fp32 (the restore check)
+        # converts them.
+        k = torch.stack([lo, hi], dim=-1).flatten(-2).view(self.device_dtype)
+        return k.to(dtype), records["v"].view(self.device_dtype).to(dtype, copy=True)
 
     def encode_into(self, rows, out):
         ref = self.encode_reference(rows)
@@ -149,7 +151,7 @@ class PlanHostFormat(HostKVFormat):
         ut = self.unit_tokens
         units = host_indices.view(-1, ut)[:, 0].long() // ut
         picked = {name: records[name][units] for name in records}
-        for i, x in enumerate(self.decode_reference(picked, dst[0].dtype)):
+        for i, x in enumerate(self.decode_reference(picked, self.device_dtype)):
             dst[i][device_indices.long()] = x.reshape(-1, *dst[i].shape[1:])
 
     def zero_copy_objects(self):
