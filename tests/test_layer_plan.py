@@ -6,6 +6,7 @@ from real HF configs."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -317,7 +318,7 @@ def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout, plan
     )
     l3_rigs.append(l3)
     pool = l3.controller.mem_pool_host
-    assert pool.host_format.describe_plan() == "k_lo on 1 layers [1]"
+    assert pool.host_format.describe_plan() == "k_lo on layers [1]"
     tokens = list(range(1000, 1000 + 4 * ps))
     dev, host, hashes, stored = h.write_through(
         l3, tokens, edit=lambda p, idx: spread(p, idx, 6)
@@ -340,9 +341,10 @@ def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout, plan
 
 
 @pytest.mark.usefixtures("host_ram_not_under_test")
-def test_int4c_bytes_at_qwen3_8b_geometry_with_its_plan():
+def test_int4c_bytes_at_qwen3_8b_geometry_with_its_plan(caplog):
     """The spec's figures: 36 layers, 8 KV heads of 128, page 64: 1,152 B per
     token and layer, +512 on a plan layer; 3 plan layers: 43,008 B/token."""
+    caplog.set_level(logging.INFO)
     geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
     device_pool = make_device_pool(geo, 128)
     info = device_pool.get_device_pool_infos()[0].buffer_info
@@ -360,6 +362,10 @@ def test_int4c_bytes_at_qwen3_8b_geometry_with_its_plan():
         )
         assert ratio == pytest.approx(want / (36 * 4096), rel=1e-12)
     assert pool.host_records["k_lo"].shape[:2] == (pool.page_num, 3)
+    # The start-up log states the plan and the bytes per token.
+    assert "host format plan: k_lo on layers [0, 1, 2] of 36; 43008 B/token." in (
+        caplog.text
+    )
 
 
 # --- refusals -------------------------------------------------------------------

@@ -292,7 +292,7 @@ class EncodedHostPool:
         plan = self.host_format.describe_plan()
         if plan:
             logger.info(
-                "HiCache %s host format plan: %s (%d layers; %s B/token over them).",
+                "HiCache %s host format plan: %s of %d; %s B/token.",
                 self.pool_label,
                 plan,
                 self.layer_num,

@@ -216,7 +216,7 @@ class HostKVFormat:
         """The records stored on a few layers only, for the start-up log;
         "" without a plan."""
         return "; ".join(
-            f"{r.name} on {len(r.layers)} layers {list(r.layers)}"
+            f"{r.name} on layers {list(r.layers)}"
             for r in self.records
             if r.layers is not None
         )
