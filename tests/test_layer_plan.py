@@ -598,3 +598,20 @@ def test_start_up_refuses_an_explicit_plan_it_cannot_keep(
     if model == "mha":
         monkeypatch.setenv(layer_plan.KEY8_ENV, "1")
         sa.resolve(paths[model], hicache_host_dtype="int4c")
+
+
+@pytest.mark.usefixtures("plan_format")
+@pytest.mark.parametrize("access", ["direct", "staged"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_fused_self_check_passes_with_a_plan(layout, access):
+    """The start-up self-check of the fused path (run on CUDA) compares each
+    layer's stored records and restore with that layer's reference, and puts the
+    borrowed host rows back: k_lo only on its layer."""
+    from sglang.srt.mem_cache.pool_host import encoded_fused
+
+    device_pool, pool = make_pool(layout, fused_transfer=access)
+    assert pool.transfer_path == f"fused_{access}"
+    before = {n: bits(b).clone() for n, b in pool.host_records.items()}
+    assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
+    for name, buf in pool.host_records.items():
+        assert torch.equal(bits(buf), before[name]), name

@@ -120,7 +120,7 @@ class EncodedHostPool:
     whether transfers copy host rows per contiguous run; None: on CUDA.
     sink_page_tokens: host tokens per 8-bit sink-page slot (sink_page.py);
     None or 0: no sink page. key8_layers: the pool's layer ids whose keys the
-    format stores at 8 bits (a per-layer plan, layer_plan.py); () : none.
+    format stores at 8 bits (a per-layer plan, layer_plan.py); (): none.
     """
 
     host_format_cls: ClassVar[type[HostKVFormat]]
