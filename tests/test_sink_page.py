@@ -249,7 +249,7 @@ def test_marking_a_page_twice_takes_one_slot():
 @pytest.mark.parametrize(
     "fmt, tokens, match",
     [
-        ("int8", 64, r"formats that store keys at 4 bits \(int4, int4r\)"),
+        ("int8", 64, r"formats that store keys at 4 bits \(int4, int4r, int4c\)"),
         ("int8c", 64, "formats that store keys at 4 bits"),
         ("k8v4", 64, "--hicache-host-dtype k8v4 does not"),
         ("k8v4r", 64, "--hicache-host-dtype k8v4r does not"),
