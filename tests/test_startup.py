@@ -216,6 +216,7 @@ def test_host_pool_dispatch_receives_host_dtype(monkeypatch):
         host_capacity_tokens=None,
         start_layer=0,
         end_layer=2,
+        layer_num=2,  # the layers the plan of 8-bit keys maps onto
         hicache_write_back_staging=False,
         dtype="the device pool's dtype",
     )

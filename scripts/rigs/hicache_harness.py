@@ -226,9 +226,20 @@ def publish_server_args(
         hicache_host_dtype=host_dtype,
         **fields,
     )
+    # The model's HF config, as a server has it (what process_model_config()
+    # returns; "dummy" has none): Llama-style, so no per-layer key plan.
+    server_args._model_config = _dummy_model_config()
     reset_context()
     publish(server_args, role="scheduler")
     return server_args
+
+
+def _dummy_model_config():
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    return SimpleNamespace(hf_config=LlamaConfig(num_hidden_layers=1))
 
 
 class _TpWorker:

@@ -223,7 +223,9 @@ def make_l3_rig(
     device_tokens: int = 256,
     host_tokens: int = 512,
     model_name: str = MODEL_NAME,
+    **host_extra,
 ) -> L3Rig:
+    """host_extra: host pool keywords (e.g. an encoded pool's key8_layers)."""
     geo = geo or Geometry(layer_num=3, head_num=2, head_dim=16, page_size=4)
     publish_runtime(geo.page_size, layout, host_dtype)
     rig = make_rig(
@@ -232,6 +234,7 @@ def make_l3_rig(
         host_tokens=host_tokens,
         layout=layout,
         host_dtype=host_dtype,
+        **host_extra,
     )
     rig.controller.attach_storage_backend(
         backend,

@@ -58,6 +58,11 @@ def check_model_for_host_kv(server_args: Any) -> None:
         _check_env_with_stock_pool()
     else:
         _refuse_fp8_dsa_latent(server_args)
+    if os.environ.get("SGLANG_HICACHE_KEY8_LAYERS", "").strip():
+        # Imported only when set: the plan's module loads torch.
+        from sglang.srt.mem_cache.pool_host.layer_plan import check_key8_layers_args
+
+        check_key8_layers_args(server_args)
 
 
 def _refuse_fp8_dsa_latent(server_args: Any) -> None:

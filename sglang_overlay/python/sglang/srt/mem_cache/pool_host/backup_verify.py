@@ -109,12 +109,20 @@ class BackupVerifier:
             self._gap += 1 + self._next_gap()
         self._gap -= n_pages
 
+    def _layer_groups(self) -> list[tuple[object, list[int]]]:
+        """(format, layers) of the layers that share one for_layer format, in
+        layer order of first use: one group, every layer, without a plan."""
+        groups: dict[int, tuple[object, list[int]]] = {}
+        for layer in range(self.ctx.layer_num):
+            fmt = self.ctx.fmt.for_layer(layer)
+            groups.setdefault(id(fmt), (fmt, []))[1].append(layer)
+        return list(groups.values())
+
     def _check_page(self, host_indices, device_indices) -> None:
         ctx, fmt = self.ctx, self.ctx.fmt
         dev = ctx.device
         units = ctx.planner.units(host_indices)
         runs = ctx.planner.runs(units.tolist())
-        records = {r.name: self._fetch(r.name, runs, dev) for r in fmt.records}
         device_indices = device_indices.to(dev, torch.int64)
         rows, restored = [], []
         for side in range(len(fmt.sides)):
@@ -130,13 +138,30 @@ class BackupVerifier:
             x = x.view(fmt.device_dtype).view(-1, fmt.unit_tokens, *x.shape[2:])
             rows.append(x)
             restored.append(torch.empty(x.shape, dtype=torch.float32, device=dev))
-        fmt.decode_into(records, restored)
+        groups = self._layer_groups()
+        if len(groups) == 1:
+            records = {r.name: self._fetch(r.name, runs, dev) for r in fmt.records}
+            fmt.decode_into(records, restored)
+        else:
+            # A per-layer plan: each group's layers decode with their format.
+            n = len(units)
+            for layer_fmt, layers in groups:
+                records = {
+                    r.name: self._fetch(r.name, runs, dev, layers)
+                    for r in layer_fmt.records
+                }
+                out = [torch.empty_like(y[: n * len(layers)]) for y in restored]
+                layer_fmt.decode_into(records, out)
+                for y, part in zip(restored, out):
+                    for i, layer in enumerate(layers):
+                        y[layer * n : (layer + 1) * n] = part[i * n : (i + 1) * n]
         self._enqueue(relative_error(fmt, rows, restored))
         self.pages_checked += 1
 
-    def _fetch(self, name: str, runs, dev) -> torch.Tensor:
+    def _fetch(self, name: str, runs, dev, layers=None) -> torch.Tensor:
         """The page's record `name` as [layers * units, *shape] on dev, read on
-        the current stream, so after the backup that wrote it."""
+        the current stream, so after the backup that wrote it; layers: those
+        layers only (None: every layer)."""
         ctx, records = self.ctx, self.ctx.records
         if records.page_major:
             # [units, layers, *shape]: each run is one contiguous host block.
@@ -144,7 +169,11 @@ class BackupVerifier:
                 records.tensors[name][unit : unit + n].to(dev, non_blocking=True)
                 for _, unit, n in runs
             ]
-            return torch.cat(parts).transpose(0, 1).flatten(0, 1)
+            page = torch.cat(parts)
+            if layers is not None:
+                slots = [records.slot(name, layer) for layer in layers]
+                page = page[:, torch.tensor(slots, device=page.device)]
+            return page.transpose(0, 1).flatten(0, 1)
         # layer_first [layers, units, *shape]: contiguous per layer and run.
         parts = [
             torch.cat(
@@ -155,7 +184,7 @@ class BackupVerifier:
                     for _, unit, n in runs
                 ]
             )
-            for layer in range(ctx.layer_num)
+            for layer in (range(ctx.layer_num) if layers is None else layers)
         ]
         return torch.stack(parts).flatten(0, 1)
 

@@ -87,7 +87,8 @@ def check_layout(name: str, layout: str) -> None:
 
 
 def _bytes_per_token(fmt: HostKVFormat, layers: int):
-    total = fmt.unit_bytes() * layers
+    # Each record on the layers it is stored for (a per-layer plan).
+    total = fmt.layers_unit_bytes(layers)
     ut = fmt.unit_tokens
     return total // ut if total % ut == 0 else total / ut
 
@@ -118,7 +119,8 @@ class EncodedHostPool:
     (encoded_fused.py); None reads SGLANG_HICACHE_FUSED_TRANSFER. run_copies:
     whether transfers copy host rows per contiguous run; None: on CUDA.
     sink_page_tokens: host tokens per 8-bit sink-page slot (sink_page.py);
-    None or 0: no sink page.
+    None or 0: no sink page. key8_layers: the pool's layer ids whose keys the
+    format stores at 8 bits (a per-layer plan, layer_plan.py); (): none.
     """
 
     host_format_cls: ClassVar[type[HostKVFormat]]
@@ -145,12 +147,13 @@ class EncodedHostPool:
         fused_transfer: str | None = None,
         run_copies: bool | None = None,
         sink_page_tokens: int | None = None,
+        key8_layers: Sequence[int] = (),
         **kwargs,
     ):
         check_layout(self.host_format_cls.name, layout)
         # HostKVCache sizes the pool from get_size_per_token, which the format answers.
         self.host_format = self._format_for(
-            buffer_info, page_size, layout, device_dtype
+            buffer_info, page_size, layout, device_dtype, key8_layers=key8_layers
         )
         self._fused_transfer = fused_transfer
         self._run_copies = run_copies
@@ -179,12 +182,23 @@ class EncodedHostPool:
 
     @classmethod
     def host_bytes_per_device_byte(
-        cls, buffer_info, page_size: int = 1, layout: str = "layer_first"
+        cls,
+        buffer_info,
+        page_size: int = 1,
+        layout: str = "layer_first",
+        key8_layers: Sequence[int] = (),
     ) -> float:
         # Page size and layout set the unit a format may group over (e.g.
         # per-page key scales), hence its bytes per token.
-        fmt = cls._format_for(buffer_info, page_size, layout, buffer_info.dtype)
+        fmt = cls._format_for(
+            buffer_info, page_size, layout, buffer_info.dtype, key8_layers=key8_layers
+        )
         device = sum(fmt.dims) * fmt.head_num * buffer_info.dtype.itemsize
+        if fmt.planned:
+            # Records stored on a few layers: the mean over the pool's layers
+            # (only MHA pools take a plan).
+            layers = len(buffer_info.buffers.k)
+            return _bytes_per_token(fmt, layers) / layers / device
         return fmt.bytes_per_token() / device
 
     def init_kv_buffer(self):
@@ -275,6 +289,15 @@ class EncodedHostPool:
         logger.info(
             "HiCache %s host format: %s.", self.pool_label, self.host_format.describe()
         )
+        plan = self.host_format.describe_plan()
+        if plan:
+            logger.info(
+                "HiCache %s host format plan: %s of %d; %s B/token.",
+                self.pool_label,
+                plan,
+                self.layer_num,
+                _bytes_per_token(self.host_format, self.layer_num),
+            )
         logger.info(
             "HiCache %s %s host pool transfer path: %s (%s).",
             self.pool_label,

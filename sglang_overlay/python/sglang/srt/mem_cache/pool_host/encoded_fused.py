@@ -139,9 +139,14 @@ class FusedTransfer:
         # Whole tensors (the kernels' counters tuple); staging positions are
         # always in range, so no bad-index count.
         staged_counters = KVCounters(counters.nonfinite, counters.amax)
+        # One launch per layer: out holds the records stored on that layer.
+        stored = [
+            [r.name for r in fmt.for_layer(layer_id).records]
+            for layer_id in range(ctx.layer_num)
+        ]
         for units, runs, dev_rows in ctx.planner.chunks(host_indices, device_indices):
-            out = {n: stage["records"][n][: len(units)].unsqueeze(1) for n in names}
-            for layer_id in range(ctx.layer_num):
+            for layer_id, names in enumerate(stored):
+                out = {n: stage["records"][n][: len(units)].unsqueeze(1) for n in names}
                 fmt.encode_gather(
                     tables,
                     dev_rows,
@@ -176,7 +181,8 @@ class FusedTransfer:
 
     def load(self, host_indices, device_indices, layer_id: int) -> None:
         ctx = self.ctx
-        fmt, records = ctx.fmt, ctx.records
+        fmt, records = ctx.fmt.for_layer(layer_id), ctx.records
+        names = [r.name for r in fmt.records]
         dst = [
             element_view(ctx, ctx.device_buffers(side)[layer_id])
             for side in range(len(fmt.sides))
@@ -184,7 +190,7 @@ class FusedTransfer:
         if self.access == "direct":
             host_idx, dev_idx = self._load_indices(host_indices, device_indices)
             fmt.decode_scatter(
-                {name: records.layer(name, layer_id) for name in records.tensors},
+                {name: records.layer(name, layer_id) for name in names},
                 host_idx,
                 dst,
                 dev_idx,
@@ -194,8 +200,10 @@ class FusedTransfer:
         stage = ctx.staging["h2d"]
         for units, runs, dev_rows in ctx.planner.chunks(host_indices, device_indices):
             staged = {
-                name: fetch(records.layer(name, layer_id), buf, units, runs)
-                for name, buf in stage["records"].items()
+                name: fetch(
+                    records.layer(name, layer_id), stage["records"][name], units, runs
+                )
+                for name in names
             }
             fmt.decode_scatter(
                 staged, stage["positions"][: len(dev_rows)], dst, dev_rows
@@ -256,6 +264,11 @@ def _expect_same(step, name, layer, got, want) -> None:
         )
 
 
+def _stored_names(ctx: TransferContext, layer: int) -> list[str]:
+    """The records stored on one layer (its format's, under a per-layer plan)."""
+    return [r.name for r in ctx.fmt.for_layer(layer).records]
+
+
 def _slots(ctx: TransferContext) -> tuple[torch.Tensor, torch.Tensor]:
     """Host token indices of the last units, in reverse unit order (a
     backward jump), and as many device slots from the top of layer 0."""
@@ -282,7 +295,7 @@ def _save_state(ctx: TransferContext) -> dict:
         "records": [
             ctx.records.layer(name, layer)[units].clone()
             for layer in range(ctx.layer_num)
-            for name in ctx.records.tensors
+            for name in _stored_names(ctx, layer)
         ],
         "rows": [
             ctx.device_buffers(side)[layer][device].clone()
@@ -298,7 +311,7 @@ def _restore_state(ctx: TransferContext, saved: dict) -> None:
     ctx.counters.sync()
     records = iter(saved["records"])
     for layer in range(ctx.layer_num):
-        for name in ctx.records.tensors:
+        for name in _stored_names(ctx, layer):
             ctx.records.layer(name, layer)[saved["units"]] = next(records)
     rows = iter(saved["rows"])
     for side in range(len(ctx.fmt.sides)):
@@ -334,8 +347,10 @@ def _run_self_check(ctx: TransferContext, transfer, host, device) -> None:
         for layer in range(ctx.layer_num)
     ]
     expected = [
-        fmt.encode_reference([x.view(n // ut, ut, *x.shape[1:]) for x in rows])
-        for rows in inputs
+        fmt.for_layer(layer).encode_reference(
+            [x.view(n // ut, ut, *x.shape[1:]) for x in rows]
+        )
+        for layer, rows in enumerate(inputs)
     ]
     for device_indices in (device, device.to(torch.int32)):
         for layer in range(ctx.layer_num):
@@ -347,14 +362,16 @@ def _run_self_check(ctx: TransferContext, transfer, host, device) -> None:
         # UVA, or non-blocking copies): wait before reading them.
         ctx.counters.sync()
         for layer in range(ctx.layer_num):
-            for name in ctx.records.tensors:
+            for name in _stored_names(ctx, layer):
                 stored = ctx.records.layer(name, layer)[units]
                 _expect_same("backup", name, layer, stored, expected[layer][name])
             for side in sides:
                 ctx.device_buffers(side)[layer][device] = 0
             # Every layer, packed MTP draft layers included.
             transfer.load(host, device_indices, layer)
-            want = fmt.decode_reference(expected[layer], fmt.device_dtype)
+            want = fmt.for_layer(layer).decode_reference(
+                expected[layer], fmt.device_dtype
+            )
             for side in sides:
                 restored = element_view(ctx, ctx.device_buffers(side)[layer])
                 restored = restored[device]

@@ -149,6 +149,10 @@ class HostKVFormat:
     # max |x| in fp32 (backup_verify.py), derived from error_bound() in
     # docs/operations.md; the HiCacheHostKVRestoreError alert reads it.
     relative_error_threshold: ClassVar[float | None] = None
+    # Whether the format takes key8_layers, a per-layer plan of 8-bit keys
+    # (SGLANG_HICACHE_KEY8_LAYERS, layer_plan.py): a constructor keyword whose
+    # layers store one more key record (HostRecord.layers).
+    key8_plan: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -191,6 +195,31 @@ class HostKVFormat:
     def bytes_per_token(self) -> float:
         """Host bytes per token and layer, all records."""
         return self.unit_bytes() / self.unit_tokens
+
+    @property
+    def planned(self) -> bool:
+        """Whether some record is stored on a few layers only."""
+        return any(record.layers is not None for record in self.records)
+
+    def layers_unit_bytes(self, layer_num: int) -> int:
+        """Host bytes of one unit of layers 0 .. layer_num - 1, each record
+        counted on the layers it is stored for."""
+        total = 0
+        for record in self.records:
+            if record.layers is None:
+                total += record.nbytes * layer_num
+            else:
+                total += record.nbytes * sum(1 for i in record.layers if i < layer_num)
+        return total
+
+    def describe_plan(self) -> str:
+        """The records stored on a few layers only, for the start-up log;
+        "" without a plan."""
+        return "; ".join(
+            f"{r.name} on layers {list(r.layers)}"
+            for r in self.records
+            if r.layers is not None
+        )
 
     @classmethod
     def bytes_per_token_for(
@@ -271,7 +300,11 @@ class HostKVFormat:
         """Backup in one launch: tables[i] (a DeviceLayerTable of sides[i], all
         layers) rows device_indices -> records at host_indices.
 
-        out[name] is a [unit, layer, *shape] view. options: counters, the
+        out[name] is a [unit, layer, *shape] view over the layers of the
+        launch (first_layer onward, all of them in one launch) that the record
+        is stored on (HostRecord.layers): a planned record's view has only its
+        stored layers, and a record stored on none of them is left out; the
+        format's kernels map its layers. options: counters, the
         statistics to update (host_kv_common.KVCounters, or the pool's
         HostKVCounters): nonfinite and bad_indices (0-dim int64; a host index
         outside the records is skipped and counted) and amax (fp32 [layers,

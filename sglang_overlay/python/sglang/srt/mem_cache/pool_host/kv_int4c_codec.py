@@ -346,6 +346,9 @@ class Int4ChannelHostFormat(HostKVFormat):
     # 4-bit keys: the sink page (sink_page.py) is what pays on Llama-style
     # models, where the per-layer plan does not.
     sink_page = True
+    # Takes key8_layers (SGLANG_HICACHE_KEY8_LAYERS, layer_plan.py): k_lo is
+    # stored on those layers only.
+    key8_plan = True
     # Keys: half a step w / 480 <= R / 30 <= 2 amax (1 + 2^-10)^2 / 30; values
     # int4's (2 + 2^-11)(1 + 2^-10) / 30 of the rotated max (docs/operations.md).
     relative_error_threshold = 0.068

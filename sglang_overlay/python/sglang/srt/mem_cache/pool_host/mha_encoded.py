@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 
 from sglang.srt.mem_cache.device_pool_info import MHABufferInfo
+from sglang.srt.mem_cache.pool_host import layer_plan
 from sglang.srt.mem_cache.pool_host.encoded import (
     ENCODED_HOST_DEVICE_DTYPES,
     EncodedHostPool,
@@ -27,12 +28,15 @@ class MHATokenToKVPoolEncodedHost(EncodedHostPool, MHATokenToKVPoolHost):
     zero-copy backends (mooncake)."""
 
     @classmethod
-    def _format_for(cls, buffer_info, page_size, layout, device_dtype):
+    def _format_for(cls, buffer_info, page_size, layout, device_dtype, key8_layers=()):
+        # key8_layers: the per-layer plan (layer_plan.py), refused by a format
+        # without one.
         return cls.host_format_cls(
             (buffer_info.head_dim, buffer_info.v_head_dim),
             buffer_info.head_num,
             unit_tokens_for(page_size, layout),
             device_dtype,
+            **layer_plan.format_keywords(cls.host_format_cls, key8_layers),
         )
 
     def __init__(

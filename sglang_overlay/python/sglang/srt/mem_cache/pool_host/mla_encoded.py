@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from sglang.srt.mem_cache.device_pool_info import MLABufferInfo, MLASplitBuffers
+from sglang.srt.mem_cache.pool_host import layer_plan
 from sglang.srt.mem_cache.pool_host.encoded import (
     ENCODED_HOST_DEVICE_DTYPES,
     EncodedHostPool,
@@ -23,7 +24,8 @@ class MLATokenToKVPoolEncodedHost(EncodedHostPool, MLATokenToKVPoolHost):
     log_kind = "MLA "
 
     @classmethod
-    def _format_for(cls, buffer_info, page_size, layout, device_dtype):
+    def _format_for(cls, buffer_info, page_size, layout, device_dtype, key8_layers=()):
+        layer_plan.refuse_mla_plan(cls.host_format_cls.name, key8_layers)
         return cls.host_format_cls(
             (buffer_info.kv_lora_rank + buffer_info.qk_rope_head_dim,),
             1,

@@ -20,7 +20,8 @@ class L3PageCodec:
 
     Generic backends (file): ONE object per page, every record in the
     format's `records` order, each in host order ([layer, *shape] per unit,
-    the page's units in order), then the seal. Zero-copy backends (mooncake):
+    the page's units in order; a planned record over its stored layers
+    only), then the seal. Zero-copy backends (mooncake):
     the format's zero_copy_objects(), page-major layouts only, each gathered
     with its seal (one more host buffer) as the object's last piece.
     """
@@ -36,18 +37,22 @@ class L3PageCodec:
     ):
         self.fmt, self.records = fmt, records
         self.page_size, self.layer_num, self.layout = page_size, layer_num, layout
-        self.page_bytes = fmt.unit_bytes() * layer_num * (page_size // fmt.unit_tokens)
+        units_per_page = page_size // fmt.unit_tokens
+        self.page_bytes = fmt.layers_unit_bytes(layer_num) * units_per_page
         self.tag = f"{fmt.storage_format_tag}-{integrity.SEAL_TAG}"
         per_unit = {r.name: r.nbytes for r in fmt.records}
+        # Layers each record is stored for (a per-layer plan stores some on a
+        # few layers only).
+        counts = {n: len(layers) for n, layers in records.stored.items()}
         # zero_copy_objects' pieces scaled from one layer's record to a page's
-        # (every layer of a page-major unit is one contiguous block).
+        # (every stored layer of a page-major unit is one contiguous block).
         self.objects = []
         for obj in fmt.zero_copy_objects():
             for name, offset, size in obj:
                 if offset + size > per_unit[name]:
                     raise ValueError(f"zero-copy piece beyond record {name!r}")
             self.objects.append(
-                [(n, off * layer_num, size * layer_num) for n, off, size in obj]
+                [(n, off * counts[n], size * counts[n]) for n, off, size in obj]
             )
         self.pieces = [piece for obj in self.objects for piece in obj]
         self.buffers_per_object = len(self.objects[0]) + 1
@@ -56,6 +61,9 @@ class L3PageCodec:
             f"{self.tag}|layers{layer_num}|page{page_size}|heads{fmt.head_num}"
             f"|dims{fmt.dims}|{fmt.device_dtype}"
         )
+        if records.planned:
+            # Pages of another plan of the same tag are refused by their seal.
+            geometry += f"|plan{sorted(records.plan.items())}"
         self.flat_sealer = integrity.PageSealer(
             f"{geometry}|flat", (self.page_bytes,), self.stats
         )

@@ -27,8 +27,9 @@ STAGING_TOKENS = 4096
 
 
 class HostRecords:
-    """One host tensor per format record: (units, layers, *shape) page-major,
-    (layers, units, *shape) layer_first."""
+    """One host tensor per format record, over the layers the record is stored
+    for (HostRecord.layers; every layer by default): (units, layers, *shape)
+    page-major, (layers, units, *shape) layer_first."""
 
     def __init__(
         self,
@@ -40,20 +41,81 @@ class HostRecords:
     ):
         self.page_major = page_major
         self.units = units
+        self.layer_num = layer_num
         self.tensors: dict[str, torch.Tensor] = {}
+        # Per record, the layer ids it is stored for, in slot order.
+        self.stored: dict[str, tuple[int, ...]] = {}
+        self._slots: dict[str, dict[int, int] | None] = {}
         for record in fmt.records:
-            layered = (units, layer_num) if page_major else (layer_num, units)
+            layers = stored_layers(fmt, record, layer_num)
+            self.stored[record.name] = layers
+            # None: every layer, slot = layer id (no lookup on the hot path).
+            planned = record.layers is not None
+            self._slots[record.name] = (
+                {layer: slot for slot, layer in enumerate(layers)} if planned else None
+            )
+            count = len(layers)
+            layered = (units, count) if page_major else (count, units)
             self.tensors[record.name] = alloc((*layered, *record.shape), record.dtype)
+        check_layer_formats(fmt, layer_num)
+
+    @property
+    def plan(self) -> dict[str, tuple[int, ...]]:
+        """The records stored on a subset of the layers, with their layers."""
+        return {n: self.stored[n] for n, s in self._slots.items() if s is not None}
+
+    @property
+    def planned(self) -> bool:
+        """Whether some record is stored on a subset of the layers."""
+        return bool(self.plan)
+
+    def slot(self, name: str, layer_id: int) -> int:
+        """Where layer `layer_id` sits on record `name`'s layer axis."""
+        slots = self._slots[name]
+        if slots is None:
+            return layer_id
+        if layer_id not in slots:
+            raise KeyError(f"host record {name!r} is not stored on layer {layer_id}")
+        return slots[layer_id]
 
     def layer(self, name: str, layer_id: int) -> torch.Tensor:
         """[units, *record shape] view of one layer."""
-        buf = self.tensors[name]
-        return buf[:, layer_id] if self.page_major else buf[layer_id]
+        buf, slot = self.tensors[name], self.slot(name, layer_id)
+        return buf[:, slot] if self.page_major else buf[slot]
 
     def all_layers(self, name: str) -> torch.Tensor:
-        """[units, layers, *record shape] view."""
+        """[units, stored layers, *record shape] view."""
         buf = self.tensors[name]
         return buf if self.page_major else buf.transpose(0, 1)
+
+
+def stored_layers(fmt: HostKVFormat, record, layer_num: int) -> tuple[int, ...]:
+    """The layer ids a record is stored for, checked against the pool's layers."""
+    if record.layers is None:
+        return tuple(range(layer_num))
+    layers = tuple(int(layer) for layer in record.layers)
+    if list(layers) != sorted(set(layers)) or any(
+        not 0 <= layer < layer_num for layer in layers
+    ):
+        raise ValueError(
+            f"--hicache-host-dtype {fmt.name}: record {record.name!r} is planned "
+            f"for layers {list(layers)}, not distinct ascending layer ids of this "
+            f"host pool's {layer_num} layers; pass layer ids in [0, {layer_num})."
+        )
+    return layers
+
+
+def check_layer_formats(fmt: HostKVFormat, layer_num: int) -> None:
+    """Each layer's format (for_layer) stores exactly the records the plan puts
+    on that layer: the transfers and L3 pages move what the tensors hold."""
+    for layer_id in range(layer_num):
+        got = [r.name for r in fmt.for_layer(layer_id).records]
+        want = [r.name for r in fmt.records if r.stored_on(layer_id)]
+        if got != want:
+            raise ValueError(
+                f"--hicache-host-dtype {fmt.name}: layer {layer_id}'s format "
+                f"stores records {got}, its plan {want}."
+            )
 
 
 class UnitPlanner:
@@ -268,19 +330,22 @@ class TorchTransfer:
     def backup(self, host_indices, device_indices) -> None:
         ctx = self.ctx
         stage = ctx.staging["d2h"]
-        names = list(stage["records"])
+        # Each layer's format and the records it stores (a per-layer plan
+        # stores some records on a few layers only).
+        layers = [ctx.fmt.for_layer(layer_id) for layer_id in range(ctx.layer_num)]
         # The element dtype of the device rows (FP8 KV is staged as uint8).
         elem = ctx.fmt.device_dtype
         for units, runs, dev_rows in ctx.planner.chunks(host_indices, device_indices):
             n_tokens = len(dev_rows)
-            out = {name: stage["records"][name][: len(units)] for name in names}
-            for layer_id in range(ctx.layer_num):
+            for layer_id, fmt in enumerate(layers):
+                names = [record.name for record in fmt.records]
+                out = {name: stage["records"][name][: len(units)] for name in names}
                 rows = []
                 for side, staged in enumerate(stage["rows"]):
                     device_layer = ctx.device_buffers(side)[layer_id]
                     torch.index_select(device_layer, 0, dev_rows, out=staged[:n_tokens])
                     rows.append(self._unit_rows(staged, n_tokens).view(elem))
-                ctx.counters.track(layer_id, ctx.fmt.encode_into(rows, out))
+                ctx.counters.track(layer_id, fmt.encode_into(rows, out))
                 for name in names:
                     store(
                         ctx.records.layer(name, layer_id),
@@ -292,17 +357,23 @@ class TorchTransfer:
     def load(self, host_indices, device_indices, layer_id: int) -> None:
         ctx = self.ctx
         stage = ctx.staging["h2d"]
-        elem = ctx.fmt.device_dtype
+        fmt = ctx.fmt.for_layer(layer_id)
+        elem = fmt.device_dtype
         for units, runs, dev_rows in ctx.planner.chunks(host_indices, device_indices):
             n_tokens = len(dev_rows)
             records = {
-                name: fetch(ctx.records.layer(name, layer_id), staged, units, runs)
-                for name, staged in stage["records"].items()
+                r.name: fetch(
+                    ctx.records.layer(r.name, layer_id),
+                    stage["records"][r.name],
+                    units,
+                    runs,
+                )
+                for r in fmt.records
             }
             rows = [
                 self._unit_rows(staged, n_tokens).view(elem) for staged in stage["rows"]
             ]
-            ctx.fmt.decode_into(records, rows)
+            fmt.decode_into(records, rows)
             for side, staged in enumerate(stage["rows"]):
                 ctx.device_buffers(side)[layer_id].index_copy_(
                     0, dev_rows, staged[:n_tokens]
