@@ -202,8 +202,6 @@ def test_mla_and_fp8_device_kv_metrics(collectors, case):
 # --- non-finite groups at backup: torch and fused paths, the metric's unit ---
 
 MHA_FORMATS = ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c", "int4c")
-# Formats without fused kernels yet: the torch path's count alone.
-TORCH_ONLY = ("int4c",)
 # (host dtype, model kind); MLA models take int8 only.
 FORMATS = [(name, "mha") for name in MHA_FORMATS] + [("int8", "mla")]
 # page_first with 16-token pages groups int4 keys per channel over the page;
@@ -290,9 +288,6 @@ def test_torch_and_fused_paths_count_the_same_groups(name, kind, layout, page_si
     stored = _stored_nonfinite_groups(torch_pool)
     assert stored > 0
     assert torch_pool.nonfinite_group_count() == stored
-    if name in TORCH_ONLY:
-        assert torch_pool.host_format.kernel_module is None, name
-        return
     # Every other format has fused kernels (int4r/k8v4r: their base format's,
     # with the rotation in the tiles), so each has a second count to compare.
     assert torch_pool.host_format.fused_available(torch.device("cpu")), name
