@@ -296,7 +296,8 @@ def test_eight_bit_plan_layer_round_trip_and_records():
     assert make_format(64, key8_layers=(1,)).storage_format_tag != (
         fmt.storage_format_tag
     )
-    assert "8-bit keys (k_lo, +128 B/token) on layers [1, 3]" in fmt.describe()
+    for f in (fmt, fmt.for_layer(0), fmt.for_layer(1)):
+        assert "8-bit keys (k_lo, +128 B/token) on layers [1, 3]" in f.describe()
     g = torch.Generator().manual_seed(0)
     k = torch.randn(4, 64, 2, 128, generator=g).to(torch.bfloat16)
     err = {}

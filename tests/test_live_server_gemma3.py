@@ -8,7 +8,7 @@ Each arm: prompt A (1,400 tokens, past the window) cold and again (device
 hit), four more prompts overflowing the 4,096-token L1, A again (host hit);
 checked as in tests/test_live_server.py. ``make test`` runs INT8 where
 ``make quality-gemma`` installed the GGUF (else the module skips, naming the
-command); HIQ_LIVE_HYBRID_FULL=1 adds BF16, INT4 and int8c, compares INT8's
+command); HIQ_LIVE_HYBRID_FULL=1 adds BF16, INT4, int8c and int4c, compares INT8's
 and INT4's reuse with BF16's, and starts FP8 device KV (``fp8_e4m3``) with an
 INT4 host copy, which our check accepts and SGLang's CPU pool set-up refuses
 ("CPU FP8 KV cache requires Intel AMX support."). HIQ_LIVE_SERVER=0 skips.
@@ -47,11 +47,11 @@ full_only = pytest.mark.skipif(not FULL, reason="HIQ_LIVE_HYBRID_FULL=1")
 PROMPT_TOKENS = 1400
 PROMPTS = 5  # 7,000 tokens: past the 4,096-token L1, inside the 8,192 host
 MIN_AGREED = 4
-LOGPROB_TOL = {None: 0.05, "int8": 0.25, "int4": 1.0, "int8c": 0.25}
+LOGPROB_TOL = {None: 0.05, "int8": 0.25, "int4": 1.0, "int8c": 0.25, "int4c": 1.0}
 
 ARMS = {"int8": "int8"}
 if FULL:
-    ARMS.update({"bf16": None, "int4": "int4", "int8c": "int8c"})
+    ARMS.update({"bf16": None, "int4": "int4", "int8c": "int8c", "int4c": "int4c"})
 # With page size 1 the INT4 reuse flipped prompt A's third greedy token (cold
 # top-2 gap 2.3 nats); with 64-token pages all 8 agreed (keys per token in
 # both). int8c (for QK-normed keys, Gemma 3's) groups keys per channel over
@@ -59,6 +59,9 @@ if FULL:
 ARM_FLAGS = {
     "int4": ["--page-size", "64"],
     "int8c": ["--page-size", "64", "--hicache-mem-layout", "page_first_direct"],
+    # int4c's keys go per channel in 32-token sub-ranges of page-major
+    # 64-token units (layer_first units are tokens: keys per token).
+    "int4c": ["--page-size", "64", "--hicache-mem-layout", "page_first_direct"],
 }
 
 
@@ -97,6 +100,13 @@ def bytes_per_token(host_dtype, model_dir: Path) -> int | None:
         # the (s, m) of each key channel per 64-token page.
         layers, kv_heads, head_dim = model_geometry(model_dir)
         return layers * kv_heads * (2 * head_dim + 2 + head_dim * 4 // 64)
+    if host_dtype == "int4c":
+        # Per key head: 4-bit key and value codes, the (L, R) of each key
+        # channel per 64-token page, two sub-range bytes per channel per page
+        # and the (s, m) of each 128-value group of a token's value row.
+        layers, kv_heads, head_dim = model_geometry(model_dir)
+        per_head = head_dim + head_dim * 6 // 64 + head_dim // 128 * 4
+        return layers * kv_heads * per_head
     return None  # int4: its layout is the pool's business; the log says it
 
 
@@ -119,7 +129,7 @@ def test_startup_log_and_metrics_name_the_host_format(arm, model_dir):
         assert 0 < got < bytes_per_token("int8", model_dir)
     if host_dtype is not None:
         assert f"stores {host_dtype.upper()} KV: {int(got)} B/token" in log
-    if host_dtype == "int8c":
+    if host_dtype in ("int8c", "int4c"):
         assert "keys per channel over 64-token pages" in log
 
 

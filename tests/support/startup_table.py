@@ -416,7 +416,7 @@ TABLE: tuple[Row, ...] = (
     no("mha", ("int4r",), SINK_ENV + "=32 must be at least the page size (64)",
        "e.g. 4096",
        flags=dict(page_size=64), env={SINK_ENV: "32"}),
-    ok("mha", ("int4", "int4r"), flags=dict(page_size=64),
+    ok("mha", ("int4", "int4r", "int4c"), flags=dict(page_size=64),
        env={SINK_ENV: ("4096", " 4096 ", "0", "")}),
     no("mha", ("int8", "auto"), FUSED_ENV + "={env!r} is not a transfer path",
        "pass auto", "off (torch path), direct or staged",

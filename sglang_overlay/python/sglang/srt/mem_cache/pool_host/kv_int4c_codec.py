@@ -465,7 +465,7 @@ class Int4ChannelHostFormat(HostKVFormat):
             )
         values += f", per token in groups of {self.v_group}"
         if self.key8_layers:
-            extra = self.record("k_lo").nbytes / self.unit_tokens
+            extra = self._pool_format.record("k_lo").nbytes / self.unit_tokens
             plan = (
                 f"8-bit keys (k_lo, +{extra:g} B/token) on layers "
                 f"{list(self.key8_layers)}, 4-bit keys elsewhere"
