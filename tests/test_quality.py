@@ -520,7 +520,7 @@ def test_recommended_table_drives_the_targets(monkeypatch):
         "int4": _arm("int4", kl=5e-3, capacity=3.556),
         "int4r": _arm("int4r", kl=2e-3, capacity=3.556),
     }
-    assert hq.RECOMMENDED == {"8-bit": "int8c", "4-bit": "int4r"}
+    assert hq.RECOMMENDED == {"8-bit": "int8c", "4-bit": "int4c"}
     assert _keys(summary) == set(
         "int8_ppl_rel_delta_le_0.001 int8_top1_ge_0.995 int8c_ppl_rel_delta_le_0.001"
         " int8c_top1_ge_0.995 k8v4_ppl_rel_delta_le_0.003 int4_ppl_rel_delta_le_0.01"

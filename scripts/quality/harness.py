@@ -45,7 +45,7 @@ QUANTIZED_LAYOUT = "page_first"
 ARM_PAGE_SIZE = {"auto": 1, "int8": 1, "int8c": 64}
 GROUPED_PAGE_SIZE = 64
 # Opt-in arms (--arms): the format with its first page at 8 bits.
-SINK_ARMS = {"int4r_sink": "int4r"}
+SINK_ARMS = {"int4r_sink": "int4r", "int4c_sink": "int4c"}
 SINK_PAGE_TOKENS = 4096
 
 
@@ -94,11 +94,13 @@ TARGETS = {
     # Issue 22: the rotated formats must beat today's int4/k8v4 side by side.
     "int4r": Target(ppl_rel_delta=0.01, top1=0.97, kl_rel=("int4", 0.6)),
     "k8v4r": Target(ppl_rel_delta=0.003, top1=0.985),
+    # Its sink-page arm too: the 4-bit targets, its capacity with the sink store.
+    "int4c": Target(top1=0.97, kl_rel=("int4", 0.6), capacity=3.4),
 }
 
 # Which arm is "the recommended 8-bit / 4-bit format": the one place to change
 # when a format lands; its role's targets replace the format's own below.
-RECOMMENDED = {"8-bit": "int8c", "4-bit": "int4r"}
+RECOMMENDED = {"8-bit": "int8c", "4-bit": "int4c"}
 RECOMMENDED_TARGETS = {
     "8-bit": Target(ppl_rel_delta=0.001, top1=0.995),
     "4-bit": Target(top1=0.97, kl_rel=("int4", 0.6), capacity=3.4),
@@ -142,6 +144,9 @@ class Arm:
     layout: str
     page_size: int
     sink_page_tokens: int = 0  # the sink page's side store; 0: off
+    # The format's 8-bit key layers (SGLANG_HICACHE_KEY8_LAYERS), chosen from
+    # the model's config as the server does; () for formats without a plan.
+    key8_layers: tuple[int, ...] = ()
 
 
 def offload_arms(
@@ -180,10 +185,51 @@ def capacity_vs_bf16(arm: Arm) -> float:
         (g["head_dim"], g["head_dim"]), g["kv_heads"], unit, torch.bfloat16
     )
     per_layer = fmt.bytes_per_token()
+    if arm.key8_layers:
+        # A QK-normed model at this geometry (Qwen3-8B) gets the rule's plan.
+        per_layer = _planned_bytes_per_token(arm, g, unit)
     if arm.sink_page_tokens:
         sink = sink_format(fmt, g["page_size"]).unit_bytes()
         per_layer += sink / arm.sink_page_tokens
     return 2 * g["kv_heads"] * g["head_dim"] * 2 / per_layer
+
+
+def _planned_bytes_per_token(arm: Arm, g: dict, unit: int) -> float:
+    """Mean host bytes per token and layer at CAPACITY_GEOMETRY with the plan
+    SGLANG_HICACHE_KEY8_LAYERS=auto gives a QK-normed model of that many full
+    attention layers (Qwen3-8B: the first 3 of 36)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+    from sglang.srt.mem_cache.pool_host.layer_plan import auto_key8_layers
+
+    qwen3 = SimpleNamespace(model_type="qwen3", num_hidden_layers=g["layers"])
+    plan = auto_key8_layers(qwen3)
+    fmt = host_format_cls(arm.host_dtype, "mha")(
+        (g["head_dim"], g["head_dim"]),
+        g["kv_heads"],
+        unit,
+        torch.bfloat16,
+        key8_layers=plan,
+    )
+    total = sum(fmt.for_layer(i).unit_bytes() for i in range(g["layers"]))
+    return total / g["layers"] / fmt.unit_tokens
+
+
+def with_model_plan(arm: Arm, hf_config) -> Arm:
+    """The arm with the 8-bit key layers the server would choose for this model
+    (pool_host/layer_plan.py: the model config and SGLANG_HICACHE_KEY8_LAYERS)."""
+    if arm.host_dtype == "auto":
+        return arm
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+    from sglang.srt.mem_cache.pool_host.layer_plan import (
+        model_key8_layers,
+        requested_key8_layers,
+    )
+
+    fmt_cls = host_format_cls(arm.host_dtype, "mha")
+    plan = model_key8_layers(hf_config, requested_key8_layers(), fmt_cls)
+    return replace(arm, key8_layers=tuple(plan))
 
 
 class RestoreError(RuntimeError):
@@ -570,6 +616,7 @@ def run_quality(
 ) -> dict:
     """Every arm on the same windows: the report; RestoreError if L2 lost a prefix."""
     arms, offloaded = _selected_arms(cfg)
+    offloaded = [with_model_plan(a, bundle.model.config) for a in offloaded]
     # The fp32 reference always runs next to exact: every arm is scored against both.
     arms = (*REFERENCES, *(a for a in arms if a not in REFERENCES))
     kv_dtype = KV_DTYPES[cfg.kv_dtype]
@@ -662,12 +709,16 @@ def _offload_rig(cfg: QualityConfig, geo, arm: Arm) -> OffloadRig:
     extra = {}
     if arm.host_dtype != "auto":
         extra["sink_page_tokens"] = arm.sink_page_tokens
+        if arm.key8_layers:
+            extra["key8_layers"] = arm.key8_layers
         if geo.dtype in FP8_KV_DTYPES:
             # An encoded pool is told which FP8 its uint8 device rows hold.
             extra["device_kv_dtype"] = geo.dtype
     geo = replace(geo, page_size=arm.page_size)
     rig = OffloadRig(geo, arm.host_dtype, arm.layout, cfg.prefix_len, **extra)
     rig.describe["capacity_vs_bf16"] = capacity_vs_bf16(arm)
+    if arm.key8_layers:
+        rig.describe["key8_layers"] = list(arm.key8_layers)
     return rig
 
 
