@@ -29,7 +29,12 @@ MAGS = {
 def geometries(name, kind, dtype, ut):
     if kind == "mla":  # DeepSeek's 512 + 64 and a one-tile latent
         return [host_format_cls(name, kind)((d,), 1, ut, dtype) for d in (576, 192)]
-    return [host_format_cls(name, kind)(dims, 2, ut, dtype) for dims in MHA_DIMS]
+    cls = host_format_cls(name, kind)
+    out = [cls(dims, 2, ut, dtype) for dims in MHA_DIMS]
+    if name == "int4c":  # and a plan layer's format (8-bit keys, k_lo)
+        out += [cls(dims, 2, ut, dtype, key8_layers=(0,)).for_layer(0)
+                for dims in MHA_DIMS[:4]]  # fmt: skip
+    return out
 
 
 def side_rows(fmt, n, seed, mags, kinds=UNIT_KINDS):
@@ -126,7 +131,7 @@ def check_round_trip(fmt, rows, *, finite: bool) -> None:
     for name in ref:
         assert torch.equal(again[name].view(torch.uint8), out[name].view(torch.uint8))
     assert int(stats.nonfinite) == stored_nonfinite(fmt, ref)
-    for dtype in DTYPES:
+    for dtype in (*DTYPES, torch.float32):  # fp32: what the references compute in
         restored = fmt.decode_reference(ref, dtype)
         for got, want in zip(decode_fast(fmt, out, dtype, rows), restored):
             assert_same_bits(got, want)
@@ -158,9 +163,11 @@ def check_round_trip(fmt, rows, *, finite: bool) -> None:
 def test_fast_path_is_the_reference_within_the_bound(name, kind, ut, dtype):
     for fmt in geometries(name, kind, dtype, ut):
         assert fmt.bytes_per_token() == sum(r.nbytes for r in fmt.records) / ut
-        cls = type(fmt)
-        assert cls.bytes_per_token_for(fmt.dims, fmt.head_num, ut, dtype) == (
-            fmt.bytes_per_token()
+        plan = getattr(fmt, "key8_layers", ())  # int4c's plan layer: its bytes
+        kw = {"key8_layers": plan} if plan else {}
+        assert (
+            type(fmt).bytes_per_token_for(fmt.dims, fmt.head_num, ut, dtype, **kw)
+            == fmt.bytes_per_token()
         )
         # Every kind of unit across magnitudes, a NaN key and an Inf value.
         rows = side_rows(fmt, len(MAGS[dtype]), 0, MAGS[dtype])

@@ -136,6 +136,28 @@ def test_head_dims_groups_and_tiles(fmt, ut, H, dims, dtype, tile, blocks):
         assert f.rotation_blocks == blocks
 
 
+# int4c's plan and sub-units beyond GEOMETRY's 8-bit layer 1: (unit tokens,
+# heads, dims, 8-bit key layers, dtype, tile, index dtype): one 32-token
+# sub-unit with no plan, three in a padded tile, 8-bit keys on every layer,
+# one 24-token sub-unit of 32-channel heads, several key programs per head
+# (a small tile) with int32 indices.
+INT4C_PLAN_CASES = [
+    (32, 1, (64, 128), (), BF, None, torch.int64),
+    (96, 1, (32, 256), (1,), BF, None, torch.int64),
+    (64, 2, (64, 64), (0, 1), FP, None, torch.int64),
+    (24, 1, (32, 32), (0,), FP, None, torch.int64),
+    (64, 1, (128, 128), (0,), BF, 1024, torch.int32),
+]
+
+
+@pytest.mark.parametrize("ut,H,dims,key8,dtype,tile,index_dtype", INT4C_PLAN_CASES)
+def test_int4c_plan_layers_and_sub_units(ut, H, dims, key8, dtype, tile, index_dtype):
+    run_case(
+        "int4c", ut=ut, H=H, dims=dims, dtype=dtype, n_units=2, tile=tile,
+        index_dtype=index_dtype, seed=ut, geometry={"key8_layers": key8},
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 @pytest.mark.parametrize("fmt", ("int4", "k8v4"))
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
 """int4c host format (pool_host/kv_int4c_codec.py): records per key mode, the
-spec step by step, fast path == reference bit for bit (4- and 8-bit keys,
-sub-units of 32 and of a whole 16..31-token unit, the per-token fallback), the
-per-layer plan, non-finite channel-units, bytes per token, and why it exists:
-QK-normed keys keep their small channels where int4's keys do not."""
+reference's keys against an independent reading of the spec (sub-units of 32
+and of a whole 16..31-token unit, 4- and 8-bit keys), the per-layer plan,
+non-finite channel-units, and why it exists: QK-normed keys keep their small
+channels where int4's keys do not. Fast path == reference (4- and 8-bit
+layers): tests/test_host_codecs.py; kernels == reference:
+tests/test_host_kernels.py; bytes with a plan: tests/test_layer_plan.py."""
 
 from __future__ import annotations
 
@@ -14,78 +16,15 @@ from sglang.srt.mem_cache.pool_host import host_format as hf
 from sglang.srt.mem_cache.pool_host import kv_int4_codec
 from sglang.srt.mem_cache.pool_host import kv_int4c_codec as codec
 from sglang.srt.mem_cache.pool_host.host_format import half_ulp
-from tests.support.codec_inputs import DTYPES, assert_same_bits, make_units
+from tests.support import int4c_spec as spec
+from tests.support.codec_inputs import assert_same_bits
+from tests.support.kernel_cases import fill_rows
 
 NAN, INF = float("nan"), float("inf")
-MAGS = {
-    torch.bfloat16: [-130, -20, -3, 0, 5, 12, 24],
-    torch.float16: [-20, -3, 0, 5, 12],
-}
 
 
 def make_format(unit_tokens, dims=(128, 128), heads=2, dtype=torch.bfloat16, **kw):
     return hf.host_format_cls("int4c")(dims, heads, unit_tokens, dtype, **kw)
-
-
-def layer_formats(fmt):
-    """The 4-bit and (with a plan) the 8-bit layer formats of a pool format."""
-    if not fmt.key8_layers:
-        return [fmt]
-    plan = fmt.key8_layers[0]
-    other = next(i for i in range(plan + 2) if i not in fmt.key8_layers)
-    return [fmt.for_layer(other), fmt.for_layer(plan)]
-
-
-def host_buffers(fmt, n, fill=0x5A):
-    """Per record the layer-1 view of a [n, 3 layers, *shape] garbage buffer,
-    as the pool hands encode_into (strided, offset)."""
-    out = {}
-    for r in fmt.records:
-        buf = torch.full((n * 3 * r.nbytes,), fill, dtype=torch.uint8)
-        out[r.name] = buf.view(r.dtype).view(n, 3, *r.shape)[:, 1]
-    return out
-
-
-def rows(fmt, n, seed, mags):
-    out = []
-    for s, d in enumerate(fmt.dims):
-        shape = (1, fmt.unit_tokens, fmt.head_num, d)
-        x = torch.cat(
-            [
-                make_units(seed + 7 * s + i, shape, fmt.device_dtype,
-                           ["gauss", "heavy"], [mags[i % len(mags)]])
-                for i in range(n)
-            ]
-        )  # fmt: skip
-        wide = torch.full((n, fmt.unit_tokens, fmt.head_num, d + 6), 5.0)
-        wide = wide.to(fmt.device_dtype)
-        wide[..., 3 : d + 3] = x
-        out.append(wide[..., 3 : d + 3])  # strided, as device rows are
-    return out
-
-
-def round_trip(fmt, k, v, dtype):
-    """encode_into/decode_into == the reference bit for bit; returns (records,
-    restored, bounds, stats)."""
-    ref = fmt.encode_reference([k, v])
-    assert list(ref) == [r.name for r in fmt.records]
-    for r in fmt.records:
-        assert ref[r.name].shape == (k.shape[0], *r.shape)
-        assert ref[r.name].dtype == r.dtype
-    out = host_buffers(fmt, k.shape[0])
-    stats = fmt.encode_into([k, v], out)
-    for name in ref:
-        assert_same_bits(out[name], ref[name])
-    want = fmt.decode_reference(ref, dtype)
-    outs = [
-        torch.full((*x.shape[:-1], x.shape[-1] + 8), -7.0, dtype=dtype) for x in (k, v)
-    ]
-    fmt.decode_into(out, [o[..., 4:-4] for o in outs])
-    for o, w in zip(outs, want):
-        assert_same_bits(o[..., 4:-4], w)
-        assert (o[..., :4] == -7).all() and (o[..., -4:] == -7).all()
-    restored = fmt.decode_reference(ref, fmt.device_dtype)
-    return ref, restored, fmt.error_bound(ref, restored), stats
 
 
 # --- records, bytes, tags -------------------------------------------------------
@@ -137,23 +76,6 @@ def test_value_rotation_and_groups_per_head_dim():
     assert "values NOT rotated" in make_format(64, dims=(128, 72)).describe()
 
 
-def test_qwen3_8b_capacity_with_and_without_the_plan():
-    """1,152 B per token and layer (3.556x BF16) at Qwen3-8B geometry, page 64;
-    with 8-bit keys on 3 of 36 layers 43,008 B per token (3.429x)."""
-    bf16 = 36 * 8 * 128 * 2 * 2
-    fmt = make_format(64, heads=8)
-    assert fmt.bytes_per_token() == 1152
-    assert round(bf16 / (36 * fmt.bytes_per_token()), 3) == 3.556
-    plan = make_format(64, heads=8, key8_layers=(0, 1, 2))
-    per_layer = [plan.for_layer(i).bytes_per_token() for i in range(36)]
-    assert per_layer[:3] == [1664] * 3 and set(per_layer[3:]) == {1152}
-    assert sum(per_layer) == 43008
-    assert round(bf16 / sum(per_layer), 3) == 3.429
-    cls = type(fmt)
-    assert cls.bytes_per_token_for((128, 128), 8, 64) == 1152
-    assert cls.bytes_per_token_for((128, 128), 8, 64, key8_layers=(0,)) == 1664
-
-
 def test_registry_entry():
     entry = hf.get_host_dtype("int4c")
     assert entry.mla_format is None
@@ -173,107 +95,49 @@ def test_bad_geometry_names_the_flag():
         make_format(64, key8_layers=(-1,))
 
 
-# --- the spec, step by step -----------------------------------------------------
+# --- the spec, independently read ------------------------------------------------
 
 
-def _f32(x):
-    return np.float32(x)
+@pytest.mark.parametrize("key8", [False, True])
+@pytest.mark.parametrize("ut", [16, 24, 32, 48, 64, 96])
+def test_keys_are_the_spec_reading(ut, key8):
+    """k, k_lo, k_range and k_sub and the restored keys are, bit for bit,
+    tests/support/int4c_spec.py's: random rows with NaN/Inf/huge/zero/
+    constant/tiny groups (kernel_cases.fill_rows) over one 16..31 or 48-token
+    sub-unit and 32-token sub-units (96: three), 4- and 8-bit keys."""
+    dtype = torch.float16 if ut % 3 == 0 else torch.bfloat16
+    fmt = make_format(ut, dims=(64, 64), dtype=dtype, key8_layers=(0,) * key8)
+    fmt = fmt.for_layer(0)
+    x = torch.empty(3 * ut, 2, 64, dtype=dtype)
+    fill_rows(x, ut, torch.randperm(3 * ut, generator=torch.manual_seed(ut))[:8])
+    k = x.view(3, ut, 2, 64)
+    ref = fmt.encode_reference([k, k])
+    q, rng, sub, _ = spec.encode_keys(k, fmt.sub_tokens, key8)
+    assert torch.equal(ref["k"], spec.pack(q >> 4 if key8 else q))
+    assert ("k_lo" in ref) == key8
+    if key8:
+        assert torch.equal(ref["k_lo"], spec.pack(q & 15))
+    assert torch.equal(ref["k_range"].view(torch.int16), rng.view(torch.int16))
+    assert torch.equal(ref["k_sub"], sub)
+    for out in (dtype, torch.float32):
+        want = spec.decode_keys(q, rng, sub, out, key8)
+        assert_same_bits(fmt.decode_reference(ref, out)[0], want)
 
 
-def spec_channel(x, sub, qmax):
-    """One channel-unit by the module docstring's steps in numpy fp32 (IEEE,
-    no fusion): (L, R, [(a, b)], codes, restored fp32)."""
-    x = np.asarray(x, dtype=np.float32)
-    lo, hi = x.min(), x.max()
-    low = np.float16(lo)
-    if np.float32(low) > lo:
-        low = np.nextafter(low, np.float16(-np.inf))
-    diff = _f32(hi - np.float32(low))
-    rng = np.float16(diff)
-    if np.float32(rng) < diff:
-        rng = np.nextafter(rng, np.float16(np.inf))
-    low32, rng32 = np.float32(low), np.float32(rng)
-    n = _f32(16 * qmax)
-    subs, codes, out = [], [], []
-    for j in range(0, len(x), sub):
-        part = x[j : j + sub]
-        a = min(max(np.floor(((part.min() - low32) / rng32) * _f32(16)), 0), 15)
-        b = min(max(np.ceil(((part.max() - low32) / rng32) * _f32(16)), a + 1), 16)
-        a, b = _f32(a), _f32(b)
-        sub_lo = low32 + (rng32 * a) * _f32(1 / 16)
-        w = rng32 * (b - a)
-        s = w / n
-        q = np.clip(np.rint((part - sub_lo) / s), 0, qmax).astype(np.float32)
-        subs.append((int(a), int(b)))
-        codes += q.tolist()
-        out += (sub_lo + (q * w) / n).tolist()
-    return float(low), float(rng), subs, codes, np.asarray(out, np.float32)
-
-
-@pytest.mark.parametrize("qmax", [15, 255])
-def test_per_channel_spec_step_by_step(qmax):
-    """A drifting channel (0.9..1.3 over the first 32 tokens, 2..3 over the
-    next) and random ones: k_range, k_sub and codes are the spec's, and the
-    first sub-unit gets a narrow sub-range."""
-    g = torch.Generator().manual_seed(3)
-    k = torch.randn(1, 64, 1, 8, generator=g).to(torch.bfloat16)
+def test_a_drifting_channel_gets_narrow_sub_ranges():
+    """A channel at 0.9..1.3 over the first 32 tokens and 2..3 over the next:
+    L = 0.9 rounded down to fp16, R = 2.1 rounded up; the first 32 tokens use
+    sixteenths 0..4 of it (0.4 / 2.1 * 16 = 3.05), the last 8..16."""
+    k = torch.zeros(1, 64, 1, 8, dtype=torch.bfloat16)
     k[0, :32, 0, 0] = torch.linspace(0.9, 1.3, 32)
     k[0, 32:, 0, 0] = torch.linspace(2.0, 3.0, 32)
-    fmt = make_format(64, dims=(8, 8), heads=1, key8_layers=(1,) if qmax > 15 else ())
-    fmt = fmt.for_layer(1)
-    ref = fmt.encode_reference([k, k])
-    k_hat = fmt.decode_reference(ref, torch.float32)[0]
-    if qmax == 15:
-        codes = kv_int4_codec.unpack_int4(ref["k"]).float()
-    else:
-        codes = 16 * kv_int4_codec.unpack_int4(ref["k"]).float()
-        codes += kv_int4_codec.unpack_int4(ref["k_lo"]).float()
-    for c in range(8):
-        low, rng, subs, q, restored = spec_channel(k[0, :, 0, c].float(), 32, qmax)
-        assert ref["k_range"][0, 0, c].tolist() == [low, rng]
-        got = [(int(b) & 15, (int(b) >> 4) + 1) for b in ref["k_sub"][0, :, 0, c]]
-        assert got == subs
-        assert codes[0, :, 0, c].tolist() == q
-        assert k_hat[0, :, 0, c].tolist() == restored.tolist()
-    # L = 0.9 rounded down to fp16, R = 2.1 rounded up; the first 32 tokens
-    # use sixteenths 0..4 of it (0.4 / 2.1 * 16 = 3.05), the last 8..16.
+    ref = make_format(64, dims=(8, 8), heads=1).encode_reference([k, k])
     low, rng = ref["k_range"][0, 0, 0].tolist()
     assert low <= 0.8984375 and rng >= 3.0 - low
     assert [(int(b) & 15, (int(b) >> 4) + 1) for b in ref["k_sub"][0, :, 0, 0]] == [
         (0, 4),
         (8, 16),
     ]
-
-
-# --- fast path == reference, within the bound ----------------------------------
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("ut", [1, 7, 16, 24, 32, 64, 80])
-@pytest.mark.parametrize("plan", [(), (1,)])
-def test_fast_path_is_the_reference_within_the_bound(plan, ut, dtype):
-    for dims in [(128, 128), (64, 96), (72, 80), (256, 256)]:
-        fmt = make_format(ut, dims=dims, dtype=dtype, key8_layers=plan)
-        for lf in layer_formats(fmt):
-            k, v = rows(lf, len(MAGS[dtype]), ut, MAGS[dtype])
-            k[0, 0, 0, 3] = NAN
-            v[-1, ut - 1, -1, 0] = -INF
-            for out_dtype in (dtype, torch.float32):
-                ref, restored, bounds, stats = round_trip(lf, k, v, out_dtype)
-            for x, r, b in zip((k, v), restored, bounds):
-                nan = torch.isnan(b)
-                assert torch.equal(torch.isnan(r), nan)
-                assert torch.isnan(r[~torch.isfinite(x)]).all()
-                err = (x.double() - r.double()).abs()
-                assert (err[~nan] <= b[~nan].double()).all()
-            amax = k.double().abs()[~torch.isnan(bounds[0])].max()
-            assert stats.amax[0].item() == amax.item()
-            meta = ref["k_range" if lf.sub_tokens else "k_meta"]
-            bad = int(torch.isnan(meta[..., 0]).sum())
-            assert bad >= 1
-            assert int(stats.nonfinite) == bad + int(
-                torch.isnan(ref["v_meta"][..., 0]).sum()
-            )
 
 
 def test_eight_bit_plan_layer_round_trip_and_records():
@@ -302,7 +166,9 @@ def test_eight_bit_plan_layer_round_trip_and_records():
     k = torch.randn(4, 64, 2, 128, generator=g).to(torch.bfloat16)
     err = {}
     for lf in (four, eight):
-        _, restored, bounds, _ = round_trip(lf, k, k, torch.bfloat16)
+        ref = lf.encode_reference([k, k])
+        restored = lf.decode_reference(ref, torch.bfloat16)
+        bounds = lf.error_bound(ref, restored)
         e = (k.double() - restored[0].double()).abs()
         assert (e <= bounds[0].double()).all()
         err[lf.key_bits] = e.max().item()
@@ -310,7 +176,6 @@ def test_eight_bit_plan_layer_round_trip_and_records():
     # The pool's format with a plan encodes per layer only.
     with pytest.raises(ValueError, match="for_layer"):
         fmt.encode_reference([k, k])
-    assert make_format(64).for_layer(5) is not None
     plain = make_format(64)
     assert plain.for_layer(5) is plain and plain.key_bits == 4
 
@@ -330,12 +195,13 @@ def test_nonfinite_poisons_its_channel_unit_only(plan, bad, ut):
     k = torch.randn(2, ut, 2, 128, generator=g).to(torch.bfloat16)
     v = torch.randn(2, ut, 2, 128, generator=g).to(torch.bfloat16)
     k[1, 5, 1, 9] = bad
-    ref, restored, bounds, stats = round_trip(fmt, k, v, torch.bfloat16)
-    k_hat = restored[0]
+    ref = fmt.encode_reference([k, v])
+    k_hat, v_hat = fmt.decode_reference(ref, torch.bfloat16)
     assert torch.isnan(k_hat[1, :, 1, 9]).all()
     k_hat[1, :, 1, 9] = 0
-    assert torch.isfinite(k_hat).all() and torch.isfinite(restored[1]).all()
-    assert int(stats.nonfinite) == 1
+    assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
+    # One range stored NaN, so counted once (test_host_codecs: count == stored).
+    assert int(torch.isnan(ref["k_range"][..., 0]).sum()) == 1
     assert ref["k_sub"][1, :, 1, 9].eq(0).all()
 
 

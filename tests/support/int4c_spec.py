@@ -1,7 +1,7 @@
 """An independent, step-by-step torch reading of the int4c spec's keys
 (/docs: per channel over a unit, two-level metadata, 8-bit plan layers), for
-the kernel tests to hold the kernels and the codec's reference against.
-Test-only."""
+tests/test_kv_int4c_codec.py to hold the codec's reference (and so, through
+tests/test_host_kernels.py, the kernels) against. Test-only."""
 
 from __future__ import annotations
 
@@ -85,7 +85,3 @@ def decode_keys(codes, rng, sub, dtype, key8: bool):
 def pack(q: torch.Tensor) -> torch.Tensor:
     q = q.to(torch.uint8)
     return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)
