@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -68,11 +68,12 @@ def readable_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def requested_sink_page_tokens() -> int:
-    """SGLANG_HICACHE_SINK_PAGE_TOKENS, read strictly (Envs would turn a
-    malformed value into 0, off, with a warning): host tokens per 8-bit
-    sink-page slot; 0 (unset or empty) is off."""
-    raw = os.environ.get(SINK_ENV, "")
+def requested_sink_page_tokens(env: Mapping[str, str] | None = None) -> int:
+    """SGLANG_HICACHE_SINK_PAGE_TOKENS of `env` (the process's by default),
+    read strictly (Envs would turn a malformed value into 0, off, with a
+    warning): host tokens per 8-bit sink-page slot; 0 (unset or empty) is off
+    here (layer_plan.host_plan may then choose the sink page for the model)."""
+    raw = (os.environ if env is None else env).get(SINK_ENV, "")
     try:
         tokens = int(raw.strip() or 0)
     except ValueError:
