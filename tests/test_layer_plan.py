@@ -749,3 +749,43 @@ def test_assembler_gives_int4c_the_plan_or_the_sink_page(
         f"stores INT4C KV: {round(pool.get_size_per_token())} B/token" in line
         for line in lines
     )
+
+
+@pytest.mark.parametrize("env", [{}, {SINK_ENV: "0"}, {KEY8_ENV: "none"}])
+def test_quality_harness_arms_mirror_the_servers_choice(monkeypatch, env):
+    """The quality harness's arms get what host_plan gives the server: plain
+    int4c the sink page on a Llama-style model and the plan on Qwen3; the
+    explicit int4c_sink arm its sink page on both; formats without a plan
+    nothing."""
+    from scripts.quality import harness as hq
+
+    for name in (SINK_ENV, KEY8_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _, offloaded = hq._selected_arms(
+        hq.QualityConfig(
+            text_file="unused", arms=("int4c", "int4c_sink", "int4r", "int4")
+        )
+    )
+    for config in (llama(), qwen3_8b()):
+        for arm in offloaded:
+            got = hq.with_model_plan(arm, config)
+            server = layer_plan.host_plan(
+                hf.host_format_cls(arm.host_dtype, "mha"),
+                config,
+                page_size=arm.page_size,
+                device_dtype=torch.bfloat16,
+            )
+            if arm.name == "int4c_sink":
+                assert got.sink_page_tokens == hq.SINK_PAGE_TOKENS
+                assert got.key8_layers == server.key8_layers
+                continue
+            assert (got.key8_layers, got.sink_page_tokens) == (
+                server.key8_layers,
+                server.sink_page_tokens,
+            )
+    plain = next(a for a in offloaded if a.name == "int4c")
+    got = hq.with_model_plan(plain, llama())
+    assert got.sink_page_tokens == (AUTO_SINK if not env else 0)
+    assert hq.capacity_vs_bf16(got) < hq.capacity_vs_bf16(plain) or env
