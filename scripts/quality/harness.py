@@ -729,7 +729,10 @@ def _offload_rig(cfg: QualityConfig, geo, arm: Arm) -> OffloadRig:
     if arm.key8_layers:
         rig.describe["key8_layers"] = list(arm.key8_layers)
     if arm.sink_page_tokens:
+        # The side store's share of host_bytes_per_token, stated.
         rig.describe["sink_page_tokens"] = arm.sink_page_tokens
+        rig.describe["sink_store_bytes"] = rig.host_pool.sink_pages.nbytes()
+        rig.describe["host_tokens"] = rig.host_pool.size
     return rig
 
 
