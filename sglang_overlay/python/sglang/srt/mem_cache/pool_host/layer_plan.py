@@ -233,12 +233,15 @@ def host_plan(
     plan gets the rule's plan on a QK-normed model, and the sink page
     (AUTO_SINK_PAGE_TOKENS) on any other where its pool can keep one.
     hf_config may be None for a format without a plan and no explicit list."""
-    from sglang.srt.mem_cache.pool_host.sink_page import requested_sink_page_tokens
-
     env = os.environ if env is None else env
     requested = requested_key8_layers(env)
     key8 = model_key8_layers(hf_config, requested, fmt_cls) if requested else ()
     if env.get(SINK_ENV, "").strip():
+        # Only then: the sink page ships in a later PR than the plan.
+        from sglang.srt.mem_cache.pool_host.sink_page import (
+            requested_sink_page_tokens,
+        )
+
         tokens = requested_sink_page_tokens(env)
         return HostPlan(key8, tokens, f"{SINK_ENV}={tokens} as set")
     if not fmt_cls.key8_plan:
