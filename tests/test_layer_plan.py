@@ -14,7 +14,7 @@ import torch
 
 from sglang.srt.mem_cache.pool_host import backup_verify
 from sglang.srt.mem_cache.pool_host import host_format as hf
-from sglang.srt.mem_cache.pool_host import layer_plan
+from sglang.srt.mem_cache.pool_host import layer_plan, sink_page
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from scripts.rigs import l3_harness as h
 from scripts.rigs.hicache_harness import (
@@ -617,11 +617,11 @@ def test_fused_self_check_passes_with_a_plan(layout, access):
         assert torch.equal(bits(buf), before[name]), name
 
 
-# --- plan or sink page: the per-model choice (layer_plan.host_plan) ---------------
+# --- plan or sink page: the per-model choice (sink_page.host_plan) ----------------
 
-SINK_ENV = layer_plan.SINK_ENV
+SINK_ENV = sink_page.SINK_ENV
 KEY8_ENV = layer_plan.KEY8_ENV
-AUTO_SINK = layer_plan.AUTO_SINK_PAGE_TOKENS
+AUTO_SINK = sink_page.AUTO_SINK_PAGE_TOKENS
 
 
 @pytest.mark.parametrize(
@@ -648,10 +648,10 @@ AUTO_SINK = layer_plan.AUTO_SINK_PAGE_TOKENS
 )
 def test_host_plan_is_the_plan_or_the_sink_page(config, host_dtype, env, want):
     fmt = hf.host_format_cls(host_dtype, "mha")
-    plan = layer_plan.host_plan(fmt, config(), env, page_size=64)
+    plan = sink_page.host_plan(fmt, config(), env, page_size=64)
     assert (plan.key8_layers, plan.sink_page_tokens) == want
     # The process's environment is not read when one is given.
-    assert layer_plan.host_plan(fmt, config(), {**env, "X": "1"}, page_size=64) == plan
+    assert sink_page.host_plan(fmt, config(), {**env, "X": "1"}, page_size=64) == plan
 
 
 @pytest.mark.parametrize(
@@ -666,12 +666,12 @@ def test_automatic_sink_page_is_off_where_it_cannot_work(page_size, device_dtype
     (the operator did not ask), saying why; an explicit one is still refused by
     the pool (sink_page.sink_page_tokens)."""
     fmt = hf.host_format_cls("int4c", "mha")
-    plan = layer_plan.host_plan(
+    plan = sink_page.host_plan(
         fmt, llama(), {}, page_size=page_size, device_dtype=device_dtype
     )
     assert (plan.key8_layers, plan.sink_page_tokens) == ((), 0)
     assert why in plan.why and "not QK-normed" in plan.why
-    ok = layer_plan.host_plan(fmt, llama(), {}, page_size=4096)
+    ok = sink_page.host_plan(fmt, llama(), {}, page_size=4096)
     assert ok.sink_page_tokens == AUTO_SINK
 
 
@@ -771,7 +771,7 @@ def test_quality_harness_arms_mirror_the_servers_choice(monkeypatch, env):
     for config in (llama(), qwen3_8b()):
         for arm in offloaded:
             got = hq.with_model_plan(arm, config)
-            server = layer_plan.host_plan(
+            server = sink_page.host_plan(
                 hf.host_format_cls(arm.host_dtype, "mha"),
                 config,
                 page_size=arm.page_size,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang.srt.mem_cache.pool_host.layer_plan import AUTO_SINK_PAGE_TOKENS
+from sglang.srt.mem_cache.pool_host.sink_page import AUTO_SINK_PAGE_TOKENS
 
 from scripts.common import plot
 from scripts.quality import __main__ as quality
@@ -128,7 +128,7 @@ def test_every_arm_restores_every_token_through_the_pool_of_its_format(report):
         page_size = report["kv_geometry"]["page_sizes"][name]
         assert s["page_size"] == arm.page_size == page_size
         # SmolLM2 is not QK-normed: int4c gets the sink page as the server
-        # would (layer_plan.host_plan), and its store counts in the bytes.
+        # would (sink_page.host_plan), and its store counts in the bytes.
         sink = AUTO_SINK_PAGE_TOKENS if arm.host_dtype == "int4c" else None
         assert s.get("sink_page_tokens") == sink, name
         want = _format_bytes_per_token(report, arm)

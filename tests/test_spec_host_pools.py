@@ -198,7 +198,7 @@ def check_packed_layers(rig, host_dtype, draft_layers):
     # Allocated bytes are what the pool reports per token (the metrics'
     # bytes_per_token), target and draft layers together.
     allocated = sum(t.nbytes for t in host.host_records.values())
-    # int4c gets the sink page on this Llama-style model (layer_plan.host_plan):
+    # int4c gets the sink page on this Llama-style model (sink_page.host_plan):
     # its side store counts too.
     sink = host.sink_pages.nbytes() if host.sink_pages is not None else 0
     assert (sink > 0) == (host_dtype == "int4c")

@@ -73,9 +73,9 @@ def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
 
 def without_automatic_sink_page():
     """The demo sizes pools at Qwen3-8B geometry over the rigs' Llama-style
-    dummy config, so int4c's automatic sink page (layer_plan.host_plan), which
+    dummy config, so int4c's automatic sink page (sink_page.host_plan), which
     follows the config, stays off unless SGLANG_HICACHE_SINK_PAGE_TOKENS is set."""
-    from sglang.srt.mem_cache.pool_host.layer_plan import SINK_ENV
+    from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV
 
     if os.environ.get(SINK_ENV, "").strip():
         return contextlib.nullcontext()

@@ -218,13 +218,13 @@ def _planned_bytes_per_token(arm: Arm, g: dict, unit: int) -> float:
 
 def with_model_plan(arm: Arm, hf_config, device_dtype=torch.bfloat16) -> Arm:
     """The arm with the 8-bit key layers or the sink page the server would
-    choose for this model (pool_host/layer_plan.py host_plan: the model config,
+    choose for this model (pool_host/sink_page.py host_plan: the model config,
     SGLANG_HICACHE_KEY8_LAYERS and SGLANG_HICACHE_SINK_PAGE_TOKENS); a sink arm
     sets the latter as an operator would."""
     if arm.host_dtype == "auto":
         return arm
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
-    from sglang.srt.mem_cache.pool_host.layer_plan import SINK_ENV, host_plan
+    from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV, host_plan
 
     env = dict(os.environ)
     if arm.sink_page_tokens:

@@ -138,7 +138,7 @@ def make_host_pool(
         kind_args = {}
         if host_dtype != "auto" and extra.get("sink_page_tokens") is None:
             # The variable as set: the rig has no model config, so the
-            # automatic sink page (layer_plan.host_plan) is the assembler's.
+            # automatic sink page (sink_page.host_plan) is the assembler's.
             from sglang.srt.mem_cache.pool_host.sink_page import (
                 requested_sink_page_tokens,
             )

@@ -418,7 +418,7 @@ TABLE: tuple[Row, ...] = (
        flags=dict(page_size=64), env={SINK_ENV: "32"}),
     ok("mha", ("int4", "int4r", "int4c"), flags=dict(page_size=64),
        env={SINK_ENV: ("4096", " 4096 ", "0", "")}),
-    # Unset: int4c's automatic sink page (layer_plan.host_plan) is off where it
+    # Unset: int4c's automatic sink page (sink_page.host_plan) is off where it
     # cannot work, never refused, since the operator did not ask for it.
     ok("mha", ("int4c",), flags=dict(page_size=(64, 8192))),
     no("mha", ("int8", "auto"), FUSED_ENV + "={env!r} is not a transfer path",

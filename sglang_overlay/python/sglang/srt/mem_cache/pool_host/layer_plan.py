@@ -11,31 +11,25 @@ a few layers' keys carry the error. The rule, from the model's HF config:
   max(1, layers // 12) layers;
 - not QK-normed (Llama-style): none; the sink page
   (SGLANG_HICACHE_SINK_PAGE_TOKENS) is what pays there, so such a format gets
-  it (AUTO_SINK_PAGE_TOKENS host tokens per slot) unless that variable is set.
-  Plan and sink page together cost capacity, so it is one or the other.
+  it unless that variable is set (sink_page.host_plan). Plan and sink page
+  together cost capacity, so it is one or the other.
 
 SGLANG_HICACHE_KEY8_LAYERS: ``auto`` (default, the rule; none for a format
 without a plan), ``none``, or a comma list of model layer ids. The hybrid pool
 assembler passes the plan (as the pool's own layer ids under pipeline
 parallelism) to the encoded MHA host pools; the HiCache hook checks an
-explicit list at start-up. host_plan is that per-model choice, for the
-assembler and the quality harness alike.
+explicit list at start-up.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
 KEY8_ENV = "SGLANG_HICACHE_KEY8_LAYERS"
-SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
-# Host tokens per 8-bit sink-page slot of the automatic sink page: the value
-# docs/sink-page.md recommends (one sequence of 4k tokens per slot).
-AUTO_SINK_PAGE_TOKENS = 4096
 
 # HF model_type values of the QK-normed families (q_norm/k_norm before RoPE).
 QK_NORM_MODEL_TYPES = frozenset(
@@ -74,7 +68,7 @@ def requested_key8_layers(
     return tuple(sorted(layers))
 
 
-def _text_config(hf_config: Any) -> Any:
+def text_config(hf_config: Any) -> Any:
     # Multimodal configs (Gemma 3) keep the language model's in text_config.
     get = getattr(hf_config, "get_text_config", None)
     return get() if callable(get) else getattr(hf_config, "text_config", hf_config)
@@ -82,7 +76,7 @@ def _text_config(hf_config: Any) -> Any:
 
 def qk_normed(hf_config: Any) -> bool:
     """Whether the model normalizes queries and keys per head before RoPE."""
-    return _text_config(hf_config).model_type in QK_NORM_MODEL_TYPES or (
+    return text_config(hf_config).model_type in QK_NORM_MODEL_TYPES or (
         getattr(hf_config, "model_type", None) in QK_NORM_MODEL_TYPES
     )
 
@@ -90,7 +84,7 @@ def qk_normed(hf_config: Any) -> bool:
 def layer_kinds(hf_config: Any) -> list[str]:
     """Per layer, "full" or "sliding" attention, from `layer_types` or Gemma 3's
     older `sliding_window_pattern` (every n-th layer is full)."""
-    text = _text_config(hf_config)
+    text = text_config(hf_config)
     layers = text.num_hidden_layers
     kinds = getattr(text, "layer_types", None)
     if kinds:
@@ -169,7 +163,7 @@ def model_key8_layers(
     (none for a format without a plan), else the explicit list, checked."""
     if requested == "auto":
         return auto_key8_layers(hf_config) if fmt_cls.key8_plan else ()
-    layers = _text_config(hf_config).num_hidden_layers
+    layers = text_config(hf_config).num_hidden_layers
     bad = [layer for layer in requested if layer >= layers]
     if bad:
         raise ValueError(
@@ -179,89 +173,6 @@ def model_key8_layers(
         )
     format_keywords(fmt_cls, requested)
     return tuple(requested)
-
-
-@dataclass(frozen=True)
-class HostPlan:
-    """The per-model choice of a host format: its 8-bit key layers (model layer
-    ids) or its sink page, and why."""
-
-    key8_layers: tuple[int, ...]
-    sink_page_tokens: int  # host tokens per 8-bit sink-page slot; 0: off
-    why: str
-
-    def describe(self, name: str) -> str:
-        if self.key8_layers:
-            choice = f"8-bit keys on model layers {list(self.key8_layers)}"
-        elif self.sink_page_tokens:
-            choice = (
-                "the sink page (8-bit keys of each sequence's first page, one "
-                f"slot per {self.sink_page_tokens} host tokens)"
-            )
-        else:
-            choice = "no plan and no sink page"
-        return f"--hicache-host-dtype {name}: {choice}, {self.why}"
-
-
-def _auto_sink_off(fmt_cls, page_size: int, device_dtype) -> str:
-    """Why the automatic sink page cannot be kept ("" when it can): then it is
-    off, not refused, since the operator did not ask for it."""
-    from sglang.srt.mem_cache.pool_host.host_format import FP8_DEVICE_DTYPES
-
-    if not fmt_cls.sink_page:
-        return f"{fmt_cls.name} keeps no sink page"
-    if device_dtype in FP8_DEVICE_DTYPES:
-        return "the sink page stores BF16/FP16 device KV, not FP8"
-    if page_size > AUTO_SINK_PAGE_TOKENS:
-        return (
-            f"page size {page_size} is over its {AUTO_SINK_PAGE_TOKENS} host "
-            "tokens per slot"
-        )
-    return ""
-
-
-def host_plan(
-    fmt_cls,
-    hf_config: Any,
-    env: Mapping[str, str] | None = None,
-    *,
-    page_size: int = 1,
-    device_dtype=None,
-) -> HostPlan:
-    """The plan or the sink page of `fmt_cls` for this model: an explicit
-    SGLANG_HICACHE_SINK_PAGE_TOKENS (0: off) wins; else a format that takes a
-    plan gets the rule's plan on a QK-normed model, and the sink page
-    (AUTO_SINK_PAGE_TOKENS) on any other where its pool can keep one.
-    hf_config may be None for a format without a plan and no explicit list."""
-    env = os.environ if env is None else env
-    requested = requested_key8_layers(env)
-    key8 = model_key8_layers(hf_config, requested, fmt_cls) if requested else ()
-    if env.get(SINK_ENV, "").strip():
-        # Only then: the sink page ships in a later PR than the plan.
-        from sglang.srt.mem_cache.pool_host.sink_page import (
-            requested_sink_page_tokens,
-        )
-
-        tokens = requested_sink_page_tokens(env)
-        return HostPlan(key8, tokens, f"{SINK_ENV}={tokens} as set")
-    if not fmt_cls.key8_plan:
-        return HostPlan(key8, 0, f"{fmt_cls.name} takes no plan; {SINK_ENV} unset")
-    if requested != "auto":
-        # The operator chose the plan (none included): no sink page behind it.
-        return HostPlan(key8, 0, f"{KEY8_ENV} as set, {SINK_ENV} unset")
-    model_type = _text_config(hf_config).model_type
-    if key8:
-        return HostPlan(key8, 0, f"{model_type} is QK-normed ({KEY8_ENV}=auto)")
-    off = _auto_sink_off(fmt_cls, page_size, device_dtype)
-    if off:
-        return HostPlan(
-            (), 0, f"{model_type} is not QK-normed, but no sink page: {off}"
-        )
-    return HostPlan(
-        (),
-        AUTO_SINK_PAGE_TOKENS,
-        f"{model_type} is not QK-normed ({KEY8_ENV}=auto, {SINK_ENV} unset)",
-    )
 
 
 def to_pool_layers(
@@ -327,38 +238,6 @@ def assembler_key8_layers(
         return ()  # no plan to choose: the model config is not needed
     hf_config = process_model_config().hf_config
     return pool_key8_layers(hf_config, fmt_cls, start_layer, layer_num, layer_mapping)
-
-
-def assembler_host_plan(
-    host_dtype: str,
-    start_layer: int,
-    layer_num: int,
-    page_size: int,
-    device_dtype,
-    layer_mapping: dict[int, int] | None = None,
-) -> dict:
-    """The encoded MHA host pool's keywords of host_plan for the running
-    server's model (its HF config, no weights): sink_page_tokens and
-    key8_layers (the pool's layer ids), for the hybrid pool assembler."""
-    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
-    from sglang.srt.runtime_context import process_model_config
-
-    fmt_cls = host_format_cls(host_dtype, "mha")
-    requested = requested_key8_layers()
-    hf_config = None
-    if fmt_cls.key8_plan or requested not in ("auto", ()):
-        hf_config = process_model_config().hf_config
-    plan = host_plan(fmt_cls, hf_config, page_size=page_size, device_dtype=device_dtype)
-    local = to_pool_layers(plan.key8_layers, start_layer, layer_num, layer_mapping)
-    if fmt_cls.key8_plan or plan.key8_layers:
-        logger.info(
-            "HiCache host KV plan: %s; this host pool's 8-bit key layers %s of %d "
-            "(its bytes per token follow).",
-            plan.describe(host_dtype),
-            list(local),
-            layer_num,
-        )
-    return dict(sink_page_tokens=plan.sink_page_tokens, key8_layers=local)
 
 
 def check_key8_layers_args(server_args: Any) -> None:
