@@ -14,7 +14,7 @@ import torch
 
 from sglang.srt.mem_cache.pool_host import backup_verify
 from sglang.srt.mem_cache.pool_host import host_format as hf
-from sglang.srt.mem_cache.pool_host import layer_plan
+from sglang.srt.mem_cache.pool_host import layer_plan, sink_page
 from sglang.srt.mem_cache.pool_host.page_integrity import SEAL_BYTES
 from scripts.rigs import l3_harness as h
 from scripts.rigs.hicache_harness import (
@@ -615,3 +615,177 @@ def test_fused_self_check_passes_with_a_plan(layout, access):
     assert encoded_fused.self_check(pool.transfer_context, pool.transfer) is None
     for name, buf in pool.host_records.items():
         assert torch.equal(bits(buf), before[name]), name
+
+
+# --- plan or sink page: the per-model choice (sink_page.host_plan) ----------------
+
+SINK_ENV = sink_page.SINK_ENV
+KEY8_ENV = layer_plan.KEY8_ENV
+AUTO_SINK = sink_page.AUTO_SINK_PAGE_TOKENS
+
+
+@pytest.mark.parametrize(
+    "config,host_dtype,env,want",
+    [
+        # int4c: the plan on a QK-normed model, else the sink page.
+        (llama, "int4c", {}, ((), AUTO_SINK)),
+        (qwen3_8b, "int4c", {}, ((0, 1, 2), 0)),
+        (llama, "int4c", {SINK_ENV: "", KEY8_ENV: "auto"}, ((), AUTO_SINK)),
+        # An explicit sink page wins, 0 (off) included.
+        (llama, "int4c", {SINK_ENV: "0"}, ((), 0)),
+        (llama, "int4c", {SINK_ENV: "8192"}, ((), 8192)),
+        (qwen3_8b, "int4c", {SINK_ENV: "4096"}, ((0, 1, 2), 4096)),
+        # An explicit plan is the operator's: no sink page behind it.
+        (qwen3_8b, "int4c", {KEY8_ENV: "none"}, ((), 0)),
+        (llama, "int4c", {KEY8_ENV: "none"}, ((), 0)),
+        (llama, "int4c", {KEY8_ENV: "3"}, ((3,), 0)),
+        # Formats without a plan: no automatic sink page.
+        (llama, "int4", {}, ((), 0)),
+        (llama, "int4r", {}, ((), 0)),
+        (llama, "int4r", {SINK_ENV: "4096"}, ((), 4096)),
+        (qwen3_8b, "int8", {}, ((), 0)),
+    ],
+)
+def test_host_plan_is_the_plan_or_the_sink_page(config, host_dtype, env, want):
+    fmt = hf.host_format_cls(host_dtype, "mha")
+    plan = sink_page.host_plan(fmt, config(), env, page_size=64)
+    assert (plan.key8_layers, plan.sink_page_tokens) == want
+    # The process's environment is not read when one is given.
+    assert sink_page.host_plan(fmt, config(), {**env, "X": "1"}, page_size=64) == plan
+
+
+@pytest.mark.parametrize(
+    "page_size,device_dtype,why",
+    [
+        (8192, torch.bfloat16, "page size 8192 is over its 4096 host tokens"),
+        (64, torch.float8_e4m3fn, "stores BF16/FP16 device KV, not FP8"),
+    ],
+)
+def test_automatic_sink_page_is_off_where_it_cannot_work(page_size, device_dtype, why):
+    """Where the sink page would be refused, the automatic one is simply off
+    (the operator did not ask), saying why; an explicit one is still refused by
+    the pool (sink_page.sink_page_tokens)."""
+    fmt = hf.host_format_cls("int4c", "mha")
+    plan = sink_page.host_plan(
+        fmt, llama(), {}, page_size=page_size, device_dtype=device_dtype
+    )
+    assert (plan.key8_layers, plan.sink_page_tokens) == ((), 0)
+    assert why in plan.why and "not QK-normed" in plan.why
+    ok = sink_page.host_plan(fmt, llama(), {}, page_size=4096)
+    assert ok.sink_page_tokens == AUTO_SINK
+
+
+LLAMA_TINY = {
+    **QWEN3_TINY,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+}
+
+
+@pytest.mark.usefixtures("host_ram_not_under_test")
+@pytest.mark.parametrize(
+    "model,host_dtype,env,sink,plan",
+    [
+        ("llama", "int4c", {}, AUTO_SINK, None),
+        ("qwen3", "int4c", {}, 0, [0, 1]),
+        ("llama", "int4c", {SINK_ENV: "0"}, 0, None),
+        ("llama", "int4c", {SINK_ENV: "8192"}, 8192, None),
+        ("qwen3", "int4c", {KEY8_ENV: "none"}, 0, None),
+        ("llama", "int4", {}, 0, None),
+        ("llama", "int4r", {}, 0, None),
+    ],
+)
+def test_assembler_gives_int4c_the_plan_or_the_sink_page(
+    tmp_path, monkeypatch, caplog, model, host_dtype, env, sink, plan
+):
+    """build_kv_host_pool over a tiny Llama (not QK-normed) and Qwen3 (24
+    layers: the first 2): int4c's pool gets the sink page or the plan, never
+    both unless asked, and the start-up log says which, why, and B/token."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
+        build_kv_host_pool,
+    )
+    from sglang.srt.runtime_context import publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+    from tests.support.server_args import model_dir
+
+    for name in (SINK_ENV, KEY8_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = {"llama": LLAMA_TINY, "qwen3": QWEN3_TINY}[model]
+    server_args = ServerArgs(
+        model_path=model_dir(tmp_path, model, config),
+        device="cpu",
+        page_size=16,
+        enable_hierarchical_cache=True,
+        hicache_mem_layout="page_first_direct",
+        hicache_host_dtype=host_dtype,
+        skip_tokenizer_init=True,
+    )
+    reset_context()
+    publish(server_args, role="scheduler")
+    geo = Geometry(layer_num=24, head_num=2, head_dim=16, page_size=16)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.pool_host"):
+        pool = build_kv_host_pool(
+            kv_pool=make_device_pool(geo, 256), page_size=16, host_size=0.0005
+        )
+    stores = pool.sink_pages
+    assert (stores.tokens_per_slot if stores else 0) == sink
+    records = {r.name: r for r in pool.host_format.records}
+    assert (list(records["k_lo"].layers) if "k_lo" in records else None) == plan
+    if host_dtype != "int4c":
+        return
+    lines = [r.getMessage() for r in caplog.records]
+    (choice,) = [line for line in lines if "HiCache host KV plan:" in line]
+    if sink and not env:
+        assert "the sink page" in choice and "llama is not QK-normed" in choice
+    elif plan:
+        assert "8-bit keys on model layers [0, 1]" in choice
+        assert "qwen3 is QK-normed" in choice
+    else:
+        assert ("the sink page" if sink else "no plan and no sink page") in choice
+        assert "as set" in choice
+    assert any(
+        f"stores INT4C KV: {round(pool.get_size_per_token())} B/token" in line
+        for line in lines
+    )
+
+
+@pytest.mark.parametrize("env", [{}, {SINK_ENV: "0"}, {KEY8_ENV: "none"}])
+def test_quality_harness_arms_mirror_the_servers_choice(monkeypatch, env):
+    """The quality harness's arms get what host_plan gives the server: plain
+    int4c the sink page on a Llama-style model and the plan on Qwen3; the
+    explicit int4c_sink arm its sink page on both; formats without a plan
+    nothing."""
+    from scripts.quality import harness as hq
+
+    for name in (SINK_ENV, KEY8_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    _, offloaded = hq._selected_arms(
+        hq.QualityConfig(
+            text_file="unused", arms=("int4c", "int4c_sink", "int4r", "int4")
+        )
+    )
+    for config in (llama(), qwen3_8b()):
+        for arm in offloaded:
+            got = hq.with_model_plan(arm, config)
+            server = sink_page.host_plan(
+                hf.host_format_cls(arm.host_dtype, "mha"),
+                config,
+                page_size=arm.page_size,
+                device_dtype=torch.bfloat16,
+            )
+            if arm.name == "int4c_sink":
+                assert got.sink_page_tokens == hq.SINK_PAGE_TOKENS
+                assert got.key8_layers == server.key8_layers
+                continue
+            assert (got.key8_layers, got.sink_page_tokens) == (
+                server.key8_layers,
+                server.sink_page_tokens,
+            )
+    plain = next(a for a in offloaded if a.name == "int4c")
+    got = hq.with_model_plan(plain, llama())
+    assert got.sink_page_tokens == (AUTO_SINK if not env else 0)
+    assert hq.capacity_vs_bf16(got) < hq.capacity_vs_bf16(plain) or env

@@ -217,6 +217,7 @@ def test_host_pool_dispatch_receives_host_dtype(monkeypatch):
         start_layer=0,
         end_layer=2,
         layer_num=2,  # the layers the plan of 8-bit keys maps onto
+        page_size=1,  # what the automatic sink page (sink_page.host_plan) checks
         hicache_write_back_staging=False,
         dtype="the device pool's dtype",
     )

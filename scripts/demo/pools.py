@@ -8,6 +8,7 @@ import gc
 import logging
 import math
 import mmap
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,17 @@ def make_device_pool(geometry: ModelGeometry, tokens: int, page_size: int = 1):
         g.layer_num, g.head_num, g.head_dim, dtype=g.dtype, page_size=page_size
     )
     return make_device_pool(geo, tokens)
+
+
+def without_automatic_sink_page():
+    """The demo sizes pools at Qwen3-8B geometry over the rigs' Llama-style
+    dummy config, so int4c's automatic sink page (sink_page.host_plan), which
+    follows the config, stays off unless SGLANG_HICACHE_SINK_PAGE_TOKENS is set."""
+    from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV
+
+    if os.environ.get(SINK_ENV, "").strip():
+        return contextlib.nullcontext()
+    return mock.patch.dict(os.environ, {SINK_ENV: "0"})
 
 
 def _published_device_pool(host_dtype, geometry, page_size: int, **server_fields):
@@ -160,7 +172,8 @@ def allocate_host_pool(
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
 
     device_pool = _published_device_pool(host_dtype, geometry, page_size, layout=layout)
-    cls, info, kwargs = _mha_host_inputs(device_pool)
+    with without_automatic_sink_page():
+        cls, info, kwargs = _mha_host_inputs(device_pool)
     # Host pools hold whole pages.
     tokens = -(-tokens // page_size) * page_size
     kwargs.pop("write_back_staging", None)
@@ -223,7 +236,7 @@ def capacity_at_budget(
     device_pool = _published_device_pool(
         host_dtype, geometry, page_size, layout=layout, hicache_size=budget_gb
     )
-    with lazy_host_allocation():
+    with lazy_host_allocation(), without_automatic_sink_page():
         host_pool = build_kv_host_pool(kv_pool=device_pool, page_size=page_size)
     fields = _measured(host_pool, host_dtype, label, page_size)
     return BudgetCapacity(**fields, budget_gb=budget_gb)

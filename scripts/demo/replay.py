@@ -10,7 +10,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from scripts.demo.pools import REPLAY_GEOMETRY, make_device_pool, setup_sglang
+from scripts.demo.pools import (
+    REPLAY_GEOMETRY,
+    make_device_pool,
+    setup_sglang,
+    without_automatic_sink_page,
+)
 from scripts.demo.workload import Request, warmup_request
 
 # What the replay models instead of running (printed with every result).
@@ -144,12 +149,13 @@ class HiCacheReplay:
         # The device pool, allocator, request table and radix cache, as the
         # scheduler builds them.
         self.device_pool = make_device_pool(self.geometry, serving.l1_tokens)
-        self.cache, self.allocator, self.req_to_token = mha_radix_cache(
-            self.server_args,
-            self.device_pool,
-            requests=serving.concurrency + 1,
-            max_context_len=1 << 16,
-        )
+        with without_automatic_sink_page():
+            self.cache, self.allocator, self.req_to_token = mha_radix_cache(
+                self.server_args,
+                self.device_pool,
+                requests=serving.concurrency + 1,
+                max_context_len=1 << 16,
+            )
         controller = self.cache.cache_controller
         self.host_pool = controller.mem_pool_host.anchor_entry.host_pool
         self._check_host_pool(host_tokens)

@@ -216,20 +216,29 @@ def _planned_bytes_per_token(arm: Arm, g: dict, unit: int) -> float:
     return total / g["layers"] / fmt.unit_tokens
 
 
-def with_model_plan(arm: Arm, hf_config) -> Arm:
-    """The arm with the 8-bit key layers the server would choose for this model
-    (pool_host/layer_plan.py: the model config and SGLANG_HICACHE_KEY8_LAYERS)."""
+def with_model_plan(arm: Arm, hf_config, device_dtype=torch.bfloat16) -> Arm:
+    """The arm with the 8-bit key layers or the sink page the server would
+    choose for this model (pool_host/sink_page.py host_plan: the model config,
+    SGLANG_HICACHE_KEY8_LAYERS and SGLANG_HICACHE_SINK_PAGE_TOKENS); a sink arm
+    sets the latter as an operator would."""
     if arm.host_dtype == "auto":
         return arm
     from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
-    from sglang.srt.mem_cache.pool_host.layer_plan import (
-        model_key8_layers,
-        requested_key8_layers,
-    )
+    from sglang.srt.mem_cache.pool_host.sink_page import SINK_ENV, host_plan
 
-    fmt_cls = host_format_cls(arm.host_dtype, "mha")
-    plan = model_key8_layers(hf_config, requested_key8_layers(), fmt_cls)
-    return replace(arm, key8_layers=tuple(plan))
+    env = dict(os.environ)
+    if arm.sink_page_tokens:
+        env[SINK_ENV] = str(arm.sink_page_tokens)
+    plan = host_plan(
+        host_format_cls(arm.host_dtype, "mha"),
+        hf_config,
+        env,
+        page_size=arm.page_size,
+        device_dtype=device_dtype,
+    )
+    return replace(
+        arm, key8_layers=plan.key8_layers, sink_page_tokens=plan.sink_page_tokens
+    )
 
 
 class RestoreError(RuntimeError):
@@ -616,10 +625,10 @@ def run_quality(
 ) -> dict:
     """Every arm on the same windows: the report; RestoreError if L2 lost a prefix."""
     arms, offloaded = _selected_arms(cfg)
-    offloaded = [with_model_plan(a, bundle.model.config) for a in offloaded]
+    kv_dtype = KV_DTYPES[cfg.kv_dtype]
+    offloaded = [with_model_plan(a, bundle.model.config, kv_dtype) for a in offloaded]
     # The fp32 reference always runs next to exact: every arm is scored against both.
     arms = (*REFERENCES, *(a for a in arms if a not in REFERENCES))
-    kv_dtype = KV_DTYPES[cfg.kv_dtype]
     t_start = time.perf_counter()
     ids, text_info = tokenize_text(bundle.tokenizer, cfg.text_file)
     window_len = cfg.prefix_len + cfg.score_len + 1
@@ -719,6 +728,11 @@ def _offload_rig(cfg: QualityConfig, geo, arm: Arm) -> OffloadRig:
     rig.describe["capacity_vs_bf16"] = capacity_vs_bf16(arm)
     if arm.key8_layers:
         rig.describe["key8_layers"] = list(arm.key8_layers)
+    if arm.sink_page_tokens:
+        # The side store's share of host_bytes_per_token, stated.
+        rig.describe["sink_page_tokens"] = arm.sink_page_tokens
+        rig.describe["sink_store_bytes"] = rig.host_pool.sink_pages.nbytes()
+        rig.describe["host_tokens"] = rig.host_pool.size
     return rig
 
 

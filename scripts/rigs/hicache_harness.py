@@ -137,7 +137,8 @@ def make_host_pool(
         cls = host_pool_cls or get_mha_host_pool_cls(info, host_dtype)
         kind_args = {}
         if host_dtype != "auto" and extra.get("sink_page_tokens") is None:
-            # As _mha_host_inputs passes it to the encoded MHA pools.
+            # The variable as set: the rig has no model config, so the
+            # automatic sink page (sink_page.host_plan) is the assembler's.
             from sglang.srt.mem_cache.pool_host.sink_page import (
                 requested_sink_page_tokens,
             )

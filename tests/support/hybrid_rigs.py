@@ -19,6 +19,7 @@ from sglang.srt.mem_cache.pool_host.host_format import (
     host_pool_cls,
 )
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.sink_page import sink_format
 
 ENCODED = tuple(name for name in host_dtype_choices() if name != "auto")
 HOST_DTYPES = ("auto", *ENCODED)
@@ -273,17 +274,32 @@ def wipe_kv(pool, indices):
             buf[indices] = float("nan")
 
 
-def assert_restored(host_pool, pool, indices, written, what):
+def assert_restored(host_pool, pool, indices, written, what, sink_tokens=0):
     """The device rows at `indices` are the host pool's reference restore of what
-    was written (themselves for a stock pool)."""
+    was written (themselves for a stock pool); the keys of the first `sink_tokens`
+    rows (a sink page) from its side store's int8 reference."""
     for layer, rows in enumerate(written):
         _, want = reference(host_pool, list(rows))
+        if sink_tokens:
+            keys = rows[0][:sink_tokens]
+            fmt = sink_format(host_pool.host_format, sink_tokens)
+            (k8,) = fmt.decode_reference(
+                fmt.encode_reference([keys.unsqueeze(0)]), keys.dtype
+            )
+            want[0][:sink_tokens] = k8[0]
         for side, w in zip(side_buffers(pool), want, strict=True):
             assert torch.equal(bits(side[layer][indices]), bits(w)), (what, layer)
 
 
 def assert_kv_restored(rig, name, pool, indices, written):
-    assert_restored(rig.host_pool(name), pool, indices, written, name)
+    host_pool = rig.host_pool(name)
+    # The radix cache marks a sequence's first KV page as its sink page: with the
+    # side store on (int4c on a model that is not QK-normed, by default), the
+    # rows written from token 0 restore that page's keys at 8 bits.
+    sink = 0
+    if name == PoolName.KV and getattr(host_pool, "sink_pages", None) is not None:
+        sink = host_pool.page_size if host_pool.sink_page_counts()["stored"] else 0
+    assert_restored(host_pool, pool, indices, written, name, sink)
 
 
 def mamba_state(pool, slots):

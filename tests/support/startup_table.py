@@ -413,11 +413,14 @@ TABLE: tuple[Row, ...] = (
        "--kv-cache-dtype", "or pass --kv-cache-dtype bf16",
        flags=dict(kv_cache_dtype="fp8_e4m3"),
        env={SINK_ENV: "4096"}),
-    no("mha", ("int4r",), SINK_ENV + "=32 must be at least the page size (64)",
+    no("mha", ("int4r", "int4c"), SINK_ENV + "=32 must be at least the page size (64)",
        "e.g. 4096",
        flags=dict(page_size=64), env={SINK_ENV: "32"}),
     ok("mha", ("int4", "int4r", "int4c"), flags=dict(page_size=64),
        env={SINK_ENV: ("4096", " 4096 ", "0", "")}),
+    # Unset: int4c's automatic sink page (sink_page.host_plan) is off where it
+    # cannot work, never refused, since the operator did not ask for it.
+    ok("mha", ("int4c",), flags=dict(page_size=(64, 8192))),
     no("mha", ("int8", "auto"), FUSED_ENV + "={env!r} is not a transfer path",
        "pass auto", "off (torch path), direct or staged",
        env={FUSED_ENV: ("fast", "on", "1")}),

@@ -10,7 +10,9 @@ a few layers' keys carry the error. The rule, from the model's HF config:
 - QK-normed without them (Qwen3, Qwen3-MoE, OLMo 2): the first
   max(1, layers // 12) layers;
 - not QK-normed (Llama-style): none; the sink page
-  (SGLANG_HICACHE_SINK_PAGE_TOKENS) is what pays there.
+  (SGLANG_HICACHE_SINK_PAGE_TOKENS) is what pays there, so such a format gets
+  it unless that variable is set (sink_page.host_plan). Plan and sink page
+  together cost capacity, so it is one or the other.
 
 SGLANG_HICACHE_KEY8_LAYERS: ``auto`` (default, the rule; none for a format
 without a plan), ``none``, or a comma list of model layer ids. The hybrid pool
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +45,12 @@ QK_NORM_MODEL_TYPES = frozenset(
 )
 
 
-def requested_key8_layers() -> str | tuple[int, ...]:
-    """SGLANG_HICACHE_KEY8_LAYERS, read strictly: "auto" (unset or empty), or
-    the model layer ids (none: ())."""
-    raw = os.environ.get(KEY8_ENV, "")
+def requested_key8_layers(
+    env: Mapping[str, str] | None = None,
+) -> str | tuple[int, ...]:
+    """SGLANG_HICACHE_KEY8_LAYERS of `env` (the process's by default), read
+    strictly: "auto" (unset or empty), or the model layer ids (none: ())."""
+    raw = (os.environ if env is None else env).get(KEY8_ENV, "")
     value = raw.strip().lower()
     if value in ("", "auto"):
         return "auto"
@@ -64,7 +68,7 @@ def requested_key8_layers() -> str | tuple[int, ...]:
     return tuple(sorted(layers))
 
 
-def _text_config(hf_config: Any) -> Any:
+def text_config(hf_config: Any) -> Any:
     # Multimodal configs (Gemma 3) keep the language model's in text_config.
     get = getattr(hf_config, "get_text_config", None)
     return get() if callable(get) else getattr(hf_config, "text_config", hf_config)
@@ -72,7 +76,7 @@ def _text_config(hf_config: Any) -> Any:
 
 def qk_normed(hf_config: Any) -> bool:
     """Whether the model normalizes queries and keys per head before RoPE."""
-    return _text_config(hf_config).model_type in QK_NORM_MODEL_TYPES or (
+    return text_config(hf_config).model_type in QK_NORM_MODEL_TYPES or (
         getattr(hf_config, "model_type", None) in QK_NORM_MODEL_TYPES
     )
 
@@ -80,7 +84,7 @@ def qk_normed(hf_config: Any) -> bool:
 def layer_kinds(hf_config: Any) -> list[str]:
     """Per layer, "full" or "sliding" attention, from `layer_types` or Gemma 3's
     older `sliding_window_pattern` (every n-th layer is full)."""
-    text = _text_config(hf_config)
+    text = text_config(hf_config)
     layers = text.num_hidden_layers
     kinds = getattr(text, "layer_types", None)
     if kinds:
@@ -159,7 +163,7 @@ def model_key8_layers(
     (none for a format without a plan), else the explicit list, checked."""
     if requested == "auto":
         return auto_key8_layers(hf_config) if fmt_cls.key8_plan else ()
-    layers = _text_config(hf_config).num_hidden_layers
+    layers = text_config(hf_config).num_hidden_layers
     bad = [layer for layer in requested if layer >= layers]
     if bad:
         raise ValueError(
@@ -169,6 +173,26 @@ def model_key8_layers(
         )
     format_keywords(fmt_cls, requested)
     return tuple(requested)
+
+
+def to_pool_layers(
+    model_layers: Sequence[int],
+    start_layer: int,
+    layer_num: int,
+    layer_mapping: dict[int, int] | None = None,
+) -> tuple[int, ...]:
+    """Model layer ids as the host pool's: model layer start_layer + i is this
+    pipeline stage's layer i, stored on pool layer layer_mapping[i] (None:
+    pool layer i, of layer_num)."""
+    if layer_mapping is None:
+        layer_mapping = {i: i for i in range(layer_num)}
+    return tuple(
+        sorted(
+            layer_mapping[i - start_layer]
+            for i in model_layers
+            if i - start_layer in layer_mapping
+        )
+    )
 
 
 def pool_key8_layers(
@@ -183,15 +207,7 @@ def pool_key8_layers(
     hybrid SWA model's full and sliding pools each hold some layers; None:
     pool layer i, of layer_num)."""
     model_layers = model_key8_layers(hf_config, requested_key8_layers(), fmt_cls)
-    if layer_mapping is None:
-        layer_mapping = {i: i for i in range(layer_num)}
-    local = tuple(
-        sorted(
-            layer_mapping[i - start_layer]
-            for i in model_layers
-            if i - start_layer in layer_mapping
-        )
-    )
+    local = to_pool_layers(model_layers, start_layer, layer_num, layer_mapping)
     if model_layers:
         logger.info(
             "HiCache host KV plan (%s=%s): 8-bit keys on model layers %s; "

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -55,6 +56,9 @@ from sglang.srt.mem_cache.pool_host.transfer import (
 logger = logging.getLogger(__name__)
 
 SINK_ENV = "SGLANG_HICACHE_SINK_PAGE_TOKENS"
+# Host tokens per slot of the automatic sink page (host_plan): the value this
+# module's documentation (docs/sink-page.md) recommends, one 4k sequence a slot.
+AUTO_SINK_PAGE_TOKENS = 4096
 # The L3 object of a sink page's 8-bit keys: the page's storage key + this.
 L3_KEY_SUFFIX = "-sink8keys"
 
@@ -68,11 +72,12 @@ def readable_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def requested_sink_page_tokens() -> int:
-    """SGLANG_HICACHE_SINK_PAGE_TOKENS, read strictly (Envs would turn a
-    malformed value into 0, off, with a warning): host tokens per 8-bit
-    sink-page slot; 0 (unset or empty) is off."""
-    raw = os.environ.get(SINK_ENV, "")
+def requested_sink_page_tokens(env: Mapping[str, str] | None = None) -> int:
+    """SGLANG_HICACHE_SINK_PAGE_TOKENS of `env` (the process's by default),
+    read strictly (Envs would turn a malformed value into 0, off, with a
+    warning): host tokens per 8-bit sink-page slot; 0 (unset or empty) is off
+    here (host_plan may then choose the sink page for the model)."""
+    raw = (os.environ if env is None else env).get(SINK_ENV, "")
     try:
         tokens = int(raw.strip() or 0)
     except ValueError:
@@ -100,6 +105,125 @@ def sink_page_tokens(fmt, page_size: int, requested: int) -> int:
         )
     check_sink_page_size(requested, page_size)
     return requested
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """The per-model choice of a host format: its 8-bit key layers (model layer
+    ids) or its sink page, and why."""
+
+    key8_layers: tuple[int, ...]
+    sink_page_tokens: int  # host tokens per 8-bit sink-page slot; 0: off
+    why: str
+
+    def describe(self, name: str) -> str:
+        if self.key8_layers:
+            choice = f"8-bit keys on model layers {list(self.key8_layers)}"
+        elif self.sink_page_tokens:
+            choice = (
+                "the sink page (8-bit keys of each sequence's first page, one "
+                f"slot per {self.sink_page_tokens} host tokens)"
+            )
+        else:
+            choice = "no plan and no sink page"
+        return f"--hicache-host-dtype {name}: {choice}, {self.why}"
+
+
+def _auto_sink_off(fmt_cls, page_size: int, device_dtype) -> str:
+    """Why the automatic sink page cannot be kept ("" when it can): then it is
+    off, not refused, since the operator did not ask for it."""
+    if not fmt_cls.sink_page:
+        return f"{fmt_cls.name} keeps no sink page"
+    if device_dtype in FP8_DEVICE_DTYPES:
+        return "the sink page stores BF16/FP16 device KV, not FP8"
+    if page_size > AUTO_SINK_PAGE_TOKENS:
+        return (
+            f"page size {page_size} is over its {AUTO_SINK_PAGE_TOKENS} host "
+            "tokens per slot"
+        )
+    return ""
+
+
+def host_plan(
+    fmt_cls,
+    hf_config: Any,
+    env: Mapping[str, str] | None = None,
+    *,
+    page_size: int = 1,
+    device_dtype=None,
+) -> HostPlan:
+    """The plan or the sink page of `fmt_cls` for this model: an explicit
+    SGLANG_HICACHE_SINK_PAGE_TOKENS (0: off) wins; else a format that takes a
+    plan gets the rule's plan on a QK-normed model, and the sink page
+    (AUTO_SINK_PAGE_TOKENS) on any other where its pool can keep one.
+    hf_config may be None for a format without a plan and no explicit list."""
+    from sglang.srt.mem_cache.pool_host.layer_plan import (
+        KEY8_ENV,
+        model_key8_layers,
+        requested_key8_layers,
+        text_config,
+    )
+
+    env = os.environ if env is None else env
+    requested = requested_key8_layers(env)
+    key8 = model_key8_layers(hf_config, requested, fmt_cls) if requested else ()
+    if env.get(SINK_ENV, "").strip():
+        tokens = requested_sink_page_tokens(env)
+        return HostPlan(key8, tokens, f"{SINK_ENV}={tokens} as set")
+    if not fmt_cls.key8_plan:
+        return HostPlan(key8, 0, f"{fmt_cls.name} takes no plan; {SINK_ENV} unset")
+    if requested != "auto":
+        # The operator chose the plan (none included): no sink page behind it.
+        return HostPlan(key8, 0, f"{KEY8_ENV} as set, {SINK_ENV} unset")
+    model_type = text_config(hf_config).model_type
+    if key8:
+        return HostPlan(key8, 0, f"{model_type} is QK-normed ({KEY8_ENV}=auto)")
+    off = _auto_sink_off(fmt_cls, page_size, device_dtype)
+    if off:
+        return HostPlan(
+            (), 0, f"{model_type} is not QK-normed, but no sink page: {off}"
+        )
+    return HostPlan(
+        (),
+        AUTO_SINK_PAGE_TOKENS,
+        f"{model_type} is not QK-normed ({KEY8_ENV}=auto, {SINK_ENV} unset)",
+    )
+
+
+def assembler_host_plan(
+    host_dtype: str,
+    start_layer: int,
+    layer_num: int,
+    page_size: int,
+    device_dtype,
+    layer_mapping: dict[int, int] | None = None,
+) -> dict:
+    """The encoded MHA host pool's keywords of host_plan for the running
+    server's model (its HF config, no weights): sink_page_tokens and
+    key8_layers (the pool's layer ids), for the hybrid pool assembler."""
+    from sglang.srt.mem_cache.pool_host.host_format import host_format_cls
+    from sglang.srt.mem_cache.pool_host.layer_plan import (
+        requested_key8_layers,
+        to_pool_layers,
+    )
+    from sglang.srt.runtime_context import process_model_config
+
+    fmt_cls = host_format_cls(host_dtype, "mha")
+    requested = requested_key8_layers()
+    hf_config = None
+    if fmt_cls.key8_plan or requested not in ("auto", ()):
+        hf_config = process_model_config().hf_config
+    plan = host_plan(fmt_cls, hf_config, page_size=page_size, device_dtype=device_dtype)
+    local = to_pool_layers(plan.key8_layers, start_layer, layer_num, layer_mapping)
+    if fmt_cls.key8_plan or plan.key8_layers:
+        logger.info(
+            "HiCache host KV plan: %s; this host pool's 8-bit key layers %s of %d "
+            "(its bytes per token follow).",
+            plan.describe(host_dtype),
+            list(local),
+            layer_num,
+        )
+    return dict(sink_page_tokens=plan.sink_page_tokens, key8_layers=local)
 
 
 def check_sink_page_args(server_args: Any) -> None:
