@@ -64,4 +64,4 @@ def test_sink_page_with_a_format_without_4bit_keys_fails_before_the_model():
     assert result.returncode != 0, result.stdout[-3000:]
     assert "Load weight begin" not in result.stdout, result.stdout[-3000:]
     assert "SGLANG_HICACHE_SINK_PAGE_TOKENS keeps the sink page's keys" in result.stdout
-    assert "pass --hicache-host-dtype int4 or int4r" in result.stdout
+    assert "pass --hicache-host-dtype int4 or int4r or int4c" in result.stdout

@@ -527,13 +527,15 @@ def test_recommended_table_drives_the_targets(monkeypatch):
         "k8v4": _arm("k8v4", capacity=2.535),
         "int4": _arm("int4", kl=5e-3, capacity=3.556),
         "int4r": _arm("int4r", kl=2e-3, capacity=3.556),
+        "int4c": _arm("int4c", kl=2e-3, capacity=3.429),
     }
     assert hq.RECOMMENDED == {"8-bit": "int8c", "4-bit": "int4c"}
     assert _keys(summary) == set(
         "int8_ppl_rel_delta_le_0.001 int8_top1_ge_0.995 int8c_ppl_rel_delta_le_0.001"
         " int8c_top1_ge_0.995 k8v4_ppl_rel_delta_le_0.003 int4_ppl_rel_delta_le_0.01"
-        " int4_top1_ge_0.97 int4r_top1_ge_0.97 int4r_kl_le_0.6x_int4"
-        " int4r_capacity_ge_3.4x".split()
+        " int4_top1_ge_0.97 int4r_ppl_rel_delta_le_0.01 int4r_top1_ge_0.97"
+        " int4r_kl_le_0.6x_int4 int4c_top1_ge_0.97 int4c_kl_le_0.6x_int4"
+        " int4c_capacity_ge_3.4x".split()
     )
     # The lead names another format: the role's targets move with it, and the
     # former one falls back to its own format's targets.
@@ -560,7 +562,7 @@ def test_recommended_table_drives_the_targets(monkeypatch):
 def test_a_recommended_format_not_run_is_a_miss(monkeypatch):
     got = _targets({"int8c": _arm("int8c")})
     assert got["recommended_8-bit_int8c_ran"] is True
-    assert got["recommended_4-bit_int4r_ran"] is False
+    assert got["recommended_4-bit_int4c_ran"] is False
     # An opt-in arm (the sink page) named there runs by default.
     cfg = hq.QualityConfig(text_file="unused")
     assert "int4r_sink" not in hq._selected_arms(cfg)[0]
@@ -583,8 +585,8 @@ TARGET_ROWS = [
     ({"k8v4r": _arm("k8v4r", top1=0.985)}, "k8v4r_top1_ge_0.985", True),
     ({"k8v4r": _arm("k8v4r", top1=0.9849)}, "k8v4r_top1_ge_0.985", False),
     ({"int4r": _arm("int4r", top1=0.9699)}, "int4r_top1_ge_0.97", False),
-    ({"int4r": _arm("int4r", capacity=3.4)}, "int4r_capacity_ge_3.4x", True),
-    ({"int4r": _arm("int4r", capacity=3.39)}, "int4r_capacity_ge_3.4x", False),
+    ({"int4c": _arm("int4c", capacity=3.4)}, "int4c_capacity_ge_3.4x", True),
+    ({"int4c": _arm("int4c", capacity=3.39)}, "int4c_capacity_ge_3.4x", False),
 ]
 
 

@@ -247,10 +247,11 @@ def check_sink_page_args(server_args: Any) -> None:
         return
     cfg = resolving_view(server_args)
     if cfg.hicache_host_dtype == "auto":
+        able = " or ".join(sink_page_host_dtypes())
         raise ValueError(
             f"{SINK_ENV} keeps the sink page's keys at 8 bits inside "
-            "--hicache-host-dtype int4 or int4r; --hicache-host-dtype auto stores "
-            "the device KV as it is. Pass --hicache-host-dtype int4 or int4r, or "
+            f"--hicache-host-dtype {able}; --hicache-host-dtype auto stores "
+            f"the device KV as it is. Pass --hicache-host-dtype {able}, or "
             f"unset {SINK_ENV}."
         )
     model_config = model_config_of(server_args)
@@ -258,8 +259,8 @@ def check_sink_page_args(server_args: Any) -> None:
         raise ValueError(
             f"{SINK_ENV}: the MLA host pool (--hicache-host-dtype "
             f"{cfg.hicache_host_dtype}, {architecture(model_config)}) has no "
-            "sink page; it is kept by the MHA 4-bit formats (int4, int4r). Unset "
-            f"{SINK_ENV}."
+            "sink page; it is kept by the MHA 4-bit formats "
+            f"({', '.join(sink_page_host_dtypes())}). Unset {SINK_ENV}."
         )
     fmt_cls = host_format_cls(cfg.hicache_host_dtype, "mha")
     check_sink_page_format(fmt_cls, cfg.hicache_host_dtype)
@@ -277,18 +278,27 @@ def check_sink_page_args(server_args: Any) -> None:
     check_sink_page_size(tokens, cfg.page_size or 1)
 
 
-def check_sink_page_format(fmt_cls, name: str) -> None:
-    """Refuses a host format that does not declare the sink page (start-up
-    and pool alike)."""
-    if fmt_cls.sink_page:
-        return
-    # Only on refusal: naming the formats that can imports their codecs.
+def sink_page_host_dtypes() -> list[str]:
+    """The --hicache-host-dtype values whose MHA format keeps a sink page
+    (imports their codecs: refusals only)."""
     from sglang.srt.mem_cache.pool_host.host_format import (
         HOST_DTYPES,
         host_format_cls,
     )
 
-    able = [n for n in HOST_DTYPES if host_format_cls(n, "mha").sink_page]
+    return [
+        n
+        for n, e in HOST_DTYPES.items()
+        if e.mha_format and host_format_cls(n, "mha").sink_page
+    ]
+
+
+def check_sink_page_format(fmt_cls, name: str) -> None:
+    """Refuses a host format that does not declare the sink page (start-up
+    and pool alike)."""
+    if fmt_cls.sink_page:
+        return
+    able = sink_page_host_dtypes()
     raise ValueError(
         f"{SINK_ENV} keeps the sink page's keys at 8 bits inside the formats "
         f"that store keys at 4 bits ({', '.join(able)}); --hicache-host-dtype "
