@@ -46,8 +46,7 @@ def plan_format():
 # The planned formats under test and their page size: the toy, and int4c (8-bit
 # keys on its key8_layers; 16-token pages give it per-channel keys).
 PAGE = {"plan": 4, "int4c": 16}
-# int4c has no fused kernels in this build: its fused paths fall back to torch.
-FORMAT_PATHS = [("plan", p) for p in PATHS] + [("int4c", "torch"), ("int4c", "runs")]
+FORMAT_PATHS = [(name, p) for name in PAGE for p in PATHS]
 
 
 @pytest.fixture
@@ -140,9 +139,7 @@ def test_backup_and_load_are_each_layers_reference(monkeypatch, layout, planned,
     device_pool, pool = make_pool(
         layout, page_size=ps, host_dtype=planned, **PATHS[path]
     )
-    assert pool.transfer_path == (
-        "torch" if planned == "int4c" else {"runs": "torch"}.get(path, path)
-    )
+    assert pool.transfer_path == {"runs": "torch"}.get(path, path)
     ut = 1 if layout == "layer_first" else ps
     dev = torch.arange(ps, 3 * ps)
     spread(device_pool, dev, seed=5)
