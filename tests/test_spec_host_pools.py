@@ -13,13 +13,13 @@ from tests.support.hybrid_rigs import (
     DTYPE,
     HOST_DTYPES,
     Rig,
-    alloc_swa_tokens,
     build_cache,
     expected_host_cls,
     fill_kv,
     assert_restored,
     publish_server_args,
     swa_rig,
+    swa_round_trip,
     wipe_kv,
 )
 from scripts.rigs.hicache_harness import (
@@ -372,26 +372,7 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
     assert type(draft_host) is type(target_swa_host)
     assert type(draft_host) is expected_host_cls(host_dtype)
 
-    ctl, gen = rig.controller, torch.Generator().manual_seed(2)
-    full = alloc_swa_tokens(rig.allocator, 32)
-    swa = rig.allocator.translate_loc_from_full_to_swa(full)
-    fill_kv(rig.kv_pool, full, gen)
-    fill_kv(rig.side_pool, swa, gen)
-    d_rows = fill_kv(draft.swa_kv_pool, swa, gen)
-    backup = PoolTransfer(name=PoolName.SWA, device_indices=swa.to(torch.int64))
-    d_backup = PoolTransfer(name=PoolName.DRAFT_SWA, indices_from_pool=PoolName.SWA)
-    host = ctl.write(full, extra_pools=[backup, d_backup])
-    assert host is not None
-    rig.finish()
-    wipe_kv(draft.swa_kv_pool, swa)
-    rig.allocator.free(full)
-    restore = PoolTransfer(name=PoolName.SWA, host_indices=backup.host_indices)
-    d_restore = PoolTransfer(name=PoolName.DRAFT_SWA, indices_from_pool=PoolName.SWA)
-    loaded = ctl.load(host, extra_pools=[restore, d_restore])
-    assert loaded is not None
-    ctl.start_loading()
-    rig.finish()
-    assert_restored(draft_host, draft.swa_kv_pool, restore.device_indices, d_rows, "d")
+    swa_round_trip(rig, 32, seed=2, draft=draft.swa_kv_pool)
 
 
 # -- a hybrid target's packed MTP layer (Qwen3-Next NEXTN) ------------------------

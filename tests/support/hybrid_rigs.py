@@ -328,12 +328,14 @@ def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
     )
 
 
-def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
-    """Write `full` KV slots and the side pool's `side` slots (extra pool `name`)
-    through the controller, wipe both and load them back into fresh slots."""
+def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side, follow=()):
+    """Write `full` KV slots and the side pool's `side` slots (extra pool `name`, and
+    the pools named in `follow`, indexed like it) through the controller, wipe them
+    (`wipe_side` wipes the side pool and its followers) and load them back."""
     ctl = rig.controller
     backup = PoolTransfer(name=name, device_indices=side)
-    host = ctl.write(full, extra_pools=[backup])
+    followers = [PoolTransfer(name=n, indices_from_pool=name) for n in follow]
+    host = ctl.write(full, extra_pools=[backup, *followers])
     assert host is not None and backup.host_indices is not None
     rig.finish()
     wipe_kv(rig.kv_pool, full)
@@ -341,23 +343,37 @@ def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
     rig.allocator.free(full)
 
     restore = PoolTransfer(name=name, host_indices=backup.host_indices)
-    loaded = ctl.load(host, extra_pools=[restore])
+    followers = [PoolTransfer(name=n, indices_from_pool=name) for n in follow]
+    loaded = ctl.load(host, extra_pools=[restore, *followers])
     assert loaded is not None and restore.device_indices is not None
     ctl.start_loading()
     rig.finish()
     return loaded, restore.device_indices
 
 
-def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
-    """Full and SWA KV through the controller and back, checked; returns `tokens`."""
+def swa_round_trip(rig: Rig, tokens: int, seed: int = 0, draft=None):
+    """Full and SWA KV (and a `draft` SWA device pool's, DRAFT_SWA) through the
+    controller and back, checked; returns `tokens`."""
     gen = torch.Generator().manual_seed(seed)
     full = alloc_swa_tokens(rig.allocator, tokens)
     swa = rig.allocator.translate_loc_from_full_to_swa(full).to(torch.int64)
     full_written = fill_kv(rig.kv_pool, full, gen)
-    swa_written = fill_kv(rig.side_pool, swa, gen)
-    loaded, swa_loaded = side_pool_round_trip(rig, full, PoolName.SWA, swa, wipe_kv)
+    sides = [rig.side_pool, *([draft] if draft is not None else [])]
+    swa_written, *draft_written = [fill_kv(pool, swa, gen) for pool in sides]
+
+    def wipe_sides(_, indices):
+        for pool in sides:
+            wipe_kv(pool, indices)
+
+    follow = [PoolName.DRAFT_SWA] if draft is not None else []
+    loaded, swa_loaded = side_pool_round_trip(
+        rig, full, PoolName.SWA, swa, wipe_sides, follow
+    )
     assert_kv_restored(rig, PoolName.KV, rig.kv_pool, loaded, full_written)
     assert_kv_restored(rig, PoolName.SWA, rig.side_pool, swa_loaded, swa_written)
+    for written in draft_written:
+        draft_host = rig.host_pool(PoolName.DRAFT_SWA)
+        assert_restored(draft_host, draft, swa_loaded, written, PoolName.DRAFT_SWA)
     return tokens
 
 
