@@ -36,9 +36,7 @@ from tests.support.hybrid_rigs import (
 )
 
 from sglang.srt.mem_cache.hicache_storage import PoolName
-from sglang.srt.mem_cache.pool_host.host_format import (
-    host_pool_cls,
-)
+from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
 
 # The rigs' pools and L3 page buffers take a few MB: the free-RAM guard is not
@@ -53,46 +51,6 @@ SWA_LAYOUTS = [("page_first", 16, "kernel"), ("layer_first", 1, "direct")]
 # at start-up, tests/test_startup.py).
 MAMBA_LAYOUTS = [("page_first", 16, "kernel"), ("page_first_direct", 1, "direct")]
 BACKENDS = ("file", "mooncake")
-
-
-@pytest.mark.parametrize("layout,page_size,io_backend", SWA_LAYOUTS)
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_sliding_window_round_trip(
-    hybrid_model_dirs, host_dtype, layout, page_size, io_backend
-):
-    rig = swa_rig(hybrid_model_dirs, host_dtype, layout, page_size, io_backend)
-    # Both attention kinds get the format's encoded pool.
-    for name in (PoolName.KV, PoolName.SWA):
-        assert type(rig.host_pool(name)) is expected_host_cls(host_dtype), name
-        assert rig.host_pool(name).layout == layout
-    assert rig.controller.io_backend == io_backend
-    swa_round_trip(rig, tokens=2 * page_size if page_size > 1 else 24)
-
-
-@pytest.mark.parametrize("layout,page_size,io_backend", MAMBA_LAYOUTS)
-@pytest.mark.parametrize("host_dtype", ENCODED)
-@pytest.mark.parametrize("model", ["qwen3_next", "qwen3_5"])
-def test_linear_attention_round_trip(
-    hybrid_model_dirs, model, host_dtype, layout, page_size, io_backend
-):
-    tokens = 2 * page_size if page_size > 1 else 24
-    stock = mamba_rig(
-        hybrid_model_dirs, "auto", layout, page_size, io_backend, model=model
-    )
-    stock_state, stock_restored = mamba_round_trip(stock, tokens)
-
-    rig = mamba_rig(
-        hybrid_model_dirs, host_dtype, layout, page_size, io_backend, model=model
-    )
-    assert type(rig.host_pool(PoolName.KV)) is host_pool_cls(host_dtype)
-    # The state pool stays upstream's, whatever the KV format.
-    assert type(rig.host_pool(PoolName.MAMBA)) is MambaPoolHost
-    assert type(stock.host_pool(PoolName.MAMBA)) is MambaPoolHost
-    assert (
-        rig.host_pool(PoolName.MAMBA).layout == stock.host_pool(PoolName.MAMBA).layout
-    )
-    state, restored = mamba_round_trip(rig, tokens)
-    assert_state_as_stock((state, restored), (stock_state, stock_restored))
 
 
 def assert_state_as_stock(encoded, stock):
@@ -117,9 +75,7 @@ def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
     """After the L1 eviction: wait for the L3 backups, drop the host copies too, then
     prefetch the prefix from L3 into the host tier as the scheduler does
     (prefetch_from_storage, check_prefetch_progress)."""
-    from sglang.srt.mem_cache.base_prefix_cache import (
-        MatchPrefixParams,
-    )
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
 
     cache = rig.cache
@@ -137,46 +93,39 @@ def reload_from_l3(rig: Rig, ids: list[int], query) -> None:
     assert ComponentType.FULL in cache.components
 
 
-def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = False):
-    """The scheduler's order: insert (written through), L1 eviction (with `from_l3`, L2
-    eviction and an L3 prefetch too), a match that hits the host, init_load_back, the
-    load; the full-attention KV comes back for every token, the SWA KV for the window
-    the model attends to."""
+def host_hit(
+    rig: Rig, ids, insert, evict, wipe, check, from_l3, load_req=None, **match
+):
+    """The scheduler's order: `insert` (written through), L1 eviction by `evict` and
+    `wipe` (with `from_l3`, L2 eviction and an L3 prefetch too), a match that hits the
+    host, init_load_back, the load, `check(match, evicted, device indices)`; the next
+    match is a device hit."""
     from sglang.srt.mem_cache.base_prefix_cache import (
-        EvictParams,
         InitLoadBackParams,
-        InsertParams,
         MatchPrefixParams,
     )
 
-    cache, window = rig.cache, GPT_OSS["sliding_window"]
-    ids = list(range(100, 100 + tokens))
-    gen = torch.Generator().manual_seed(seed)
-    full = alloc_swa_tokens(rig.allocator, tokens)
-    swa = rig.allocator.translate_loc_from_full_to_swa(full)
-    full_written = fill_kv(rig.kv_pool, full, gen)
-    swa_written = fill_kv(rig.side_pool, swa, gen)
-    cache.insert(
-        InsertParams(key=radix_key(ids), value=full.to(torch.int64), prev_prefix_len=0)
-    )
+    cache, tokens = rig.cache, len(ids)
+    cache.insert(insert)
     cache.flush_pending_backups()
     cache.check_hicache_events()
-    evicted = cache.evict(EvictParams(num_tokens=tokens, swa_num_tokens=tokens))
+    evicted = cache.evict(evict)
     assert evicted.num_tokens_evicted == tokens
-    wipe_kv(rig.kv_pool, full)
-    wipe_kv(rig.side_pool, swa)
+    wipe()
     query = radix_key([*ids, 7])
     if from_l3:
         reload_from_l3(rig, ids, query)
 
-    match = cache.match_prefix(MatchPrefixParams(key=query))
-    assert (match.device_prefix_len, match.host_hit_length) == (0, tokens)
-    lock = cache.lock(match.last_device_node)
+    hit = cache.match_prefix(MatchPrefixParams(key=query, **match))
+    assert (hit.device_prefix_len, hit.host_hit_length) == (0, tokens)
+    req = load_req or LoadBackReq("r0", None)
+    req.last_node = hit.last_device_node
+    lock = cache.lock(hit.last_device_node)
     loaded, last_node = cache.init_load_back(
         InitLoadBackParams(
-            best_match_node=match.best_match_node,
-            host_hit_length=match.host_hit_length,
-            req=LoadBackReq("r0", match.last_device_node),
+            best_match_node=hit.best_match_node,
+            host_hit_length=hit.host_hit_length,
+            req=req,
         )
     )
     assert loaded == tokens
@@ -184,24 +133,47 @@ def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = Fals
     lock = cache.lock(last_node)
     cache.ready_to_load_host_cache()
     cache.check_hicache_events()
-
-    device = cache.path_device_indices(last_node)
-    assert len(device) == tokens
-    assert_kv_restored(rig, PoolName.KV, rig.kv_pool, device, full_written)
-    # SWA slots only for the last `window` tokens; the rest map to the
-    # padding slot 0.
-    swa_device = rig.allocator.translate_loc_from_full_to_swa(device)
-    assert not swa_device[: tokens - window].any()
-    assert swa_device[tokens - window :].all()
-    tail = [(k[-window:], v[-window:]) for k, v in swa_written]
-    assert_kv_restored(
-        rig, PoolName.SWA, rig.side_pool, swa_device[tokens - window :], tail
-    )
-    # The next match is a device hit.
+    check(hit, evicted, cache.path_device_indices(last_node))
     again = cache.match_prefix(MatchPrefixParams(key=query))
     assert (again.device_prefix_len, again.host_hit_length) == (tokens, 0)
     cache.unlock(lock)
     cache.sanity_check()
+
+
+def swa_host_hit(rig: Rig, tokens: int = 48, seed: int = 1, from_l3: bool = False):
+    """The full-attention KV comes back for every token, the SWA KV for the window the
+    model attends to."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
+
+    window, ids = GPT_OSS["sliding_window"], list(range(100, 100 + tokens))
+    gen = torch.Generator().manual_seed(seed)
+    full = alloc_swa_tokens(rig.allocator, tokens)
+    swa = rig.allocator.translate_loc_from_full_to_swa(full)
+    full_written = fill_kv(rig.kv_pool, full, gen)
+    swa_written = fill_kv(rig.side_pool, swa, gen)
+
+    def wipe():
+        wipe_kv(rig.kv_pool, full)
+        wipe_kv(rig.side_pool, swa)
+
+    def check(hit, evicted, device):
+        assert len(device) == tokens
+        assert_kv_restored(rig, PoolName.KV, rig.kv_pool, device, full_written)
+        # SWA slots only for the last `window` tokens; the rest map to the
+        # padding slot 0.
+        swa_device = rig.allocator.translate_loc_from_full_to_swa(device)
+        assert not swa_device[: tokens - window].any()
+        assert swa_device[tokens - window :].all()
+        tail = [(k[-window:], v[-window:]) for k, v in swa_written]
+        assert_kv_restored(
+            rig, PoolName.SWA, rig.side_pool, swa_device[tokens - window :], tail
+        )
+
+    insert = InsertParams(
+        key=radix_key(ids), value=full.to(torch.int64), prev_prefix_len=0
+    )
+    evict = EvictParams(num_tokens=tokens, swa_num_tokens=tokens)
+    host_hit(rig, ids, insert, evict, wipe, check, from_l3)
 
 
 # Mooncake takes page-first layouts only (SGLang rewrites layer_first).
@@ -243,45 +215,28 @@ def test_sliding_window_host_hit(
     l3 = None if backend is None else l3_args(backend)
     rig = swa_rig(hybrid_model_dirs, host_dtype, layout, page_size, io_backend, l3=l3)
     assert rig.cache.enable_storage == (l3 is not None)
+    # Both attention kinds get the format's encoded pool.
+    for name in (PoolName.KV, PoolName.SWA):
+        assert type(rig.host_pool(name)) is expected_host_cls(host_dtype), name
+        assert rig.host_pool(name).layout == layout
+    assert rig.controller.io_backend == io_backend
+    if l3 is None:
+        # Through the controller alone first: every SWA token comes back.
+        swa_round_trip(rig, tokens=2 * page_size if page_size > 1 else 24)
     swa_host_hit(rig, from_l3=l3 is not None)
 
 
 def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = False):
-    """The scheduler's order for a linear-attention model: insert KV and the sequence-
-    end state, L1 eviction of both, a match that hits the host, init_load_back into the
-    request's own state slot, the load."""
-    from sglang.srt.mem_cache.base_prefix_cache import (
-        EvictParams,
-        InitLoadBackParams,
-        InsertParams,
-        MatchPrefixParams,
-    )
+    """A linear-attention model: KV and the sequence-end state, loaded back into the
+    request's own state slot; returns the state written and restored."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams
 
-    cache = rig.cache
     ids = list(range(100, 100 + tokens))
     gen = torch.Generator().manual_seed(seed)
     full = rig.allocator.alloc(tokens)
-    slot = cache.req_to_token_pool.mamba_allocator.alloc(1)
+    slot = rig.cache.req_to_token_pool.mamba_allocator.alloc(1)
     written = fill_kv(rig.kv_pool, full, gen)
     state = fill_mamba(rig.side_pool, slot, gen)
-    cache.insert(
-        InsertParams(
-            key=radix_key(ids),
-            value=full.to(torch.int64),
-            prev_prefix_len=0,
-            mamba_value=slot,
-        )
-    )
-    cache.flush_pending_backups()
-    cache.check_hicache_events()
-    evicted = cache.evict(EvictParams(num_tokens=tokens, mamba_num=1))
-    assert (evicted.num_tokens_evicted, evicted.mamba_num_evicted) == (tokens, 1)
-    wipe_kv(rig.kv_pool, full)
-    wipe_mamba(rig.side_pool, slot)
-    query = radix_key([*ids, 7])
-    if from_l3:
-        reload_from_l3(rig, ids, query)
-
     req = LoadBackReq("r0", None)
     req.kv = SimpleNamespace(
         mamba_pool_idx=None,
@@ -289,31 +244,29 @@ def mamba_host_hit(rig: Rig, tokens: int = 48, seed: int = 2, from_l3: bool = Fa
         mamba_cow_src_index=None,
         mamba_needs_clear=False,
     )
-    match = cache.match_prefix(MatchPrefixParams(key=query, cow_mamba=True, req=req))
-    assert (match.device_prefix_len, match.host_hit_length) == (0, tokens)
-    assert match.mamba_host_hit_length == 1
-    req.last_node = match.last_device_node
-    lock = cache.lock(match.last_device_node)
-    loaded, last_node = cache.init_load_back(
-        InitLoadBackParams(
-            best_match_node=match.best_match_node,
-            host_hit_length=match.host_hit_length,
-            req=req,
-        )
-    )
-    assert loaded == tokens and req.kv.mamba_pool_idx is not None
-    cache.unlock(lock)
-    lock = cache.lock(last_node)
-    cache.ready_to_load_host_cache()
-    cache.check_hicache_events()
+    restored = []
 
-    device = cache.path_device_indices(last_node)
-    assert_kv_restored(rig, PoolName.KV, rig.kv_pool, device, written)
-    restored = mamba_state(rig.side_pool, req.kv.mamba_pool_idx.view(1))
-    again = cache.match_prefix(MatchPrefixParams(key=query))
-    assert (again.device_prefix_len, again.host_hit_length) == (tokens, 0)
-    cache.unlock(lock)
-    cache.sanity_check()
+    def wipe():
+        wipe_kv(rig.kv_pool, full)
+        wipe_mamba(rig.side_pool, slot)
+
+    def check(hit, evicted, device):
+        assert evicted.mamba_num_evicted == 1
+        assert hit.mamba_host_hit_length == 1
+        assert req.kv.mamba_pool_idx is not None
+        assert_kv_restored(rig, PoolName.KV, rig.kv_pool, device, written)
+        restored.extend(mamba_state(rig.side_pool, req.kv.mamba_pool_idx.view(1)))
+
+    insert = InsertParams(
+        key=radix_key(ids),
+        value=full.to(torch.int64),
+        prev_prefix_len=0,
+        mamba_value=slot,
+    )
+    evict = EvictParams(num_tokens=tokens, mamba_num=1)
+    host_hit(
+        rig, ids, insert, evict, wipe, check, from_l3, req, cow_mamba=True, req=req
+    )
     return state, restored
 
 
@@ -327,16 +280,27 @@ def test_linear_attention_host_hit(
     hybrid_model_dirs, l3_args, host_dtype, backend, layout, page_size, io_backend,
     model,
 ):  # fmt: skip
-    def rig(dtype):
+    def run(dtype):
         # Distinct L3 keys for the stock and the encoded run.
         l3 = None if backend is None else l3_args(backend, run=dtype)
-        return mamba_rig(
+        rig = mamba_rig(
             hybrid_model_dirs, dtype, layout, page_size, io_backend, model=model, l3=l3
         )
+        if dtype != "auto":
+            assert type(rig.host_pool(PoolName.KV)) is host_pool_cls(dtype)
+        # The state pool stays upstream's, whatever the KV format.
+        assert type(rig.host_pool(PoolName.MAMBA)) is MambaPoolHost
+        # Through the controller alone first (no L3), then through the radix cache.
+        tokens = 2 * page_size if page_size > 1 else 24
+        trip = mamba_round_trip(rig, tokens) if backend is None else ((), ())
+        return rig, trip, mamba_host_hit(rig, from_l3=backend is not None)
 
-    stock = mamba_host_hit(rig("auto"), from_l3=backend is not None)
-    encoded = mamba_host_hit(rig(host_dtype), from_l3=backend is not None)
-    assert_state_as_stock(encoded, stock)
+    stock, stock_trip, stock_hit = run("auto")
+    rig, trip, hit = run(host_dtype)
+    mamba = PoolName.MAMBA
+    assert rig.host_pool(mamba).layout == stock.host_pool(mamba).layout
+    assert_state_as_stock(trip, stock_trip)
+    assert_state_as_stock(hit, stock_hit)
 
 
 # -- metrics -------------------------------------------------------------------
@@ -363,6 +327,13 @@ def collect(rig: Rig) -> Scrape:
     return Scrape()
 
 
+def assert_bytes(scrape, stored, logical):
+    """Backups and load-backs each moved `stored` bytes for `logical` device bytes."""
+    for name in ("hicache_backup", "load_back"):
+        assert scrape.value(f"sglang:{name}_bytes_total") == stored
+        assert scrape.value(f"sglang:{name}_logical_bytes_total") == logical
+
+
 def test_sliding_window_metrics(hybrid_model_dirs):
     host_dtype, page_size = "int8", 16
     rig = swa_rig(
@@ -385,10 +356,7 @@ def test_sliding_window_metrics(hybrid_model_dirs):
         kv_host.device_size_per_token() + swa_host.device_size_per_token()
     )
     assert stored < logical  # both pools encode
-    assert scrape.value("sglang:hicache_backup_bytes_total") == stored
-    assert scrape.value("sglang:load_back_bytes_total") == stored
-    assert scrape.value("sglang:hicache_backup_logical_bytes_total") == logical
-    assert scrape.value("sglang:load_back_logical_bytes_total") == logical
+    assert_bytes(scrape, stored, logical)
 
 
 def test_linear_attention_metrics(hybrid_model_dirs):
@@ -413,7 +381,4 @@ def test_linear_attention_metrics(hybrid_model_dirs):
     assert scrape.value("sglang:load_back_tokens_total", pool="mamba") == 1
     stored = tokens * kv_host.size_per_token + mamba_host.size_per_token
     logical = tokens * kv_host.device_size_per_token() + mamba_host.size_per_token
-    assert scrape.value("sglang:hicache_backup_bytes_total") == stored
-    assert scrape.value("sglang:load_back_bytes_total") == stored
-    assert scrape.value("sglang:hicache_backup_logical_bytes_total") == logical
-    assert scrape.value("sglang:load_back_logical_bytes_total") == logical
+    assert_bytes(scrape, stored, logical)

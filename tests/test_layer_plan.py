@@ -1,8 +1,6 @@
-"""Per-layer plans in the encoded host pools: a record stored on a few layers
-only (HostRecord.layers), through real pools with a planned toy format
-(tests/support/plan_format.py: keys' low byte `k_lo` on the plan layers only),
-and the start-up choice of the plan (layer_plan.py, SGLANG_HICACHE_KEY8_LAYERS)
-from real HF configs."""
+"""Per-layer plans (HostRecord.layers) through real pools with the planned toy
+(support/plan_format.py) and int4c, and the start-up choice of the plan or the sink page
+(layer_plan.py, sink_page.host_plan) from real HF configs."""
 
 from __future__ import annotations
 
@@ -27,6 +25,9 @@ from tests.support import plan_format as toy
 from tests.support.conformance import LAYOUTS, bits, rows_at, side_buffers, spread
 
 PLAN = (1,)
+SINK_ENV = sink_page.SINK_ENV
+KEY8_ENV = layer_plan.KEY8_ENV
+AUTO_SINK = sink_page.AUTO_SINK_PAGE_TOKENS
 GEO = dict(layer_num=3, head_num=2, head_dim=64, v_head_dim=32)
 PATHS = {
     "torch": dict(fused_transfer="off"),
@@ -36,8 +37,9 @@ PATHS = {
 }
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def plan_format():
+    """The toy, registered through the registry alone, for every test here."""
     hf.register_host_dtype(toy.ENTRY)
     yield toy.PlanHostFormat
     del hf.HOST_DTYPES[toy.ENTRY.name]
@@ -47,12 +49,6 @@ def plan_format():
 # keys on its key8_layers; 16-token pages give it per-channel keys).
 PAGE = {"plan": 4, "int4c": 16}
 FORMAT_PATHS = [(name, p) for name in PAGE for p in PATHS]
-
-
-@pytest.fixture
-def planned(request, plan_format):
-    """The parametrized planned format (the toy registered for the test)."""
-    return request.param
 
 
 def make_pool(
@@ -76,8 +72,7 @@ def unit_tokens_of(units, ut):
 
 
 def per_layer_reference(pool, rows, layer, dtype=None):
-    """(records, restored) of one layer's rows by that layer's format (restored
-    in `dtype`, the rows' by default)."""
+    """(records, restored in `dtype`) of one layer's rows by that layer's format."""
     fmt = pool.host_format.for_layer(layer)
     ut = 1 if pool.layout == "layer_first" else pool.page_size
     units = [r.view(-1, ut, *r.shape[1:]) for r in rows]
@@ -94,46 +89,67 @@ def expected_bytes_per_token(page_size, layers=3, plan=PLAN, layout="page_first"
     return (per_unit * layers + k_lo * len(plan)) / ut
 
 
-@pytest.mark.usefixtures("plan_format")
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_planned_record_is_allocated_and_counted_on_its_layers_only(layout):
-    device_pool, pool = make_pool(layout)
-    units = pool.page_num if layout != "layer_first" else pool.size
-    k_lo = pool.host_records["k_lo"]
-    heads, dk = GEO["head_num"], GEO["head_dim"]
-    ut = 1 if layout == "layer_first" else 4
-    layered = (units, 1) if layout != "layer_first" else (1, units)
-    assert k_lo.shape == (*layered, ut, heads, dk)
-    assert pool.host_records["k"].shape[:2] == (
-        (units, 3) if layout != "layer_first" else (3, units)
-    )
-    want = expected_bytes_per_token(4, layout=layout)
+# (host_dtype, geometry, layout, plan, B/token): the toy's from its records' sizes;
+# int4c's the spec's at Qwen3-8B (36 layers, 8 KV heads of 128, page 64): 1,152 B per
+# token and layer, +512 on a plan layer.
+QWEN3_8B = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
+BYTES = [
+    ("plan", Geometry(**GEO, page_size=4), layout, plan,
+     expected_bytes_per_token(4, plan=plan, layout=layout))
+    for layout in LAYOUTS for plan in (PLAN, ())
+] + [
+    ("int4c", QWEN3_8B, "page_first", (), 36 * 1152),
+    ("int4c", QWEN3_8B, "page_first", (0, 1, 2), 43008),
+]  # fmt: skip
+
+
+@pytest.mark.usefixtures("host_ram_not_under_test")
+@pytest.mark.parametrize("host_dtype,geo,layout,plan,want", BYTES)
+def test_plan_records_are_allocated_and_counted_on_their_layers_only(
+    caplog, host_dtype, geo, layout, plan, want
+):
+    caplog.set_level(logging.INFO)
+    device_pool = make_device_pool(geo, 128)
+    pool = make_host_pool(
+        device_pool, host_tokens=128, layout=layout, host_dtype=host_dtype,
+        key8_layers=plan,
+    )  # fmt: skip
     assert pool.get_size_per_token() == want
+    assert pool.storage_page_bytes == want * geo.page_size
     host = sum(b.numel() * b.element_size() for b in pool.host_records.values())
     assert host == want * pool.size
-    assert pool.storage_page_bytes == want * 4
-    device = (GEO["head_dim"] + GEO["v_head_dim"]) * GEO["head_num"] * 2 * 3
     info = device_pool.get_device_pool_infos()[0].buffer_info
     ratio = type(pool).host_bytes_per_device_byte(
-        info, page_size=4, layout=layout, key8_layers=PLAN
+        info, page_size=geo.page_size, layout=layout, key8_layers=plan
     )
+    dims = geo.head_dim + (geo.v_head_dim or geo.head_dim)
+    device = dims * geo.head_num * 2 * geo.layer_num
     assert ratio == pytest.approx(want / device, rel=1e-12)
-    # Without the plan: k_lo is no record, the bytes drop by its share.
-    _, plain = make_pool(layout, key8_layers=())
-    assert "k_lo" not in plain.host_records
-    assert plain.get_size_per_token() == expected_bytes_per_token(
-        4, plan=(), layout=layout
-    )
+    if not plan:
+        assert "k_lo" not in pool.host_records
+        return
+    # k_lo on its plan layers only, k on every layer.
+    units = pool.size if layout == "layer_first" else pool.page_num
+    ut = 1 if layout == "layer_first" else geo.page_size
+    for name, layers in (("k_lo", len(plan)), ("k", geo.layer_num)):
+        shape = pool.host_records[name].shape[:2]
+        assert shape == (
+            (layers, units) if layout == "layer_first" else (units, layers)
+        )
+    if host_dtype == "plan":  # the toy's low key bytes
+        k_lo = pool.host_records["k_lo"]
+        assert k_lo.shape[2:] == (ut, geo.head_num, geo.head_dim)
+    # The start-up log states the plan and the bytes per token.
+    plan_line = f"k_lo on layers {list(plan)} of {geo.layer_num}; {want:g} B/token."
+    assert f"host format plan: {plan_line}" in caplog.text
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("planned,path", FORMAT_PATHS, indirect=["planned"])
+@pytest.mark.parametrize("planned,path", FORMAT_PATHS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_backup_and_load_are_each_layers_reference(monkeypatch, layout, planned, path):
-    """Host records of each layer are its format's reference encoding (k_lo on the
-    plan layer only), a load restores each layer's reference decode (the toy: exact
-    keys on the plan layer, their high byte elsewhere); the sampled restore check
-    decodes each layer with its format."""
+    """Each layer's host records and restore are its format's reference (k_lo on the
+    plan layer only); the sampled restore check decodes each layer with its format."""
     monkeypatch.setenv(backup_verify.VERIFY_ENV, "1")
     ps = PAGE[planned]
     device_pool, pool = make_pool(
@@ -200,8 +216,7 @@ def test_backup_and_load_are_each_layers_reference(monkeypatch, layout, planned,
 
 
 def page_payload(pool, rows_per_layer, page):
-    """The flat page from each layer's reference: records in `records` order, each
-    over its stored layers ([layer, *shape] per unit page-major)."""
+    """The flat page from each layer's reference: each record over its stored layers."""
     ps = pool.page_size
     ut = 1 if pool.layout == "layer_first" else ps
     per_layer = [
@@ -221,13 +236,11 @@ def page_payload(pool, rows_per_layer, page):
     return torch.cat(parts)
 
 
-@pytest.mark.parametrize("planned", list(PAGE), indirect=True)
+@pytest.mark.parametrize("planned", list(PAGE))
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_storage_pages_carry_each_record_on_its_layers(layout, planned):
-    """get_data_page is each record over its stored layers, then the seal; it
-    restores into another slot; zero-copy pieces tile every record's block (k_lo's:
-    its one layer) exactly once; a page of another plan of the same tag is refused
-    by its seal."""
+    """get_data_page is each record over its stored layers, then the seal; zero-copy
+    pieces tile every record's block once; another plan's pool refuses the page."""
     ps = PAGE[planned]
     device_pool, pool = make_pool(layout, page_size=ps, host_dtype=planned)
     dev, host = torch.arange(ps, 3 * ps), unit_tokens_of([3, 1], ps)
@@ -283,22 +296,11 @@ def test_storage_pages_carry_each_record_on_its_layers(layout, planned):
         assert merged == records
 
 
-def k_lo_bytes_per_token(pool) -> float:
-    """k_lo's host bytes per token, over its layers."""
-    record = pool.host_format.record("k_lo")
-    return (
-        record.nbytes
-        * len(record.layers)
-        / (1 if pool.layout == "layer_first" else pool.page_size)
-    )
-
-
-@pytest.mark.parametrize("planned", list(PAGE), indirect=True)
+@pytest.mark.parametrize("planned", list(PAGE))
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout, planned):
     """device -> L2 -> L3 (file) -> L2 -> device: each page one file of the plan's
-    bytes (the format's without a plan, plus k_lo's on its one layer), restored as
-    each layer's reference."""
+    bytes (without a plan plus k_lo's), restored as each layer's reference."""
     ps = PAGE[planned]
     geo = Geometry(**GEO, page_size=ps)
     plain = make_pool(layout, page_size=ps, host_dtype=planned, key8_layers=())[1]
@@ -325,7 +327,9 @@ def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout, plan
     h.evict_everywhere(l3, dev, host)
     files = list(tmp_path.glob("*.bin"))
     assert len(files) == 4
-    per_token = plain.get_size_per_token() + k_lo_bytes_per_token(pool)
+    k_lo = pool.host_format.record("k_lo")
+    ut = 1 if layout == "layer_first" else ps
+    per_token = plain.get_size_per_token() + k_lo.nbytes * len(k_lo.layers) / ut
     assert pool.get_size_per_token() == per_token
     assert {f.stat().st_size for f in files} == {per_token * ps + SEAL_BYTES}
     pf = h.prefetch(l3, tokens + [7])
@@ -337,38 +341,10 @@ def test_l3_file_round_trip_with_a_plan(request, tmp_path, l3_rigs, layout, plan
             assert torch.equal(bits(g), bits(w)), layer
 
 
-@pytest.mark.usefixtures("host_ram_not_under_test")
-def test_int4c_bytes_at_qwen3_8b_geometry_with_its_plan(caplog):
-    """The spec's figures: 36 layers, 8 KV heads of 128, page 64: 1,152 B per
-    token and layer, +512 on a plan layer; 3 plan layers: 43,008 B/token."""
-    caplog.set_level(logging.INFO)
-    geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
-    device_pool = make_device_pool(geo, 128)
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    for plan, want in (((), 36 * 1152), ((0, 1, 2), 43008)):
-        pool = make_host_pool(
-            device_pool, host_tokens=128, layout="page_first", host_dtype="int4c",
-            key8_layers=plan,
-        )  # fmt: skip
-        assert pool.get_size_per_token() == want
-        assert pool.storage_page_bytes == want * 64
-        host = sum(b.numel() * b.element_size() for b in pool.host_records.values())
-        assert host == want * pool.size
-        ratio = type(pool).host_bytes_per_device_byte(
-            info, page_size=64, layout="page_first", key8_layers=plan
-        )
-        assert ratio == pytest.approx(want / (36 * 4096), rel=1e-12)
-    assert pool.host_records["k_lo"].shape[:2] == (pool.page_num, 3)
-    # The start-up log states the plan and the bytes per token.
-    assert "host format plan: k_lo on layers [0, 1, 2] of 36; 43008 B/token." in (
-        caplog.text
-    )
-
-
 # --- refusals -------------------------------------------------------------------
 
 
-@pytest.mark.usefixtures("plan_format", "host_ram_not_under_test")
+@pytest.mark.usefixtures("host_ram_not_under_test")
 def test_a_plan_is_refused_where_it_cannot_work():
     env = layer_plan.KEY8_ENV
     # A format without a plan: the variable and the formats that take one.
@@ -417,34 +393,25 @@ def gemma3_config():
     return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
-def qwen3_8b():
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
+# Model families' HF configs by the fields the rule reads.
+CONFIGS = {
+    "qwen3-8b": ("Qwen3Config", dict(
         num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
         head_dim=128, hidden_size=4096,
-    )  # fmt: skip
+    )),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_hidden_layers=48, num_key_value_heads=4)),
+    "olmo2": ("Olmo2Config", dict(num_hidden_layers=16)),
+    "llama": ("LlamaConfig", dict(num_hidden_layers=32, num_key_value_heads=8)),
+}  # fmt: skip
 
 
-def qwen3_moe():
-    from transformers import Qwen3MoeConfig
+def hf_config(name):
+    import transformers
 
-    return Qwen3MoeConfig(num_hidden_layers=48, num_key_value_heads=4)
-
-
-def olmo2():
-    from transformers import Olmo2Config
-
-    return Olmo2Config(num_hidden_layers=16)
+    cls, fields = CONFIGS[name]
+    return getattr(transformers, cls)(**fields)
 
 
-def llama():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(num_hidden_layers=32, num_key_value_heads=8)
-
-
-@pytest.mark.usefixtures("plan_format")
 def test_rule_on_gemma3_270m_is_its_full_attention_layers(monkeypatch, gemma3_config):
     assert gemma3_config.num_hidden_layers == 18
     assert layer_plan.auto_key8_layers(gemma3_config) == (5, 11, 17)
@@ -463,22 +430,20 @@ def test_rule_on_gemma3_270m_is_its_full_attention_layers(monkeypatch, gemma3_co
 @pytest.mark.parametrize(
     "config,want",
     [
-        (qwen3_8b, (0, 1, 2)),
-        (qwen3_moe, (0, 1, 2, 3)),
-        (olmo2, (0,)),
-        (llama, ()),
+        ("qwen3-8b", (0, 1, 2)),
+        ("qwen3-moe", (0, 1, 2, 3)),
+        ("olmo2", (0,)),
+        ("llama", ()),
     ],
-    ids=["qwen3-8b", "qwen3-moe", "olmo2", "llama"],
 )
 def test_rule_by_model_family(config, want):
-    assert layer_plan.auto_key8_layers(config()) == want
+    assert layer_plan.auto_key8_layers(hf_config(config)) == want
 
 
-@pytest.mark.usefixtures("plan_format")
 def test_env_overrides_the_rule_and_is_checked(monkeypatch):
     env = layer_plan.KEY8_ENV
     plan, int8 = toy.PlanHostFormat, hf.host_format_cls("int8")
-    cfg = qwen3_8b()
+    cfg = hf_config("qwen3-8b")
 
     def chosen(value, fmt=plan, start=0, layers=36, mapping=None):
         monkeypatch.setenv(env, value)
@@ -527,45 +492,6 @@ QWEN3_TINY = {
 }
 
 
-@pytest.mark.usefixtures("plan_format", "host_ram_not_under_test")
-@pytest.mark.parametrize(
-    "value,want", [(None, [0, 1]), ("none", None), ("3,7", [3, 7])]
-)
-def test_assembler_gives_the_pool_the_models_plan(tmp_path, monkeypatch, value, want):
-    """build_kv_host_pool reads the model's HF config (a QK-normed Qwen3 of 24
-    layers: the first 2) and SGLANG_HICACHE_KEY8_LAYERS, and the pool stores the
-    plan."""
-    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
-        build_kv_host_pool,
-    )
-    from sglang.srt.runtime_context import publish, reset_context
-    from sglang.srt.server_args import ServerArgs
-    from tests.support.server_args import model_dir
-
-    if value is None:
-        monkeypatch.delenv(layer_plan.KEY8_ENV, raising=False)
-    else:
-        monkeypatch.setenv(layer_plan.KEY8_ENV, value)
-    server_args = ServerArgs(
-        model_path=model_dir(tmp_path, "qwen3", QWEN3_TINY),
-        device="cpu",
-        page_size=4,
-        enable_hierarchical_cache=True,
-        hicache_mem_layout="page_first_direct",
-        hicache_host_dtype="plan",
-        skip_tokenizer_init=True,
-    )
-    reset_context()
-    publish(server_args, role="scheduler")
-    geo = Geometry(layer_num=24, head_num=2, head_dim=16, page_size=4)
-    pool = build_kv_host_pool(
-        kv_pool=make_device_pool(geo, 64), page_size=4, host_size=0.0001
-    )
-    records = {r.name: r for r in pool.host_format.records}
-    assert (list(records["k_lo"].layers) if "k_lo" in records else None) == want
-    assert pool.records.stored.get("k_lo") == (None if want is None else tuple(want))
-
-
 @pytest.mark.parametrize(
     "value,host_dtype,model,match",
     [
@@ -597,7 +523,6 @@ def test_start_up_refuses_an_explicit_plan_it_cannot_keep(
         sa.resolve(paths[model], hicache_host_dtype="int4c")
 
 
-@pytest.mark.usefixtures("plan_format")
 @pytest.mark.parametrize("access", ["direct", "staged"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_fused_self_check_passes_with_a_plan(layout, access):
@@ -616,39 +541,29 @@ def test_fused_self_check_passes_with_a_plan(layout, access):
 
 # --- plan or sink page: the per-model choice (sink_page.host_plan) ----------------
 
-SINK_ENV = sink_page.SINK_ENV
-KEY8_ENV = layer_plan.KEY8_ENV
-AUTO_SINK = sink_page.AUTO_SINK_PAGE_TOKENS
-
 
 @pytest.mark.parametrize(
     "config,host_dtype,env,want",
     [
-        # int4c: the plan on a QK-normed model, else the sink page.
-        (llama, "int4c", {}, ((), AUTO_SINK)),
-        (qwen3_8b, "int4c", {}, ((0, 1, 2), 0)),
-        (llama, "int4c", {SINK_ENV: "", KEY8_ENV: "auto"}, ((), AUTO_SINK)),
-        # An explicit sink page wins, 0 (off) included.
-        (llama, "int4c", {SINK_ENV: "0"}, ((), 0)),
-        (llama, "int4c", {SINK_ENV: "8192"}, ((), 8192)),
-        (qwen3_8b, "int4c", {SINK_ENV: "4096"}, ((0, 1, 2), 4096)),
-        # An explicit plan is the operator's: no sink page behind it.
-        (qwen3_8b, "int4c", {KEY8_ENV: "none"}, ((), 0)),
-        (llama, "int4c", {KEY8_ENV: "none"}, ((), 0)),
-        (llama, "int4c", {KEY8_ENV: "3"}, ((3,), 0)),
+        # Beside the assembler test's rows (the same choices through the server):
+        # int4c: the plan on a QK-normed model, else the sink page; an explicit sink
+        # page wins; an explicit plan is the operator's, with no sink page behind it.
+        ("llama", "int4c", {SINK_ENV: "", KEY8_ENV: "auto"}, ((), AUTO_SINK)),
+        ("qwen3-8b", "int4c", {SINK_ENV: "4096"}, ((0, 1, 2), 4096)),
+        ("llama", "int4c", {KEY8_ENV: "none"}, ((), 0)),
+        ("llama", "int4c", {KEY8_ENV: "3"}, ((3,), 0)),
         # Formats without a plan: no automatic sink page.
-        (llama, "int4", {}, ((), 0)),
-        (llama, "int4r", {}, ((), 0)),
-        (llama, "int4r", {SINK_ENV: "4096"}, ((), 4096)),
-        (qwen3_8b, "int8", {}, ((), 0)),
+        ("llama", "int4r", {SINK_ENV: "4096"}, ((), 4096)),
+        ("qwen3-8b", "int8", {}, ((), 0)),
     ],
 )
 def test_host_plan_is_the_plan_or_the_sink_page(config, host_dtype, env, want):
     fmt = hf.host_format_cls(host_dtype, "mha")
-    plan = sink_page.host_plan(fmt, config(), env, page_size=64)
+    plan = sink_page.host_plan(fmt, hf_config(config), env, page_size=64)
     assert (plan.key8_layers, plan.sink_page_tokens) == want
     # The process's environment is not read when one is given.
-    assert sink_page.host_plan(fmt, config(), {**env, "X": "1"}, page_size=64) == plan
+    again = sink_page.host_plan(fmt, hf_config(config), {**env, "X": "1"}, page_size=64)
+    assert again == plan
 
 
 @pytest.mark.parametrize(
@@ -659,16 +574,14 @@ def test_host_plan_is_the_plan_or_the_sink_page(config, host_dtype, env, want):
     ],
 )
 def test_automatic_sink_page_is_off_where_it_cannot_work(page_size, device_dtype, why):
-    """Where the sink page would be refused, the automatic one is simply off
-    (the operator did not ask), saying why; an explicit one is still refused by
-    the pool (sink_page.sink_page_tokens)."""
+    """Where the sink page would be refused, the automatic one is off, saying why."""
     fmt = hf.host_format_cls("int4c", "mha")
     plan = sink_page.host_plan(
-        fmt, llama(), {}, page_size=page_size, device_dtype=device_dtype
+        fmt, hf_config("llama"), {}, page_size=page_size, device_dtype=device_dtype
     )
     assert (plan.key8_layers, plan.sink_page_tokens) == ((), 0)
     assert why in plan.why and "not QK-normed" in plan.why
-    ok = sink_page.host_plan(fmt, llama(), {}, page_size=4096)
+    ok = sink_page.host_plan(fmt, hf_config("llama"), {}, page_size=4096)
     assert ok.sink_page_tokens == AUTO_SINK
 
 
@@ -683,6 +596,10 @@ LLAMA_TINY = {
 @pytest.mark.parametrize(
     "model,host_dtype,env,sink,plan",
     [
+        # The toy's plan: the rule's, none, or the variable's.
+        ("qwen3", "plan", {}, 0, [0, 1]),
+        ("qwen3", "plan", {KEY8_ENV: "none"}, 0, None),
+        ("qwen3", "plan", {KEY8_ENV: "3,7"}, 0, [3, 7]),
         ("llama", "int4c", {}, AUTO_SINK, None),
         ("qwen3", "int4c", {}, 0, [0, 1]),
         ("llama", "int4c", {SINK_ENV: "0"}, 0, None),
@@ -692,12 +609,12 @@ LLAMA_TINY = {
         ("llama", "int4r", {}, 0, None),
     ],
 )
-def test_assembler_gives_int4c_the_plan_or_the_sink_page(
+def test_assembler_gives_the_pool_the_plan_or_the_sink_page(
     tmp_path, monkeypatch, caplog, model, host_dtype, env, sink, plan
 ):
-    """build_kv_host_pool over a tiny Llama (not QK-normed) and Qwen3 (24
-    layers: the first 2): int4c's pool gets the sink page or the plan, never
-    both unless asked, and the start-up log says which, why, and B/token."""
+    """build_kv_host_pool over a tiny Llama (not QK-normed) and Qwen3 (24 layers: the
+    first 2): the pool gets the sink page or the plan, never both unless asked, and
+    int4c's start-up log says which, why, and B/token."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
         build_kv_host_pool,
     )
@@ -730,6 +647,7 @@ def test_assembler_gives_int4c_the_plan_or_the_sink_page(
     assert (stores.tokens_per_slot if stores else 0) == sink
     records = {r.name: r for r in pool.host_format.records}
     assert (list(records["k_lo"].layers) if "k_lo" in records else None) == plan
+    assert pool.records.stored.get("k_lo") == (None if plan is None else tuple(plan))
     if host_dtype != "int4c":
         return
     lines = [r.getMessage() for r in caplog.records]
@@ -750,10 +668,8 @@ def test_assembler_gives_int4c_the_plan_or_the_sink_page(
 
 @pytest.mark.parametrize("env", [{}, {SINK_ENV: "0"}, {KEY8_ENV: "none"}])
 def test_quality_harness_arms_mirror_the_servers_choice(monkeypatch, env):
-    """The quality harness's arms get what host_plan gives the server: plain
-    int4c the sink page on a Llama-style model and the plan on Qwen3; the
-    explicit int4c_sink arm its sink page on both; formats without a plan
-    nothing."""
+    """The quality harness's arms get what host_plan gives the server; the explicit
+    int4c_sink arm its sink page on both models."""
     from scripts.quality import harness as hq
 
     for name in (SINK_ENV, KEY8_ENV):
@@ -765,7 +681,7 @@ def test_quality_harness_arms_mirror_the_servers_choice(monkeypatch, env):
             text_file="unused", arms=("int4c", "int4c_sink", "int4r", "int4")
         )
     )
-    for config in (llama(), qwen3_8b()):
+    for config in (hf_config("llama"), hf_config("qwen3-8b")):
         for arm in offloaded:
             got = hq.with_model_plan(arm, config)
             server = sink_page.host_plan(
@@ -783,6 +699,6 @@ def test_quality_harness_arms_mirror_the_servers_choice(monkeypatch, env):
                 server.sink_page_tokens,
             )
     plain = next(a for a in offloaded if a.name == "int4c")
-    got = hq.with_model_plan(plain, llama())
+    got = hq.with_model_plan(plain, hf_config("llama"))
     assert got.sink_page_tokens == (AUTO_SINK if not env else 0)
     assert hq.capacity_vs_bf16(got) < hq.capacity_vs_bf16(plain) or env

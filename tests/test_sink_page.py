@@ -29,9 +29,8 @@ from tests.support.conformance import (
     reference,
 )
 
+# The 4-bit-key formats, all with fused kernels.
 FORMATS = ("int4", "int4r", "int4c")
-# The formats with fused kernels.
-FUSED_FORMATS = ("int4", "int4r", "int4c")
 PAGE = 16
 
 
@@ -76,8 +75,8 @@ def assert_same(got, want):
 
 
 def expect(pool, written, sink_tokens):
-    """Per layer: the reference restore of the written rows, the keys of the first
-    `sink_tokens` of them from the int8 codec."""
+    """Per layer: the reference restore of `written`, the first `sink_tokens` keys the
+    int8 codec's."""
     fmt = pool.host_format
     int8 = Int8HostFormat(fmt.dims, fmt.head_num, PAGE, fmt.device_dtype)
     out = []
@@ -92,7 +91,6 @@ def expect(pool, written, sink_tokens):
 
 
 def assert_restores(rig, host, written, sink_tokens):
-    """host -> device through the controller gives expect()'s bits."""
     want = expect(rig.host_pool, written, sink_tokens)
     for (k, v), (want_k, want_v) in zip(restore(rig, host), want):
         assert_same(k, want_k)
@@ -125,10 +123,10 @@ def test_sink_page_keys_restore_at_8_bits_the_rest_at_4(fmt, layout):
 
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("access", ("direct", "staged"))
-@pytest.mark.parametrize("fmt", FUSED_FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_fused_path_moves_the_sink_page_keys_on_the_torch_path(fmt, access):
-    """Under the Triton interpreter: the pool's fused 4-bit kernels, then the side
-    store's keys on the torch path, give the reference's bits."""
+    """The pool's fused 4-bit kernels, then the side store's keys on the torch path,
+    give the reference's bits (Triton interpreter)."""
     rig = build(fmt, fused_transfer=access)
     pool = rig.host_pool
     host, written = backup(rig, 2 * PAGE, seed=11, sink=True)
@@ -165,12 +163,6 @@ def test_sink_off_keeps_every_page_4_bit_and_the_pools_bytes(monkeypatch):
     assert_restores(rig, host, written, 0)
 
 
-def test_env_turns_it_on(monkeypatch):
-    monkeypatch.setenv(SINK_ENV, str(8 * PAGE))
-    pool = build("int4", sink_tokens=None).host_pool
-    assert pool.sink_page_counts()["slots"] == 2
-
-
 @pytest.mark.parametrize("value", ["abc", "-64"])
 def test_pool_refuses_a_malformed_env_value(monkeypatch, value):
     # Envs' reader turned "abc" into 0 (off) with a Python warning.
@@ -196,8 +188,7 @@ def test_full_store_keeps_the_page_4_bit_and_counts_it():
 
 
 def test_reused_host_page_is_not_a_sink_page_any_more():
-    """A freed sink page's host slots, reallocated to a non-first page, restore at 4
-    bits (the flag is the page's, cleared on free)."""
+    """A freed sink page's host slots, reused by a non-first page, restore at 4 bits."""
     rig = build("int4", host_pages=2)
     host, _ = backup(rig, 2 * PAGE, seed=9, sink=True)
     rig.controller.evict_host(host)
@@ -207,9 +198,8 @@ def test_reused_host_page_is_not_a_sink_page_any_more():
 
 
 def test_free_clears_the_mark_of_a_page_whose_slot_is_reused():
-    """A freed sink page's mark goes with its slot: with the one slot taken by the next
-    first page, a non-first page on the freed host page restores at 4 bits, and the new
-    first page's keys at 8 (every allocation order)."""
+    """A freed sink page's mark goes with its slot: the next first page takes the one
+    slot (8-bit keys), a non-first page on the freed host page restores at 4 bits."""
     rig = build("int4", sink_tokens=16 * PAGE, host_pages=4)
     pool = rig.host_pool
     host_a, _ = backup(rig, 2 * PAGE, seed=12, sink=True)
@@ -289,9 +279,8 @@ def allocated_bytes(pool) -> int:
 
 
 def test_bytes_per_token_at_qwen3_8b_geometry():
-    """int4 with the sink page, page 64, one side-store slot per 1k/4k/8k/16k host
-    tokens: bytes per token from the allocated buffers, which the pool reports (start-up
-    log, metrics)."""
+    """int4 with a side-store slot per 1k/4k/8k/16k host tokens, page 64: the pool
+    reports (start-up log, metrics) the bytes per token it allocates."""
     geo = Geometry(layer_num=36, head_num=8, head_dim=128, page_size=64)
     device_pool = make_device_pool(geo, device_tokens=128)
     bf16 = 36 * 8 * 128 * 2 * 2
@@ -316,8 +305,7 @@ def test_bytes_per_token_at_qwen3_8b_geometry():
 
 
 def radix_cache(monkeypatch, host_dtype, host_tokens=64 * PAGE):
-    """SGLang's UnifiedRadixCache + HiCache as the scheduler builds it
-    (registry.create_unified_radix_cache), page 16, write-through."""
+    """SGLang's UnifiedRadixCache + HiCache as the scheduler builds it, write-through."""
     monkeypatch.setenv(SINK_ENV, str(4 * PAGE))
     device_tokens = 32 * PAGE
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=PAGE)
@@ -414,8 +402,8 @@ def sink_objects(tmp_path) -> list:
 
 
 def write_sequence(l3, tokens, seed):
-    """tokens (a sequence from token 0) -> L2 -> L3, then dropped from L1 and L2;
-    returns what the device held, per layer (K, V)."""
+    """A sequence from token 0 -> L2 -> L3, dropped from L1 and L2; returns its (K, V)
+    per layer."""
     from scripts.rigs.l3_harness import device_rows, evict_everywhere, write_through
 
     dev, host, _, stored = write_through(l3, tokens, seed=seed, first_page_is_sink=True)
@@ -440,7 +428,7 @@ def record_gets(l3) -> list:
 
 
 def assert_prefetch_restores(l3, tokens, written, sink_tokens, last_hash=None):
-    """L3 -> fresh host pages -> L1 gives expect()'s bits for every page."""
+    """L3 -> fresh host pages -> L1 gives expect()'s bits."""
     from scripts.rigs.l3_harness import load_to_device, prefetch
 
     fetched = prefetch(l3, tokens, last_hash=last_hash)
@@ -455,10 +443,8 @@ def assert_prefetch_restores(l3, tokens, written, sink_tokens, last_hash=None):
 
 
 def test_l3_carries_the_sink_page_keys_at_8_bits(monkeypatch, tmp_path, l3_rigs):
-    """The file backend stores every page as the format's 4-bit page, plus one object of
-    the sink page's 8-bit keys; after L1 and L2 are emptied, the prefetched sink page
-    restores its keys at 8 bits (bit for bit the int8 codec's), everything else at 4
-    bits."""
+    """L3 holds every page at 4 bits plus one object of the sink page's 8-bit keys, with
+    which the prefetched sink page restores (the int8 codec's bits)."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
     pool = l3.rig.host_pool
     tokens = list(range(7, 7 + 3 * PAGE))
@@ -475,8 +461,7 @@ def test_l3_carries_the_sink_page_keys_at_8_bits(monkeypatch, tmp_path, l3_rigs)
 
 
 def test_l3_chain_after_token_0_does_not_ask(monkeypatch, tmp_path, l3_rigs):
-    """A prefetch that continues a cached prefix (last_hash set) starts on a later page:
-    it asks for no sink object and restores at 4 bits."""
+    """A prefetch continuing a cached prefix asks for no sink object: 4 bits."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
     tokens = list(range(7, 7 + 3 * PAGE))
     written = write_sequence(l3, tokens, seed=6)
@@ -490,8 +475,8 @@ def test_l3_chain_after_token_0_does_not_ask(monkeypatch, tmp_path, l3_rigs):
 
 
 def test_l3_full_store_restores_4_bit_and_counts_it(monkeypatch, tmp_path, l3_rigs):
-    """One slot, held by the first sequence's prefetched sink page: the second's comes
-    back 4-bit, counted as full."""
+    """One slot, held by the first prefetched sink page: the second's restores 4-bit,
+    counted as full."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch, sink_tokens=16 * PAGE)
     pool = l3.rig.host_pool
     assert pool.sink_page_counts()["slots"] == 1
@@ -505,32 +490,44 @@ def test_l3_full_store_restores_4_bit_and_counts_it(monkeypatch, tmp_path, l3_ri
     assert counts["l3"]["restored"] == 1 and counts["l3"]["full"] == 1
 
 
-def _corrupt(tmp_path, objects):
+def _corrupt(l3, objects):
     data = bytearray(objects[0].read_bytes())
     data[len(data) // 2] ^= 0x40
     objects[0].write_bytes(bytes(data))
 
 
-def _delete(tmp_path, objects):
-    objects[0].unlink()
-
-
-def _other_page(tmp_path, objects):
+def _other_page(l3, objects):
     # The first sequence's sink object under the second's key.
     objects[0].write_bytes(objects[1].read_bytes())
 
 
+def _failing_get(l3, objects):
+    batch_get = l3.backend.batch_get
+
+    def failing(keys, *args, **kwargs):
+        if any(L3_KEY_SUFFIX in k for k in keys):
+            raise OSError("store unavailable")
+        return batch_get(keys, *args, **kwargs)
+
+    l3.backend.batch_get = failing
+
+
 @pytest.mark.parametrize(
     "fault, reason",
-    [(_corrupt, "checksum"), (_delete, "missing"), (_other_page, "key")],
-    ids=["corrupt", "delete", "other_page"],
+    [
+        (_corrupt, "checksum"),
+        (lambda l3, objects: objects[0].unlink(), "missing"),
+        (_other_page, "key"),
+        (_failing_get, "missing"),
+    ],
+    ids=["corrupt", "delete", "other_page", "get_raises"],
 )
 def test_l3_sink_object_refused_restores_4_bit(
     monkeypatch, tmp_path, l3_rigs, fault, reason
 ):
-    """A sink object changed, deleted or taken from another sequence's page: the page
-    restores at 4 bits, bit for bit, counted by reason; no slot is taken and the other
-    pages are unchanged."""
+    """A sink object changed, deleted, taken from another sequence's page, or whose get
+    raises: the page (verified) restores at 4 bits, bit for bit, counted by reason; no
+    slot is taken and the other pages are unchanged."""
     l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
     pool = l3.rig.host_pool
     first = list(range(7, 7 + 2 * PAGE))
@@ -543,7 +540,7 @@ def test_l3_sink_object_refused_restores_4_bit(
     key = get_storage_hash_str(second, None, page_size=PAGE)[0] + L3_KEY_SUFFIX
     objects.sort(key=lambda p: not p.name.startswith(key))
     assert objects[0].name.startswith(key)
-    fault(tmp_path, objects)
+    fault(l3, objects)
     assert_prefetch_restores(l3, second, written, 0)
     counts = pool.sink_page_counts()
     assert counts["stored"] == 0
@@ -551,25 +548,6 @@ def test_l3_sink_object_refused_restores_4_bit(
     assert counts["l3"]["refused"][reason] == 1
     assert sum(counts["l3"]["refused"].values()) == 1
     assert pool.storage_integrity_counts()["verified"] == 2
-
-
-def test_l3_failing_store_costs_only_the_8_bits(monkeypatch, tmp_path, l3_rigs):
-    """A backend whose get of the sink object raises: the page, already verified,
-    restores at 4 bits and the failure counts as missing."""
-    l3 = l3_rig(tmp_path, l3_rigs, monkeypatch)
-    tokens = list(range(7, 7 + 2 * PAGE))
-    written = write_sequence(l3, tokens, seed=9)
-    batch_get = l3.backend.batch_get
-
-    def failing(keys, *args, **kwargs):
-        if any(L3_KEY_SUFFIX in k for k in keys):
-            raise OSError("store unavailable")
-        return batch_get(keys, *args, **kwargs)
-
-    l3.backend.batch_get = failing
-    assert_prefetch_restores(l3, tokens, written, 0)
-    counts = l3.rig.host_pool.sink_page_counts()
-    assert counts["stored"] == 0 and counts["l3"]["refused"]["missing"] == 1
 
 
 def test_l3_sink_off_writes_no_sink_objects(monkeypatch, tmp_path, l3_rigs):
@@ -585,8 +563,7 @@ def test_l3_sink_off_writes_no_sink_objects(monkeypatch, tmp_path, l3_rigs):
 
 
 def test_quality_harness_sink_arm_is_opt_in():
-    """The quality CLI's int4r_sink arm: int4r's pool with the side store, selected only
-    by --arms."""
+    """The quality CLI's int4r_sink arm: int4r's pool with the side store, opt-in."""
     from scripts.quality import harness as hq
 
     default, _ = hq._selected_arms(hq.QualityConfig(text_file="unused"))
@@ -606,8 +583,8 @@ def test_quality_harness_sink_arm_is_opt_in():
 
 
 def test_start_up_lines_round_bytes_per_token_and_size_the_store(caplog):
-    """The side store's share makes the pool's bytes per token fractional: the line
-    states it rounded; the store's size is in a unit that shows it."""
+    """The line rounds the (fractional) bytes per token and sizes the store in a unit
+    that shows it."""
     with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.pool_host"):
         # 3 slots of 16.5 B per host token each.
         pool = build("int4", sink_tokens=6 * PAGE).host_pool
@@ -638,9 +615,8 @@ def test_readable_bytes(n, text):
 
 
 def test_the_sink_page_hooks_are_declared_and_take_bytes():
-    """HostKVCache declares the controller's sink-page hooks (a pool without the sink
-    page answers "none"); the controller reads them plainly; the pool names the object
-    to get and receives its bytes, never a backend."""
+    """HostKVCache declares the controller's sink-page hooks, which the controller calls
+    plainly; the pool names the object to get and receives its bytes, never a backend."""
     import inspect
 
     from sglang.srt.managers import cache_controller

@@ -1,13 +1,6 @@
-"""Host bytes per token with and without packed MTP draft layers, at named
-model geometries, from the real host pools (what they allocate, what they log
-and what the metrics report as bytes_per_token).
-
-    PYTHONPATH=build/sglang/python .venv/bin/python -m tests.test_spec_bytes
-
-prints the table docs/speculative.md quotes; the tests check that every
-pool's reported bytes per token is what it allocates, target and draft layers
-together, and that the draft adds exactly its layers' share.
-"""
+"""Host bytes per token with and without packed MTP draft layers at named model
+geometries, from the real host pools: reported = allocated, the draft adds its layers'
+share. `python -m tests.test_spec_bytes` prints the table docs/speculative.md quotes."""
 
 from __future__ import annotations
 
@@ -91,14 +84,6 @@ def allocated_per_token(pool) -> float:
     return sum(b.nbytes for b in buffers) / pool.size
 
 
-def rows():
-    for model in MODELS:
-        for host_dtype in formats(model.kind):
-            without = build(model, host_dtype, with_draft=False)
-            with_draft = build(model, host_dtype, with_draft=True)
-            yield model, host_dtype, without, with_draft
-
-
 @pytest.mark.parametrize("model", MODELS, ids=lambda m: m.name.split()[0])
 def test_bytes_per_token_with_and_without_the_draft(model):
     for host_dtype in formats(model.kind):
@@ -126,7 +111,9 @@ def main() -> None:
     print("| model | --hicache-host-dtype | target only | target + draft | x BF16 |")
     print("|---|---|---:|---:|---:|")
     bf16 = {}
-    for model, host_dtype, without, packed in rows():
+    for model, host_dtype in ((m, f) for m in MODELS for f in formats(m.kind)):
+        without = build(model, host_dtype, with_draft=False)
+        packed = build(model, host_dtype, with_draft=True)
         if host_dtype == "auto":
             bf16[model.name] = packed.size_per_token
         ratio = bf16[model.name] / packed.size_per_token

@@ -1,7 +1,6 @@
-"""Packed MTP draft layers through the fused transfer kernels, under the Triton
-interpreter (TRITON_INTERPRET=1): the draft layers are separate device allocations
-appended to the target's layer table (DeviceLayerTable offsets reach them), so one
-encode launch covers target and draft, and a draft load decodes into the draft pool."""
+"""Packed MTP draft layers through the fused transfer kernels (Triton interpreter): the
+draft layers, appended to the target's layer table, encode in the target's launch and
+a draft load decodes into the draft pool, bit for bit the torch path's."""
 
 from __future__ import annotations
 
@@ -47,8 +46,8 @@ def packed_pool(geo, host_dtype, layout, drafts, mode):
 
 
 def round_trip(geo, host_dtype, layout, mode, drafts=2):
-    """Back up target + drafts, restore every layer into fresh slots; returns the host
-    records and the restored device rows per pool."""
+    """Back up target + drafts and restore every layer into fresh slots; returns the
+    host records and the restored device rows per pool."""
     target, draft_pools, pool = packed_pool(geo, host_dtype, layout, drafts, mode)
     pools = [target, *draft_pools]
     n = 3 * geo.page_size

@@ -1,6 +1,5 @@
 """Host tiers under speculative decoding, through SGLang's own registry, hybrid pool
-assembler, HybridCacheController and UnifiedRadixCache on CPU, for every --hicache-host-
-dtype."""
+assembler, HybridCacheController and UnifiedRadixCache on CPU, for every format."""
 
 from __future__ import annotations
 
@@ -13,18 +12,20 @@ from tests.support import hybrid_rigs as hybrid
 from tests.support.hybrid_rigs import (
     DTYPE,
     HOST_DTYPES,
-    alloc_swa_tokens,
+    Rig,
     build_cache,
     expected_host_cls,
     fill_kv,
     assert_restored,
     publish_server_args,
     swa_rig,
+    swa_round_trip,
     wipe_kv,
 )
 from scripts.rigs.hicache_harness import (
     Geometry,
     MLAGeometry,
+    make_allocator,
     make_device_pool,
     make_host_pool,
 )
@@ -41,7 +42,6 @@ pytestmark = pytest.mark.usefixtures(
     "hybrid_host_copies_on_cpu", "hybrid_runtime_context", "host_ram_not_under_test"
 )
 
-ENCODED = tuple(name for name in HOST_DTYPES if name != "auto")
 # Every (layout, page size, io backend) the encoded pools serve, with a page
 # size above 1 wherever the layout groups by page.
 MHA_LAYOUTS = [
@@ -85,54 +85,28 @@ def mla_pool(layers: int, page_size: int):
     return make_device_pool(geo, DEVICE_TOKENS)
 
 
-class FlatRig:
+def flat_rig(server_args, kv_pool, page_size, packed_drafts=()) -> Rig:
     """A flat (MHA or MLA) target's radix cache with HiCache, as the scheduler builds
     it, optionally with packed MTP draft pools."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
-    def __init__(self, server_args, kv_pool, page_size, packed_drafts=()):
-        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
-        self.kv_pool = kv_pool
-        if page_size == 1:
-            self.allocator = TokenToKVPoolAllocator(
-                DEVICE_TOKENS, DTYPE, "cpu", kv_pool, need_sort=False
-            )
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(
-                DEVICE_TOKENS, page_size, DTYPE, "cpu", kv_pool, need_sort=False
-            )
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=ReqToTokenPool(
-                size=4, max_context_len=512, device="cpu", enable_memory_saver=False
-            ),
-            token_to_kv_pool_allocator=self.allocator,
-            page_size=page_size,
-            mtp_draft_device_pools=tuple(packed_drafts),
-        )
-        self.cache = build_cache(server_args, params, swa=False, ssm=False)
-
-    @property
-    def controller(self):
-        return self.cache.cache_controller
-
-    def host_pool(self, name=PoolName.KV):
-        return self.controller.mem_pool_host.entry_map[name].host_pool
-
-    def finish(self):
-        ctl = self.controller
-        for ack in ctl.ack_write_queue + ctl.ack_load_queue:
-            ack.finish_event.synchronize()
-        ctl.ack_write_queue.clear()
-        ctl.ack_load_queue.clear()
+    allocator = make_allocator(kv_pool)
+    params = CacheInitParams(
+        disable=False,
+        req_to_token_pool=ReqToTokenPool(
+            size=4, max_context_len=512, device="cpu", enable_memory_saver=False
+        ),
+        token_to_kv_pool_allocator=allocator,
+        page_size=page_size,
+        mtp_draft_device_pools=tuple(packed_drafts),
+    )
+    cache = build_cache(server_args, params, swa=False, ssm=False)
+    return Rig(server_args.hicache_host_dtype, cache, allocator, kv_pool, None, None)
 
 
 def add_draft_sidecar(rig, draft_pool):
-    """Register the draft pool as SGLang does for a separate draft model
-    (HiCacheDraftMode.SIDECAR)."""
+    """Register the draft pool as SGLang does for a separate draft model (SIDECAR)."""
     from sglang.srt.mem_cache.kv_cache_builder import maybe_register_hicache_draft
     from sglang.srt.speculative.base_spec_worker import (
         HiCacheDraftMode,
@@ -151,10 +125,9 @@ def add_draft_sidecar(rig, draft_pool):
 
 
 def round_trip(rig, pools, tokens, *, sidecars=(), seed=0):
-    """Write `tokens` tokens of KV into every pool in `pools` (target first, then the
-    drafts, whose slots follow the target's), back them up through the controller, wipe
-    the device, load everything back into fresh slots and check it; returns the loaded
-    slots."""
+    """Write `tokens` tokens of KV into every pool in `pools` (target first), back them
+    up through the controller, wipe the device and load them back into fresh slots;
+    returns the loaded slots and the rows written per pool."""
     ctl, gen = rig.controller, torch.Generator().manual_seed(seed)
     slots = rig.allocator.alloc(tokens)
     written = [fill_kv(pool, slots, gen) for pool in pools]
@@ -183,11 +156,11 @@ def packed_mha_rig(spec_models, host_dtype, layout, page_size, io_backend, depth
     )
     target = mha_pool(TARGET_LAYERS, page_size)
     drafts = tuple(mha_pool(1, page_size) for _ in range(depth))
-    return FlatRig(server_args, target, page_size, drafts), target, drafts
+    return flat_rig(server_args, target, page_size, drafts), target, drafts
 
 
 def check_packed_layers(rig, host_dtype, draft_layers):
-    host = rig.host_pool()
+    host = rig.host_pool(PoolName.KV)
     assert type(host) is expected_host_cls(host_dtype)
     assert (host.target_layer_num, host.layer_num) == (
         TARGET_LAYERS,
@@ -226,16 +199,32 @@ def test_packed_mtp_mha(spec_models, host_dtype, layout, page_size, io_backend, 
     pools = (target, *drafts)
     loaded, written = round_trip(rig, pools, (depth + 1) * page_size + 2 * depth)
     for i, (pool, rows) in enumerate(zip(pools, written)):
-        assert_restored(rig.host_pool(), pool, loaded, rows, i)
+        assert_restored(rig.host_pool(PoolName.KV), pool, loaded, rows, i)
 
 
-def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
-    """A load with is_draft=True writes the draft's host layer into the draft device
-    pool, and a target-only load leaves the draft untouched."""
-    rig, target, (draft,) = packed_mha_rig(
-        spec_models, "int8", "page_first", 4, "kernel", depth=1
+def test_packed_mtp_draft_layer_loads_alone_and_rides_storage_pages(
+    spec_models, caplog
+):
+    """INT8 with one draft: the start-up log names the bytes with and without the draft;
+    an is_draft load writes only the draft's host layer into the draft pool (a target
+    load leaves it); a storage page holds every host layer and restores the draft's."""
+    with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.pool_host"):
+        rig, target, (draft,) = packed_mha_rig(
+            spec_models, "int8", "page_first", 4, "kernel", depth=1
+        )
+    host = rig.host_pool(PoolName.KV)
+    lines = [
+        r.getMessage() for r in caplog.records if "stores INT8 KV" in r.getMessage()
+    ]
+    assert len(lines) == 1, lines
+    assert f"{host.size_per_token} B/token" in lines[0]
+    assert (
+        f"{TARGET_LAYERS} target + 1 packed draft layers "
+        f"({host.size_per_token_without_draft()} B/token without the draft)"
+    ) in lines[0]
+    assert host.storage_page_bytes == host.host_format.unit_bytes() * (
+        TARGET_LAYERS + 1
     )
-    host = rig.host_pool()
     gen = torch.Generator().manual_seed(3)
     slots = rig.allocator.alloc(8)
     fill_kv(target, slots, gen)
@@ -255,49 +244,15 @@ def test_packed_mtp_draft_layer_restores_only_its_own_layer(spec_models):
         draft, host_slots, slots, TARGET_LAYERS, "kernel", is_draft=True
     )
     assert_restored(host, draft, slots, draft_rows, "draft")
-
-
-def test_packed_mtp_start_up_log_names_bytes_with_and_without_draft(
-    spec_models, caplog
-):
-    with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.pool_host"):
-        rig, _, drafts = packed_mha_rig(
-            spec_models, "int8", "page_first", 4, "kernel", depth=1
-        )
-    host = rig.host_pool()
-    lines = [
-        r.getMessage() for r in caplog.records if "stores INT8 KV" in r.getMessage()
-    ]
-    assert len(lines) == 1, lines
-    assert f"{host.size_per_token} B/token" in lines[0]
-    assert (
-        f"{TARGET_LAYERS} target + 1 packed draft layers "
-        f"({host.size_per_token_without_draft()} B/token without the draft)"
-    ) in lines[0]
-
-
-def test_packed_mtp_l3_pages_carry_the_draft_layers(spec_models):
-    """The stock pool's storage pages hold every host layer, drafts included; so do the
-    encoded pool's: a page read and written back elsewhere restores the draft layer."""
-    rig, target, (draft,) = packed_mha_rig(
-        spec_models, "int8", "page_first", 4, "kernel", depth=1
-    )
-    host = rig.host_pool()
-    fmt = host.host_format
-    assert host.storage_page_bytes == fmt.unit_bytes() * (TARGET_LAYERS + 1)
-    gen = torch.Generator().manual_seed(5)
-    slots = rig.allocator.alloc(4)
-    fill_kv(target, slots, gen)
-    draft_rows = fill_kv(draft, slots, gen)
-    src, dst = torch.arange(4), torch.arange(8, 12)
-    host.backup_from_device_all_layer(target, src, slots, "kernel")
+    # Host page 0 through a storage page into host page 2.
     page = host.get_data_page(0, key="k0").clone()
     host.set_from_flat_data_page(8, page, key="k0")
     wipe_kv(draft, slots)
     host.load_to_device_per_layer(
-        draft, dst, slots, TARGET_LAYERS, "kernel", is_draft=True
+        draft, torch.arange(8, 12), slots[:4], TARGET_LAYERS, "kernel", is_draft=True
     )
-    assert_restored(host, draft, slots, draft_rows, "draft via L3 page")
+    first_page = [tuple(x[:4] for x in rows) for rows in draft_rows]
+    assert_restored(host, draft, slots[:4], first_page, "draft via L3 page")
 
 
 MLA_LAYOUTS = [
@@ -323,8 +278,8 @@ def test_packed_mtp_mla(spec_models, host_dtype, layout, page_size, io_backend):
     )
     target = mla_pool(TARGET_LAYERS, page_size)
     draft = mla_pool(1, page_size)
-    rig = FlatRig(server_args, target, page_size, (draft,))
-    host = rig.host_pool()
+    rig = flat_rig(server_args, target, page_size, (draft,))
+    host = rig.host_pool(PoolName.KV)
     expected = (
         MLATokenToKVPoolHost
         if host_dtype == "auto"
@@ -344,26 +299,36 @@ def test_packed_mtp_mla(spec_models, host_dtype, layout, page_size, io_backend):
 # -- separate drafts (EAGLE/EAGLE3 with a draft model, STANDALONE) ---------------
 
 
-# EAGLE3 with a Llama-shaped draft (one layer, its own heads) and STANDALONE (a
-# smaller model of the target's family: several layers, the target's heads):
-# (host_dtype, layout, page size, io backend, draft pool arguments, tokens).
-SIDECARS = [
-    (f, "page_first", 4, "kernel", dict(layers=1, head_num=4, head_dim=32), 12)
-    for f in HOST_DTYPES
-] + [(f, "layer_first", 1, "direct", dict(layers=2), 7) for f in ("auto", "int8")]
+# EAGLE3 with a Llama-shaped draft (one layer, its own heads), STANDALONE (a smaller
+# model of the target's family: several layers, the target's heads), and an MLA target
+# whose EAGLE3 draft gets the MHA pool: (target model, host_dtype, layout, page size,
+# io backend, draft pool arguments, tokens).
+SIDECARS = (
+    [
+        ("mha_mtp", f, "page_first", 4, "kernel", dict(head_num=4, head_dim=32), 12)
+        for f in HOST_DTYPES
+    ]
+    + [
+        ("mha_mtp", f, "layer_first", 1, "direct", dict(layers=2), 7)
+        for f in ("auto", "int8")
+    ]
+    + [("deepseek", "int8", "page_first", 4, "kernel", {}, 12)]
+)
 
 
 @pytest.mark.parametrize(
-    "host_dtype,layout,page_size,io_backend,draft_args,tokens", SIDECARS
+    "model,host_dtype,layout,page_size,io_backend,draft_args,tokens", SIDECARS
 )
 def test_separate_draft_sidecar_is_the_encoded_pool(
-    spec_models, host_dtype, layout, page_size, io_backend, draft_args, tokens
+    spec_models, model, host_dtype, layout, page_size, io_backend, draft_args, tokens
 ):
     server_args = publish_server_args(
-        spec_models["mha_mtp"], host_dtype, layout, page_size, io_backend
+        spec_models[model], host_dtype, layout, page_size, io_backend
     )
-    target = mha_pool(TARGET_LAYERS, page_size)
-    rig = FlatRig(server_args, target, page_size)
+    make_target = mla_pool if model == "deepseek" else mha_pool
+    target = make_target(TARGET_LAYERS, page_size)
+    rig = flat_rig(server_args, target, page_size)
+    draft_args = {"layers": 1, **draft_args}
     draft = mha_pool(page_size=page_size, **draft_args)
     add_draft_sidecar(rig, draft)
     draft_host = rig.host_pool(PoolName.DRAFT)
@@ -372,38 +337,8 @@ def test_separate_draft_sidecar_is_the_encoded_pool(
     loaded, written = round_trip(
         rig, (target, draft), tokens, sidecars=(PoolName.DRAFT,)
     )
-    assert_restored(rig.host_pool(), target, loaded, written[0], "t")
+    assert_restored(rig.host_pool(PoolName.KV), target, loaded, written[0], "t")
     assert_restored(draft_host, draft, loaded, written[1], "draft")
-
-
-def test_mla_target_with_separate_mha_draft(spec_models):
-    """An MLA target (int8) with an EAGLE3 Llama-shaped draft: the draft's host pool is
-    the MHA INT8 pool."""
-    server_args = publish_server_args(
-        spec_models["deepseek"], "int8", "page_first", 4, "kernel"
-    )
-    target = mla_pool(TARGET_LAYERS, 4)
-    rig = FlatRig(server_args, target, 4)
-    draft = mha_pool(1, 4)
-    add_draft_sidecar(rig, draft)
-    draft_host = rig.host_pool(PoolName.DRAFT)
-    assert type(draft_host) is host_pool_cls("int8", "mha")
-    gen = torch.Generator().manual_seed(1)
-    slots = rig.allocator.alloc(12)
-    t_rows = fill_kv(target, slots, gen)
-    d_rows = fill_kv(draft, slots, gen)
-    extra = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)]
-    host_idx = rig.controller.write(slots, extra_pools=extra)
-    rig.finish()
-    wipe_kv(target, slots)
-    wipe_kv(draft, slots)
-    rig.allocator.free(slots)
-    extra = [PoolTransfer(name=PoolName.DRAFT, indices_from_pool=PoolName.KV)]
-    loaded = rig.controller.load(host_idx, extra_pools=extra)
-    rig.controller.start_loading()
-    rig.finish()
-    assert_restored(rig.host_pool(), target, loaded, t_rows, "target")
-    assert_restored(draft_host, draft, loaded, d_rows, "draft")
 
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8", "k8v4"])
@@ -437,26 +372,7 @@ def test_sliding_window_draft_sidecar(spec_models, host_dtype):
     assert type(draft_host) is type(target_swa_host)
     assert type(draft_host) is expected_host_cls(host_dtype)
 
-    ctl, gen = rig.controller, torch.Generator().manual_seed(2)
-    full = alloc_swa_tokens(rig.allocator, 32)
-    swa = rig.allocator.translate_loc_from_full_to_swa(full)
-    fill_kv(rig.kv_pool, full, gen)
-    fill_kv(rig.side_pool, swa, gen)
-    d_rows = fill_kv(draft.swa_kv_pool, swa, gen)
-    backup = PoolTransfer(name=PoolName.SWA, device_indices=swa.to(torch.int64))
-    d_backup = PoolTransfer(name=PoolName.DRAFT_SWA, indices_from_pool=PoolName.SWA)
-    host = ctl.write(full, extra_pools=[backup, d_backup])
-    assert host is not None
-    rig.finish()
-    wipe_kv(draft.swa_kv_pool, swa)
-    rig.allocator.free(full)
-    restore = PoolTransfer(name=PoolName.SWA, host_indices=backup.host_indices)
-    d_restore = PoolTransfer(name=PoolName.DRAFT_SWA, indices_from_pool=PoolName.SWA)
-    loaded = ctl.load(host, extra_pools=[restore, d_restore])
-    assert loaded is not None
-    ctl.start_loading()
-    rig.finish()
-    assert_restored(draft_host, draft.swa_kv_pool, restore.device_indices, d_rows, "d")
+    swa_round_trip(rig, 32, seed=2, draft=draft.swa_kv_pool)
 
 
 # -- a hybrid target's packed MTP layer (Qwen3-Next NEXTN) ------------------------
@@ -495,20 +411,7 @@ def test_packed_mtp_on_linear_attention_target(spec_models, host_dtype, monkeypa
     assert host.layer_num == host.target_layer_num + 1
     draft_kv = draft.full_kv_pool
 
-    ctl, gen = rig.controller, torch.Generator().manual_seed(7)
-    slots = rig.allocator.alloc(40)
-    written = fill_kv(rig.kv_pool, slots, gen)
-    d_written = fill_kv(draft_kv, slots, gen)
-    host_idx = ctl.write(slots)
-    assert host_idx is not None
-    rig.finish()
-    wipe_kv(rig.kv_pool, slots)
-    wipe_kv(draft_kv, slots)
-    rig.allocator.free(slots)
-    loaded = ctl.load(host_idx)
-    assert loaded is not None
-    ctl.start_loading()
-    rig.finish()
+    loaded, (written, d_written) = round_trip(rig, (rig.kv_pool, draft_kv), 40, seed=7)
     assert_restored(host, rig.kv_pool, loaded, written, "target")
     assert_restored(host, draft_kv, loaded, d_written, "draft")
 

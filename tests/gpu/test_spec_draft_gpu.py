@@ -1,6 +1,6 @@
-"""One packed MTP draft (NEXTN) through the INT8 host pools on a real GPU (dry
-run on CPU): the self-check passes with the draft's tables, one backup launch
-encodes target and draft, and the draft load restores the torch path's bits."""
+"""One packed MTP draft (NEXTN) through the INT8 host pools on a real GPU (dry run on
+CPU): the self-check keeps the kernels, one backup launch encodes target and draft, and
+the draft load restores the torch path's bits."""
 
 from __future__ import annotations
 

@@ -36,12 +36,11 @@ class CopyHostFormat(HostKVFormat):
         )
 
     def encode_reference(self, rows):
-        out = {
+        return {
             "k": rows[0].contiguous().view(torch.int16).clone(),
             "v": rows[1].contiguous().view(torch.int16).clone(),
             "unit_amax": torch.stack([self._unit_amax(x) for x in rows], dim=-1),
         }
-        return out
 
     @staticmethod
     def _unit_amax(x):
@@ -61,39 +60,35 @@ class CopyHostFormat(HostKVFormat):
         return EncodeStats(ref["unit_amax"].amax(dim=0), nonfinite)
 
     def decode_into(self, records, out):
-        for i, side in enumerate(self.sides):
-            out[i].copy_(records[side].view(out[i].dtype))
+        for o, x in zip(out, self.decode_reference(records, self.device_dtype)):
+            o.copy_(x)
 
     def error_bound(self, records, restored):
         return tuple(torch.zeros(r.shape) for r in restored)
 
     # A torch stand-in for fused kernels, with the kernels' contract: tables
-    # of all layers, out as [unit, layer, ...] views, indices on the device.
+    # of all layers, out[name] a [unit, layer, ...] view of the record's
+    # stored layers among the launch's, indices on the device.
     def fused_available(self, device):
         return True
 
     def encode_gather(
-        self,
-        tables,
-        device_indices,
-        out,
-        host_indices,
-        *,
-        counters=None,
-        first_layer=0,
+        self, tables, device_indices, out, host_indices, *, counters=None, first_layer=0
     ):
         amax = None if counters is None else counters.amax
         ut = self.unit_tokens
         units = host_indices.view(-1, ut)[:, 0].long() // ut
-        for layer in range(next(iter(out.values())).shape[1]):
-            src = first_layer + layer
+        launch = range(first_layer, first_layer + out["k"].shape[1])
+        for src in launch:
             rows = [
                 t.layers[src][device_indices.long()].view(-1, ut, *t.shape[1:])
                 for t in tables
             ]
-            encoded = self.encode_reference(rows)
-            for name, value in encoded.items():
-                out[name][units, layer] = value
+            fmt = self.for_layer(src)
+            encoded = fmt.encode_reference(rows)
+            for record in fmt.records:
+                stored = [i for i in launch if record.stored_on(i)]
+                out[record.name][units, stored.index(src)] = encoded[record.name]
             if amax is not None:
                 torch.maximum(
                     amax[src], encoded["unit_amax"].amax(dim=0), out=amax[src]
@@ -104,9 +99,9 @@ class CopyHostFormat(HostKVFormat):
     ):
         ut = self.unit_tokens
         units = host_indices.view(-1, ut)[:, 0].long() // ut
-        for i, side in enumerate(self.sides):
-            rows = records[side][units].view(dst[i].dtype)
-            dst[i][device_indices.long()] = rows.reshape(-1, *dst[i].shape[1:])
+        picked = {name: records[name][units] for name in records}
+        for i, x in enumerate(self.decode_reference(picked, self.device_dtype)):
+            dst[i][device_indices.long()] = x.reshape(-1, *dst[i].shape[1:])
 
     def zero_copy_objects(self):
         k, v, amax = (r.nbytes for r in self.records)

@@ -1,7 +1,6 @@
-"""Hybrid models' host tiers on CPU (tests/test_hybrid_host_pools.py,
-tests/test_spec_host_pools.py): server arguments resolved from tiny local configs and
-published as the scheduler publishes them, the radix cache built through SGLang's
-registry over real SWA / linear-attention device pools, and what a restore must give."""
+"""Hybrid and speculative host-tier rigs on CPU: server arguments from tiny configs,
+published as the scheduler does, SGLang's radix cache over real SWA / linear-attention
+device pools, and what a restore must give."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 import torch
-from tests.support.conformance import reference, side_buffers
+from tests.support.conformance import bits, reference, side_buffers
 from scripts.rigs.hicache_harness import build_radix_cache, make_allocator
 from tests.support.server_args import GPT_OSS, QWEN3_5, QWEN3_NEXT
 
@@ -43,9 +42,8 @@ _CACHES: list = []
 def publish_server_args(
     model_path, host_dtype, layout, page_size, io_backend, metrics=False, l3=None
 ):
-    """Resolve the server's arguments for the model and publish them for this process,
-    as the scheduler does (what get_memory() reads); with `l3` (the storage backend's
-    arguments, l3_args) the host tier has an L3."""
+    """Resolve and publish the server's arguments as the scheduler does; with `l3` (the
+    storage backend's arguments) the host tier has an L3."""
     from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
@@ -168,8 +166,7 @@ def swa_rig(
 
 
 def linear_attention_text_config(model: str):
-    """The model's text config as SGLang loads it (Qwen3.5's sits under its vision-
-    language wrapper)."""
+    """The model's text config as SGLang loads it (Qwen3.5's is under its VL wrapper)."""
     from sglang.srt.configs import Qwen3NextConfig
     from sglang.srt.configs.qwen3_5 import Qwen3_5MoeTextConfig
 
@@ -249,13 +246,9 @@ def mamba_rig(
 # -- what a restore must give ---------------------------------------------------
 
 
-def bits(x: torch.Tensor) -> torch.Tensor:
-    return x.view(torch.int16) if x.element_size() == 2 else x.view(torch.uint8)
-
-
 def fill_kv(pool, indices, gen):
-    """Random KV (a wide dynamic range per token) into every layer of a device MHA or
-    MLA pool; returns the rows per layer, a tuple over sides."""
+    """Random KV (a wide range over tokens) into every layer of a device MHA or MLA pool;
+    returns the rows per layer, a tuple over sides."""
     written = []
     for layer in range(pool.layer_num):
         rows = []
@@ -275,9 +268,8 @@ def wipe_kv(pool, indices):
 
 
 def assert_restored(host_pool, pool, indices, written, what, sink_tokens=0):
-    """The device rows at `indices` are the host pool's reference restore of what
-    was written (themselves for a stock pool); the keys of the first `sink_tokens`
-    rows (a sink page) from its side store's int8 reference."""
+    """The device rows at `indices` are the host pool's reference restore of `written`,
+    the first `sink_tokens` keys (a sink page) its side store's int8 reference."""
     for layer, rows in enumerate(written):
         _, want = reference(host_pool, list(rows))
         if sink_tokens:
@@ -303,20 +295,19 @@ def assert_kv_restored(rig, name, pool, indices, written):
 
 
 def mamba_state(pool, slots):
-    cache = pool.mamba_cache
-    return [t[:, slots].clone() for t in (cache.temporal, *cache.conv)]
+    return [
+        t[:, slots].clone() for t in (pool.mamba_cache.temporal, *pool.mamba_cache.conv)
+    ]
 
 
 def fill_mamba(pool, slots, gen):
-    cache = pool.mamba_cache
-    for t in (cache.temporal, *cache.conv):
+    for t in (pool.mamba_cache.temporal, *pool.mamba_cache.conv):
         t[:, slots] = torch.randn(t[:, slots].shape, generator=gen).to(t.dtype)
     return mamba_state(pool, slots)
 
 
 def wipe_mamba(pool, slots):
-    cache = pool.mamba_cache
-    for t in (cache.temporal, *cache.conv):
+    for t in (pool.mamba_cache.temporal, *pool.mamba_cache.conv):
         t[:, slots] = float("nan")
 
 
@@ -328,8 +319,7 @@ def expected_host_cls(host_dtype):
 
 
 def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
-    """Full-attention slots (with their SWA mapping) for one new request of `tokens`
-    tokens, as the scheduler allocates an extend."""
+    """Full-attention slots (with their SWA mapping) for a new request's extend."""
     if allocator.page_size == 1:
         return allocator.alloc(tokens)
     zero, length = torch.tensor([0]), torch.tensor([tokens])
@@ -338,13 +328,14 @@ def alloc_swa_tokens(allocator, tokens: int) -> torch.Tensor:
     )
 
 
-def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
-    """Write `full` KV slots and the side pool's `side` slots (extra pool `name`)
-    through the controller, wipe both, free `full` and load both back into fresh slots;
-    returns (loaded KV slots, loaded side slots)."""
+def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side, follow=()):
+    """Write `full` KV slots and the side pool's `side` slots (extra pool `name`, and
+    the pools named in `follow`, indexed like it) through the controller, wipe them
+    (`wipe_side` wipes the side pool and its followers) and load them back."""
     ctl = rig.controller
     backup = PoolTransfer(name=name, device_indices=side)
-    host = ctl.write(full, extra_pools=[backup])
+    followers = [PoolTransfer(name=n, indices_from_pool=name) for n in follow]
+    host = ctl.write(full, extra_pools=[backup, *followers])
     assert host is not None and backup.host_indices is not None
     rig.finish()
     wipe_kv(rig.kv_pool, full)
@@ -352,30 +343,43 @@ def side_pool_round_trip(rig: Rig, full, name: PoolName, side, wipe_side):
     rig.allocator.free(full)
 
     restore = PoolTransfer(name=name, host_indices=backup.host_indices)
-    loaded = ctl.load(host, extra_pools=[restore])
+    followers = [PoolTransfer(name=n, indices_from_pool=name) for n in follow]
+    loaded = ctl.load(host, extra_pools=[restore, *followers])
     assert loaded is not None and restore.device_indices is not None
     ctl.start_loading()
     rig.finish()
     return loaded, restore.device_indices
 
 
-def swa_round_trip(rig: Rig, tokens: int, seed: int = 0):
-    """Write `tokens` tokens of full and SWA KV through the controller, wipe the device,
-    load both back into fresh slots; returns the loaded tokens."""
+def swa_round_trip(rig: Rig, tokens: int, seed: int = 0, draft=None):
+    """Full and SWA KV (and a `draft` SWA device pool's, DRAFT_SWA) through the
+    controller and back, checked; returns `tokens`."""
     gen = torch.Generator().manual_seed(seed)
     full = alloc_swa_tokens(rig.allocator, tokens)
     swa = rig.allocator.translate_loc_from_full_to_swa(full).to(torch.int64)
     full_written = fill_kv(rig.kv_pool, full, gen)
-    swa_written = fill_kv(rig.side_pool, swa, gen)
-    loaded, swa_loaded = side_pool_round_trip(rig, full, PoolName.SWA, swa, wipe_kv)
+    sides = [rig.side_pool, *([draft] if draft is not None else [])]
+    swa_written, *draft_written = [fill_kv(pool, swa, gen) for pool in sides]
+
+    def wipe_sides(_, indices):
+        for pool in sides:
+            wipe_kv(pool, indices)
+
+    follow = [PoolName.DRAFT_SWA] if draft is not None else []
+    loaded, swa_loaded = side_pool_round_trip(
+        rig, full, PoolName.SWA, swa, wipe_sides, follow
+    )
     assert_kv_restored(rig, PoolName.KV, rig.kv_pool, loaded, full_written)
     assert_kv_restored(rig, PoolName.SWA, rig.side_pool, swa_loaded, swa_written)
+    for written in draft_written:
+        draft_host = rig.host_pool(PoolName.DRAFT_SWA)
+        assert_restored(draft_host, draft, swa_loaded, written, PoolName.DRAFT_SWA)
     return tokens
 
 
 def mamba_round_trip(rig: Rig, tokens: int, seed: int = 0):
-    """Write `tokens` tokens of full-attention KV and one request's Mamba state through
-    the controller, wipe the device, load both back; returns the state as restored."""
+    """Full-attention KV and one request's Mamba state through the controller and
+    back; returns the state as written and as restored."""
     gen = torch.Generator().manual_seed(seed)
     mamba_allocator = rig.cache.cache_controller.mem_pool_host.entry_map[
         PoolName.MAMBA
