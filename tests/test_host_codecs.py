@@ -1,7 +1,6 @@
-"""Every registered host format through its format object, one table: the fast
-path (encode_into / decode_into on strided views) == the reference bit for
-bit, the records and bytes per token, the error bound, NaN/Inf never restoring
-finite, the statistics, determinism and empty input."""
+"""Every registered host format through its format object, one table: fast path
+== reference bit for bit, records, bytes per token, the error bound, NaN/Inf
+never restoring finite, statistics, determinism and empty input."""
 
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
-"""Fused kernels of every host format (encode_gather / decode_scatter through
-the format object) under the Triton interpreter, one table: one backup of all
-layers from shuffled device rows into fragmented host units (page-major and
-layer_first views, int32/int64 indices), a restore per layer into shuffled
-slots, against the format's reference: every record byte, every restored bit
-(NaN: position; int4/k8v4: the canonical NaN), bf16/fp16/FP8 device KV, head
-dims and tiles, the statistics; untouched units and slots keep their bytes."""
+"""Fused kernels of every host format (encode_gather / decode_scatter) under the
+Triton interpreter, one table: every record byte and restored bit against the
+format's reference, layouts, indices, dtypes, tiles; refused host indices."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from sglang.kernels.ops.kvcache.host_kv_common import DeviceLayerTable, KVCounters
 from tests.support.codec_inputs import DTYPES
 from tests.support.fp8_reference import FP8, fp8_id
+from tests.support.int4_reference import Host, raw
 from tests.support.kernel_cases import big_tiles, run_case
 
 pytestmark = [
@@ -170,3 +168,88 @@ def test_fp8_round_trip(fmt, ut, layer_first, fp8):
         fmt, ut=ut, dtype=fp8, layer_first=layer_first,
         n_units=16 if ut == 1 else 3, seed=ut + 100 * layer_first,
     )  # fmt: skip
+
+
+# --- host indices the kernels refuse (default tiles, as the pools launch) -------
+
+
+def refusal_setup(monkeypatch, fmt, ut, n_units):
+    """(format, device tables, host of n_units + 1 units, its copy) at the
+    default tiles, two layers of random bf16 rows."""
+    monkeypatch.undo()  # the default tiles
+    g = torch.Generator().manual_seed(ut)
+    host = Host(fmt, n_units + 1, 2, ut, 2, 64, 64, geometry=GEOMETRY.get(fmt))
+    rows = [[torch.randn(n_units * ut, 2, 64, generator=g).to(BF) for _ in "LL"]
+            for _ in "KV"]  # fmt: skip
+    f = host.format(BF)
+    per_channel = getattr(f, "keys_per_channel", False) or getattr(f, "sub_tokens", 0)
+    return f, [DeviceLayerTable(s) for s in rows], host, host.clone(), per_channel
+
+
+@pytest.mark.parametrize(
+    "fmt,ut,index_dtype",
+    [(f, ut, i) for f, ut in (("int4", 16), ("int4", 4), ("k8v4", 16))
+     for i in (torch.int32, torch.int64)]
+    + [("int4c", 32, torch.int64), ("int4c", 4, torch.int64),
+       ("int8c", 64, torch.int64), ("int8c", 1, torch.int64)],
+)  # fmt: skip
+def test_out_of_range_host_indices_are_counted_not_written(
+    monkeypatch, fmt, ut, index_dtype
+):
+    """Host indices past the records or negative are counted, not written (a
+    per-channel key unit holding one loses its keys); restores skip them."""
+    n_units = max(2, 4 // ut)
+    f, tables, host, before, per_channel = refusal_setup(monkeypatch, fmt, ut, n_units)
+    n = n_units * ut
+    host_idx = torch.arange(n)
+    host_idx[ut + 1] = (n_units + 1) * ut  # one token of unit 1 past the end
+    host_idx[ut + 2] = -1
+    dev_idx = torch.arange(n).to(index_dtype)
+    bad = torch.zeros((), dtype=torch.int64)
+    f.encode_gather(tables, dev_idx, host.all_layers(), host_idx.to(index_dtype),
+                    counters=KVCounters(bad_indices=bad))  # fmt: skip
+    assert int(bad) == (ut if per_channel else 2)
+    want = before.clone()
+    want.fill_reference([t.layers for t in tables], torch.arange(ut), torch.tensor([0]))
+    for name, buf in host.bufs.items():
+        assert torch.equal(raw(buf[0]), raw(want.bufs[name][0])), name  # unit 0
+        assert torch.equal(raw(buf[-1]), raw(before.bufs[name][-1])), name
+        if ut == 1:
+            continue
+        unit1, old = raw(buf[1]), raw(before.bufs[name][1])
+        if per_channel and name.startswith("k"):
+            assert torch.equal(unit1, old), name  # the broken run's keys
+        else:  # per-token records: tokens 1 and 2 of unit 1 never written
+            assert torch.equal(unit1[:, 1:3], old[:, 1:3]), name
+            assert not torch.equal(unit1[:, 0], old[:, 0]), name
+    bad.zero_()
+    dst = [torch.full((n, 2, 64), 7.0, dtype=BF) for _ in range(2)]
+    f.decode_scatter(host.layer(0), host_idx.to(index_dtype), dst, dev_idx,
+                     bad_index_counter=bad)  # fmt: skip
+    assert int(bad) == 2
+    assert all((t[ut + 1 : ut + 3] == 7.0).all() for t in dst)
+    assert not (dst[0][:ut] == 7.0).any()
+
+
+@pytest.mark.parametrize("fmt,ut", [("int4", 16), ("int8c", 64), ("int4c", 32)])
+def test_per_channel_runs_not_one_unit_in_order_write_no_keys(monkeypatch, fmt, ut):
+    """Per-channel keys need each run of UT tokens to be one host unit in
+    order: reversed, two tokens swapped, or starting mid-unit, the run's keys
+    are not written and its tokens counted; its values still are."""
+    f, tables, host, before, _ = refusal_setup(monkeypatch, fmt, ut, 2)
+    swapped = torch.arange(ut, 2 * ut)
+    swapped[[1, 2]] = swapped[[2, 1]]
+    for dev, host_idx in (
+        (torch.arange(2 * ut), torch.cat([torch.arange(ut), swapped.flip(0)])),
+        (torch.arange(ut), swapped),
+        (torch.arange(ut), torch.arange(ut // 2, ut // 2 + ut)),
+    ):
+        bad = torch.zeros((), dtype=torch.int64)
+        f.encode_gather(tables, dev, host.all_layers(), host_idx,
+                        counters=KVCounters(bad_indices=bad))  # fmt: skip
+        assert int(bad) == ut
+        for name, buf in host.bufs.items():
+            if name.startswith("k"):
+                assert torch.equal(raw(buf[1]), raw(before.bufs[name][1])), name
+    assert not torch.equal(host.bufs["k"][0], before.bufs["k"][0])
+    assert not torch.equal(host.bufs["v"][1], before.bufs["v"][1])

@@ -1,7 +1,6 @@
-"""No kernel compiles while serving: for every launch the pools make, the key
-Triton's compiled-mode launcher would compute (JITFunction's own binder, with
-the kernels' options) is recorded; after the start-up self-check, transfers of
-any size and index placement add none."""
+"""No kernel compiles while serving: the compiled-mode cache key of every launch
+the pools make is recorded; after the start-up self-check, transfers of any
+size and index placement add none."""
 
 from __future__ import annotations
 

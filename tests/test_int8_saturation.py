@@ -1,7 +1,6 @@
-"""Extreme finite inputs never restore as Inf: fp16 KV at +-65472/65504 gets
-s = 516 and 127 * 516 rounds past fp16's max, so decode saturates; bf16 past
-the fp16 scale range is stored non-finite (NaN, counted). On the codec, the
-fused kernels (interpreter) and the pool's torch and fused paths."""
+"""Extreme finite inputs never restore as Inf: fp16 KV at +-65472/65504 saturates
+on decode, bf16 past the fp16 scale range is stored NaN and counted; on the
+codec, the fused kernels (interpreter) and the pool's torch and fused paths."""
 
 from __future__ import annotations
 
@@ -9,8 +8,8 @@ import pytest
 import torch
 from scripts.rigs.hicache_harness import Geometry, make_device_pool, make_host_pool
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as codec
-from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
+from tests.support.kernel_cases import run_case
 
 MHATokenToKVPoolINT8Host = host_pool_cls("int8")
 
@@ -71,22 +70,7 @@ def test_large_fp16_rows_stay_finite_and_within_the_bound():
 
 def test_fused_kernels_saturate_like_the_reference():
     x = large_fp16_rows()[:, None, :]  # [n, H=1, 2]
-    n = x.shape[0]
-    table = kt.DeviceLayerTable([x])
-    q = torch.empty((n, 1, 1, 1, 2), dtype=torch.int8)
-    s = torch.empty((n, 1, 1, 2, 1), dtype=torch.float16)
-    idx = torch.arange(n)
-    kt.encode_gather(table, table, idx, q, q.clone(), s, idx, unit_tokens=1)
-    q_ref, s_ref = codec.quantize_reference(x)
-    assert torch.equal(q.view(n, 1, 2), q_ref)
-    dst = torch.full_like(x, -7.0)
-    kt.decode_scatter(
-        q[:, 0], q[:, 0], s[:, 0], idx, dst, torch.empty_like(x), idx,
-        unit_tokens=1,
-    )  # fmt: skip
-    want = codec.dequantize_reference(q_ref, s_ref, torch.float16)
-    assert torch.isfinite(dst).all()
-    assert torch.equal(dst.view(torch.int16), want.view(torch.int16))
+    run_case("int8", ut=1, H=1, dims=(2, 2), n_units=len(x), dtype=x.dtype, rows=[x, x])
 
 
 def round_trip(dtype, values, access):

@@ -177,6 +177,7 @@ def test_transfer_path_and_reason(monkeypatch, caplog):
         "torch",
         "not CUDA (cpu)",
     )
+    assert not pool.planner.use_runs
     lines = [
         r.getMessage() for r in caplog.records if "transfer path" in r.getMessage()
     ]
@@ -185,6 +186,13 @@ def test_transfer_path_and_reason(monkeypatch, caplog):
     monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "off")
     _, pool = build(geo, "page_first", None)
     assert pool.transfer_path_reason == "SGLANG_HICACHE_FUSED_TRANSFER=off"
+    # Asked for, the kernels run here (under the interpreter).
+    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "staged")
+    assert build(geo, "page_first", None)[1].transfer_path == "fused_staged"
+    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "bogus")
+    with pytest.raises(ValueError, match="SGLANG_HICACHE_FUSED_TRANSFER"):
+        build(geo, "page_first", None)
+    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "off")
 
     # The constructor argument overrides the variable, once.
     _, pool = build(geo, "page_first", "staged")

@@ -1,8 +1,6 @@
 """The host pools' Triton kernels compile for every NVIDIA target we ship for
-(sm_80/86/89/90; sm_86 in make test, all with HIQ_KERNEL_ARCHS=all) without a
-GPU, through the pools' real launch sites and the pinned ptxas
-(scripts/kernel_compile.py): no compile error, no spill, the IEEE arithmetic
-the codecs' bit-exactness relies on; kernels broken on purpose fail the check."""
+without a GPU (scripts/kernel_compile.py): no compile error, no spill, the IEEE
+arithmetic the codecs' bit-exactness relies on; broken kernels fail the check."""
 
 from __future__ import annotations
 

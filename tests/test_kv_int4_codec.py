@@ -381,14 +381,8 @@ def test_packing_order():
 
 
 def test_group_sizes_and_key_grouping():
-    assert [codec.value_group_size(d) for d in (64, 80, 96, 128, 256, 40)] == [
-        64,
-        80,
-        32,
-        64,
-        64,
-        40,
-    ]
+    sizes = [codec.value_group_size(d) for d in (64, 80, 96, 128, 256, 40)]
+    assert sizes == [64, 80, 32, 64, 64, 40]
     assert codec.K_CHANNEL_MIN_TOKENS == 16
     assert not codec.keys_per_channel(1) and not codec.keys_per_channel(15)
     assert codec.keys_per_channel(16) and codec.keys_per_channel(64)
@@ -429,59 +423,6 @@ def test_count_nonfinite_groups_is_a_lazy_int64_tensor():
     meta = torch.tensor([[1.0, 0.0], [NAN, NAN], [NAN, NAN]], dtype=torch.float16)
     n = codec.count_nonfinite_groups(meta)
     assert n.dim() == 0 and n.dtype == torch.int64 and int(n) == 2
-
-
-# --- fast path: strided inputs, output views, determinism ------------------
-
-
-@FAST
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    d=st.sampled_from(HEAD_DIMS),
-    dtype=st.sampled_from(DTYPES + (torch.float32,)),
-    per_channel=st.booleans(),
-    layout=st.sampled_from(("gather", "stride", "heads")),
-)
-def test_fast_path_views_match_reference(seed, d, dtype, per_channel, layout):
-    g = torch.Generator().manual_seed(seed)
-    base = (torch.randn(6, 2, 16, 4, d, generator=g) * 5).to(dtype)
-    base[3, 1, 2, 0, 5] = NAN
-    if layout == "gather":
-        x = base[torch.randperm(6, generator=g)[:4]][:, 1]
-    elif layout == "stride":
-        x = base[::2, 0]
-    else:
-        x = base[:, 1, :, 1:3]
-    assert not x.is_contiguous()
-    x_before = x.clone()
-    n, t, h, _ = x.shape
-    packed_buf = torch.full((n, 2, t, h, d // 2 + 3), 55, dtype=torch.uint8)
-    packed_view = packed_buf[:, 1, ..., 1 : 1 + d // 2]
-    if per_channel:
-        meta_buf = torch.full((n, h, d, 3), -2.0, dtype=torch.float16)
-        meta_view = meta_buf[..., 1:]
-        codec.encode_channels_into(x, packed_view, meta_view)
-    else:
-        groups = d // codec.value_group_size(d)
-        meta_buf = torch.full((n, t, h, groups, 3), -2.0, dtype=torch.float16)
-        meta_view = meta_buf[..., 1:]
-        codec.encode_tokens_into(x, packed_view, meta_view)
-    packed, meta = encode_ref(x, per_channel)
-    assert_same_bits(packed_view, packed)
-    assert_same_bits(meta_view, meta)
-    assert_same_bits(x, x_before)  # the input is read only
-    assert (packed_buf[:, 0] == 55).all() and (packed_buf[:, 1, ..., 0] == 55).all()
-    assert (packed_buf[:, 1, ..., 1 + d // 2 :] == 55).all()
-    assert (meta_buf[..., 0] == -2.0).all()
-    for out_dtype in (torch.bfloat16, torch.float16, torch.float32):
-        o_buf = torch.full((n, t, h, 2 * d), 9.0, dtype=out_dtype)
-        o_view = o_buf[..., ::2]
-        if per_channel:
-            codec.decode_channels_into(packed_view, meta_view, o_view)
-        else:
-            codec.decode_tokens_into(packed_view, meta_view, o_view)
-        assert_same_bits(o_view, decode_ref(packed, meta, out_dtype, per_channel))
-        assert (o_buf[..., 1::2] == 9.0).all()
 
 
 def test_bad_arguments_raise():

@@ -1,9 +1,6 @@
-"""Fused INT4 / K8V4 kernels (kv_int4_triton) and the rotated int4r / k8v4r's
-butterfly (kv_hadamard_triton) under the Triton interpreter: FP8 restores of
-every fp16 value, chosen rows (ties, exact grids, special metadata), host
-indices outside the records, malformed runs, bad arguments, and the spec's
-reading == the codec's reference == its fast path. Round trips of every
-format: tests/test_host_kernels.py."""
+"""INT4 / K8V4 kernels (kv_int4_triton) and the int4r / k8v4r butterfly under
+the Triton interpreter: FP8 restores, chosen rows, bad arguments, the spec's
+reading == the codec's reference (round trips: tests/test_host_kernels.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +10,6 @@ import triton
 import triton.language as tl
 from tests.support.int4_reference import (
     FP16_NAN_BITS,
-    K_CHANNEL_MIN_TOKENS,
     Host,
     assert_same_records,
     raw,
@@ -23,6 +19,7 @@ from tests.support.int4_reference import (
     spec_records,
 )
 from tests.support.codec_inputs import DTYPES, assert_same_bits
+from tests.support.kernel_cases import sentinel_layer
 from tests.support.fp8_reference import (
     FP8,
     assert_canonical_nan,
@@ -48,21 +45,14 @@ pytestmark = [
 FORMATS = ("int4", "k8v4")
 
 
-def sentinel_layer(size, H, D, dtype) -> torch.Tensor:
-    return torch.full((size, H, D), 7.0).to(dtype)
-
-
 # --- FP8 restores; kernel round trips of every format: test_host_kernels.py ----
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=fp8_id)
 def test_fp8_restore_rounds_every_fp16_value(fp8):
-    """Every fp16 pattern as a value group's m and as an INT8 key scale, with
-    random codes and scales (2**-24: ties broken by one fp32 bit): the
-    kernels' integer fp32 -> FP8 conversion gives the torch path's bytes,
-    the nearest FP8 value (ties to even, saturated) of the exact fp32
-    decode, 0x7F for NaN, and never Inf (+-Inf saturates, as on the torch
-    path)."""
+    """Every fp16 pattern as a value group's m and an INT8 key scale (scales of
+    2**-24 break ties by one fp32 bit): the torch path's bytes, the nearest FP8
+    (ties to even, saturated) of the exact decode, 0x7F for NaN, never Inf."""
     g = torch.Generator().manual_seed(23)
     n, D = 1 << 16, 8
     every = torch.arange(n, dtype=torch.int32).to(torch.int16).view(torch.float16)
@@ -204,103 +194,16 @@ def test_decode_special_metadata():
             assert dst[0][2].abs().max() == 65504.0
 
 
-# --- host indices outside the records, malformed runs, bad arguments ------------
-
-
-def small_setup(fmt, ut, n_units=2, H=2, D=64, layers=2):
-    g = torch.Generator().manual_seed(ut)
-    n = n_units * ut
-    k = [torch.randn(n, H, D, generator=g).bfloat16() for _ in range(layers)]
-    v = [torch.randn(n, H, D, generator=g).bfloat16() for _ in range(layers)]
-    host = Host(fmt, n_units + 1, layers, ut, H, D, D)
-    tables = (k4.DeviceLayerTable(k), k4.DeviceLayerTable(v))
-    return tables, k, v, host
-
-
-@pytest.mark.parametrize("fmt,ut", [("int4", 16), ("int4", 4), ("k8v4", 16)])
-@pytest.mark.parametrize("index_dtype", (torch.int32, torch.int64))
-def test_out_of_range_host_indices_are_counted_not_written(fmt, ut, index_dtype):
-    tables, k, v, host = small_setup(fmt, ut)
-    n_host = 3 * ut
-    host_idx = torch.arange(2 * ut)  # units 0 and 1
-    host_idx[ut + 1] = n_host  # one token of unit 1 past the end
-    host_idx[ut + 2] = -1
-    before = host.clone()
-    bad = torch.zeros((), dtype=torch.int64)
-    k4.encode_gather(
-        tables, torch.arange(2 * ut).to(index_dtype), host.all_layers(),
-        host_idx.to(index_dtype), counters=KVCounters(bad_indices=bad),
-    )  # fmt: skip
-    per_channel = fmt == "int4" and ut >= K_CHANNEL_MIN_TOKENS
-    # Per-channel keys: unit 1's run is broken, so none of its tokens is
-    # fully written; per-token formats lose only the two tokens.
-    assert int(bad) == (ut if per_channel else 2)
-    unit0 = Host(fmt, 1, 2, ut, 2, 64, 64)
-    k4.encode_gather(
-        (k4.DeviceLayerTable([t[:ut] for t in k]), k4.DeviceLayerTable([t[:ut] for t in v])),
-        torch.arange(ut), unit0.all_layers(), torch.arange(ut),
-    )  # fmt: skip
-    for name, buf in host.bufs.items():
-        assert torch.equal(raw(buf[0]), raw(unit0.bufs[name][0])), name  # unit 0 done
-        assert torch.equal(raw(buf[2]), raw(before.bufs[name][2])), name  # untouched
-    key_unit1 = raw(host.bufs["k"][1])
-    if per_channel:
-        assert torch.equal(key_unit1, raw(before.bufs["k"][1]))
-        assert torch.equal(raw(host.bufs["k_meta"][1]), raw(before.bufs["k_meta"][1]))
-    else:
-        sentinel = raw(before.bufs["k"][1])
-        if ut > 1:
-            assert torch.equal(key_unit1[:, 1:3], sentinel[:, 1:3])  # never written
-            assert not torch.equal(key_unit1[:, 0], sentinel[:, 0])
-
-    # Restore: the bad tokens keep their device rows and are counted.
-    bad.zero_()
-    dst = [torch.full((2 * ut, 2, 64), 7.0, dtype=torch.bfloat16) for _ in range(2)]
-    k4.decode_scatter(
-        host.layer(0), host_idx.to(index_dtype), dst,
-        torch.arange(2 * ut).to(index_dtype), bad_index_counter=bad,
-    )  # fmt: skip
-    assert int(bad) == 2
-    assert (dst[0][ut + 1 : ut + 3] == 7.0).all() and (
-        dst[1][ut + 1 : ut + 3] == 7.0
-    ).all()
-    assert not (dst[0][:ut] == 7.0).any()
-
-
-def test_per_channel_run_out_of_order_writes_no_keys():
-    """Per-channel keys need each run of UT tokens to be one unit in order."""
-    tables, _, _, host = small_setup("int4", 16)
-    before = host.clone()
-    host_idx = torch.cat([torch.arange(16), torch.arange(16, 32).flip(0)])
-    bad = torch.zeros((), dtype=torch.int64)
-    k4.encode_gather(
-        tables, torch.arange(32), host.all_layers(), host_idx,
-        counters=KVCounters(bad_indices=bad),
-    )  # fmt: skip
-    assert int(bad) == 16
-    assert torch.equal(host.bufs["k"][1], before.bufs["k"][1])
-    assert not torch.equal(host.bufs["k"][0], before.bufs["k"][0])
-    # Aligned first index, two tokens swapped: refused too.
-    bad.zero_()
-    swapped = torch.arange(16, 32)
-    swapped[[1, 2]] = swapped[[2, 1]]
-    k4.encode_gather(
-        tables, torch.arange(16), host.all_layers(), swapped,
-        counters=KVCounters(bad_indices=bad),
-    )  # fmt: skip
-    assert int(bad) == 16
-    assert torch.equal(host.bufs["k"][1], before.bufs["k"][1])
-    # A run that starts mid-unit: also refused.
-    bad.zero_()
-    k4.encode_gather(
-        tables, torch.arange(16), host.all_layers(), torch.arange(8, 24),
-        counters=KVCounters(bad_indices=bad),
-    )  # fmt: skip
-    assert int(bad) == 16
+# --- bad arguments; refused host indices: test_host_kernels.py ----------------
 
 
 def test_bad_arguments_fail_before_launch():
-    tables, _, _, host = small_setup("int4", 16)
+    g = torch.Generator().manual_seed(16)
+    rows = [
+        [torch.randn(32, 2, 64, generator=g).bfloat16() for _ in "LL"] for _ in "KV"
+    ]
+    tables = tuple(k4.DeviceLayerTable(side) for side in rows)
+    host = Host("int4", 3, 2, 16, 2, 64, 64)
     out = host.all_layers()
     idx = torch.arange(24)
     before = host.clone()

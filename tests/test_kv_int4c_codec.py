@@ -1,10 +1,6 @@
-"""int4c host format (pool_host/kv_int4c_codec.py): records per key mode, the
-reference's keys against an independent reading of the spec (sub-units of 32
-and of a whole 16..31-token unit, 4- and 8-bit keys), the per-layer plan,
-non-finite channel-units, and why it exists: QK-normed keys keep their small
-channels where int4's keys do not. Fast path == reference (4- and 8-bit
-layers): tests/test_host_codecs.py; kernels == reference:
-tests/test_host_kernels.py; bytes with a plan: tests/test_layer_plan.py."""
+"""int4c host format (kv_int4c_codec.py): records, the keys against an
+independent reading of the spec, the per-layer plan, non-finite channel-units,
+and why it exists (round trips: tests/test_host_codecs.py)."""
 
 from __future__ import annotations
 

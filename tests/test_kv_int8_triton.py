@@ -1,7 +1,6 @@
-"""Fused INT8 kernels (kv_int8_triton) under the Triton interpreter against the
-reference codec and the pool's torch path: same bytes on encode, same values on
-decode, every layout, page size and geometry, fragmented units, shuffled
-indices, non-finite rows; and how the pool picks its transfer path."""
+"""Fused INT8 kernels (kv_int8_triton) under the Triton interpreter: the codec
+tests' rows against the reference, the pool's fused path == its torch path
+(every layout, page size, geometry), and how the pool picks its path."""
 
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ from tests.support.conformance import (
     LAYOUTS,
     heads_geometry,
 )
+from tests.support.int4_reference import raw
 from tests.support.kernel_cases import run_case
 from tests.support.int8_pool_checks import (
     INTERPRETED_KERNELS,
@@ -207,10 +207,6 @@ def pool_round_trip(
     return host_bufs, device, pool.nonfinite_group_count()
 
 
-def raw(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.element_size() == 2 else t
-
-
 def assert_same_results(a, b):
     for x, y in zip(a[0], b[0]):  # host records and scales: identical bytes
         assert x.dtype == y.dtype and torch.equal(raw(x), raw(y))
@@ -281,11 +277,8 @@ def test_one_launch_per_backup_and_per_layer(monkeypatch):
 
 
 class CudaTypedCpu(str):
-    """A device the pool reads as CUDA (`.type == "cuda"`) while torch, given
-    the string "cpu", allocates on the CPU: the pool's path selection runs as
-    on a GPU, its tensors stay here. Only construction is run this way. It
-    equals the CPU device, so the buffer-info validation sees the device
-    pool's own tensors on it."""
+    """A device the pool reads as CUDA (`.type == "cuda"`) that torch allocates
+    on and compares equal to the CPU: path selection runs as on a GPU."""
 
     type = "cuda"
 
@@ -346,27 +339,6 @@ def test_fused_env_overrides_the_cuda_default(cuda_typed, monkeypatch, mode):
     pool = build_pool_on(make_device_pool(Geometry(), 16), cuda_typed, True)
     assert pool.transfer_path == ("torch" if mode == "off" else f"fused_{mode}")
     assert pool.planner.use_runs  # the torch path on CUDA copies per run
-
-
-def test_mode_selection(monkeypatch):
-    geo = Geometry()
-    device_pool = make_device_pool(geo, 16)
-
-    def build():
-        return build_pool_on(device_pool)
-
-    pool = build()  # CPU: torch path by default
-    assert (pool.transfer_path, pool.transfer_path_reason) == (
-        "torch",
-        "not CUDA (cpu)",
-    )
-    assert not pool.planner.use_runs
-    # Asked for, the kernels run here (under the interpreter).
-    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "staged")
-    assert build().transfer_path == "fused_staged"
-    monkeypatch.setenv("SGLANG_HICACHE_FUSED_TRANSFER", "bogus")
-    with pytest.raises(ValueError, match="SGLANG_HICACHE_FUSED_TRANSFER"):
-        build()
 
 
 def test_cuda_typed_pool_round_trips_on_the_default_path(cuda_typed):

@@ -261,10 +261,9 @@ def test_rotation_keeps_the_base_formats_range(fmt):
 
 @pytest.mark.parametrize("kind", ("outlier_channel", "heavy"))
 def test_rotation_lowers_the_error_of_outlier_rows(kind):
-    """Per-token 4-bit groups of rows with outlier channels or heavy tails:
-    rotating first spreads the outliers over the head, so the restored rows
-    are closer (mean squared error). (A lone spike over a near-zero row does
-    not gain: its group's other values were already near zero.)"""
+    """Rotating per-token 4-bit groups with outlier channels or heavy tails
+    spreads the outliers over the head: a lower mean squared error (not for a
+    lone spike: its group's other values are near zero already)."""
     dtype = torch.bfloat16
     x = make_units(11, (8, 1, 4, 128), dtype, [kind], [0])
     errs = {}

@@ -1,8 +1,6 @@
-"""What the INT4 / K8V4 kernel tests compare with: the codec's reference
-records and restored rows, the kernels' statistics, a host "pool" of records
-as the pools lay them out (rotated formats through their format object), and
-an independent step-by-step reading of the host-format spec (spec_records /
-spec_decode). Test-only; the GPU tests (tests/gpu) use it too."""
+"""What the kernel tests compare with: the INT4 / K8V4 codec's reference and an
+independent step-by-step reading of its spec (spec_records / spec_decode), and
+a host "pool" of any format's records as the pools lay them out (Host)."""
 
 from __future__ import annotations
 

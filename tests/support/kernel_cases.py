@@ -90,11 +90,9 @@ def run_case(
     layer_first=False, index_dtype=torch.int64, specials=True, token_shuffle=False,
     tile=None, seed=0, rows=None, geometry=None,
 ):  # fmt: skip
-    """One encode_gather of shuffled device rows into fragmented host units,
-    then a decode_scatter per layer into shuffled slots, against the
-    reference (rows: one layer's [n_units * ut, H, d] per side, else random
-    rows with special ones; geometry: the format's constructor keywords).
-    Returns (format, host records, non-finite count)."""
+    """encode_gather of shuffled device rows (rows: one layer's per side, else
+    random with special ones) into fragmented host units, a decode_scatter per
+    layer into shuffled slots, against the reference; (format, host, count)."""
     kind = "mla" if fmt.startswith("mla-") else "mha"
     g = torch.Generator().manual_seed(seed)
     size = 2 * n_units * ut + 8
