@@ -709,6 +709,9 @@ def _run_radix_fault_case(case, rank, group, store_dir: str) -> dict:
 
 def rank_cases(rank: int, group, out_dir: str, mooncake: dict | None) -> dict:
     """Every case on one rank (spawned by tests/support/spawned_ranks.py)."""
+    # SGLang builds its page-hash extension (a C++ compile) on first use: here,
+    # not in a prefetch thread under a deadline.
+    get_storage_hash_str([1, 2, 3], None, page_size=1)
     results = {case[0]: _run_case(case, rank, group) for case in CASES}
     for case in RADIX_CASES:
         store = os.path.join(out_dir, case[0]) if case[5] else None
