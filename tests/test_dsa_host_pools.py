@@ -1,37 +1,10 @@
-"""DSA models (DeepSeek V3.2, GLM-5) with --hicache-host-dtype int8 and auto,
-through SGLang's own DSA stack on CPU.
-
-Server arguments resolve from the tiny DeepSeek-V3.2 and GLM-5 shaped configs
-of the start-up table (tests/support/startup_table.py, an H100 standing in for
-the GPU SGLang's DSA resolution reads); the device pool is SGLang's
-DSATokenToKVPool with the geometry its KV cache configurator derives from the
-model (latent width, indexer key width, shared-top-k layers without indexer
-keys); registry.create_unified_radix_cache picks the DSA stack strategy, whose
-pool assembler builds the latent host pool (the encoded MLA pool for int8,
-SGLang's MLATokenToKVPoolHost for auto) and SGLang's DSAIndexerPoolHost laid
-out on it, under one HybridCacheController. Only the CUDA copies of the stock
-pools (kvcacheio) are CPU stand-ins (scripts/rigs/standins.py).
-
-Through the radix cache's own host hit (insert, L1 eviction, match,
-init_load_back, load) on every layout/io pair the DSA indexer pool moves pages
-with: the latent comes back as the format's reference decode of what was
-written (within int8's bound; bit for bit with auto), into other device rows
-than it left, and the indexer's FP8 keys and scales bit for bit. Across a
-restart, the same through SGLang's file backend and a real mooncake_master:
-both pools' pages reach L3 (the latent's sealed) and come back through a
-prefetch into fresh pools.
-
-With --enable-mla-hicache-host-dedup, 2 gloo ranks as spawned processes
-(tests/support/spawned_ranks.py), each through the same DSA stack over the TP
-group: the source alone holds and backs up both host pools, the peer's are
-allocator-only (no bytes), and after a load both ranks' latent and indexer
-rows equal rank 0's bit for bit; with `file` L3 the same after restarting both
-ranks, and a page file removed or corrupted on the source is the same miss on
-both.
-"""
+"""DSA models (DeepSeek V3.2, GLM-5) with --hicache-host-dtype int8 and auto through
+SGLang's own DSA stack on CPU (the latent host pool and DSAIndexerPoolHost under one
+HybridCacheController): host hits, L3 round trips, sizing, and host dedup on 2 ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from array import array
@@ -39,17 +12,48 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 from scripts.rigs import standins
-from scripts.rigs.hicache_harness import LoadBackReq
+from scripts.rigs.hicache_harness import LoadBackReq, make_allocator
 from scripts.rigs.l3_harness import radix_prefetch, wait_for
 from tests.support import startup_table as st
 from tests.support.hybrid_rigs import bits, build_cache, publish_server_args
+from tests.support.server_args import resolve
+from tests.support.spawned_ranks import run_ranks
+from tests.test_mla_host_dedup import (
+    _flip_a_byte,
+    _host_kv_bytes,
+    _radix_state,
+    _same,
+    _stamp_tp_rank,
+)
 
+from sglang.srt.arg_groups.overrides import resolution_result
+from sglang.srt.configs.model_config import (
+    ModelConfig,
+    dsa_layer_skips_topk,
+    get_dsa_index_head_dim,
+    get_dsa_index_kpool,
+)
+from sglang.srt.mem_cache import hicache_auto_size
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    InitLoadBackParams,
+    InsertParams,
+    MatchPrefixParams,
+)
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.pool_host import base, dsa, mla
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.utils import get_hash_str, get_storage_hash_str
+from sglang.srt.runtime_context import get_memory
 
 pytestmark = pytest.mark.usefixtures(
     "dsa_copies_on_cpu", "h100", "hybrid_runtime_context", "host_ram_not_under_test"
@@ -70,17 +74,19 @@ DEVICE_TOKENS = 16 * PAGE
 TOKENS = 3 * PAGE
 
 
-@pytest.fixture(scope="module")
-def dsa_copies_on_cpu():
+def install_cpu_copies(set_attr=setattr) -> None:
     """CPU stand-ins for the kvcacheio copies of the DSA indexer host pool and
     of the stock MLA host pool's `kernel` io backend."""
-    from sglang.srt.mem_cache.pool_host import dsa, mla
+    for module, ops in ((dsa, standins.dsa_indexer_standins()),
+                        (mla, standins.mla_kernel_standins())):  # fmt: skip
+        for name, standin in ops.items():
+            set_attr(module, name, standin)
 
+
+@pytest.fixture(scope="module")
+def dsa_copies_on_cpu():
     with pytest.MonkeyPatch.context() as patch:
-        for name, standin in standins.dsa_indexer_standins().items():
-            patch.setattr(dsa, name, standin, raising=False)
-        for name, standin in standins.mla_kernel_standins().items():
-            patch.setattr(mla, name, standin, raising=False)
+        install_cpu_copies(lambda m, n, v: patch.setattr(m, n, v, raising=False))
         yield
 
 
@@ -123,15 +129,6 @@ class DsaRig:
 def dsa_device_pool(server_args, dtype=torch.bfloat16):
     """DSATokenToKVPool as kv_cache_configurator._build_dsa_kv_pool builds it
     for the model (one rank, no CP layer split, no HiSparse)."""
-    from sglang.srt.configs.model_config import (
-        ModelConfig,
-        dsa_layer_skips_topk,
-        get_dsa_index_head_dim,
-        get_dsa_index_kpool,
-    )
-    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
-    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
-
     model_config = ModelConfig.from_server_args(server_args)
     hf = model_config.hf_config
     layers = model_config.num_hidden_layers
@@ -153,14 +150,21 @@ def dsa_device_pool(server_args, dtype=torch.bfloat16):
     )
 
 
-def dsa_rig(model_dir, host_dtype, layout, io_backend, l3=None) -> DsaRig:
-    from scripts.rigs.hicache_harness import make_allocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-
+def dsa_rig(
+    model_dir, host_dtype, layout, io_backend, l3=None, group=None, building=None
+) -> DsaRig:
+    """The registry's DSA stack; with `group`, host dedup over that TP group;
+    `building(params)`: a context the cache is built in."""
     server_args = publish_server_args(
         model_dir, host_dtype, layout, PAGE, io_backend, l3=l3
     )
+    if group is not None:
+        if l3 is not None:
+            _stamp_tp_rank()  # as the storage config reads the ranks
+
+        def building(params):
+            return get_memory().override(enable_mla_hicache_host_dedup=True)
+
     kv = dsa_device_pool(server_args)
     allocator = make_allocator(kv)
     params = CacheInitParams(
@@ -170,8 +174,10 @@ def dsa_rig(model_dir, host_dtype, layout, io_backend, l3=None) -> DsaRig:
         ),
         token_to_kv_pool_allocator=allocator,
         page_size=PAGE,
+        tp_cache_group=group,
     )
-    cache = build_cache(server_args, params, swa=False, ssm=False)
+    with building(params) if building else contextlib.nullcontext():
+        cache = build_cache(server_args, params, swa=False, ssm=False)
     return DsaRig(host_dtype, cache, allocator, kv)
 
 
@@ -250,15 +256,11 @@ def assert_restored(rig: DsaRig, dev: torch.Tensor, latents, keys) -> None:
 
 
 def radix_key(ids):
-    from sglang.srt.mem_cache.radix_cache import RadixKey
-
     return RadixKey(array("q", ids))
 
 
 def insert(rig: DsaRig, ids, seed: int):
     """A prefill's KV at fresh device rows, inserted (written through)."""
-    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
-
     dev = rig.allocator.alloc(len(ids))
     written = fill(rig, dev, torch.Generator().manual_seed(seed))
     rig.cache.insert(
@@ -272,11 +274,6 @@ def insert(rig: DsaRig, ids, seed: int):
 def load_back(rig: DsaRig, ids) -> torch.Tensor:
     """A match that hits the host for every token, init_load_back and the
     load; returns the device rows the prefix is on now."""
-    from sglang.srt.mem_cache.base_prefix_cache import (
-        InitLoadBackParams,
-        MatchPrefixParams,
-    )
-
     cache, tokens = rig.cache, len(ids)
     query = radix_key([*ids, 7])
     match = cache.match_prefix(MatchPrefixParams(key=query))
@@ -299,11 +296,9 @@ def load_back(rig: DsaRig, ids) -> torch.Tensor:
     return cache.path_device_indices(last_node)
 
 
-def host_hit(rig: DsaRig, seed: int = 1) -> None:
+def host_hit(rig: DsaRig, seed: int = 1, check=assert_restored) -> torch.Tensor:
     """Insert, L1 eviction (the rows wiped and held by another request, so
-    the load must land elsewhere), host hit, load; check both pools."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
+    the load must land elsewhere), host hit, load; `check` both pools."""
     ids = list(range(100, 100 + TOKENS))
     dev, (latents, keys) = insert(rig, ids, seed)
     evicted = rig.cache.evict(EvictParams(num_tokens=TOKENS))
@@ -313,8 +308,9 @@ def host_hit(rig: DsaRig, seed: int = 1) -> None:
     assert torch.equal(held.sort().values, dev.sort().values)
     loaded = load_back(rig, ids)
     assert not set(loaded.tolist()) & set(dev.tolist())
-    assert_restored(rig, loaded, latents, keys)
+    check(rig, loaded, latents, keys)
     rig.cache.sanity_check()
+    return loaded
 
 
 def expected_stack(rig: DsaRig, layout: str) -> None:
@@ -335,25 +331,21 @@ def expected_stack(rig: DsaRig, layout: str) -> None:
     assert indexer.layer_num == sum(not s for s in rig.kv.skip_topk_layers)
 
 
-@pytest.mark.parametrize("layout,io_backend", PAIRS)
+@pytest.mark.parametrize(
+    "model,layout,io_backend",
+    # GLM-5 shaped: layer 1 reuses layer 0's top-k (no indexer keys on the device,
+    # no host layer); the other layers' keys and every latent layer come back.
+    [("dsa", *pair) for pair in PAIRS] + [("glm5", "page_first", "kernel")],
+)
 @pytest.mark.parametrize("host_dtype", HOST_DTYPES)
 def test_host_hit_restores_latent_and_indexer(
-    model_dirs, host_dtype, layout, io_backend
+    model_dirs, host_dtype, model, layout, io_backend
 ):
-    rig = dsa_rig(model_dirs["dsa"], host_dtype, layout, io_backend)
+    rig = dsa_rig(model_dirs[model], host_dtype, layout, io_backend)
+    if model == "glm5":
+        assert rig.kv.skip_topk_layers == [False, True, False]
     expected_stack(rig, layout)
     assert rig.controller.io_backend == io_backend
-    host_hit(rig)
-
-
-@pytest.mark.parametrize("host_dtype", HOST_DTYPES)
-def test_glm5_shared_topk_layer_has_no_indexer_pages(model_dirs, host_dtype):
-    """GLM-5 shaped: layer 1 reuses layer 0's top-k (no indexer keys on the
-    device, no host layer); the other layers' keys and every latent layer
-    still come back."""
-    rig = dsa_rig(model_dirs["glm5"], host_dtype, "page_first", "kernel")
-    assert rig.kv.skip_topk_layers == [False, True, False]
-    expected_stack(rig, "page_first")
     host_hit(rig)
 
 
@@ -396,13 +388,17 @@ def stop(rig: DsaRig) -> None:
     rig.cache.release_host_resources()
 
 
+def wait_backed_up(rig: DsaRig) -> None:
+    def backed_up():
+        rig.cache.check_hicache_events()
+        return not rig.cache.ongoing_backup
+
+    wait_for(backed_up, "the L3 backup", WAIT_S)
+
+
 def prefetch(rig: DsaRig, ids) -> None:
     """A fresh server's miss everywhere but L3: prefetch the prefix into the
     host tier as the scheduler does."""
-    from sglang.srt.mem_cache.base_prefix_cache import (
-        MatchPrefixParams,
-    )
-
     cache = rig.cache
     match = cache.match_prefix(MatchPrefixParams(key=radix_key([*ids, 7])))
     assert (match.device_prefix_len, match.host_hit_length) == (0, 0)
@@ -413,8 +409,6 @@ def prefetch(rig: DsaRig, ids) -> None:
 def storage_hash_built():
     """SGLang builds its native page-hash extension (a C++ compile) on first
     use, in the prefetch thread: here, before any deadline runs."""
-    from sglang.srt.mem_cache.utils import get_hash_str
-
     get_hash_str([1, 2, 3])
 
 
@@ -436,8 +430,6 @@ def test_l3_round_trip_after_restart(
     (Mooncake's objects live in the server's own memory segment: there the
     same server, with its L1 and L2 copies dropped): a prefetch, then the
     host hit."""
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
     l3 = dict(hicache_storage_backend=backend, served_model_name=request.node.name)
     if backend == "file":
         l3["file_storage_path"] = str(tmp_path)
@@ -446,12 +438,7 @@ def test_l3_round_trip_after_restart(
     ids = list(range(500, 500 + TOKENS))
     first = dsa_rig(model_dirs["dsa"], host_dtype, layout, io_backend, l3=l3)
     dev, (latents, keys) = insert(first, ids, seed=3)
-
-    def backed_up():
-        first.cache.check_hicache_events()
-        return not first.cache.ongoing_backup
-
-    wait_for(backed_up, "the L3 backup", WAIT_S)
+    wait_backed_up(first)
     if backend == "mooncake":
         assert first.cache.evict(EvictParams(num_tokens=TOKENS)).num_tokens_evicted
         wipe(first, dev)
@@ -485,9 +472,6 @@ def test_fp8_latent_from_kv_cache_dtype_auto_is_refused(model_dirs, monkeypatch)
     """On SM100+ SGLang gives DSA models an FP8 latent for --kv-cache-dtype
     auto: int8 is refused naming the fix; with --kv-cache-dtype bfloat16 it
     starts, and auto serves the FP8 latent."""
-    from sglang.srt.arg_groups.overrides import resolution_result
-    from tests.support.server_args import resolve
-
     monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (10, 0))
     with pytest.raises(ValueError) as error:
         resolve(model_dirs["dsa"], hicache_host_dtype="int8")
@@ -510,38 +494,26 @@ def test_auto_size_counts_the_indexer_unencoded(model_dirs, monkeypatch):
     """Auto-sizing (no --hicache-ratio/--hicache-size) fits the host pools
     into the host-memory budget: with int8 the latent shrinks, the indexer
     keys do not."""
-    from sglang.srt.mem_cache import hicache_auto_size
-    from sglang.srt.runtime_context import get_memory
-
     budget = 3 << 20
     monkeypatch.setattr(
         hicache_auto_size, "host_memory_budget_bytes", lambda **_: budget
     )
-    rig_args = {}
-    for host_dtype in HOST_DTYPES:
-        server_args = publish_server_args(
-            model_dirs["dsa"], host_dtype, "page_first", PAGE, "kernel"
-        )
-        from scripts.rigs.hicache_harness import make_allocator
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    fraction = 0.8  # the default: no --hicache-ratio or --hicache-size given
 
-        kv = dsa_device_pool(server_args)
-        params = CacheInitParams(
-            disable=False,
-            req_to_token_pool=ReqToTokenPool(
-                size=4, max_context_len=2048, device="cpu", enable_memory_saver=False
-            ),
-            token_to_kv_pool_allocator=make_allocator(kv),
-            page_size=PAGE,
-        )
-        fraction = 0.8  # the default: no --hicache-ratio or --hicache-size given
+    @contextlib.contextmanager
+    def auto_sized(params):
         with (
             get_memory().override(hicache_host_memory_fraction=fraction),
             hicache_auto_size.auto_size_hicache(params, None, enabled=True),
         ):
-            cache = build_cache(server_args, params, swa=False, ssm=False)
-        group = cache.cache_controller.mem_pool_host
+            yield
+
+    tokens = {}
+    for host_dtype in HOST_DTYPES:
+        rig = dsa_rig(
+            model_dirs["dsa"], host_dtype, "page_first", "kernel", building=auto_sized
+        )
+        group = rig.controller.mem_pool_host
         host_bytes = sum(
             b.nbytes
             for entry in group.entries
@@ -556,9 +528,9 @@ def test_auto_size_counts_the_indexer_unencoded(model_dirs, monkeypatch):
         slack = hicache_auto_size._ALLOCATION_SLACK_FRACTION
         allowed = budget * fraction * (1 - slack)
         assert 0.9 * allowed <= host_bytes <= allowed, (host_dtype, host_bytes)
-        rig_args[host_dtype] = group.get_pool(PoolName.KV).size
+        tokens[host_dtype] = group.get_pool(PoolName.KV).size
     # int8 holds more tokens in the same budget.
-    assert rig_args["int8"] > 1.3 * rig_args["auto"]
+    assert tokens["int8"] > 1.3 * tokens["auto"]
 
 
 # -- MLA host dedup across 2 ranks (--enable-mla-hicache-host-dedup) ------------
@@ -571,74 +543,42 @@ DEDUP_CASES = [
 ]
 # The `file` L3 backend: both pools' pages written once per group by the source.
 DEDUP_L3_CASE = ("dsa_int8_l3", "dsa", "int8", "page_first", "kernel")
-DEDUP_WORLD = 2
+# Faults on the source's store after the restart, in order: a removed
+# indexer page file, then a corrupted (sealed int8) latent one.
+DEDUP_L3_FAULTS = (("indexer_removed", 2), ("latent_corrupted", 1))
 DEDUP_TIMEOUT_S = 180
 
 
-def _dedup_rig(case, model_dir, group, l3=None) -> DsaRig:
-    """A rank's DSA stack with the flag, built by the registry over the TP
-    group (with `l3`, attached to that storage backend): what a (re)start
-    builds."""
-    from tests.test_mla_host_dedup import _stamp_tp_rank
-
-    from scripts.rigs.hicache_harness import make_allocator
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.runtime_context import get_memory
-
-    _, _, host_dtype, layout, io_backend = case
-    server_args = publish_server_args(
-        model_dir, host_dtype, layout, PAGE, io_backend, l3=l3
-    )
-    if l3 is not None:
-        _stamp_tp_rank()
-    kv = dsa_device_pool(server_args)
-    allocator = make_allocator(kv)
-    params = CacheInitParams(
-        disable=False,
-        req_to_token_pool=ReqToTokenPool(
-            size=4, max_context_len=2048, device="cpu", enable_memory_saver=False
-        ),
-        token_to_kv_pool_allocator=allocator,
-        page_size=PAGE,
-        tp_cache_group=group,
-    )
-    with get_memory().override(enable_mla_hicache_host_dedup=True):
-        cache = build_cache(server_args, params, swa=False, ssm=False)
-    return DsaRig(host_dtype, cache, allocator, kv)
+def _dedup_rig(case, model_dirs, group, l3=None) -> DsaRig:
+    _, model, host_dtype, layout, io_backend = case
+    return dsa_rig(model_dirs[model], host_dtype, layout, io_backend, l3, group)
 
 
-def _gather_rows(rig: DsaRig, loaded: torch.Tensor, result: dict) -> None:
-    """Whether both pools' rows at `loaded` (and `loaded`) equal rank 0's."""
-    from tests.test_mla_host_dedup import _gather
+def _loaded_on_every_rank(rig: DsaRig, result: dict):
+    """A `host_hit` check for a rank: the restore's outcome recorded (the ranks
+    stay in step), then whether both pools' rows at `loaded` equal rank 0's."""
 
-    kv, pages = rig.kv, indexer_pages(loaded)
-    rows = {"latent": [], "indexer": []}
-    for layer in range(kv.layer_num):
-        rows["latent"].append(kv.kv_buffer[layer][loaded])
-        index = kv.index_k_with_scale_buffer[layer]
-        if index.shape[0]:
-            rows["indexer"].append(index[pages])
-    for name, parts in rows.items():
-        everyone = _gather(torch.stack(parts))
-        result[f"{name}_equal_to_rank0"] = all(
-            torch.equal(x, everyone[0]) for x in everyone
-        )
-    result["indexer_layers"] = len(rows["indexer"])
-    device = _gather(loaded.to(torch.int64))
-    result["same_device_indices"] = all(torch.equal(x, device[0]) for x in device)
+    def check(rig, loaded, latents, keys):
+        try:
+            assert_restored(rig, loaded, latents, keys)
+            result["restored"] = "ok"
+        except AssertionError as exc:
+            result["restored"] = repr(exc)
+        kv, pages = rig.kv, indexer_pages(loaded)
+        latent = [kv.kv_buffer[layer][loaded] for layer in range(kv.layer_num)]
+        index = [b[pages] for b in kv.index_k_with_scale_buffer if b.shape[0]]
+        result["latent_equal_to_rank0"] = _same(torch.stack(latent))
+        result["indexer_equal_to_rank0"] = _same(torch.stack(index))
+        result["indexer_layers"] = len(index)
+        result["same_device_indices"] = _same(loaded.to(torch.int64))
+
+    return check
 
 
-def _dedup_case(case, model_dir, rank, group) -> dict:
-    """One rank of the scheduler's path with the flag: the DSA stack built by
-    the registry over the TP group, insert (written through), L1 eviction
-    (rows wiped), host hit, load; then both pools' rows gathered."""
-    from tests.test_mla_host_dedup import _host_kv_bytes
-
-    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-    rig = _dedup_rig(case, model_dir, group)
-    cache, allocator = rig.cache, rig.allocator
+def _dedup_case(case, model_dirs, rank, group) -> dict:
+    """The scheduler's path with the flag: `host_hit` through the DSA stack the
+    registry builds over the TP group."""
+    rig = _dedup_rig(case, model_dirs, group)
     latent, indexer = rig.host_pool(PoolName.KV), rig.host_pool(PoolName.INDEXER)
     result = {
         "is_src": rig.controller.host_dedup.is_src,
@@ -646,47 +586,20 @@ def _dedup_case(case, model_dir, rank, group) -> dict:
         "host_kv_bytes": [_host_kv_bytes(latent), _host_kv_bytes(indexer)],
         "host_size": [latent.size, indexer.size],
     }
-    ids = list(range(100, 100 + TOKENS))
-    dev, (latents, keys) = insert(rig, ids, seed=5)
-    evicted = cache.evict(EvictParams(num_tokens=TOKENS))
-    result["evicted"] = evicted.num_tokens_evicted
-    wipe(rig, dev)
-    allocator.alloc(TOKENS)  # the evicted rows stay taken: load elsewhere
-    loaded = load_back(rig, ids)
-    result["moved"] = not set(loaded.tolist()) & set(dev.tolist())
-    try:
-        assert_restored(rig, loaded, latents, keys)
-        result["restored"] = "ok"
-    except AssertionError as exc:
-        result["restored"] = repr(exc)
-    _gather_rows(rig, loaded, result)
-    cache.sanity_check()
+    host_hit(rig, seed=5, check=_loaded_on_every_rank(rig, result))
     return result
 
 
-# Faults on the source's store after the restart, in order: a removed
-# indexer page file, then a corrupted (sealed int8) latent one.
-DEDUP_L3_FAULTS = (("indexer_removed", 2), ("latent_corrupted", 1))
-
-
-def _dedup_l3_case(case, model_dir, rank, group, store_dir: str) -> dict:
-    """With the `file` L3 backend: written through (the source writes both
-    pools' pages, once per group), both ranks restarted (fresh device and host
-    pools, the same store), the prefix prefetched and loaded on both; then each
-    of DEDUP_L3_FAULTS on the source alone: the same miss on both ranks."""
-    import torch.distributed as dist
-    from tests.test_mla_host_dedup import _host_kv_bytes, _radix_state
-
-    from sglang.srt.mem_cache.base_prefix_cache import (
-        EvictParams,
-        MatchPrefixParams,
-    )
-    from sglang.srt.mem_cache.utils import get_storage_hash_str
+def _dedup_l3_case(case, model_dirs, rank, group, store_dir: str) -> dict:
+    """With `file` L3: written through (the source writes both pools' pages,
+    once per group), both ranks restarted (fresh pools, the same store), the
+    prefix prefetched and loaded on both; then each of DEDUP_L3_FAULTS on the
+    source alone: the same miss on both ranks."""
 
     l3 = dict(hicache_storage_backend="file", file_storage_path=store_dir)
     ids = list(range(100, 100 + TOKENS))
     query = radix_key([*ids, 7])
-    first = _dedup_rig(case, model_dir, group, l3)
+    first = _dedup_rig(case, model_dirs, group, l3)
     written = []
     backend = first.controller.storage_backend
     for name in ("batch_set", "batch_set_v1"):
@@ -694,12 +607,7 @@ def _dedup_l3_case(case, model_dir, rank, group, store_dir: str) -> dict:
         if real is not None:
             setattr(backend, name, _counting(real, written))
     _, (latents, keys) = insert(first, ids, seed=5)
-
-    def backed_up():
-        first.cache.check_hicache_events()
-        return not first.cache.ongoing_backup
-
-    wait_for(backed_up, "the L3 backup", WAIT_S)
+    wait_backed_up(first)
     result = {"is_src": first.controller.host_dedup.is_src}
     result["l3_keys_written"] = len(written)
     dist.barrier(group)
@@ -707,19 +615,14 @@ def _dedup_l3_case(case, model_dir, rank, group, store_dir: str) -> dict:
     # Restart: every rank's pools go away and come back empty.
     stop(first)
     first.controller.host_dedup.destroy()
-    rig = _dedup_rig(case, model_dir, group, l3)
+    rig = _dedup_rig(case, model_dirs, group, l3)
     latent, indexer = rig.host_pool(PoolName.KV), rig.host_pool(PoolName.INDEXER)
     result["host_kv_bytes"] = [_host_kv_bytes(latent), _host_kv_bytes(indexer)]
     cache = rig.cache
     match = cache.match_prefix(MatchPrefixParams(key=query))
     result["l3"] = list(radix_prefetch(cache, match, ids, timeout_s=WAIT_S))
     loaded = load_back(rig, ids)
-    try:
-        assert_restored(rig, loaded, latents, keys)
-        result["restored"] = "ok"
-    except AssertionError as exc:
-        result["restored"] = repr(exc)
-    _gather_rows(rig, loaded, result)
+    _loaded_on_every_rank(rig, result)(rig, loaded, latents, keys)
 
     # Faults on the source's store: L1 and L2 dropped before each.
     hashes = get_storage_hash_str(ids, None, page_size=PAGE)
@@ -740,14 +643,10 @@ def _dedup_l3_case(case, model_dir, rank, group, store_dir: str) -> dict:
         cache.evict(EvictParams(num_tokens=TOKENS))
         for component in cache.components:
             cache.evict_host(TOKENS, component)
-        if rig.controller.host_dedup.is_src:
-            if fault == "indexer_removed":
-                os.remove(page_file(page, indexer=True))
-            else:
-                path = page_file(page, indexer=False)
-                data = bytearray(open(path, "rb").read())
-                data[len(data) // 2] ^= 0xFF
-                open(path, "wb").write(bytes(data))
+        if rig.controller.host_dedup.is_src and fault == "indexer_removed":
+            os.remove(page_file(page, indexer=True))
+        elif rig.controller.host_dedup.is_src:
+            _flip_a_byte(page_file(page, indexer=False))
         dist.barrier(group)
         match = cache.match_prefix(MatchPrefixParams(key=query))
         span = radix_prefetch(cache, match, ids, rid=f"fault{i}", timeout_s=WAIT_S)
@@ -773,56 +672,50 @@ def dedup_rank(rank: int, group, model_dirs: dict, store_dir: str) -> dict:
     """One spawned rank (tests/support/spawned_ranks.py): this module's
     fixtures by hand (kvcacheio copies on CPU, an H100's capability, no RAM
     guard), then every case."""
-    from sglang.srt.mem_cache.pool_host import base, dsa, mla
-
-    for name, standin in standins.dsa_indexer_standins().items():
-        setattr(dsa, name, standin)
-    for name, standin in standins.mla_kernel_standins().items():
-        setattr(mla, name, standin)
+    install_cpu_copies()
     torch.cuda.get_device_capability = lambda *a: (9, 0)
     with base.host_memory_budget_scope(1 << 40):
         results = {
-            case[0]: _dedup_case(case, model_dirs[case[1]], rank, group)
-            for case in DEDUP_CASES
+            case[0]: _dedup_case(case, model_dirs, rank, group) for case in DEDUP_CASES
         }
         results[DEDUP_L3_CASE[0]] = _dedup_l3_case(
-            DEDUP_L3_CASE, model_dirs["dsa"], rank, group, store_dir
+            DEDUP_L3_CASE, model_dirs, rank, group, store_dir
         )
     return results
 
 
 @pytest.fixture(scope="module")
 def dedup_ranks(tmp_path_factory, model_dirs):
-    from tests.support.spawned_ranks import run_ranks
-
     out = tmp_path_factory.mktemp("dsa_dedup")
     return run_ranks(
         out,
-        DEDUP_WORLD,
+        2,
         "tests.test_dsa_host_pools:dedup_rank",
         dict(model_dirs=model_dirs, store_dir=str(out / "l3")),
         DEDUP_TIMEOUT_S,
     )
 
 
-@pytest.mark.parametrize("case", [c[0] for c in DEDUP_CASES])
-def test_host_dedup_loads_latent_and_indexer_on_every_rank(dedup_ranks, case):
-    """The source alone backs up both pools; after an L1 eviction both ranks'
-    latent and indexer rows equal rank 0's bit for bit (and the format's
-    reference decode of what was written), the peer's through the broadcaster."""
-    r0, r1 = dedup_ranks[0][case], dedup_ranks[1][case]
+def assert_loaded_on_every_rank(r0, r1) -> None:
+    """Both ranks' latent and indexer rows equal rank 0's bit for bit (and the
+    format's reference decode of what was written)."""
     assert r0["is_src"] and not r1["is_src"]
     for r in (r0, r1):
-        assert r["evicted"] == TOKENS and r["moved"] and r["same_device_indices"]
         assert r["latent_equal_to_rank0"] and r["indexer_equal_to_rank0"]
-        assert r["restored"] == "ok"
-    if case.startswith("glm5"):  # shared-top-k layers hold no indexer keys
+        assert r["restored"] == "ok" and r["same_device_indices"]
+
+
+@pytest.mark.parametrize("case", DEDUP_CASES, ids=[c[0] for c in DEDUP_CASES])
+def test_host_dedup_loads_both_pools_on_every_rank_and_peers_hold_none(
+    dedup_ranks, case
+):
+    """The source alone backs up both pools (the peer's are allocator-only);
+    after an L1 eviction both ranks load rank 0's rows, the peer's through the
+    broadcaster."""
+    r0, r1 = dedup_ranks[0][case[0]], dedup_ranks[1][case[0]]
+    assert_loaded_on_every_rank(r0, r1)
+    if case[1] == "glm5":  # shared-top-k layers hold no indexer keys
         assert 0 < r0["indexer_layers"] < st.MODELS["glm5"][0]["num_hidden_layers"]
-
-
-@pytest.mark.parametrize("case", [c[0] for c in DEDUP_CASES])
-def test_host_dedup_peer_holds_no_host_kv_for_either_pool(dedup_ranks, case):
-    r0, r1 = dedup_ranks[0][case], dedup_ranks[1][case]
     assert r1["pools"] == ["MLATokenToKVPoolHost", "DSAIndexerPoolHost"]
     assert r0["host_size"] == r1["host_size"]
     assert r1["host_kv_bytes"] == [0, 0]
@@ -835,17 +728,14 @@ def test_host_dedup_l3_pages_written_once_and_read_back_after_a_restart(
     """With `file` L3: the source writes each page (one key, a file per pool:
     latent and indexer), the peer none; both ranks restarted with fresh
     pools, a prefetch brings the prefix back on both and the host hit loads
-    both pools bit-equal to rank 0's (and to what was written)."""
+    both pools."""
     r0, r1 = dedup_ranks[0][DEDUP_L3_CASE[0]], dedup_ranks[1][DEDUP_L3_CASE[0]]
-    assert r0["is_src"] and not r1["is_src"]
     pages = TOKENS // PAGE
     assert (r0["l3_keys_written"], r1["l3_keys_written"]) == (pages, 0)
     files = r0["l3_files"]
     assert len(files) == 2 * pages and sum(".indexer_" in f for f in files) == pages
     assert r0["l3"][0] == r1["l3"][0] == TOKENS
-    for r in (r0, r1):
-        assert r["latent_equal_to_rank0"] and r["indexer_equal_to_rank0"]
-        assert r["restored"] == "ok" and r["same_device_indices"]
+    assert_loaded_on_every_rank(r0, r1)
     assert r1["host_kv_bytes"] == [0, 0] and min(r0["host_kv_bytes"]) > 0
 
 

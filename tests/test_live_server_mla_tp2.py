@@ -1,21 +1,6 @@
-"""MLA host dedup on the live CPU server at TP=2: a tiny random-weight
-DeepSeek-V3 (scripts/rigs/mla_model.py: 2 layers, kv_lora_rank 128, RoPE 64)
-served by ``--tp 2 --enable-mla-hicache-host-dedup --hicache-host-dtype int8``,
-two scheduler processes whose groups are gloo on CPU (SGLANG_CPU_OMP_THREADS_BIND
-from scripts/rigs/server.py's tp_env).
-
-torch_native attention cannot run an MLA model's prefill (it reads K from the
-pool, which holds the latent: see docs/mla-dedup.md), so the server runs
-``--attention-backend intel_amx`` with the pure-torch stand-ins of its two
-AMX attention ops (HIQ_SGL_KERNEL_TORCH_OPS=1, as the hybrid live test).
-
-One start (2,048-token L1): prompt A (600 tokens) cold and again (device
-hit), four more prompts overflowing L1, A again: a host hit, decoded on
-TP0 (the source) and broadcast to TP1 (the peer), with the first pass's greedy
-tokens. /metrics (``--enable-metrics-for-all-schedulers``, both ranks) says
-TP0 holds the host bytes and TP1 none. One start, 70-90 s here, in
-``make test``; HIQ_LIVE_MLA_TP2=0 (or HIQ_LIVE_SERVER=0) skips it.
-"""
+"""MLA host dedup on the live CPU server at TP=2 (a tiny random DeepSeek-V3, int8): a
+host hit after L1 overflow is decoded on TP0 and broadcast to TP1 with the first pass's
+greedy tokens; /metrics say TP0 holds the host bytes. HIQ_LIVE_MLA_TP2=0 skips it."""
 
 from __future__ import annotations
 
@@ -71,7 +56,9 @@ def server_args() -> list[str]:
     return [
         *CPU_FLAGS,
         *hicache_flags("int8"),
-        # After CPU_FLAGS, so these win.
+        # After CPU_FLAGS, so these win. torch_native cannot run an MLA prefill (it
+        # reads K from the pool, which holds the latent: docs/mla-dedup.md), so
+        # intel_amx with its ops' torch stand-ins (HIQ_SGL_KERNEL_TORCH_OPS=1).
         "--attention-backend",
         "intel_amx",
         "--max-total-tokens",

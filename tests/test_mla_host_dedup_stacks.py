@@ -1,7 +1,5 @@
-"""--enable-mla-hicache-host-dedup refused where the HiCache stack is built
-(the model's pools), naming the flag. The ServerArgs-level cases (accepted
-with auto and int8, refused without HiCache or with a storage backend) are
-rows of the start-up table (tests/support/startup_table.py)."""
+"""--enable-mla-hicache-host-dedup refused, naming the flag, where the HiCache stack is
+built (the ServerArgs-level cases: tests/support/startup_table.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ FLAG = "--enable-mla-hicache-host-dedup"
 
 
 def test_refuses_models_without_mla_kv():
-    """An MHA model's plain stack: the flag is refused, naming it."""
     from scripts.rigs.hicache_harness import (
         Geometry,
         make_device_pool,
@@ -29,8 +26,7 @@ def test_refuses_models_without_mla_kv():
 
 
 def test_refuses_hybrid_stacks():
-    """A sliding-window hybrid (and every stack but the plain and DSA ones:
-    Mamba, DeepSeek V4) is refused, naming the flag."""
+    """Every stack but the plain and DSA ones (Mamba, DeepSeek V4, here SWA)."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
         _select_strategy,
     )
@@ -56,9 +52,7 @@ def test_refuses_hybrid_stacks():
 
 
 def test_stack_refuses_storage_backends_other_than_file_and_mooncake():
-    """Where the stack is built: `file` and `mooncake` pass (the source alone
-    serves L3 for its group), any other backend is refused, naming the flag
-    and the fix."""
+    """`file` and `mooncake` pass (the source alone serves L3 for its group)."""
     from sglang.srt.mem_cache.hicache_host_dedup import check_host_dedup_supported
     from scripts.rigs.hicache_harness import MLAGeometry, make_device_pool
 

@@ -1,13 +1,11 @@
-"""MLA INT8 host format (pool_host/kv_mla_int8_codec.py): latent tiles encoded
-with kv_int8_codec's exact math, RoPE kept bit for bit, the error bound, the
-NaN/Inf policy, fast path == reference bit for bit, and fail-fast geometry."""
+"""MLA INT8 host format (pool_host/kv_mla_int8_codec.py): latent tiles encoded with
+kv_int8_codec's exact math, RoPE kept bit for bit, per-tile scales, the NaN/Inf policy
+and fail-fast geometry (fast path == reference: tests/test_host_codecs.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from sglang.srt.mem_cache.pool_host import kv_int8_codec as int8
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import (
@@ -18,7 +16,6 @@ from tests.support.codec_inputs import DTYPES, assert_same_bits
 
 LATENT, ROPE = 512, 64  # DeepSeek V2/V3, Kimi K2
 NAN, INF = float("nan"), float("inf")
-FAST = settings(max_examples=25, deadline=None)
 
 
 def fmt(unit_tokens=4, dtype=torch.bfloat16, latent=LATENT, rope=ROPE):
@@ -44,15 +41,6 @@ def fast_encode(f, x):
     return out, stats
 
 
-def fast_decode(f, records, dtype):
-    n = records["kv"].shape[0]
-    out = torch.full(
-        (n, f.unit_tokens, 1, f.latent_dim + f.rope_dim), -3.0, dtype=dtype
-    )
-    f.decode_into(records, [out])
-    return out
-
-
 # --- format and capacity -----------------------------------------------------
 
 
@@ -63,10 +51,8 @@ def test_records_and_bytes_at_deepseek_geometry():
         ("scale", (64, 1, 4), torch.float16),
         ("rope", (64, 1, 64), torch.bfloat16),
     ]
+    # 648 B per token and layer: 1.78x BF16's 1152 B.
     assert f.bytes_per_token() == 648 == f.bytes_per_token_for((576,), 1, 64)
-    ratio = 1152 / f.bytes_per_token()
-    print(f"MLA INT8: 648 B/token/layer vs BF16 1152 B -> {ratio:.3f}x")
-    assert ratio >= 1.75
     assert f.storage_format_tag == "mla-int8-t128-fp16scale-rope16-v1"
     assert f.sides == ("kv",) and f.name == "int8"
 
@@ -102,39 +88,6 @@ def test_each_tile_is_kv_int8_codec_and_rope_is_verbatim(dtype):
     assert_same_bits(rec["rope"], x[..., LATENT:])
     (y,) = f.decode_reference(rec, dtype)
     assert_same_bits(y[..., LATENT:], x[..., LATENT:])
-
-
-@given(
-    seed=st.integers(0, 2**31 - 1),
-    n_units=st.integers(1, 3),
-    unit_tokens=st.sampled_from([1, 2, 16]),
-    dtype=st.sampled_from(DTYPES),
-    out_dtype=st.sampled_from(DTYPES),
-    tile_log2=st.lists(st.floats(-12, 12), min_size=4, max_size=4),
-)
-@FAST
-def test_bound_holds_and_fast_path_matches_reference(
-    seed, n_units, unit_tokens, dtype, out_dtype, tile_log2
-):
-    f = fmt(unit_tokens=unit_tokens, dtype=dtype)
-    x = rows(seed, n_units, f, dtype, tile_log2)
-    rec = f.encode_reference([x])
-    out, stats = fast_encode(f, x)
-    for name in rec:
-        assert_same_bits(out[name], rec[name])
-    (y,) = f.decode_reference(rec, dtype)
-    assert_same_bits(fast_decode(f, out, dtype), y)
-    (bound,) = f.error_bound(rec, [y])
-    err = (x.double() - y.double()).abs()
-    assert (err <= bound.double()).all()
-    assert torch.equal(bound[..., LATENT:], torch.zeros_like(bound[..., LATENT:]))
-    # The amax statistic is the largest |x| over the (all finite) tiles.
-    assert stats.amax.item() == x[..., :LATENT].float().abs().max().item()
-    assert stats.nonfinite.item() == 0
-    # Decoding into another dtype is the reference's decode in that dtype.
-    assert_same_bits(
-        fast_decode(f, out, out_dtype), f.decode_reference(rec, out_dtype)[0]
-    )
 
 
 def test_tiles_keep_small_channels_precise_next_to_large_ones():

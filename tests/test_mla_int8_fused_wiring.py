@@ -1,5 +1,5 @@
-"""The MLA INT8 pool's fused transfer wiring (encoded_fused.FusedTransfer), checked
-against the kernels' contract with a torch stand-in for them."""
+"""The MLA INT8 pool's fused transfer choice and start-up self-check
+(encoded_fused), with a torch stand-in for the kernels' contract."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from sglang.srt.mem_cache.pool_host.encoded import choose_transfer
 from sglang.srt.mem_cache.pool_host import kv_mla_int8_codec as mla_codec
 from sglang.srt.mem_cache.pool_host.kv_mla_int8_codec import MLAInt8HostFormat
 from sglang.srt.mem_cache.pool_host.host_format import host_pool_cls
-from tests.support.conformance import LAYOUTS
 
 MLATokenToKVPoolINT8Host = host_pool_cls("int8", "mla")
 
@@ -108,45 +107,6 @@ def test_without_the_kernel_module_the_torch_path_serves(monkeypatch):
     assert not fmt.fused_available(torch.device("cpu"))
     assert pool.transfer_path == "torch"
     assert pool.transfer_path_reason == "no fused int8 kernels for this device"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("access", ["direct", "staged"])
-@pytest.mark.parametrize(
-    "layout,page_size", [(lay, p) for lay in LAYOUTS for p in (1, 4)]
-)
-def test_fused_paths_write_the_torch_paths_bytes(
-    kernels, layout, page_size, access, dtype
-):
-    results = []
-    for fused in (None, access):
-        device_pool, pool = build(layout, page_size, dtype, fused)
-        assert pool.transfer_path == ("torch" if fused is None else f"fused_{access}")
-        src = torch.arange(page_size, 6 * page_size)
-        fill_random(device_pool, torch.arange(16 * page_size), seed=4)
-        device_pool.kv_buffer[1][src[2], 0, 130] = float("nan")
-        # Host units in a scrambled order, as the allocator hands them out.
-        host = torch.cat(
-            [torch.arange(u * page_size, (u + 1) * page_size) for u in (6, 1, 3, 0, 7)]
-        )
-        pool.backup_from_device_all_layer(device_pool, host, src, "kernel")
-        dst = torch.arange(10 * page_size, 15 * page_size)
-        for layer in range(3):
-            pool.load_to_device_per_layer(device_pool, host, dst, layer, "direct")
-        results.append(
-            (
-                [t.clone() for t in pool.kv_buffer],
-                [device_pool.kv_buffer[i][dst].clone() for i in range(3)],
-                pool.nonfinite_group_count(),
-                pool.scale_amax_by_layer(),
-            )
-        )
-    (torch_records, torch_rows, torch_bad, torch_amax), fused = results[0], results[1]
-    for a, b in zip(torch_records + torch_rows, fused[0] + fused[1]):
-        bits = {1: torch.int8, 2: torch.int16}[a.element_size()]
-        assert torch.equal(a.view(bits), b.view(bits))
-    assert torch_bad == fused[2] == 1
-    assert torch.equal(torch_amax, fused[3])
 
 
 @pytest.mark.parametrize("access", ["direct", "staged"])

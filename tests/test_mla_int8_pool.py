@@ -78,15 +78,8 @@ def test_capacity_from_allocated_buffers():
     assert stock.size == int8.size == tokens
     stock_bytes = stock.kv_buffer.numel() * stock.kv_buffer.element_size()
     int8_bytes = sum(t.numel() * t.element_size() for t in int8.kv_buffer)
-    ratio = stock_bytes / int8_bytes
-    print(
-        f"\nMLA host pool, DeepSeek geometry (61 layers, 512 + 64, bf16), "
-        f"{tokens} tokens: bf16 {stock_bytes // tokens} B/token, "
-        f"int8 {int8_bytes // tokens} B/token -> {ratio:.3f}x tokens per host byte"
-    )
     assert int8_bytes == int8.get_size_per_token() * tokens == 648 * 61 * tokens
     assert stock_bytes == stock.get_size_per_token() * tokens == 1152 * 61 * tokens
-    assert ratio >= 1.75
     info = device_pool.get_device_pool_infos()[0].buffer_info
     assert MLATokenToKVPoolINT8Host.host_bytes_per_device_byte(info) == 648 / 1152
     assert int8.device_size_per_token() == stock.get_size_per_token()
@@ -143,7 +136,6 @@ def test_unsupported_setups_fail_naming_the_flag(case):
         case, torch.bfloat16
     )
     device_pool = make_device_pool(MLAGeometry(layer_num=2, dtype=dtype), 16)
-    info = device_pool.get_device_pool_infos()[0].buffer_info
     kwargs = dict(
         host_tokens=32, layout="page_unified" if case == "layout" else "page_first"
     )
@@ -152,24 +144,6 @@ def test_unsupported_setups_fail_naming_the_flag(case):
     if case == "layer_shard":
         kwargs["layer_shard_enabled"] = True
     if case == "wide_rows":
-        kwargs["override_kv_cache_dim"] = 656  # a DSA FP8 packed row
+        device_pool.kv_cache_dim = 656  # a DSA FP8 packed row
     with pytest.raises(NotImplementedError, match="--hicache-host-dtype int8"):
-        if case == "wide_rows":
-            MLATokenToKVPoolINT8Host(
-                info,
-                2.0,
-                0,
-                1,
-                "page_first",
-                pin_memory=False,
-                override_kv_cache_dim=656,
-                device_capacity_tokens=16,
-                start_layer=0,
-                end_layer=1,
-                target_layer_num=2,
-                host_token_capacity=32,
-            )
-        else:
-            make_host_pool(
-                device_pool, host_pool_cls=MLATokenToKVPoolINT8Host, **kwargs
-            )
+        make_host_pool(device_pool, host_pool_cls=MLATokenToKVPoolINT8Host, **kwargs)

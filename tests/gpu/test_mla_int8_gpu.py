@@ -49,16 +49,14 @@ def reference(rows: torch.Tensor):
     return {k: v[:, 0] for k, v in records.items()}, restored, stats
 
 
-def records_on(where: str, n: int, layers: int, dtype) -> dict[str, torch.Tensor]:
-    """Sentinel-filled [n, L, 1, 1, w] records on the device or pinned host."""
+def pinned_records(n: int, dtype) -> dict[str, torch.Tensor]:
+    """Sentinel-filled [n, 1 layer, 1, 1, w] records in pinned host memory."""
     shapes = {"kv": (torch.int8, RANK), "scale": (torch.float16, RANK // TILE),
               "rope": (dtype, ROPE)}  # fmt: skip
     out = {}
     for name, (dt, width) in shapes.items():
-        t = torch.full((n, layers, 1, 1, width), 3, dtype=dt)
-        out[name] = (
-            t.to(gs.DEVICE) if where == "device" else (t.pin_memory() if gs.CUDA else t)
-        )
+        t = torch.full((n, 1, 1, 1, width), 3, dtype=dt)
+        out[name] = t.pin_memory() if gs.CUDA else t
     return out
 
 
@@ -124,7 +122,7 @@ def test_mla_kernels_run_on_the_callers_stream():
     rows = mla_rows(torch.bfloat16, n, seed=3)
     _, ref_rows, _ = reference(rows)
     src = rows.to(gs.DEVICE)
-    out = records_on("host", n, 1, torch.bfloat16)
+    out = pinned_records(n, torch.bfloat16)
     dst = torch.zeros_like(src)
     idx = torch.arange(n, device=gs.DEVICE)
     stream = torch.cuda.Stream() if gs.CUDA else None

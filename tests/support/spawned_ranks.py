@@ -1,7 +1,6 @@
-"""Ranks as spawned processes over gloo on one machine, for multi-rank tests
-whose modules import SGLang at the top: the spawn target lives here, imports
-nothing of SGLang before the CPU stand-ins, then runs `target`
-("module:function", called as function(rank, group, **kwargs) -> dict)."""
+"""Gloo ranks as spawned processes: this module imports no SGLang before the CPU
+stand-ins, then runs `target` ("module:function", called as function(rank, group,
+**kwargs) -> dict)."""
 
 from __future__ import annotations
 
