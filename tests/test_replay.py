@@ -5,7 +5,6 @@ demo's claims, checked restores, and the limiting cases SGLang's cache must meet
 from __future__ import annotations
 
 import math
-from os.path import commonprefix
 
 import pytest
 import torch
@@ -211,6 +210,15 @@ def test_restore_check_catches_corrupted_loads(requests, host_dtype):
         engine.close()
 
 
+def shared_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @pytest.mark.parametrize("host_dtype", ["auto", "int8"])
 def test_sequential_replay_reaches_the_unbounded_hit_rate(requests, host_dtype):
     """One request at a time, an L2 that holds everything, an L1 of about one
@@ -223,7 +231,7 @@ def test_sequential_replay_reaches_the_unbounded_hit_rate(requests, host_dtype):
     # what a request shares with it (its group's system prompt) is an L1 hit;
     # the rest of the reuse has to come back from L2.
     from_previous = sum(
-        min(len(commonprefix([req.prompt, prev.prompt + prev.output[:-1]])),
+        min(shared_prefix(req.prompt, prev.prompt + prev.output[:-1]),
             req.prompt_len - 1)
         for prev, req in zip(requests, requests[1:])
     )  # fmt: skip
