@@ -25,8 +25,7 @@ if os.environ.get("HIQ_PIPELINE_ONLY") != "1":
 
 @pytest.fixture(scope="module")
 def triton_interpreter():
-    """Modules whose kernels run on CPU tensors opt in with usefixtures: they
-    need the kernels built under Triton's interpreter (set above)."""
+    """Modules running kernels on CPU tensors opt in: they need the interpreter."""
     from sglang.kernels.ops.kvcache import host_kv_common
 
     if not host_kv_common.available("cpu"):
@@ -35,8 +34,7 @@ def triton_interpreter():
 
 @pytest.fixture
 def toy_host_format():
-    """The toy host format (tests/support/copy_format.py), registered through
-    the registry alone, as a new format would be; removed afterwards."""
+    """The toy format (tests/support/copy_format.py) registered as a new one is."""
     from sglang.srt.mem_cache.pool_host import host_format as hf
     from tests.support import copy_format as toy
 
@@ -47,8 +45,7 @@ def toy_host_format():
 
 @pytest.fixture(scope="module")
 def model_dir():
-    """The live-server modules' model, SmolLM2-135M-Instruct (a module may
-    override it)."""
+    """The live-server modules' model, SmolLM2-135M-Instruct (modules may override)."""
     from scripts.rigs.model import smollm2_dir
 
     return smollm2_dir()
@@ -65,8 +62,7 @@ def prompts(request, model_dir) -> list[list[int]]:
 
 @pytest.fixture
 def l3_rigs():
-    """L3 rigs a test makes (append them); their storage backends are detached
-    at teardown, pass or fail."""
+    """L3 rigs a test makes (append them): detached at teardown, pass or fail."""
     made = []
     yield made
     for l3 in made:
@@ -87,24 +83,20 @@ def _mooncake_master(tmp_path_factory, lease_ms: int):
 
 @pytest.fixture(scope="session")
 def mooncake_master(tmp_path_factory):
-    """One real mooncake_master on 127.0.0.1 for the session (tests keep their
-    keys apart by model name). Leases of 1 s let tests rewrite objects and the
-    store evict them, yet outlive a read on a busy machine."""
+    """One real mooncake_master for the session (keys apart by model name); 1 s
+    leases let the store evict rewritten objects yet outlive a read when busy."""
     yield from _mooncake_master(tmp_path_factory, 1000)
 
 
 @pytest.fixture(scope="module")
 def short_lease_master(tmp_path_factory):
-    """A real mooncake_master per module with 100 ms leases, for tests that
-    rewrite or delete stored objects between a write and a read."""
+    """A mooncake_master per module with 100 ms leases (rewrites between I/O)."""
     yield from _mooncake_master(tmp_path_factory, 100)
 
 
 @pytest.fixture
 def host_ram_not_under_test():
-    """Tests whose pools are a few KiB opt in with usefixtures: the free-RAM
-    guard (pool_host/base.py) is not what they test, and this machine's RAM
-    is shared with other work."""
+    """Tests of KiB-sized pools opt out of the free-RAM guard (shared machine)."""
     from sglang.srt.mem_cache.pool_host import base
 
     with base.host_memory_budget_scope(1 << 40):
@@ -113,8 +105,7 @@ def host_ram_not_under_test():
 
 @pytest.fixture(scope="module")
 def hybrid_host_copies_on_cpu():
-    """CPU stand-ins for the CUDA copies of the stock MHA pool (`kernel`) and
-    of the Mamba state host pool, for the module that uses it."""
+    """CPU stand-ins for the stock MHA pool's and the Mamba host pool's CUDA copies."""
     from sglang.srt.mem_cache.pool_host import mamba, mha
     from scripts.rigs import standins
     from tests.support.hybrid_rigs import KERNEL_IO_OPS
@@ -129,8 +120,7 @@ def hybrid_host_copies_on_cpu():
 
 @pytest.fixture
 def mamba_extra_buffer_on_cpu(monkeypatch):
-    """Linear-attention models default to the extra_buffer Mamba strategy,
-    which SGLang allows on CUDA/ROCm/NPU/XPU platforms but not on CPU."""
+    """Linear-attention models' default extra_buffer strategy, allowed on CPU."""
     monkeypatch.setattr(
         "sglang.srt.arg_groups.mamba_hook._platform_supports_mamba_cache_extra_buffer",
         lambda: True,
@@ -139,8 +129,7 @@ def mamba_extra_buffer_on_cpu(monkeypatch):
 
 @pytest.fixture
 def restore_environ():
-    """Start-up tests opt in: resolution exports environment variables
-    (handle_environment_variables)."""
+    """Start-up resolution exports environment variables: restored afterwards."""
     saved = dict(os.environ)
     yield
     os.environ.clear()
@@ -149,9 +138,8 @@ def restore_environ():
 
 @pytest.fixture
 def hybrid_runtime_context(mamba_extra_buffer_on_cpu):
-    """Mamba extra buffers allowed on CPU; afterwards the radix caches the
-    test built (tests/support/hybrid_rigs.py) are released, their collectors
-    unregistered and the published server arguments reset."""
+    """Afterwards the radix caches built (tests/support/hybrid_rigs.py) are
+    released, their collectors unregistered, the server arguments reset."""
     from prometheus_client import REGISTRY
 
     from sglang.srt.runtime_context import reset_context
@@ -205,8 +193,7 @@ def smollm2_bundle():
 
 @pytest.fixture
 def collectors():
-    """SGLang's scheduler and radix-cache metrics collectors, built as a server
-    builds them (tests/support/metrics.py)."""
+    """SGLang's scheduler and radix-cache collectors, built as a server builds them."""
     from tests.support.metrics import scheduler_and_radix_collectors
 
     yield from scheduler_and_radix_collectors()
@@ -230,8 +217,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module", autouse=True)
 def _restore_sglang_log_level():
-    """The demo and replay tools quiet the sglang logger in-process; later
-    modules assert on its INFO/WARNING lines, so each module starts as it was."""
+    """The demo tools quiet the sglang logger; later modules assert on its lines."""
     import logging
 
     logger = logging.getLogger("sglang")

@@ -1,7 +1,6 @@
-"""scripts/gpu_check.sh on CPU: --dry-run runs both phases end to end (every
-test of tests/gpu/, kernels interpreted; the benchmark at tiny sizes), and the
-tests phase fails in one line without CUDA, a package, or a Python with torch
-(without PYTHON it takes the checkout's .venv)."""
+"""scripts/gpu_check.sh on CPU: --dry-run runs both phases end to end (tests/gpu/
+interpreted, the benchmark at tiny sizes); the tests phase fails in one line
+without CUDA, a package or a Python with torch (default: the checkout's .venv)."""
 
 from __future__ import annotations
 
@@ -126,8 +125,7 @@ def test_tests_phase_fails_without_cuda(site, tmp_path):
 
 
 def test_missing_package_is_named_in_one_line(site, tmp_path):
-    """A package sglang imports (orjson) is absent: both phases say which, in
-    one line, with no traceback and no "imports ok"."""
+    """orjson (sglang imports it) absent: both phases say so in one line."""
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     (shadow / "orjson.py").write_text(

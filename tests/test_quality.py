@@ -1,10 +1,6 @@
-"""CI-sized runs of the restored-KV quality harness (scripts/quality/harness.py)
-on the real SmolLM2-135M and WikiText-2 through SGLang's real HiCache write/load
-path: the BF16 control is bit-identical to exact, every host format has an arm
-on its own pool, a run that restores nothing refuses to report, the code and doc
-texts come from the installed Python, never from the repo; then the harness's
-floor and verdicts: the fp32-KV reference beside `exact`, both references per
-arm, the per-layer K/V errors, the RECOMMENDED table and the targets per cell."""
+"""The restored-KV quality harness (scripts/quality/) on the real SmolLM2-135M and
+WikiText-2 through SGLang's real HiCache write/load path, at CI size: arms, guards,
+texts, the references, the per-layer table and the targets per cell."""
 
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from scripts.common import plot
 from scripts.quality import __main__ as quality
 from scripts.quality import harness as hq
 from scripts.quality import texts
-from tests.support.quality_inputs import SMALL, TEXT_FILE, tiny_model
+from tests.support.quality_inputs import SMALL, TEXT_FILE, dispatch_cls, tiny_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ONE_WINDOW = {**SMALL, "windows": 1}
@@ -34,44 +30,19 @@ def bundle(smollm2_bundle):
     return smollm2_bundle
 
 
+def run(bundle, standins=None, **config):
+    cfg = hq.QualityConfig(text_file=str(TEXT_FILE), **config)
+    return hq.run_quality(cfg, bundle, standins, log=lambda s: None)
+
+
 @pytest.fixture(scope="module")
 def report(bundle):
-    cfg = hq.QualityConfig(text_file=str(TEXT_FILE), **SMALL)
-    return hq.run_quality(cfg, bundle, ["conftest stand-ins"], log=lambda s: None)
+    return run(bundle, ["conftest stand-ins"], **SMALL)
 
 
-def run(bundle, **config):
-    cfg = hq.QualityConfig(text_file=str(TEXT_FILE), **config)
-    return hq.run_quality(cfg, bundle, log=lambda s: None)
-
-
-def test_model_is_real_gqa(bundle, report):
+def _dispatch_cls(report, host_dtype):
     geo = report["kv_geometry"]
-    assert (geo["layers"], geo["kv_heads"], geo["head_dim"]) == (30, 3, 64)
-    assert bundle.info["weights_sha256"]
-    assert report["text"]["tokens"] > 100_000
-
-
-def _dispatch_cls(bundle_report, host_dtype):
-    """The host pool class the server's dispatch picks for the model's KV."""
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-
-    geo = bundle_report["kv_geometry"]
-    device_pool = MHATokenToKVPool(
-        size=64,
-        page_size=1,
-        dtype=torch.bfloat16,
-        head_num=geo["kv_heads"],
-        head_dim=geo["head_dim"],
-        layer_num=1,
-        device="cpu",
-        enable_memory_saver=False,
-        v_head_dim=geo["v_head_dim"],
-        enable_alt_stream=False,
-    )
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    return get_mha_host_pool_cls(info, host_dtype)
+    return dispatch_cls(host_dtype, geo["kv_heads"], geo["head_dim"], geo["v_head_dim"])
 
 
 def test_one_arm_per_registered_host_format(monkeypatch):
@@ -113,9 +84,12 @@ def _format_bytes_per_token(report, arm) -> float:
     return geo["layers"] * per_layer
 
 
-def test_every_arm_restores_every_token_through_the_pool_of_its_format(report):
+def test_every_arm_restores_every_token_through_the_pool_of_its_format(bundle, report):
     """Each arm's pool is the --hicache-host-dtype dispatch's at the arm's page
     size, stores its format's bytes per token, and brought every token back."""
+    geo = report["kv_geometry"]  # the real GQA model and text
+    assert (geo["layers"], geo["kv_heads"], geo["head_dim"]) == (30, 3, 64)
+    assert bundle.info["weights_sha256"] and report["text"]["tokens"] > 100_000
     expected = SMALL["windows"] * SMALL["prefix_len"]
     arms = hq.offload_arms()
     assert [a for a in report["arms"] if a not in hq.REFERENCES] == list(arms)
@@ -160,13 +134,12 @@ def test_control_is_bit_identical_and_int8_within_loose_bound(report):
     assert s["host_bytes_per_token"] * 1.9 < bf16_bytes
 
 
-@pytest.mark.parametrize("broken", ["no-restore", "every-pool", "int8", "k8v4", "int4"])
+@pytest.mark.parametrize("broken", ["no-restore", "every-pool", "int8", "int4"])
 def test_a_run_that_restores_nothing_refuses_to_report(
     bundle, report, monkeypatch, broken
 ):
-    """The guard reads the device pool, not a flag: a load queued and
-    acknowledged that moves no bytes is caught, and breaking one format's pool
-    breaks exactly that arm."""
+    """The guard reads the device pool, not a flag: a load acknowledged that moves
+    no bytes is caught, and breaking one format's pool breaks exactly that arm."""
     arms = hq.offload_arms()
     error, match, broken_arms = hq.RestoreError, f"arm {broken!r}.*0 of 128", [broken]
     if broken == "no-restore":
@@ -184,8 +157,8 @@ def test_a_run_that_restores_nothing_refuses_to_report(
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
 def test_fp8_arms_restore_through_the_l2_pools(bundle, kv_dtype):
-    """FP8 L1 (docs/fp8-device-kv.md): exact is the FP8 KV never offloaded, the
-    control the stock 1-byte FP8 host pool, int4/k8v4 FP8 -> host -> FP8."""
+    """FP8 L1 (docs/fp8-device-kv.md): exact never offloaded, the control the stock
+    1-byte FP8 host pool, int4/k8v4 FP8 -> host -> FP8."""
     arms_run = ("exact", "bf16", "int4", "k8v4")
     report = run(bundle, **ONE_WINDOW, kv_dtype=kv_dtype, arms=arms_run)
     kv = report["kv_geometry"]
@@ -246,12 +219,18 @@ def test_cli_writes_markdown_json_and_png(bundle, tmp_path):
     assert not (tmp_path / "none.json").exists()
 
 
-def test_cli_scores_the_doc_text_as_a_third_report(bundle, tmp_path):
-    argv = [
-        *("--text-file", str(TEXT_FILE), "--out-dir", str(tmp_path), "--name", "ci"),
-        *"--code-text none --doc-text python-docs --arms exact,bf16,int8".split(),
-        *"--windows 1 --prefix-len 64 --score-len 32 --greedy-tokens 0".split(),
+def _cli(tmp_path, *extra, arms="bf16,int8"):
+    return [
+        *("--text-file", str(TEXT_FILE), "--out-dir", str(tmp_path), "--arms", arms),
+        *"--code-text none --windows 1 --prefix-len 64 --score-len 32".split(),
+        *("--greedy-tokens", "0", *extra),
     ]
+
+
+def test_cli_scores_the_doc_text_as_a_third_report(bundle, tmp_path):
+    argv = _cli(
+        tmp_path, "--name", "ci", "--doc-text", "python-docs", arms="exact,bf16,int8"
+    )
     assert quality.main(argv, bundle=bundle) == 0
     prose = json.loads((tmp_path / "ci.json").read_text())
     docs = json.loads((tmp_path / "ci_docs.json").read_text())
@@ -262,21 +241,10 @@ def test_cli_scores_the_doc_text_as_a_third_report(bundle, tmp_path):
     assert "python-docs (documentation" in (tmp_path / "ci_summary.md").read_text()
 
 
-def test_any_hf_causal_lm_directory(bundle, tmp_path):
-    """--model takes a Hugging Face model directory; here a tiny random Llama
-    (GQA: 4 query heads, 2 KV heads) with page size 2."""
-    tiny = tiny_model(bundle.tokenizer, tmp_path, "llama")
-    rep = run(
-        tiny, windows=1, prefix_len=32, score_len=16, greedy_tokens=4, page_size=2
-    )
-    assert rep["kv_geometry"]["layers"] == 2 and rep["kv_geometry"]["kv_heads"] == 2
-    assert rep["targets"]["control_bit_identical"]
-    assert rep["arms"]["int8"]["restored_tokens"] == 32
-
-
-def test_windows_start_with_bos_where_served_prompts_do(bundle, tmp_path, monkeypatch):
-    """Gemma's served prompts start with BOS, so its windows must too; SmolLM2's
-    do not, so its windows are the text's tokens as they were."""
+def test_any_hf_causal_lm_directory_and_bos(bundle, tmp_path, monkeypatch):
+    """--model takes a Hugging Face model directory (a tiny random GQA Llama, page
+    size 2). Gemma's served prompts start with BOS, so its windows must too;
+    SmolLM2's do not, so its windows are the text's tokens as they were."""
     assert hq.PACKAGED_MODELS["gemma3-270m"].prepend_bos
     assert bundle.info["bos_token_id"] is None
     tiny = tiny_model(bundle.tokenizer, tmp_path, "llama")
@@ -289,10 +257,15 @@ def test_windows_start_with_bos_where_served_prompts_do(bundle, tmp_path, monkey
     )
     bos = 7
     with_bos = replace(tiny, info={**tiny.info, "bos_token_id": bos})
+    sizes = dict(windows=1, prefix_len=32, score_len=16, greedy_tokens=4)
     reports = [
-        run(b, windows=1, prefix_len=32, score_len=8, greedy_tokens=0, arms=("bf16",))
-        for b in (tiny, with_bos)
+        run(tiny, **sizes, page_size=2),
+        run(with_bos, **sizes, arms=("bf16",)),
     ]
+    rep = reports[0]
+    assert rep["kv_geometry"]["layers"] == 2 and rep["kv_geometry"]["kv_heads"] == 2
+    assert rep["targets"]["control_bit_identical"]
+    assert rep["arms"]["int8"]["restored_tokens"] == 32
     ids, _ = hq.tokenize_text(tiny.tokenizer, str(TEXT_FILE))
     start = reports[0]["windows"][0]
     assert prefixes[0] == ids[start : start + 32]
@@ -303,9 +276,8 @@ def test_windows_start_with_bos_where_served_prompts_do(bundle, tmp_path, monkey
 
 
 def test_sliding_window_model_keeps_every_token_of_the_prefix(bundle, tmp_path):
-    """SGLang's full-size KV pool keeps every token of every layer, so the
-    harness must too: a tiny random Gemma 3 (8-token window, 32-token prefix),
-    and its per-layer table names each layer's attention kind."""
+    """SGLang's full-size KV pool keeps every token of every layer, so the harness
+    must too (a tiny Gemma 3, 8-token window); the table names each layer's kind."""
     tiny = tiny_model(bundle.tokenizer, tmp_path)
     kv = hq.prefill_kv(tiny.model, list(range(100, 132)), torch.bfloat16)
     assert [k.shape[0] for k, _ in kv] == [32, 32]
@@ -322,8 +294,8 @@ def test_sliding_window_model_keeps_every_token_of_the_prefix(bundle, tmp_path):
 
 @pytest.mark.parametrize("name", ["python-stdlib", "python-docs"])
 def test_second_and_third_texts_are_read_from_the_installed_python(bundle, name):
-    """Whole files (the stdlib's sources; pydoc_data/topics.py's topics), in
-    order, from where Python installs them, never from the repo."""
+    """Whole files (stdlib sources; pydoc_data's topics), in order, from where
+    Python installs them, never from the repo."""
     from pydoc_data import topics
 
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -363,9 +335,8 @@ def test_texts_name_missing_files(tmp_path):
 
 
 def test_summary_shows_each_format_target_as_measured(report):
-    """The summary's pass/miss cells follow the measured figures and the
-    format's own targets (int4: PPL <= 1%, top-1 >= 97%; k8v4: PPL <= 0.3%),
-    or its recommended role's (test_recommended_table_drives_the_targets)."""
+    """Pass/miss cells follow the measured figures and the format's own targets
+    (int4: PPL <= 1%, top-1 >= 97%; k8v4: PPL <= 0.3%) or its role's."""
     assert hq.TARGETS["int4"] == hq.Target(ppl_rel_delta=0.01, top1=0.97)
     assert hq.TARGETS["k8v4"] == hq.Target(ppl_rel_delta=0.003)
     md = hq.summary_markdown({"wikitext-2": report})
@@ -406,18 +377,45 @@ def test_histogram_handles_all_zero_series(tmp_path):
 # --- the references, the per-layer table and the verdicts --------------------
 
 
-def test_fp32_reference_row_sits_beside_exact(report):
+def test_references_and_control_rows(report):
+    """Both references score every arm (fp32_kv beside exact: never offloaded,
+    no targets), and the control is flagged as one."""
     arms = report["arms"]
     assert list(arms)[:2] == ["exact", hq.FP32_ARM]
-    fp32 = arms[hq.FP32_ARM]
+    exact, fp32, bf16 = arms["exact"], arms[hq.FP32_ARM], arms["bf16"]
     # Never offloaded, and BF16 rounding costs something measurable.
     assert fp32["restored_tokens"] == 0 and "host_pool" not in fp32
     assert fp32["kl_mean"] > 0 and fp32["kv_rel_err"] > 0
     assert not any(k.startswith(hq.FP32_ARM) for k in report["targets"])
+    for s in arms.values():
+        for key in ("kl_mean", "top1_agree", "kl_mean_fp32", "top1_agree_fp32"):
+            assert math.isfinite(s[key])
+    # Each reference against itself, and the control against exact: zero.
+    assert exact["kl_mean"] == fp32["kl_mean_fp32"] == bf16["kl_mean"] == 0.0
+    assert exact["top1_agree"] == fp32["top1_agree_fp32"] == bf16["top1_agree"] == 1
+    # The control is exact, so it sits exactly where exact does against fp32.
+    assert bf16["kl_mean_fp32"] == exact["kl_mean_fp32"] > 0
+    assert bf16["top1_agree_fp32"] == exact["top1_agree_fp32"]
+    # A lossy arm differs from both, by different amounts.
+    assert arms["int4"]["kl_mean"] > 0 and arms["int4"]["kl_mean_fp32"] > 0
+    assert arms["int4"]["kl_mean"] != arms["int4"]["kl_mean_fp32"]
+    assert fp32["ppl_rel_delta_fp32"] == 0.0
+    assert hq.arm_label("bf16") == "bf16 (control)"
     md = hq.markdown_report(report)
-    assert "| fp32_kv | none (reference: fp32 KV, not rounded) |" in md
     summary = hq.summary_markdown({"wikitext-2": report})
-    assert "| fp32_kv | none (reference: fp32 KV, not rounded) |" in summary
+    for text in (md, summary):
+        assert "| fp32_kv | none (reference: fp32 KV, not rounded) |" in text
+        assert "| bf16 (control) | MHATokenToKVPoolHost" in text
+        assert "a plumbing control, not a format" in text
+    assert "| bf16 |" not in md
+    assert "| top-1 vs exact | mean KL vs exact | top-1 vs fp32_kv " in summary
+    assert "| mean KL vs fp32_kv | max KL vs exact | targets |" in summary
+    assert "| mean KL vs exact | top-1 vs exact |" in md
+    (row,) = [
+        x for x in md.splitlines() if x.startswith("| int4 | ") and "Pool" not in x
+    ]
+    for key in ("kl_mean", "kl_mean_fp32"):
+        assert f"| {arms['int4'][key]:.2e} |" in row
 
 
 def test_fp32_reference_is_the_unrounded_prefill(bundle, report, monkeypatch):
@@ -436,44 +434,6 @@ def test_fp32_reference_is_the_unrounded_prefill(bundle, report, monkeypatch):
     for row in report["per_layer"]["layers"]:
         for side in "kv":
             assert 0 < row[side][hq.FP32_ARM] < 0.01 < row[side]["int4"]
-
-
-def test_control_is_flagged_as_control(report):
-    assert hq.arm_label("bf16") == "bf16 (control)"
-    note = "a plumbing control, not a format"
-    md = hq.markdown_report(report)
-    assert "| bf16 (control) | MHATokenToKVPoolHost" in md and note in md
-    assert "| bf16 |" not in md
-    summary = hq.summary_markdown({"wikitext-2": report})
-    assert "| bf16 (control) | MHATokenToKVPoolHost" in summary and note in summary
-
-
-def test_both_references_for_every_arm_and_consistent(report):
-    arms = report["arms"]
-    for s in arms.values():
-        for key in ("kl_mean", "top1_agree", "kl_mean_fp32", "top1_agree_fp32"):
-            assert math.isfinite(s[key])
-    exact, fp32, bf16 = arms["exact"], arms[hq.FP32_ARM], arms["bf16"]
-    # Each reference against itself, and the control against exact: zero.
-    assert exact["kl_mean"] == fp32["kl_mean_fp32"] == bf16["kl_mean"] == 0.0
-    assert exact["top1_agree"] == fp32["top1_agree_fp32"] == bf16["top1_agree"] == 1
-    # The control is exact, so it sits exactly where exact does against fp32.
-    assert bf16["kl_mean_fp32"] == exact["kl_mean_fp32"] > 0
-    assert bf16["top1_agree_fp32"] == exact["top1_agree_fp32"]
-    # A lossy arm differs from both, by different amounts.
-    assert arms["int4"]["kl_mean"] > 0 and arms["int4"]["kl_mean_fp32"] > 0
-    assert arms["int4"]["kl_mean"] != arms["int4"]["kl_mean_fp32"]
-    assert fp32["ppl_rel_delta_fp32"] == 0.0
-    summary = hq.summary_markdown({"wikitext-2": report})
-    assert "| top-1 vs exact | mean KL vs exact | top-1 vs fp32_kv " in summary
-    assert "| mean KL vs fp32_kv | max KL vs exact | targets |" in summary
-    md = hq.markdown_report(report)
-    assert "| mean KL vs exact | top-1 vs exact |" in md
-    (row,) = [
-        x for x in md.splitlines() if x.startswith("| int4 | ") and "Pool" not in x
-    ]
-    for key in ("kl_mean", "kl_mean_fp32"):
-        assert f"| {arms['int4'][key]:.2e} |" in row
 
 
 def test_per_layer_table_has_one_row_per_layer(report):
@@ -516,11 +476,10 @@ def _targets(summary, windows=1, **kw):
     return hq._targets(hq.QualityConfig(text_file="unused"), summary, windows, **kw)
 
 
-def _keys(summary):
-    return {k for k in _targets(summary) if k.split("_")[0] in summary}
-
-
 def test_recommended_table_drives_the_targets(monkeypatch):
+    got = _targets({"int8c": _arm("int8c")})  # a recommended format not run: miss
+    assert got["recommended_8-bit_int8c_ran"] is True
+    assert got["recommended_4-bit_int4c_ran"] is False
     summary = {
         "int8": _arm("int8", capacity=1.969),
         "int8c": _arm("int8c", capacity=1.925),
@@ -530,7 +489,7 @@ def test_recommended_table_drives_the_targets(monkeypatch):
         "int4c": _arm("int4c", kl=2e-3, capacity=3.429),
     }
     assert hq.RECOMMENDED == {"8-bit": "int8c", "4-bit": "int4c"}
-    assert _keys(summary) == set(
+    assert {k for k in _targets(summary) if k.split("_")[0] in summary} == set(
         "int8_ppl_rel_delta_le_0.001 int8_top1_ge_0.995 int8c_ppl_rel_delta_le_0.001"
         " int8c_top1_ge_0.995 k8v4_ppl_rel_delta_le_0.003 int4_ppl_rel_delta_le_0.01"
         " int4_top1_ge_0.97 int4r_ppl_rel_delta_le_0.01 int4r_top1_ge_0.97"
@@ -557,12 +516,6 @@ def test_recommended_table_drives_the_targets(monkeypatch):
     target, role = hq.arm_target("int4", "int4")
     cell = hq._target_cells(target, summary["int4"], summary, role)
     assert cell.startswith("recommended 4-bit: ")
-
-
-def test_a_recommended_format_not_run_is_a_miss(monkeypatch):
-    got = _targets({"int8c": _arm("int8c")})
-    assert got["recommended_8-bit_int8c_ran"] is True
-    assert got["recommended_4-bit_int4c_ran"] is False
     # An opt-in arm (the sink page) named there runs by default.
     cfg = hq.QualityConfig(text_file="unused")
     assert "int4r_sink" not in hq._selected_arms(cfg)[0]
@@ -605,8 +558,7 @@ def test_target_thresholds(summary, key, met):
 
 
 def test_capacity_is_the_formats_at_qwen3_8b_geometry():
-    """Tokens per host byte against BF16 at 36 layers x 8 KV heads x 128 dims,
-    page 64: the README's figures (docs/design.md, docs/sink-page.md)."""
+    """Tokens per host byte against BF16 at Qwen3-8B, page 64: the README's."""
     arms = hq.offload_arms()
     bf16 = 36 * 2 * 8 * 128 * 2
     assert hq.capacity_vs_bf16(arms["bf16"]) == 1.0
@@ -616,18 +568,9 @@ def test_capacity_is_the_formats_at_qwen3_8b_geometry():
     assert hq.capacity_vs_bf16(sink) == pytest.approx(bf16 / 42057)
 
 
-def _cli(tmp_path, *extra):
-    return [
-        *("--text-file", str(TEXT_FILE), "--out-dir", str(tmp_path)),
-        *"--code-text none --windows 1 --prefix-len 64 --score-len 32".split(),
-        *"--greedy-tokens 0 --arms bf16,int8 --check-targets".split(),
-        *extra,
-    ]
-
-
 def test_check_targets_exit_status_per_cell(bundle, tmp_path, monkeypatch, capsys):
-    """Met: exit 0 and the cell says met; a forced miss (a recommended 8-bit
-    target no format meets): exit 1 and the cell names the missed target."""
+    """Met: exit 0, the cell says met; a forced miss (an 8-bit target no format
+    meets): exit 1, the cell names it."""
     # This tiny run counts as full size, and int8 meets a loose 8-bit target.
     monkeypatch.setitem(bundle.info, "full_size_windows", 1)
     monkeypatch.setattr(hq, "TARGET_PREFIX", 64)
@@ -635,7 +578,8 @@ def test_check_targets_exit_status_per_cell(bundle, tmp_path, monkeypatch, capsy
     loose = hq.Target(ppl_rel_delta=0.5, top1=0.5)
     monkeypatch.setitem(hq.RECOMMENDED_TARGETS, "8-bit", loose)
     monkeypatch.setattr(hq, "RECOMMENDED", {"8-bit": "int8"})  # int4r not run
-    assert quality.main(_cli(tmp_path, "--name", "met"), bundle=bundle) == 0
+    check = ("--check-targets", "--name")
+    assert quality.main(_cli(tmp_path, *check, "met"), bundle=bundle) == 0
     out = capsys.readouterr().out
     assert "- SmolLM2-135M-Instruct x wikitext-2: met" in out
     summary = (tmp_path / "met_summary.md").read_text()
@@ -644,26 +588,22 @@ def test_check_targets_exit_status_per_cell(bundle, tmp_path, monkeypatch, capsy
     assert "recommended 8-bit: PPL delta <= 50%: pass" in summary
 
     monkeypatch.setitem(hq.RECOMMENDED_TARGETS, "8-bit", hq.Target(capacity=100))
-    assert quality.main(_cli(tmp_path, "--name", "miss"), bundle=bundle) == 1
+    assert quality.main(_cli(tmp_path, *check, "miss"), bundle=bundle) == 1
     out = capsys.readouterr().out
     assert "- SmolLM2-135M-Instruct x wikitext-2: MISSED 1 of 4: int8_capacity" in out
     # Without --check-targets the verdict is printed all the same, exit 0.
-    argv = [a for a in _cli(tmp_path, "--name", "m2") if a != "--check-targets"]
-    assert quality.main(argv, bundle=bundle) == 0
+    assert quality.main(_cli(tmp_path, "--name", "m2"), bundle=bundle) == 0
     assert "MISSED 1 of 4: int8_capacity_ge_100x" in capsys.readouterr().out
 
 
-def test_long_preset_is_one_2048_token_window():
+def test_long_preset_and_full_size_windows():
     args = quality.parse_args(["--text-file", "t", "--long"])
     assert (args.prefix_len, args.windows) == (2048, 1)
     args = quality.parse_args(["--text-file", "t"])
     assert (args.prefix_len, args.windows) == (hq.TARGET_PREFIX, hq.TARGET_WINDOWS)
     with pytest.raises(SystemExit):
         quality.parse_args(["--text-file", "t", "--long", "--windows", "2"])
-
-
-def test_full_size_run_counts_the_models_own_windows():
-    """The targets' protocol: 32 windows per text on SmolLM2, 8 on Gemma 3."""
+    # The targets' protocol: 32 windows per text on SmolLM2, 8 on Gemma 3.
     assert hq.PACKAGED_MODELS["smollm2-135m"].full_size_windows == 32
     assert hq.PACKAGED_MODELS["gemma3-270m"].full_size_windows == 8
     summary = {"int8c": _arm("int8c")}

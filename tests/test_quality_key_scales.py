@@ -1,6 +1,5 @@
-"""key_scales.py's capacity column (issue 35): its byte model of the 4-bit
-candidates equals the registered formats' records at Qwen3-8B geometry, and
-its layer plan rule picks the layers docs/quality-int8c.md states."""
+"""key_scales.py's byte model of the 4-bit candidates is the registered formats'
+records at Qwen3-8B; its layer plan rule picks docs/quality-int8c.md's layers."""
 
 from __future__ import annotations
 
@@ -51,8 +50,8 @@ def test_layer_plan_rule():
 
 
 def _int4_side(side: str, value_group: int = 64) -> float:
-    """int4's records for one side per token and layer; values in groups of
-    `value_group` carry one FP16 scale and zero point per group."""
+    """int4's bytes for one side per token and layer (one FP16 scale and zero
+    point per `value_group` values)."""
     bytes_ = _side_bytes(_fmt("int4", 64), side)
     if side == "v":
         bytes_ += HEADS * 4 * (DIM // value_group - DIM // 64)

@@ -1,11 +1,6 @@
-"""The capacity / cache-hit replay behind `make demo` (scripts/demo/) on a
-scaled-down workload: SGLang's real UnifiedRadixCache + HiCache (device pool,
-host pool from the `--hicache-host-dtype` dispatch, cache controller), only
-the scheduler modelled. Checks the demo's claims (INT8 never holds fewer
-tokens nor hits less at one budget; capacities are real allocations;
-determinism), that restores are checked, and the scheduler model against
-limiting cases SGLang's own cache must reproduce.
-"""
+"""The capacity / cache-hit replay behind `make demo` (scripts/demo/), scaled down:
+SGLang's real UnifiedRadixCache + HiCache with only the scheduler modelled; the
+demo's claims, checked restores, and the limiting cases SGLang's cache must meet."""
 
 from __future__ import annotations
 
@@ -14,10 +9,10 @@ import math
 import pytest
 import torch
 
-
 from scripts.demo import pools
 from scripts.demo import replay as rp
 from scripts.demo import workload as wl
+from tests.support.quality_inputs import dispatch_cls
 
 SMALL = wl.Workload(
     num_groups=8,
@@ -88,17 +83,12 @@ def test_formats_come_from_the_registry_and_the_server_accepts_them(formats):
 
 
 def _dispatch_cls(host_dtype, page_size=1):
-    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
-
-    device_pool = pools.make_device_pool(pools.QWEN3_8B, 64, page_size)
-    info = device_pool.get_device_pool_infos()[0].buffer_info
-    return get_mha_host_pool_cls(info, host_dtype)
+    return dispatch_cls(host_dtype, 8, 128, 128, page_size)  # Qwen3-8B's KV
 
 
 def test_demo_rows_come_from_the_server_dispatch(formats):
-    """Experiment A's and B's rows at the demo's page size (64): the pool
-    class the --hicache-host-dtype dispatch picks, bytes read from its
-    buffers, and the issue's capacity targets at Qwen3-8B."""
+    """Experiments A and B at the demo's page size (64): the dispatch's pool class,
+    bytes read from its buffers, the capacity targets at Qwen3-8B."""
     from scripts.demo.__main__ import DEFAULT_PAGE_SIZE, TARGET_RATIO
 
     page = DEFAULT_PAGE_SIZE
@@ -130,12 +120,7 @@ def test_int8_never_holds_fewer_tokens_nor_hits_less(sweep, formats):
         for label in formats:
             cap, res = sweep[gb, label]
             assert cap.tokens >= base_cap.tokens, (gb, label)
-            assert res.hit_rate >= base.hit_rate, (
-                gb,
-                label,
-                res.hit_rate,
-                base.hit_rate,
-            )
+            assert res.hit_rate >= base.hit_rate, (gb, label, base.hit_rate)
         int8_cap, int8 = sweep[gb, "int8"]
         assert int8_cap.tokens / base_cap.tokens >= 1.93
         gained |= int8.hit_rate > base.hit_rate
@@ -156,25 +141,17 @@ def test_budget_capacity_is_the_pools_allocation(sweep):
         assert cap.pool_class == res.host_pool_class == expected
 
 
-def test_qwen3_8b_bytes_per_token(formats):
-    caps = {
-        label: pools.capacity_at_budget(dt, 8, label=label)
-        for label, dt in formats.items()
-    }
+def test_qwen3_8b_bytes_per_token_and_committed_allocation(formats):
+    caps, alloc, tokens = {}, {}, 2048
+    for label, dt in formats.items():
+        caps[label] = pools.capacity_at_budget(dt, 8, label=label)
+        alloc[label] = pools.allocate_host_pool(
+            dt, tokens, pools.QWEN3_8B, commit=True, label=label
+        )
     assert caps["bf16"].bytes_per_token == 36 * 8 * 2 * 128 * 2
     assert caps["int8"].bytes_per_token == 36 * 8 * (128 + 128 + 4)
     assert caps["bf16"].tokens == 54_254  # experiment A's capacity
     assert caps["int8"].tokens == 106_838
-
-
-def test_same_tokens_committed_allocation(formats):
-    tokens = 2048
-    alloc = {
-        label: pools.allocate_host_pool(
-            dt, tokens, pools.QWEN3_8B, commit=True, label=label
-        )
-        for label, dt in formats.items()
-    }
     for label, a in alloc.items():
         assert a.tokens == tokens
         assert a.bytes == tokens * a.bytes_per_token
@@ -244,9 +221,8 @@ def shared_prefix(a, b) -> int:
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int8"])
 def test_sequential_replay_reaches_the_unbounded_hit_rate(requests, host_dtype):
-    """One request at a time and an L2 that holds everything: SGLang's cache
-    must serve every reusable prefix, whether it is still in L1 or only in L2
-    (L1 here holds about one request)."""
+    """One request at a time, an L2 that holds everything, an L1 of about one
+    request: SGLang's cache serves every reusable prefix, from L1 or L2."""
     best = wl.best_possible_hit_rate(requests)
     serving = rp.Serving(l1_tokens=1024, concurrency=1, max_prefill_tokens=4096, **COLD)
     res = rp.replay(host_dtype, 16_384, requests, serving, sanity_every=1)
@@ -276,21 +252,9 @@ def test_concurrency_bounds_requests_in_flight(requests):
     assert res.hit_rate <= wl.best_possible_hit_rate(requests)
 
 
-def test_int8_arm_runs_the_int8_pool_through_the_server_dispatch():
-    from sglang.srt.runtime_context import get_memory
-
-    engine = rp.HiCacheReplay("int8", 3000, SERVING)
-    try:
-        assert get_memory().hicache_host_dtype == "int8"
-        assert type(engine.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
-        assert engine.host_pool.size == 3000
-    finally:
-        engine.close()
-
-
 def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys, formats):
-    """`make demo`'s replay part end to end, scaled down (lazy pools for
-    speed); its live part is tests/test_demo_live.py's."""
+    """`make demo`'s replay part end to end, scaled down (lazy pools); its live
+    part is tests/test_demo_live.py's."""
     import json
 
     from scripts.demo.__main__ import main
@@ -325,16 +289,19 @@ def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys, formats):
 def test_int8_with_the_server_default_layout_and_io_backend(
     requests, layout, io_backend
 ):
-    """The server's defaults (--hicache-mem-layout page_first,
-    --hicache-io-backend kernel) through UnifiedRadixCache and
-    HybridCacheController: the INT8 pool takes its indices unmoved and every
-    restored prefix stays within the codec bound, with the same hits as the
-    default replay configuration."""
+    """The server's default layout and io backend through UnifiedRadixCache and
+    HybridCacheController: the INT8 pool (the flag's dispatch) restores within
+    the codec bound, with the default replay configuration's hits."""
+    from sglang.srt.runtime_context import get_memory
+
     cap = pools.capacity_at_budget("int8", BUDGETS_GB[1], label="int8")
     engine = rp.HiCacheReplay(
         "int8", cap.tokens, SERVING, layout=layout, io_backend=io_backend
     )
     try:
+        assert get_memory().hicache_host_dtype == "int8"
+        assert type(engine.host_pool).__name__ == "MHATokenToKVPoolINT8Host"
+        assert engine.host_pool.size == cap.tokens
         assert engine.host_pool.layout == layout
         assert engine.cache.cache_controller.io_backend == io_backend
     finally:
@@ -359,10 +326,9 @@ def _pair_of_one_group(requests):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_overlap_lag_hides_the_last_prefill_from_the_next_admission(requests, overlap):
-    """The second request can only join the next step (prefill budget of one
-    prompt). Without the overlap scheduler the first prompt is in the tree
-    by then; with it, the next step's admission runs before that result is
-    processed, so the shared system prompt is recomputed."""
+    """The second request joins the next step (a one-prompt prefill budget): the
+    overlap scheduler admits it before the first's result is in the tree, so the
+    shared system prompt is recomputed; without it, it hits."""
     pair = _pair_of_one_group(requests)
     serving = rp.Serving(
         l1_tokens=16_384,
@@ -381,9 +347,8 @@ def test_overlap_lag_hides_the_last_prefill_from_the_next_admission(requests, ov
 
 
 def test_chunked_prefill_splits_steps_and_shares_the_done_chunks(requests):
-    """A prompt longer than the chunk is prefilled over several steps; the
-    part done so far is in the tree before the next step's admission, so a
-    group-mate admitted then reuses it even under the overlap lag."""
+    """A prompt over several chunks: the chunks done are in the tree before the
+    next admission, so a group-mate reuses them even under the overlap lag."""
     pair = _pair_of_one_group(requests)
     chunk = 256
     serving = rp.Serving(
@@ -397,9 +362,8 @@ def test_chunked_prefill_splits_steps_and_shares_the_done_chunks(requests):
 
 
 def test_warmup_is_the_first_request_and_flush_drops_it(requests):
-    """bench_serving's warm-up sends the first request (32 output tokens):
-    the measured first request then finds its prompt cached, unless the
-    cache is flushed after the warm-up."""
+    """bench_serving's warm-up sends the first request: the measured one then finds
+    its prompt cached, unless the cache is flushed after the warm-up."""
     first = requests[:1]
     warm = rp.replay("auto", 16_384, first, rp.Serving(l1_tokens=4096))
     assert warm.per_request[0][1] == first[0].prompt_len - 1
@@ -409,8 +373,8 @@ def test_warmup_is_the_first_request_and_flush_drops_it(requests):
 
 
 def test_chunked_prefill_defaults_match_the_server_rule():
-    """The demo's copy of SGLang's default --chunked-prefill-size by GPU
-    memory, against the rule's own source (it needs a model to run)."""
+    """The demo's copy of SGLang's --chunked-prefill-size by GPU memory, against
+    the rule's source (running it needs a model)."""
     import inspect
     import re
 

@@ -1,7 +1,6 @@
-"""GPU tests: stand-ins for what a bare CUDA machine lacks, and a JSON report
-(HIQ_GPU_TEST_JSON=<path>, rewritten after every test). Run through
-run_gpu_tests.py with --confcutdir=tests/gpu; under `make test` every test
-here is skipped (tests/test_gpu_check.py runs them with --dry-run)."""
+"""GPU tests: stand-ins for what a bare CUDA machine lacks, a JSON report
+(HIQ_GPU_TEST_JSON, rewritten after every test); skipped under `make test`
+(tests/test_gpu_check.py runs them with --dry-run)."""
 
 from __future__ import annotations
 
@@ -12,11 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-from scripts.rigs.gpu import (
-    gpu_test_device,
-    gpu_test_marks,
-    install_gpu_standins,
-)
+from scripts.rigs.gpu import gpu_test_device, gpu_test_marks, install_gpu_standins
 
 STANDINS = install_gpu_standins() if gpu_test_device() else {}
 

@@ -1,7 +1,6 @@
-"""Tests phase of scripts/gpu_check.sh: checks, then pytest on tests/gpu in one
-process. `python -m tests.gpu.run_gpu_tests --json OUT.json [--dry-run]
-[pytest args]`: exit 0 only if tests ran and passed (no CUDA device without
---dry-run, a missing package, no test passing or a skip on CUDA all fail)."""
+"""Tests phase of scripts/gpu_check.sh: `python -m tests.gpu.run_gpu_tests --json
+OUT.json [--dry-run] [pytest args]`, exit 0 only if tests ran and passed (no CUDA
+device without --dry-run, a missing package, none passed, a skip on CUDA: fail)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """MLA INT8 fused kernels (kv_mla_int8_triton) on a real GPU against the CPU
 reference: latent tiles, the RoPE bit copy, the MLA INT8 pool's pinned records
-through UVA, the caller's stream (dry run on CPU: see test_int8_gpu.py)."""
+through UVA, the caller's stream (dry run on CPU: see test_host_kv_gpu.py)."""
 
 from __future__ import annotations
 

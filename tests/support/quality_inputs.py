@@ -1,6 +1,5 @@
-"""The quality tests' inputs (WikiText-2, the packaged SmolLM2 GGUF), the short
-windows the CPU tests score (`make quality` is the full-size run) and tiny
-random models."""
+"""The quality and demo tests' inputs: WikiText-2, the packaged SmolLM2, the
+short windows CPU tests score, tiny random models and the host pool dispatch."""
 
 from __future__ import annotations
 
@@ -34,10 +33,23 @@ def require_inputs():
         pytest.skip("; ".join(missing))
 
 
+def dispatch_cls(host_dtype: str, heads: int, dim: int, v_dim: int, page_size=1):
+    """The host pool class --hicache-host-dtype's dispatch picks for BF16 KV."""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+    kw = dict(device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    device_pool = MHATokenToKVPool(
+        64, page_size, torch.bfloat16, heads, dim, layer_num=1, v_head_dim=v_dim, **kw
+    )
+    info = device_pool.get_device_pool_infos()[0].buffer_info
+    return get_mha_host_pool_cls(info, host_dtype)
+
+
 def tiny_model(tokenizer, path: Path, kind: str = "gemma3") -> hq.ModelBundle:
-    """A tiny random model saved to `path` with `tokenizer`, loaded as the harness
-    loads one: Gemma 3 (one 8-token sliding-window layer, one full) or Llama
-    (GQA: 4 query heads, 2 KV heads)."""
+    """A tiny random Gemma 3 (one 8-token sliding-window layer, one full) or GQA
+    Llama saved to `path`, loaded as the harness loads one."""
     import torch
     import transformers as tf
 
