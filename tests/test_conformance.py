@@ -1030,36 +1030,12 @@ def test_transfer_larger_than_staging_is_chunked(fmt, monkeypatch):
 ENCODED_CASES = [c for c in CASES if not c.stock and not c.toy]
 
 
-def bounds_pools(request, case, layout, access, runs=False):
-    """(device pool, pool) at page 16 with two backed-up pages; skips a fused access the
-    format lacks."""
-    if access != "off":
-        if case not in FUSED_CASES:
-            pytest.skip(f"{case.id} has no fused kernels")
-        request.getfixturevalue("triton_interpreter")
-    device_pool, pool = paged_pools(
-        case.geometry(16), layout, 16, 16, host_dtype=case.host_dtype,
-        fused_transfer=access, run_copies=runs,
-    )  # fmt: skip
-    spread(device_pool, torch.arange(16 * 16), seed=1)
-    dev = pages([1, 2], 16)
-    pool.backup_from_device_all_layer(device_pool, pages([3, 4], 16), dev, "direct")
-    return device_pool, pool
-
-
-def pool_state(device_pool, pool):
-    return (
-        [bits(b).clone() for b in pool.host_records.values()]
-        + [bits(b).clone() for side in side_buffers(device_pool) for b in side],
-        pool.nonfinite_group_count(),
-        pool.scale_amax_by_layer().clone(),
-    )
-
-
-def assert_same_state(before, after):
-    for a, b in zip(before[0], after[0], strict=True):
-        assert torch.equal(a, b)
-    assert before[1] == after[1] and torch.equal(before[2], after[2])
+def pool_state(device_pool, pool) -> list[torch.Tensor]:
+    """Host records, device rows and statistics, to compare before and after."""
+    buffers = [*pool.host_records.values()]
+    buffers += [b for side in side_buffers(device_pool) for b in side]
+    amax, count = pool.scale_amax_by_layer().clone(), pool.nonfinite_group_count()
+    return [bits(b).clone() for b in buffers] + [amax, torch.tensor(count)]
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -1073,7 +1049,18 @@ def test_bad_host_indices_and_io_backend_rejected_and_nothing_moves(
     backend the pool lacks, on every transfer path: refused naming the flag before any
     byte moves; host records, device rows and statistics unchanged."""
     access, runs = INDEX_PATHS[path]
-    device_pool, pool = bounds_pools(request, case, layout, access, runs)
+    if access != "off":
+        if case not in FUSED_CASES:
+            pytest.skip(f"{case.id} has no fused kernels")
+        request.getfixturevalue("triton_interpreter")
+    device_pool, pool = paged_pools(
+        case.geometry(16), layout, 16, 16, host_dtype=case.host_dtype,
+        **path_kwargs(case, path),
+    )  # fmt: skip
+    spread(device_pool, torch.arange(16 * 16), seed=1)
+    pool.backup_from_device_all_layer(
+        device_pool, pages([3, 4], 16), pages([1, 2], 16), "direct"
+    )
     assert pool.transfer_path == ("torch" if access == "off" else f"fused_{access}")
     assert pool.use_fused_kernels == (access != "off")
     dev = pages([1, 2], 16)
@@ -1092,7 +1079,8 @@ def test_bad_host_indices_and_io_backend_rejected_and_nothing_moves(
         pool.backup_from_device_all_layer(device_pool, host, dev, "kernel_ascend")
     with pytest.raises(ValueError, match="--hicache-io-backend"):
         pool.load_to_device_per_layer(device_pool, host, dev, 0, "kernel_ascend")
-    assert_same_state(before, pool_state(device_pool, pool))
+    for a, b in zip(before, pool_state(device_pool, pool), strict=True):
+        assert torch.equal(a, b)
 
 
 AUTO_SIZE_GRID = [("page_first", ps) for ps in (1, 4, 16, 64)] + [
