@@ -16,22 +16,11 @@ from sglang.srt.mem_cache.pool_host.host_format import host_format_cls, host_poo
 from tests.support import copy_format as toy
 from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 from tests.support.conformance import LAYOUTS
+from tests.support.int4_pool_checks import pages
 from scripts.rigs.standins import run_fresh
-
-MHATokenToKVPoolINT8Host = host_pool_cls("int8")
-
-PATHS = ("torch", "fused_direct", "fused_staged")
-
 
 # The toy format, registered through the registry alone (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("toy_host_format")
-
-
-def copy_pool(device_pool, layout, host_tokens, path):
-    return make_host_pool(
-        device_pool, host_tokens=host_tokens, layout=layout, host_dtype="copy",
-        fused_transfer="off" if path == "torch" else path.removeprefix("fused_"),
-    )  # fmt: skip
 
 
 def seeded_rows(device_pool, slots, seed):
@@ -53,34 +42,26 @@ def seeded_rows(device_pool, slots, seed):
     return written
 
 
-def bits(t):
-    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.uint8)
-
-
-def pages_as_tokens(pages, page_size):
-    return (
-        torch.tensor(pages)[:, None] * page_size + torch.arange(page_size)
-    ).flatten()
-
-
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", ("torch", "fused_direct", "fused_staged"))
 @pytest.mark.parametrize("page_size", (1, 4))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_toy_format_round_trips_through_the_generic_pool(layout, page_size, path):
+def test_toy_format_statistics_through_the_generic_pool(layout, page_size, path):
+    """The pool's statistics are the format's: per layer and side, the largest finite
+    |x| backed up (the toy's records and restores: test_conformance.py's toy rows)."""
     geo = Geometry(
         layer_num=3, head_num=2, head_dim=16, v_head_dim=8, page_size=page_size
     )
     device_pool = make_device_pool(geo, device_tokens=16 * page_size)
-    pool = copy_pool(device_pool, layout, 12 * page_size, path)
+    pool = make_host_pool(
+        device_pool, host_tokens=12 * page_size, layout=layout, host_dtype="copy",
+        fused_transfer="off" if path == "torch" else path.removeprefix("fused_"),
+    )  # fmt: skip
     assert pool.transfer_path == path
-    host = pages_as_tokens([7, 8, 2, 3, 10, 5], page_size)
+    host = pages([7, 8, 2, 3, 10, 5], page_size)
     slots = torch.randperm(len(host), generator=torch.Generator().manual_seed(5))
     slots += page_size  # device page 0 is padding
     written = seeded_rows(device_pool, slots, seed=3)
-    # Records and untouched units: test_conformance.py's toy rows; here NaN and Inf.
     pool.backup_from_device_all_layer(device_pool, host, slots, "direct")
-    ut = pool.host_format.unit_tokens
-    # Statistics: per layer and side, the largest finite |x| backed up.
     amax = pool.scale_amax_by_layer()
     assert amax.shape == (geo.layer_num, 2)
     for layer, rows in enumerate(written):
@@ -88,47 +69,32 @@ def test_toy_format_round_trips_through_the_generic_pool(layout, page_size, path
             xf = x.float()
             assert amax[layer, side] == xf[torch.isfinite(xf)].abs().max()
 
-    # Load back, each layer into fresh device slots in reversed unit order.
-    order = torch.arange(len(host)).view(-1, ut).flip(0).flatten()
-    fresh = torch.arange(len(host)) + (len(host) + page_size)
-    for layer in range(geo.layer_num):
-        pool.load_to_device_per_layer(device_pool, host[order], fresh, layer, "direct")
-        for side, buf in enumerate((device_pool.k_buffer, device_pool.v_buffer)):
-            assert torch.equal(
-                bits(buf[layer][fresh]), bits(written[layer][side][order])
-            )
-
-
-def test_toy_format_is_dispatched_and_listed_from_its_registry_entry():
-    from scripts.common.host_formats import host_formats
-
-    info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
-    assert hf.get_host_dtype("copy") is toy.ENTRY
-    assert hf.host_dtype_choices()[-1] == "copy"
-    pool_cls = get_mha_host_pool_cls(info, "copy")
-    assert pool_cls is host_pool_cls("copy", "mha")
-    assert pool_cls.host_format_cls is toy.CopyHostFormat
-    assert pool_cls.__name__ == "MHATokenToKVPoolCOPYHost"
-    with pytest.raises(NotImplementedError, match="copy does not support MLA"):
-        host_pool_cls("copy", "mla")
-    assert "copy" in [f.host_dtype for f in host_formats()]
-
 
 def test_registry_and_dispatch(monkeypatch):
+    """Registered values (the toy last) dispatch to their pool; unknown values and a
+    format or pool module this build lacks fail naming the flag."""
+    from scripts.common.host_formats import host_formats
+
     info = make_device_pool(Geometry(), 16).get_device_pool_infos()[0].buffer_info
     assert hf.host_dtype_choices()[:4] == ["auto", "int8", "int4", "k8v4"]
     assert host_format_cls("int8") is codec.Int8HostFormat
     assert host_format_cls("int8", "mla").name == "int8"
-    pool_cls = get_mha_host_pool_cls(info, "int8")
-    assert pool_cls is hf.host_pool_cls("int8", "mha")
-    assert pool_cls.host_format_cls is codec.Int8HostFormat
+    for name, fmt_cls in (("int8", codec.Int8HostFormat), ("copy", toy.CopyHostFormat)):
+        pool_cls = get_mha_host_pool_cls(info, name)
+        assert pool_cls is host_pool_cls(name, "mha")
+        assert pool_cls.host_format_cls is fmt_cls
+    assert pool_cls.__name__ == "MHATokenToKVPoolCOPYHost"
+    assert hf.get_host_dtype("copy") is toy.ENTRY
+    assert hf.host_dtype_choices()[-1] == "copy"
+    assert "copy" in [f.host_dtype for f in host_formats()]
+    with pytest.raises(NotImplementedError, match="copy does not support MLA"):
+        host_pool_cls("copy", "mla")
     with pytest.raises(ValueError, match="--hicache-host-dtype 'bogus'.*auto, int8"):
         host_format_cls("bogus")
     with pytest.raises(
         NotImplementedError, match="int4 does not support MLA.*auto, int8"
     ):
         hf.host_pool_cls("int4", "mla")
-    # A format or pool module this build lacks fails naming the flag.
     monkeypatch.setattr(hf, "HOST_DTYPES", dict(hf.HOST_DTYPES))
     int8 = hf.get_host_dtype("int8")
     hf.register_host_dtype(replace(int8, name="nocodec", mha_format="sglang.no:X"))
@@ -140,73 +106,34 @@ def test_registry_and_dispatch(monkeypatch):
         get_mha_host_pool_cls(info, "nopool")
 
 
-# ---------------------------------------------------------------------------
-# INT8: the bytes the pre-refactor pool wrote
-
-
-def old_int8_layout(pool, written, host, page_size, layout):
-    """Host buffers as the pre-refactor INT8 pool laid them out, filled from the
-    reference codec: k [units, L, ut, H, Dk], v [units, L, ut, H, Dv], scale [units, L,
-    ut, 2, H] page-major; [L, units, ...] layer_first (ut = 1)."""
-    ut = 1 if layout == "layer_first" else page_size
-    units, L = pool.size // ut, len(written)
-    geo = written[0][0].shape[1:], written[0][1].shape[1:]
-    (H, DK), (_, DV) = geo
-    shapes = {
-        "k": (units, L, ut, H, DK),
-        "v": (units, L, ut, H, DV),
-        "scale": (units, L, ut, 2, H),
-    }
-    dtypes = {"k": torch.int8, "v": torch.int8, "scale": torch.float16}
-    # 0xA5 bytes everywhere, as the pool's buffers were filled before the backup.
-    out = {
-        n: torch.full(
-            (*s[:-1], s[-1] * dtypes[n].itemsize), 0xA5, dtype=torch.uint8
-        ).view(dtypes[n])
-        for n, s in shapes.items()
-    }
-    for layer, (k, v) in enumerate(written):
-        (qk, sk), (qv, sv) = codec.quantize_reference(k), codec.quantize_reference(v)
-        unit, within = host // ut, host % ut
-        out["k"][unit, layer, within] = qk
-        out["v"][unit, layer, within] = qv
-        out["scale"][unit, layer, within, 0] = sk
-        out["scale"][unit, layer, within, 1] = sv
-    if layout == "layer_first":
-        out = {n: t.transpose(0, 1).contiguous() for n, t in out.items()}
-    return [out["k"], out["v"], out["scale"]]
-
-
-@pytest.mark.parametrize("fused", (False, True), ids=("torch", "fused_direct"))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16))
-@pytest.mark.parametrize("page_size", (1, 4))
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_int8_host_bytes_are_the_pre_refactor_bytes(
-    request, layout, page_size, dtype, fused
-):
-    if fused:
-        request.getfixturevalue("triton_interpreter")
+def test_int8_records_are_the_pre_refactor_layout(layout, dtype):
+    """The pre-refactor INT8 pool's buffers: k and v int8 [units, L, ut, H, D], scale
+    fp16 [units, L, ut, 2, H] with K's scales then V's, page-major ([L, units, ...]
+    layer_first); each record the per-token quantize_reference (pool bytes == records at
+    every layout, page size, dtype and path: test_conformance.py's int8 rows)."""
     geo = Geometry(layer_num=2, head_num=3, head_dim=32, v_head_dim=16, dtype=dtype,
-                   page_size=page_size)  # fmt: skip
-    device_pool = make_device_pool(geo, device_tokens=12 * page_size)
-    cls = MHATokenToKVPoolINT8Host if fused else MHATokenToKVPoolINT8Host
+                   page_size=4)  # fmt: skip
     pool = make_host_pool(
-        device_pool, host_tokens=10 * page_size, layout=layout, host_pool_cls=cls,
-        fused_transfer="direct" if fused else "off",
+        make_device_pool(geo, device_tokens=48), host_tokens=40, layout=layout,
+        host_dtype="int8",
     )  # fmt: skip
-    for buf in pool.kv_buffer:
-        buf.view(torch.uint8).fill_(0xA5)
-    host = pages_as_tokens([7, 8, 2, 3, 9, 0], page_size)
-    slots = torch.randperm(len(host), generator=torch.Generator().manual_seed(2))
-    written = seeded_rows(device_pool, slots + page_size, seed=17)
-    pool.backup_from_device_all_layer(device_pool, host, slots + page_size, "direct")
-
-    expected = old_int8_layout(pool, written, host, page_size, layout)
+    ut = 1 if layout == "layer_first" else 4
+    lead = (2, pool.size // ut) if layout == "layer_first" else (pool.size // ut, 2)
+    shapes = [(3, 32), (3, 16), (2, 3)]
+    dtypes = [torch.int8, torch.int8, torch.float16]
     assert [r.name for r in pool.host_format.records] == ["k", "v", "scale"]
+    for buf, shape, want in zip(pool.kv_buffer, shapes, dtypes, strict=True):
+        assert buf.shape == (*lead, ut, *shape) and buf.dtype == want
     assert pool.storage_format_tag == f"int8-fp16scale-v1-{SEAL_TAG}"
-    for got, want in zip(pool.kv_buffer, expected):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    k, v = (torch.randn(2, ut, 3, d).to(dtype) for d in (32, 16))
+    k[0, 0, 0, 0], v[-1, -1, -1, -1] = float("nan"), float("inf")
+    records = pool.host_format.encode_reference([k, v])
+    (qk, sk), (qv, sv) = codec.quantize_reference(k), codec.quantize_reference(v)
+    assert torch.equal(records["k"], qk) and torch.equal(records["v"], qv)
+    scale = torch.stack([sk, sv], dim=-2).view(torch.int16)
+    assert torch.equal(records["scale"].view(torch.int16), scale)
 
 
 TOY_FLAG_PROBE = """

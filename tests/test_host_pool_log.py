@@ -26,6 +26,7 @@ GEOMETRIES = {
 
 def start_up_lines(caplog, geo, host_dtype: str) -> tuple[object, list[str]]:
     device_pool = make_device_pool(geo, 64)
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="sglang.srt.mem_cache.pool_host"):
         pool = make_host_pool(device_pool, host_tokens=128, host_dtype=host_dtype)
     lines = [
@@ -35,7 +36,7 @@ def start_up_lines(caplog, geo, host_dtype: str) -> tuple[object, list[str]]:
 
 
 @pytest.mark.parametrize("kind", GEOMETRIES)
-def test_stock_pool_states_its_bytes_per_token(caplog, kind):
+def test_stock_and_encoded_pools_state_their_own_line_once(caplog, kind):
     geo, bytes_per_token = GEOMETRIES[kind]
     pool, lines = start_up_lines(caplog, geo, "auto")
     assert pool.size_per_token == bytes_per_token
@@ -44,11 +45,6 @@ def test_stock_pool_states_its_bytes_per_token(caplog, kind):
         f"HiCache kv host pool stores {dtype} KV: {bytes_per_token} B/token (as the "
         "device KV, --hicache-host-dtype auto), layout=layer_first."
     ]
-
-
-@pytest.mark.parametrize("kind", GEOMETRIES)
-def test_encoded_pool_states_its_own_line_only(caplog, kind):
-    geo, _ = GEOMETRIES[kind]
     pool, lines = start_up_lines(caplog, geo, "int8")
     (line,) = lines
     assert f"stores INT8 KV: {pool.size_per_token} B/token (" in line
@@ -57,34 +53,45 @@ def test_encoded_pool_states_its_own_line_only(caplog, kind):
 
 ROT = "Walsh-Hadamard rotation per head (seeded sign flip)"
 VALUES = "values per token in groups of 64 channels"
-# (host_dtype, layout, page size, K and V head dims, parts of the start-up log)
+BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
+# (host_dtype, layout, page size, K and V head dims, device dtype, parts of the log)
 FORMAT_LINES = [
-    ("int4", "page_first", 64, 64, ["keys per channel over 64-token pages", VALUES]),
-    ("int4", "page_first_direct", 16, 64,
+    ("int4", "page_first", 64, 64, BF16,
+     ["keys per channel over 64-token pages", VALUES]),
+    ("int4", "page_first_direct", 16, 64, BF16,
      ["keys per channel over 16-token pages", VALUES]),
-    ("int4", "page_first", 1, 64, ["keys per token in groups of 64 channels", VALUES]),
-    ("int4", "layer_first", 64, 64,
+    ("int4", "page_first", 1, 64, BF16,
      ["keys per token in groups of 64 channels", VALUES]),
-    ("k8v4", "page_first", 64, 64, ["keys as int8 per token and head", VALUES]),
-    ("int4r", "page_first", 64, 64,
+    ("int4", "layer_first", 64, 64, BF16,
+     ["keys per token in groups of 64 channels", VALUES]),
+    ("k8v4", "page_first", 64, 64, BF16, ["keys as int8 per token and head", VALUES]),
+    ("int4r", "page_first", 64, 64, BF16,
      [ROT, "keys per channel over 64-token pages", "k in one 64-point block"]),
-    ("int4r", "layer_first", 64, 96,
+    ("int4r", "layer_first", 64, 96, BF16,
      [ROT, "keys per token in groups of 32 channels", "v in 3 blocks of 32"]),
-    ("k8v4r", "page_first", 16, 64, [ROT, "keys as int8", "v in one 64-point"]),
-    ("int4r", "page_first", 16, 72, [ROT, "k NOT rotated (head dim 72"]),
+    ("k8v4r", "page_first", 16, 64, BF16, [ROT, "keys as int8", "v in one 64-point"]),
+    ("int4r", "page_first", 16, 72, BF16, [ROT, "k NOT rotated (head dim 72"]),
+    # FP8 device KV: no exception, the torch path on the CPU as for BF16.
+    ("int4", "page_first", 16, 64, E4M3, ["keys per channel over 16-token pages"]),
+    ("int4", "page_first", 16, 64, E5M2, ["keys per channel over 16-token pages"]),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt,layout,page_size,dim,parts", FORMAT_LINES)
+@pytest.mark.parametrize("fmt,layout,page_size,dim,dtype,parts", FORMAT_LINES)
 def test_encoded_pool_states_key_grouping_rotation_and_path(
-    caplog, fmt, layout, page_size, dim, parts
+    caplog, fmt, layout, page_size, dim, dtype, parts
 ):
+    kw = {} if dtype == BF16 else {"dtype": dtype, "device_kv_dtype": dtype}
     # The sglang logger itself: an in-process server tool may have raised its level.
     with caplog.at_level(logging.INFO, logger="sglang"):
-        build(fmt, layout, page_size, head_dim=dim, v_head_dim=dim)
-    text = caplog.text
-    assert f"stores {fmt.upper()} KV" in text
-    assert f"{fmt.upper()} host pool transfer path: torch" in text
+        _, _, pool = build(fmt, layout, page_size, head_dim=dim, v_head_dim=dim, **kw)
+    text, name = caplog.text, fmt.upper()
+    assert (
+        f"stores {name} KV: {round(pool.get_size_per_token())} B/token ({dtype}: "
+        f"{pool.device_size_per_token()} B/token)" in text
+    )
+    assert pool.transfer_path_reason == "not CUDA (cpu)"
+    assert f"{name} host pool transfer path: torch (not CUDA (cpu))" in text
     for part in parts:
         assert part in text
     warned = [

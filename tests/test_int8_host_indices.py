@@ -1,4 +1,5 @@
-"""Host-index bounds of the INT8 kernels (issue 9, item 4)."""
+"""Host-index bounds of the INT8 kernels: indices already on the transfer device skip
+the pool's CPU check, so the kernels drop and count bad rows."""
 
 from __future__ import annotations
 
@@ -10,48 +11,6 @@ from sglang.kernels.ops.kvcache import kv_int8_triton as kt
 from sglang.kernels.ops.kvcache.host_kv_common import KVCounters
 
 pytestmark = INTERPRETED_KERNELS
-
-# (use_fused_kernels, fused_host_access, use_run_copies)
-PATHS = {
-    "torch-indexed": (False, "direct", False),
-    "torch-runs": (False, "direct", True),
-    "fused-direct": (True, "direct", False),
-    "fused-staged": (True, "staged", True),
-}
-
-
-def build(path: str, layout: str, page_size: int):
-    fused, access, runs = PATHS[path]
-    geo = Geometry(layer_num=2, page_size=page_size)
-    device_pool, pool = int8_pools(
-        geo, 16 * page_size, 8 * page_size, layout, access if fused else None,
-        use_run_copies=runs,
-    )  # fmt: skip
-    # Real content on both sides, so a stray write would show.
-    dev = torch.arange(page_size, 5 * page_size)
-    fill_random(device_pool, torch.arange(16 * page_size), seed=1)
-    pool.backup_from_device_all_layer(device_pool, pool.alloc(len(dev)), dev, "direct")
-    return device_pool, pool
-
-
-def state(device_pool, pool):
-    return (
-        [b.clone() for b in pool.kv_buffer],
-        [b.clone() for b in device_pool.k_buffer + device_pool.v_buffer],
-        pool.nonfinite_group_count(),
-        pool.scale_amax_by_layer(),
-    )
-
-
-def bad_host_indices(pool, kind: str) -> torch.Tensor:
-    """Whole pages of valid host slots, then one page that is out of range."""
-    p = pool.page_size
-    good = torch.arange(5 * p, 7 * p)  # free slots: 4 pages were backed up
-    first = -p if kind == "negative" else pool.size
-    return torch.cat([good, torch.arange(first, first + p)])
-
-
-# --- indices already on the transfer device: the kernels bound them ----------
 
 
 def test_encode_skips_and_counts_out_of_range_host_rows():
@@ -112,24 +71,30 @@ def test_decode_skips_and_counts_out_of_range_host_rows():
 def test_pool_counts_device_resident_bad_rows_on_demand(monkeypatch):
     """On CUDA, host indices already on the device skip the CPU check (it would sync);
     the pool's kernels must then drop and count bad rows."""
-    device_pool, pool = build("fused-direct", "page_first", 2)
+    p = 2
+    device_pool, pool = int8_pools(Geometry(layer_num=2, page_size=p), 16 * p, 8 * p,
+                                   "page_first", "direct")  # fmt: skip
+    # Real content on both sides, so a stray write would show.
+    fill_random(device_pool, torch.arange(16 * p), seed=1)
+    backed_up = pool.alloc(4 * p)
+    pool.backup_from_device_all_layer(
+        device_pool, backed_up, torch.arange(p, 5 * p), "direct"
+    )
     monkeypatch.setattr(pool.planner, "check", lambda host_indices: None)
-    host = bad_host_indices(pool, "negative")
+    # Whole pages of free host slots, then one page that is out of range.
+    host = torch.cat([torch.arange(5 * p, 7 * p), torch.arange(-p, 0)])
     dev = torch.arange(16, 16 + len(host))
-    before = state(device_pool, pool)
+    before = [b.clone() for b in pool.kv_buffer + device_pool.k_buffer]
+    before += [b.clone() for b in device_pool.v_buffer]
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
     assert pool.invalid_host_index_count() == 2  # one page of 2 tokens
     for layer in range(pool.layer_num):
         pool.load_to_device_per_layer(device_pool, host, dev, layer, "direct")
     assert pool.invalid_host_index_count() == 2 + 2 * pool.layer_num
     # Only the valid pages moved: host slots 10..13 and device slots 16..19.
-    after = state(device_pool, pool)
-    valid_units = torch.tensor([5, 6])
-    for old, new in zip(before[0], after[0]):
+    after = pool.kv_buffer + device_pool.k_buffer + device_pool.v_buffer
+    moved = [slice(5, 7)] * len(pool.kv_buffer) + [slice(16, 20)] * 2 * pool.layer_num
+    for old, new, m in zip(before, after, moved, strict=True):
         keep = torch.ones(old.shape[0], dtype=torch.bool)
-        keep[valid_units] = False
-        assert torch.equal(old[keep].view(torch.int8), new[keep].view(torch.int8))
-    for old, new in zip(before[1], after[1]):
-        keep = torch.ones(old.shape[0], dtype=torch.bool)
-        keep[16:20] = False
-        assert torch.equal(old[keep].view(torch.int16), new[keep].view(torch.int16))
+        keep[m] = False
+        assert torch.equal(old[keep].view(torch.uint8), new[keep].view(torch.uint8))

@@ -1,6 +1,6 @@
-"""The INT8 host pool's statistics interface, on the torch path and on the fused kernels
-(Triton interpreter): scale_amax_by_layer() is the running maximum of the finite rows'
-amax per layer, K and V; non-finite rows feed nonfinite_group_count() instead."""
+"""INT8 pool statistics on the torch path and the fused kernels: scale_amax_by_layer()
+is the running maximum of the finite rows' amax per layer, K and V; non-finite rows
+feed nonfinite_group_count() instead."""
 
 from __future__ import annotations
 

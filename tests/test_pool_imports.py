@@ -1,12 +1,11 @@
-"""Our modules import one way: no import circle among the overlay's modules
-(module-level or deferred), the registry the argument parser reads loads no
-pool, transfer or codec, building the stock pools (--hicache-host-dtype auto)
-loads none of our codecs or kernels (both in one fresh interpreter), and
-scripts/ import nothing from tests/ (their rigs are scripts/rigs)."""
+"""Our modules import one way: no import circle in the overlay, the registry loads no
+pool or codec, the stock pools (--hicache-host-dtype auto) none of our codecs or
+kernels (one fresh interpreter), and scripts/ nothing from tests/."""
 
 from __future__ import annotations
 
 import ast
+import graphlib
 import re
 from pathlib import Path
 
@@ -28,13 +27,8 @@ POOL_MODULES = (
     "sglang.kernels.ops.kvcache.host_kv_common",
 )
 # What the stock pools must not load: every codec, kernel and encoded pool.
-OURS = (
-    "sglang.kernels.ops.kvcache.kv_",
-    "sglang.kernels.ops.kvcache.host_kv_common",
-    "sglang.srt.mem_cache.pool_host.kv_",
-    "sglang.srt.mem_cache.pool_host.encoded",
-    "sglang.srt.mem_cache.pool_host.mha_encoded",
-    "sglang.srt.mem_cache.pool_host.mla_encoded",
+OURS = tuple(
+    m for m in POOL_MODULES if not m.endswith(("transfer", "page_codec", "sink_page"))
 )
 # The registry first, then every upstream module the series edits to dispatch
 # host pools, then the stock pools built.
@@ -58,8 +52,8 @@ for geo in (hh.Geometry(), hh.MLAGeometry(layer_num=2)):
     built.append(type(pool).__name__)
 info = hh.make_device_pool(hh.Geometry(), 16).get_device_pool_infos()[0].buffer_info
 assert get_mha_host_pool_cls(info, "auto") is MHATokenToKVPoolHost
-found = dict(registry=registry, choices=choices, built=built)
-print(json.dumps({**found, "modules": sorted(sys.modules)}))
+print(json.dumps(dict(registry=registry, choices=choices, built=built,
+                      modules=sorted(sys.modules))))
 """
 
 
@@ -102,28 +96,10 @@ def overlay_imports() -> dict[str, set[str]]:
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import circle as the modules along it, or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    path: list[str] = []
-
-    def visit(node):
-        state[node] = 1
-        path.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return path[path.index(nxt) :] + [nxt]
-            if nxt not in state:
-                found = visit(nxt)
-                if found:
-                    return found
-        path.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state:
-            found = visit(node)
-            if found:
-                return found
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        return error.args[1][::-1]  # the sorter lists predecessors first
     return None
 
 

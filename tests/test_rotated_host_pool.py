@@ -1,36 +1,26 @@
-"""The rotated host formats (int4r, k8v4r) through the real patched SGLang pools and
-controller on CPU."""
+"""The rotated host formats (int4r, k8v4r) beyond the conformance rows: their fused
+path's selection and self-check."""
 
 from __future__ import annotations
 
+import dataclasses
 
 import pytest
 import torch
 
-from scripts.rigs.hicache_harness import (
-    assert_self_check_falls_back,
-)
+from scripts.rigs.hicache_harness import assert_self_check_falls_back
+from sglang.kernels.ops.kvcache import kv_int4_triton
 from sglang.srt.mem_cache.pool_host import encoded_fused
 from sglang.srt.mem_cache.pool_host.encoded import choose_transfer
-from tests.support.int4_pool_checks import (
-    build,
-)
+from tests.support.int4_pool_checks import build
 
-ROTATED = {"int4r": "int4", "k8v4r": "k8v4"}  # format -> base format
-IO_BACKENDS = ("kernel", "direct")
-
-
-# --- what differs from int4/k8v4 ---------------------------------------------
+ROTATED = ("int4r", "k8v4r")
 
 
 @pytest.mark.parametrize("fmt", ROTATED)
 def test_fused_kernels_are_selected_where_the_base_kernels_run(fmt, monkeypatch):
     """The rotated formats take the fused path wherever int4/k8v4 would (a CUDA transfer
     device here, its self-check taken as passed)."""
-    import dataclasses
-
-    from sglang.kernels.ops.kvcache import kv_int4_triton
-
     _, _, pool = build(fmt, "page_first", 16)
     monkeypatch.setattr(kv_int4_triton, "available", lambda device: True)
     assert pool.host_format.fused_available(torch.device("cuda"))

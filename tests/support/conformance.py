@@ -239,34 +239,18 @@ class Expect:
     # token, per channel
     fused: bool  # fused kernels (interpreted on CPU here)
     sink: bool  # takes SGLANG_HICACHE_SINK_PAGE_TOKENS (8-bit sink-page keys)
-    tag: str  # L3 storage tag at page_first, page 16, head dim 64, 2 heads, BF16
-    # qwen3_8b_bytes on an FP8 device KV cache; None: the format refuses FP8
-    fp8_bytes: tuple[int, int, int] | None
+    # encodes an FP8 device KV cache, in qwen3_8b_bytes; else refuses FP8
+    fp8: bool
 
 
+# Page 16 is one 16-token sub-range for int4c (k_sub 4 B per channel per 16 tokens).
+I4, I4C = (1152, 1344, 1152), (1120, 1376, 1152)
 EXPECT = {
-    "int8": Expect((2080,) * 3, None, None, 64, (2, 2), True, False, "int8", None),
-    "int4": Expect(
-        (1152, 1344, 1152),
-        16,
-        "channel",
-        64,
-        (2, 2),
-        True,
-        True,
-        "int4",
-        (1152, 1344, 1152),
-    ),
-    "k8v4": Expect(
-        (1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4", (1616,) * 3
-    ),
-    "int4r": Expect(
-        (1152, 1344, 1152), 16, "head", 64, (2, 65), True, True, "int4r", None
-    ),
-    "k8v4r": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, "k8v4r", None),
-    "int8c": Expect((2128,) * 3, 64, "channel", 32, (2, 2), True, False, "int8c", None),
-    # Page 16 is one 16-token sub-range (k_sub 4 B per channel per 16 tokens).
-    "int4c": Expect(
-        (1120, 1376, 1152), 16, "channel", 64, (2, 2), True, True, "int4c", None
-    ),
+    "int8": Expect((2080,) * 3, None, None, 64, (2, 2), True, False, False),
+    "int4": Expect(I4, 16, "channel", 64, (2, 2), True, True, True),
+    "k8v4": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, True),
+    "int4r": Expect(I4, 16, "head", 64, (2, 65), True, True, False),
+    "k8v4r": Expect((1616,) * 3, None, None, 64, (2, 2), True, False, False),
+    "int8c": Expect((2128,) * 3, 64, "channel", 32, (2, 2), True, False, False),
+    "int4c": Expect(I4C, 16, "channel", 64, (2, 2), True, True, False),
 }

@@ -1,19 +1,15 @@
-"""Host-pool checks shared by the encoded MHA formats (tests/test_conformance.py,
-tests/test_rotated_host_pool.py), each run with a format name."""
+"""Host-pool checks shared by the encoded MHA formats (tests/test_conformance.py and the
+per-format files), each run with a format name."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-
 import torch
 
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from tests.support.conformance import bits
 from tests.support.fp8_reference import random_finite_fp8
-
-from sglang.srt.mem_cache.pool_host.mha import (
-    MHATokenToKVPoolHost,
-)
 from scripts.rigs.hicache_harness import (
     Geometry,
     fill_random,
@@ -62,12 +58,6 @@ def build(
     return geo, device_pool, pool
 
 
-def allocated_bytes(pool) -> int:
-    if hasattr(pool, "host_records"):
-        return sum(b.numel() * b.element_size() for b in pool.host_records.values())
-    return pool.kv_buffer.numel() * pool.kv_buffer.element_size()
-
-
 def bytes_per_token_at_qwen3_8b(formats, page_size, layout="page_first", fp8=None):
     """Allocated host bytes per token of each format's pool at Qwen3-8B geometry (36
     layers, 8 KV heads, head dim 128), through the real dispatch, on a BF16 (or `fp8`)
@@ -85,7 +75,8 @@ def bytes_per_token_at_qwen3_8b(formats, page_size, layout="page_first", fp8=Non
         )
         if name == "auto" and fp8 is not None:
             assert type(pool) is MHATokenToKVPoolHost and pool.dtype == torch.uint8
-        nbytes = allocated_bytes(pool)
+        buffers = getattr(pool, "host_records", {"kv": pool.kv_buffer}).values()
+        nbytes = sum(b.nbytes for b in buffers)
         assert nbytes == pool.size * pool.get_size_per_token()
         pages = int(0.02e9 // pool.get_size_per_token()) // page_size + 1
         assert pool.size == pages * page_size
@@ -93,21 +84,31 @@ def bytes_per_token_at_qwen3_8b(formats, page_size, layout="page_first", fp8=Non
     return per_token
 
 
-def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup):
+def restore_nan_key_and_inf_value(fmt, layout, page_size, after_backup, fp8=None):
     """Back up a NaN key (layer 1, second token, head 1, channel 5) and an Inf value
-    (layer 0, last token, head 0, channel 40), call after_backup(pool), restore into new
-    slots; return (pool, restored layer-1 keys, restored layer-0 values)."""
-    geo, device_pool, pool = build(fmt, layout, page_size)
+    (layer 0, last token, head 0, channel 40; NaN on E4M3, which has no Inf), call
+    after_backup(pool), restore into new slots; return (pool, restored layer-1 keys,
+    restored layer-0 values), FP8 ones as float32."""
+    kw = {} if fp8 is None else {"dtype": fp8, "device_kv_dtype": fp8}
+    geo, device_pool, pool = build(fmt, layout, page_size, **kw)
     dev, host = pages([1, 2], page_size), pages([3, 4], page_size)
-    fill_spread(device_pool, dev, seed=9)
-    device_pool.k_buffer[1][dev[1], 1, 5] = float("nan")
-    device_pool.v_buffer[0][dev[-1], 0, 40] = float("inf")
+    if fp8 is None:
+        fill_spread(device_pool, dev, seed=9)
+        nan, inf = float("nan"), float("inf")
+    else:  # FP8 is stored as uint8: the bytes of NaN and +Inf (E5M2)
+        fill_fp8(device_pool, dev, fp8, seed=9)
+        nan, inf = 0x7F, 0x7C if fp8 == torch.float8_e5m2 else 0x7F
+    device_pool.k_buffer[1][dev[1], 1, 5] = nan
+    device_pool.v_buffer[0][dev[-1], 0, 40] = inf
     pool.backup_from_device_all_layer(device_pool, host, dev, "direct")
     after_backup(pool)
     new_dev = pages([6, 7], page_size)
     for layer in range(geo.layer_num):
         pool.load_to_device_per_layer(device_pool, host, new_dev, layer, "direct")
-    return pool, device_pool.k_buffer[1][new_dev], device_pool.v_buffer[0][new_dev]
+    k1, v0 = device_pool.k_buffer[1][new_dev], device_pool.v_buffer[0][new_dev]
+    if fp8 is not None:
+        k1, v0 = k1.view(fp8).float(), v0.view(fp8).float()
+    return pool, k1, v0
 
 
 def assert_finite_elsewhere(pool, k1, v0):
@@ -188,12 +189,6 @@ def random_fp8(shape, fp8, gen, spread=True) -> torch.Tensor:
     return x.clamp(-top, top).to(fp8)
 
 
-def write_fp8(device_pool, layer, indices, k, v) -> None:
-    # SGLang stores FP8 KV as uint8 (index_put has no FP8 kernel).
-    device_pool.k_buffer[layer][indices] = k.view(torch.uint8)
-    device_pool.v_buffer[layer][indices] = v.view(torch.uint8)
-
-
 def fill_fp8(device_pool, indices, fp8, seed):
     gen = torch.Generator().manual_seed(seed)
     written = []
@@ -201,7 +196,9 @@ def fill_fp8(device_pool, indices, fp8, seed):
         shape = (len(indices), *device_pool.k_buffer[layer].shape[1:])
         k = random_fp8(shape, fp8, gen)
         v = random_fp8(shape, fp8, gen, spread=layer % 2 == 0)
-        write_fp8(device_pool, layer, indices, k, v)
+        # SGLang stores FP8 KV as uint8 (index_put has no FP8 kernel).
+        device_pool.k_buffer[layer][indices] = k.view(torch.uint8)
+        device_pool.v_buffer[layer][indices] = v.view(torch.uint8)
         written.append((k, v))
     return written
 
