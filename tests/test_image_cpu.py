@@ -1,8 +1,6 @@
-"""The Dockerfile built for real (podman) and its default command run live on
-CPU, opt-in (HIQ_LIVE_IMAGE=1; root; 3-10 min): scripts/image_cpu_check.sh
-builds a stand-in lmsysorg/sglang base from the pinned wheel, the unchanged
-Dockerfile on it, starts hiqcache-serve for int8 and saves what these tests
-read under build/image-cpu/run/; a base with another sglang is refused."""
+"""The Dockerfile built (podman) and its default command run live on CPU, opt-in
+(HIQ_LIVE_IMAGE=1; root; 3-10 min) by scripts/image_cpu_check.sh, which saves what
+these tests read under build/image-cpu/run/; a base with another sglang is refused."""
 
 from __future__ import annotations
 
