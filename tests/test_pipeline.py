@@ -254,9 +254,6 @@ def test_apply_and_refresh_build_the_tree_the_series_rebuilds(patched, tmp_path)
     assert len(log.splitlines()) == len(names)
     assert log.splitlines()[-2:] == [SUBJECT_MHA, SUBJECT_VERSION]
     assert git(tree, "status", "--porcelain") == ""
-    assert (tree / MHA).read_text().endswith(MHA_LINE)
-    assert (tree / VERSION_PY).read_text().endswith(VERSION_LINE)
-    assert (tree / NEW_FILE).read_text() == NEW_TEXT
     assert names[: len(patched.base_series)] == patched.base_series
     mha_patch, version_patch = names[-2:]
     assert mha_patch.endswith("-Pipeline-probe-mha-marker.patch")
@@ -270,6 +267,8 @@ def test_apply_and_refresh_build_the_tree_the_series_rebuilds(patched, tmp_path)
     patches = sorted(p.name for p in (project / "patches").glob("*.patch"))
     assert patches == sorted(names)
     assert overlay_files(project)[NEW_FILE] == NEW_TEXT.encode()
+    # The hand-edited tree (the probe lines and file), and patches/ + overlay alone
+    # rebuild it on the baseline.
     assert head(project, "HEAD^{tree}") == patched.edited_tree
     patches = [project / "patches" / name for name in names]
     overlay_root = project / "sglang_overlay"
@@ -280,26 +279,14 @@ def test_apply_and_refresh_build_the_tree_the_series_rebuilds(patched, tmp_path)
     assert f"{len(overlay_files(project))} overlay files" in out
 
 
-def test_apply_is_a_no_op_when_up_to_date_and_rebuilds_after_a_patch_changes(
-    patched, tmp_path
-):
+def test_apply_rebuilds_when_needed_and_refuses_what_would_be_lost(patched, tmp_path):
+    """Up to date: a no-op; unrefreshed edits: refused, FORCE=1 discards them; a
+    conflicting patch: a clean baseline, recovered by removing it; a changed patch:
+    rebuilt."""
     project = copy_project(patched.path, tmp_path / "project")
-    before = head(project)
+    tree, before = project / "build" / "sglang", head(project)
     assert "is up to date" in overlay(project, "apply")
     assert head(project) == before
-    patch = next((project / "patches").glob("*-Pipeline-probe-mha-marker.patch"))
-    assert f"+{MHA_LINE}" in patch.read_text()
-    patch.write_text(patch.read_text().replace(f"+{MHA_LINE}", "+PROBE_MHA = 2\n"))
-    out = overlay(project, "apply")
-    assert "up to date" not in out and f"= SGLang {VERSION} (wheel)" in out
-    mha = (project / "build" / "sglang" / MHA).read_text()
-    assert mha.endswith("PROBE_MHA = 2\n") and head(project) != before
-    assert "is up to date" in overlay(project, "apply")
-
-
-def test_apply_refuses_unrefreshed_edits_and_force_discards_them(patched, tmp_path):
-    project = copy_project(patched.path, tmp_path / "project")
-    tree = project / "build" / "sglang"
     append(tree / MHA, "STRAY_EDIT = 1\n")
     (tree / "python/sglang/stray_new_file.py").write_text("STRAY = 1\n")
     for attempt in ("uncommitted", "committed"):
@@ -314,23 +301,25 @@ def test_apply_refuses_unrefreshed_edits_and_force_discards_them(patched, tmp_pa
     assert not (tree / "python/sglang/stray_new_file.py").exists()
     assert head(project) == patched.final_head
     assert git(tree, "status", "--porcelain") == ""
-
-
-def test_conflicting_patch_leaves_a_clean_baseline_and_removing_it_recovers(
-    patched, tmp_path
-):
-    project = copy_project(patched.path, tmp_path / "project")
     original = (project / "patches" / "series").read_text()
     add_patch(project, "9999-conflict.patch", conflicting_patch(project))
     out = overlay(project, "apply", ok=False)
     assert "patch 9999-conflict.patch does not apply" in out
     assert f"failing file {MHA}" in out
     assert head(project) == head(project, "hiq-baseline")
-    assert git(project / "build" / "sglang", "status", "--porcelain") == ""
+    assert git(tree, "status", "--porcelain") == ""
     (project / "patches" / "9999-conflict.patch").unlink()
     (project / "patches" / "series").write_text(original)
     overlay(project, "apply")
     assert head(project) == patched.final_head
+    patch = next((project / "patches").glob("*-Pipeline-probe-mha-marker.patch"))
+    assert f"+{MHA_LINE}" in patch.read_text()
+    patch.write_text(patch.read_text().replace(f"+{MHA_LINE}", "+PROBE_MHA = 2\n"))
+    out = overlay(project, "apply")
+    assert "up to date" not in out and f"= SGLang {VERSION} (wheel)" in out
+    mha = (tree / MHA).read_text()
+    assert mha.endswith("PROBE_MHA = 2\n") and head(project) != before
+    assert "is up to date" in overlay(project, "apply")
 
 
 # Refusals: a setup breaks a project copy and returns (command, the words the
