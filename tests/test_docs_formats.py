@@ -38,7 +38,7 @@ def _backticked(text: str) -> list[str]:
     ]
 
 
-def test_supported_md_table_is_generated_from_the_registry(hf):
+def test_supported_md_format_table_mla_and_fp8_rows_are_the_registrys(hf):
     text = docs_formats.DOC.read_text()
     assert docs_formats.current_block(text) == docs_formats.render(hf), (
         "docs/supported.md's host-format table is stale: run "
@@ -46,6 +46,10 @@ def test_supported_md_table_is_generated_from_the_registry(hf):
     )
     names = re.findall(r"^\| `([a-z0-9]+)`", docs_formats.render(hf), re.M)
     assert names == hf.host_dtype_choices()
+    mla = [n for n, e in hf.HOST_DTYPES.items() if e.mla_format is not None]
+    for start, formats in (("| MLA (", mla), ("| `fp8_e4m3`", hf.fp8_host_dtypes())):
+        row = next(line for line in text.splitlines() if line.startswith(start))
+        assert _backticked(row.split(" | ")[1]) == formats, start
 
 
 def test_readme_format_table_has_one_row_per_registered_format(hf):
@@ -60,8 +64,9 @@ def test_readme_format_table_has_one_row_per_registered_format(hf):
     )
 
 
-def test_flag_synopses_and_values_are_registered(hf):
+def test_flag_synopses_values_and_format_names_are_registered(hf):
     choices = hf.host_dtype_choices()
+    known = set(choices) | DTYPE_WORDS | set(SINK_ARMS)
     for doc in DOCS:
         text = doc.read_text()
         for listed in SYNOPSIS.findall(text):
@@ -73,12 +78,6 @@ def test_flag_synopses_and_values_are_registered(hf):
             assert value in choices, (
                 f"{doc.name}: --hicache-host-dtype {value} is not registered"
             )
-
-
-def test_docs_name_no_format_the_registry_lacks(hf):
-    known = set(hf.host_dtype_choices()) | DTYPE_WORDS | set(SINK_ARMS)
-    for doc in DOCS:
-        text = doc.read_text()
         # Plain words too; one followed by "-" is a storage tag, not a format.
         plain = re.findall(r"\b((?:int|k)\d[a-z0-9]*)\b(?!-)", text)
         unknown = sorted(set(_backticked(text) + plain) - known)
@@ -86,21 +85,6 @@ def test_docs_name_no_format_the_registry_lacks(hf):
             f"{doc.name} names formats the registry does not have: {unknown} "
             "(register them in pool_host/host_format.py, or drop them)"
         )
-
-
-def _cell(doc: str, row_start: str, column: int) -> str:
-    for line in (REPO / "docs" / doc).read_text().splitlines():
-        if line.startswith(row_start):
-            return line.split(" | ")[column]
-    raise AssertionError(f"docs/{doc} has no row starting {row_start!r}")
-
-
-def test_supported_md_mla_and_fp8_rows_are_the_registrys(hf):
-    mla = [n for n, e in hf.HOST_DTYPES.items() if e.mla_format is not None]
-    assert _backticked(_cell("supported.md", "| MLA (", 1)) == mla
-    assert _backticked(_cell("supported.md", "| `fp8_e4m3`", 1)) == (
-        hf.fp8_host_dtypes()
-    )
 
 
 # --- the PR descriptions (docs/PR_DESCRIPTION.md blocks) ----------------------

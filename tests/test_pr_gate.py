@@ -81,23 +81,6 @@ def ci_register_source() -> str:
     return git(TREE, "show", f"hiq-baseline:{CI_REGISTER}")
 
 
-def make_repo(root: Path, ci_register: str, files: dict[str, str]) -> Path:
-    """A git tree: tag `base` holds ci_register.py, HEAD adds `files`."""
-    repo = root / "repo"
-    (repo / CI_REGISTER).parent.mkdir(parents=True)
-    (repo / CI_REGISTER).write_text(ci_register)
-    git(repo, "init", "-q", "-b", "main")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "baseline")
-    git(repo, "tag", "base")
-    for rel, text in files.items():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / rel).write_text(text)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "change")
-    return repo
-
-
 def run_gate(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "scripts.pr_gate", *args],
@@ -108,16 +91,19 @@ def run_gate(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def hook_status(output: str) -> dict[str, str]:
-    """hook id -> Passed / Failed / Skipped, from the gate's report."""
-    return {
-        m.group(1): m.group(2).split()[-1]
-        for m in re.finditer(r"(?m)^([a-z-]+)\.{3,}(.+)$", output)
-    }
-
-
 def gate_on(tmp_path: Path, ci_register: str, files: dict[str, str]):
-    repo = make_repo(tmp_path, ci_register, files)
+    """The gate on a git tree whose tag `base` holds ci_register.py and whose HEAD
+    adds `files`; its output and each hook's Passed / Failed / Skipped."""
+    repo = tmp_path / "repo"
+    for commit, tree in (("baseline", {CI_REGISTER: ci_register}), ("change", files)):
+        for rel, text in tree.items():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+        if commit == "baseline":
+            git(repo, "init", "-q", "-b", "main")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", commit)
+    git(repo, "tag", "base", "HEAD~1")
     head = git(repo, "rev-parse", "HEAD")
     proc = run_gate("--repo", str(repo), "--base", "base")
     # The hooks run in a scratch clone: the tree under test is left as it was.
@@ -125,7 +111,8 @@ def gate_on(tmp_path: Path, ci_register: str, files: dict[str, str]):
         git(repo, "rev-parse", "HEAD") == head
         and git(repo, "status", "--porcelain") == ""
     )
-    return proc, hook_status(proc.stdout)
+    status = re.finditer(r"(?m)^([a-z-]+)\.{3,}(.+)$", proc.stdout)
+    return proc, {m.group(1): m.group(2).split()[-1] for m in status}
 
 
 RUFF_MODULE = '''\
