@@ -31,21 +31,14 @@ def make(*args: str) -> str:
     return proc.stdout
 
 
-def test_help_gives_every_target_its_time_or_machine():
+def test_help_gives_every_target_its_time_or_machine_and_prerequisites():
     phony = re.search(r"^\.PHONY:(.*)$", (REPO / "Makefile").read_text(), re.M)
-    targets = set(phony[1].split()) - UNLISTED
-    lines = {
-        m[1]: m[2] for m in re.finditer(r"^make (\S+)\s+(.*)$", make("help"), re.M)
-    }
-    assert set(lines) == targets
+    text = make("help")
+    lines = dict(re.findall(r"^make (\S+)\s+(.*)$", text, re.M))
+    assert set(lines) == set(phony[1].split()) - UNLISTED
     cost = re.compile(r"^(~?\d+ (s|min)|<1 min|seconds|on a CUDA machine|Docker)")
     for target, line in lines.items():
         assert cost.match(line), f"make {target}: no time: {line}"
-
-
-def test_help_names_each_prerequisite():
-    text = make("help")
-    lines = dict(re.findall(r"^make (\S+)\s+(.*)$", text, re.M))
     assert "scripts/debian_deps.sh install" in lines["demo-l3"]
     assert "scripts/debian_deps.sh install" in lines["test"]
     assert "../shared/data/wikitext-2" in lines["quality"]
@@ -175,12 +168,9 @@ def test_missing_library_fails_in_one_line_before_sglang(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_missing_native_packages_tries_each_library():
+def test_native_libs_are_the_ones_debian_deps_installs_and_each_is_tried():
     libs = {"libc.so.6": "libc6", "libhiq-absent.so.1": "hiq-absent"}
     assert l3.missing_native_packages(libs) == ["hiq-absent"]
-
-
-def test_native_libs_are_the_ones_debian_deps_installs():
     script = (REPO / "scripts" / "debian_deps.sh").read_text()
     pairs = re.search(r"for lib in ([^;]+);", script)
     assert pairs, "scripts/debian_deps.sh: no `for lib in pkg:soname ...` loop"
