@@ -282,7 +282,7 @@ def test_apply_and_refresh_build_the_tree_the_series_rebuilds(patched, tmp_path)
 def test_apply_rebuilds_when_needed_and_refuses_what_would_be_lost(patched, tmp_path):
     """Up to date: a no-op; unrefreshed edits: refused, FORCE=1 discards them; a
     conflicting patch: a clean baseline, recovered by removing it; a changed patch:
-    rebuilt."""
+    rebuilt; a new file: refreshed with no subject."""
     project = copy_project(patched.path, tmp_path / "project")
     tree, before = project / "build" / "sglang", head(project)
     assert "is up to date" in overlay(project, "apply")
@@ -319,6 +319,18 @@ def test_apply_rebuilds_when_needed_and_refuses_what_would_be_lost(patched, tmp_
     assert "up to date" not in out and f"= SGLang {VERSION} (wheel)" in out
     mha = (tree / MHA).read_text()
     assert mha.endswith("PROBE_MHA = 2\n") and head(project) != before
+    assert "is up to date" in overlay(project, "apply")
+    # A new file alone is refreshed without a subject, into sglang_overlay/ only.
+    other = NEW_FILE.replace("hiq_pipeline_probe", "hiq_pipeline_probe_2")
+    (tree / other).write_text(NEW_TEXT)
+    patches = {n: (project / "patches" / n).read_text() for n in series(project)}
+    assert "refreshed" in overlay(project, "refresh")
+    assert overlay_files(project)[other] == NEW_TEXT.encode()
+    assert overlay_files(project)[NEW_FILE] == NEW_TEXT.encode()
+    assert {
+        n: (project / "patches" / n).read_text() for n in series(project)
+    } == patches
+    assert (tree / other).read_text() == NEW_TEXT
     assert "is up to date" in overlay(project, "apply")
 
 
@@ -482,24 +494,6 @@ def test_refusals_name_the_cause_and_change_nothing(patched, tmp_path, case):
     for words in expect:
         assert words in out, (words, out)
     assert state(watch) == before
-
-
-# --------------------------------------------------------------------------
-# refresh
-
-
-def test_refresh_of_a_new_file_alone_needs_no_subject(patched, tmp_path):
-    project = copy_project(patched.path, tmp_path / "project")
-    tree = project / "build" / "sglang"
-    other = NEW_FILE.replace("hiq_pipeline_probe", "hiq_pipeline_probe_2")
-    (tree / other).write_text(NEW_TEXT)
-    before = {n: (project / "patches" / n).read_text() for n in series(project)}
-    assert "refreshed" in overlay(project, "refresh")
-    assert overlay_files(project)[other] == NEW_TEXT.encode()
-    assert overlay_files(project)[NEW_FILE] == NEW_TEXT.encode()
-    assert {n: (project / "patches" / n).read_text() for n in series(project)} == before
-    assert (tree / other).read_text() == NEW_TEXT
-    assert "is up to date" in overlay(project, "apply")
 
 
 # --------------------------------------------------------------------------
@@ -702,7 +696,7 @@ def test_install_patches_once_repatches_after_a_reinstall_and_uninstall_restores
 
 
 # --------------------------------------------------------------------------
-# Docker and make
+# Docker
 
 
 def check_docker(root: Path) -> subprocess.CompletedProcess:
