@@ -281,8 +281,8 @@ def test_apply_and_refresh_build_the_tree_the_series_rebuilds(patched, tmp_path)
 
 def test_apply_rebuilds_when_needed_and_refuses_what_would_be_lost(patched, tmp_path):
     """Up to date: a no-op; unrefreshed edits: refused, FORCE=1 discards them; a
-    conflicting patch: a clean baseline, recovered by removing it; a changed patch:
-    rebuilt; a new file: refreshed with no subject."""
+    conflicting patch: a clean baseline, recovered by removing it; a new file:
+    refreshed with no subject (patches untouched); a changed patch: rebuilt."""
     project = copy_project(patched.path, tmp_path / "project")
     tree, before = project / "build" / "sglang", head(project)
     assert "is up to date" in overlay(project, "apply")
@@ -312,14 +312,6 @@ def test_apply_rebuilds_when_needed_and_refuses_what_would_be_lost(patched, tmp_
     (project / "patches" / "series").write_text(original)
     overlay(project, "apply")
     assert head(project) == patched.final_head
-    patch = next((project / "patches").glob("*-Pipeline-probe-mha-marker.patch"))
-    assert f"+{MHA_LINE}" in patch.read_text()
-    patch.write_text(patch.read_text().replace(f"+{MHA_LINE}", "+PROBE_MHA = 2\n"))
-    out = overlay(project, "apply")
-    assert "up to date" not in out and f"= SGLang {VERSION} (wheel)" in out
-    mha = (tree / MHA).read_text()
-    assert mha.endswith("PROBE_MHA = 2\n") and head(project) != before
-    assert "is up to date" in overlay(project, "apply")
     # A new file alone is refreshed without a subject, into sglang_overlay/ only.
     other = NEW_FILE.replace("hiq_pipeline_probe", "hiq_pipeline_probe_2")
     (tree / other).write_text(NEW_TEXT)
@@ -331,6 +323,14 @@ def test_apply_rebuilds_when_needed_and_refuses_what_would_be_lost(patched, tmp_
         n: (project / "patches" / n).read_text() for n in series(project)
     } == patches
     assert (tree / other).read_text() == NEW_TEXT
+    assert "is up to date" in overlay(project, "apply")
+    patch = next((project / "patches").glob("*-Pipeline-probe-mha-marker.patch"))
+    assert f"+{MHA_LINE}" in patch.read_text()
+    patch.write_text(patch.read_text().replace(f"+{MHA_LINE}", "+PROBE_MHA = 2\n"))
+    out = overlay(project, "apply")
+    assert "up to date" not in out and f"= SGLang {VERSION} (wheel)" in out
+    mha = (tree / MHA).read_text()
+    assert mha.endswith("PROBE_MHA = 2\n") and head(project) != before
     assert "is up to date" in overlay(project, "apply")
 
 
