@@ -1,12 +1,10 @@
-"""The image's start-up command without Docker: scripts/hiqcache_serve.sh (the
-Dockerfile's CMD, hiqcache-serve) under bash with a fake python3 that records
-its argv, run as the base image's `exec "$@"` entrypoint would; then `make
-image` and scripts/image_cpu_check.sh with fake docker and apt-get."""
+"""The image's start-up command without Docker: hiqcache-serve (the Dockerfile's
+CMD) with a fake python3 that records its argv, as the base image's entrypoint
+runs it; `make image` and scripts/image_cpu_check.sh with fake docker, apt-get."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import stat
 import subprocess
@@ -44,11 +42,7 @@ def bin_dir(tmp_path):
 def run(bin_dir: Path, argv: list[str], **env: str):
     argv_file = bin_dir.parent / "argv"
     argv_file.unlink(missing_ok=True)
-    environ = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin",
-        "ARGV_FILE": str(argv_file),
-        **env,
-    }
+    environ = {"PATH": f"{bin_dir}:/usr/bin:/bin", "ARGV_FILE": str(argv_file), **env}
     proc = subprocess.run(argv, env=environ, capture_output=True, text=True, timeout=30)
     python_argv = argv_file.read_text().splitlines() if argv_file.exists() else None
     return proc, python_argv
@@ -120,13 +114,11 @@ def dockerfile_cmd() -> list[str]:
     return cmd
 
 
-def test_dockerfile_cmd_starts_the_server(bin_dir):
+def test_dockerfile_cmd_starts_the_server_and_user_commands_replace_it(bin_dir):
+    # The CMD runs from PATH: the repository's script must be executable.
     proc, argv = entrypoint_run(bin_dir, dockerfile_cmd(), MODEL="m")
     assert proc.returncode == 0, proc.stderr
     assert argv == [*LAUNCH, "--model-path", "m", *DEFAULTS]
-
-
-def test_user_commands_replace_the_cmd(bin_dir):
     # docker run IMAGE python3 -m sglang.launch_server ...: as on lmsysorg/sglang
     command = ["python3", *LAUNCH, "--model-path", "m", "--tp", "2"]
     proc, argv = entrypoint_run(bin_dir, command, MODEL="")
@@ -137,10 +129,6 @@ def test_user_commands_replace_the_cmd(bin_dir):
     assert (proc.returncode, proc.stdout, argv) == (0, "shell\n", None)
 
 
-def test_script_is_executable_in_the_repository():
-    assert os.access(SCRIPT, os.X_OK)
-
-
 # An absolute interpreter: the tests' PATH holds only the listed tools.
 FAKE_TOOL = """#!/bin/bash
 echo "${0##*/} $*" >> "$CALLS"
@@ -149,31 +137,29 @@ exit 1
 """
 
 
-def fake_bin(path: Path, fakes: tuple[str, ...], real: tuple[str, ...]) -> Path:
-    """A PATH folder: `fakes` record their calls and fail, `real` link to the host's."""
-    path.mkdir()
-    for name in fakes:
-        (path / name).write_text(FAKE_TOOL)
-        (path / name).chmod(0o755)
-    for name in real:
-        (path / name).symlink_to(shutil.which(name))
-    return path
+def with_fakes(root: Path, argv: list, fakes=(), real=(), cwd=None):
+    """argv with a PATH of `fakes` (record their calls, fail) and `real` tools."""
+    bin_dir, calls = root / "bin", root / "calls"
+    if not bin_dir.exists():
+        bin_dir.mkdir()
+        for name in fakes:
+            (bin_dir / name).write_text(FAKE_TOOL)
+            (bin_dir / name).chmod(0o755)
+        for name in real:
+            (bin_dir / name).symlink_to(shutil.which(name))
+    calls.unlink(missing_ok=True)
+    env = {"PATH": str(bin_dir), "CALLS": str(calls)}
+    proc = subprocess.run(
+        argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
+    return proc, calls.read_text().splitlines() if calls.exists() else []
 
 
 @pytest.mark.parametrize("docker", ["no daemon", "not installed"])
 def test_make_image_without_a_daemon_names_the_ways_without_one(tmp_path, docker):
-    calls = tmp_path / "calls"
-    bin_dir = fake_bin(
-        tmp_path / "bin", ("docker",) if docker == "no daemon" else (), ()
-    )
-    proc = subprocess.run(
-        [shutil.which("make"), "--no-print-directory", "image"],
-        cwd=REPO,
-        env={"PATH": str(bin_dir), "CALLS": str(calls)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    make = [shutil.which("make"), "--no-print-directory", "image"]
+    fakes = ("docker",) if docker == "no daemon" else ()
+    proc, calls = with_fakes(tmp_path, make, fakes, cwd=REPO)
     assert proc.returncode != 0
     message = proc.stderr.splitlines()[0]
     assert message.startswith(
@@ -181,8 +167,7 @@ def test_make_image_without_a_daemon_names_the_ways_without_one(tmp_path, docker
     )
     assert "'make wheel'" in message and "podman build --format docker" in message
     assert "Cannot connect" not in proc.stderr  # Docker's own error stays out
-    expected = ["docker info"] if docker == "no daemon" else []
-    assert (calls.read_text().splitlines() if calls.exists() else []) == expected
+    assert calls == (["docker info"] if docker == "no daemon" else [])
 
 
 IMAGE_CHECK = REPO / "scripts" / "image_cpu_check.sh"
@@ -192,38 +177,26 @@ IMAGE_CHECK_TOOLS = ("bash", "dirname", "sed", "mkdir", "awk", "tail", "readlink
 
 
 def image_check(root: Path, *args: str):
-    calls = root / "calls"
-    bin_dir = fake_bin(root / "bin", ("apt-get",), IMAGE_CHECK_TOOLS)
-    proc = subprocess.run(
-        ["bash", str(root / "scripts" / IMAGE_CHECK.name), *args],
-        env={"PATH": str(bin_dir), "CALLS": str(calls)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    return proc, calls.read_text().splitlines() if calls.exists() else []
+    script = ["bash", str(root / "scripts" / IMAGE_CHECK.name), *args]
+    return with_fakes(root, script, ("apt-get",), IMAGE_CHECK_TOOLS)
 
 
 @pytest.fixture
 def image_check_root(tmp_path):
-    """A repository without a test venv, holding the script and sglang.lock."""
-    root = tmp_path / "repo"
+    root = tmp_path / "repo"  # no test venv: the script and sglang.lock
     (root / "scripts").mkdir(parents=True)
     shutil.copy2(IMAGE_CHECK, root / "scripts")
     shutil.copy2(REPO / "sglang.lock", root)
     return root
 
 
-def test_image_cpu_check_help_says_what_it_needs_and_changes(image_check_root):
+def test_image_cpu_check_help_and_venv_check_install_nothing(image_check_root):
     proc, calls = image_check(image_check_root, "--help")
     assert (proc.returncode, calls) == (0, []), proc.stderr
     for words in ("--base-version 0.5.22", "make venv", "root", "apt-get installs podman",
                   "/etc/containers/containers.conf"):  # fmt: skip
         assert words in proc.stdout.replace("\n", " "), words
     assert not proc.stdout.startswith("#!")
-
-
-def test_image_cpu_check_checks_the_venv_before_installing(image_check_root):
     proc, calls = image_check(image_check_root)
     assert proc.returncode == 2
     venv = image_check_root / ".venv" / "bin" / "python"

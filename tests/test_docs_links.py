@@ -1,5 +1,5 @@
-"""The docs' relative links resolve, and every recorded run under results/runs/
-is listed in results/README.md with its command and commit and quoted by a doc."""
+"""The docs' relative links resolve; every recorded run under results/runs/ is listed
+in results/README.md with its command and commit, and quoted by a doc."""
 
 from __future__ import annotations
 

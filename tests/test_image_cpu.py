@@ -1,8 +1,6 @@
-"""The Dockerfile built for real (podman) and its default command run live on
-CPU, opt-in (HIQ_LIVE_IMAGE=1; root; 3-10 min): scripts/image_cpu_check.sh
-builds a stand-in lmsysorg/sglang base from the pinned wheel, the unchanged
-Dockerfile on it, starts hiqcache-serve for int8 and saves what these tests
-read under build/image-cpu/run/; a base with another sglang is refused."""
+"""The Dockerfile built (podman) and its default command run live on CPU, opt-in
+(HIQ_LIVE_IMAGE=1; root; 3-10 min) by scripts/image_cpu_check.sh, which saves what
+these tests read under build/image-cpu/run/; a base with another sglang is refused."""
 
 from __future__ import annotations
 
@@ -63,15 +61,12 @@ def image_run() -> Path:
     return RUN_DIR
 
 
-def test_series_is_installed_into_the_editable_layout(image_run):
+def test_series_is_installed_into_the_editable_layout_and_the_cmd_kept(image_run):
     version, package, applied = (image_run / "install.txt").read_text().split()
     assert version == PIN
     # Where `pip install -e python[all]` leaves it in lmsysorg/sglang.
     assert package == "/sgl-workspace/sglang/python/sglang"
     assert applied == "True"  # overlay.py install's marker
-
-
-def test_image_keeps_the_default_command(image_run):
     assert "[hiqcache-serve]" in (image_run / "image-config.txt").read_text()
 
 
@@ -83,7 +78,7 @@ def test_startup_log_names_int8_and_bytes_per_token(image_run):
     assert f"stores INT8 KV: {expected} B/token" in log
 
 
-def test_repeated_long_prompt_is_a_device_hit(image_run):
+def test_repeated_long_prompt_is_a_device_hit_in_the_metrics(image_run):
     replies = json.loads((image_run / "replies.json").read_text())
     first, second = replies["first"]["meta_info"], replies["second"]["meta_info"]
     assert first["prompt_tokens"] >= 1000
@@ -91,9 +86,7 @@ def test_repeated_long_prompt_is_a_device_hit(image_run):
     # The last prompt token is always recomputed to produce logits.
     assert second["cached_tokens"] == second["prompt_tokens"] - 1
     assert replies["first"]["text"] == replies["second"]["text"]
-
-
-def test_metrics_come_from_the_patched_pool(image_run):
+    # The metrics come from the patched pool.
     metrics = prom.parse((image_run / "metrics.txt").read_text())
     info = metrics.samples("sglang:hicache_host_info")
     assert len(info) == 1, info
@@ -103,8 +96,7 @@ def test_metrics_come_from_the_patched_pool(image_run):
     expected = int8_bytes_per_token(smollm2_dir())
     assert metrics.value("sglang:hicache_host_bytes_per_token") == expected
     # Both requests counted, the second one's prompt from the device.
-    replies = json.loads((image_run / "replies.json").read_text())
-    cached = replies["second"]["meta_info"]["cached_tokens"]
+    cached = second["cached_tokens"]
     assert metrics.value("sglang:cached_tokens_total", cache_source="device") == cached
 
 

@@ -55,7 +55,7 @@ def existing_venv(path: Path, fake: Path, marker: str | None = None) -> Path:
     return path
 
 
-def test_an_existing_venv_from_the_command_line_is_installed_into(tmp_path, fake):
+def test_an_existing_venv_not_made_here_is_installed_into_and_kept(tmp_path, fake):
     venv = existing_venv(tmp_path / "users-venv", fake)
     proc, calls = make_venv(tmp_path, fake, venv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -66,9 +66,7 @@ def test_an_existing_venv_from_the_command_line_is_installed_into(tmp_path, fake
     assert len(pip) == 2 and "torch==2.13.0" in pip[0]
     assert (venv / ".stamp").stat().st_mtime > 0
     assert not (venv / ".hiqcache-made-by").exists()
-
-
-def test_a_venv_made_by_another_checkout_is_kept(tmp_path, fake):
+    # One made by another checkout is kept too.
     venv = existing_venv(tmp_path / "other", fake, marker=str(tmp_path / "clone"))
     proc, _ = make_venv(tmp_path, fake, venv)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -100,6 +98,12 @@ def test_a_folder_that_is_no_venv_is_refused_naming_the_variable(tmp_path, fake)
 
 
 def test_torch_index_goes_to_the_torch_install_alone(tmp_path, fake):
+    """Without it, make says what PyPI's torch is."""
+    proc, calls = make_venv(tmp_path, fake, tmp_path / "pypi")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "from PyPI on Linux that is the CUDA build" in proc.stdout
+    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in proc.stdout
+    assert not any("--index-url" in c for c in calls)
     url = "https://download.pytorch.org/whl/cpu"
     proc, calls = make_venv(tmp_path, fake, tmp_path / "v", f"TORCH_INDEX={url}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -107,11 +111,3 @@ def test_torch_index_goes_to_the_torch_install_alone(tmp_path, fake):
     assert f"--index-url {url} torch==2.13.0" in torch
     assert "--index-url" not in rest and "-r requirements/cpu-test.txt" in rest
     assert "CUDA build" not in proc.stdout
-
-
-def test_without_torch_index_make_says_what_pypi_torch_is(tmp_path, fake):
-    proc, calls = make_venv(tmp_path, fake, tmp_path / "v")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "from PyPI on Linux that is the CUDA build" in proc.stdout
-    assert "TORCH_INDEX=https://download.pytorch.org/whl/cpu" in proc.stdout
-    assert not any("--index-url" in c for c in calls)

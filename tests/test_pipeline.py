@@ -1,10 +1,6 @@
-"""scripts/overlay.py end to end, as a subprocess in throwaway project copies.
-
-One session project applies the real series from the wheel cache, then refreshes
-two probe patches (a line in mha.py, then version.py) and one probe overlay file;
-tests that change a build tree work on a `cp -a` copy, read-only commands on a
-project whose build/sglang links the session tree (checked untouched at the end).
-"""
+"""scripts/overlay.py end to end in throwaway project copies: one session project
+applies the real series, then refreshes two probe patches and one probe overlay
+file; tests that change a build tree work on a copy, read-only ones on a link."""
 
 from __future__ import annotations
 
@@ -42,11 +38,7 @@ GIT_ENV = {
     for key, value in (("NAME", "Pipeline Test"), ("EMAIL", "pipeline@localhost"))
 }
 # git's detached auto-gc would repack a session tree while a test copies it.
-NO_GC = {
-    "GIT_CONFIG_COUNT": "1",
-    "GIT_CONFIG_KEY_0": "gc.auto",
-    "GIT_CONFIG_VALUE_0": "0",
-}
+NO_GC = dict(GIT_CONFIG_COUNT="1", GIT_CONFIG_KEY_0="gc.auto", GIT_CONFIG_VALUE_0="0")
 EXPORT_AUTHOR = {
     "GIT_AUTHOR_NAME": "Export Author",
     "GIT_AUTHOR_EMAIL": "export@example.org",
@@ -111,15 +103,6 @@ def overlay_files(project: Path) -> dict[str, bytes]:
         p.relative_to(root).as_posix(): p.read_bytes()
         for p in (root.rglob("*") if root.exists() else ())
         if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
-    }
-
-
-def installed_overlay(project: Path) -> dict[str, bytes]:
-    """Overlay files under python/, by their path in an installed site."""
-    return {
-        rel.removeprefix("python/"): data
-        for rel, data in overlay_files(project).items()
-        if rel.startswith("python/")
     }
 
 
@@ -207,10 +190,9 @@ def probe_patch(subject: str, path: str, hunk: str) -> str:
     )
 
 
-def add_patch(project: Path, name: str, text: str, listed: bool = True) -> None:
+def add_patch(project: Path, name: str, text: str) -> None:
     (project / "patches" / name).write_text(text)
-    if listed:
-        append(project / "patches" / "series", name + "\n")
+    append(project / "patches" / "series", name + "\n")
 
 
 @dataclass
@@ -250,8 +232,10 @@ def patched(tmp_path_factory):
     assert head(project) == final_head and git(tree, "status", "--porcelain") == ""
 
 
-def test_apply_builds_baseline_overlay_commit_and_one_commit_per_patch(patched):
-    tree, names = patched.tree, series(patched.path)
+def test_apply_and_refresh_build_the_tree_the_series_rebuilds(patched, tmp_path):
+    """apply: baseline (the wheel), overlay commit, one commit per patch; refresh
+    writes patches and overlay files that alone rebuild the hand-edited tree."""
+    project, tree, names = patched.path, patched.tree, series(patched.path)
     wheel = WHEEL_CACHE / WHEEL_NAME
     assert hashlib.sha256(wheel.read_bytes()).hexdigest() == WHEEL_SHA
     assert len(names) == len(patched.base_series) + 2
@@ -270,31 +254,39 @@ def test_apply_builds_baseline_overlay_commit_and_one_commit_per_patch(patched):
     assert len(log.splitlines()) == len(names)
     assert log.splitlines()[-2:] == [SUBJECT_MHA, SUBJECT_VERSION]
     assert git(tree, "status", "--porcelain") == ""
-    assert (tree / MHA).read_text().endswith(MHA_LINE)
-    assert (tree / VERSION_PY).read_text().endswith(VERSION_LINE)
-    assert (tree / NEW_FILE).read_text() == NEW_TEXT
+    assert names[: len(patched.base_series)] == patched.base_series
+    mha_patch, version_patch = names[-2:]
+    assert mha_patch.endswith("-Pipeline-probe-mha-marker.patch")
+    assert version_patch.endswith("-Pipeline-probe-version-marker.patch")
+    mha_text = (project / "patches" / mha_patch).read_text()
+    assert f"diff --git a/{MHA} b/{MHA}" in mha_text and f"+{MHA_LINE}" in mha_text
+    assert f"+{VERSION_LINE}" in (project / "patches" / version_patch).read_text()
+    for name in names:  # new files never go into patches
+        text = (project / "patches" / name).read_text()
+        assert "new file mode" not in text and NEW_FILE not in text, name
+    patches = sorted(p.name for p in (project / "patches").glob("*.patch"))
+    assert patches == sorted(names)
+    assert overlay_files(project)[NEW_FILE] == NEW_TEXT.encode()
+    # The hand-edited tree (the probe lines and file), and patches/ + overlay alone
+    # rebuild it on the baseline.
+    assert head(project, "HEAD^{tree}") == patched.edited_tree
+    patches = [project / "patches" / name for name in names]
+    overlay_root = project / "sglang_overlay"
+    rebuilt = rebuild_in_temp_index(tree, patches, overlay_root, tmp_path / "i")
+    assert rebuilt == patched.edited_tree
+    out = overlay(copy_project(project, tmp_path / "p", tree=False), "check")
+    assert f"{len(names)} patches apply cleanly to SGLang {VERSION}" in out
+    assert f"{len(overlay_files(project))} overlay files" in out
 
 
-def test_apply_is_a_no_op_when_up_to_date_and_rebuilds_after_a_patch_changes(
-    patched, tmp_path
-):
+def test_apply_rebuilds_when_needed_and_refuses_what_would_be_lost(patched, tmp_path):
+    """Up to date: a no-op; unrefreshed edits: refused, FORCE=1 discards them; a
+    conflicting patch: a clean baseline, recovered by removing it; a new file:
+    refreshed with no subject (patches untouched); a changed patch: rebuilt."""
     project = copy_project(patched.path, tmp_path / "project")
-    before = head(project)
+    tree, before = project / "build" / "sglang", head(project)
     assert "is up to date" in overlay(project, "apply")
     assert head(project) == before
-    patch = next((project / "patches").glob("*-Pipeline-probe-mha-marker.patch"))
-    assert f"+{MHA_LINE}" in patch.read_text()
-    patch.write_text(patch.read_text().replace(f"+{MHA_LINE}", "+PROBE_MHA = 2\n"))
-    out = overlay(project, "apply")
-    assert "up to date" not in out and f"= SGLang {VERSION} (wheel)" in out
-    mha = (project / "build" / "sglang" / MHA).read_text()
-    assert mha.endswith("PROBE_MHA = 2\n") and head(project) != before
-    assert "is up to date" in overlay(project, "apply")
-
-
-def test_apply_refuses_unrefreshed_edits_and_force_discards_them(patched, tmp_path):
-    project = copy_project(patched.path, tmp_path / "project")
-    tree = project / "build" / "sglang"
     append(tree / MHA, "STRAY_EDIT = 1\n")
     (tree / "python/sglang/stray_new_file.py").write_text("STRAY = 1\n")
     for attempt in ("uncommitted", "committed"):
@@ -309,44 +301,41 @@ def test_apply_refuses_unrefreshed_edits_and_force_discards_them(patched, tmp_pa
     assert not (tree / "python/sglang/stray_new_file.py").exists()
     assert head(project) == patched.final_head
     assert git(tree, "status", "--porcelain") == ""
-
-
-def test_conflicting_patch_leaves_a_clean_baseline_and_removing_it_recovers(
-    patched, tmp_path
-):
-    project = copy_project(patched.path, tmp_path / "project")
     original = (project / "patches" / "series").read_text()
     add_patch(project, "9999-conflict.patch", conflicting_patch(project))
     out = overlay(project, "apply", ok=False)
     assert "patch 9999-conflict.patch does not apply" in out
     assert f"failing file {MHA}" in out
     assert head(project) == head(project, "hiq-baseline")
-    assert git(project / "build" / "sglang", "status", "--porcelain") == ""
+    assert git(tree, "status", "--porcelain") == ""
     (project / "patches" / "9999-conflict.patch").unlink()
     (project / "patches" / "series").write_text(original)
     overlay(project, "apply")
     assert head(project) == patched.final_head
+    # A new file alone is refreshed without a subject, into sglang_overlay/ only.
+    other = NEW_FILE.replace("hiq_pipeline_probe", "hiq_pipeline_probe_2")
+    (tree / other).write_text(NEW_TEXT)
+    patches = {n: (project / "patches" / n).read_text() for n in series(project)}
+    assert "refreshed" in overlay(project, "refresh")
+    assert overlay_files(project)[other] == NEW_TEXT.encode()
+    assert overlay_files(project)[NEW_FILE] == NEW_TEXT.encode()
+    assert {
+        n: (project / "patches" / n).read_text() for n in series(project)
+    } == patches
+    assert (tree / other).read_text() == NEW_TEXT
+    assert "is up to date" in overlay(project, "apply")
+    patch = next((project / "patches").glob("*-Pipeline-probe-mha-marker.patch"))
+    assert f"+{MHA_LINE}" in patch.read_text()
+    patch.write_text(patch.read_text().replace(f"+{MHA_LINE}", "+PROBE_MHA = 2\n"))
+    out = overlay(project, "apply")
+    assert "up to date" not in out and f"= SGLang {VERSION} (wheel)" in out
+    mha = (tree / MHA).read_text()
+    assert mha.endswith("PROBE_MHA = 2\n") and head(project) != before
+    assert "is up to date" in overlay(project, "apply")
 
 
-def test_check_passes_on_a_consistent_series(patched, tmp_path):
-    out = overlay(copy_project(patched.path, tmp_path / "p", tree=False), "check")
-    n_patches, n_overlay = len(series(patched.path)), len(overlay_files(patched.path))
-    assert f"{n_patches} patches apply cleanly to SGLang {VERSION}" in out
-    assert f"{n_overlay} overlay files" in out
-
-
-# --------------------------------------------------------------------------
-# Refusals: (command, fixture that breaks a project copy, expected words);
-# the command fails naming them, and the path the fixture watches is untouched.
-
-
-@dataclass
-class Refusal:
-    project: Path
-    args: tuple[str, ...]
-    expect: list[str]
-    watch: Path  # what must be as it was (None if absent)
-    env: dict | None = None
+# Refusals: a setup breaks a project copy and returns (command, the words the
+# failure names, the path that must stay as it was, environment).
 
 
 def conflicting_patch(project: Path) -> str:
@@ -385,7 +374,7 @@ def lock_sha_wrong(p, tmp, command):
     lock = p / "sglang.lock"
     lock.write_text(lock.read_text().replace(WHEEL_SHA, "0" * 64))
     expect = ["sha256 mismatch", WHEEL_NAME, "0" * 64, WHEEL_SHA]
-    return Refusal(p, (command,), expect, p / "build" / "sglang")
+    return (command,), expect, p / "build" / "sglang", {}
 
 
 def wheel_tampered(p, tmp):
@@ -393,15 +382,14 @@ def wheel_tampered(p, tmp):
     tampered = tmp / "wheels" / WHEEL_NAME
     tampered.write_bytes((WHEEL_CACHE / WHEEL_NAME).read_bytes() + b"tampered")
     actual = hashlib.sha256(tampered.read_bytes()).hexdigest()
-    expect = ["sha256 mismatch", WHEEL_SHA, actual]
     env = {"HIQ_WHEEL_CACHE": str(tmp / "wheels")}
-    return Refusal(p, ("apply",), expect, p / "build" / "sglang", env)
+    return ("apply",), ["sha256 mismatch", WHEEL_SHA, actual], p / "build/sglang", env
 
 
 def patch_conflict(p, tmp):
     add_patch(p, "9999-conflict.patch", conflicting_patch(p))
     expect = ["patch 9999-conflict.patch does not apply", f"failing file {MHA}"]
-    return Refusal(p, ("check",), expect, p / "build" / "sglang" / MHA)
+    return ("check",), expect, p / "build" / "sglang" / MHA, {}
 
 
 NEW_FILE_HUNK = """\
@@ -426,8 +414,7 @@ def series_inconsistent(p, tmp, case):
         new = "python/sglang/srt/hiq_in_a_patch.py"
         add_patch(p, name, probe_patch("new file in a patch", new, NEW_FILE_HUNK))
         why = f"{name} creates {new}: new files belong in sglang_overlay/"
-    expect = ["patch series is inconsistent", why]
-    return Refusal(p, ("check",), expect, p / "patches")
+    return ("check",), ["patch series is inconsistent", why], p / "patches", {}
 
 
 def pr_patch_undeclared(p, tmp):
@@ -435,25 +422,25 @@ def pr_patch_undeclared(p, tmp):
     toml = p / "docs" / "prs.toml"
     toml.write_text(toml.read_text().replace("*-Pipeline-probe-*", "*-probe-mha-*"))
     why = f"patch {series(p)[-1]} belongs to no PR; it must belong to exactly one"
-    return Refusal(p, ("pr",), [why], p / "dist" / "pr", EXPORT_AUTHOR)
+    return ("pr",), [why], p / "dist" / "pr", EXPORT_AUTHOR
 
 
 def pr_no_author(p, tmp):
     declare_prs(p)
     env = {"GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
     why = "set git config user.name and user.email, or GIT_AUTHOR_NAME"
-    return Refusal(p, ("pr",), [why], p / "dist" / "pr", env)
+    return ("pr",), [why], p / "dist" / "pr", env
 
 
 def install_other_version(p, tmp):
     site = stock_package(p, tmp / "site", version="0.5.22")
     why = f"installed sglang is 0.5.22, the patches are for {VERSION}"
-    return Refusal(p, ("install", "--target", str(site)), [why], site)
+    return ("install", "--target", str(site)), [why], site, {}
 
 
 def install_no_package(p, tmp):
     args = ("install", "--target", str(tmp / "empty"))
-    return Refusal(p, args, ["no sglang package under"], tmp / "empty")
+    return args, ["no sglang package under"], tmp / "empty", {}
 
 
 def install_needs_fuzz(p, tmp):
@@ -473,7 +460,7 @@ def install_needs_fuzz(p, tmp):
     )  # fmt: skip
     assert plain.returncode == 0 and "with fuzz 1" in plain.stdout, plain.stdout
     expect = [f"patch {name} does not apply exactly (no fuzz)", "nothing was installed"]
-    return Refusal(p, ("install", "--target", str(site)), [*expect, "FAILED"], site)
+    return ("install", "--target", str(site)), [*expect, "FAILED"], site, {}
 
 
 REFUSALS = {
@@ -501,56 +488,12 @@ def test_refusals_name_the_cause_and_change_nothing(patched, tmp_path, case):
         project = link_project(patched.path, dst)
     else:
         project = copy_project(patched.path, dst, tree=tree)
-    refusal = setup(project, tmp_path)
-    before = state(refusal.watch)
-    out = overlay(project, *refusal.args, ok=False, **(refusal.env or {}))
-    for words in refusal.expect:
+    args, expect, watch, env = setup(project, tmp_path)
+    before = state(watch)
+    out = overlay(project, *args, ok=False, **env)
+    for words in expect:
         assert words in out, (words, out)
-    assert state(refusal.watch) == before
-
-
-# --------------------------------------------------------------------------
-# refresh
-
-
-def test_refresh_writes_patches_and_overlay_and_round_trips(patched, tmp_path):
-    project = patched.path
-    names = series(project)
-    assert names[: len(patched.base_series)] == patched.base_series
-    mha_patch, version_patch = names[-2:]
-    assert mha_patch.endswith("-Pipeline-probe-mha-marker.patch")
-    assert version_patch.endswith("-Pipeline-probe-version-marker.patch")
-    mha_text = (project / "patches" / mha_patch).read_text()
-    assert f"diff --git a/{MHA} b/{MHA}" in mha_text and f"+{MHA_LINE}" in mha_text
-    assert f"+{VERSION_LINE}" in (project / "patches" / version_patch).read_text()
-    for name in names:  # new files never go into patches
-        text = (project / "patches" / name).read_text()
-        assert "new file mode" not in text and NEW_FILE not in text, name
-    assert sorted(p.name for p in (project / "patches").glob("*.patch")) == sorted(
-        names
-    )
-    assert overlay_files(project)[NEW_FILE] == NEW_TEXT.encode()
-    # The refreshed tree is the hand-edited one, and patches/ + sglang_overlay/
-    # alone rebuild it on the baseline.
-    assert head(project, "HEAD^{tree}") == patched.edited_tree
-    patches = [project / "patches" / name for name in names]
-    overlay_root = project / "sglang_overlay"
-    rebuilt = rebuild_in_temp_index(patched.tree, patches, overlay_root, tmp_path / "i")
-    assert rebuilt == patched.edited_tree
-
-
-def test_refresh_of_a_new_file_alone_needs_no_subject(patched, tmp_path):
-    project = copy_project(patched.path, tmp_path / "project")
-    tree = project / "build" / "sglang"
-    other = NEW_FILE.replace("hiq_pipeline_probe", "hiq_pipeline_probe_2")
-    (tree / other).write_text(NEW_TEXT)
-    before = {n: (project / "patches" / n).read_text() for n in series(project)}
-    assert "refreshed" in overlay(project, "refresh")
-    assert overlay_files(project)[other] == NEW_TEXT.encode()
-    assert overlay_files(project)[NEW_FILE] == NEW_TEXT.encode()
-    assert {n: (project / "patches" / n).read_text() for n in series(project)} == before
-    assert (tree / other).read_text() == NEW_TEXT
-    assert "is up to date" in overlay(project, "apply")
+    assert state(watch) == before
 
 
 # --------------------------------------------------------------------------
@@ -679,7 +622,11 @@ def test_install_patches_once_repatches_after_a_reinstall_and_uninstall_restores
     project = copy_project(patched.path, tmp_path / "project", tree=False)
     site, n_patches = tmp_path / "site", len(series(project))
     touched = [rel.removeprefix("python/") for rel in touched_files(project)]
-    added = installed_overlay(project)
+    added = {  # overlay files under python/, by their path in an installed site
+        rel.removeprefix("python/"): data
+        for rel, data in overlay_files(project).items()
+        if rel.startswith("python/")
+    }
 
     def reinstall_stock():
         # As `pip install --force-reinstall`: the wheel's files written over the
@@ -749,7 +696,7 @@ def test_install_patches_once_repatches_after_a_reinstall_and_uninstall_restores
 
 
 # --------------------------------------------------------------------------
-# Docker and make
+# Docker
 
 
 def check_docker(root: Path) -> subprocess.CompletedProcess:
@@ -813,41 +760,3 @@ def test_docker_check_catches_drift(tmp_path, name, old, new, expected):
         (root / name).write_text(text.replace(old, new, 1))
     proc = check_docker(root)
     assert proc.returncode != 0 and expected in proc.stderr
-
-
-def make_dry_run(*target: str) -> str:
-    cmd = ["make", "-n", *target, "PYTHON=python3"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-def test_make_wheel_builds_the_image_tag_without_the_test_venv():
-    out = make_dry_run("wheel")
-    # Only the pinned wheel tool, installed on its own; never the venv recipe.
-    assert "-m venv" not in out and ".stamp" not in out
-    pins = (REPO / "requirements" / "test-tools.txt").read_text().splitlines()
-    assert any(line.startswith("wheel==") for line in pins)
-    assert "grep -m1 '^wheel==' requirements/test-tools.txt" in out
-    host = f"{sys.version_info.major}{sys.version_info.minor}"
-    assert f"for tag in {' '.join(sorted({'312', host}))}; do" in out
-    assert "scripts/overlay.py wheel --python-tag $tag" in out
-
-
-# Requirements files that stay out of the test venv (make quality-gemma's).
-OUTSIDE_THE_TEST_VENV = {"quality-gemma.txt"}
-
-
-def test_make_venv_installs_every_pinned_requirements_file():
-    """The venv recipe installs each requirements/*.txt and rebuilds when one
-    changes; a file left out passes here and breaks a clean clone (CI)."""
-    installed = set(
-        re.findall(r"-r requirements/(\S+\.txt)", make_dry_run("-B", "venv"))
-    )
-    pinned = {p.name for p in (REPO / "requirements").glob("*.txt")}
-    assert installed == pinned - OUTSIDE_THE_TEST_VENV
-    # The prerequisites: the rule's line and its backslash continuations.
-    makefile = (REPO / "Makefile").read_text()
-    rule = re.search(r"^\$\(VENV\)/\.stamp:((?:.*\\\n)*.*)$", makefile, re.M)
-    assert rule, "Makefile has no $(VENV)/.stamp rule"
-    assert set(re.findall(r"requirements/(\S+\.txt)", rule[1])) == installed

@@ -1,9 +1,6 @@
-"""Release check (HIQ_PR_BISECT=1, ~4 min): the exported PRs are bisectable. Each
-PR `git am`s onto the pin after the ones before; every commit byte-compiles, and
-at each PR's end every module it adds or edits imports, every upstream-style
-unit test so far passes on CPU (tests/upstream_unit_runner.py), and start-up
-with each declared SGLANG_HICACHE_* variable imports nothing a later PR ships
-(tests/support/pr_probe.py)."""
+"""Release check (HIQ_PR_BISECT=1, ~4 min): each exported PR `git am`s onto the ones
+before; every commit byte-compiles, and at each PR's end its modules import, the unit
+tests so far pass (upstream_unit_runner.py) and start-up imports nothing later."""
 
 from __future__ import annotations
 
@@ -16,38 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_pipeline import GIT_ENV, git
+
 REPO = Path(__file__).resolve().parents[1]
 TREE = REPO / "build" / "sglang"
-IDENTITY = {
-    "GIT_AUTHOR_NAME": "Bisect Test",
-    "GIT_AUTHOR_EMAIL": "bisect@localhost",
-    "GIT_COMMITTER_NAME": "Bisect Test",
-    "GIT_COMMITTER_EMAIL": "bisect@localhost",
-}
-
-
-def git(tree: Path, *args: str) -> str:
-    return subprocess.run(
-        ["git", "-C", str(tree), *args], check=True, capture_output=True, text=True,
-        env={**os.environ, **IDENTITY},
-    ).stdout  # fmt: skip
-
-
 ENVIRON = "python/sglang/srt/environ.py"
-
-
-def declared_variables(environ_diff: str) -> list[str]:
-    """The SGLANG_HICACHE_* variables the PRs so far add to Envs."""
-    return re.findall(r"(?m)^\+\s+(SGLANG_HICACHE_\w+) = Env", environ_diff)
-
-
-def touched_modules(paths: list[str]) -> list[str]:
-    """Dotted names of the modules under python/ among these tree paths."""
-    return [
-        p.removeprefix("python/").removesuffix(".py").replace("/", ".")
-        for p in paths
-        if p.startswith("python/") and p.endswith(".py")
-    ]
 
 
 @pytest.mark.skipif(
@@ -56,7 +26,7 @@ def touched_modules(paths: list[str]) -> list[str]:
 def test_each_pr_applies_alone_on_the_pin_and_passes_its_unit_tests(tmp_path):
     subprocess.run(
         [sys.executable, str(REPO / "scripts" / "overlay.py"), "pr"],
-        check=True, cwd=REPO, capture_output=True, env={**os.environ, **IDENTITY},
+        check=True, cwd=REPO, capture_output=True, env={**os.environ, **GIT_ENV},
     )  # fmt: skip
     pr_dirs = sorted(
         (REPO / "dist" / "pr").iterdir(), key=lambda p: int(p.name.split("-")[0])
@@ -66,6 +36,13 @@ def test_each_pr_applies_alone_on_the_pin_and_passes_its_unit_tests(tmp_path):
     git(tmp_path, "clone", "-q", "--shared", "--no-checkout", str(TREE), str(work))
     git(work, "checkout", "-q", "--detach", "hiq-baseline")
     base = git(work, "rev-parse", "HEAD").strip()
+    env = {**os.environ, "PYTHONPATH": f"{work}/python", "HIQ_SGLANG_TREE": str(work)}
+
+    def run(pr: str, *args: str) -> None:  # on the PRs so far, in a fresh Python
+        cmd = [sys.executable, "-m", *args]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+        assert proc.returncode == 0, f"{pr}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
     for pr_dir in pr_dirs:
         start = git(work, "rev-parse", "HEAD").strip()
         for patch in sorted(pr_dir.glob("*.patch")):
@@ -76,31 +53,28 @@ def test_each_pr_applies_alone_on_the_pin_and_passes_its_unit_tests(tmp_path):
             for rel in changed.split():
                 if rel.endswith(".py"):
                     py_compile.compile(str(work / rel), doraise=True)
-        added = git(
-            work, "diff", "--name-only", "--diff-filter=A", base, "HEAD"
-        ).split()
-        tests = [work / p for p in added if p.startswith("test/registered/")]
+        added = git(work, "diff", "--name-only", "--diff-filter=A", base, "HEAD")
+        tests = [
+            str(work / p) for p in added.split() if p.startswith("test/registered/")
+        ]
         assert tests, f"{pr_dir.name}: the PRs so far add no unit test"
         touched = git(work, "diff", "--name-only", "--diff-filter=AM", start, "HEAD")
-        modules = touched_modules(touched.split())
+        modules = [
+            p.removeprefix("python/").removesuffix(".py").replace("/", ".")
+            for p in touched.split()
+            if p.startswith("python/") and p.endswith(".py")
+        ]
         assert modules, f"{pr_dir.name}: touches no Python module"
-        runner = ["-m", "tests.upstream_unit_runner", "--import", *modules, "--"]
-        proc = subprocess.run(
-            [sys.executable, *runner, *map(str, tests)],
-            cwd=REPO, capture_output=True, text=True,
-            env={**os.environ, "PYTHONPATH": str(work / "python"), "HIQ_SGLANG_TREE": str(work)},
-        )  # fmt: skip
-        assert proc.returncode == 0, (
-            f"{pr_dir.name}:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+        run(
+            pr_dir.name,
+            "tests.upstream_unit_runner",
+            "--import",
+            *modules,
+            "--",
+            *tests,
         )
-        declared = declared_variables(git(work, "diff", base, "HEAD", "--", ENVIRON))
-        if not declared:
-            continue
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.support.pr_probe", *declared],
-            cwd=REPO, capture_output=True, text=True,
-            env={**os.environ, "PYTHONPATH": str(work / "python"), "HIQ_SGLANG_TREE": str(work)},
-        )  # fmt: skip
-        assert proc.returncode == 0, (
-            f"{pr_dir.name} start-up probe:\n{proc.stdout}\n{proc.stderr[-4000:]}"
-        )
+        # The SGLANG_HICACHE_* variables the PRs so far add to Envs.
+        environ = git(work, "diff", base, "HEAD", "--", ENVIRON)
+        declared = re.findall(r"(?m)^\+\s+(SGLANG_HICACHE_\w+) = Env", environ)
+        if declared:
+            run(f"{pr_dir.name} start-up probe", "tests.support.pr_probe", *declared)

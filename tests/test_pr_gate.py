@@ -1,8 +1,6 @@
-"""scripts/pr_gate.py: SGLang's pinned pre-commit hooks on exported PRs.
-
-Small git trees (tag `base`: the pinned tree's ci_register.py; HEAD adds the
-files under test) pass clean input and fail on what upstream's CI rejects; the
-last test exports the real series and gates it, as `make pr-check` does."""
+"""scripts/pr_gate.py: SGLang's pinned pre-commit hooks on exported PRs: small git
+trees (tag `base`: the pinned ci_register.py) pass clean files and fail on what
+upstream's CI rejects; the real series exported and gated, as `make pr-check`."""
 
 from __future__ import annotations
 
@@ -16,14 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_pipeline import GIT_ENV, git
+
 REPO = Path(__file__).resolve().parents[1]
 TREE = REPO / "build" / "sglang"
 CI_REGISTER = "python/sglang/test/ci/ci_register.py"
-GIT_ENV = {
-    f"GIT_{role}_{key}": value
-    for role in ("AUTHOR", "COMMITTER")
-    for key, value in (("NAME", "Gate Test"), ("EMAIL", "gate@localhost"))
-}
 
 MODULE = '''\
 """A module the way upstream formats it."""
@@ -79,39 +74,11 @@ UNIT_PATH = "test/registered/unit/mem_cache/test_probe.py"
 MODULE_PATH = "python/sglang/srt/mem_cache/gate_probe.py"
 
 
-def git(repo: Path, *args: str) -> str:
-    proc = subprocess.run(
-        ["git", "-C", str(repo), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **GIT_ENV},
-    )
-    assert proc.returncode == 0, f"git {' '.join(args)}:\n{proc.stdout}{proc.stderr}"
-    return proc.stdout
-
-
 @pytest.fixture(scope="module")
 def ci_register_source() -> str:
     if not (TREE / ".git").exists():
         pytest.fail(f"{TREE} is missing: run `make apply` first")
     return git(TREE, "show", f"hiq-baseline:{CI_REGISTER}")
-
-
-def make_repo(root: Path, ci_register: str, files: dict[str, str]) -> Path:
-    """A git tree: tag `base` holds ci_register.py, HEAD adds `files`."""
-    repo = root / "repo"
-    (repo / CI_REGISTER).parent.mkdir(parents=True)
-    (repo / CI_REGISTER).write_text(ci_register)
-    git(repo, "init", "-q", "-b", "main")
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "baseline")
-    git(repo, "tag", "base")
-    for rel, text in files.items():
-        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-        (repo / rel).write_text(text)
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "change")
-    return repo
 
 
 def run_gate(*args: str) -> subprocess.CompletedProcess:
@@ -124,16 +91,19 @@ def run_gate(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def hook_status(output: str) -> dict[str, str]:
-    """hook id -> Passed / Failed / Skipped, from the gate's report."""
-    return {
-        m.group(1): m.group(2).split()[-1]
-        for m in re.finditer(r"(?m)^([a-z-]+)\.{3,}(.+)$", output)
-    }
-
-
 def gate_on(tmp_path: Path, ci_register: str, files: dict[str, str]):
-    repo = make_repo(tmp_path, ci_register, files)
+    """The gate on a git tree whose tag `base` holds ci_register.py and whose HEAD
+    adds `files`; its output and each hook's Passed / Failed / Skipped."""
+    repo = tmp_path / "repo"
+    for commit, tree in (("baseline", {CI_REGISTER: ci_register}), ("change", files)):
+        for rel, text in tree.items():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+        if commit == "baseline":
+            git(repo, "init", "-q", "-b", "main")
+        git(repo, "add", "-A")
+        git(repo, "commit", "-q", "-m", commit)
+    git(repo, "tag", "base", "HEAD~1")
     head = git(repo, "rev-parse", "HEAD")
     proc = run_gate("--repo", str(repo), "--base", "base")
     # The hooks run in a scratch clone: the tree under test is left as it was.
@@ -141,20 +111,8 @@ def gate_on(tmp_path: Path, ci_register: str, files: dict[str, str]):
         git(repo, "rev-parse", "HEAD") == head
         and git(repo, "status", "--porcelain") == ""
     )
-    return proc, hook_status(proc.stdout)
-
-
-def test_clean_files_pass_every_hook(tmp_path, ci_register_source):
-    proc, status = gate_on(
-        tmp_path, ci_register_source, {MODULE_PATH: MODULE, UNIT_PATH: UNIT_TEST}
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "pr_gate: all hooks passed" in proc.stdout
-    for hook in (
-        "trailing-whitespace", "end-of-file-fixer", "check-ast", "isort", "ruff",
-        "ruff-format", "codespell", "check-registered-tests", "check-no-bare-pytest-main",
-    ):  # fmt: skip
-        assert status[hook] == "Passed", (hook, proc.stdout)
+    status = re.finditer(r"(?m)^([a-z-]+)\.{3,}(.+)$", proc.stdout)
+    return proc, {m.group(1): m.group(2).split()[-1] for m in status}
 
 
 RUFF_MODULE = '''\
@@ -179,8 +137,18 @@ CUDA_AT = CUDA_UNIT_TEST.splitlines().index(CUDA_LINE.strip()) + 1
 BARE_AT = BARE_PYTEST_MAIN.splitlines().index("    pytest.main([__file__])") + 1
 
 
+HOOKS = (
+    "trailing-whitespace", "end-of-file-fixer", "check-ast", "isort", "ruff",
+    "ruff-format", "codespell", "check-registered-tests", "check-no-bare-pytest-main",
+)  # fmt: skip
 # (files, the hook that fails (alone, but for the last row) or None, its report)
 GATE_CASES = {
+    # Clean files pass every hook.
+    "clean": (
+        {MODULE_PATH: MODULE, UNIT_PATH: UNIT_TEST},
+        None,
+        ["pr_gate: all hooks passed"],
+    ),
     "isort": (
         {MODULE_PATH: MISSORTED_MODULE},
         "isort",
@@ -232,6 +200,8 @@ def test_gate_fails_exactly_the_hook_upstream_ci_would(
         assert failed == ([hook] if hook else []), proc.stdout
     if not hook:
         assert status["check-registered-tests"] == "Passed"
+    if case == "clean":
+        assert [status[h] for h in HOOKS] == ["Passed"] * len(HOOKS), proc.stdout
     for words in expected:
         assert words in proc.stdout, words
 

@@ -1,8 +1,6 @@
-"""Start-up: --hicache-host-dtype's declaration and publication, and the
-start-up table (tests/support/startup_table.py): every row runs SGLang's own
-argument resolution (``ServerArgs.resolve_once``) over tiny local configs (no
-weights) and either starts or is refused naming the flag and the fix;
-docs/supported.md carries the same table."""
+"""Start-up: --hicache-host-dtype's declaration and publication, and the start-up
+table (tests/support/startup_table.py), each row through SGLang's own resolution
+over tiny configs (no weights); docs/supported.md carries the same table."""
 
 from __future__ import annotations
 
@@ -25,12 +23,6 @@ from tests.support.server_args import from_argv, resolve
 pytestmark = pytest.mark.usefixtures("restore_environ")
 
 QUANTIZED = st.QUANTIZED
-per_format = pytest.mark.parametrize("host_dtype", QUANTIZED)
-
-
-# --------------------------------------------------------------------------
-# The table
-# --------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -90,66 +82,47 @@ def test_startup_table(case, model_paths, parser, monkeypatch, caplog):
 
 
 def test_supported_md_carries_the_startup_table():
-    """docs/supported.md shows the table the test above runs; regenerate it
-    with `python -m tests.support.startup_table` after changing a row."""
-    assert st.docs_section(st.SUPPORTED_MD.read_text()) == st.render()
-
-
-def test_every_format_has_accepted_and_refused_rows():
+    """Regenerate docs/supported.md's copy with `python -m
+    tests.support.startup_table` after changing a row; every format has rows
+    that start and rows that are refused."""
     from sglang.srt.mem_cache.pool_host.host_format import host_dtype_choices
 
+    assert st.docs_section(st.SUPPORTED_MD.read_text()) == st.render()
     cases = st.cases()
     for name in host_dtype_choices():
         outcomes = {bool(c.row.refused) for c in cases if c.host_dtype == name}
         assert outcomes == {True, False}, name
 
 
-# --------------------------------------------------------------------------
-# Declaration and publication
-# --------------------------------------------------------------------------
-
-
-def test_flag_defaults_to_auto(parser):
+def test_flag_parses_and_defaults_to_auto(parser, capsys):
     assert ServerArgs(model_path="dummy").hicache_host_dtype == "auto"
     assert from_argv(parser, "dummy").hicache_host_dtype == "auto"
-
-
-@pytest.mark.parametrize("value", ["auto", *QUANTIZED])
-def test_flag_parses(parser, value):
-    args = from_argv(parser, "dummy", "--hicache-host-dtype", value)
-    assert args.hicache_host_dtype == value
-
-
-def test_flag_rejects_unknown_value(parser, capsys):
+    for value in ("auto", *QUANTIZED):
+        args = from_argv(parser, "dummy", "--hicache-host-dtype", value)
+        assert args.hicache_host_dtype == value
     with pytest.raises(SystemExit):
         parser.parse_args(["--model-path", "dummy", "--hicache-host-dtype", "fp8"])
     assert "--hicache-host-dtype: invalid choice: 'fp8'" in capsys.readouterr().err
 
 
-def test_unknown_value_from_python_api_fails_at_startup():
-    # The argparse choices do not guard ServerArgs(...) built in Python.
-    with pytest.raises(ValueError, match="--hicache-host-dtype 'fp8' is not a host KV"):
-        resolve(hicache_host_dtype="fp8", enable_hierarchical_cache=False)
-
-
-def test_flag_help_text(parser):
+def test_flag_help_text_and_place(parser):
+    """--help lists the flag after --hicache-mem-layout, with its default (its
+    field is the last of POSITIONAL_FIELD_ORDER, so positional calls keep
+    working), choices and help from the host-format registry, in its order."""
+    from sglang.srt.arg_groups.field_order import POSITIONAL_FIELD_ORDER
     from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES
+
+    assert POSITIONAL_FIELD_ORDER[-1] == "hicache_host_dtype"
 
     (action,) = [
         a for a in parser._actions if "--hicache-host-dtype" in a.option_strings
     ]
-    # Choices and help come from the host-format registry, in its order.
     assert action.choices == ["auto", *HOST_DTYPES]
     assert list(HOST_DTYPES)[: len(QUANTIZED)] == list(QUANTIZED)
     assert action.help.startswith("Data type of the HiCache host (L2) KV copy.")
     for entry in HOST_DTYPES.values():
         assert f"'{entry.name}' stores {entry.help}" in action.help
     assert "'int8' stores symmetric INT8 with one FP16 scale per token" in action.help
-
-
-def test_flag_help_sits_with_the_hicache_flags_and_shows_its_default(parser):
-    """--help lists the flag after --hicache-mem-layout, not after every other
-    flag (its field is appended to POSITIONAL_FIELD_ORDER), with its default."""
     text = parser.format_help()
     flags = re.findall(r"^  (--[\w-]+)", text, re.M)
     at = flags.index("--hicache-host-dtype")
@@ -180,13 +153,6 @@ def test_help_after_moves_a_flag_and_refuses_an_unknown_field():
     assert flags == ["--first", "--third", "--fourth", "--second"]
     with pytest.raises(ValueError, match=r"help_after of \['lone'\] names no field"):
         add_cli_args_from_dataclass(argparse.ArgumentParser(), _HelpAfterNoField)
-
-
-def test_field_is_last_positional_field():
-    # field_order.py: new fields are appended, so positional calls keep working.
-    from sglang.srt.arg_groups.field_order import POSITIONAL_FIELD_ORDER
-
-    assert POSITIONAL_FIELD_ORDER[-1] == "hicache_host_dtype"
 
 
 def test_published_in_memory_config_bag():
@@ -273,19 +239,16 @@ def test_variable_with_the_stock_pool_warns(monkeypatch, models, caplog, name):
     resolve(models["mha"], hicache_host_dtype="int8")
 
 
-@per_format
+@pytest.mark.parametrize("host_dtype", QUANTIZED)
 def test_quantized_warns_once_without_hierarchical_cache(caplog, host_dtype):
-    with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups.hicache_hook"):
+    hook = "sglang.srt.arg_groups.hicache_hook"
+    with caplog.at_level(logging.WARNING, logger=hook):
         resolve(hicache_host_dtype=host_dtype, enable_hierarchical_cache=False)
-    warnings = [
-        r
-        for r in caplog.records
-        if f"--hicache-host-dtype {host_dtype} has no effect" in r.message
-    ]
-    assert len(warnings) == 1
-    assert "--enable-hierarchical-cache" in warnings[0].getMessage()
+    said = f"--hicache-host-dtype {host_dtype} has no effect"
+    warnings = [r.getMessage() for r in caplog.records if said in r.message]
+    assert len(warnings) == 1 and "--enable-hierarchical-cache" in warnings[0]
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="sglang.srt.arg_groups.hicache_hook"):
+    with caplog.at_level(logging.WARNING, logger=hook):
         resolve(hicache_host_dtype=host_dtype)
         resolve(enable_hierarchical_cache=False)
     assert "has no effect" not in caplog.text

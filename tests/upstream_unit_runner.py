@@ -1,10 +1,6 @@
-"""Runs upstream-style unit test files against one SGLang tree on CPU with the
-stand-ins (test_pr_bisect.py, in a subprocess); `--import` modules first, so a
-module importing one a later PR ships fails here.
-
-    HIQ_SGLANG_TREE=<tree> PYTHONPATH=<tree>/python \
-        python -m tests.upstream_unit_runner [--import mod ...] [--] <test files...>
-"""
+"""Runs upstream-style unit test files on one SGLang tree on CPU with the stand-ins
+(test_pr_bisect.py); `--import` modules first, so one importing a later PR's fails:
+python -m tests.upstream_unit_runner [--import mod ...] [--] <test files...>"""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
-"""Start-up probe of one exported PR's tree (tests/test_pr_bisect.py runs it in a
-subprocess on each PR, on CPU, with the stand-ins of scripts/rigs/standins.py):
-
-- every SGLANG_HICACHE_* variable the PRs so far declare in environ.py (passed
-  as arguments), set to each of a few values, with every --hicache-host-dtype
-  the flag accepts, on an MHA and an MLA model: start-up resolves or refuses
-  with a clear error, never fails to import a module a later PR ships (a
-  variable declared before its reader's module);
-- every --hicache-host-dtype value start-up accepts gets its encoded host pool
-  from the dispatch, so the flag never accepts a value it ignores.
-
-    HIQ_SGLANG_TREE=<tree> PYTHONPATH=<tree>/python \
-        python -m tests.support.pr_probe [SGLANG_HICACHE_X ...]
-"""
+"""Start-up probe of one exported PR's tree on CPU (test_pr_bisect.py): each declared
+SGLANG_HICACHE_* variable (the arguments) imports nothing a later PR ships, and each
+accepted --hicache-host-dtype gets its pool from the dispatch. Usage: see the test."""
 
 from __future__ import annotations
 
@@ -37,7 +26,6 @@ MODELS = {
 
 
 def start(model_path: str, host_dtype: str, env: dict) -> BaseException | None:
-    """Resolve the server arguments with `env` set; the exception, if any."""
     saved = dict(os.environ)
     os.environ.update(env)
     try:
@@ -58,9 +46,9 @@ def main(variables: list[str]) -> int:
 
     failures = []
     root = Path(tempfile.mkdtemp(prefix="pr-probe-"))
-    paths = {k: sa.model_dir(root, k, config) for k, config in MODELS.items()}
     accepted = {kind: [] for kind in MODELS}
-    for kind, path in paths.items():
+    for kind, config in MODELS.items():
+        path = sa.model_dir(root, kind, config)
         for host_dtype in host_dtype_choices():
             if start(path, host_dtype, {}) is None:
                 accepted[kind].append(host_dtype)
@@ -80,8 +68,7 @@ def main(variables: list[str]) -> int:
 
 
 def dispatch_failures(accepted: dict, host_pool_cls) -> list[str]:
-    """The accepted encoded values whose dispatch does not build their pool
-    (here: the dispatch of a PR that may predate the MLA one)."""
+    """Accepted encoded values whose dispatch does not build their pool."""
     import torch
 
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool

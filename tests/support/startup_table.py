@@ -1,19 +1,11 @@
 """The start-up table: what `--hicache-host-dtype` accepts with each model kind,
-flag and variable, and what it refuses, naming the flag and the fix.
-
-tests/test_startup.py runs every row through SGLang's own resolution pipeline
-(``ServerArgs.resolve_once``) over the tiny configs of tests/support/server_args.py,
-and checks that docs/supported.md carries this table as ``render()`` writes it.
-Regenerate that section after changing a row:
-
-    PYTHONPATH=build/sglang/python .venv/bin/python -m tests.support.startup_table
-"""
+flag and variable, and what it refuses naming the flag and the fix (run by
+tests/test_startup.py; `python -m tests.support.startup_table` regenerates docs)."""
 
 from __future__ import annotations
 
 import itertools
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,71 +43,58 @@ _DSA = dict(
     index_head_dim=128,
     index_n_heads=2,
 )
+# RoPE over 12 of the 15 channels keeps the odd head dims' configs valid.
+_ODD = dict(sa.LLAMA, partial_rotary_factor=0.8)
+_W8 = {"quant_method": "fp8", "activation_scheme": "dynamic"}
 
-
-def _odd_dims(head_dim: int, v_head_dim: int) -> dict:
-    # RoPE over 12 of the 15 channels keeps the config valid.
-    return dict(
-        sa.LLAMA, head_dim=head_dim, v_head_dim=v_head_dim, partial_rotary_factor=0.8
-    )
-
-
-def _fp8_checkpoint(name: str) -> tuple[dict, dict]:
-    quant_config, files = sa.FP8_KV_CHECKPOINTS[name]
-    config = dict(sa.LLAMA)
-    if quant_config is not None:
-        config["quantization_config"] = quant_config
-    return config, files
-
-
-# name -> (config.json, other files); "dummy" stops resolution at the model
-# boundary, after the model-independent checks.
-MODELS: dict[str, tuple[dict, dict]] = {
-    "mha": (sa.LLAMA, {}),
-    "mla": (sa.DEEPSEEK_V2_MLA, {}),  # kv_lora_rank 32: no 128-value tiles
-    "mla512": (_MLA512, {}),
-    "mla128": (_MLA128, {}),
-    "mla_rank320": (dict(_MLA512, kv_lora_rank=320), {}),
-    "mla_no_rope": (dict(_MLA128, qk_rope_head_dim=0), {}),
+# config.json per model name; "dummy" stops resolution at the model boundary,
+# after the model-independent checks.
+CONFIGS = {
+    "mha": sa.LLAMA,
+    "mla": sa.DEEPSEEK_V2_MLA,  # kv_lora_rank 32: no 128-value tiles
+    "mla512": _MLA512,
+    "mla128": _MLA128,
+    "mla_rank320": dict(_MLA512, kv_lora_rank=320),
+    "mla_no_rope": dict(_MLA128, qk_rope_head_dim=0),
     # DeepSeek V3.2 shaped: DeepSeek V3's latent with the DSA indexer (keys of
     # 128, as the DSA pool requires); GLM-5 shaped: layer 1 reuses layer 0's
     # top-k, so it has no indexer keys.
-    "dsa": (_DSA, {}),
-    "glm5": (
-        dict(
-            _DSA,
-            architectures=["GlmMoeDsaForCausalLM"],
-            model_type="glm_moe_dsa",
-            num_hidden_layers=3,
-            first_k_dense_replace=1,
-            indexer_types=["full", "shared", "full"],
-        ),
-        {},
+    "dsa": _DSA,
+    "glm5": dict(
+        _DSA,
+        architectures=["GlmMoeDsaForCausalLM"],
+        model_type="glm_moe_dsa",
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        indexer_types=["full", "shared", "full"],
     ),
-    "w8": (
-        dict(
-            sa.LLAMA,
-            quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"},
-        ),
-        {},
-    ),
-    **{f"fp8kv_{name}": _fp8_checkpoint(name) for name in FP8_CHECKPOINTS},
-    "mha_dims_15_64": (_odd_dims(15, 64), {}),
-    "mha_dims_64_15": (_odd_dims(64, 15), {}),
-    "gpt_oss": (sa.GPT_OSS, {}),
-    "gpt_oss_swa_15_16": (dict(sa.GPT_OSS, swa_head_dim=15, swa_v_head_dim=16), {}),
-    "gpt_oss_swa_16_15": (dict(sa.GPT_OSS, swa_head_dim=16, swa_v_head_dim=15), {}),
-    "gpt_oss_swa_15_15": (dict(sa.GPT_OSS, swa_head_dim=15, swa_v_head_dim=15), {}),
-    "qwen3_next": (sa.QWEN3_NEXT, {}),
-    "qwen3_5": (sa.QWEN3_5, {}),
-    "kimi_linear": (sa.KIMI_LINEAR, {}),
-    "mha_mtp": (dict(sa.LLAMA, num_nextn_predict_layers=1), {}),
-    "draft": (dict(sa.LLAMA, num_hidden_layers=1), {}),
-    "mla_mtp": (dict(sa.DEEPSEEK_V3, num_nextn_predict_layers=1), {}),
-    "mla_v3": (dict(sa.DEEPSEEK_V3, num_nextn_predict_layers=0), {}),
-    "qwen3_next_mtp": (dict(sa.QWEN3_NEXT, num_nextn_predict_layers=1), {}),
-    "gpt_oss_mtp": (dict(sa.GPT_OSS, num_nextn_predict_layers=1), {}),
+    "w8": dict(sa.LLAMA, quantization_config=_W8),
+    **{
+        f"fp8kv_{name}": dict(sa.LLAMA, quantization_config=quant)
+        if quant
+        else sa.LLAMA
+        for name, (quant, _) in sa.FP8_KV_CHECKPOINTS.items()
+    },
+    "mha_dims_15_64": dict(_ODD, head_dim=15, v_head_dim=64),
+    "mha_dims_64_15": dict(_ODD, head_dim=64, v_head_dim=15),
+    "gpt_oss": sa.GPT_OSS,
+    **{
+        f"gpt_oss_swa_{k}_{v}": dict(sa.GPT_OSS, swa_head_dim=k, swa_v_head_dim=v)
+        for k, v in ((15, 16), (16, 15), (15, 15))
+    },
+    "qwen3_next": sa.QWEN3_NEXT,
+    "qwen3_5": sa.QWEN3_5,
+    "kimi_linear": sa.KIMI_LINEAR,
+    "mha_mtp": dict(sa.LLAMA, num_nextn_predict_layers=1),
+    "draft": dict(sa.LLAMA, num_hidden_layers=1),
+    "mla_mtp": dict(sa.DEEPSEEK_V3, num_nextn_predict_layers=1),
+    "mla_v3": dict(sa.DEEPSEEK_V3, num_nextn_predict_layers=0),
+    "qwen3_next_mtp": dict(sa.QWEN3_NEXT, num_nextn_predict_layers=1),
+    "gpt_oss_mtp": dict(sa.GPT_OSS, num_nextn_predict_layers=1),
 }
+_FILES = {f"fp8kv_{name}": files for name, (_, files) in sa.FP8_KV_CHECKPOINTS.items()}
+# name -> (config.json, other files: ModelOpt's hf_quant_config.json).
+MODELS = {name: (config, _FILES.get(name, {})) for name, config in CONFIGS.items()}
 # SGLang's DSA resolution reads the GPU's compute capability: an H100 stands in.
 H100_MODELS = ("dsa", "glm5")
 # A flag value "@name" is the path of MODELS[name] (draft models).
@@ -142,12 +121,34 @@ class Row:
     cli: bool = False  # through the `sglang serve` argument parser
 
 
-def ok(model, formats, **kw) -> Row:
-    return Row(model, formats, **kw)
+# Short names of the flags rows set most (docs/supported.md spells them out); any
+# other keyword of ok() / no() that is no Row field is a flag, in its order.
+SHORT = dict(
+    layout="hicache_mem_layout",
+    io="hicache_io_backend",
+    storage="hicache_storage_backend",
+    kv="kv_cache_dtype",
+    dedup="enable_mla_hicache_host_dedup",
+    hicache="enable_hierarchical_cache",
+    host="hicache_host_dtype",
+    spec="speculative_algorithm",
+    draft="speculative_draft_model_path",
+)
+_FIELDS = ("expect", "env", "log", "absent", "same_as_stock", "cli")
+
+
+def _long(names: dict) -> dict:
+    return {SHORT.get(k, k): v for k, v in names.items()}
 
 
 def no(model, formats, *refused, **kw) -> Row:
-    return Row(model, formats, refused=refused, **kw)
+    fields = {k: kw.pop(k) for k in _FIELDS if k in kw}
+    fields["expect"] = _long(fields.get("expect", {}))
+    return Row(model, formats, _long(kw), refused, **fields)
+
+
+def ok(model, formats, **kw) -> Row:
+    return no(model, formats, **kw)
 
 
 _HOST = "--hicache-host-dtype {host_dtype}"
@@ -166,103 +167,88 @@ _USE_INT8 = "Use --hicache-host-dtype int8."
 TABLE: tuple[Row, ...] = (
     # --- the flag's own values -----------------------------------------------
     no("dummy", ("fp8", "nf4"), "--hicache-host-dtype {host_dtype!r} is not a host KV "
-       "format; pass one of {choices}.", flags=dict(enable_hierarchical_cache=False)),
+       "format; pass one of {choices}.", hicache=False),
     no("dummy", ("nf4",), "--hicache-host-dtype 'nf4' is not a host KV format; pass "
        "one of {choices}."),
-    ok("dummy", QUANTIZED, flags=dict(hicache_mem_layout=LAYOUTS,
-       hicache_io_backend=IO_BACKENDS, kv_cache_dtype=("auto", "bf16", "bfloat16"))),
-    ok("dummy", QUANTIZED, flags=dict(enable_hierarchical_cache=False,
-       kv_cache_dtype="fp8_e4m3", hicache_storage_backend="file")),
+    ok("dummy", QUANTIZED, layout=LAYOUTS, io=IO_BACKENDS, kv=("auto", "bf16",
+       "bfloat16")),
+    ok("dummy", QUANTIZED, hicache=False, kv="fp8_e4m3", storage="file"),
     # --- MHA models: every layout/io pair, resolved as the stock pool --------
-    ok("mha", QUANTIZED, flags=dict(hicache_mem_layout=LAYOUTS,
-       hicache_io_backend=IO_BACKENDS), same_as_stock=True,
-       expect=dict(hicache_host_dtype="{host_dtype}"),
+    ok("mha", QUANTIZED, layout=LAYOUTS, io=IO_BACKENDS, same_as_stock=True,
+       expect=dict(host="{host_dtype}"),
        log=("HiCache host KV dtype: {host_dtype} for MHA models (",)),
-    ok("mha", ("auto",), flags=dict(hicache_mem_layout="page_first",
-       hicache_io_backend="direct"),
-       expect=dict(hicache_mem_layout="page_first_direct")),
+    ok("mha", ("auto",), layout="page_first", io="direct",
+       expect=dict(layout="page_first_direct")),
     no("mha_dims_15_64", ("k8v4", "int4", "k8v4r", "int4c"), _HOST + " ", "(15, 64)",
-       "Use --hicache-host-dtype int8."),
+       _USE_INT8),
     no("mha_dims_64_15", ("k8v4", "int4r", "int4c"), _HOST + " ", "(64, 15)",
-       "Use --hicache-host-dtype int8."),
+       _USE_INT8),
     ok("mha_dims_15_64", ("int8",)),
     ok("mha_dims_64_15", ("int8",)),
     # --- device KV dtype -----------------------------------------------------
     no("dummy", QUANTIZED, _HOST + " with --kv-cache-dtype {kv_cache_dtype}",
        "quantized host KV needs a BF16/FP16 device KV cache",
        "--kv-cache-dtype auto or bf16", cli=True,
-       flags=dict(kv_cache_dtype=("mxfp8", "nvfp4", "fp4_mx_block16"))),
+       kv=("mxfp8", "nvfp4", "fp4_mx_block16")),
     no("dummy", ("int8", "int8c", "int4r", "k8v4r", "int4c"),
        _HOST + " with --kv-cache-dtype {kv_cache_dtype}",
        "pass --hicache-host-dtype int4 or k8v4", "--hicache-host-dtype auto",
-       cli=True, flags=dict(kv_cache_dtype=FP8_KV)),
-    ok("dummy", ("int4",), flags=dict(kv_cache_dtype=FP8_KV)),
-    *(ok("mha", ("int4", "k8v4"), cli=True, flags=dict(kv_cache_dtype=FP8_KV,
-         hicache_mem_layout=layouts, hicache_io_backend=io),
-         expect=dict(kv_cache_dtype="{kv_cache_dtype}",
-                     hicache_host_dtype="{host_dtype}"),
+       cli=True, kv=FP8_KV),
+    ok("dummy", ("int4",), kv=FP8_KV),
+    *(ok("mha", ("int4", "k8v4"), cli=True, kv=FP8_KV, layout=layouts, io=io,
+         expect=dict(kv="{kv_cache_dtype}", host="{host_dtype}"),
          log=("HiCache host KV dtype: {host_dtype} for MHA models",
               "--kv-cache-dtype {kv_cache_dtype}, on load"))
       for layouts, io in ((("page_first", "layer_first"), "kernel"),
                           (("page_first_direct", "layer_first"), "direct"))),
     no("dummy", QUANTIZED, _HOST + " with --dtype", "--dtype float32",
-       "pass --kv-cache-dtype bf16 or a BF16/FP16 --dtype",
-       flags=dict(dtype="float32")),
+       "pass --kv-cache-dtype bf16 or a BF16/FP16 --dtype", dtype="float32"),
     no("dummy", ("int8",), "--dtype float ", "pass --kv-cache-dtype bf16",
-       flags=dict(dtype="float")),
-    no("dummy", ("int8",), "--kv-cache-dtype fp16", "--dtype float16",
-       flags=dict(kv_cache_dtype="fp16")),
+       dtype="float"),
+    no("dummy", ("int8",), "--kv-cache-dtype fp16", "--dtype float16", kv="fp16"),
     no("dummy", QUANTIZED, _HOST + " with --speculative-draft-kv-cache-dtype",
        "needs a BF16/FP16 device KV cache",
-       flags=dict(speculative_draft_kv_cache_dtype="fp8_e4m3")),
+       speculative_draft_kv_cache_dtype="fp8_e4m3"),
     no("dummy", ("int4", "k8v4"), _HOST + " with --speculative-draft-kv",
-       flags=dict(kv_cache_dtype="fp8_e4m3",
-                  speculative_draft_kv_cache_dtype="fp8_e4m3")),
+       kv="fp8_e4m3", speculative_draft_kv_cache_dtype="fp8_e4m3"),
     *(no(f"fp8kv_{name}", ("int8",), _HOST + " with --kv-cache-dtype auto",
          "FP8 KV cache", "Pass --kv-cache-dtype bf16",
          "--hicache-host-dtype int4 or k8v4, which encode FP8 KV",
          absent=("uint8", "fp16")) for name in FP8_CHECKPOINTS),
     *(ok(f"fp8kv_{name}", ("int4", "k8v4", "auto")) for name in FP8_CHECKPOINTS),
-    *(ok(f"fp8kv_{name}", ("int8",), flags=dict(kv_cache_dtype="bf16"))
-      for name in FP8_CHECKPOINTS),
+    *(ok(f"fp8kv_{name}", ("int8",), kv="bf16") for name in FP8_CHECKPOINTS),
     ok("w8", ("int8",)),
-    ok("dummy", ("auto",), flags=dict(kv_cache_dtype="fp8_e4m3",
-       hicache_storage_backend="file")),
+    ok("dummy", ("auto",), kv="fp8_e4m3", storage="file"),
     # --- HiCache flags -------------------------------------------------------
     no("dummy", QUANTIZED, _HOST + " does not support --hicache-mem-layout "
        "{hicache_mem_layout}", "use one of page_first, page_first_direct, layer_first, "
-       "or --hicache-host-dtype auto", flags=dict(hicache_mem_layout=("page_head",
-       "page_first_kv_split", "page_unified"))),
+       "or --hicache-host-dtype auto",
+       layout=("page_head", "page_first_kv_split", "page_unified")),
     no("dummy", QUANTIZED, _HOST + " does not support --hicache-io-backend "
        "kernel_ascend", "use one of kernel, direct, or --hicache-host-dtype auto",
-       flags=dict(hicache_io_backend="kernel_ascend")),
-    ok("dummy", ("auto",), flags=dict(hicache_mem_layout="page_head")),
+       io="kernel_ascend"),
+    ok("dummy", ("auto",), layout="page_head"),
     no("dummy", QUANTIZED, _HOST + " does not support --hicache-storage-backend "
        "{hicache_storage_backend}", "use one of file, mooncake, nixl, or "
-       "--hicache-host-dtype auto",
-       flags=dict(hicache_storage_backend=("hf3fs", "aibrix", "dynamic"))),
-    ok("dummy", QUANTIZED, flags=dict(hicache_storage_backend=("file", "mooncake",
-       "nixl")), expect=dict(hicache_storage_backend="{hicache_storage_backend}")),
-    ok("mha", ("int8",), flags=dict(hicache_storage_backend=("file", "mooncake"),
-       hicache_mem_layout=("page_first", "page_first_direct")),
-       expect=dict(hicache_storage_backend="{hicache_storage_backend}",
-                   hicache_mem_layout="{hicache_mem_layout}")),
-    ok("mha", ("int8",), flags=dict(hicache_storage_backend="file",
-       hicache_mem_layout="layer_first"),
-       expect=dict(hicache_mem_layout="layer_first")),
+       "--hicache-host-dtype auto", storage=("hf3fs", "aibrix", "dynamic")),
+    ok("dummy", QUANTIZED, storage=("file", "mooncake", "nixl"),
+       expect=dict(storage="{hicache_storage_backend}")),
+    ok("mha", ("int8",), storage=("file", "mooncake"), layout=("page_first",
+       "page_first_direct"), expect=dict(storage="{hicache_storage_backend}",
+       layout="{hicache_mem_layout}")),
+    ok("mha", ("int8",), storage="file", layout="layer_first",
+       expect=dict(layout="layer_first")),
     # Upstream's storage resolution; zero-copy page objects need it.
-    ok("mha", ("int8",), flags=dict(hicache_storage_backend="mooncake",
-       hicache_mem_layout="layer_first", hicache_io_backend="direct"),
-       expect=dict(hicache_mem_layout="page_first_direct")),
-    ok("mha", ("int8",), flags=dict(hicache_storage_backend="mooncake",
-       hicache_mem_layout="layer_first", hicache_io_backend="kernel"),
-       expect=dict(hicache_mem_layout="page_first")),
+    ok("mha", ("int8",), storage="mooncake", layout="layer_first", io="direct",
+       expect=dict(layout="page_first_direct")),
+    ok("mha", ("int8",), storage="mooncake", layout="layer_first", io="kernel",
+       expect=dict(layout="page_first")),
     no("dummy", QUANTIZED, _HOST + " with --hicache-storage-backend",
-       "--hicache-host-memory-mode cache", flags=dict(hicache_storage_backend=(
-       "file", "mooncake"), hicache_host_memory_mode="buffer_only")),
+       "--hicache-host-memory-mode cache", storage=("file", "mooncake"),
+       hicache_host_memory_mode="buffer_only"),
     no("dummy", QUANTIZED, _HOST + " does not support "
        "--disaggregation-decode-host-receive-threshold below 1",
-       flags=dict(disaggregation_decode_host_receive_threshold=0.5)),
+       disaggregation_decode_host_receive_threshold=0.5),
     # --- MLA models ----------------------------------------------------------
     no("mla", ("int8",), "--hicache-host-dtype int8 does not support kv_lora_rank 32",
        "Use --hicache-host-dtype auto."),
@@ -271,84 +257,71 @@ TABLE: tuple[Row, ...] = (
     no("mla", ("k8v4",), _HOST + " does not support MLA models", "has a K8V4 variant",
        "Use --hicache-host-dtype int8 or auto."),
     ok("mla", ("auto",)),
-    ok("mla512", ("int8",), flags=dict(hicache_mem_layout=LAYOUTS,
-       hicache_io_backend=IO_BACKENDS), same_as_stock=True,
+    ok("mla512", ("int8",), layout=LAYOUTS, io=IO_BACKENDS, same_as_stock=True,
        log=("HiCache host KV dtype: int8 for MLA models (",
             "the latent in 128-value tiles")),
-    ok("mla512", ("int8",), flags=dict(kv_cache_dtype="bf16")),
+    ok("mla512", ("int8",), kv="bf16"),
     # --- MLA host dedup: one host copy per attention-TP group -----------------
-    ok("mla512", ("auto", "int8"), flags=dict(enable_mla_hicache_host_dedup=True),
-       expect=dict(enable_mla_hicache_host_dedup=True)),
-    ok("mla512", ("int8",), expect=dict(enable_mla_hicache_host_dedup=False)),
-    ok("mla512", ("auto", "int8"), flags=dict(enable_mla_hicache_host_dedup=True,
-       hicache_storage_backend=("file", "mooncake")),
-       expect=dict(enable_mla_hicache_host_dedup=True,
-                   hicache_storage_backend="{hicache_storage_backend}")),
+    ok("mla512", ("auto", "int8"), dedup=True, expect=dict(dedup=True)),
+    ok("mla512", ("int8",), expect=dict(dedup=False)),
+    ok("mla512", ("auto", "int8"), dedup=True, storage=("file", "mooncake"),
+       expect=dict(dedup=True, storage="{hicache_storage_backend}")),
     no("mla512", ("auto", "int8"), "--enable-mla-hicache-host-dedup does not support "
        "--hicache-storage-backend {hicache_storage_backend}: only file and mooncake "
        "are wired", "Use --hicache-storage-backend file or mooncake, or drop the flag.",
-       flags=dict(enable_mla_hicache_host_dedup=True,
-                  hicache_storage_backend="nixl")),
+       dedup=True, storage="nixl"),
     no("mla512", ("auto",), "--enable-mla-hicache-host-dedup requires "
-       "--enable-hierarchical-cache.", flags=dict(enable_mla_hicache_host_dedup=True,
-       enable_hierarchical_cache=False)),
+       "--enable-hierarchical-cache.", dedup=True, hicache=False),
     # FP16 device KV is --dtype float16 with --kv-cache-dtype auto.
-    ok("mla512", ("int8",), flags=dict(dtype=("bfloat16", "float16"))),
+    ok("mla512", ("int8",), dtype=("bfloat16", "float16")),
     no("mla512", ("int8",), _HOST, "--kv-cache-dtype {kv_cache_dtype}",
-       "pass --hicache-host-dtype int4 or k8v4 (MHA models)",
-       flags=dict(kv_cache_dtype=FP8_KV)),
+       "pass --hicache-host-dtype int4 or k8v4 (MHA models)", kv=FP8_KV),
     no("mla512", ("int4", "k8v4"), "does not support MLA models",
-       "Use --hicache-host-dtype int8 or auto.",
-       flags=dict(kv_cache_dtype="fp8_e4m3")),
+       "Use --hicache-host-dtype int8 or auto.", kv="fp8_e4m3"),
     no("mla512", ("int8",), _HOST, "--hicache-mem-layout page_unified",
-       "use one of page_first, page_first_direct, layer_first",
-       flags=dict(hicache_mem_layout="page_unified")),
+       "use one of page_first, page_first_direct, layer_first", layout="page_unified"),
     # --- DSA (tests/test_dsa_host_pools.py): the latent in the MLA format, the
     # indexer keys as SGLang stores them; DSA runs 64-token pages, BF16 on an H100.
-    ok("dsa", ("int8", "auto"), flags=dict(hicache_mem_layout="page_first",
-       hicache_io_backend="kernel"), expect=dict(kv_cache_dtype="bfloat16",
-       page_size=64, hicache_mem_layout="page_first")),
-    ok("dsa", ("int8", "auto"), flags=dict(hicache_mem_layout=("page_first_direct",
-       "layer_first"), hicache_io_backend="direct"),
-       expect=dict(hicache_mem_layout="{hicache_mem_layout}")),
-    ok("dsa", ("int8", "auto"), flags=dict(hicache_mem_layout="layer_first",
-       hicache_io_backend="kernel"), expect=dict(hicache_mem_layout="layer_first")),
+    ok("dsa", ("int8", "auto"), layout="page_first", io="kernel",
+       expect=dict(kv="bfloat16", page_size=64, layout="page_first")),
+    ok("dsa", ("int8", "auto"), layout=("page_first_direct", "layer_first"),
+       io="direct", expect=dict(layout="{hicache_mem_layout}")),
+    ok("dsa", ("int8", "auto"), layout="layer_first", io="kernel",
+       expect=dict(layout="layer_first")),
     ok("glm5", ("int8", "auto"), expect=dict(page_size=64)),
     # MLA host dedup covers both DSA host pools (latent and indexer keys).
-    *(ok(model, ("int8", "auto"), flags=dict(enable_mla_hicache_host_dedup=True),
-         expect=dict(enable_mla_hicache_host_dedup=True)) for model in ("dsa", "glm5")),
-    ok("dsa", ("int8", "auto"), flags=dict(enable_mla_hicache_host_dedup=True,
-       hicache_storage_backend="file"), expect=dict(enable_mla_hicache_host_dedup=True,
-       hicache_storage_backend="file")),
-    ok("dsa", ("int8",), flags=dict(hicache_storage_backend=("file", "mooncake"))),
+    *(ok(model, ("int8", "auto"), dedup=True, expect=dict(dedup=True))
+      for model in ("dsa", "glm5")),
+    ok("dsa", ("int8", "auto"), dedup=True, storage="file",
+       expect=dict(dedup=True, storage="file")),
+    ok("dsa", ("int8",), storage=("file", "mooncake")),
     # FP8 asked for explicitly; with --kv-cache-dtype auto on SM100+ (FP8 there
     # too) the refusal names --kv-cache-dtype bfloat16 (tests/test_dsa_host_pools.py).
     no("dsa", ("int8",), _HOST + " with --kv-cache-dtype fp8_e4m3",
-       "or --hicache-host-dtype auto", flags=dict(kv_cache_dtype="fp8_e4m3")),
-    ok("dsa", ("auto",), flags=dict(kv_cache_dtype="fp8_e4m3")),
+       "or --hicache-host-dtype auto", kv="fp8_e4m3"),
+    ok("dsa", ("auto",), kv="fp8_e4m3"),
     no("dsa", ("int8",), "--hicache-host-dtype int8 with --hicache-storage-backend "
        "nixl does not support DSA models", "Use --hicache-storage-backend file or "
-       "mooncake", flags=dict(hicache_storage_backend="nixl")),
+       "mooncake", storage="nixl"),
     no("dsa", ("int8",), _HOST, "--enable-hisparse", "Use --hicache-host-dtype auto.",
-       flags=dict(enable_hisparse=True)),
+       enable_hisparse=True),
     # GLM's prefill-CP layer split shards the device KV's layers over CP ranks.
     no("dsa", ("int8",), _HOST, "--enable-dsa-cache-layer-split",
-       "Use --hicache-host-dtype auto.", flags=_DSA_LAYER_SPLIT),
-    ok("dsa", ("auto",), flags=_DSA_LAYER_SPLIT),
+       "Use --hicache-host-dtype auto.", **_DSA_LAYER_SPLIT),
+    ok("dsa", ("auto",), **_DSA_LAYER_SPLIT),
     no("mla_rank320", ("int8",), _HOST, "kv_lora_rank 320",
        "Use --hicache-host-dtype auto."),
-    ok("mla512", ("auto",), flags=dict(kv_cache_dtype="fp8_e4m3")),
+    ok("mla512", ("auto",), kv="fp8_e4m3"),
     ok("mla_rank320", ("auto",)),
     ok("mla128", ("int8", "auto")),
     no("mla_no_rope", ("int8",), _HOST, "qk_rope_head_dim=0",
        "--hicache-host-dtype auto"),
     ok("mla_no_rope", ("auto",)),
     # --- hybrid models -------------------------------------------------------
-    ok("gpt_oss", ENCODED, flags=dict(hicache_mem_layout="page_first",
-       hicache_io_backend="kernel"), expect=dict(hicache_mem_layout="page_first")),
-    ok("gpt_oss", ENCODED, flags=dict(hicache_mem_layout=("page_first_direct",
-       "layer_first"), hicache_io_backend="direct"),
-       expect=dict(hicache_mem_layout="{hicache_mem_layout}")),
+    ok("gpt_oss", ENCODED, layout="page_first", io="kernel",
+       expect=dict(layout="page_first")),
+    ok("gpt_oss", ENCODED, layout=("page_first_direct", "layer_first"), io="direct",
+       expect=dict(layout="{hicache_mem_layout}")),
     # The SWA pool's own head dims are encoded too.
     no("gpt_oss_swa_15_16", ("int4",), _HOST + " ", "(15, 16)", _USE_INT8),
     no("gpt_oss_swa_16_15", ("k8v4",), _HOST + " ", "(16, 15)", _USE_INT8),
@@ -356,48 +329,39 @@ TABLE: tuple[Row, ...] = (
     *(ok(f"gpt_oss_swa_{dims}", ("int8",)) for dims in ("15_16", "16_15", "15_15")),
     *(no(model, ("int8",), "--hicache-host-dtype int8 with --hicache-storage-backend "
          "nixl", "Use --hicache-storage-backend file or mooncake",
-         flags=dict(hicache_mem_layout="page_first_direct",
-                    hicache_io_backend="direct", hicache_storage_backend="nixl"))
+         layout="page_first_direct", io="direct", storage="nixl")
       for model in ("gpt_oss", "qwen3_next")),
-    *(ok(model, ("int8",), flags=dict(hicache_mem_layout="page_first_direct",
-         hicache_io_backend="direct", hicache_storage_backend="mooncake"))
+    *(ok(model, ("int8",), layout="page_first_direct", io="direct", storage="mooncake")
       for model in ("gpt_oss", "qwen3_next")),
-    *(ok(model, ENCODED, flags=dict(hicache_mem_layout=layout, hicache_io_backend=io),
-         expect=dict(hicache_mem_layout=layout))
+    *(ok(model, ENCODED, layout=layout, io=io, expect=dict(layout=layout))
       for model in ("qwen3_next", "qwen3_5") for layout, io in PAGE_MAJOR),
     no("kimi_linear", ENCODED_MLA, _HOST, "hybrid MLA models", "KimiLinearForCausalLM",
        "Use --hicache-host-dtype auto."),
     ok("kimi_linear", ("auto",)),
     *(no(model, ("auto", ENCODED), "--hicache-mem-layout layer_first is not supported",
          "--hicache-mem-layout page_first", "page_first_direct",
-         flags=dict(hicache_mem_layout="layer_first", hicache_io_backend="direct"))
-      for model in MAMBA_MODELS),
-    *(ok(model, ("auto",), flags=dict(hicache_mem_layout=layout, hicache_io_backend=io),
-         expect=dict(hicache_mem_layout=layout))
+         layout="layer_first", io="direct") for model in MAMBA_MODELS),
+    *(ok(model, ("auto",), layout=layout, io=io, expect=dict(layout=layout))
       for model in MAMBA_MODELS for layout, io in PAGE_MAJOR),
     # --- speculative decoding ------------------------------------------------
-    ok("mha_mtp", ENCODED, flags=dict(speculative_algorithm=("NEXTN", "EAGLE"), **SPEC),
-       expect=dict(hicache_host_dtype="{host_dtype}")),
-    ok("mha", ("int8", "k8v4"), flags=dict(speculative_algorithm=("EAGLE", "EAGLE3",
-       "STANDALONE"), speculative_draft_model_path=DRAFT, **SPEC)),
-    ok("mla_mtp", ("int8", "auto"), flags=dict(speculative_algorithm="NEXTN", **SPEC)),
-    ok("mha_mtp", ("auto",), flags=dict(speculative_algorithm="NEXTN", **SPEC)),
-    ok("mla_v3", ("int8",), flags=dict(speculative_algorithm="EAGLE3",
-       speculative_draft_model_path=DRAFT, **SPEC)),
-    ok("qwen3_next_mtp", ("int8", "k8v4"), flags=dict(hicache_mem_layout="page_first",
-       speculative_algorithm="NEXTN", **SPEC)),
+    ok("mha_mtp", ENCODED, spec=("NEXTN", "EAGLE"), **SPEC,
+       expect=dict(host="{host_dtype}")),
+    ok("mha", ("int8", "k8v4"), spec=("EAGLE", "EAGLE3", "STANDALONE"), draft=DRAFT,
+       **SPEC),
+    ok("mla_mtp", ("int8", "auto"), spec="NEXTN", **SPEC),
+    ok("mha_mtp", ("auto",), spec="NEXTN", **SPEC),
+    ok("mla_v3", ("int8",), spec="EAGLE3", draft=DRAFT, **SPEC),
+    ok("qwen3_next_mtp", ("int8", "k8v4"), layout="page_first", spec="NEXTN", **SPEC),
     no("gpt_oss_mtp", ("int8",), "--hicache-host-dtype int8 does not support "
        "--speculative-algorithm {speculative_algorithm} with the MTP layers",
        "GptOssForCausalLM", "num_nextn_predict_layers=1",
        "Use --hicache-host-dtype auto", "--speculative-draft-model-path",
-       flags=dict(speculative_algorithm=("NEXTN", "EAGLE"), **SPEC)),
-    ok("gpt_oss_mtp", ("auto",), flags=dict(speculative_algorithm=("NEXTN", "EAGLE"),
-       **SPEC)),
+       spec=("NEXTN", "EAGLE"), **SPEC),
+    ok("gpt_oss_mtp", ("auto",), spec=("NEXTN", "EAGLE"), **SPEC),
     no("mha", ("int8",), "--hicache-host-dtype int8 is not tested with "
        "--speculative-algorithm {speculative_algorithm}",
        "Use --speculative-algorithm EAGLE, EAGLE3, NEXTN", "--hicache-host-dtype auto",
-       flags=dict(speculative_algorithm=("DFLASH", "FROZEN_KV_MTP"),
-                  speculative_draft_model_path=DRAFT, **SPEC)),
+       spec=("DFLASH", "FROZEN_KV_MTP"), draft=DRAFT, **SPEC),
     # --- environment variables -----------------------------------------------
     no("mha", ("int4", "auto"), SINK_ENV + "={env!r} is not a number of host tokens",
        "pass 0 (off)", "e.g. 4096", env={SINK_ENV: ("abc", "lots", "-64", "4096.5")}),
@@ -410,17 +374,15 @@ TABLE: tuple[Row, ...] = (
     no("mla128", ("int8",), SINK_ENV + ": the MLA host pool (--hicache-host-dtype int8",
        "has no sink page", f"Unset {SINK_ENV}", env={SINK_ENV: "4096"}),
     no("mha", ("int4",), "stores BF16/FP16 device KV, not the FP8 KV of "
-       "--kv-cache-dtype", "or pass --kv-cache-dtype bf16",
-       flags=dict(kv_cache_dtype="fp8_e4m3"),
+       "--kv-cache-dtype", "or pass --kv-cache-dtype bf16", kv="fp8_e4m3",
        env={SINK_ENV: "4096"}),
     no("mha", ("int4r", "int4c"), SINK_ENV + "=32 must be at least the page size (64)",
-       "e.g. 4096",
-       flags=dict(page_size=64), env={SINK_ENV: "32"}),
-    ok("mha", ("int4", "int4r", "int4c"), flags=dict(page_size=64),
+       "e.g. 4096", page_size=64, env={SINK_ENV: "32"}),
+    ok("mha", ("int4", "int4r", "int4c"), page_size=64,
        env={SINK_ENV: ("4096", " 4096 ", "0", "")}),
     # Unset: int4c's automatic sink page (sink_page.host_plan) is off where it
     # cannot work, never refused, since the operator did not ask for it.
-    ok("mha", ("int4c",), flags=dict(page_size=(64, 8192))),
+    ok("mha", ("int4c",), page_size=(64, 8192)),
     no("mha", ("int8", "auto"), FUSED_ENV + "={env!r} is not a transfer path",
        "pass auto", "off (torch path), direct or staged",
        env={FUSED_ENV: ("fast", "on", "1")}),
@@ -453,22 +415,20 @@ class Case:
             return text  # a resolved value that is not text (a boolean flag)
         from sglang.srt.mem_cache.pool_host.host_format import host_dtype_choices
 
-        values = {**self.flags, "host_dtype": self.host_dtype}
-        values["env"] = next(iter(self.env.values()), None)
-        values["choices"] = ", ".join(host_dtype_choices())
-        return text.format(**values)
+        choices = ", ".join(host_dtype_choices())
+        env = next(iter(self.env.values()), None)
+        return text.format(
+            **self.flags, host_dtype=self.host_dtype, env=env, choices=choices
+        )
 
 
 def _formats(formats) -> list[str]:
-    from sglang.srt.mem_cache.pool_host.host_format import (
-        HOST_DTYPES,
-        host_dtype_choices,
-    )
+    from sglang.srt.mem_cache.pool_host.host_format import HOST_DTYPES
 
     out = []
     for name in (formats,) if isinstance(formats, str) else formats:
         if name == ENCODED:
-            out += [n for n in host_dtype_choices() if n != "auto"]
+            out += [n for n in HOST_DTYPES if n != "auto"]
         elif name == ENCODED_MLA:
             out += [n for n, entry in HOST_DTYPES.items() if entry.mla_format]
         else:
@@ -477,9 +437,8 @@ def _formats(formats) -> list[str]:
 
 
 def _product(values: dict) -> list[dict]:
-    names = list(values)
     spans = [v if isinstance(v, tuple) else (v,) for v in values.values()]
-    return [dict(zip(names, combo)) for combo in itertools.product(*spans)]
+    return [dict(zip(values, combo)) for combo in itertools.product(*spans)]
 
 
 def cases() -> list[Case]:
@@ -492,13 +451,8 @@ def cases() -> list[Case]:
     ]
 
 
-# --- docs/supported.md ---------------------------------------------------------
-
-
 def _spell(values) -> str:
-    if not isinstance(values, tuple):
-        return str(values)
-    return " / ".join(str(v) for v in values)
+    return " / ".join(map(str, values)) if isinstance(values, tuple) else str(values)
 
 
 def _code(text: str) -> str:
@@ -539,13 +493,7 @@ def docs_section(text: str) -> str:
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
 
 
-def write_docs() -> None:
+if __name__ == "__main__":
     text = SUPPORTED_MD.read_text()
     head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    SUPPORTED_MD.write_text(f"{head}{BEGIN}\n{render()}\n{END}{tail}")
-
-
-if __name__ == "__main__":
-    write_docs()
-    sys.exit(0)
+    SUPPORTED_MD.write_text(f"{head}{BEGIN}\n{render()}\n{END}{rest.split(END, 1)[1]}")
