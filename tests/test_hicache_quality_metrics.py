@@ -1,8 +1,6 @@
 """How faithfully the encoded host tier stores KV, on /metrics: the per-layer
-scale amax gauge and the sampled restore check (backup_verify.py,
-SGLANG_HICACHE_VERIFY_SAMPLE_RATE) with its relative-error histogram, fed by
-real pools, backups, reporter and collector (tests.support.metrics.TierRig).
-"""
+scale amax and the sampled restore check (SGLANG_HICACHE_VERIFY_SAMPLE_RATE)
+with its relative-error histogram, fed by real pools, backups and reporter."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def over(scrape, fmt: str, threshold: float) -> float:
 
 
 def expected_errors(pool, host_indices, written) -> list[float]:
-    """max|x - x^| / max|x| per page, from the stored records decoded by the
-    format's reference decode (page size 1: a page is a token)."""
+    """max|x - x^| / max|x| per page (a token) by the format's reference decode."""
     fmt = pool.host_format
     units = host_indices.to(torch.int64)
     records = {
@@ -79,9 +76,6 @@ def verify_rate(monkeypatch):
             monkeypatch.setenv(VERIFY_ENV, rate)
 
     return set_rate
-
-
-# --- the per-layer scale amax ----------------------------------------------
 
 
 def test_scale_amax_per_layer_and_side(collectors, verify_rate):
@@ -118,9 +112,6 @@ def test_stock_pool_exports_no_quality_series(collectors, verify_rate):
     assert scrape.all(f"{HIST}_count") == []
 
 
-# --- the sampled restore check -----------------------------------------------
-
-
 def test_sampled_errors_in_the_exposition(collectors, verify_rate):
     verify_rate("1")
     tier = TierRig("int8", collectors)
@@ -134,6 +125,16 @@ def test_sampled_errors_in_the_exposition(collectors, verify_rate):
     assert over(scrape, "int8", 0.004) == 0
     # Each sample is read once: a second collection adds nothing.
     assert tier.collect().value(f"{HIST}_count", format="int8") == 20
+
+
+def paged_int8_rig(device_tokens: int = 64):
+    return make_rig(
+        PAGED,
+        device_tokens=device_tokens,
+        host_tokens=2 * device_tokens,
+        layout="page_first",
+        host_dtype="int8",
+    )
 
 
 def backup_pages(pool_rig, pages: int, seed: int = 0, outlier: float = 30.0):
@@ -167,9 +168,8 @@ def bound_cases():
 def test_sampled_error_within_the_formats_bound(
     request, verify_rate, host_dtype, layout, dtype, fused
 ):
-    """Every format and layout on BF16/FP16 device KV, 4-bit over FP8 device
-    KV, MLA and the fused path: each page's error within the format's bound
-    and far from 0 (the check measures something)."""
+    """Each page's error is within the format's bound and far from 0 (the
+    check measures something)."""
     verify_rate("1")
     mla, fp8 = dtype == "mla", dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if fused != "off":
@@ -233,8 +233,7 @@ def test_broken_decode_drives_the_error_over_the_threshold(
 
 def test_finite_page_restoring_nan_reports_inf(verify_rate):
     verify_rate("1")
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+    rig = paged_int8_rig()
     fmt = rig.host_pool.host_format
     decode_into = fmt.decode_into
 
@@ -249,8 +248,7 @@ def test_finite_page_restoring_nan_reports_inf(verify_rate):
 
 def test_page_holding_nan_is_left_to_the_nonfinite_counter(verify_rate):
     verify_rate("1")
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+    rig = paged_int8_rig()
     dev = rig.allocator.alloc(2 * PAGED.page_size)
     fill_random(rig.device_pool, dev)
     rig.device_pool.k_buffer[0][dev[0], 0, 0] = float("nan")
@@ -272,8 +270,7 @@ class Event:
 
 def test_drain_takes_completed_samples_in_order_without_waiting(verify_rate):
     verify_rate("1")
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+    rig = paged_int8_rig()
     verifier = rig.host_pool.backup_verifier
     late = Event(False)
     verifier._pending.extend(
@@ -290,15 +287,11 @@ def test_drain_takes_completed_samples_in_order_without_waiting(verify_rate):
 def test_unread_samples_are_capped(verify_rate, monkeypatch):
     verify_rate("1")
     monkeypatch.setattr(backup_verify, "MAX_PENDING", 4)
-    rig = make_rig(PAGED, device_tokens=128, host_tokens=256, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+    rig = paged_int8_rig(device_tokens=128)
     backup_pages(rig, pages=6)
     verifier = rig.host_pool.backup_verifier
     assert (verifier.pages_checked, verifier.samples_dropped) == (6, 2)
     assert len(verifier.drain()) == 4
-
-
-# --- the rate ------------------------------------------------------------------
 
 
 def test_rate_zero_adds_no_work(collectors, verify_rate, monkeypatch):
@@ -328,8 +321,7 @@ def test_default_rate_samples_about_one_page_in_a_thousand(verify_rate, monkeypa
         "_check_page",
         lambda self, h, d: checked.append(h),
     )
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+    rig = paged_int8_rig()
     verifier = rig.host_pool.backup_verifier
     assert verifier.rate == 0.001
     page = PAGED.page_size
@@ -359,9 +351,6 @@ def test_good_rates(verify_rate, raw, rate):
     rig = make_rig(TIER_GEO, device_tokens=16, host_tokens=32, host_dtype="int8")
     verifier = rig.host_pool.backup_verifier
     assert (verifier and verifier.rate) == rate
-
-
-# --- the alert rule reads the formats' thresholds ------------------------------
 
 
 def test_alert_thresholds_are_the_formats_and_bucket_edges():
