@@ -344,22 +344,16 @@ def test_l3_pages_refused_by_reason_and_replaced(collectors):
 
 
 # The sink page's side store (SGLANG_HICACHE_SINK_PAGE_TOKENS).
-SINK = [
-    "sglang:hicache_sink_page_slots_used",
-    "sglang:hicache_sink_page_slots",
-    "sglang:hicache_sink_page_kept_4bit_total",
-    "sglang:hicache_sink_page_l3_stored_total",
-    "sglang:hicache_sink_page_l3_restored_total",
-    "sglang:hicache_sink_page_l3_refused_total",
-]
+SINK = ["slots_used", "slots", "kept_4bit_total", "l3_stored_total"]
+SINK += ["l3_restored_total", "l3_refused_total"]
 SINK_PAGE = 16
 
 
 def sink_values(scrape: Scrape) -> dict:
-    """Every sink-page series: name (and its label) -> value."""
+    """Every sglang:hicache_sink_page_ series: name (and its label) -> value."""
     values = {}
     for name in SINK:
-        for s in scrape.all(name):
+        for s in scrape.all(f"sglang:hicache_sink_page_{name}"):
             label = s.labels.get("at") or s.labels.get("reason")
             values[f"{name}{{{label}}}" if label else name] = s.value
     return values
@@ -381,20 +375,13 @@ def test_sink_page_series_follow_the_store_and_l3(
     reporter = make_reporter(l3.rig.host_pool, l3.controller)
     slots = l3.rig.host_pool.sink_page_counts()["slots"]
     assert slots == 4
-    refused_zero = {
-        f"sglang:hicache_sink_page_l3_refused_total{{{r.value}}}": 0 for r in Refusal
+    base = {f"l3_refused_total{{{r.value}}}": 0 for r in Refusal} | {
+        "slots": slots,
+        "kept_4bit_total{backup}": 0,
+        "kept_4bit_total{prefetch}": 0,
     }
-    base = {
-        "sglang:hicache_sink_page_slots": slots,
-        "sglang:hicache_sink_page_kept_4bit_total{backup}": 0,
-        "sglang:hicache_sink_page_kept_4bit_total{prefetch}": 0,
-        **refused_zero,
-    }
-    assert sink_values(scrape(reporter, scheduler_collector)) == base | {
-        "sglang:hicache_sink_page_slots_used": 0,
-        "sglang:hicache_sink_page_l3_stored_total": 0,
-        "sglang:hicache_sink_page_l3_restored_total": 0,
-    }
+    zero = {"slots_used": 0, "l3_stored_total": 0, "l3_restored_total": 0}
+    assert sink_values(scrape(reporter, scheduler_collector)) == base | zero
 
     first = list(range(7, 7 + 2 * SINK_PAGE))
     second = list(range(500, 500 + 2 * SINK_PAGE))
@@ -406,11 +393,8 @@ def test_sink_page_series_follow_the_store_and_l3(
         h.evict_everywhere(l3, dev, host)
     objects = sorted(p for p in tmp_path.iterdir() if L3_KEY_SUFFIX in p.name)
     assert len(objects) == 2
-    assert sink_values(scrape(reporter, scheduler_collector)) == base | {
-        "sglang:hicache_sink_page_slots_used": 0,
-        "sglang:hicache_sink_page_l3_stored_total": 2,
-        "sglang:hicache_sink_page_l3_restored_total": 0,
-    }
+    stored = base | zero | {"l3_stored_total": 2}
+    assert sink_values(scrape(reporter, scheduler_collector)) == stored
 
     # The second sequence's object no longer verifies: it restores at 4 bits.
     key = get_storage_hash_str(second, None, page_size=SINK_PAGE)[0]
@@ -424,12 +408,8 @@ def test_sink_page_series_follow_the_store_and_l3(
         h.load_to_device(l3, fetched.host_indices)
     counts = l3.rig.host_pool.sink_page_counts()
     assert counts["stored"] == 1 and counts["l3"]["restored"] == 1
-    want = base | {
-        "sglang:hicache_sink_page_slots_used": 1,
-        "sglang:hicache_sink_page_l3_stored_total": 2,
-        "sglang:hicache_sink_page_l3_restored_total": 1,
-        "sglang:hicache_sink_page_l3_refused_total{checksum}": 1,
-    }
+    want = stored | {"slots_used": 1, "l3_restored_total": 1}
+    want["l3_refused_total{checksum}"] = 1
     for _ in range(2):  # a second read with nothing new does not count twice
         assert sink_values(scrape(reporter, scheduler_collector)) == want
 
@@ -449,9 +429,8 @@ def test_sink_page_kept_4bit_when_every_slot_is_taken(collectors):
         finish_transfers(rig.controller)
         rig.allocator.free(dev)
     values = sink_values(scrape(reporter, scheduler_collector))
-    assert values["sglang:hicache_sink_page_slots"] == 1
-    assert values["sglang:hicache_sink_page_slots_used"] == 1
-    assert values["sglang:hicache_sink_page_kept_4bit_total{backup}"] == 1
+    assert values["slots"] == values["slots_used"] == 1
+    assert values["kept_4bit_total{backup}"] == 1
 
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int4", "int8"])
