@@ -1,8 +1,6 @@
-"""The intel_amx attention stand-ins (scripts/rigs/standins.py), which serve
-gpt-oss in tests/test_live_server_hybrid.py, against transformers' gpt-oss
-eager attention: causal, with sinks, sliding window on SWA layers, paged KV via
-req_to_token. Slots outside the window hold NaN, as a SWA pool's freed slots may:
-a stand-in that read them would return NaN."""
+"""The intel_amx attention stand-ins (scripts/rigs/standins.py) against
+transformers' gpt-oss eager attention: causal, sinks, sliding window, paged KV;
+slots outside the window hold NaN, as a SWA pool's freed slots may."""
 
 from __future__ import annotations
 
@@ -55,8 +53,7 @@ def case():
 
 
 def paged(k, v, slots, window, first_query):
-    """KV buffers holding the sequence at its slots, NaN where a window
-    starting at first_query's no longer reaches (and in every unused slot)."""
+    """The sequence at its slots, NaN where first_query's window does not reach."""
     k_buffer = torch.full((SLOTS, KV_HEADS, DIM), float("nan"))
     v_buffer = torch.full((SLOTS, KV_HEADS, DIM), float("nan"))
     lo = max(0, first_query - window + 1) if window else 0
@@ -102,8 +99,7 @@ def test_decode_writes_the_new_row_and_matches_gpt_oss_attention(case, window):
 
 
 def test_extend_without_prefix_does_not_read_an_mla_latent_pool(case):
-    """An MLA model's prefill of a new prompt (DeepSeek's MHA path) passes
-    expanded per-head K/V whose shape is not the pool's one latent row."""
+    """DeepSeek's MHA prefill passes per-head K/V, not the pool's latent row."""
     q, k, v, _, _, req_to_token = case
     latent = torch.full((SLOTS, 1, 3 * DIM), float("nan"))
     out = torch.empty(TOTAL, HEADS, DIM)

@@ -1,10 +1,6 @@
-"""`make demo` part 1 against real patched SGLang servers on this CPU: the
-driver (`python -m scripts.demo --live-quick`, bf16 and int8, part 2 tiny)
-starts one server per format at one computed host budget; bf16's host tier
-overflows and serves nothing on reuse, int8 serves reuse from host, counted
-in /metrics as the responses say. Sizing rules need no server. About 2 min
-idle (two server starts).
-"""
+"""`make demo` part 1 on real patched CPU servers (python -m scripts.demo
+--live-quick, bf16 and int8 at one host budget, part 2 tiny; ~2 min): bf16's
+host tier overflows, int8 serves reuse from host. Sizing rules need no server."""
 
 from __future__ import annotations
 
@@ -172,8 +168,7 @@ def test_live_demo_quality_is_scored_after_a_host_load_back(demo_run):
 
 
 def test_live_demo_replay_model_agrees_with_the_live_counts(demo_run):
-    """Part 2's engine on part 1's requests and capacities predicts the live
-    servers' device and host hits of the bench_serving run."""
+    """Part 2's engine on part 1's requests predicts the live device/host hits."""
     rows = {r["label"]: r for r in demo_run.data["agreement"]}
     assert set(rows) == {"bf16", "int8"}
     for r in rows.values():

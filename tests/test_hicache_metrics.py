@@ -1,10 +1,6 @@
-"""HiCache host-tier metrics, scraped from SGLang's own collectors: real host
-pools and HiCacheController transfers feed UnifiedRadixCache's ack loggers
-(byte counters) and SchedulerMetricsReporter._log_hicache_stats (format,
-bytes, non-finite groups, L3 refusals, the sink page); the text exposition
-is parsed with prometheus_client's parser and checked against the pool and
-the KV written. Only the scheduler around the reporter is a stand-in.
-"""
+"""HiCache host-tier metrics scraped from SGLang's own collectors, fed by real
+host pools, HiCacheController transfers, ack loggers and the scheduler's
+reporter (only the scheduler around it is a stand-in), parsed with prometheus_client."""
 
 from __future__ import annotations
 
@@ -84,9 +80,8 @@ def test_host_tier_metrics_after_real_transfers(collectors, host_dtype):
 
 
 def test_host_used_bytes_count_physical_rows_under_dcp(collectors):
-    """Decode context parallelism (--dcp-size 2): upstream's stock MLA host
-    pool counts logical slots (logical_size = size * dcp_size, dcp_size of them
-    per physical row), so the used bytes are this rank's rows in use."""
+    """--dcp-size 2: the stock MLA host pool counts dcp_size logical slots per
+    physical row, so the used bytes are this rank's rows in use."""
     scheduler_collector, _ = collectors
     dcp = 2
     device_pool = make_device_pool(MLAGeometry(layer_num=2, page_size=4), 64)
@@ -151,9 +146,8 @@ OTHER_DEVICE_KV = {
 
 @pytest.mark.parametrize("case", list(OTHER_DEVICE_KV))
 def test_mla_and_fp8_device_kv_metrics(collectors, case):
-    """The MLA INT8 pool (a latent tile per layer stored as NaN) and FP8 device
-    KV with a 4-bit host copy: the info series names the device dtype (FP8,
-    not its uint8 storage), bytes are encoded against the device's."""
+    """MLA INT8 and FP8 device KV under a 4-bit host copy: the info series names
+    the device dtype (not FP8's uint8 storage), bytes are encoded vs device."""
     scheduler_collector, radix = collectors
     geo, host_dtype, fp8, n, io_backend = OTHER_DEVICE_KV[case]
     extra = {"device_kv_dtype": fp8} if fp8 else {}
@@ -199,8 +193,6 @@ def test_mla_and_fp8_device_kv_metrics(collectors, case):
     assert pool.nonfinite_group_count() == nonfinite
 
 
-# --- non-finite groups at backup: torch and fused paths, the metric's unit ---
-
 MHA_FORMATS = ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c", "int4c")
 # (host dtype, model kind); MLA models take int8 only.
 FORMATS = [(name, "mha") for name in MHA_FORMATS] + [("int8", "mla")]
@@ -210,9 +202,8 @@ LAYOUTS = [("page_first", 16), ("layer_first", 1)]
 
 
 def _poison(device_pool, dev: torch.Tensor) -> None:
-    """Non-finite values placed so that counting elements, tokens or pages
-    instead of groups gives another number: two in one head row, two in one
-    RoPE row, one per side, one in another layer."""
+    """Non-finite values where counting elements, tokens or pages instead of
+    groups gives another number."""
     nan, inf = float("nan"), float("inf")
     if isinstance(device_pool, MLATokenToKVPool):
         rank = device_pool.kv_lora_rank
@@ -235,10 +226,8 @@ def _poison(device_pool, dev: torch.Tensor) -> None:
 
 
 def _stored_nonfinite_groups(pool) -> int:
-    """Groups the records hold as non-finite, read from their bytes: a
-    non-finite scale (int8 rows, MLA tiles, k8v4 keys), a non-finite
-    (scale, zero point) pair (4-bit groups) or (min, range) pair (int4c's key
-    channels), a RoPE row holding NaN/Inf."""
+    """Groups the records hold as non-finite: a scale, a 4-bit group's (scale,
+    zero point) or int4c's (min, range), a RoPE row holding NaN/Inf."""
     total = 0
     for name, record in pool.host_records.items():
         if name == "scale" or name.endswith("_scale"):
@@ -301,8 +290,7 @@ def test_torch_and_fused_paths_count_the_same_groups(name, kind, layout, page_si
 
 
 def test_metric_help_states_the_unit_of_every_format(collectors):
-    """The counter's help says what one group is for each codec family (the
-    rotated formats count as their base): rates compare within one format."""
+    """The help says what one group is for each codec family (rotated: base)."""
     doc = Scrape().families["sglang:hicache_host_nonfinite_groups"].documentation
     for unit in (
         "int8/k8v4-key head row",
@@ -320,16 +308,21 @@ def test_metric_help_states_the_unit_of_every_format(collectors):
     )
 
 
-def test_l3_pages_refused_by_reason(collectors):
-    """Pages the sealing pool refuses on the way in from L3 are counted per
-    reason once each (issue 21); pools that do not seal export no series."""
-    name = "sglang:hicache_l3_pages_refused_total"
+def test_l3_pages_refused_by_reason_and_replaced(collectors):
+    """Pages the sealing pool refuses from L3 (per reason) and the controller
+    replaced (tests/test_l3_integrity.py), each counted once; pools that do
+    not seal export neither series."""
+    name, replaced = (
+        "sglang:hicache_l3_pages_refused_total",
+        "sglang:hicache_l3_pages_replaced_total",
+    )
     stock = TierRig("auto", collectors)
     stock.backup(4)
-    assert stock.collect().all(name) == []
+    assert stock.collect().all(name) == stock.collect().all(replaced) == []
 
     tier = TierRig("int8", collectors)
     host = tier.backup(8)
+    assert tier.collect().value(replaced) == 0
     pool = tier.pool
     page = pool.get_data_page(int(host[0]), key="k0")
     corrupt = page.clone()
@@ -342,26 +335,25 @@ def test_l3_pages_refused_by_reason(collectors):
     for _ in range(2):  # a second read with nothing new does not count twice
         scrape = tier.collect()
         assert {s.labels["reason"]: s.value for s in scrape.all(name)} == want
+    # What HiCacheController._page_backup reports after a replacing write.
+    tier.pool.note_storage_pages_replaced(3)
+    assert tier.collect().value(replaced) == 3
+    assert tier.collect().value(replaced) == 3  # nothing new: not counted twice
+    tier.pool.note_storage_pages_replaced(2)
+    assert tier.collect().value(replaced) == 5
 
 
-# --- the sink page's side store (SGLANG_HICACHE_SINK_PAGE_TOKENS) ---------------
-
-SINK = [
-    "sglang:hicache_sink_page_slots_used",
-    "sglang:hicache_sink_page_slots",
-    "sglang:hicache_sink_page_kept_4bit_total",
-    "sglang:hicache_sink_page_l3_stored_total",
-    "sglang:hicache_sink_page_l3_restored_total",
-    "sglang:hicache_sink_page_l3_refused_total",
-]
+# The sink page's side store (SGLANG_HICACHE_SINK_PAGE_TOKENS).
+SINK = ["slots_used", "slots", "kept_4bit_total", "l3_stored_total"]
+SINK += ["l3_restored_total", "l3_refused_total"]
 SINK_PAGE = 16
 
 
 def sink_values(scrape: Scrape) -> dict:
-    """Every sink-page series: name (and its label) -> value."""
+    """Every sglang:hicache_sink_page_ series: name (and its label) -> value."""
     values = {}
     for name in SINK:
-        for s in scrape.all(name):
+        for s in scrape.all(f"sglang:hicache_sink_page_{name}"):
             label = s.labels.get("at") or s.labels.get("reason")
             values[f"{name}{{{label}}}" if label else name] = s.value
     return values
@@ -371,7 +363,7 @@ def test_sink_page_series_follow_the_store_and_l3(
     collectors, monkeypatch, tmp_path, l3_rigs
 ):
     """Through the real controller and file L3: slots in use, sink objects
-    stored, restored and refused (by reason), as the pool counts them."""
+    stored, restored and refused by reason."""
     scheduler_collector, _ = collectors
     monkeypatch.setenv(SINK_ENV, str(4 * SINK_PAGE))
     geo = Geometry(layer_num=2, head_num=2, head_dim=64, page_size=SINK_PAGE)
@@ -383,20 +375,13 @@ def test_sink_page_series_follow_the_store_and_l3(
     reporter = make_reporter(l3.rig.host_pool, l3.controller)
     slots = l3.rig.host_pool.sink_page_counts()["slots"]
     assert slots == 4
-    refused_zero = {
-        f"sglang:hicache_sink_page_l3_refused_total{{{r.value}}}": 0 for r in Refusal
+    base = {f"l3_refused_total{{{r.value}}}": 0 for r in Refusal} | {
+        "slots": slots,
+        "kept_4bit_total{backup}": 0,
+        "kept_4bit_total{prefetch}": 0,
     }
-    base = {
-        "sglang:hicache_sink_page_slots": slots,
-        "sglang:hicache_sink_page_kept_4bit_total{backup}": 0,
-        "sglang:hicache_sink_page_kept_4bit_total{prefetch}": 0,
-        **refused_zero,
-    }
-    assert sink_values(scrape(reporter, scheduler_collector)) == base | {
-        "sglang:hicache_sink_page_slots_used": 0,
-        "sglang:hicache_sink_page_l3_stored_total": 0,
-        "sglang:hicache_sink_page_l3_restored_total": 0,
-    }
+    zero = {"slots_used": 0, "l3_stored_total": 0, "l3_restored_total": 0}
+    assert sink_values(scrape(reporter, scheduler_collector)) == base | zero
 
     first = list(range(7, 7 + 2 * SINK_PAGE))
     second = list(range(500, 500 + 2 * SINK_PAGE))
@@ -408,11 +393,8 @@ def test_sink_page_series_follow_the_store_and_l3(
         h.evict_everywhere(l3, dev, host)
     objects = sorted(p for p in tmp_path.iterdir() if L3_KEY_SUFFIX in p.name)
     assert len(objects) == 2
-    assert sink_values(scrape(reporter, scheduler_collector)) == base | {
-        "sglang:hicache_sink_page_slots_used": 0,
-        "sglang:hicache_sink_page_l3_stored_total": 2,
-        "sglang:hicache_sink_page_l3_restored_total": 0,
-    }
+    stored = base | zero | {"l3_stored_total": 2}
+    assert sink_values(scrape(reporter, scheduler_collector)) == stored
 
     # The second sequence's object no longer verifies: it restores at 4 bits.
     key = get_storage_hash_str(second, None, page_size=SINK_PAGE)[0]
@@ -426,12 +408,8 @@ def test_sink_page_series_follow_the_store_and_l3(
         h.load_to_device(l3, fetched.host_indices)
     counts = l3.rig.host_pool.sink_page_counts()
     assert counts["stored"] == 1 and counts["l3"]["restored"] == 1
-    want = base | {
-        "sglang:hicache_sink_page_slots_used": 1,
-        "sglang:hicache_sink_page_l3_stored_total": 2,
-        "sglang:hicache_sink_page_l3_restored_total": 1,
-        "sglang:hicache_sink_page_l3_refused_total{checksum}": 1,
-    }
+    want = stored | {"slots_used": 1, "l3_restored_total": 1}
+    want["l3_refused_total{checksum}"] = 1
     for _ in range(2):  # a second read with nothing new does not count twice
         assert sink_values(scrape(reporter, scheduler_collector)) == want
 
@@ -451,9 +429,8 @@ def test_sink_page_kept_4bit_when_every_slot_is_taken(collectors):
         finish_transfers(rig.controller)
         rig.allocator.free(dev)
     values = sink_values(scrape(reporter, scheduler_collector))
-    assert values["sglang:hicache_sink_page_slots"] == 1
-    assert values["sglang:hicache_sink_page_slots_used"] == 1
-    assert values["sglang:hicache_sink_page_kept_4bit_total{backup}"] == 1
+    assert values["slots"] == values["slots_used"] == 1
+    assert values["kept_4bit_total{backup}"] == 1
 
 
 @pytest.mark.parametrize("host_dtype", ["auto", "int4", "int8"])
@@ -464,23 +441,3 @@ def test_pools_without_a_sink_page_export_no_sink_series(
     tier = TierRig(host_dtype, collectors)
     tier.backup(4)
     assert sink_values(tier.collect()) == {}
-
-
-def test_l3_pages_replaced_is_exported(collectors):
-    """Pages the controller replaced in L3 after a prefetch could not use them
-    (tests/test_l3_integrity.py) are one counter; pools that do not
-    seal export no series."""
-    name = "sglang:hicache_l3_pages_replaced_total"
-    stock = TierRig("auto", collectors)
-    stock.backup(4)
-    assert stock.collect().all(name) == []
-
-    tier = TierRig("int8", collectors)
-    tier.backup(8)
-    assert tier.collect().value(name) == 0
-    # What HiCacheController._page_backup reports after a replacing write.
-    tier.pool.note_storage_pages_replaced(3)
-    assert tier.collect().value(name) == 3
-    assert tier.collect().value(name) == 3  # nothing new: not counted twice
-    tier.pool.note_storage_pages_replaced(2)
-    assert tier.collect().value(name) == 5

@@ -1,8 +1,6 @@
 """How faithfully the encoded host tier stores KV, on /metrics: the per-layer
-scale amax gauge and the sampled restore check (backup_verify.py,
-SGLANG_HICACHE_VERIFY_SAMPLE_RATE) with its relative-error histogram, fed by
-real pools, backups, reporter and collector (tests.support.metrics.TierRig).
-"""
+scale amax and the sampled restore check (SGLANG_HICACHE_VERIFY_SAMPLE_RATE)
+with its relative-error histogram, fed by real pools, backups and reporter."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def over(scrape, fmt: str, threshold: float) -> float:
 
 
 def expected_errors(pool, host_indices, written) -> list[float]:
-    """max|x - x^| / max|x| per page, from the stored records decoded by the
-    format's reference decode (page size 1: a page is a token)."""
+    """max|x - x^| / max|x| per page (a token) by the format's reference decode."""
     fmt = pool.host_format
     units = host_indices.to(torch.int64)
     records = {
@@ -70,22 +67,14 @@ def expected_errors(pool, host_indices, written) -> list[float]:
     return out
 
 
-@pytest.fixture
-def verify_rate(monkeypatch):
-    def set_rate(rate: str | None):
-        if rate is None:
-            monkeypatch.delenv(VERIFY_ENV, raising=False)
-        else:
-            monkeypatch.setenv(VERIFY_ENV, rate)
-
-    return set_rate
+@pytest.fixture(autouse=True)
+def verify_every_page(monkeypatch):
+    """Every page is sampled unless a test sets the rate itself."""
+    monkeypatch.setenv(VERIFY_ENV, "1")
 
 
-# --- the per-layer scale amax ----------------------------------------------
-
-
-def test_scale_amax_per_layer_and_side(collectors, verify_rate):
-    verify_rate("0")
+def test_scale_amax_per_layer_and_side(collectors, monkeypatch):
+    monkeypatch.setenv(VERIFY_ENV, "0")
     tier = TierRig("int8", collectors, layout="page_first")
     tier.backup(20)
     scrape = tier.collect()
@@ -109,8 +98,7 @@ def test_scale_amax_per_layer_and_side(collectors, verify_rate):
             )
 
 
-def test_stock_pool_exports_no_quality_series(collectors, verify_rate):
-    verify_rate("1")
+def test_stock_pool_exports_no_quality_series(collectors):
     tier = TierRig("auto", collectors)
     tier.backup(8)
     scrape = tier.collect()
@@ -118,11 +106,7 @@ def test_stock_pool_exports_no_quality_series(collectors, verify_rate):
     assert scrape.all(f"{HIST}_count") == []
 
 
-# --- the sampled restore check -----------------------------------------------
-
-
-def test_sampled_errors_in_the_exposition(collectors, verify_rate):
-    verify_rate("1")
+def test_sampled_errors_in_the_exposition(collectors):
     tier = TierRig("int8", collectors)
     host = tier.backup(20)
     expected = expected_errors(tier.pool, host, tier.written[0])
@@ -134,6 +118,16 @@ def test_sampled_errors_in_the_exposition(collectors, verify_rate):
     assert over(scrape, "int8", 0.004) == 0
     # Each sample is read once: a second collection adds nothing.
     assert tier.collect().value(f"{HIST}_count", format="int8") == 20
+
+
+def paged_int8_rig(device_tokens: int = 64):
+    return make_rig(
+        PAGED,
+        device_tokens=device_tokens,
+        host_tokens=2 * device_tokens,
+        layout="page_first",
+        host_dtype="int8",
+    )
 
 
 def backup_pages(pool_rig, pages: int, seed: int = 0, outlier: float = 30.0):
@@ -165,12 +159,10 @@ def bound_cases():
 
 @pytest.mark.parametrize("host_dtype,layout,dtype,fused", list(bound_cases()))
 def test_sampled_error_within_the_formats_bound(
-    request, verify_rate, host_dtype, layout, dtype, fused
+    request, host_dtype, layout, dtype, fused
 ):
-    """Every format and layout on BF16/FP16 device KV, 4-bit over FP8 device
-    KV, MLA and the fused path: each page's error within the format's bound
-    and far from 0 (the check measures something)."""
-    verify_rate("1")
+    """Each page's error is within the format's bound and far from 0 (the
+    check measures something)."""
     mla, fp8 = dtype == "mla", dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if fused != "off":
         request.getfixturevalue("triton_interpreter")
@@ -210,11 +202,8 @@ def test_sampled_error_within_the_formats_bound(
 
 
 @pytest.mark.parametrize("host_dtype", list(HOST_DTYPES))
-def test_broken_decode_drives_the_error_over_the_threshold(
-    collectors, verify_rate, host_dtype
-):
+def test_broken_decode_drives_the_error_over_the_threshold(collectors, host_dtype):
     """A format whose decode is off by 10% on one side (a corrupted restore)."""
-    verify_rate("1")
     tier = TierRig(host_dtype, collectors, layout="page_first", geo=PAGED)
     fmt = tier.pool.host_format
     decode_into = fmt.decode_into
@@ -231,10 +220,8 @@ def test_broken_decode_drives_the_error_over_the_threshold(
     assert over(scrape, host_dtype, threshold) == 2
 
 
-def test_finite_page_restoring_nan_reports_inf(verify_rate):
-    verify_rate("1")
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+def test_finite_page_restoring_nan_reports_inf():
+    rig = paged_int8_rig()
     fmt = rig.host_pool.host_format
     decode_into = fmt.decode_into
 
@@ -247,10 +234,8 @@ def test_finite_page_restoring_nan_reports_inf(verify_rate):
     assert rig.host_pool.backup_verify_errors() == [float("inf")]
 
 
-def test_page_holding_nan_is_left_to_the_nonfinite_counter(verify_rate):
-    verify_rate("1")
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+def test_page_holding_nan_is_left_to_the_nonfinite_counter():
+    rig = paged_int8_rig()
     dev = rig.allocator.alloc(2 * PAGED.page_size)
     fill_random(rig.device_pool, dev)
     rig.device_pool.k_buffer[0][dev[0], 0, 0] = float("nan")
@@ -270,10 +255,8 @@ class Event:
         return self.done
 
 
-def test_drain_takes_completed_samples_in_order_without_waiting(verify_rate):
-    verify_rate("1")
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+def test_drain_takes_completed_samples_in_order_without_waiting():
+    rig = paged_int8_rig()
     verifier = rig.host_pool.backup_verifier
     late = Event(False)
     verifier._pending.extend(
@@ -287,22 +270,17 @@ def test_drain_takes_completed_samples_in_order_without_waiting(verify_rate):
     assert verifier.drain() == [2.0, 3.0]
 
 
-def test_unread_samples_are_capped(verify_rate, monkeypatch):
-    verify_rate("1")
+def test_unread_samples_are_capped(monkeypatch):
     monkeypatch.setattr(backup_verify, "MAX_PENDING", 4)
-    rig = make_rig(PAGED, device_tokens=128, host_tokens=256, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+    rig = paged_int8_rig(device_tokens=128)
     backup_pages(rig, pages=6)
     verifier = rig.host_pool.backup_verifier
     assert (verifier.pages_checked, verifier.samples_dropped) == (6, 2)
     assert len(verifier.drain()) == 4
 
 
-# --- the rate ------------------------------------------------------------------
-
-
-def test_rate_zero_adds_no_work(collectors, verify_rate, monkeypatch):
-    verify_rate("0")
+def test_rate_zero_adds_no_work(collectors, monkeypatch):
+    monkeypatch.setenv(VERIFY_ENV, "0")
 
     def no_check(*args):
         raise AssertionError("sampled a page at rate 0")
@@ -320,16 +298,15 @@ def test_rate_zero_adds_no_work(collectors, verify_rate, monkeypatch):
     assert scrape.value(f"{HIST}_count", format="int8") == 0
 
 
-def test_default_rate_samples_about_one_page_in_a_thousand(verify_rate, monkeypatch):
-    verify_rate(None)
+def test_default_rate_samples_about_one_page_in_a_thousand(monkeypatch):
+    monkeypatch.delenv(VERIFY_ENV)
     checked = []
     monkeypatch.setattr(
         backup_verify.BackupVerifier,
         "_check_page",
         lambda self, h, d: checked.append(h),
     )
-    rig = make_rig(PAGED, device_tokens=64, host_tokens=128, layout="page_first",
-                   host_dtype="int8")  # fmt: skip
+    rig = paged_int8_rig()
     verifier = rig.host_pool.backup_verifier
     assert verifier.rate == 0.001
     page = PAGED.page_size
@@ -347,21 +324,18 @@ def test_default_rate_samples_about_one_page_in_a_thousand(verify_rate, monkeypa
 
 
 @pytest.mark.parametrize("raw", ["abc", "-0.1", "1.5", "nan", "inf", "1e-3%"])
-def test_bad_rate_fails_at_start_up(verify_rate, raw):
-    verify_rate(raw)
+def test_bad_rate_fails_at_start_up(raw, monkeypatch):
+    monkeypatch.setenv(VERIFY_ENV, raw)
     with pytest.raises(ValueError, match=f"{VERIFY_ENV}=.*between 0 and 1"):
         make_rig(TIER_GEO, device_tokens=16, host_tokens=32, host_dtype="int8")
 
 
 @pytest.mark.parametrize("raw,rate", [("0", None), (" 0.25 ", 0.25), ("1", 1.0)])
-def test_good_rates(verify_rate, raw, rate):
-    verify_rate(raw)
+def test_good_rates(raw, rate, monkeypatch):
+    monkeypatch.setenv(VERIFY_ENV, raw)
     rig = make_rig(TIER_GEO, device_tokens=16, host_tokens=32, host_dtype="int8")
     verifier = rig.host_pool.backup_verifier
     assert (verifier and verifier.rate) == rate
-
-
-# --- the alert rule reads the formats' thresholds ------------------------------
 
 
 def test_alert_thresholds_are_the_formats_and_bucket_edges():

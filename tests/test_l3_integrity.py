@@ -1,11 +1,6 @@
-"""Sealed L3 pages (pool_host/page_integrity.py) through SGLang's real
-HiCacheController storage threads, on `file`, MooncakeStore against a real
-mooncake_master and HiCacheNixl: a page whose bytes do not match its seal
-never reaches L2, each refusal is counted by reason and logged once per
-reason, refused pages are replaced at their next write, and pages restored
-with non-finite scales are counted on the way in. Random faults over every
-format: tests/test_l3_integrity_faults.py.
-"""
+"""Sealed L3 pages (pool_host/page_integrity.py) through SGLang's real storage
+threads on `file`, Mooncake and NIXL: refusals never reach L2, are counted and
+logged once by reason, and refused pages are replaced at their next write."""
 
 from __future__ import annotations
 
@@ -24,7 +19,11 @@ from sglang.srt.mem_cache.pool_host.page_integrity import (
     StoragePageRefused,
 )
 from tests.support import l3_faults as lf
-from tests.support.l3_faults import make_l3, reference_restore
+from tests.support.l3_faults import (
+    check_restored_to_device,
+    make_l3,
+    reference_restore,
+)
 
 GEO = Geometry(layer_num=3, head_num=2, head_dim=16, page_size=4)
 PAGES = 6
@@ -59,6 +58,8 @@ def written_then_evicted(l3, tokens=TOKENS, seed=0):
 def test_each_reason_is_counted_and_logged_once(
     tmp_path, request, backend, caplog, monkeypatch
 ):
+    """Each bad object is a miss for that page only; `file` also reads objects
+    of the wrong length (a size refusal)."""
     monkeypatch.setattr(page_integrity, "_logged_reasons", set())
     l3 = make_l3(request, tmp_path, backend)
     pool = l3.controller.mem_pool_host
@@ -69,42 +70,22 @@ def test_each_reason_is_counted_and_logged_once(
     other = objects.read(hashes[BAD + 1], part)
     flipped = good[:5] + bytes([good[5] ^ 0x10]) + good[6:]
     caplog.set_level(logging.WARNING, logger=page_integrity.__name__)
-    for data in (flipped, flipped, other, bytes(len(good))):
+    bad = [flipped, flipped, other, bytes(len(good))]
+    sizes = 3 if backend == "file" else 0
+    bad += [good + b"\0", good[:-1], b""][:sizes]
+    for data in bad:
         objects.write(hashes[BAD], part, data)
         pf = h.prefetch(l3, TOKENS + [7])
-        assert pf.completed_tokens == BAD * GEO.page_size
+        assert pf.completed_tokens == BAD * GEO.page_size, len(data)
         pool.free(pf.host_indices)
     objects.write(hashes[BAD], part, good)
     assert h.prefetch(l3, TOKENS + [7]).completed_tokens == len(TOKENS)
     counts = pool.storage_integrity.counts()
-    assert counts == {
-        "missing": 0,
-        "size": 0,
-        "seal": 1,
-        "tag": 0,
-        "key": 1,
-        "checksum": 2,
-    }
+    want = {"missing": 0, "size": sizes, "seal": 1, "tag": 0, "key": 1, "checksum": 2}
+    assert counts == want
     logged = [r for r in caplog.records if "L3 page refused" in r.getMessage()]
-    assert [r.getMessage().split("(")[1].split(")")[0] for r in logged] == [
-        "checksum",
-        "key",
-        "seal",
-    ]
-
-
-def test_file_of_the_wrong_length_is_a_miss_for_that_page_only(tmp_path, request):
-    l3 = make_l3(request, tmp_path, "file")
-    pool = l3.controller.mem_pool_host
-    _, hashes = written_then_evicted(l3)
-    objects = lf.objects_for(l3)
-    good = objects.read(hashes[BAD], "")
-    for data in (good + b"\0", good[:-1], b""):
-        objects.write(hashes[BAD], "", data)
-        pf = h.prefetch(l3, TOKENS + [7])
-        assert pf.completed_tokens == BAD * GEO.page_size, len(data)
-        pool.free(pf.host_indices)
-    assert pool.storage_integrity.counts()["size"] == 3
+    reasons = [r.getMessage().split("(")[1].split(")")[0] for r in logged]
+    assert reasons == ["checksum", "key", "seal", "size"][: 4 if sizes else 3]
 
 
 def _flipped(page: torch.Tensor, at: int) -> torch.Tensor:
@@ -173,22 +154,14 @@ def test_sealed_pages_have_their_own_storage_tag(tmp_path, request):
 
 # --- non-finite scales on the way in -----------------------------------------
 
-NONFINITE = [
-    *[
-        ("file", name)
-        for name in ("int8", "int4", "k8v4", "int4r", "k8v4r", "int8c", "int4c")
-    ],
-    ("file", "mla-int8"),
-    ("mooncake", "int8"),
-]
+NONFINITE = [("file", name) for name in lf.FORMATS] + [("mooncake", "int8")]
 
 
 @pytest.mark.parametrize("backend,fmt", NONFINITE)
 def test_nonfinite_pages_loaded_from_l3_are_counted_in_pages(
     tmp_path, request, backend, fmt
 ):
-    """Three non-finite groups in page 1 and one in page 4: two pages, for
-    every format, whatever unit the backup-side count uses."""
+    """Three non-finite groups in page 1 and one in page 4: two pages."""
     mla = fmt == "mla-int8"
     geo = (
         lf.GEO_MLA
@@ -224,6 +197,14 @@ def test_nonfinite_pages_loaded_from_l3_are_counted_in_pages(
     counts = pool.storage_integrity_counts()
     assert counts["verified"] == 6
     assert counts["nonfinite_pages_loaded"] == 2
+    if fmt == "int8":
+        # The whole head row of a non-finite value restores as NaN, nothing else.
+        dev, device = h.load_to_device(l3, pf.host_indices), l3.rig.device_pool
+        (k0, k1), v1 = (b[dev] for b in device.k_buffer), device.v_buffer[1][dev]
+        for row in (k0[ps, 0], k0[ps + 1, 0], v1[ps + 2, 1], k1[4 * ps + 3, 1]):
+            assert row.isnan().all()
+        bufs = (*device.k_buffer, *device.v_buffer)
+        assert sum(int(b[dev].isnan().sum()) for b in bufs) == 4 * geo.head_dim
 
 
 # --- a refused page is replaced at its next write ----------------------------
@@ -249,9 +230,8 @@ def make(request, tmp_path, backend_id, **kwargs):
 
 
 def write_back(l3, tokens, hashes, first_page: int, seed: int):
-    """The radix cache after a partial hit: new KV for the pages from
-    `first_page` on, to L2 and then L3 under their keys. Returns (device
-    indices, host indices, device rows, pages L3 accepted)."""
+    """The radix cache after a partial hit: new KV from `first_page` on, to L2 and
+    L3 under their keys: (device, host indices, device rows, pages stored)."""
     ctl, rig, ps = l3.controller, l3.rig, l3.geo.page_size
     dev = rig.allocator.alloc(len(tokens) - first_page * ps)
     fill_random(rig.device_pool, dev, seed=seed)
@@ -278,8 +258,7 @@ REPLACED = [
 def test_refused_page_is_replaced_at_the_next_write(
     tmp_path, request, backend_id, fault, kind
 ):
-    """Corrupt page 2, read it (refused, counted), write the recomputed pages
-    back, read again: a hit, bit-identical to what was written."""
+    """Corrupt page 2, read it (refused), write the recomputed pages back: a hit."""
     geo = lf.GEO_MLA if kind == "mla" else GEO
     l3 = make(request, tmp_path, backend_id, geo=geo)
     ctl, pool, ps, bad = l3.controller, l3.controller.mem_pool_host, geo.page_size, 2
@@ -303,12 +282,8 @@ def test_refused_page_is_replaced_at_the_next_write(
     h.evict_everywhere(l3, dev2, host2)
 
     written = [torch.cat([a[: bad * ps], b]) for a, b in zip(first, second)]
-    check_all_restored(l3, tokens, reference_restore(pool, written))
+    check_restored_to_device(l3, tokens, reference_restore(pool, written), PAGES)
     assert pool.storage_integrity_counts()["refused"] == refused  # none new
-
-
-def check_all_restored(l3, tokens, reference):
-    lf.check_restored_to_device(l3, tokens, reference, len(tokens) // l3.geo.page_size)
 
 
 @pytest.mark.parametrize("change", ["device_dtype", "layers"])
@@ -316,10 +291,9 @@ def check_all_restored(l3, tokens, reference):
 def test_restart_with_another_geometry_replaces_old_pages_once(
     tmp_path, request, backend_id, change
 ):
-    """The same L3 directory and model name after a restart with another
-    device dtype (same object sizes, another seal tag) or layer count (another
-    object size): the first old page is refused once, the write-back replaces
-    all of them. (A Mooncake client's objects live in its own segment.)"""
+    """Old pages of another device dtype (same size, another seal tag) or layer
+    count (another size) are refused once; the write-back replaces all. (A
+    Mooncake client's objects live in its own segment.)"""
     model = f"hiq/{request.node.name}"
     old = make(request, tmp_path, backend_id, model_name=model)
     _, _, hashes, stored = h.write_through(old, TOKENS, seed=0)
@@ -343,7 +317,7 @@ def test_restart_with_another_geometry_replaces_old_pages_once(
     assert stored == PAGES
     assert pool.storage_integrity_counts()["replaced"] == PAGES
     h.evict_everywhere(l3, dev, host)
-    check_all_restored(l3, TOKENS, reference_restore(pool, written))
+    check_restored_to_device(l3, TOKENS, reference_restore(pool, written), PAGES)
     assert pool.storage_integrity_counts()["refused"] == refused  # once
 
 
@@ -356,7 +330,7 @@ def test_zero_copy_slots_after_a_refused_page_are_zeroed(tmp_path, request, back
     _, hashes = written_then_evicted(l3)
     corrupt(l3, hashes[bad], "flip")
 
-    hit, completed, slots = lf.prefetch_all(l3, TOKENS + [7])
+    hit, completed, slots = h.prefetch_to_host(l3, TOKENS + [7], stop_on_miss=False)
     assert (hit, completed) == (len(TOKENS), bad * ps)
     pages = slots[::ps] // ps
     for name, buf in (*pool.host_records.items(), ("seals", pool.pages.seals)):
@@ -365,25 +339,22 @@ def test_zero_copy_slots_after_a_refused_page_are_zeroed(tmp_path, request, back
     pool.free(slots)
 
 
-def test_remembered_keys_are_bounded_oldest_first(tmp_path, request, monkeypatch):
+@pytest.mark.parametrize(
+    "host_dtype,fault,kept", [("int8", "flip", 3), ("auto", "extend", 0)]
+)
+def test_remembered_keys_are_bounded_oldest_first_and_stock_pool_keeps_none(
+    tmp_path, request, monkeypatch, host_dtype, fault, kept
+):
+    """The stock BF16 pool keeps upstream's path: a page it cannot use (here a
+    file of another size) is a miss, and its next write skips the key."""
     from sglang.srt.managers import cache_controller
 
     monkeypatch.setattr(cache_controller, "STORAGE_KEYS_TO_REPLACE_MAX", 3)
-    l3 = make(request, tmp_path, "file")
+    l3 = make(request, tmp_path, "file", host_dtype=host_dtype)
     _, hashes = written_then_evicted(l3)
-    corrupt(l3, hashes[2], "flip")
-    pf = h.prefetch(l3, TOKENS + [7])
-    l3.controller.mem_pool_host.free(pf.host_indices)
-    assert list(l3.controller.storage_keys_to_replace) == hashes[-3:]
-
-
-def test_stock_pool_remembers_no_keys(tmp_path, request):
-    """The stock BF16 pool keeps upstream's path: a page it cannot use (here
-    a file of another size) is a miss, and its next write skips the key."""
-    l3 = make(request, tmp_path, "file", host_dtype="auto")
-    _, hashes = written_then_evicted(l3)
-    corrupt(l3, hashes[2], "extend")
+    corrupt(l3, hashes[2], fault)
     pf = h.prefetch(l3, TOKENS + [7])
     assert pf.completed_tokens == 2 * GEO.page_size
     l3.controller.mem_pool_host.free(pf.host_indices)
-    assert l3.controller.storage_keys_to_replace == {}
+    remembered = list(l3.controller.storage_keys_to_replace)
+    assert remembered == hashes[len(hashes) - kept :]

@@ -1,6 +1,5 @@
-"""Defects found by hostile probes and by hand mutation of the suite: each
-test here failed before its fix or catches a mutant the rest let through.
-"""
+"""Defects found by hostile probes and hand mutation: each test here failed
+before its fix or catches a mutant the rest of the suite let through."""
 
 from __future__ import annotations
 
@@ -29,12 +28,10 @@ pytestmark = pytest.mark.usefixtures("host_ram_not_under_test", "restore_environ
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
-def _device_kv_dtype(server_args: ServerArgs) -> torch.dtype:
-    """The device KV dtype the model runner would configure (no weights: no
-    checkpoint KV quantization)."""
-    model_dtype = ModelConfig.from_server_args(server_args).dtype
+def _device_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The device KV dtype the model runner would configure (no weights)."""
     _, dtype = configure_kv_cache_dtype(
-        server_args_kv_cache_dtype=server_args.kv_cache_dtype,
+        server_args_kv_cache_dtype=kv_cache_dtype,
         model=None,
         model_dtype=model_dtype,
         is_draft_worker=False,
@@ -62,8 +59,7 @@ def test_mla_int8_pool_refuses_no_rope_part_naming_the_flag():
 
 
 def test_mla_torch_path_counts_one_per_nonfinite_rope_row():
-    """Two bad values in one RoPE row count once, as the fused kernel counts
-    rows (mutant: counting every non-finite RoPE element)."""
+    """Two bad values in one RoPE row count once, as the fused kernel counts rows."""
     fmt = MLAInt8HostFormat((512 + 64,), 1, 1, torch.bfloat16)
     x = torch.randn(3, 1, 1, 576).to(torch.bfloat16)
     x[0, 0, 0, 512] = float("nan")
@@ -107,9 +103,8 @@ def test_mla_int8_refuses_npu_split_buffers_naming_the_flag():
 
 @pytest.mark.parametrize("host_dtype", ["int4", "k8v4"])
 def test_mla_host_pool_class_refuses_4bit_formats(host_dtype):
-    """Auto-sizing (host_pool_cls) and the hybrid assembler (mla.py's
-    get_mla_host_pool_cls) call these directly, after no start-up validation
-    (mutant: they silently got the BF16 MLA pool)."""
+    """Auto-sizing and the hybrid assembler call these after no start-up
+    validation (mutant: they silently got the BF16 MLA pool)."""
     match = f"--hicache-host-dtype {host_dtype}"
     with pytest.raises(NotImplementedError, match=match):
         mla_host.get_mla_host_pool_cls(host_dtype)
@@ -119,9 +114,8 @@ def test_mla_host_pool_class_refuses_4bit_formats(host_dtype):
 
 
 def test_fused_load_index_cache_sees_in_place_changes():
-    """The fused load uploads indices once per transfer and reuses them for
-    every layer; an index tensor changed in place is a new transfer (mutant:
-    the cache ignoring the tensor's version)."""
+    """The fused load uploads indices once per transfer; an index tensor changed
+    in place is a new transfer (mutant: the cache ignoring its version)."""
     geo = Geometry(layer_num=2, head_num=2, head_dim=16, page_size=4)
     rig = make_rig(geo, layout="page_first", host_dtype="int8")
     fused = FusedTransfer(rig.host_pool.transfer_context, "direct")
@@ -131,12 +125,11 @@ def test_fused_load_index_cache_sees_in_place_changes():
     dev = torch.arange(8, 16, dtype=torch.int64)
     first = [t.clone() for t in fused._load_indices(host, dev)]
     assert torch.equal(first[0].cpu(), host) and torch.equal(first[1].cpu(), dev)
-    host.add_(8)  # one tensor at a time: each must invalidate the cache
-    again = fused._load_indices(host, dev)
-    assert torch.equal(again[0].cpu(), host) and torch.equal(again[1].cpu(), dev)
-    dev.sub_(8)
-    again = fused._load_indices(host, dev)
-    assert torch.equal(again[0].cpu(), host) and torch.equal(again[1].cpu(), dev)
+    # One tensor at a time: each must invalidate the cache.
+    for change in (lambda: host.add_(8), lambda: dev.sub_(8)):
+        change()
+        again = fused._load_indices(host, dev)
+        assert torch.equal(again[0].cpu(), host) and torch.equal(again[1].cpu(), dev)
 
 
 # --- FP16 device KV: the README matrix, the hook and argparse agree ----------
@@ -147,28 +140,19 @@ def _choices(parser, dest: str) -> list:
 
 
 def test_hook_device_kv_dtypes_are_argparse_choices(parser):
-    """Every --kv-cache-dtype the hook lets an encoded host dtype through is
-    one argparse accepts and the model runner maps to BF16/FP16 (before the
-    fix the hook also took fp16/float16, which neither accepts: FP16 device
-    KV comes from --dtype float16)."""
+    """Every --kv-cache-dtype the hook lets through is an argparse choice the
+    model runner maps to BF16/FP16 (it also took fp16, which neither accepts)."""
     choices = _choices(parser, "kv_cache_dtype")
     for kv_cache_dtype in hicache_hook._ENCODED_HOST_DEVICE_KV_DTYPES:
         assert kv_cache_dtype in choices, kv_cache_dtype
         if kv_cache_dtype != "auto":
-            _, dtype = configure_kv_cache_dtype(
-                server_args_kv_cache_dtype=kv_cache_dtype,
-                model=None,
-                model_dtype=torch.float16,
-                is_draft_worker=False,
-                is_dflash=False,
-                speculative_draft_attention_backend=None,
-            )
+            dtype = _device_kv_dtype(kv_cache_dtype, torch.float16)
             assert dtype in (torch.bfloat16, torch.float16), kv_cache_dtype
 
 
 def _readme_plain_device_kv_spellings() -> list[list[str]]:
-    """The command-line spellings in the BF16/FP16 clause of the README's
-    "device KV dtype" row (before its FP8 clause); `--flag a/b` is two."""
+    """The spellings in the README's "device KV dtype" row before its FP8
+    clause; `--flag a/b` is two."""
     row = next(
         line
         for line in README.read_text().splitlines()
@@ -187,9 +171,8 @@ def _readme_plain_device_kv_spellings() -> list[list[str]]:
 def test_readme_bf16_fp16_device_kv_rows_start_through_the_cli(
     models, parser, host_dtype
 ):
-    """Each BF16/FP16 spelling of the supported matrix parses (argparse),
-    passes start-up with the encoded host dtype, and gives the device KV
-    dtype the row claims: both BF16 and FP16 are reached."""
+    """Each spelling parses, passes start-up with the encoded host dtype, and
+    gives the row's device KV dtype: both BF16 and FP16 are reached."""
     model = models["mha"]
     spellings = _readme_plain_device_kv_spellings()
     assert spellings, "README's device KV dtype row names no flag"
@@ -203,5 +186,6 @@ def test_readme_bf16_fp16_device_kv_rows_start_through_the_cli(
             pytest.fail(f"README's {' '.join(argv)} is refused by argparse")
         server_args = ServerArgs.from_cli_args(parsed)
         server_args.resolve_once()
-        reached.add(_device_kv_dtype(server_args))
+        model_dtype = ModelConfig.from_server_args(server_args).dtype
+        reached.add(_device_kv_dtype(server_args.kv_cache_dtype, model_dtype))
     assert reached == {torch.bfloat16, torch.float16}, (spellings, reached)

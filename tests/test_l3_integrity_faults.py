@@ -1,16 +1,6 @@
-"""Random faults in stored L3 pages through SGLang's real HiCacheController
-storage threads: every host format x `file`, MooncakeStore (a real master)
-and HiCacheNixl (POSIX plugin; zero-copy `_k`/`_v` files and copy mode's flat
-page files). Byte flips in payload, scales, metadata and seal, truncation,
-extension, zeroed objects, objects swapped between pages or K and V, another
-format's objects under the same key, objects deleted between the hit query
-and the read.
-
-Each fault ends refused (a miss for that page, counted once by reason, the
-pages before it bit-identical, L1 untouched, no byte of it left in L2) or,
-where the backend hands back exactly the page written, restored
-bit-identical. Anything else is a silent corruption. Prints counts per kind.
-"""
+"""Random faults (lf.FAULT_KINDS, and objects deleted between the hit query and
+the read) in stored L3 pages of every format on `file`, Mooncake and NIXL, through
+SGLang's real storage threads: each is refused or restored bit-identical."""
 
 from __future__ import annotations
 
@@ -35,9 +25,8 @@ pytestmark = pytest.mark.usefixtures("host_ram_not_under_test")
 
 PAGES = 6
 KINDS = lf.FAULT_KINDS + ("delete",)
-# backend id -> (backend, layout, faults per (format, backend)); file and
-# Mooncake give >= 1000 faults over their 14 rows (Mooncake rewrites wait out
-# the read lease), NIXL two per kind.
+# backend id -> (backend, layout, faults per row): file and Mooncake give
+# >= 1000 faults each (Mooncake rewrites wait out the read lease), NIXL two a kind.
 BACKENDS = {
     "file": ("file", "page_first_direct", 160),
     "mooncake": ("mooncake", "page_first_direct", 96),
@@ -60,6 +49,7 @@ EXPECTED = {
 }
 
 TALLY: dict = defaultdict(Counter)
+COLUMNS = ("tried", "refused", "identical", "silent")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,14 +57,10 @@ def report():
     yield
     if not TALLY:
         return
-    head = f"{'fault kind':<16}{'tried':>7}{'refused':>9}{'identical':>11}{'silent':>8}"
     total = sum(TALLY.values(), Counter())
-    lines = [head]
+    lines = [f"{'fault kind':<16}" + "".join(f"{c:>10}" for c in COLUMNS)]
     for kind, c in [*((k, TALLY[k]) for k in KINDS), ("all", total)]:
-        lines.append(
-            f"{kind:<16}{c['tried']:>7}{c['refused']:>9}{c['identical']:>11}"
-            f"{c['silent']:>8}"
-        )
+        lines.append(f"{kind:<16}" + "".join(f"{c[col]:>10}" for col in COLUMNS))
     reasons = ", ".join(
         f"{k[2:]} {v}" for k, v in sorted(total.items()) if k.startswith("r:")
     )
@@ -161,7 +147,9 @@ def one_prefetch(l3, tokens, before_io, page, written_pages, allowed, kind):
     failed_before = ctl.prefetch_failed_pages
     l1_before = device_snapshot(l3)
     l2_before = {name: buf.clone() for name, buf in pool.host_records.items()}
-    hit, completed, host = lf.prefetch_all(l3, tokens + [7], before_io)
+    hit, completed, host = h.prefetch_to_host(
+        l3, tokens + [7], before_io=before_io, stop_on_miss=False
+    )
     refused = Counter(pool.storage_integrity.counts())
     refused.subtract(refused_before)
     new = {k: v for k, v in refused.items() if v}

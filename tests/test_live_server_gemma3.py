@@ -1,18 +1,6 @@
-"""A sliding-window model (Gemma 3 270M from the packaged GGUF: 18 layers,
-windows of 512 tokens, one KV head of 256) on the live server, with encoded
-host pools. SGLang 0.5.23 turns hybrid SWA memory off for Gemma3 (its model
-override, an upstream FIXME), so it builds one full KV pool and applies the
-windows as masks; hybrid pools: tests/test_live_server_hybrid.py.
-
-Each arm: prompt A (1,400 tokens, past the window) cold and again (device
-hit), four more prompts overflowing the 4,096-token L1, A again (host hit);
-checked as in tests/test_live_server.py. ``make test`` runs INT8 where
-``make quality-gemma`` installed the GGUF (else the module skips, naming the
-command); HIQ_LIVE_HYBRID_FULL=1 adds BF16, INT4, int8c and int4c, compares INT8's
-and INT4's reuse with BF16's, and starts FP8 device KV (``fp8_e4m3``) with an
-INT4 host copy, which our check accepts and SGLang's CPU pool set-up refuses
-("CPU FP8 KV cache requires Intel AMX support."). HIQ_LIVE_SERVER=0 skips.
-"""
+"""Gemma 3 270M (sliding windows of 512, served by SGLang as one full KV pool)
+on the live server with encoded host pools; INT8 in make test (skips without
+make quality-gemma's GGUF), HIQ_LIVE_HYBRID_FULL=1 adds the other formats."""
 
 from __future__ import annotations
 
@@ -27,7 +15,6 @@ from scripts.rigs.server import (
     CPU_FLAGS,
     LIVE_ONLY,
     NEW_TOKENS,
-    LiveServer,
     agreeing_prefix,
     details,
     expected_bytes_per_token,
@@ -35,10 +22,8 @@ from scripts.rigs.server import (
     host_hit_after_overflow,
     model_geometry,
     run_cli,
-    run_sequence,
-    to_stderr,
 )
-from tests.support.live import assert_greedy_close, called_ops
+from tests.support.live import assert_greedy_close, called_ops, serve
 
 pytestmark = LIVE_ONLY
 FULL = os.environ.get("HIQ_LIVE_HYBRID_FULL") == "1"
@@ -80,15 +65,7 @@ _RESULTS: dict = {}
 def arm(request, model_dir, prompts):
     name = request.param
     flags = [*CPU_FLAGS, *hicache_flags(ARMS[name]), *ARM_FLAGS.get(name, ())]
-    server = LiveServer(
-        flags, name=f"hybrid-{name}", model=model_dir, progress=to_stderr
-    )
-    with server:
-        seq = run_sequence(server, prompts)
-        seq["log"] = server.log_text()
-        seq["kernel_calls"] = server.kernel_calls()
-    server.save_replies(seq)
-    _RESULTS[name] = seq
+    seq = _RESULTS[name] = serve(flags, f"hybrid-{name}", model_dir, prompts)
     return name, ARMS[name], seq
 
 
@@ -133,15 +110,11 @@ def test_startup_log_and_metrics_name_the_host_format(arm, model_dir):
         assert "keys per channel over 64-token pages" in log
 
 
-def test_repeated_long_prompt_is_a_device_hit(arm):
+def test_device_hit_then_host_hit_with_load_back_after_l1_overflow(arm):
     _, _, seq = arm
     assert seq["first"]["meta_info"]["cached_tokens"] == 0
     assert details(seq["repeat"]).get("device", 0) >= PROMPT_TOKENS // 2
     assert details(seq["repeat"]).get("host", 0) == 0
-
-
-def test_reuse_after_l1_overflow_is_a_host_hit_with_load_back(arm):
-    _, _, seq = arm
     m2, m3 = seq["m2"], seq["m3"]
     host = host_hit_after_overflow(seq, PROMPT_TOKENS)
     name = "sglang:cached_tokens_total"
@@ -168,8 +141,7 @@ def test_encoded_reuse_agrees_with_bf16_reuse(model_dir, prompts):
 
 @full_only
 def test_fp8_e4m3_device_kv_with_int4_host_copy_stops_at_sglang_cpu_check(model_dir):
-    """Our start-up check takes int4 over FP8 device KV; SGLang's CPU pool
-    set-up then refuses FP8 KV without AMX kernels and the intel_amx backend."""
+    """Our start-up check takes it; SGLang's CPU pool set-up refuses FP8 KV."""
     flags = [*CPU_FLAGS, *hicache_flags("int4"), "--kv-cache-dtype", "fp8_e4m3"]
     result = run_cli(flags, model=model_dir)
     assert result.returncode != 0

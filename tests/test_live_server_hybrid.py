@@ -1,19 +1,6 @@
-"""A hybrid sliding-window + full-attention model on the live CPU server: a
-tiny random-weight GptOssForCausalLM (tests/support/hybrid_model.py: 4
-layers, window 128, 2 KV heads of 64). SGLang builds a full and an SWA KV
-pool, each with its own HiCache host pool (``full``, ``swa``). gpt-oss passes
-attention sinks, which torch_native does not take, so the server runs
-``--attention-backend intel_amx`` with pure-torch stand-ins of its two AMX
-attention ops (scripts/rigs/standins.py, HIQ_SGL_KERNEL_TORCH_OPS=1).
-
-Each arm (2,048-token L1): prompt A (600 tokens) cold and again (device hit),
-four more prompts overflowing L1, A again: a host hit; the full pool loads
-back A's 599 cached tokens, the SWA pool the window's last 127. BF16 host
-pages are exact copies (tokens and logprobs equal); INT8's greedy tokens
-agree up to a near-tie, logprobs within INT8_LOGPROB_TOL. ``make test`` runs
-INT8 (one start, 1-3 min); HIQ_LIVE_HYBRID_FULL=1 adds BF16.
-HIQ_LIVE_SERVER=0 skips.
-"""
+"""A tiny random gpt-oss (window 128, tests/support/hybrid_model.py) on the live
+CPU server: full and SWA KV pools, each with an encoded host pool, on intel_amx
+attention stand-ins. HIQ_LIVE_HYBRID_FULL=1 adds BF16; HIQ_LIVE_SERVER=0 skips."""
 
 from __future__ import annotations
 
@@ -25,21 +12,17 @@ from pathlib import Path
 import pytest
 
 from tests.support.hybrid_model import GPT_OSS_TINY, SLIDING_WINDOW, gpt_oss_tiny_dir
-from scripts.rigs.model import stdlib_prompts
 from scripts.rigs.prom import diff
 from scripts.rigs.server import (
     CPU_FLAGS,
     LIVE_ONLY,
     NEW_TOKENS,
     SPEC_ENV,
-    LiveServer,
     details,
     hicache_flags,
     output_logprobs,
-    run_sequence,
-    to_stderr,
 )
-from tests.support.live import assert_greedy_close, called_ops
+from tests.support.live import assert_greedy_close, called_ops, serve
 
 pytestmark = LIVE_ONLY
 FULL = os.environ.get("HIQ_LIVE_HYBRID_FULL") == "1"
@@ -64,35 +47,19 @@ ARMS = {"bf16": None} if FULL else {}
 ARMS["int8"] = "int8"
 
 
-def server_args(host_dtype: str | None) -> list[str]:
-    # intel_amx after CPU_FLAGS, so it wins: see the module docstring.
-    attention = ["--attention-backend", "intel_amx"]
-    l1 = ["--max-total-tokens", str(L1_TOKENS)]
-    return [*CPU_FLAGS, *hicache_flags(host_dtype), *attention, *l1]
-
-
 @pytest.fixture(scope="module")
-def hybrid_model() -> tuple[Path, list[list[int]]]:
-    model_dir = gpt_oss_tiny_dir()
-    return model_dir, stdlib_prompts(model_dir, PROMPTS, PROMPT_TOKENS)
+def model_dir() -> Path:
+    return gpt_oss_tiny_dir()
 
 
 @pytest.fixture(scope="module", params=list(ARMS))
-def arm(request, hybrid_model):
-    name, (model_dir, prompts) = request.param, hybrid_model
-    # SPEC_ENV: the AMX attention stand-ins and platform override, one OpenMP
-    # thread per process (scripts/rigs/server.py).
-    with LiveServer(
-        server_args(ARMS[name]),
-        name=f"live-hybrid-{name}",
-        model=model_dir,
-        env=SPEC_ENV,
-        progress=to_stderr,
-    ) as server:
-        seq = run_sequence(server, prompts)
-        seq["log"] = server.log_text()
-        seq["kernel_calls"] = server.kernel_calls()
-    server.save_replies(seq)
+def arm(request, model_dir, prompts):
+    name = request.param
+    # gpt-oss passes attention sinks, which torch_native does not take:
+    # intel_amx after CPU_FLAGS wins, SPEC_ENV brings its AMX op stand-ins.
+    flags = [*CPU_FLAGS, *hicache_flags(ARMS[name])]
+    flags += ["--attention-backend", "intel_amx", "--max-total-tokens", str(L1_TOKENS)]
+    seq = serve(flags, f"live-hybrid-{name}", model_dir, prompts, env=SPEC_ENV)
     return name, ARMS[name], seq
 
 
@@ -130,14 +97,10 @@ def test_startup_builds_hybrid_swa_pools_in_the_arm_format(arm):
     )
 
 
-def test_repeated_prompt_is_a_device_hit(arm):
+def test_device_hit_then_host_hit_with_load_back_after_l1_overflow(arm):
     _, _, seq = arm
     assert seq["first"]["meta_info"]["cached_tokens"] == 0
     assert details(seq["repeat"]) == {"device": PROMPT_TOKENS - 1, "host": 0}
-
-
-def test_reuse_after_l1_overflow_is_a_host_hit_with_load_back(arm):
-    _, _, seq = arm
     m1, m2, m3 = seq["m1"], seq["m2"], seq["m3"]
     evicted = diff(m2, m1, "sglang:evicted_tokens_total")
     assert evicted > 0, "four more prompts did not overflow L1"

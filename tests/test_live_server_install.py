@@ -1,11 +1,6 @@
-"""The live server from each way a user installs the product (opt-in,
-HIQ_LIVE_INSTALL=1, 3-6 min each): a fresh venv with the stock SGLang 0.5.23
-wheel (``--no-deps``) turned into the product by ``make wheel``'s wheel, or
-by ``scripts/overlay.py install --target`` (again after a pip
-``--force-reinstall``, and ``uninstall`` after serving), then an INT8 server
-from that venv alone. The venvs borrow torch & co. from the test venv through
-a ``.pth`` line added once pip is done.
-"""
+"""An INT8 server from each way a user installs the product into a fresh venv
+with the stock wheel: make wheel's wheel, or overlay.py install --target (and
+uninstall). Opt-in, HIQ_LIVE_INSTALL=1, 3-6 min each."""
 
 from __future__ import annotations
 
@@ -77,9 +72,8 @@ def fresh_stock_venv(root: Path) -> tuple[Path, Path]:
 
 
 def borrow_test_venv(site: Path) -> None:
-    """Torch & co. from the test venv, after the venv's own site-packages.
-    Only once pip is done there: pip would take the test venv's stock sglang
-    for the venv's own."""
+    """Torch & co. from the test venv after the venv's own (once pip is done:
+    pip would take the test venv's stock sglang for the venv's own)."""
     (site / "zz_hiq_test_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
 
 
@@ -129,7 +123,7 @@ def test_wheel_over_stock_install_serves_int8():
 
 
 def package_state(site: Path) -> dict[str, str | None]:
-    """Every path under site/sglang: a file's sha256 (bytecode: None), a folder None."""
+    """Path -> sha256 under site/sglang (bytecode and folders: None)."""
     return {
         p.relative_to(site).as_posix(): (
             hashlib.sha256(p.read_bytes()).hexdigest()

@@ -1,12 +1,6 @@
 """Every host layout / io backend pair the live CPU server runs, per format
-(opt-in, HIQ_LIVE_MATRIX=1, one start per pair): prompt A cold, two more
-prompts evicting it, A again: a host hit with the cold pass's greedy tokens.
-The stock pool's ``kernel`` io backend runs on pure-torch stand-ins of the
-kvcacheio ops (scripts/rigs/standins.py). Left out: ``page_head`` (no
-stand-in), pairs SGLang rewrites to page_first_direct + direct, and
-layer_first + direct (tests/test_live_server.py). Measured 2026-12-01: all
-six passed (page_first + kernel 18 min for two under load 20-30).
-"""
+(opt-in, HIQ_LIVE_MATRIX=1, one start each; the stock pool's kernel io backend
+on kvcacheio stand-ins): a host hit with the cold pass's greedy tokens."""
 
 from __future__ import annotations
 
@@ -25,8 +19,9 @@ pytestmark = pytest.mark.skipif(
 PROMPT_TOKENS = 1400
 NEW_TOKENS = 6
 
+# (host dtype, layout, io backend); left out: page_head (no stand-in), pairs
+# SGLang rewrites, layer_first + direct (tests/test_live_server.py).
 PAIRS = [
-    # (host dtype, layout, io backend)
     (None, "layer_first", "kernel"),
     (None, "page_first", "kernel"),
     (None, "page_first_direct", "direct"),

@@ -1,16 +1,6 @@
-"""Speculative decoding (STANDALONE, SmolLM2-135M drafting for itself) on the
-live CPU server with encoded host tiers: INT8, and with HIQ_LIVE_MATRIX=1
-also BF16 (the cross-arm reference) and INT4. The draft model gets its own
-host pool (a ``PoolName.DRAFT`` sidecar whose indices follow the target's),
-so a host hit loads back both models' KV through the format under test.
-
-Each arm (2,048-token L1): prompt A (700 tokens) cold, four more overflowing
-L1, A again (a host hit). Checked: the draft pool's format, the load-back,
-verify steps in every reply, greedy tokens against the cold pass and the
-BF16 arm's reuse, acceptance length held (printed per arm). CPU stand-ins
-(scripts/rigs/standins.py) for the AMX attention and speculative ops.
-HIQ_LIVE_SERVER=0 skips (a server start costs 1-4 min here).
-"""
+"""STANDALONE speculative decoding (SmolLM2 drafting for itself) on the live CPU
+server with encoded host tiers: the draft's own host pool in the arm's format
+loads back on a host hit. HIQ_LIVE_MATRIX=1 adds BF16 and INT4; =0 skips."""
 
 from __future__ import annotations
 
@@ -24,14 +14,11 @@ from scripts.rigs.server import (
     CPU_FLAGS,
     LIVE_ONLY,
     SPEC_ENV,
-    LiveServer,
     expected_bytes_per_token,
     hicache_flags,
-    run_sequence,
     spec_flags,
-    to_stderr,
 )
-from tests.support.live import assert_greedy_close, called_ops
+from tests.support.live import assert_greedy_close, called_ops, serve
 
 pytestmark = LIVE_ONLY
 
@@ -51,8 +38,7 @@ ENCODED_LOGPROB_TOL = 0.25
 # here), so acceptance length after it may move by up to this much.
 ACCEPT_TOL = 0.75
 
-# make test runs INT8 against its own cold pass; the BF16 reference arm (for
-# the cross-arm check) and INT4 are the release matrix, HIQ_LIVE_MATRIX=1.
+# make test runs INT8 against its own cold pass; BF16 is the cross-arm reference.
 ARMS = {"int8": "int8"}
 if os.environ.get("HIQ_LIVE_MATRIX") == "1":
     ARMS = {"bf16": None, "int8": "int8", "int4": "int4"}
@@ -78,31 +64,22 @@ _REUSE: dict[str, dict] = {}
 
 @pytest.fixture(scope="module", params=list(ARMS))
 def arm(request, model_dir, prompts):
-    name = request.param
-    host_dtype = ARMS[name]
-    server = LiveServer(
-        [
-            *CPU_FLAGS,
-            *hicache_flags(host_dtype),
-            *spec_flags(model_dir, draft_tokens=DRAFT_TOKENS),
-            "--max-total-tokens",
-            str(L1_TOKENS),
-        ],
-        name=f"live-spec-{name}",
-        model=model_dir,
+    name, host_dtype = request.param, ARMS[request.param]
+    flags = [*CPU_FLAGS, *hicache_flags(host_dtype)]
+    flags += spec_flags(model_dir, draft_tokens=DRAFT_TOKENS)
+    flags += ["--max-total-tokens", str(L1_TOKENS)]
+    seq = serve(
+        flags,
+        f"live-spec-{name}",
+        model_dir,
+        prompts,
         env=SPEC_ENV,
-        progress=to_stderr,
+        new_tokens=NEW_TOKENS,
+        repeat=False,
     )
-    with server:
-        seq = run_sequence(server, prompts, new_tokens=NEW_TOKENS, repeat=False)
-        server.save_replies(seq)
-        _REUSE[name] = seq["reuse"]
-        print_acceptance(name, seq)
-        yield name, host_dtype, server, seq
-
-
-def accept_length(reply: dict) -> float:
-    return reply["meta_info"]["spec_accept_length"]
+    _REUSE[name] = seq["reuse"]
+    print_acceptance(name, seq)
+    return name, host_dtype, seq
 
 
 def print_acceptance(name: str, seq: dict) -> None:
@@ -119,13 +96,9 @@ def print_acceptance(name: str, seq: dict) -> None:
 
 
 def test_draft_gets_a_host_pool_in_the_arm_format(arm, model_dir):
-    _, host_dtype, server, _ = arm
-    log = server.log_text()
-    pools = dict(
-        re.findall(
-            r"Allocating (kv|draft) hierarchical KV host pool: (\d+) tokens", log
-        )
-    )
+    log, host_dtype = arm[2]["log"], arm[1]
+    allocated = r"Allocating (kv|draft) hierarchical KV host pool: (\d+) tokens"
+    pools = dict(re.findall(allocated, log))
     assert set(pools) == {"kv", "draft"}, pools
     # The draft's indices follow the target's, so it holds as many tokens.
     assert pools["kv"] == pools["draft"]
@@ -142,7 +115,7 @@ def test_draft_gets_a_host_pool_in_the_arm_format(arm, model_dir):
 
 
 def test_reuse_is_a_host_hit_with_load_back(arm):
-    _, _, _, seq = arm
+    seq = arm[2]
     details = seq["reuse"]["meta_info"].get("cached_tokens_details") or {}
     host = details.get("host", 0)
     assert host >= PROMPT_TOKENS // 2, f"reuse not served from host: {details}"
@@ -154,15 +127,23 @@ def test_reuse_is_a_host_hit_with_load_back(arm):
 
 
 def test_every_reply_ran_speculative_verify(arm):
-    _, _, _, seq = arm
+    seq = arm[2]
     for reply in (seq["first"], *seq["others"], seq["reuse"]):
         meta = reply["meta_info"]
         assert meta["spec_verify_ct"] >= 1, meta
         assert 1.0 <= meta["spec_accept_length"] <= DRAFT_TOKENS, meta
 
 
+def test_acceptance_length_holds_after_load_back(arm):
+    seq = arm[2]
+    cold, reuse = (
+        seq[k]["meta_info"]["spec_accept_length"] for k in ("first", "reuse")
+    )
+    assert reuse >= cold - ACCEPT_TOL, (cold, reuse)
+
+
 def test_greedy_output_after_load_back(arm):
-    name, _, _, seq = arm
+    name, _, seq = arm
     first, reuse = seq["first"], seq["reuse"]
     assert len(reuse["output_ids"]) == NEW_TOKENS
     tol = SCHEDULE_LOGPROB_TOL + (0 if name == "bf16" else ENCODED_LOGPROB_TOL)
@@ -170,7 +151,7 @@ def test_greedy_output_after_load_back(arm):
 
 
 def test_encoded_arm_agrees_with_bf16_after_load_back(arm):
-    name, _, _, seq = arm
+    name, _, seq = arm
     if name == "bf16":
         pytest.skip("the reference arm")
     if "bf16" not in _REUSE:
@@ -181,15 +162,8 @@ def test_encoded_arm_agrees_with_bf16_after_load_back(arm):
     print(f"[spec {name}] vs bf16: {agreed} agree, worst {worst:.3f}", file=sys.stderr)
 
 
-def test_acceptance_length_holds_after_load_back(arm):
-    _, _, _, seq = arm
-    cold, reuse = accept_length(seq["first"]), accept_length(seq["reuse"])
-    assert reuse >= cold - ACCEPT_TOL, (cold, reuse)
-
-
 def test_only_speculative_stand_in_ops_ran(arm):
-    _, _, server, _ = arm
-    called = called_ops(server.kernel_calls())
+    called = called_ops(arm[2]["kernel_calls"])
     assert called <= SPEC_OPS, called - SPEC_OPS
     # Without these the run was not speculative (or not on the AMX backend).
     assert {"verify_tree_greedy_cpu", "extend_attention_cpu"} <= called, called

@@ -1,5 +1,6 @@
 """The processes tests start (live servers, the Mooncake master) die with the
-process that started them: a pytest killed mid-run leaves none behind."""
+pytest that started them, and each live server runs one OpenMP thread unless
+the caller set OMP_NUM_THREADS (spin-waiting threads slowed a shared machine)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import subprocess
 import sys
 import time
 
+import pytest
+
+from scripts.rigs.server import LiveServer, ServerStartError, run_cli
 from scripts.rigs.standins import REPO_ROOT
 
 PARENT = """
@@ -23,6 +27,10 @@ child.start()
 print(json.dumps({"child": child.proc.pid}), flush=True)
 time.sleep(600)
 """
+# A fake `python` that records the OMP_NUM_THREADS a server got.
+FAKE_PYTHON = (
+    '#!/bin/sh\necho "${OMP_NUM_THREADS-unset}" > "$HIQ_THREADS_OUT"\nexit 3\n'
+)
 
 
 def _alive(pid: int) -> bool:
@@ -52,3 +60,43 @@ def test_a_started_server_dies_with_its_killed_parent(tmp_path):
     finally:
         if _alive(child):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.fixture
+def fake_python(tmp_path, monkeypatch):
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    monkeypatch.setenv("HIQ_THREADS_OUT", str(tmp_path / "threads"))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    return python
+
+
+def server_threads(tmp_path, fake_python, env=None) -> str:
+    server = LiveServer(
+        [],
+        name="threads",
+        model=tmp_path,
+        python=str(fake_python),
+        env=env,
+        log_dir=tmp_path / "log",
+        startup_timeout=30,
+        progress=None,
+    )
+    with pytest.raises(ServerStartError, match="exited with 3"):
+        server.start()
+    return (tmp_path / "threads").read_text().strip()
+
+
+def test_live_server_and_cli_get_one_thread_by_default(tmp_path, fake_python):
+    assert server_threads(tmp_path, fake_python) == "1"
+    result = run_cli([], model=tmp_path, python=str(fake_python), timeout=30)
+    assert result.returncode == 3
+    assert (tmp_path / "threads").read_text().strip() == "1"
+
+
+def test_the_callers_thread_count_wins(tmp_path, fake_python, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert server_threads(tmp_path, fake_python) == "2"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert server_threads(tmp_path, fake_python, {"OMP_NUM_THREADS": "3"}) == "3"

@@ -1,12 +1,11 @@
-"""Fault injection into the L3 objects of encoded host pages (SGLang's `file`
-backend, MooncakeStore over a real master, HiCacheNixl's POSIX FILE objects):
-faults aim at payload, scales, metadata or seal, and are undone afterwards."""
+"""Fault injection into the stored L3 objects of encoded host pages (`file`,
+MooncakeStore, HiCacheNixl's POSIX files), aimed at payload, scales, metadata
+or seal, and undone afterwards."""
 
 from __future__ import annotations
 
 import random
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,26 +22,21 @@ FORMATS = {
     "int8": (GEO16, "int8", "k8v4"),
     "int4": (GEO16, "int4", "int8"),
     "k8v4": (GEO16, "k8v4", "int4"),
-    # int8c's keys are int8-sized records under another layout: int8's pages
-    # must miss on its tag, not decode as channel-scaled keys.
+    # Same-sized records, other meaning: the planted pages must miss on the tag.
     "int8c": (GEO16, "int8c", "int8"),
-    # int4c's keys and values are int4-sized codes under other metadata: int4's
-    # pages must miss on its tag, not decode as sub-ranged keys.
     "int4c": (GEO16, "int4c", "int4"),
-    # The rotated formats store their base format's records: its pages are
-    # the same bytes, rotated otherwise, under the same key.
+    # The rotated formats store their base format's records, rotated otherwise.
     "int4r": (GEO16, "int4r", "int4"),
     "k8v4r": (GEO16, "k8v4r", "k8v4"),
     "mla-int8": (GEO_MLA, "int8", "auto"),
 }
-# The refusal reasons each fault may produce (a seal byte's field decides).
-ANY_SEAL_FIELD = {"seal", "tag", "key", "size", "checksum"}
-# The reasons the seal gives on every backend; the size faults differ by backend.
+# The reasons the seal gives on every backend (a flipped seal byte's field
+# decides which); the size faults differ by backend.
 SEAL_REFUSALS = {
     "flip_payload": {"checksum"},
     "flip_scales": {"checksum"},
     "flip_metadata": {"checksum"},
-    "flip_seal": ANY_SEAL_FIELD,
+    "flip_seal": {"seal", "tag", "key", "size", "checksum"},
     "zero": {"seal"},
     "swap_pages": {"key"},
     "delete": {"missing"},
@@ -56,26 +50,19 @@ NIXL_CONFIG = {
 }
 
 
-def nixl_unavailable_reason() -> str | None:
-    try:
-        from nixl._api import nixl_agent  # noqa: F401
-    except Exception as e:  # ImportError, or a shared library it cannot load
-        return (
-            f"nixl does not import ({type(e).__name__}: {e}); install "
-            "requirements/l3-nixl.txt with pip --no-deps"
-        )
-    return None
-
-
 def storage_config(request, tmp_path, backend: str) -> dict:
     """The extra config of `backend` for this test: a module's short-lease
     master, a NIXL FILE directory (read at construction) or a file folder."""
     if backend == "mooncake":
         return request.getfixturevalue("short_lease_master").storage_config()
     if backend == "nixl":
-        reason = nixl_unavailable_reason()
-        if reason is not None:
-            pytest.skip(reason)
+        try:
+            from nixl._api import nixl_agent  # noqa: F401
+        except Exception as e:  # ImportError, or a shared library it cannot load
+            pytest.skip(
+                f"nixl does not import ({type(e).__name__}: {e}); install "
+                "requirements/l3-nixl.txt with pip --no-deps"
+            )
         monkeypatch = request.getfixturevalue("monkeypatch")
         monkeypatch.setenv("SGLANG_HICACHE_NIXL_BACKEND_STORAGE_DIR", str(tmp_path))
         return NIXL_CONFIG
@@ -85,40 +72,23 @@ def storage_config(request, tmp_path, backend: str) -> dict:
 def make_l3(request, tmp_path, backend: str, **kwargs):
     """make_l3_rig on `backend` under this test's model name, closed at teardown."""
     kwargs.setdefault("model_name", f"hiq/{request.node.name}")
-    config = storage_config(request, tmp_path, backend)
-    l3 = h.make_l3_rig(backend, config, **kwargs)
+    l3 = h.make_l3_rig(backend, storage_config(request, tmp_path, backend), **kwargs)
     request.getfixturevalue("l3_rigs").append(l3)
     return l3
 
 
-# What a record's bytes are, for aiming byte flips.
-PAYLOAD, SCALES, METADATA, SEAL = "payload", "scales", "metadata", "seal"
-
-
 def region_of(record_name: str) -> str:
+    """What a record's bytes are, for aiming byte flips."""
     if "scale" in record_name:
-        return SCALES
+        return "scales"
     if "meta" in record_name or record_name == "rope":
-        return METADATA
-    return PAYLOAD
+        return "metadata"
+    return "payload"
 
 
-@dataclass
-class ObjectLayout:
-    """Byte ranges of one storage object: [(region, start, end)]."""
-
-    ranges: list[tuple[str, int, int]]
-
-    @property
-    def nbytes(self) -> int:
-        return self.ranges[-1][2]
-
-    def spans(self, region: str) -> list[tuple[int, int]]:
-        return [(a, b) for r, a, b in self.ranges if r == region]
-
-
-def object_layouts(pool, zero_copy: bool) -> list[ObjectLayout]:
-    """Each storage object of one page: the flat page, or the zero-copy objects."""
+def object_layouts(pool, zero_copy: bool) -> list[list[tuple[str, int, int]]]:
+    """[(region, start, end)] of each storage object of one page: the flat page,
+    or the zero-copy objects; the seal last."""
     layouts = []
     if zero_copy:
         objects = pool.pages.objects
@@ -134,31 +104,36 @@ def object_layouts(pool, zero_copy: bool) -> list[ObjectLayout]:
         for name, _, size in pieces:
             ranges.append((region_of(name), at, at + size))
             at += size
-        ranges.append((SEAL, at, at + SEAL_BYTES))
-        layouts.append(ObjectLayout(ranges))
+        layouts.append([*ranges, ("seal", at, at + SEAL_BYTES)])
     return layouts
 
 
 class FileObjects:
-    """The `file` backend: one object (file) per page."""
-
-    zero_copy = False
+    """The `file` backend (one file per page) and HiCacheNixl's FILE objects
+    (_k/_v files, MLA: _k, or one flat page file in copy mode)."""
 
     def __init__(self, l3):
-        self.backend = l3.backend
-        self.dir = Path(self.backend.file_path)
+        self.backend = b = l3.backend
+        self.nixl = b.__class__.__name__ == "HiCacheNixl"
+        self.zero_copy = self.nixl and b.is_zero_copy
+        mla = self.zero_copy and b.is_mla_model
+        self._parts = (["k"] if mla else ["k", "v"]) if self.zero_copy else [""]
 
     def parts(self) -> list[str]:
-        return [""]
+        return self._parts
 
-    def path(self, page_hash: str) -> Path:
-        return self.dir / f"{self.backend._get_suffixed_key(page_hash)}.bin"
+    def path(self, page_hash: str, part: str) -> Path:
+        key = self.backend._get_suffixed_key(page_hash)
+        if not self.nixl:
+            return Path(self.backend.file_path) / f"{key}.bin"
+        key += f"_{part}" if part else ""
+        return Path(self.backend.file_manager.get_file_path(key))
 
     def read(self, page_hash: str, part: str) -> bytes:
-        return self.path(page_hash).read_bytes()
+        return self.path(page_hash, part).read_bytes()
 
     def write(self, page_hash: str, part: str, data: bytes | None) -> None:
-        path = self.path(page_hash)
+        path = self.path(page_hash, part)
         if data is None:
             path.unlink()
         else:
@@ -199,54 +174,14 @@ class MooncakeObjects:
                 raise AssertionError(f"put {key} returned {rc}")
 
 
-class NixlObjects:
-    """HiCacheNixl's FILE objects: _k/_v files (MLA: _k), or one flat page file."""
-
-    def __init__(self, l3):
-        self.backend = l3.backend
-        self.zero_copy = self.backend.is_zero_copy
-        mla = self.backend.is_mla_model
-        self._parts = (["k"] if mla else ["k", "v"]) if self.zero_copy else [""]
-
-    def parts(self) -> list[str]:
-        return self._parts
-
-    def path(self, page_hash: str, part: str) -> Path:
-        key = self.backend._get_suffixed_key(page_hash) + (f"_{part}" if part else "")
-        return Path(self.backend.file_manager.get_file_path(key))
-
-    def read(self, page_hash: str, part: str) -> bytes:
-        return self.path(page_hash, part).read_bytes()
-
-    def write(self, page_hash: str, part: str, data: bytes | None) -> None:
-        path = self.path(page_hash, part)
-        if data is None:
-            path.unlink()
-        else:
-            path.write_bytes(data)
-
-
 def objects_for(l3):
-    kind = {"MooncakeStore": MooncakeObjects, "HiCacheNixl": NixlObjects}
-    return kind.get(l3.backend.__class__.__name__, FileObjects)(l3)
+    mooncake = l3.backend.__class__.__name__ == "MooncakeStore"
+    return (MooncakeObjects if mooncake else FileObjects)(l3)
 
 
-# ---------------------------------------------------------------------------
-# faults: each returns {(page_hash, part): new bytes or None} to write
-
-
-FAULT_KINDS = (
-    "flip_payload",
-    "flip_scales",
-    "flip_metadata",
-    "flip_seal",
-    "truncate",
-    "extend",
-    "zero",
-    "swap_pages",
-    "swap_parts",
-    "foreign",
-)
+FLIPS = ("flip_payload", "flip_scales", "flip_metadata", "flip_seal")
+SIZES = ("truncate", "extend")
+FAULT_KINDS = (*FLIPS, *SIZES, "zero", "swap_pages", "swap_parts", "foreign")
 
 
 def _flip(data: bytes, spans, rng: random.Random) -> bytes:
@@ -257,24 +192,17 @@ def _flip(data: bytes, spans, rng: random.Random) -> bytes:
     return bytes(out)
 
 
-def make_fault(
-    kind: str,
-    rng: random.Random,
-    objects,
-    layouts: list[ObjectLayout],
-    hashes: list[str],
-    page: int,
-    foreign=None,
-):
-    """The writes putting fault `kind` into page `page` (None: not applicable);
-    `foreign` reads another format's objects of the same page hash."""
+def make_fault(kind, rng, objects, layouts, hashes, page, foreign=None):
+    """The writes {(page_hash, part): bytes or None} putting fault `kind` into
+    page `page` (None: not applicable); `foreign` reads another format's objects."""
     parts = objects.parts()
     pi = rng.randrange(len(parts))
     part, layout = parts[pi], layouts[pi]
     h = hashes[page]
     data = objects.read(h, part)
     if kind.startswith("flip_"):
-        spans = layout.spans(kind.removeprefix("flip_"))
+        region = kind.removeprefix("flip_")
+        spans = [(a, b) for r, a, b in layout if r == region]
         if not spans:
             return None
         return {(h, part): _flip(data, spans, rng)}
@@ -309,11 +237,6 @@ def faulted(objects, writes: dict, also_restore=()):
     finally:
         for (hh, part), data in undo.items():
             objects.write(hh, part, data)
-
-
-def prefetch_all(l3, tokens, before_io=None):
-    """(tokens hit, tokens delivered, the whole host allocation), a miss included."""
-    return h.prefetch_to_host(l3, tokens, before_io=before_io, stop_on_miss=False)
 
 
 def reference_restore(pool, written: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,8 +1,27 @@
-"""Checks shared by the live-server tests (tests/test_live_server*.py)."""
+"""The server run and checks the live-server tests share (test_live_server*.py)."""
 
 from __future__ import annotations
 
-from scripts.rigs.server import agreeing_prefix, output_logprobs
+from scripts.rigs.server import (
+    LiveServer,
+    agreeing_prefix,
+    output_logprobs,
+    run_sequence,
+    to_stderr,
+)
+
+
+def serve(flags, name, model, prompts, *, env=None, via="launch_server", **seq):
+    """run_sequence on a fresh server (keyword args go to it), replies saved
+    beside its log; the sequence plus the log and the stand-in's events."""
+    server = LiveServer(
+        flags, name=name, via=via, model=model, env=env, progress=to_stderr
+    )
+    with server:
+        out = run_sequence(server, prompts, **seq)
+        out["log"], out["kernel_calls"] = server.log_text(), server.kernel_calls()
+    server.save_replies(out)
+    return out
 
 
 def assert_greedy_close(ref: dict, other: dict, min_agreed: int, tol: float):

@@ -1,6 +1,6 @@
-"""SGLang's own metrics collectors in-process (built as a server builds them),
-their exposition parsed with prometheus_client, and a HiCache rig whose real
-transfers and reporter feed them (TierRig)."""
+"""SGLang's metrics collectors built in-process as a server builds them, their
+exposition parsed (Scrape), and a HiCache rig whose real transfers and
+reporter feed them (TierRig)."""
 
 from __future__ import annotations
 
@@ -123,8 +123,7 @@ class TierRig:
         self.written = []  # per layer: K rows, V rows (device dtype)
 
     def backup(self, n: int, nan_rows: int = 0) -> torch.Tensor:
-        """n new tokens (the first nan_rows K rows hold a NaN) written through
-        to the host; returns the host indices."""
+        """Host indices of n new tokens (the first nan_rows K rows hold a NaN)."""
         geo, ctl, device_pool = self.geo, self.rig.controller, self.rig.device_pool
         device_indices = self.rig.allocator.alloc(n)
         batch = []
