@@ -38,7 +38,6 @@ import ast
 import contextlib
 import inspect
 import io
-import itertools
 import os
 import re
 import resource
@@ -99,8 +98,8 @@ class TargetOnlyDriver:
     cache per target. Anything that would touch a GPU (loading a cubin,
     launching) is not provided and fails loudly if reached."""
 
-    def __init__(self, arch: int, run: int = 0):
-        self.arch, self.run = arch, run
+    def __init__(self, arch: int):
+        self.arch = arch
 
     def is_active(self) -> bool:
         return True
@@ -109,8 +108,7 @@ class TargetOnlyDriver:
         return GPUTarget("cuda", self.arch, 32)
 
     def get_current_device(self) -> str:
-        # One kernel cache per compile run: a worker compiles several grids.
-        return f"compile-only-sm_{self.arch}-{self.run}"
+        return f"compile-only-sm_{self.arch}"
 
     def get_current_stream(self, device=None) -> int:
         return 0
@@ -277,9 +275,6 @@ def _compile(launch: _Launch, arch: int) -> CompiledSpec:
     )
 
 
-_RUN_IDS = itertools.count()
-
-
 def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
     """Run drive() with every Triton launch recorded instead of run, then
     compile each distinct specialisation it launched for each sm_<arch>
@@ -295,7 +290,7 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
             "started with TRITON_INTERPRET=0 (compile_grid_in_workers)"
         )
     launches, counter = {}, [0]
-    runs, run_id = {}, next(_RUN_IDS)
+    runs = {}
     previous_driver = driver._active
     with knobs.cache.scope(), knobs.compilation.scope(), knobs.nvidia.scope():
         knobs.cache.dir = str(cache_dir)
@@ -303,7 +298,7 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
         knobs.compilation.always_compile = True
         knobs.nvidia.dump_ptxas_log = True
         try:
-            driver.set_active(TargetOnlyDriver(archs[0], run_id))
+            driver.set_active(TargetOnlyDriver(archs[0]))
             with pytest.MonkeyPatch.context() as recording:
                 recording.setattr(
                     JITFunction,
@@ -312,7 +307,7 @@ def compile_for_targets(drive, archs, cache_dir) -> dict[int, CompileRun]:
                 )
                 drive()
             for arch in archs:
-                driver.set_active(TargetOnlyDriver(arch, run_id))
+                driver.set_active(TargetOnlyDriver(arch))
                 run = runs[arch] = CompileRun(arch, launches=counter[0])
                 start, cpu_start = time.perf_counter(), _cpu_seconds()
                 for launch in launches.values():
@@ -474,11 +469,9 @@ def pool_grid() -> list[PoolCase]:
     from scripts.rigs.hicache_harness import KERNEL_POOL_CASES as POOL_CASES
     from scripts.rigs.hicache_harness import LAYOUTS
 
-    # The odd-head geometry at page 1 and 16 is driven once, with every kind.
     cases = [
         PoolCase(layout, page_size, geometry, dtype, access)
         for layout, page_size, geometry in POOL_CASES
-        if (page_size, geometry) not in ((1, (3, 64, 64)), (16, (3, 64, 64)))
         for dtype in DTYPES
         for access in HOST_ACCESS
     ]
@@ -552,18 +545,16 @@ def mla_grid() -> list[MLACase]:
     """DeepSeek geometry: every layout, page size 1/16/64, both device dtypes
     and both host-access modes; every device index kind at page 16; a smaller
     latent; host records past 2**31 elements (direct access)."""
-    index_kinds = ("page_first", "layer_first")  # at page 16, direct: every kind
     cases = [
         MLACase(layout, page_size, dtype, access)
         for layout in ("page_first", "page_first_direct", "layer_first")
         for page_size in (1, 16, 64)
         for dtype in DTYPES
         for access in HOST_ACCESS
-        if (page_size, access) != (16, "direct") or layout not in index_kinds
     ]
     cases += [
         MLACase(layout, 16, dtype, "direct", DEVICE_INDEX_KINDS)
-        for layout in index_kinds
+        for layout in ("page_first", "layer_first")
         for dtype in DTYPES
     ]
     cases += [MLACase("page_first", 16, torch.bfloat16, "direct", kv_lora_rank=256)]
@@ -957,9 +948,9 @@ def summary(run: CompileRun, with_ptx: bool = False) -> dict:
 
 
 def _worker_main(argv: list[str]) -> None:
-    """python -m scripts.kernel_compile --worker OUT_ROOT GRID[+MUTATION]@ARCH...:
-    compile each grid (a GRIDS key; with one kernel broken, a MUTATIONS name,
-    only alone) for its targets, writing OUT_ROOT/<grid>/sm_<arch>.json."""
+    """python -m scripts.kernel_compile --worker OUT_DIR GRID[+MUTATION] ARCH...:
+    compile the grid (a GRIDS key), with one kernel broken (a MUTATIONS name)
+    if given, for each target, writing OUT_DIR/sm_<arch>.json."""
     import json
     import tempfile
 
@@ -967,21 +958,14 @@ def _worker_main(argv: list[str]) -> None:
 
     install_cpu_standins()  # before sglang is imported
 
-    out_root, tasks = Path(argv[0]), [t.partition("@") for t in argv[1:]]
-    grids = list(dict.fromkeys(grid for grid, _, _ in tasks))
-    mutation = grids[0].partition("+")[2]
+    out, (grid, _, mutation), archs = Path(argv[0]), argv[1].partition("+"), argv[2:]
     if mutation:
-        assert len(grids) == 1, "a broken kernel is compiled in its own worker"
-        _mutate(mutation, out_root / grids[0])
-    for grid in grids:
-        archs = [int(arch) for g, _, arch in tasks if g == grid]
-        with tempfile.TemporaryDirectory() as cache_dir:
-            drive = GRIDS[grid.partition("+")[0]]
-            runs = compile_for_targets(drive, archs, cache_dir)
-        for arch, run in runs.items():
-            with_ptx = grid.partition("+")[0] in PTX_GRIDS
-            summary_json = json.dumps(summary(run, with_ptx=with_ptx))
-            (out_root / grid / f"sm_{arch}.json").write_text(summary_json)
+        _mutate(mutation, out)
+    with tempfile.TemporaryDirectory() as cache_dir:
+        runs = compile_for_targets(GRIDS[grid], [int(a) for a in archs], cache_dir)
+    for arch, run in runs.items():
+        summary_json = json.dumps(summary(run, with_ptx=grid in PTX_GRIDS))
+        (out / f"sm_{arch}.json").write_text(summary_json)
 
 
 def compile_grid_in_workers(
@@ -989,65 +973,58 @@ def compile_grid_in_workers(
 ) -> dict[int, dict]:
     """Compile a grid (GRIDS: "int8" the MHA pool's, "mla" the MLA kernels',
     "int4" the INT4/K8V4 kernels'; "GRID+MUTATION" with a kernel broken) for
-    each target, in up to `jobs` processes: compile_grids_in_workers."""
-    return compile_grids_in_workers([grid], archs, out_dir, jobs)[grid]
-
-
-# Distinct specialisations per target (sm_86), to start the largest grids first.
-GRID_COST = {"int8": 172, "mla": 40, "int4c": 37, "int4": 34, "int4-rot": 32}
-GRID_COST |= {"int8c": 28, "int4-fp8": 18}
-
-
-def compile_grids_in_workers(
-    grids, archs, out_root, jobs: int
-) -> dict[str, dict[int, dict]]:
-    """Compile each grid for each target in at most `jobs` worker processes
-    side by side (Triton compiles one kernel at a time per process), largest
-    grids first, one process importing SGLang for several grids; a grid with
-    a broken kernel gets a process of its own. The workers build the kernels
-    in compiled mode (TRITON_INTERPRET=0)."""
+    each target in `jobs` parallel processes (Triton compiles one kernel at a
+    time per process); each drives the grid once. The workers build the
+    kernels in compiled mode (TRITON_INTERPRET=0)."""
     import json
     import subprocess
 
-    work = sorted(
-        ((grid, arch) for grid in grids for arch in archs),
-        key=lambda task: -GRID_COST.get(task[0], 1),
-    )
-    groups = [[task] for task in work if "+" in task[0]]
-    bins = [[] for _ in range(max(1, min(jobs, len(work) - len(groups))))]
-    for task in (task for task in work if "+" not in task[0]):
-        min(bins, key=lambda b: sum(GRID_COST.get(g, 1) for g, _ in b)).append(task)
-    groups += [b for b in bins if b]
-    for grid in grids:
-        Path(out_root, grid).mkdir(parents=True, exist_ok=True)
-
-    def run(group):
-        proc = subprocess.run(
-            [sys.executable, "-m", "scripts.kernel_compile", "--worker", str(out_root)]
-            + [f"{grid}@{arch}" for grid, arch in group],
+    groups = [list(archs[i::jobs]) for i in range(jobs) if archs[i::jobs]]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "scripts.kernel_compile", "--worker"]
+            + [str(out_dir), grid, *(str(arch) for arch in group)],
             cwd=Path(__file__).resolve().parents[1],
             env={**os.environ, "TRITON_INTERPRET": "0"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
+        for group in groups
+    ]
+    logs = [p.communicate()[0] for p in procs]
+    results = {}
+    for group, proc, log in zip(groups, procs, logs):
         if proc.returncode:
             raise AssertionError(
-                f"compile worker for {group} failed ({proc.returncode}):\n"
-                + proc.stdout[-6000:]
+                f"compile worker for sm_{group} failed ({proc.returncode}):\n"
+                + log[-6000:]
             )
+        for arch in group:
+            results[arch] = json.loads(Path(out_dir, f"sm_{arch}.json").read_text())
+    return results
 
+
+def compile_grids_in_workers(
+    grids, archs, out_root, jobs: int
+) -> dict[str, dict[int, dict]]:
+    """compile_grid_in_workers for several grids at once: one worker process
+    per grid and target, at most `jobs` running (one compiles on one core)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    def one(grid_arch):
+        grid, arch = grid_arch
+        out = Path(out_root, grid)
+        out.mkdir(parents=True, exist_ok=True)
+        return compile_grid_in_workers((arch,), out, 1, grid=grid)[arch]
+
+    work = [(grid, arch) for grid in grids for arch in archs]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        list(pool.map(run, groups))
-    return {
-        grid: {
-            arch: json.loads(Path(out_root, grid, f"sm_{arch}.json").read_text())
-            for arch in archs
-        }
-        for grid in grids
-    }
+        runs = list(pool.map(one, work))
+    results: dict[str, dict[int, dict]] = {grid: {} for grid in grids}
+    for (grid, arch), run in zip(work, runs):
+        results[grid][arch] = run
+    return results
 
 
 # --- the tool -----------------------------------------------------------------
