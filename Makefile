@@ -36,7 +36,7 @@ help:
 	@echo "make demo-l3        ~5 min  [venv] + libibverbs1 librdmacm1 libnuma1 (sudo bash scripts/debian_deps.sh install): INT8 vs BF16 pages in a real Mooncake L3 store (CPU)"
 	@echo "make apply          3 s: build/sglang = pinned SGLang + sglang_overlay/ + patches/ (network once: the pinned SGLang wheel)"
 	@echo "make test-fast      ~2 min  [venv] the inner loop: codecs, kernels (interpreted) and conformance at one head geometry, start-up refusals"
-	@echo "make test           ~25 min [venv] + the Debian deps (scripts/debian_deps.sh install; without them those tests skip) + ../shared/data/wikitext-2: apply + pytest"
+	@echo "make test           ~21 min [venv] + the Debian deps (scripts/debian_deps.sh install; without them those tests skip) + ../shared/data/wikitext-2: apply + pytest"
 	@echo "make check-patches  seconds: series/patches agree and every patch applies to the pin"
 	@echo "make refresh        seconds: regenerate patches/ + sglang_overlay/ from build/sglang [MSG=subject]"
 	@echo "make wheel          ~1 min: patched wheels sglang-0.5.23+hiq.N into dist/: cp312 (the image) and the host's (network once: the wheel tool)"
